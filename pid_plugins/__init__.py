@@ -1,0 +1,22 @@
+"""pid-plugins: PID-controlled attention (PIDformer, ICML 2024) for timm, transformers, mmseg and fairseq.
+
+``import pid_plugins`` needs only torch. Each zoo adapter (``pid_plugins.timm``, ``pid_plugins.hf``, ...)
+imports its zoo lazily and registers the PID variants declared in the registry.
+"""
+from .catalogue import ModelEntry, get_model_entry, list_models
+from .core import (
+    PIDConfig,
+    PIDGains,
+    PIDSelfAttention,
+    PIDState,
+    expand_heads,
+    pid_update,
+    sdpa_with_pid,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PIDConfig", "PIDState", "PIDGains", "pid_update", "expand_heads", "PIDSelfAttention", "sdpa_with_pid",
+    "ModelEntry", "list_models", "get_model_entry", "__version__",
+]

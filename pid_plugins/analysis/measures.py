@@ -1,0 +1,50 @@
+"""Per-layer measures of representation collapse, on token matrices of shape ``(..., N, D)``.
+
+Leading dimensions are batch-like: every function returns one value per leading index (a tensor of the
+leading shape), so a batch of sequences gives a batch of measures.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["mean_pairwise_cosine", "numerical_rank", "consensus_distance", "attention_sparsity"]
+
+
+def _at_least_float32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def mean_pairwise_cosine(tokens: Tensor, eps: float = 1e-12) -> Tensor:
+    """Mean cosine similarity over all pairs i != j of the N tokens (PIDformer, Appendix A.6)."""
+    n = tokens.shape[-2]
+    if n < 2:
+        raise ValueError("mean_pairwise_cosine needs at least two tokens")
+    x = _at_least_float32(tokens)
+    x = x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+    sim = x @ x.transpose(-1, -2)
+    off_diag = sim.sum(dim=(-1, -2)) - sim.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return off_diag / (n * (n - 1))
+
+
+def numerical_rank(tokens: Tensor, rtol: float = 1e-3) -> Tensor:
+    """Number of singular values above ``rtol`` times the largest (a numerically robust rank)."""
+    s = torch.linalg.svdvals(tokens.double())
+    return (s > rtol * s[..., :1]).sum(-1)
+
+
+def consensus_distance(tokens: Tensor, eps: float = 1e-12) -> Tensor:
+    """E = 1 - (1/N) sum_i |y_1 . y_i| / (|y_1| |y_i|): 0 when every token is aligned with the first.
+
+    From Rodriguez Abella et al., "The asymptotic behavior of attention in transformers", eq. 25.
+    """
+    x = _at_least_float32(tokens)
+    x = x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+    cos_first = (x[..., :1, :] * x).sum(-1).abs()
+    return 1.0 - cos_first.mean(-1)
+
+
+def attention_sparsity(attn: Tensor) -> Tensor:
+    """S(a) = E|a| / sqrt(E a^2) per attention row (last dim); smaller means more concentrated."""
+    a = _at_least_float32(attn)
+    return a.abs().mean(-1) / a.pow(2).mean(-1).sqrt().clamp_min(1e-30)

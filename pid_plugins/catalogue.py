@@ -1,0 +1,125 @@
+"""Reads the registry (``pid_plugins.registry``: presets and one TOML file of variants per zoo).
+
+Every adapter registers its PID model names from here, so a variant is declared exactly once.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Iterable, Optional
+
+from .core.config import PIDConfig
+
+__all__ = ["ModelEntry", "load_presets", "load_catalogue", "list_models", "get_model_entry", "ZOOS"]
+
+ZOOS = ("timm", "hf", "mmseg", "fairseq")
+_PRESET_KEYS = {"lambda_p", "lambda_i", "lambda_d", "beta"}
+_ENTRY_KEYS = {"name", "base", "preset", "gains", "description", "paper", "kwargs"}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One PID variant: its name, the zoo it lives in, the stock architecture it modifies, its gains."""
+
+    name: str
+    zoo: str
+    base: str
+    preset: str
+    gains: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    paper: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def pid_config(self) -> PIDConfig:
+        """The variant's gains: its preset with the entry's overrides."""
+        return PIDConfig.preset(self.preset, **self.gains)
+
+
+def _registry_files() -> Iterable[tuple[str, str]]:
+    root = resources.files("pid_plugins.registry")
+    for item in sorted(root.iterdir(), key=lambda p: p.name):
+        if item.name.endswith(".toml"):
+            yield item.name, item.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=None)
+def load_presets() -> dict[str, dict[str, float]]:
+    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml``."""
+    text = resources.files("pid_plugins.registry").joinpath("presets.toml").read_text(encoding="utf-8")
+    raw = tomllib.loads(text)
+    presets = {}
+    for name, table in raw.items():
+        gains = {k: v for k, v in table.items() if k in _PRESET_KEYS}
+        missing = _PRESET_KEYS - set(gains)
+        if missing:
+            raise ValueError(f"registry/presets.toml: preset {name!r} lacks {sorted(missing)}")
+        PIDConfig(**gains)  # validates
+        presets[name] = gains
+    return presets
+
+
+def parse_catalogue(files: Iterable[tuple[str, str]]) -> dict[str, ModelEntry]:
+    """Parse catalogue files ``(file name, TOML text)``; each file is ``<zoo>.toml`` with ``[[model]]`` tables."""
+    entries: dict[str, ModelEntry] = {}
+    presets = load_presets()
+    for file_name, text in files:
+        if file_name == "presets.toml":
+            continue
+        zoo = file_name.removesuffix(".toml")
+        if zoo not in ZOOS:
+            raise ValueError(f"registry/{file_name}: unknown zoo {zoo!r}; catalogue files are {list(ZOOS)}")
+        raw = tomllib.loads(text)
+        extra = set(raw) - {"model"}
+        if extra:
+            raise ValueError(f"registry/{file_name}: unexpected top-level keys {sorted(extra)}; use [[model]]")
+        for table in raw.get("model", []):
+            unknown = set(table) - _ENTRY_KEYS
+            if unknown:
+                raise ValueError(
+                    f"registry/{file_name}: model {table.get('name')!r} has unknown keys {sorted(unknown)}; "
+                    f"allowed: {sorted(_ENTRY_KEYS)}"
+                )
+            for key in ("name", "base", "preset"):
+                if key not in table:
+                    raise ValueError(f"registry/{file_name}: a model entry lacks {key!r}: {table}")
+            if table["preset"] not in presets:
+                raise ValueError(
+                    f"registry/{file_name}: model {table['name']!r} uses unknown preset {table['preset']!r}; "
+                    f"choose one of {sorted(presets)}"
+                )
+            entry = ModelEntry(zoo=zoo, **table)
+            entry.pid_config()  # validates the gains
+            if entry.name in entries:
+                raise ValueError(f"registry/{file_name}: model {entry.name!r} is declared twice")
+            entries[entry.name] = entry
+    return entries
+
+
+@functools.lru_cache(maxsize=None)
+def load_catalogue() -> dict[str, ModelEntry]:
+    """Every PID variant declared in the registry, by name."""
+    return parse_catalogue(_registry_files())
+
+
+def list_models(pattern: str = "*", zoo: Optional[str] = None) -> list[str]:
+    """Names of the PID variants across zoos, sorted; filter by a glob ``pattern`` and/or ``zoo``."""
+    if zoo is not None and zoo not in ZOOS:
+        raise ValueError(f"unknown zoo {zoo!r}; choose one of {list(ZOOS)}")
+    return sorted(
+        name for name, e in load_catalogue().items()
+        if fnmatch.fnmatch(name, pattern) and (zoo is None or e.zoo == zoo)
+    )
+
+
+def get_model_entry(name: str) -> ModelEntry:
+    """The catalogue entry for ``name``; an unknown name raises ``ValueError`` with close matches."""
+    catalogue = load_catalogue()
+    if name not in catalogue:
+        close = difflib.get_close_matches(name, list(catalogue), n=3)
+        hint = f"; did you mean {close}?" if close else "; `pid-plugins list` shows every name"
+        raise ValueError(f"unknown PID model {name!r}{hint}")
+    return catalogue[name]

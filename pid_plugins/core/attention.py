@@ -1,0 +1,108 @@
+"""A multi-head self-attention module on ``F.scaled_dot_product_attention`` with the PID update.
+
+Adapters reuse it (its parameter names follow timm's ``Attention``: ``qkv``, ``q_norm``, ``k_norm``,
+``norm``, ``proj``) or call :func:`sdpa_with_pid` directly from their own attention code.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import PIDConfig
+from .control import PIDState, pid_update
+from .gains import PIDGains, layer_gains
+
+__all__ = ["PIDSelfAttention", "sdpa_with_pid"]
+
+
+def sdpa_with_pid(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Optional[PIDState],
+    gains,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> tuple[Tensor, PIDState]:
+    """SDPA followed by :func:`pid_update`; q/k/v are ``(B, H, N, D)`` (k/v may have fewer heads).
+
+    With a KV cache (``k``/``v`` longer than ``q``) the PID term uses the last ``q.shape[-2]`` value rows,
+    i.e. the values of the query positions.
+    """
+    enable_gqa = k.shape[-3] != q.shape[-3]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        **({"enable_gqa": True} if enable_gqa else {}),
+    )
+    q_len = q.shape[-2]
+    v_q = v if v.shape[-2] == q_len else v[..., -q_len:, :]
+    return pid_update(out, v_q, state, gains)
+
+
+class PIDSelfAttention(nn.Module):
+    """Multi-head self-attention, softmax (``pid=None``) or PID-controlled.
+
+    ``forward(x, state)`` returns ``(y, new_state)``; pass ``new_state`` to the next PID layer of the
+    group and ``None`` to the first. With ``pid=None`` the module is plain softmax attention and the
+    state passes through unchanged.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        proj_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: type[nn.Module] = nn.LayerNorm,
+        pid: Optional[PIDConfig] = None,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads != 0:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.pid = pid
+        self.pid_gains = PIDGains(pid) if pid is not None and pid.learnable else None
+
+    def forward(
+        self,
+        x: Tensor,
+        state: Optional[PIDState] = None,
+        attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Optional[PIDState]]:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if self.pid is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale
+            )
+        else:
+            out, state = sdpa_with_pid(
+                q, k, v, state, layer_gains(self.pid, self.pid_gains),
+                attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
+            )
+        out = out.transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(out)), state
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, pid={self.pid}"

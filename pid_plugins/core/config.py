@@ -1,0 +1,146 @@
+"""PID gains: the four numbers of the PIDformer controller, with validation and the paper's presets.
+
+A PIDConfig is a value: frozen, hashable, and round-trips through a plain dict (configs and checkpoints
+store it as a dict). The presets are declared once, in the registry (``registry/presets.toml``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["PIDConfig"]
+
+_GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
+
+
+@dataclass(frozen=True)
+class PIDConfig:
+    """Gains of the PID attention update (PIDformer, eq. 25).
+
+    For layer l of a PID group, with values v^l and the attention output A^l v^l::
+
+        e^l = beta * v^1 - v^l
+        u^l = A^l v^l + lambda_p * e^l + lambda_i * sum_{k<=l} e^k + lambda_d * (e^l - e^{l-1})
+
+    Args:
+        lambda_p: proportional gain, >= 0.
+        lambda_i: integral gain, >= 0.
+        lambda_d: derivative gain, >= 0 (the D term is zero at the group's first layer).
+        beta: weight of the reference signal ``v^1``, in (0, 1].
+        learnable: if True, every PID layer gets its own trainable gains initialised from these values
+            (adds three parameters per layer). Off by default: fixed gains add no parameters, so a
+            softmax checkpoint loads unchanged.
+
+    The defaults are the paper's ``deit`` preset.
+    """
+
+    lambda_p: float = 0.8
+    lambda_i: float = 0.5
+    lambda_d: float = 0.05
+    beta: float = 0.1
+    learnable: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (*_GAIN_FIELDS, "beta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(
+                    f"PIDConfig.{name} must be a real number, got {value!r} ({type(value).__name__})"
+                )
+            if not math.isfinite(value):
+                raise ValueError(f"PIDConfig.{name} must be finite, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in _GAIN_FIELDS:
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"PIDConfig.{name} must be >= 0 (a gain), got {getattr(self, name)!r}; "
+                    "the paper's study uses lambda_p in [0.2, 0.8], lambda_i in [0.3, 0.9], "
+                    "lambda_d in [0.05, 0.6]"
+                )
+        if not 0.0 < self.beta <= 1.0:
+            raise ValueError(
+                f"PIDConfig.beta must be in (0, 1] (beta = 0 drops the reference signal), got {self.beta!r}"
+            )
+        if not isinstance(self.learnable, bool):
+            raise ValueError(f"PIDConfig.learnable must be True or False, got {self.learnable!r}")
+
+    # ----------------------------------------------------------------------------------------- presets
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "PIDConfig":
+        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides."""
+        from pid_plugins.catalogue import load_presets
+
+        presets = load_presets()
+        if name not in presets:
+            raise ValueError(
+                f"unknown PID preset {name!r}; choose one of {sorted(presets)} "
+                "(declared in registry/presets.toml)"
+            )
+        return cls.from_dict({**presets[name], **overrides})
+
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        from pid_plugins.catalogue import load_presets
+
+        return sorted(load_presets())
+
+    # ------------------------------------------------------------------------------------- dict round trip
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (floats and a bool) that :meth:`from_dict` turns back into an equal config."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PIDConfig":
+        """Build from a dict; a ``preset`` key names the base preset the other keys override."""
+        if isinstance(data, PIDConfig):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(f"PID gains must be given as a dict or PIDConfig, got {type(data).__name__}")
+        data = dict(data)
+        if "preset" in data:
+            base = data.pop("preset")
+            return cls.preset(base, **data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown PIDConfig field(s) {unknown}; allowed: {sorted(known)} and 'preset'"
+            )
+        return cls(**data)
+
+    @classmethod
+    def coerce(cls, value: "PIDConfig | Mapping[str, Any] | str | None", default: str = "deit") -> "PIDConfig":
+        """Normalise what users pass (a PIDConfig, a dict of overrides, a preset name, or None).
+
+        A dict without ``preset`` overrides the ``default`` preset, so ``dict(lambda_p=0.5)`` means
+        "the default preset with lambda_p = 0.5".
+        """
+        if value is None:
+            return cls.preset(default)
+        if isinstance(value, PIDConfig):
+            return value
+        if isinstance(value, str):
+            return cls.preset(value)
+        if isinstance(value, Mapping):
+            data = dict(value)
+            data.setdefault("preset", default)
+            return cls.from_dict(data)
+        raise ValueError(
+            f"PID gains must be a PIDConfig, a dict, a preset name or None, got {type(value).__name__}"
+        )
+
+    def replace(self, **changes: Any) -> "PIDConfig":
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_zero(self) -> bool:
+        """True when all gains are zero and fixed: the update is the identity (stock softmax attention)."""
+        return not self.learnable and self.lambda_p == 0.0 and self.lambda_i == 0.0 and self.lambda_d == 0.0
+
+    @property
+    def gains(self) -> tuple[float, float, float, float]:
+        """``(lambda_p, lambda_i, lambda_d, beta)``."""
+        return (self.lambda_p, self.lambda_i, self.lambda_d, self.beta)

@@ -1,0 +1,139 @@
+"""The PID update of PIDformer (Nguyen et al., ICML 2024, eq. 25): the one place the equation lives.
+
+For layer ``l`` of a PID group (an ordered stack of self-attention layers in one forward pass whose value
+tensors share one shape), every adapter calls :func:`pid_update` with that layer's attention output
+``A^l v^l`` and values ``v^l`` (per head, query positions only) and the state returned by the previous
+layer of the group::
+
+    e^l   = beta * v^1 - v^l                                   (v^1: the group's first layer's values)
+    S^l   = S^{l-1} + e^l                                      (S^0 = 0)
+    u^l   = A^l v^l + lambda_p * e^l + lambda_i * S^l + lambda_d * (e^l - e^{l-1})
+
+The derivative term is zero at the first layer (there is no e^0). Every term is per token position, so
+nothing leaks across positions and a KV cache needs only the values of the positions being computed.
+The state is an explicit value (:class:`PIDState`), passed in and returned, never stored on a module.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .config import PIDConfig
+
+__all__ = ["PIDState", "pid_update", "expand_heads", "GainsLike"]
+
+Gain = Union[float, Tensor]
+GainsLike = Union[PIDConfig, Sequence[Gain]]
+
+
+class PIDState(NamedTuple):
+    """What one PID layer hands to the next within a single forward pass.
+
+    All three tensors have the shape of the values in key/value-head space, e.g. ``(B, H_kv, q, D)``,
+    restricted to the query positions. Being a tuple of tensors, it can be splatted into checkpointed
+    calls (``block(x, *state)``) and traced by ``torch.compile``.
+    """
+
+    v_first: Tensor  #: v^1, the values of the group's first layer
+    e_sum: Tensor  #: S^l = e^1 + ... + e^l
+    e_prev: Tensor  #: e^l, the error of the layer that produced this state
+
+
+def _unpack_gains(gains: GainsLike) -> tuple[Gain, Gain, Gain, Gain]:
+    if isinstance(gains, PIDConfig):
+        return gains.gains
+    values = tuple(gains)
+    if len(values) != 4:
+        raise ValueError(
+            f"gains must be a PIDConfig or (lambda_p, lambda_i, lambda_d, beta), got {len(values)} values"
+        )
+    return values  # type: ignore[return-value]
+
+
+def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
+    """Expand key/value heads to query heads the way grouped-query attention expands the values.
+
+    Key/value head ``j`` serves query heads ``j*r .. j*r + r - 1`` with ``r = num_heads // H_kv``
+    (``repeat_interleave``, as transformers' ``repeat_kv`` and SDPA's ``enable_gqa`` do).
+    """
+    kv_heads = x.shape[head_dim]
+    if kv_heads == num_heads:
+        return x
+    if kv_heads <= 0 or num_heads % kv_heads != 0:
+        raise ValueError(
+            f"cannot expand {kv_heads} key/value heads to {num_heads} query heads: "
+            "the number of query heads must be a multiple of the number of key/value heads"
+        )
+    return x.repeat_interleave(num_heads // kv_heads, dim=head_dim)
+
+
+def pid_update(
+    attn_out: Tensor,
+    value: Tensor,
+    state: Optional[PIDState],
+    gains: GainsLike,
+    *,
+    head_dim: int = -3,
+) -> tuple[Tensor, PIDState]:
+    """Apply the PID correction to one layer's attention output.
+
+    Args:
+        attn_out: ``A^l v^l`` per head, shape ``(..., H, q, D)`` (any leading dims).
+        value: this layer's values ``v^l`` for the same query positions, shape ``(..., H_kv, q, D)``
+            with ``H_kv`` dividing ``H`` (grouped-query attention) or equal to it.
+        state: the state returned by the previous layer of the group, or ``None`` at the first layer.
+        gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta)`` (floats or scalar /
+            broadcastable tensors, e.g. learnable per-layer gains).
+        head_dim: which dimension holds the heads (only used to expand key/value heads).
+
+    Returns:
+        ``(u, new_state)``: the controlled output (same shape and dtype as ``attn_out``) and the state
+        for the next layer of the group.
+    """
+    lambda_p, lambda_i, lambda_d, beta = _unpack_gains(gains)
+    if attn_out.dim() != value.dim():
+        raise ValueError(
+            f"attention output {tuple(attn_out.shape)} and values {tuple(value.shape)} must have the same "
+            "number of dimensions (..., heads, positions, head_dim)"
+        )
+    if state is None:
+        # First layer of the group: v^1 = v, e^1 = (beta - 1) v, S^1 = e^1, no derivative term.
+        e = value * (beta - 1.0)
+        e_sum = e
+        first_gain = lambda_p + lambda_i
+        if isinstance(lambda_d, Tensor):
+            # keep a learnable lambda_d in the graph (zero gradient here), so DDP sees every parameter used
+            first_gain = first_gain + 0.0 * lambda_d
+        term = e * first_gain
+        new_state = PIDState(value, e_sum, e)
+    else:
+        v_first, e_sum_prev, e_prev = state
+        if v_first.shape != value.shape:
+            raise ValueError(
+                f"PID layer values have shape {tuple(value.shape)} but the group's first layer had "
+                f"{tuple(v_first.shape)}: every layer of a PID group must have values of one shape "
+                "(same heads, head_dim and positions); split the model into groups of equal value shape "
+                "or use softmax attention for the odd layers"
+            )
+        e = v_first * beta - value
+        e_sum = e_sum_prev + e
+        # lambda_p*e + lambda_i*S + lambda_d*(e - e_prev), grouped to save one temporary
+        term = e * (lambda_p + lambda_d) + e_sum * lambda_i - e_prev * lambda_d
+        new_state = PIDState(v_first, e_sum, e)
+
+    if _all_zero(lambda_p, lambda_i, lambda_d):
+        return attn_out, new_state
+    if term.shape != attn_out.shape and attn_out.dim() >= 3:
+        term = expand_heads(term, attn_out.shape[head_dim], head_dim)
+    if term.shape != attn_out.shape:
+        raise ValueError(
+            f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
+            "(after expanding key/value heads): pass the values of the query positions only"
+        )
+    return attn_out + term.to(attn_out.dtype), new_state
+
+
+def _all_zero(*gains: Gain) -> bool:
+    return all(not isinstance(g, Tensor) and g == 0.0 for g in gains)

@@ -1,0 +1,108 @@
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import pid_plugins
+from pid_plugins.catalogue import ModelEntry, load_catalogue, load_presets, parse_catalogue
+
+REPO = Path(__file__).resolve().parents[1]
+
+TIMM_TOML = """
+[[model]]
+name = "pid_deit_tiny_patch16_224"
+base = "deit_tiny_patch16_224"
+preset = "deit"
+description = "DeiT-tiny with PID attention"
+paper = { top1 = 73.13, fgsm = 38.52 }
+
+[[model]]
+name = "pid_deit_small_patch16_224"
+base = "deit_small_patch16_224"
+preset = "deit"
+gains = { beta = 0.3 }
+"""
+
+
+def test_presets_are_read_from_the_registry():
+    presets = load_presets()
+    assert set(presets) == {"deit", "segmenter", "lm"}
+    assert presets["lm"] == {"lambda_p": 0.4, "lambda_i": 0.5, "lambda_d": 0.1, "beta": 0.3}
+
+
+def test_parse_catalogue_entries():
+    entries = parse_catalogue([("timm.toml", TIMM_TOML)])
+    tiny = entries["pid_deit_tiny_patch16_224"]
+    assert tiny == ModelEntry(
+        name="pid_deit_tiny_patch16_224", zoo="timm", base="deit_tiny_patch16_224", preset="deit",
+        description="DeiT-tiny with PID attention", paper={"top1": 73.13, "fgsm": 38.52},
+    )
+    assert tiny.pid_config().gains == (0.8, 0.5, 0.05, 0.1)
+    assert entries["pid_deit_small_patch16_224"].pid_config().gains == (0.8, 0.5, 0.05, 0.3)
+
+
+@pytest.mark.parametrize(
+    "file_name, text, message",
+    [
+        ("keras.toml", TIMM_TOML, "unknown zoo 'keras'"),
+        ("timm.toml", TIMM_TOML.replace('preset = "deit"', 'preset = "imagenet"', 1), "unknown preset 'imagenet'"),
+        ("timm.toml", TIMM_TOML.replace("pid_deit_small", "pid_deit_tiny"), "declared twice"),
+        ("timm.toml", TIMM_TOML.replace("description", "descr", 1), "unknown keys ['descr']"),
+        ("timm.toml", TIMM_TOML.replace('base = "deit_tiny_patch16_224"', ""), "lacks 'base'"),
+        ("timm.toml", TIMM_TOML.replace("beta = 0.3", "beta = 3.0"), "PIDConfig.beta"),
+        ("timm.toml", "[models]\nname='x'\n", "unexpected top-level keys ['models']"),
+    ],
+)
+def test_bad_catalogue_files_are_refused(file_name, text, message):
+    with pytest.raises(ValueError) as info:
+        parse_catalogue([(file_name, text)])
+    assert message in str(info.value)
+
+
+def test_list_models_and_lookup_errors(monkeypatch):
+    entries = parse_catalogue([("timm.toml", TIMM_TOML)])
+    monkeypatch.setattr(pid_plugins.catalogue, "load_catalogue", lambda: entries)
+    assert pid_plugins.list_models() == ["pid_deit_small_patch16_224", "pid_deit_tiny_patch16_224"]
+    assert pid_plugins.list_models("*tiny*") == ["pid_deit_tiny_patch16_224"]
+    assert pid_plugins.list_models(zoo="hf") == []
+    with pytest.raises(ValueError, match="unknown zoo 'tf'"):
+        pid_plugins.list_models(zoo="tf")
+    with pytest.raises(ValueError, match=r"unknown PID model 'pid_deit_tiny_patch16'.*did you mean"):
+        pid_plugins.get_model_entry("pid_deit_tiny_patch16")
+
+
+def test_shipped_catalogue_is_valid():
+    catalogue = load_catalogue()
+    for name, entry in catalogue.items():
+        assert entry.name == name and entry.zoo in ("timm", "hf", "mmseg", "fairseq")
+        entry.pid_config()
+
+
+def test_wheel_ships_the_registry_and_finds_it_through_importlib_resources(tmp_path):
+    wheel_dir = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir),
+         str(REPO)],
+        check=True, cwd=tmp_path,
+    )
+    (wheel,) = wheel_dir.glob("pid_plugins-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "pid_plugins/registry/presets.toml" in names
+    assert "pid_plugins/registry/__init__.py" in names
+    assert {f"pid_plugins/registry/{p.name}" for p in (REPO / "registry").glob("*.toml")} <= names
+    assert "pid_plugins/core/control.py" in names
+    assert not any(n.startswith(("tests/", "registry/")) for n in names)
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, cwd=tmp_path)
+    code = (
+        "import pid_plugins, pathlib, sys\n"
+        f"assert pathlib.Path(pid_plugins.__file__).is_relative_to({str(target)!r}), pid_plugins.__file__\n"
+        "print(pid_plugins.PIDConfig.preset('segmenter').gains, len(pid_plugins.list_models()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.startswith("(0.5, 0.3, 0.05, 1.0)")

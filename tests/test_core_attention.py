@@ -1,0 +1,206 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pid_plugins import PIDConfig, PIDSelfAttention, pid_update, sdpa_with_pid
+
+DIM, HEADS = 32, 4
+
+
+def make_pair(pid, seed=0, **kw):
+    torch.manual_seed(seed)
+    stock = PIDSelfAttention(DIM, HEADS, qkv_bias=True, **kw)
+    torch.manual_seed(seed)
+    controlled = PIDSelfAttention(DIM, HEADS, qkv_bias=True, pid=pid, **kw)
+    controlled.load_state_dict(stock.state_dict())
+    return stock.eval(), controlled.eval()
+
+
+def manual_attention(m, x, mask=None):
+    """Attention written out by hand (no SDPA), returning per-head output and values."""
+    B, N, C = x.shape
+    q, k, v = m.qkv(x).reshape(B, N, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
+    scores = q @ k.transpose(-1, -2) * (C // HEADS) ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v, v
+
+
+def test_softmax_module_is_plain_attention():
+    m = PIDSelfAttention(DIM, HEADS, qkv_bias=True).eval()
+    x = torch.randn(2, 7, DIM)
+    y, state = m(x)
+    assert state is None
+    out, _ = manual_attention(m, x)
+    torch.testing.assert_close(y, m.proj(out.transpose(1, 2).reshape(2, 7, DIM)), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_gains_module_equals_softmax_module_bit_for_bit():
+    stock, zero = make_pair(PIDConfig(0.0, 0.0, 0.0, 1.0))
+    x = torch.randn(2, 9, DIM)
+    s1 = s2 = None
+    for _ in range(3):
+        (y1, s1), (y2, s2) = stock(x, s1), zero(x, s2)
+        assert torch.equal(y1, y2)
+        x = y1
+    assert set(zero.state_dict()) == set(stock.state_dict())
+
+
+def test_pid_module_adds_the_pid_term_before_the_projection():
+    cfg = PIDConfig.preset("deit")
+    _, m = make_pair(cfg)
+    x1, x2 = torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)
+    y1, s = m(x1)
+    y2, _ = m(x2, s)
+    a1, v1 = manual_attention(m, x1)
+    a2, v2 = manual_attention(m, x2)
+    e1, e2 = 0.1 * v1 - v1, 0.1 * v1 - v2
+    u2 = a2 + 0.8 * e2 + 0.5 * (e1 + e2) + 0.05 * (e2 - e1)
+    torch.testing.assert_close(y2, m.proj(u2.transpose(1, 2).reshape(2, 5, DIM)), rtol=1e-5, atol=1e-5)
+    u1 = a1 + (0.8 + 0.5) * e1
+    torch.testing.assert_close(y1, m.proj(u1.transpose(1, 2).reshape(2, 5, DIM)), rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_stays_causal():
+    _, m = make_pair(PIDConfig.preset("lm"))
+    x = torch.randn(1, 8, DIM)
+    x_changed = x.clone()
+    x_changed[:, 5:] += 3.0
+    outs = []
+    for inp in (x, x_changed):
+        y, s = m(inp, is_causal=True)
+        y, s = m(y, s, is_causal=True)
+        outs.append(y)
+    assert torch.equal(outs[0][:, :5], outs[1][:, :5])
+    assert not torch.allclose(outs[0][:, 5:], outs[1][:, 5:])
+
+
+def test_boolean_mask_matches_manual():
+    _, m = make_pair(PIDConfig.preset("deit"))
+    x = torch.randn(2, 6, DIM)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[:, 4:] = False  # padding: the last two keys are masked out
+    y, _ = m(x, attn_mask=mask)
+    a, v = manual_attention(m, x, mask)
+    u = a + (0.8 + 0.5) * (0.1 - 1.0) * v
+    torch.testing.assert_close(y, m.proj(u.transpose(1, 2).reshape(2, 6, DIM)), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_only_in_training():
+    _, m = make_pair(PIDConfig.preset("deit"), attn_drop=0.5)
+    x = torch.randn(2, 6, DIM)
+    y_eval, _ = m(x)
+    m.train()
+    torch.manual_seed(0)
+    y_train, _ = m(x)
+    assert not torch.allclose(y_eval, y_train)
+    m.eval()
+    assert torch.equal(m(x)[0], y_eval)
+
+
+def test_kv_cache_slice_in_sdpa_with_pid():
+    cfg = PIDConfig.preset("lm")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 10, 8, generator=g) for _ in range(3))
+    full, full_state = sdpa_with_pid(q, k, v, None, cfg, is_causal=True)
+    # last 3 positions decoded against the cached keys/values
+    mask = torch.ones(3, 10, dtype=torch.bool).tril(diagonal=7)
+    part, part_state = sdpa_with_pid(q[:, :, -3:], k, v, None, cfg, attn_mask=mask)
+    torch.testing.assert_close(part, full[:, :, -3:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(part_state.v_first, full_state.v_first[:, :, -3:])
+
+
+def test_sdpa_with_pid_gqa():
+    cfg = PIDConfig.preset("lm")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    out, state = sdpa_with_pid(q, k, v, None, cfg)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))
+    torch.testing.assert_close(out, ref + (0.4 + 0.5) * (0.3 - 1) * v.repeat_interleave(3, 1),
+                               rtol=1e-5, atol=1e-5)
+    assert state.v_first.shape == (2, 2, 5, 8)
+
+
+class Stack(nn.Module):
+    """Residual attention blocks passing (x, *state) explicitly, as the zoo adapters do."""
+
+    def __init__(self, pid, depth=3, ckpt=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(PIDSelfAttention(DIM, HEADS, pid=pid) for _ in range(depth))
+        self.ckpt = ckpt
+
+    @staticmethod
+    def _run(block, x, *state):
+        y, new_state = block(x, tuple(state) if state else None)
+        return (x + y, *new_state)
+
+    def forward(self, x):
+        state = ()
+        for blk in self.blocks:
+            if self.ckpt is None:
+                x, *state = self._run(blk, x, *state)
+            else:
+                x, *state = checkpoint(self._run, blk, x, *state, use_reentrant=self.ckpt == "reentrant")
+        return x
+
+
+@pytest.mark.parametrize("ckpt", ["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_gives_exact_gradients(ckpt):
+    cfg = PIDConfig.preset("deit", learnable=True)
+    ref, chk = Stack(cfg), Stack(cfg, ckpt=ckpt)
+    chk.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 6, DIM)
+    grads = []
+    for model in (ref, chk):
+        inp = x.clone().requires_grad_()
+        # two forwards before one backward (teacher/student, two views): module-held state gets this wrong
+        (model(inp).square().sum() + model(inp * 0.5).sum()).backward()
+        grads.append([inp.grad, *(p.grad for p in model.parameters())])
+    assert len(grads[0]) == len(grads[1]) == 1 + 3 * 6  # x; qkv.weight, proj.weight, proj.bias and 3 gains per block
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_learnable_gains_are_opt_in():
+    fixed = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit"))
+    stock = PIDSelfAttention(DIM, HEADS)
+    assert sum(p.numel() for p in fixed.parameters()) == sum(p.numel() for p in stock.parameters())
+    learned = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit", learnable=True))
+    extra = set(learned.state_dict()) - set(stock.state_dict())
+    assert extra == {"pid_gains.lambda_p", "pid_gains.lambda_i", "pid_gains.lambda_d"}
+    assert learned.pid_gains.lambda_p.item() == pytest.approx(0.8)
+    # a softmax checkpoint loads into the fixed-gain PID module strictly
+    fixed.load_state_dict(stock.state_dict(), strict=True)
+
+
+def test_learnable_gains_receive_gradients_and_match_fixed_at_init():
+    cfg = PIDConfig.preset("lm")
+    torch.manual_seed(0)
+    fixed = Stack(cfg)
+    learned = Stack(cfg.replace(learnable=True))
+    learned.load_state_dict(fixed.state_dict(), strict=False)
+    x = torch.randn(2, 5, DIM)
+    torch.testing.assert_close(learned(x), fixed(x))
+    learned(x).square().sum().backward()
+    for i, blk in enumerate(learned.blocks):
+        gains = blk.pid_gains
+        assert gains.lambda_p.grad.abs() > 0 and gains.lambda_i.grad.abs() > 0
+        # the D term is zero at the group's first layer: lambda_d is in the graph but gets zero gradient
+        assert (gains.lambda_d.grad == 0) if i == 0 else (gains.lambda_d.grad.abs() > 0)
+
+
+def test_stack_compiles_fullgraph_and_matches_eager():
+    torch._dynamo.reset()
+    m = Stack(PIDConfig.preset("deit")).eval()
+    x = torch.randn(2, 6, DIM)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), m(x))
+
+
+def test_dim_must_divide_heads():
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        PIDSelfAttention(30, 4)

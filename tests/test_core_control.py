@@ -1,0 +1,184 @@
+import pytest
+import torch
+
+from pid_plugins import PIDConfig, PIDState, expand_heads, pid_update
+from reference import naive_pid_stack
+
+
+def run_stack(attn_outs, values, gains):
+    outs, state = [], None
+    for a, v in zip(attn_outs, values):
+        u, state = pid_update(a, v, state, gains)
+        outs.append(u)
+    return outs, state
+
+
+def random_layers(L, B, H, Hkv, N, D, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    attn = [torch.randn(B, H, N, D, generator=g, dtype=dtype) for _ in range(L)]
+    vals = [torch.randn(B, Hkv, N, D, generator=g, dtype=dtype) for _ in range(L)]
+    return attn, vals
+
+
+@pytest.mark.parametrize("preset", ["deit", "segmenter", "lm"])
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 2), (6, 1)])
+def test_matches_naive_reference(preset, H, Hkv):
+    cfg = PIDConfig.preset(preset)
+    attn, vals = random_layers(L=5, B=2, H=H, Hkv=Hkv, N=7, D=3)
+    got, _ = run_stack(attn, vals, cfg)
+    want = naive_pid_stack(attn, vals, *cfg.gains)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_state_contents_follow_the_definition():
+    cfg = PIDConfig(0.3, 0.2, 0.1, 0.6)
+    attn, vals = random_layers(L=3, B=1, H=2, Hkv=2, N=4, D=5)
+    _, state = run_stack(attn, vals, cfg)
+    assert isinstance(state, PIDState)
+    errors = [0.6 * vals[0] - v for v in vals]
+    torch.testing.assert_close(state.v_first, vals[0])
+    torch.testing.assert_close(state.e_sum, errors[0] + errors[1] + errors[2])
+    torch.testing.assert_close(state.e_prev, errors[2])
+
+
+def test_first_layer_has_no_derivative_term():
+    attn, vals = random_layers(L=1, B=1, H=2, Hkv=2, N=3, D=4)
+    u_with_d, _ = pid_update(attn[0], vals[0], None, (0.5, 0.2, 7.0, 0.4))
+    u_without, _ = pid_update(attn[0], vals[0], None, (0.5, 0.2, 0.0, 0.4))
+    torch.testing.assert_close(u_with_d, u_without, rtol=0, atol=0)
+    # and it is exactly lP*e + lI*e with e = (beta - 1) v
+    torch.testing.assert_close(u_with_d, attn[0] + 0.7 * (0.4 - 1.0) * vals[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_zero_gains_return_the_attention_output_bit_for_bit(dtype):
+    attn, vals = random_layers(L=4, B=2, H=4, Hkv=2, N=5, D=8, dtype=dtype)
+    outs, state = run_stack(attn, vals, PIDConfig(0.0, 0.0, 0.0, 0.5))
+    for o, a in zip(outs, attn):
+        assert torch.equal(o, a)
+    assert state.v_first.shape == vals[0].shape
+
+
+def test_no_leakage_across_positions():
+    cfg = PIDConfig.preset("deit")
+    attn, vals = random_layers(L=4, B=2, H=2, Hkv=2, N=6, D=4)
+    base, _ = run_stack(attn, vals, cfg)
+    j = 3
+    changed_vals = [v.clone() for v in vals]
+    for v in changed_vals:
+        v[:, :, j] += torch.randn_like(v[:, :, j]) * 10
+    changed, _ = run_stack(attn, changed_vals, cfg)
+    for b, c in zip(base, changed):
+        others = [i for i in range(6) if i != j]
+        assert torch.equal(b[:, :, others], c[:, :, others])
+        assert not torch.allclose(b[:, :, j], c[:, :, j])
+
+
+def test_query_slice_equals_full_computation():
+    """With a KV cache only the last q positions are computed; the PID term must agree with the full pass."""
+    cfg = PIDConfig.preset("lm")
+    attn, vals = random_layers(L=4, B=2, H=4, Hkv=2, N=9, D=4)
+    full, full_state = run_stack(attn, vals, cfg)
+    q = 3
+    sliced, sliced_state = run_stack([a[..., -q:, :] for a in attn], [v[..., -q:, :] for v in vals], cfg)
+    for f, s in zip(full, sliced):
+        assert torch.equal(f[..., -q:, :], s)
+    for f, s in zip(full_state, sliced_state):
+        assert torch.equal(f[..., -q:, :], s)
+
+
+def test_gqa_expands_like_repeat_interleave_of_values():
+    x = torch.arange(2 * 3 * 1 * 1).reshape(2, 3, 1, 1)
+    y = expand_heads(x, 6)
+    assert y[:, :, 0, 0].tolist() == [[0, 0, 1, 1, 2, 2], [3, 3, 4, 4, 5, 5]]
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        expand_heads(x, 4)
+
+
+def test_gqa_equals_mha_with_repeated_values():
+    """Computing in kv-head space and expanding == running the rule on values expanded to query heads."""
+    cfg = PIDConfig.preset("lm")
+    attn, vals = random_layers(L=3, B=2, H=6, Hkv=2, N=4, D=3)
+    gqa, _ = run_stack(attn, vals, cfg)
+    mha, _ = run_stack(attn, [v.repeat_interleave(3, dim=1) for v in vals], cfg)
+    for a, b in zip(gqa, mha):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (2, 5, 3), (2, 3, 4, 5, 3)])
+def test_any_leading_shape(shape):
+    cfg = PIDConfig.preset("deit")
+    g = torch.Generator().manual_seed(1)
+    a1, a2, v1, v2 = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+    u1, s = pid_update(a1, v1, None, cfg)
+    u2, _ = pid_update(a2, v2, s, cfg)
+    e1, e2 = 0.1 * v1 - v1, 0.1 * v1 - v2
+    torch.testing.assert_close(u2, a2 + 0.8 * e2 + 0.5 * (e1 + e2) + 0.05 * (e2 - e1))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2), (torch.float32, 1e-5)])
+def test_low_precision_close_to_float64(dtype, tol):
+    cfg = PIDConfig.preset("deit")
+    attn, vals = random_layers(L=4, B=2, H=4, Hkv=2, N=8, D=16, dtype=torch.float64)
+    want, _ = run_stack(attn, vals, cfg)
+    got, state = run_stack([a.to(dtype) for a in attn], [v.to(dtype) for v in vals], cfg)
+    for g_, w in zip(got, want):
+        assert g_.dtype == dtype
+        torch.testing.assert_close(g_.double(), w, rtol=tol, atol=tol)
+    assert all(t.dtype == dtype for t in state)
+
+
+def test_gradcheck_values_attention_and_gains():
+    attn, vals = random_layers(L=3, B=1, H=2, Hkv=1, N=3, D=2)
+    attn = [a.requires_grad_() for a in attn]
+    vals = [v.requires_grad_() for v in vals]
+    gains = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (0.8, 0.5, 0.05)]
+
+    def f(*tensors):
+        a, v, (lp, li, ld) = tensors[:3], tensors[3:6], tensors[6:]
+        outs, _ = run_stack(a, v, (lp, li, ld, 0.1))
+        return torch.stack(outs)
+
+    assert torch.autograd.gradcheck(f, (*attn, *vals, *gains))
+
+
+def test_gradient_reaches_first_layer_values_through_later_layers():
+    cfg = PIDConfig.preset("deit")
+    attn, vals = random_layers(L=3, B=1, H=1, Hkv=1, N=2, D=2)
+    vals[0].requires_grad_()
+    outs, _ = run_stack(attn, vals, cfg)
+    outs[-1].sum().backward()
+    # d u^3 / d v^1 (per element): beta*(lP + lD) + lI*(3*beta - 1) - lD*beta
+    expected = 0.1 * (0.8 + 0.05) + 0.5 * (3 * 0.1 - 1) - 0.05 * 0.1
+    torch.testing.assert_close(vals[0].grad, torch.full_like(vals[0], expected))
+
+
+def test_layers_with_different_value_shapes_are_refused():
+    cfg = PIDConfig.preset("deit")
+    _, s = pid_update(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), None, cfg)
+    with pytest.raises(ValueError, match="every layer of a PID group must have values of one shape"):
+        pid_update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), s, cfg)
+
+
+def test_mismatched_output_and_values_are_refused():
+    cfg = PIDConfig.preset("deit")
+    with pytest.raises(ValueError, match="pass the values of the query positions only"):
+        pid_update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), None, cfg)
+    with pytest.raises(ValueError, match="same number of dimensions"):
+        pid_update(torch.randn(2, 1, 8), torch.randn(1, 2, 1, 8), None, cfg)
+    with pytest.raises(ValueError, match=r"\(lambda_p, lambda_i, lambda_d, beta\)"):
+        pid_update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), None, (0.1, 0.2))
+
+
+def test_compiles_to_one_graph():
+    cfg = PIDConfig.preset("lm")
+    attn, vals = random_layers(L=3, B=2, H=4, Hkv=2, N=5, D=8, dtype=torch.float32)
+
+    def stack(a0, a1, a2, v0, v1, v2):
+        outs, _ = run_stack([a0, a1, a2], [v0, v1, v2], cfg)
+        return torch.stack(outs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(stack, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(*attn, *vals), stack(*attn, *vals))
