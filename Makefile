@@ -2,7 +2,7 @@
 # .venv with Python 3.11 and install the pinned stack from constraints.txt (the one pin file).
 PYTHON ?= python3.11
 VENV ?= .venv
-EXTRAS ?= demo,test
+EXTRAS ?= all,test
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 comma := ,

@@ -18,17 +18,22 @@ __all__ = ["ModelEntry", "load_presets", "load_catalogue", "list_models", "get_m
 
 ZOOS = ("timm", "hf", "mmseg", "fairseq")
 _PRESET_KEYS = {"lambda_p", "lambda_i", "lambda_d", "beta"}
-_ENTRY_KEYS = {"name", "base", "preset", "gains", "description", "paper", "kwargs"}
+_ENTRY_KEYS = {"name", "base", "arch", "preset", "gains", "description", "paper", "kwargs"}
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One PID variant: its name, the zoo it lives in, the stock architecture it modifies, its gains."""
+    """One PID variant: its name, the zoo it lives in, the stock architecture it modifies, its gains.
+
+    ``kwargs`` are the architecture's hyperparameters (what a timm ``register_model`` function would set);
+    ``paper`` holds the numbers the paper reports for this variant, where it has them.
+    """
 
     name: str
     zoo: str
     base: str
     preset: str
+    arch: str = ""  #: the model family inside the zoo (e.g. ``vit``, ``vit_distilled``, ``fan``)
     gains: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     paper: dict[str, Any] = field(default_factory=dict)

@@ -33,6 +33,12 @@ def test_from_dict_with_preset_key_and_coerce():
     assert PIDConfig.coerce("segmenter") == PIDConfig.preset("segmenter")
     assert PIDConfig.coerce({"lambda_p": 0.5, "beta": 0.3}).gains == (0.5, 0.5, 0.05, 0.3)
     assert PIDConfig.coerce({"lambda_p": 0.5}, default="lm").gains == (0.5, 0.5, 0.1, 0.3)
+    base = PIDConfig(0.1, 0.2, 0.3, 0.4)
+    assert PIDConfig.coerce(None, default=base) is base
+    assert PIDConfig.coerce({"beta": 1.0}, default=base).gains == (0.1, 0.2, 0.3, 1.0)
+    assert PIDConfig.coerce({"preset": "lm", "beta": 1.0}, default=base).gains == (0.4, 0.5, 0.1, 1.0)
+    with pytest.raises(ValueError, match="PIDConfig, a dict, a preset name or None"):
+        PIDConfig.coerce(0.5)
 
 
 def test_ints_become_floats():

@@ -182,3 +182,28 @@ def test_compiles_to_one_graph():
     torch._dynamo.reset()
     compiled = torch.compile(stack, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(*attn, *vals), stack(*attn, *vals))
+
+
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 2)])
+def test_fixed_and_tensor_gains_agree(H, Hkv):
+    """Fixed float gains take a fused path; tensor (learnable) gains the general one: same numbers."""
+    cfg = PIDConfig(0.7, 0.4, 0.2, 0.6)
+    attn, vals = random_layers(L=4, B=2, H=H, Hkv=Hkv, N=5, D=3)
+    fixed, _ = run_stack(attn, vals, cfg)
+    tensors = tuple(torch.tensor(g, dtype=torch.float64) for g in cfg.gains[:3]) + (cfg.beta,)
+    learned, _ = run_stack(attn, vals, tensors)
+    for a, b in zip(fixed, learned):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_inputs_are_never_modified_in_place():
+    cfg = PIDConfig.preset("deit")
+    attn, vals = random_layers(L=3, B=1, H=2, Hkv=2, N=4, D=3)
+    copies = [t.clone() for t in attn + vals]
+    _, state = run_stack(attn, vals, cfg)
+    saved = [t.clone() for t in state]
+    pid_update(attn[0], vals[0], state, cfg)
+    for a, b in zip(attn + vals, copies):
+        assert torch.equal(a, b)
+    for a, b in zip(state, saved):
+        assert torch.equal(a, b)

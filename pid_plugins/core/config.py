@@ -111,22 +111,27 @@ class PIDConfig:
         return cls(**data)
 
     @classmethod
-    def coerce(cls, value: "PIDConfig | Mapping[str, Any] | str | None", default: str = "deit") -> "PIDConfig":
+    def coerce(
+        cls, value: "PIDConfig | Mapping[str, Any] | str | None", default: "PIDConfig | str" = "deit"
+    ) -> "PIDConfig":
         """Normalise what users pass (a PIDConfig, a dict of overrides, a preset name, or None).
 
-        A dict without ``preset`` overrides the ``default`` preset, so ``dict(lambda_p=0.5)`` means
-        "the default preset with lambda_p = 0.5".
+        ``None`` gives ``default`` (a PIDConfig or a preset name). A dict without ``preset`` overrides
+        ``default``, so ``dict(lambda_p=0.5)`` means "the default gains with lambda_p = 0.5"; a dict with
+        ``preset`` overrides that preset instead.
         """
+        base = default if isinstance(default, PIDConfig) else cls.preset(default)
         if value is None:
-            return cls.preset(default)
+            return base
         if isinstance(value, PIDConfig):
             return value
         if isinstance(value, str):
             return cls.preset(value)
         if isinstance(value, Mapping):
             data = dict(value)
-            data.setdefault("preset", default)
-            return cls.from_dict(data)
+            if "preset" in data:
+                return cls.from_dict(data)
+            return cls.from_dict({**base.to_dict(), **data})
         raise ValueError(
             f"PID gains must be a PIDConfig, a dict, a preset name or None, got {type(value).__name__}"
         )

@@ -98,33 +98,45 @@ def pid_update(
             f"attention output {tuple(attn_out.shape)} and values {tuple(value.shape)} must have the same "
             "number of dimensions (..., heads, positions, head_dim)"
         )
+    if state is not None and state[0].shape != value.shape:
+        raise ValueError(
+            f"PID layer values have shape {tuple(value.shape)} but the group's first layer had "
+            f"{tuple(state[0].shape)}: every layer of a PID group must have values of one shape "
+            "(same heads, head_dim and positions); split the model into groups of equal value shape "
+            "or use softmax attention for the odd layers"
+        )
+
+    # The error and its running sum (the state). First layer: v^1 = v, so e^1 = (beta - 1) v.
     if state is None:
-        # First layer of the group: v^1 = v, e^1 = (beta - 1) v, S^1 = e^1, no derivative term.
+        v_first = value
         e = value * (beta - 1.0)
         e_sum = e
+    else:
+        v_first, e_sum_prev, e_prev = state
+        e = v_first.mul(beta).sub_(value) if not isinstance(beta, Tensor) else v_first * beta - value
+        e_sum = e_sum_prev + e
+    new_state = PIDState(v_first, e_sum, e)
+    if _all_zero(lambda_p, lambda_i, lambda_d):
+        return attn_out, new_state
+
+    scalar_gains = not any(isinstance(g, Tensor) for g in (lambda_p, lambda_i, lambda_d))
+    if scalar_gains and value.shape == attn_out.shape and value.dtype == attn_out.dtype:
+        # Fast path (MHA, fixed gains): accumulate straight into a copy of the attention output,
+        # u = A v + (lP + lD) e + lI S - lD e_prev, with no other temporaries.
+        if state is None:
+            return attn_out.add(e, alpha=lambda_p + lambda_i), new_state
+        out = attn_out.add(e, alpha=lambda_p + lambda_d).add_(e_sum, alpha=lambda_i)
+        return out.sub_(e_prev, alpha=lambda_d), new_state
+
+    # General path: learnable (tensor) gains, grouped-query attention, mixed dtypes.
+    if state is None:
         first_gain = lambda_p + lambda_i
         if isinstance(lambda_d, Tensor):
             # keep a learnable lambda_d in the graph (zero gradient here), so DDP sees every parameter used
             first_gain = first_gain + 0.0 * lambda_d
         term = e * first_gain
-        new_state = PIDState(value, e_sum, e)
     else:
-        v_first, e_sum_prev, e_prev = state
-        if v_first.shape != value.shape:
-            raise ValueError(
-                f"PID layer values have shape {tuple(value.shape)} but the group's first layer had "
-                f"{tuple(v_first.shape)}: every layer of a PID group must have values of one shape "
-                "(same heads, head_dim and positions); split the model into groups of equal value shape "
-                "or use softmax attention for the odd layers"
-            )
-        e = v_first * beta - value
-        e_sum = e_sum_prev + e
-        # lambda_p*e + lambda_i*S + lambda_d*(e - e_prev), grouped to save one temporary
         term = e * (lambda_p + lambda_d) + e_sum * lambda_i - e_prev * lambda_d
-        new_state = PIDState(v_first, e_sum, e)
-
-    if _all_zero(lambda_p, lambda_i, lambda_d):
-        return attn_out, new_state
     if term.shape != attn_out.shape and attn_out.dim() >= 3:
         term = expand_heads(term, attn_out.shape[head_dim], head_dim)
     if term.shape != attn_out.shape:

@@ -1,0 +1,371 @@
+"""PID Vision Transformer / DeiT for timm.
+
+The PID group is the stack of transformer blocks. The PID state flows between blocks as plain tensors,
+``block(x, v_first, e_sum, e_prev) -> (x, v_first, e_sum, e_prev)``, which keeps gradient checkpointing
+(reentrant or not) and ``torch.compile(fullgraph=True)`` exact. ``forward_features`` and
+``forward_intermediates`` are overridden to thread it; every other part of timm's model contract is
+inherited from timm's ``VisionTransformer``.
+
+Variants are declared in ``registry/timm.toml`` and registered here with ``register_model``.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from timm.layers import Attention, maybe_add_mask, resolve_self_attn_mask
+from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
+from timm.models._builder import resolve_pretrained_cfg
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
+
+from ..catalogue import ModelEntry, load_catalogue
+from ..core import PIDConfig, PIDGains, PIDState, layer_gains, pid_update
+
+__all__ = [
+    "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
+    "checkpoint_filter_fn", "to_pid",
+]
+
+_ATTENTION_CHOICES = ("pid", "softmax")
+
+
+def resolve_pid(pid: Any = None, attention: str = "pid", default: Union[PIDConfig, str] = "deit") -> Optional[PIDConfig]:
+    """The PID config a model is built with: ``None`` means stock softmax attention."""
+    if attention not in _ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {_ATTENTION_CHOICES}, got {attention!r}")
+    if attention == "softmax":
+        return None
+    return PIDConfig.coerce(pid, default=default)
+
+
+class PIDAttention(Attention):
+    """timm's ``Attention`` (same parameters, same state_dict) with the PID update before ``proj``.
+
+    ``forward(x, state)`` returns ``(y, new_state)``. With ``pid=None`` it computes exactly what timm's
+    ``Attention`` computes and passes the state through.
+    """
+
+    def __init__(self, *args: Any, pid: Optional[PIDConfig] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pid: Optional[PIDConfig] = None
+        self.pid_gains: Optional[PIDGains] = None
+        self.set_pid(pid)
+
+    def set_pid(self, pid: Optional[PIDConfig]) -> None:
+        """Switch the layer to PID (``pid``) or softmax (``None``); learnable gains are (re)initialised."""
+        self.pid = pid
+        if pid is not None and pid.learnable:
+            ref = self.qkv.weight
+            self.pid_gains = PIDGains(pid).to(device=ref.device, dtype=ref.dtype)
+        else:
+            self.pid_gains = None
+
+    def forward(
+        self,
+        x: Tensor,
+        state: Optional[PIDState] = None,
+        attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+    ) -> Tuple[Tensor, Optional[PIDState]]:
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused_attn:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0,
+                is_causal=is_causal,
+            )
+        else:
+            scores = (q * self.scale) @ k.transpose(-2, -1)
+            scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
+            out = self.attn_drop(scores.softmax(dim=-1)) @ v
+        if self.pid is not None:
+            out, state = pid_update(out, v, state, layer_gains(self.pid, self.pid_gains))
+        out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
+        if gate is not None:
+            out = out * gate
+        return self.proj_drop(self.proj(out)), state
+
+
+class PIDBlock(Block):
+    """timm's pre-norm ``Block`` whose attention is :class:`PIDAttention`.
+
+    ``forward(x, *state)`` returns ``(x, *new_state)``: a flat tuple of tensors, so the block can be run
+    under ``torch.utils.checkpoint`` (both modes) with the state as ordinary inputs and outputs.
+    """
+
+    def __init__(self, *args: Any, pid: Optional[PIDConfig] = None, **kwargs: Any) -> None:
+        kwargs["attn_layer"] = PIDAttention
+        super().__init__(*args, **kwargs)
+        self.attn.set_pid(pid)
+
+    def forward(
+        self, x: Tensor, *state: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False
+    ) -> Tuple[Tensor, ...]:
+        y, new_state = self.attn(
+            self.norm1(x), PIDState(*state) if state else None, attn_mask=attn_mask, is_causal=is_causal
+        )
+        x = x + self.drop_path1(self.ls1(y))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return (x,) if new_state is None else (x, *new_state)
+
+
+class _PIDViTMixin:
+    """Overrides of ``VisionTransformer`` that thread the PID state through the blocks."""
+
+    blocks: nn.Sequential
+    grad_checkpointing: bool
+
+    def __init__(self, *args: Any, pid: Any = None, attention: str = "pid", **kwargs: Any) -> None:
+        config = resolve_pid(pid, attention)
+        block_fn = kwargs.pop("block_fn", None)
+        if block_fn not in (None, Block, PIDBlock):
+            raise ValueError(
+                f"PID ViT builds its own blocks (PIDBlock); block_fn={block_fn!r} is not supported"
+            )
+        super().__init__(*args, block_fn=partial(PIDBlock, pid=config), **kwargs)
+        self.pid = config
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        names = set(super().no_weight_decay())
+        names.update(n for n, _ in self.named_parameters() if ".pid_gains." in n)
+        return names
+
+    def _blocks_forward(
+        self,
+        x: Tensor,
+        blocks: nn.Module,
+        attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+        take_indices: Optional[List[int]] = None,
+        norm: bool = False,
+    ) -> Tuple[Tensor, List[Tensor]]:
+        state: Tuple[Tensor, ...] = ()
+        intermediates: List[Tensor] = []
+        use_checkpoint = self.grad_checkpointing and attn_mask is None and not is_causal
+        for i, blk in enumerate(blocks):
+            if use_checkpoint and not torch.jit.is_scripting():
+                x, *state = checkpoint(blk, x, *state)
+            else:
+                x, *state = blk(x, *state, attn_mask=attn_mask, is_causal=is_causal)
+            if take_indices is not None and i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        return x, intermediates
+
+    def forward_features(
+        self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False
+    ) -> Tensor:
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        x, _ = self._blocks_forward(x, self.blocks, attn_mask=attn_mask, is_causal=is_causal)
+        return self.norm(x)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], Dict[str, Any]]:
+        """timm's ``forward_intermediates`` contract, with the PID state threaded through the blocks."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        B, _, height, width = x.shape
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
+        x, intermediates = self._blocks_forward(
+            x, blocks, attn_mask=attn_mask, is_causal=is_causal, take_indices=take_indices, norm=norm
+        )
+
+        prefix_tokens: Optional[List[Tensor]] = None
+        if self.num_prefix_tokens:
+            prefix_tokens = [y[:, : self.num_prefix_tokens] for y in intermediates]
+            intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
+        if output_fmt == "NCHW":
+            H, W = self.patch_embed.dynamic_feat_size((height, width))
+            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+
+        if output_dict:
+            result: Dict[str, Any] = {"image_intermediates": intermediates}
+            if prefix_tokens is not None and return_prefix_tokens:
+                result["image_intermediates_prefix"] = prefix_tokens
+            if not intermediates_only:
+                result["image_features"] = self.norm(x)
+            return result
+        if return_prefix_tokens and prefix_tokens is not None:
+            intermediates = list(zip(intermediates, prefix_tokens))
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+
+class PIDVisionTransformer(_PIDViTMixin, VisionTransformer):
+    """timm ``VisionTransformer`` with PID attention in every block.
+
+    Extra keyword arguments: ``pid`` (a :class:`PIDConfig`, a dict of overrides of the ``deit`` preset,
+    or a preset name) and ``attention`` (``"pid"``, or ``"softmax"`` for the stock model).
+    """
+
+
+class PIDVisionTransformerDistilled(_PIDViTMixin, VisionTransformerDistilled):
+    """DeiT's distilled ``VisionTransformerDistilled`` (class + distillation token) with PID attention."""
+
+
+_MODEL_CLASSES = {"vit": PIDVisionTransformer, "vit_distilled": PIDVisionTransformerDistilled}
+_STOCK_CLASSES = {VisionTransformer: PIDVisionTransformer, VisionTransformerDistilled: PIDVisionTransformerDistilled}
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer, **kwargs: Any) -> Dict[str, Tensor]:
+    """Adapt a (softmax or PID) ViT/DeiT checkpoint to ``model``; refuse one that does not fit.
+
+    Runs timm's ViT filter (unwrapping, position-embedding resampling, ...), fills in learnable PID gains
+    the checkpoint does not have (a softmax checkpoint) from the model's initial values, and raises a
+    ``ValueError`` listing missing and unexpected keys otherwise.
+    """
+    out = _vit_checkpoint_filter_fn(state_dict, model, **kwargs)
+    expected = model.state_dict()
+    for name, value in expected.items():
+        if ".pid_gains." in name and name not in out:
+            out[name] = value.detach().clone()
+    missing = sorted(set(expected) - set(out))
+    unexpected = sorted(set(out) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not fit {type(model).__name__}: missing keys {missing}; unexpected keys "
+            f"{unexpected}. A softmax checkpoint of the same timm architecture (e.g. deit_tiny_patch16_224 "
+            "for pid_deit_tiny_patch16_224) loads unchanged; a distilled checkpoint needs a *_distilled_* model"
+        )
+    return out
+
+
+def _check_pretrained_source(entry: ModelEntry, kwargs: Dict[str, Any]) -> None:
+    cfg = resolve_pretrained_cfg(
+        entry.name, pretrained_cfg=kwargs.get("pretrained_cfg"),
+        pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
+    )
+    hint = (
+        f"pid-plugins never downloads weights: point {entry.name} at a local checkpoint with "
+        "create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file='/path/to/weights.pth')) "
+        "(.pth, .pth.tar or .safetensors; timm train.py: --pretrained --pretrained-path PATH). A softmax "
+        f"checkpoint of {entry.base} loads as is"
+    )
+    if cfg.state_dict is not None:
+        return
+    if not cfg.file:
+        raise FileNotFoundError(f"no pretrained weights file given for {entry.name}. {hint}")
+    if not os.path.isfile(cfg.file):
+        raise FileNotFoundError(f"pretrained weights file not found: {cfg.file!r}. {hint}")
+
+
+def _create(entry: ModelEntry, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    pid = kwargs.pop("pid", None)
+    attention = kwargs.pop("attention", "pid")
+    config = resolve_pid(pid, attention, default=entry.pid_config())
+    if pretrained:
+        _check_pretrained_source(entry, kwargs)
+    out_indices = kwargs.pop("out_indices", 3)
+    model_args = {**entry.kwargs, **kwargs}
+    return build_model_with_cfg(
+        _MODEL_CLASSES[entry.arch],
+        entry.name,
+        pretrained,
+        pretrained_filter_fn=partial(checkpoint_filter_fn, adapt_layer_scale=True),
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        pid=config,
+        attention="pid" if config is not None else "softmax",
+        **model_args,
+    )
+
+
+# --------------------------------------------------------------------------------------- to_pid
+def to_pid(model: VisionTransformer, config: Any = None, *, attention: str = "pid") -> VisionTransformer:
+    """Convert a timm ViT/DeiT (or reconfigure a PID one) in place and return it, weights kept.
+
+    The result is still an instance of the model's timm class (``PIDVisionTransformer`` subclasses
+    ``VisionTransformer``), its ``state_dict`` keys are unchanged (unless ``config.learnable`` adds gains),
+    and with all gains zero (or ``attention="softmax"``) it computes exactly what the stock model computed.
+
+    Args:
+        model: a timm ``VisionTransformer`` / ``VisionTransformerDistilled`` built with standard
+            ``Block`` + ``Attention`` blocks, or a PID model to reconfigure.
+        config: a :class:`PIDConfig`, a dict of overrides of the ``deit`` preset, or a preset name.
+    """
+    pid = resolve_pid(config, attention)
+    if isinstance(model, _PIDViTMixin):
+        for blk in model.blocks:
+            blk.attn.set_pid(pid)
+        model.pid = pid
+        return model
+    target = _STOCK_CLASSES.get(type(model))
+    if target is None:
+        raise TypeError(
+            f"to_pid converts timm VisionTransformer / VisionTransformerDistilled models, got "
+            f"{type(model).__name__}; for other architectures build the PID model by name "
+            "(pid_plugins.list_models(zoo='timm'))"
+        )
+    shapes = set()
+    for i, blk in enumerate(model.blocks):
+        if type(blk) is not Block or type(blk.attn) is not Attention:
+            raise TypeError(
+                f"to_pid needs timm Block + Attention blocks; block {i} is {type(blk).__name__} with "
+                f"{type(getattr(blk, 'attn', None)).__name__} attention"
+            )
+        shapes.add((blk.attn.num_heads, blk.attn.head_dim))
+    if len(shapes) > 1:
+        raise ValueError(
+            f"all PID layers must have values of one shape (heads, head_dim); this model's blocks have {sorted(shapes)}"
+        )
+    model.__class__ = target
+    for blk in model.blocks:
+        blk.__class__ = PIDBlock
+        blk.attn.__class__ = PIDAttention
+        blk.attn.set_pid(pid)
+    model.pid = pid
+    return model
+
+
+# ------------------------------------------------------------------------------------ registration
+def _pretrained_cfg(entry: ModelEntry) -> Dict[str, Any]:
+    """The base model's pretrained cfg (input size, normalisation, classifier names) without any source."""
+    base = get_pretrained_cfg(entry.base)
+    cfg = base.to_dict() if base is not None else {}
+    for key in ("url", "hf_hub_id", "hf_hub_filename", "file", "state_dict", "source", "architecture", "tag"):
+        cfg.pop(key, None)
+    if entry.arch == "vit_distilled":
+        cfg["classifier"] = ("head", "head_dist")
+    cfg.update(notes=(f"PID variant of {entry.base}; no bundled weights: set `file` to a local checkpoint",))
+    return cfg
+
+
+def _entrypoint(entry: ModelEntry):
+    def create(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+        return _create(entry, pretrained=pretrained, **kwargs)
+
+    create.__name__ = create.__qualname__ = entry.name
+    create.__module__ = __name__
+    create.__doc__ = f"{entry.description} (preset `{entry.preset}`, base `{entry.base}`)."
+    return create
+
+
+_ENTRIES = [e for e in load_catalogue().values() if e.zoo == "timm" and e.arch in _MODEL_CLASSES]
+default_cfgs = generate_default_cfgs({e.name: _pretrained_cfg(e) for e in _ENTRIES})
+for _entry in _ENTRIES:
+    register_model(_entrypoint(_entry))

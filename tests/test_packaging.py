@@ -1,0 +1,24 @@
+"""`import pid_plugins` needs only torch; adapters import their zoo lazily and say what to install."""
+import subprocess
+import sys
+
+
+def run(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_import_pid_plugins_imports_no_zoo():
+    proc = run(
+        "import sys, pid_plugins\n"
+        "pid_plugins.PIDConfig.preset('deit'); pid_plugins.list_models()\n"
+        "zoos = [m for m in ('timm', 'transformers', 'mmseg', 'mmcv', 'mmengine', 'fairseq', 'matplotlib') if m in sys.modules]\n"
+        "print(zoos)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_timm_adapter_without_timm_says_what_to_install():
+    proc = run("import sys; sys.modules['timm'] = None\nimport pid_plugins.timm\n")
+    assert proc.returncode != 0
+    assert "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'" in proc.stderr

@@ -1,0 +1,531 @@
+"""The timm adapter: PID DeiT/ViT by name, by kwarg, from softmax checkpoints, and timm's model contract."""
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+timm = pytest.importorskip("timm")
+import pid_plugins.timm as pt  # noqa: E402
+from pid_plugins import PIDConfig, list_models  # noqa: E402
+from reference import naive_pid_stack  # noqa: E402
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=10)
+NAMES = list_models(zoo="timm")
+
+
+def pair(name="pid_deit_tiny_patch16_224", seed=0, **kwargs):
+    """A PID model and the stock timm model of its base architecture, with identical weights."""
+    base = pid_plugins_entry(name).base
+    args = {**TINY, **kwargs}
+    pid_kwargs = {k: args.pop(k) for k in ("pid", "attention") if k in args}
+    torch.manual_seed(seed)
+    stock = timm.create_model(base, **args)
+    model = timm.create_model(name, **args, **pid_kwargs)
+    result = model.load_state_dict(stock.state_dict(), strict=False)  # learnable gains are model-only
+    assert not result.unexpected_keys and all(".pid_gains." in k for k in result.missing_keys)
+    return model.eval(), stock.eval()
+
+
+def pid_plugins_entry(name):
+    from pid_plugins import get_model_entry
+
+    return get_model_entry(name)
+
+
+def images(n=2, size=32, seed=1):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ registry
+def test_every_catalogue_name_is_registered_with_a_local_only_pretrained_cfg():
+    assert set(NAMES) == {
+        f"pid_deit_{s}_patch16_224" for s in ("tiny", "small", "base")
+    } | {f"pid_deit_{s}_distilled_patch16_224" for s in ("tiny", "small", "base")} | {
+        f"pid_vit_{s}_patch16_224" for s in ("tiny", "small", "base", "large")
+    }
+    assert set(NAMES) <= set(timm.list_models("pid_*"))
+    for name in NAMES:
+        cfg = timm.models.get_pretrained_cfg(name)
+        assert cfg is not None and not cfg.url and not cfg.hf_hub_id and not cfg.file
+        assert cfg.input_size == (3, 224, 224)
+    assert timm.models.get_pretrained_cfg("pid_deit_tiny_distilled_patch16_224").classifier == ("head", "head_dist")
+    assert timm.models.get_pretrained_cfg("pid_vit_base_patch16_224").mean == (0.5, 0.5, 0.5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_real_sizes_build_and_run_with_the_stock_state_dict_layout(name):
+    entry = pid_plugins_entry(name)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        stock = timm.create_model(entry.base)
+    model = timm.create_model(name).eval()
+    assert model.pid == PIDConfig.preset("deit")
+    assert all(blk.attn.pid == model.pid for blk in model.blocks)
+    sd = model.state_dict()
+    assert list(sd) == list(stock.state_dict())
+    assert all(sd[k].shape == v.shape for k, v in stock.state_dict().items())
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, 224, 224))
+    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+
+
+def test_gains_by_kwarg_and_validation():
+    m = timm.create_model("pid_deit_small_patch16_224", pid=dict(lambda_p=0.5, beta=0.3), **TINY)
+    assert m.pid.gains == (0.5, 0.5, 0.05, 0.3)
+    assert all(blk.attn.pid == m.pid for blk in m.blocks)
+    m = timm.create_model("pid_deit_tiny_patch16_224", pid="segmenter", **TINY)
+    assert m.pid == PIDConfig.preset("segmenter")
+    m = timm.create_model("pid_deit_tiny_patch16_224", pid=PIDConfig(0.1, 0.2, 0.3, 0.4), **TINY)
+    assert m.pid.gains == (0.1, 0.2, 0.3, 0.4)
+    with pytest.raises(ValueError, match="PIDConfig.beta must be in"):
+        timm.create_model("pid_deit_tiny_patch16_224", pid=dict(beta=0.0), **TINY)
+    with pytest.raises(ValueError, match="PIDConfig.lambda_p must be >= 0"):
+        timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=-1), **TINY)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        timm.create_model("pid_deit_tiny_patch16_224", attention="linear", **TINY)
+    with pytest.raises(RuntimeError, match="Unknown model"):
+        timm.create_model("pid_deit_nano_patch16_224")
+
+
+# ------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
+@pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
+@pytest.mark.parametrize("fused", [True, False])
+def test_softmax_or_zero_gains_give_the_stock_model_bit_for_bit(name, kwargs, fused):
+    model, stock = pair(name, **kwargs)
+    for m in (model, stock):
+        for blk in m.blocks:
+            blk.attn.fused_attn = fused
+    x = images()
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x))
+        assert torch.equal(model.forward_features(x), stock.forward_features(x))
+    if "attention" in kwargs:
+        assert model.pid is None and all(blk.attn.pid is None for blk in model.blocks)
+
+
+def test_pid_forward_matches_a_hand_written_reference():
+    """Rebuild the forward from the stock modules with the PID rule from tests/reference.py."""
+    cfg = PIDConfig(0.8, 0.5, 0.3, 0.4)
+    model, _ = pair(pid=cfg)
+    model = model.double()
+    x = images().double()
+    with torch.no_grad():
+        h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+        for depth in range(len(model.blocks)):
+            # recompute every block up to `depth`, keeping per-layer attention outputs and values
+            attn_outs, values, t = [], [], h
+            for blk in list(model.blocks)[: depth + 1]:
+                a = blk.attn
+                B, N, C = t.shape
+                q, k, v = a.qkv(blk.norm1(t)).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+                attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * a.scale, -1) @ v)
+                values.append(v)
+                u = naive_pid_stack(attn_outs, values, *cfg.gains)[-1]
+                t = t + a.proj(u.transpose(1, 2).reshape(B, N, C))
+                t = t + blk.mlp(blk.norm2(t))
+        torch.testing.assert_close(model.norm(t), model.forward_features(x), rtol=1e-10, atol=1e-10)
+
+
+def test_pid_changes_the_output():
+    model, stock = pair()
+    x = images()
+    with torch.no_grad():
+        assert not torch.allclose(model(x), stock(x))
+
+
+# ------------------------------------------------------------------------------------ contract
+def test_forward_head_and_features():
+    model, _ = pair()
+    x = images()
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape == (2, 1 + 16, 48)
+        torch.testing.assert_close(model.forward_head(feats), model(x))
+        assert model.forward_head(feats, pre_logits=True).shape == (2, 48)
+
+
+INTERMEDIATE_CASES = [
+    dict(),
+    dict(indices=2),
+    dict(indices=[0, 2], norm=True),
+    dict(indices=[1], output_fmt="NLC"),
+    dict(indices=2, return_prefix_tokens=True),
+    dict(indices=[0, 1], intermediates_only=True),
+    dict(indices=[0], stop_early=True, intermediates_only=True),
+    dict(indices=2, output_dict=True, return_prefix_tokens=True),
+]
+
+
+def _flatten(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj) for t in _flatten(obj[k])]
+    return [t for o in obj for t in _flatten(o)]
+
+
+@pytest.mark.parametrize("kwargs", INTERMEDIATE_CASES)
+@pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
+def test_forward_intermediates_follows_timm_exactly(kwargs, name):
+    zero, stock = pair(name, pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))
+    x = images()
+    with torch.no_grad():
+        got, want = zero.forward_intermediates(x, **kwargs), stock.forward_intermediates(x, **kwargs)
+    assert type(got) is type(want)
+    got_t, want_t = _flatten(got), _flatten(want)
+    assert len(got_t) == len(want_t) > 0
+    for g, w in zip(got_t, want_t):
+        assert torch.equal(g, w)
+
+
+def test_forward_intermediates_agrees_with_forward_features_under_pid():
+    model, _ = pair()
+    x = images()
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x, indices=3, output_fmt="NLC", norm=True)
+        torch.testing.assert_close(final, model.forward_features(x))
+        torch.testing.assert_close(inter[-1], final[:, 1:])
+        assert model.get_intermediate_layers(x, n=1)[0].shape == (2, 16, 48)
+
+
+def test_features_only():
+    torch.manual_seed(0)
+    model = timm.create_model("pid_deit_tiny_patch16_224", features_only=True, out_indices=(1, 2), **TINY).eval()
+    assert model.feature_info.channels() == [48, 48] and model.feature_info.reduction() == [8, 8]
+    x = images()
+    with torch.no_grad():
+        feats = model(x)
+    assert [f.shape for f in feats] == [(2, 48, 4, 4)] * 2
+
+
+def test_features_only_matches_intermediates():
+    torch.manual_seed(0)
+    fmodel = timm.create_model("pid_deit_tiny_patch16_224", features_only=True, out_indices=(0, 2), **TINY).eval()
+    model, _ = pair()
+    model.load_state_dict(fmodel.model.state_dict(), strict=False)
+    x = images()
+    with torch.no_grad():
+        want = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
+        for g, w in zip(fmodel(x), want):
+            torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
+def test_reset_classifier(name):
+    model, _ = pair(name)
+    model.reset_classifier(5)
+    assert model(images()).shape == (2, 5)
+    model.reset_classifier(0)
+    assert model(images()).shape == (2, 48)
+
+
+def test_no_weight_decay_and_learnable_gains():
+    model = timm.create_model("pid_deit_tiny_patch16_224", **TINY)
+    assert {"pos_embed", "cls_token"} <= model.no_weight_decay()
+    assert not any("pid_gains" in n for n in model.no_weight_decay())
+    learned = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(learnable=True), **TINY)
+    gains = {n for n, _ in learned.named_parameters() if "pid_gains" in n}
+    assert len(gains) == 3 * 3 and gains <= learned.no_weight_decay()
+    assert learned.blocks[0].attn.pid_gains.lambda_p.item() == pytest.approx(0.8)
+
+
+def grads_of(model, x, views=2):
+    model.zero_grad(set_to_none=True)
+    inp = x.clone().requires_grad_()
+    loss = sum(model(inp * (1.0 + 0.25 * i)).square().mean() for i in range(views))  # two forwards, one backward
+    loss.backward()
+    return [inp.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_grad_checkpointing_gives_identical_gradients(reentrant):
+    ref, _ = pair(pid=dict(learnable=True))
+    ckpt, _ = pair(pid=dict(learnable=True))
+    ckpt.load_state_dict(ref.state_dict())
+    ref.train(), ckpt.train()
+    ckpt.set_grad_checkpointing(True)
+    previous = timm.layers.use_reentrant_ckpt()
+    timm.layers.set_reentrant_ckpt(reentrant)
+    try:
+        g_ckpt = grads_of(ckpt, images())
+        # forward_intermediates checkpoints too
+        inp = images().requires_grad_()
+        ckpt.forward_intermediates(inp, indices=1)[1][0].sum().backward()
+        g_inter_ckpt = inp.grad
+    finally:
+        timm.layers.set_reentrant_ckpt(previous)
+    g_ref = grads_of(ref, images())
+    assert len(g_ref) == len(g_ckpt)
+    for a, b in zip(g_ref, g_ckpt):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    inp = images().requires_grad_()
+    ref.forward_intermediates(inp, indices=1)[1][0].sum().backward()
+    torch.testing.assert_close(inp.grad, g_inter_ckpt, rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_img_size():
+    model, stock = pair(dynamic_img_size=True, pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))
+    pid_model, _ = pair(dynamic_img_size=True)
+    with torch.no_grad():
+        for size in (32, 48, 64):
+            x = images(size=size)
+            assert torch.equal(model(x), stock(x))
+            assert pid_model(x).shape == (2, 10)
+            assert pid_model.forward_intermediates(x, indices=1, intermediates_only=True)[0].shape == (
+                2, 48, size // 8, size // 8)
+
+
+@pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
+def test_torch_compile_fullgraph(name):
+    model, stock = pair(name)
+    x = images()
+    torch._dynamo.reset()
+    # the stock model compiles to one graph, so the PID model must too
+    torch.compile(stock, fullgraph=True, backend="aot_eager")(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_torch_compile_fullgraph_training_with_checkpointing():
+    model, _ = pair(pid=dict(learnable=True))
+    model.train().set_grad_checkpointing(True)
+    ref, _ = pair(pid=dict(learnable=True))
+    ref.load_state_dict(model.state_dict())
+    ref.train()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = images()
+    compiled(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_torch_compile_inductor_matches_eager():
+    model, _ = pair()
+    x = images()
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_torch_export_replaces_torchscript():
+    """torch.jit.script is deprecated in torch 2.x and cannot type the variadic PID state: export works."""
+    model, _ = pair()
+    x = images()
+    exported = torch.export.export(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), model(x))
+
+
+# ------------------------------------------------------------------------------ checkpoints
+@pytest.fixture(scope="module")
+def stock_deit_tiny():
+    torch.manual_seed(0)
+    return timm.create_model("deit_tiny_patch16_224").eval()
+
+
+@pytest.mark.parametrize("fmt", ["pth", "wrapped", "safetensors"])
+def test_pretrained_softmax_checkpoint_loads_strictly(stock_deit_tiny, tmp_path, fmt):
+    sd = stock_deit_tiny.state_dict()
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        path = tmp_path / "deit_tiny_patch16_224.safetensors"
+        save_file(sd, str(path))
+    else:
+        path = tmp_path / "deit_tiny_patch16_224.pth"
+        torch.save({"model": sd, "epoch": 3} if fmt == "wrapped" else sd, path)
+    model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(path))).eval()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    softmax = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, attention="softmax",
+                                pretrained_cfg_overlay=dict(file=str(path))).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.equal(softmax(x), stock_deit_tiny(x))
+
+
+def test_pretrained_softmax_checkpoint_into_learnable_gains(stock_deit_tiny, tmp_path):
+    path = tmp_path / "w.pth"
+    torch.save(stock_deit_tiny.state_dict(), path)
+    model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pid=dict(learnable=True),
+                              pretrained_cfg_overlay=dict(file=str(path)))
+    assert model.blocks[5].attn.pid_gains.lambda_i.item() == pytest.approx(0.5)
+    assert torch.equal(model.blocks[5].attn.qkv.weight, stock_deit_tiny.blocks[5].attn.qkv.weight)
+
+
+def test_checkpoint_with_missing_or_extra_keys_is_refused_with_the_keys(stock_deit_tiny, tmp_path):
+    sd = dict(stock_deit_tiny.state_dict())
+    del sd["blocks.3.attn.qkv.weight"]
+    sd["blocks.3.attn.extra_scale"] = torch.ones(1)
+    path = tmp_path / "broken.pth"
+    torch.save(sd, path)
+    with pytest.raises(ValueError) as info:
+        timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    assert "missing keys ['blocks.3.attn.qkv.weight']" in str(info.value)
+    assert "unexpected keys ['blocks.3.attn.extra_scale']" in str(info.value)
+
+
+def test_missing_weights_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no pretrained weights file given for pid_deit_tiny_patch16_224"):
+        timm.create_model("pid_deit_tiny_patch16_224", pretrained=True)
+    missing = tmp_path / "nope.pth"
+    with pytest.raises(FileNotFoundError, match=f"pretrained weights file not found: '{missing}'"):
+        timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
+
+
+def test_checkpoints_load_with_weights_only(stock_deit_tiny, tmp_path, monkeypatch):
+    calls = []
+    original = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    path = tmp_path / "w.pth"
+    torch.save(stock_deit_tiny.state_dict(), path)
+    timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    assert calls and all(c is True for c in calls)
+
+
+# ------------------------------------------------------------------------------ timm train.py
+def parse_model_kwargs(values):
+    """What timm train.py's ParseKwargs action does with `--model-kwargs k=v ...`."""
+    kw = {}
+    for value in values:
+        key, val = value.split("=", 1)
+        try:
+            kw[key] = ast.literal_eval(val)
+        except ValueError:
+            kw[key] = str(val)
+    return kw
+
+
+def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
+    importlib.import_module("pid_plugins.timm")  # --device-modules pid_plugins.timm
+    path = tmp_path / "deit_tiny_patch16_224.pth"
+    torch.save(stock_deit_tiny.state_dict(), path)
+    model_kwargs = parse_model_kwargs(["pid={'lambda_p': 0.5, 'beta': 0.3}"])
+    model = timm.create_model(
+        "pid_deit_tiny_patch16_224",
+        pretrained=True,
+        in_chans=3,
+        num_classes=10,
+        drop_rate=0.0,
+        drop_path_rate=0.1,
+        drop_block_rate=None,
+        global_pool=None,
+        bn_momentum=None,
+        bn_eps=None,
+        scriptable=False,
+        checkpoint_path="",
+        pretrained_cfg_overlay=dict(file=str(path), num_classes=-1),  # --pretrained-path
+        **model_kwargs,
+    )
+    assert model.pid.gains == (0.5, 0.5, 0.05, 0.3)
+    assert model.num_classes == 10 and model.head.out_features == 10
+    assert torch.equal(model.blocks[11].mlp.fc2.weight, stock_deit_tiny.blocks[11].mlp.fc2.weight)
+    # train.py builds its optimizer with timm's factory, which reads no_weight_decay()
+    from timm.optim import create_optimizer_v2
+
+    opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+    assert len(opt.param_groups) == 2
+
+
+# ------------------------------------------------------------------------------------ to_pid
+def test_to_pid_converts_in_place_and_keeps_the_weights():
+    torch.manual_seed(0)
+    stock = timm.create_model("deit_tiny_patch16_224", **TINY).eval()
+    before = {k: v.clone() for k, v in stock.state_dict().items()}
+    x = images()
+    with torch.no_grad():
+        y_stock = stock(x)
+    model = pt.to_pid(stock, PIDConfig.preset("deit"))
+    assert model is stock and isinstance(model, timm.models.VisionTransformer)
+    assert isinstance(model, pt.PIDVisionTransformer)
+    assert list(model.state_dict()) == list(before)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    reference, _ = pair()
+    reference.load_state_dict(before)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+        assert not torch.allclose(model(x), y_stock)
+        assert torch.equal(pt.to_pid(model, PIDConfig(0, 0, 0, 1.0))(x), y_stock)
+        assert torch.equal(pt.to_pid(model, attention="softmax")(x), y_stock)
+    pt.to_pid(model, dict(learnable=True))
+    assert sum("pid_gains" in n for n, _ in model.named_parameters()) == 9
+
+
+def test_to_pid_distilled():
+    torch.manual_seed(0)
+    stock = timm.create_model("deit_tiny_distilled_patch16_224", **TINY).eval()
+    model = pt.to_pid(stock)
+    assert isinstance(model, pt.PIDVisionTransformerDistilled) and model.pid == PIDConfig.preset("deit")
+    assert model(images()).shape == (2, 10)
+
+
+def test_to_pid_refuses_what_it_cannot_convert():
+    with pytest.raises(TypeError, match="got ResNet"):
+        pt.to_pid(timm.create_model("resnet10t"))
+    from timm.models.vision_transformer import ResPostBlock
+
+    post = timm.models.VisionTransformer(block_fn=ResPostBlock, **TINY)
+    with pytest.raises(TypeError, match="block 0 is ResPostBlock"):
+        pt.to_pid(post)
+    with pytest.raises(ValueError, match="PIDConfig.lambda_d"):
+        pt.to_pid(timm.create_model("deit_tiny_patch16_224", **TINY), dict(lambda_d=-0.1))
+
+
+# --------------------------------------------------------------------------- fine-tuning on real data
+def test_fine_tune_a_softmax_checkpoint_into_pid_on_real_digits(tmp_path):
+    """Pretrain a softmax DeiT briefly on real handwritten digits, load it into PID DeiT, fine-tune further."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = F.interpolate(x, size=16, mode="bilinear", align_corners=False).expand(-1, 3, -1, -1)
+    y = torch.tensor(digits.target)
+    args = dict(img_size=16, patch_size=4, embed_dim=48, depth=4, num_heads=3, num_classes=10)
+    torch.manual_seed(0)
+    stock = timm.create_model("deit_tiny_patch16_224", **args)
+
+    def train(model, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        model.train()
+        losses = []
+        for _ in range(steps):
+            idx = torch.randint(0, len(x) - 300, (64,), generator=g)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    train(stock, 40, seed=0)
+    path = tmp_path / "softmax_digits.pth"
+    torch.save(stock.state_dict(), path)
+    model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(path)), **args)
+
+    def held_out_loss(m):
+        m.eval()
+        with torch.no_grad():
+            return F.cross_entropy(m(x[-300:]), y[-300:]).item()
+
+    before = held_out_loss(model)
+    losses = train(model, 40, seed=1)
+    after = held_out_loss(model)
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10
+    assert after < before
