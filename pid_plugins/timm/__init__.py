@@ -14,6 +14,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without timm
         "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'"
     ) from exc
 
+from .fan import FAN, ChannelProcessing, FANBlock, TokenMixing
 from .vision_transformer import (
     PIDAttention,
     PIDBlock,
@@ -24,6 +25,7 @@ from .vision_transformer import (
 )
 
 __all__ = [
+    "FAN", "FANBlock", "TokenMixing", "ChannelProcessing",
     "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
     "checkpoint_filter_fn", "to_pid",
 ]

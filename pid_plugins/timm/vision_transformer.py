@@ -10,7 +10,6 @@ Variants are declared in ``registry/timm.toml`` and registered here with ``regis
 """
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
@@ -19,33 +18,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from timm.layers import Attention, maybe_add_mask, resolve_self_attn_mask
-from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
-from timm.models._builder import resolve_pretrained_cfg
+from timm.models import build_model_with_cfg, get_pretrained_cfg
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
-from ..catalogue import ModelEntry, load_catalogue
+from ..catalogue import ModelEntry
 from ..core import PIDConfig, PIDGains, PIDState, layer_gains, pid_update
+from ._helpers import catalogue_entries, check_pretrained_source, finish_state_dict, register_entries, resolve_pid
 
 __all__ = [
     "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
     "checkpoint_filter_fn", "to_pid",
 ]
-
-_ATTENTION_CHOICES = ("pid", "softmax")
-
-
-def resolve_pid(pid: Any = None, attention: str = "pid", default: Union[PIDConfig, str] = "deit") -> Optional[PIDConfig]:
-    """The PID config a model is built with: ``None`` means stock softmax attention."""
-    if attention not in _ATTENTION_CHOICES:
-        raise ValueError(f"attention must be one of {_ATTENTION_CHOICES}, got {attention!r}")
-    if attention == "softmax":
-        return None
-    return PIDConfig.coerce(pid, default=default)
-
 
 class PIDAttention(Attention):
     """timm's ``Attention`` (same parameters, same state_dict) with the PID update before ``proj``.
@@ -241,51 +228,25 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer
     ``ValueError`` listing missing and unexpected keys otherwise.
     """
     out = _vit_checkpoint_filter_fn(state_dict, model, **kwargs)
-    expected = model.state_dict()
-    for name, value in expected.items():
-        if ".pid_gains." in name and name not in out:
-            out[name] = value.detach().clone()
-    missing = sorted(set(expected) - set(out))
-    unexpected = sorted(set(out) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint does not fit {type(model).__name__}: missing keys {missing}; unexpected keys "
-            f"{unexpected}. A softmax checkpoint of the same timm architecture (e.g. deit_tiny_patch16_224 "
-            "for pid_deit_tiny_patch16_224) loads unchanged; a distilled checkpoint needs a *_distilled_* model"
-        )
-    return out
-
-
-def _check_pretrained_source(entry: ModelEntry, kwargs: Dict[str, Any]) -> None:
-    cfg = resolve_pretrained_cfg(
-        entry.name, pretrained_cfg=kwargs.get("pretrained_cfg"),
-        pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
+    return finish_state_dict(
+        out, model, "A softmax checkpoint of the same timm architecture (e.g. deit_tiny_patch16_224 for "
+        "pid_deit_tiny_patch16_224) loads unchanged; a distilled checkpoint needs a *_distilled_* model",
     )
-    hint = (
-        f"pid-plugins never downloads weights: point {entry.name} at a local checkpoint with "
-        "create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file='/path/to/weights.pth')) "
-        "(.pth, .pth.tar or .safetensors; timm train.py: --pretrained --pretrained-path PATH). A softmax "
-        f"checkpoint of {entry.base} loads as is"
-    )
-    if cfg.state_dict is not None:
-        return
-    if not cfg.file:
-        raise FileNotFoundError(f"no pretrained weights file given for {entry.name}. {hint}")
-    if not os.path.isfile(cfg.file):
-        raise FileNotFoundError(f"pretrained weights file not found: {cfg.file!r}. {hint}")
 
 
-def _create(entry: ModelEntry, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+def _create(
+    entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any
+) -> VisionTransformer:
     pid = kwargs.pop("pid", None)
-    attention = kwargs.pop("attention", "pid")
+    attention = kwargs.pop("attention", default_attention)
     config = resolve_pid(pid, attention, default=entry.pid_config())
     if pretrained:
-        _check_pretrained_source(entry, kwargs)
+        check_pretrained_source(name, entry.base, kwargs)
     out_indices = kwargs.pop("out_indices", 3)
     model_args = {**entry.kwargs, **kwargs}
     return build_model_with_cfg(
         _MODEL_CLASSES[entry.arch],
-        entry.name,
+        name,
         pretrained,
         pretrained_filter_fn=partial(checkpoint_filter_fn, adapt_layer_scale=True),
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
@@ -355,17 +316,4 @@ def _pretrained_cfg(entry: ModelEntry) -> Dict[str, Any]:
     return cfg
 
 
-def _entrypoint(entry: ModelEntry):
-    def create(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-        return _create(entry, pretrained=pretrained, **kwargs)
-
-    create.__name__ = create.__qualname__ = entry.name
-    create.__module__ = __name__
-    create.__doc__ = f"{entry.description} (preset `{entry.preset}`, base `{entry.base}`)."
-    return create
-
-
-_ENTRIES = [e for e in load_catalogue().values() if e.zoo == "timm" and e.arch in _MODEL_CLASSES]
-default_cfgs = generate_default_cfgs({e.name: _pretrained_cfg(e) for e in _ENTRIES})
-for _entry in _ENTRIES:
-    register_model(_entrypoint(_entry))
+register_entries(__name__, catalogue_entries(_MODEL_CLASSES), _create, _pretrained_cfg)

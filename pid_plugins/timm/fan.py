@@ -1,0 +1,391 @@
+"""FAN (Fully Attentional Networks, Zhou et al., ICML 2022), ViT variant, softmax and PID, as timm models.
+
+Written from the paper's description (the reference implementation's licence does not allow reuse). The
+stem, the Fourier positional encoding and the class-attention blocks are timm's XCiT components, which FAN
+shares; parameter names follow the official FAN checkpoints, so they load strictly after
+:func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention ``qkv``
+split into ``q``/``k``/``v``).
+
+The PID group is the token-mixing self-attention of the FAN blocks; the class-attention blocks stay
+softmax. The state flows between blocks as plain tensors: ``block(x, H, W, *state) -> (x, *state)``.
+
+Names (from ``registry/timm.toml``): ``fan_{tiny_12,small_12,base_18,large_24}_p16_224`` (softmax) and
+``pid_fan_*`` (PID, preset ``deit``).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Dict, List, Optional, Set, Tuple, Type, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, get_act_layer, get_norm_layer, trunc_normal_
+from timm.models import build_model_with_cfg
+from timm.models._features import feature_take_indices
+from timm.models._manipulate import checkpoint
+from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, PositionalEncodingFourier
+from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
+
+from ..catalogue import ModelEntry
+from ..core import PIDConfig, PIDGains, PIDState, layer_gains, pid_update
+from ._helpers import (
+    catalogue_entries, check_pretrained_source, finish_state_dict, register_entries, resolve_pid, unwrap_state_dict,
+)
+
+__all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_filter_fn"]
+
+
+class TokenMixing(nn.Module):
+    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally PID."""
+
+    def __init__(
+        self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0,
+        proj_drop: float = 0.0, pid: Optional[PIDConfig] = None,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.pid: Optional[PIDConfig] = None
+        self.pid_gains: Optional[PIDGains] = None
+        self.set_pid(pid)
+
+    def set_pid(self, pid: Optional[PIDConfig]) -> None:
+        self.pid = pid
+        ref = self.q.weight
+        self.pid_gains = (
+            PIDGains(pid).to(device=ref.device, dtype=ref.dtype) if pid is not None and pid.learnable else None
+        )
+
+    def forward(self, x: Tensor, state: Optional[PIDState] = None) -> Tuple[Tensor, Optional[PIDState]]:
+        B, N, C = x.shape
+        q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        if self.pid is not None:
+            out, state = pid_update(out, v, state, layer_gains(self.pid, self.pid_gains))
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C))), state
+
+
+class ChannelMlp(nn.Module):
+    """``fc1 -> act(x + gamma * DWConv(x)) -> fc2``: an MLP with a depthwise-convolution branch on the grid."""
+
+    def __init__(self, in_features: int, hidden_features: int, act_layer: Type[nn.Module] = nn.GELU,
+                 drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features)
+        self.dwconv = LPI(hidden_features, act_layer=act_layer)  # depthwise 3x3, act, BatchNorm, depthwise 3x3
+        self.gamma = nn.Parameter(torch.ones(hidden_features))
+        self.act = act_layer()
+        self.drop = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_features, in_features)
+
+    def forward(self, x: Tensor, H: int, W: int) -> Tensor:
+        x = self.fc1(x)
+        x = self.drop(self.act(x + self.gamma * self.dwconv(x, H, W)))
+        return self.drop(self.fc2(x))
+
+
+class ChannelProcessing(nn.Module):
+    """Attention over channels (FAN's channel processing).
+
+    Per head: ``a = sigmoid(softmax_N(q)^T @ mean_C(softmax_N(k))) * temperature`` gives one weight per
+    channel (``q = W_q x``, ``k = x``), and the output is ``a * LayerNorm(ChannelMlp(x))``.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0,
+                 mlp_hidden_dim: Optional[int] = None, act_layer: Type[nn.Module] = nn.GELU, drop: float = 0.0,
+                 norm_layer: Type[nn.Module] = nn.LayerNorm) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1))
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.mlp_v = ChannelMlp(dim, mlp_hidden_dim or dim * 4, act_layer=act_layer, drop=drop)
+        self.norm_v = norm_layer(dim)
+        self.attn_drop = nn.Dropout(attn_drop)
+
+    def forward(self, x: Tensor, H: int, W: int) -> Tensor:
+        B, N, C = x.shape
+        hd = C // self.num_heads
+        q = self.q(x).reshape(B, N, self.num_heads, hd).transpose(1, 2)          # B, h, N, hd
+        k = x.reshape(B, N, self.num_heads, hd).transpose(1, 2)
+        k_weights = k.softmax(dim=-2).mean(dim=-1, keepdim=True)                  # B, h, N, 1
+        attn = torch.sigmoid(q.softmax(dim=-2).transpose(-1, -2) @ k_weights)    # B, h, hd, 1
+        attn = self.attn_drop(attn * self.temperature)
+        v = self.norm_v(self.mlp_v(x, H, W)).reshape(B, N, self.num_heads, hd).permute(0, 2, 3, 1)  # B, h, hd, N
+        return (attn * v).permute(0, 3, 1, 2).reshape(B, N, C)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {"temperature"}
+
+
+class FANBlock(nn.Module):
+    """``x += gamma1 * TokenMixing(norm1(x)); x += gamma2 * ChannelProcessing(norm2(x))``."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = False,
+                 proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
+                 act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = nn.LayerNorm,
+                 eta: float = 1.0, pid: Optional[PIDConfig] = None) -> None:
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = TokenMixing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, pid=pid)
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = ChannelProcessing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop,
+                                     mlp_hidden_dim=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop,
+                                     norm_layer=norm_layer)
+        self.gamma1 = nn.Parameter(eta * torch.ones(dim))
+        self.gamma2 = nn.Parameter(eta * torch.ones(dim))
+
+    def forward(self, x: Tensor, H: int, W: int, *state: Tensor) -> Tuple[Tensor, ...]:
+        y, new_state = self.attn(self.norm1(x), PIDState(*state) if state else None)
+        x = x + self.drop_path(self.gamma1 * y)
+        x = x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), H, W))
+        return (x,) if new_state is None else (x, *new_state)
+
+
+class FAN(nn.Module):
+    """FAN-ViT: convolutional stem, Fourier positions, FAN blocks, two class-attention blocks, head.
+
+    ``pid`` (a :class:`PIDConfig`, a dict of overrides of ``deit``, or a preset name) with
+    ``attention="pid"`` puts the FAN blocks' token mixing under PID control; ``attention="softmax"``
+    (the default of the ``fan_*`` names) is the stock FAN.
+    """
+
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "token",
+        embed_dim: int = 192,
+        depth: int = 12,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        act_layer: Optional[Type[nn.Module]] = None,
+        norm_layer: Optional[Type[nn.Module]] = None,
+        cls_attn_layers: int = 2,
+        use_pos_embed: bool = True,
+        eta: float = 1.0,
+        tokens_norm: bool = True,
+        pid: Any = None,
+        attention: str = "softmax",
+    ) -> None:
+        super().__init__()
+        if global_pool not in ("", "avg", "token"):
+            raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
+        norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
+        act_layer = get_act_layer(act_layer) or nn.GELU
+        self.pid = resolve_pid(pid, attention)
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.num_prefix_tokens = 1
+        self.grad_checkpointing = False
+
+        self.patch_embed = ConvPatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
+                                          embed_dim=embed_dim, act_layer=act_layer)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = PositionalEncodingFourier(dim=embed_dim) if use_pos_embed else None
+        self.pos_drop = nn.Dropout(p=pos_drop_rate)
+        self.blocks = nn.ModuleList(
+            FANBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
+                     attn_drop=attn_drop_rate, drop_path=drop_path_rate, act_layer=act_layer, norm_layer=norm_layer,
+                     eta=eta, pid=self.pid)
+            for _ in range(depth)
+        )
+        self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
+        self.cls_attn_blocks = nn.ModuleList(
+            ClassAttentionBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+                                proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, act_layer=act_layer,
+                                norm_layer=norm_layer, eta=eta, tokens_norm=tokens_norm)
+            for _ in range(cls_attn_layers)
+        )
+        self.norm = norm_layer(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        trunc_normal_(self.cls_token, std=0.02)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    # ------------------------------------------------------------------------------ timm contract
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {"cls_token", "pos_embed.*", "*.temperature", "*.pid_gains.*"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r"^cls_token|pos_embed|patch_embed",
+            blocks=r"^blocks\.(\d+)",
+            cls_attn_blocks=[(r"^cls_attn_blocks\.(\d+)", None), (r"^norm", (99999,))],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            if global_pool not in ("", "avg", "token"):
+                raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
+            self.global_pool = global_pool
+        ref = self.patch_embed.proj[0][0].weight
+        self.head = (nn.Linear(self.embed_dim, num_classes).to(ref.device, ref.dtype)
+                     if num_classes > 0 else nn.Identity())
+
+    def set_pid(self, pid: Optional[PIDConfig]) -> None:
+        """Switch every FAN block's token mixing to PID (``pid``) or softmax (``None``)."""
+        for blk in self.blocks:
+            blk.attn.set_pid(pid)
+        self.pid = pid
+
+    def _embed(self, x: Tensor) -> Tuple[Tensor, int, int]:
+        B = x.shape[0]
+        x, (Hp, Wp) = self.patch_embed(x)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(B, Hp, Wp).reshape(B, -1, x.shape[1]).permute(0, 2, 1)
+        return self.pos_drop(x), Hp, Wp
+
+    def _blocks_forward(self, x: Tensor, Hp: int, Wp: int, blocks: nn.Module,
+                        take_indices: Optional[List[int]] = None, norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
+        state: Tuple[Tensor, ...] = ()
+        intermediates: List[Tensor] = []
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x, *state = checkpoint(blk, x, Hp, Wp, *state)
+            else:
+                x, *state = blk(x, Hp, Wp, *state)
+            if take_indices is not None and i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        return x, intermediates
+
+    def forward_cls(self, x: Tensor) -> Tensor:
+        """Prepend the class token and run the (softmax) class-attention blocks."""
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        for blk in self.cls_attn_blocks:
+            x = checkpoint(blk, x) if self.grad_checkpointing and not torch.jit.is_scripting() else blk(x)
+        return x
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        x, Hp, Wp = self._embed(x)
+        x, _ = self._blocks_forward(x, Hp, Wp, self.blocks)
+        if self.cls_attn_blocks is not None:
+            x = self.forward_cls(x)
+        return self.norm(x)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
+        """Patch-token outputs of the FAN blocks at ``indices`` (NCHW or NLC), and the final features."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        B = x.shape[0]
+        x, Hp, Wp = self._embed(x)
+        blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
+        x, intermediates = self._blocks_forward(x, Hp, Wp, blocks, take_indices=take_indices, norm=norm)
+        if output_fmt == "NCHW":
+            intermediates = [y.reshape(B, Hp, Wp, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if intermediates_only:
+            return intermediates
+        if self.cls_attn_blocks is not None:
+            x = self.forward_cls(x)
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.cls_attn_blocks = None
+            self.cls_token = None
+            self.num_prefix_tokens = 0
+            self.reset_classifier(0, "")
+        return take_indices
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if self.global_pool:
+            x = x[:, self.num_prefix_tokens:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: FAN) -> Dict[str, Tensor]:
+    """Load an official (or our own) FAN checkpoint: unwrap, rename ``pos_embeder``, split fused ``qkv``."""
+    out = dict(unwrap_state_dict(state_dict))
+    out = _xcit_checkpoint_filter_fn(out, model)
+    return finish_state_dict(
+        out, model, "FAN checkpoints in the official layout load strictly (fan_tiny_12_p16_224 into "
+        "fan_tiny_12_p16_224 or pid_fan_tiny_12_p16_224); check the model size matches the checkpoint",
+    )
+
+
+def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any) -> FAN:
+    pid = kwargs.pop("pid", None)
+    attention = kwargs.pop("attention", default_attention)
+    config = resolve_pid(pid, attention, default=entry.pid_config())
+    if pretrained:
+        check_pretrained_source(name, entry.base, kwargs)
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(
+        FAN, name, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        pid=config, attention="pid" if config is not None else "softmax",
+        **{**entry.kwargs, **kwargs},
+    )
+
+
+def _pretrained_cfg(entry: ModelEntry) -> Dict[str, Any]:
+    return {
+        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.95,
+        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj.0.0", "classifier": "head",
+        "notes": ("no bundled weights: set `file` to a local checkpoint (official FAN layout loads)",),
+    }
+
+
+register_entries(__name__, catalogue_entries(["fan"]), _create, _pretrained_cfg, with_base=True)

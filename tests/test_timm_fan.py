@@ -1,0 +1,268 @@
+"""FAN in timm: softmax and PID, official checkpoint layout, timm's model contract."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+timm = pytest.importorskip("timm")
+import pid_plugins.timm  # noqa: E402,F401
+from pid_plugins import PIDConfig, get_model_entry, list_models  # noqa: E402
+from pid_plugins.timm import FAN  # noqa: E402
+from reference import naive_pid_stack  # noqa: E402
+
+SMALL = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)
+PAPER_PARAMS_M = {"fan_tiny_12_p16_224": 7.3, "fan_small_12_p16_224": 28.3,
+                  "fan_base_18_p16_224": 54.0, "fan_large_24_p16_224": 80.5}
+
+
+def pair(seed=0, **kwargs):
+    """pid_fan (PID unless told otherwise) and fan (softmax) with identical weights, small config."""
+    args = {**SMALL, **kwargs}
+    pid_kwargs = {k: args.pop(k) for k in ("pid", "attention") if k in args}
+    torch.manual_seed(seed)
+    stock = timm.create_model("fan_tiny_12_p16_224", **args)
+    model = timm.create_model("pid_fan_tiny_12_p16_224", **args, **pid_kwargs)
+    result = model.load_state_dict(stock.state_dict(), strict=False)
+    assert not result.unexpected_keys and all(".pid_gains." in k for k in result.missing_keys)
+    return model.eval(), stock.eval()
+
+
+def images(n=2, size=64, seed=1):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def test_names_come_from_the_registry():
+    pid_names = list_models("pid_fan*")
+    assert pid_names == ["pid_fan_base_18_p16_224", "pid_fan_large_24_p16_224", "pid_fan_small_12_p16_224",
+                         "pid_fan_tiny_12_p16_224"]
+    registered = set(timm.list_models("*fan*"))
+    assert set(pid_names) | {get_model_entry(n).base for n in pid_names} <= registered
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_PARAMS_M))
+def test_real_sizes_parameter_counts_and_forward(name):
+    model = timm.create_model(name).eval()
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    assert params == pytest.approx(PAPER_PARAMS_M[name], rel=0.02)
+    if name == "fan_tiny_12_p16_224":
+        assert params == pytest.approx(7.0, rel=0.05)  # the issue's FAN-T figure
+    assert model.pid is None
+    pid = timm.create_model("pid_" + name).eval()
+    assert pid.pid == PIDConfig.preset("deit")
+    assert list(pid.state_dict()) == list(model.state_dict())
+    with torch.no_grad():
+        out = pid(torch.randn(1, 3, 224, 224))
+    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+
+
+def test_pid_controls_token_mixing_only():
+    model, _ = pair()
+    assert all(blk.attn.pid == PIDConfig.preset("deit") for blk in model.blocks)
+    assert all(not hasattr(blk.attn, "pid") for blk in model.cls_attn_blocks)
+
+
+@pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
+def test_zero_gains_or_softmax_equal_the_softmax_fan_bit_for_bit(kwargs):
+    model, stock = pair(**kwargs)
+    x = images()
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x))
+        a, b = model.forward_intermediates(x, indices=[0, 2]), stock.forward_intermediates(x, indices=[0, 2])
+        assert torch.equal(a[0], b[0]) and all(torch.equal(u, v) for u, v in zip(a[1], b[1]))
+
+
+def test_pid_fan_matches_a_hand_written_reference():
+    cfg = PIDConfig(0.8, 0.5, 0.3, 0.4)
+    model, _ = pair(pid=cfg)
+    model = model.double()
+    x = images().double()
+    with torch.no_grad():
+        h, Hp, Wp = model._embed(x)
+        attn_outs, values = [], []
+        for blk in model.blocks:
+            a = blk.attn
+            B, N, C = h.shape
+            t = blk.norm1(h)
+            q = a.q(t).reshape(B, N, a.num_heads, -1).transpose(1, 2)
+            k, v = a.kv(t).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
+            attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, -1) @ v)
+            values.append(v)
+            u = naive_pid_stack(attn_outs, values, *cfg.gains)[-1]
+            h = h + blk.gamma1 * a.proj(u.transpose(1, 2).reshape(B, N, C))
+            h = h + blk.gamma2 * blk.mlp(blk.norm2(h), Hp, Wp)
+        want = model.norm(model.forward_cls(h))
+        torch.testing.assert_close(model.forward_features(x), want, rtol=1e-10, atol=1e-10)
+
+
+def test_channel_processing_attends_over_channels():
+    cp = timm.create_model("fan_tiny_12_p16_224", **SMALL).blocks[0].mlp.eval()
+    x = torch.randn(2, 16, 48)
+    with torch.no_grad():
+        y = cp(x, 4, 4)
+        # one sigmoid weight per channel and head, in (0, temperature): output = weight * normalised values
+        v = cp.norm_v(cp.mlp_v(x, 4, 4))
+        ratio = y / v
+    assert y.shape == x.shape
+    assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-4, atol=1e-5)  # same weight for all tokens
+    assert (ratio > 0).all() and (ratio < 1).all()
+
+
+def test_contract_head_intermediates_features():
+    model, _ = pair()
+    x = images()
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape == (2, 1 + 16, 48)
+        torch.testing.assert_close(model.forward_head(feats), model(x))
+        assert model.forward_head(feats, pre_logits=True).shape == (2, 48)
+        final, inter = model.forward_intermediates(x, indices=2, norm=True)
+        torch.testing.assert_close(final, feats)
+        assert [t.shape for t in inter] == [(2, 48, 4, 4)] * 2
+        nlc = model.forward_intermediates(x, indices=[1], output_fmt="NLC", intermediates_only=True)
+        assert nlc[0].shape == (2, 16, 48)
+        early = model.forward_intermediates(x, indices=[0], stop_early=True, intermediates_only=True)
+        full = model.forward_intermediates(x, indices=[0], intermediates_only=True)
+        assert torch.equal(early[0], full[0])
+    fmodel = timm.create_model("pid_fan_tiny_12_p16_224", features_only=True, out_indices=(0, 2), **SMALL).eval()
+    assert fmodel.model.cls_attn_blocks is None  # pruned: only the FAN blocks run
+    fmodel.model.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if k in fmodel.model.state_dict()}, strict=True)
+    with torch.no_grad():
+        got = fmodel(x)
+        want = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
+    assert [t.shape for t in got] == [(2, 48, 4, 4)] * 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert fmodel.feature_info.reduction() == [16, 16]
+
+
+def test_reset_classifier_and_no_weight_decay():
+    model, _ = pair(pid=dict(learnable=True))
+    model.reset_classifier(3)
+    assert model(images()).shape == (2, 3)
+    model.reset_classifier(0, global_pool="avg")
+    assert model(images()).shape == (2, 48)
+    from timm.optim import create_optimizer_v2
+
+    opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        if ".pid_gains." in n or n.endswith("temperature") or n.startswith("pos_embed") or n == "cls_token":
+            assert id(p) not in decayed, n
+    assert any(names[i].endswith("attn.q.weight") for i in decayed)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_grad_checkpointing_gives_identical_gradients(reentrant):
+    ref, _ = pair(pid=dict(learnable=True))
+    ckpt, _ = pair(pid=dict(learnable=True))
+    ckpt.load_state_dict(ref.state_dict())
+    # eval: BatchNorm statistics are not re-updated by the recomputation, so both runs see the same numbers
+    ckpt.set_grad_checkpointing(True)
+    grads = []
+    previous = timm.layers.use_reentrant_ckpt()
+    timm.layers.set_reentrant_ckpt(reentrant)
+    try:
+        for model in (ref, ckpt):
+            inp = images().requires_grad_()
+            (model(inp).square().mean() + model(inp * 0.5).mean()).backward()  # two forwards, one backward
+            grads.append([inp.grad] + [p.grad.clone() for p in model.parameters()])
+    finally:
+        timm.layers.set_reentrant_ckpt(previous)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_fullgraph_and_other_input_sizes():
+    model, stock = pair()
+    x = images()
+    torch._dynamo.reset()
+    torch.compile(stock, fullgraph=True, backend="aot_eager")(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+        for size in (32, 96):
+            assert model(images(size=size)).shape == (2, 10)
+
+
+def official_layout(sd, fused_qkv=False, pos_embeder=False, wrap=None):
+    out = {}
+    for k, v in sd.items():
+        if pos_embeder and k.startswith("pos_embed."):
+            k = k.replace("pos_embed.", "pos_embeder.", 1)
+        out[k] = v.clone()
+    if fused_qkv:
+        i = 0
+        while f"cls_attn_blocks.{i}.attn.q.weight" in out:
+            p = f"cls_attn_blocks.{i}.attn."
+            out[p + "qkv.weight"] = torch.cat([out.pop(p + s + ".weight") for s in "qkv"])
+            out[p + "qkv.bias"] = torch.cat([out.pop(p + s + ".bias") for s in "qkv"])
+            i += 1
+    return {wrap: out} if wrap else out
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(wrap="model"), dict(wrap="state_dict"),
+                                     dict(fused_qkv=True, pos_embeder=True, wrap="model")])
+def test_official_checkpoint_layouts_load_strictly(variant, tmp_path):
+    torch.manual_seed(0)
+    source = timm.create_model("fan_tiny_12_p16_224", **SMALL).eval()
+    sd = source.state_dict()
+    path = tmp_path / "fan_tiny.pth"
+    torch.save(official_layout(sd, **variant), path)
+    for name in ("fan_tiny_12_p16_224", "pid_fan_tiny_12_p16_224"):
+        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SMALL)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, sd[k]), k
+    softmax = timm.create_model("pid_fan_tiny_12_p16_224", pretrained=True, attention="softmax",
+                                pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SMALL).eval()
+    with torch.no_grad():
+        assert torch.equal(softmax(images()), source(images()))
+
+
+def test_mismatched_checkpoint_lists_the_keys(tmp_path):
+    torch.manual_seed(0)
+    sd = dict(timm.create_model("fan_tiny_12_p16_224", **SMALL).state_dict())
+    sd.pop("blocks.1.mlp.temperature")
+    sd["blocks.1.mlp.sharpen"] = torch.ones(1)
+    path = tmp_path / "bad.pth"
+    torch.save(sd, path)
+    with pytest.raises(ValueError) as info:
+        timm.create_model("pid_fan_tiny_12_p16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                          **SMALL)
+    assert "missing keys ['blocks.1.mlp.temperature']" in str(info.value)
+    assert "unexpected keys ['blocks.1.mlp.sharpen']" in str(info.value)
+    with pytest.raises(FileNotFoundError, match="no pretrained weights file given for fan_tiny_12_p16_224"):
+        timm.create_model("fan_tiny_12_p16_224", pretrained=True)
+
+
+def test_fine_tune_pid_fan_on_real_digits():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = F.interpolate(x, size=32, mode="bilinear", align_corners=False).expand(-1, 3, -1, -1)
+    y = torch.tensor(digits.target)
+    torch.manual_seed(0)
+    model = timm.create_model("pid_fan_tiny_12_p16_224", img_size=32, patch_size=8, embed_dim=48, depth=2,
+                              num_heads=4, num_classes=10)
+    assert isinstance(model, FAN)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(0)
+
+    def held_out():
+        model.eval()
+        with torch.no_grad():
+            return F.cross_entropy(model(x[-300:]), y[-300:]).item()
+
+    before = held_out()
+    losses = []
+    for _ in range(60):  # enough steps for the stem's BatchNorm running statistics to settle for eval
+        model.train()
+        idx = torch.randint(0, len(x) - 300, (64,), generator=g)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10
+    assert held_out() < 0.5 * before
