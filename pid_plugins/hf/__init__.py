@@ -1,0 +1,30 @@
+"""HuggingFace transformers adapter: ``attn_implementation="pid"``.
+
+``import pid_plugins.hf`` registers ``"pid"`` with transformers' ``AttentionInterface`` (the attention
+function) and ``AttentionMaskInterface`` (its mask function, the same as SDPA's). Then::
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
+    model = pid_plugins.hf.to_pid(model, PIDConfig.preset("lm"))                     # or convert
+    model.config.pid = {"lambda_p": 0.5}                                              # change gains
+"""
+try:
+    import transformers  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "pid_plugins.hf needs transformers: pip install -c constraints.txt 'pid-plugins[hf]'"
+    ) from exc
+
+from .attention import (
+    ATTN_IMPLEMENTATION,
+    PIDForwardState,
+    install_pid_hooks,
+    model_pid_config,
+    pid_attention_forward,
+    to_pid,
+)
+from .catalogue import get_config, list_models
+
+__all__ = [
+    "ATTN_IMPLEMENTATION", "PIDForwardState", "pid_attention_forward", "install_pid_hooks", "model_pid_config",
+    "to_pid", "get_config", "list_models",
+]

