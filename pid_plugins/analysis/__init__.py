@@ -1,4 +1,8 @@
-"""Measures of token collapse (rank, similarity, consensus distance, attention sparsity)."""
-from .measures import attention_sparsity, consensus_distance, mean_pairwise_cosine, numerical_rank
+"""Analysis tools: collapse measures, per-layer diagnostics and robustness for any zoo model.
 
-__all__ = ["mean_pairwise_cosine", "numerical_rank", "consensus_distance", "attention_sparsity"]
+``measures`` needs only torch. ``diagnostics`` hooks a model's layer stack; ``robustness`` uses torchattacks
+and corrupt-tta; ``run`` backs the ``pid-plugins diagnose`` and ``pid-plugins attack`` commands.
+"""
+from .measures import attention_sparsity, consensus_distance, effective_rank, mean_pairwise_cosine, numerical_rank
+
+__all__ = ["mean_pairwise_cosine", "numerical_rank", "effective_rank", "consensus_distance", "attention_sparsity"]

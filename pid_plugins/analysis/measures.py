@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["mean_pairwise_cosine", "numerical_rank", "consensus_distance", "attention_sparsity"]
+__all__ = [
+    "mean_pairwise_cosine", "numerical_rank", "effective_rank", "consensus_distance", "attention_sparsity",
+]
 
 
 def _at_least_float32(x: Tensor) -> Tensor:
@@ -31,6 +33,15 @@ def numerical_rank(tokens: Tensor, rtol: float = 1e-3) -> Tensor:
     """Number of singular values above ``rtol`` times the largest (a numerically robust rank)."""
     s = torch.linalg.svdvals(tokens.double())
     return (s > rtol * s[..., :1]).sum(-1)
+
+
+def effective_rank(tokens: Tensor) -> Tensor:
+    """exp(entropy) of the normalised singular values (Roy & Vetterli, 2007): 1 for a rank-1 matrix, N for
+    N orthogonal tokens of equal norm; a continuous rank that weighs each direction by its energy."""
+    s = torch.linalg.svdvals(tokens.double())
+    p = s / s.sum(-1, keepdim=True).clamp_min(1e-300)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    return entropy.exp()
 
 
 def consensus_distance(tokens: Tensor, eps: float = 1e-12) -> Tensor:
