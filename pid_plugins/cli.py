@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 
@@ -33,16 +34,43 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_core_demo
+    from .demo import language_rows, run_demo, vision_rows
 
-    res = run_core_demo(args.out, seed=args.seed, depth=args.depth, preset=args.preset)
-    fixed = res["fixed_attention"]
-    print(f"fixed attention, rank after {args.depth} layers: softmax {fixed['softmax']['numerical_rank'][-1]}, "
-          f"PID {fixed['pid']['numerical_rank'][-1]}")
-    stack = res["attention_stack"]
-    print(f"attention stack, mean cosine after 12 blocks: softmax {stack['softmax']['mean_cosine'][-1]:.3f}, "
-          f"PID {stack['pid']['mean_cosine'][-1]:.3f}")
-    print(f"wrote {args.out}/report.md, {args.out}/core_demo.png, {args.out}/core_demo.json")
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    unknown = sorted(set(parts) - {"core", "vision", "language"})
+    if unknown or not parts:
+        raise ValueError(f"--parts takes a comma list of core, vision, language; got {args.parts!r}")
+    from .core import PIDConfig
+
+    PIDConfig.preset(args.preset)  # a bad preset fails before anything runs
+    res = run_demo(args.out, quick=args.quick, parts=parts, seed=args.seed, data=args.data, corpus=args.corpus,
+                   preset=args.preset, log=lambda m: print(m, file=sys.stderr))
+    if "core" in res:
+        fixed, stack = res["core"]["fixed_attention"], res["core"]["attention_stack"]
+        print(f"core: fixed attention, rank after {len(fixed['softmax']['numerical_rank']) - 1} layers: softmax "
+              f"{fixed['softmax']['numerical_rank'][-1]}, PID {fixed['pid']['numerical_rank'][-1]}; attention stack, "
+              f"mean cosine after 12 blocks: softmax {stack['softmax']['mean_cosine'][-1]:.3f}, "
+              f"PID {stack['pid']['mean_cosine'][-1]:.3f}")
+    for part, rows in (("vision", vision_rows), ("language", language_rows)):
+        if part in res:
+            table = rows(res[part])
+            w = max(len(r[0]) for r in table)
+            print(f"\n{part} ({res[part].get('data', res[part]['spec'].get('corpus', ''))})")
+            print(f"  {'':<{w}}  {'softmax':>16}  {'PID':>16}")
+            for a, b, c in table:
+                print(f"  {a:<{w}}  {b:>16}  {c:>16}")
+    print(f"\nwrote {args.out}/report.md (with PNGs and demo.json) in {res['seconds']:.0f} s")
+    return 0
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from .demo import run_reproduce
+
+    rec = run_reproduce(args.out, seeds=tuple(args.seeds), vision_epochs=args.vision_epochs, lm_steps=args.lm_steps,
+                        data=args.data, corpus=args.corpus, parts=tuple(args.parts.split(",")),
+                        log=lambda m: print(m, file=sys.stderr))
+    print((Path(args.out) / "reproduce.md").read_text())
+    del rec
     return 0
 
 
@@ -174,12 +202,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="0,0.05,0.1,0.2", help="token substitution rates (language models)")
     p.add_argument("--out", default="attack_out")
     p.set_defaults(func=_cmd_attack)
-    p = sub.add_parser("demo", help="softmax vs PID: token collapse on a fixed attention matrix and a stack")
-    p.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
+    p = sub.add_parser("demo", help="the main job: softmax vs PID on real data (vision + language), report + plots")
+    p.add_argument("--out", default="demo_out", help="output directory (default: demo_out); trained models are cached there")
+    p.add_argument("--quick", action="store_true", help="tiny budgets (under 3 minutes), for smoke tests")
+    p.add_argument("--parts", default="core,vision,language", help="comma list of core, vision, language")
+    p.add_argument("--data", default="auto", help="images: fashion-mnist, digits or auto (Fashion-MNIST if installed)")
+    p.add_argument("--corpus", default="wiki", help="text: wiki (gensim's Wikipedia sample), shakespeare or a file")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--depth", type=int, default=24)
-    p.add_argument("--preset", default="deit")
+    p.add_argument("--preset", default="deit", help="gains of the core demo's PID layers")
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("reproduce", help="the demo comparison with a larger budget over several seeds (mean +- std)")
+    p.add_argument("--out", default="reproduce_out")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--vision-epochs", type=float, default=3.0)
+    p.add_argument("--lm-steps", type=int, default=2000)
+    p.add_argument("--parts", default="vision,language")
+    p.add_argument("--data", default="auto")
+    p.add_argument("--corpus", default="wiki")
+    p.set_defaults(func=_cmd_reproduce)
     return parser
 
 

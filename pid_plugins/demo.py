@@ -161,3 +161,257 @@ def _report(results: dict[str, Any], png: Optional[Path]) -> str:
     if png is not None:
         lines.append(f"![softmax vs PID]({png.name})")
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The main job: softmax vs PID on real data through the zoo adapters (``pid-plugins demo``).
+def demo_specs(quick: bool, seed: int = 0, data: str = "auto", corpus: str = "wiki"):
+    """The default (or ``--quick``) vision and language specs."""
+    from .experiments import LanguageSpec, VisionSpec
+
+    if quick:
+        vision = VisionSpec(data=data, epochs=0.15, test_limit=200, pgd_steps=3, eps_sweep=(0.0, 2 / 255, 4 / 255),
+                            noise_sigmas=(0.1, 0.3), corruptions=("gaussian_noise", "contrast"), severities=(1, 3, 5),
+                            diag_samples=64, seed=seed)
+        language = LanguageSpec(corpus=corpus, steps=60, valid_blocks=16, seed=seed)
+    else:
+        vision = VisionSpec(data=data, epochs=1.0, test_limit=500, pgd_steps=10, seed=seed)
+        language = LanguageSpec(corpus=corpus, steps=800, valid_blocks=64, seed=seed)
+    return vision, language
+
+
+def _at(xs, ys, x):
+    """y at the x nearest to ``x``."""
+    i = min(range(len(xs)), key=lambda j: abs(xs[j] - x))
+    return ys[i]
+
+
+def vision_rows(v: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(measure, softmax, PID) rows of the vision comparison."""
+    s, p = v["models"]["softmax"], v["models"]["pid"]
+    rows = []
+
+    def pct(f):
+        return lambda r: f"{100 * f(r):.1f}%"
+
+    eps3 = 3 / 255
+    checks = [
+        ("clean top-1", pct(lambda r: r["robustness"]["clean"]["top1"])),
+        (f"FGSM top-1 (eps {round(255 * _near(v, 'fgsm', eps3))}/255)",
+         pct(lambda r: _at(r["robustness"]["fgsm"]["eps"], r["robustness"]["fgsm"]["top1"], eps3))),
+        (f"PGD-{v['spec']['pgd_steps']} top-1 (eps {round(255 * _near(v, 'pgd', eps3))}/255)",
+         pct(lambda r: _at(r["robustness"]["pgd"]["eps"], r["robustness"]["pgd"]["top1"], eps3))),
+        (f"Gaussian noise top-1 (sigma {v['spec']['noise_sigmas'][-1]})", pct(lambda r: r["robustness"]["noise"]["top1"][-1])),
+        ("mean corruption error", pct(lambda r: r["robustness"]["corruptions"]["mean_corruption_error"])),
+        ("mCE vs softmax (100 = same)", lambda r: f"{r['robustness']['corruptions']['mce_vs_softmax']:.1f}"),
+        ("mean cosine, first -> last block",
+         lambda r: f"{r['collapse']['mean_cosine'][0]:.3f} -> {r['collapse']['mean_cosine'][-1]:.3f}"),
+        ("effective rank, last block", lambda r: f"{r['collapse']['effective_rank'][-1]:.1f}"),
+        ("training time", lambda r: f"{r['train_seconds']:.0f} s"),
+    ]
+    for name, fmt in checks:
+        rows.append((name, fmt(s), fmt(p)))
+    return rows
+
+
+def _near(v, attack, eps):
+    xs = v["models"]["softmax"]["robustness"][attack]["eps"]
+    return min(xs, key=lambda e: abs(e - eps))
+
+
+def language_rows(lang: dict[str, Any]) -> list[tuple[str, str, str]]:
+    s, p = lang["models"]["softmax"], lang["models"]["pid"]
+    rates = lang["spec"]["rates"]
+    rows = [
+        ("validation perplexity (bytes)", f"{s['valid_perplexity']:.3f}", f"{p['valid_perplexity']:.3f}"),
+        ("bits per byte", f"{s['bits_per_byte']:.3f}", f"{p['bits_per_byte']:.3f}"),
+        (f"perplexity, {100 * rates[-1]:g}% bytes substituted", f"{s['robustness']['perplexity'][-1]:.3f}",
+         f"{p['robustness']['perplexity'][-1]:.3f}"),
+        ("mean cosine, first -> last layer",
+         f"{s['collapse']['mean_cosine'][0]:.3f} -> {s['collapse']['mean_cosine'][-1]:.3f}",
+         f"{p['collapse']['mean_cosine'][0]:.3f} -> {p['collapse']['mean_cosine'][-1]:.3f}"),
+        ("training time", f"{s['train_seconds']:.0f} s", f"{p['train_seconds']:.0f} s"),
+    ]
+    return rows
+
+
+def _table(rows: list[tuple[str, str, str]]) -> list[str]:
+    lines = ["| measure | softmax | PID |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return lines
+
+
+def plot_training_curves(results: dict[str, Any], path: Path) -> Path:
+    from .analysis.plots import _pyplot
+
+    plt = _pyplot()
+    parts = [k for k in ("vision", "language") if k in results]
+    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 3.6), squeeze=False)
+    for ax, part in zip(axes.flat, parts):
+        for label, r in results[part]["models"].items():
+            loss = r["train_loss"]
+            w = max(1, len(loss) // 50)
+            smooth = [sum(loss[max(0, i - w + 1):i + 1]) / len(loss[max(0, i - w + 1):i + 1]) for i in range(len(loss))]
+            ax.plot(range(1, len(loss) + 1), smooth, label=label)
+        ax.set(title=f"{part}: training loss (moving mean)", xlabel="step", ylabel="cross-entropy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_demo(out_dir: str | os.PathLike = "demo_out", *, quick: bool = False, parts: tuple[str, ...] = ("core", "vision", "language"),
+             seed: int = 0, data: str = "auto", corpus: str = "wiki", preset: str = "deit",
+             log=print) -> dict[str, Any]:
+    """Run the demo's parts, write ``report.md``, JSON and PNGs into ``out_dir``, return the results."""
+    import time
+
+    from .analysis.plots import plot_diagnostics, plot_image_robustness, plot_lm_robustness
+    from .experiments import run_language, run_vision
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vision_spec, language_spec = demo_specs(quick, seed, data, corpus)
+    results: dict[str, Any] = {"quick": quick}
+    t0 = time.perf_counter()
+    if "core" in parts:
+        results["core"] = run_core_demo(out, seed=seed, preset=preset)
+    if "vision" in parts:
+        v = run_vision(vision_spec, out, log)
+        results["vision"] = v
+        plot_image_robustness({k: r["robustness"] for k, r in v["models"].items()}, out / "vision_robustness.png",
+                              title=f"small DeiT on {v['data']}: softmax vs PID")
+        plot_diagnostics({k: r["collapse"] for k, r in v["models"].items()}, out / "vision_collapse.png",
+                         title=f"small DeiT on {v['data']}: collapse measures per block")
+    if "language" in parts:
+        lang = run_language(language_spec, out, log)
+        results["language"] = lang
+        plot_lm_robustness({k: r["robustness"] for k, r in lang["models"].items()}, out / "language_robustness.png",
+                           title="byte-level Llama: perplexity under byte substitution")
+        plot_diagnostics({k: r["collapse"] for k, r in lang["models"].items()}, out / "language_collapse.png",
+                         title=f"byte-level Llama on {lang['spec']['corpus']}: collapse measures per layer")
+    if "vision" in parts or "language" in parts:
+        plot_training_curves(results, out / "training_curves.png")
+    results["seconds"] = time.perf_counter() - t0
+    (out / "demo.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(demo_report(results))
+    return results
+
+
+def demo_report(results: dict[str, Any]) -> str:
+    lines = ["# pid-plugins demo: softmax vs PID attention on real data", ""]
+    lines.append(f"{'Quick run (`--quick`): tiny budgets, for smoke tests only. ' if results['quick'] else ''}"
+                 f"Total time {results['seconds']:.0f} s on this machine.")
+    lines.append("")
+    if "vision" in results:
+        v = results["vision"]
+        sp = v["spec"]
+        lines += [
+            f"## Vision: small DeiT (timm adapter) on {v['data']}", "",
+            f"{sp['depth']} blocks, dim {sp['embed_dim']}, {sp['num_heads']} heads, {sp['img_size']} px images in "
+            f"{sp['patch_size']} px patches ({v['models']['softmax']['params'] / 1e6:.2f} M parameters); "
+            f"{sp['epochs']} epoch(s) over {v['train_size']} training images, AdamW lr {sp['lr']}, batch "
+            f"{sp['batch_size']}; softmax and PID (preset `{sp['preset']}`) from the same initial weights and the same "
+            f"data order. Evaluated on {v['test_size']} test images; attacks are l_inf on the 0..1 pixels.", "",
+        ]
+        lines += _table(vision_rows(v)) + ["", "![robustness](vision_robustness.png)", "",
+                                             "![collapse](vision_collapse.png)", ""]
+    if "language" in results:
+        lang = results["language"]
+        sp = lang["spec"]
+        s = lang["models"]["softmax"]
+        lines += [
+            f"## Language: byte-level Llama (transformers adapter) on `{sp['corpus']}`", "",
+            f"{sp['num_layers']} layers, hidden {sp['hidden_size']}, {sp['num_heads']} query / {sp['num_kv_heads']} "
+            f"key-value heads ({s['params'] / 1e6:.2f} M parameters), context {sp['seq_len']} bytes; {sp['steps']} steps "
+            f"of batch {sp['batch_size']}, AdamW lr {sp['lr']}; softmax (`sdpa`) and PID (`attn_implementation='pid'`, "
+            f"preset `{sp['preset']}`) from the same weights and batches. Validation: {lang['valid_blocks']} held-out "
+            "blocks (the last 10% of the text).", "",
+        ]
+        lines += _table(language_rows(lang)) + ["", "![perplexity under noise](language_robustness.png)", "",
+                                                 "![collapse](language_collapse.png)", ""]
+    if "vision" in results or "language" in results:
+        lines += ["## Training curves", "", "![training curves](training_curves.png)", ""]
+    if "core" in results:
+        lines += ["## The theory in one picture (core only, no training)", ""]
+        lines += _report(results["core"], Path("core_demo.png")).splitlines()[2:]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The reproduction record (``pid-plugins reproduce``): the same comparison, larger budget, several seeds.
+def _metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Scalar metrics per model for aggregation over seeds."""
+    out: dict[str, dict[str, float]] = {}
+    v = results.get("vision")
+    if v:
+        for label, r in v["models"].items():
+            rb = r["robustness"]
+            m = out.setdefault(label, {})
+            m["vision clean top-1 %"] = 100 * rb["clean"]["top1"]
+            for e, a in zip(rb["fgsm"]["eps"], rb["fgsm"]["top1"]):
+                if e > 0:
+                    m[f"vision FGSM {round(255 * e)}/255 top-1 %"] = 100 * a
+            for e, a in zip(rb["pgd"]["eps"], rb["pgd"]["top1"]):
+                if e > 0:
+                    m[f"vision PGD {round(255 * e)}/255 top-1 %"] = 100 * a
+            m["vision noise sigma %g top-1 %%" % v["spec"]["noise_sigmas"][-1]] = 100 * rb["noise"]["top1"][-1]
+            m["vision mean corruption error %"] = 100 * rb["corruptions"]["mean_corruption_error"]
+            m["vision mCE vs softmax"] = rb["corruptions"]["mce_vs_softmax"]
+            m["vision last-block mean cosine"] = r["collapse"]["mean_cosine"][-1]
+            m["vision train seconds"] = r["train_seconds"]
+    lang = results.get("language")
+    if lang:
+        for label, r in lang["models"].items():
+            m = out.setdefault(label, {})
+            m["language valid perplexity"] = r["valid_perplexity"]
+            m["language bits per byte"] = r["bits_per_byte"]
+            m["language ppl, %g%% substituted" % (100 * lang["spec"]["rates"][-1])] = r["robustness"]["perplexity"][-1]
+            m["language last-layer mean cosine"] = r["collapse"]["mean_cosine"][-1]
+            m["language train seconds"] = r["train_seconds"]
+    return out
+
+
+def run_reproduce(out_dir: str | os.PathLike, seeds: tuple[int, ...] = (0, 1, 2), vision_epochs: float = 3.0,
+                  lm_steps: int = 2000, data: str = "auto", corpus: str = "wiki",
+                  parts: tuple[str, ...] = ("vision", "language"), log=print) -> dict[str, Any]:
+    """Run the demo comparison for each seed with a larger budget; write mean +- std to reproduce.md/json."""
+    import statistics
+    from dataclasses import replace
+
+    from .experiments import run_language, run_vision
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    per_seed = []
+    for seed in seeds:
+        vspec, lspec = demo_specs(False, seed, data, corpus)
+        vspec = replace(vspec, epochs=vision_epochs, test_limit=1000)
+        lspec = replace(lspec, steps=lm_steps, valid_blocks=128)
+        res: dict[str, Any] = {"seed": seed}
+        if "vision" in parts:
+            res["vision"] = run_vision(vspec, out / f"seed{seed}", log)
+        if "language" in parts:
+            res["language"] = run_language(lspec, out / f"seed{seed}", log)
+        per_seed.append(res)
+        (out / f"seed{seed}" / "results.json").write_text(json.dumps(res, indent=1))
+    metrics = [_metrics(r) for r in per_seed]
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for label in metrics[0]:
+        for name in metrics[0][label]:
+            vals = [m[label][name] for m in metrics]
+            summary.setdefault(name, {})[label] = {
+                "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "values": vals}
+    record = {"seeds": list(seeds), "vision_epochs": vision_epochs, "lm_steps": lm_steps,
+              "vision_data": per_seed[0].get("vision", {}).get("data"), "corpus": corpus, "summary": summary}
+    (out / "reproduce.json").write_text(json.dumps(record, indent=1))
+    lines = [f"# Reproduction record: {len(seeds)} seeds, vision {vision_epochs} epochs on "
+             f"{record['vision_data']}, language {lm_steps} steps on `{corpus}`", "",
+             "| measure | softmax (mean +- std) | PID (mean +- std) |", "|---|---|---|"]
+    for name, by in summary.items():
+        cells = [f"{by[k]['mean']:.3f} +- {by[k]['std']:.3f}" for k in ("softmax", "pid")]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    (out / "reproduce.md").write_text("\n".join(lines) + "\n")
+    return record

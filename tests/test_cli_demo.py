@@ -24,12 +24,12 @@ def test_cli_unknown_zoo_is_an_argparse_error():
 
 
 def test_cli_bad_preset_is_a_clear_error(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--preset", "nope"]) == 2
+    assert main(["demo", "--out", str(tmp_path), "--parts", "core", "--preset", "nope"]) == 2
     assert "unknown PID preset 'nope'" in capsys.readouterr().err
 
 
 def test_demo_writes_report_and_shows_collapse(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pid_plugins", "demo", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "pid_plugins", "demo", "--parts", "core", "--out", str(tmp_path)],
                           check=True, capture_output=True, text=True)
     assert "report.md" in proc.stdout
     res = json.loads((tmp_path / "core_demo.json").read_text())
@@ -41,3 +41,43 @@ def test_demo_writes_report_and_shows_collapse(tmp_path):
     assert stack["pid"]["mean_cosine"][-1] < stack["softmax"]["mean_cosine"][-1]
     assert (tmp_path / "core_demo.png").stat().st_size > 10_000
     assert "![softmax vs PID](core_demo.png)" in (tmp_path / "report.md").read_text()
+
+
+def test_demo_bad_parts_is_a_clear_error(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path), "--parts", "vision,audio"]) == 2
+    assert "--parts takes a comma list" in capsys.readouterr().err
+
+
+def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
+    """`pid-plugins demo --quick`: the main job end to end, through the timm and transformers adapters."""
+    import math
+
+    proc = subprocess.run([sys.executable, "-m", "pid_plugins", "demo", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "vision (" in proc.stdout and "language (" in proc.stdout
+    res = json.loads((tmp_path / "demo.json").read_text())
+    v, lang = res["vision"], res["language"]
+    chance = 1.0 / 10
+    for label in ("softmax", "pid"):
+        rb = v["models"][label]["robustness"]
+        assert rb["clean"]["top1"] > 2 * chance, f"vision {label} did not learn"
+        assert all(a <= rb["clean"]["top1"] for a in rb["pgd"]["top1"])
+        coll = v["models"][label]["collapse"]
+        assert all(math.isfinite(x) for x in coll["mean_cosine"] + coll["consensus_distance"])
+        ppl = lang["models"][label]["valid_perplexity"]
+        assert math.isfinite(ppl) and ppl < 64, f"language {label} did not learn (uniform bytes: 256)"
+        first, last = lang["models"][label]["train_loss"][:5], lang["models"][label]["train_loss"][-5:]
+        assert sum(last) < sum(first)
+    for png in ("vision_robustness.png", "vision_collapse.png", "language_robustness.png", "language_collapse.png",
+                "training_curves.png", "core_demo.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG", png
+    report = (tmp_path / "report.md").read_text()
+    assert "| clean top-1 |" in report and "| validation perplexity (bytes) |" in report
+    assert "nan" not in report.lower()
+    # the trained models are cached: a rerun goes straight to evaluation
+    again = subprocess.run([sys.executable, "-m", "pid_plugins", "demo", "--quick", "--parts", "vision",
+                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "loaded the cached model" in again.stderr
+    res2 = json.loads((tmp_path / "demo.json").read_text())
+    assert res2["vision"]["models"]["pid"]["robustness"]["clean"] == v["models"]["pid"]["robustness"]["clean"]
