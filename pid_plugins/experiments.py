@@ -109,6 +109,19 @@ def _load(model: nn.Module, path: Path) -> None:
     model.load_state_dict(load_file(str(path)), strict=True)
 
 
+def _trained(model: nn.Module, path: Path, spec: Any, train: Callable[[], Dict[str, Any]], log: Log) -> Dict[str, Any]:
+    """Load ``model`` from ``path`` if it was trained with this spec, else train it and save it there."""
+    key = spec.training_key()
+    info = _cached(path, key)
+    if info is not None:
+        _load(model, path)
+        log(f"{path.stem.replace('_', ' ')}: loaded the cached model {path}")
+        return info
+    info = {"training_key": key, "spec": asdict(spec), **train()}
+    _save(model, path, info)
+    return info
+
+
 def _cosine_lr(step: int, total: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -183,19 +196,12 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
     if img_size != spec.img_size:  # digits are 8x8: patches of 2 pixels
         spec = replace(spec, img_size=img_size, patch_size=2)
     models = vision_models(spec, train.num_classes)
-    key = spec.training_key()
     results: Dict[str, Any] = {"spec": asdict(spec), "data": train.source, "train_size": len(train),
                                "test_size": len(test), "models": {}}
     for label, model in models.items():
         clf = PixelClassifier(model)
-        path = out / f"vision_{label}.safetensors"
-        info = _cached(path, key)
-        if info is not None:
-            _load(model, path)
-            log(f"vision {label}: loaded the cached model {path}")
-        else:
-            info = {"training_key": key, "spec": asdict(spec), **_train_classifier(clf, train, spec, label, log)}
-            _save(model, path, info)
+        info = _trained(model, out / f"vision_{label}.safetensors", spec,
+                        lambda: _train_classifier(clf, train, spec, label, log), log)
         clf.eval()
         robust = evaluate_image_robustness(
             clf, test.images, test.labels, attacks=("fgsm", "pgd"), eps_sweep=list(spec.eps_sweep),
@@ -285,18 +291,11 @@ def run_language(spec: LanguageSpec, out: Path, log: Log = print) -> Dict[str, A
 
     out.mkdir(parents=True, exist_ok=True)
     train, valid = byte_blocks(spec)
-    key = spec.training_key()
     results: Dict[str, Any] = {"spec": asdict(spec), "train_blocks": len(train), "valid_blocks": len(valid),
                                "models": {}}
     for label, model in language_models(spec).items():
-        path = out / f"language_{label}.safetensors"
-        info = _cached(path, key)
-        if info is not None:
-            _load(model, path)
-            log(f"language {label}: loaded the cached model {path}")
-        else:
-            info = {"training_key": key, "spec": asdict(spec), **_train_lm(model, train, spec, label, log)}
-            _save(model, path, info)
+        info = _trained(model, out / f"language_{label}.safetensors", spec,
+                        lambda: _train_lm(model, train, spec, label, log), log)
         model.eval()
         robust = evaluate_lm_robustness(model, valid, rates=spec.rates, batch_size=16, seed=spec.seed, progress=True)
         batches = [{"input_ids": valid[i:i + 16]} for i in range(0, min(len(valid), 64), 16)]

@@ -356,3 +356,47 @@ def test_cli_wrong_checkpoint_names_the_keys(tmp_path, capsys):
                "--model-kwargs", json.dumps(SMALL), "--data", "digits", "--out", str(tmp_path)])
     assert rc == 2
     assert "missing keys" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------- datasets
+def test_image_folder_and_digits_fallback(tmp_path, monkeypatch):
+    import numpy as np
+    from PIL import Image
+
+    import pid_plugins.datasets as ds
+
+    for c, name in enumerate(["cat", "dog"]):
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            Image.fromarray(np.full((10, 12, 3), 40 * (c + i), np.uint8)).save(tmp_path / name / f"{i}.png")
+    data = ds.load_images(str(tmp_path))
+    assert data.images.shape == (6, 3, 10, 12) and data.classes == ["cat", "dog"]
+    assert data.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    assert data.images[4].max().item() == pytest.approx(80 / 255)
+    monkeypatch.setattr(ds, "FASHION_MNIST_DIR", tmp_path / "absent")
+    auto = ds.load_images("auto", "test")
+    assert auto.source == "scikit-learn digits" and len(auto) == 297 and auto.images.shape[1:] == (1, 8, 8)
+    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
+        ds.load_images("fashion-mnist")
+
+
+def test_fashion_mnist_when_installed():
+    import pid_plugins.datasets as ds
+
+    if not ds.fashion_mnist_available():
+        pytest.skip("Debian package dataset-fashion-mnist not installed (make test installs it where apt works)")
+    train, test = ds.load_images("fashion-mnist", "train"), ds.load_images("fashion-mnist", "test")
+    assert (len(train), len(test)) == (60000, 10000)
+    assert train.images.shape[1:] == (1, 28, 28) and 0 <= train.images.min() and train.images.max() <= 1
+    assert torch.bincount(test.labels).tolist() == [1000] * 10
+
+
+def test_text_corpora_are_real_and_split():
+    from pid_plugins.datasets import load_text, split_blocks
+
+    wiki = load_text("wiki")
+    assert len(wiki) > 1_000_000 and "= " in wiki[:200]
+    train, valid = split_blocks(list(wiki[:10_000].encode()), 100)
+    assert train.shape == (90, 100) and valid.shape == (10, 100)
+    with pytest.raises(ValueError, match="unknown text"):
+        load_text("wikitext103")

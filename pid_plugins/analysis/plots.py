@@ -24,6 +24,16 @@ def _pyplot():
     return plt
 
 
+def _finish(plt, fig, path: str | Path, title: Optional[str]) -> Path:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_diagnostics(results: Mapping[str, Dict[str, Any]], path: str | Path, title: Optional[str] = None) -> Path:
     """Each measure vs depth (and E vs pass when present), one line per model label."""
     plt = _pyplot()
@@ -57,13 +67,7 @@ def plot_diagnostics(results: Mapping[str, Dict[str, Any]], path: str | Path, ti
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, path, title)
 
 
 def plot_image_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path, title: Optional[str] = None) -> Path:
@@ -94,13 +98,7 @@ def plot_image_robustness(results: Mapping[str, Dict[str, Any]], path: str | Pat
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, path, title)
 
 
 def plot_lm_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path, title: Optional[str] = None) -> Path:
