@@ -64,8 +64,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
-    from .demo import run_reproduce
+    import json
 
+    from .demo import run_reproduce, write_reproduction_record
+
+    if args.aggregate:
+        files = sorted(f for d in args.aggregate for f in Path(d).glob("seed*/results.json"))
+        if not files:
+            raise ValueError(f"no seed*/results.json under {args.aggregate}")
+        per_seed = sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["seed"])
+        write_reproduction_record(per_seed, Path(args.out), vision_epochs=args.vision_epochs,
+                                  lm_steps=args.lm_steps, corpus=args.corpus)
+        print((Path(args.out) / "reproduce.md").read_text())
+        return 0
     rec = run_reproduce(args.out, seeds=tuple(args.seeds), vision_epochs=args.vision_epochs, lm_steps=args.lm_steps,
                         data=args.data, corpus=args.corpus, parts=tuple(args.parts.split(",")),
                         log=lambda m: print(m, file=sys.stderr))
@@ -219,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", default="vision,language")
     p.add_argument("--data", default="auto")
     p.add_argument("--corpus", default="wiki")
+    p.add_argument("--aggregate", nargs="+", metavar="DIR",
+                   help="only aggregate the seed*/results.json of earlier runs (e.g. seeds run in parallel) into --out")
     p.set_defaults(func=_cmd_reproduce)
     return parser
 

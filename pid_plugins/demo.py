@@ -378,7 +378,6 @@ def run_reproduce(out_dir: str | os.PathLike, seeds: tuple[int, ...] = (0, 1, 2)
                   lm_steps: int = 2000, data: str = "auto", corpus: str = "wiki",
                   parts: tuple[str, ...] = ("vision", "language"), log=print) -> dict[str, Any]:
     """Run the demo comparison for each seed with a larger budget; write mean +- std to reproduce.md/json."""
-    import statistics
     from dataclasses import replace
 
     from .experiments import run_language, run_vision
@@ -397,6 +396,16 @@ def run_reproduce(out_dir: str | os.PathLike, seeds: tuple[int, ...] = (0, 1, 2)
             res["language"] = run_language(lspec, out / f"seed{seed}", log)
         per_seed.append(res)
         (out / f"seed{seed}" / "results.json").write_text(json.dumps(res, indent=1))
+    return write_reproduction_record(per_seed, out, vision_epochs=vision_epochs, lm_steps=lm_steps, corpus=corpus)
+
+
+def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, vision_epochs: float, lm_steps: int,
+                              corpus: str) -> dict[str, Any]:
+    """Mean +- std over the seeds' results (``seed*/results.json`` of one or several runs) to reproduce.md/json."""
+    import statistics
+
+    if not per_seed:
+        raise ValueError("no seed results to aggregate")
     metrics = [_metrics(r) for r in per_seed]
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for label in metrics[0]:
@@ -404,10 +413,12 @@ def run_reproduce(out_dir: str | os.PathLike, seeds: tuple[int, ...] = (0, 1, 2)
             vals = [m[label][name] for m in metrics]
             summary.setdefault(name, {})[label] = {
                 "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "values": vals}
-    record = {"seeds": list(seeds), "vision_epochs": vision_epochs, "lm_steps": lm_steps,
+    seeds = [r["seed"] for r in per_seed]
+    record = {"seeds": seeds, "vision_epochs": vision_epochs, "lm_steps": lm_steps,
               "vision_data": per_seed[0].get("vision", {}).get("data"), "corpus": corpus, "summary": summary}
+    out.mkdir(parents=True, exist_ok=True)
     (out / "reproduce.json").write_text(json.dumps(record, indent=1))
-    lines = [f"# Reproduction record: {len(seeds)} seeds, vision {vision_epochs} epochs on "
+    lines = [f"# Reproduction record: seeds {seeds}, vision {vision_epochs} epochs on "
              f"{record['vision_data']}, language {lm_steps} steps on `{corpus}`", "",
              "| measure | softmax (mean +- std) | PID (mean +- std) |", "|---|---|---|"]
     for name, by in summary.items():

@@ -81,3 +81,13 @@ def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     assert again.returncode == 0 and "loaded the cached model" in again.stderr
     res2 = json.loads((tmp_path / "demo.json").read_text())
     assert res2["vision"]["models"]["pid"]["robustness"]["clean"] == v["models"]["pid"]["robustness"]["clean"]
+    # the reproduction record aggregates per-seed results of this shape (here: the same run twice -> std 0)
+    from pid_plugins.demo import write_reproduction_record
+
+    rec = write_reproduction_record([dict(res, seed=0), dict(res, seed=1)], tmp_path / "rep", vision_epochs=0.15,
+                                    lm_steps=60, corpus="wiki")
+    clean = rec["summary"]["vision clean top-1 %"]["pid"]
+    assert clean["std"] == 0 and clean["mean"] == 100 * v["models"]["pid"]["robustness"]["clean"]["top1"]
+    ppl = rec["summary"]["language valid perplexity"]["softmax"]["mean"]
+    assert ppl == lang["models"]["softmax"]["valid_perplexity"]
+    assert "| vision clean top-1 % |" in (tmp_path / "rep" / "reproduce.md").read_text()
