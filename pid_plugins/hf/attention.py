@@ -18,6 +18,7 @@ at once.
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -37,6 +38,7 @@ __all__ = [
 ATTN_IMPLEMENTATION = "pid"
 DEFAULT_PRESET = "lm"
 _HOOK_FLAG = "_pid_plugins_hook"
+_HOOK_LOCK = threading.Lock()  # two threads' first forwards must not both register the hook
 
 
 @dataclass
@@ -150,10 +152,11 @@ def _stacks(model: PreTrainedModel) -> list[nn.Module]:
 
 def install_pid_hooks(model: PreTrainedModel) -> PreTrainedModel:
     """Attach the per-forward PID state hook (idempotent) and persist the choice in the config."""
-    for stack in _stacks(model):
-        if not getattr(stack, _HOOK_FLAG, False):
-            stack.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-            setattr(stack, _HOOK_FLAG, True)
+    with _HOOK_LOCK:
+        for stack in _stacks(model):
+            if not getattr(stack, _HOOK_FLAG, False):
+                stack.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+                setattr(stack, _HOOK_FLAG, True)
     _persist(model.config)
     return model
 
@@ -190,16 +193,16 @@ def pid_mask(*args: Any, **kwargs: Any):
 
 def _bootstrap(config: Any) -> None:
     """Find the running model that owns ``config`` (a few frames up); if it lacks the PID hook, hook it and
-    hand this forward its state (later forwards get theirs from the hook)."""
+    hand this forward its state (later forwards get theirs from the hook). A forward that started before
+    another thread installed the hook has no state yet either: it gets one here too."""
     frame = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return
         owner = frame.f_locals.get("self")
         if isinstance(owner, PreTrainedModel) and owner.config is config:
-            if getattr(owner, _HOOK_FLAG, False):
-                return
-            install_pid_hooks(owner)
+            if not getattr(owner, _HOOK_FLAG, False):
+                install_pid_hooks(owner)
             local_kwargs = frame.f_locals.get("kwargs")
             if isinstance(local_kwargs, dict) and "pid_state" not in local_kwargs:
                 local_kwargs["pid_state"] = PIDForwardState(

@@ -1,0 +1,65 @@
+"""torchrun / accelerate worker: a few transformers Trainer steps of a tiny Llama with attn_implementation="pid".
+
+CPU, gloo, no downloads, no reporting. Every rank saves its final parameters and what it saw to OUT/rank{rank}.pt.
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_trainer.py OUT
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import pid_dist_cases as cases
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = cases.hf_rows()
+        self.seen = []  # row indices in the order the Trainer's sampler gave them to this rank
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        self.seen.append(int(i))
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main(out: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    import pid_plugins.hf.attention as pid_attention
+
+    calls = []
+    original = pid_attention.pid_update
+
+    def counting_update(*args, **kwargs):  # proves the PID rule runs inside the Trainer's DDP forward/backward
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    pid_attention.pid_update = counting_update
+    model = cases.llama_model()
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=cases.HF_PER_RANK, max_steps=cases.HF_STEPS,
+        learning_rate=cases.HF_LR,
+        report_to="none", use_cpu=True, ddp_backend="gloo", save_strategy="no", logging_steps=1,
+        dataloader_num_workers=0, seed=0, disable_tqdm=True, lr_scheduler_type="constant", optim="sgd",
+        weight_decay=0.0, max_grad_norm=cases.HF_MAX_GRAD_NORM,
+    )
+    rows = Rows()
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    result = trainer.train()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapped = type(trainer.model_wrapped).__name__
+    torch.save({"rank": rank, "world": world, "wrapped": wrapped, "pid_calls": calls, "rows": rows.seen,
+                "attn_implementation": model.config._attn_implementation,
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                "train_loss": result.training_loss, "global_step": trainer.state.global_step,
+                "init": init, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+               out / f"rank{rank}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

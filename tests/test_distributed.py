@@ -1,0 +1,404 @@
+"""Scale-out: PID models under each zoo's own distributed engine (CPU, gloo, 2 processes on loopback),
+and the per-forward PID state is never shared between threads.
+
+The workers live in tests/dist_workers/ and are launched like torchrun does (``python -m torch.distributed.run
+--nproc-per-node 2 ...``) on a free local port; every launch has a time limit and its whole process tree is
+killed when it runs over.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DIST = HERE / "dist_workers"  # not tests/dist/: .gitignore ignores every dist/ folder
+sys.path.insert(0, str(DIST))
+import pid_dist_cases as cases  # noqa: E402
+
+TINY_SEGMENTER = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
+
+
+# ------------------------------------------------------------------------------------------ launching
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list:
+    """All live descendants of `pid` (torchrun starts its workers in their own sessions, so a process-group
+    kill of the launcher alone would leave them running)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    victims = _descendants(proc.pid)
+    for pid in [proc.pid, *victims]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group (start_new_session below)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def launch(tmp_path: Path, name: str, args: list, timeout: float, torchrun: bool = True) -> str:
+    """Run a 2-process job (or, with torchrun=False, one command) with OMP_NUM_THREADS=1; return its log."""
+    cmd = [sys.executable, *args]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            pytest.fail(f"{name} did not finish within {timeout} s; log tail:\n{log.read_text()[-3000:]}")
+        finally:
+            if proc.poll() is None:  # interrupted
+                _kill_tree(proc)
+    text = log.read_text()
+    assert rc == 0, f"{name} failed (exit {rc}):\n{text[-4000:]}"
+    return text
+
+
+def load_ranks(out: Path) -> list:
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
+    return ranks
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"ranks disagree on {different[:5]}"
+
+
+def assert_close_params(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def max_change(after: dict, before: dict) -> float:
+    return max((after[k].double() - before[k].double()).abs().max().item() for k in before
+               if before[k].is_floating_point() and before[k].numel())
+
+
+# ------------------------------------------------------------------------------------------ timm + DDP
+def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_path):
+    """Two DDP runs per rank (plain, and with timm's gradient checkpointing) against one process."""
+    pytest.importorskip("timm")
+    launch(tmp_path, "timm_ddp", [str(DIST / "timm_ddp.py"), str(tmp_path)], timeout=180)
+    r0, r1 = load_ranks(tmp_path)
+
+    # one process, same init, the whole global batch, mean loss (DDP averages the ranks' gradients)
+    model = cases.timm_model()
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.train()
+    opt = cases.timm_optimizer(model.parameters())
+    losses = []
+    for step in range(cases.TIMM_STEPS):
+        x, y = cases.timm_batch(step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    gains = [k for k in init if ".pid_gains." in k]
+    assert {k.split(".")[1] for k in gains} == {str(i) for i in range(cases.TIMM_TINY["depth"])}
+    for mode in ("plain", "grad_checkpointing"):
+        run0, run1 = r0["runs"][mode], r1["runs"][mode]
+        assert_same_params(run0["state_dict"], run1["state_dict"])  # DDP kept the replicas (and gains) in step
+        assert run0["losses"] == run1["losses"] and all(torch.isfinite(torch.tensor(run0["losses"])))
+        torch.testing.assert_close(torch.tensor(run0["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        assert_close_params(run0["state_dict"], model.state_dict())
+        assert max_change(run0["state_dict"], init) > 1e-2  # training moved the weights
+        assert max(abs(run0["state_dict"][k].item() - init[k].item()) for k in gains) > 1e-5  # and the gains
+
+
+# ------------------------------------------------------------------------------ mmengine Runner + mmseg
+def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(tmp_path):
+    pytest.importorskip("mmseg")
+    from pid_plugins.mmseg.data import make_ade20k_like
+
+    data = tmp_path / "ade_tiny"
+    make_ade20k_like(data, n_train=8, n_val=2)
+    work = tmp_path / "work"
+    log = launch(tmp_path, "mmseg_runner", [str(DIST / "mmseg_runner.py"), str(TINY_SEGMENTER), str(data), str(work),
+                                            str(tmp_path)], timeout=240)
+    assert "Distributed launcher: pytorch" in log and "Distributed training: True" in log
+    assert "Iter(train) [2/2]" in log and "mIoU" in log
+    r0, r1 = load_ranks(tmp_path)
+    for r in (r0, r1):
+        assert (r["wrapper"], r["backbone"]) == ("MMDistributedDataParallel", "PIDVisionTransformer")
+    assert_same_params(r0["state_dict"], r1["state_dict"])
+
+    # rank 0's checkpoint loads into a freshly built PID Segmenter (strict) and holds the trained weights
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+
+    import pid_plugins.mmseg  # noqa: F401
+    from pid_plugins import PIDConfig
+
+    ckpt = torch.load(work / "iter_2.pth", map_location="cpu", weights_only=False)
+    assert ckpt["meta"]["iter"] == 2
+    init_default_scope("mmseg")
+    model = MODELS.build(Config.fromfile(str(TINY_SEGMENTER)).model)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(ckpt["state_dict"], strict=True)
+    assert type(model.backbone).__name__ == "PIDVisionTransformer"
+    assert model.backbone.pid == PIDConfig.preset("segmenter")
+    assert_same_params(model.state_dict(), r0["state_dict"])
+    assert max_change(model.state_dict(), fresh) > 1e-3
+    model.eval()
+    with torch.no_grad():
+        feats = model.backbone(torch.randn(1, 3, 64, 64))
+    assert torch.isfinite(feats[0]).all()
+
+
+# --------------------------------------------------------------------------------- HF Trainer + DDP
+def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    launch(tmp_path, "hf_trainer", [str(DIST / "hf_trainer.py"), str(tmp_path)], timeout=240)
+    r0, r1 = load_ranks(tmp_path)
+    for r in (r0, r1):
+        assert r["wrapped"] == "DistributedDataParallel" and r["attn_implementation"] == "pid"
+        assert r["global_step"] == cases.HF_STEPS
+        # the PID rule ran in every layer of every training forward, on this rank's share of the batch
+        assert r["pid_calls"] == [cases.HF_PER_RANK] * (cases.HF_STEPS * cases.llama_config().num_hidden_layers)
+    assert_same_params(r0["init"], r1["init"])
+    assert_same_params(r0["state_dict"], r1["state_dict"])
+    losses = torch.tensor(r0["losses"])
+    assert len(losses) == cases.HF_STEPS and torch.isfinite(losses).all()
+
+    # one process over the same global batches (the rows each rank was given), mean loss, same SGD
+    n = cases.HF_PER_RANK * cases.HF_STEPS
+    seen = [r["rows"][:n] for r in (r0, r1)]
+    assert not set(seen[0]) & set(seen[1])  # the ranks got different rows
+    rows = cases.hf_rows()
+    model = cases.llama_model()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=cases.HF_LR)
+    for step in range(cases.HF_STEPS):
+        sl = slice(step * cases.HF_PER_RANK, (step + 1) * cases.HF_PER_RANK)
+        ids = rows[seen[0][sl] + seen[1][sl]]
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert_close_params(r0["state_dict"], model.state_dict())
+    assert max_change(r0["state_dict"], r0["init"]) > 1e-3
+
+
+# --------------------------------------------------------------------------------- fairseq-train
+FAIRSEQ_TRAIN = ["--task", "language_modeling", "--arch", "transformer_lm_pid", "--decoder-layers", "2",
+                 "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
+                 "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.002",
+                 "--max-update", "4", "--no-epoch-checkpoints", "--log-interval", "1", "--cpu", "--seed", "1",
+                 "--num-workers", "0", "--disable-validation", "--dropout", "0"]
+
+
+def fairseq_losses(log: str) -> list:
+    return [float(m.group(1)) for m in re.finditer(r"train_inner \|.*?\bloss=([\d.]+)", log)]
+
+
+def test_fairseq_train_two_ranks_on_cpu_equals_one_process_with_update_freq_2(tmp_path):
+    """fairseq 0.12.2 trains on CPU with 2 processes when torchrun starts them (env:// init, gloo) and
+    --ddp-backend legacy_ddp; its own launcher (spawn) and its c10d wrapper need GPUs (README)."""
+    pytest.importorskip("fairseq")
+    import random
+
+    import pid_plugins.fairseq as pf
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(50)]
+    for split, n in (("train", 400), ("valid", 40)):
+        (tmp_path / f"{split}.txt").write_text(
+            "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) for _ in range(n)) + "\n")
+    launch(tmp_path, "preprocess", ["-m", "fairseq_cli.preprocess", "--only-source", "--trainpref", "train.txt",
+                                    "--validpref", "valid.txt", "--destdir", "data-bin", "--workers", "1"],
+           timeout=120, torchrun=False)
+    common = ["data-bin", "--user-dir", pf.USER_DIR, *FAIRSEQ_TRAIN]
+    two = launch(tmp_path, "fairseq_2ranks", ["-m", "fairseq_cli.train", *common, "--distributed-world-size", "2",
+                                              "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
+                                              "--save-dir", "two"], timeout=240)
+    assert "distributed init (rank 1): env://" in two and "initialized host" in two
+    assert "model: PIDTransformerLanguageModel" in two
+    one = launch(tmp_path, "fairseq_1rank", ["-m", "fairseq_cli.train", *common, "--update-freq", "2",
+                                             "--save-dir", "one"], timeout=180, torchrun=False)
+    curve_two, curve_one = fairseq_losses(two), fairseq_losses(one)
+    assert len(curve_two) == 4 and all(0 < x < 20 for x in curve_two)
+    assert re.search(r"train_inner \|.*\bwpb=512\b", two)  # 2 ranks x --max-tokens 256 per update
+    torch.testing.assert_close(torch.tensor(curve_two), torch.tensor(curve_one), rtol=0, atol=2e-3)  # 3 decimals
+    a = torch.load(tmp_path / "two" / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    b = torch.load(tmp_path / "one" / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    assert a["optimizer_history"][-1]["num_updates"] == 4
+    skip = {"decoder.embed_positions._float_tensor"}  # an uninitialised placeholder buffer
+    params = {k: v for k, v in a["model"].items() if k not in skip}
+    assert len(params) > 20
+    assert_close_params(params, {k: b["model"][k] for k in params})
+
+
+# ----------------------------------------------------------------------------------------- threads
+def _thread_jobs(tmp_path):
+    """(name, forward) pairs: two timm PID DeiTs with different gains, one HF PID Llama at two batch sizes,
+    a freshly built PID Llama whose first forwards race, an mmseg PID backbone and a fairseq PID LM."""
+    import timm
+
+    import pid_plugins.timm  # noqa: F401
+    from pid_plugins.fairseq import USER_DIR
+
+    jobs = []
+    torch.manual_seed(0)
+    deit_a = timm.create_model("pid_deit_tiny_patch16_224", **cases.TIMM_TINY).eval()
+    deit_b = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=0.9, lambda_i=0.1, lambda_d=0.3,
+                                                                     beta=0.7), **cases.TIMM_TINY).eval()
+    deit_b.load_state_dict(deit_a.state_dict())  # same weights: only the gains differ
+    for name, model, n in (("deit_a", deit_a, 3), ("deit_b", deit_b, 5)):
+        x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))
+        jobs.append((name, lambda m=model, x=x: m(x)))
+
+    llama = cases.llama_model().eval()
+    for n in (2, 5):
+        ids = cases.token_rows(n, seed=n)
+        jobs.append((f"llama_b{n}", lambda ids=ids: llama(ids).logits))
+
+    import pid_plugins.mmseg  # noqa: F401  (before mmseg.models: it installs the mmcv._ext stand-in)
+    from mmseg.registry import MODELS
+
+    torch.manual_seed(0)
+    seg = MODELS.build(dict(type="PIDVisionTransformer", img_size=(64, 64), patch_size=16, embed_dims=48,
+                            num_layers=2, num_heads=3, with_cls_token=True, final_norm=True))
+    seg.eval()  # mmseg's ViT.train() returns None: no chaining
+    img = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    jobs.append(("mmseg", lambda: seg(img)[0]))
+
+    from fairseq import options, tasks
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for i in range(40):
+        d.add_symbol(f"w{i}")
+    d.save(str(tmp_path / "dict.txt"))
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(tmp_path), "--task", "language_modeling", "--arch",
+                                                "transformer_lm_pid", "--user-dir", USER_DIR, "--decoder-layers", "2",
+                                                "--decoder-embed-dim", "32", "--decoder-attention-heads", "4",
+                                                "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "32"])
+    torch.manual_seed(0)
+    lm = tasks.setup_task(args).build_model(args).eval()
+    toks = torch.randint(4, 44, (3, 12), generator=torch.Generator().manual_seed(4))
+    jobs.append(("fairseq", lambda: lm(toks)[0]))
+    return jobs, {"deit_a": deit_a, "deit_b": deit_b}
+
+
+def test_concurrent_forwards_in_two_threads_equal_sequential_ones(tmp_path):
+    for mod in ("timm", "transformers", "mmseg", "fairseq"):
+        pytest.importorskip(mod)
+    jobs, models = _thread_jobs(tmp_path)
+    with torch.no_grad():
+        want = {name: fn() for name, fn in jobs}
+    # pairs that differ in model, gains or batch size run at the same time, many times, in both orders
+    pairs = [("deit_a", "deit_b"), ("llama_b2", "llama_b5"), ("deit_a", "llama_b5"), ("mmseg", "fairseq"),
+             ("fairseq", "llama_b2"), ("deit_b", "mmseg")]
+    fns = dict(jobs)
+    rounds = 12
+    errors, mismatches = [], []
+
+    def worker(names, barrier):
+        try:
+            with torch.no_grad():
+                for r in range(rounds):
+                    barrier.wait(timeout=60)
+                    name = names[r % 2]
+                    got = fns[name]()
+                    if not torch.equal(got, want[name]):
+                        mismatches.append((name, (got - want[name]).abs().max().item()))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    start = time.monotonic()
+    for a, b in pairs:
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=worker, args=((a, b), barrier), daemon=True),
+                   threading.Thread(target=worker, args=((b, a), barrier), daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a forward thread hung"
+    assert not errors, errors[:3]
+    assert not mismatches, mismatches[:5]
+    assert time.monotonic() - start < 120
+    # the two DeiTs share weights and differ only in gains: on the same images their outputs differ, so a
+    # state or gain leaking from one to the other would have shown up above
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(models["deit_a"](x), want["deit_a"])
+        assert not torch.allclose(models["deit_b"](x), want["deit_a"], atol=1e-4)
+
+
+def test_first_forwards_of_a_fresh_hf_pid_model_racing_in_two_threads(tmp_path):
+    """A model built with attn_implementation="pid" hooks itself on its first forward; two threads making
+    that first forward at once must both get their own PID state (this failed before the adapter fix)."""
+    pytest.importorskip("transformers")
+    ids = {2: cases.token_rows(2, seed=1), 3: cases.token_rows(3, seed=2)}
+    reference = cases.llama_model().eval()
+    with torch.no_grad():
+        want = {n: reference(x).logits for n, x in ids.items()}
+    for trial in range(20):
+        model = cases.llama_model().eval()
+        barrier = threading.Barrier(2)
+        got, errors = {}, []
+
+        def first_forward(n):
+            try:
+                barrier.wait(timeout=60)
+                with torch.no_grad():
+                    got[n] = model(ids[n]).logits
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=first_forward, args=(n,), daemon=True) for n in ids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, f"trial {trial}: {errors[0][:300]}"
+        for n in ids:
+            assert torch.equal(got[n], want[n]), (trial, n)
+        hooks = list(model.model._forward_pre_hooks_with_kwargs)
+        assert len(hooks) == 1, f"trial {trial}: {len(hooks)} PID hooks registered"
