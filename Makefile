@@ -17,7 +17,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test demo clean-venv
+.PHONY: install data test demo bench clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,10 @@ test: $(STAMP) data
 
 demo: $(STAMP) data
 	$(VENV)/bin/pid-plugins demo --out demo_out
+
+# PID/stock speed and memory ratios of every zoo (under 10 minutes): bench_out/bench.md and bench.json
+bench: $(STAMP)
+	$(PY) bench/run_all.py --out bench_out
 
 clean-venv:
 	rm -rf $(VENV)

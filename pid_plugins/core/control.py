@@ -128,23 +128,39 @@ def pid_update(
         out = attn_out.add(e, alpha=lambda_p + lambda_d).add_(e_sum, alpha=lambda_i)
         return out.sub_(e_prev, alpha=lambda_d), new_state
 
-    # General path: learnable (tensor) gains, grouped-query attention, mixed dtypes.
+    # General path: learnable (tensor) gains, grouped-query attention, mixed dtypes. The PID term is
+    # computed in key/value-head space (``1/r`` of the query heads' size under grouped-query attention).
     if state is None:
         first_gain = lambda_p + lambda_i
         if isinstance(lambda_d, Tensor):
             # keep a learnable lambda_d in the graph (zero gradient here), so DDP sees every parameter used
             first_gain = first_gain + 0.0 * lambda_d
         term = e * first_gain
+    elif scalar_gains:
+        term = e.mul(lambda_p + lambda_d).add_(e_sum, alpha=lambda_i).sub_(e_prev, alpha=lambda_d)
     else:
         term = e * (lambda_p + lambda_d) + e_sum * lambda_i - e_prev * lambda_d
-    if term.shape != attn_out.shape and attn_out.dim() >= 3:
-        term = expand_heads(term, attn_out.shape[head_dim], head_dim)
-    if term.shape != attn_out.shape:
-        raise ValueError(
-            f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
-            "(after expanding key/value heads): pass the values of the query positions only"
-        )
-    return attn_out + term.to(attn_out.dtype), new_state
+    if term.dtype != attn_out.dtype:
+        term = term.to(attn_out.dtype)
+    if term.shape == attn_out.shape:
+        return attn_out + term, new_state
+    if attn_out.dim() >= 3:
+        # Grouped-query attention: key/value head j serves query heads j*r .. j*r + r - 1 (as
+        # :func:`expand_heads`, i.e. ``repeat_interleave``). Broadcast the term over each group of r query
+        # heads instead of materialising the repeated copy; the output keeps the attention output's layout.
+        dim = head_dim % attn_out.dim()
+        heads, kv_heads = attn_out.shape[dim], term.shape[dim]
+        grouped = attn_out.shape[:dim] + (kv_heads,) + attn_out.shape[dim + 1:] == term.shape
+        if grouped and kv_heads > 0 and heads % kv_heads == 0:
+            r = heads // kv_heads
+            out = attn_out.unflatten(dim, (kv_heads, r)) + term.unsqueeze(dim + 1)
+            return out.flatten(dim, dim + 1), new_state
+        if kv_heads <= 0 or heads % kv_heads != 0:
+            expand_heads(term, heads, head_dim)  # raises the explanatory error
+    raise ValueError(
+        f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
+        "(after expanding key/value heads): pass the values of the query positions only"
+    )
 
 
 def _all_zero(*gains: Gain) -> bool:

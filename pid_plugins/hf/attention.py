@@ -17,6 +17,7 @@ at once.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -57,7 +58,19 @@ class PIDForwardState:
 
 def model_pid_config(config: Any) -> PIDConfig:
     """The gains a model runs with: ``config.pid`` (dict or PIDConfig) over the ``lm`` preset."""
-    return PIDConfig.coerce(getattr(config, "pid", None), default=DEFAULT_PRESET)
+    raw = getattr(config, "pid", None)
+    if isinstance(raw, dict):
+        # called once per forward (every decoding step): parse a given dict once, not every time
+        try:
+            return _coerce_items(tuple(sorted(raw.items())))
+        except TypeError:  # unhashable values: let coerce report or accept them
+            pass
+    return PIDConfig.coerce(raw, default=DEFAULT_PRESET)
+
+
+@functools.lru_cache(maxsize=64)
+def _coerce_items(items: tuple) -> PIDConfig:
+    return PIDConfig.coerce(dict(items), default=DEFAULT_PRESET)
 
 
 def _is_cross_attention(module: nn.Module) -> bool:

@@ -1,0 +1,564 @@
+"""PID/stock overhead of every zoo, side by side: `make bench`.
+
+    python bench/run_all.py --out bench_out                  # everything, 1 and 2 threads (< 10 min)
+    python bench/run_all.py --quick --only timm,core         # a fast look at some sections
+
+For each workload the PID model and the stock softmax model with the same weights run in ONE process,
+alternately, after warm-up; the figure is the ratio of the medians (PID/stock; see bench/_harness.py for
+the method and for how peak memory is measured on the CPU). Sections (``--only``):
+
+    timm      deit_tiny_patch16_224 vs pid_deit_tiny_patch16_224, 224 px, batch 8: forward, forward+backward
+    fan       fan_tiny_12_p16_224 vs pid_fan_tiny_12_p16_224, 224 px, batch 8: forward, forward+backward
+    mmseg     Segmenter ViT-T (configs/mmseg, 12 layers), 128x128 crop, batch 2: train step (loss+backward)
+    hf        small Llama (grouped-query: 8 query / 2 key-value heads), sdpa vs "pid": train step, prefill,
+              decode tokens/s with a KV cache (generate)
+    fairseq   transformer_lm vs transformer_lm_pid (same weights): train step, incremental decoding tokens/s
+    memory    peak memory of forward+backward, PID/stock (timm, FAN, mmseg, HF, fairseq)
+    core      core PIDSelfAttention stack (pid vs pid=None): forward+backward at sequence lengths 64..4096
+    compile   a small transformer of core PIDSelfAttention + MLP blocks, eager and torch.compile (inductor)
+
+Allocator (``--malloc``). On the CPU every large tensor comes from glibc's malloc. With its default dynamic
+thresholds, large buffers are often returned to the OS and re-faulted on the next step, and which ones depends
+on what else is alive: PID keeps three state tensors per layer alive, which shifts that pattern and can cost
+more than PID's own arithmetic (seen here: deit_tiny forward +10% with the default allocator, +2% tuned).
+``--malloc tuned`` (the default) re-runs this script with ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``
+and ``MALLOC_TOP_PAD_`` set so that freed memory is reused (what jemalloc/tcmalloc, which PyTorch's CPU tuning
+guide recommends, do too); both models get faster and the ratio measures PID's compute. ``--malloc default``
+keeps glibc's defaults: the figure a user gets without tuning.
+
+Writes OUT/bench.json and OUT/bench.md (a markdown table: workload, threads, stock median, PID median, ratio,
+target, met?) with the machine described.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+# the profiler (peak-memory section) logs every start/stop to the console unless told otherwise
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import interleaved, machine, peak_memory_bytes  # noqa: E402
+
+SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "memory", "core", "compile")
+MALLOC_TUNED = {  # glibc: keep freed memory for reuse instead of unmapping and re-faulting it every step
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 33),
+    "MALLOC_TOP_PAD_": str(1 << 27),
+}
+TARGETS = {  # kind -> (comparison, bound): the issue's targets on PID/stock ratios
+    "time": ("<=", 1.03),      # forward+backward / train step time
+    "tokens/s": (">=", 0.97),  # decode throughput
+    "memory": ("<=", 1.10),    # peak memory
+    "compiled": ("<=", 1.02),  # compiled forward+backward time
+}
+
+# A workload: (section, name, kind, build) where build() returns (stock_fn, pid_fn, info) and kind picks
+# the target (None: reported without a target, e.g. forward-only time or prefill).
+Task = Tuple[str, str, Optional[str], int, Callable[[], Tuple[Callable[[], Any], Callable[[], Any], Dict[str, Any]]]]
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    import logging
+
+    for name in ("mmengine", "fairseq", "transformers", "torch._dynamo", "torch._inductor"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- models
+def timm_pair(name: str, base: str) -> Tuple[torch.nn.Module, torch.nn.Module]:
+    import timm
+
+    import pid_plugins.timm  # noqa: F401
+
+    torch.manual_seed(0)
+    stock = timm.create_model(base)
+    pid = timm.create_model(name)
+    pid.load_state_dict(stock.state_dict())
+    return stock, pid
+
+
+def vision_runs(stock, pid, x) -> Dict[str, Tuple[Callable, Callable]]:
+    def fwd(m):
+        def run():
+            m.eval()
+            with torch.no_grad():
+                m(x)
+        return run
+
+    def fwd_bwd(m):
+        def run():
+            m.train()
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+        return run
+
+    return {"forward": (fwd(stock), fwd(pid)), "forward+backward": (fwd_bwd(stock), fwd_bwd(pid))}
+
+
+def mmseg_pair(crop: int, batch: int):
+    import pid_plugins.mmseg  # noqa: F401
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmengine.structures import PixelData
+    from mmseg.registry import MODELS
+    from mmseg.structures import SegDataSample
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "mmseg")
+    cfg = Config.fromfile(os.path.join(root, "segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py"))
+    init_default_scope("mmseg")
+    cfg.model.data_preprocessor.size = (crop, crop)
+    cfg.model.backbone.img_size = (crop, crop)
+    cfg.model.backbone.drop_path_rate = 0.0  # stochastic depth would make the two sides differ per step
+    torch.manual_seed(0)
+    pid = MODELS.build(cfg.model)
+    cfg.model.backbone.attention = "softmax"
+    stock = MODELS.build(cfg.model)
+    stock.load_state_dict(pid.state_dict())
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randn(batch, 3, crop, crop, generator=g)
+    samples = []
+    for _ in range(batch):
+        s = SegDataSample(metainfo=dict(img_shape=(crop, crop), pad_shape=(crop, crop), ori_shape=(crop, crop)))
+        s.gt_sem_seg = PixelData(data=torch.randint(0, 150, (1, crop, crop), generator=g))
+        samples.append(s)
+
+    def step(m):
+        def run():
+            m.train()
+            m.zero_grad(set_to_none=True)
+            losses = m(inputs, samples, mode="loss")
+            sum(v for k, v in losses.items() if "loss" in k).backward()
+        return run
+
+    return step(stock), step(pid)
+
+
+HF_CFG = dict(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=1024)
+# SmolLM2-135M's shape (random weights): 30 layers, hidden 576, 9 query / 3 key-value heads
+SMOLLM2_CFG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def hf_pair(cfg: Optional[Dict[str, Any]] = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pid_plugins.hf
+
+    cfg = cfg or HF_CFG
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(LlamaConfig(**cfg))
+    stock.set_attn_implementation("sdpa")
+    pid = LlamaForCausalLM(LlamaConfig(**cfg))
+    pid.load_state_dict(stock.state_dict())
+    pid_plugins.hf.to_pid(pid)
+    return stock, pid
+
+
+def hf_runs(batch: int, seq: int, new_tokens: int, cfg: Optional[Dict[str, Any]] = None
+            ) -> Dict[str, Tuple[Callable, Callable]]:
+    stock, pid = hf_pair(cfg)
+    ids = torch.randint(0, (cfg or HF_CFG)["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    prompt = ids[:, :64]
+
+    def train_step(m):
+        def run():
+            m.train()
+            m.zero_grad(set_to_none=True)
+            m(ids, labels=ids).loss.backward()
+        return run
+
+    def prefill(m):
+        def run():
+            m.eval()
+            with torch.no_grad():
+                m(ids)
+        return run
+
+    def decode(m):
+        def run():
+            m.eval()
+            m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return run
+
+    return {"train step": (train_step(stock), train_step(pid)), "prefill": (prefill(stock), prefill(pid)),
+            "decode": (decode(stock), decode(pid))}
+
+
+FAIRSEQ_ARGS = ["--decoder-layers", "6", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "1024",
+                "--decoder-attention-heads", "8", "--tokens-per-sample", "256", "--dropout", "0"]
+
+
+def fairseq_pair(tmpdir: str):
+    import pid_plugins.fairseq as pf
+    from fairseq import options, tasks
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for i in range(2000):
+        d.add_symbol(f"w{i}")
+    d.save(os.path.join(tmpdir, "dict.txt"))
+
+    def build(arch: str):
+        parser = options.get_training_parser()
+        args = options.parse_args_and_arch(parser, [tmpdir, "--task", "language_modeling", "--arch", arch,
+                                                    "--user-dir", pf.USER_DIR, *FAIRSEQ_ARGS])
+        task = tasks.setup_task(args)
+        torch.manual_seed(0)
+        return task.build_model(args)
+
+    stock, pid = build("transformer_lm"), build("transformer_lm_pid")
+    pid.load_state_dict(stock.state_dict())
+    return stock, pid, len(d)
+
+
+def fairseq_runs(tmpdir: str, batch: int, seq: int, new_tokens: int) -> Dict[str, Tuple[Callable, Callable]]:
+    import torch.nn.functional as F
+
+    stock, pid, vocab = fairseq_pair(tmpdir)
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(4, vocab, (batch, seq), generator=g)
+    prompt = toks[:, :32]
+
+    def train_step(m):
+        def run():
+            m.train()
+            m.zero_grad(set_to_none=True)
+            logits = m(toks)[0]
+            F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), toks[:, 1:].reshape(-1)).backward()
+        return run
+
+    def decode(m):
+        def run():
+            m.eval()
+            state: Dict[str, Any] = {}
+            out = prompt
+            with torch.no_grad():
+                # prefill the cache token by token (fairseq's incremental path), then greedy decoding
+                for t in range(1, prompt.size(1) + new_tokens):
+                    logits = m(out[:, :t], incremental_state=state)[0][:, -1]
+                    if t >= prompt.size(1):
+                        out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
+        return run
+
+    return {"train step": (train_step(stock), train_step(pid)), "incremental decoding": (decode(stock), decode(pid))}
+
+
+class CoreBlock(torch.nn.Module):
+    """Pre-norm transformer block around the core PIDSelfAttention (the compile section's model)."""
+
+    def __init__(self, dim: int, heads: int, pid) -> None:
+        super().__init__()
+        from pid_plugins.core import PIDSelfAttention
+
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.attn = PIDSelfAttention(dim, heads, qkv_bias=True, pid=pid)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x, state):
+        y, state = self.attn(self.norm1(x), state)
+        x = x + y
+        return x + self.mlp(self.norm2(x)), state
+
+
+class CoreStack(torch.nn.Module):
+    def __init__(self, dim: int, heads: int, depth: int, pid, mlp: bool) -> None:
+        super().__init__()
+        from pid_plugins.core import PIDSelfAttention
+
+        if mlp:
+            self.layers = torch.nn.ModuleList(CoreBlock(dim, heads, pid) for _ in range(depth))
+        else:
+            self.layers = torch.nn.ModuleList(PIDSelfAttention(dim, heads, qkv_bias=True, pid=pid)
+                                              for _ in range(depth))
+        self.mlp = mlp
+
+    def forward(self, x):
+        state = None
+        for layer in self.layers:
+            y, state = layer(x, state)
+            x = y if self.mlp else x + y
+        return x
+
+
+def core_pair(depth: int, mlp: bool, dim: int = 192, heads: int = 3):
+    from pid_plugins.core import PIDConfig
+
+    torch.manual_seed(0)
+    stock = CoreStack(dim, heads, depth, None, mlp)
+    pid = CoreStack(dim, heads, depth, PIDConfig.preset("deit"), mlp)
+    pid.load_state_dict(stock.state_dict())
+    return stock, pid
+
+
+def fwd_bwd_fn(m, x):
+    def run():
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+def build_tasks(args) -> List[Task]:
+    q = args.quick
+    reps = lambda full, quick: quick if q else full  # noqa: E731
+    tasks: List[Task] = []
+    cache: Dict[str, Any] = {}
+
+    def cached(key: str, make: Callable[[], Any]) -> Any:
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    for threads in args.threads:
+        # Thread counts after the first: the targeted workloads of each zoo (forward+backward / train step /
+        # decode); forward-only, prefill, the scaling sweep and torch.compile run at the first thread count
+        # only (time budget), unless --all-threads.
+        secondary = threads != args.threads[0] and not args.all_threads
+
+        def add(section, name, kind, build, threads=threads, secondary=secondary):
+            if secondary and (kind not in ("time", "tokens/s") or section in ("core", "compile")):
+                return
+            tasks.append((section, name, kind, threads, build))
+
+        def vision(section, name, base, mode, kind, n, b=8):
+            def build(n=n):
+                stock, pid = cached(section, lambda: timm_pair(name, base))
+                x = cached(section + "_x", lambda: torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0)))
+                fs, fp = vision_runs(stock, pid, x)[mode]
+                return fs, fp, dict(reps=n, batch=b, img_size=224, model=name, base=base)
+            add(section, f"{section} {name.replace('pid_', '')} b{b} {mode}", kind, build)
+
+        if "timm" in args.only:
+            vision("timm", "pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", "forward", None, reps(5, 2))
+            vision("timm", "pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", "forward+backward", "time",
+                   reps(9, 3))
+        if "fan" in args.only:
+            vision("fan", "pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", "forward", None, reps(3, 2))
+            vision("fan", "pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", "forward+backward", "time", reps(5, 3))
+        if "mmseg" in args.only:
+            def build_mmseg(n=reps(7, 3)):
+                fs, fp = cached("mmseg", lambda: mmseg_pair(crop=128, batch=2))
+                return fs, fp, dict(reps=n, crop=128, batch=2, layers=12)
+            add("mmseg", "mmseg Segmenter ViT-T 128x128 b2 train step", "time", build_mmseg)
+        if "hf" in args.only:
+            for what, kind, n in (("train step", "time", reps(7, 3)), ("prefill", None, reps(5, 3)),
+                                  ("decode", "tokens/s", reps(5, 3))):
+                def build_hf(what=what, n=n):
+                    runs = cached("hf", lambda: hf_runs(batch=4, seq=256, new_tokens=32))
+                    fs, fp = runs[what]
+                    info = dict(reps=n, batch=4, seq=256, config=HF_CFG)
+                    if what == "decode":
+                        info.update(prompt=64, new_tokens=32, tokens=4 * 32)
+                    return fs, fp, info
+                label = {"train step": "train step b4x256", "prefill": "prefill b4x256",
+                         "decode": "decode b4, 64+32 tokens"}[what]
+                add("hf", f"hf Llama-GQA {label}", kind, build_hf)
+
+            def build_hf_smol(n=reps(3, 2)):
+                fs, fp = cached("hf_smol", lambda: hf_runs(batch=1, seq=64, new_tokens=32, cfg=SMOLLM2_CFG))["decode"]
+                return fs, fp, dict(reps=n, batch=1, prompt=64, new_tokens=32, tokens=32, config=SMOLLM2_CFG)
+            add("hf", "hf SmolLM2-135M shape decode b1, 64+32 tokens", "tokens/s", build_hf_smol)
+        if "fairseq" in args.only:
+            for what, kind, n in (("train step", "time", reps(7, 3)), ("incremental decoding", "tokens/s", reps(5, 3))):
+                def build_fs(what=what, n=n):
+                    runs = cached("fairseq", lambda: fairseq_runs(args.tmp, batch=4, seq=256, new_tokens=32))
+                    fs, fp = runs[what]
+                    info = dict(reps=n, batch=4, seq=256, layers=6, dim=256, heads=8)
+                    if what == "incremental decoding":
+                        info.update(prompt=32, new_tokens=32, tokens=4 * (32 + 31))
+                    return fs, fp, info
+                label = "train step b4x256" if what == "train step" else "incremental decoding b4, 32+32 tokens"
+                add("fairseq", f"fairseq transformer_lm {label}", kind, build_fs)
+        if "core" in args.only:
+            for n_tok, n in ((64, reps(9, 3)), (256, reps(7, 3)), (1024, reps(5, 3)), (4096, reps(3, 2))):
+                def build_core(n_tok=n_tok, n=n):
+                    stock, pid = cached("core", lambda: core_pair(depth=2, mlp=False))
+                    b = max(1, 4096 // n_tok)  # 4096 tokens per batch at every length
+                    x = torch.randn(b, n_tok, 192, generator=torch.Generator().manual_seed(0))
+                    return fwd_bwd_fn(stock, x), fwd_bwd_fn(pid, x), dict(reps=n, batch=b, seq=n_tok, depth=2, dim=192,
+                                                                         heads=3, min_time=0.05)
+                add("core", f"core attention stack fwd+bwd N={n_tok}", None, build_core)
+        if "compile" in args.only:
+            for compiled in (False, True):
+                def build_compile(compiled=compiled, n=reps(7, 3)):
+                    stock, pid = cached("compile", lambda: core_pair(depth=6, mlp=True))
+                    x = torch.randn(8, 197, 192, generator=torch.Generator().manual_seed(0))
+                    if compiled:
+                        cs, cp = cached("compiled", lambda: (torch.compile(stock), torch.compile(pid)))
+                        return fwd_bwd_fn(cs, x), fwd_bwd_fn(cp, x), dict(reps=n, batch=8, seq=197, depth=6,
+                                                                         compile="inductor")
+                    return fwd_bwd_fn(stock, x), fwd_bwd_fn(pid, x), dict(reps=n, batch=8, seq=197, depth=6)
+                kind = "compiled" if compiled else "time"
+                label = "torch.compile" if compiled else "eager"
+                add("compile", f"core transformer (attn+MLP) b8x197 fwd+bwd, {label}", kind, build_compile)
+    return tasks
+
+
+def memory_tasks(args) -> List[Tuple[str, Callable[[], Tuple[Callable, Callable]]]]:
+    """(name, build) for the peak-memory section; each build returns forward+backward (or train step) fns."""
+    out = []
+    if "timm" in args.only or "memory" in args.only:
+        def deit():
+            s, p = timm_pair("pid_deit_tiny_patch16_224", "deit_tiny_patch16_224")
+            x = torch.randn(8, 3, 224, 224)
+            return vision_runs(s, p, x)["forward+backward"]
+        out.append(("deit_tiny b8 forward+backward", deit))
+    if "fan" in args.only or "memory" in args.only:
+        def fan():
+            s, p = timm_pair("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224")
+            x = torch.randn(8, 3, 224, 224)
+            return vision_runs(s, p, x)["forward+backward"]
+        out.append(("fan_tiny b8 forward+backward", fan))
+    if "mmseg" in args.only or "memory" in args.only:
+        out.append(("mmseg Segmenter ViT-T 128x128 b2 train step", lambda: mmseg_pair(crop=128, batch=2)))
+    if "hf" in args.only or "memory" in args.only:
+        out.append(("hf Llama-GQA train step b4x256", lambda: hf_runs(4, 256, 32)["train step"]))
+    if "fairseq" in args.only or "memory" in args.only:
+        out.append(("fairseq transformer_lm train step b4x256", lambda: fairseq_runs(args.tmp, 4, 256, 32)["train step"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+def verdict(kind: Optional[str], ratio: float) -> Tuple[str, Optional[bool]]:
+    if kind is None:
+        return "", None
+    op, bound = TARGETS[kind]
+    ok = ratio <= bound if op == "<=" else ratio >= bound
+    return f"{op} {bound:.2f}", ok
+
+
+def write_markdown(path: str, result: Dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs, "
+        f"load average at start {m.get('load_average_at_start')}, Python {m['python']}, torch {m['torch']}, "
+        f"timm {m.get('timm')}, transformers {m.get('transformers')}, mmseg {m.get('mmseg')}, "
+        f"fairseq {m.get('fairseq')}. Run: {result['started']}, {result['elapsed_s']:.0f} s"
+        f"{' (--quick)' if result['quick'] else ''}; glibc malloc: {result['malloc']}.",
+        "",
+        "| workload | threads | stock median | PID median | PID/stock | target | met? | PID/stock of minima |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        unit = r.get("unit", "s")
+        if unit == "tokens/s":
+            s, p = f"{r['stock_tokens_per_s']:.0f} tok/s", f"{r['pid_tokens_per_s']:.0f} tok/s"
+        elif unit == "MB":
+            s, p = f"{r['stock_mb']:.1f} MB", f"{r['pid_mb']:.1f} MB"
+        else:
+            s, p = f"{r['stock_s'] * 1e3:.1f} ms", f"{r['pid_s'] * 1e3:.1f} ms"
+        met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        threads = r.get("threads", "")
+        mins = r.get("ratio_of_minima")
+        if mins is not None and unit == "tokens/s":
+            mins = 1.0 / mins  # as a throughput ratio, like the ratio column
+        mins = "" if mins is None else f"{mins:.3f}"
+        lines.append(f"| {r['workload']} | {threads} | {s} | {p} | {r['ratio']:.3f} | {r['target']} | {met} | {mins} |")
+    core = [r for r in result["rows"] if r["section"] == "core"]
+    if len(core) >= 2:
+        sweep = ", ".join(f"N={r['seq']}: {r['ratio']:.3f}" for r in core)
+        falls = core[-1]["ratio"] < core[0]["ratio"]
+        lines += ["", f"Scaling of the core attention stack (PID/stock, fwd+bwd, 4096 tokens per batch): {sweep}; "
+                      f"the overhead {'falls' if falls else '**does not fall**'} as attention's quadratic cost grows."]
+    lines += ["", "Times are medians of interleaved repetitions in one process; the ratio is PID/stock of the "
+              "medians (for decoding: PID/stock tokens/s); the last column, the ratio of the fastest repetitions, is a "
+              "cross-check that is less sensitive to load from other processes. Peak memory: torch.profiler allocation events, "
+              "running sum, maximum over one forward+backward (see bench/_harness.py)."]
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_out", help="output directory (bench.json, bench.md)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--quick", action="store_true", help="few repetitions: a smoke run, not a measurement")
+    p.add_argument("--all-threads", action="store_true",
+                   help="run every workload at every thread count (default: after the first thread count, only "
+                        "the targeted ones: forward+backward, train steps, decoding)")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {','.join(SECTIONS)}")
+    p.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
+                   help="glibc allocator settings for both models (see the module doc); default: tuned")
+    args = p.parse_args()
+    if args.malloc == "tuned" and any(os.environ.get(k) != v for k, v in MALLOC_TUNED.items()):
+        # glibc reads its tunables at start-up: run this script again with them set
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_TUNED})
+    args.only = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = args.only - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; choose from {','.join(SECTIONS)}")
+    os.makedirs(args.out, exist_ok=True)
+    import tempfile
+
+    from tqdm import tqdm
+
+    _quiet()
+    t_start = time.time()
+    result: Dict[str, Any] = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "quick": args.quick, "threads": args.threads, "malloc": args.malloc,
+                              "malloc_env": {k: os.environ.get(k) for k in MALLOC_TUNED}, "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        args.tmp = tmp
+        tasks = build_tasks(args)
+        mem = memory_tasks(args) if "memory" in args.only else []
+        total = sum(t[4].__defaults__[-1] for t in tasks) + len(mem)
+        bar = tqdm(total=total, desc="bench", unit="rep", dynamic_ncols=True)
+        for section, name, kind, threads, build in tasks:
+            bar.set_postfix_str(f"{name[:50]} [{threads} thr]")
+            torch.set_num_threads(threads)
+            fs, fp, info = build()
+            n = info.pop("reps")
+            min_time = info.pop("min_time", 0.0)
+            r = interleaved(fs, fp, reps=n, warmup=2, progress=bar.update, min_time=min_time)
+            row: Dict[str, Any] = {"section": section, "workload": name, "threads": threads, **r, **info}
+            ratio = r["ratio"]
+            if kind == "tokens/s":
+                tokens = info["tokens"]
+                row.update(unit="tokens/s", stock_tokens_per_s=tokens / r["stock_s"],
+                           pid_tokens_per_s=tokens / r["pid_s"])
+                ratio = r["stock_s"] / r["pid_s"]
+            row["ratio"] = ratio
+            row["target"], row["met"] = verdict(kind, ratio)
+            result["rows"].append(row)
+            tqdm.write(f"{name} [{threads} thr]: PID/stock {ratio:.3f} {row['target']}")
+        torch.set_num_threads(max(args.threads))
+        for name, build in mem:
+            bar.set_postfix_str("peak memory " + name[:40])
+            fs, fp = build()
+            fs(), fp()  # warm-up (lazy initialisation is not part of the peak)
+            ms, mp = peak_memory_bytes(fs), peak_memory_bytes(fp)
+            row = {"section": "memory", "workload": f"peak memory: {name}", "unit": "MB", "stock_mb": ms / 1e6,
+                   "pid_mb": mp / 1e6, "ratio": mp / ms}
+            row["target"], row["met"] = verdict("memory", row["ratio"])
+            result["rows"].append(row)
+            tqdm.write(f"peak memory {name}: PID/stock {row['ratio']:.3f}")
+            bar.update()
+        bar.close()
+    result["elapsed_s"] = time.time() - t_start
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    text = write_markdown(os.path.join(args.out, "bench.md"), result)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

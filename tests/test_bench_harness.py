@@ -1,0 +1,81 @@
+"""The benchmark harness (bench/): what `make bench` measures must be measured right.
+
+Speed itself is not asserted here (the standards keep timings out of unit tests); these tests check the
+method: interleaving, the peak-memory reading, target verdicts and the report.
+"""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load(name):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+harness = load("_harness")
+
+
+def test_interleaved_alternates_and_counts():
+    calls = []
+    r = harness.interleaved(lambda: calls.append("s"), lambda: calls.append("p"), reps=6, warmup=2)
+    assert calls[:4] == ["s", "p", "s", "p"]  # warm-up pairs
+    timed = calls[4:]
+    assert timed.count("s") == timed.count("p") == 6
+    # the order of each pair flips every repetition, so neither side always runs first
+    pairs = [tuple(timed[i:i + 2]) for i in range(0, 12, 2)]
+    assert pairs[0] == ("s", "p") and pairs[1] == ("p", "s")
+    assert r["reps"] == 6 and r["ratio"] == pytest.approx(r["pid_s"] / r["stock_s"])
+
+
+def test_peak_memory_sees_a_known_allocation():
+    n = 1_000_000  # 4 MB of float32
+
+    def one_buffer():
+        torch.empty(n).fill_(1.0)
+
+    def two_live_buffers():
+        a = torch.empty(n).fill_(1.0)
+        b = torch.empty(n).fill_(2.0)
+        return (a + b).sum()  # a third buffer of n while a and b are alive
+
+    one, three = harness.peak_memory_bytes(one_buffer), harness.peak_memory_bytes(two_live_buffers)
+    assert 4 * n <= one < 4.5 * n
+    assert 12 * n <= three < 13 * n
+
+
+def test_verdicts_and_markdown(tmp_path):
+    run_all = load("run_all")
+    assert run_all.verdict("time", 1.02) == ("<= 1.03", True)
+    assert run_all.verdict("time", 1.05) == ("<= 1.03", False)
+    assert run_all.verdict("tokens/s", 0.98) == (">= 0.97", True)
+    assert run_all.verdict("memory", 1.2)[1] is False
+    assert run_all.verdict(None, 3.0) == ("", None)
+    rows = [
+        dict(section="timm", workload="w1", threads=1, stock_s=0.1, pid_s=0.102, ratio=1.02, target="<= 1.03",
+             met=True, ratio_of_minima=1.01),
+        dict(section="hf", workload="decode", threads=1, unit="tokens/s", stock_s=1.0, pid_s=1.1, ratio=1 / 1.1,
+             stock_tokens_per_s=100.0, pid_tokens_per_s=90.9, target=">= 0.97", met=False, ratio_of_minima=1.1),
+        dict(section="core", workload="N=64", threads=1, seq=64, stock_s=1.0, pid_s=1.1, ratio=1.1, target="",
+             met=None),
+        dict(section="core", workload="N=4096", threads=1, seq=4096, stock_s=1.0, pid_s=1.01, ratio=1.01,
+             target="", met=None),
+    ]
+    result = dict(machine=harness.machine(), started="now", elapsed_s=1.0, quick=True, malloc="tuned", rows=rows)
+    text = run_all.write_markdown(str(tmp_path / "bench.md"), result)
+    assert "| w1 | 1 | 100.0 ms | 102.0 ms | 1.020 | <= 1.03 | yes | 1.010 |" in text
+    assert "| decode | 1 | 100 tok/s | 91 tok/s | 0.909 | >= 0.97 | **no** | 0.909 |" in text
+    assert "N=64: 1.100, N=4096: 1.010; the overhead falls" in text
+    json.dumps(result, default=str)
