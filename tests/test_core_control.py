@@ -31,6 +31,33 @@ def test_matches_naive_reference(preset, H, Hkv):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("gains", [(0.7, 0.4, 0.2, 0.6), (0.7, 0.0, 0.2, 0.6), (0.7, 0.4, 0.0, 0.6), (0.0, 0.5, 0.0, 1.0)])
+@pytest.mark.parametrize("N", [1, 2048])  # both sides of the small-tensor threshold of the fixed-gain path
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2)])
+def test_fixed_gain_paths_match_the_reference_in_both_layouts(gains, N, H, Hkv):
+    """Decoding-sized and training-sized tensors take different fixed-gain code paths; heads first
+    ``(B, H, N, D)`` or positions first ``(B, N, H, D)`` with the values a transposed view (as the HF adapter
+    passes them): all must equal the rule."""
+    attn, vals = random_layers(L=4, B=1, H=H, Hkv=Hkv, N=N, D=16)
+    want = naive_pid_stack(attn, vals, *gains) if N == 1 else None
+    got, _ = run_stack(attn, vals, gains)
+    state, got_t = None, []
+    for a, v in zip(attn, vals):
+        u, state = pid_update(a.transpose(1, 2).contiguous(), v.transpose(1, 2), state, gains, head_dim=-2)
+        assert u.is_contiguous()
+        got_t.append(u.transpose(1, 2))
+    if want is None:  # the loop reference is slow at N=2048: check against the vectorised rule instead
+        lp, li, ld, beta = gains
+        e = [beta * vals[0] - v for v in vals]
+        want = []
+        for layer, a in enumerate(attn):
+            term = lp * e[layer] + li * sum(e[: layer + 1]) + (ld * (e[layer] - e[layer - 1]) if layer else 0)
+            want.append(a + term.repeat_interleave(H // Hkv, 1))
+    for g, gt, w in zip(got, got_t, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gt, w, rtol=1e-12, atol=1e-12)
+
+
 def test_state_contents_follow_the_definition():
     cfg = PIDConfig(0.3, 0.2, 0.1, 0.6)
     attn, vals = random_layers(L=3, B=1, H=2, Hkv=2, N=4, D=5)

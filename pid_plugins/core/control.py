@@ -28,6 +28,9 @@ Gain = Union[float, Tensor]
 GainsLike = Union[PIDConfig, Sequence[Gain]]
 
 
+_SMALL = 1 << 15  # elements: below this (e.g. a decoding step) pid_update minimises kernels, above it buffers
+
+
 class PIDState(NamedTuple):
     """What one PID layer hands to the next within a single forward pass.
 
@@ -120,47 +123,71 @@ def pid_update(
         return attn_out, new_state
 
     scalar_gains = not any(isinstance(g, Tensor) for g in (lambda_p, lambda_i, lambda_d))
-    if scalar_gains and value.shape == attn_out.shape and value.dtype == attn_out.dtype:
-        # Fast path (MHA, fixed gains): accumulate straight into a copy of the attention output,
-        # u = A v + (lP + lD) e + lI S - lD e_prev, with no other temporaries.
-        if state is None:
-            return attn_out.add(e, alpha=lambda_p + lambda_i), new_state
-        out = attn_out.add(e, alpha=lambda_p + lambda_d).add_(e_sum, alpha=lambda_i)
-        return out.sub_(e_prev, alpha=lambda_d), new_state
+    dim = _kv_head_split(attn_out, value, head_dim)
+    if dim is None:
+        expand_heads(value, attn_out.shape[head_dim], head_dim)  # raises if the head counts do not divide
+        raise ValueError(
+            f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
+            "(after expanding key/value heads): pass the values of the query positions only"
+        )
+    # Grouped-query attention (dim >= 0): key/value head j serves query heads j*r .. j*r + r - 1 (as
+    # :func:`expand_heads`, i.e. ``repeat_interleave``). The PID term is computed in key/value-head space
+    # (1/r of the query heads' size) and broadcast over each group of r query heads of a view of the
+    # attention output, instead of materialising the repeated values.
+    target = attn_out if dim < 0 else attn_out.unflatten(dim, (value.shape[dim], -1))
 
-    # General path: learnable (tensor) gains, grouped-query attention, mixed dtypes. The PID term is
-    # computed in key/value-head space (``1/r`` of the query heads' size under grouped-query attention).
-    if state is None:
-        first_gain = lambda_p + lambda_i
-        if isinstance(lambda_d, Tensor):
-            # keep a learnable lambda_d in the graph (zero gradient here), so DDP sees every parameter used
-            first_gain = first_gain + 0.0 * lambda_d
-        term = e * first_gain
-    elif scalar_gains:
-        term = e.mul(lambda_p + lambda_d).add_(e_sum, alpha=lambda_i).sub_(e_prev, alpha=lambda_d)
+    def kv(x: Tensor) -> Tensor:
+        return x if dim < 0 else x.unsqueeze(dim + 1)
+
+    if scalar_gains and value.dtype == attn_out.dtype:
+        # Fast path (fixed gains): u = A v + (lP + lD) e + lI S - lD e_prev.
+        if state is None:
+            out = target.add(kv(e), alpha=lambda_p + lambda_i)
+        elif lambda_i != 0.0 and e.numel() <= _SMALL:
+            # small tensors (decoding): each kernel launch is the cost, so the fewest kernels,
+            # lI * (S + (lP + lD)/lI e - lD/lI e_prev), with one temporary in key/value-head space
+            term = torch.add(e_sum, e, alpha=(lambda_p + lambda_d) / lambda_i)
+            if lambda_d != 0.0:
+                term.sub_(e_prev, alpha=lambda_d / lambda_i)
+            out = target.add(kv(term), alpha=lambda_i)
+        else:
+            # large tensors: memory traffic and fresh buffers are the cost, so accumulate straight into a
+            # copy of the attention output, with no other temporaries
+            out = target.add(kv(e), alpha=lambda_p + lambda_d)
+            if lambda_i != 0.0:
+                out.add_(kv(e_sum), alpha=lambda_i)
+            if lambda_d != 0.0:
+                out.sub_(kv(e_prev), alpha=lambda_d)
     else:
-        term = e * (lambda_p + lambda_d) + e_sum * lambda_i - e_prev * lambda_d
-    if term.dtype != attn_out.dtype:
-        term = term.to(attn_out.dtype)
-    if term.shape == attn_out.shape:
-        return attn_out + term, new_state
-    if attn_out.dim() >= 3:
-        # Grouped-query attention: key/value head j serves query heads j*r .. j*r + r - 1 (as
-        # :func:`expand_heads`, i.e. ``repeat_interleave``). Broadcast the term over each group of r query
-        # heads instead of materialising the repeated copy; the output keeps the attention output's layout.
-        dim = head_dim % attn_out.dim()
-        heads, kv_heads = attn_out.shape[dim], term.shape[dim]
-        grouped = attn_out.shape[:dim] + (kv_heads,) + attn_out.shape[dim + 1:] == term.shape
-        if grouped and kv_heads > 0 and heads % kv_heads == 0:
-            r = heads // kv_heads
-            out = attn_out.unflatten(dim, (kv_heads, r)) + term.unsqueeze(dim + 1)
-            return out.flatten(dim, dim + 1), new_state
-        if kv_heads <= 0 or heads % kv_heads != 0:
-            expand_heads(term, heads, head_dim)  # raises the explanatory error
-    raise ValueError(
-        f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
-        "(after expanding key/value heads): pass the values of the query positions only"
-    )
+        # General path: learnable (tensor) gains, mixed dtypes.
+        if state is None:
+            first_gain = lambda_p + lambda_i
+            if isinstance(lambda_d, Tensor):
+                # keep a learnable lambda_d in the graph (zero gradient here), so DDP sees every parameter used
+                first_gain = first_gain + 0.0 * lambda_d
+            term = e * first_gain
+        elif scalar_gains:
+            term = e.mul(lambda_p + lambda_d).add_(e_sum, alpha=lambda_i).sub_(e_prev, alpha=lambda_d)
+        else:
+            term = e * (lambda_p + lambda_d) + e_sum * lambda_i - e_prev * lambda_d
+        if term.dtype != attn_out.dtype:
+            term = term.to(attn_out.dtype)
+        out = target + kv(term)
+    return (out if dim < 0 else out.flatten(dim, dim + 1)), new_state
+
+
+def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> Optional[int]:
+    """-1 if ``value`` has the attention output's shape; the (non-negative) head dimension if it has fewer
+    heads that divide the query heads (grouped-query attention) and otherwise matches; None if neither."""
+    if attn_out.shape == value.shape:
+        return -1
+    if attn_out.dim() < 2:
+        return None
+    dim = head_dim % attn_out.dim()
+    heads, kv_heads = attn_out.shape[dim], value.shape[dim]
+    if kv_heads <= 0 or heads % kv_heads or attn_out.shape[:dim] + (kv_heads,) + attn_out.shape[dim + 1:] != value.shape:
+        return None
+    return dim
 
 
 def _all_zero(*gains: Gain) -> bool:

@@ -52,6 +52,9 @@ class PIDForwardState:
 
     def previous(self, layer_idx: int) -> Optional[PIDState]:
         """The state left by the nearest earlier PID layer of this pass (None at the first layer)."""
+        state = self.layers.get(layer_idx - 1)  # the usual case: consecutive layers, O(1) per layer
+        if state is not None:
+            return state
         earlier = [i for i in self.layers if i < layer_idx]
         return self.layers[max(earlier)] if earlier else None
 
@@ -74,7 +77,12 @@ def _coerce_items(items: tuple) -> PIDConfig:
 
 
 def _is_cross_attention(module: nn.Module) -> bool:
-    return bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
+    return bool(getattr(module, "is_cross_attention", False)) or _cross_attention_type(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _cross_attention_type(cls: type) -> bool:
+    return "CrossAttention" in cls.__name__
 
 
 def pid_attention_forward(
@@ -108,9 +116,11 @@ def pid_attention_forward(
         raise RuntimeError(f"{type(module).__name__} has no layer_idx: PID needs the layer order")
     q_len = query.shape[-2]
     start = run.past_length if value.shape[-2] >= run.past_length + q_len else value.shape[-2] - q_len
-    v_q = value[:, :, start:start + q_len]
-    u, run.layers[layer_idx] = pid_update(out.transpose(1, 2), v_q, run.previous(layer_idx), run.config)
-    return u.transpose(1, 2), weights
+    # the PID term in the output's (B, q, heads, D) layout: the values are viewed the same way, so the
+    # output stays contiguous for the model's output projection
+    v_q = value[:, :, start:start + q_len].transpose(1, 2)
+    u, run.layers[layer_idx] = pid_update(out, v_q, run.previous(layer_idx), run.config, head_dim=-2)
+    return u, weights
 
 
 def _past_length(past_key_values: Any) -> int:
