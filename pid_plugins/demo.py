@@ -420,9 +420,17 @@ def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, visi
     (out / "reproduce.json").write_text(json.dumps(record, indent=1))
     lines = [f"# Reproduction record: seeds {seeds}, vision {vision_epochs} epochs on "
              f"{record['vision_data']}, language {lm_steps} steps on `{corpus}`", "",
-             "| measure | softmax (mean +- std) | PID (mean +- std) |", "|---|---|---|"]
+             "| measure | softmax (mean +- std) | PID (mean +- std) | PID - softmax, paired by seed (mean +- std) |",
+             "|---|---|---|---|"]
     for name, by in summary.items():
         cells = [f"{by[k]['mean']:.3f} +- {by[k]['std']:.3f}" for k in ("softmax", "pid")]
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+        diffs = [p - s for p, s in zip(by["pid"]["values"], by["softmax"]["values"])]
+        spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {statistics.fmean(diffs):+.3f} +- {spread:.3f} |")
+    if any(name.startswith("vision") for name in summary):
+        from .analysis.plots import plot_reproduction
+
+        plot_reproduction(summary, out / "reproduce.png", title=f"softmax vs PID over seeds {seeds}")
+        lines += ["", "![reproduction record](reproduce.png)"]
     (out / "reproduce.md").write_text("\n".join(lines) + "\n")
     return record
