@@ -73,8 +73,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         if not files:
             raise ValueError(f"no seed*/results.json under {args.aggregate}")
         per_seed = sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["seed"])
-        write_reproduction_record(per_seed, Path(args.out), vision_epochs=args.vision_epochs,
-                                  lm_steps=args.lm_steps, corpus=args.corpus)
+        write_reproduction_record(per_seed, Path(args.out))  # the budget is read from the results
         print((Path(args.out) / "reproduce.md").read_text())
         return 0
     rec = run_reproduce(args.out, seeds=tuple(args.seeds), vision_epochs=args.vision_epochs, lm_steps=args.lm_steps,

@@ -399,13 +399,25 @@ def run_reproduce(out_dir: str | os.PathLike, seeds: tuple[int, ...] = (0, 1, 2)
     return write_reproduction_record(per_seed, out, vision_epochs=vision_epochs, lm_steps=lm_steps, corpus=corpus)
 
 
-def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, vision_epochs: float, lm_steps: int,
-                              corpus: str) -> dict[str, Any]:
-    """Mean +- std over the seeds' results (``seed*/results.json`` of one or several runs) to reproduce.md/json."""
+def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, vision_epochs: Optional[float] = None,
+                              lm_steps: Optional[int] = None, corpus: Optional[str] = None) -> dict[str, Any]:
+    """Mean +- std over the seeds' results (``seed*/results.json`` of one or several runs) to reproduce.md/json.
+
+    The budget (epochs, steps, corpus) is read from the results; runs with different budgets are refused.
+    """
     import statistics
 
     if not per_seed:
         raise ValueError("no seed results to aggregate")
+    budgets = {(r.get("vision", {}).get("spec", {}).get("epochs"), r.get("language", {}).get("spec", {}).get("steps"),
+                r.get("language", {}).get("spec", {}).get("corpus")) for r in per_seed}
+    if len(budgets) > 1:
+        raise ValueError(f"the seeds' results come from runs with different budgets (vision epochs, LM steps, corpus): "
+                         f"{sorted(budgets, key=str)}; aggregate runs of one budget only")
+    run_epochs, run_steps, run_corpus = budgets.pop()
+    vision_epochs = run_epochs if run_epochs is not None else vision_epochs
+    lm_steps = run_steps if run_steps is not None else lm_steps
+    corpus = run_corpus if run_corpus is not None else corpus
     metrics = [_metrics(r) for r in per_seed]
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for label in metrics[0]:

@@ -90,6 +90,13 @@ def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     assert clean["std"] == 0 and clean["mean"] == 100 * v["models"]["pid"]["robustness"]["clean"]["top1"]
     ppl = rec["summary"]["language valid perplexity"]["softmax"]["mean"]
     assert ppl == lang["models"]["softmax"]["valid_perplexity"]
+    assert rec["lm_steps"] == lang["spec"]["steps"]  # the budget is read from the results
+    import copy
+
+    longer = copy.deepcopy(res)
+    longer["vision"]["spec"]["epochs"] = 2 * res["vision"]["spec"]["epochs"]
+    with pytest.raises(ValueError, match="different budgets"):
+        write_reproduction_record([dict(res, seed=0), dict(longer, seed=1)], tmp_path / "rep2")
     record_md = (tmp_path / "rep" / "reproduce.md").read_text()
     assert "| vision clean top-1 % |" in record_md and "+0.000 +- 0.000 |" in record_md  # paired difference
     assert (tmp_path / "rep" / "reproduce.png").read_bytes()[:4] == b"\x89PNG"

@@ -116,7 +116,12 @@ def pid_update(
         e_sum = e
     else:
         v_first, e_sum_prev, e_prev = state
-        e = v_first.mul(beta).sub_(value) if not isinstance(beta, Tensor) else v_first * beta - value
+        if isinstance(beta, Tensor):
+            e = v_first * beta - value
+        else:
+            # e = -(v - beta v^1): a Python-scalar multiply wraps the scalar in a tensor on every call, which
+            # costs more than the arithmetic on decoding-sized tensors; alpha and neg_ do not
+            e = torch.add(value, v_first, alpha=-beta).neg_()
         e_sum = e_sum_prev + e
     new_state = PIDState(v_first, e_sum, e)
     if _all_zero(lambda_p, lambda_i, lambda_d):
