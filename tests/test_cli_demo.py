@@ -98,5 +98,7 @@ def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     with pytest.raises(ValueError, match="different budgets"):
         write_reproduction_record([dict(res, seed=0), dict(longer, seed=1)], tmp_path / "rep2")
     record_md = (tmp_path / "rep" / "reproduce.md").read_text()
-    assert "| vision clean top-1 % |" in record_md and "+0.000 +- 0.000 |" in record_md  # paired difference
+    clean_row = next(line for line in record_md.splitlines() if line.startswith("| vision clean top-1 % |"))
+    paired = 100 * v["models"]["pid"]["robustness"]["clean"]["top1"] - 100 * v["models"]["softmax"]["robustness"]["clean"]["top1"]
+    assert clean_row.split("|")[4].strip() == f"{paired:+.3f} +- 0.000"  # PID - softmax, paired by seed
     assert (tmp_path / "rep" / "reproduce.png").read_bytes()[:4] == b"\x89PNG"
