@@ -150,7 +150,7 @@ def plot_reproduction(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], pa
                 and ("clean" in n or "3/255" in n or "noise" in n)]
     if "vision mean corruption error %" in summary:
         headline.append(("vision mean corruption error %", "corruption error (lower = better)"))
-    for i, (name, short) in enumerate(headline):
+    for i, (name, _) in enumerate(headline):
         by = summary[name]
         if "pid" in by and "softmax" in by:
             diffs = [p - s for p, s in zip(by["pid"]["values"], by["softmax"]["values"])]

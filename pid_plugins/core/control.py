@@ -129,12 +129,6 @@ def pid_update(
 
     scalar_gains = not any(isinstance(g, Tensor) for g in (lambda_p, lambda_i, lambda_d))
     dim = _kv_head_split(attn_out, value, head_dim)
-    if dim is None:
-        expand_heads(value, attn_out.shape[head_dim], head_dim)  # raises if the head counts do not divide
-        raise ValueError(
-            f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
-            "(after expanding key/value heads): pass the values of the query positions only"
-        )
     # Grouped-query attention (dim >= 0): key/value head j serves query heads j*r .. j*r + r - 1 (as
     # :func:`expand_heads`, i.e. ``repeat_interleave``). The PID term is computed in key/value-head space
     # (1/r of the query heads' size) and broadcast over each group of r query heads of a view of the
@@ -181,18 +175,22 @@ def pid_update(
     return (out if dim < 0 else out.flatten(dim, dim + 1)), new_state
 
 
-def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> Optional[int]:
+def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> int:
     """-1 if ``value`` has the attention output's shape; the (non-negative) head dimension if it has fewer
-    heads that divide the query heads (grouped-query attention) and otherwise matches; None if neither."""
+    heads that divide the query heads (grouped-query attention) and otherwise matches; raises otherwise."""
     if attn_out.shape == value.shape:
         return -1
-    if attn_out.dim() < 2:
-        return None
-    dim = head_dim % attn_out.dim()
-    heads, kv_heads = attn_out.shape[dim], value.shape[dim]
-    if kv_heads <= 0 or heads % kv_heads or attn_out.shape[:dim] + (kv_heads,) + attn_out.shape[dim + 1:] != value.shape:
-        return None
-    return dim
+    if -attn_out.dim() <= head_dim < attn_out.dim():
+        dim = head_dim % attn_out.dim()
+        heads, kv_heads = attn_out.shape[dim], value.shape[dim]
+        if kv_heads <= 0 or heads % kv_heads:
+            expand_heads(value, heads, dim)  # raises the explanatory error
+        if attn_out.shape[:dim] + (kv_heads,) + attn_out.shape[dim + 1:] == value.shape:
+            return dim
+    raise ValueError(
+        f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
+        "(after expanding key/value heads): pass the values of the query positions only"
+    )
 
 
 def _all_zero(*gains: Gain) -> bool:
