@@ -1,0 +1,117 @@
+"""The built wheel, installed the way a user installs it (not editable), works for every zoo.
+
+The wheel goes into a fresh virtual environment whose only other entry on ``sys.path`` is the pinned stack's
+site-packages, added as a plain path (so that folder's own ``.pth`` files, among them the editable install of
+this repository, are not run). Everything runs from a folder outside the repository, and the test checks that
+``pid_plugins`` comes from the wheel. The wheel's ``pid_plugins_fairseq_compat.pth`` is run at interpreter start
+by the fresh environment, as it would be after ``pip install pid-plugins[fairseq]``.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STACK = sysconfig.get_paths()["purelib"]  # the pinned stack (torch, timm, transformers, mmseg, fairseq, ...)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wheel")
+    # build from a clean copy of the sources: an in-tree build/ folder left by an earlier build would leak into
+    # the wheel and hide a package the configuration forgets
+    src = root / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*_out", ".pytest_cache", ".cache", "data"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(root / "dist"), str(src)], check=True, cwd=root, capture_output=True)
+    (wheel,) = (root / "dist").glob("pid_plugins-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "pid_plugins").rglob("*.py")}
+    assert sources <= names, f"source files missing from the wheel: {sorted(sources - names)}"
+    assert {"pid_plugins_fairseq_compat.pth", "pid_plugins_fairseq_compat.py"} <= names
+    env_dir = root / "env"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--ignore-installed",
+                    "-q", str(wheel)], check=True, cwd=root, capture_output=True, env=env)
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    # zz_: after the wheel's own .pth; a plain path line adds the stack without running its .pth files
+    Path(purelib, "zz_pinned_stack.pth").write_text(STACK + "\n")
+    work = root / "work"
+    work.mkdir()
+    env["PATH"] = f"{env_dir / 'bin'}:{env['PATH']}"
+    return python, Path(purelib), work, env
+
+
+def run(installed, *args, **kw):
+    python, _, work, env = installed
+    proc = subprocess.run([str(python), *args], cwd=kw.get("cwd", work), env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{args}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_every_adapter_imports_from_the_wheel(installed):
+    _, purelib, _, _ = installed
+    out = run(installed, "-c", (
+        "import sys, dataclasses, pid_plugins, pid_plugins_fairseq_compat\n"
+        f"assert not any(p and {str(REPO)!r} in __import__('os').path.abspath(p) for p in sys.path), sys.path\n"
+        "import pid_plugins.timm, pid_plugins.hf, pid_plugins.mmseg, pid_plugins.fairseq\n"
+        "print(pid_plugins.__file__)\n"
+        "print(pid_plugins_fairseq_compat.__file__)\n"
+        "print(getattr(dataclasses._get_field, '_pid_plugins_compat', False))\n"
+    ))
+    files = out.split()
+    assert files[0] == str(purelib / "pid_plugins" / "__init__.py")
+    assert files[1] == str(purelib / "pid_plugins_fairseq_compat.py")
+    assert files[2] == "True"  # the .pth file ran at start-up
+
+
+def test_cli_and_registry_files_from_the_wheel(installed):
+    out = run(installed, "-m", "pid_plugins", "list")
+    assert "pid_deit_tiny_patch16_224" in out and "transformer_lm_pid" in out
+    env_bin = installed[0].parent
+    script = subprocess.run([str(env_bin / "pid-plugins"), "presets"], cwd=installed[2], env=installed[3],
+                            capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0, script.stderr
+    assert "deit" in script.stdout
+    out = run(installed, "-c", (
+        "import importlib.resources, tomllib\n"
+        "files = sorted(f.name for f in importlib.resources.files('pid_plugins.registry').iterdir() if f.name.endswith('.toml'))\n"
+        "print(files)\n"
+        "for f in files: tomllib.loads(importlib.resources.files('pid_plugins.registry').joinpath(f).read_text())\n"
+    ))
+    shipped = sorted(p.name for p in (REPO / "registry").glob("*.toml"))
+    assert out.strip() == str(shipped)
+
+
+def test_fairseq_user_dir_from_the_wheel_trains(installed):
+    python, purelib, work, _ = installed
+    user_dir = run(installed, "-m", "pid_plugins.fairseq").strip()
+    assert user_dir == str(purelib / "pid_plugins" / "fairseq" / "user_dir" / "pid_fairseq")
+    words = [f"w{i}" for i in range(20)]
+    lines = [" ".join(words[(7 * i + j) % 20] for j in range(10)) for i in range(200)]
+    (work / "train.txt").write_text("\n".join(lines) + "\n")
+    (work / "valid.txt").write_text("\n".join(lines[:20]) + "\n")
+    run(installed, "-m", "fairseq_cli.preprocess", "--only-source", "--trainpref", "train.txt", "--validpref",
+        "valid.txt", "--destdir", "data-bin", "--workers", "1")
+    proc = subprocess.run(
+        [str(python), "-m", "fairseq_cli.train", "data-bin", "--task", "language_modeling", "--user-dir", user_dir,
+         "--arch", "transformer_lm_pid", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "32",
+         "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.002", "--max-update", "4", "--cpu",
+         "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints", "--no-save"],
+        cwd=work, env=installed[3], capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "model: PIDTransformerLanguageModel" in log
+    assert "num_updates 4" in log
