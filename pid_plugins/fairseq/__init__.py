@@ -8,6 +8,9 @@ Use with fairseq's own CLI through ``--user-dir`` (a directory with a unique nam
 fairseq 0.12.2 needs a compatibility hook to import on Python 3.11 (``pid_plugins_fairseq_compat``, loaded
 at start-up by a ``.pth`` file installed with the package); it is also installed here, which suffices when
 this module is imported before fairseq.
+
+Importing this module also makes fairseq load checkpoints with ``weights_only=True`` whatever
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (:mod:`pid_plugins.fairseq.checkpoint`).
 """
 import os
 
@@ -36,6 +39,10 @@ def _numpy_compat_long() -> None:
 
 _numpy_compat_long()
 
+from .checkpoint import UnsafeCheckpointError, install as _install_safe_loading  # noqa: E402
+
+_install_safe_loading()  # fairseq's checkpoint_utils loads with weights_only=True, whatever the environment says
+
 from .model import (  # noqa: E402
     PIDMultiheadAttention,
     PIDTransformerDecoder,
@@ -49,5 +56,5 @@ USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
-    "PIDTransformerLanguageModelConfig", "load_pid_lm", "USER_DIR",
+    "PIDTransformerLanguageModelConfig", "load_pid_lm", "UnsafeCheckpointError", "USER_DIR",
 ]

@@ -274,7 +274,9 @@ _register_architectures()
 def load_pid_lm(checkpoint: str, data: str, **kwargs: Any):
     """Load a ``transformer_lm_pid`` (or ``transformer_lm``) checkpoint for inference: fairseq's hub interface
     (``.score()``, ``.sample()``, ``.generate()``), in eval mode. ``data`` is the binarised data directory
-    (its ``dict.txt``). fairseq reads the file with ``torch.load``, whose default here is ``weights_only=True``.
+    (its ``dict.txt``). The file is read with ``torch.load(weights_only=True)`` whatever the environment says
+    (:mod:`pid_plugins.fairseq.checkpoint`): a checkpoint holding anything but tensors, containers and
+    ``argparse.Namespace`` raises :class:`~pid_plugins.fairseq.checkpoint.UnsafeCheckpointError`.
     """
     if not os.path.isfile(checkpoint):
         raise FileNotFoundError(f"fairseq checkpoint not found: {checkpoint!r}")

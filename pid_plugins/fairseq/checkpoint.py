@@ -1,0 +1,73 @@
+"""Safe loading of fairseq checkpoints: no pickled code runs, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says.
+
+fairseq 0.12.2 reads checkpoints with a bare ``torch.load(f, map_location=...)``. Its default is
+``weights_only=True``, but the environment variable ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns that off for
+every call that does not pass ``weights_only`` itself. :func:`safe_torch_load` always passes
+``weights_only=True`` (which the variable cannot override) and allow-lists exactly what fairseq's checkpoint
+format needs beyond tensors and plain containers: :class:`argparse.Namespace`, the ``args`` of checkpoints
+written before fairseq's hydra configs (0.12 writes ``cfg`` as a plain dict).
+
+:func:`install` makes ``fairseq.checkpoint_utils`` use it (``fairseq-train`` ``--restore-file`` /
+``--finetune-from-model``, ``fairseq-eval-lm``, ``fairseq-generate``, the hub interface and
+:func:`~pid_plugins.fairseq.load_pid_lm`): importing :mod:`pid_plugins.fairseq`, which ``--user-dir`` does,
+installs it.
+"""
+import argparse
+import pickle
+import types
+from typing import Any, List
+
+import torch
+
+__all__ = ["FAIRSEQ_SAFE_GLOBALS", "UnsafeCheckpointError", "safe_torch_load", "install"]
+
+#: the classes (beyond tensors and containers) fairseq checkpoints may hold
+FAIRSEQ_SAFE_GLOBALS: List[Any] = [argparse.Namespace]
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint holds objects outside the allow-list (possibly code to run): it is not loaded."""
+
+
+def safe_torch_load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``torch.load(f, weights_only=True)`` with :data:`FAIRSEQ_SAFE_GLOBALS` allowed; any ``weights_only``
+    given by the caller is ignored (fairseq passes none)."""
+    kwargs.pop("weights_only", None)
+    name = getattr(f, "name", f)
+    with torch.serialization.safe_globals(FAIRSEQ_SAFE_GLOBALS):
+        try:
+            return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(
+                f"refused to load {name}: it holds objects other than tensors, containers and "
+                f"argparse.Namespace ({refusal_reason(exc)}); pid-plugins loads fairseq checkpoints with weights_only=True "
+                "whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says. Re-save the checkpoint's tensors and args if "
+                "you trust it"
+            ) from exc
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The line of torch's weights-only error that names what was refused (its first line otherwise)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = [line for line in lines[1:] if not line.startswith(("Check the documentation", "Please file"))]
+    return (detail or lines or ["unreadable pickle"])[0]
+
+
+class _TorchWithSafeLoad(types.ModuleType):
+    """``torch`` as ``fairseq.checkpoint_utils`` sees it: everything is torch's, except ``load``."""
+
+    load = staticmethod(safe_torch_load)
+
+    def __init__(self) -> None:
+        super().__init__("torch", "torch, with load() = pid_plugins.fairseq.checkpoint.safe_torch_load")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def install() -> None:
+    """Make ``fairseq.checkpoint_utils`` load every checkpoint with :func:`safe_torch_load` (idempotent)."""
+    from fairseq import checkpoint_utils
+
+    if not isinstance(checkpoint_utils.torch, _TorchWithSafeLoad):
+        checkpoint_utils.torch = _TorchWithSafeLoad()

@@ -1,0 +1,152 @@
+"""No checkpoint load path runs pickled code, with and without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1.
+
+Each file carries an object whose ``__reduce__`` would create a marker file when unpickled. Every path is run in
+a fresh interpreter (torch reads the variable at each load; a fresh process is also what a user runs) and must
+refuse the file with an error that says why, and the marker must never appear. (mmseg's paths: tests/test_mmseg.py;
+transformers folders: tests/test_hf.py.)
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ENV_SETTINGS = [pytest.param({}, id="default"), pytest.param({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, id="forced")]
+
+
+class Evil:
+    """Unpickling this runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def evil_checkpoint(path: Path, marker: Path, payload=None) -> Path:
+    state = dict(payload or {})
+    state["evil"] = Evil(marker)
+    torch.save(state, path)
+    return path
+
+
+def python(code: str, env_extra: dict, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_the_marker_works(tmp_path):
+    """The payload really runs when a file is unpickled without protection (so the tests below can fail)."""
+    marker = tmp_path / "pwned"
+    path = evil_checkpoint(tmp_path / "evil.pt", marker)
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+# each probe loads the evil file one way and prints a JSON line {"path": ..., "error": ...}
+PROBES = {
+    "timm pretrained file": (
+        "import timm, pid_plugins.timm\n"
+        "timm.create_model('pid_deit_tiny_patch16_224', pretrained=True, pretrained_cfg_overlay=dict(file=EVIL))\n"
+    ),
+    "timm load_checkpoint": (
+        "import timm, pid_plugins.timm\n"
+        "timm.models.load_checkpoint(timm.create_model('pid_deit_tiny_patch16_224'), EVIL)\n"
+    ),
+    "analysis load_weights": (
+        "import timm, pid_plugins.timm\nfrom pid_plugins.analysis.models import load_weights\n"
+        "load_weights(timm.create_model('pid_deit_tiny_patch16_224'), EVIL)\n"
+    ),
+    "fairseq load_pid_lm": (
+        "import pid_plugins.fairseq as pf\npf.load_pid_lm(EVIL, DATA)\n"
+    ),
+    "fairseq checkpoint_utils": (
+        "import pid_plugins.fairseq\nfrom fairseq import checkpoint_utils\ncheckpoint_utils.load_checkpoint_to_cpu(EVIL)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("env_extra", ENV_SETTINGS)
+def test_python_load_paths_refuse_pickled_code(tmp_path, env_extra):
+    marker = tmp_path / "pwned"
+    evil = evil_checkpoint(tmp_path / "evil.pth", marker, {"model": {"w": torch.zeros(2)}})
+    data = tmp_path / "data-bin"
+    data.mkdir()
+    (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(10)))
+    code = ["import json, sys", f"EVIL, DATA = {str(evil)!r}, {str(data)!r}", "out = {}"]
+    for name, probe in PROBES.items():
+        code += [
+            "try:",
+            *("    " + line for line in probe.splitlines()),
+            f"    out[{name!r}] = 'loaded'",
+            "except Exception as exc:",
+            f"    out[{name!r}] = type(exc).__name__ + ': ' + str(exc)",
+            f"out[{name!r} + ' marker'] = __import__('os').path.exists({str(marker)!r})",
+        ]
+    code.append("print('RESULT ' + json.dumps(out))")
+    proc = python("\n".join(code), env_extra, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT "):])
+    assert not marker.exists()
+    for name in PROBES:
+        assert out[f"{name} marker"] is False, name
+        error = out[name]
+        assert error != "loaded", name
+        # the error says what was refused: torch's weights-only message naming the blocked global
+        assert "posix.system" in error or "os.system" in error, (name, error)
+    assert out["fairseq load_pid_lm"].startswith("UnsafeCheckpointError: refused to load")
+    assert "whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says" in out["fairseq checkpoint_utils"]
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    pytest.importorskip("fairseq")
+    d = tmp_path_factory.mktemp("corpus")
+    lines = [" ".join(f"w{(3 * i + j) % 10}" for j in range(8)) for i in range(40)]
+    (d / "train.txt").write_text("\n".join(lines) + "\n")
+    (d / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
+    subprocess.run([str(Path(sys.executable).parent / "fairseq-preprocess"), "--only-source", "--trainpref",
+                    "train.txt", "--validpref", "valid.txt", "--destdir", "data-bin", "--workers", "1"],
+                   cwd=d, check=True, capture_output=True)
+    return d / "data-bin"
+
+
+@pytest.mark.parametrize("env_extra", ENV_SETTINGS)
+def test_fairseq_train_refuses_a_pickled_checkpoint(tmp_path, env_extra, data_bin):
+    """fairseq-train --finetune-from-model through --user-dir (fairseq's own CLI and checkpoint_utils)."""
+    import pid_plugins.fairseq as pf
+
+    marker = tmp_path / "pwned"
+    evil = evil_checkpoint(tmp_path / "evil.pt", marker, {"model": {}, "args": None, "cfg": None})
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
+    env.update(env_extra)
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "fairseq-train"), str(data_bin), "--task", "language_modeling", "--user-dir",
+         pf.USER_DIR, "--arch", "transformer_lm_pid", "--decoder-layers", "1", "--decoder-embed-dim", "16",
+         "--decoder-ffn-embed-dim", "16", "--decoder-attention-heads", "2", "--tokens-per-sample", "16",
+         "--max-tokens", "64", "--optimizer", "adam", "--lr", "0.001", "--max-update", "1", "--cpu",
+         "--num-workers", "0", "--save-dir", str(tmp_path / "ck"), "--finetune-from-model",
+         str(evil)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "UnsafeCheckpointError: refused to load" in proc.stderr
+    assert not marker.exists()
+
+
+def test_fairseq_safe_load_keeps_namespace_args(tmp_path):
+    """Checkpoints from before fairseq's hydra configs carry ``args`` as an argparse.Namespace: still loadable."""
+    import argparse
+
+    from pid_plugins.fairseq.checkpoint import safe_torch_load
+
+    path = tmp_path / "old.pt"
+    torch.save({"args": argparse.Namespace(arch="transformer_lm_pid", pid_beta=0.3), "model": {"w": torch.ones(2)}},
+               path)
+    state = safe_torch_load(str(path), map_location="cpu")
+    assert state["args"].pid_beta == 0.3 and torch.equal(state["model"]["w"], torch.ones(2))
