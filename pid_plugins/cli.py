@@ -2,9 +2,107 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence
+
+
+class CLIError(ValueError):
+    """A mistake in the command line: printed as one ``pid-plugins: error: ...`` line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line in the same form as every other error of the CLI."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"pid-plugins: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _int(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _number_list(lo: float, hi: float, what: str, parse: Callable[[str], float] = float) -> Callable[[str], List[float]]:
+    """An argparse type: a comma list of finite numbers in [lo, hi] ("none" or "" = empty list)."""
+
+    def parse_list(text: str) -> List[float]:
+        if text.strip().lower() in ("", "none"):
+            return []
+        values = []
+        for item in text.split(","):
+            try:
+                value = parse(item.strip())
+            except (ValueError, ZeroDivisionError):
+                raise argparse.ArgumentTypeError(f"cannot read {item.strip()!r} as {what}") from None
+            if not (math.isfinite(value) and lo <= value <= hi):
+                raise argparse.ArgumentTypeError(f"{what} must be finite and in [{lo:g}, {hi:g}], got {item.strip()}")
+            values.append(value)
+        return values
+
+    return parse_list
+
+
+def _fraction(text: str) -> float:
+    """``3/255`` or ``0.0118``."""
+    if "/" in text:
+        num, den = text.split("/", 1)
+        return float(num) / float(den)
+    return float(text)
+
+
+def _eps(text: str) -> float:
+    values = _number_list(0.0, 1.0, "an eps (e.g. 3/255 or 0.0118)", _fraction)(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"give one eps in [0, 1], e.g. 3/255; got {text!r}")
+    return values[0]
+
+
+def _severities(text: str) -> List[int]:
+    values = _number_list(1, 5, "a corruption severity (1..5)")(text)
+    if any(v != int(v) for v in values):
+        raise argparse.ArgumentTypeError(f"severities are whole numbers 1..5, got {text}")
+    return [int(v) for v in values]
+
+
+def _model_kwargs(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"num_classes\": 10}}' ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"num_classes\": 10}}', got {text}")
+    return value
+
+
+def _out_folder(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder: name a new or existing folder")
+    return path
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -39,7 +137,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
     unknown = sorted(set(parts) - {"core", "vision", "language"})
     if unknown or not parts:
-        raise ValueError(f"--parts takes a comma list of core, vision, language; got {args.parts!r}")
+        raise CLIError(f"--parts takes a comma list of core, vision, language; got {args.parts!r}")
     from .core import PIDConfig
 
     PIDConfig.preset(args.preset)  # a bad preset fails before anything runs
@@ -71,46 +169,35 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     if args.aggregate:
         files = sorted(f for d in args.aggregate for f in Path(d).glob("seed*/results.json"))
         if not files:
-            raise ValueError(f"no seed*/results.json under {args.aggregate}")
-        per_seed = sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["seed"])
+            raise CLIError(f"no seed*/results.json under {' '.join(args.aggregate)}: give the --out folders of "
+                           "earlier `pid-plugins reproduce` runs")
+        per_seed = []
+        for f in files:
+            try:
+                per_seed.append(json.loads(f.read_text()))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise CLIError(f"cannot read {f} ({exc}): rerun that seed or leave its folder out") from None
+        per_seed.sort(key=lambda r: r.get("seed", -1))
         write_reproduction_record(per_seed, Path(args.out))  # the budget is read from the results
         print((Path(args.out) / "reproduce.md").read_text())
         return 0
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    if not parts or set(parts) - {"vision", "language"}:
+        raise CLIError(f"--parts takes a comma list of vision, language; got {args.parts!r}")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise CLIError(f"--seeds lists a seed twice: {args.seeds}")
     rec = run_reproduce(args.out, seeds=tuple(args.seeds), vision_epochs=args.vision_epochs, lm_steps=args.lm_steps,
-                        data=args.data, corpus=args.corpus, parts=tuple(args.parts.split(",")),
-                        log=lambda m: print(m, file=sys.stderr))
+                        data=args.data, corpus=args.corpus, parts=parts, log=lambda m: print(m, file=sys.stderr))
     print((Path(args.out) / "reproduce.md").read_text())
     del rec
     return 0
-
-
-def _json_kwargs(text: Optional[str]) -> dict:
-    import json
-
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--model-kwargs must be a JSON object, e.g. '{{\"num_classes\": 10}}': {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError("--model-kwargs must be a JSON object")
-    return value
-
-
-def _floats(text: str, what: str) -> list:
-    from .analysis.robustness import parse_eps
-
-    if text.strip().lower() in ("", "none"):
-        return []
-    return [parse_eps(t) if what == "eps" else float(t) for t in text.split(",")]
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .analysis.run import run_diagnose
 
     report = run_diagnose(
-        args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=_json_kwargs(args.model_kwargs),
+        args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
         num_samples=args.num_samples, batch_size=args.batch_size, seq_len=args.seq_len, passes=args.passes,
         layer_stack=args.layer_stack, seed=args.seed, log=lambda m: print(m, file=sys.stderr),
     )
@@ -123,34 +210,42 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_attack(args: argparse.Namespace) -> int:
-    from .analysis.robustness import DEFAULT_CORRUPTIONS, parse_eps
+    from .analysis.robustness import DEFAULT_CORRUPTIONS
     from .analysis.run import run_attack
 
-    attacks = [a for a in args.attacks.lower().split(",") if a and a != "none"]
-    if args.corruptions == "all":
-        from corrupt_tta import corruption_dict
-
-        corruptions = sorted(corruption_dict)
+    attacks = [a.strip() for a in args.attacks.lower().split(",") if a.strip() and a.strip() != "none"]
+    unknown = sorted(set(attacks) - {"fgsm", "pgd", "spsa"})
+    if unknown:
+        raise CLIError(f"--attacks: unknown {', '.join(unknown)}; choose from fgsm, pgd, spsa (or none)")
+    if args.corruptions in ("all", "default"):
+        corruptions = None if args.corruptions == "all" else list(DEFAULT_CORRUPTIONS)
     elif args.corruptions == "none":
         corruptions = []
-    elif args.corruptions == "default":
-        corruptions = list(DEFAULT_CORRUPTIONS)
     else:
-        corruptions = args.corruptions.split(",")
+        corruptions = [c.strip() for c in args.corruptions.split(",") if c.strip()]
+    if corruptions is None or corruptions:
+        try:
+            from corrupt_tta import corruption_dict
+        except ImportError:
+            raise CLIError("corruptions need corrupt-tta: pip install -c constraints.txt corrupt-tta, or give "
+                           "--corruptions none") from None
+        corruptions = sorted(corruption_dict) if corruptions is None else corruptions
+        unknown = sorted(set(corruptions) - set(corruption_dict))
+        if unknown:
+            raise CLIError(f"--corruptions: unknown {', '.join(unknown)}; choose from {', '.join(sorted(corruption_dict))}")
     baseline = None
     if args.baseline is not None:
         if args.baseline not in args.model:
-            raise ValueError(f"--baseline {args.baseline!r} must be one of the --model names {args.model}")
+            raise CLIError(f"--baseline {args.baseline!r} must be one of the --model names {args.model}")
         baseline = args.model.index(args.baseline)
     image_options = dict(
-        attacks=attacks, eps=parse_eps(args.eps), eps_sweep=_floats(args.eps_sweep, "eps") or None,
-        pgd_steps=args.pgd_steps, spsa_iters=args.spsa_iters, noise_sigmas=_floats(args.noise, "float"),
-        corruptions=corruptions, severities=[int(s) for s in args.severities.split(",")],
+        attacks=attacks, eps=args.eps, eps_sweep=args.eps_sweep or None, pgd_steps=args.pgd_steps,
+        spsa_iters=args.spsa_iters, noise_sigmas=args.noise, corruptions=corruptions, severities=args.severities,
     )
     report = run_attack(
-        args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=_json_kwargs(args.model_kwargs),
+        args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
         baseline=baseline, num_samples=args.num_samples, batch_size=args.batch_size, seq_len=args.seq_len,
-        seed=args.seed, image_options=image_options, rates=_floats(args.rates, "float"),
+        seed=args.seed, image_options=image_options, rates=args.rates,
         log=lambda m: print(m, file=sys.stderr),
     )
     for label, r in report["models"].items():
@@ -172,19 +267,24 @@ def _cmd_attack(args: argparse.Namespace) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> None:
     p.add_argument("--model", action="append", required=True,
-                   help="registry/timm name, transformers folder or mmseg config; repeat to compare models")
-    p.add_argument("--checkpoint", action="append", help="local weights for each --model, in order")
-    p.add_argument("--model-kwargs", help="JSON kwargs for building named models, e.g. '{\"num_classes\": 10}'")
+                   help="registry/timm name, transformers folder or mmseg config (a .py file: mmengine executes it "
+                        "as Python, so give only configs you trust); repeat to compare models")
+    p.add_argument("--checkpoint", action="append",
+                   help="local weights (.safetensors, or a torch file read with weights_only=True) for each --model, "
+                        "in order")
+    p.add_argument("--model-kwargs", type=_model_kwargs, default={},
+                   help="JSON kwargs for building models by name (timm / registry), e.g. '{\"num_classes\": 10}'; "
+                        "refused for transformers folders and mmseg configs, which carry their own configuration")
     p.add_argument("--data", required=True,
                    help="images: fashion-mnist, digits, auto or a <class>/<image> folder; text: wiki, shakespeare or a .txt file")
-    p.add_argument("--num-samples", type=int, default=samples, help="images, or token blocks of text")
-    p.add_argument("--batch-size", type=int, default=batch)
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per text block")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=_int(1), default=samples, help="images, or token blocks of text (>= 1)")
+    p.add_argument("--batch-size", type=_int(1), default=batch)
+    p.add_argument("--seq-len", type=_int(2), default=128, help="tokens per text block (>= 2)")
+    p.add_argument("--seed", type=_int(0), default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pid-plugins", description=__doc__)
+    parser = _Parser(prog="pid-plugins", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="list the PID model variants declared in the registry")
     p.add_argument("pattern", nargs="?", default="*", help="glob on the name, e.g. 'pid_deit*'")
@@ -194,38 +294,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_presets)
     p = sub.add_parser("diagnose", help="per-layer token collapse and attention sparsity of models, JSON + PNG")
     _add_model_args(p, 64, 16)
-    p.add_argument("--passes", type=int, default=20, help="repeated passes of the layer stack (0 = skip)")
+    p.add_argument("--passes", type=_int(0), default=20, help="repeated passes of the layer stack (0 = skip)")
     p.add_argument("--layer-stack", help="dotted path of the layer stack (default: found automatically)")
-    p.add_argument("--out", default="diagnose_out")
+    p.add_argument("--out", type=_out_folder, default=Path("diagnose_out"))
     p.set_defaults(func=_cmd_diagnose)
     p = sub.add_parser("attack", help="robustness: attacks, noise, corruptions (images); noisy perplexity (LMs)")
     _add_model_args(p, 256, 64)
     p.add_argument("--baseline", help="the --model the mCE is relative to")
     p.add_argument("--attacks", default="fgsm,pgd", help="comma list of fgsm, pgd, spsa (or none)")
-    p.add_argument("--eps", default="3/255", help="l_inf budget in [0, 1] pixels (PGD/FGSM without a sweep, SPSA)")
-    p.add_argument("--eps-sweep", default="", help="comma list of eps for FGSM/PGD, e.g. 1/255,2/255,3/255,4/255")
-    p.add_argument("--pgd-steps", type=int, default=20)
-    p.add_argument("--spsa-iters", type=int, default=5)
-    p.add_argument("--noise", default="0.02,0.05,0.1,0.2", help="Gaussian noise sigmas (or none)")
+    p.add_argument("--eps", type=_eps, default=3 / 255,
+                   help="l_inf budget in [0, 1] pixels (PGD/FGSM without a sweep, SPSA), e.g. 3/255")
+    p.add_argument("--eps-sweep", type=_number_list(0.0, 1.0, "an eps (e.g. 3/255 or 0.0118)", _fraction), default=[],
+                   help="comma list of eps in [0, 1] for FGSM/PGD, e.g. 1/255,2/255,3/255,4/255")
+    p.add_argument("--pgd-steps", type=_int(1), default=20)
+    p.add_argument("--spsa-iters", type=_int(1), default=5)
+    p.add_argument("--noise", type=_number_list(0.0, math.inf, "a noise sigma (>= 0)"), default=[0.02, 0.05, 0.1, 0.2],
+                   help="Gaussian noise sigmas >= 0 (or none)")
     p.add_argument("--corruptions", default="default", help="default, all, none or a comma list of corrupt-tta names")
-    p.add_argument("--severities", default="1,2,3,4,5")
-    p.add_argument("--rates", default="0,0.05,0.1,0.2", help="token substitution rates (language models)")
-    p.add_argument("--out", default="attack_out")
+    p.add_argument("--severities", type=_severities, default=[1, 2, 3, 4, 5], help="comma list of 1..5")
+    p.add_argument("--rates", type=_number_list(0.0, 1.0, "a substitution rate (0..1)"), default=[0.0, 0.05, 0.1, 0.2],
+                   help="token substitution rates in [0, 1] (language models)")
+    p.add_argument("--out", type=_out_folder, default=Path("attack_out"))
     p.set_defaults(func=_cmd_attack)
     p = sub.add_parser("demo", help="the main job: softmax vs PID on real data (vision + language), report + plots")
-    p.add_argument("--out", default="demo_out", help="output directory (default: demo_out); trained models are cached there")
+    p.add_argument("--out", type=_out_folder, default=Path("demo_out"),
+                   help="output directory (default: demo_out); trained models are cached there")
     p.add_argument("--quick", action="store_true", help="tiny budgets (under 3 minutes), for smoke tests")
     p.add_argument("--parts", default="core,vision,language", help="comma list of core, vision, language")
     p.add_argument("--data", default="auto", help="images: fashion-mnist, digits or auto (Fashion-MNIST if installed)")
     p.add_argument("--corpus", default="wiki", help="text: wiki (gensim's Wikipedia sample), shakespeare or a file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int(0), default=0)
     p.add_argument("--preset", default="deit", help="gains of the core demo's PID layers")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("reproduce", help="the demo comparison with a larger budget over several seeds (mean +- std)")
-    p.add_argument("--out", default="reproduce_out")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--vision-epochs", type=float, default=3.0)
-    p.add_argument("--lm-steps", type=int, default=2000)
+    p.add_argument("--out", type=_out_folder, default=Path("reproduce_out"))
+    p.add_argument("--seeds", type=_int(0), nargs="+", default=[0, 1, 2])
+    p.add_argument("--vision-epochs", type=_positive_float, default=3.0)
+    p.add_argument("--lm-steps", type=_int(1), default=2000)
     p.add_argument("--parts", default="vision,language")
     p.add_argument("--data", default="auto")
     p.add_argument("--corpus", default="wiki")
@@ -236,11 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the CLI. A mistake the user can fix (bad option, unreadable file, mismatched model and data) prints one
+    ``pid-plugins: error: ...`` line and returns 2; the library raises those as ValueError / FileNotFoundError."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"pid-plugins: error: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"pid-plugins: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -107,7 +107,10 @@ def _image_folder(root: Path, split: str) -> ImageSet:
         for f in sorted((root / name).iterdir()):
             if f.suffix.lower() not in _IMAGE_SUFFIXES:
                 continue
-            img = Image.open(f).convert("RGB")
+            try:
+                img = Image.open(f).convert("RGB")
+            except OSError as exc:  # PIL.UnidentifiedImageError and truncated files are OSErrors
+                raise ValueError(f"cannot read the image {f} ({exc}): remove or replace it") from None
             size = size or img.size
             if img.size != size:
                 img = img.resize(size)

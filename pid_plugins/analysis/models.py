@@ -58,7 +58,19 @@ def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedMo
 
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    model = init_model(str(path), checkpoint, device="cpu")
+    from mmengine.config import Config
+
+    try:  # mmengine executes the config file as Python
+        cfg = Config.fromfile(str(path))
+    except Exception as exc:  # noqa: BLE001  (any error raised by running the user's config file)
+        raise ValueError(f"cannot read the mmseg config {path}: {type(exc).__name__}: {exc}") from None
+    try:
+        model = init_model(cfg, checkpoint, device="cpu")
+    except (KeyError, TypeError, AttributeError, AssertionError, RuntimeError, EOFError) as exc:
+        # unregistered types or bad arguments in the config; a damaged or refused checkpoint file
+        what = f" with the checkpoint {checkpoint}" if checkpoint else ""
+        raise ValueError(f"cannot build a model from the mmseg config {path}{what}: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:300]}") from None
     return LoadedModel(model, "segmentation", label, layer_stack="backbone.layers")
 
 
@@ -74,9 +86,17 @@ def load_model(
             raise ValueError(f"{path} is a folder without config.json: not a transformers model folder")
         if checkpoint:
             raise ValueError("a transformers folder carries its own weights: drop --checkpoint")
+        if kwargs:
+            raise ValueError(f"{path} is a transformers folder: its config.json sets the model, so --model-kwargs "
+                             f"{sorted(kwargs)} would be ignored; drop --model-kwargs (or edit config.json)")
         return _hf_folder(path, label)
     if path.suffix == ".py" and path.is_file():
+        if kwargs:
+            raise ValueError(f"{path} is an mmseg config: it sets the model, so --model-kwargs {sorted(kwargs)} would "
+                             "be ignored; drop --model-kwargs (or edit the config)")
         return _mmseg_config(path, checkpoint, label)
+    if path.suffix == ".py":
+        raise FileNotFoundError(f"mmseg config not found: {path}")
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
 
@@ -95,6 +115,11 @@ def load_model(
                     f"{name} is built from its registry config; to analyse trained weights, give the model's "
                     "save_pretrained folder instead of a name"
                 )
+            config = pid_plugins.hf.get_config(name)
+            unknown = sorted(set(kwargs) - set(config.to_dict()))
+            if unknown:
+                raise ValueError(f"--model-kwargs: {type(config).__name__} has no option {', '.join(unknown)}; "
+                                 f"options include {', '.join(sorted(config.to_dict())[:12])} ...")
             config = pid_plugins.hf.get_config(name, **kwargs)
             causal = entry.arch != "encoder"
             auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
@@ -116,7 +141,12 @@ def load_model(
             f"unknown model {name!r}: not a registry name, a timm model, a transformers folder or an mmseg "
             f"config file" + (f"; did you mean {', '.join(close)}?" if close else "")
         )
-    model = timm.create_model(name, pretrained=False, **kwargs)
+    try:
+        model = timm.create_model(name, pretrained=False, **kwargs)
+    except TypeError as exc:  # an unexpected keyword reaches the model's __init__
+        if not kwargs:
+            raise
+        raise ValueError(f"--model-kwargs {sorted(kwargs)} do not fit {name}: {exc}") from None
     if checkpoint:
         load_weights(model, checkpoint)
     return LoadedModel(model.eval(), "image", label)
@@ -130,15 +160,40 @@ def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
     """
     import torch
 
+    import pickle
+
     path = Path(checkpoint)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        try:
+            state = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read {path} as safetensors ({exc}): the file is damaged or not a "
+                             "safetensors file; save the weights again") from None
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            # explicit weights_only=True: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it off
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            detail = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Please file",
+                                                               "Check the documentation"))]
+            reason = (detail or lines or ["unreadable pickle"])[0]
+            if "global" not in reason.lower():  # not a refused class: bytes that are no pickle at all
+                raise ValueError(f"cannot read {path} as a torch checkpoint ({reason}): the file is damaged or "
+                                 "not a torch.save file; save the weights again") from None
+            raise ValueError(f"refused to load {path}: not a plain state_dict file ({reason}); checkpoints are "
+                             "read with weights_only=True, so give tensors only (torch.save(model.state_dict()) or "
+                             ".safetensors)") from None
+        except (RuntimeError, EOFError, OSError) as exc:
+            raise ValueError(f"cannot read {path} as a torch checkpoint ({' '.join(str(exc).split())[:200]}): the "
+                             "file is damaged or not a torch.save file; save the weights again") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state_dict (a dict of tensors)")
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

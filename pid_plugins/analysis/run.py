@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .models import LoadedModel, load_model
 
-__all__ = ["ModelInputs", "model_inputs", "run_diagnose", "run_attack", "text_blocks"]
+__all__ = ["ModelInputs", "model_inputs", "run_diagnose", "run_attack", "text_blocks", "staged_output"]
 
 
 def text_blocks(text: str, tokenizer: Any, seq_len: int, max_blocks: Optional[int], vocab_size: int) -> Tuple[Tensor, str]:
@@ -103,6 +107,36 @@ def _load_all(models: Sequence[str], checkpoints: Sequence[str], kwargs: Dict[st
     return loaded
 
 
+@contextmanager
+def staged_output(out: Path) -> Iterator[Path]:
+    """A temporary folder for a run's files, moved into ``out`` only when the block succeeds.
+
+    A failed run leaves nothing in ``out`` (not even the folder, when it did not exist); a successful one replaces
+    the files of the same name, each with one rename when ``out`` is on the same file system.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
+    parent = out.parent if out.parent.is_dir() else None
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    try:
+        yield stage
+        out.mkdir(parents=True, exist_ok=True)
+        for f in stage.iterdir():
+            if parent is not None:
+                os.replace(f, out / f.name)
+            else:
+                shutil.move(str(f), str(out / f.name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, (value, lo) in sizes.items():
+        if int(value) != value or value < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {value}")
+
+
 def _finite(obj: Any) -> Any:
     """JSON-safe copy: NaN/inf become None."""
     if isinstance(obj, float):
@@ -124,12 +158,16 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
     from .diagnostics import collect_layer_measures, repeated_passes
     from .plots import plot_diagnostics
 
+    _check_sizes(num_samples=(num_samples, 1), batch_size=(batch_size, 1), seq_len=(seq_len, 2), passes=(passes, 0))
     torch.manual_seed(seed)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
     results: Dict[str, Any] = {}
-    for lm in tqdm(_load_all(models, checkpoints, model_kwargs or {}), desc="models"):
-        inp = model_inputs(lm, data, num_samples, batch_size, seq_len, seed)
+    # every model and its data first: mistakes are reported before any work
+    prepared = [(lm, model_inputs(lm, data, num_samples, batch_size, seq_len, seed))
+                for lm in _load_all(models, checkpoints, model_kwargs or {})]
+    for lm, inp in tqdm(prepared, desc="models"):
         log(f"{lm.label}: {inp.description}")
         stack = layer_stack or lm.layer_stack
         r = collect_layer_measures(lm.model, inp.batches, layer_stack=stack, forward=inp.forward)
@@ -142,8 +180,9 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
         r["data"] = inp.description
         results[lm.label] = r
     report = {"data": data, "models": _finite(results)}
-    (out / "diagnose.json").write_text(json.dumps(report, indent=1))
-    plot_diagnostics(results, out / "diagnose.png", title=f"collapse diagnostics on {data}")
+    with staged_output(out) as stage:
+        (stage / "diagnose.json").write_text(json.dumps(report, indent=1))
+        plot_diagnostics(results, stage / "diagnose.png", title=f"collapse diagnostics on {data}")
     return report
 
 
@@ -159,9 +198,18 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
     from .plots import plot_image_robustness, plot_lm_robustness
     from .robustness import PixelClassifier, evaluate_image_robustness, evaluate_lm_robustness, relative_mce
 
+    _check_sizes(num_samples=(num_samples, 1), batch_size=(batch_size, 1), seq_len=(seq_len, 2))
+    options = dict(image_options or {})
+    _check_sizes(**{k: (options[k], 1) for k in ("pgd_steps", "spsa_iters") if k in options})
+    for name, values, hi in (("noise_sigmas", options.get("noise_sigmas", ()), math.inf), ("rates", rates, 1.0),
+                             ("eps_sweep", options.get("eps_sweep") or (), 1.0), ("eps", [options.get("eps", 0.0)], 1.0)):
+        bad = [v for v in values if not (math.isfinite(v) and 0.0 <= v <= hi)]
+        if bad:
+            raise ValueError(f"{name} must be finite and in [0, {hi:g}], got {bad}")
     torch.manual_seed(seed)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
     loaded = _load_all(models, checkpoints, model_kwargs or {})
     kinds = {lm.kind for lm in loaded}
     if len(kinds) > 1:
@@ -170,12 +218,12 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
     if kind not in ("image", "causal_lm"):
         raise ValueError(f"attack measures image classifiers and causal language models, not {kind} models")
     results: Dict[str, Any] = {}
-    for lm in loaded:
-        inp = model_inputs(lm, data, num_samples, batch_size, seq_len, seed)
+    prepared = [(lm, model_inputs(lm, data, num_samples, batch_size, seq_len, seed)) for lm in loaded]
+    for lm, inp in prepared:
         log(f"{lm.label}: {inp.description}")
         if kind == "image":
             r = evaluate_image_robustness(PixelClassifier(lm.model), torch.cat(inp.batches), inp.labels,
-                                          batch_size=batch_size, seed=seed, **(image_options or {}))
+                                          batch_size=batch_size, seed=seed, **options)
         else:
             blocks = torch.cat([b["input_ids"] for b in inp.batches])
             r = evaluate_lm_robustness(lm.model, blocks, rates=rates, batch_size=batch_size, seed=seed)
@@ -188,9 +236,10 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
                 r["corruptions"]["mce_vs_baseline"] = relative_mce(r, base)
                 r["corruptions"]["baseline"] = loaded[baseline].label
     report = {"data": data, "kind": kind, "models": _finite(results)}
-    (out / "attack.json").write_text(json.dumps(report, indent=1))
-    if kind == "image":
-        plot_image_robustness(results, out / "attack.png", title=f"robustness on {data}")
-    else:
-        plot_lm_robustness(results, out / "attack.png", title=f"perplexity under token substitution ({data})")
+    with staged_output(out) as stage:
+        (stage / "attack.json").write_text(json.dumps(report, indent=1))
+        if kind == "image":
+            plot_image_robustness(results, stage / "attack.png", title=f"robustness on {data}")
+        else:
+            plot_lm_robustness(results, stage / "attack.png", title=f"perplexity under token substitution ({data})")
     return report
