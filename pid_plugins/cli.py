@@ -167,7 +167,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     from .demo import run_reproduce, write_reproduction_record
 
     if args.aggregate:
-        files = sorted(f for d in args.aggregate for f in Path(d).glob("seed*/results.json"))
+        files = sorted({f.resolve() for d in args.aggregate for f in Path(d).glob("seed*/results.json")})
         if not files:
             raise CLIError(f"no seed*/results.json under {' '.join(args.aggregate)}: give the --out folders of "
                            "earlier `pid-plugins reproduce` runs")
@@ -177,8 +177,21 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
                 per_seed.append(json.loads(f.read_text()))
             except (OSError, json.JSONDecodeError) as exc:
                 raise CLIError(f"cannot read {f} ({exc}): rerun that seed or leave its folder out") from None
-        per_seed.sort(key=lambda r: r.get("seed", -1))
-        write_reproduction_record(per_seed, Path(args.out))  # the budget is read from the results
+        by_seed: dict = {}
+        for f, r in zip(files, per_seed):
+            by_seed.setdefault(r.get("seed"), []).append((f, r))
+        per_seed = []
+        for seed, copies in sorted(by_seed.items(), key=lambda kv: str(kv[0])):
+            if any(r != copies[0][1] for _, r in copies[1:]):
+                raise CLIError(f"seed {seed} has different results in {', '.join(str(f) for f, _ in copies)}: each "
+                               "seed counts once; aggregate only one of them")
+            if len(copies) > 1:
+                print(f"seed {seed}: identical results in {len(copies)} folders, counted once", file=sys.stderr)
+            per_seed.append(copies[0][1])
+        from .experiments import output_lock
+
+        with output_lock(Path(args.out)):
+            write_reproduction_record(per_seed, Path(args.out))  # the budget is read from the results
         print((Path(args.out) / "reproduce.md").read_text())
         return 0
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())

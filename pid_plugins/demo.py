@@ -104,10 +104,13 @@ def run_core_demo(out_dir: str | os.PathLike = "demo_out", seed: int = 0, depth:
         stack[label] = {"mean_cosine": [float(mean_pairwise_cosine(v).mean()) for v in traj]}
     results["attention_stack"] = stack
 
-    (out / "core_demo.json").write_text(json.dumps(results, indent=2))
-    png = _plot(results, out / "core_demo.png")
-    report = _report(results, png)
-    (out / "report.md").write_text(report)
+    from .experiments import atomic_path, write_atomic
+
+    write_atomic(out / "core_demo.json", json.dumps(results, indent=2))
+    with atomic_path(out / "core_demo.png") as tmp:
+        png = _plot(results, tmp)
+    png = out / "core_demo.png" if png is not None else None
+    write_atomic(out / "report.md", _report(results, png))
     return results
 
 
@@ -207,11 +210,23 @@ def vision_rows(v: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("mean cosine, first -> last block",
          lambda r: f"{r['collapse']['mean_cosine'][0]:.3f} -> {r['collapse']['mean_cosine'][-1]:.3f}"),
         ("effective rank, last block", lambda r: f"{r['collapse']['effective_rank'][-1]:.1f}"),
-        ("training time", lambda r: f"{r['train_seconds']:.0f} s"),
+        ("training wall time (sequential, see note)", _train_time),
     ]
     for name, fmt in checks:
         rows.append((name, fmt(s), fmt(p)))
     return rows
+
+
+def _train_time(r: dict[str, Any]) -> str:
+    return f"{r['train_seconds']:.0f} s" + (" (cached)" if r.get("cached") else "")
+
+
+TIMING_NOTE = (
+    "Training wall times are those of the two trainings run one after the other on this machine, under whatever "
+    "else it was doing at the time (on a shared machine one run read 120 s softmax, 348 s PID for the same work); "
+    "\"(cached)\" marks a time from the earlier run that trained the cached model. They are not a speed comparison: "
+    "`make bench` measures PID/softmax time ratios with the two models interleaved."
+)
 
 
 def _near(v, attack, eps):
@@ -230,7 +245,7 @@ def language_rows(lang: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("mean cosine, first -> last layer",
          f"{s['collapse']['mean_cosine'][0]:.3f} -> {s['collapse']['mean_cosine'][-1]:.3f}",
          f"{p['collapse']['mean_cosine'][0]:.3f} -> {p['collapse']['mean_cosine'][-1]:.3f}"),
-        ("training time", f"{s['train_seconds']:.0f} s", f"{p['train_seconds']:.0f} s"),
+        ("training wall time (sequential, see note)", _train_time(s), _train_time(p)),
     ]
     return rows
 
@@ -265,15 +280,25 @@ def plot_training_curves(results: dict[str, Any], path: Path) -> Path:
 def run_demo(out_dir: str | os.PathLike = "demo_out", *, quick: bool = False, parts: tuple[str, ...] = ("core", "vision", "language"),
              seed: int = 0, data: str = "auto", corpus: str = "wiki", preset: str = "deit",
              log=print) -> dict[str, Any]:
-    """Run the demo's parts, write ``report.md``, JSON and PNGs into ``out_dir``, return the results."""
+    """Run the demo's parts, write ``report.md``, JSON and PNGs into ``out_dir``, return the results.
+
+    Two runs into one ``out_dir`` at once are refused (:func:`~pid_plugins.experiments.output_lock`).
+    """
+    from .experiments import output_lock
+
+    out = Path(out_dir)
+    vision_spec, language_spec = demo_specs(quick, seed, data, corpus)
+    with output_lock(out):
+        return _run_demo(out, quick, parts, seed, preset, vision_spec, language_spec, log)
+
+
+def _run_demo(out: Path, quick: bool, parts: tuple[str, ...], seed: int, preset: str, vision_spec: Any,
+              language_spec: Any, log) -> dict[str, Any]:
     import time
 
     from .analysis.plots import plot_diagnostics, plot_image_robustness, plot_lm_robustness
-    from .experiments import run_language, run_vision
+    from .experiments import atomic_path, run_language, run_vision, write_atomic
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    vision_spec, language_spec = demo_specs(quick, seed, data, corpus)
     results: dict[str, Any] = {"quick": quick}
     t0 = time.perf_counter()
     if "core" in parts:
@@ -281,22 +306,27 @@ def run_demo(out_dir: str | os.PathLike = "demo_out", *, quick: bool = False, pa
     if "vision" in parts:
         v = run_vision(vision_spec, out, log)
         results["vision"] = v
-        plot_image_robustness({k: r["robustness"] for k, r in v["models"].items()}, out / "vision_robustness.png",
-                              title=f"small DeiT on {v['data']}: softmax vs PID")
-        plot_diagnostics({k: r["collapse"] for k, r in v["models"].items()}, out / "vision_collapse.png",
-                         title=f"small DeiT on {v['data']}: collapse measures per block")
+        with atomic_path(out / "vision_robustness.png") as tmp:
+            plot_image_robustness({k: r["robustness"] for k, r in v["models"].items()}, tmp,
+                                  title=f"small DeiT on {v['data']}: softmax vs PID")
+        with atomic_path(out / "vision_collapse.png") as tmp:
+            plot_diagnostics({k: r["collapse"] for k, r in v["models"].items()}, tmp,
+                             title=f"small DeiT on {v['data']}: collapse measures per block")
     if "language" in parts:
         lang = run_language(language_spec, out, log)
         results["language"] = lang
-        plot_lm_robustness({k: r["robustness"] for k, r in lang["models"].items()}, out / "language_robustness.png",
-                           title="byte-level Llama: perplexity under byte substitution")
-        plot_diagnostics({k: r["collapse"] for k, r in lang["models"].items()}, out / "language_collapse.png",
-                         title=f"byte-level Llama on {lang['spec']['corpus']}: collapse measures per layer")
+        with atomic_path(out / "language_robustness.png") as tmp:
+            plot_lm_robustness({k: r["robustness"] for k, r in lang["models"].items()}, tmp,
+                               title="byte-level Llama: perplexity under byte substitution")
+        with atomic_path(out / "language_collapse.png") as tmp:
+            plot_diagnostics({k: r["collapse"] for k, r in lang["models"].items()}, tmp,
+                             title=f"byte-level Llama on {lang['spec']['corpus']}: collapse measures per layer")
     if "vision" in parts or "language" in parts:
-        plot_training_curves(results, out / "training_curves.png")
+        with atomic_path(out / "training_curves.png") as tmp:
+            plot_training_curves(results, tmp)
     results["seconds"] = time.perf_counter() - t0
-    (out / "demo.json").write_text(json.dumps(results, indent=1))
-    (out / "report.md").write_text(demo_report(results))
+    write_atomic(out / "demo.json", json.dumps(results, indent=1))
+    write_atomic(out / "report.md", demo_report(results))
     return results
 
 
@@ -333,7 +363,7 @@ def demo_report(results: dict[str, Any]) -> str:
         lines += _table(language_rows(lang)) + ["", "![perplexity under noise](language_robustness.png)", "",
                                                  "![collapse](language_collapse.png)", ""]
     if "vision" in results or "language" in results:
-        lines += ["## Training curves", "", "![training curves](training_curves.png)", ""]
+        lines += ["## Training curves", "", "![training curves](training_curves.png)", "", TIMING_NOTE, ""]
     if "core" in results:
         lines += ["## The theory in one picture (core only, no training)", ""]
         lines += _report(results["core"], Path("core_demo.png")).splitlines()[2:]
@@ -361,7 +391,7 @@ def _metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             m["vision mean corruption error %"] = 100 * rb["corruptions"]["mean_corruption_error"]
             m["vision mCE vs softmax"] = rb["corruptions"]["mce_vs_softmax"]
             m["vision last-block mean cosine"] = r["collapse"]["mean_cosine"][-1]
-            m["vision train seconds"] = r["train_seconds"]
+            m["vision training wall s (sequential)"] = r["train_seconds"]
     lang = results.get("language")
     if lang:
         for label, r in lang["models"].items():
@@ -370,7 +400,7 @@ def _metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             m["language bits per byte"] = r["bits_per_byte"]
             m["language ppl, %g%% substituted" % (100 * lang["spec"]["rates"][-1])] = r["robustness"]["perplexity"][-1]
             m["language last-layer mean cosine"] = r["collapse"]["mean_cosine"][-1]
-            m["language train seconds"] = r["train_seconds"]
+            m["language training wall s (sequential)"] = r["train_seconds"]
     return out
 
 
@@ -378,12 +408,21 @@ def run_reproduce(out_dir: str | os.PathLike, seeds: tuple[int, ...] = (0, 1, 2)
                   lm_steps: int = 2000, data: str = "auto", corpus: str = "wiki",
                   parts: tuple[str, ...] = ("vision", "language"), log=print) -> dict[str, Any]:
     """Run the demo comparison for each seed with a larger budget; write mean +- std to reproduce.md/json."""
-    from dataclasses import replace
-
-    from .experiments import run_language, run_vision
+    from .experiments import output_lock
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds {list(seeds)} list a seed twice")
+    with output_lock(out):
+        return _run_reproduce(out, seeds, vision_epochs, lm_steps, data, corpus, parts, log)
+
+
+def _run_reproduce(out: Path, seeds: tuple[int, ...], vision_epochs: float, lm_steps: int, data: str, corpus: str,
+                   parts: tuple[str, ...], log) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from .experiments import run_language, run_vision, write_atomic
+
     per_seed = []
     for seed in seeds:
         vspec, lspec = demo_specs(False, seed, data, corpus)
@@ -395,7 +434,8 @@ def run_reproduce(out_dir: str | os.PathLike, seeds: tuple[int, ...] = (0, 1, 2)
         if "language" in parts:
             res["language"] = run_language(lspec, out / f"seed{seed}", log)
         per_seed.append(res)
-        (out / f"seed{seed}" / "results.json").write_text(json.dumps(res, indent=1))
+        (out / f"seed{seed}").mkdir(parents=True, exist_ok=True)
+        write_atomic(out / f"seed{seed}" / "results.json", json.dumps(res, indent=1))
     return write_reproduction_record(per_seed, out, vision_epochs=vision_epochs, lm_steps=lm_steps, corpus=corpus)
 
 
@@ -407,8 +447,15 @@ def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, visi
     """
     import statistics
 
+    from .experiments import atomic_path, write_atomic
+
     if not per_seed:
         raise ValueError("no seed results to aggregate")
+    seen = [r.get("seed") for r in per_seed]
+    twice = sorted({s for s in seen if seen.count(s) > 1}, key=str)
+    if twice:
+        raise ValueError(f"seed(s) {twice} appear more than once in the results: each seed counts once; aggregate "
+                         "folders that hold different seeds")
     budgets = {(r.get("vision", {}).get("spec", {}).get("epochs"), r.get("language", {}).get("spec", {}).get("steps"),
                 r.get("language", {}).get("spec", {}).get("corpus")) for r in per_seed}
     if len(budgets) > 1:
@@ -429,7 +476,7 @@ def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, visi
     record = {"seeds": seeds, "vision_epochs": vision_epochs, "lm_steps": lm_steps,
               "vision_data": per_seed[0].get("vision", {}).get("data"), "corpus": corpus, "summary": summary}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "reproduce.json").write_text(json.dumps(record, indent=1))
+    write_atomic(out / "reproduce.json", json.dumps(record, indent=1))
     lines = [f"# Reproduction record: seeds {seeds}, vision {vision_epochs} epochs on "
              f"{record['vision_data']}, language {lm_steps} steps on `{corpus}`", "",
              "| measure | softmax (mean +- std) | PID (mean +- std) | PID - softmax, paired by seed (mean +- std) |",
@@ -442,7 +489,8 @@ def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, visi
     if any(name.startswith("vision") for name in summary):
         from .analysis.plots import plot_reproduction
 
-        plot_reproduction(summary, out / "reproduce.png", title=f"softmax vs PID over seeds {seeds}")
+        with atomic_path(out / "reproduce.png") as tmp:
+            plot_reproduction(summary, tmp, title=f"softmax vs PID over seeds {seeds}")
         lines += ["", "![reproduction record](reproduce.png)"]
-    (out / "reproduce.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "reproduce.md", "\n".join(lines) + "\n")
     return record

@@ -8,25 +8,38 @@ Language: a small Llama (transformers adapter, grouped-query attention) trained 
 Wikipedia articles shipped with gensim, byte-level (vocabulary 256, so no tokenizer is needed); validation
 perplexity, perplexity under token substitution, collapse measures.
 
-Trained weights are cached in the output folder (safetensors + a JSON of the spec they were trained with),
-so a rerun with the same spec goes straight to evaluation.
+Trained weights are cached in the output folder, one safetensors file per model whose metadata holds the
+training key (a hash of the spec, the PID gains' values, the library versions and the source of the code that
+builds and trains the model) and the training log. A rerun with the same key goes straight to evaluation; a
+damaged file or another key is retrained, with a message. Files are written atomically (temporary file +
+rename), and :func:`output_lock` keeps two runs from writing into one folder at once.
+
+Adding a model to the comparison (an "arm"): :func:`vision_models` / :func:`language_models` return the models
+by label (``softmax``, ``pid``), all from the same initial weights; every label is trained, cached
+(``vision_<label>.safetensors``), evaluated and reported in turn.
 """
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
+import inspect
 import json
 import math
+import os
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language"]
+__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "output_lock", "atomic_path", "write_atomic",
+           "code_fingerprint"]
 
 Log = Callable[[str], None]
 
@@ -59,7 +72,7 @@ class VisionSpec:
     def training_key(self) -> str:
         keys = ("data", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "epochs", "batch_size", "lr",
                 "weight_decay", "train_limit", "preset", "seed")
-        return hashlib.sha1(json.dumps({k: getattr(self, k) for k in keys}).encode()).hexdigest()[:12]
+        return _key({k: getattr(self, k) for k in keys}, self.preset, "timm")
 
 
 @dataclass
@@ -82,44 +95,138 @@ class LanguageSpec:
     def training_key(self) -> str:
         keys = ("corpus", "seq_len", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "steps",
                 "batch_size", "lr", "weight_decay", "preset", "seed")
-        return hashlib.sha1(json.dumps({k: getattr(self, k) for k in keys}).encode()).hexdigest()[:12]
+        return _key({k: getattr(self, k) for k in keys}, self.preset, "hf")
 
 
 # ----------------------------------------------------------------------------------------- caching
-def _cached(path: Path, key: str) -> Optional[Dict[str, Any]]:
-    meta = path.with_suffix(".json")
-    if path.is_file() and meta.is_file():
-        info = json.loads(meta.read_text())
-        if info.get("training_key") == key:
-            return info
-    return None
+def code_fingerprint(zoo: str) -> str:
+    """A hash of the code a cached model depends on: the core, the zoo's adapter, the model builders and
+    training loops of this module, and the versions of torch and the zoo library."""
+    import importlib
+    import importlib.metadata
+
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha1()
+    for folder in ("core", zoo):
+        for f in sorted((root / folder).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    for fn in (vision_models, _train_classifier, language_models, _train_lm, _cosine_lr):
+        h.update(inspect.getsource(fn).encode())
+    for dist in ("torch", {"timm": "timm", "hf": "transformers"}[zoo]):
+        try:
+            h.update(f"{dist}=={importlib.metadata.version(dist)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(dist.encode())
+    return h.hexdigest()[:12]
 
 
-def _save(model: nn.Module, path: Path, info: Dict[str, Any]) -> None:
+def _key(spec: Dict[str, Any], preset: str, zoo: str) -> str:
+    from .core import PIDConfig
+
+    payload = {"spec": spec, "gains": PIDConfig.preset(preset).to_dict(), "code": code_fingerprint(zoo)}
+    return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix) that replaces ``path`` in one rename if the block succeeds
+    and wrote something there (an empty temporary file leaves ``path`` as it was)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        if os.path.getsize(tmp) > 0:
+            os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: readers see the old file or the new one, never a part."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+LOCK_NAME = ".pid-plugins.lock"
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the folder ``out`` (created if needed) for the block, or refuse at once.
+
+    The lock is ``fcntl.flock`` on ``out/.pid-plugins.lock`` (released by the system when the process ends, even
+    when it is killed); the file names the holder's pid for the error message.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise ValueError(f"another pid-plugins run (pid {holder}) is writing into {out}: wait for it to finish "
+                             "or give another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _read_cache(model: nn.Module, path: Path, key: str, log: Log) -> Optional[Dict[str, Any]]:
+    """The training info of the cached ``path`` (weights loaded into ``model``), or None to retrain (with why)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("training_key") != key:
+            log(f"{path}: trained with another spec or code (key {meta.get('training_key')}, now {key}); retraining")
+            return None
+        info = json.loads(meta["info"])
+        state = load_file(str(path))
+        expected = model.state_dict()
+        if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+            raise ValueError("its tensors do not fit the model")
+        model.load_state_dict(state, strict=True)
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as exc:
+        log(f"{path}: the cached model is damaged or incomplete ({type(exc).__name__}: {exc}); retraining")
+        return None
+    return info
+
+
+def _write_cache(model: nn.Module, path: Path, info: Dict[str, Any]) -> None:
+    """The weights and their training info (key included) in one safetensors file, written atomically."""
     from safetensors.torch import save_file
 
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(path))
-    path.with_suffix(".json").write_text(json.dumps(info, indent=1))
-
-
-def _load(model: nn.Module, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    model.load_state_dict(load_file(str(path)), strict=True)
+    metadata = {"training_key": info["training_key"], "info": json.dumps(info)}
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def _trained(model: nn.Module, path: Path, spec: Any, train: Callable[[], Dict[str, Any]], log: Log) -> Dict[str, Any]:
-    """Load ``model`` from ``path`` if it was trained with this spec, else train it and save it there."""
+    """Load ``model`` from ``path`` if it was trained with this spec and code, else train it and save it there."""
     key = spec.training_key()
-    info = _cached(path, key)
+    info = _read_cache(model, path, key, log)
     if info is not None:
-        _load(model, path)
         log(f"{path.stem.replace('_', ' ')}: loaded the cached model {path}")
-        return info
+        return {**info, "cached": True}
     info = {"training_key": key, "spec": asdict(spec), **train()}
-    _save(model, path, info)
-    return info
+    _write_cache(model, path, info)
+    return {**info, "cached": False}
 
 
 def _cosine_lr(step: int, total: int, warmup: int) -> float:
@@ -215,7 +322,8 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
         diag["repeated_passes"] = repeated_passes(model, batches[0], 12, forward=fwd)
         results["models"][label] = {
             "robustness": robust, "collapse": diag, "train_loss": info["train_loss"],
-            "train_seconds": info["train_seconds"], "params": sum(p.numel() for p in model.parameters()),
+            "train_seconds": info["train_seconds"], "cached": info["cached"],
+            "params": sum(p.numel() for p in model.parameters()),
         }
         log(f"vision {label}: clean top-1 {100 * robust['clean']['top1']:.1f}%")
     from .analysis.robustness import relative_mce
@@ -304,7 +412,7 @@ def run_language(spec: LanguageSpec, out: Path, log: Log = print) -> Dict[str, A
         ppl = robust["perplexity"][0]
         results["models"][label] = {
             "valid_perplexity": ppl, "bits_per_byte": math.log2(ppl), "robustness": robust, "collapse": diag,
-            "train_loss": info["train_loss"], "train_seconds": info["train_seconds"],
+            "train_loss": info["train_loss"], "train_seconds": info["train_seconds"], "cached": info["cached"],
             "params": sum(p.numel() for p in model.parameters()),
         }
         log(f"language {label}: validation perplexity {ppl:.3f} ({math.log2(ppl):.3f} bits/byte)")
