@@ -71,6 +71,7 @@ def test_gains_from_config_arguments():
     assert build(pid=PIDConfig(0.1, 0.2, 0.3, 0.4)).pid == PIDConfig(0.1, 0.2, 0.3, 0.4)
     assert build(pid=ConfigDict(lambda_p=0.2)).pid == PIDConfig.preset("segmenter", lambda_p=0.2)
     assert build(pid="deit", beta=0.5).pid == PIDConfig.preset("deit", beta=0.5)
+    assert build(pid=dict(control_first_layer=False)).pid == PIDConfig.preset("segmenter", control_first_layer=False)
     with pytest.raises(ValueError, match="unknown PID preset 'nope'"):
         build(pid="nope")
     with pytest.raises(ValueError, match="must be a PIDConfig, a dict, a preset name"):
@@ -83,8 +84,9 @@ def test_gains_from_config_arguments():
         build(beta=0.0)
 
 
-def test_pid_backbone_matches_a_hand_written_reference():
-    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7)
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_pid_backbone_matches_a_hand_written_reference(control_first_layer):
+    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
     stock = stock_backbone()
     model = build(pid=cfg.to_dict())
     model.load_state_dict(stock.state_dict())
@@ -101,16 +103,18 @@ def test_pid_backbone_matches_a_hand_written_reference():
             q, k, v = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, 3, C // 3).permute(2, 0, 3, 1, 4)
             attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // 3) ** -0.5, -1) @ v)
             values.append(v)
-            u = naive_pid_stack(attn_outs, values, *cfg.gains)[-1]
+            u = naive_pid_stack(attn_outs, values, *cfg.gains, control_first_layer=control_first_layer)[-1]
             h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
             h = layer.ffn(layer.norm2(h), identity=h)
         want = model.norm1(h)[:, 1:].reshape(2, 4, 4, C).permute(0, 3, 1, 2)
         torch.testing.assert_close(model(x)[0], want, rtol=1e-10, atol=1e-10)
 
 
-def test_with_cp_gives_identical_gradients():
-    ref = build(pid=dict(preset="segmenter"))
-    ckpt = build(pid=dict(preset="segmenter"), with_cp=True)
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_with_cp_gives_identical_gradients(control_first_layer):
+    pid = dict(preset="segmenter", control_first_layer=control_first_layer)
+    ref = build(pid=pid)
+    ckpt = build(pid=pid, with_cp=True)
     ckpt.load_state_dict(ref.state_dict())
     grads = []
     for model in (ref, ckpt):
@@ -242,3 +246,29 @@ def test_every_config_loads_and_builds(config):
     assert list(cfg.model.data_preprocessor.mean) == [123.675, 116.28, 103.53]
     assert list(cfg.model.data_preprocessor.std) == [58.395, 57.12, 57.375]
     assert type(model.decode_head).__name__ == "SegmenterMaskTransformerHead"  # decoder PID is opt-in
+
+
+def test_control_first_layer_is_carried_by_configs_and_checkpoint_meta(tmp_path):
+    """A config's pid=dict(..., control_first_layer=False) survives dump/reload and reaches the backbone."""
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+
+    cfg = Config.fromfile(str(TINY_CONFIG))
+    cfg.model.backbone.pid = dict(preset="segmenter", control_first_layer=False)
+    cfg.dump(str(tmp_path / "cfg.py"))
+    reloaded = Config.fromfile(str(tmp_path / "cfg.py"))
+    again = Config.fromstring(reloaded.pretty_text, file_format=".py")  # how mmengine stores it in checkpoint meta
+    init_default_scope("mmseg")
+    models = {}
+    for flag, config in (("False", again), ("True", Config.fromfile(str(TINY_CONFIG)))):
+        torch.manual_seed(0)
+        models[flag] = MODELS.build(config.model).eval()
+    assert models["False"].backbone.pid == PIDConfig.preset("segmenter", control_first_layer=False)
+    assert models["True"].backbone.pid.control_first_layer is True  # the default, as the shipped configs
+    models["False"].load_state_dict(models["True"].state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        a, b = (m.backbone(x)[0] for m in (models["False"], models["True"]))
+    assert a.shape == b.shape and (a - b).abs().max() > 1e-4
+

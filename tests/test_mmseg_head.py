@@ -48,8 +48,9 @@ def test_zero_gains_equal_the_stock_head_bit_for_bit():
         assert torch.equal(head(features()), stock(features()))
 
 
-def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock():
-    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7)
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(control_first_layer):
+    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
     stock = build(type="SegmenterMaskTransformerHead").double()
     head = build(attention="pid", pid=cfg).double()
     head.load_state_dict(stock.state_dict())
@@ -66,7 +67,7 @@ def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock():
             q, k, v = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, 3, C // 3).permute(2, 0, 3, 1, 4)
             attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // 3) ** -0.5, -1) @ v)
             values.append(v)
-            u = naive_pid_stack(attn_outs, values, *cfg.gains)[-1]
+            u = naive_pid_stack(attn_outs, values, *cfg.gains, control_first_layer=control_first_layer)[-1]
             h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
             h = layer.ffn(layer.norm2(h), identity=h)
         h = head.decoder_norm(h)

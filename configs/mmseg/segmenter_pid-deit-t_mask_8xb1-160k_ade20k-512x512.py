@@ -10,6 +10,8 @@ model = dict(
     # weights they download). mmseg's `pretrained` download is dropped; point init_cfg at your checkpoint:
     #   backbone=dict(init_cfg=dict(type='Pretrained', checkpoint='/path/to/pid_deit_tiny.pth'))
     # (a timm DeiT/ViT checkpoint, softmax or PID, or an mmseg ViT checkpoint with a patch bias; strict).
+    # pid=dict(preset='segmenter', control_first_layer=False): the group's first layer only records v^1
+    # (NeuTRENO's convention); the default True controls it too (the paper's eq. 25 summed from layer 1).
     # PID in the mask-transformer decoder too (its own PID group; off by default):
     #   decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid', pid=dict(preset='segmenter'))
     pretrained=None,
