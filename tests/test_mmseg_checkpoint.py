@@ -99,6 +99,36 @@ def test_mmengine_loaders_refuse_pickled_code(evil, env, entry, monkeypatch):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("env", ENVS)
+def test_http_checkpoints_are_weights_only_too(evil, env, tmp_path, monkeypatch):
+    """init_cfg/load_from may name a URL: downloaded by torch.hub and loaded weights-only."""
+    import functools
+    import http.server
+    import threading
+
+    from mmengine.runner import checkpoint as mm
+
+    path, marker = evil
+    torch.save({"state_dict": {"w": torch.arange(3.0)}}, path.parent / "good.pth")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    for proxy in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)  # the server is local
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(path.parent))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        good = mm._load_checkpoint(f"{base}/good.pth", map_location="cpu")
+        assert torch.equal(good["state_dict"]["w"], torch.arange(3.0))
+        with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint 'http"):
+            mm._load_checkpoint(f"{base}/evil.pth", map_location="cpu")
+    finally:
+        server.shutdown()
+    assert not marker.exists()
+
+
 def test_allow_listed_getattr_cannot_reach_exec(tmp_path, monkeypatch):
     """mmengine checkpoints need builtins.getattr; ours resolves only HistoryBuffer's statistic methods."""
     marker = tmp_path / "marker"
