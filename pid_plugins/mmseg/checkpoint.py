@@ -13,14 +13,14 @@ mmengine's own training checkpoints hold a few objects besides tensors (the ``me
 a checkpoint with mmengine's ``Runner`` and listing ``get_unsafe_globals_in_checkpoint``). One of them is
 ``builtins.getattr``, which pickle uses for ``HistoryBuffer.min``-style method references; it is registered
 as :func:`history_buffer_method`, which returns only HistoryBuffer's own statistic methods and refuses
-anything else (a real ``getattr`` would let a checkpoint reach ``eval``).
+anything else (a real ``getattr`` would let a checkpoint reach ``exec``).
 """
 from __future__ import annotations
 
 import io
-import re
 import os
 import pickle
+import re
 from typing import Any, Callable, List, Tuple, Union
 
 import numpy as np
