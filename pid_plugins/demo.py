@@ -391,7 +391,7 @@ def _metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             m["vision mean corruption error %"] = 100 * rb["corruptions"]["mean_corruption_error"]
             m["vision mCE vs softmax"] = rb["corruptions"]["mce_vs_softmax"]
             m["vision last-block mean cosine"] = r["collapse"]["mean_cosine"][-1]
-            m["vision training wall s (sequential)"] = r["train_seconds"]
+            m["vision train seconds"] = r["train_seconds"]
     lang = results.get("language")
     if lang:
         for label, r in lang["models"].items():
@@ -400,7 +400,7 @@ def _metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             m["language bits per byte"] = r["bits_per_byte"]
             m["language ppl, %g%% substituted" % (100 * lang["spec"]["rates"][-1])] = r["robustness"]["perplexity"][-1]
             m["language last-layer mean cosine"] = r["collapse"]["mean_cosine"][-1]
-            m["language training wall s (sequential)"] = r["train_seconds"]
+            m["language train seconds"] = r["train_seconds"]
     return out
 
 

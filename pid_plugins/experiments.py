@@ -14,9 +14,9 @@ builds and trains the model) and the training log. A rerun with the same key goe
 damaged file or another key is retrained, with a message. Files are written atomically (temporary file +
 rename), and :func:`output_lock` keeps two runs from writing into one folder at once.
 
-Adding a model to the comparison (an "arm"): :func:`vision_models` / :func:`language_models` return the models
-by label (``softmax``, ``pid``), all from the same initial weights; every label is trained, cached
-(``vision_<label>.safetensors``), evaluated and reported in turn.
+The models compared are the spec's ``arms`` (:data:`ARMS`, gains from :func:`arm_config`): every arm is built
+from the softmax model's initial weights, trained, cached (``vision_<arm>.safetensors``), evaluated and reported
+in turn; the cache key covers every arm's gains.
 """
 from __future__ import annotations
 
@@ -38,10 +38,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "output_lock", "atomic_path", "write_atomic",
-           "code_fingerprint"]
+__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "ARMS", "arm_config", "output_lock",
+           "atomic_path", "write_atomic", "code_fingerprint"]
 
 Log = Callable[[str], None]
+
+#: The models an experiment can compare, each trained from the softmax model's initial weights and data order:
+#: ``softmax``; ``pid`` (the spec's preset, first layer controlled, eq. 25 as written); ``pid_ref`` (the same
+#: gains with a reference-only first layer, ``control_first_layer=False``); ``neutreno`` (the P-only special
+#: case, lambda 0.6 for vision and 0.4 for language, as in the NeuTRENO paper).
+ARMS = ("softmax", "pid", "pid_ref", "neutreno")
+
+
+def arm_config(arm: str, preset: str, language: bool = False):
+    """The PID gains of an arm (``None`` for softmax)."""
+    from .core import PIDConfig
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {list(ARMS)}")
+    if arm == "softmax":
+        return None
+    if arm == "neutreno":
+        return PIDConfig.preset("neutreno", **({"lambda_p": 0.4} if language else {}))
+    return PIDConfig.preset(preset, control_first_layer=arm == "pid")
+
+
+def _check_arms(arms: Tuple[str, ...]) -> None:
+    if not arms or arms[0] != "softmax" or len(set(arms)) != len(arms):
+        raise ValueError(f"arms must start with 'softmax' (the baseline) and not repeat, got {list(arms)}")
+    for arm in arms:
+        arm_config(arm, "deit")
 
 
 @dataclass
@@ -68,11 +94,12 @@ class VisionSpec:
                                     "elastic_transform")
     severities: Tuple[int, ...] = (1, 2, 3, 4, 5)
     diag_samples: int = 256
+    arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
 
     def training_key(self) -> str:
         keys = ("data", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "epochs", "batch_size", "lr",
                 "weight_decay", "train_limit", "preset", "seed")
-        return _key({k: getattr(self, k) for k in keys}, self.preset, "timm")
+        return _key({k: getattr(self, k) for k in keys}, self.preset, "timm", language=False)
 
 
 @dataclass
@@ -91,11 +118,12 @@ class LanguageSpec:
     seed: int = 0
     valid_blocks: int = 96
     rates: Tuple[float, ...] = (0.0, 0.05, 0.1, 0.2)
+    arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
 
     def training_key(self) -> str:
         keys = ("corpus", "seq_len", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "steps",
                 "batch_size", "lr", "weight_decay", "preset", "seed")
-        return _key({k: getattr(self, k) for k in keys}, self.preset, "hf")
+        return _key({k: getattr(self, k) for k in keys}, self.preset, "hf", language=True)
 
 
 # ----------------------------------------------------------------------------------------- caching
@@ -110,7 +138,7 @@ def code_fingerprint(zoo: str) -> str:
     for folder in ("core", zoo):
         for f in sorted((root / folder).rglob("*.py")):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    for fn in (vision_models, _train_classifier, language_models, _train_lm, _cosine_lr):
+    for fn in (arm_config, vision_models, _train_classifier, language_models, _train_lm, _cosine_lr):
         h.update(inspect.getsource(fn).encode())
     for dist in ("torch", {"timm": "timm", "hf": "transformers"}[zoo]):
         try:
@@ -120,10 +148,9 @@ def code_fingerprint(zoo: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _key(spec: Dict[str, Any], preset: str, zoo: str) -> str:
-    from .core import PIDConfig
-
-    payload = {"spec": spec, "gains": PIDConfig.preset(preset).to_dict(), "code": code_fingerprint(zoo)}
+def _key(spec: Dict[str, Any], preset: str, zoo: str, language: bool) -> str:
+    gains = {arm: arm_config(arm, preset, language).to_dict() for arm in ARMS if arm != "softmax"}
+    payload = {"spec": spec, "gains": gains, "code": code_fingerprint(zoo)}
     return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -238,18 +265,20 @@ def _cosine_lr(step: int, total: int, warmup: int) -> float:
 
 # ----------------------------------------------------------------------------------------- vision
 def vision_models(spec: VisionSpec, num_classes: int) -> Dict[str, nn.Module]:
-    """The softmax DeiT and its PID twin (timm adapter), with identical initial weights."""
+    """The softmax DeiT and its PID twins of ``spec.arms`` (timm adapter), with identical initial weights."""
     import timm
 
     import pid_plugins.timm  # noqa: F401
 
+    _check_arms(spec.arms)
     kwargs = dict(img_size=spec.img_size, patch_size=spec.patch_size, in_chans=1, num_classes=num_classes,
                   embed_dim=spec.embed_dim, depth=spec.depth, num_heads=spec.num_heads)
     torch.manual_seed(spec.seed)
-    softmax = timm.create_model("deit_tiny_patch16_224", **kwargs)
-    pid = timm.create_model("pid_deit_tiny_patch16_224", pid=spec.preset, **kwargs)
-    pid.load_state_dict(softmax.state_dict(), strict=True)
-    return {"softmax": softmax, "pid": pid}
+    models = {"softmax": timm.create_model("deit_tiny_patch16_224", **kwargs)}
+    for arm in spec.arms[1:]:
+        models[arm] = timm.create_model("pid_deit_tiny_patch16_224", pid=arm_config(arm, spec.preset), **kwargs)
+        models[arm].load_state_dict(models["softmax"].state_dict(), strict=True)
+    return models
 
 
 def _train_classifier(clf: nn.Module, train, spec: VisionSpec, label: str, log: Log) -> Dict[str, Any]:
@@ -336,7 +365,7 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------- language
 def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
-    """A small byte-level Llama (grouped-query attention) and its PID twin with identical weights."""
+    """A small byte-level Llama (grouped-query attention) and its PID twins of ``spec.arms``, identical weights."""
     import transformers
 
     import pid_plugins.hf
@@ -347,11 +376,14 @@ def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
         num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.seq_len, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
+    _check_arms(spec.arms)
     torch.manual_seed(spec.seed)
     softmax = transformers.LlamaForCausalLM(config)
     softmax.config._attn_implementation = "sdpa"
-    pid = pid_plugins.hf.to_pid(copy.deepcopy(softmax), spec.preset)
-    return {"softmax": softmax, "pid": pid}
+    models = {"softmax": softmax}
+    for arm in spec.arms[1:]:
+        models[arm] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), arm_config(arm, spec.preset, language=True))
+    return models
 
 
 def byte_blocks(spec: LanguageSpec) -> Tuple[torch.Tensor, torch.Tensor]:
