@@ -138,6 +138,72 @@ def test_pid_layer_matches_the_rule(data_dir):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_first_layer):
+    """--pid-control-first-layer true/false against the float64 reference (per position, written independently)."""
+    from reference import naive_pid_stack
+
+    model, _ = build(data_dir, extra=["--pid-lambda-p", "0.7", "--pid-lambda-i", "0.4", "--pid-lambda-d", "0.2",
+                                      "--pid-beta", "0.6", "--pid-control-first-layer", str(control_first_layer)])
+    assert all(layer.self_attn.pid.control_first_layer is control_first_layer for layer in model.decoder.layers)
+    model = model.double()
+    seen = []
+    original = pf.model.pid_update
+
+    def spy(out, v, state, gains):
+        result = original(out, v, state, gains)
+        seen.append((out.detach().clone(), v.detach().clone(), result[0].detach().clone()))
+        return result
+
+    pf.model.pid_update = spy
+    try:
+        logits(model, tokens())
+    finally:
+        pf.model.pid_update = original
+    attn, vals, got = zip(*seen)
+    want = naive_pid_stack(list(attn), list(vals), 0.7, 0.4, 0.2, 0.6, control_first_layer=control_first_layer)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    if not control_first_layer:
+        torch.testing.assert_close(got[0], attn[0], rtol=0, atol=0)  # the first layer is plain attention
+
+
+def test_control_first_layer_option_default_and_validation(data_dir):
+    default, _ = build(data_dir)
+    assert all(layer.self_attn.pid.control_first_layer is True for layer in default.decoder.layers)
+    with pytest.raises(ValueError, match="--pid-control-first-layer takes true or false, got 'maybe'"):
+        build(data_dir, extra=["--pid-control-first-layer", "maybe"])
+    ref, _ = build(data_dir, extra=["--pid-control-first-layer", "false"])
+    ref.load_state_dict(default.state_dict())
+    toks = tokens()
+    assert not torch.allclose(logits(ref, toks), logits(default, toks))
+    # incremental decoding with a reference-only first layer equals the full forward
+    with torch.no_grad():
+        full = ref(toks)[0]
+        state, steps = {}, []
+        for t in range(toks.size(1)):
+            steps.append(ref(toks[:, : t + 1], incremental_state=state)[0])
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path):
+    """fairseq-train --pid-control-first-layer false: the checkpoint keeps it and load_pid_lm restores it."""
+    words = [f"w{i}" for i in range(12)]
+    lines = [" ".join(words[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
+    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
+         "--destdir", "data-bin", "--workers", "1"], tmp_path)
+    run(["fairseq-train", "data-bin", "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
+         "transformer_lm_pid", *TINY, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001", "--max-update",
+         "2", "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints",
+         "--pid-control-first-layer", "false"], tmp_path)
+    state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert state["cfg"]["model"]["pid_control_first_layer"] == "false"
+    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tmp_path / "data-bin"))
+    assert all(layer.self_attn.pid.control_first_layer is False for layer in hub.models[0].decoder.layers)
+
+
 def test_incremental_decoding_equals_full_forward_and_survives_beam_reordering(data_dir):
     model, _ = build(data_dir)
     toks = tokens(n=2, length=8)

@@ -51,6 +51,10 @@ class PIDTransformerLanguageModelConfig(TransformerLanguageModelConfig):
     pid_lambda_i: float = field(default=_LM.lambda_i, metadata={"help": "PID integral gain (>= 0)"})
     pid_lambda_d: float = field(default=_LM.lambda_d, metadata={"help": "PID derivative gain (>= 0)"})
     pid_beta: float = field(default=_LM.beta, metadata={"help": "weight of the first layer's values, in (0, 1]"})
+    # a value, not a flag: fairseq turns a bool field that defaults to True into a flag that sets it False
+    pid_control_first_layer: str = field(default="true", metadata={
+        "help": "'true' (default): the first layer gets the PID term too (eq. 25 with sums from layer 1); 'false': "
+                "it computes plain attention and only records v^1 (NeuTRENO's convention)"})
 
 
 def pid_config_from_args(args: Any) -> Optional[PIDConfig]:
@@ -62,7 +66,20 @@ def pid_config_from_args(args: Any) -> Optional[PIDConfig]:
     return PIDConfig(
         lambda_p=safe_getattr(args, "pid_lambda_p", _LM.lambda_p), lambda_i=safe_getattr(args, "pid_lambda_i", _LM.lambda_i),
         lambda_d=safe_getattr(args, "pid_lambda_d", _LM.lambda_d), beta=safe_getattr(args, "pid_beta", _LM.beta),
+        control_first_layer=_as_bool(safe_getattr(args, "pid_control_first_layer", "true"), "--pid-control-first-layer"),
     )
+
+
+def _as_bool(value: Any, option: str) -> bool:
+    """``true``/``false`` (any case; also 1/0, yes/no) or a bool, as fairseq stores the option."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{option} takes true or false, got {value!r}")
 
 
 class PIDMultiheadAttention(MultiheadAttention):
@@ -263,6 +280,8 @@ def _register_architectures() -> None:
             gains = _entry.pid_config()
             for key in ("lambda_p", "lambda_i", "lambda_d", "beta"):
                 setattr(args, f"pid_{key}", safe_getattr(args, f"pid_{key}", getattr(gains, key)))
+            args.pid_control_first_layer = safe_getattr(args, "pid_control_first_layer",
+                                                        str(gains.control_first_layer).lower())
             base_lm_architecture(args)
 
         register_model_architecture("transformer_lm_pid", entry.name)(arch)
