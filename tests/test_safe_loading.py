@@ -62,6 +62,11 @@ PROBES = {
         "import timm, pid_plugins.timm\nfrom pid_plugins.analysis.models import load_weights\n"
         "load_weights(timm.create_model('pid_deit_tiny_patch16_224'), EVIL)\n"
     ),
+    "analysis mmseg config --checkpoint": (
+        "from pathlib import Path\nfrom pid_plugins.analysis.models import load_model\n"
+        "load_model(str(Path(REPO) / 'configs/mmseg/segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py'), "
+        "checkpoint=EVIL)\n"
+    ),
     "fairseq load_pid_lm": (
         "import pid_plugins.fairseq as pf\npf.load_pid_lm(EVIL, DATA)\n"
     ),
@@ -78,7 +83,8 @@ def test_python_load_paths_refuse_pickled_code(tmp_path, env_extra):
     data = tmp_path / "data-bin"
     data.mkdir()
     (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(10)))
-    code = ["import json, sys", f"EVIL, DATA = {str(evil)!r}, {str(data)!r}", "out = {}"]
+    repo = Path(__file__).resolve().parents[1]
+    code = ["import json, sys", f"EVIL, DATA, REPO = {str(evil)!r}, {str(data)!r}, {str(repo)!r}", "out = {}"]
     for name, probe in PROBES.items():
         code += [
             "try:",

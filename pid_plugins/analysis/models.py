@@ -53,6 +53,8 @@ def _hf_folder(path: Path, label: str) -> LoadedModel:
 
 
 def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedModel:
+    import pickle
+
     import pid_plugins.mmseg  # noqa: F401  (registers the PID backbone, the mmcv stand-in)
     from mmseg.apis import init_model
 
@@ -66,7 +68,8 @@ def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedMo
         raise ValueError(f"cannot read the mmseg config {path}: {type(exc).__name__}: {exc}") from None
     try:
         model = init_model(cfg, checkpoint, device="cpu")
-    except (KeyError, TypeError, AttributeError, AssertionError, RuntimeError, EOFError) as exc:
+    except (KeyError, TypeError, AttributeError, AssertionError, RuntimeError, EOFError, pickle.UnpicklingError,
+            OSError) as exc:
         # unregistered types or bad arguments in the config; a damaged or refused checkpoint file
         what = f" with the checkpoint {checkpoint}" if checkpoint else ""
         raise ValueError(f"cannot build a model from the mmseg config {path}{what}: {type(exc).__name__}: "
