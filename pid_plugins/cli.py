@@ -131,6 +131,15 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_demo_data(data: str, corpus: str) -> None:
+    from .datasets import IMAGE_SOURCES, TEXT_SOURCES
+
+    if data not in IMAGE_SOURCES and not Path(data).is_dir():
+        raise CLIError(f"--data {data!r}: use one of {', '.join(IMAGE_SOURCES)} or a folder of <class>/<image> files")
+    if corpus not in TEXT_SOURCES and not Path(corpus).is_file():
+        raise CLIError(f"--corpus {corpus!r}: use one of {', '.join(TEXT_SOURCES)} or a path to a text file")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import language_rows, run_demo, vision_rows
 
@@ -141,6 +150,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .core import PIDConfig
 
     PIDConfig.preset(args.preset)  # a bad preset fails before anything runs
+    _check_demo_data(args.data, args.corpus)
     res = run_demo(args.out, quick=args.quick, parts=parts, seed=args.seed, data=args.data, corpus=args.corpus,
                    preset=args.preset, log=lambda m: print(m, file=sys.stderr))
     if "core" in res:
@@ -199,6 +209,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         raise CLIError(f"--parts takes a comma list of vision, language; got {args.parts!r}")
     if len(set(args.seeds)) != len(args.seeds):
         raise CLIError(f"--seeds lists a seed twice: {args.seeds}")
+    _check_demo_data(args.data, args.corpus)
     rec = run_reproduce(args.out, seeds=tuple(args.seeds), vision_epochs=args.vision_epochs, lm_steps=args.lm_steps,
                         data=args.data, corpus=args.corpus, parts=parts, log=lambda m: print(m, file=sys.stderr))
     print((Path(args.out) / "reproduce.md").read_text())

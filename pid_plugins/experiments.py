@@ -187,6 +187,7 @@ def output_lock(out: Path) -> Iterator[None]:
     when it is killed); the file names the holder's pid for the error message.
     """
     out = Path(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -202,6 +203,9 @@ def output_lock(out: Path) -> Iterator[None]:
             yield
         finally:
             os.ftruncate(fd, 0)
+            if created and [p.name for p in out.iterdir()] == [LOCK_NAME]:  # a run that wrote nothing
+                os.unlink(out / LOCK_NAME)
+                out.rmdir()
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)

@@ -195,3 +195,14 @@ def test_report_says_what_the_training_times_are():
     row = [r for r in language_rows(lang) if r[0].startswith("training wall time")]
     assert row == [("training wall time (sequential, see note)", "120 s", "348 s (cached)")]
     assert "not a speed comparison" in TIMING_NOTE and "make bench" in TIMING_NOTE
+
+
+def test_a_run_that_writes_nothing_leaves_no_folder(tmp_path):
+    out = tmp_path / "new"
+    with pytest.raises(RuntimeError):
+        with ex.output_lock(out):
+            raise RuntimeError("failed before writing anything")
+    assert not out.exists()
+    with ex.output_lock(out):
+        (out / "result.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == [ex.LOCK_NAME, "result.json"]
