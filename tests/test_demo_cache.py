@@ -206,3 +206,29 @@ def test_a_run_that_writes_nothing_leaves_no_folder(tmp_path):
     with ex.output_lock(out):
         (out / "result.json").write_text("{}")
     assert sorted(p.name for p in out.iterdir()) == [ex.LOCK_NAME, "result.json"]
+
+
+def test_real_models_round_trip_through_the_cache(tmp_path):
+    """run_vision / run_language on tiny specs: the second run loads every arm from its file, same results."""
+    vspec = ex.VisionSpec(data="digits", epochs=0.05, batch_size=64, embed_dim=12, depth=2, num_heads=2, test_limit=32,
+                          pgd_steps=1, eps_sweep=(0.0, 2 / 255), noise_sigmas=(0.1,), corruptions=("contrast",),
+                          severities=(1,), diag_samples=16)
+    lspec = ex.LanguageSpec(corpus="shakespeare", seq_len=32, hidden_size=32, num_layers=2, num_heads=2,
+                            num_kv_heads=1, steps=3, batch_size=4, valid_blocks=4)
+    for run, spec, prefix in ((ex.run_vision, vspec, "vision"), (ex.run_language, lspec, "language")):
+        logs = []
+        first = run(spec, tmp_path, logs.append)
+        assert not any("cached" in m for m in logs)
+        used = replace(spec, **{k: first["spec"][k] for k in ("img_size", "patch_size") if k in first["spec"]})
+        for arm in spec.arms:  # (digits are 8x8: run_vision adapts the image and patch size)
+            with safe_open(str(tmp_path / f"{prefix}_{arm}.safetensors"), framework="pt") as f:
+                assert f.metadata()["training_key"] == used.training_key()
+        logs = []
+        second = run(spec, tmp_path, logs.append)
+        assert sum("loaded the cached model" in m for m in logs) == len(spec.arms)
+        for arm in spec.arms:
+            a, b = first["models"][arm], second["models"][arm]
+            assert not a["cached"] and b["cached"]
+            assert a["train_loss"] == b["train_loss"]
+            key = "valid_perplexity" if prefix == "language" else "robustness"
+            assert a[key] == b[key]
