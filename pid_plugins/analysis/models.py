@@ -12,6 +12,7 @@ Accepted specs:
 from __future__ import annotations
 
 import difflib
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -53,8 +54,6 @@ def _hf_folder(path: Path, label: str) -> LoadedModel:
 
 
 def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedModel:
-    import pickle
-
     import pid_plugins.mmseg  # noqa: F401  (registers the PID backbone, the mmcv stand-in)
     from mmseg.apis import init_model
 
@@ -162,8 +161,6 @@ def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
     ``{"model": ...}`` / ``{"state_dict": ...}`` wrappers are unwrapped.
     """
     import torch
-
-    import pickle
 
     path = Path(checkpoint)
     if not path.is_file():
