@@ -310,7 +310,7 @@ def _train_classifier(clf: nn.Module, train, spec: VisionSpec, label: str, log: 
             loss.backward()
             opt.step()
             sched.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             step += 1
             bar.update(1)
             if step % 20 == 0:
@@ -420,7 +420,7 @@ def _train_lm(model: nn.Module, train: torch.Tensor, spec: LanguageSpec, label: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 20 == 19:
             bar.set_postfix(loss=f"{sum(losses[-20:]) / 20:.3f}")
     seconds = time.perf_counter() - t0
