@@ -72,7 +72,7 @@ def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedMo
         # unregistered types or bad arguments in the config; a damaged or refused checkpoint file
         what = f" with the checkpoint {checkpoint}" if checkpoint else ""
         raise ValueError(f"cannot build a model from the mmseg config {path}{what}: {type(exc).__name__}: "
-                         f"{' '.join(str(exc).split())[:300]}") from None
+                         f"{' '.join(str(exc).split())[:700]}") from None
     return LoadedModel(model, "segmentation", label, layer_stack="backbone.layers")
 
 
