@@ -16,6 +16,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from .attention import (
     ATTN_IMPLEMENTATION,
+    BASES,
     PIDForwardState,
     install_pid_hooks,
     model_pid_config,
@@ -25,6 +26,6 @@ from .attention import (
 from .catalogue import get_config, list_models
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "PIDForwardState", "pid_attention_forward", "install_pid_hooks", "model_pid_config",
+    "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "pid_attention_forward", "install_pid_hooks", "model_pid_config",
     "to_pid", "get_config", "list_models",
 ]
