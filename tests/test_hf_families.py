@@ -204,20 +204,64 @@ def test_gains_reach_every_t5_stack():
     assert torch.equal(forward(model, **x), forward(stock, **x))
 
 
-def test_sdpa_base_refuses_softcapping_and_output_attentions_needs_eager():
+def test_softcapping_defaults_to_eager_and_output_attentions_needs_eager():
     make, cls, *_ = FAMILIES["gemma2"]
     model = cls(make()).eval()
-    ph.to_pid(model)  # sdpa base
-    with pytest.raises(Exception, match="(?i)softcap"):
-        forward(model, **inputs("gemma2"))
+    with pytest.raises(ValueError, match=r"softcapping, which sdpa cannot compute: use .*base='eager'"):
+        ph.to_pid(model, base="sdpa")
+    ph.to_pid(model)
+    assert model.config.pid_attention_base == "eager"  # Gemma 2's logit softcapping needs eager
+    forward(model, **inputs("gemma2"))
     _, llama = build("llama")
     with pytest.raises(ValueError, match="base='eager'"):
         llama(**inputs("llama"), output_attentions=True)
     stock, eager = build("llama")
     ph.to_pid(eager, base="eager")
     stock.set_attn_implementation("eager")
-    out = eager(**inputs("llama"), output_attentions=True)
-    assert len(out.attentions) == 2 and out.attentions[0].shape == (2, 4, 7, 7)
+    x = inputs("llama")
+    with torch.no_grad():
+        out = eager(**x, output_attentions=True)
+        want = stock(**x, output_attentions=True)
+    assert len(out.attentions) == 2
+    torch.testing.assert_close(out.attentions[0], want.attentions[0])  # first layer: same queries and keys
+
+
+def test_flex_attention_base():
+    stock, model = build("llama")
+    stock.set_attn_implementation("flex_attention")
+    ph.to_pid(model, base="flex_attention")
+    x = inputs("llama", n=1)
+    assert not torch.allclose(forward(model, **x), forward(stock, **x), atol=1e-4)
+    model.config.pid = ZERO
+    assert torch.equal(forward(model, **x), forward(stock, **x))
+    with pytest.raises(ValueError, match="does not support flex attention"):
+        ph.to_pid(build("gpt2")[1], base="flex_attention")
+
+
+def test_static_cache_decoding_compiles_fullgraph_without_recompiles():
+    from torch._dynamo.utils import counters
+
+    _, model = build("llama")
+    ids = inputs("llama")["input_ids"]
+
+    def decode(step, n=5):
+        cache = T.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)  # eager prefill
+            toks = [tok]
+            for _ in range(n):
+                tok = step(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                toks.append(tok)
+        return torch.cat(toks, 1)
+
+    eager = decode(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break raises
+    assert torch.equal(decode(compiled), eager)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for every step: no recompile
+    assert not counters["graph_break"]
+    torch._dynamo.reset()
 
 
 def test_static_sliding_window_cache_is_refused():

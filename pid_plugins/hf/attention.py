@@ -42,8 +42,8 @@ from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mas
 from ..core import PIDConfig, PIDState, pid_update
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "pid_attention_forward", "pid_mask", "install_pid_hooks",
-    "model_pid_config", "to_pid",
+    "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "base_attention", "pid_attention_forward", "pid_mask",
+    "install_pid_hooks", "model_pid_config", "to_pid",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
@@ -98,6 +98,22 @@ def model_pid_config(config: Any) -> PIDConfig:
 
 
 # --------------------------------------------------------------------------------------- the base attention
+def base_attention(config: Any) -> str:
+    """The attention PID is added to: ``config.pid_attention_base`` if set, else ``"eager"`` for models with
+    attention logit softcapping (Gemma 2; SDPA cannot softcap) and ``"sdpa"`` otherwise."""
+    base = getattr(config, BASE_ATTR, None)
+    if base is None:
+        return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+    if base not in BASES:
+        raise ValueError(f"config.{BASE_ATTR}={base!r} is not one of {BASES}")
+    if base != "eager" and getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{getattr(config, 'model_type', 'this model')} uses attention logit softcapping, which {base} cannot "
+            "compute: use pid_plugins.hf.to_pid(model, base='eager')"
+        )
+    return base
+
+
 def _base_function(module: nn.Module, base: str) -> Callable:
     if base == "sdpa":
         return sdpa_attention_forward
@@ -126,7 +142,7 @@ def pid_attention_forward(
     run: Optional[PIDForwardState] = kwargs.pop("pid_state", None)
     index = getattr(module, _ROLE, None)
     if index == -1:  # cross-attention: base attention only (its values come from another sequence)
-        base = run.base if run is not None else getattr(getattr(module, "config", None), BASE_ATTR, "sdpa")
+        base = run.base if run is not None else base_attention(getattr(module, "config", None))
         return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
     if run is None or index is None:
         raise RuntimeError(
@@ -149,7 +165,7 @@ def pid_attention_forward(
 
 def pid_mask(*args: Any, **kwargs: Any):
     """The mask function of the base attention (``config.pid_attention_base``)."""
-    base = getattr(kwargs.get("config"), BASE_ATTR, "sdpa")
+    base = base_attention(kwargs.get("config"))
     if base == "eager":
         return eager_mask(*args, **kwargs)
     if base == "flex_attention":
@@ -185,7 +201,7 @@ def _walk(module: nn.Module, prefix: str = ""):
 def _discover(model: PreTrainedModel) -> _Plan:
     """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface."""
     gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
-    base = getattr(gains_source, BASE_ATTR, "sdpa")
+    base = base_attention(gains_source)
     order = 0
     for path, sub in _walk(model):
         if isinstance(sub, PreTrainedModel):
@@ -267,7 +283,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         return None
     gains_config = module.__dict__.get(_GAINS_SOURCE, config)
     gains = model_pid_config(gains_config)
-    base = getattr(config, BASE_ATTR, "sdpa")
+    base = base_attention(config)
     if module.training and torch.is_grad_enabled():
         _check_checkpointing(module)
     if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
@@ -353,8 +369,8 @@ def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = Non
 
     ``config``: a :class:`PIDConfig`, a dict of overrides of the ``lm`` preset, a preset name, or None
     (keep ``model.config.pid`` if set, else the ``lm`` preset). ``base``: the attention PID is added to,
-    ``"sdpa"`` (default), ``"eager"`` (attention weights, logit softcapping) or ``"flex_attention"``;
-    saved in ``config.pid_attention_base``.
+    ``"sdpa"`` (default; ``"eager"`` for models with logit softcapping), ``"eager"`` (attention weights) or
+    ``"flex_attention"``; saved in ``config.pid_attention_base``.
     """
     if config is not None or not hasattr(model.config, "pid"):
         cfg = PIDConfig.coerce(config, default=model_pid_config(model.config))
@@ -362,9 +378,15 @@ def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = Non
             raise ValueError("learnable gains are not supported by the transformers adapter; use fixed gains")
         model.config.pid = cfg.to_dict()
     model_pid_config(model.config)  # refuses learnable gains set directly in config.pid
-    base = base or getattr(model.config, BASE_ATTR, "sdpa")
-    if base not in BASES:
+    if base is not None and base not in BASES:
         raise ValueError(f"base attention {base!r} is not one of {BASES}")
+    previous = getattr(model.config, BASE_ATTR, None)
+    setattr(model.config, BASE_ATTR, base or previous)
+    try:
+        base = base_attention(model.config)
+    except ValueError:
+        setattr(model.config, BASE_ATTR, previous)
+        raise
     if base == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
         raise ValueError(f"{type(model).__name__} does not support flex attention: use base 'sdpa' or 'eager'")
     setattr(model.config, BASE_ATTR, base)
