@@ -349,3 +349,25 @@ def test_control_first_layer_false_runs_and_is_saved(tmp_path):
     assert torch.equal(forward(one, **x), forward(ref, **x))
     assert not torch.allclose(forward(model, **x), forward(stock, **x))
     assert pid_update is attention.pid_update
+
+
+def test_control_first_layer_false_against_the_rule_by_hand():
+    if "control_first_layer" not in PIDConfig.__dataclass_fields__:
+        pytest.skip("core without control_first_layer")
+    cfg = PIDConfig(0.7, 0.4, 0.2, 0.6, control_first_layer=False)
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    state = attention.PIDForwardState(cfg)
+    vals = []
+    for layer in range(3):
+        module._pid_plugins_index = layer
+        q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        out, _ = attention.pid_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, pid_state=state)
+        scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5 + torch.full((4, 4), float("-inf"), dtype=torch.float64).triu(1)
+        want = scores.softmax(-1) @ v
+        vals.append(v)
+        if layer:  # the first layer is plain; from layer 2: e = beta v1 - v, S from layer 2, no D at layer 2
+            e = [0.6 * vals[0] - x for x in vals[1:]]
+            want = want + 0.7 * e[-1] + 0.4 * sum(e) + (0.2 * (e[-1] - e[-2]) if layer > 1 else 0)
+        torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-10, atol=1e-10)

@@ -259,8 +259,7 @@ def _static_past(cache: Any) -> Optional[Tensor]:
         return None
     first = layers[0]
     kind = type(first).__name__
-    if "Static" in kind and "Sliding" in kind or any(
-            "Static" in type(x).__name__ and "Sliding" in type(x).__name__ for x in layers):
+    if any("Static" in type(x).__name__ and "Sliding" in type(x).__name__ for x in layers):
         raise NotImplementedError(
             "PID attention cannot use a static sliding-window cache (a rolling buffer does not keep the query "
             "positions' values where they can be located): use the dynamic cache (the default) for this model"
