@@ -371,3 +371,42 @@ def test_control_first_layer_false_against_the_rule_by_hand():
             e = [0.6 * vals[0] - x for x in vals[1:]]
             want = want + 0.7 * e[-1] + 0.4 * sum(e) + (0.2 * (e[-1] - e[-2]) if layer > 1 else 0)
         torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+def test_a_stack_whose_forward_takes_no_kwargs_is_refused():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class Stack(T.LlamaPreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.layers = torch.nn.ModuleList([LlamaDecoderLayer(config, 0)])
+            self.post_init()
+
+        def forward(self, hidden_states):
+            return self.layers[0](hidden_states)
+
+    with pytest.raises(ValueError, match=r"Stack\.forward takes no \*\*kwargs"):
+        ph.to_pid(Stack(T.LlamaConfig(**DEC)))
+
+
+def test_set_attn_implementation_route_saves_and_reloads_as_pid(tmp_path):
+    stock, _ = build("llama")
+    model = FAMILIES["llama"][1](FAMILIES["llama"][0]()).eval()
+    model.load_state_dict(stock.state_dict())
+    model.set_attn_implementation("pid")  # built after the import: no to_pid needed
+    x = inputs("llama")
+    out = forward(model, **x)
+    assert not torch.allclose(out, forward(stock, **x), atol=1e-4)
+    model.save_pretrained(tmp_path)
+    again = T.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config._attn_implementation == "pid"
+    assert torch.equal(forward(again, **x), out)
+
+
+def test_reloading_without_the_import_stops_in_transformers(tmp_path, monkeypatch):
+    """Documented behaviour: transformers offers no hook for a better message than its own."""
+    _, model = build("llama")
+    model.save_pretrained(tmp_path)
+    monkeypatch.delitem(T.AttentionInterface._global_mapping, "pid")  # as if pid_plugins.hf were not imported
+    with pytest.raises(ValueError, match='attn_implementation="pid"` is not supported'):
+        T.AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -1,11 +1,13 @@
 """HuggingFace transformers adapter: ``attn_implementation="pid"``.
 
 ``import pid_plugins.hf`` registers ``"pid"`` with transformers' ``AttentionInterface`` (the attention
-function) and ``AttentionMaskInterface`` (its mask function, the same as SDPA's). Then::
+function: the base attention, SDPA by default, then the PID term on self-attention) and
+``AttentionMaskInterface`` (the base attention's mask function). Then::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
     model = pid_plugins.hf.to_pid(model, PIDConfig.preset("lm"))                     # or convert
     model.config.pid = {"lambda_p": 0.5}                                              # change gains
+    model = pid_plugins.hf.to_pid(model, base="eager")                               # attention weights
 """
 try:
     import transformers  # noqa: F401

@@ -229,6 +229,7 @@ def _discover(model: PreTrainedModel) -> _Plan:
             f"attn_implementation='pid': {type(model).__name__}.forward takes no **kwargs, so the per-forward PID "
             "state cannot reach its attention layers"
         )
+    _persist(model.config)
     plan = _Plan(owns_layers=order > 0,
                  cache_position=names.index("past_key_values") if "past_key_values" in names else None)
     model.__dict__[_PLAN] = plan
@@ -308,7 +309,8 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
     # reaches here before any forward: every model built after the import carries the (inert) hook
     if isinstance(module, PreTrainedModel) and not module.__dict__.get(_HOOKED, False):
         _hook(module)
-        _persist(module.config)
+        if getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            _persist(module.config)
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
