@@ -282,7 +282,7 @@ def test_attention_outside_the_interface_is_refused_naming_the_module():
 
     _, model = build("llama")
     model.model.layers[1].extra = CustomAttention()
-    with pytest.raises(ValueError, match=r"LlamaModel\.layers\.1\.extra \(CustomAttention\) computes attention without"):
+    with pytest.raises(ValueError, match=r"LlamaModel\.layers\.1\.extra \(CustomAttention\) computes attention"):
         ph.to_pid(model)
 
 
@@ -364,8 +364,8 @@ def test_control_first_layer_false_against_the_rule_by_hand():
         module._pid_plugins_index = layer
         q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
         out, _ = attention.pid_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, pid_state=state)
-        scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5 + torch.full((4, 4), float("-inf"), dtype=torch.float64).triu(1)
-        want = scores.softmax(-1) @ v
+        causal = torch.full((4, 4), float("-inf"), dtype=torch.float64).triu(1)
+        want = ((q @ k.transpose(-1, -2)) * 8 ** -0.5 + causal).softmax(-1) @ v
         vals.append(v)
         if layer:  # the first layer is plain; from layer 2: e = beta v1 - v, S from layer 2, no D at layer 2
             e = [0.6 * vals[0] - x for x in vals[1:]]
