@@ -410,3 +410,22 @@ def test_reloading_without_the_import_stops_in_transformers(tmp_path, monkeypatc
     monkeypatch.delitem(T.AttentionInterface._global_mapping, "pid")  # as if pid_plugins.hf were not imported
     with pytest.raises(ValueError, match='attn_implementation="pid"` is not supported'):
         T.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_an_encoder_and_a_decoder_under_one_model_are_separate_groups():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class Both(T.LlamaPreTrainedModel):  # encoder and decoder stacks as plain modules of one model
+        def __init__(self, config):
+            super().__init__(config)
+            self.encoder = torch.nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(2)])
+            self.decoder = torch.nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(2)])
+            self.post_init()
+
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states
+
+    model = ph.to_pid(Both(T.LlamaConfig(**DEC)))
+    chain = [(m._pid_plugins_index, m._pid_plugins_previous) for m in model.modules()
+             if hasattr(m, "_pid_plugins_previous")]
+    assert chain == [(0, -1), (1, 0), (2, -1), (3, 2)]  # the decoder's first layer starts its own group

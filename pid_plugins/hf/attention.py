@@ -54,6 +54,7 @@ _HOOKED = "_pid_plugins_hooked"
 _PLAN = "_pid_plugins_plan"
 _GAINS_SOURCE = "_pid_plugins_gains_config"
 _ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
+_PREV = "_pid_plugins_previous"  # on self-attention modules: the index of the layer before in its stack, or -1
 _LOCK = threading.Lock()
 _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
                           "encoder_decoder_attention"})
@@ -159,7 +160,8 @@ def pid_attention_forward(
     else:  # a static cache: rows [past, past + q_len) of the buffer
         v_q = value.index_select(2, run.past_length + torch.arange(q_len, device=value.device))
     # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
-    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), run.layers.get(index - 1), run.config, head_dim=-2)
+    previous = run.layers.get(getattr(module, _PREV, index - 1))
+    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.config, head_dim=-2)
     return u, weights
 
 
@@ -203,6 +205,7 @@ def _discover(model: PreTrainedModel) -> _Plan:
     gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
     base = base_attention(gains_source)
     order = 0
+    last: Dict[str, int] = {}  # the last self-attention index seen in each stack (encoder / decoder / the model)
     for path, sub in _walk(model):
         if isinstance(sub, PreTrainedModel):
             sub.__dict__[_GAINS_SOURCE] = gains_source
@@ -214,7 +217,11 @@ def _discover(model: PreTrainedModel) -> _Plan:
             parts = path.split(".")
             cross = bool(getattr(sub, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
             setattr(sub, _ROLE, -1 if cross else order)
-            order += 0 if cross else 1
+            if not cross:  # an encoder and a decoder under one owner are separate PID groups
+                stack = next((p for p in parts if "encoder" in p.lower() or "decoder" in p.lower()), "")
+                setattr(sub, _PREV, last.get(stack, -1))
+                last[stack] = order
+                order += 1
         elif "Attention" in cls.__name__ and not any(
             "Attention" in type(m).__name__ or _calls_interface(type(m)) for m in sub.modules() if m is not sub
         ):
