@@ -429,3 +429,11 @@ def test_an_encoder_and_a_decoder_under_one_model_are_separate_groups():
     chain = [(m._pid_plugins_index, m._pid_plugins_previous) for m in model.modules()
              if hasattr(m, "_pid_plugins_previous")]
     assert chain == [(0, -1), (1, 0), (2, -1), (3, 2)]  # the decoder's first layer starts its own group
+
+
+def test_one_attention_module_shared_by_several_layers_is_refused():
+    model = T.AlbertModel(T.AlbertConfig(vocab_size=V, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=64)).eval()
+    ph.to_pid(model)
+    with pytest.raises(RuntimeError, match="AlbertSDPAAttention ran twice|ran twice in one forward"):
+        forward(model, input_ids=inputs("bert")["input_ids"])

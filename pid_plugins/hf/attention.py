@@ -69,6 +69,7 @@ class PIDForwardState:
     base: str = "sdpa"
     past_length: Optional[Tensor] = None
     layers: Dict[int, PIDState] = field(default_factory=dict)
+    finished: bool = False  # set when the forward returns: later calls are checkpointing's recomputation
 
 
 # ------------------------------------------------------------------------------------------------ gains
@@ -160,6 +161,11 @@ def pid_attention_forward(
     else:  # a static cache: rows [past, past + q_len) of the buffer
         v_q = value.index_select(2, run.past_length + torch.arange(q_len, device=value.device))
     # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
+    if index in run.layers and not run.finished:
+        raise RuntimeError(
+            f"attn_implementation='pid': {type(module).__name__} ran twice in one forward (one attention module "
+            "shared by several layers, as in ALBERT): PID needs one attention module per layer"
+        )
     previous = run.layers.get(getattr(module, _PREV, index - 1))
     u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.config, head_dim=-2)
     return u, weights
@@ -305,9 +311,16 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     return args, kwargs
 
 
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    run = kwargs.get("pid_state")
+    if run is not None:
+        run.finished = True
+
+
 def _hook(model: PreTrainedModel) -> None:
     if not model.__dict__.get(_HOOKED, False):
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        model.register_forward_hook(_post_hook, with_kwargs=True)
         model.__dict__[_HOOKED] = True
 
 
