@@ -21,6 +21,10 @@ How it fits transformers (no frame inspection, one path for every way a model be
   cache and dynamic caches (sliding-window ones included), ``[past, past + q_len)`` of a static cache, where
   ``past`` is the cache's own length tensor (no ``int()``: compiled decoding does not recompile per step).
 * Cross-attention runs the base attention unchanged.
+* Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the PID
+  state's gradient between layers), a static sliding-window cache, learnable gains, ``output_attentions``
+  without the eager base; at the first layer that meets it: one attention module run twice in a forward
+  (ALBERT's shared layers).
 """
 from __future__ import annotations
 
@@ -90,6 +94,8 @@ def model_pid_config(config: Any) -> PIDConfig:
         if cfg is None:
             cfg = PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET)
             if key is not None:
+                if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
+                    _PARSED.clear()
                 _PARSED[key] = cfg
     if cfg.learnable:
         raise ValueError(
