@@ -437,3 +437,17 @@ def test_one_attention_module_shared_by_several_layers_is_refused():
     ph.to_pid(model)
     with pytest.raises(RuntimeError, match="AlbertSDPAAttention ran twice|ran twice in one forward"):
         forward(model, input_ids=inputs("bert")["input_ids"])
+
+
+def test_a_pid_model_pickles_and_deep_copies():
+    import copy
+    import io
+
+    _, model = build("llama")
+    x = inputs("llama")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for clone in (torch.load(buf, weights_only=False), copy.deepcopy(model)):  # our own bytes, not a checkpoint
+        assert clone.config._attn_implementation == "pid"
+        assert torch.equal(forward(clone, **x), forward(model, **x))

@@ -343,6 +343,10 @@ torch.nn.modules.module.register_module_module_registration_hook(_on_registratio
 
 
 # ---------------------------------------------------------------------------------------------- public API
+def _plain(value: Optional[str]) -> Optional[str]:
+    return value
+
+
 class _SavedImplementation:
     """``config.attn_implementation``: serialises (``to_dict`` deep-copies the config's attributes) as
     ``"pid"`` when the model runs PID at save time and as null otherwise, so a model switched back with
@@ -358,6 +362,9 @@ class _SavedImplementation:
     def __deepcopy__(self, memo: dict) -> Optional[str]:
         current = self._current()
         return current if current == ATTN_IMPLEMENTATION else None
+
+    def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
+        return _plain, (self.__deepcopy__({}),)
 
     def __eq__(self, other: object) -> bool:
         return self._current() == other
