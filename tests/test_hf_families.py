@@ -394,10 +394,10 @@ def test_set_attn_implementation_route_saves_and_reloads_as_pid(tmp_path):
     model = FAMILIES["llama"][1](FAMILIES["llama"][0]()).eval()
     model.load_state_dict(stock.state_dict())
     model.set_attn_implementation("pid")  # built after the import: no to_pid needed
+    model.save_pretrained(tmp_path)  # before any forward
     x = inputs("llama")
     out = forward(model, **x)
     assert not torch.allclose(out, forward(stock, **x), atol=1e-4)
-    model.save_pretrained(tmp_path)
     again = T.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert again.config._attn_implementation == "pid"
     assert torch.equal(forward(again, **x), out)

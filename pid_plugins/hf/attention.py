@@ -335,8 +335,7 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
     # reaches here before any forward: every model built after the import carries the (inert) hook
     if isinstance(module, PreTrainedModel) and not module.__dict__.get(_HOOKED, False):
         _hook(module)
-        if getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
-            _persist(module.config)
+        _persist(module.config)  # saved as "pid" whenever the model runs PID at save time, null otherwise
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
