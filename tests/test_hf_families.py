@@ -451,3 +451,7 @@ def test_a_pid_model_pickles_and_deep_copies():
     for clone in (torch.load(buf, weights_only=False), copy.deepcopy(model)):  # our own bytes, not a checkpoint
         assert clone.config._attn_implementation == "pid"
         assert torch.equal(forward(clone, **x), forward(model, **x))
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("sdpa")
+    assert twin.config.to_dict()["attn_implementation"] is None  # the copy's saved value follows the copy
+    assert model.config.to_dict()["attn_implementation"] == "pid"

@@ -358,8 +358,12 @@ class _SavedImplementation:
         config = self._config()
         return None if config is None else config._attn_implementation
 
-    def __deepcopy__(self, memo: dict) -> Optional[str]:
-        current = self._current()
+    def __deepcopy__(self, memo: dict) -> Any:
+        config = self._config()
+        copied = memo.get(id(config)) if config is not None else None
+        if copied is not None:  # the config itself is being copied (a deep copy of the model): stay live
+            return _SavedImplementation(copied)
+        current = self._current()  # to_dict copies the attributes only: the value to save
         return current if current == ATTN_IMPLEMENTATION else None
 
     def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
