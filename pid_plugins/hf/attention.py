@@ -74,6 +74,7 @@ class PIDForwardState:
     past_length: Optional[Tensor] = None
     layers: Dict[int, PIDState] = field(default_factory=dict)
     finished: bool = False  # set when the forward returns: later calls are checkpointing's recomputation
+    rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (computed once per pass)
 
 
 # ------------------------------------------------------------------------------------------------ gains
@@ -165,7 +166,9 @@ def pid_attention_forward(
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
         v_q = value[:, :, value.shape[-2] - q_len:]
     else:  # a static cache: rows [past, past + q_len) of the buffer
-        v_q = value.index_select(2, run.past_length + torch.arange(q_len, device=value.device))
+        if run.rows is None:
+            run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
+        v_q = value.index_select(2, run.rows)
     # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
     if index in run.layers and not run.finished:
         raise RuntimeError(
