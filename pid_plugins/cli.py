@@ -217,6 +217,34 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_study(args: argparse.Namespace) -> int:
+    from .experiments import ARMS
+    from .study import run_study, write_study_record
+
+    if args.aggregate:
+        from .experiments import output_lock
+
+        with output_lock(Path(args.out)):
+            write_study_record(args.out)
+    else:
+        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        if not arms or arms[0] != "softmax" or set(arms) - set(ARMS) or len(set(arms)) != len(arms):
+            raise CLIError(f"--arms takes a comma list starting with softmax, from {', '.join(ARMS)}; got {args.arms!r}")
+        parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+        if not parts or set(parts) - {"vision", "language"}:
+            raise CLIError(f"--parts takes a comma list of vision, language; got {args.parts!r}")
+        if len(set(args.seeds)) != len(args.seeds):
+            raise CLIError(f"--seeds lists a seed twice: {args.seeds}")
+        _check_demo_data(args.data, args.corpus)
+        budget = dict(data=args.data, corpus=args.corpus, vision_epochs=args.vision_epochs, patch_size=args.patch_size,
+                      train_limit=args.train_limit, test_limit=args.test_limit, pgd_steps=args.pgd_steps,
+                      lm_steps=args.lm_steps)
+        run_study(args.out, tuple(args.seeds), tuple(args.depths), arms, parts, budget,
+                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    print((Path(args.out) / "study.md").read_text())
+    return 0
+
+
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .analysis.run import run_diagnose
 
@@ -361,6 +389,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregate", nargs="+", metavar="DIR",
                    help="only aggregate the seed*/results.json of earlier runs (e.g. seeds run in parallel) into --out")
     p.set_defaults(func=_cmd_reproduce)
+    from .study import DEFAULT_BUDGET as B
+
+    p = sub.add_parser("study", help="softmax vs PID (first layer controlled / reference-only) vs NeuTRENO, over "
+                                     "seeds and depths: paired differences with 95%% t-intervals")
+    p.add_argument("--out", type=_out_folder, default=Path("study_out"))
+    p.add_argument("--seeds", type=_int(0), nargs="+", default=[0, 1, 2])
+    p.add_argument("--depths", type=_int(1), nargs="+", default=[6, 12], help="vision model depths")
+    p.add_argument("--arms", default="softmax,pid,pid_ref,neutreno")
+    p.add_argument("--parts", default="vision,language")
+    p.add_argument("--data", default=B["data"])
+    p.add_argument("--corpus", default=B["corpus"])
+    p.add_argument("--vision-epochs", type=_positive_float, default=B["vision_epochs"])
+    p.add_argument("--patch-size", type=_int(1), default=B["patch_size"])
+    p.add_argument("--train-limit", type=_int(1), default=B["train_limit"], help="training images used")
+    p.add_argument("--test-limit", type=_int(1), default=B["test_limit"])
+    p.add_argument("--pgd-steps", type=_int(1), default=B["pgd_steps"])
+    p.add_argument("--lm-steps", type=_int(1), default=B["lm_steps"])
+    p.add_argument("--aggregate", action="store_true", help="only aggregate the results already in --out")
+    p.set_defaults(func=_cmd_study)
     return parser
 
 

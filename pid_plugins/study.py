@@ -47,12 +47,17 @@ def run_study(out_dir: str, seeds: Sequence[int] = (0, 1, 2), depths: Sequence[i
     Results are written per run (``vision_depth{d}/seed{s}/results.json``, ``language/seed{s}/results.json``)
     as they finish, so an interrupted study keeps what it did and ``write_study_record`` can aggregate it.
     """
-    from .experiments import run_language, run_vision
+    from .experiments import output_lock, run_language, run_vision, write_atomic
 
     budget = {**DEFAULT_BUDGET, **(budget or {})}
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "budget.json").write_text(json.dumps(budget, indent=1))
+    with output_lock(out):
+        write_atomic(out / "budget.json", json.dumps(budget, indent=1))
+        _run(out, seeds, depths, arms, parts, budget, log, run_vision, run_language, write_atomic)
+        return write_study_record(out)
+
+
+def _run(out, seeds, depths, arms, parts, budget, log, run_vision, run_language, write_atomic) -> None:
     for seed in seeds:
         for depth in depths if "vision" in parts else ():
             vspec, _ = _specs(seed, depth, budget, arms)
@@ -60,7 +65,7 @@ def run_study(out_dir: str, seeds: Sequence[int] = (0, 1, 2), depths: Sequence[i
             t0 = time.perf_counter()
             res = run_vision(vspec, folder, log)
             res["wall_seconds"] = time.perf_counter() - t0
-            (folder / "results.json").write_text(json.dumps(res, indent=1))
+            write_atomic(folder / "results.json", json.dumps(res, indent=1))
             log(f"study: vision depth {depth} seed {seed} done in {res['wall_seconds']:.0f} s")
         if "language" in parts:
             _, lspec = _specs(seed, 0, budget, arms)
@@ -68,9 +73,8 @@ def run_study(out_dir: str, seeds: Sequence[int] = (0, 1, 2), depths: Sequence[i
             t0 = time.perf_counter()
             res = run_language(lspec, folder, log)
             res["wall_seconds"] = time.perf_counter() - t0
-            (folder / "results.json").write_text(json.dumps(res, indent=1))
+            write_atomic(folder / "results.json", json.dumps(res, indent=1))
             log(f"study: language seed {seed} done in {res['wall_seconds']:.0f} s")
-    return write_study_record(out)
 
 
 def _paired(values: Dict[str, List[float]], arm: str) -> Dict[str, Any]:
@@ -86,6 +90,7 @@ def _paired(values: Dict[str, List[float]], arm: str) -> Dict[str, Any]:
 def write_study_record(out_dir: str | Path) -> Dict[str, Any]:
     """Aggregate every ``*/seed*/results.json`` under ``out_dir`` into study.json, study.md and study.png."""
     from .demo import _metrics
+    from .experiments import atomic_path, write_atomic
 
     out = Path(out_dir)
     settings: Dict[str, Dict[str, Any]] = {}
@@ -119,9 +124,10 @@ def write_study_record(out_dir: str | Path) -> Dict[str, Any]:
         raise ValueError(f"no */seed*/results.json under {out}: run the study first")
     record = {"budget": json.loads((out / "budget.json").read_text()) if (out / "budget.json").is_file() else None,
               "settings": settings}
-    (out / "study.json").write_text(json.dumps(record, indent=1))
-    png = _plot(settings, out / "study.png")
-    (out / "study.md").write_text(_markdown(record, png))
+    write_atomic(out / "study.json", json.dumps(record, indent=1))
+    with atomic_path(out / "study.png") as tmp:
+        png = _plot(settings, tmp)
+    write_atomic(out / "study.md", _markdown(record, out / "study.png" if png else None))
     return record
 
 
@@ -198,29 +204,9 @@ def _plot(settings: Dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+if __name__ == "__main__":  # python -m pid_plugins.study ... == pid-plugins study ...
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m pid_plugins.study", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="study_out")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--depths", type=int, nargs="+", default=[6, 12])
-    p.add_argument("--arms", default="softmax,pid,pid_ref,neutreno")
-    p.add_argument("--parts", default="vision,language")
-    p.add_argument("--aggregate", action="store_true", help="only aggregate the results already in --out")
-    for key, value in DEFAULT_BUDGET.items():
-        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=value)
-    args = p.parse_args(argv)
-    if args.aggregate:
-        write_study_record(args.out)
-    else:
-        budget = {k: getattr(args, k) for k in DEFAULT_BUDGET}
-        run_study(args.out, args.seeds, args.depths, tuple(args.arms.split(",")), tuple(args.parts.split(",")),
-                  budget, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print((Path(args.out) / "study.md").read_text())
-    return 0
+    from .cli import main
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(["study", *sys.argv[1:]]))

@@ -63,3 +63,22 @@ def test_record_pairs_by_seed_and_marks_only_what_is_beyond_noise(tmp_path):
     assert clean["pid_ref"]["mean"] == pytest.approx(1.0) and not clean["pid_ref"]["beyond_noise"]
     md = (tmp_path / "study.md").read_text()
     assert "**+2.000 +- 0.000**" in md and "| +1.000 +- 2.000 |" in md
+
+
+def test_study_command_runs_end_to_end_and_refuses_bad_arms(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "study"
+    cmd = [sys.executable, "-m", "pid_plugins", "study", "--out", str(out), "--seeds", "0", "1", "--depths", "2",
+           "--arms", "softmax,pid_ref", "--parts", "vision", "--data", "digits", "--train-limit", "64",
+           "--test-limit", "16", "--pgd-steps", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads((out / "study.json").read_text())
+    setting = record["settings"]["vision_depth2"]
+    assert setting["seeds"] == [0, 1] and setting["arms"] == ["softmax", "pid_ref"]
+    assert (out / "study.png").stat().st_size > 0 and "pid_ref - softmax" in (out / "study.md").read_text()
+    bad = subprocess.run(cmd[:5] + [str(tmp_path / "bad"), "--arms", "pid,softmax"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("pid-plugins: error: --arms")
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
