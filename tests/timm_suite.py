@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "timm-sdist"
 
 #: the tiny names ``make test`` runs timm's tests over (``make conformance``: ``pid_*,fan_*``)
-TINY = "pid_deit_tiny_patch16_224,pid_deit_tiny_distilled_patch16_224,pid_vit_tiny_patch16_224," \
-       "fan_tiny_12_p16_224,pid_fan_tiny_12_p16_224"
+#: (one per model class: PID ViT/DeiT, PID distilled DeiT, PID FAN; the softmax fan_* only in conformance)
+TINY = "pid_deit_tiny_patch16_224,pid_deit_tiny_distilled_patch16_224,pid_fan_tiny_12_p16_224"
 
 _PATCHES = (
     ("NON_STD_FILTERS = [\n", "NON_STD_FILTERS = [\n    'pid_*', 'fan_*',  # pid-plugins\n"),

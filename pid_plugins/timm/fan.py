@@ -38,6 +38,9 @@ from ._helpers import (
     state_outputs, unwrap_state_dict,
 )
 
+# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
+torch.fx.wrap("pid_step")
+
 __all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_filter_fn"]
 
 

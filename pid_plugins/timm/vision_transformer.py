@@ -31,6 +31,9 @@ from ._helpers import (
     state_outputs,
 )
 
+# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
+torch.fx.wrap("pid_step")
+
 __all__ = [
     "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
     "checkpoint_filter_fn", "to_pid",
