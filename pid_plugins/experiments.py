@@ -26,9 +26,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language"]
+__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "ARMS", "arm_config"]
 
 Log = Callable[[str], None]
+
+#: The models an experiment can compare, each trained from the softmax model's initial weights and data order:
+#: ``softmax``; ``pid`` (the spec's preset, first layer controlled, eq. 25 as written); ``pid_ref`` (the same
+#: gains with a reference-only first layer, ``control_first_layer=False``); ``neutreno`` (the P-only special
+#: case, lambda 0.6 for vision and 0.4 for language, as in the NeuTRENO paper).
+ARMS = ("softmax", "pid", "pid_ref", "neutreno")
+
+
+def arm_config(arm: str, preset: str, language: bool = False):
+    """The PID gains of an arm (``None`` for softmax)."""
+    from .core import PIDConfig
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {list(ARMS)}")
+    if arm == "softmax":
+        return None
+    if arm == "neutreno":
+        return PIDConfig.preset("neutreno", **({"lambda_p": 0.4} if language else {}))
+    return PIDConfig.preset(preset, control_first_layer=arm == "pid")
+
+
+def _check_arms(arms: Tuple[str, ...]) -> None:
+    if not arms or arms[0] != "softmax" or len(set(arms)) != len(arms):
+        raise ValueError(f"arms must start with 'softmax' (the baseline) and not repeat, got {list(arms)}")
+    for arm in arms:
+        arm_config(arm, "deit")
 
 
 @dataclass
@@ -55,6 +81,7 @@ class VisionSpec:
                                     "elastic_transform")
     severities: Tuple[int, ...] = (1, 2, 3, 4, 5)
     diag_samples: int = 256
+    arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
 
     def training_key(self) -> str:
         keys = ("data", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "epochs", "batch_size", "lr",
@@ -78,6 +105,7 @@ class LanguageSpec:
     seed: int = 0
     valid_blocks: int = 96
     rates: Tuple[float, ...] = (0.0, 0.05, 0.1, 0.2)
+    arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
 
     def training_key(self) -> str:
         keys = ("corpus", "seq_len", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "steps",
@@ -131,18 +159,20 @@ def _cosine_lr(step: int, total: int, warmup: int) -> float:
 
 # ----------------------------------------------------------------------------------------- vision
 def vision_models(spec: VisionSpec, num_classes: int) -> Dict[str, nn.Module]:
-    """The softmax DeiT and its PID twin (timm adapter), with identical initial weights."""
+    """The softmax DeiT and its PID twins of ``spec.arms`` (timm adapter), with identical initial weights."""
     import timm
 
     import pid_plugins.timm  # noqa: F401
 
+    _check_arms(spec.arms)
     kwargs = dict(img_size=spec.img_size, patch_size=spec.patch_size, in_chans=1, num_classes=num_classes,
                   embed_dim=spec.embed_dim, depth=spec.depth, num_heads=spec.num_heads)
     torch.manual_seed(spec.seed)
-    softmax = timm.create_model("deit_tiny_patch16_224", **kwargs)
-    pid = timm.create_model("pid_deit_tiny_patch16_224", pid=spec.preset, **kwargs)
-    pid.load_state_dict(softmax.state_dict(), strict=True)
-    return {"softmax": softmax, "pid": pid}
+    models = {"softmax": timm.create_model("deit_tiny_patch16_224", **kwargs)}
+    for arm in spec.arms[1:]:
+        models[arm] = timm.create_model("pid_deit_tiny_patch16_224", pid=arm_config(arm, spec.preset), **kwargs)
+        models[arm].load_state_dict(models["softmax"].state_dict(), strict=True)
+    return models
 
 
 def _train_classifier(clf: nn.Module, train, spec: VisionSpec, label: str, log: Log) -> Dict[str, Any]:
@@ -228,7 +258,7 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------- language
 def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
-    """A small byte-level Llama (grouped-query attention) and its PID twin with identical weights."""
+    """A small byte-level Llama (grouped-query attention) and its PID twins of ``spec.arms``, identical weights."""
     import transformers
 
     import pid_plugins.hf
@@ -239,11 +269,14 @@ def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
         num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.seq_len, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
+    _check_arms(spec.arms)
     torch.manual_seed(spec.seed)
     softmax = transformers.LlamaForCausalLM(config)
     softmax.config._attn_implementation = "sdpa"
-    pid = pid_plugins.hf.to_pid(copy.deepcopy(softmax), spec.preset)
-    return {"softmax": softmax, "pid": pid}
+    models = {"softmax": softmax}
+    for arm in spec.arms[1:]:
+        models[arm] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), arm_config(arm, spec.preset, language=True))
+    return models
 
 
 def byte_blocks(spec: LanguageSpec) -> Tuple[torch.Tensor, torch.Tensor]:

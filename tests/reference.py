@@ -6,8 +6,12 @@ positions, float64 throughout.
 import torch
 
 
-def naive_pid_stack(attn_outs, values, lp, li, ld, beta):
-    """attn_outs[l]: (B, H, N, D); values[l]: (B, Hkv, N, D). Returns the controlled outputs per layer."""
+def naive_pid_stack(attn_outs, values, lp, li, ld, beta, control_first_layer=True):
+    """attn_outs[l]: (B, H, N, D); values[l]: (B, Hkv, N, D). Returns the controlled outputs per layer.
+
+    ``control_first_layer=False``: the first layer outputs its attention unchanged and only provides v^1;
+    the errors, their sum and the derivative start at the second layer (NeuTRENO's convention).
+    """
     B, H, N, D = attn_outs[0].shape
     Hkv = values[0].shape[1]
     group = H // Hkv
@@ -21,6 +25,9 @@ def naive_pid_stack(attn_outs, values, lp, li, ld, beta):
                 running = torch.zeros(D, dtype=torch.float64)
                 previous = None
                 for l in range(L):
+                    if l == 0 and not control_first_layer:
+                        outs[0][b, h, i] = attn_outs[0][b, h, i].double()
+                        continue
                     e = beta * v1 - values[l][b, g, i].double()
                     running = running + e
                     derivative = torch.zeros(D, dtype=torch.float64) if previous is None else e - previous

@@ -28,8 +28,15 @@ gains = { beta = 0.3 }
 
 def test_presets_are_read_from_the_registry():
     presets = load_presets()
-    assert set(presets) == {"deit", "segmenter", "lm"}
+    assert set(presets) == {"deit", "segmenter", "lm", "neutreno"}
     assert presets["lm"] == {"lambda_p": 0.4, "lambda_i": 0.5, "lambda_d": 0.1, "beta": 0.3}
+    # every preset names where its numbers come from
+    import tomllib
+    from importlib import resources
+
+    raw = tomllib.loads(resources.files("pid_plugins.registry").joinpath("presets.toml").read_text())
+    assert all(table.get("source") for table in raw.values())
+    assert "NeurIPS 2023" in raw["neutreno"]["source"]
 
 
 def test_parse_catalogue_entries():

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pid_plugins import PIDConfig, PIDSelfAttention, pid_update, sdpa_with_pid
+from pid_plugins import PIDConfig, PIDGains, PIDSelfAttention, pid_update, sdpa_with_pid
 
 DIM, HEADS = 32, 4
 
@@ -171,8 +171,9 @@ def test_learnable_gains_are_opt_in():
     assert sum(p.numel() for p in fixed.parameters()) == sum(p.numel() for p in stock.parameters())
     learned = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit", learnable=True))
     extra = set(learned.state_dict()) - set(stock.state_dict())
-    assert extra == {"pid_gains.lambda_p", "pid_gains.lambda_i", "pid_gains.lambda_d"}
-    assert learned.pid_gains.lambda_p.item() == pytest.approx(0.8)
+    assert extra == {"pid_gains.lambda_p_raw", "pid_gains.lambda_i_raw", "pid_gains.lambda_d_raw"}
+    lp, li, ld, beta, control = learned.pid_gains()
+    assert (lp.item(), li.item(), ld.item(), beta, control) == pytest.approx((0.8, 0.5, 0.05, 0.1, True))
     # a softmax checkpoint loads into the fixed-gain PID module strictly
     fixed.load_state_dict(stock.state_dict(), strict=True)
 
@@ -188,9 +189,59 @@ def test_learnable_gains_receive_gradients_and_match_fixed_at_init():
     learned(x).square().sum().backward()
     for i, blk in enumerate(learned.blocks):
         gains = blk.pid_gains
-        assert gains.lambda_p.grad.abs() > 0 and gains.lambda_i.grad.abs() > 0
+        assert gains.lambda_p_raw.grad.abs() > 0 and gains.lambda_i_raw.grad.abs() > 0
         # the D term is zero at the group's first layer: lambda_d is in the graph but gets zero gradient
-        assert (gains.lambda_d.grad == 0) if i == 0 else (gains.lambda_d.grad.abs() > 0)
+        assert (gains.lambda_d_raw.grad == 0) if i == 0 else (gains.lambda_d_raw.grad.abs() > 0)
+
+
+def test_learned_gains_stay_positive_whatever_the_optimiser_does():
+    """Proposition 2 (stability) needs positive gains: a step that would drive a plain parameter far below 0
+    leaves the softplus-parametrised gain positive."""
+    cfg = PIDConfig.preset("deit", learnable=True)
+    gains = PIDGains(cfg)
+    opt = torch.optim.SGD(gains.parameters(), lr=100.0)
+    for _ in range(3):
+        lp, li, ld, _, _ = gains()
+        (lp + li + ld).backward()  # gradient +1 on each gain: SGD pushes them down hard
+        opt.step()
+        opt.zero_grad()
+    assert all(g.item() > 0 for g in gains()[:3])
+    assert all(torch.isfinite(g) for g in gains()[:3])
+
+
+def test_learned_gain_initialised_at_zero_starts_tiny_and_can_grow():
+    gains = PIDGains(PIDConfig.preset("neutreno", learnable=True))  # lambda_i = lambda_d = 0
+    lp, li, ld, _, _ = gains()
+    assert lp.item() == pytest.approx(0.6) and 0 < li.item() <= 1.01e-4 and 0 < ld.item() <= 1.01e-4
+    (-li).backward()
+    assert gains.lambda_i_raw.grad < 0  # gradient descent increases it
+
+
+def test_state_dict_from_before_the_positive_parametrisation_loads_with_the_same_gains():
+    gains = PIDGains(PIDConfig.preset("deit", learnable=True))
+    old = {"lambda_p": torch.tensor(0.3), "lambda_i": torch.tensor(0.7), "lambda_d": torch.tensor(0.02)}
+    gains.load_state_dict(old, strict=True)
+    assert [g.item() for g in gains()[:3]] == pytest.approx([0.3, 0.7, 0.02], rel=1e-5)
+    with pytest.raises(ValueError, match="learned PID gains must be positive"):
+        PIDGains(PIDConfig(learnable=True)).load_state_dict({**old, "lambda_d": torch.tensor(-0.1)})
+
+
+def test_reference_only_first_layer_in_the_module_stack():
+    """The module stack with control_first_layer=False: block 1 is plain attention, later blocks controlled."""
+    torch.manual_seed(0)
+    cfg = PIDConfig.preset("deit", control_first_layer=False)
+    pid, soft = Stack(cfg), Stack(PIDConfig(0.0, 0.0, 0.0, 1.0))  # zero gains: the softmax stack
+    soft.load_state_dict(pid.state_dict())
+    x = torch.randn(2, 5, DIM)
+    first_pid, _ = pid.blocks[0](x, None)
+    first_soft, _ = soft.blocks[0](x, None)
+    assert torch.equal(first_pid, first_soft)
+    assert not torch.allclose(pid(x), soft(x))
+    learned = Stack(cfg.replace(learnable=True))
+    learned.load_state_dict(pid.state_dict(), strict=False)
+    torch.testing.assert_close(learned(x), pid(x), rtol=2e-4, atol=2e-4)  # same gains (softplus round trip)
+    learned(x).sum().backward()
+    assert all(p.grad is not None for p in learned.parameters())  # every parameter in the graph (DDP)
 
 
 def test_stack_compiles_fullgraph_and_matches_eager():

@@ -9,7 +9,9 @@ def test_presets_match_the_paper():
     assert PIDConfig.preset("deit").gains == (0.8, 0.5, 0.05, 0.1)
     assert PIDConfig.preset("segmenter").gains == (0.5, 0.3, 0.05, 1.0)
     assert PIDConfig.preset("lm").gains == (0.4, 0.5, 0.1, 0.3)
-    assert PIDConfig.preset_names() == ["deit", "lm", "segmenter"]
+    assert PIDConfig.preset("neutreno").gains == (0.6, 0.0, 0.0, 1.0)  # NeuTRENO (NeurIPS 2023), vision
+    assert PIDConfig.preset_names() == ["deit", "lm", "neutreno", "segmenter"]
+    assert all(PIDConfig.preset(name).control_first_layer for name in PIDConfig.preset_names())
     assert PIDConfig() == PIDConfig.preset("deit")
 
 
@@ -18,11 +20,12 @@ def test_preset_with_overrides():
     assert cfg.gains == (0.2, 0.5, 0.1, 0.3) and cfg.learnable
 
 
-@pytest.mark.parametrize("cfg", [PIDConfig(), PIDConfig(0.0, 0.0, 0.0, 1.0), PIDConfig(0.2, 0.9, 0.6, 0.3, True)])
+@pytest.mark.parametrize("cfg", [PIDConfig(), PIDConfig(0.0, 0.0, 0.0, 1.0), PIDConfig(0.2, 0.9, 0.6, 0.3, True),
+                                 PIDConfig(control_first_layer=False)])
 def test_dict_round_trip(cfg):
     d = cfg.to_dict()
     assert d == {"lambda_p": cfg.lambda_p, "lambda_i": cfg.lambda_i, "lambda_d": cfg.lambda_d,
-                 "beta": cfg.beta, "learnable": cfg.learnable}
+                 "beta": cfg.beta, "learnable": cfg.learnable, "control_first_layer": cfg.control_first_layer}
     assert PIDConfig.from_dict(d) == cfg
     assert hash(PIDConfig.from_dict(d)) == hash(cfg)
 
@@ -67,6 +70,7 @@ def test_is_zero():
         (dict(lambda_p="0.5"), "lambda_p", "real number"),
         (dict(lambda_p=True), "lambda_p", "real number"),
         (dict(learnable="yes"), "learnable", "True or False"),
+        (dict(control_first_layer=0), "control_first_layer", "True or False"),
     ],
 )
 def test_invalid_values_name_the_field_and_the_rule(kwargs, field, allowed):
@@ -77,7 +81,7 @@ def test_invalid_values_name_the_field_and_the_rule(kwargs, field, allowed):
 
 
 def test_unknown_preset_and_fields():
-    with pytest.raises(ValueError, match=r"unknown PID preset 'vit'.*\['deit', 'lm', 'segmenter'\]"):
+    with pytest.raises(ValueError, match=r"unknown PID preset 'vit'.*\['deit', 'lm', 'neutreno', 'segmenter'\]"):
         PIDConfig.preset("vit")
     with pytest.raises(ValueError, match=r"unknown PIDConfig field\(s\) \['lambda_x'\]"):
         PIDConfig.from_dict({"lambda_x": 1.0})

@@ -153,7 +153,8 @@ def test_low_precision_close_to_float64(dtype, tol):
     for g_, w in zip(got, want):
         assert g_.dtype == dtype
         torch.testing.assert_close(g_.double(), w, rtol=tol, atol=tol)
-    assert all(t.dtype == dtype for t in state)
+    # v^1 is kept as given; the error and its running sum are accumulated in float32
+    assert state.v_first.dtype == dtype and state.e_sum.dtype == state.e_prev.dtype == torch.float32
 
 
 def test_gradcheck_values_attention_and_gains():
@@ -194,7 +195,7 @@ def test_mismatched_output_and_values_are_refused():
         pid_update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), None, cfg)
     with pytest.raises(ValueError, match="same number of dimensions"):
         pid_update(torch.randn(2, 1, 8), torch.randn(1, 2, 1, 8), None, cfg)
-    with pytest.raises(ValueError, match=r"\(lambda_p, lambda_i, lambda_d, beta\)"):
+    with pytest.raises(ValueError, match=r"\(lambda_p, lambda_i, lambda_d, beta\[, control_first_layer\]\)"):
         pid_update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), None, (0.1, 0.2))
 
 
@@ -234,3 +235,74 @@ def test_inputs_are_never_modified_in_place():
         assert torch.equal(a, b)
     for a, b in zip(state, saved):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("preset", ["deit", "segmenter", "lm", "neutreno"])
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("N", [3, 2048])  # both fixed-gain paths
+def test_reference_only_first_layer_matches_naive_reference(preset, H, Hkv, N):
+    cfg = PIDConfig.preset(preset, control_first_layer=False)
+    attn, vals = random_layers(L=4, B=1, H=H, Hkv=Hkv, N=N, D=2)
+    got, state = run_stack(attn, vals, cfg)
+    if N > 3:  # the loop reference is slow at N=2048: compare those positions' first rows only
+        attn, vals, got = [a[..., :3, :] for a in attn], [v[..., :3, :] for v in vals], [u[..., :3, :] for u in got]
+    want = naive_pid_stack(attn, vals, *cfg.gains, control_first_layer=False)
+    assert torch.equal(got[0], attn[0])  # plain attention at the first layer
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    # learnable (tensor) gains take the general path: same numbers
+    tensors = tuple(torch.tensor(g, dtype=torch.float64) for g in cfg.gains[:3]) + (cfg.beta, False)
+    learned, _ = run_stack([a[..., :3, :] for a in attn] if N > 3 else attn,
+                           [v[..., :3, :] for v in vals] if N > 3 else vals, tensors)
+    for g, w in zip(learned, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_only_state_and_second_layer_by_hand():
+    cfg = PIDConfig(0.8, 0.5, 0.05, 0.1, control_first_layer=False)
+    g = torch.Generator().manual_seed(3)
+    a1, a2, a3, v1, v2, v3 = (torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64) for _ in range(6))
+    u1, s1 = pid_update(a1, v1, None, cfg)
+    assert u1 is a1 and s1.v_first is v1 and s1.e_sum is None and s1.e_prev is None
+    u2, s2 = pid_update(a2, v2, s1, cfg)
+    e2 = 0.1 * v1 - v2
+    torch.testing.assert_close(u2, a2 + 0.8 * e2 + 0.5 * e2)  # S^2 = e^2, no D term at the second layer
+    u3, _ = pid_update(a3, v3, s2, cfg)
+    e3 = 0.1 * v1 - v3
+    torch.testing.assert_close(u3, a3 + 0.8 * e3 + 0.5 * (e2 + e3) + 0.05 * (e3 - e2))
+
+
+def test_neutreno_preset_is_the_p_only_rule_under_both_conventions():
+    """NeuTRENO: u = A v + 0.6 (v^1 - v^l); with beta = 1 the first layer's error is zero either way."""
+    attn, vals = random_layers(L=3, B=1, H=2, Hkv=2, N=4, D=3)
+    for control in (True, False):
+        got, _ = run_stack(attn, vals, PIDConfig.preset("neutreno", control_first_layer=control))
+        for layer, (a, v, u) in enumerate(zip(attn, vals, got)):
+            torch.testing.assert_close(u, a + 0.6 * (vals[0] - v), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lambda_i", [1e-5, 1e-4, 1e-30])
+@pytest.mark.parametrize("N", [1, 2048])
+def test_small_integral_gain_stays_finite_in_every_precision(dtype, lambda_i, N):
+    """(lP + lD) / lI overflowed float16 in the fused decoding path (1e-5 raised, 1e-4 gave inf)."""
+    gains = (0.8, lambda_i, 0.05, 0.1)
+    attn, vals = random_layers(L=3, B=1, H=2, Hkv=2, N=N, D=8)
+    want, _ = run_stack(attn, vals, gains)
+    got, state = run_stack([a.to(dtype) for a in attn], [v.to(dtype) for v in vals], gains)
+    tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5}[dtype]
+    for g_, w in zip(got, want):
+        assert g_.dtype == dtype and torch.isfinite(g_).all()
+        torch.testing.assert_close(g_.double(), w, rtol=tol, atol=tol)
+
+
+def test_running_sum_over_depth_is_accumulated_in_float32():
+    """48 layers in bfloat16: the state in float32 keeps the running sum to float32 accuracy."""
+    cfg = PIDConfig.preset("deit")
+    attn, vals = random_layers(L=48, B=1, H=2, Hkv=2, N=16, D=8)
+    want, state64 = run_stack(attn, vals, cfg)
+    _, state = run_stack([a.bfloat16() for a in attn], [v.bfloat16() for v in vals], cfg)
+    # only the rounding of the inputs to bfloat16 remains: compare with the sum of the rounded inputs
+    rounded = [v.bfloat16().double() for v in vals]
+    exact = sum(0.1 * rounded[0] - v for v in rounded)
+    torch.testing.assert_close(state.e_sum.double(), exact, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,4 @@
 """mmsegmentation adapter: PID ViT backbone for Segmenter, configs, checkpoints, mmseg's own tools."""
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,8 +63,19 @@ def test_zero_gains_or_softmax_equal_the_stock_backbone(kw):
 
 
 def test_gains_from_config_arguments():
+    from mmengine.config import ConfigDict
+
     assert build().pid == PIDConfig.preset("segmenter")
     assert build(pid=dict(preset="deit")).pid == PIDConfig.preset("deit")
+    assert build(pid="deit").pid == PIDConfig.preset("deit")  # a preset name, as on the timm side
+    assert build(pid=PIDConfig(0.1, 0.2, 0.3, 0.4)).pid == PIDConfig(0.1, 0.2, 0.3, 0.4)
+    assert build(pid=ConfigDict(lambda_p=0.2)).pid == PIDConfig.preset("segmenter", lambda_p=0.2)
+    assert build(pid="deit", beta=0.5).pid == PIDConfig.preset("deit", beta=0.5)
+    assert build(pid=dict(control_first_layer=False)).pid == PIDConfig.preset("segmenter", control_first_layer=False)
+    with pytest.raises(ValueError, match="unknown PID preset 'nope'"):
+        build(pid="nope")
+    with pytest.raises(ValueError, match="must be a PIDConfig, a dict, a preset name"):
+        build(pid=0.5)
     assert build(lambda_p=0.2, beta=0.5).pid.gains == (0.2, 0.3, 0.05, 0.5)
     assert build(attention="softmax").pid is None
     with pytest.raises(ValueError, match="attention must be 'pid' or 'softmax'"):
@@ -75,8 +84,9 @@ def test_gains_from_config_arguments():
         build(beta=0.0)
 
 
-def test_pid_backbone_matches_a_hand_written_reference():
-    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7)
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_pid_backbone_matches_a_hand_written_reference(control_first_layer):
+    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
     stock = stock_backbone()
     model = build(pid=cfg.to_dict())
     model.load_state_dict(stock.state_dict())
@@ -93,16 +103,18 @@ def test_pid_backbone_matches_a_hand_written_reference():
             q, k, v = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, 3, C // 3).permute(2, 0, 3, 1, 4)
             attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // 3) ** -0.5, -1) @ v)
             values.append(v)
-            u = naive_pid_stack(attn_outs, values, *cfg.gains)[-1]
+            u = naive_pid_stack(attn_outs, values, *cfg.gains, control_first_layer=control_first_layer)[-1]
             h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
             h = layer.ffn(layer.norm2(h), identity=h)
         want = model.norm1(h)[:, 1:].reshape(2, 4, 4, C).permute(0, 3, 1, 2)
         torch.testing.assert_close(model(x)[0], want, rtol=1e-10, atol=1e-10)
 
 
-def test_with_cp_gives_identical_gradients():
-    ref = build(pid=dict(preset="segmenter"))
-    ckpt = build(pid=dict(preset="segmenter"), with_cp=True)
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_with_cp_gives_identical_gradients(control_first_layer):
+    pid = dict(preset="segmenter", control_first_layer=control_first_layer)
+    ref = build(pid=pid)
+    ckpt = build(pid=pid, with_cp=True)
     ckpt.load_state_dict(ref.state_dict())
     grads = []
     for model in (ref, ckpt):
@@ -126,26 +138,81 @@ def test_stock_mmseg_checkpoint_loads_strictly(tmp_path):
     assert list(model.state_dict()) == list(stock.state_dict())
 
 
-def test_timm_checkpoint_initialises_the_backbone(tmp_path):
-    """A timm DeiT (here a PID DeiT from pid_plugins.timm) -> mmseg names; the features agree with timm's."""
+def test_timm_checkpoint_needs_the_patch_bias(tmp_path):
     timm = pytest.importorskip("timm")
     import pid_plugins.timm  # noqa: F401
 
-    torch.manual_seed(0)
-    deit = timm.create_model("pid_deit_tiny_patch16_224", img_size=64, embed_dim=48, depth=3, num_heads=3,
-                             attention="softmax").eval()
+    deit = timm.create_model("pid_deit_tiny_patch16_224", img_size=64, embed_dim=48, depth=3, num_heads=3)
     path = tmp_path / "pid_deit.pth"
     torch.save({"model": deit.state_dict()}, path)
-    without_bias = build(attention="softmax", init_cfg=dict(type="Pretrained", checkpoint=str(path)))
+    without_bias = build(init_cfg=dict(type="Pretrained", checkpoint=str(path)))
     with pytest.raises(ValueError, match="set backbone patch_bias=True"):
         without_bias.init_weights()  # mmseg's default ViT has no patch bias; it is never dropped silently
-    model = build(attention="softmax", patch_bias=True, init_cfg=dict(type="Pretrained", checkpoint=str(path)))
-    model.init_weights()
-    x = images()
+    assert set(pm.timm_vit_to_mmseg(deit.state_dict())) == set(build(patch_bias=True).state_dict())
+
+
+def test_shipped_config_takes_a_timm_pid_deit_checkpoint(tmp_path):
+    """The paper's pipeline: Segmenter from an ImageNet PID DeiT (timm), with the config as shipped.
+
+    The DeiT-tiny checkpoint (224 px, PID, preset `segmenter` like the config) loads strictly into the config's
+    backbone, which then gives timm's patch tokens (float64), and the config normalises images the way timm's
+    DeiT expects (its pretrained_cfg mean/std, in 0-255).
+    """
+    timm = pytest.importorskip("timm")
+    import pid_plugins.timm  # noqa: F401
+    from mmengine.config import Config
+    from mmseg.registry import MODELS
+
+    cfg = Config.fromfile(str(REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py"))
+    torch.manual_seed(0)
+    deit = timm.create_model("pid_deit_tiny_patch16_224", pid="segmenter").eval()
+    for p in deit.parameters():  # non-trivial biases and norms, so a dropped or misplaced one shows
+        p.data.add_(torch.randn_like(p) * 0.02)
+    data = timm.data.resolve_data_config({}, model=deit)
+    torch.testing.assert_close(list(cfg.model.data_preprocessor.mean), [255 * m for m in data["mean"]])
+    torch.testing.assert_close(list(cfg.model.data_preprocessor.std), [255 * s for s in data["std"]])
+
+    path = tmp_path / "pid_deit_tiny.pth"
+    torch.save(deit.state_dict(), path)
+    backbone_cfg = cfg.model.backbone.copy()
+    backbone_cfg.update(init_cfg=dict(type="Pretrained", checkpoint=str(path)))
+    as_shipped = MODELS.build(backbone_cfg)  # 512 px: the 14x14 position grid is resized to 32x32
+    as_shipped.init_weights()
+    assert as_shipped.pos_embed.shape == (1, 1 + 32 * 32, 192)
+    assert torch.equal(as_shipped.patch_embed.projection.bias, deit.patch_embed.proj.bias)
+    backbone_cfg.update(img_size=(224, 224))
+    backbone = MODELS.build(backbone_cfg)
+    backbone.init_weights()  # strict: raises on any missing/unexpected key
+    assert backbone.pid == deit.blocks[0].attn.pid == PIDConfig.preset("segmenter")
+    backbone.eval()  # mmseg's ViT.train() returns None, so not chained
+    backbone.double(), deit.double()
+    x = torch.randn(2, 3, 224, 224, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        want = deit.forward_intermediates(x, indices=[2], norm=True, intermediates_only=True)[0]
-        torch.testing.assert_close(model(x)[0], want, rtol=1e-5, atol=1e-5)
-    assert set(pm.timm_vit_to_mmseg(deit.state_dict())) == set(model.state_dict())
+        want = deit.forward_intermediates(x, indices=[11], norm=True, intermediates_only=True)[0]
+        got = backbone(x)[0]
+    assert got.shape == want.shape == (2, 192, 14, 14)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_whole_segmentor_checkpoint_as_backbone_is_refused_clearly(tmp_path):
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+
+    cfg = Config.fromfile(str(TINY_CONFIG))
+    init_default_scope("mmseg")
+    segmentor = MODELS.build(cfg.model)
+    path = tmp_path / "iter_4.pth"
+    torch.save({"state_dict": segmentor.state_dict(), "meta": {}}, path)
+    backbone_cfg = cfg.model.backbone.copy()
+    backbone_cfg.update(init_cfg=dict(type="Pretrained", checkpoint=str(path)))
+    with pytest.raises(ValueError, match=r"whole segmentor \(backbone. and decode_head. keys\).*load_from=PATH"):
+        MODELS.build(backbone_cfg).init_weights()
+    backbone_only = {k: v for k, v in segmentor.state_dict().items() if k.startswith("backbone.")}
+    torch.save({"state_dict": backbone_only}, path)
+    backbone = MODELS.build(backbone_cfg)
+    backbone.init_weights()  # the backbone part alone loads
+    assert torch.equal(backbone.pos_embed, segmentor.backbone.pos_embed)
 
 
 def test_mismatched_checkpoint_lists_the_keys(tmp_path):
@@ -174,40 +241,34 @@ def test_every_config_loads_and_builds(config):
     model = MODELS.build(cfg.model)
     assert model.backbone.pid == PIDConfig.preset("segmenter")
     assert type(model.backbone).__name__ == "PIDVisionTransformer"
+    # initialised from a timm DeiT (the paper's pipeline): its patch bias and ImageNet normalisation
+    assert cfg.model.backbone.patch_bias is True and model.backbone.patch_embed.projection.bias is not None
+    assert list(cfg.model.data_preprocessor.mean) == [123.675, 116.28, 103.53]
+    assert list(cfg.model.data_preprocessor.std) == [58.395, 57.12, 57.375]
+    assert type(model.decode_head).__name__ == "SegmenterMaskTransformerHead"  # decoder PID is opt-in
 
 
-def run_tool(tool, *args, env_extra=None):
-    import mmseg
+def test_control_first_layer_is_carried_by_configs_and_checkpoint_meta(tmp_path):
+    """A config's pid=dict(..., control_first_layer=False) survives dump/reload and reaches the backbone."""
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
 
-    script = Path(mmseg.__file__).parent / ".mim" / "tools" / tool
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    cfg = Config.fromfile(str(TINY_CONFIG))
+    cfg.model.backbone.pid = dict(preset="segmenter", control_first_layer=False)
+    cfg.dump(str(tmp_path / "cfg.py"))
+    reloaded = Config.fromfile(str(tmp_path / "cfg.py"))
+    again = Config.fromstring(reloaded.pretty_text, file_format=".py")  # how mmengine stores it in checkpoint meta
+    init_default_scope("mmseg")
+    models = {}
+    for flag, config in (("False", again), ("True", Config.fromfile(str(TINY_CONFIG)))):
+        torch.manual_seed(0)
+        models[flag] = MODELS.build(config.model).eval()
+    assert models["False"].backbone.pid == PIDConfig.preset("segmenter", control_first_layer=False)
+    assert models["True"].backbone.pid.control_first_layer is True  # the default, as the shipped configs
+    models["False"].load_state_dict(models["True"].state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        a, b = (m.backbone(x)[0] for m in (models["False"], models["True"]))
+    assert a.shape == b.shape and (a - b).abs().max() > 1e-4
 
-
-def test_mmseg_tools_train_validate_test_and_resume(tmp_path):
-    from pid_plugins.mmseg.data import make_ade20k_like
-
-    data = tmp_path / "ade_tiny"
-    make_ade20k_like(data, n_train=8, n_val=2)
-    opts = ["--cfg-options"] + [f"{s}_dataloader.dataset.data_root={data}" for s in ("train", "val", "test")]
-    work = tmp_path / "work"
-    proc = run_tool("train.py", TINY_CONFIG, "--work-dir", work, *opts)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = proc.stdout + proc.stderr
-    assert "Iter(train) [4/4]" in log and "mIoU" in log
-    assert (work / "iter_4.pth").is_file()
-    # mmengine's resume/test load the whole training state with torch.load(weights_only=True), the default in
-    # recent torch, which refuses mmengine's HistoryBuffer: the plugin does not weaken torch's loading.
-    refused = run_tool("train.py", TINY_CONFIG, "--work-dir", work, "--resume", *opts, "train_cfg.max_iters=6")
-    assert refused.returncode != 0 and "HistoryBuffer" in refused.stderr
-    trusted = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}  # the user's explicit choice for their own checkpoints
-    resumed = run_tool("train.py", TINY_CONFIG, "--work-dir", work, "--resume", *opts, "train_cfg.max_iters=6",
-                       env_extra=trusted)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed epoch: 0, iter: 4" in resumed.stdout + resumed.stderr
-    assert "Iter(train) [6/6]" in resumed.stdout + resumed.stderr
-    tested = run_tool("test.py", TINY_CONFIG, work / "iter_6.pth", "--work-dir", tmp_path / "test", *opts,
-                      env_extra=trusted)
-    assert tested.returncode == 0, tested.stderr[-3000:]
-    assert "mIoU" in tested.stdout + tested.stderr

@@ -234,7 +234,7 @@ def test_no_weight_decay_and_learnable_gains():
     learned = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(learnable=True), **TINY)
     gains = {n for n, _ in learned.named_parameters() if "pid_gains" in n}
     assert len(gains) == 3 * 3 and gains <= learned.no_weight_decay()
-    assert learned.blocks[0].attn.pid_gains.lambda_p.item() == pytest.approx(0.8)
+    assert learned.blocks[0].attn.pid_gains()[0].item() == pytest.approx(0.8)  # lambda_p = softplus(raw)
 
 
 def grads_of(model, x, views=2):
@@ -363,7 +363,7 @@ def test_pretrained_softmax_checkpoint_into_learnable_gains(stock_deit_tiny, tmp
     torch.save(stock_deit_tiny.state_dict(), path)
     model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pid=dict(learnable=True),
                               pretrained_cfg_overlay=dict(file=str(path)))
-    assert model.blocks[5].attn.pid_gains.lambda_i.item() == pytest.approx(0.5)
+    assert model.blocks[5].attn.pid_gains()[1].item() == pytest.approx(0.5)  # lambda_i = softplus(raw)
     assert torch.equal(model.blocks[5].attn.qkv.weight, stock_deit_tiny.blocks[5].attn.qkv.weight)
 
 

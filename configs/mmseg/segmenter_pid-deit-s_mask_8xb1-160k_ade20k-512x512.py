@@ -1,4 +1,9 @@
-# Segmenter with a PID DeiT-small backbone (ADE20K), preset `segmenter`.
+# Segmenter with a PID DeiT-small backbone (ADE20K), preset `segmenter`; initialised like the -t- config
+# (timm DeiT checkpoint: patch-embedding bias, ImageNet mean/std).
 _base_ = 'mmseg::segmenter/segmenter_vit-s_mask_8xb1-160k_ade20k-512x512.py'
 custom_imports = dict(imports=['pid_plugins.mmseg'], allow_failed_imports=False)
-model = dict(pretrained=None, backbone=dict(type='PIDVisionTransformer', attention='pid', pid=dict(preset='segmenter')))
+model = dict(
+    pretrained=None,
+    data_preprocessor=dict(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375]),
+    backbone=dict(type='PIDVisionTransformer', attention='pid', pid=dict(preset='segmenter'), patch_bias=True),
+)

@@ -4,9 +4,17 @@ _base_ = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
 custom_imports = dict(imports=['pid_plugins.mmseg'], allow_failed_imports=False)
 
 model = dict(
-    # mmseg's config points `pretrained` at a download; nothing is fetched here. To start from ImageNet
-    # weights set backbone.init_cfg=dict(type='Pretrained', checkpoint='/path/to/deit_tiny.pth'): a timm
-    # DeiT/ViT checkpoint (softmax or PID) or an mmseg ViT checkpoint of the same size.
+    # The paper initialises the backbone from an ImageNet (PID) DeiT, i.e. a timm DeiT checkpoint: it has a
+    # patch-embedding bias and was trained on ImageNet-normalised images, so the backbone keeps the bias and
+    # the data preprocessor uses ImageNet's mean/std (mmseg's Segmenter configs use 127.5, which suits the
+    # weights they download). mmseg's `pretrained` download is dropped; point init_cfg at your checkpoint:
+    #   backbone=dict(init_cfg=dict(type='Pretrained', checkpoint='/path/to/pid_deit_tiny.pth'))
+    # (a timm DeiT/ViT checkpoint, softmax or PID, or an mmseg ViT checkpoint with a patch bias; strict).
+    # pid=dict(preset='segmenter', control_first_layer=False): the group's first layer only records v^1
+    # (NeuTRENO's convention); the default True controls it too (the paper's eq. 25 summed from layer 1).
+    # PID in the mask-transformer decoder too (its own PID group; off by default):
+    #   decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid', pid=dict(preset='segmenter'))
     pretrained=None,
-    backbone=dict(type='PIDVisionTransformer', attention='pid', pid=dict(preset='segmenter')),
+    data_preprocessor=dict(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375]),
+    backbone=dict(type='PIDVisionTransformer', attention='pid', pid=dict(preset='segmenter'), patch_bias=True),
 )

@@ -24,6 +24,8 @@ class PIDConfig:
         e^l = beta * v^1 - v^l
         u^l = A^l v^l + lambda_p * e^l + lambda_i * sum_{k<=l} e^k + lambda_d * (e^l - e^{l-1})
 
+    (with ``control_first_layer=False`` the sums start at the second layer, see below).
+
     Args:
         lambda_p: proportional gain, >= 0.
         lambda_i: integral gain, >= 0.
@@ -31,7 +33,13 @@ class PIDConfig:
         beta: weight of the reference signal ``v^1``, in (0, 1].
         learnable: if True, every PID layer gets its own trainable gains initialised from these values
             (adds three parameters per layer). Off by default: fixed gains add no parameters, so a
-            softmax checkpoint loads unchanged.
+            softmax checkpoint loads unchanged. Learned gains stay non-negative by construction
+            (softplus of a raw parameter, see :class:`~pid_plugins.core.gains.PIDGains`).
+        control_first_layer: what the group's first layer does. True (the paper's eq. 25 read with sums
+            from m = 1, the default): the first layer gets the term with ``e^1 = (beta - 1) v^1``. False
+            (the convention of the group's public NeuTRENO code): the first layer computes plain attention
+            and only records the reference ``v^1``; from the second layer on ``e^l = beta v^1 - v^l``,
+            ``S^l = e^2 + ... + e^l`` and the D term is zero at the second layer.
 
     The defaults are the paper's ``deit`` preset.
     """
@@ -41,6 +49,7 @@ class PIDConfig:
     lambda_d: float = 0.05
     beta: float = 0.1
     learnable: bool = False
+    control_first_layer: bool = True
 
     def __post_init__(self) -> None:
         for name in (*_GAIN_FIELDS, "beta"):
@@ -63,8 +72,9 @@ class PIDConfig:
             raise ValueError(
                 f"PIDConfig.beta must be in (0, 1] (beta = 0 drops the reference signal), got {self.beta!r}"
             )
-        if not isinstance(self.learnable, bool):
-            raise ValueError(f"PIDConfig.learnable must be True or False, got {self.learnable!r}")
+        for name in ("learnable", "control_first_layer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PIDConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
     # ----------------------------------------------------------------------------------------- presets
     @classmethod

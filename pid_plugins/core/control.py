@@ -9,7 +9,9 @@ layer of the group::
     S^l   = S^{l-1} + e^l                                      (S^0 = 0)
     u^l   = A^l v^l + lambda_p * e^l + lambda_i * S^l + lambda_d * (e^l - e^{l-1})
 
-The derivative term is zero at the first layer (there is no e^0). Every term is per token position, so
+The derivative term is zero at the first layer (there is no e^0). With
+``PIDConfig(control_first_layer=False)`` the first layer only records v^1 (plain attention) and the sums
+start at the second layer, whose derivative term is zero. Every term is per token position, so
 nothing leaks across positions and a KV cache needs only the values of the positions being computed.
 The state is an explicit value (:class:`PIDState`), passed in and returned, never stored on a module.
 """
@@ -34,25 +36,31 @@ _SMALL = 1 << 15  # elements: below this (e.g. a decoding step) pid_update minim
 class PIDState(NamedTuple):
     """What one PID layer hands to the next within a single forward pass.
 
-    All three tensors have the shape of the values in key/value-head space, e.g. ``(B, H_kv, q, D)``,
-    restricted to the query positions. Being a tuple of tensors, it can be splatted into checkpointed
-    calls (``block(x, *state)``) and traced by ``torch.compile``.
+    The tensors have the shape of the values in key/value-head space, e.g. ``(B, H_kv, q, D)``,
+    restricted to the query positions. ``e_sum`` and ``e_prev`` are kept in at least float32 (values in
+    float16/bfloat16, e.g. under autocast, are accumulated in float32 over depth). After a reference-only
+    first layer (``PIDConfig(control_first_layer=False)``) they are ``None``: no error has been formed yet.
+    Being a tuple, it can be splatted into checkpointed calls (``block(x, *state)``) and traced by
+    ``torch.compile``.
     """
 
-    v_first: Tensor  #: v^1, the values of the group's first layer
-    e_sum: Tensor  #: S^l = e^1 + ... + e^l
-    e_prev: Tensor  #: e^l, the error of the layer that produced this state
+    v_first: Tensor  #: v^1, the values of the group's first layer (as given)
+    e_sum: Optional[Tensor]  #: S^l = e^1 + ... + e^l (from e^2 with a reference-only first layer)
+    e_prev: Optional[Tensor]  #: e^l, the error of the layer that produced this state
 
 
-def _unpack_gains(gains: GainsLike) -> tuple[Gain, Gain, Gain, Gain]:
+def _unpack_gains(gains: GainsLike) -> tuple[Gain, Gain, Gain, Gain, bool]:
     if isinstance(gains, PIDConfig):
-        return gains.gains
+        return (*gains.gains, gains.control_first_layer)
     values = tuple(gains)
-    if len(values) != 4:
-        raise ValueError(
-            f"gains must be a PIDConfig or (lambda_p, lambda_i, lambda_d, beta), got {len(values)} values"
-        )
-    return values  # type: ignore[return-value]
+    if len(values) == 4:
+        return (*values, True)  # type: ignore[return-value]
+    if len(values) == 5:
+        return values  # type: ignore[return-value]
+    raise ValueError(
+        "gains must be a PIDConfig or (lambda_p, lambda_i, lambda_d, beta[, control_first_layer]), "
+        f"got {len(values)} values"
+    )
 
 
 def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
@@ -72,6 +80,11 @@ def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
     return x.repeat_interleave(num_heads // kv_heads, dim=head_dim)
 
 
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the error and its running sum: float32 at least (float16/bfloat16 values are upcast)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def pid_update(
     attn_out: Tensor,
     value: Tensor,
@@ -87,15 +100,16 @@ def pid_update(
         value: this layer's values ``v^l`` for the same query positions, shape ``(..., H_kv, q, D)``
             with ``H_kv`` dividing ``H`` (grouped-query attention) or equal to it.
         state: the state returned by the previous layer of the group, or ``None`` at the first layer.
-        gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta)`` (floats or scalar /
-            broadcastable tensors, e.g. learnable per-layer gains).
+        gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``
+            (floats or scalar / broadcastable tensors, e.g. learnable per-layer gains).
         head_dim: which dimension holds the heads (only used to expand key/value heads).
 
     Returns:
         ``(u, new_state)``: the controlled output (same shape and dtype as ``attn_out``) and the state
-        for the next layer of the group.
+        for the next layer of the group. In float16/bfloat16 the error, its sum and the PID term are
+        computed in float32 and ``u`` is rounded once.
     """
-    lambda_p, lambda_i, lambda_d, beta = _unpack_gains(gains)
+    lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
     if attn_out.dim() != value.dim():
         raise ValueError(
             f"attention output {tuple(attn_out.shape)} and values {tuple(value.shape)} must have the same "
@@ -108,27 +122,32 @@ def pid_update(
             "(same heads, head_dim and positions); split the model into groups of equal value shape "
             "or use softmax attention for the odd layers"
         )
+    dim = _kv_head_split(attn_out, value, head_dim)
+    tensor_gains = any(isinstance(g, Tensor) for g in (lambda_p, lambda_i, lambda_d))
 
-    # The error and its running sum (the state). First layer: v^1 = v, so e^1 = (beta - 1) v.
-    if state is None:
-        v_first = value
-        e = value * (beta - 1.0)
-        e_sum = e
+    if state is None and not control_first_layer:
+        # Reference-only first layer: plain attention, v^1 recorded, no error yet. Learnable gains join the
+        # graph with a zero weight, so DDP sees every parameter used.
+        if tensor_gains:
+            attn_out = attn_out + 0.0 * (lambda_p + lambda_i + lambda_d)
+        return attn_out, PIDState(value, None, None)
+
+    # The error and its running sum (the state), in float32 at least. The group's first controlled layer
+    # (the first layer, or the second after a reference-only first layer) has no derivative term.
+    first = state is None or state[1] is None
+    v_first = value if state is None else state[0]
+    wide = _state_dtype(value.dtype)
+    if isinstance(beta, Tensor):
+        e = v_first.to(wide) * beta - value
     else:
-        v_first, e_sum_prev, e_prev = state
-        if isinstance(beta, Tensor):
-            e = v_first * beta - value
-        else:
-            # e = -(v - beta v^1): a Python-scalar multiply wraps the scalar in a tensor on every call, which
-            # costs more than the arithmetic on decoding-sized tensors; alpha and neg_ do not
-            e = torch.add(value, v_first, alpha=-beta).neg_()
-        e_sum = e_sum_prev + e
+        # e = -(v - beta v^1): a Python-scalar multiply wraps the scalar in a tensor on every call, which
+        # costs more than the arithmetic on decoding-sized tensors; alpha and neg_ do not
+        e = torch.add(value.to(wide), v_first, alpha=-beta).neg_()
+    e_sum = e if first else state[1] + e
     new_state = PIDState(v_first, e_sum, e)
     if _all_zero(lambda_p, lambda_i, lambda_d):
         return attn_out, new_state
 
-    scalar_gains = not any(isinstance(g, Tensor) for g in (lambda_p, lambda_i, lambda_d))
-    dim = _kv_head_split(attn_out, value, head_dim)
     # Grouped-query attention (dim >= 0): key/value head j serves query heads j*r .. j*r + r - 1 (as
     # :func:`expand_heads`, i.e. ``repeat_interleave``). The PID term is computed in key/value-head space
     # (1/r of the query heads' size) and broadcast over each group of r query heads of a view of the
@@ -138,16 +157,16 @@ def pid_update(
     def kv(x: Tensor) -> Tensor:
         return x if dim < 0 else x.unsqueeze(dim + 1)
 
-    if scalar_gains and value.dtype == attn_out.dtype:
-        # Fast path (fixed gains): u = A v + (lP + lD) e + lI S - lD e_prev.
-        if state is None:
+    if not tensor_gains and attn_out.dtype == e.dtype:
+        # Fast path (fixed gains, full precision): u = A v + (lP + lD) e + lI S - lD e_prev.
+        if first:
             out = target.add(kv(e), alpha=lambda_p + lambda_i)
-        elif lambda_i != 0.0 and e.numel() <= _SMALL:
+        elif e.numel() <= _SMALL and _ratio_is_safe(lambda_p + lambda_d, lambda_i) and _ratio_is_safe(lambda_d, lambda_i):
             # small tensors (decoding): each kernel launch is the cost, so the fewest kernels,
             # lI * (S + (lP + lD)/lI e - lD/lI e_prev), with one temporary in key/value-head space
             term = torch.add(e_sum, e, alpha=(lambda_p + lambda_d) / lambda_i)
             if lambda_d != 0.0:
-                term.sub_(e_prev, alpha=lambda_d / lambda_i)
+                term.sub_(state[2], alpha=lambda_d / lambda_i)
             out = target.add(kv(term), alpha=lambda_i)
         else:
             # large tensors: memory traffic and fresh buffers are the cost, so accumulate straight into a
@@ -156,23 +175,26 @@ def pid_update(
             if lambda_i != 0.0:
                 out.add_(kv(e_sum), alpha=lambda_i)
             if lambda_d != 0.0:
-                out.sub_(kv(e_prev), alpha=lambda_d)
+                out.sub_(kv(state[2]), alpha=lambda_d)
     else:
-        # General path: learnable (tensor) gains, mixed dtypes.
-        if state is None:
+        # General path: learnable (tensor) gains, or low-precision outputs (term in float32, one rounding).
+        if first:
             first_gain = lambda_p + lambda_i
             if isinstance(lambda_d, Tensor):
                 # keep a learnable lambda_d in the graph (zero gradient here), so DDP sees every parameter used
                 first_gain = first_gain + 0.0 * lambda_d
             term = e * first_gain
-        elif scalar_gains:
-            term = e.mul(lambda_p + lambda_d).add_(e_sum, alpha=lambda_i).sub_(e_prev, alpha=lambda_d)
+        elif not tensor_gains:
+            term = e.mul(lambda_p + lambda_d).add_(e_sum, alpha=lambda_i).sub_(state[2], alpha=lambda_d)
         else:
-            term = e * (lambda_p + lambda_d) + e_sum * lambda_i - e_prev * lambda_d
-        if term.dtype != attn_out.dtype:
-            term = term.to(attn_out.dtype)
-        out = target + kv(term)
+            term = e * (lambda_p + lambda_d) + e_sum * lambda_i - state[2] * lambda_d
+        out = (target + kv(term)).to(attn_out.dtype)
     return (out if dim < 0 else out.flatten(dim, dim + 1)), new_state
+
+
+def _ratio_is_safe(numerator: float, denominator: float) -> bool:
+    """True when ``numerator / denominator`` is a moderate number (no overflow, no loss in the fused form)."""
+    return denominator != 0.0 and numerator <= 1e4 * denominator
 
 
 def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> int:

@@ -16,11 +16,11 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import Tensor
 from mmengine.logging import print_log
-from mmengine.runner.checkpoint import CheckpointLoader
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
 from mmseg.registry import MODELS
 
 from ..core import PIDConfig, PIDState, sdpa_with_pid
+from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg"]
 
@@ -87,12 +87,15 @@ class PIDVisionTransformer(VisionTransformer):
 
     Args (beyond mmseg's ``VisionTransformer``):
         attention: ``'pid'`` (default) or ``'softmax'`` (the stock backbone).
-        pid: gains as a dict (``preset`` key allowed) over the paper's ``segmenter`` preset.
+        pid: gains as a preset name, a ``PIDConfig``, or a dict (``preset`` key allowed) over the paper's
+            ``segmenter`` preset.
         lambda_p, lambda_i, lambda_d, beta: single gains, overriding ``pid``.
 
     ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` accepts an mmseg ViT checkpoint or a timm
     ViT/DeiT checkpoint (e.g. trained with ``pid_plugins.timm``; converted with :func:`timm_vit_to_mmseg`),
-    and loads it strictly: missing or unexpected keys raise a ``ValueError`` listing them.
+    and loads it strictly: missing or unexpected keys raise a ``ValueError`` listing them. The file is read with
+    ``torch.load(weights_only=True)`` whatever the environment says (:mod:`pid_plugins.mmseg.checkpoint`).
+    A whole segmentor checkpoint (``backbone.`` and ``decode_head.`` keys) is refused: load it with ``load_from``.
     """
 
     def __init__(self, *args: Any, attention: str = "pid", pid: Any = None, lambda_p: Optional[float] = None,
@@ -105,7 +108,7 @@ class PIDVisionTransformer(VisionTransformer):
                   if v is not None}
         config = None
         if attention == "pid":
-            config = PIDConfig.coerce(dict(pid) if pid is not None else None, default="segmenter")
+            config = PIDConfig.coerce(pid, default="segmenter")
             config = config.replace(**single) if single else config
             if config.learnable:
                 raise ValueError("learnable gains are not supported by the mmseg backbone; use fixed gains")
@@ -118,11 +121,20 @@ class PIDVisionTransformer(VisionTransformer):
         cfg = self.init_cfg
         if not (isinstance(cfg, dict) and cfg.get("type") == "Pretrained"):
             return super().init_weights()
-        checkpoint = CheckpointLoader.load_checkpoint(cfg["checkpoint"], logger=None, map_location="cpu")
+        checkpoint = load_checkpoint(cfg["checkpoint"], map_location="cpu")
         state_dict = checkpoint
         for key in ("state_dict", "model"):
             if isinstance(state_dict, dict) and key in state_dict:
                 state_dict = state_dict[key]
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"checkpoint {cfg['checkpoint']!r} holds a {type(state_dict).__name__}, not a state_dict")
+        heads = sorted({k.split(".", 1)[0] for k in state_dict if k.startswith(("decode_head.", "auxiliary_head."))})
+        if heads:
+            raise ValueError(
+                f"checkpoint {cfg['checkpoint']!r} is a whole segmentor (backbone. and {', '.join(heads)}. keys), "
+                "not a backbone: load it with load_from=PATH (or tools/test.py PATH); backbone init_cfg takes a "
+                "backbone, mmseg ViT or timm ViT/DeiT checkpoint"
+            )
         state_dict = {k[len("backbone."):] if k.startswith("backbone.") else k: v for k, v in state_dict.items()}
         if any(k.startswith("blocks.") for k in state_dict):
             state_dict = timm_vit_to_mmseg(state_dict)

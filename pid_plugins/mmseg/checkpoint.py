@@ -1,0 +1,165 @@
+"""Checkpoint loading for mmseg/mmengine that never runs code from a checkpoint.
+
+mmengine's ``CheckpointLoader`` (behind ``init_cfg=dict(type='Pretrained')``, ``load_from``, ``resume`` and
+mmseg's ``tools/train.py`` / ``tools/test.py``) calls ``torch.load`` without ``weights_only``, so
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns it into a plain unpickler that executes any ``__reduce__``.
+An explicit ``weights_only=True`` is never overridden by that variable (torch 2.14), so
+:func:`load_checkpoint` passes it for every scheme, and :func:`install` registers it as mmengine's loader for
+every scheme mmengine knows (``register_scheme(..., force=True)``; run when ``pid_plugins.mmseg`` is imported,
+e.g. through a config's ``custom_imports``).
+
+mmengine's own training checkpoints hold a few objects besides tensors (the ``message_hub`` logs):
+:data:`SAFE_GLOBALS` allow-lists exactly those with ``torch.serialization.add_safe_globals`` (found by saving
+a checkpoint with mmengine's ``Runner`` and listing ``get_unsafe_globals_in_checkpoint``). One of them is
+``builtins.getattr``, which pickle uses for ``HistoryBuffer.min``-style method references; it is registered
+as :func:`history_buffer_method`, which returns only HistoryBuffer's own statistic methods and refuses
+anything else (a real ``getattr`` would let a checkpoint reach ``exec``).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from typing import Any, Callable, List, Tuple, Union
+
+import numpy as np
+import torch
+from mmengine.dist import get_dist_info
+from mmengine.logging.history_buffer import HistoryBuffer
+from mmengine.runner import checkpoint as mm_checkpoint
+
+__all__ = ["load_checkpoint", "install", "history_buffer_method", "SAFE_GLOBALS", "UnsafeCheckpointError"]
+
+_STATISTICS = ("min", "max", "current", "mean")  # HistoryBuffer._set_default_statistics
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint holds an object outside plain weights and mmengine's known checkpoint classes."""
+
+
+def history_buffer_method(owner: Any, name: str) -> Callable:
+    """``getattr`` restricted to what mmengine checkpoints pickle: ``HistoryBuffer.<statistic>``."""
+    if owner is HistoryBuffer and name in _STATISTICS:
+        return getattr(HistoryBuffer, name)
+    raise pickle.UnpicklingError(
+        f"checkpoint asks for getattr({owner!r}, {name!r}); only HistoryBuffer's statistic methods "
+        f"{list(_STATISTICS)} are allowed"
+    )
+
+
+def _numpy_globals() -> List[Any]:
+    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 / numpy 1
+    dtypes = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                         np.uint32, np.uint64, np.float16, np.float32, np.float64)]
+    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+
+
+SAFE_GLOBALS: List[Union[Any, Tuple[Callable, str]]] = [
+    HistoryBuffer,
+    (history_buffer_method, "builtins.getattr"),
+    *_numpy_globals(),
+]
+
+
+def _refusal(name: str, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line or "unrecognized" in line
+                   or "getattr" in line), lines[0] if lines else "")
+    return UnsafeCheckpointError(
+        f"refusing to load checkpoint {name!r}: it holds Python objects that are neither weights nor one of "
+        f"mmengine's checkpoint classes ({detail}). pid_plugins.mmseg loads checkpoints with "
+        "torch.load(weights_only=True) whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, so no code in a "
+        "checkpoint runs; save the weights as a plain state_dict of tensors instead."
+    )
+
+
+def _torch_load(source: Any, name: str, map_location: Any) -> Any:
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise _refusal(name, exc) from None
+
+
+def load_from_local_weights_only(filename: str, map_location: Any = None) -> Any:
+    path = os.path.expanduser(filename)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{filename} can not be found.")
+    return _torch_load(path, filename, map_location)
+
+
+def load_from_http_weights_only(url: str, map_location: Any = None) -> Any:
+    def fetch() -> Any:
+        try:
+            return torch.hub.load_state_dict_from_url(url, map_location=map_location, progress=False,
+                                                      weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _refusal(url, exc) from None
+
+    rank, world_size = get_dist_info()  # rank 0 downloads first, as mmengine's load_from_http
+    checkpoint = fetch() if rank == 0 else None
+    if world_size > 1:
+        torch.distributed.barrier()
+        if rank > 0:
+            checkpoint = fetch()
+    return checkpoint
+
+
+def load_from_ceph_weights_only(filename: str, map_location: Any = None) -> Any:
+    backend = mm_checkpoint.get_file_backend(filename, backend_args={"backend": "petrel"})
+    with io.BytesIO(backend.get(filename)) as buffer:
+        return _torch_load(buffer, filename, map_location)
+
+
+def load_from_torchvision_weights_only(filename: str, map_location: Any = None) -> Any:
+    name = filename.split("://", 1)[1]
+    return load_from_http_weights_only(mm_checkpoint.get_torchvision_models()[name], map_location)
+
+
+def load_from_openmmlab_weights_only(filename: str, map_location: Any = None) -> Any:
+    name = filename.split("://", 1)[1]
+    name = mm_checkpoint.get_deprecated_model_names().get(name, name)
+    url = mm_checkpoint.get_external_models()[name]
+    if url.startswith(("http://", "https://")):
+        return load_from_http_weights_only(url, map_location)
+    return load_from_local_weights_only(os.path.join(mm_checkpoint._get_mmengine_home(), url), map_location)
+
+
+def load_from_mmcls_weights_only(filename: str, map_location: Any = None) -> Any:
+    checkpoint = load_from_http_weights_only(mm_checkpoint.get_mmcls_models()[filename[len("mmcls://"):]], map_location)
+    return mm_checkpoint._process_mmcls_checkpoint(checkpoint)
+
+
+def load_from_pavi_refused(filename: str, map_location: Any = None) -> Any:
+    raise UnsafeCheckpointError(
+        f"pid_plugins.mmseg does not load pavi:// checkpoints ({filename!r}): mmengine's pavi loader cannot be "
+        "made weights-only; download the file and give its local path"
+    )
+
+
+# mmengine 0.10's schemes (mmengine/runner/checkpoint.py), longest prefix first as in CheckpointLoader.
+_SCHEMES: List[Tuple[Union[str, Tuple[str, ...]], Callable[..., Any]]] = [
+    ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), load_from_ceph_weights_only),
+    (("modelzoo://", "torchvision://"), load_from_torchvision_weights_only),
+    (("open-mmlab://", "openmmlab://"), load_from_openmmlab_weights_only),
+    ("mmcls://", load_from_mmcls_weights_only),
+    ("pavi://", load_from_pavi_refused),
+    (("http://", "https://"), load_from_http_weights_only),
+    ("", load_from_local_weights_only),
+]
+
+
+def load_checkpoint(filename: str, map_location: Any = None) -> Any:
+    """Load a checkpoint by path or URL (mmengine's schemes) with ``weights_only=True``, always."""
+    for prefixes, loader in _SCHEMES:
+        for prefix in (prefixes,) if isinstance(prefixes, str) else prefixes:
+            if prefix and re.match(prefix, filename):
+                return loader(filename, map_location)
+    return load_from_local_weights_only(filename, map_location)
+
+
+def install() -> None:
+    """Allow-list mmengine's checkpoint classes and make every mmengine checkpoint scheme weights-only."""
+    torch.serialization.add_safe_globals(SAFE_GLOBALS)
+    for prefixes, loader in _SCHEMES:
+        mm_checkpoint.CheckpointLoader.register_scheme(prefixes, loader=loader, force=True)

@@ -1,0 +1,121 @@
+"""PID in Segmenter's mask-transformer decoder: PIDSegmenterMaskTransformerHead (off by default)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("mmseg")
+import pid_plugins.mmseg  # noqa: E402,F401
+from pid_plugins import PIDConfig  # noqa: E402
+from reference import naive_pid_stack  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
+HEAD = dict(in_channels=48, channels=48, num_classes=5, num_layers=2, num_heads=3, embed_dims=48,
+            dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
+
+
+def build(type="PIDSegmenterMaskTransformerHead", seed=0, **kw):
+    from mmseg.registry import MODELS
+
+    torch.manual_seed(seed)
+    head = MODELS.build(dict(type=type, **HEAD, **kw))
+    head.init_weights()
+    head.eval()
+    return head
+
+
+def features(dtype=torch.float32):
+    return [torch.randn(2, 48, 4, 4, generator=torch.Generator().manual_seed(1), dtype=dtype)]
+
+
+def test_default_is_the_stock_head():
+    from mmseg.models.backbones.vit import TransformerEncoderLayer
+
+    head = build()
+    assert head.pid is None and all(type(layer) is TransformerEncoderLayer for layer in head.layers)
+    stock = build(type="SegmenterMaskTransformerHead")
+    assert list(head.state_dict()) == list(stock.state_dict())
+    with torch.no_grad():
+        assert torch.equal(head(features()), stock(features()))
+
+
+def test_zero_gains_equal_the_stock_head_bit_for_bit():
+    stock = build(type="SegmenterMaskTransformerHead")
+    head = build(attention="pid", pid=dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0))
+    head.load_state_dict(stock.state_dict(), strict=True)
+    with torch.no_grad():
+        assert torch.equal(head(features()), stock(features()))
+
+
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(control_first_layer):
+    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
+    stock = build(type="SegmenterMaskTransformerHead").double()
+    head = build(attention="pid", pid=cfg).double()
+    head.load_state_dict(stock.state_dict())
+    x = features(torch.float64)
+    with torch.no_grad():
+        got = head(x)
+        h = head.dec_proj(x[0].flatten(2).transpose(1, 2))
+        h = torch.cat([h, head.cls_emb.expand(2, -1, -1)], 1)
+        attn_outs, values = [], []
+        for layer in head.layers:  # one PID group over the decoder's layers, from a fresh state
+            mha = layer.attn.attn
+            B, N, C = h.shape
+            t = layer.norm1(h)
+            q, k, v = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, 3, C // 3).permute(2, 0, 3, 1, 4)
+            attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // 3) ** -0.5, -1) @ v)
+            values.append(v)
+            u = naive_pid_stack(attn_outs, values, *cfg.gains, control_first_layer=control_first_layer)[-1]
+            h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
+            h = layer.ffn(layer.norm2(h), identity=h)
+        h = head.decoder_norm(h)
+        patches = torch.nn.functional.normalize(head.patch_proj(h[:, :-5]), dim=2)
+        classes = torch.nn.functional.normalize(head.classes_proj(h[:, -5:]), dim=2)
+        want = head.mask_norm(patches @ classes.transpose(1, 2)).transpose(1, 2).reshape(2, 5, 4, 4)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        assert (got - stock(x)).abs().max() > 1e-3
+
+
+def test_head_arguments():
+    assert build(attention="pid").pid == PIDConfig.preset("segmenter")
+    assert build(attention="pid", pid="deit").pid == PIDConfig.preset("deit")
+    assert build(attention="pid", pid=dict(lambda_p=0.1)).pid == PIDConfig.preset("segmenter", lambda_p=0.1)
+    with pytest.raises(ValueError, match="attention must be 'pid' or 'softmax'"):
+        build(attention="linear")
+    with pytest.raises(ValueError, match="set attention='pid' to use it"):
+        build(pid="deit")
+    with pytest.raises(ValueError, match="learnable gains are not supported"):
+        build(attention="pid", pid=dict(learnable=True))
+
+
+def test_config_round_trip_and_a_training_step(tmp_path):
+    """The option in a config: dumped, reloaded, built into the whole Segmenter; checkpoints stay stock-shaped."""
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+    from mmseg.structures import SegDataSample
+    from mmengine.structures import PixelData
+
+    cfg = Config.fromfile(str(TINY_CONFIG))
+    cfg.model.decode_head.update(type="PIDSegmenterMaskTransformerHead", attention="pid",
+                                 pid=dict(preset="segmenter", lambda_p=0.3))
+    cfg.dump(str(tmp_path / "pid_head.py"))
+    reloaded = Config.fromfile(str(tmp_path / "pid_head.py"))
+    assert reloaded.model.decode_head.pid == dict(preset="segmenter", lambda_p=0.3)
+    init_default_scope("mmseg")
+    model = MODELS.build(reloaded.model)
+    model.init_weights()
+    assert model.decode_head.pid == PIDConfig.preset("segmenter", lambda_p=0.3)
+    assert model.backbone.pid == PIDConfig.preset("segmenter")  # a separate group with its own gains
+    stock = MODELS.build(Config.fromfile(str(TINY_CONFIG)).model)
+    assert list(model.state_dict()) == list(stock.state_dict())
+    model.train()
+    sample = SegDataSample(gt_sem_seg=PixelData(data=torch.randint(0, 150, (1, 64, 64))))
+    sample.set_metainfo(dict(img_shape=(64, 64), pad_shape=(64, 64)))
+    losses = model(torch.randn(2, 3, 64, 64), [sample, sample], mode="loss")
+    loss = sum(v for k, v in losses.items() if "loss" in k)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.decode_head.layers.parameters())

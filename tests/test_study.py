@@ -1,0 +1,65 @@
+"""The study's arms and its record: arms share the softmax model's initial weights; the paired statistics are right."""
+import json
+
+import pytest
+import torch
+
+from pid_plugins.experiments import ARMS, VisionSpec, arm_config, vision_models
+from pid_plugins.study import write_study_record
+
+
+def test_arm_configs():
+    assert arm_config("softmax", "deit") is None
+    assert arm_config("pid", "deit").control_first_layer and arm_config("pid", "deit").gains == (0.8, 0.5, 0.05, 0.1)
+    ref = arm_config("pid_ref", "deit")
+    assert not ref.control_first_layer and ref.gains == (0.8, 0.5, 0.05, 0.1)
+    assert arm_config("neutreno", "deit").gains == (0.6, 0.0, 0.0, 1.0)
+    assert arm_config("neutreno", "lm", language=True).gains == (0.4, 0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="unknown arm"):
+        arm_config("pidd", "deit")
+
+
+def test_every_arm_starts_from_the_softmax_weights_and_differs_as_its_rule_says():
+    timm = pytest.importorskip("timm")  # noqa: F841
+    spec = VisionSpec(img_size=16, patch_size=4, embed_dim=24, depth=3, num_heads=2, arms=ARMS)
+    models = vision_models(spec, num_classes=10)
+    assert list(models) == list(ARMS)
+    base = models["softmax"].state_dict()
+    x = torch.randn(2, 1, 16, 16)
+    first = {}
+    for arm, model in models.items():
+        assert all(torch.equal(base[k], v) for k, v in model.state_dict().items())
+        with torch.no_grad():
+            first[arm] = model.forward_intermediates(x, indices=[0], intermediates_only=True)[0]
+    # the first block: plain attention for softmax, pid_ref and neutreno (beta = 1: zero error); controlled for pid
+    assert torch.equal(first["pid_ref"], first["softmax"]) and torch.equal(first["neutreno"], first["softmax"])
+    assert not torch.allclose(first["pid"], first["softmax"])
+    with pytest.raises(ValueError, match="must start with 'softmax'"):
+        vision_models(VisionSpec(arms=("pid", "softmax")), num_classes=10)
+
+
+def _fake_run(path, seed, top1):
+    models = {arm: {"robustness": {"clean": {"top1": t}, "fgsm": {"eps": [0.0, 1 / 255], "top1": [t, t / 2]},
+                                   "pgd": {"eps": [0.0, 1 / 255], "top1": [t, t / 4]}, "noise": {"top1": [t]},
+                                   "corruptions": {"mean_corruption_error": 1 - t, "mce_vs_softmax": 100.0}},
+                    "collapse": {"mean_cosine": [0.1, 0.2]}, "train_seconds": 1.0}
+              for arm, t in top1.items()}
+    res = {"spec": {"depth": 2, "epochs": 1.0, "train_limit": 10, "patch_size": 7, "noise_sigmas": [0.3]},
+           "models": models}
+    (path / f"seed{seed}").mkdir(parents=True)
+    (path / f"seed{seed}" / "results.json").write_text(json.dumps(res))
+
+
+def test_record_pairs_by_seed_and_marks_only_what_is_beyond_noise(tmp_path):
+    folder = tmp_path / "vision_depth2"
+    # pid is 2 points better in every seed although seeds differ by 20 points: beyond noise when paired;
+    # pid_ref is +1, -1, +3: not beyond noise
+    for seed, (s, p, r) in enumerate([(0.5, 0.52, 0.51), (0.7, 0.72, 0.69), (0.6, 0.62, 0.63)]):
+        _fake_run(folder, seed, {"softmax": s, "pid": p, "pid_ref": r})
+    record = write_study_record(tmp_path)
+    clean = record["settings"]["vision_depth2"]["summary"]["vision clean top-1 %"]["paired_vs_softmax"]
+    assert clean["pid"]["mean"] == pytest.approx(2.0) and clean["pid"]["std"] == pytest.approx(0.0, abs=1e-9)
+    assert clean["pid"]["beyond_noise"]
+    assert clean["pid_ref"]["mean"] == pytest.approx(1.0) and not clean["pid_ref"]["beyond_noise"]
+    md = (tmp_path / "study.md").read_text()
+    assert "**+2.000 +- 0.000**" in md and "| +1.000 +- 2.000 |" in md
