@@ -105,11 +105,12 @@ def random_state_dict(shapes, seed=0):
 
 
 # ------------------------------------------------------------------------------- official function
-def official_fan(sd, x, num_heads, pid=None):
+def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
     """FAN-ViT's forward (patch 16, Fourier positions, FAN blocks, 2 class-attention blocks), float64.
 
     ``pid``: ``(lambda_p, lambda_i, lambda_d, beta)`` applies PIDformer's update (eq. 25) to the FAN blocks'
-    token-mixing attention, per head, before the output projection.
+    token-mixing attention, per head, before the output projection; ``control_first_layer=False``: the
+    first FAN block's attention is left as it is and only gives v^1, the errors start at the second.
     """
     sd = {k: v.double() for k, v in sd.items()}
     if "pos_embeder.token_projection.weight" in sd:
@@ -174,9 +175,12 @@ def official_fan(sd, x, num_heads, pid=None):
         out = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
         if pid is not None:
             lp, li, ld, beta = pid
-            if state is None:
-                v1, e = v, (beta - 1.0) * v
-                S, e_prev = e, None
+            if state is None and not control_first_layer:
+                v1, S, e = v, None, None
+            elif state is None or state[1] is None:
+                v1 = v if state is None else state[0]
+                e = beta * v1 - v
+                S = e
                 out = out + lp * e + li * S
             else:
                 v1, S, e_prev = state
@@ -272,15 +276,17 @@ def test_fan_computes_the_official_function(fused_attn):
             assert_rel_close(model(x), official_fan(sd, x, CFG["num_heads"]), rel=1e-3)
 
 
-def test_pid_fan_computes_the_official_function_with_pid_token_mixing():
+@pytest.mark.parametrize("control_first_layer", [True, False])
+def test_pid_fan_computes_the_official_function_with_pid_token_mixing(control_first_layer):
     sd = random_state_dict(official_shapes(CFG["embed_dim"], CFG["depth"], CFG["num_classes"]), seed=3)
     gains = dict(lambda_p=0.6, lambda_i=0.3, lambda_d=0.2, beta=0.4)
-    model = build("pid_fan_tiny_12_p16_224", pid=gains)
+    model = build("pid_fan_tiny_12_p16_224", pid=dict(gains, control_first_layer=control_first_layer))
     model.load_state_dict(sd, strict=True)
     x = images(seed=4)
     with torch.no_grad():
         out = model(x)
-        assert_rel_close(out, official_fan(sd, x, CFG["num_heads"], pid=tuple(gains.values())))
+        assert_rel_close(out, official_fan(sd, x, CFG["num_heads"], pid=tuple(gains.values()),
+                                           control_first_layer=control_first_layer))
         assert (out - official_fan(sd, x, CFG["num_heads"])).abs().max() > 1e-3  # PID does change it
 
 

@@ -86,14 +86,15 @@ def test_attn_layer_is_refused_with_a_clear_error(attn_layer):
 
 
 @pytest.mark.parametrize("name,cfg", [("pid_deit_tiny_patch16_224", DEIT), ("pid_fan_tiny_12_p16_224", FAN)])
-@pytest.mark.parametrize("learnable", [False, True])
-def test_fx_feature_extraction(name, cfg, learnable):
+@pytest.mark.parametrize("learnable,control_first_layer", [(False, True), (True, True), (False, False)])
+def test_fx_feature_extraction(name, cfg, learnable, control_first_layer):
     """timm's and torchvision's fx feature extraction trace PID models (the PID step is a leaf)."""
     from timm.models import create_feature_extractor
     from torchvision.models.feature_extraction import get_graph_node_names
 
     torch.manual_seed(0)
-    model = timm.create_model(name, pid=PIDConfig.preset("deit", learnable=learnable), **cfg).eval()
+    pid = PIDConfig.preset("deit", learnable=learnable, control_first_layer=control_first_layer)
+    model = timm.create_model(name, pid=pid, **cfg).eval()
     assert "blocks.1.add_1" in get_graph_node_names(model)[1]  # plain torchvision, no timm tracer lists
     extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
     steps = [n for n in extractor.graph.nodes if n.op == "call_function" and n.target is pid_step]
