@@ -1,10 +1,12 @@
 """FAN (Fully Attentional Networks, Zhou et al., ICML 2022), ViT variant, softmax and PID, as timm models.
 
-Written from the paper's description (the reference implementation's licence does not allow reuse). The
-stem, the Fourier positional encoding and the class-attention blocks are timm's XCiT components, which FAN
-shares; parameter names follow the official FAN checkpoints, so they load strictly after
-:func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention ``qkv``
-split into ``q``/``k``/``v``).
+Written from the paper and the official model's description (the reference implementation's licence does
+not allow reuse of its code); with an official state_dict it computes the official function (checked against
+an independent re-implementation in ``tests/test_timm_fan_official.py``), including the official weight
+initialisation. The stem, the Fourier positional encoding and the class-attention blocks are timm's XCiT
+components, which FAN shares; parameter names follow the official FAN checkpoints, so they load strictly
+after :func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention
+``qkv`` split into ``q``/``k``/``v``).
 
 The PID group is the token-mixing self-attention of the FAN blocks; the class-attention blocks stay
 softmax. The state flows between blocks as plain tensors: ``block(x, H, W, *state) -> (x, *state)``.
