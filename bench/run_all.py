@@ -13,7 +13,8 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
               forward+backward under torch.compile
     mmseg     Segmenter ViT-T (configs/mmseg, 12 layers), 128x128 crop, batch 2: train step (loss+backward)
     hf        small Llama (grouped-query: 8 query / 2 key-value heads), sdpa vs "pid": train step, prefill,
-              decode tokens/s with a KV cache (generate)
+              decode tokens/s with a KV cache (generate), and static-cache decoding eager and with the
+              decoding step compiled (torch.compile fullgraph, inductor; prefill eager), both models alike
     fairseq   transformer_lm vs transformer_lm_pid (same weights): train step, incremental decoding tokens/s
     memory    peak memory of forward+backward, PID/stock (timm, FAN, mmseg, HF, fairseq)
     core      core PIDSelfAttention stack (pid vs pid=None): forward+backward at sequence lengths 64..4096
@@ -198,8 +199,25 @@ def hf_runs(batch: int, seq: int, new_tokens: int, cfg: Optional[Dict[str, Any]]
             m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         return run
 
+    def static_decode(m, compiled):
+        from transformers import StaticCache
+
+        m.eval()
+        cache = StaticCache(config=m.config, max_cache_len=prompt.shape[1] + new_tokens)
+        step = torch.compile(m, fullgraph=True) if compiled else m
+
+        def run():
+            cache.reset()
+            with torch.no_grad():  # eager prefill, then one decoding step per token (compiled or not)
+                tok = m(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                for _ in range(new_tokens - 1):
+                    tok = step(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        return run
+
     return {"train step": (train_step(stock), train_step(pid)), "prefill": (prefill(stock), prefill(pid)),
-            "decode": (decode(stock), decode(pid))}
+            "decode": (decode(stock), decode(pid)),
+            "static decode": (lambda: static_decode(stock, False), lambda: static_decode(pid, False)),
+            "compiled decode": (lambda: static_decode(stock, True), lambda: static_decode(pid, True))}
 
 
 FAIRSEQ_ARGS = ["--decoder-layers", "6", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "1024",
@@ -380,6 +398,16 @@ def build_tasks(args) -> List[Task]:
                 label = {"train step": "train step b4x256", "prefill": "prefill b4x256",
                          "decode": "decode b4, 64+32 tokens"}[what]
                 add("hf", f"hf Llama-GQA {label}", kind, build_hf)
+
+            for what in ("static decode", "compiled decode"):  # PID vs stock, both on a static cache
+                def build_hf_static(what=what, n=reps(11, 3)):
+                    make_stock, make_pid = cached("hf", lambda: hf_runs(batch=4, seq=256, new_tokens=32))[what]
+                    fs, fp = cached("hf " + what, lambda: (make_stock(), make_pid()))
+                    return fs, fp, dict(reps=n, batch=4, prompt=64, new_tokens=32, tokens=4 * 32, config=HF_CFG,
+                                        cache="static", compile="inductor, fullgraph" if "compiled" in what else None)
+                label = "torch.compile(fullgraph)" if what == "compiled decode" else "eager"
+                add("hf", f"hf Llama-GQA decode b4, 64+32 tokens, static cache, {label}", "tokens/s",
+                    build_hf_static)
 
             def build_hf_smol(n=reps(5, 2)):
                 fs, fp = cached("hf_smol", lambda: hf_runs(batch=1, seq=64, new_tokens=32, cfg=SMOLLM2_CFG))["decode"]

@@ -122,7 +122,7 @@ def test_attention_function_against_an_independent_computation():
     state = PIDForwardState(cfg)
     outs, vals = [], []
     for layer in range(2):
-        module.layer_idx = layer
+        module._pid_plugins_index = layer  # the layer order discovery gives each self-attention module
         q = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)
         k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
         out, _ = pid_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, pid_state=state)
@@ -334,9 +334,9 @@ def test_errors():
     with pytest.raises(ValueError, match="PIDConfig.beta"):
         ph.to_pid(model, {"beta": 0})
     module = torch.nn.Module()
-    module.layer_idx = 0
+    module._pid_plugins_index = 0
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(RuntimeError, match="call pid_plugins.hf.to_pid"):
+    with pytest.raises(RuntimeError, match="Call pid_plugins.hf.to_pid"):
         pid_attention_forward(module, q, q, q, None)
 
 

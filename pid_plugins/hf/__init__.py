@@ -1,11 +1,13 @@
 """HuggingFace transformers adapter: ``attn_implementation="pid"``.
 
 ``import pid_plugins.hf`` registers ``"pid"`` with transformers' ``AttentionInterface`` (the attention
-function) and ``AttentionMaskInterface`` (its mask function, the same as SDPA's). Then::
+function: the base attention, SDPA by default, then the PID term on self-attention) and
+``AttentionMaskInterface`` (the base attention's mask function). Then::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
     model = pid_plugins.hf.to_pid(model, PIDConfig.preset("lm"))                     # or convert
     model.config.pid = {"lambda_p": 0.5}                                              # change gains
+    model = pid_plugins.hf.to_pid(model, base="eager")                               # attention weights
 """
 try:
     import transformers  # noqa: F401
@@ -16,6 +18,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from .attention import (
     ATTN_IMPLEMENTATION,
+    BASES,
     PIDForwardState,
     install_pid_hooks,
     model_pid_config,
@@ -25,6 +28,6 @@ from .attention import (
 from .catalogue import get_config, list_models
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "PIDForwardState", "pid_attention_forward", "install_pid_hooks", "model_pid_config",
+    "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "pid_attention_forward", "install_pid_hooks", "model_pid_config",
     "to_pid", "get_config", "list_models",
 ]

@@ -1,88 +1,142 @@
 """The ``"pid"`` attention implementation for transformers' attention interface.
 
-The attention function has ``sdpa_attention_forward``'s signature and runs it, then applies
-:func:`pid_plugins.core.pid_update` to the per-head output before the model's output projection.
+How it fits transformers (no frame inspection, one path for every way a model becomes PID):
 
-The PID state is per forward pass. A forward pre-hook on the model's base model puts a fresh
-:class:`PIDForwardState` into the forward's keyword arguments; transformers passes keyword arguments
-down to every attention call (and gradient checkpointing captures them with each layer, so recomputation
-sees the same state). Each layer reads the state of the previous layer by ``layer_idx`` and records its
-own. With a KV cache, only the values of the query positions enter the PID term: they sit at
-``[past_length, past_length + q_len)`` of the returned value tensor (dynamic caches end there, static
-caches are longer).
-
-Models loaded with ``attn_implementation="pid"`` get the hook on their first forward (the mask
-function, which every forward calls once before its layers, installs it); :func:`to_pid` installs it
-at once.
+* ``import pid_plugins.hf`` registers ``"pid"`` with ``AttentionInterface`` (the attention function) and
+  ``AttentionMaskInterface`` (the base attention's mask function), and a torch module-registration hook that
+  gives every :class:`~transformers.PreTrainedModel` built afterwards a forward pre-hook (with kwargs).
+  ``to_pid`` gives the hook to models built before the import. The hook does nothing unless the model's
+  ``config._attn_implementation`` is ``"pid"``, so ``from_pretrained(..., attn_implementation="pid")``,
+  ``from_config``, ``Model(config)``, ``set_attn_implementation("pid")`` and ``to_pid`` all run the same code.
+* On a PID model's first forward the hook discovers the model once: every module whose class calls the
+  attention interface is an attention module; its role (self- or cross-attention) comes from where it sits
+  (``encoder_attn``, ``crossattention``, ``EncDecAttention``, ... or ``is_cross_attention``), its position in
+  the layer order from the module tree (no ``layer_idx`` needed). A module named ``*Attention*`` that computes
+  attention without the interface (custom code) is refused, naming it.
+* Each forward of a module that owns attention layers (a decoder, an encoder, a base model) gets a fresh
+  :class:`PIDForwardState` in its keyword arguments; transformers passes them down to every attention call
+  and gradient checkpointing captures them with each layer. Gains come from the outermost model's
+  ``config.pid`` (T5's stacks keep deep copies of the config).
+* The PID term needs the values of the query positions: the last ``q_len`` rows of the value tensor for no
+  cache and dynamic caches (sliding-window ones included), ``[past, past + q_len)`` of a static cache, where
+  ``past`` is the cache's own length tensor (no ``int()``: compiled decoding does not recompile per step).
+* Cross-attention runs the base attention unchanged.
+* Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the PID
+  state's gradient between layers), a static sliding-window cache, learnable gains, ``output_attentions``
+  without the eager base; at the first layer that meets it: one attention module run twice in a forward
+  (ALBERT's shared layers).
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import PIDConfig, PIDState, pid_update
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "PIDForwardState", "pid_attention_forward", "pid_mask", "install_pid_hooks",
-    "model_pid_config", "to_pid",
+    "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "base_attention", "pid_attention_forward", "pid_mask",
+    "install_pid_hooks", "model_pid_config", "to_pid",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
 DEFAULT_PRESET = "lm"
-_HOOK_FLAG = "_pid_plugins_hook"
-_HOOK_LOCK = threading.Lock()  # two threads' first forwards must not both register the hook
+BASE_ATTR = "pid_attention_base"
+BASES = ("sdpa", "eager", "flex_attention")
+_HOOKED = "_pid_plugins_hooked"
+_PLAN = "_pid_plugins_plan"
+_GAINS_SOURCE = "_pid_plugins_gains_config"
+_ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
+_PREV = "_pid_plugins_previous"  # on self-attention modules: the index of the layer before in its stack, or -1
+_LOCK = threading.Lock()
+_CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
+                          "encoder_decoder_attention"})
 
 
 @dataclass
 class PIDForwardState:
-    """The PID state of one forward pass: gains, cache offset, and each layer's outgoing state."""
+    """The PID state of one forward pass of one layer stack: gains, base attention, static-cache offset
+    (None for no cache / dynamic caches), and each self-attention layer's outgoing state by layer order."""
 
     config: PIDConfig
-    past_length: int = 0
+    base: str = "sdpa"
+    past_length: Optional[Tensor] = None
     layers: Dict[int, PIDState] = field(default_factory=dict)
+    finished: bool = False  # set when the forward returns: later calls are checkpointing's recomputation
+    rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (computed once per pass)
 
-    def previous(self, layer_idx: int) -> Optional[PIDState]:
-        """The state left by the nearest earlier PID layer of this pass (None at the first layer)."""
-        state = self.layers.get(layer_idx - 1)  # the usual case: consecutive layers, O(1) per layer
-        if state is not None:
-            return state
-        earlier = [i for i in self.layers if i < layer_idx]
-        return self.layers[max(earlier)] if earlier else None
+
+# ------------------------------------------------------------------------------------------------ gains
+_PARSED: Dict[Any, PIDConfig] = {}
 
 
 def model_pid_config(config: Any) -> PIDConfig:
-    """The gains a model runs with: ``config.pid`` (dict or PIDConfig) over the ``lm`` preset."""
+    """The gains a model runs with: ``config.pid`` (dict or PIDConfig) over the ``lm`` preset (fixed gains)."""
     raw = getattr(config, "pid", None)
-    if isinstance(raw, dict):
-        # called once per forward (every decoding step): parse a given dict once, not every time
+    if isinstance(raw, PIDConfig):
+        cfg = raw
+    else:
+        key = tuple(sorted(raw.items())) if isinstance(raw, dict) else raw
         try:
-            return _coerce_items(tuple(sorted(raw.items())))
-        except TypeError:  # unhashable values: let coerce report or accept them
-            pass
-    return PIDConfig.coerce(raw, default=DEFAULT_PRESET)
+            cfg = _PARSED.get(key)
+        except TypeError:  # unhashable values: let coerce report them
+            key, cfg = None, None
+        if cfg is None:
+            cfg = PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET)
+            if key is not None:
+                if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
+                    _PARSED.clear()
+                _PARSED[key] = cfg
+    if cfg.learnable:
+        raise ValueError(
+            "config.pid asks for learnable gains, which the transformers adapter does not support (the gains would "
+            "silently stay fixed): set config.pid without 'learnable' (fixed gains)"
+        )
+    return cfg
 
 
-@functools.lru_cache(maxsize=64)
-def _coerce_items(items: tuple) -> PIDConfig:
-    return PIDConfig.coerce(dict(items), default=DEFAULT_PRESET)
+# --------------------------------------------------------------------------------------- the base attention
+def base_attention(config: Any) -> str:
+    """The attention PID is added to: ``config.pid_attention_base`` if set, else ``"eager"`` for models with
+    attention logit softcapping (Gemma 2; SDPA cannot softcap) and ``"sdpa"`` otherwise."""
+    base = getattr(config, BASE_ATTR, None)
+    if base is None:
+        return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+    if base not in BASES:
+        raise ValueError(f"config.{BASE_ATTR}={base!r} is not one of {BASES}")
+    if base != "eager" and getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{getattr(config, 'model_type', 'this model')} uses attention logit softcapping, which {base} cannot "
+            "compute: use pid_plugins.hf.to_pid(model, base='eager')"
+        )
+    return base
 
 
-def _is_cross_attention(module: nn.Module) -> bool:
-    return bool(getattr(module, "is_cross_attention", False)) or _cross_attention_type(type(module))
+def _base_function(module: nn.Module, base: str) -> Callable:
+    if base == "sdpa":
+        return sdpa_attention_forward
+    if base == "flex_attention":
+        return flex_attention_forward
+    return _eager_function(type(module))
 
 
 @functools.lru_cache(maxsize=None)
-def _cross_attention_type(cls: type) -> bool:
-    return "CrossAttention" in cls.__name__
+def _eager_function(cls: type) -> Callable:
+    fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"{cls.__name__}'s module has no eager_attention_forward: use base 'sdpa'")
+    return fn
 
 
 def pid_attention_forward(
@@ -91,147 +145,293 @@ def pid_attention_forward(
     key: Tensor,
     value: Tensor,
     attention_mask: Optional[Tensor],
-    dropout: float = 0.0,
-    scaling: Optional[float] = None,
-    is_causal: Optional[bool] = None,
     **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """SDPA attention followed by the PID update; ``(B, q, H, D)`` output like ``sdpa_attention_forward``."""
+) -> tuple[Tensor, Optional[Tensor]]:
+    """The base attention (SDPA, eager or flex) followed by the PID update; ``(B, q, H, D)`` output."""
     run: Optional[PIDForwardState] = kwargs.pop("pid_state", None)
-    out, weights = sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-    )
-    if _is_cross_attention(module):
-        return out, weights  # cross-attention stays softmax: its values come from another sequence
-    if run is None:
+    index = getattr(module, _ROLE, None)
+    if index == -1:  # cross-attention: base attention only (its values come from another sequence)
+        base = run.base if run is not None else base_attention(getattr(module, "config", None))
+        return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
+    if run is None or index is None:
         raise RuntimeError(
-            "attn_implementation='pid' needs its per-forward PID state, which pid_plugins installs on the model: "
-            "call pid_plugins.hf.to_pid(model) once (models loaded with attn_implementation='pid' get it on "
-            "their first forward unless that forward passes a ready-made 4-D attention mask)"
+            f"attn_implementation='pid': {type(module).__name__} got no per-forward PID state. Call "
+            "pid_plugins.hf.to_pid(model) once (needed for models built before `import pid_plugins.hf`); a model "
+            "whose forward does not pass its keyword arguments down to the attention layers cannot run PID"
         )
+    out, weights = _base_function(module, run.base)(module, query, key, value, attention_mask, **kwargs)
     if run.config.is_zero:
         return out, weights
-    layer_idx = getattr(module, "layer_idx", None)
-    if layer_idx is None:
-        raise RuntimeError(f"{type(module).__name__} has no layer_idx: PID needs the layer order")
     q_len = query.shape[-2]
-    start = run.past_length if value.shape[-2] >= run.past_length + q_len else value.shape[-2] - q_len
-    # the PID term in the output's (B, q, heads, D) layout: the values are viewed the same way, so the
-    # output stays contiguous for the model's output projection
-    v_q = value[:, :, start:start + q_len].transpose(1, 2)
-    u, run.layers[layer_idx] = pid_update(out, v_q, run.previous(layer_idx), run.config, head_dim=-2)
+    if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
+        v_q = value[:, :, value.shape[-2] - q_len:]
+    else:  # a static cache: rows [past, past + q_len) of the buffer
+        if run.rows is None:
+            run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
+        v_q = value.index_select(2, run.rows)
+    # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
+    if index in run.layers and not run.finished:
+        raise RuntimeError(
+            f"attn_implementation='pid': {type(module).__name__} ran twice in one forward (one attention module "
+            "shared by several layers, as in ALBERT): PID needs one attention module per layer"
+        )
+    previous = run.layers.get(getattr(module, _PREV, index - 1))
+    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.config, head_dim=-2)
     return u, weights
 
 
-def _past_length(past_key_values: Any) -> int:
-    if past_key_values is None or not hasattr(past_key_values, "get_seq_length"):
-        return 0
-    for layer in getattr(past_key_values, "layers", []):
-        if "Sliding" in type(layer).__name__ or getattr(layer, "is_sliding", False):
-            raise NotImplementedError(
-                "PID attention with sliding-window cache layers is not supported: the query positions' values "
-                "cannot be located in a rolling buffer; use a dynamic or static cache"
+def pid_mask(*args: Any, **kwargs: Any):
+    """The mask function of the base attention (``config.pid_attention_base``)."""
+    base = base_attention(kwargs.get("config"))
+    if base == "eager":
+        return eager_mask(*args, **kwargs)
+    if base == "flex_attention":
+        return flex_attention_mask(*args, **kwargs)
+    return sdpa_mask(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ discovery (once per model)
+@functools.lru_cache(maxsize=None)
+def _calls_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` dispatches through transformers' attention interface (transformers' own heuristic)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+@dataclass
+class _Plan:
+    owns_layers: bool
+    cache_position: Optional[int]  # index of `past_key_values` among the positional arguments, if any
+
+
+def _walk(module: nn.Module, prefix: str = ""):
+    """(path, module) below ``module``, not descending into nested PreTrainedModels (they are their own owners)."""
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        yield path, child
+        if not isinstance(child, PreTrainedModel):
+            yield from _walk(child, path)
+
+
+def _discover(model: PreTrainedModel) -> _Plan:
+    """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface."""
+    gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
+    base = base_attention(gains_source)
+    order = 0
+    last: Dict[str, int] = {}  # the last self-attention index seen in each stack (encoder / decoder / the model)
+    for path, sub in _walk(model):
+        if isinstance(sub, PreTrainedModel):
+            sub.__dict__[_GAINS_SOURCE] = gains_source
+            if getattr(sub, "config", None) is not None:
+                setattr(sub.config, BASE_ATTR, base)
+            continue
+        cls = type(sub)
+        if _calls_interface(cls):
+            parts = path.split(".")
+            cross = bool(getattr(sub, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
+            setattr(sub, _ROLE, -1 if cross else order)
+            if not cross:  # an encoder and a decoder under one owner are separate PID groups
+                stack = next((p for p in parts if "encoder" in p.lower() or "decoder" in p.lower()), "")
+                setattr(sub, _PREV, last.get(stack, -1))
+                last[stack] = order
+                order += 1
+        elif "Attention" in cls.__name__ and not any(
+            "Attention" in type(m).__name__ or _calls_interface(type(m)) for m in sub.modules() if m is not sub
+        ):
+            raise ValueError(
+                f"attn_implementation='pid': {type(model).__name__}.{path} ({cls.__name__}) computes attention "
+                "without transformers' attention interface (custom or remote code?), so PID cannot reach it"
             )
-    return int(past_key_values.get_seq_length())
+    params = inspect.signature(type(model).forward).parameters
+    names = [n for n in params if n != "self"]
+    if order and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ValueError(
+            f"attn_implementation='pid': {type(model).__name__}.forward takes no **kwargs, so the per-forward PID "
+            "state cannot reach its attention layers"
+        )
+    _persist(model.config)
+    plan = _Plan(owns_layers=order > 0,
+                 cache_position=names.index("past_key_values") if "past_key_values" in names else None)
+    model.__dict__[_PLAN] = plan
+    return plan
 
 
+# ------------------------------------------------------------------------------------------ per-forward checks
 def _check_checkpointing(model: nn.Module) -> None:
+    """Refuse reentrant checkpointing (it cuts the PID state's graph between layers) before any gradient."""
     for m in model.modules():
-        if getattr(m, "gradient_checkpointing", False):
-            func = getattr(m, "_gradient_checkpointing_func", None)
-            keywords = getattr(func, "keywords", None) or {}
-            if keywords.get("use_reentrant", False):
+        if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
+            func = m._gradient_checkpointing_func
+            keywords = getattr(func, "keywords", None)
+            # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
+            if keywords is None or keywords.get("use_reentrant", True) is not False:
                 raise ValueError(
-                    "PID attention needs non-reentrant gradient checkpointing (reentrant checkpointing drops "
-                    "the per-forward PID state and gives wrong gradients): use "
-                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+                    "PID attention needs non-reentrant gradient checkpointing (reentrant checkpointing cuts the PID "
+                    "state's gradient between layers): use model.gradient_checkpointing_enable("
+                    "gradient_checkpointing_kwargs={'use_reentrant': False})"
                 )
             return
 
 
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if getattr(module.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        return args, kwargs
+def _static_past(cache: Any) -> Optional[Tensor]:
+    """The static cache's length before this forward (a tensor, never synced), None for dynamic caches."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None
+    first = layers[0]
+    kind = type(first).__name__
+    if any("Static" in type(x).__name__ and "Sliding" in type(x).__name__ for x in layers):
+        raise NotImplementedError(
+            "PID attention cannot use a static sliding-window cache (a rolling buffer does not keep the query "
+            "positions' values where they can be located): use the dynamic cache (the default) for this model"
+        )
+    if "Static" not in kind:
+        return None
+    length = first.cumulative_length if getattr(first, "is_initialized", False) else None
+    return torch.zeros((), dtype=torch.long) if length is None else length.clone()
+
+
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    config = module.config
+    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return None
+    plan = module.__dict__.get(_PLAN)
+    if plan is None:
+        with _LOCK:
+            plan = _discover(module)
+    if not plan.owns_layers:
+        return None
+    gains_config = module.__dict__.get(_GAINS_SOURCE, config)
+    gains = model_pid_config(gains_config)
+    base = base_attention(config)
     if module.training and torch.is_grad_enabled():
         _check_checkpointing(module)
-    kwargs["pid_state"] = PIDForwardState(model_pid_config(module.config), _past_length(kwargs.get("past_key_values")))
+    if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
+        raise ValueError(
+            "output_attentions needs the eager base attention under PID: "
+            "pid_plugins.hf.to_pid(model, base='eager')"
+        )
+    cache = kwargs.get("past_key_values")
+    if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
+        cache = args[plan.cache_position]
+    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache))
     return args, kwargs
 
 
-def _stacks(model: PreTrainedModel) -> list[nn.Module]:
-    """The modules whose forward runs a layer stack: the base model, or its encoder and decoder."""
-    base = getattr(model, "base_model", model)
-    stacks = []
-    for getter in ("get_encoder", "get_decoder"):
-        fn = getattr(base, getter, None)
-        try:
-            part = fn() if callable(fn) else None
-        except (AttributeError, NotImplementedError, TypeError):
-            part = None
-        if part is not None and part is not base and isinstance(part, nn.Module):
-            stacks.append(part)
-    return stacks or [base]
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    run = kwargs.get("pid_state")
+    if run is not None:
+        run.finished = True
+
+
+def _hook(model: PreTrainedModel) -> None:
+    if not model.__dict__.get(_HOOKED, False):
+        model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        model.register_forward_hook(_post_hook, with_kwargs=True)
+        model.__dict__[_HOOKED] = True
+
+
+def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
+    # PreTrainedModel.__init__ runs nn.Module.__init__ first, so the model's own first child registration
+    # reaches here before any forward: every model built after the import carries the (inert) hook
+    if isinstance(module, PreTrainedModel) and not module.__dict__.get(_HOOKED, False):
+        _hook(module)
+        _persist(module.config)  # saved as "pid" whenever the model runs PID at save time, null otherwise
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+
+
+# ---------------------------------------------------------------------------------------------- public API
+def _plain(value: Optional[str]) -> Optional[str]:
+    return value
+
+
+class _SavedImplementation:
+    """``config.attn_implementation``: serialises (``to_dict`` deep-copies the config's attributes) as
+    ``"pid"`` when the model runs PID at save time and as null otherwise, so a model switched back with
+    ``set_attn_implementation("sdpa")`` reloads with the stock default."""
+
+    def __init__(self, config: Any):
+        self._config = weakref.ref(config)
+
+    def _current(self) -> Optional[str]:
+        config = self._config()
+        return None if config is None else config._attn_implementation
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        config = self._config()
+        copied = memo.get(id(config)) if config is not None else None
+        if copied is not None:  # the config itself is being copied (a deep copy of the model): stay live
+            return _SavedImplementation(copied)
+        current = self._current()  # to_dict copies the attributes only: the value to save
+        return current if current == ATTN_IMPLEMENTATION else None
+
+    def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
+        return _plain, (self.__deepcopy__({}),)
+
+    def __eq__(self, other: object) -> bool:
+        return self._current() == other
+
+    def __hash__(self) -> int:
+        return hash(self._current())
+
+    def __repr__(self) -> str:
+        return repr(self._current())
+
+
+def _persist(config: Any) -> None:
+    # transformers does not save `_attn_implementation`; an `attn_implementation` entry in config.json is read
+    # back by the config's __init__. It reports the implementation at save time ("pid" or null).
+    if not isinstance(config.__dict__.get("attn_implementation"), _SavedImplementation):
+        config.attn_implementation = _SavedImplementation(config)
 
 
 def install_pid_hooks(model: PreTrainedModel) -> PreTrainedModel:
-    """Attach the per-forward PID state hook (idempotent) and persist the choice in the config."""
-    with _HOOK_LOCK:
-        for stack in _stacks(model):
-            if not getattr(stack, _HOOK_FLAG, False):
-                stack.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-                setattr(stack, _HOOK_FLAG, True)
+    """Hook every PreTrainedModel in ``model`` (models built before the import) and check it now."""
+    with _LOCK:
+        for m in model.modules():
+            if isinstance(m, PreTrainedModel):
+                _hook(m)
+                m.__dict__.pop(_PLAN, None)
+                m.__dict__.pop(_GAINS_SOURCE, None)
+        for m in model.modules():  # outermost first: it hands its config (gains, base) to the nested models
+            if isinstance(m, PreTrainedModel) and _PLAN not in m.__dict__:
+                _discover(m)
     _persist(model.config)
     return model
 
 
-def _persist(config: Any) -> None:
-    # transformers does not serialise `_attn_implementation`; a plain `attn_implementation` entry in
-    # config.json is read back by the config's __init__, so a saved PID model reloads as PID.
-    config.attn_implementation = ATTN_IMPLEMENTATION
-    config.pid = model_pid_config(config).to_dict()
-
-
-def to_pid(model: PreTrainedModel, config: Any = None) -> PreTrainedModel:
+def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = None) -> PreTrainedModel:
     """Switch a transformers model to PID attention in place (weights untouched) and return it.
 
     ``config``: a :class:`PIDConfig`, a dict of overrides of the ``lm`` preset, a preset name, or None
-    (keep ``model.config.pid`` if set, else the ``lm`` preset).
+    (keep ``model.config.pid`` if set, else the ``lm`` preset). ``base``: the attention PID is added to,
+    ``"sdpa"`` (default; ``"eager"`` for models with logit softcapping), ``"eager"`` (attention weights) or
+    ``"flex_attention"``; saved in ``config.pid_attention_base``.
     """
     if config is not None or not hasattr(model.config, "pid"):
         cfg = PIDConfig.coerce(config, default=model_pid_config(model.config))
         if cfg.learnable:
             raise ValueError("learnable gains are not supported by the transformers adapter; use fixed gains")
         model.config.pid = cfg.to_dict()
+    model_pid_config(model.config)  # refuses learnable gains set directly in config.pid
+    if base is not None and base not in BASES:
+        raise ValueError(f"base attention {base!r} is not one of {BASES}")
+    previous = getattr(model.config, BASE_ATTR, None)
+    setattr(model.config, BASE_ATTR, base or previous)
+    try:
+        base = base_attention(model.config)
+    except ValueError:
+        setattr(model.config, BASE_ATTR, previous)
+        raise
+    if base == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
+        raise ValueError(f"{type(model).__name__} does not support flex attention: use base 'sdpa' or 'eager'")
+    setattr(model.config, BASE_ATTR, base)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return install_pid_hooks(model)
-
-
-def pid_mask(*args: Any, **kwargs: Any):
-    """SDPA's mask function; on a model's first PID forward it also installs the PID hook (see module doc)."""
-    config = kwargs.get("config")
-    if config is not None:
-        _bootstrap(config)
-    return sdpa_mask(*args, **kwargs)
-
-
-def _bootstrap(config: Any) -> None:
-    """Find the running model that owns ``config`` (a few frames up); if it lacks the PID hook, hook it and
-    hand this forward its state (later forwards get theirs from the hook). A forward that started before
-    another thread installed the hook has no state yet either: it gets one here too."""
-    frame = sys._getframe(2)
-    for _ in range(12):
-        if frame is None:
-            return
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, PreTrainedModel) and owner.config is config:
-            if not getattr(owner, _HOOK_FLAG, False):
-                install_pid_hooks(owner)
-            local_kwargs = frame.f_locals.get("kwargs")
-            if isinstance(local_kwargs, dict) and "pid_state" not in local_kwargs:
-                local_kwargs["pid_state"] = PIDForwardState(
-                    model_pid_config(config), _past_length(frame.f_locals.get("past_key_values")))
-            return
-        frame = frame.f_back
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, pid_attention_forward)

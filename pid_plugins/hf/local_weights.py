@@ -33,7 +33,9 @@ def load_smollm2(cache_dir: Optional[os.PathLike] = None, attn_implementation: s
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     if cache_dir is not None and (Path(cache_dir) / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(cache_dir, attn_implementation=attn_implementation)
+        # the cache is written as safetensors below: never read a pickle from it
+        model = AutoModelForCausalLM.from_pretrained(cache_dir, attn_implementation=attn_implementation,
+                                                     use_safetensors=True)
         return model, AutoTokenizer.from_pretrained(cache_dir)
     path = smollm2_gguf()
     gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
