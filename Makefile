@@ -17,7 +17,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test demo bench clean-venv
+.PHONY: install data test conformance timm-tests demo bench clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,8 +57,16 @@ data:
 	  else echo ">> no apt-get as root here: the demo will use scikit-learn's digits instead of Fashion-MNIST"; fi; \
 	fi
 
-test: $(STAMP) data
+# timm's own tests/test_models.py (from the sdist of the installed timm on PyPI, into .cache/; never committed)
+timm-tests: $(STAMP)
+	$(PY) tests/timm_suite.py fetch
+
+test: $(STAMP) data timm-tests
 	$(PY) -m pytest -q
+
+# timm's own model tests over every pid_* and fan_* name (every test but TorchScript; long: large models)
+conformance: $(STAMP) timm-tests
+	PID_TIMM_CONFORMANCE=1 $(PY) -m pytest -q -s tests/test_timm_models.py
 
 demo: $(STAMP) data
 	$(VENV)/bin/pid-plugins demo --out demo_out

@@ -7,8 +7,10 @@ For each workload the PID model and the stock softmax model with the same weight
 alternately, after warm-up; the figure is the ratio of the medians (PID/stock; see bench/_harness.py for
 the method and for how peak memory is measured on the CPU). Sections (``--only``):
 
-    timm      deit_tiny_patch16_224 vs pid_deit_tiny_patch16_224, 224 px, batch 8: forward, forward+backward
-    fan       fan_tiny_12_p16_224 vs pid_fan_tiny_12_p16_224, 224 px, batch 8: forward, forward+backward
+    timm      deit_tiny_patch16_224 vs pid_deit_tiny_patch16_224, 224 px, batch 8: forward, forward+backward,
+              forward+backward of the whole models under torch.compile (inductor)
+    fan       fan_tiny_12_p16_224 vs pid_fan_tiny_12_p16_224, 224 px, batch 8: forward, forward+backward,
+              forward+backward under torch.compile
     mmseg     Segmenter ViT-T (configs/mmseg, 12 layers), 128x128 crop, batch 2: train step (loss+backward)
     hf        small Llama (grouped-query: 8 query / 2 key-value heads), sdpa vs "pid": train step, prefill,
               decode tokens/s with a KV cache (generate), and static-cache decoding eager and with the
@@ -355,21 +357,29 @@ def build_tasks(args) -> List[Task]:
                 return
             tasks.append((section, name, kind, threads, build))
 
-        def vision(section, name, base, mode, kind, n, b=8):
+        def vision(section, name, base, mode, kind, n, b=8, compiled=False):
             def build(n=n):
                 stock, pid = cached(section, lambda: timm_pair(name, base))
+                if compiled:  # the whole model, PID and stock each under torch.compile (inductor)
+                    stock, pid = cached(section + "_compiled", lambda: (torch.compile(stock), torch.compile(pid)))
                 x = cached(section + "_x", lambda: torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0)))
                 fs, fp = vision_runs(stock, pid, x)[mode]
-                return fs, fp, dict(reps=n, batch=b, img_size=224, model=name, base=base)
-            add(section, f"{section} {name.replace('pid_', '')} b{b} {mode}", kind, build)
+                info = dict(reps=n, batch=b, img_size=224, model=name, base=base)
+                return fs, fp, dict(info, compile="inductor") if compiled else info
+            label = f"{mode}, torch.compile" if compiled else mode
+            add(section, f"{section} {name.replace('pid_', '')} b{b} {label}", kind, build)
 
         if "timm" in args.only:
             vision("timm", "pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", "forward", None, reps(5, 2))
             vision("timm", "pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", "forward+backward", "time",
                    reps(15, 3))
+            vision("timm", "pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", "forward+backward", "compiled",
+                   reps(15, 3), compiled=True)
         if "fan" in args.only:
             vision("fan", "pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", "forward", None, reps(3, 2))
             vision("fan", "pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", "forward+backward", "time", reps(7, 3))
+            vision("fan", "pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", "forward+backward", "compiled",
+                   reps(7, 3), compiled=True)
         if "mmseg" in args.only:
             def build_mmseg(n=reps(13, 3)):
                 fs, fp = cached("mmseg", lambda: mmseg_pair(crop=128, batch=2))

@@ -1,16 +1,20 @@
-"""What every PID timm family shares: gains from kwargs, local-only pretrained sources, strict key checks,
-and registration of the catalogue's entries with timm's ``register_model``."""
+"""What every PID timm family shares: gains from kwargs, the PID step and the block loop, local-only
+pretrained sources, strict key checks, and registration of the catalogue's entries with timm's
+``register_model``."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import Tensor, nn
+from timm.layers import register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 from timm.models._builder import resolve_pretrained_cfg
+from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
-from ..core import PIDConfig
+from ..core import PIDConfig, PIDState, layer_gains, pid_update
 
 ATTENTION_CHOICES = ("pid", "softmax")
 
@@ -22,6 +26,56 @@ def resolve_pid(pid: Any = None, attention: str = "pid", default: Union[PIDConfi
     if attention == "softmax":
         return None
     return PIDConfig.coerce(pid, default=default)
+
+
+@register_notrace_function
+def pid_step(layer: nn.Module, attn_out: Tensor, value: Tensor, state: Optional[PIDState]) -> Tuple[Tensor, PIDState]:
+    """The PID update of one attention ``layer`` (its ``pid`` config and ``pid_gains``).
+
+    Registered with timm's ``register_notrace_function``: torch.fx (timm's and torchvision's feature
+    extraction) records it as one call instead of tracing into :func:`pid_update`, whose shape checks are
+    Python control flow. Its result is a tuple: index it (``res[0]``) or unpack it into a fixed number of
+    names; ``*rest`` unpacking of a traced value is not possible.
+    """
+    return pid_update(attn_out, value, state, layer_gains(layer.pid, layer.pid_gains))
+
+
+def state_outputs(state: Optional[PIDState]) -> Tuple[Any, ...]:
+    """A block's PID state as the flat tail of its output tuple (``()`` for softmax attention).
+
+    Indexes the state field by field, so it also works on a torch.fx proxy of a :func:`pid_step` result.
+    """
+    if state is None:
+        return ()
+    return tuple(state[i] for i in range(len(PIDState._fields)))
+
+
+def run_blocks(
+    blocks: Iterable[nn.Module],
+    x: Tensor,
+    args: Sequence[Any],
+    use_checkpoint: bool,
+    take_indices: Optional[Sequence[int]] = None,
+    norm: Optional[nn.Module] = None,
+    **kwargs: Any,
+) -> Tuple[Tensor, List[Tensor]]:
+    """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a PID group, threading the state.
+
+    Optionally under timm's ``checkpoint`` (then ``kwargs`` must be empty). Returns the output and the
+    block outputs at ``take_indices`` (after ``norm`` if given). Block outputs are indexed, never
+    ``*``-unpacked, so torch.fx can trace the loop.
+    """
+    state: Tuple[Any, ...] = ()
+    intermediates: List[Tensor] = []
+    for i, blk in enumerate(blocks):
+        if use_checkpoint and not torch.jit.is_scripting():
+            out = checkpoint(blk, x, *args, *state)
+        else:
+            out = blk(x, *args, *state, **kwargs)
+        x, state = out[0], tuple(out[1:])
+        if take_indices is not None and i in take_indices:
+            intermediates.append(norm(x) if norm is not None else x)
+    return x, intermediates
 
 
 def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> None:
@@ -51,14 +105,34 @@ def unwrap_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Tensor]:
     return state_dict
 
 
+def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
+    """The classifier parameters timm's ``load_pretrained`` discards after the filter has run.
+
+    timm drops ``pretrained_cfg['classifier']`` (and loads non-strictly) when the model's ``num_classes``
+    differs from the pretrained cfg's: ``num_classes=0`` (features / linear probe) or a new label set.
+    """
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    classifiers = cfg.get("classifier")
+    if not classifiers or getattr(model, "num_classes", None) == cfg.get("num_classes"):
+        return set()
+    classifiers = (classifiers,) if isinstance(classifiers, str) else tuple(classifiers)
+    names = {f"{c}.{p}" for c in classifiers for p in ("weight", "bias")}
+    return {k for k in keys if k in names}
+
+
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
-    """Fill learnable PID gains a softmax checkpoint lacks; raise listing missing/unexpected keys."""
+    """Fill learnable PID gains a softmax checkpoint lacks; raise listing missing/unexpected keys.
+
+    Classifier keys that timm's ``load_pretrained`` is about to drop (the model's ``num_classes`` differs
+    from the pretrained cfg's) are not counted: the new head keeps its fresh initialisation, as in timm.
+    """
     expected = model.state_dict()
     for name, value in expected.items():
         if ".pid_gains." in name and name not in out:
             out[name] = value.detach().clone()
-    missing = sorted(set(expected) - set(out))
-    unexpected = sorted(set(out) - set(expected))
+    dropped = _dropped_classifier_keys(model, set(expected) | set(out))
+    missing = sorted(set(expected) - set(out) - dropped)
+    unexpected = sorted(set(out) - set(expected) - dropped)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not fit {type(model).__name__}: missing keys {missing}; unexpected keys "

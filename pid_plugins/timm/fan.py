@@ -1,10 +1,12 @@
 """FAN (Fully Attentional Networks, Zhou et al., ICML 2022), ViT variant, softmax and PID, as timm models.
 
-Written from the paper's description (the reference implementation's licence does not allow reuse). The
-stem, the Fourier positional encoding and the class-attention blocks are timm's XCiT components, which FAN
-shares; parameter names follow the official FAN checkpoints, so they load strictly after
-:func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention ``qkv``
-split into ``q``/``k``/``v``).
+Written from the paper and the official model's description (the reference implementation's licence does
+not allow reuse of its code); with an official state_dict it computes the official function (checked against
+an independent re-implementation in ``tests/test_timm_fan_official.py``), including the official weight
+initialisation. The stem, the Fourier positional encoding and the class-attention blocks are timm's XCiT
+components, which FAN shares; parameter names follow the official FAN checkpoints, so they load strictly
+after :func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention
+``qkv`` split into ``q``/``k``/``v``).
 
 The PID group is the token-mixing self-attention of the FAN blocks; the class-attention blocks stay
 softmax. The state flows between blocks as plain tensors: ``block(x, H, W, *state) -> (x, *state)``.
@@ -17,12 +19,14 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Dict, List, Optional, Set, Tuple, Type, Union
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, get_act_layer, get_norm_layer, trunc_normal_
+from timm.layers import DropPath, get_act_layer, get_norm_layer, trunc_normal_, use_fused_attn
 from timm.models import build_model_with_cfg
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
@@ -30,36 +34,50 @@ from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, Positiona
 from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import PIDConfig, PIDGains, PIDState, layer_gains, pid_update
+from ..core import PIDConfig, PIDGains, PIDState
 from ._helpers import (
-    catalogue_entries, check_pretrained_source, finish_state_dict, register_entries, resolve_pid, unwrap_state_dict,
+    catalogue_entries, check_pretrained_source, finish_state_dict, pid_step, register_entries, resolve_pid, run_blocks,
+    state_outputs, unwrap_state_dict,
 )
+
+# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
+torch.fx.wrap("pid_step")
 
 __all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_filter_fn"]
 
 
 class TokenMixing(nn.Module):
-    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally PID."""
+    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally PID.
+
+    ``fused_attn`` (timm's switch, ``TIMM_FUSED_ATTN``) picks ``F.scaled_dot_product_attention`` or the
+    official order of operations, ``softmax((q * scale) @ k^T) @ v``.
+    """
+
+    fused_attn: torch.jit.Final[bool]
 
     def __init__(
         self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0,
-        proj_drop: float = 0.0, pid: Optional[PIDConfig] = None,
+        proj_drop: float = 0.0, pid: Optional[PIDConfig] = None, device: Any = None, dtype: Any = None,
     ) -> None:
         super().__init__()
+        dd = dict(device=device, dtype=dtype)
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
+        self.scale = self.head_dim ** -0.5
+        self.fused_attn = use_fused_attn()
+        self.q = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias, **dd)
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.pid: Optional[PIDConfig] = None
         self.pid_gains: Optional[PIDGains] = None
         self.set_pid(pid)
 
     def set_pid(self, pid: Optional[PIDConfig]) -> None:
+        """Switch to PID (``pid``) or softmax (``None``); learnable gains are (re)initialised."""
         self.pid = pid
         ref = self.q.weight
         self.pid_gains = (
@@ -70,28 +88,36 @@ class TokenMixing(nn.Module):
         B, N, C = x.shape
         q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        if self.fused_attn:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            out = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
         if self.pid is not None:
-            out, state = pid_update(out, v, state, layer_gains(self.pid, self.pid_gains))
+            out, state = pid_step(self, out, v, state)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C))), state
 
 
 class ChannelMlp(nn.Module):
-    """``fc1 -> act(x + gamma * DWConv(x)) -> fc2``: an MLP with a depthwise-convolution branch on the grid."""
+    """``fc1 -> x + gamma * DWConv(x) -> fc2``: an MLP whose hidden features get a depthwise-convolution branch.
 
-    def __init__(self, in_features: int, hidden_features: int, act_layer: Type[nn.Module] = nn.GELU,
-                 drop: float = 0.0) -> None:
+    There is no activation after the residual (the official module builds one and never calls it); the only
+    non-linearity is the GELU inside ``DWConv`` (depthwise 3x3 conv, GELU, BatchNorm, depthwise 3x3 conv,
+    timm's XCiT ``LPI``, which has the same parameter names). Dropout follows the official placement.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, drop: float = 0.0,
+                 device: Any = None, dtype: Any = None) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden_features)
-        self.dwconv = LPI(hidden_features, act_layer=act_layer)  # depthwise 3x3, act, BatchNorm, depthwise 3x3
-        self.gamma = nn.Parameter(torch.ones(hidden_features))
-        self.act = act_layer()
+        dd = dict(device=device, dtype=dtype)
+        self.fc1 = nn.Linear(in_features, hidden_features, **dd)
+        self.dwconv = LPI(hidden_features, act_layer=nn.GELU, **dd)
+        self.gamma = nn.Parameter(torch.ones(hidden_features, **dd))
         self.drop = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden_features, in_features)
+        self.fc2 = nn.Linear(hidden_features, in_features, **dd)
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
         x = self.fc1(x)
-        x = self.drop(self.act(x + self.gamma * self.dwconv(x, H, W)))
+        x = x + self.drop(self.gamma * self.dwconv(x, H, W))
         return self.drop(self.fc2(x))
 
 
@@ -99,19 +125,28 @@ class ChannelProcessing(nn.Module):
     """Attention over channels (FAN's channel processing).
 
     Per head: ``a = sigmoid(softmax_N(q)^T @ mean_C(softmax_N(k))) * temperature`` gives one weight per
-    channel (``q = W_q x``, ``k = x``), and the output is ``a * LayerNorm(ChannelMlp(x))``.
+    channel (``q = W_q x``, ``k = x``), and the output is ``a * LayerNorm(ChannelMlp(x))``. As in the official
+    model, ``norm_v`` is a LayerNorm with PyTorch's default eps (1e-5, not the model's 1e-6) and the MLP's
+    activation is always GELU, whatever the model's ``norm_layer`` / ``act_layer``.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0,
-                 mlp_hidden_dim: Optional[int] = None, act_layer: Type[nn.Module] = nn.GELU, drop: float = 0.0,
-                 norm_layer: Type[nn.Module] = nn.LayerNorm) -> None:
+                 mlp_hidden_dim: Optional[int] = None, drop: float = 0.0,
+                 device: Any = None, dtype: Any = None) -> None:
         super().__init__()
+        dd = dict(device=device, dtype=dtype)
         self.num_heads = num_heads
-        self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1))
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.mlp_v = ChannelMlp(dim, mlp_hidden_dim or dim * 4, act_layer=act_layer, drop=drop)
-        self.norm_v = norm_layer(dim)
+        self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1, **dd))
+        self.q = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.mlp_v = ChannelMlp(dim, mlp_hidden_dim or dim * 4, drop=drop, **dd)
+        self.norm_v = nn.LayerNorm(dim, **dd)
         self.attn_drop = nn.Dropout(attn_drop)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):  # the official init of these (depthwise) convolutions
+                fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+                nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / fan_out))
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
         B, N, C = x.shape
@@ -134,24 +169,25 @@ class FANBlock(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = False,
                  proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
-                 act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = nn.LayerNorm,
-                 eta: float = 1.0, pid: Optional[PIDConfig] = None) -> None:
+                 norm_layer: Type[nn.Module] = nn.LayerNorm, eta: float = 1.0, pid: Optional[PIDConfig] = None,
+                 device: Any = None, dtype: Any = None) -> None:
         super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = TokenMixing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, pid=pid)
+        dd = dict(device=device, dtype=dtype)
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = TokenMixing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, pid=pid,
+                                **dd)
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim)
+        self.norm2 = norm_layer(dim, **dd)
         self.mlp = ChannelProcessing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop,
-                                     mlp_hidden_dim=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop,
-                                     norm_layer=norm_layer)
-        self.gamma1 = nn.Parameter(eta * torch.ones(dim))
-        self.gamma2 = nn.Parameter(eta * torch.ones(dim))
+                                     mlp_hidden_dim=int(dim * mlp_ratio), drop=proj_drop, **dd)
+        self.gamma1 = nn.Parameter(eta * torch.ones(dim, **dd))
+        self.gamma2 = nn.Parameter(eta * torch.ones(dim, **dd))
 
     def forward(self, x: Tensor, H: int, W: int, *state: Tensor) -> Tuple[Tensor, ...]:
         y, new_state = self.attn(self.norm1(x), PIDState(*state) if state else None)
         x = x + self.drop_path(self.gamma1 * y)
         x = x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), H, W))
-        return (x,) if new_state is None else (x, *new_state)
+        return (x,) + state_outputs(new_state)
 
 
 class FAN(nn.Module):
@@ -187,8 +223,11 @@ class FAN(nn.Module):
         tokens_norm: bool = True,
         pid: Any = None,
         attention: str = "softmax",
+        device: Any = None,
+        dtype: Any = None,
     ) -> None:
         super().__init__()
+        dd = dict(device=device, dtype=dtype)
         if global_pool not in ("", "avg", "token"):
             raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
@@ -200,27 +239,28 @@ class FAN(nn.Module):
         self.num_prefix_tokens = 1
         self.grad_checkpointing = False
 
+        self.in_chans = in_chans
         self.patch_embed = ConvPatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
-                                          embed_dim=embed_dim, act_layer=act_layer)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = PositionalEncodingFourier(dim=embed_dim) if use_pos_embed else None
+                                          embed_dim=embed_dim, act_layer=act_layer, **dd)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim, **dd))
+        self.pos_embed = PositionalEncodingFourier(dim=embed_dim, **dd) if use_pos_embed else None
         self.pos_drop = nn.Dropout(p=pos_drop_rate)
         self.blocks = nn.ModuleList(
             FANBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-                     attn_drop=attn_drop_rate, drop_path=drop_path_rate, act_layer=act_layer, norm_layer=norm_layer,
-                     eta=eta, pid=self.pid)
+                     attn_drop=attn_drop_rate, drop_path=drop_path_rate, norm_layer=norm_layer, eta=eta,
+                     pid=self.pid, **dd)
             for _ in range(depth)
         )
         self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
         self.cls_attn_blocks = nn.ModuleList(
             ClassAttentionBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                                 proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, act_layer=act_layer,
-                                norm_layer=norm_layer, eta=eta, tokens_norm=tokens_norm)
+                                norm_layer=norm_layer, eta=eta, tokens_norm=tokens_norm, **dd)
             for _ in range(cls_attn_layers)
         )
-        self.norm = norm_layer(embed_dim)
+        self.norm = norm_layer(embed_dim, **dd)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
         trunc_normal_(self.cls_token, std=0.02)
         self.apply(self._init_weights)
 
@@ -262,8 +302,9 @@ class FAN(nn.Module):
                 raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
             self.global_pool = global_pool
         ref = self.patch_embed.proj[0][0].weight
-        self.head = (nn.Linear(self.embed_dim, num_classes).to(ref.device, ref.dtype)
+        self.head = (nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype)
                      if num_classes > 0 else nn.Identity())
+        self.head.train(self.training)
 
     def set_pid(self, pid: Optional[PIDConfig]) -> None:
         """Switch every FAN block's token mixing to PID (``pid``) or softmax (``None``)."""
@@ -280,16 +321,7 @@ class FAN(nn.Module):
 
     def _blocks_forward(self, x: Tensor, Hp: int, Wp: int, blocks: nn.Module,
                         take_indices: Optional[List[int]] = None, norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
-        state: Tuple[Tensor, ...] = ()
-        intermediates: List[Tensor] = []
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x, *state = checkpoint(blk, x, Hp, Wp, *state)
-            else:
-                x, *state = blk(x, Hp, Wp, *state)
-            if take_indices is not None and i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
-        return x, intermediates
+        return run_blocks(blocks, x, (Hp, Wp), self.grad_checkpointing, take_indices, self.norm if norm else None)
 
     def forward_cls(self, x: Tensor) -> Tensor:
         """Prepend the class token and run the (softmax) class-attention blocks."""
@@ -381,7 +413,7 @@ def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bo
 
 def _pretrained_cfg(entry: ModelEntry) -> Dict[str, Any]:
     return {
-        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.95,
+        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 1.0,
         "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj.0.0", "classifier": "head",
         "notes": ("no bundled weights: set `file` to a local checkpoint (official FAN layout loads)",),

@@ -20,14 +20,19 @@ from torch import Tensor, nn
 from timm.layers import Attention, maybe_add_mask, resolve_self_attn_mask
 from timm.models import build_model_with_cfg, get_pretrained_cfg
 from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import PIDConfig, PIDGains, PIDState, layer_gains, pid_update
-from ._helpers import catalogue_entries, check_pretrained_source, finish_state_dict, register_entries, resolve_pid
+from ..core import PIDConfig, PIDGains, PIDState
+from ._helpers import (
+    catalogue_entries, check_pretrained_source, finish_state_dict, pid_step, register_entries, resolve_pid, run_blocks,
+    state_outputs,
+)
+
+# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
+torch.fx.wrap("pid_step")
 
 __all__ = [
     "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
@@ -77,7 +82,7 @@ class PIDAttention(Attention):
             scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
             out = self.attn_drop(scores.softmax(dim=-1)) @ v
         if self.pid is not None:
-            out, state = pid_update(out, v, state, layer_gains(self.pid, self.pid_gains))
+            out, state = pid_step(self, out, v, state)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
@@ -104,7 +109,7 @@ class PIDBlock(Block):
         )
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return (x,) if new_state is None else (x, *new_state)
+        return (x,) + state_outputs(new_state)
 
 
 class _PIDViTMixin:
@@ -119,6 +124,13 @@ class _PIDViTMixin:
         if block_fn not in (None, Block, PIDBlock):
             raise ValueError(
                 f"PID ViT builds its own blocks (PIDBlock); block_fn={block_fn!r} is not supported"
+            )
+        attn_layer = kwargs.pop("attn_layer", None)
+        if attn_layer not in (None, "attn", Attention, PIDAttention):
+            raise ValueError(
+                f"PID ViT computes its attention with PIDAttention (timm's Attention plus the PID update); "
+                f"attn_layer={attn_layer!r} is not supported. Use attention='softmax' for the stock model, or "
+                "build the stock timm model with that attn_layer"
             )
         super().__init__(*args, block_fn=partial(PIDBlock, pid=config), **kwargs)
         self.pid = config
@@ -138,17 +150,9 @@ class _PIDViTMixin:
         take_indices: Optional[List[int]] = None,
         norm: bool = False,
     ) -> Tuple[Tensor, List[Tensor]]:
-        state: Tuple[Tensor, ...] = ()
-        intermediates: List[Tensor] = []
         use_checkpoint = self.grad_checkpointing and attn_mask is None and not is_causal
-        for i, blk in enumerate(blocks):
-            if use_checkpoint and not torch.jit.is_scripting():
-                x, *state = checkpoint(blk, x, *state)
-            else:
-                x, *state = blk(x, *state, attn_mask=attn_mask, is_causal=is_causal)
-            if take_indices is not None and i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
-        return x, intermediates
+        kwargs = {} if use_checkpoint else dict(attn_mask=attn_mask, is_causal=is_causal)
+        return run_blocks(blocks, x, (), use_checkpoint, take_indices, self.norm if norm else None, **kwargs)
 
     def forward_features(
         self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False
