@@ -152,7 +152,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     PIDConfig.preset(args.preset)  # a bad preset fails before anything runs
     _check_demo_data(args.data, args.corpus)
     res = run_demo(args.out, quick=args.quick, parts=parts, seed=args.seed, data=args.data, corpus=args.corpus,
-                   preset=args.preset, log=lambda m: print(m, file=sys.stderr))
+                   preset=args.preset, control_first_layer=args.pid_first_layer == "controlled",
+                   log=lambda m: print(m, file=sys.stderr))
     if "core" in res:
         fixed, stack = res["core"]["fixed_attention"], res["core"]["attention_stack"]
         print(f"core: fixed attention, rank after {len(fixed['softmax']['numerical_rank']) - 1} layers: softmax "
@@ -169,6 +170,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 print(f"  {a:<{w}}  {b:>16}  {c:>16}")
     print(f"\nwrote {args.out}/report.md (with PNGs and demo.json) in {res['seconds']:.0f} s")
     return 0
+
+
+def _seeded_run_parts(args: argparse.Namespace) -> tuple:
+    """The checks ``reproduce`` and ``study`` share, before anything runs: parts, seeds, data; returns the parts."""
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    if not parts or set(parts) - {"vision", "language"}:
+        raise CLIError(f"--parts takes a comma list of vision, language; got {args.parts!r}")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise CLIError(f"--seeds lists a seed twice: {args.seeds}")
+    _check_demo_data(args.data, args.corpus)
+    return parts
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
@@ -204,12 +216,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             write_reproduction_record(per_seed, Path(args.out))  # the budget is read from the results
         print((Path(args.out) / "reproduce.md").read_text())
         return 0
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    if not parts or set(parts) - {"vision", "language"}:
-        raise CLIError(f"--parts takes a comma list of vision, language; got {args.parts!r}")
-    if len(set(args.seeds)) != len(args.seeds):
-        raise CLIError(f"--seeds lists a seed twice: {args.seeds}")
-    _check_demo_data(args.data, args.corpus)
+    parts = _seeded_run_parts(args)
     rec = run_reproduce(args.out, seeds=tuple(args.seeds), vision_epochs=args.vision_epochs, lm_steps=args.lm_steps,
                         data=args.data, corpus=args.corpus, parts=parts, log=lambda m: print(m, file=sys.stderr))
     print((Path(args.out) / "reproduce.md").read_text())
@@ -230,12 +237,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
         arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
         if not arms or arms[0] != "softmax" or set(arms) - set(ARMS) or len(set(arms)) != len(arms):
             raise CLIError(f"--arms takes a comma list starting with softmax, from {', '.join(ARMS)}; got {args.arms!r}")
-        parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-        if not parts or set(parts) - {"vision", "language"}:
-            raise CLIError(f"--parts takes a comma list of vision, language; got {args.parts!r}")
-        if len(set(args.seeds)) != len(args.seeds):
-            raise CLIError(f"--seeds lists a seed twice: {args.seeds}")
-        _check_demo_data(args.data, args.corpus)
+        parts = _seeded_run_parts(args)
         budget = dict(data=args.data, corpus=args.corpus, vision_epochs=args.vision_epochs, patch_size=args.patch_size,
                       train_limit=args.train_limit, test_limit=args.test_limit, pgd_steps=args.pgd_steps,
                       lm_steps=args.lm_steps)
@@ -377,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="wiki", help="text: wiki (gensim's Wikipedia sample), shakespeare or a file")
     p.add_argument("--seed", type=_int(0), default=0)
     p.add_argument("--preset", default="deit", help="gains of the core demo's PID layers")
+    p.add_argument("--pid-first-layer", choices=("controlled", "reference"), default="controlled",
+                   help="the vision and language PID models' first layer: controlled (eq. 25 as written, default) "
+                        "or reference-only (plain attention, records v^1; better in `pid-plugins study` here)")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("reproduce", help="the demo comparison with a larger budget over several seeds (mean +- std)")
     p.add_argument("--out", type=_out_folder, default=Path("reproduce_out"))

@@ -168,8 +168,11 @@ def _report(results: dict[str, Any], png: Optional[Path]) -> str:
 
 # ----------------------------------------------------------------------------------------------------------
 # The main job: softmax vs PID on real data through the zoo adapters (``pid-plugins demo``).
-def demo_specs(quick: bool, seed: int = 0, data: str = "auto", corpus: str = "wiki"):
-    """The default (or ``--quick``) vision and language specs."""
+def demo_specs(quick: bool, seed: int = 0, data: str = "auto", corpus: str = "wiki", control_first_layer: bool = True):
+    """The default (or ``--quick``) vision and language specs; ``control_first_layer=False`` gives the PID models a
+    reference-only first layer."""
+    from dataclasses import replace
+
     from .experiments import LanguageSpec, VisionSpec
 
     if quick:
@@ -180,7 +183,8 @@ def demo_specs(quick: bool, seed: int = 0, data: str = "auto", corpus: str = "wi
     else:
         vision = VisionSpec(data=data, epochs=1.0, test_limit=500, pgd_steps=10, seed=seed)
         language = LanguageSpec(corpus=corpus, steps=800, valid_blocks=64, seed=seed)
-    return vision, language
+    return (replace(vision, control_first_layer=control_first_layer),
+            replace(language, control_first_layer=control_first_layer))
 
 
 def _at(xs, ys, x):
@@ -279,7 +283,7 @@ def plot_training_curves(results: dict[str, Any], path: Path) -> Path:
 
 def run_demo(out_dir: str | os.PathLike = "demo_out", *, quick: bool = False, parts: tuple[str, ...] = ("core", "vision", "language"),
              seed: int = 0, data: str = "auto", corpus: str = "wiki", preset: str = "deit",
-             log=print) -> dict[str, Any]:
+             control_first_layer: bool = True, log=print) -> dict[str, Any]:
     """Run the demo's parts, write ``report.md``, JSON and PNGs into ``out_dir``, return the results.
 
     Two runs into one ``out_dir`` at once are refused (:func:`~pid_plugins.experiments.output_lock`).
@@ -287,7 +291,7 @@ def run_demo(out_dir: str | os.PathLike = "demo_out", *, quick: bool = False, pa
     from .experiments import output_lock
 
     out = Path(out_dir)
-    vision_spec, language_spec = demo_specs(quick, seed, data, corpus)
+    vision_spec, language_spec = demo_specs(quick, seed, data, corpus, control_first_layer)
     with output_lock(out):
         return _run_demo(out, quick, parts, seed, preset, vision_spec, language_spec, log)
 

@@ -50,8 +50,9 @@ Log = Callable[[str], None]
 ARMS = ("softmax", "pid", "pid_ref", "neutreno")
 
 
-def arm_config(arm: str, preset: str, language: bool = False):
-    """The PID gains of an arm (``None`` for softmax)."""
+def arm_config(arm: str, preset: str, language: bool = False, control_first_layer: bool = True):
+    """The PID gains of an arm (``None`` for softmax); ``control_first_layer`` applies to the ``pid`` arm
+    (``pid_ref`` is always reference-only)."""
     from .core import PIDConfig
 
     if arm not in ARMS:
@@ -60,7 +61,7 @@ def arm_config(arm: str, preset: str, language: bool = False):
         return None
     if arm == "neutreno":
         return PIDConfig.preset("neutreno", **({"lambda_p": 0.4} if language else {}))
-    return PIDConfig.preset(preset, control_first_layer=arm == "pid")
+    return PIDConfig.preset(preset, control_first_layer=arm == "pid" and control_first_layer)
 
 
 def _check_arms(arms: Tuple[str, ...]) -> None:
@@ -95,11 +96,12 @@ class VisionSpec:
     severities: Tuple[int, ...] = (1, 2, 3, 4, 5)
     diag_samples: int = 256
     arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
+    control_first_layer: bool = True  #: the ``pid`` arm's first-layer convention (False: reference-only)
 
     def training_key(self) -> str:
         keys = ("data", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "epochs", "batch_size", "lr",
-                "weight_decay", "train_limit", "preset", "seed")
-        return _key({k: getattr(self, k) for k in keys}, self.preset, "timm", language=False)
+                "weight_decay", "train_limit", "preset", "seed", "control_first_layer")
+        return _key({k: getattr(self, k) for k in keys}, self.preset, "timm", False, self.control_first_layer)
 
 
 @dataclass
@@ -119,11 +121,12 @@ class LanguageSpec:
     valid_blocks: int = 96
     rates: Tuple[float, ...] = (0.0, 0.05, 0.1, 0.2)
     arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
+    control_first_layer: bool = True  #: the ``pid`` arm's first-layer convention (False: reference-only)
 
     def training_key(self) -> str:
         keys = ("corpus", "seq_len", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "steps",
-                "batch_size", "lr", "weight_decay", "preset", "seed")
-        return _key({k: getattr(self, k) for k in keys}, self.preset, "hf", language=True)
+                "batch_size", "lr", "weight_decay", "preset", "seed", "control_first_layer")
+        return _key({k: getattr(self, k) for k in keys}, self.preset, "hf", True, self.control_first_layer)
 
 
 # ----------------------------------------------------------------------------------------- caching
@@ -148,8 +151,8 @@ def code_fingerprint(zoo: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _key(spec: Dict[str, Any], preset: str, zoo: str, language: bool) -> str:
-    gains = {arm: arm_config(arm, preset, language).to_dict() for arm in ARMS if arm != "softmax"}
+def _key(spec: Dict[str, Any], preset: str, zoo: str, language: bool, control_first_layer: bool) -> str:
+    gains = {arm: arm_config(arm, preset, language, control_first_layer).to_dict() for arm in ARMS if arm != "softmax"}
     payload = {"spec": spec, "gains": gains, "code": code_fingerprint(zoo)}
     return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -280,7 +283,8 @@ def vision_models(spec: VisionSpec, num_classes: int) -> Dict[str, nn.Module]:
     torch.manual_seed(spec.seed)
     models = {"softmax": timm.create_model("deit_tiny_patch16_224", **kwargs)}
     for arm in spec.arms[1:]:
-        models[arm] = timm.create_model("pid_deit_tiny_patch16_224", pid=arm_config(arm, spec.preset), **kwargs)
+        models[arm] = timm.create_model("pid_deit_tiny_patch16_224", pid=arm_config(arm, spec.preset, False, spec.control_first_layer),
+                                         **kwargs)
         models[arm].load_state_dict(models["softmax"].state_dict(), strict=True)
     return models
 
@@ -386,7 +390,7 @@ def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
     softmax.config._attn_implementation = "sdpa"
     models = {"softmax": softmax}
     for arm in spec.arms[1:]:
-        models[arm] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), arm_config(arm, spec.preset, language=True))
+        models[arm] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), arm_config(arm, spec.preset, True, spec.control_first_layer))
     return models
 
 

@@ -82,3 +82,19 @@ def test_study_command_runs_end_to_end_and_refuses_bad_arms(tmp_path):
     bad = subprocess.run(cmd[:5] + [str(tmp_path / "bad"), "--arms", "pid,softmax"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("pid-plugins: error: --arms")
     assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+def test_demo_option_gives_the_pid_models_a_reference_only_first_layer():
+    from dataclasses import replace
+
+    from pid_plugins.cli import build_parser
+    from pid_plugins.demo import demo_specs
+
+    vision, language = demo_specs(True, control_first_layer=False)
+    assert not vision.control_first_layer and not language.control_first_layer
+    assert arm_config("pid", "deit", False, vision.control_first_layer).control_first_layer is False
+    # the cache key tells the two conventions apart (the model file is vision_pid either way)
+    assert vision.training_key() != replace(vision, control_first_layer=True).training_key()
+    assert language.training_key() != replace(language, control_first_layer=True).training_key()
+    args = build_parser().parse_args(["demo", "--pid-first-layer", "reference"])
+    assert args.pid_first_layer == "reference"
