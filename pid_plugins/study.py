@@ -77,8 +77,8 @@ def _run(out, seeds, depths, arms, parts, budget, log, run_vision, run_language,
             log(f"study: language seed {seed} done in {res['wall_seconds']:.0f} s")
 
 
-def _paired(values: Dict[str, List[float]], arm: str) -> Dict[str, Any]:
-    diffs = [a - s for a, s in zip(values[arm], values["softmax"])]
+def _paired(values: Dict[str, List[float]], arm: str, base: str = "softmax") -> Dict[str, Any]:
+    diffs = [a - s for a, s in zip(values[arm], values[base])]
     n = len(diffs)
     mean = statistics.fmean(diffs)
     std = statistics.stdev(diffs) if n > 1 else 0.0
@@ -94,7 +94,11 @@ def write_study_record(out_dir: str | Path) -> Dict[str, Any]:
 
     out = Path(out_dir)
     settings: Dict[str, Dict[str, Any]] = {}
-    for folder in sorted(p for p in out.iterdir() if p.is_dir()):
+    def order(folder: Path):  # vision by depth, then language
+        depth = folder.name.removeprefix("vision_depth")
+        return (0, int(depth), "") if depth.isdigit() else (1, 0, folder.name)
+
+    for folder in sorted((p for p in out.iterdir() if p.is_dir()), key=order):
         runs = sorted(folder.glob("seed*/results.json"), key=lambda p: int(p.parent.name[4:]))
         if not runs:
             continue
@@ -112,6 +116,8 @@ def write_study_record(out_dir: str | Path) -> Dict[str, Any]:
                                   "values": v} for arm, v in values.items()},
                 "paired_vs_softmax": {arm: _paired(values, arm) for arm in arms if arm != "softmax"},
             }
+            if "pid" in arms and "pid_ref" in arms:  # the first-layer question itself
+                summary[name]["pid_ref_vs_pid"] = _paired(values, "pid_ref", base="pid")
         per_layer = {arm: [statistics.fmean(col) for col in zip(*(r["models"][arm]["collapse"]["mean_cosine"]
                                                                    for r in results))] for arm in arms}
         spec = results[0]["spec"]
@@ -146,14 +152,15 @@ def _markdown(record: Dict[str, Any], png: Path | None) -> str:
         what = (f"depth {spec['depth']}, {spec['epochs']} epoch(s) on {spec.get('train_limit') or 'all'} images, "
                 f"patch {spec['patch_size']}" if s["part"] == "vision" else
                 f"{spec['num_layers']} layers, {spec['steps']} steps, preset {spec['preset']}")
+        both = "pid" in arms and "pid_ref" in arms
         lines += [f"## {name} ({what}; seeds {s['seeds']}; {s['wall_seconds'] / 60:.0f} min of machine time)", "",
-                  "| measure | softmax (mean +- std) | " + " | ".join(f"{a} - softmax" for a in arms) + " |",
-                  "|---|---|" + "---|" * len(arms)]
+                  "| measure | softmax (mean +- std) | " + " | ".join(f"{a} - softmax" for a in arms)
+                  + (" | pid_ref - pid" if both else "") + " |",
+                  "|---|---|" + "---|" * (len(arms) + both)]
         for measure, m in s["summary"].items():
             base = m["per_arm"]["softmax"]
             cells = []
-            for a in arms:
-                p = m["paired_vs_softmax"][a]
+            for p in [m["paired_vs_softmax"][a] for a in arms] + ([m["pid_ref_vs_pid"]] if both else []):
                 cell = f"{p['mean']:+.3f} +- {p['std']:.3f}"
                 cells.append(f"**{cell}**" if p["beyond_noise"] else cell)
             lines.append(f"| {measure} | {base['mean']:.3f} +- {base['std']:.3f} | " + " | ".join(cells) + " |")
@@ -164,6 +171,9 @@ def _markdown(record: Dict[str, Any], png: Path | None) -> str:
     if png is not None:
         lines += [f"![study]({png.name})", ""]
     return "\n".join(lines)
+
+
+_COLORS = {"softmax": "tab:red", "pid": "tab:blue", "pid_ref": "tab:green", "neutreno": "tab:purple"}
 
 
 def _plot(settings: Dict[str, Any], path: Path) -> Path | None:
@@ -181,7 +191,8 @@ def _plot(settings: Dict[str, Any], path: Path) -> Path | None:
     for col, (name, s) in enumerate(vision.items()):
         ax = axes[0][col]
         for arm in s["arms"]:
-            ax.plot(range(1, len(s["mean_cosine_per_layer"][arm]) + 1), s["mean_cosine_per_layer"][arm], "o-", label=arm)
+            ax.plot(range(1, len(s["mean_cosine_per_layer"][arm]) + 1), s["mean_cosine_per_layer"][arm], "o-", label=arm,
+                    color=_COLORS.get(arm))
         ax.set(title=f"{name}: token similarity", xlabel="block", ylabel="mean pairwise cosine")
         ax.legend(fontsize=8)
         ax = axes[1][col]
@@ -191,7 +202,8 @@ def _plot(settings: Dict[str, Any], path: Path) -> Path | None:
         for i, arm in enumerate(arms):
             means = [s["summary"][m]["paired_vs_softmax"][arm]["mean"] for m in measures]
             stds = [s["summary"][m]["paired_vs_softmax"][arm]["std"] for m in measures]
-            ax.bar([j + i * width for j in range(len(measures))], means, width, yerr=stds, label=arm, capsize=2)
+            ax.bar([j + i * width for j in range(len(measures))], means, width, yerr=stds, label=arm, capsize=2,
+                   color=_COLORS.get(arm))
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(measures))])
         ax.set_xticklabels([m.replace("vision ", "").replace(" top-1 %", "") for m in measures], rotation=45,
