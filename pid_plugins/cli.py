@@ -225,7 +225,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from .experiments import ARMS
+    from .experiments import check_arms
     from .study import run_study, write_study_record
 
     if args.aggregate:
@@ -235,8 +235,10 @@ def _cmd_study(args: argparse.Namespace) -> int:
             write_study_record(args.out)
     else:
         arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
-        if not arms or arms[0] != "softmax" or set(arms) - set(ARMS) or len(set(arms)) != len(arms):
-            raise CLIError(f"--arms takes a comma list starting with softmax, from {', '.join(ARMS)}; got {args.arms!r}")
+        try:
+            check_arms(arms)
+        except ValueError as exc:
+            raise CLIError(f"--arms: {exc}") from None
         parts = _seeded_run_parts(args)
         budget = dict(data=args.data, corpus=args.corpus, vision_epochs=args.vision_epochs, patch_size=args.patch_size,
                       train_limit=args.train_limit, test_limit=args.test_limit, pgd_steps=args.pgd_steps,

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "ARMS", "arm_config", "output_lock",
-           "atomic_path", "write_atomic", "code_fingerprint"]
+__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "ARMS", "arm_config", "check_arms",
+           "output_lock", "atomic_path", "write_atomic", "code_fingerprint"]
 
 Log = Callable[[str], None]
 
@@ -64,7 +64,8 @@ def arm_config(arm: str, preset: str, language: bool = False, control_first_laye
     return PIDConfig.preset(preset, control_first_layer=arm == "pid" and control_first_layer)
 
 
-def _check_arms(arms: Tuple[str, ...]) -> None:
+def check_arms(arms: Tuple[str, ...]) -> None:
+    """Refuse an arm list that does not start with softmax, repeats an arm or names an unknown one."""
     if not arms or arms[0] != "softmax" or len(set(arms)) != len(arms):
         raise ValueError(f"arms must start with 'softmax' (the baseline) and not repeat, got {list(arms)}")
     for arm in arms:
@@ -101,7 +102,7 @@ class VisionSpec:
     def training_key(self) -> str:
         keys = ("data", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "epochs", "batch_size", "lr",
                 "weight_decay", "train_limit", "preset", "seed", "control_first_layer")
-        return _key({k: getattr(self, k) for k in keys}, self.preset, "timm", False, self.control_first_layer)
+        return _key(self, keys, "timm", language=False)
 
 
 @dataclass
@@ -126,7 +127,7 @@ class LanguageSpec:
     def training_key(self) -> str:
         keys = ("corpus", "seq_len", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "steps",
                 "batch_size", "lr", "weight_decay", "preset", "seed", "control_first_layer")
-        return _key({k: getattr(self, k) for k in keys}, self.preset, "hf", True, self.control_first_layer)
+        return _key(self, keys, "hf", language=True)
 
 
 # ----------------------------------------------------------------------------------------- caching
@@ -151,9 +152,11 @@ def code_fingerprint(zoo: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _key(spec: Dict[str, Any], preset: str, zoo: str, language: bool, control_first_layer: bool) -> str:
-    gains = {arm: arm_config(arm, preset, language, control_first_layer).to_dict() for arm in ARMS if arm != "softmax"}
-    payload = {"spec": spec, "gains": gains, "code": code_fingerprint(zoo)}
+def _key(spec: Any, keys: Tuple[str, ...], zoo: str, language: bool) -> str:
+    """The training key of a Vision/LanguageSpec: its training fields, every arm's gains and the code."""
+    gains = {arm: arm_config(arm, spec.preset, language, spec.control_first_layer).to_dict()
+             for arm in ARMS if arm != "softmax"}
+    payload = {"spec": {k: getattr(spec, k) for k in keys}, "gains": gains, "code": code_fingerprint(zoo)}
     return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -277,14 +280,14 @@ def vision_models(spec: VisionSpec, num_classes: int) -> Dict[str, nn.Module]:
 
     import pid_plugins.timm  # noqa: F401
 
-    _check_arms(spec.arms)
+    check_arms(spec.arms)
     kwargs = dict(img_size=spec.img_size, patch_size=spec.patch_size, in_chans=1, num_classes=num_classes,
                   embed_dim=spec.embed_dim, depth=spec.depth, num_heads=spec.num_heads)
     torch.manual_seed(spec.seed)
     models = {"softmax": timm.create_model("deit_tiny_patch16_224", **kwargs)}
     for arm in spec.arms[1:]:
-        models[arm] = timm.create_model("pid_deit_tiny_patch16_224", pid=arm_config(arm, spec.preset, False, spec.control_first_layer),
-                                         **kwargs)
+        pid = arm_config(arm, spec.preset, False, spec.control_first_layer)
+        models[arm] = timm.create_model("pid_deit_tiny_patch16_224", pid=pid, **kwargs)
         models[arm].load_state_dict(models["softmax"].state_dict(), strict=True)
     return models
 
@@ -384,13 +387,14 @@ def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
         num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.seq_len, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
-    _check_arms(spec.arms)
+    check_arms(spec.arms)
     torch.manual_seed(spec.seed)
     softmax = transformers.LlamaForCausalLM(config)
     softmax.config._attn_implementation = "sdpa"
     models = {"softmax": softmax}
     for arm in spec.arms[1:]:
-        models[arm] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), arm_config(arm, spec.preset, True, spec.control_first_layer))
+        pid = arm_config(arm, spec.preset, True, spec.control_first_layer)
+        models[arm] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), pid)
     return models
 
 

@@ -22,17 +22,21 @@ __all__ = ["run_study", "write_study_record"]
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-def _specs(seed: int, depth: int, budget: Dict[str, Any], arms: Sequence[str]):
-    from .experiments import LanguageSpec, VisionSpec
+def _vision_spec(seed: int, depth: int, budget: Dict[str, Any], arms: Sequence[str]):
+    from .experiments import VisionSpec
 
-    vision = VisionSpec(
+    return VisionSpec(
         data=budget["data"], depth=depth, seed=seed, arms=tuple(arms), epochs=budget["vision_epochs"],
         patch_size=budget["patch_size"], train_limit=budget["train_limit"], test_limit=budget["test_limit"],
         pgd_steps=budget["pgd_steps"], eps_sweep=(0.0, 1 / 255, 2 / 255, 3 / 255, 4 / 255),
     )
-    language = LanguageSpec(corpus=budget["corpus"], seed=seed, steps=budget["lm_steps"],
-                            arms=tuple(a for a in arms if a in ("softmax", "pid", "pid_ref")))
-    return vision, language
+
+
+def _language_spec(seed: int, budget: Dict[str, Any], arms: Sequence[str]):
+    from .experiments import LanguageSpec
+
+    return LanguageSpec(corpus=budget["corpus"], seed=seed, steps=budget["lm_steps"],
+                        arms=tuple(a for a in arms if a in ("softmax", "pid", "pid_ref")))
 
 
 DEFAULT_BUDGET = dict(data="auto", corpus="wiki", vision_epochs=1.0, patch_size=7, train_limit=20000,
@@ -40,8 +44,9 @@ DEFAULT_BUDGET = dict(data="auto", corpus="wiki", vision_epochs=1.0, patch_size=
 
 
 def run_study(out_dir: str, seeds: Sequence[int] = (0, 1, 2), depths: Sequence[int] = (6, 12),
-              arms: Sequence[str] = ("softmax", "pid", "pid_ref", "neutreno"), parts: Sequence[str] = ("vision", "language"),
-              budget: Dict[str, Any] | None = None, log=print) -> Dict[str, Any]:
+              arms: Sequence[str] = ("softmax", "pid", "pid_ref", "neutreno"),
+              parts: Sequence[str] = ("vision", "language"), budget: Dict[str, Any] | None = None,
+              log=print) -> Dict[str, Any]:
     """Train and evaluate every arm for every seed (and depth); write ``study.json``/``study.md``/``study.png``.
 
     Results are written per run (``vision_depth{d}/seed{s}/results.json``, ``language/seed{s}/results.json``)
@@ -51,30 +56,23 @@ def run_study(out_dir: str, seeds: Sequence[int] = (0, 1, 2), depths: Sequence[i
 
     budget = {**DEFAULT_BUDGET, **(budget or {})}
     out = Path(out_dir)
+
+    def timed(run, spec, folder: Path, what: str) -> None:
+        t0 = time.perf_counter()
+        res = run(spec, folder, log)
+        res["wall_seconds"] = time.perf_counter() - t0
+        write_atomic(folder / "results.json", json.dumps(res, indent=1))
+        log(f"study: {what} seed {spec.seed} done in {res['wall_seconds']:.0f} s")
+
     with output_lock(out):
         write_atomic(out / "budget.json", json.dumps(budget, indent=1))
-        _run(out, seeds, depths, arms, parts, budget, log, run_vision, run_language, write_atomic)
+        for seed in seeds:
+            for depth in depths if "vision" in parts else ():
+                timed(run_vision, _vision_spec(seed, depth, budget, arms), out / f"vision_depth{depth}" / f"seed{seed}",
+                      f"vision depth {depth}")
+            if "language" in parts:
+                timed(run_language, _language_spec(seed, budget, arms), out / "language" / f"seed{seed}", "language")
         return write_study_record(out)
-
-
-def _run(out, seeds, depths, arms, parts, budget, log, run_vision, run_language, write_atomic) -> None:
-    for seed in seeds:
-        for depth in depths if "vision" in parts else ():
-            vspec, _ = _specs(seed, depth, budget, arms)
-            folder = out / f"vision_depth{depth}" / f"seed{seed}"
-            t0 = time.perf_counter()
-            res = run_vision(vspec, folder, log)
-            res["wall_seconds"] = time.perf_counter() - t0
-            write_atomic(folder / "results.json", json.dumps(res, indent=1))
-            log(f"study: vision depth {depth} seed {seed} done in {res['wall_seconds']:.0f} s")
-        if "language" in parts:
-            _, lspec = _specs(seed, 0, budget, arms)
-            folder = out / "language" / f"seed{seed}"
-            t0 = time.perf_counter()
-            res = run_language(lspec, folder, log)
-            res["wall_seconds"] = time.perf_counter() - t0
-            write_atomic(folder / "results.json", json.dumps(res, indent=1))
-            log(f"study: language seed {seed} done in {res['wall_seconds']:.0f} s")
 
 
 def _paired(values: Dict[str, List[float]], arm: str, base: str = "softmax") -> Dict[str, Any]:
@@ -191,8 +189,8 @@ def _plot(settings: Dict[str, Any], path: Path) -> Path | None:
     for col, (name, s) in enumerate(vision.items()):
         ax = axes[0][col]
         for arm in s["arms"]:
-            ax.plot(range(1, len(s["mean_cosine_per_layer"][arm]) + 1), s["mean_cosine_per_layer"][arm], "o-", label=arm,
-                    color=_COLORS.get(arm))
+            cosine = s["mean_cosine_per_layer"][arm]
+            ax.plot(range(1, len(cosine) + 1), cosine, "o-", label=arm, color=_COLORS.get(arm))
         ax.set(title=f"{name}: token similarity", xlabel="block", ylabel="mean pairwise cosine")
         ax.legend(fontsize=8)
         ax = axes[1][col]

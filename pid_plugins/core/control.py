@@ -161,7 +161,7 @@ def pid_update(
         # Fast path (fixed gains, full precision): u = A v + (lP + lD) e + lI S - lD e_prev.
         if first:
             out = target.add(kv(e), alpha=lambda_p + lambda_i)
-        elif e.numel() <= _SMALL and _ratio_is_safe(lambda_p + lambda_d, lambda_i) and _ratio_is_safe(lambda_d, lambda_i):
+        elif e.numel() <= _SMALL and _ratio_is_safe(lambda_p + lambda_d, lambda_d, over=lambda_i):
             # small tensors (decoding): each kernel launch is the cost, so the fewest kernels,
             # lI * (S + (lP + lD)/lI e - lD/lI e_prev), with one temporary in key/value-head space
             term = torch.add(e_sum, e, alpha=(lambda_p + lambda_d) / lambda_i)
@@ -192,9 +192,9 @@ def pid_update(
     return (out if dim < 0 else out.flatten(dim, dim + 1)), new_state
 
 
-def _ratio_is_safe(numerator: float, denominator: float) -> bool:
-    """True when ``numerator / denominator`` is a moderate number (no overflow, no loss in the fused form)."""
-    return denominator != 0.0 and numerator <= 1e4 * denominator
+def _ratio_is_safe(*numerators: float, over: float) -> bool:
+    """True when every ``numerator / over`` is a moderate number (no overflow, no loss in the fused form)."""
+    return over != 0.0 and all(abs(n) <= 1e4 * abs(over) for n in numerators)
 
 
 def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> int:
