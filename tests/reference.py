@@ -34,3 +34,21 @@ def naive_pid_stack(attn_outs, values, lp, li, ld, beta, control_first_layer=Tru
                     outs[l][b, h, i] = attn_outs[l][b, h, i].double() + lp * e + li * running + ld * derivative
                     previous = e
     return outs
+
+
+def naive_mmseg_layers(layers, h, heads, gains, control_first_layer=True):
+    """mmseg ``TransformerEncoderLayer``s (pre-norm, ``nn.MultiheadAttention`` + FFN) run as one PID group,
+    attention by hand from the weights and the rule from :func:`naive_pid_stack`; returns the tokens."""
+    attn_outs, values = [], []
+    for layer in layers:
+        mha = layer.attn.attn
+        B, N, C = h.shape
+        t = layer.norm1(h)
+        qkv = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // heads) ** -0.5, -1) @ v)
+        values.append(v)
+        u = naive_pid_stack(attn_outs, values, *gains, control_first_layer=control_first_layer)[-1]
+        h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
+        h = layer.ffn(layer.norm2(h), identity=h)
+    return h

@@ -9,7 +9,7 @@ pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
 from pid_plugins.mmseg.compat import STANDIN_NAME  # noqa: E402
-from reference import naive_pid_stack  # noqa: E402
+from reference import naive_mmseg_layers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs" / "mmseg").glob("*.py"))
@@ -95,17 +95,8 @@ def test_pid_backbone_matches_a_hand_written_reference(control_first_layer):
     with torch.no_grad():
         h, hw = model.patch_embed(x)
         h = model._pos_embeding(torch.cat([model.cls_token.expand(2, -1, -1), h], 1), hw, model.pos_embed)
-        attn_outs, values = [], []
-        for layer in model.layers:
-            mha = layer.attn.attn
-            B, N, C = h.shape
-            t = layer.norm1(h)
-            q, k, v = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, 3, C // 3).permute(2, 0, 3, 1, 4)
-            attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // 3) ** -0.5, -1) @ v)
-            values.append(v)
-            u = naive_pid_stack(attn_outs, values, *cfg.gains, control_first_layer=control_first_layer)[-1]
-            h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
-            h = layer.ffn(layer.norm2(h), identity=h)
+        h = naive_mmseg_layers(model.layers, h, 3, cfg.gains, control_first_layer)
+        C = h.shape[-1]
         want = model.norm1(h)[:, 1:].reshape(2, 4, 4, C).permute(0, 3, 1, 2)
         torch.testing.assert_close(model(x)[0], want, rtol=1e-10, atol=1e-10)
 

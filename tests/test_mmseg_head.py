@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg  # noqa: E402,F401
 from pid_plugins import PIDConfig  # noqa: E402
-from reference import naive_pid_stack  # noqa: E402
+from reference import naive_mmseg_layers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
@@ -59,17 +59,8 @@ def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(contro
         got = head(x)
         h = head.dec_proj(x[0].flatten(2).transpose(1, 2))
         h = torch.cat([h, head.cls_emb.expand(2, -1, -1)], 1)
-        attn_outs, values = [], []
-        for layer in head.layers:  # one PID group over the decoder's layers, from a fresh state
-            mha = layer.attn.attn
-            B, N, C = h.shape
-            t = layer.norm1(h)
-            q, k, v = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, 3, C // 3).permute(2, 0, 3, 1, 4)
-            attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // 3) ** -0.5, -1) @ v)
-            values.append(v)
-            u = naive_pid_stack(attn_outs, values, *cfg.gains, control_first_layer=control_first_layer)[-1]
-            h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
-            h = layer.ffn(layer.norm2(h), identity=h)
+        # one PID group over the decoder's layers, from a fresh state
+        h = naive_mmseg_layers(head.layers, h, 3, cfg.gains, control_first_layer)
         h = head.decoder_norm(h)
         patches = torch.nn.functional.normalize(head.patch_proj(h[:, :-5]), dim=2)
         classes = torch.nn.functional.normalize(head.classes_proj(h[:, -5:]), dim=2)
