@@ -426,9 +426,9 @@ def test_an_encoder_and_a_decoder_under_one_model_are_separate_groups():
             return hidden_states
 
     model = ph.to_pid(Both(T.LlamaConfig(**DEC)))
-    chain = [(m._pid_plugins_index, m._pid_plugins_previous) for m in model.modules()
-             if hasattr(m, "_pid_plugins_previous")]
-    assert chain == [(0, -1), (1, 0), (2, -1), (3, 2)]  # the decoder's first layer starts its own group
+    chain = [(m._pid_plugins_index, m._pid_plugins_earlier) for m in model.modules()
+             if hasattr(m, "_pid_plugins_earlier")]
+    assert chain == [(0, ()), (1, (0,)), (2, ()), (3, (2,))]  # the decoder's first layer starts its own group
 
 
 def test_one_attention_module_shared_by_several_layers_is_refused():

@@ -33,7 +33,7 @@ import inspect
 import sys
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -58,23 +58,46 @@ _HOOKED = "_pid_plugins_hooked"
 _PLAN = "_pid_plugins_plan"
 _GAINS_SOURCE = "_pid_plugins_gains_config"
 _ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
-_PREV = "_pid_plugins_previous"  # on self-attention modules: the index of the layer before in its stack, or -1
+_EARLIER = "_pid_plugins_earlier"  # on self-attention modules: the indices of the earlier layers of its stack, nearest first
 _LOCK = threading.Lock()
 _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
                           "encoder_decoder_attention"})
 
 
-@dataclass
 class PIDForwardState:
     """The PID state of one forward pass of one layer stack: gains, base attention, static-cache offset
-    (None for no cache / dynamic caches), and each self-attention layer's outgoing state by layer order."""
+    (None for no cache / dynamic caches), and each self-attention layer's outgoing state by layer order.
 
-    config: PIDConfig
-    base: str = "sdpa"
-    past_length: Optional[Tensor] = None
-    layers: Dict[int, PIDState] = field(default_factory=dict)
-    finished: bool = False  # set when the forward returns: later calls are checkpointing's recomputation
-    rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (computed once per pass)
+    It travels to every attention call in the forward's keyword arguments and is filled in as the layers run,
+    so it must reach each layer as the same object. It is therefore deliberately opaque: not a dataclass, a
+    NamedTuple or a container, which wrappers rebuild when they walk a forward's arguments (FSDP2's per-layer
+    hooks rebuild dataclasses and dicts holding tensors that require grad; DDP and FSDP move and cast tensors
+    inside them). A rebuilt copy would take each layer's state away from the layers after it. An opaque
+    object is passed by reference by all of them (torch's pytree treats it as a leaf).
+    """
+
+    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows")
+
+    def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None) -> None:
+        self.config = config
+        self.base = base
+        self.past_length = past_length
+        self.layers: Dict[int, PIDState] = {}
+        self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
+        self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
+
+    def previous(self, earlier: tuple[int, ...]) -> Optional[PIDState]:
+        """The state of the nearest earlier layer of the stack that ran in this forward (``earlier``: the
+        stack's earlier layers, nearest first). A layer skipped by layer dropout (BART's ``layerdrop``,
+        Whisper's, ...) leaves the hidden states unchanged, and so the PID state too."""
+        for index in earlier:
+            state = self.layers.get(index)
+            if state is not None:
+                return state
+        return None
+
+    def __repr__(self) -> str:
+        return f"PIDForwardState(base={self.base!r}, layers={sorted(self.layers)}, finished={self.finished})"
 
 
 # ------------------------------------------------------------------------------------------------ gains
@@ -175,7 +198,8 @@ def pid_attention_forward(
             f"attn_implementation='pid': {type(module).__name__} ran twice in one forward (one attention module "
             "shared by several layers, as in ALBERT): PID needs one attention module per layer"
         )
-    previous = run.layers.get(getattr(module, _PREV, index - 1))
+    earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
+    previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier)
     u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.config, head_dim=-2)
     return u, weights
 
@@ -220,7 +244,7 @@ def _discover(model: PreTrainedModel) -> _Plan:
     gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
     base = base_attention(gains_source)
     order = 0
-    last: Dict[str, int] = {}  # the last self-attention index seen in each stack (encoder / decoder / the model)
+    stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
     for path, sub in _walk(model):
         if isinstance(sub, PreTrainedModel):
             sub.__dict__[_GAINS_SOURCE] = gains_source
@@ -234,8 +258,9 @@ def _discover(model: PreTrainedModel) -> _Plan:
             setattr(sub, _ROLE, -1 if cross else order)
             if not cross:  # an encoder and a decoder under one owner are separate PID groups
                 stack = next((p for p in parts if "encoder" in p.lower() or "decoder" in p.lower()), "")
-                setattr(sub, _PREV, last.get(stack, -1))
-                last[stack] = order
+                earlier = stacks.get(stack, ())
+                setattr(sub, _EARLIER, earlier)
+                stacks[stack] = (order, *earlier)
                 order += 1
         elif "Attention" in cls.__name__ and not any(
             "Attention" in type(m).__name__ or _calls_interface(type(m)) for m in sub.modules() if m is not sub
