@@ -31,8 +31,9 @@ class PIDGains(nn.Module):
     ``control_first_layer`` stay fixed. Exclude these parameters from weight decay (weight decay would
     pull the raw value towards 0, i.e. the gain towards log 2), as timm's ``no_weight_decay`` does.
 
-    State dicts written before the reparametrisation (parameters named ``lambda_p`` holding the gain
-    itself) load: the gain is converted to its raw value.
+    Each raw parameter has shape ``(1,)``, not ``()``: FSDP2's ``fully_shard`` shards parameters along their
+    first dimension and refuses 0-dim ones. State dicts written before the reparametrisation (parameters
+    named ``lambda_p`` holding the gain itself) or with 0-dim raw values load: they are converted.
     """
 
     def __init__(self, config: PIDConfig) -> None:
@@ -41,7 +42,7 @@ class PIDGains(nn.Module):
         self.control_first_layer = config.control_first_layer
         for name in _GAINS:
             raw = _inverse_softplus(max(getattr(config, name), MIN_INITIAL_GAIN))
-            setattr(self, f"{name}_raw", nn.Parameter(torch.tensor(raw)))
+            setattr(self, f"{name}_raw", nn.Parameter(torch.tensor([raw])))
 
     def forward(self) -> tuple[Tensor, Tensor, Tensor, float, bool]:
         """``(lambda_p, lambda_i, lambda_d, beta, control_first_layer)`` as :func:`pid_update` takes them."""
@@ -58,8 +59,11 @@ class PIDGains(nn.Module):
                         f"{prefix}{name} = {gain} in this checkpoint: learned PID gains must be positive "
                         "(this checkpoint predates the positive parametrisation; a gain <= 0 has no equivalent in it)"
                     )
-                state_dict[prefix + f"{name}_raw"] = torch.tensor(_inverse_softplus(gain), dtype=old.dtype)
+                state_dict[prefix + f"{name}_raw"] = torch.tensor([_inverse_softplus(gain)], dtype=old.dtype)
                 del state_dict[prefix + name]
+            raw = state_dict.get(prefix + f"{name}_raw")
+            if isinstance(raw, torch.Tensor) and raw.dim() == 0:  # written when the raw gains were 0-dim
+                state_dict[prefix + f"{name}_raw"] = raw.reshape(1)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:

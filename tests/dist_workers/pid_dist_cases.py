@@ -65,3 +65,162 @@ def llama_model(seed: int = 0):
 def token_rows(n: int, length: int = 16, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 96, (n, length), generator=g)
+
+
+# ------------------------------------------------------------------------------------------- FSDP2 cases
+# One tiny PID model per zoo and family kind. Each case gives: the model (seeded), the modules FSDP2's standard
+# recipe shards one by one before the root (the layer stacks), a deterministic global batch (batch dim 0 of every
+# tensor), the forward whose output the loss reads, and how the zoo switches gradient checkpointing on (None: the
+# zoo's PID model refuses it).
+FSDP_GLOBAL_BATCH = 4
+FSDP_LR = 0.5  # plain SGD: linear in the gradient, so FSDP's averaged gradient is comparable with one process
+FSDP_MODES = {  # name: (reshard_after_forward, gradient checkpointing)
+    "reshard": (True, False),
+    "keep_unsharded": (False, False),
+    "checkpointing": (True, True),
+}
+
+
+def _hf(kind: str):
+    import pid_plugins.hf  # noqa: F401  (registers attn_implementation="pid")
+    import transformers as T
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  max_position_embeddings=32, pad_token_id=0, attn_implementation="pid")
+    if kind == "decoder":  # Llama with grouped-query attention, 4 layers (a copied state would show from layer 2)
+        return T.LlamaForCausalLM(T.LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=2))
+    if kind == "encoder":
+        return T.BertModel(T.BertConfig(**common, num_hidden_layers=3, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0), add_pooling_layer=False)
+    common.pop("intermediate_size"), common.pop("num_attention_heads"), common.pop("hidden_size")
+    return T.BartModel(T.BartConfig(**common, d_model=32, encoder_layers=3, decoder_layers=3, encoder_ffn_dim=64,
+                                    decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+                                    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                    encoder_layerdrop=0.0, decoder_layerdrop=0.0))
+
+
+def _hf_layers(model):
+    base = getattr(model, "model", None) or getattr(model, "bert", None) or model
+    if hasattr(base, "layers"):
+        return list(base.layers)
+    if hasattr(base, "encoder") and hasattr(base.encoder, "layer"):
+        return list(base.encoder.layer)
+    return [*base.encoder.layers, *base.decoder.layers]
+
+
+def _hf_forward(kind: str):
+    def forward(model, batch):
+        if kind == "decoder":
+            return model(input_ids=batch["input_ids"]).logits
+        if kind == "encoder":
+            return model(input_ids=batch["input_ids"]).last_hidden_state
+        out = model(input_ids=batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"])
+        return torch.cat([out.encoder_last_hidden_state, out.last_hidden_state], dim=1)
+    return forward
+
+
+def _hf_checkpointing(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _timm(name: str, **kwargs):
+    import timm
+    import pid_plugins.timm  # noqa: F401
+
+    return timm.create_model(name, **kwargs)
+
+
+FAN_TINY = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)
+
+
+def _mmseg_backbone(with_cp: bool = False):
+    import pid_plugins.mmseg  # noqa: F401  (before mmseg.models: it installs the mmcv._ext stand-in)
+    from mmseg.registry import MODELS
+
+    return MODELS.build(dict(type="PIDVisionTransformer", img_size=(64, 64), patch_size=16, embed_dims=48,
+                             num_layers=3, num_heads=3, with_cls_token=True, final_norm=True, drop_path_rate=0.0,
+                             norm_cfg=dict(type="LN", eps=1e-6), with_cp=with_cp))
+
+
+def _fairseq_lm(workdir):
+    from fairseq import options, tasks
+    from fairseq.data import Dictionary
+
+    from pid_plugins.fairseq import USER_DIR
+
+    d = Dictionary()
+    for i in range(40):
+        d.add_symbol(f"w{i}")
+    d.save(str(workdir / "dict.txt"))
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(workdir), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir", USER_DIR,
+        "--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-attention-heads", "4",
+        "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "32", "--dropout", "0"])
+    return tasks.setup_task(args).build_model(args)
+
+
+def _images(size: int):
+    return lambda: {"x": torch.randn(FSDP_GLOBAL_BATCH, 3, size, size, generator=torch.Generator().manual_seed(7))}
+
+
+def _tokens(decoder_inputs: bool = False, low: int = 3, high: int = 96):
+    def batch():
+        g = torch.Generator().manual_seed(8)
+        out = {"input_ids": torch.randint(low, high, (FSDP_GLOBAL_BATCH, 12), generator=g)}
+        if decoder_inputs:
+            out["decoder_input_ids"] = torch.randint(low, high, (FSDP_GLOBAL_BATCH, 7), generator=g)
+        return out
+    return batch
+
+
+def _mmseg_out(model, batch):
+    return torch.cat([f.flatten(1) for f in model(batch["x"])], dim=1)
+
+
+def fsdp_case(name: str, workdir):
+    """(build(checkpointing) -> model, layers(model), batch() -> dict, forward(model, batch) -> tensor,
+    checkpointing supported)."""
+    if name.startswith("hf_"):
+        kind = name[3:]
+
+        def build(checkpointing):
+            model = _hf(kind)
+            if checkpointing:
+                _hf_checkpointing(model)
+            return model
+        return build, _hf_layers, _tokens(kind == "encoder_decoder"), _hf_forward(kind), True
+    if name in ("timm_deit", "timm_fan"):
+        timm_name, kw, size = (("pid_deit_tiny_patch16_224", dict(TIMM_TINY, pid=dict(learnable=True)), 32)
+                               if name == "timm_deit" else ("pid_fan_tiny_12_p16_224", FAN_TINY, 64))
+
+        def build(checkpointing):
+            model = _timm(timm_name, **kw)
+            model.set_grad_checkpointing(checkpointing)
+            return model
+        return build, lambda m: list(m.blocks), _images(size), lambda m, b: m(b["x"]), True
+    if name == "mmseg":
+        return _mmseg_backbone, lambda m: list(m.layers), _images(64), _mmseg_out, True
+    if name == "fairseq":
+        return (lambda checkpointing: _fairseq_lm(workdir), lambda m: list(m.decoder.layers),
+                _tokens(low=4, high=44), lambda m, b: m(b["input_ids"])[0], False)
+    raise KeyError(name)
+
+
+FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq")
+
+
+def rank_slice(batch: dict, rank: int, world: int) -> dict:
+    n = FSDP_GLOBAL_BATCH // world
+    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+
+
+def build_fsdp_case(name: str, workdir, checkpointing: bool = False, seed: int = 0):
+    build, layers, batch, forward, supports_checkpointing = fsdp_case(name, workdir)
+    torch.manual_seed(seed)
+    model = build(checkpointing)
+    model.train()
+    return model, layers, batch, forward
+
+
+def fsdp_loss(out):
+    return out.float().square().mean()

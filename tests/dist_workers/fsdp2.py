@@ -1,0 +1,60 @@
+"""torchrun worker: FSDP2 per-layer sharding of a PID model of every zoo (gloo, CPU).
+
+The standard recipe (HF accelerate's FSDP2, torchtitan): ``fully_shard`` on every layer of the model's stacks,
+then on the model. For every case of ``pid_dist_cases.FSDP_CASES`` and every mode of ``FSDP_MODES``
+(``reshard_after_forward`` both ways; the zoo's gradient checkpointing on), each rank runs a grad-mode forward
+on its half of the global batch and one SGD step, and saves its output and the whole parameters after the step
+(``full_tensor()`` of each DTensor) to OUT/rank{rank}.pt; tests/test_distributed.py compares them with the
+unsharded model in one process.
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/fsdp2.py OUT
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import pid_dist_cases as cases
+
+
+def run(name: str, mode: str, rank: int, world: int, workdir: Path) -> dict:
+    reshard, checkpointing = cases.FSDP_MODES[mode]
+    model, layers, batch, forward = cases.build_fsdp_case(name, workdir, checkpointing)
+    for layer in layers(model):
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    # the optimizer takes the sharded parameters, so it is made before the forward (with
+    # reshard_after_forward=False the module holds the unsharded ones from the forward to the backward)
+    opt = torch.optim.SGD(model.parameters(), lr=cases.FSDP_LR)
+    out = forward(model, cases.rank_slice(batch(), rank, world))
+    opt.zero_grad()
+    cases.fsdp_loss(out).backward()
+    opt.step()
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
+    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    return {"out": out.detach().clone(), "params": params, "sharded": sharded}
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workdir = out / f"work{rank}"
+    workdir.mkdir(exist_ok=True)
+    runs = {}
+    for name in cases.FSDP_CASES:
+        supports_checkpointing = cases.fsdp_case(name, workdir)[4]
+        for mode, (_, checkpointing) in cases.FSDP_MODES.items():
+            if checkpointing and not supports_checkpointing:
+                continue
+            runs[name, mode] = run(name, mode, rank, world, workdir)
+            print(f"rank {rank}: {name} {mode} done", flush=True)
+    torch.save({"rank": rank, "world": world, "runs": runs}, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
