@@ -178,6 +178,27 @@ def test_learnable_gains_are_opt_in():
     fixed.load_state_dict(stock.state_dict(), strict=True)
 
 
+def test_learned_gains_are_one_element_vectors_and_older_layouts_load():
+    """(1,)-shaped raw gains (FSDP2's fully_shard refuses 0-dim parameters); state dicts with 0-dim raw gains
+    (before that) and with the gains themselves (before the softplus parametrisation) load to the same gains."""
+    learned = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit", learnable=True))
+    assert {p.shape for p in learned.pid_gains.parameters()} == {torch.Size([1])}
+    with torch.no_grad():
+        learned.pid_gains.lambda_i_raw.fill_(0.3)
+    want = [g.detach().clone() for g in learned.pid_gains()[:3]]
+    sd = learned.state_dict()
+    zero_dim = {k: (v.reshape(()) if "_raw" in k else v) for k, v in sd.items()}
+    gains_only = {k: v for k, v in sd.items() if "_raw" not in k}
+    gains_only.update({f"pid_gains.{n}": torch.nn.functional.softplus(sd[f"pid_gains.{n}_raw"]).reshape(())
+                       for n in ("lambda_p", "lambda_i", "lambda_d")})
+    for old in (zero_dim, gains_only):
+        fresh = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit", learnable=True))
+        fresh.load_state_dict(old, strict=True)
+        got = fresh.pid_gains()[:3]
+        assert all(g.shape == (1,) for g in got)
+        torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=1e-6, atol=1e-7)
+
+
 def test_learnable_gains_receive_gradients_and_match_fixed_at_init():
     cfg = PIDConfig.preset("lm")
     torch.manual_seed(0)

@@ -46,20 +46,23 @@ def hf_rows():
     return token_rows(HF_ROWS, seed=5)
 
 
-def llama_config():
+def llama_config(layers: int = 2):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
                        attn_implementation="pid")
 
 
-def llama_model(seed: int = 0):
+def llama_model(seed: int = 0, layers: int = 2):
     import pid_plugins.hf  # noqa: F401  (registers attn_implementation="pid")
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config())
+    return LlamaForCausalLM(llama_config(layers))
+
+
+HF_FSDP_LAYERS = 4  # the Trainer + FSDP2 run: a state lost between layers shows from the third layer on
 
 
 def token_rows(n: int, length: int = 16, seed: int = 0):
