@@ -43,7 +43,7 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
-from ..core import PIDConfig, PIDState, pid_update
+from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_update, scaled_gains
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "base_attention", "pid_attention_forward", "pid_mask",
@@ -57,6 +57,9 @@ BASES = ("sdpa", "eager", "flex_attention")
 _HOOKED = "_pid_plugins_hooked"
 _PLAN = "_pid_plugins_plan"
 _GAINS_SOURCE = "_pid_plugins_gains_config"
+WARMUP_ATTR = "pid_warmup"  # the outermost model's gain warm-up counter (a submodule: `pid_warmup.step`)
+_WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
+_WARMUP_MISSING_KEY = r"(^|\.)pid_warmup\.step$"
 _ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
 _EARLIER = "_pid_plugins_earlier"  # on self-attention modules: the indices of the earlier layers of its stack, nearest first
 _LOCK = threading.Lock()
@@ -76,11 +79,14 @@ class PIDForwardState:
     object is passed by reference by all of them (torch's pytree treats it as a leaf).
     """
 
-    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows")
+    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "scale", "gains")
 
-    def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None) -> None:
+    def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None,
+                 scale: Optional[Tensor] = None) -> None:
         self.config = config
         self.base = base
+        self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
+        self.gains = scaled_gains(config, scale)  # what every layer passes to pid_update
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
@@ -200,7 +206,7 @@ def pid_attention_forward(
         )
     earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier)
-    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.config, head_dim=-2)
+    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.gains, head_dim=-2)
     return u, weights
 
 
@@ -242,12 +248,17 @@ def _walk(module: nn.Module, prefix: str = ""):
 def _discover(model: PreTrainedModel) -> _Plan:
     """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface."""
     gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
+    warmup = _counter(model)
     base = base_attention(gains_source)
     order = 0
     stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
     for path, sub in _walk(model):
         if isinstance(sub, PreTrainedModel):
             sub.__dict__[_GAINS_SOURCE] = gains_source
+            if warmup is not None:
+                sub.__dict__[_WARMUP_SOURCE] = warmup
+            else:
+                sub.__dict__.pop(_WARMUP_SOURCE, None)
             if getattr(sub, "config", None) is not None:
                 setattr(sub.config, BASE_ATTR, base)
             continue
@@ -330,6 +341,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         return None
     gains_config = module.__dict__.get(_GAINS_SOURCE, config)
     gains = model_pid_config(gains_config)
+    scale = _warmup_scale(module, gains)
     base = base_attention(config)
     if module.training and torch.is_grad_enabled():
         _check_checkpointing(module)
@@ -341,7 +353,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     cache = kwargs.get("past_key_values")
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache))
+    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache), scale)
     return args, kwargs
 
 
@@ -349,6 +361,88 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Non
     run = kwargs.get("pid_state")
     if run is not None:
         run.finished = True
+    # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
+    # after the forward: checkpointed layers recompute with the scale their PIDForwardState holds
+    counter = module._modules.get(WARMUP_ATTR)
+    if counter is not None and module.training and getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        counter.advance()
+
+
+# ------------------------------------------------------------------------------------------------ gain warm-up
+def _counter(model: nn.Module) -> Optional[GainWarmup]:
+    """The warm-up counter a model's layers read: its own, or the outermost model's (set at discovery)."""
+    counter = model._modules.get(WARMUP_ATTR)
+    return counter if counter is not None else model.__dict__.get(_WARMUP_SOURCE)
+
+
+def _warmup_scale(module: nn.Module, gains: PIDConfig) -> Optional[Tensor]:
+    if not gains.warmup_steps:
+        return None
+    counter = _counter(module)
+    if counter is None:
+        raise ValueError(
+            f"config.pid sets warmup_steps={gains.warmup_steps} but {type(module).__name__} has no warm-up counter "
+            "(it was built before config.pid asked for warm-up): call pid_plugins.hf.to_pid(model) once to add it"
+        )
+    if counter.warmup_steps != gains.warmup_steps:  # config.pid changed after the model was built
+        counter.warmup_steps = gains.warmup_steps
+    return counter.scale()
+
+
+def _warmup_steps(config: Any) -> int:
+    raw = getattr(config, "pid", None)
+    if raw is None:
+        return 0
+    return PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET).warmup_steps
+
+
+def _init_weights_with_counter(model: PreTrainedModel, module: nn.Module) -> None:
+    """``model._init_weights`` that also initialises the warm-up counter: transformers' ``from_pretrained`` gives
+    a key the checkpoint lacks an uninitialised tensor and then calls ``_init_weights`` on its module, which the
+    model's own code does not know. ``zeros_`` of transformers' ``initialization`` leaves a counter loaded from
+    the checkpoint alone (flagged ``_is_hf_initialized``), so ``t`` is the checkpoint's, or 0 if it has none."""
+    if isinstance(module, GainWarmup):
+        from transformers import initialization
+
+        initialization.zeros_(module.step)
+        return
+    type(model)._init_weights(model, module)
+
+
+def _give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
+    model.__dict__["_init_weights"] = functools.partial(_init_weights_with_counter, model)
+    ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    model._keys_to_ignore_on_load_missing = {*(ignore or ()), _WARMUP_MISSING_KEY}
+    setattr(model, WARMUP_ATTR, counter)
+
+
+_ANY_COUNTER = [False]  # whether a warm-up counter was ever made (else registrations need no scan)
+
+
+def _attach_warmup(model: PreTrainedModel, config: Optional[PIDConfig] = None) -> None:
+    """Give ``model`` the counter its ``config.pid`` asks for (keeping an existing one's t), or remove it."""
+    current = model._modules.get(WARMUP_ATTR)
+    steps = config.warmup_steps if config is not None else _warmup_steps(model.config)
+    if not steps and current is None:
+        return
+    param = next(model.parameters(), None)
+    counter = make_warmup(PIDConfig(warmup_steps=steps), current, like=param)
+    if counter is None:
+        del model._modules[WARMUP_ATTR]
+        return
+    _ANY_COUNTER[0] = True
+    if counter is not current:
+        _give_counter(model, counter)
+
+
+def _adopt_counters(model: PreTrainedModel, submodule: nn.Module) -> None:
+    """Move the warm-up counters of models nested in ``submodule`` to ``model``: one counter, on the outermost
+    model, advanced once per forward of the whole model."""
+    for m in submodule.modules():
+        if isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
+            counter = m._modules.pop(WARMUP_ATTR)
+            if model._modules.get(WARMUP_ATTR) is None:
+                _give_counter(model, counter)
 
 
 def _hook(model: PreTrainedModel) -> None:
@@ -361,9 +455,15 @@ def _hook(model: PreTrainedModel) -> None:
 def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
     # PreTrainedModel.__init__ runs nn.Module.__init__ first, so the model's own first child registration
     # reaches here before any forward: every model built after the import carries the (inert) hook
-    if isinstance(module, PreTrainedModel) and not module.__dict__.get(_HOOKED, False):
+    if not isinstance(module, PreTrainedModel):
+        return
+    if not module.__dict__.get(_HOOKED, False):
         _hook(module)
         _persist(module.config)  # saved as "pid" whenever the model runs PID at save time, null otherwise
+        # the counter exists from construction on, so from_pretrained loads t (config.pid has warmup_steps > 0)
+        _attach_warmup(module)
+    if _ANY_COUNTER[0] and submodule is not None and not isinstance(submodule, GainWarmup):
+        _adopt_counters(module, submodule)
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
@@ -422,6 +522,7 @@ def install_pid_hooks(model: PreTrainedModel) -> PreTrainedModel:
                 _hook(m)
                 m.__dict__.pop(_PLAN, None)
                 m.__dict__.pop(_GAINS_SOURCE, None)
+                m.__dict__.pop(_WARMUP_SOURCE, None)
         for m in model.modules():  # outermost first: it hands its config (gains, base) to the nested models
             if isinstance(m, PreTrainedModel) and _PLAN not in m.__dict__:
                 _discover(m)
@@ -442,7 +543,7 @@ def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = Non
         if cfg.learnable:
             raise ValueError("learnable gains are not supported by the transformers adapter; use fixed gains")
         model.config.pid = cfg.to_dict()
-    model_pid_config(model.config)  # refuses learnable gains set directly in config.pid
+    _attach_warmup(model, model_pid_config(model.config))  # refuses learnable gains set directly in config.pid
     if base is not None and base not in BASES:
         raise ValueError(f"base attention {base!r} is not one of {BASES}")
     previous = getattr(model.config, BASE_ATTR, None)
