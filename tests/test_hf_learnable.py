@@ -287,3 +287,27 @@ def test_trainer_weight_decay_groups(tmp_path):
     assert ours[0.0] == plain[0.0] | gains and ours[0.1] == plain[0.1] - gains
     assert ph.decay_parameter_names(["a.weight", *gains]) == ["a.weight"]
     assert set(ph.gain_parameter_names(model)) == gains
+
+
+# ------------------------------------------------------------------------------------------ every family
+def test_every_family_builds_its_gains_where_discovery_finds_self_attention_and_uses_each_one():
+    """Built with a learnable config.pid, each family of test_hf_families gets gains on exactly the modules the
+    first forward's discovery marks as self-attention (none on cross-attention, no late additions), and one
+    backward reaches every gain (so DDP never meets an unused parameter)."""
+    from test_hf_families import FAMILIES, inputs, loss_of
+
+    from pid_plugins.hf import attention
+
+    for family, (make, cls, _, base, _) in FAMILIES.items():
+        config = make()
+        config.pid, config._attn_implementation, config.pid_attention_base = {"learnable": True}, "pid", base
+        torch.manual_seed(0)
+        model = cls(config).train()
+        built = sorted({n.rsplit(".pid_gains.", 1)[0] for n in gains_of(model)})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no gains added at the first forward
+            loss_of(model, family, inputs(family)).backward()
+        roles = {n: getattr(m, attention._ROLE, None) for n, m in model.named_modules()}
+        assert built == sorted(n for n, r in roles.items() if r is not None and r >= 0) and built, family
+        assert any(r == -1 for r in roles.values()) == (family in ("bart", "t5", "whisper")), family
+        assert all(p.grad is not None for p in gains_of(model).values()), family
