@@ -60,8 +60,9 @@ def test_one_gains_module_per_self_attention_layer_made_at_construction():
 
 # ------------------------------------------------------------------------------------ the rule in float64
 def reference_logits(stock, layer_gains, beta, x):
-    """The stock (SDPA, the PID base) Llama in float64 with the PID term added by hand to each layer's attention output (the
-    input of o_proj), from the values v_proj produced, per layer's own (lambda_p, lambda_i, lambda_d)."""
+    """The stock (SDPA, the PID base) Llama in float64 with the PID term added by hand to each layer's attention
+    output (the input of o_proj), from the values v_proj produced, with each layer's own (lambda_p, lambda_i,
+    lambda_d)."""
     heads, kv = stock.config.num_attention_heads, stock.config.num_key_value_heads
     d = stock.config.hidden_size // heads
     seen = {"v": [], "e": []}

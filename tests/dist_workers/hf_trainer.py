@@ -4,8 +4,9 @@ CPU, gloo, no downloads, no reporting. Every rank saves its final parameters and
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_trainer.py OUT [fsdp] [learnable]
 
 With ``fsdp``, the Trainer shards the model with accelerate's FSDP plugin, FSDP2 (``fsdp_version: 2``), one unit per
-decoder layer (``transformer_layer_cls_to_wrap``), with non-reentrant gradient checkpointing. With ``learnable``, the model has learnable gains
-(``config.pid = {"learnable": True}``), which DDP keeps in step like every other parameter.
+decoder layer (``transformer_layer_cls_to_wrap``), with non-reentrant gradient checkpointing. With ``learnable``,
+the model has learnable gains (``config.pid = {"learnable": True}``), which DDP keeps in step like every other
+parameter.
 """
 import sys
 from pathlib import Path
