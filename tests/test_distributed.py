@@ -195,7 +195,8 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
     """The Trainer on 2 CPU ranks. Plain DDP runs a model with learnable gains. Asked for FSDP2
     (``fsdp="full_shard auto_wrap"``, ``fsdp_version: 2``, with non-reentrant gradient checkpointing),
     accelerate 1.15 wraps the model in DDP all the same: its AcceleratorState turns the FSDP plugin on only for
-    accelerator backends (MULTI_GPU, MULTI_XPU, ...), never MULTI_CPU. The test records that, so the README's statement fails here the day accelerate shards on the CPU."""
+    accelerator backends (MULTI_GPU, MULTI_XPU, ...), never MULTI_CPU. The test records that, so the README's
+    statement fails here the day accelerate shards on the CPU."""
     pytest.importorskip("transformers")
     learnable = not fsdp
     launch(tmp_path, "hf_trainer", [str(DIST / "hf_trainer.py"), str(tmp_path), "fsdp" if fsdp else "learnable"],
