@@ -5,6 +5,7 @@ imports its zoo lazily and registers the PID variants declared in the registry.
 """
 from .catalogue import ModelEntry, get_model_entry, list_models
 from .core import (
+    GainWarmup,
     PIDConfig,
     PIDGains,
     PIDSelfAttention,
@@ -17,6 +18,6 @@ from .core import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "PIDConfig", "PIDState", "PIDGains", "pid_update", "expand_heads", "PIDSelfAttention", "sdpa_with_pid",
+    "PIDConfig", "PIDState", "PIDGains", "GainWarmup", "pid_update", "expand_heads", "PIDSelfAttention", "sdpa_with_pid",
     "ModelEntry", "list_models", "get_model_entry", "__version__",
 ]

@@ -21,11 +21,12 @@ def test_preset_with_overrides():
 
 
 @pytest.mark.parametrize("cfg", [PIDConfig(), PIDConfig(0.0, 0.0, 0.0, 1.0), PIDConfig(0.2, 0.9, 0.6, 0.3, True),
-                                 PIDConfig(control_first_layer=False)])
+                                 PIDConfig(control_first_layer=False), PIDConfig(warmup_steps=7)])
 def test_dict_round_trip(cfg):
     d = cfg.to_dict()
     assert d == {"lambda_p": cfg.lambda_p, "lambda_i": cfg.lambda_i, "lambda_d": cfg.lambda_d,
-                 "beta": cfg.beta, "learnable": cfg.learnable, "control_first_layer": cfg.control_first_layer}
+                 "beta": cfg.beta, "learnable": cfg.learnable, "control_first_layer": cfg.control_first_layer,
+                 "warmup_steps": cfg.warmup_steps}
     assert PIDConfig.from_dict(d) == cfg
     assert hash(PIDConfig.from_dict(d)) == hash(cfg)
 

@@ -312,3 +312,48 @@ def test_every_family_builds_its_gains_where_discovery_finds_self_attention_and_
         assert built == sorted(n for n, r in roles.items() if r is not None and r >= 0) and built, family
         assert any(r == -1 for r in roles.values()) == (family in ("bart", "t5", "whisper")), family
         assert all(p.grad is not None for p in gains_of(model).values()), family
+
+
+def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
+    """Learnable gains and warm-up together: t = 0 is the stock model bit for bit; at t = k the learned gains
+    are scaled by k/N (float64, against a fixed-gain model holding learned gains x k/N); training forwards
+    advance t once each."""
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(llama_config(pid={**LEARN, "warmup_steps": 4})).double()
+    spread_gains(model)
+    stock = T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")).double()
+    stock.load_state_dict({k: v for k, v in model.state_dict().items() if k in stock.state_dict()})
+    x = ids()
+    model.eval(), stock.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, stock(x).logits)  # t = 0
+    model.train()
+    for _ in range(3):
+        model(x).logits.sum().backward()
+    assert int(model.pid_warmup.step) == 3
+    model.eval()
+    fixed = []  # each layer's learned gains x 3/4
+    for i in range(3):
+        lp, li, ld = learned(model, f"model.layers.{i}.self_attn.pid_gains")
+        fixed.append((0.75 * lp, 0.75 * li, 0.75 * ld))
+    # each layer's call of the core rule must see its learned gains x 3/4 (beta and the first-layer rule fixed)
+    import pid_plugins.hf.attention as A
+
+    calls = []
+    original = A.pid_update
+
+    def check(out, value, state, gains, **kw):
+        layer = len(calls)
+        calls.append(layer)
+        want, _ = original(out, value, state, (*fixed[layer], 0.4, True), **kw)
+        got, new = original(out, value, state, gains, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        return got, new
+
+    A.pid_update = check
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        A.pid_update = original
+    assert calls == [0, 1, 2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -40,6 +41,11 @@ class PIDConfig:
             (the convention of the group's public NeuTRENO code): the first layer computes plain attention
             and only records the reference ``v^1``; from the second layer on ``e^l = beta v^1 - v^l``,
             ``S^l = e^2 + ... + e^l`` and the D term is zero at the second layer.
+        warmup_steps: gain warm-up for fine-tuning a pretrained model into PID (0, the default: off). With
+            ``N > 0`` the PID term is scaled by ``min(1, t / N)``, where ``t`` counts the model's
+            training-mode forward passes (a buffer in the model's state_dict, see
+            :class:`~pid_plugins.core.warmup.GainWarmup`): at ``t = 0`` the model computes the stock model,
+            at ``t = k`` the model with every gain scaled by ``k / N``.
 
     The defaults are the paper's ``deit`` preset.
     """
@@ -50,6 +56,7 @@ class PIDConfig:
     beta: float = 0.1
     learnable: bool = False
     control_first_layer: bool = True
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in (*_GAIN_FIELDS, "beta"):
@@ -75,6 +82,13 @@ class PIDConfig:
         for name in ("learnable", "control_first_layer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PIDConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        steps = self.warmup_steps
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+            raise ValueError(
+                f"PIDConfig.warmup_steps must be a whole number of training forward passes >= 0 (0: no warm-up), "
+                f"got {steps!r} ({type(steps).__name__})"
+            )
+        object.__setattr__(self, "warmup_steps", int(steps))
 
     # ----------------------------------------------------------------------------------------- presets
     @classmethod
@@ -98,7 +112,7 @@ class PIDConfig:
 
     # ------------------------------------------------------------------------------------- dict round trip
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict (floats and a bool) that :meth:`from_dict` turns back into an equal config."""
+        """A plain dict (floats, bools and an int) that :meth:`from_dict` turns back into an equal config."""
         return dataclasses.asdict(self)
 
     @classmethod

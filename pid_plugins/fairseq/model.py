@@ -33,7 +33,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
-from ..core import PIDConfig, PIDState, pid_update
+from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_term, pid_update, scaled_gains, warmup_scale
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
@@ -55,6 +55,9 @@ class PIDTransformerLanguageModelConfig(TransformerLanguageModelConfig):
     pid_control_first_layer: str = field(default="true", metadata={
         "help": "'true' (default): the first layer gets the PID term too (eq. 25 with sums from layer 1); 'false': "
                 "it computes plain attention and only records v^1 (NeuTRENO's convention)"})
+    pid_warmup_steps: int = field(default=0, metadata={
+        "help": "gain warm-up for fine-tuning into PID: the PID term is scaled by min(1, t/N), t counting training "
+                "forward passes (saved in the checkpoint: --restore-file continues it); 0 (default): off"})
 
 
 def pid_config_from_args(args: Any) -> Optional[PIDConfig]:
@@ -67,6 +70,7 @@ def pid_config_from_args(args: Any) -> Optional[PIDConfig]:
         lambda_p=safe_getattr(args, "pid_lambda_p", _LM.lambda_p), lambda_i=safe_getattr(args, "pid_lambda_i", _LM.lambda_i),
         lambda_d=safe_getattr(args, "pid_lambda_d", _LM.lambda_d), beta=safe_getattr(args, "pid_beta", _LM.beta),
         control_first_layer=_as_bool(safe_getattr(args, "pid_control_first_layer", "true"), "--pid-control-first-layer"),
+        warmup_steps=safe_getattr(args, "pid_warmup_steps", 0),
     )
 
 
@@ -121,6 +125,25 @@ class PIDMultiheadAttention(MultiheadAttention):
         out, state = pid_update(out, v_query, state, self.pid)
         return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), state
 
+    def forward_warmup(
+        self,
+        x: Tensor,
+        state: Optional[PIDState],
+        scale: Tensor,
+        incremental_state: IncrementalState = None,
+        attn_mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, PIDState]:
+        """Under gain warm-up: fairseq's own attention (its fused kernel and cache) plus the PID term scaled by
+        ``scale`` through the output projection's weight, so a zero scale is the stock layer exactly."""
+        out, _ = MultiheadAttention.forward(self, query=x, key=x, value=x, key_padding_mask=key_padding_mask,
+                                            incremental_state=incremental_state, need_weights=False,
+                                            attn_mask=attn_mask)
+        T, B, C = x.shape
+        v = self.v_proj(x).view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        term, state = pid_term(v, state, scaled_gains(self.pid, scale))
+        return out + F.linear(term.permute(2, 0, 1, 3).reshape(T, B, C), self.out_proj.weight), state
+
 
 class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
     """fairseq's decoder layer (language-model use: no encoder attention) returning the PID state too."""
@@ -138,6 +161,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         need_attn: bool = False,
         need_head_weights: bool = False,
         pid_state: Optional[PIDState] = None,
+        pid_scale: Optional[Tensor] = None,
     ):
         pid = self.self_attn.pid
         if pid is None or pid.is_zero:
@@ -149,8 +173,12 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        x, pid_state = self.self_attn.forward_pid(x, pid_state, incremental_state, self_attn_mask,
-                                                  self_attn_padding_mask)
+        if pid_scale is not None:  # gain warm-up
+            x, pid_state = self.self_attn.forward_warmup(x, pid_state, pid_scale, incremental_state, self_attn_mask,
+                                                         self_attn_padding_mask)
+        else:
+            x, pid_state = self.self_attn.forward_pid(x, pid_state, incremental_state, self_attn_mask,
+                                                      self_attn_padding_mask)
         if self.c_attn is not None:
             T, B = x.size(0), x.size(1)
             x = torch.einsum("tbhd,h->tbhd", x.view(T, B, self.nh, self.head_dim), self.c_attn).reshape(T, B, -1)
@@ -213,13 +241,14 @@ class PIDTransformerDecoder(TransformerDecoder):
         attn: Optional[Tensor] = None
         inner_states: List[Optional[Tensor]] = [x]
         state: Optional[PIDState] = None
+        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward of the decoder
         for idx, layer in enumerate(self.layers):
             self_attn_mask = (self.buffered_future_mask(x)
                               if incremental_state is None and not full_context_alignment else None)
             x, layer_attn, _, state = layer(
                 x, enc, padding_mask, incremental_state, self_attn_mask=self_attn_mask,
                 self_attn_padding_mask=self_attn_padding_mask, need_attn=bool(idx == alignment_layer),
-                need_head_weights=bool(idx == alignment_layer), pid_state=state,
+                need_head_weights=bool(idx == alignment_layer), pid_state=state, pid_scale=scale,
             )
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:
@@ -251,6 +280,9 @@ def to_pid_decoder(decoder: TransformerDecoder, pid: Optional[PIDConfig]) -> Tra
         layer.self_attn.pid = pid
     decoder.__class__ = PIDTransformerDecoder
     decoder.pid = pid
+    #: the gain warm-up counter (``--pid-warmup-steps N``), advanced once per training forward
+    decoder.pid_warmup = make_warmup(pid, decoder._modules.get("pid_warmup"),
+                                     like=next(decoder.parameters()))
     return decoder
 
 

@@ -46,7 +46,7 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
-from ..core import PIDConfig, PIDState, pid_update
+from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_update, scaled_gains
 from . import gains as learned_gains
 
 __all__ = [
@@ -61,6 +61,9 @@ BASES = ("sdpa", "eager", "flex_attention")
 _HOOKED = "_pid_plugins_hooked"
 _PLAN = "_pid_plugins_plan"
 _GAINS_SOURCE = "_pid_plugins_gains_config"
+WARMUP_ATTR = "pid_warmup"  # the outermost model's gain warm-up counter (a submodule: `pid_warmup.step`)
+_WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
+_WARMUP_MISSING_KEY = r"(^|\.)pid_warmup\.step$"
 _ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
 _EARLIER = "_pid_plugins_earlier"  # on self-attention modules: the indices of the earlier layers of its stack, nearest first
 _LOCK = threading.Lock()
@@ -80,11 +83,14 @@ class PIDForwardState:
     object is passed by reference by all of them (torch's pytree treats it as a leaf).
     """
 
-    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows")
+    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "scale", "gains")
 
-    def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None) -> None:
+    def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None,
+                 scale: Optional[Tensor] = None) -> None:
         self.config = config
         self.base = base
+        self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
+        self.gains = scaled_gains(config, scale)  # what every layer passes to pid_update
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
@@ -185,8 +191,8 @@ def pid_attention_forward(
     out, weights = _base_function(module, run.base)(module, query, key, value, attention_mask, **kwargs)
     if run.config.is_zero:
         return out, weights
-    gains: Any = run.config
-    if gains.learnable:  # this layer's lambda_p, lambda_i, lambda_d; beta and the first-layer rule from config.pid
+    gains: Any = run.gains  # the config's gains, scaled by the warm-up if any
+    if run.config.learnable:  # this layer's lambda_p, lambda_i, lambda_d; beta and the first-layer rule from config.pid
         layer = getattr(module, learned_gains.GAINS_ATTR, None)
         if layer is None:
             raise RuntimeError(
@@ -194,7 +200,7 @@ def pid_attention_forward(
                 f"{learned_gains.GAINS_ATTR}: call pid_plugins.hf.to_pid(model) to add them"
             )
         lp, li, ld, _, _ = layer()
-        gains = (lp, li, ld, gains.beta, gains.control_first_layer)
+        gains = scaled_gains((lp, li, ld, run.config.beta, run.config.control_first_layer), run.scale)
     q_len = query.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
         v_q = value[:, :, value.shape[-2] - q_len:]
@@ -272,6 +278,7 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
     """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface.
     With learnable gains, give every self-attention module its gains if it has none (and cross-attention none)."""
     gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
+    warmup = _counter(model)
     base = base_attention(gains_source)
     learnable: Optional[PIDConfig] = model_pid_config(gains_source)
     learnable = learnable if learnable.learnable else None
@@ -281,6 +288,10 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
     for path, sub in _walk(model):
         if isinstance(sub, PreTrainedModel):
             sub.__dict__[_GAINS_SOURCE] = gains_source
+            if warmup is not None:
+                sub.__dict__[_WARMUP_SOURCE] = warmup
+            else:
+                sub.__dict__.pop(_WARMUP_SOURCE, None)
             if getattr(sub, "config", None) is not None:
                 setattr(sub.config, BASE_ATTR, base)
             continue
@@ -380,6 +391,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if gains.learnable and not plan.learnable:  # config.pid became learnable after discovery
         with _LOCK:
             plan = _discover(module, at_forward=True)
+    scale = _warmup_scale(module, gains)
     base = base_attention(config)
     if module.training and torch.is_grad_enabled():
         _check_checkpointing(module)
@@ -391,7 +403,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     cache = kwargs.get("past_key_values")
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache))
+    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache), scale)
     return args, kwargs
 
 
@@ -399,6 +411,88 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Non
     run = kwargs.get("pid_state")
     if run is not None:
         run.finished = True
+    # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
+    # after the forward: checkpointed layers recompute with the scale their PIDForwardState holds
+    counter = module._modules.get(WARMUP_ATTR)
+    if counter is not None and module.training and getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        counter.advance()
+
+
+# ------------------------------------------------------------------------------------------------ gain warm-up
+def _counter(model: nn.Module) -> Optional[GainWarmup]:
+    """The warm-up counter a model's layers read: its own, or the outermost model's (set at discovery)."""
+    counter = model._modules.get(WARMUP_ATTR)
+    return counter if counter is not None else model.__dict__.get(_WARMUP_SOURCE)
+
+
+def _warmup_scale(module: nn.Module, gains: PIDConfig) -> Optional[Tensor]:
+    if not gains.warmup_steps:
+        return None
+    counter = _counter(module)
+    if counter is None:
+        raise ValueError(
+            f"config.pid sets warmup_steps={gains.warmup_steps} but {type(module).__name__} has no warm-up counter "
+            "(it was built before config.pid asked for warm-up): call pid_plugins.hf.to_pid(model) once to add it"
+        )
+    if counter.warmup_steps != gains.warmup_steps:  # config.pid changed after the model was built
+        counter.warmup_steps = gains.warmup_steps
+    return counter.scale()
+
+
+def _warmup_steps(config: Any) -> int:
+    raw = getattr(config, "pid", None)
+    if raw is None:
+        return 0
+    return PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET).warmup_steps
+
+
+def _init_weights_with_counter(model: PreTrainedModel, module: nn.Module) -> None:
+    """``model._init_weights`` that also initialises the warm-up counter: transformers' ``from_pretrained`` gives
+    a key the checkpoint lacks an uninitialised tensor and then calls ``_init_weights`` on its module, which the
+    model's own code does not know. ``zeros_`` of transformers' ``initialization`` leaves a counter loaded from
+    the checkpoint alone (flagged ``_is_hf_initialized``), so ``t`` is the checkpoint's, or 0 if it has none."""
+    if isinstance(module, GainWarmup):
+        from transformers import initialization
+
+        initialization.zeros_(module.step)
+        return
+    type(model)._init_weights(model, module)
+
+
+def _give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
+    model.__dict__["_init_weights"] = functools.partial(_init_weights_with_counter, model)
+    ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    model._keys_to_ignore_on_load_missing = {*(ignore or ()), _WARMUP_MISSING_KEY}
+    setattr(model, WARMUP_ATTR, counter)
+
+
+_ANY_COUNTER = [False]  # whether a warm-up counter was ever made (else registrations need no scan)
+
+
+def _attach_warmup(model: PreTrainedModel, config: Optional[PIDConfig] = None) -> None:
+    """Give ``model`` the counter its ``config.pid`` asks for (keeping an existing one's t), or remove it."""
+    current = model._modules.get(WARMUP_ATTR)
+    steps = config.warmup_steps if config is not None else _warmup_steps(model.config)
+    if not steps and current is None:
+        return
+    param = next(model.parameters(), None)
+    counter = make_warmup(PIDConfig(warmup_steps=steps), current, like=param)
+    if counter is None:
+        del model._modules[WARMUP_ATTR]
+        return
+    _ANY_COUNTER[0] = True
+    if counter is not current:
+        _give_counter(model, counter)
+
+
+def _adopt_counters(model: PreTrainedModel, submodule: nn.Module) -> None:
+    """Move the warm-up counters of models nested in ``submodule`` to ``model``: one counter, on the outermost
+    model, advanced once per forward of the whole model."""
+    for m in submodule.modules():
+        if isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
+            counter = m._modules.pop(WARMUP_ATTR)
+            if model._modules.get(WARMUP_ATTR) is None:
+                _give_counter(model, counter)
 
 
 def _hook(model: PreTrainedModel) -> None:
@@ -416,6 +510,10 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
     if not module.__dict__.get(_HOOKED, False):
         _hook(module)
         _persist(module.config)  # saved as "pid" whenever the model runs PID at save time, null otherwise
+        # the counter exists from construction on, so from_pretrained loads t (config.pid has warmup_steps > 0)
+        _attach_warmup(module)
+    if _ANY_COUNTER[0] and submodule is not None and not isinstance(submodule, GainWarmup):
+        _adopt_counters(module, submodule)
     if submodule is not None and not isinstance(submodule, PreTrainedModel):
         _attach_gains_at_construction(module, name, submodule)
 
@@ -490,6 +588,7 @@ def install_pid_hooks(model: PreTrainedModel) -> PreTrainedModel:
                 _hook(m)
                 m.__dict__.pop(_PLAN, None)
                 m.__dict__.pop(_GAINS_SOURCE, None)
+                m.__dict__.pop(_WARMUP_SOURCE, None)
         for m in model.modules():  # outermost first: it hands its config (gains, base) to the nested models
             if isinstance(m, PreTrainedModel) and _PLAN not in m.__dict__:
                 _discover(m)
@@ -511,6 +610,7 @@ def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = Non
     if not model_pid_config(model.config).learnable:  # fixed gains: learned ones would be left unused
         for m in model.modules():
             learned_gains.detach(m)
+    _attach_warmup(model, model_pid_config(model.config))
     if base is not None and base not in BASES:
         raise ValueError(f"base attention {base!r} is not one of {BASES}")
     previous = getattr(model.config, BASE_ATTR, None)

@@ -9,7 +9,7 @@ from torch import Tensor
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
-from ..core import PIDConfig, PIDState
+from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, warmup_scale
 from .vit import PIDTransformerEncoderLayer
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
@@ -36,6 +36,8 @@ class PIDSegmenterMaskTransformerHead(SegmenterMaskTransformerHead):
         if attention == "softmax" and pid is not None:
             raise ValueError("decode_head pid=... is set but attention='softmax': set attention='pid' to use it")
         self.pid: Optional[PIDConfig] = None
+        #: the gain warm-up counter (``pid=dict(warmup_steps=N)``), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = None
         if attention == "pid":
             self.pid = PIDConfig.coerce(pid, default="segmenter")
             if self.pid.learnable:
@@ -43,6 +45,7 @@ class PIDSegmenterMaskTransformerHead(SegmenterMaskTransformerHead):
             for layer in self.layers:
                 layer.__class__ = PIDTransformerEncoderLayer
                 layer.pid = self.pid
+            self.pid_warmup = make_warmup(self.pid, like=self.cls_emb)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:
         if self.pid is None:
@@ -52,8 +55,9 @@ class PIDSegmenterMaskTransformerHead(SegmenterMaskTransformerHead):
         x = self.dec_proj(x.permute(0, 2, 3, 1).contiguous().view(b, -1, c))
         x = torch.cat((x, self.cls_emb.expand(x.size(0), -1, -1)), 1)
         state: Optional[PIDState] = None
+        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward
         for layer in self.layers:
-            x, state = layer(x, state)
+            x, state = layer(x, state, scale)
         x = self.decoder_norm(x)
         patches = F.normalize(self.patch_proj(x[:, :-self.num_classes]), dim=2, p=2)
         cls_seg_feat = F.normalize(self.classes_proj(x[:, -self.num_classes:]), dim=2, p=2)

@@ -19,7 +19,7 @@ from mmengine.logging import print_log
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
 from mmseg.registry import MODELS
 
-from ..core import PIDConfig, PIDState, sdpa_with_pid
+from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_term, scaled_gains, sdpa_with_pid, warmup_scale
 from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg"]
@@ -42,10 +42,32 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
         out, state = sdpa_with_pid(q, k, v, state, self.pid, dropout_p=mha.dropout if self.training else 0.0)
         return mha.out_proj(out.transpose(1, 2).reshape(B, N, C)), state
 
-    def forward(self, x: Tensor, state: Optional[PIDState] = None) -> Tuple[Tensor, Optional[PIDState]]:  # type: ignore[override]
+    def _warmup_attention(self, x: Tensor, state: Optional[PIDState], scale: Tensor) -> Tuple[Tensor, PIDState]:
+        """Under gain warm-up: mmcv's own attention (before its dropout and residual, as mmcv computes it) plus
+        the scaled PID term through the output projection's weight, so a zero scale is the stock layer exactly."""
+        a = self.attn
+        mha = a.attn
+        B, N, C = x.shape
+        q = x.transpose(0, 1) if a.batch_first else x
+        out = mha(query=q, key=q, value=q, attn_mask=None, key_padding_mask=None)[0]
+        out = out.transpose(0, 1) if a.batch_first else out
+        v = torch.nn.functional.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None
+                                       else mha.in_proj_bias[2 * C:])
+        term, state = pid_term(v.reshape(B, N, mha.num_heads, C // mha.num_heads).transpose(1, 2), state,
+                               scaled_gains(self.pid, scale))
+        return out + torch.nn.functional.linear(term.transpose(1, 2).reshape(B, N, C), mha.out_proj.weight), state
+
+    def forward(self, x: Tensor, state: Optional[PIDState] = None,  # type: ignore[override]
+                scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[PIDState]]:
+        """``scale``: the gain warm-up scale of this forward (None: no warm-up)."""
         def inner(x: Tensor, *state_tensors: Tensor) -> Tuple[Tensor, ...]:
             if self.pid is None or self.pid.is_zero:
                 return (self.ffn(self.norm2(y := self.attn(self.norm1(x), identity=x)), identity=y),)
+            if scale is not None:
+                out, new_state = self._warmup_attention(self.norm1(x), PIDState(*state_tensors) if state_tensors
+                                                        else None, scale)
+                x = x + self.attn.dropout_layer(self.attn.proj_drop(out))
+                return (self.ffn(self.norm2(x), identity=x), *new_state)
             out, new_state = self._attention(self.norm1(x), PIDState(*state_tensors) if state_tensors else None)
             x = x + self.attn.dropout_layer(self.attn.proj_drop(out))
             return (self.ffn(self.norm2(x), identity=x), *new_state)
@@ -113,6 +135,8 @@ class PIDVisionTransformer(VisionTransformer):
             if config.learnable:
                 raise ValueError("learnable gains are not supported by the mmseg backbone; use fixed gains")
         self.pid = config
+        #: the gain warm-up counter (``pid=dict(warmup_steps=N)``), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = make_warmup(config, like=self.pos_embed)
         for layer in self.layers:
             layer.__class__ = PIDTransformerEncoderLayer
             layer.pid = config
@@ -138,6 +162,10 @@ class PIDVisionTransformer(VisionTransformer):
         state_dict = {k[len("backbone."):] if k.startswith("backbone.") else k: v for k, v in state_dict.items()}
         if any(k.startswith("blocks.") for k in state_dict):
             state_dict = timm_vit_to_mmseg(state_dict)
+        # pretrained weights start a new training run: its warm-up starts at t = 0, whatever the checkpoint's was
+        state_dict.pop("pid_warmup.step", None)
+        if self.pid_warmup is not None:
+            state_dict["pid_warmup.step"] = torch.zeros_like(self.pid_warmup.step)
         if "pos_embed" in state_dict and state_dict["pos_embed"].shape != self.pos_embed.shape:
             h, w = self.img_size
             pos_size = int(math.sqrt(state_dict["pos_embed"].shape[1] - 1))
@@ -175,8 +203,9 @@ class PIDVisionTransformer(VisionTransformer):
         if self.out_origin:
             outs.append(self._output(x, hw_shape))
         state: Optional[PIDState] = None
+        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward (outside the checkpointed layers)
         for i, layer in enumerate(self.layers):
-            x, state = layer(x, state)
+            x, state = layer(x, state, scale)
             if i == len(self.layers) - 1 and self.final_norm:
                 x = self.norm1(x)
             if i in self.out_indices:

@@ -4,6 +4,7 @@ pretrained sources, strict key checks, and registration of the catalogue's entri
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -14,7 +15,7 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
-from ..core import PIDConfig, PIDState, layer_gains, pid_update
+from ..core import PIDConfig, PIDState, layer_gains, pid_update, scaled_gains
 
 ATTENTION_CHOICES = ("pid", "softmax")
 
@@ -29,15 +30,18 @@ def resolve_pid(pid: Any = None, attention: str = "pid", default: Union[PIDConfi
 
 
 @register_notrace_function
-def pid_step(layer: nn.Module, attn_out: Tensor, value: Tensor, state: Optional[PIDState]) -> Tuple[Tensor, PIDState]:
-    """The PID update of one attention ``layer`` (its ``pid`` config and ``pid_gains``).
+def pid_step(
+    layer: nn.Module, attn_out: Tensor, value: Tensor, state: Optional[PIDState], scale: Optional[Tensor] = None,
+) -> Tuple[Tensor, PIDState]:
+    """The PID update of one attention ``layer`` (its ``pid`` config and ``pid_gains``), its gains multiplied by
+    the model's warm-up ``scale`` for this forward (None: no warm-up).
 
     Registered with timm's ``register_notrace_function``: torch.fx (timm's and torchvision's feature
     extraction) records it as one call instead of tracing into :func:`pid_update`, whose shape checks are
     Python control flow. Its result is a tuple: index it (``res[0]``) or unpack it into a fixed number of
     names; ``*rest`` unpacking of a traced value is not possible.
     """
-    return pid_update(attn_out, value, state, layer_gains(layer.pid, layer.pid_gains))
+    return pid_update(attn_out, value, state, scaled_gains(layer_gains(layer.pid, layer.pid_gains), scale))
 
 
 def state_outputs(state: Optional[PIDState]) -> Tuple[Any, ...]:
@@ -57,19 +61,24 @@ def run_blocks(
     use_checkpoint: bool,
     take_indices: Optional[Sequence[int]] = None,
     norm: Optional[nn.Module] = None,
+    pid_scale: Optional[Tensor] = None,
     **kwargs: Any,
 ) -> Tuple[Tensor, List[Tensor]]:
     """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a PID group, threading the state.
 
     Optionally under timm's ``checkpoint`` (then ``kwargs`` must be empty). Returns the output and the
     block outputs at ``take_indices`` (after ``norm`` if given). Block outputs are indexed, never
-    ``*``-unpacked, so torch.fx can trace the loop.
+    ``*``-unpacked, so torch.fx can trace the loop. ``pid_scale`` (the warm-up scale of this forward) reaches
+    every block as the keyword ``pid_scale``; under checkpointing it is bound to the block (a value computed
+    once per forward, so the recomputation sees the same scale).
     """
     state: Tuple[Any, ...] = ()
     intermediates: List[Tensor] = []
+    if pid_scale is not None:
+        kwargs = dict(kwargs, pid_scale=pid_scale)
     for i, blk in enumerate(blocks):
         if use_checkpoint and not torch.jit.is_scripting():
-            out = checkpoint(blk, x, *args, *state)
+            out = checkpoint(blk if pid_scale is None else partial(blk, pid_scale=pid_scale), x, *args, *state)
         else:
             out = blk(x, *args, *state, **kwargs)
         x, state = out[0], tuple(out[1:])
@@ -121,7 +130,8 @@ def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
 
 
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
-    """Fill learnable PID gains a softmax checkpoint lacks; raise listing missing/unexpected keys.
+    """Fill learnable PID gains and the warm-up counter a softmax checkpoint lacks; raise listing
+    missing/unexpected keys.
 
     Classifier keys that timm's ``load_pretrained`` is about to drop (the model's ``num_classes`` differs
     from the pretrained cfg's) are not counted: the new head keeps its fresh initialisation, as in timm.
@@ -130,6 +140,8 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
     for name, value in expected.items():
         if ".pid_gains." in name and name not in out:
             out[name] = value.detach().clone()
+        elif name == "pid_warmup.step" and name not in out:  # no warm-up counter in the checkpoint: t starts at 0
+            out[name] = torch.zeros_like(value)
     dropped = _dropped_classifier_keys(model, set(expected) | set(out))
     missing = sorted(set(expected) - set(out) - dropped)
     unexpected = sorted(set(out) - set(expected) - dropped)

@@ -34,7 +34,7 @@ from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, Positiona
 from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import PIDConfig, PIDGains, PIDState
+from ..core import GainWarmup, PIDConfig, PIDGains, PIDState, make_warmup, warmup_scale
 from ._helpers import (
     catalogue_entries, check_pretrained_source, finish_state_dict, pid_step, register_entries, resolve_pid, run_blocks,
     state_outputs, unwrap_state_dict,
@@ -84,7 +84,8 @@ class TokenMixing(nn.Module):
             PIDGains(pid).to(device=ref.device, dtype=ref.dtype) if pid is not None and pid.learnable else None
         )
 
-    def forward(self, x: Tensor, state: Optional[PIDState] = None) -> Tuple[Tensor, Optional[PIDState]]:
+    def forward(self, x: Tensor, state: Optional[PIDState] = None,
+                pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[PIDState]]:
         B, N, C = x.shape
         q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
@@ -93,7 +94,7 @@ class TokenMixing(nn.Module):
         else:
             out = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
         if self.pid is not None:
-            out, state = pid_step(self, out, v, state)
+            out, state = pid_step(self, out, v, state, pid_scale)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C))), state
 
 
@@ -183,8 +184,8 @@ class FANBlock(nn.Module):
         self.gamma1 = nn.Parameter(eta * torch.ones(dim, **dd))
         self.gamma2 = nn.Parameter(eta * torch.ones(dim, **dd))
 
-    def forward(self, x: Tensor, H: int, W: int, *state: Tensor) -> Tuple[Tensor, ...]:
-        y, new_state = self.attn(self.norm1(x), PIDState(*state) if state else None)
+    def forward(self, x: Tensor, H: int, W: int, *state: Tensor, pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, ...]:
+        y, new_state = self.attn(self.norm1(x), PIDState(*state) if state else None, pid_scale)
         x = x + self.drop_path(self.gamma1 * y)
         x = x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), H, W))
         return (x,) + state_outputs(new_state)
@@ -233,6 +234,8 @@ class FAN(nn.Module):
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
         act_layer = get_act_layer(act_layer) or nn.GELU
         self.pid = resolve_pid(pid, attention)
+        #: the gain warm-up counter (``PIDConfig.warmup_steps > 0``), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = make_warmup(self.pid, like=torch.empty(0, device=device))
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
@@ -311,6 +314,7 @@ class FAN(nn.Module):
         for blk in self.blocks:
             blk.attn.set_pid(pid)
         self.pid = pid
+        self.pid_warmup = make_warmup(pid, self.pid_warmup, like=next(self.parameters()))
 
     def _embed(self, x: Tensor) -> Tuple[Tensor, int, int]:
         B = x.shape[0]
@@ -321,7 +325,9 @@ class FAN(nn.Module):
 
     def _blocks_forward(self, x: Tensor, Hp: int, Wp: int, blocks: nn.Module,
                         take_indices: Optional[List[int]] = None, norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
-        return run_blocks(blocks, x, (Hp, Wp), self.grad_checkpointing, take_indices, self.norm if norm else None)
+        # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
+        return run_blocks(blocks, x, (Hp, Wp), self.grad_checkpointing, take_indices, self.norm if norm else None,
+                          pid_scale=warmup_scale(self.pid_warmup))
 
     def forward_cls(self, x: Tensor) -> Tensor:
         """Prepend the class token and run the (softmax) class-attention blocks."""

@@ -25,7 +25,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import PIDConfig, PIDGains, PIDState
+from ..core import GainWarmup, PIDConfig, PIDGains, PIDState, make_warmup, warmup_scale
 from ._helpers import (
     catalogue_entries, check_pretrained_source, finish_state_dict, pid_step, register_entries, resolve_pid, run_blocks,
     state_outputs,
@@ -67,6 +67,7 @@ class PIDAttention(Attention):
         state: Optional[PIDState] = None,
         attn_mask: Optional[Tensor] = None,
         is_causal: bool = False,
+        pid_scale: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[PIDState]]:
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
@@ -82,7 +83,7 @@ class PIDAttention(Attention):
             scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
             out = self.attn_drop(scores.softmax(dim=-1)) @ v
         if self.pid is not None:
-            out, state = pid_step(self, out, v, state)
+            out, state = pid_step(self, out, v, state, pid_scale)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
@@ -102,10 +103,12 @@ class PIDBlock(Block):
         self.attn.set_pid(pid)
 
     def forward(
-        self, x: Tensor, *state: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False
+        self, x: Tensor, *state: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+        pid_scale: Optional[Tensor] = None,
     ) -> Tuple[Tensor, ...]:
         y, new_state = self.attn(
-            self.norm1(x), PIDState(*state) if state else None, attn_mask=attn_mask, is_causal=is_causal
+            self.norm1(x), PIDState(*state) if state else None, attn_mask=attn_mask, is_causal=is_causal,
+            pid_scale=pid_scale,
         )
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -134,6 +137,8 @@ class _PIDViTMixin:
             )
         super().__init__(*args, block_fn=partial(PIDBlock, pid=config), **kwargs)
         self.pid = config
+        #: the gain warm-up counter (``PIDConfig.warmup_steps > 0``), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = make_warmup(config, like=next(self.parameters()))
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -152,7 +157,9 @@ class _PIDViTMixin:
     ) -> Tuple[Tensor, List[Tensor]]:
         use_checkpoint = self.grad_checkpointing and attn_mask is None and not is_causal
         kwargs = {} if use_checkpoint else dict(attn_mask=attn_mask, is_causal=is_causal)
-        return run_blocks(blocks, x, (), use_checkpoint, take_indices, self.norm if norm else None, **kwargs)
+        # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
+        return run_blocks(blocks, x, (), use_checkpoint, take_indices, self.norm if norm else None,
+                          pid_scale=warmup_scale(self.pid_warmup), **kwargs)
 
     def forward_features(
         self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False
@@ -278,6 +285,7 @@ def to_pid(model: VisionTransformer, config: Any = None, *, attention: str = "pi
         for blk in model.blocks:
             blk.attn.set_pid(pid)
         model.pid = pid
+        model.pid_warmup = make_warmup(pid, model.pid_warmup, like=next(model.parameters()))
         return model
     target = _STOCK_CLASSES.get(type(model))
     if target is None:
@@ -304,6 +312,7 @@ def to_pid(model: VisionTransformer, config: Any = None, *, attention: str = "pi
         blk.attn.__class__ = PIDAttention
         blk.attn.set_pid(pid)
     model.pid = pid
+    model.pid_warmup = make_warmup(pid, like=next(model.parameters()))
     return model
 
 

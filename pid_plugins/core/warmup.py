@@ -1,0 +1,118 @@
+"""Gain warm-up: the PID term scaled by ``min(1, t / N)`` while a model is fine-tuned into PID.
+
+``PIDConfig(warmup_steps=N)`` with ``N > 0`` gives a model one :class:`GainWarmup`: a module holding ``t``, the
+number of training-mode forward passes of the whole model so far, as a persistent int64 buffer (``step``), so it
+is saved, reloaded, resumed, broadcast by DDP and copied by EMA like any buffer. Each adapter calls the counter
+once per forward of the whole model, outside any checkpointed region (recomputation does not advance it), and
+passes the scale it returns down to the layers as a value; the layers scale the gains they hand to
+:func:`~pid_plugins.core.control.pid_update` with :func:`scaled_gains`.
+
+* At ``t = 0`` the scale is 0: the PID term is ``0 * term`` added to the attention output, i.e. the stock model.
+* A forward uses the scale of the current ``t``; a training-mode forward then advances ``t`` by one. After ``k``
+  training forwards the model is the one whose gains are scaled by ``k / N`` (and by 1 from ``k = N`` on).
+* ``t`` and the scale are tensors: a compiled model does not recompile as ``t`` advances.
+* A state_dict without the counter (a softmax checkpoint, or one saved before warm-up existed) loads strictly:
+  the counter starts at 0.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .config import PIDConfig
+
+__all__ = ["GainWarmup", "make_warmup", "scaled_gains", "warmup_scale", "pid_term"]
+
+
+class GainWarmup(nn.Module):
+    """The warm-up counter of one model: ``step`` (t, int64 buffer) and ``warmup_steps`` (N > 0).
+
+    Calling it returns this forward's scale ``min(1, t / N)`` (a 0-dim float tensor on the buffer's device,
+    float64 except on MPS) and, in training mode, then advances ``t`` by one. :meth:`scale` and
+    :meth:`advance` are the two halves, for adapters that read the scale and advance at different places.
+    """
+
+    def __init__(self, warmup_steps: int) -> None:
+        super().__init__()
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
+            raise ValueError(f"GainWarmup needs warmup_steps > 0 (an int), got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def scale(self) -> Tensor:
+        """``min(1, t / N)`` as a 0-dim tensor (reads ``t``; a fresh tensor, unaffected by later advances)."""
+        dtype = torch.float32 if self.step.device.type == "mps" else torch.float64
+        return self.step.clamp(max=self.warmup_steps).to(dtype) / self.warmup_steps
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """``t += 1`` in training mode (in place, on the buffer's device: no host synchronisation)."""
+        if self.training:
+            self.step.add_(1)
+
+    def forward(self) -> Tensor:
+        scale = self.scale()
+        self.advance()
+        return scale
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        # a checkpoint without the counter (softmax, or saved before warm-up): t starts at 0, strict load passes
+        if prefix + "step" not in state_dict:
+            state_dict[prefix + "step"] = torch.zeros((), dtype=torch.long)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"warmup_steps={self.warmup_steps}"
+
+
+def make_warmup(config: Optional[PIDConfig], current: Optional[GainWarmup] = None,
+                like: Optional[Tensor] = None) -> Optional[GainWarmup]:
+    """The counter a model built with ``config`` carries: None without warm-up (the model has no counter and
+    its state_dict is unchanged). ``current`` (a model's existing counter, when it is reconfigured) is kept if
+    ``N`` is unchanged, else its ``t`` carries over to the new counter. ``like``: a tensor of the model (device)."""
+    steps = config.warmup_steps if config is not None else 0
+    if not steps:
+        return None
+    if current is not None and current.warmup_steps == steps:
+        return current
+    counter = GainWarmup(steps)
+    if current is not None:
+        counter.step = current.step.clone()
+    elif like is not None:
+        counter.to(like.device)
+    counter.train(current.training if current is not None else True)
+    return counter
+
+
+def warmup_scale(counter: Optional[GainWarmup]) -> Optional[Tensor]:
+    """``counter()`` (this forward's scale, advancing ``t`` in training mode), or None without a counter."""
+    return counter() if counter is not None else None
+
+
+def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
+    """``gains`` (a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``) with
+    the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None (no warm-up: fixed gains stay
+    Python floats, so :func:`pid_update` keeps its fast path)."""
+    if scale is None:
+        return gains
+    if isinstance(gains, PIDConfig):
+        lp, li, ld, beta, first = (*gains.gains, gains.control_first_layer)
+    else:
+        values = tuple(gains)
+        lp, li, ld, beta = values[:4]
+        first = values[4] if len(values) > 4 else True
+    return (lp * scale, li * scale, ld * scale, beta, first)
+
+
+def pid_term(value: Tensor, state: Any, gains: Any) -> tuple[Tensor, Any]:
+    """The PID term alone (``pid_update`` of a zero attention output): ``(term, new_state)``.
+
+    For adapters whose stock attention is a fused kernel the PID path does not reproduce bit for bit (mmcv's and
+    fairseq's ``MultiheadAttention``): under warm-up they run the stock attention and add the term projected by
+    the output projection's weight, so a zero scale gives the stock output exactly.
+    """
+    from .control import pid_update
+
+    return pid_update(torch.zeros_like(value), value, state, gains)

@@ -1,0 +1,430 @@
+"""Gain warm-up, PIDConfig(warmup_steps=N), in every zoo: the PID term scaled by min(1, t/N), t counting the whole
+model's training-mode forward passes (a buffer in its state_dict)."""
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from pid_plugins import GainWarmup, PIDConfig
+from pid_plugins.core import scaled_gains
+
+N = 4
+GAINS = dict(lambda_p=0.6, lambda_i=0.4, lambda_d=0.2, beta=0.5)
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]  # the checkout under test, also for fairseq-train subprocesses
+
+
+# ------------------------------------------------------------------------------------------------------- core
+def test_config_field_round_trips_and_refuses_bad_values():
+    cfg = PIDConfig(warmup_steps=10)
+    assert PIDConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["warmup_steps"] == 10
+    assert PIDConfig.from_dict({"lambda_p": 0.3}).warmup_steps == 0  # dicts saved before the field parse
+    assert PIDConfig.coerce({"warmup_steps": 5}, default="lm") == PIDConfig.preset("lm", warmup_steps=5)
+    for bad in (-1, 2.5, True, "3", None):
+        with pytest.raises(ValueError, match="warmup_steps must be a whole number"):
+            PIDConfig(warmup_steps=bad)
+
+
+def test_counter_schedule_eval_and_missing_key():
+    counter = GainWarmup(N)
+    assert [float(counter()) for _ in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    counter.eval()
+    assert float(counter()) == 1.0 and int(counter.step) == 6  # eval forwards do not advance t
+    fresh = GainWarmup(N)
+    fresh.step.fill_(3)
+    fresh.load_state_dict({}, strict=True)  # a state_dict without the counter: t starts at 0
+    assert int(fresh.step) == 0
+    assert "step" in dict(fresh.named_buffers())  # a buffer: DDP broadcasts it, so every rank has rank 0's t
+    assert scaled_gains(PIDConfig(), None) == PIDConfig()  # no warm-up: fixed gains stay floats (fast path)
+    with pytest.raises(ValueError, match="warmup_steps > 0"):
+        GainWarmup(0)
+
+
+# --------------------------------------------------------------------------------------------------- the zoos
+class Zoo:
+    """One zoo's tiny model: ``build(pid)`` (None: the stock softmax model), inputs, output, the counter."""
+
+    key = "pid_warmup.step"
+    checkpointing = True
+
+    def counter(self, model):
+        return model.pid_warmup
+
+    def out(self, model, x):
+        return model(x)
+
+    def images(self, dtype):
+        return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+class TimmViT(Zoo):
+    name, arch = "pid_deit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3,
+                                                    num_classes=5)
+
+    def build(self, pid):
+        timm = pytest.importorskip("timm")
+        import pid_plugins.timm  # noqa: F401
+
+        kw = dict(attention="softmax") if pid is None else dict(pid=pid)
+        return timm.create_model(self.name, **kw, **self.arch)
+
+    def inputs(self, dtype=torch.float32):
+        return self.images(dtype)
+
+    def enable_checkpointing(self, model):
+        model.set_grad_checkpointing(True)
+
+
+class TimmFAN(TimmViT):
+    name, arch = "pid_fan_tiny_12_p16_224", dict(img_size=32, embed_dim=48, depth=3, num_heads=3, num_classes=5)
+
+
+class HF(Zoo):
+    def build(self, pid):
+        pytest.importorskip("transformers")
+        import pid_plugins.hf  # noqa: F401
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        if pid is not None:
+            cfg.pid = pid
+            cfg._attn_implementation = "pid"
+        return LlamaForCausalLM(cfg)
+
+    def inputs(self, dtype=torch.float32):
+        return torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def out(self, model, x):
+        return model(x).logits
+
+    def enable_checkpointing(self, model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class MmsegBackbone(Zoo):
+    args = dict(img_size=(32, 32), patch_size=8, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,
+                final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
+
+    def build(self, pid):
+        pytest.importorskip("mmseg")
+        import pid_plugins.mmseg  # noqa: F401
+        from mmseg.registry import MODELS
+
+        kw = dict(attention="softmax") if pid is None else dict(pid=pid)
+        return MODELS.build(dict(type="PIDVisionTransformer", **self.args, **kw))
+
+    def inputs(self, dtype=torch.float32):
+        return self.images(dtype)
+
+    def out(self, model, x):
+        return model(x)[0]
+
+    def enable_checkpointing(self, model):
+        for layer in model.layers:
+            layer.with_cp = True
+
+
+class MmsegHead(MmsegBackbone):
+    head = dict(in_channels=48, channels=48, num_classes=5, num_layers=2, num_heads=3, embed_dims=48,
+                dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
+
+    def build(self, pid):
+        pytest.importorskip("mmseg")
+        import pid_plugins.mmseg  # noqa: F401
+        from mmseg.registry import MODELS
+
+        kw = dict() if pid is None else dict(attention="pid", pid=pid)
+        head = MODELS.build(dict(type="PIDSegmenterMaskTransformerHead", **self.head, **kw))
+        head.init_weights()
+        return head
+
+    def inputs(self, dtype=torch.float32):
+        return [torch.randn(2, 48, 4, 4, generator=torch.Generator().manual_seed(1), dtype=dtype)]
+
+
+class Fairseq(Zoo):
+    key = "decoder.pid_warmup.step"
+    checkpointing = False  # transformer_lm_pid refuses --checkpoint-activations (nothing to count twice)
+    tiny = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+            "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
+    _data = None
+
+    def data(self):
+        from fairseq.data import Dictionary
+
+        if Fairseq._data is None:
+            Fairseq._data = Path(tempfile.mkdtemp())
+            dictionary = Dictionary()
+            for i in range(40):
+                dictionary.add_symbol(f"w{i}")
+            dictionary.save(str(Fairseq._data / "dict.txt"))
+        return Fairseq._data
+
+    def build(self, pid):
+        pytest.importorskip("fairseq")
+        import pid_plugins.fairseq as pf
+        from fairseq import options, tasks
+
+        if pid is None:
+            extra = ["--pid-attention", "softmax"]
+        else:
+            cfg = PIDConfig.coerce(pid, default="lm")
+            extra = ["--pid-lambda-p", repr(cfg.lambda_p), "--pid-lambda-i", repr(cfg.lambda_i),
+                     "--pid-lambda-d", repr(cfg.lambda_d), "--pid-beta", repr(cfg.beta),
+                     "--pid-warmup-steps", str(cfg.warmup_steps)]
+        args = options.parse_args_and_arch(options.get_training_parser(), [
+            str(self.data()), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir",
+            pf.USER_DIR, *self.tiny, *extra])
+        return tasks.setup_task(args).build_model(args)
+
+    def counter(self, model):
+        return model.decoder.pid_warmup
+
+    def inputs(self, dtype=torch.float32):
+        return torch.randint(4, 44, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def out(self, model, x):
+        return model(x)[0]
+
+
+ZOOS = {"timm_vit": TimmViT(), "timm_fan": TimmFAN(), "hf": HF(), "mmseg_backbone": MmsegBackbone(),
+        "mmseg_head": MmsegHead(), "fairseq": Fairseq()}
+
+
+def without_counter(state_dict):
+    return {k: v for k, v in state_dict.items() if "pid_warmup" not in k}
+
+
+def warm_and_stock(zoo, dtype=torch.float32):
+    """A warm-up model and the stock model with the same weights (the stock state_dict loads strictly: t = 0)."""
+    torch.manual_seed(0)
+    stock = zoo.build(None).to(dtype)
+    warm = zoo.build(dict(GAINS, warmup_steps=N)).to(dtype)
+    zoo.counter(warm).step.fill_(3)
+    warm.load_state_dict(stock.state_dict(), strict=True)  # a softmax checkpoint: no counter in it
+    assert int(zoo.counter(warm).step) == 0
+    return warm, stock
+
+
+@pytest.mark.parametrize("zoo", ZOOS)
+def test_t0_is_the_stock_model_and_each_training_forward_counts_once(zoo):
+    zoo = ZOOS[zoo]
+    warm, stock = warm_and_stock(zoo)
+    assert zoo.key in warm.state_dict() and zoo.key in dict(warm.named_buffers())  # DDP broadcasts buffers
+    assert not any("pid_warmup" in k for k in zoo.build(GAINS).state_dict())  # no warm-up: state_dict unchanged
+    x = zoo.inputs()
+    warm.train()
+    stock.train()
+    assert torch.equal(zoo.out(warm, x), zoo.out(stock, x))  # t = 0: bit for bit
+    assert int(zoo.counter(warm).step) == 1
+    assert not torch.allclose(zoo.out(warm, x), zoo.out(stock, x))  # t = 1: the PID term is on
+    warm.eval()
+    with torch.no_grad():
+        zoo.out(warm, x)
+    assert int(zoo.counter(warm).step) == 2  # eval forwards do not count
+
+
+@pytest.mark.parametrize("zoo", ZOOS)
+def test_t_k_is_the_model_with_gains_scaled_by_k_over_n(zoo):
+    zoo = ZOOS[zoo]
+    warm, _ = warm_and_stock(zoo, torch.float64)
+    warm.eval()
+    x = zoo.inputs(torch.float64)
+    for k in (1, 3, N, N + 2):
+        zoo.counter(warm).step.fill_(k)
+        s = min(1.0, k / N)
+        ref = zoo.build({**GAINS, **{g: GAINS[g] * s for g in ("lambda_p", "lambda_i", "lambda_d")}}).double()
+        ref.load_state_dict(without_counter(warm.state_dict()), strict=True)
+        ref.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(zoo.out(warm, x), zoo.out(ref, x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("zoo", ZOOS)
+def test_state_dict_round_trip_resumes_the_schedule(zoo):
+    zoo = ZOOS[zoo]
+    warm, _ = warm_and_stock(zoo)
+    warm.train()
+    x = zoo.inputs()
+    for _ in range(2):
+        zoo.out(warm, x)
+    resumed = zoo.build(dict(GAINS, warmup_steps=N))
+    resumed.load_state_dict(warm.state_dict(), strict=True)
+    resumed.train()
+    assert int(zoo.counter(resumed).step) == 2
+    torch.testing.assert_close(zoo.out(resumed, x), zoo.out(warm, x), rtol=0, atol=0)
+    assert int(zoo.counter(resumed).step) == int(zoo.counter(warm).step) == 3
+
+
+@pytest.mark.parametrize("zoo", [z for z in ZOOS if ZOOS[z].checkpointing])
+def test_gradient_checkpointing_counts_one_step_per_forward(zoo):
+    zoo = ZOOS[zoo]
+    warm, _ = warm_and_stock(zoo)
+    plain = zoo.build(dict(GAINS, warmup_steps=N))
+    plain.load_state_dict(warm.state_dict(), strict=True)
+    zoo.enable_checkpointing(warm)
+    x = zoo.inputs()
+    for model in (warm, plain):
+        model.train()
+        for _ in range(2):  # t = 0 and t = 1
+            zoo.out(model, x).float().square().mean().backward()
+    assert int(zoo.counter(warm).step) == int(zoo.counter(plain).step) == 2  # recomputation did not count
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    for n, p in warm.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6)
+
+
+def test_timm_learnable_gains_are_scaled_too():
+    import torch.nn.functional as F
+
+    from pid_plugins.core.gains import _inverse_softplus
+
+    zoo = ZOOS["timm_vit"]
+    torch.manual_seed(0)
+    warm = zoo.build(dict(GAINS, learnable=True, warmup_steps=N)).double().eval()
+    x = zoo.inputs(torch.float64)
+    zoo.counter(warm).step.fill_(1)
+    ref = zoo.build(dict(GAINS, learnable=True)).double().eval()
+    ref.load_state_dict(without_counter(warm.state_dict()), strict=True)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("_raw"):
+                p.copy_(torch.tensor([_inverse_softplus(float(F.softplus(p)) / N)], dtype=torch.float64))
+        torch.testing.assert_close(warm(x), ref(x), rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ compile (no recompile)
+@pytest.mark.parametrize("zoo", ["timm_vit", "hf"])
+def test_compiled_model_does_not_recompile_as_t_advances(zoo):
+    import torch._dynamo
+
+    zoo = ZOOS[zoo]
+    warm, _ = warm_and_stock(zoo)
+    eager = zoo.build(dict(GAINS, warmup_steps=N))
+    eager.load_state_dict(warm.state_dict(), strict=True)
+    warm.train()
+    eager.train()
+    compiled = torch.compile(warm, backend="aot_eager", fullgraph=zoo is ZOOS["timm_vit"])
+    x = zoo.inputs()
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(N + 1):
+                torch.testing.assert_close(zoo.out(compiled, x), zoo.out(eager, x), rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
+    assert int(zoo.counter(warm).step) == int(zoo.counter(eager).step) == N + 1
+
+
+# ---------------------------------------------------------------------------------------------- save formats
+def test_timm_checkpoint_and_pretrained_softmax_file(tmp_path):
+    from timm.models import load_checkpoint, resume_checkpoint
+
+    zoo = ZOOS["timm_vit"]
+    warm, stock = warm_and_stock(zoo)
+    warm.train()
+    zoo.out(warm, zoo.inputs())
+    torch.save({"state_dict": warm.state_dict(), "epoch": 0}, tmp_path / "last.pth.tar")
+    resumed = zoo.build(dict(GAINS, warmup_steps=N))
+    resume_checkpoint(resumed, str(tmp_path / "last.pth.tar"))  # train.py --resume
+    assert int(resumed.pid_warmup.step) == 1
+    load_checkpoint(resumed, str(tmp_path / "last.pth.tar"), strict=True)
+    assert int(resumed.pid_warmup.step) == 1
+    torch.save(stock.state_dict(), tmp_path / "softmax.pth")  # a softmax checkpoint as pretrained weights
+    import timm
+
+    model = timm.create_model(zoo.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "softmax.pth")),
+                              pid=dict(GAINS, warmup_steps=N), **zoo.arch)
+    assert int(model.pid_warmup.step) == 0
+    model.train()
+    stock.train()
+    # (num_classes differs from the pretrained cfg's: timm keeps the new head's init, so compare the features)
+    assert torch.equal(model.forward_features(zoo.inputs()), stock.forward_features(zoo.inputs()))
+
+
+def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model(tmp_path, caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+
+    zoo = ZOOS["hf"]
+    warm, stock = warm_and_stock(zoo)
+    assert [k for k in warm.state_dict() if "pid_warmup" in k] == ["pid_warmup.step"]  # on the outermost model
+    warm.train()
+    x = zoo.inputs()
+    for _ in range(3):
+        zoo.out(warm, x)
+    warm.save_pretrained(tmp_path / "warm")
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "warm")
+    assert int(back.pid_warmup.step) == 3 and back.config.pid["warmup_steps"] == N
+    back.train()
+    torch.testing.assert_close(zoo.out(back, x), zoo.out(warm, x), rtol=0, atol=0)
+    # a softmax checkpoint: the counter is missing, from_pretrained starts it at 0, without a warning
+    stock.save_pretrained(tmp_path / "stock")
+    config = LlamaConfig.from_pretrained(tmp_path / "stock")
+    config.pid = dict(GAINS, warmup_steps=N)
+    with caplog.at_level("WARNING"):
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "stock", config=config, attn_implementation="pid")
+    assert int(model.pid_warmup.step) == 0
+    assert "pid_warmup" not in caplog.text
+    model.train()
+    stock.train()
+    assert torch.equal(zoo.out(model, x), zoo.out(stock, x))
+    # an encoder-decoder: one counter (on the outermost model), one step per forward of the whole model
+    t5 = T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0)
+    t5.pid = {"warmup_steps": N}
+    t5._attn_implementation = "pid"
+    seq2seq = T5ForConditionalGeneration(t5).train()
+    assert [k for k in seq2seq.state_dict() if "pid_warmup" in k] == ["pid_warmup.step"]
+    ids = torch.randint(1, 40, (2, 6))
+    seq2seq(input_ids=ids, labels=ids).loss.backward()
+    assert int(seq2seq.pid_warmup.step) == 1
+
+
+def test_hf_to_pid_adds_the_counter_and_refuses_a_model_without_one():
+    pytest.importorskip("transformers")
+    import pid_plugins.hf as ph
+
+    zoo = ZOOS["hf"]
+    torch.manual_seed(0)
+    model = zoo.build(None)
+    model.config.pid = {"warmup_steps": N}
+    model.set_attn_implementation("pid")
+    ph.install_pid_hooks(model)
+    with pytest.raises(ValueError, match="has no warm-up counter"):
+        zoo.out(model, zoo.inputs())
+    ph.to_pid(model)
+    assert int(model.pid_warmup.step) == 0 and model.pid_warmup.warmup_steps == N
+
+
+def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path):
+    import pid_plugins.fairseq as pf
+
+    def run(cmd):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([str(BIN / cmd[0]), *map(str, cmd[1:])], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=900, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    words = [f"w{i}" for i in range(12)]
+    lines = [" ".join(words[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
+    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
+         "--destdir", "data-bin", "--workers", "1"])
+    train = ["fairseq-train", "data-bin", "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
+             "transformer_lm_pid", *Fairseq.tiny, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001",
+             "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints", "--pid-warmup-steps", "10"]
+    run([*train, "--max-update", "2"])
+    state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert int(state["model"]["decoder.pid_warmup.step"]) == 2  # 2 updates, 2 training forwards (validation: eval)
+    assert state["cfg"]["model"]["pid_warmup_steps"] == 10
+    run([*train, "--max-update", "3"])  # resumes from ck/checkpoint_last.pt
+    state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert int(state["model"]["decoder.pid_warmup.step"]) == 3
+    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tmp_path / "data-bin"))
+    assert int(hub.models[0].decoder.pid_warmup.step) == 3 and hub.models[0].decoder.pid_warmup.warmup_steps == 10
