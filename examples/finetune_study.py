@@ -207,13 +207,16 @@ def lm_table(record: Dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- vision
-def vision_arms(warmup_steps: int) -> Dict[str, Any]:
-    """name -> the PID config of the continued model (None: softmax)."""
+VISION_ARMS = ("softmax", "pid_warmup", "pid_switched_on_at_once")
+
+
+def vision_pid(arm: str, warmup_steps: int):
+    """The PID config of a continued model (None: softmax)."""
     from pid_plugins import PIDConfig
 
-    return {"softmax": None,
-            "pid_warmup": PIDConfig.preset("deit", warmup_steps=warmup_steps),
-            "pid_switched_on_at_once": PIDConfig.preset("deit")}
+    if arm == "softmax":
+        return None
+    return PIDConfig.preset("deit", warmup_steps=warmup_steps if arm == "pid_warmup" else 0)
 
 
 def run_vision(args: argparse.Namespace) -> None:
@@ -277,10 +280,11 @@ def run_vision(args: argparse.Namespace) -> None:
     state = {k: v.clone() for k, v in pretrained.state_dict().items()}
 
     # 2. continued for the same steps, on the same batches, as softmax and as PID
-    for label, pid in vision_arms(args.warmup_steps).items():
+    for label in VISION_ARMS:
         if label in record["models"]:
             log(f"{label}: recorded already, skipped")
             continue
+        pid = vision_pid(label, args.warmup_steps)
         name = "deit_tiny_patch16_224" if pid is None else "pid_deit_tiny_patch16_224"
         model = timm.create_model(name, **kwargs, **({} if pid is None else {"pid": pid}))
         model.load_state_dict(state, strict=True)  # a softmax checkpoint loads strictly into the PID model

@@ -190,14 +190,16 @@ def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(
 
 
 # --------------------------------------------------------------------------------- HF Trainer + DDP
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp_asked"])
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp_learnable_gains", "fsdp_asked"])
 def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
-    """The Trainer on 2 CPU ranks. Asked for FSDP2 (``fsdp="full_shard auto_wrap"``, ``fsdp_version: 2``, with
-    non-reentrant gradient checkpointing), accelerate 1.15 wraps the model in DDP all the same: its
-    AcceleratorState turns the FSDP plugin on only for accelerator backends (MULTI_GPU, MULTI_XPU, ...), never
-    MULTI_CPU. The test records that, so the README's statement fails here the day accelerate shards on the CPU."""
+    """The Trainer on 2 CPU ranks. Plain DDP runs a model with learnable gains. Asked for FSDP2
+    (``fsdp="full_shard auto_wrap"``, ``fsdp_version: 2``, with non-reentrant gradient checkpointing),
+    accelerate 1.15 wraps the model in DDP all the same: its AcceleratorState turns the FSDP plugin on only for
+    accelerator backends (MULTI_GPU, MULTI_XPU, ...), never MULTI_CPU. The test records that, so the README's
+    statement fails here the day accelerate shards on the CPU."""
     pytest.importorskip("transformers")
-    launch(tmp_path, "hf_trainer", [str(DIST / "hf_trainer.py"), str(tmp_path), *(["fsdp"] if fsdp else [])],
+    learnable = not fsdp
+    launch(tmp_path, "hf_trainer", [str(DIST / "hf_trainer.py"), str(tmp_path), "fsdp" if fsdp else "learnable"],
            timeout=240)
     r0, r1 = load_ranks(tmp_path)
     layers = cases.HF_FSDP_LAYERS if fsdp else 2
@@ -217,7 +219,7 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
     seen = [r["rows"][:n] for r in (r0, r1)]
     assert not set(seen[0]) & set(seen[1])  # the ranks got different rows
     rows = cases.hf_rows()
-    model = cases.llama_model(layers=layers)
+    model = cases.llama_model(layers=layers, learnable=learnable)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=cases.HF_LR)
     for step in range(cases.HF_STEPS):
@@ -229,6 +231,10 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
         opt.step()
     assert_close_params(r0["state_dict"], model.state_dict())
     assert max_change(r0["state_dict"], r0["init"]) > 1e-3
+    gains = [k for k in r0["init"] if ".pid_gains." in k]
+    assert len(gains) == (3 * layers if learnable else 0)
+    if learnable:  # the Trainer's optimizer trained them, in step on both ranks
+        assert max(abs(r0["state_dict"][k] - r0["init"][k]).item() for k in gains) > 1e-5
 
 
 # ------------------------------------------------------------------------------ FSDP2 per-layer sharding
@@ -264,6 +270,9 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
                 continue
             for rank, run in enumerate((r0["runs"][name, mode], r1["runs"][name, mode])):
                 assert run["sharded"] > 0, (name, mode)
+                if name == "hf_decoder":  # learnable gains: sharded by fully_shard of their decoder layer
+                    gains = [n for n in stepped if ".pid_gains." in n]
+                    assert len(gains) == 12 and set(gains) <= set(run["dtensors"]), (name, mode)
                 torch.testing.assert_close(run["out"], outs[rank].detach(), rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{name} {mode} rank {rank} forward: {m}")
                 assert_close_params(run["params"], stepped)

@@ -329,8 +329,6 @@ def test_registry_configs():
 
 def test_errors():
     _, model = pair("llama")
-    with pytest.raises(ValueError, match="learnable gains are not supported"):
-        ph.to_pid(model, {"learnable": True})
     with pytest.raises(ValueError, match="PIDConfig.beta"):
         ph.to_pid(model, {"beta": 0})
     module = torch.nn.Module()

@@ -310,13 +310,6 @@ def test_reentrant_checkpointing_refused_on_every_path(tmp_path):
             fresh(**x, labels=x["input_ids"])
 
 
-def test_learnable_gains_in_config_are_refused():
-    _, model = build("llama")
-    model.config.pid = {"learnable": True}
-    with pytest.raises(ValueError, match="learnable gains"):
-        forward(model, **inputs("llama"))
-
-
 def test_switch_back_to_sdpa_reloads_as_sdpa_and_base_is_saved(tmp_path):
     _, model = build("gemma2")  # base eager
     model.save_pretrained(tmp_path / "pid")

@@ -7,6 +7,7 @@ function: the base attention, SDPA by default, then the PID term on self-attenti
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
     model = pid_plugins.hf.to_pid(model, PIDConfig.preset("lm"))                     # or convert
     model.config.pid = {"lambda_p": 0.5}                                              # change gains
+    model = pid_plugins.hf.to_pid(model, {"learnable": True})                        # learnable gains
     model = pid_plugins.hf.to_pid(model, base="eager")                               # attention weights
 """
 try:
@@ -26,8 +27,9 @@ from .attention import (
     to_pid,
 )
 from .catalogue import get_config, list_models
+from .gains import NoGainDecayTrainerMixin, decay_parameter_names, gain_parameter_names
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "pid_attention_forward", "install_pid_hooks", "model_pid_config",
-    "to_pid", "get_config", "list_models",
+    "to_pid", "get_config", "list_models", "NoGainDecayTrainerMixin", "decay_parameter_names", "gain_parameter_names",
 ]

@@ -21,9 +21,11 @@ How it fits transformers (no frame inspection, one path for every way a model be
   cache and dynamic caches (sliding-window ones included), ``[past, past + q_len)`` of a static cache, where
   ``past`` is the cache's own length tensor (no ``int()``: compiled decoding does not recompile per step).
 * Cross-attention runs the base attention unchanged.
+* Learnable gains (``config.pid = {"learnable": True, ...}``): a ``pid_gains`` submodule on every self-attention
+  module, made when the model is built (see :mod:`pid_plugins.hf.gains`).
 * Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the PID
-  state's gradient between layers), a static sliding-window cache, learnable gains, ``output_attentions``
-  without the eager base; at the first layer that meets it: one attention module run twice in a forward
+  state's gradient between layers), a static sliding-window cache, ``output_attentions`` without the eager
+  base; at the first layer that meets it: one attention module run twice in a forward
   (ALBERT's shared layers).
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ import functools
 import inspect
 import sys
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
@@ -44,6 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_update, scaled_gains
+from . import gains as learned_gains
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "base_attention", "pid_attention_forward", "pid_mask",
@@ -111,7 +115,8 @@ _PARSED: Dict[Any, PIDConfig] = {}
 
 
 def model_pid_config(config: Any) -> PIDConfig:
-    """The gains a model runs with: ``config.pid`` (dict or PIDConfig) over the ``lm`` preset (fixed gains)."""
+    """The gains a model runs with: ``config.pid`` (dict or PIDConfig) over the ``lm`` preset (fixed gains;
+    with ``learnable``, the initial values of every self-attention layer's own gains)."""
     raw = getattr(config, "pid", None)
     if isinstance(raw, PIDConfig):
         cfg = raw
@@ -127,11 +132,6 @@ def model_pid_config(config: Any) -> PIDConfig:
                 if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
                     _PARSED.clear()
                 _PARSED[key] = cfg
-    if cfg.learnable:
-        raise ValueError(
-            "config.pid asks for learnable gains, which the transformers adapter does not support (the gains would "
-            "silently stay fixed): set config.pid without 'learnable' (fixed gains)"
-        )
     return cfg
 
 
@@ -191,6 +191,16 @@ def pid_attention_forward(
     out, weights = _base_function(module, run.base)(module, query, key, value, attention_mask, **kwargs)
     if run.config.is_zero:
         return out, weights
+    gains: Any = run.gains  # the config's gains, scaled by the warm-up if any
+    if run.config.learnable:  # this layer's lambda_p, lambda_i, lambda_d; beta and the first-layer rule from config.pid
+        layer = getattr(module, learned_gains.GAINS_ATTR, None)
+        if layer is None:
+            raise RuntimeError(
+                f"attn_implementation='pid': config.pid is learnable but {type(module).__name__} has no "
+                f"{learned_gains.GAINS_ATTR}: call pid_plugins.hf.to_pid(model) to add them"
+            )
+        lp, li, ld, _, _ = layer()
+        gains = scaled_gains((lp, li, ld, run.config.beta, run.config.control_first_layer), run.scale)
     q_len = query.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
         v_q = value[:, :, value.shape[-2] - q_len:]
@@ -206,7 +216,7 @@ def pid_attention_forward(
         )
     earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier)
-    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.gains, head_dim=-2)
+    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, gains, head_dim=-2)
     return u, weights
 
 
@@ -234,6 +244,25 @@ def _calls_interface(cls: type) -> bool:
 class _Plan:
     owns_layers: bool
     cache_position: Optional[int]  # index of `past_key_values` among the positional arguments, if any
+    learnable: bool = False  # whether discovery gave the self-attention modules their gains
+
+
+def _is_cross(parts: list, module: nn.Module) -> bool:
+    """Whether an attention module at module path ``parts`` is cross-attention (its values come from another
+    sequence: no PID term, no gains)."""
+    return bool(getattr(module, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
+
+
+def _learnable_config(config: Any) -> Optional[PIDConfig]:
+    """``config.pid`` if the model runs PID with learnable gains, else None (also when config.pid is invalid:
+    the first forward reports that)."""
+    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION or getattr(config, "pid", None) is None:
+        return None
+    try:
+        cfg = model_pid_config(config)
+    except ValueError:
+        return None
+    return cfg if cfg.learnable else None
 
 
 def _walk(module: nn.Module, prefix: str = ""):
@@ -245,11 +274,15 @@ def _walk(module: nn.Module, prefix: str = ""):
             yield from _walk(child, path)
 
 
-def _discover(model: PreTrainedModel) -> _Plan:
-    """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface."""
+def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
+    """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface.
+    With learnable gains, give every self-attention module its gains if it has none (and cross-attention none)."""
     gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
     warmup = _counter(model)
     base = base_attention(gains_source)
+    learnable: Optional[PIDConfig] = model_pid_config(gains_source)
+    learnable = learnable if learnable.learnable else None
+    added = []
     order = 0
     stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
     for path, sub in _walk(model):
@@ -265,8 +298,12 @@ def _discover(model: PreTrainedModel) -> _Plan:
         cls = type(sub)
         if _calls_interface(cls):
             parts = path.split(".")
-            cross = bool(getattr(sub, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
+            cross = _is_cross(parts, sub)
             setattr(sub, _ROLE, -1 if cross else order)
+            if cross:
+                learned_gains.detach(sub)
+            elif learnable is not None and learned_gains.attach(sub, learnable):
+                added.append(path)
             if not cross:  # an encoder and a decoder under one owner are separate PID groups
                 stack = next((p for p in parts if "encoder" in p.lower() or "decoder" in p.lower()), "")
                 earlier = stacks.get(stack, ())
@@ -288,8 +325,18 @@ def _discover(model: PreTrainedModel) -> _Plan:
             "state cannot reach its attention layers"
         )
     _persist(model.config)
+    if added:
+        learned_gains.ignore_missing(model)
+        if at_forward:
+            warnings.warn(
+                f"attn_implementation='pid': learnable PID gains were added to {type(model).__name__} at its first "
+                f"forward ({len(added)} layers, from config.pid): an optimizer built before now does not train "
+                "them. Call pid_plugins.hf.to_pid(model) before building the optimizer",
+                stacklevel=4,
+            )
     plan = _Plan(owns_layers=order > 0,
-                 cache_position=names.index("past_key_values") if "past_key_values" in names else None)
+                 cache_position=names.index("past_key_values") if "past_key_values" in names else None,
+                 learnable=learnable is not None)
     model.__dict__[_PLAN] = plan
     return plan
 
@@ -336,11 +383,14 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     plan = module.__dict__.get(_PLAN)
     if plan is None:
         with _LOCK:
-            plan = _discover(module)
+            plan = _discover(module, at_forward=True)
     if not plan.owns_layers:
         return None
     gains_config = module.__dict__.get(_GAINS_SOURCE, config)
     gains = model_pid_config(gains_config)
+    if gains.learnable and not plan.learnable:  # config.pid became learnable after discovery
+        with _LOCK:
+            plan = _discover(module, at_forward=True)
     scale = _warmup_scale(module, gains)
     base = base_attention(config)
     if module.training and torch.is_grad_enabled():
@@ -464,6 +514,22 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
         _attach_warmup(module)
     if _ANY_COUNTER[0] and submodule is not None and not isinstance(submodule, GainWarmup):
         _adopt_counters(module, submodule)
+    if submodule is not None and not isinstance(submodule, PreTrainedModel):
+        _attach_gains_at_construction(module, name, submodule)
+
+
+def _attach_gains_at_construction(model: PreTrainedModel, name: str, child: nn.Module) -> None:
+    """A PID model with learnable gains registers ``child`` (its layers are built by then): give each self-attention
+    module below it its gains now, so that ``from_pretrained`` loads the saved values into them."""
+    cfg = _learnable_config(model.__dict__.get("config"))
+    if cfg is None:
+        return
+    added = False
+    for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in _walk(child))]:
+        if not isinstance(sub, PreTrainedModel) and _calls_interface(type(sub)) and not _is_cross(path.split("."), sub):
+            added = learned_gains.attach(sub, cfg) or added
+    if added:
+        learned_gains.ignore_missing(model)
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
@@ -540,10 +606,11 @@ def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = Non
     """
     if config is not None or not hasattr(model.config, "pid"):
         cfg = PIDConfig.coerce(config, default=model_pid_config(model.config))
-        if cfg.learnable:
-            raise ValueError("learnable gains are not supported by the transformers adapter; use fixed gains")
         model.config.pid = cfg.to_dict()
-    _attach_warmup(model, model_pid_config(model.config))  # refuses learnable gains set directly in config.pid
+    if not model_pid_config(model.config).learnable:  # fixed gains: learned ones would be left unused
+        for m in model.modules():
+            learned_gains.detach(m)
+    _attach_warmup(model, model_pid_config(model.config))
     if base is not None and base not in BASES:
         raise ValueError(f"base attention {base!r} is not one of {BASES}")
     previous = getattr(model.config, BASE_ATTR, None)
@@ -560,5 +627,6 @@ def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = Non
     return install_pid_hooks(model)
 
 
+learned_gains.install()
 AttentionInterface.register(ATTN_IMPLEMENTATION, pid_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, pid_mask)

@@ -35,7 +35,8 @@ def run(name: str, mode: str, rank: int, world: int, workdir: Path) -> dict:
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for n, p in model.named_parameters()}
     sharded = sum(isinstance(p, DTensor) for p in model.parameters())
-    return {"out": out.detach().clone(), "params": params, "sharded": sharded}
+    dtensors = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+    return {"out": out.detach().clone(), "params": params, "sharded": sharded, "dtensors": dtensors}
 
 
 def main(out: Path) -> None:

@@ -1,10 +1,12 @@
 """torchrun / accelerate worker: a few transformers Trainer steps of a tiny Llama with attn_implementation="pid".
 
 CPU, gloo, no downloads, no reporting. Every rank saves its final parameters and what it saw to OUT/rank{rank}.pt.
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_trainer.py OUT [fsdp]
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_trainer.py OUT [fsdp] [learnable]
 
 With ``fsdp``, the Trainer shards the model with accelerate's FSDP plugin, FSDP2 (``fsdp_version: 2``), one unit per
-decoder layer (``transformer_layer_cls_to_wrap``), with non-reentrant gradient checkpointing.
+decoder layer (``transformer_layer_cls_to_wrap``), with non-reentrant gradient checkpointing. With ``learnable``,
+the model has learnable gains (``config.pid = {"learnable": True}``), which DDP keeps in step like every other
+parameter.
 """
 import sys
 from pathlib import Path
@@ -36,7 +38,7 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def main(out: Path, fsdp: bool = False) -> None:
+def main(out: Path, fsdp: bool = False, learnable: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
     import pid_plugins.hf.attention as pid_attention
@@ -49,7 +51,7 @@ def main(out: Path, fsdp: bool = False) -> None:
         return original(*args, **kwargs)
 
     pid_attention.pid_update = counting_update
-    model = cases.llama_model(layers=cases.HF_FSDP_LAYERS if fsdp else 2)
+    model = cases.llama_model(layers=cases.HF_FSDP_LAYERS if fsdp else 2, learnable=learnable)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     args = TrainingArguments(
         output_dir=str(out / "trainer"), per_device_train_batch_size=cases.HF_PER_RANK, max_steps=cases.HF_STEPS,
@@ -80,4 +82,4 @@ def main(out: Path, fsdp: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), fsdp=sys.argv[2:] == ["fsdp"])
+    main(Path(sys.argv[1]), fsdp="fsdp" in sys.argv[2:], learnable="learnable" in sys.argv[2:])

@@ -46,20 +46,20 @@ def hf_rows():
     return token_rows(HF_ROWS, seed=5)
 
 
-def llama_config(layers: int = 2):
+def llama_config(layers: int = 2, learnable: bool = False):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
-                       attn_implementation="pid")
+                       attn_implementation="pid", **({"pid": {"learnable": True}} if learnable else {}))
 
 
-def llama_model(seed: int = 0, layers: int = 2):
+def llama_model(seed: int = 0, layers: int = 2, learnable: bool = False):
     import pid_plugins.hf  # noqa: F401  (registers attn_implementation="pid")
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(layers))
+    return LlamaForCausalLM(llama_config(layers, learnable))
 
 
 HF_FSDP_LAYERS = 4  # the Trainer + FSDP2 run: a state lost between layers shows from the third layer on
@@ -90,8 +90,10 @@ def _hf(kind: str):
 
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   max_position_embeddings=32, pad_token_id=0, attn_implementation="pid")
-    if kind == "decoder":  # Llama with grouped-query attention, 4 layers (a copied state would show from layer 2)
-        return T.LlamaForCausalLM(T.LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=2))
+    if kind == "decoder":  # Llama with grouped-query attention, 4 layers (a copied state would show from layer 2),
+        # learnable gains (parameters of each attention module, so fully_shard per layer shards them with it)
+        return T.LlamaForCausalLM(T.LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=2,
+                                                pid={"learnable": True}))
     if kind == "encoder":
         return T.BertModel(T.BertConfig(**common, num_hidden_layers=3, hidden_dropout_prob=0.0,
                                         attention_probs_dropout_prob=0.0), add_pooling_layer=False)

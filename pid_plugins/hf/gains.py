@@ -1,0 +1,160 @@
+"""Learnable PID gains for transformers models (``config.pid = {"learnable": True, ...}``).
+
+Where they live: every self-attention module of a PID model gets a submodule ``pid_gains``
+(:class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
+``lambda_d_raw``, each of shape ``(1,)``, gain = softplus(raw)), so its parameters are named like
+``model.layers.3.self_attn.pid_gains.lambda_p_raw`` and belong to their layer: FSDP2's ``fully_shard`` per
+decoder layer shards them with the layer, ``device_map`` puts them on the layer's device, gradient
+checkpointing recomputes them with the layer. Cross-attention has none (it runs the base attention).
+
+How they survive transformers' own paths:
+
+* construction: ``pid_plugins.hf.attention``'s module-registration hook calls :func:`attach_to_child` whenever
+  a PID model whose ``config.pid`` is learnable registers a child, so ``Model(config)``, ``from_config`` and
+  ``from_pretrained(..., attn_implementation="pid")`` build the gains before any weight is loaded, and the
+  saved values load into them;
+* missing keys (a softmax or fixed-gain checkpoint loaded into a learnable model): transformers materialises
+  missing parameters with ``torch.empty`` and then runs its weight initialisation on every module it does not
+  know to be initialised. :func:`install` makes that initialisation call :meth:`LayerGains.reset_parameters`
+  (the config's gains, through ``transformers.initialization``, which leaves loaded parameters alone), and the
+  model's ``_keys_to_ignore_on_load_missing`` names the gains, so their absence is not reported;
+* weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
+  ``nn.LayerNorm`` type only, with no model hook. :class:`NoGainDecayTrainerMixin` (or
+  :func:`decay_parameter_names`) keeps the gains out; see its docstring.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, List
+
+import torch
+from torch import nn
+
+from ..core import PIDConfig
+from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
+
+__all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
+           "gain_parameter_names", "install", "is_gain_name", "layer_gains_of"]
+
+#: the attribute (submodule name) of the gains on each self-attention module
+GAINS_ATTR = "pid_gains"
+#: matches the state-dict keys of the gains (transformers' ``_keys_to_ignore_on_load_missing`` is a regex list)
+MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.lambda_[pid]_raw$"
+_NAME = re.compile(MISSING_PATTERN)
+
+
+class LayerGains(PIDGains):
+    """One self-attention layer's learnable gains; remembers the gains it started from, so transformers'
+    initialisation of missing weights (a softmax checkpoint loaded into a learnable model) restores those.
+
+    ``beta`` and ``control_first_layer`` are not learned: the adapter takes them from the model's
+    ``config.pid`` at every forward, and only the three gains from here.
+    """
+
+    def __init__(self, config: PIDConfig) -> None:
+        super().__init__(config)
+        self.initial = config
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Set every gain that transformers has not loaded to its initial value (the config's, at least
+        :data:`~pid_plugins.core.gains.MIN_INITIAL_GAIN`)."""
+        from transformers import initialization as init  # skips parameters flagged as loaded
+
+        for name in _GAINS:
+            raw = _inverse_softplus(max(getattr(self.initial, name), MIN_INITIAL_GAIN))
+            init.constant_(getattr(self, f"{name}_raw"), raw)
+
+
+def layer_gains_of(module: nn.Module) -> "LayerGains | None":
+    gains = module._modules.get(GAINS_ATTR)
+    return gains if isinstance(gains, PIDGains) else None
+
+
+def attach(attention: nn.Module, config: PIDConfig) -> bool:
+    """Give ``attention`` a :class:`LayerGains` from ``config`` unless it has gains; True if it added them.
+
+    They take the device and dtype of the module's first parameter (the current default device and dtype if
+    it has none yet, e.g. transformers' meta-device construction)."""
+    if layer_gains_of(attention) is not None:
+        return False
+    gains = LayerGains(config)
+    ref = next((p for p in attention.parameters() if p.is_floating_point()), None)
+    if ref is not None:
+        gains = gains.to(device=ref.device, dtype=ref.dtype)
+    setattr(attention, GAINS_ATTR, gains)
+    return True
+
+
+def detach(attention: nn.Module) -> bool:
+    """Remove ``attention``'s gains; True if it had some."""
+    if layer_gains_of(attention) is None:
+        return False
+    delattr(attention, GAINS_ATTR)
+    return True
+
+
+def ignore_missing(model: nn.Module) -> None:
+    """Name the gains in ``model._keys_to_ignore_on_load_missing`` (instance attribute; ``post_init`` keeps it
+    and outer models collect it from their children), so loading a checkpoint without them reports nothing."""
+    current = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    if MISSING_PATTERN not in current:
+        model._keys_to_ignore_on_load_missing = {*current, MISSING_PATTERN}
+
+
+# ------------------------------------------------------------------------- transformers' weight initialisation
+_ORIGINAL_INIT = None
+
+
+def _initialize_weights(self, module: nn.Module, *args, **kwargs):
+    if isinstance(module, LayerGains):  # parameters transformers loaded are flagged and left alone
+        module.reset_parameters()
+        module._is_hf_initialized = True
+        return None
+    return _ORIGINAL_INIT(self, module, *args, **kwargs)
+
+
+def install() -> None:
+    """Make ``PreTrainedModel._initialize_weights`` (the one place transformers 5 initialises every module of a
+    model: at construction and for the missing keys of ``from_pretrained``) initialise :class:`LayerGains` from
+    their config. The model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values."""
+    global _ORIGINAL_INIT
+    from transformers import PreTrainedModel
+
+    if _ORIGINAL_INIT is None:
+        _ORIGINAL_INIT = PreTrainedModel._initialize_weights
+        PreTrainedModel._initialize_weights = _initialize_weights
+
+
+# ---------------------------------------------------------------------------------------------- weight decay
+def is_gain_name(name: str) -> bool:
+    """Whether a parameter name (as ``named_parameters`` gives it, any prefix) is a learnable PID gain."""
+    return _NAME.search(name) is not None
+
+
+def gain_parameter_names(model: nn.Module) -> List[str]:
+    return [n for n, _ in model.named_parameters() if is_gain_name(n)]
+
+
+def decay_parameter_names(names: Iterable[str]) -> List[str]:
+    """``names`` without the PID gains: what to return from ``Trainer.get_decay_parameter_names``."""
+    return [n for n in names if not is_gain_name(n)]
+
+
+class NoGainDecayTrainerMixin:
+    """Keeps the learnable PID gains out of weight decay in transformers' ``Trainer`` (and its subclasses,
+    e.g. TRL's ``SFTTrainer``)::
+
+        from transformers import Trainer
+        from pid_plugins.hf import NoGainDecayTrainerMixin
+
+        class PIDTrainer(NoGainDecayTrainerMixin, Trainer):
+            pass
+
+    The Trainer puts every parameter it does not exclude by name (``bias``, ``norm``) or type
+    (``nn.LayerNorm``) into the weight-decay group and offers no model-side hook, so without this the gains
+    decay whenever ``weight_decay > 0`` (pulling each raw value towards 0, i.e. each gain towards log 2).
+    """
+
+    def get_decay_parameter_names(self, model: nn.Module) -> List[str]:
+        return decay_parameter_names(super().get_decay_parameter_names(model))  # type: ignore[misc]

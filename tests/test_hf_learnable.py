@@ -1,0 +1,359 @@
+"""transformers adapter: learnable gains (``config.pid = {"learnable": True, ...}``)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+import pid_plugins.hf as ph  # noqa: E402
+import transformers as T  # noqa: E402
+from pid_plugins import PIDConfig  # noqa: E402
+from pid_plugins.hf.gains import LayerGains  # noqa: E402
+
+V = 96
+LEARN = {"lambda_p": 0.6, "lambda_i": 0.3, "lambda_d": 0.0, "beta": 0.4, "learnable": True}  # lambda_d 0 -> 1e-4
+
+
+def llama_config(pid=LEARN, **kw):
+    args = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
+    if pid is not None:
+        args.update(attn_implementation="pid", pid=pid)
+    return T.LlamaConfig(**{**args, **kw})
+
+
+def ids(n=2, length=8, seed=1):
+    return torch.randint(3, V, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def gains_of(model):
+    return {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+
+
+def spread_gains(model, seed=0):
+    """Give every layer's gains its own values (so a test sees which layer's gains were used)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in gains_of(model).values():
+            p.copy_(torch.empty_like(p).uniform_(-2.0, 0.5, generator=g))
+
+
+def learned(model, path):
+    """(lambda_p, lambda_i, lambda_d) of the gains module at ``path`` as floats."""
+    return tuple(F.softplus(getattr(model.get_submodule(path), f"{k}_raw")).item()
+                 for k in ("lambda_p", "lambda_i", "lambda_d"))
+
+
+# ----------------------------------------------------------------------------------- where the gains live
+def test_one_gains_module_per_self_attention_layer_made_at_construction():
+    model = T.LlamaForCausalLM(llama_config())
+    names = sorted(gains_of(model))
+    assert names == sorted(f"model.layers.{i}.self_attn.pid_gains.lambda_{k}_raw" for i in range(3) for k in "pid")
+    assert all(p.shape == (1,) and p.requires_grad for p in gains_of(model).values())
+    for i in range(3):  # softplus-positive, from the config; a gain 0 starts at 1e-4
+        torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.pid_gains")),
+                                   torch.tensor([0.6, 0.3, 1e-4]), rtol=1e-5, atol=0)
+    assert not gains_of(T.LlamaForCausalLM(llama_config(pid={"lambda_p": 0.6})))  # fixed gains: no parameters
+    assert not gains_of(T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")))
+
+
+# ------------------------------------------------------------------------------------ the rule in float64
+def reference_logits(stock, layer_gains, beta, x):
+    """The stock (SDPA, the PID base) Llama in float64 with the PID term added by hand to each layer's attention
+    output (the input of o_proj), from the values v_proj produced, with each layer's own (lambda_p, lambda_i,
+    lambda_d)."""
+    heads, kv = stock.config.num_attention_heads, stock.config.num_key_value_heads
+    d = stock.config.hidden_size // heads
+    seen = {"v": [], "e": []}
+    hooks = []
+    for layer, (lp, li, ld) in zip(stock.model.layers, layer_gains):
+        attn = layer.self_attn
+
+        def keep_v(mod, inp, out):
+            b, n, _ = out.shape
+            seen["v"].append(out.view(b, n, kv, d).repeat_interleave(heads // kv, dim=2))  # (B, N, H, D)
+
+        def add_pid(mod, args, lp=lp, li=li, ld=ld):
+            (a,) = args
+            b, n, _ = a.shape
+            v1, v = seen["v"][0], seen["v"][-1]
+            e = beta * v1 - v
+            previous = seen["e"][-1] if seen["e"] else None
+            seen["e"].append(e)
+            term = lp * e + li * sum(seen["e"]) + (ld * (e - previous) if previous is not None else 0)
+            return (a + term.reshape(b, n, heads * d),)
+
+        hooks += [attn.v_proj.register_forward_hook(keep_v), attn.o_proj.register_forward_pre_hook(add_pid)]
+    try:
+        with torch.no_grad():
+            return stock(x).logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_learned_gains_follow_the_rule_in_float64_per_layer_with_grouped_query_attention():
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(llama_config()).double().eval()
+    spread_gains(model)
+    stock = T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")).double().eval()
+    missing, unexpected = stock.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and sorted(unexpected) == sorted(gains_of(model))
+    per_layer = [learned(model, f"model.layers.{i}.self_attn.pid_gains") for i in range(3)]
+    assert len({g for g in per_layer}) == 3  # three different gain triples
+    x = ids()
+    with torch.no_grad():
+        got = model(x).logits
+    want = reference_logits(stock, per_layer, 0.4, x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # the gains matter: the same rule with the config's gains in every layer is another model
+    assert (reference_logits(stock, [(0.6, 0.3, 1e-4)] * 3, 0.4, x) - want).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------- training
+def test_gains_get_gradients_and_change_after_an_optimizer_step():
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(llama_config()).train()
+    before = {n: p.detach().clone() for n, p in gains_of(model).items()}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = ids()
+    model(x, labels=x).loss.backward()
+    grads = {n: p.grad for n, p in gains_of(model).items()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())  # DDP: every gain is used
+    # lambda_d has no term at the first layer (no e^0): its gradient there is exactly 0, elsewhere not
+    first_d = "model.layers.0.self_attn.pid_gains.lambda_d_raw"
+    assert grads[first_d].item() == 0.0
+    assert all(g.abs().item() > 0 for n, g in grads.items() if n != first_d)
+    opt.step()
+    changed = {n for n, p in gains_of(model).items() if not torch.equal(p, before[n])}
+    assert changed == set(before) - {first_d}
+
+
+def test_gradient_checkpointing_equals_no_checkpointing():
+    x = ids()
+    results = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = T.LlamaForCausalLM(llama_config()).train()
+        spread_gains(model)
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        out = model(x, labels=x)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    assert results[0][1].keys() == results[1][1].keys()
+    assert sum(".pid_gains." in n for n in results[0][1]) == 9
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_torch_compile_fullgraph_trains_the_gains_like_eager():
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(llama_config()).train()
+    spread_gains(model)
+    x = ids()
+    out = model(x, labels=x)  # eager (also discovers the layers)
+    out.loss.backward()
+    eager = {n: p.grad.clone() for n, p in gains_of(model).items()}
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # a graph break raises
+    out_c = compiled(x, labels=x)
+    out_c.loss.backward()
+    torch.testing.assert_close(out_c.logits, out.logits, rtol=1e-5, atol=1e-5)
+    for name, grad in eager.items():
+        torch.testing.assert_close(gains_of(model)[name].grad, grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("family", ["bert", "bart"])
+def test_an_encoder_and_an_encoder_decoder_train_their_gains(family):
+    torch.manual_seed(0)
+    if family == "bert":
+        config = T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=32, attn_implementation="pid", pid=LEARN)
+        model = T.BertForMaskedLM(config)
+        x = {"input_ids": ids(), "labels": ids(seed=2)}
+        self_attn = [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]
+    else:
+        config = T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+                              decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+                              max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              decoder_start_token_id=2, attn_implementation="pid", pid=LEARN)
+        model = T.BartForConditionalGeneration(config)
+        x = {"input_ids": ids(), "labels": ids(n=2, length=5, seed=2)}
+        self_attn = [f"model.{s}.layers.{i}.self_attn" for s in ("encoder", "decoder") for i in range(2)]
+    assert sorted({n.rsplit(".pid_gains.", 1)[0] for n in gains_of(model)}) == sorted(self_attn)  # none on cross
+    model.train()
+    before = {n: p.detach().clone() for n, p in gains_of(model).items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(**x).loss.backward()
+    assert all(p.grad is not None for p in gains_of(model).values())
+    opt.step()
+    moved = [n for n, p in gains_of(model).items() if "lambda_p" in n and (p - before[n]).abs().item() > 1e-7]
+    assert len(moved) == len(self_attn)
+
+
+# ------------------------------------------------------------------------------------------ save and load
+def test_save_pretrained_from_pretrained_round_trips_the_learned_gains_exactly(tmp_path):
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(llama_config()).eval()
+    spread_gains(model)
+    assert len(gains_of(model)) == 9
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert {k for k in f.keys() if ".pid_gains." in k} == set(gains_of(model))
+    again, info = T.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert again.config._attn_implementation == "pid" and again.config.pid["learnable"] is True
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    sd, sd2 = model.state_dict(), again.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, model(x).logits)
+
+
+def test_a_softmax_checkpoint_loads_into_learnable_pid_with_the_configs_gains(tmp_path):
+    torch.manual_seed(0)
+    stock = T.LlamaForCausalLM(llama_config(pid=None)).eval()
+    stock.save_pretrained(tmp_path)
+    config = T.AutoConfig.from_pretrained(tmp_path)
+    config.pid = {**LEARN, "lambda_d": 0.2}
+    model, info = T.AutoModelForCausalLM.from_pretrained(tmp_path, config=config, attn_implementation="pid",
+                                                         output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # the gains' absence is expected
+    assert len(gains_of(model)) == 9
+    for i in range(3):  # transformers materialised the missing gains: they hold the config's values, not garbage
+        torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.pid_gains")),
+                                   torch.tensor([0.6, 0.3, 0.2]), rtol=1e-6, atol=0)
+    sd = stock.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items() if k in sd)
+    fixed = T.LlamaForCausalLM(llama_config(pid={**config.pid, "learnable": False})).eval()
+    fixed.load_state_dict(sd)
+    x = ids()
+    with torch.no_grad():  # at init, learnable gains compute what the fixed ones do
+        torch.testing.assert_close(model(x).logits, fixed(x).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_to_pid_adds_the_gains_to_an_existing_model_and_fixed_gains_remove_them():
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(llama_config(pid=None)).to(torch.float64)
+    ph.to_pid(model, {"learnable": True, "lambda_p": 0.5})
+    assert len(gains_of(model)) == 9 and all(p.dtype == torch.float64 for p in gains_of(model).values())
+    assert learned(model, "model.layers.1.self_attn.pid_gains")[0] == pytest.approx(0.5)
+    assert model.config.pid["learnable"] is True
+    x = ids()
+    model(x, labels=x).loss.backward()
+    assert all(p.grad is not None for p in gains_of(model).values())
+    ph.to_pid(model, {"lambda_p": 0.4})  # a dict overrides the model's current config.pid: still learnable
+    assert len(gains_of(model)) == 9
+    ph.to_pid(model, {"learnable": False})  # fixed gains: the learned ones would sit unused
+    assert not gains_of(model) and model.config.pid["lambda_p"] == 0.4
+
+
+def test_config_pid_made_learnable_after_the_first_forward_adds_the_gains_with_a_warning():
+    model = T.LlamaForCausalLM(llama_config(pid={"lambda_p": 0.5}))
+    x = ids()
+    model(x)
+    model.config.pid = {"learnable": True}
+    with pytest.warns(UserWarning, match="before building the optimizer"):
+        model(x)
+    assert len(gains_of(model)) == 9
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)  # once
+
+
+# ------------------------------------------------------------------------------------------- weight decay
+def test_trainer_weight_decay_groups(tmp_path):
+    model = T.LlamaForCausalLM(llama_config())
+    args = T.TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, report_to="none", use_cpu=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def groups(trainer_cls):
+        opt = trainer_cls(model=model, args=args).create_optimizer()
+        return {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
+
+    plain = groups(T.Trainer)
+    gains = set(gains_of(model))
+    assert gains <= plain[0.1]  # transformers' Trainer alone decays them (it excludes bias / norm names only)
+
+    class PIDTrainer(ph.NoGainDecayTrainerMixin, T.Trainer):
+        pass
+
+    ours = groups(PIDTrainer)
+    assert ours[0.0] == plain[0.0] | gains and ours[0.1] == plain[0.1] - gains
+    assert ph.decay_parameter_names(["a.weight", *gains]) == ["a.weight"]
+    assert set(ph.gain_parameter_names(model)) == gains
+
+
+# ------------------------------------------------------------------------------------------ every family
+def test_every_family_builds_its_gains_where_discovery_finds_self_attention_and_uses_each_one():
+    """Built with a learnable config.pid, each family of test_hf_families gets gains on exactly the modules the
+    first forward's discovery marks as self-attention (none on cross-attention, no late additions), and one
+    backward reaches every gain (so DDP never meets an unused parameter)."""
+    from test_hf_families import FAMILIES, inputs, loss_of
+
+    from pid_plugins.hf import attention
+
+    for family, (make, cls, _, base, _) in FAMILIES.items():
+        config = make()
+        config.pid, config._attn_implementation, config.pid_attention_base = {"learnable": True}, "pid", base
+        torch.manual_seed(0)
+        model = cls(config).train()
+        built = sorted({n.rsplit(".pid_gains.", 1)[0] for n in gains_of(model)})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no gains added at the first forward
+            loss_of(model, family, inputs(family)).backward()
+        roles = {n: getattr(m, attention._ROLE, None) for n, m in model.named_modules()}
+        assert built == sorted(n for n, r in roles.items() if r is not None and r >= 0) and built, family
+        assert any(r == -1 for r in roles.values()) == (family in ("bart", "t5", "whisper")), family
+        assert all(p.grad is not None for p in gains_of(model).values()), family
+
+
+def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
+    """Learnable gains and warm-up together: t = 0 is the stock model bit for bit; at t = k the learned gains
+    are scaled by k/N (float64, against a fixed-gain model holding learned gains x k/N); training forwards
+    advance t once each."""
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(llama_config(pid={**LEARN, "warmup_steps": 4})).double()
+    spread_gains(model)
+    stock = T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")).double()
+    stock.load_state_dict({k: v for k, v in model.state_dict().items() if k in stock.state_dict()})
+    x = ids()
+    model.eval(), stock.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, stock(x).logits)  # t = 0
+    model.train()
+    for _ in range(3):
+        model(x).logits.sum().backward()
+    assert int(model.pid_warmup.step) == 3
+    model.eval()
+    fixed = []  # each layer's learned gains x 3/4
+    for i in range(3):
+        lp, li, ld = learned(model, f"model.layers.{i}.self_attn.pid_gains")
+        fixed.append((0.75 * lp, 0.75 * li, 0.75 * ld))
+    # each layer's call of the core rule must see its learned gains x 3/4 (beta and the first-layer rule fixed)
+    import pid_plugins.hf.attention as A
+
+    calls = []
+    original = A.pid_update
+
+    def check(out, value, state, gains, **kw):
+        layer = len(calls)
+        calls.append(layer)
+        want, _ = original(out, value, state, (*fixed[layer], 0.4, True), **kw)
+        got, new = original(out, value, state, gains, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        return got, new
+
+    A.pid_update = check
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        A.pid_update = original
+    assert calls == [0, 1, 2]
