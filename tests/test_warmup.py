@@ -349,6 +349,7 @@ def test_timm_checkpoint_and_pretrained_softmax_file(tmp_path):
 
 
 def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model(tmp_path, caplog):
+    import pid_plugins.hf  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
     zoo = ZOOS["hf"]
@@ -367,7 +368,14 @@ def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model
     stock.save_pretrained(tmp_path / "stock")
     config = LlamaConfig.from_pretrained(tmp_path / "stock")
     config.pid = dict(GAINS, warmup_steps=N)
-    with caplog.at_level("WARNING"):
+    empty_like = torch.empty_like
+
+    def poisoned(tensor, *args, **kwargs):  # what transformers gives a missing key, made visibly wrong
+        out = empty_like(tensor, *args, **kwargs)
+        return out.fill_(12345) if out.dtype == torch.long else out
+
+    with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty_like", poisoned)
         model = LlamaForCausalLM.from_pretrained(tmp_path / "stock", config=config, attn_implementation="pid")
     assert int(model.pid_warmup.step) == 0
     assert "pid_warmup" not in caplog.text

@@ -446,21 +446,8 @@ def _warmup_steps(config: Any) -> int:
     return PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET).warmup_steps
 
 
-def _init_weights_with_counter(model: PreTrainedModel, module: nn.Module) -> None:
-    """``model._init_weights`` that also initialises the warm-up counter: transformers' ``from_pretrained`` gives
-    a key the checkpoint lacks an uninitialised tensor and then calls ``_init_weights`` on its module, which the
-    model's own code does not know. ``zeros_`` of transformers' ``initialization`` leaves a counter loaded from
-    the checkpoint alone (flagged ``_is_hf_initialized``), so ``t`` is the checkpoint's, or 0 if it has none."""
-    if isinstance(module, GainWarmup):
-        from transformers import initialization
-
-        initialization.zeros_(module.step)
-        return
-    type(model)._init_weights(model, module)
-
-
 def _give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
-    model.__dict__["_init_weights"] = functools.partial(_init_weights_with_counter, model)
+    # from_pretrained without the counter in the checkpoint: learned_gains.install()'s _initialize_weights zeroes it
     ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
     model._keys_to_ignore_on_load_missing = {*(ignore or ()), _WARMUP_MISSING_KEY}
     setattr(model, WARMUP_ATTR, counter)

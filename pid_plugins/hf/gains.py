@@ -30,7 +30,7 @@ from typing import Iterable, List
 import torch
 from torch import nn
 
-from ..core import PIDConfig
+from ..core import GainWarmup, PIDConfig
 from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
 
 __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
@@ -111,13 +111,20 @@ def _initialize_weights(self, module: nn.Module, *args, **kwargs):
         module.reset_parameters()
         module._is_hf_initialized = True
         return None
+    if isinstance(module, GainWarmup):  # the warm-up counter: t = 0 unless transformers loaded it (flagged)
+        from transformers import initialization as init
+
+        init.zeros_(module.step)
+        module._is_hf_initialized = True
+        return None
     return _ORIGINAL_INIT(self, module, *args, **kwargs)
 
 
 def install() -> None:
     """Make ``PreTrainedModel._initialize_weights`` (the one place transformers 5 initialises every module of a
     model: at construction and for the missing keys of ``from_pretrained``) initialise :class:`LayerGains` from
-    their config. The model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values."""
+    their config, and the gain warm-up counter (:class:`~pid_plugins.core.warmup.GainWarmup`) at 0. The model's own
+    ``_init_weights`` does not know them and would leave ``torch.empty`` values."""
     global _ORIGINAL_INIT
     from transformers import PreTrainedModel
 
