@@ -100,7 +100,7 @@ def learned_gains(model) -> dict:
     values = [layer_gains_of(m)()[:3] for m in model.modules() if layer_gains_of(m) is not None]
     if not values:
         return {}
-    return {name: sum(float(v[i]) for v in values) / len(values)
+    return {name: sum(float(v[i].detach()) for v in values) / len(values)
             for i, name in enumerate(("lambda_p", "lambda_i", "lambda_d"))}
 
 
