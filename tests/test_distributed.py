@@ -147,6 +147,21 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
         assert max_change(run0["state_dict"], init) > 1e-2  # training moved the weights
         assert max(abs(run0["state_dict"][k].item() - init[k].item()) for k in gains) > 1e-5  # and the gains
 
+    # gain warm-up under DDP: both ranks count t alike, and training matches one process with the same schedule
+    model = cases.timm_model(warmup_steps=cases.TIMM_WARMUP_STEPS)
+    model.train()
+    opt = cases.timm_optimizer(model.parameters())
+    for step in range(cases.TIMM_STEPS):
+        x, y = cases.timm_batch(step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    run0, run1 = r0["runs"]["warmup"], r1["runs"]["warmup"]
+    assert_same_params(run0["state_dict"], run1["state_dict"])
+    assert int(run0["state_dict"]["pid_warmup.step"]) == int(run1["state_dict"]["pid_warmup.step"]) == cases.TIMM_STEPS
+    assert_close_params(run0["state_dict"], model.state_dict())
+
 
 # ------------------------------------------------------------------------------ mmengine Runner + mmseg
 def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(tmp_path):

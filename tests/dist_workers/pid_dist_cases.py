@@ -14,13 +14,17 @@ TIMM_STEPS = 4
 TIMM_LR = 0.05
 
 
-def timm_model(seed: int = 0):
-    """A tiny PID DeiT with learnable gains (so the gains are DDP-synchronised parameters too)."""
+TIMM_WARMUP_STEPS = 3  # the gain warm-up run: t passes N within TIMM_STEPS
+
+
+def timm_model(seed: int = 0, warmup_steps: int = 0):
+    """A tiny PID DeiT with learnable gains (so the gains are DDP-synchronised parameters too), optionally with
+    gain warm-up (its counter a buffer DDP broadcasts)."""
     import timm
     import pid_plugins.timm  # noqa: F401  (registers the pid_* models)
 
     torch.manual_seed(seed)
-    return timm.create_model(TIMM_NAME, pid=dict(learnable=True), **TIMM_TINY)
+    return timm.create_model(TIMM_NAME, pid=dict(learnable=True, warmup_steps=warmup_steps), **TIMM_TINY)
 
 
 def timm_batch(step: int):

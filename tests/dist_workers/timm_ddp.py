@@ -2,7 +2,8 @@
 
 Each rank takes its half of every global batch; DDP averages the gradients, which equals the gradient of the
 mean loss over the global batch. The run is made twice from the same init, without and with timm's gradient
-checkpointing (the PID state then crosses checkpoint boundaries as block inputs). Every rank saves both
+checkpointing (the PID state then crosses checkpoint boundaries as block inputs), and once more with
+checkpointing and gain warm-up (``warmup_steps``: the counter is a buffer). Every rank saves both
 runs' final parameters and losses to OUT/rank{rank}.pt.
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/timm_ddp.py OUT
 """
@@ -17,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pid_dist_cases as cases
 
 
-def train(rank: int, world: int, grad_checkpointing: bool) -> dict:
-    model = cases.timm_model()
+def train(rank: int, world: int, grad_checkpointing: bool, warmup_steps: int = 0) -> dict:
+    model = cases.timm_model(warmup_steps=warmup_steps)
     model.set_grad_checkpointing(grad_checkpointing)
     model.train()
     ddp = DDP(model)
@@ -42,6 +43,7 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {mode: train(rank, world, mode == "grad_checkpointing") for mode in ("plain", "grad_checkpointing")}
+    runs["warmup"] = train(rank, world, True, warmup_steps=cases.TIMM_WARMUP_STEPS)
     torch.save({"rank": rank, "world": world, "runs": runs}, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

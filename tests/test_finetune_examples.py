@@ -1,0 +1,64 @@
+"""The fine-tuning examples run as the README writes them, shortened (few steps, short blocks, few images).
+
+examples/finetune_smollm2_pid.py (the user's path) and examples/finetune_study.py (the committed record's
+command) on the real SmolLM2-135M weights; one dequantized safetensors cache serves every run of the module.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("timm")
+REPO = Path(__file__).resolve().parents[1]
+SHORT_LM = ["--batch", "1", "--block", "32", "--valid-blocks", "2", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("smollm2")
+
+
+def run(args, cwd):
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def test_finetune_example_with_warm_up_and_learnable_gains(cache, tmp_path):
+    out = tmp_path / "out"
+    log = run([str(REPO / "examples" / "finetune_smollm2_pid.py"), *SHORT_LM, "--warmup-steps", "4",
+               "--gain-scale", "0.1", "--learnable", "--cache", str(cache), "--out", str(out)], tmp_path)
+    assert "fine-tune" in log  # the progress bar
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert set(runs) == {"softmax", "pid"}
+    # warm-up: the PID model starts as the pretrained softmax model
+    assert runs["pid"]["valid_ppl_before"] == pytest.approx(runs["softmax"]["valid_ppl_before"], rel=1e-6)
+
+
+def test_finetune_study_lm_and_vision_records(cache, tmp_path):
+    out = tmp_path / "study"
+    run([str(REPO / "examples" / "finetune_study.py"), "lm", *SHORT_LM, "--warmup-steps", "2", "--scales", "0.1",
+         "--first-layer-scale", "0.1", "--cache", str(cache), "--out", str(out / "lm")], tmp_path)
+    lm = json.loads((out / "lm" / "lm.json").read_text())
+    assert set(lm["arms"]) == {"softmax", "pid_x0.1", "pid_x0.1_reference_first_layer", "pid_learnable_from_zero"}
+    soft = lm["arms"]["softmax"]
+    for name, r in lm["arms"].items():
+        assert r["valid_ppl_before"] == pytest.approx(soft["valid_ppl_before"], rel=1e-6), name  # t = 0: stock
+        assert r["valid_ppl_after"] > 1 and r["valid_ppl_after_20pct_substituted"] > 1
+        assert (r["warmup_counter_after"] == 2) == (name != "softmax")  # one count per training forward
+    assert lm["arms"]["pid_x0.1"]["valid_ppl_switched_on_at_once"] != soft["valid_ppl_before"]
+    gains = lm["arms"]["pid_learnable_from_zero"]["learned_gains"]
+    assert len(gains["lambda_p"]) == 30 and all(g > 0 for g in gains["lambda_i"])
+    assert "Largest `lm` gain scale" in (out / "lm" / "lm.md").read_text()
+
+    run([str(REPO / "examples" / "finetune_study.py"), "vision", "--pretrain-epochs", "0.01", "--continue-epochs",
+         "0.01", "--warmup-steps", "2", "--test-limit", "40", "--out", str(out / "vision")], tmp_path)
+    vision = json.loads((out / "vision" / "vision.json").read_text())
+    assert set(vision["models"]) == {"pretrained_softmax", "softmax", "pid_warmup", "pid_switched_on_at_once"}
+    assert vision["models"]["pid_warmup"]["warmup_counter_after"] == vision["models"]["pid_warmup"]["train_steps"]
+    png = run([str(REPO / "examples" / "finetune_study.py"), "plot", "--lm", str(out / "lm" / "lm.json"),
+               "--vision", str(out / "vision" / "vision.json"), "--out", str(out / "plot.png")], tmp_path)
+    assert (out / "plot.png").stat().st_size > 10_000, png
