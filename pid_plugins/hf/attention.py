@@ -109,6 +109,8 @@ def model_pid_config(config: Any) -> PIDConfig:
     raw = getattr(config, "pid", None)
     if isinstance(raw, PIDConfig):
         cfg = raw
+    elif raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
+        cfg = PIDConfig.preset(DEFAULT_PRESET if raw is None else raw)
     else:
         key = tuple(sorted(raw.items())) if isinstance(raw, dict) else raw
         try:
@@ -116,6 +118,11 @@ def model_pid_config(config: Any) -> PIDConfig:
         except TypeError:  # unhashable values: let coerce report them
             key, cfg = None, None
         if cfg is None:
+            if torch.compiler.is_compiling():  # building a PIDConfig is not traceable: parse it eagerly
+                raise RuntimeError(
+                    f"config.pid = {raw!r} was set after the model was built and first read under torch.compile: "
+                    "call pid_plugins.hf.to_pid(model) (or run one eager forward) before compiling"
+                )
             cfg = PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET)
             if key is not None:
                 if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
@@ -277,6 +284,10 @@ def _discover(model: PreTrainedModel) -> _Plan:
             "state cannot reach its attention layers"
         )
     _persist(model.config)
+    try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
+        model_pid_config(gains_source)
+    except ValueError:
+        pass  # refused with its message at the first forward
     plan = _Plan(owns_layers=order > 0,
                  cache_position=names.index("past_key_values") if "past_key_values" in names else None)
     model.__dict__[_PLAN] = plan
@@ -324,6 +335,12 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         return None
     plan = module.__dict__.get(_PLAN)
     if plan is None:
+        if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
+            raise RuntimeError(
+                f"attn_implementation='pid': {type(module).__name__} was switched to PID after it was built, and "
+                "torch.compile reached its first forward: call pid_plugins.hf.to_pid(model) (or run one eager "
+                "forward) before compiling"
+            )
         with _LOCK:
             plan = _discover(module)
     if not plan.owns_layers:
@@ -364,6 +381,18 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
     if isinstance(module, PreTrainedModel) and not module.__dict__.get(_HOOKED, False):
         _hook(module)
         _persist(module.config)  # saved as "pid" whenever the model runs PID at save time, null otherwise
+        module.__dict__["post_init"] = functools.partial(_post_init, module)
+
+
+def _post_init(model: PreTrainedModel) -> None:
+    """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
+    built as PID is discovered now, before any forward, so that a first forward under ``torch.compile`` traces no
+    discovery. The instance attribute removes itself: later calls reach the class's ``post_init``."""
+    model.__dict__.pop("post_init", None)
+    type(model).post_init(model)
+    if getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and _PLAN not in model.__dict__:
+        with _LOCK:
+            _discover(model)
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
