@@ -76,11 +76,15 @@ class PIDForwardState:
     object is passed by reference by all of them (torch's pytree treats it as a leaf).
     """
 
-    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows")
+    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "zero", "function")
 
     def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None) -> None:
         self.config = config
         self.base = base
+        # decided once per forward, not per layer call: zero gains (the base attention only), the base function
+        # (None for eager: each model family has its own eager_attention_forward)
+        self.zero = config.is_zero
+        self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
@@ -153,12 +157,12 @@ def base_attention(config: Any) -> str:
     return base
 
 
+_BASE_FUNCTIONS = {"sdpa": sdpa_attention_forward, "flex_attention": flex_attention_forward}
+
+
 def _base_function(module: nn.Module, base: str) -> Callable:
-    if base == "sdpa":
-        return sdpa_attention_forward
-    if base == "flex_attention":
-        return flex_attention_forward
-    return _eager_function(type(module))
+    function = _BASE_FUNCTIONS.get(base)
+    return _eager_function(type(module)) if function is None else function
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,25 +193,27 @@ def pid_attention_forward(
             "pid_plugins.hf.to_pid(model) once (needed for models built before `import pid_plugins.hf`); a model "
             "whose forward does not pass its keyword arguments down to the attention layers cannot run PID"
         )
-    out, weights = _base_function(module, run.base)(module, query, key, value, attention_mask, **kwargs)
-    if run.config.is_zero:
+    function = run.function
+    out, weights = (function or _base_function(module, run.base))(module, query, key, value, attention_mask, **kwargs)
+    if run.zero:
         return out, weights
-    q_len = query.shape[-2]
+    q_len, length = query.shape[-2], value.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
-        v_q = value[:, :, value.shape[-2] - q_len:]
+        v_q = value if length == q_len else value.narrow(2, length - q_len, q_len)
     else:  # a static cache: rows [past, past + q_len) of the buffer
         if run.rows is None:
             run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
         v_q = value.index_select(2, run.rows)
-    # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
-    if index in run.layers and not run.finished:
+    layers = run.layers
+    if index in layers and not run.finished:
         raise RuntimeError(
             f"attn_implementation='pid': {type(module).__name__} ran twice in one forward (one attention module "
             "shared by several layers, as in ALBERT): PID needs one attention module per layer"
         )
     earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
-    previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier)
-    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.config, head_dim=-2)
+    previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
+    # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
+    u, layers[index] = pid_update(out, v_q.transpose(1, 2), previous, run.config, head_dim=-2)
     return u, weights
 
 
