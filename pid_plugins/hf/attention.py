@@ -76,7 +76,7 @@ class PIDForwardState:
     object is passed by reference by all of them (torch's pytree treats it as a leaf).
     """
 
-    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "zero", "function")
+    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "zero", "function", "start")
 
     def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None) -> None:
         self.config = config
@@ -89,6 +89,11 @@ class PIDForwardState:
         self.layers: Dict[int, PIDState] = {}
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
+        # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
+        # layer); under torch.compile the length stays a tensor, so decoding steps do not recompile
+        self.start: Optional[int] = None
+        if past_length is not None and past_length.device.type == "cpu" and not torch.compiler.is_compiling():
+            self.start = int(past_length)
 
     def previous(self, earlier: tuple[int, ...]) -> Optional[PIDState]:
         """The state of the nearest earlier layer of the stack that ran in this forward (``earlier``: the
@@ -200,6 +205,8 @@ def pid_attention_forward(
     q_len, length = query.shape[-2], value.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
         v_q = value if length == q_len else value.narrow(2, length - q_len, q_len)
+    elif run.start is not None and value.device.type == "cpu":  # a static cache, eager: rows [past, past + q_len)
+        v_q = value.narrow(2, run.start, q_len)
     else:  # a static cache: rows [past, past + q_len) of the buffer
         if run.rows is None:
             run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
