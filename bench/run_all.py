@@ -16,6 +16,9 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
               decode tokens/s with a KV cache (generate), and static-cache decoding eager and with the
               decoding step compiled (torch.compile fullgraph, inductor; prefill eager), both models alike
     fairseq   transformer_lm vs transformer_lm_pid (same weights): train step, incremental decoding tokens/s
+    size      the cost by model size: deit_small and deit_base b8 forward+backward (eager and torch.compile), and
+              a 12-layer hidden-768 Llama (12 query / 4 key-value heads) train step (first thread count only;
+              fewer repetitions for the big models)
     memory    peak memory of forward+backward, PID/stock (timm, FAN, mmseg, HF, fairseq)
     core      core PIDSelfAttention stack (pid vs pid=None): forward+backward at sequence lengths 64..4096
     compile   a small transformer of core PIDSelfAttention + MLP blocks, eager and torch.compile (inductor)
@@ -50,7 +53,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import interleaved, machine, peak_memory_bytes  # noqa: E402
 
-SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "memory", "core", "compile")
+SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile")
 MALLOC_TUNED = {  # glibc: keep freed memory for reuse instead of unmapping and re-faulting it every step
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 33),
@@ -151,6 +154,9 @@ def mmseg_pair(crop: int, batch: int):
     return step(stock), step(pid)
 
 
+# a 12-layer hidden-768 Llama (the width of deit_base / GPT-2 small), grouped-query: the cost-by-size row
+HF_BASE_CFG = dict(vocab_size=8000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)
 HF_CFG = dict(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=1024)
 # SmolLM2-135M's shape (random weights): 30 layers, hidden 576, 9 query / 3 key-value heads
@@ -353,21 +359,24 @@ def build_tasks(args) -> List[Task]:
         secondary = threads != args.threads[0] and not args.all_threads
 
         def add(section, name, kind, build, threads=threads, secondary=secondary):
-            if secondary and (kind not in ("time", "tokens/s") or section in ("core", "compile")):
+            if secondary and (kind not in ("time", "tokens/s") or section in ("core", "compile", "size")):
                 return
             tasks.append((section, name, kind, threads, build))
 
-        def vision(section, name, base, mode, kind, n, b=8, compiled=False):
+        def vision(section, name, base, mode, kind, n, b=8, compiled=False, warmup=2):
+            key = f"{section} {name}"
+
             def build(n=n):
-                stock, pid = cached(section, lambda: timm_pair(name, base))
+                stock, pid = cached(key, lambda: timm_pair(name, base))
                 if compiled:  # the whole model, PID and stock each under torch.compile (inductor)
-                    stock, pid = cached(section + "_compiled", lambda: (torch.compile(stock), torch.compile(pid)))
-                x = cached(section + "_x", lambda: torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0)))
+                    stock, pid = cached(key + "_compiled", lambda: (torch.compile(stock), torch.compile(pid)))
+                x = cached(f"x224_b{b}", lambda: torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0)))
                 fs, fp = vision_runs(stock, pid, x)[mode]
-                info = dict(reps=n, batch=b, img_size=224, model=name, base=base)
+                info = dict(reps=n, warmup=warmup, batch=b, img_size=224, model=name, base=base)
                 return fs, fp, dict(info, compile="inductor") if compiled else info
             label = f"{mode}, torch.compile" if compiled else mode
-            add(section, f"{section} {name.replace('pid_', '')} b{b} {label}", kind, build)
+            prefix = section if section != "size" else "timm"
+            add(section, f"{prefix} {name.replace('pid_', '')} b{b} {label}", kind, build)
 
         if "timm" in args.only:
             vision("timm", "pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", "forward", None, reps(5, 2))
@@ -409,6 +418,14 @@ def build_tasks(args) -> List[Task]:
                 add("hf", f"hf Llama-GQA decode b4, 64+32 tokens, static cache, {label}", "tokens/s",
                     build_hf_static)
 
+            def build_hf_b1(n=reps(7, 3)):  # compiled decoding at batch 1 (kernel launches dominate)
+                make_stock, make_pid = cached("hf_b1", lambda: hf_runs(batch=1, seq=64, new_tokens=32))["compiled decode"]
+                fs, fp = cached("hf_b1 compiled", lambda: (make_stock(), make_pid()))
+                return fs, fp, dict(reps=n, batch=1, prompt=64, new_tokens=32, tokens=32, config=HF_CFG,
+                                    cache="static", compile="inductor, fullgraph")
+            add("hf", "hf Llama-GQA decode b1, 64+32 tokens, static cache, torch.compile(fullgraph)", "tokens/s",
+                build_hf_b1)
+
             def build_hf_smol(n=reps(5, 2)):
                 fs, fp = cached("hf_smol", lambda: hf_runs(batch=1, seq=64, new_tokens=32, cfg=SMOLLM2_CFG))["decode"]
                 return fs, fp, dict(reps=n, batch=1, prompt=64, new_tokens=32, tokens=32, config=SMOLLM2_CFG)
@@ -424,6 +441,18 @@ def build_tasks(args) -> List[Task]:
                     return fs, fp, info
                 label = "train step b4x256" if what == "train step" else "incremental decoding b4, 32+32 tokens"
                 add("fairseq", f"fairseq transformer_lm {label}", kind, build_fs)
+        if "size" in args.only:
+            # the cost by width: deit_tiny (192, section timm), deit_small (384), deit_base (768); each step of
+            # deit_base takes seconds on a CPU, so few repetitions and one warm-up pair
+            for name, n, warm in (("deit_small_patch16_224", reps(3, 2), 1), ("deit_base_patch16_224", reps(2, 1), 1)):
+                for compiled in (False, True):
+                    vision("size", f"pid_{name}", name, "forward+backward", "compiled" if compiled else "time", n,
+                           compiled=compiled, warmup=warm)
+
+            def build_hf_base(n=reps(3, 1)):
+                fs, fp = cached("hf_base", lambda: hf_runs(batch=2, seq=128, new_tokens=1, cfg=HF_BASE_CFG))["train step"]
+                return fs, fp, dict(reps=n, warmup=1, batch=2, seq=128, config=HF_BASE_CFG)
+            add("size", "hf Llama 12 layers hidden 768 (GQA 12/4) train step b2x128", "time", build_hf_base)
         if "core" in args.only:
             for n_tok, n in ((64, reps(9, 3)), (256, reps(7, 3)), (1024, reps(5, 3)), (4096, reps(3, 2))):
                 def build_core(n_tok=n_tok, n=n):
@@ -567,11 +596,14 @@ def main() -> None:
         for section, name, kind, threads, build in tasks:
             bar.set_postfix_str(f"{name[:50]} [{threads} thr]")
             torch.set_num_threads(threads)
+            t_row = time.time()  # building (and compiling) included: what the row costs `make bench`
             fs, fp, info = build()
             n = info.pop("reps")
             min_time = info.pop("min_time", 0.0)
-            r = interleaved(fs, fp, reps=n, warmup=2, progress=bar.update, min_time=min_time)
-            row: Dict[str, Any] = {"section": section, "workload": name, "threads": threads, **r, **info}
+            warmup = info.pop("warmup", 2)
+            r = interleaved(fs, fp, reps=n, warmup=warmup, progress=bar.update, min_time=min_time)
+            row: Dict[str, Any] = {"section": section, "workload": name, "threads": threads, **r, **info,
+                                   "row_s": time.time() - t_row}
             ratio = r["ratio"]
             if kind == "tokens/s":
                 tokens = info["tokens"]
@@ -581,7 +613,7 @@ def main() -> None:
             row["ratio"] = ratio
             row["target"], row["met"] = verdict(kind, ratio)
             result["rows"].append(row)
-            tqdm.write(f"{name} [{threads} thr]: PID/stock {ratio:.3f} {row['target']}")
+            tqdm.write(f"{name} [{threads} thr]: PID/stock {ratio:.3f} {row['target']} ({row['row_s']:.0f} s)")
         torch.set_num_threads(max(args.threads))
         for name, build in mem:
             bar.set_postfix_str("peak memory " + name[:40])

@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Iterable, Optional
 
-from .core.config import PIDConfig
+from .core.config import PRESETS, PIDConfig
 
 __all__ = ["ModelEntry", "load_presets", "load_catalogue", "list_models", "get_model_entry", "ZOOS"]
 
 ZOOS = ("timm", "hf", "mmseg", "fairseq")
-_PRESET_KEYS = {"lambda_p", "lambda_i", "lambda_d", "beta"}
 _ENTRY_KEYS = {"name", "base", "arch", "preset", "gains", "description", "paper", "kwargs"}
 
 
@@ -51,20 +50,10 @@ def _registry_files() -> Iterable[tuple[str, str]]:
             yield item.name, item.read_text(encoding="utf-8")
 
 
-@functools.lru_cache(maxsize=None)
 def load_presets() -> dict[str, dict[str, float]]:
-    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml``."""
-    text = resources.files("pid_plugins.registry").joinpath("presets.toml").read_text(encoding="utf-8")
-    raw = tomllib.loads(text)
-    presets = {}
-    for name, table in raw.items():
-        gains = {k: v for k, v in table.items() if k in _PRESET_KEYS}
-        missing = _PRESET_KEYS - set(gains)
-        if missing:
-            raise ValueError(f"registry/presets.toml: preset {name!r} lacks {sorted(missing)}")
-        PIDConfig(**gains)  # validates
-        presets[name] = gains
-    return presets
+    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml`` (read once, when
+    :mod:`pid_plugins.core.config` is imported; a copy)."""
+    return {name: dict(gains) for name, gains in PRESETS.items()}
 
 
 def parse_catalogue(files: Iterable[tuple[str, str]]) -> dict[str, ModelEntry]:

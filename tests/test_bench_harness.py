@@ -81,3 +81,22 @@ def test_verdicts_and_markdown(tmp_path):
     assert "| decode | 1 | 100 tok/s | 91 tok/s | 0.909 | >= 0.97 | **no** | 0.909 | 0.800 |" in text
     assert "N=64: 1.100, N=4096: 1.010; the overhead falls" in text
     json.dumps(result, default=str)
+
+
+def test_size_rows_run_once_at_the_first_thread_count():
+    import argparse
+
+    run_all = load("run_all")
+    args = argparse.Namespace(quick=False, threads=[1, 2], all_threads=False, only={"size"}, tmp="/nonexistent")
+    tasks = run_all.build_tasks(args)  # builds nothing: each task's models are made when it runs
+    names = [(name, kind, threads) for _, name, kind, threads, _ in tasks]
+    assert names == [
+        ("timm deit_small_patch16_224 b8 forward+backward", "time", 1),
+        ("timm deit_small_patch16_224 b8 forward+backward, torch.compile", "compiled", 1),
+        ("timm deit_base_patch16_224 b8 forward+backward", "time", 1),
+        ("timm deit_base_patch16_224 b8 forward+backward, torch.compile", "compiled", 1),
+        ("hf Llama 12 layers hidden 768 (GQA 12/4) train step b2x128", "time", 1),
+    ]
+    # the big models get fewer repetitions than deit_small
+    reps = [build.__defaults__[-1] for *_, build in tasks]
+    assert reps[0] > reps[2] and reps[4] <= 3 and max(reps) <= 3

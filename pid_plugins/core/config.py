@@ -11,7 +11,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["PIDConfig"]
+__all__ = ["PIDConfig", "PRESETS"]
 
 _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
 
@@ -93,22 +93,22 @@ class PIDConfig:
     # ----------------------------------------------------------------------------------------- presets
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "PIDConfig":
-        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides."""
-        from pid_plugins.catalogue import load_presets
+        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides.
 
-        presets = load_presets()
-        if name not in presets:
+        The presets are plain data loaded once, when this module is imported, so looking one up reads no file
+        (``torch.compile`` traces it inside a forward without a graph break).
+        """
+        config = _PRESET_CONFIGS.get(name) if isinstance(name, str) else None
+        if config is None:
             raise ValueError(
-                f"unknown PID preset {name!r}; choose one of {sorted(presets)} "
+                f"unknown PID preset {name!r}; choose one of {sorted(_PRESET_CONFIGS)} "
                 "(declared in registry/presets.toml)"
             )
-        return cls.from_dict({**presets[name], **overrides})
+        return cls.from_dict({**PRESETS[name], **overrides}) if overrides else config
 
     @classmethod
     def preset_names(cls) -> list[str]:
-        from pid_plugins.catalogue import load_presets
-
-        return sorted(load_presets())
+        return sorted(_PRESET_CONFIGS)
 
     # ------------------------------------------------------------------------------------- dict round trip
     def to_dict(self) -> dict[str, Any]:
@@ -173,3 +173,28 @@ class PIDConfig:
     def gains(self) -> tuple[float, float, float, float]:
         """``(lambda_p, lambda_i, lambda_d, beta)``."""
         return (self.lambda_p, self.lambda_i, self.lambda_d, self.beta)
+
+
+# ------------------------------------------------------------------------------------------------- presets
+_PRESET_KEYS = ("lambda_p", "lambda_i", "lambda_d", "beta")
+
+
+def _load_presets() -> dict[str, dict[str, float]]:
+    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml`` (the one source)."""
+    import tomllib
+    from importlib import resources
+
+    text = resources.files("pid_plugins.registry").joinpath("presets.toml").read_text(encoding="utf-8")
+    presets = {}
+    for name, table in tomllib.loads(text).items():
+        gains = {k: v for k, v in table.items() if k in _PRESET_KEYS}
+        missing = set(_PRESET_KEYS) - set(gains)
+        if missing:
+            raise ValueError(f"registry/presets.toml: preset {name!r} lacks {sorted(missing)}")
+        presets[name] = gains
+    return presets
+
+
+#: the presets as plain data, read once at import: ``{name: {lambda_p, lambda_i, lambda_d, beta}}``
+PRESETS: Mapping[str, Mapping[str, float]] = _load_presets()
+_PRESET_CONFIGS: dict[str, PIDConfig] = {name: PIDConfig(**gains) for name, gains in PRESETS.items()}  # validates

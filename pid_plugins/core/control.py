@@ -17,6 +17,7 @@ The state is an explicit value (:class:`PIDState`), passed in and returned, neve
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -109,21 +110,22 @@ def pid_update(
         for the next layer of the group. In float16/bfloat16 the error, its sum and the PID term are
         computed in float32 and ``u`` is rounded once.
     """
-    lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
-    if attn_out.dim() != value.dim():
+    if type(gains) is PIDConfig:  # the common case, fixed gains: no unpacking, no tensor checks
+        lambda_p, lambda_i, lambda_d, beta = gains.lambda_p, gains.lambda_i, gains.lambda_d, gains.beta
+        control_first_layer, tensor_gains = gains.control_first_layer, False
+    else:
+        lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
+        tensor_gains = isinstance(lambda_p, Tensor) or isinstance(lambda_i, Tensor) or isinstance(lambda_d, Tensor)
+    shape = value.shape
+    if state is not None and state[0].shape != shape:
         raise ValueError(
-            f"attention output {tuple(attn_out.shape)} and values {tuple(value.shape)} must have the same "
-            "number of dimensions (..., heads, positions, head_dim)"
-        )
-    if state is not None and state[0].shape != value.shape:
-        raise ValueError(
-            f"PID layer values have shape {tuple(value.shape)} but the group's first layer had "
+            f"PID layer values have shape {tuple(shape)} but the group's first layer had "
             f"{tuple(state[0].shape)}: every layer of a PID group must have values of one shape "
             "(same heads, head_dim and positions); split the model into groups of equal value shape "
             "or use softmax attention for the odd layers"
         )
-    dim = _kv_head_split(attn_out, value, head_dim)
-    tensor_gains = any(isinstance(g, Tensor) for g in (lambda_p, lambda_i, lambda_d))
+    # grouped-query attention: the shape of the attention output viewed as (..., H_kv, r, ...), else None
+    grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
 
     if state is None and not control_first_layer:
         # Reference-only first layer: plain attention, v^1 recorded, no error yet. Learnable gains join the
@@ -136,32 +138,35 @@ def pid_update(
     # (the first layer, or the second after a reference-only first layer) has no derivative term.
     first = state is None or state[1] is None
     v_first = value if state is None else state[0]
-    wide = _state_dtype(value.dtype)
+    wide = _WIDER.get(value.dtype)
+    if wide is None and not value.dtype.is_floating_point:
+        wide = _state_dtype(value.dtype)
     if isinstance(beta, Tensor):
-        e = v_first.to(wide) * beta - value
+        e = v_first.to(wide or value.dtype) * beta - value
     else:
         # e = -(v - beta v^1): a Python-scalar multiply wraps the scalar in a tensor on every call, which
         # costs more than the arithmetic on decoding-sized tensors; alpha and neg_ do not
-        e = torch.add(value.to(wide), v_first, alpha=-beta).neg_()
+        e = torch.add(value if wide is None else value.to(wide), v_first, alpha=-beta).neg_()
     e_sum = e if first else state[1] + e
     new_state = PIDState(v_first, e_sum, e)
-    if _all_zero(lambda_p, lambda_i, lambda_d):
+    if not tensor_gains and lambda_p == 0.0 and lambda_i == 0.0 and lambda_d == 0.0:
         return attn_out, new_state
 
-    # Grouped-query attention (dim >= 0): key/value head j serves query heads j*r .. j*r + r - 1 (as
+    # Grouped-query attention: key/value head j serves query heads j*r .. j*r + r - 1 (as
     # :func:`expand_heads`, i.e. ``repeat_interleave``). The PID term is computed in key/value-head space
     # (1/r of the query heads' size) and broadcast over each group of r query heads of a view of the
     # attention output, instead of materialising the repeated values.
-    target = attn_out if dim < 0 else attn_out.unflatten(dim, (value.shape[dim], -1))
-
-    def kv(x: Tensor) -> Tensor:
-        return x if dim < 0 else x.unsqueeze(dim + 1)
+    if grouped is None:
+        target, kv = attn_out, _same
+    else:
+        target, kv = attn_out.reshape(grouped[0]), functools.partial(Tensor.unsqueeze, dim=grouped[1])
 
     if not tensor_gains and attn_out.dtype == e.dtype:
         # Fast path (fixed gains, full precision): u = A v + (lP + lD) e + lI S - lD e_prev.
         if first:
             out = target.add(kv(e), alpha=lambda_p + lambda_i)
-        elif e.numel() <= _SMALL and _ratio_is_safe(lambda_p + lambda_d, lambda_d, over=lambda_i):
+        elif e.numel() <= _SMALL and lambda_i != 0.0 and max(abs(lambda_p + lambda_d), abs(lambda_d)) <= 1e4 * abs(lambda_i):
+            # ((lP + lD)/lI and lD/lI are moderate numbers: no overflow, no loss in the fused form)
             # small tensors (decoding): each kernel launch is the cost, so the fewest kernels,
             # lI * (S + (lP + lD)/lI e - lD/lI e_prev), with one temporary in key/value-head space
             term = torch.add(e_sum, e, alpha=(lambda_p + lambda_d) / lambda_i)
@@ -189,31 +194,34 @@ def pid_update(
         else:
             term = e * (lambda_p + lambda_d) + e_sum * lambda_i - state[2] * lambda_d
         out = (target + kv(term)).to(attn_out.dtype)
-    return (out if dim < 0 else out.flatten(dim, dim + 1)), new_state
+    return (out if grouped is None else out.reshape(attn_out.shape)), new_state
 
 
-def _ratio_is_safe(*numerators: float, over: float) -> bool:
-    """True when every ``numerator / over`` is a moderate number (no overflow, no loss in the fused form)."""
-    return over != 0.0 and all(abs(n) <= 1e4 * abs(over) for n in numerators)
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # else the values' own (float) dtype
 
 
-def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> int:
-    """-1 if ``value`` has the attention output's shape; the (non-negative) head dimension if it has fewer
-    heads that divide the query heads (grouped-query attention) and otherwise matches; raises otherwise."""
-    if attn_out.shape == value.shape:
-        return -1
-    if -attn_out.dim() <= head_dim < attn_out.dim():
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
+def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int]:
+    """For ``value`` with fewer heads than the attention output, dividing them (grouped-query attention) and
+    otherwise matching: the output's shape with its head dimension split into ``(H_kv, r)`` and the dimension
+    at which a key/value-head tensor broadcasts over the ``r`` query heads of its group. Raises otherwise."""
+    if -attn_out.dim() <= head_dim < attn_out.dim() and attn_out.dim() == value.dim():
         dim = head_dim % attn_out.dim()
-        heads, kv_heads = attn_out.shape[dim], value.shape[dim]
+        shape = attn_out.shape
+        heads, kv_heads = shape[dim], value.shape[dim]
         if kv_heads <= 0 or heads % kv_heads:
             expand_heads(value, heads, dim)  # raises the explanatory error
-        if attn_out.shape[:dim] + (kv_heads,) + attn_out.shape[dim + 1:] == value.shape:
-            return dim
+        if shape[:dim] + (kv_heads,) + shape[dim + 1:] == value.shape:
+            return (*shape[:dim], kv_heads, heads // kv_heads, *shape[dim + 1:]), dim + 1
+    if attn_out.dim() != value.dim():
+        raise ValueError(
+            f"attention output {tuple(attn_out.shape)} and values {tuple(value.shape)} must have the same "
+            "number of dimensions (..., heads, positions, head_dim)"
+        )
     raise ValueError(
         f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
         "(after expanding key/value heads): pass the values of the query positions only"
     )
-
-
-def _all_zero(*gains: Gain) -> bool:
-    return all(not isinstance(g, Tensor) and g == 0.0 for g in gains)

@@ -236,7 +236,9 @@ class PIDTransformerDecoder(TransformerDecoder):
             x = self.layernorm_embedding(x)
         x = self.dropout_module(x).transpose(0, 1)
         self_attn_padding_mask: Optional[Tensor] = None
-        if self.cross_self_attention or prev_output_tokens.eq(self.padding_idx).any():
+        if torch.compiler.is_compiling():  # no data-dependent branch in a graph: always the mask (maybe all False)
+            self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
+        elif self.cross_self_attention or prev_output_tokens.eq(self.padding_idx).any():
             self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
         attn: Optional[Tensor] = None
         inner_states: List[Optional[Tensor]] = [x]

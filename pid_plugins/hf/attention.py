@@ -83,7 +83,8 @@ class PIDForwardState:
     object is passed by reference by all of them (torch's pytree treats it as a leaf).
     """
 
-    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "scale", "gains")
+    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "scale", "gains", "zero", "function",
+                 "start")
 
     def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None) -> None:
@@ -91,10 +92,19 @@ class PIDForwardState:
         self.base = base
         self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
         self.gains = scaled_gains(config, scale)  # what every layer passes to pid_update
+        # decided once per forward, not per layer call: zero gains (the base attention only), the base function
+        # (None for eager: each model family has its own eager_attention_forward)
+        self.zero = config.is_zero
+        self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
+        # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
+        # layer); under torch.compile the length stays a tensor, so decoding steps do not recompile
+        self.start: Optional[int] = None
+        if past_length is not None and past_length.device.type == "cpu" and not torch.compiler.is_compiling():
+            self.start = int(past_length)
 
     def previous(self, earlier: tuple[int, ...]) -> Optional[PIDState]:
         """The state of the nearest earlier layer of the stack that ran in this forward (``earlier``: the
@@ -120,6 +130,8 @@ def model_pid_config(config: Any) -> PIDConfig:
     raw = getattr(config, "pid", None)
     if isinstance(raw, PIDConfig):
         cfg = raw
+    elif raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
+        cfg = PIDConfig.preset(DEFAULT_PRESET if raw is None else raw)
     else:
         key = tuple(sorted(raw.items())) if isinstance(raw, dict) else raw
         try:
@@ -127,6 +139,11 @@ def model_pid_config(config: Any) -> PIDConfig:
         except TypeError:  # unhashable values: let coerce report them
             key, cfg = None, None
         if cfg is None:
+            if torch.compiler.is_compiling():  # building a PIDConfig is not traceable: parse it eagerly
+                raise RuntimeError(
+                    f"config.pid = {raw!r} was set after the model was built and first read under torch.compile: "
+                    "call pid_plugins.hf.to_pid(model) (or run one eager forward) before compiling"
+                )
             cfg = PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET)
             if key is not None:
                 if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
@@ -152,12 +169,12 @@ def base_attention(config: Any) -> str:
     return base
 
 
+_BASE_FUNCTIONS = {"sdpa": sdpa_attention_forward, "flex_attention": flex_attention_forward}
+
+
 def _base_function(module: nn.Module, base: str) -> Callable:
-    if base == "sdpa":
-        return sdpa_attention_forward
-    if base == "flex_attention":
-        return flex_attention_forward
-    return _eager_function(type(module))
+    function = _BASE_FUNCTIONS.get(base)
+    return _eager_function(type(module)) if function is None else function
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,8 +205,9 @@ def pid_attention_forward(
             "pid_plugins.hf.to_pid(model) once (needed for models built before `import pid_plugins.hf`); a model "
             "whose forward does not pass its keyword arguments down to the attention layers cannot run PID"
         )
-    out, weights = _base_function(module, run.base)(module, query, key, value, attention_mask, **kwargs)
-    if run.config.is_zero:
+    function = run.function
+    out, weights = (function or _base_function(module, run.base))(module, query, key, value, attention_mask, **kwargs)
+    if run.zero:
         return out, weights
     gains: Any = run.gains  # the config's gains, scaled by the warm-up if any
     if run.config.learnable:  # this layer's lambda_p, lambda_i, lambda_d; beta and the first-layer rule from config.pid
@@ -201,22 +219,25 @@ def pid_attention_forward(
             )
         lp, li, ld, _, _ = layer()
         gains = scaled_gains((lp, li, ld, run.config.beta, run.config.control_first_layer), run.scale)
-    q_len = query.shape[-2]
+    q_len, length = query.shape[-2], value.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
-        v_q = value[:, :, value.shape[-2] - q_len:]
+        v_q = value if length == q_len else value.narrow(2, length - q_len, q_len)
+    elif run.start is not None and value.device.type == "cpu":  # a static cache, eager: rows [past, past + q_len)
+        v_q = value.narrow(2, run.start, q_len)
     else:  # a static cache: rows [past, past + q_len) of the buffer
         if run.rows is None:
             run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
         v_q = value.index_select(2, run.rows)
-    # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
-    if index in run.layers and not run.finished:
+    layers = run.layers
+    if index in layers and not run.finished:
         raise RuntimeError(
             f"attn_implementation='pid': {type(module).__name__} ran twice in one forward (one attention module "
             "shared by several layers, as in ALBERT): PID needs one attention module per layer"
         )
     earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
-    previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier)
-    u, run.layers[index] = pid_update(out, v_q.transpose(1, 2), previous, gains, head_dim=-2)
+    previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
+    # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
+    u, layers[index] = pid_update(out, v_q.transpose(1, 2), previous, gains, head_dim=-2)
     return u, weights
 
 
@@ -325,6 +346,10 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
             "state cannot reach its attention layers"
         )
     _persist(model.config)
+    try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
+        model_pid_config(gains_source)
+    except ValueError:
+        pass  # refused with its message at the first forward
     if added:
         learned_gains.ignore_missing(model)
         if at_forward:
@@ -382,6 +407,12 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         return None
     plan = module.__dict__.get(_PLAN)
     if plan is None:
+        if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
+            raise RuntimeError(
+                f"attn_implementation='pid': {type(module).__name__} was switched to PID after it was built, and "
+                "torch.compile reached its first forward: call pid_plugins.hf.to_pid(model) (or run one eager "
+                "forward) before compiling"
+            )
         with _LOCK:
             plan = _discover(module, at_forward=True)
     if not plan.owns_layers:
@@ -499,6 +530,7 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
         _persist(module.config)  # saved as "pid" whenever the model runs PID at save time, null otherwise
         # the counter exists from construction on, so from_pretrained loads t (config.pid has warmup_steps > 0)
         _attach_warmup(module)
+        module.__dict__["post_init"] = functools.partial(_post_init, module)
     if _ANY_COUNTER[0] and submodule is not None and not isinstance(submodule, GainWarmup):
         _adopt_counters(module, submodule)
     if submodule is not None and not isinstance(submodule, PreTrainedModel):
@@ -517,6 +549,17 @@ def _attach_gains_at_construction(model: PreTrainedModel, name: str, child: nn.M
             added = learned_gains.attach(sub, cfg) or added
     if added:
         learned_gains.ignore_missing(model)
+
+
+def _post_init(model: PreTrainedModel) -> None:
+    """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
+    built as PID is discovered now, before any forward, so that a first forward under ``torch.compile`` traces no
+    discovery. The instance attribute removes itself: later calls reach the class's ``post_init``."""
+    model.__dict__.pop("post_init", None)
+    type(model).post_init(model)
+    if getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and _PLAN not in model.__dict__:
+        with _LOCK:
+            _discover(model)
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)

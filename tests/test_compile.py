@@ -1,0 +1,133 @@
+"""torch.compile(fullgraph=True) of every PID path, whatever the gains source (issue 25).
+
+Presets are plain data loaded when pid_plugins.core is imported, and a transformers model built as PID is
+discovered when it is built, so the first forward may already be a compiled one. fullgraph=True fails on any
+graph break; ``error_on_recompile`` fails if a decoding step recompiles after the first one. Each compiled run is
+checked against the eager model (same weights), so the compiled graph computes PID, not something else.
+Tiny models: compiling on the CPU is the cost of these tests.
+"""
+import pytest
+import torch
+import torch._dynamo
+
+from pid_plugins import PIDConfig
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compile(model, backend="eager"):
+    # graph breaks and recompiles are dynamo's: its "eager" backend finds them as inductor would, at a fraction of
+    # the compile time; the path most users take (config.pid unset) runs inductor too
+    return torch.compile(model, fullgraph=True, backend=backend)
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _gains(source):
+    return {"unset": None, "dict": dict(lambda_p=0.2, lambda_d=0.3), "preset name": "deit",
+            "PIDConfig": PIDConfig.preset("segmenter", lambda_i=0.7)}[source]
+
+
+@pytest.mark.parametrize("source", ["unset", "dict", "preset name", "PIDConfig"])
+def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
+
+    import pid_plugins.hf  # noqa: F401
+
+    cfg = LlamaConfig(**LLAMA)
+    if _gains(source) is not None:
+        cfg.pid = _gains(source)
+    torch.manual_seed(0)
+    # the path most users take: from_config(..., attn_implementation="pid"), then compile, no eager forward first
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="pid").eval()
+    expected_gains = PIDConfig.coerce(_gains(source), default="lm")
+    assert pid_plugins.hf.model_pid_config(model.config) == expected_gains
+    compiled = _compile(model, "inductor" if source == "unset" else "eager")
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def decode(step, steps=4):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        logits = []
+        with torch.no_grad():
+            out = step(input_ids=prompt, past_key_values=cache, use_cache=True).logits
+            logits.append(out)
+            tok = out[:, -1:].argmax(-1)
+            for i in range(steps):
+                if i == 1:  # the prefill and the first decoding step compiled once each; from now on: none
+                    patch = torch._dynamo.config.patch(error_on_recompile=True)
+                    patch.__enter__()
+                out = step(input_ids=tok, past_key_values=cache, use_cache=True).logits
+                logits.append(out)
+                tok = out[:, -1:].argmax(-1)
+            patch.__exit__(None, None, None)
+        return torch.cat(logits, dim=1)
+
+    got = decode(compiled)
+    want = decode(model)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # and the gains matter: the stock model's decoding differs
+    model.set_attn_implementation("sdpa")
+    assert not torch.allclose(decode(model), want, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------ other zoos
+def test_timm_forward_compiles_fullgraph_with_a_preset_name():
+    timm = pytest.importorskip("timm")
+    import pid_plugins.timm  # noqa: F401
+
+    torch.manual_seed(0)
+    model = timm.create_model("pid_deit_tiny_patch16_224", pid="lm", img_size=32, patch_size=16, embed_dim=24,
+                              depth=2, num_heads=2, num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(_compile(model)(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_mmseg_backbone_forward_compiles_fullgraph_with_a_preset_name():
+    pytest.importorskip("mmseg")
+    import pid_plugins.mmseg  # noqa: F401
+    from mmseg.registry import MODELS
+
+    torch.manual_seed(0)
+    model = MODELS.build(dict(type="PIDVisionTransformer", img_size=(32, 32), patch_size=16, embed_dims=24,
+                              num_layers=2, num_heads=2, drop_path_rate=0.0, final_norm=True, with_cls_token=True,
+                              norm_cfg=dict(type="LN", eps=1e-6), pid="deit"))
+    model.eval()  # mmseg's ViT.train() returns None
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # mmengine modules cannot be wrapped by torch.compile(module): compile the bound forward
+        torch.testing.assert_close(_compile(model.forward)(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_fairseq_decoder_forward_compiles_fullgraph_with_a_preset_name(tmp_path):
+    pytest.importorskip("fairseq")
+    import pid_plugins.fairseq as pf
+    from fairseq import options, tasks
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for i in range(40):
+        d.add_symbol(f"w{i}")
+    d.save(str(tmp_path / "dict.txt"))
+    parser = options.get_training_parser()
+    # the registry's transformer_lm_pid_wikitext103 entry: preset `lm`, at a tiny width
+    args = options.parse_args_and_arch(parser, [
+        str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm_pid_wikitext103",
+        "--user-dir", pf.USER_DIR, "--decoder-layers", "2", "--decoder-embed-dim", "32",
+        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"])
+    torch.manual_seed(0)
+    model = tasks.setup_task(args).build_model(args).eval()
+    assert model.decoder.pid == PIDConfig.preset("lm")
+    toks = torch.randint(4, 44, (2, 8), generator=torch.Generator().manual_seed(1))
+    decoder = model.decoder
+    with torch.no_grad():
+        torch.testing.assert_close(_compile(decoder)(toks)[0], decoder(toks)[0], rtol=1e-4, atol=1e-4)
