@@ -117,15 +117,8 @@ def max_change(after: dict, before: dict) -> float:
 
 
 # ------------------------------------------------------------------------------------------ timm + DDP
-def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_path):
-    """Two DDP runs per rank (plain, and with timm's gradient checkpointing) against one process."""
-    pytest.importorskip("timm")
-    launch(tmp_path, "timm_ddp", [str(DIST / "timm_ddp.py"), str(tmp_path)], timeout=180)
-    r0, r1 = load_ranks(tmp_path)
-
-    # one process, same init, the whole global batch, mean loss (DDP averages the ranks' gradients)
-    model = cases.timm_model()
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+def train_timm_one_process(model) -> list:
+    """The timm workers' training on the whole global batches in one process; returns the losses."""
     model.train()
     opt = cases.timm_optimizer(model.parameters())
     losses = []
@@ -136,6 +129,19 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    return losses
+
+
+def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_path):
+    """Two DDP runs per rank (plain, and with timm's gradient checkpointing) against one process."""
+    pytest.importorskip("timm")
+    launch(tmp_path, "timm_ddp", [str(DIST / "timm_ddp.py"), str(tmp_path)], timeout=180)
+    r0, r1 = load_ranks(tmp_path)
+
+    # one process, same init, the whole global batch, mean loss (DDP averages the ranks' gradients)
+    model = cases.timm_model()
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses = train_timm_one_process(model)
     gains = [k for k in init if ".pid_gains." in k]
     assert {k.split(".")[1] for k in gains} == {str(i) for i in range(cases.TIMM_TINY["depth"])}
     for mode in ("plain", "grad_checkpointing"):
@@ -149,14 +155,7 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
 
     # gain warm-up under DDP: both ranks count t alike, and training matches one process with the same schedule
     model = cases.timm_model(warmup_steps=cases.TIMM_WARMUP_STEPS)
-    model.train()
-    opt = cases.timm_optimizer(model.parameters())
-    for step in range(cases.TIMM_STEPS):
-        x, y = cases.timm_batch(step)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_timm_one_process(model)
     run0, run1 = r0["runs"]["warmup"], r1["runs"]["warmup"]
     assert_same_params(run0["state_dict"], run1["state_dict"])
     assert int(run0["state_dict"]["pid_warmup.step"]) == int(run1["state_dict"]["pid_warmup.step"]) == cases.TIMM_STEPS
