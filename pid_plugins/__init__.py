@@ -5,13 +5,18 @@ imports its zoo lazily and registers the PID variants declared in the registry.
 """
 from .catalogue import ModelEntry, get_model_entry, list_models
 from .core import (
+    AttentionMethod,
     GainWarmup,
+    MethodConfig,
     PIDConfig,
     PIDGains,
     PIDSelfAttention,
     PIDState,
     expand_heads,
+    get_method,
+    list_methods,
     pid_update,
+    register_method,
     sdpa_with_pid,
 )
 
@@ -19,5 +24,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PIDConfig", "PIDState", "PIDGains", "GainWarmup", "pid_update", "expand_heads", "PIDSelfAttention", "sdpa_with_pid",
+    "AttentionMethod", "MethodConfig", "register_method", "get_method", "list_methods",
     "ModelEntry", "list_models", "get_model_entry", "__version__",
 ]

@@ -1,11 +1,18 @@
 """The PID-attention core: gains, the update rule, and a reference attention module."""
 from .attention import PIDSelfAttention, sdpa_with_pid
+from .checkpoint import check_keys, unwrap_state_dict
 from .config import PIDConfig
 from .control import PIDState, expand_heads, pid_update
 from .gains import PIDGains, layer_gains
+from .methods import (
+    SOFTMAX, AttentionMethod, MethodChoice, MethodConfig, PIDMethod, get_method, list_methods, on_register,
+    register_method, resolve_attention,
+)
 from .warmup import GainWarmup, make_warmup, pid_term, scaled_gains, warmup_scale
 
 __all__ = [
     "PIDConfig", "PIDState", "pid_update", "expand_heads", "PIDGains", "layer_gains",
     "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale", "pid_term",
+    "AttentionMethod", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
+    "on_register", "resolve_attention", "SOFTMAX", "unwrap_state_dict", "check_keys",
 ]

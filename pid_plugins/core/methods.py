@@ -1,0 +1,349 @@
+"""Attention methods by name: PID, and any method a user registers beside it.
+
+A method changes what one self-attention layer computes from its queries ``q``, keys ``k`` and values ``v`` (per
+head, before the output projection) and from a *state* that the earlier layers of the same forward pass handed on
+(PID: the first layer's values, the running error and the last error). Every zoo adapter knows only where q/k/v and
+the attention call live and how its layers are looped; everything else is asked of the method, through one contract:
+
+.. code-block:: python
+
+    choice = resolve_attention("pid", {"lambda_p": 0.5}, zoo="timm")   # None for "softmax"
+    method, config = choice.method, choice.config                      # frozen, validated parameters
+    learned = method.make_learned(config)                              # per-layer parameters, or None
+    # per layer, per forward:
+    params = method.layer_params(config, learned)                      # what this layer's rule reads
+    out, state = method.forward(params, attend, q, v, v_q, state, scale=warmup_scale, head_dim=-3)
+
+``attend(q, v)`` is the zoo's own attention with everything else bound (keys, mask, dropout, scale): it returns
+``A v`` per head, in the layout the zoo's output projection reads (``head_dim`` says where the heads are). ``v_q``
+are the values of the query positions (the last rows with a KV cache) in that layout, ``state`` is ``None`` at the
+group's first layer and afterwards whatever the previous layer returned (a tuple of tensors or ``None``\\ s with the
+method's ``state_fields``, so adapters can thread it as flat tensors through checkpointed blocks). ``scale`` is the
+gain warm-up factor of this forward (``None``: no warm-up), see :mod:`pid_plugins.core.warmup`.
+
+A method is registered by name with :func:`register_method`; :func:`get_method` and :func:`list_methods` read the
+registry. The transformers adapter registers every method with ``AttentionInterface`` under its name
+(``attn_implementation="<name>"``), the other adapters accept ``attention="<name>"``. Method parameters are a frozen,
+validated config (:class:`MethodConfig` gives presets, dict round trip and validation from a dataclass).
+"""
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .config import PIDConfig
+from .control import PIDState, pid_update
+from .gains import PIDGains, layer_gains
+from .warmup import scaled_gains
+
+__all__ = [
+    "AttentionMethod", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
+    "resolve_attention", "on_register", "SOFTMAX", "ZOOS",
+]
+
+#: the attention choice that means "the zoo's stock attention, no method"
+SOFTMAX = "softmax"
+#: the zoos an adapter exists for (the keys of :attr:`AttentionMethod.default_presets`)
+ZOOS = ("timm", "hf", "mmseg", "fairseq")
+
+Attend = Callable[[Tensor, Tensor], Tensor]
+
+
+class AttentionMethod:
+    """One layer-coupled attention method. Subclass it, set the class attributes, implement :meth:`update` (and
+    :meth:`prepare` / :meth:`attend` when the method changes the queries or calls attention more than once).
+
+    Class attributes:
+        name: the name users pick it by (``attention="<name>"``, ``attn_implementation="<name>"``).
+        config_type: the parameters' type; ``config_type.coerce(value, default=preset)`` normalises what users pass
+            (an instance, a dict of overrides, a preset name, None). :class:`PIDConfig` and :class:`MethodConfig`
+            subclasses qualify. Optional fields it may have: ``learnable`` (bool), ``warmup_steps`` (int), and
+            ``is_zero`` (True when the method computes the stock attention exactly).
+        state_fields: the names of the tensors one layer hands to the next (a fixed number; entries may be None).
+        default_presets: the preset each zoo starts from (``{"timm": "deit", ...}``); a zoo not listed uses
+            ``default_presets["*"]``.
+        additive: ``forward`` is ``A v + term(v_q, state)``: an adapter whose stock attention is a fused kernel the
+            method path does not reproduce bit for bit may run the stock attention and add :meth:`term`.
+    """
+
+    name: ClassVar[str]
+    config_type: ClassVar[Any]
+    state_fields: ClassVar[Tuple[str, ...]]
+    default_presets: ClassVar[Mapping[str, str]] = {}
+    additive: ClassVar[bool] = True
+
+    # --------------------------------------------------------------------------------------- parameters
+    def configure(self, value: Any = None, zoo: str = "*", default: Any = None) -> Any:
+        """The frozen parameters for ``value`` (instance, dict of overrides, preset name or None) over ``default``
+        (a config or preset name; else this zoo's default preset)."""
+        if default is None:
+            default = self.default_presets.get(zoo, self.default_presets.get("*"))
+        return self.config_type.coerce(value, default=default)
+
+    def is_identity(self, config: Any) -> bool:
+        """Whether the method with ``config`` computes the stock attention exactly (adapters then run the stock
+        code path, bit for bit)."""
+        return bool(getattr(config, "is_zero", False))
+
+    def make_learned(self, config: Any) -> Optional[nn.Module]:
+        """One layer's learnable parameters (a module the adapter registers on the attention layer as
+        ``pid_gains``), or None for fixed parameters."""
+        if getattr(config, "learnable", False):
+            raise ValueError(f"attention method {self.name!r} has no learnable parameters: set learnable=False")
+        return None
+
+    def layer_params(self, config: Any, learned: Optional[nn.Module]) -> Any:
+        """What one layer's rule reads: the config, or the learned values when the layer has them."""
+        return config
+
+    # ----------------------------------------------------------------------------------------- the rule
+    def make_state(self, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        """The state from its flat tensors (as adapters thread it through checkpointed blocks)."""
+        return tuple(tensors)
+
+    def prepare(self, params: Any, query: Tensor, value: Tensor, state: Optional[tuple]) -> Tensor:
+        """Before attention: the queries the attention uses (default: unchanged)."""
+        return query
+
+    def attend(self, params: Any, attend: Attend, query: Tensor, value: Tensor) -> Tensor:
+        """How the method calls the zoo's attention (default: once, ``A v``)."""
+        return attend(query, value)
+
+    def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
+               head_dim: int) -> Tuple[Tensor, tuple]:
+        """After attention: the layer's output from the attention output and the state for the next layer."""
+        raise NotImplementedError
+
+    def forward(self, params: Any, attend: Attend, query: Tensor, value: Tensor, value_q: Tensor,
+                state: Optional[tuple], *, scale: Optional[Tensor] = None, head_dim: int = -3) -> Tuple[Tensor, tuple]:
+        """One layer: :meth:`prepare`, :meth:`attend`, :meth:`update`."""
+        query = self.prepare(params, query, value, state)
+        out = self.attend(params, attend, query, value)
+        return self.update(params, out, value_q, state, scale, head_dim)
+
+    def term(self, params: Any, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
+             head_dim: int = -3) -> Tuple[Tensor, tuple]:
+        """For additive methods: what :meth:`update` adds to the attention output, alone (the update of zeros)."""
+        if not self.additive:
+            raise ValueError(f"attention method {self.name!r} is not additive: it has no separate term")
+        return self.update(params, torch.zeros_like(value_q), value_q, state, scale, head_dim)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# ------------------------------------------------------------------------------------------------------ PID
+class PIDMethod(AttentionMethod):
+    """PID attention (PIDformer, ICML 2024, eq. 25): :func:`~pid_plugins.core.control.pid_update` with
+    :class:`PIDConfig` gains, optionally learnable per layer (:class:`PIDGains`) and warmed up."""
+
+    name = "pid"
+    config_type = PIDConfig
+    state_fields = PIDState._fields
+    default_presets = {"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm", "*": "deit"}
+
+    def make_learned(self, config: PIDConfig) -> Optional[nn.Module]:
+        return PIDGains(config) if config.learnable else None
+
+    def layer_params(self, config: PIDConfig, learned: Optional[nn.Module]) -> Any:
+        return layer_gains(config, learned)
+
+    def make_state(self, *tensors: Optional[Tensor]) -> PIDState:
+        return PIDState(*tensors)
+
+    def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
+               head_dim: int) -> Tuple[Tensor, PIDState]:
+        return pid_update(out, value_q, state, scaled_gains(params, scale), head_dim=head_dim)
+
+
+# ------------------------------------------------------------------------------------------ simple configs
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base for a method's parameters: subclass it as a frozen dataclass of float/int/bool fields and list presets.
+
+    ``PRESETS``: ``{name: {field: value}}``. ``validate()`` (override) raises ``ValueError`` for bad values.
+    ``ZERO``: the field values (a dict) with which the method computes the stock attention (``is_zero``).
+    """
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    ZERO: ClassVar[Mapping[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool}.get(str(f.type))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+            elif kind is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+                raise ValueError(f"{type(self).__name__}.{f.name} must be {kind.__name__}, got {value!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and what to change."""
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "MethodConfig":
+        if not isinstance(name, str) or name not in cls.PRESETS:
+            raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of {sorted(cls.PRESETS)}")
+        return cls.from_dict({**cls.PRESETS[name], **overrides})
+
+    @classmethod
+    def preset_names(cls) -> List[str]:
+        return sorted(cls.PRESETS)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MethodConfig":
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__} must be given as a dict or {cls.__name__}, got {type(data).__name__}")
+        data = dict(data)
+        if "preset" in data:
+            return cls.preset(data.pop("preset"), **data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; allowed: {sorted(known)} and 'preset'")
+        return cls(**data)
+
+    @classmethod
+    def coerce(cls, value: Any, default: Any = None) -> "MethodConfig":
+        base = default if isinstance(default, cls) else (cls.preset(default) if default is not None else cls())
+        if value is None:
+            return base
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls.preset(value)
+        if isinstance(value, Mapping):
+            data = dict(value)
+            return cls.from_dict(data) if "preset" in data else cls.from_dict({**base.to_dict(), **data})
+        raise ValueError(f"{cls.__name__}: expected an instance, a dict, a preset name or None, got {type(value).__name__}")
+
+    def replace(self, **changes: Any) -> "MethodConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_zero(self) -> bool:
+        return bool(self.ZERO) and all(getattr(self, k) == v for k, v in self.ZERO.items())
+
+
+# ------------------------------------------------------------------------------------------------ registry
+_METHODS: Dict[str, AttentionMethod] = {}
+_LISTENERS: List[Callable[[AttentionMethod], None]] = []
+_LOCK = threading.RLock()
+
+
+def register_method(method: AttentionMethod, *, replace: bool = False) -> AttentionMethod:
+    """Register ``method`` under ``method.name`` (an identifier, not ``"softmax"``). Adapters that have been imported
+    learn of it at once (transformers: ``attn_implementation="<name>"`` works from now on). Returns ``method``."""
+    if not isinstance(method, AttentionMethod):
+        raise TypeError(f"register_method takes an AttentionMethod instance, got {type(method).__name__}")
+    name = getattr(method, "name", None)
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name == SOFTMAX:
+        raise ValueError(f"attention method name must be a Python identifier other than {SOFTMAX!r}, got {name!r}")
+    for attr in ("config_type", "state_fields"):
+        if not hasattr(method, attr):
+            raise TypeError(f"attention method {name!r} sets no {attr}")
+    if not callable(getattr(method.config_type, "coerce", None)):
+        raise TypeError(f"attention method {name!r}: config_type {method.config_type!r} has no coerce(value, default)")
+    with _LOCK:
+        if name in _METHODS and _METHODS[name] is not method and not replace:
+            raise ValueError(f"attention method {name!r} is already registered; pass replace=True to replace it")
+        _METHODS[name] = method
+        listeners = list(_LISTENERS)
+    for listener in listeners:
+        listener(method)
+    return method
+
+
+def get_method(name: str) -> AttentionMethod:
+    """The method registered as ``name``."""
+    method = _METHODS.get(name) if isinstance(name, str) else None
+    if method is None:
+        raise ValueError(
+            f"unknown attention method {name!r}: choose {SOFTMAX!r} or one of {list_methods()} "
+            "(pid_plugins.register_method adds one)"
+        )
+    return method
+
+
+def list_methods() -> List[str]:
+    """The registered method names, sorted."""
+    return sorted(_METHODS)
+
+
+def on_register(listener: Callable[[AttentionMethod], None]) -> None:
+    """Call ``listener(method)`` for every method registered so far and every one registered later (adapters use
+    it to expose methods through their zoo's own registry)."""
+    with _LOCK:
+        _LISTENERS.append(listener)
+        current = list(_METHODS.values())
+    for method in current:
+        listener(method)
+
+
+class MethodChoice(NamedTuple):
+    """A resolved attention choice: the method and its validated parameters."""
+
+    method: AttentionMethod
+    config: Any
+
+
+def resolve_attention(
+    attention: Optional[str],
+    params: Any = None,
+    *,
+    zoo: str,
+    pid: Any = None,
+    default: Any = None,
+    learnable: bool = True,
+    where: str = "this model",
+) -> Optional[MethodChoice]:
+    """The one policy every adapter applies to what a user asks for: ``None`` for ``"softmax"`` (the stock
+    attention), else the registered method and its parameters.
+
+    Args:
+        attention: ``"softmax"`` or a registered method's name.
+        params: the method's parameters (instance, dict of overrides, preset name, None: the zoo's default preset).
+        zoo: which adapter asks (``"timm"``, ``"hf"``, ``"mmseg"``, ``"fairseq"``): picks the default preset.
+        pid: PID's gains under their historical keyword ``pid=`` (PID only; the same as ``params``).
+        default: the preset (or config) to start from instead of the zoo's default (e.g. a catalogue entry's).
+        learnable: whether this adapter supports learnable parameters (refused with a message otherwise).
+        where: names the model or layer in messages.
+    """
+    if pid is not None:
+        if params is not None:
+            raise ValueError(f"{where}: give the parameters once, as pid= or as attention_cfg=, not both")
+        if attention not in ("pid", None):
+            raise ValueError(
+                f"{where}: pid=... sets PID's gains but attention={attention!r}: set attention='pid', or pass "
+                f"{attention!r}'s parameters as attention_cfg"
+            )
+        params = pid
+    if attention == SOFTMAX:
+        if params is not None:
+            raise ValueError(
+                f"{where}: attention parameters are set but attention='softmax' (the stock attention takes none): "
+                "set attention to a method's name, e.g. attention='pid'"
+            )
+        return None
+    if attention is None:
+        attention = "pid"
+    method = get_method(attention)
+    config = method.configure(params, zoo, default)
+    if getattr(config, "learnable", False) and not learnable:
+        raise ValueError(f"{where}: learnable {method.name} parameters are not supported here; use fixed ones")
+    return MethodChoice(method, config)
+
+
+register_method(PIDMethod())

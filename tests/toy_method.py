@@ -1,0 +1,66 @@
+"""A toy attention method, registered by the tests the way a user registers one: the contract's test subject.
+
+``scaled_reference``: every layer of a group adds ``gamma`` times the group's first layer's values at the same
+position, ``u^l = A^l v^l + gamma * v^1`` (state: ``v^1``). Nothing in pid_plugins knows it: it reaches every zoo
+through :func:`pid_plugins.register_method` only. :func:`naive_scaled_reference` is its independent statement
+(float64, loops over layers and positions), for the references.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import pid_plugins
+from pid_plugins import AttentionMethod, MethodConfig
+from pid_plugins.core import expand_heads
+
+NAME = "scaled_reference"
+
+
+@dataclass(frozen=True)
+class ScaledReferenceConfig(MethodConfig):
+    """``gamma``: the weight of the reference ``v^1`` (0: the stock attention)."""
+
+    gamma: float = 0.5
+    PRESETS = {"default": {"gamma": 0.5}, "strong": {"gamma": 2.0}}
+    ZERO = {"gamma": 0.0}
+
+    def validate(self) -> None:
+        if not math.isfinite(self.gamma):
+            raise ValueError(f"ScaledReferenceConfig.gamma must be finite, got {self.gamma!r}")
+
+
+class ScaledReference(AttentionMethod):
+    name = NAME
+    config_type = ScaledReferenceConfig
+    state_fields = ("v_first",)
+    default_presets = {"*": "default"}
+
+    def update(self, params: ScaledReferenceConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
+               scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
+        v_first = value_q if state is None else state[0]
+        gamma = params.gamma if scale is None else params.gamma * scale
+        reference = expand_heads(v_first, out.shape[head_dim], head_dim).to(out.dtype)
+        return out + gamma * reference, (v_first,)
+
+
+METHOD = pid_plugins.register_method(ScaledReference(), replace=True)
+
+
+def naive_scaled_reference(attn_outs, values, gamma):
+    """attn_outs[l]: (B, H, N, D); values[l]: (B, Hkv, N, D), per layer; float64 outputs, position by position."""
+    B, H, N, D = attn_outs[0].shape
+    group = H // values[0].shape[1]
+    outs = []
+    for a in attn_outs:
+        u = torch.zeros(B, H, N, D, dtype=torch.float64)
+        for b in range(B):
+            for h in range(H):
+                for i in range(N):
+                    u[b, h, i] = a[b, h, i].double() + gamma * values[0][b, h // group, i].double()
+        outs.append(u)
+    return outs
