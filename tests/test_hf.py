@@ -153,16 +153,16 @@ def test_gqa_equals_mha_with_repeated_key_value_heads():
 
 
 def test_cross_attention_stays_softmax(monkeypatch):
-    import pid_plugins.hf.attention as attention
+    import pid_plugins.core.methods as methods  # where the PID method calls the rule
 
     calls = []
-    original = attention.pid_update
+    original = methods.pid_update
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "pid_update", spy)
+    monkeypatch.setattr(methods, "pid_update", spy)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(add_cross_attention=True)).eval()
     ph.to_pid(model)

@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import pid_plugins.hf as ph  # noqa: E402
 import pid_plugins.hf.attention as attention  # noqa: E402
+import pid_plugins.core.methods as methods  # noqa: E402  (where the PID method calls the rule)
 from pid_plugins import PIDConfig  # noqa: E402
 
 ZERO = {"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}
@@ -108,8 +109,8 @@ def test_pid_differs_and_zero_gains_equal_the_base_bit_for_bit(family, monkeypat
     stock, model = build(family)
     x = inputs(family)
     calls = []
-    original = attention.pid_update
-    monkeypatch.setattr(attention, "pid_update", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = methods.pid_update
+    monkeypatch.setattr(methods, "pid_update", lambda *a, **k: calls.append(1) or original(*a, **k))
     base_out, pid_out = forward(stock, **x), forward(model, **x)
     assert len(calls) == FAMILIES[family][4]  # self-attention layers only: cross-attention keeps the base
     assert not torch.allclose(base_out, pid_out, atol=1e-4)
@@ -341,7 +342,7 @@ def test_control_first_layer_false_runs_and_is_saved(tmp_path):
     ph.to_pid(one, cfg)
     assert torch.equal(forward(one, **x), forward(ref, **x))
     assert not torch.allclose(forward(model, **x), forward(stock, **x))
-    assert pid_update is attention.pid_update
+    assert pid_update is methods.pid_update
 
 
 def test_control_first_layer_false_against_the_rule_by_hand():

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from .config import PIDConfig
 from .control import PIDState, pid_update
-from .gains import PIDGains, layer_gains
+from .gains import PIDGains
 from .warmup import scaled_gains
 
 __all__ = [
@@ -152,7 +152,12 @@ class PIDMethod(AttentionMethod):
         return PIDGains(config) if config.learnable else None
 
     def layer_params(self, config: PIDConfig, learned: Optional[nn.Module]) -> Any:
-        return layer_gains(config, learned)
+        """The config (fixed gains), or the layer's learned ``lambda_p, lambda_i, lambda_d`` with the config's
+        ``beta`` and first-layer rule (those are never learned)."""
+        if learned is None:
+            return config
+        lambda_p, lambda_i, lambda_d = learned()[:3]
+        return (lambda_p, lambda_i, lambda_d, config.beta, config.control_first_layer)
 
     def make_state(self, *tensors: Optional[Tensor]) -> PIDState:
         return PIDState(*tensors)

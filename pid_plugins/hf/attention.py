@@ -46,16 +46,15 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
-from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_update, scaled_gains
+from ..core import AttentionMethod, GainWarmup, PIDConfig, PIDMethod, PIDState, get_method, make_warmup, on_register
 from . import gains as learned_gains
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "base_attention", "pid_attention_forward", "pid_mask",
-    "install_pid_hooks", "model_pid_config", "to_pid",
+    "install_pid_hooks", "model_method_config", "model_pid_config", "method_of", "to_pid",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
-DEFAULT_PRESET = "lm"
 BASE_ATTR = "pid_attention_base"
 BASES = ("sdpa", "eager", "flex_attention")
 _HOOKED = "_pid_plugins_hooked"
@@ -83,18 +82,22 @@ class PIDForwardState:
     object is passed by reference by all of them (torch's pytree treats it as a leaf).
     """
 
-    __slots__ = ("config", "base", "past_length", "layers", "finished", "rows", "scale", "gains", "zero", "function",
-                 "start")
+    __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
+                 "function", "start", "plain", "learnable")
 
-    def __init__(self, config: PIDConfig, base: str = "sdpa", past_length: Optional[Tensor] = None,
-                 scale: Optional[Tensor] = None) -> None:
-        self.config = config
+    def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
+                 scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None) -> None:
+        self.method = method if method is not None else _PID
+        self.config = config  # the method's parameters (PID: a PIDConfig)
         self.base = base
         self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
-        self.gains = scaled_gains(config, scale)  # what every layer passes to pid_update
-        # decided once per forward, not per layer call: zero gains (the base attention only), the base function
-        # (None for eager: each model family has its own eager_attention_forward)
-        self.zero = config.is_zero
+        self.params = self.method.layer_params(config, None)  # what every layer without its own parameters reads
+        # decided once per forward, not per layer call: the stock attention (zero gains), whether the method calls
+        # the attention once with the given queries (else its own prepare/attend run), the base function (None for
+        # eager: each model family has its own eager_attention_forward)
+        self.zero = self.method.is_identity(config)
+        self.plain = _calls_attention_once(type(self.method))
+        self.learnable = bool(getattr(config, "learnable", False))
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
@@ -120,36 +123,64 @@ class PIDForwardState:
         return f"PIDForwardState(base={self.base!r}, layers={sorted(self.layers)}, finished={self.finished})"
 
 
-# ------------------------------------------------------------------------------------------------ gains
-_PARSED: Dict[Any, PIDConfig] = {}
+# ------------------------------------------------------------------------------------------- methods, parameters
+_PID = get_method(ATTN_IMPLEMENTATION)
+#: the attention methods registered with transformers' interfaces, by implementation name
+_METHODS: Dict[str, AttentionMethod] = {}
+_PARSED: Dict[Any, Any] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_attention_once(cls: type) -> bool:
+    """Whether a method class keeps :class:`AttentionMethod`'s ``prepare`` and ``attend`` (one call of the base
+    attention with the model's queries): then the attention function calls the base itself and only ``update``."""
+    return cls.prepare is AttentionMethod.prepare and cls.attend is AttentionMethod.attend
+
+
+def method_of(config: Any) -> Optional[AttentionMethod]:
+    """The attention method a model config runs (``config._attn_implementation`` names a registered method), or None
+    (a stock implementation)."""
+    return _METHODS.get(getattr(config, "_attn_implementation", None))
+
+
+def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
+    """The parameters a model runs its method with: ``config.<method name>`` (``config.pid`` for PID: a dict, a
+    PIDConfig or a preset name) over the method's transformers preset (PID: ``lm``; with ``learnable``, the initial
+    values of every self-attention layer's own gains). ``method``: default, the one ``config`` runs, else PID."""
+    method = method or method_of(config) or _PID
+    raw = getattr(config, method.name, None)
+    if raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
+        key: Any = (method.name, raw)
+    elif isinstance(raw, dict):
+        key = (method.name, tuple(sorted(raw.items())))
+    else:
+        key = (method.name, raw)
+    try:
+        cfg = _PARSED.get(key)
+    except TypeError:  # unhashable values: let the method's config report them
+        key, cfg = None, None
+    if cfg is None:
+        if torch.compiler.is_compiling():  # building a config is not traceable: parse it eagerly
+            raise RuntimeError(
+                f"config.{method.name} = {raw!r} was set after the model was built and first read under "
+                "torch.compile: call pid_plugins.hf.to_pid(model) (or run one eager forward) before compiling"
+            )
+        cfg = method.configure(dict(raw) if isinstance(raw, dict) else raw, "hf")
+        if getattr(cfg, "learnable", False) and not isinstance(method, PIDMethod):
+            raise ValueError(
+                f"config.{method.name}: learnable parameters are supported for 'pid' only under transformers; "
+                "set learnable=False"
+            )
+        if key is not None:
+            if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
+                _PARSED.clear()
+            _PARSED[key] = cfg
+    return cfg
 
 
 def model_pid_config(config: Any) -> PIDConfig:
-    """The gains a model runs with: ``config.pid`` (dict or PIDConfig) over the ``lm`` preset (fixed gains;
-    with ``learnable``, the initial values of every self-attention layer's own gains)."""
-    raw = getattr(config, "pid", None)
-    if isinstance(raw, PIDConfig):
-        cfg = raw
-    elif raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
-        cfg = PIDConfig.preset(DEFAULT_PRESET if raw is None else raw)
-    else:
-        key = tuple(sorted(raw.items())) if isinstance(raw, dict) else raw
-        try:
-            cfg = _PARSED.get(key)
-        except TypeError:  # unhashable values: let coerce report them
-            key, cfg = None, None
-        if cfg is None:
-            if torch.compiler.is_compiling():  # building a PIDConfig is not traceable: parse it eagerly
-                raise RuntimeError(
-                    f"config.pid = {raw!r} was set after the model was built and first read under torch.compile: "
-                    "call pid_plugins.hf.to_pid(model) (or run one eager forward) before compiling"
-                )
-            cfg = PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET)
-            if key is not None:
-                if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
-                    _PARSED.clear()
-                _PARSED[key] = cfg
-    return cfg
+    """PID's gains of a model config: ``config.pid`` over the ``lm`` preset (:func:`model_method_config` for PID)."""
+    return model_method_config(config, _PID)
 
 
 # --------------------------------------------------------------------------------------- the base attention
@@ -193,7 +224,8 @@ def pid_attention_forward(
     attention_mask: Optional[Tensor],
     **kwargs: Any,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """The base attention (SDPA, eager or flex) followed by the PID update; ``(B, q, H, D)`` output."""
+    """The base attention (SDPA, eager or flex) with the model's attention method (PID: followed by the PID update);
+    ``(B, q, H, D)`` output. Registered under every method's name."""
     run: Optional[PIDForwardState] = kwargs.pop("pid_state", None)
     index = getattr(module, _ROLE, None)
     if index == -1:  # cross-attention: base attention only (its values come from another sequence)
@@ -201,24 +233,27 @@ def pid_attention_forward(
         return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
     if run is None or index is None:
         raise RuntimeError(
-            f"attn_implementation='pid': {type(module).__name__} got no per-forward PID state. Call "
+            f"attn_implementation={getattr(getattr(module, 'config', None), '_attn_implementation', 'pid')!r}: "
+            f"{type(module).__name__} got no per-forward PID state. Call "
             "pid_plugins.hf.to_pid(model) once (needed for models built before `import pid_plugins.hf`); a model "
             "whose forward does not pass its keyword arguments down to the attention layers cannot run PID"
         )
-    function = run.function
-    out, weights = (function or _base_function(module, run.base))(module, query, key, value, attention_mask, **kwargs)
+    base = run.function or _base_function(module, run.base)
     if run.zero:
-        return out, weights
-    gains: Any = run.gains  # the config's gains, scaled by the warm-up if any
-    if run.config.learnable:  # this layer's lambda_p, lambda_i, lambda_d; beta and the first-layer rule from config.pid
+        return base(module, query, key, value, attention_mask, **kwargs)
+    method = run.method
+    params: Any = run.params
+    if run.learnable:  # this layer's own parameters (PID: lambda_p, lambda_i, lambda_d), else the config's
         layer = getattr(module, learned_gains.GAINS_ATTR, None)
         if layer is None:
             raise RuntimeError(
-                f"attn_implementation='pid': config.pid is learnable but {type(module).__name__} has no "
-                f"{learned_gains.GAINS_ATTR}: call pid_plugins.hf.to_pid(model) to add them"
+                f"attn_implementation={method.name!r}: config.{method.name} is learnable but {type(module).__name__} "
+                f"has no {learned_gains.GAINS_ATTR}: call pid_plugins.hf.to_pid(model) to add them"
             )
-        lp, li, ld, _, _ = layer()
-        gains = scaled_gains((lp, li, ld, run.config.beta, run.config.control_first_layer), run.scale)
+        params = method.layer_params(run.config, layer)
+    weights = None
+    if run.plain:
+        out, weights = base(module, query, key, value, attention_mask, **kwargs)
     q_len, length = query.shape[-2], value.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
         v_q = value if length == q_len else value.narrow(2, length - q_len, q_len)
@@ -236,8 +271,15 @@ def pid_attention_forward(
         )
     earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
-    # the PID term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
-    u, layers[index] = pid_update(out, v_q.transpose(1, 2), previous, gains, head_dim=-2)
+    # the method's term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
+    if run.plain:
+        u, layers[index] = method.update(params, out, v_q.transpose(1, 2), previous, run.scale, -2)
+    else:  # the method calls the base attention itself (its queries, once or more; (B, H, q, D) in, (B, q, H, D) out)
+        def attend(q: Tensor, v: Tensor) -> Tensor:
+            return base(module, q, key, v, attention_mask, **kwargs)[0]
+
+        u, layers[index] = method.forward(params, attend, query, value, v_q.transpose(1, 2), previous,
+                                          scale=run.scale, head_dim=-2)
     return u, weights
 
 
@@ -277,13 +319,14 @@ def _is_cross(parts: list, module: nn.Module) -> bool:
 def _learnable_config(config: Any) -> Optional[PIDConfig]:
     """``config.pid`` if the model runs PID with learnable gains, else None (also when config.pid is invalid:
     the first forward reports that)."""
-    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION or getattr(config, "pid", None) is None:
+    method = method_of(config)
+    if method is None or getattr(config, method.name, None) is None:
         return None
     try:
-        cfg = model_pid_config(config)
+        cfg = model_method_config(config, method)
     except ValueError:
         return None
-    return cfg if cfg.learnable else None
+    return cfg if getattr(cfg, "learnable", False) else None
 
 
 def _walk(module: nn.Module, prefix: str = ""):
@@ -301,8 +344,8 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
     gains_source = model.__dict__.get(_GAINS_SOURCE, model.config)
     warmup = _counter(model)
     base = base_attention(gains_source)
-    learnable: Optional[PIDConfig] = model_pid_config(gains_source)
-    learnable = learnable if learnable.learnable else None
+    learnable: Optional[PIDConfig] = model_method_config(gains_source)
+    learnable = learnable if getattr(learnable, "learnable", False) else None
     added = []
     order = 0
     stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
@@ -347,7 +390,7 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
         )
     _persist(model.config)
     try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
-        model_pid_config(gains_source)
+        model_method_config(gains_source)
     except ValueError:
         pass  # refused with its message at the first forward
     if added:
@@ -403,7 +446,8 @@ def _static_past(cache: Any) -> Optional[Tensor]:
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
     config = module.config
-    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+    method = method_of(config)
+    if method is None:
         return None
     plan = module.__dict__.get(_PLAN)
     if plan is None:
@@ -418,8 +462,8 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if not plan.owns_layers:
         return None
     gains_config = module.__dict__.get(_GAINS_SOURCE, config)
-    gains = model_pid_config(gains_config)
-    if gains.learnable and not plan.learnable:  # config.pid became learnable after discovery
+    gains = model_method_config(gains_config, method)
+    if getattr(gains, "learnable", False) and not plan.learnable:  # config.pid became learnable after discovery
         with _LOCK:
             plan = _discover(module, at_forward=True)
     scale = _warmup_scale(module, gains)
@@ -434,7 +478,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     cache = kwargs.get("past_key_values")
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache), scale)
+    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache), scale, method)
     return args, kwargs
 
 
@@ -445,7 +489,7 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Non
     # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
     # after the forward: checkpointed layers recompute with the scale their PIDForwardState holds
     counter = module._modules.get(WARMUP_ATTR)
-    if counter is not None and module.training and getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+    if counter is not None and module.training and method_of(module.config) is not None:
         counter.advance()
 
 
@@ -456,25 +500,26 @@ def _counter(model: nn.Module) -> Optional[GainWarmup]:
     return counter if counter is not None else model.__dict__.get(_WARMUP_SOURCE)
 
 
-def _warmup_scale(module: nn.Module, gains: PIDConfig) -> Optional[Tensor]:
-    if not gains.warmup_steps:
+def _warmup_scale(module: nn.Module, gains: Any) -> Optional[Tensor]:
+    steps = getattr(gains, "warmup_steps", 0)
+    if not steps:
         return None
     counter = _counter(module)
     if counter is None:
         raise ValueError(
-            f"config.pid sets warmup_steps={gains.warmup_steps} but {type(module).__name__} has no warm-up counter "
+            f"the model's attention parameters set warmup_steps={steps} but {type(module).__name__} has no warm-up counter "
             "(it was built before config.pid asked for warm-up): call pid_plugins.hf.to_pid(model) once to add it"
         )
-    if counter.warmup_steps != gains.warmup_steps:  # config.pid changed after the model was built
-        counter.warmup_steps = gains.warmup_steps
+    if counter.warmup_steps != steps:  # config.pid changed after the model was built
+        counter.warmup_steps = steps
     return counter.scale()
 
 
 def _warmup_steps(config: Any) -> int:
-    raw = getattr(config, "pid", None)
-    if raw is None:
+    method = method_of(config) or _PID
+    if getattr(config, method.name, None) is None:
         return 0
-    return PIDConfig.coerce(dict(raw) if isinstance(raw, dict) else raw, default=DEFAULT_PRESET).warmup_steps
+    return getattr(model_method_config(config, method), "warmup_steps", 0)
 
 
 def _give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
@@ -487,10 +532,10 @@ def _give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
 _ANY_COUNTER = [False]  # whether a warm-up counter was ever made (else registrations need no scan)
 
 
-def _attach_warmup(model: PreTrainedModel, config: Optional[PIDConfig] = None) -> None:
+def _attach_warmup(model: PreTrainedModel, config: Any = None) -> None:
     """Give ``model`` the counter its ``config.pid`` asks for (keeping an existing one's t), or remove it."""
     current = model._modules.get(WARMUP_ATTR)
-    steps = config.warmup_steps if config is not None else _warmup_steps(model.config)
+    steps = getattr(config, "warmup_steps", 0) if config is not None else _warmup_steps(model.config)
     if not steps and current is None:
         return
     param = next(model.parameters(), None)
@@ -557,7 +602,7 @@ def _post_init(model: PreTrainedModel) -> None:
     discovery. The instance attribute removes itself: later calls reach the class's ``post_init``."""
     model.__dict__.pop("post_init", None)
     type(model).post_init(model)
-    if getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and _PLAN not in model.__dict__:
+    if method_of(model.config) is not None and _PLAN not in model.__dict__:
         with _LOCK:
             _discover(model)
 
@@ -588,7 +633,7 @@ class _SavedImplementation:
         if copied is not None:  # the config itself is being copied (a deep copy of the model): stay live
             return _SavedImplementation(copied)
         current = self._current()  # to_dict copies the attributes only: the value to save
-        return current if current == ATTN_IMPLEMENTATION else None
+        return current if current in _METHODS else None
 
     def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
         return _plain, (self.__deepcopy__({}),)
@@ -626,21 +671,25 @@ def install_pid_hooks(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = None) -> PreTrainedModel:
-    """Switch a transformers model to PID attention in place (weights untouched) and return it.
+def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = None, *,
+           method: str = ATTN_IMPLEMENTATION) -> PreTrainedModel:
+    """Switch a transformers model to PID attention (or another registered ``method``) in place, weights untouched,
+    and return it.
 
-    ``config``: a :class:`PIDConfig`, a dict of overrides of the ``lm`` preset, a preset name, or None
-    (keep ``model.config.pid`` if set, else the ``lm`` preset). ``base``: the attention PID is added to,
-    ``"sdpa"`` (default; ``"eager"`` for models with logit softcapping), ``"eager"`` (attention weights) or
-    ``"flex_attention"``; saved in ``config.pid_attention_base``.
+    ``config``: the method's parameters: for PID a :class:`PIDConfig`, a dict of overrides of the ``lm`` preset, a
+    preset name, or None (keep ``model.config.pid`` if set, else the ``lm`` preset); saved as ``config.<method>``.
+    ``base``: the attention the method is added to, ``"sdpa"`` (default; ``"eager"`` for models with logit
+    softcapping), ``"eager"`` (attention weights) or ``"flex_attention"``; saved in ``config.pid_attention_base``.
     """
-    if config is not None or not hasattr(model.config, "pid"):
-        cfg = PIDConfig.coerce(config, default=model_pid_config(model.config))
-        model.config.pid = cfg.to_dict()
-    if not model_pid_config(model.config).learnable:  # fixed gains: learned ones would be left unused
+    chosen = get_method(method)
+    if config is not None or not hasattr(model.config, chosen.name):
+        cfg = chosen.configure(config, "hf", default=model_method_config(model.config, chosen))
+        setattr(model.config, chosen.name, cfg.to_dict())
+    cfg = model_method_config(model.config, chosen)
+    if not getattr(cfg, "learnable", False):  # fixed parameters: learned ones would be left unused
         for m in model.modules():
             learned_gains.detach(m)
-    _attach_warmup(model, model_pid_config(model.config))
+    _attach_warmup(model, cfg)
     if base is not None and base not in BASES:
         raise ValueError(f"base attention {base!r} is not one of {BASES}")
     previous = getattr(model.config, BASE_ATTR, None)
@@ -653,10 +702,17 @@ def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = Non
     if base == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
         raise ValueError(f"{type(model).__name__} does not support flex attention: use base 'sdpa' or 'eager'")
     setattr(model.config, BASE_ATTR, base)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(chosen.name)
     return install_pid_hooks(model)
 
 
+def _register(method: AttentionMethod) -> None:
+    """Every registered attention method is an ``attn_implementation`` of transformers, under its name: the same
+    attention function (it reads the method from the forward's state) and the base attention's mask function."""
+    AttentionInterface.register(method.name, pid_attention_forward)
+    AttentionMaskInterface.register(method.name, pid_mask)
+    _METHODS[method.name] = method
+
+
 learned_gains.install()
-AttentionInterface.register(ATTN_IMPLEMENTATION, pid_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, pid_mask)
+on_register(_register)
