@@ -1,0 +1,164 @@
+"""The method registry and the one policy every adapter applies (pid_plugins.core.methods)."""
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pid_plugins
+from pid_plugins import AttentionMethod, MethodConfig, PIDConfig, PIDGains, PIDState, pid_update
+from pid_plugins.core import resolve_attention
+from pid_plugins.core.checkpoint import check_keys, unwrap_state_dict
+from pid_plugins.core.methods import PIDMethod, on_register
+from toy_method import NAME, ScaledReferenceConfig, naive_scaled_reference
+
+
+def sdpa_attend(k):
+    r = None
+
+    def attend(q, v):
+        nonlocal r
+        r = q.shape[-3] // v.shape[-3]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(r, -3), v.repeat_interleave(r, -3))
+    return attend
+
+
+def test_registry_lists_pid_and_user_methods():
+    assert "pid" in pid_plugins.list_methods() and NAME in pid_plugins.list_methods()
+    assert isinstance(pid_plugins.get_method("pid"), PIDMethod)
+    with pytest.raises(ValueError, match="unknown attention method 'nope'.*'softmax'.*'pid'"):
+        pid_plugins.get_method("nope")
+
+
+def test_register_refuses_bad_methods_and_silent_replacement():
+    class Bad(AttentionMethod):
+        name = "softmax"
+        config_type = ScaledReferenceConfig
+        state_fields = ()
+
+    with pytest.raises(ValueError, match="identifier other than 'softmax'"):
+        pid_plugins.register_method(Bad())
+    with pytest.raises(TypeError, match="AttentionMethod instance"):
+        pid_plugins.register_method(object())
+
+    class Other(AttentionMethod):
+        name = NAME
+        config_type = ScaledReferenceConfig
+        state_fields = ("v_first",)
+
+    with pytest.raises(ValueError, match="already registered; pass replace=True"):
+        pid_plugins.register_method(Other())
+
+
+def test_listeners_see_past_and_future_registrations():
+    seen = []
+    on_register(lambda m: seen.append(m.name))
+    assert {"pid", NAME} <= set(seen)
+
+    @dataclass(frozen=True)
+    class Cfg(MethodConfig):
+        weight: float = 1.0
+        PRESETS = {"default": {"weight": 1.0}}
+
+    class Late(AttentionMethod):
+        name = "late_toy"
+        config_type = Cfg
+        state_fields = ()
+        default_presets = {"*": "default"}
+
+        def update(self, params, out, value_q, state, scale, head_dim):
+            return out * params.weight, ()
+
+    pid_plugins.register_method(Late(), replace=True)
+    assert seen[-1] == "late_toy" and "late_toy" in pid_plugins.list_methods()
+
+
+def test_resolve_attention_is_the_one_policy():
+    assert resolve_attention("softmax", zoo="timm") is None
+    choice = resolve_attention("pid", None, zoo="mmseg")
+    assert choice.config == PIDConfig.preset("segmenter")
+    assert resolve_attention("pid", None, zoo="hf").config == PIDConfig.preset("lm")
+    assert resolve_attention("pid", None, zoo="timm").config == PIDConfig.preset("deit")
+    assert resolve_attention("pid", {"lambda_p": 0.1}, zoo="timm").config == PIDConfig.preset("deit", lambda_p=0.1)
+    assert resolve_attention(None, zoo="timm", pid="lm").config == PIDConfig.preset("lm")
+    assert resolve_attention(NAME, "strong", zoo="timm").config == ScaledReferenceConfig(gamma=2.0)
+    with pytest.raises(ValueError, match="attention='softmax'"):
+        resolve_attention("softmax", {"lambda_p": 1.0}, zoo="timm")
+    with pytest.raises(ValueError, match="not both"):
+        resolve_attention("pid", {"lambda_p": 1.0}, zoo="timm", pid={"lambda_p": 1.0})
+    with pytest.raises(ValueError, match="pid=... sets PID's gains but attention='scaled_reference'"):
+        resolve_attention(NAME, zoo="timm", pid={"lambda_p": 1.0})
+    with pytest.raises(ValueError, match="the backbone: learnable pid parameters are not supported here"):
+        resolve_attention("pid", {"learnable": True}, zoo="mmseg", learnable=False, where="the backbone")
+    with pytest.raises(ValueError, match="ScaledReferenceConfig.gamma must be float"):
+        resolve_attention(NAME, {"gamma": "x"}, zoo="timm")
+    with pytest.raises(ValueError, match="unknown ScaledReferenceConfig preset"):
+        resolve_attention(NAME, "nope", zoo="timm")
+
+
+def test_pid_method_is_pid_update_bit_for_bit():
+    torch.manual_seed(0)
+    method, cfg = pid_plugins.get_method("pid"), PIDConfig.preset("deit")
+    q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
+    values = [torch.randn(2, 2, 6, 8) for _ in range(3)]
+    state_a = state_b = None
+    for v in values:
+        out = sdpa_attend(k)(q, v)
+        want, state_a = pid_update(out, v, state_a, cfg)
+        got, state_b = method.forward(cfg, sdpa_attend(k), q, v, v, state_b)
+        assert torch.equal(got, want)
+        assert isinstance(state_b, PIDState) and all(
+            (a is None and b is None) or torch.equal(a, b) for a, b in zip(state_a, state_b))
+    # learned gains: the layer's three gains, beta and the first-layer rule from the config
+    learned = PIDGains(cfg.replace(learnable=True))
+    lp, li, ld = learned()[:3]
+    assert method.layer_params(cfg.replace(beta=0.3), learned)[3:] == (0.3, True)
+    assert method.layer_params(cfg, None) is cfg
+    assert method.make_learned(cfg) is None and isinstance(method.make_learned(cfg.replace(learnable=True)), PIDGains)
+    # warm-up: the term scaled by the warm-up factor; the separate term of an additive method
+    scale = torch.tensor(0.25, dtype=torch.float64)
+    v = torch.randn(2, 4, 6, 8)
+    out = sdpa_attend(v)(q, v)
+    scaled, _ = method.update(cfg, out, v, None, scale, -3)
+    term, _ = method.term(cfg, v, None, scale)
+    torch.testing.assert_close(scaled, out + term, rtol=0, atol=1e-6)
+    assert torch.equal(scaled, pid_update(out, v, None, (*(g * scale for g in cfg.gains[:3]), cfg.beta, True))[0])
+
+
+def test_toy_method_against_its_loop_statement():
+    method, cfg = pid_plugins.get_method(NAME), ScaledReferenceConfig(gamma=0.7)
+    q, k = torch.randn(1, 4, 5, 3, dtype=torch.float64), torch.randn(1, 2, 5, 3, dtype=torch.float64)
+    values = [torch.randn(1, 2, 5, 3, dtype=torch.float64) for _ in range(3)]
+    outs, state, attn = [], None, []
+    for v in values:
+        attn.append(sdpa_attend(k)(q, v))
+        u, state = method.forward(cfg, sdpa_attend(k), q, v, v, state)
+        outs.append(u)
+    for got, want in zip(outs, naive_scaled_reference(attn, values, 0.7)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert method.is_identity(ScaledReferenceConfig(gamma=0.0)) and not method.is_identity(cfg)
+
+
+def test_method_config_round_trips_and_validates():
+    cfg = ScaledReferenceConfig.coerce({"gamma": 1})
+    assert cfg == ScaledReferenceConfig(gamma=1.0) and isinstance(cfg.gamma, float)
+    assert ScaledReferenceConfig.from_dict(cfg.to_dict()) == cfg
+    assert ScaledReferenceConfig.coerce({"preset": "strong"}).gamma == 2.0
+    with pytest.raises(ValueError, match="must be finite"):
+        ScaledReferenceConfig(gamma=float("inf"))
+    with pytest.raises(ValueError, match="unknown ScaledReferenceConfig field"):
+        ScaledReferenceConfig.from_dict({"alpha": 1.0})
+
+
+def test_checkpoint_unwrapping_has_one_precedence_and_strict_keys_name_the_difference():
+    w = {"a": torch.zeros(1)}
+    assert unwrap_state_dict(w) == w
+    assert unwrap_state_dict({"model": w}) == w
+    assert unwrap_state_dict({"state_dict": {"model": w}}) == w
+    assert unwrap_state_dict({"state_dict": w, "model": {"b": torch.ones(1)}}) == w  # state_dict first, as timm
+    with pytest.raises(ValueError, match="x.pt holds a list"):
+        unwrap_state_dict([1], "x.pt")
+    check_keys({"a"}, {"a"}, "M")
+    with pytest.raises(ValueError, match=r"does not fit M: missing keys \['b'\]; unexpected keys \['c'\]. hint"):
+        check_keys({"a", "b"}, {"a", "c"}, "M", "hint")
+    check_keys({"a", "b"}, {"a"}, "M", ignore={"b"})
