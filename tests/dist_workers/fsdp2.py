@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import pid_dist_cases as cases
 
@@ -22,9 +23,14 @@ import pid_dist_cases as cases
 def run(name: str, mode: str, rank: int, world: int, workdir: Path) -> dict:
     reshard, checkpointing = cases.FSDP_MODES[mode]
     model, layers, batch, forward = cases.build_fsdp_case(name, workdir, checkpointing)
-    for layer in layers(model):
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(model)
+        model_forward = forward
+        forward = lambda m, b: model_forward(wrapped, b)  # noqa: E731  (the wrapper's forward: gradient sync)
+    else:
+        for layer in layers(model):
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
     # the optimizer takes the sharded parameters, so it is made before the forward (with
     # reshard_after_forward=False the module holds the unsharded ones from the forward to the backward)
     opt = torch.optim.SGD(model.parameters(), lr=cases.FSDP_LR)
@@ -34,7 +40,7 @@ def run(name: str, mode: str, rank: int, world: int, workdir: Path) -> dict:
     opt.step()
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for n, p in model.named_parameters()}
-    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    sharded = sum(isinstance(p, DTensor) for p in model.parameters()) if mode != "ddp" else len(params)
     dtensors = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
     return {"out": out.detach().clone(), "params": params, "sharded": sharded, "dtensors": dtensors}
 
@@ -46,10 +52,7 @@ def main(out: Path) -> None:
     workdir.mkdir(exist_ok=True)
     runs = {}
     for name in cases.FSDP_CASES:
-        supports_checkpointing = cases.fsdp_case(name, workdir)[4]
-        for mode, (_, checkpointing) in cases.FSDP_MODES.items():
-            if checkpointing and not supports_checkpointing:
-                continue
+        for mode in cases.case_modes(name, workdir):
             runs[name, mode] = run(name, mode, rank, world, workdir)
             print(f"rank {rank}: {name} {mode} done", flush=True)
     torch.save({"rank": rank, "world": world, "runs": runs}, out / f"rank{rank}.pt")

@@ -5,6 +5,9 @@ the test build the same initial model and see the same global batches.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 TIMM_NAME = "pid_deit_tiny_patch16_224"
@@ -81,11 +84,23 @@ def token_rows(n: int, length: int = 16, seed: int = 0):
 # zoo's PID model refuses it).
 FSDP_GLOBAL_BATCH = 4
 FSDP_LR = 0.5  # plain SGD: linear in the gradient, so FSDP's averaged gradient is comparable with one process
-FSDP_MODES = {  # name: (reshard_after_forward, gradient checkpointing)
+FSDP_MODES = {  # name: (reshard_after_forward, gradient checkpointing); "ddp": DistributedDataParallel instead
     "reshard": (True, False),
     "keep_unsharded": (False, False),
     "checkpointing": (True, True),
+    "ddp": (None, False),
 }
+TOY_GAMMA = 0.3  # the toy method's strength in the toy_* cases
+
+
+def toy_method():
+    """Register the tests' toy method (tests/toy_method.py) in this process, as a user's code would."""
+    tests = str(Path(__file__).resolve().parents[1])
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import toy_method as toy
+
+    return toy
 
 
 def _hf(kind: str):
@@ -94,6 +109,10 @@ def _hf(kind: str):
 
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   max_position_embeddings=32, pad_token_id=0, attn_implementation="pid")
+    if kind == "toy_decoder":  # a user-registered method, no learnable parameters
+        name = toy_method().NAME
+        return T.LlamaForCausalLM(T.LlamaConfig(**{**common, "attn_implementation": name}, num_hidden_layers=4,
+                                                num_key_value_heads=2, **{name: {"gamma": TOY_GAMMA}}))
     if kind == "decoder":  # Llama with grouped-query attention, 4 layers (a copied state would show from layer 2),
         # learnable gains (parameters of each attention module, so fully_shard per layer shards them with it)
         return T.LlamaForCausalLM(T.LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=2,
@@ -142,16 +161,16 @@ def _timm(name: str, **kwargs):
 FAN_TINY = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)
 
 
-def _mmseg_backbone(with_cp: bool = False):
+def _mmseg_backbone(with_cp: bool = False, **method):
     import pid_plugins.mmseg  # noqa: F401  (before mmseg.models: it installs the mmcv._ext stand-in)
     from mmseg.registry import MODELS
 
     return MODELS.build(dict(type="PIDVisionTransformer", img_size=(64, 64), patch_size=16, embed_dims=48,
                              num_layers=3, num_heads=3, with_cls_token=True, final_norm=True, drop_path_rate=0.0,
-                             norm_cfg=dict(type="LN", eps=1e-6), with_cp=with_cp))
+                             norm_cfg=dict(type="LN", eps=1e-6), with_cp=with_cp, **method))
 
 
-def _fairseq_lm(workdir):
+def _fairseq_lm(workdir, method=None):
     from fairseq import options, tasks
     from fairseq.data import Dictionary
 
@@ -164,7 +183,8 @@ def _fairseq_lm(workdir):
     args = options.parse_args_and_arch(options.get_training_parser(), [
         str(workdir), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir", USER_DIR,
         "--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-attention-heads", "4",
-        "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "32", "--dropout", "0"])
+        "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "32", "--dropout", "0",
+        *(["--attention-method", method, "--attention-cfg", f'{{"gamma": {TOY_GAMMA}}}'] if method else [])])
     return tasks.setup_task(args).build_model(args)
 
 
@@ -188,34 +208,51 @@ def _mmseg_out(model, batch):
 
 def fsdp_case(name: str, workdir):
     """(build(checkpointing) -> model, layers(model), batch() -> dict, forward(model, batch) -> tensor,
-    checkpointing supported)."""
-    if name.startswith("hf_"):
-        kind = name[3:]
+    checkpointing supported). ``toy_*``: the same model with the tests' toy method (``attention=<its name>``)."""
+    toy = name.startswith("toy_")
+    base = name[4:] if toy else name
+    method = dict(attention=toy_method().NAME, attention_cfg=dict(gamma=TOY_GAMMA)) if toy else {}
+    if base.startswith("hf_"):
+        kind = ("toy_" if toy else "") + base[3:]
 
         def build(checkpointing):
             model = _hf(kind)
             if checkpointing:
                 _hf_checkpointing(model)
             return model
-        return build, _hf_layers, _tokens(kind == "encoder_decoder"), _hf_forward(kind), True
-    if name in ("timm_deit", "timm_fan"):
+        return build, _hf_layers, _tokens(kind == "encoder_decoder"), _hf_forward(kind.replace("toy_", "")), True
+    if base in ("timm_deit", "timm_fan"):
         timm_name, kw, size = (("pid_deit_tiny_patch16_224", dict(TIMM_TINY, pid=dict(learnable=True)), 32)
-                               if name == "timm_deit" else ("pid_fan_tiny_12_p16_224", FAN_TINY, 64))
+                               if base == "timm_deit" else ("pid_fan_tiny_12_p16_224", FAN_TINY, 64))
+        if toy:
+            kw = dict({k: v for k, v in kw.items() if k != "pid"}, **method)
 
         def build(checkpointing):
             model = _timm(timm_name, **kw)
             model.set_grad_checkpointing(checkpointing)
             return model
         return build, lambda m: list(m.blocks), _images(size), lambda m, b: m(b["x"]), True
-    if name == "mmseg":
-        return _mmseg_backbone, lambda m: list(m.layers), _images(64), _mmseg_out, True
-    if name == "fairseq":
-        return (lambda checkpointing: _fairseq_lm(workdir), lambda m: list(m.decoder.layers),
-                _tokens(low=4, high=44), lambda m, b: m(b["input_ids"])[0], False)
+    if base == "mmseg":
+        return (lambda checkpointing: _mmseg_backbone(checkpointing, **method), lambda m: list(m.layers),
+                _images(64), _mmseg_out, True)
+    if base == "fairseq":
+        return (lambda checkpointing: _fairseq_lm(workdir, method.get("attention")),
+                lambda m: list(m.decoder.layers), _tokens(low=4, high=44), lambda m, b: m(b["input_ids"])[0], False)
     raise KeyError(name)
 
 
-FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq")
+FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq",
+              "toy_hf_decoder", "toy_timm_deit", "toy_mmseg", "toy_fairseq")
+
+
+def case_modes(name: str, workdir) -> list:
+    """The modes a case runs in: FSDP2 both ways and with checkpointing (where the zoo supports it); the toy
+    method's cases also under DDP (the PID cases' DDP runs are the zoos' own launchers, in test_distributed.py)."""
+    supports_checkpointing = fsdp_case(name, workdir)[4]
+    modes = [m for m, (_, ckpt) in FSDP_MODES.items() if m != "ddp" and (supports_checkpointing or not ckpt)]
+    if name.startswith("toy_"):
+        modes = [m for m in modes if m != "keep_unsharded"] + ["ddp"]
+    return modes
 
 
 def rank_slice(batch: dict, rank: int, world: int) -> dict:
