@@ -284,3 +284,35 @@ def test_fairseq_train_cli_with_a_method_from_the_users_user_dir(tmp_path):
     attn = hub.models[0].decoder.layers[0].self_attn
     assert attn.attention_method is METHOD and attn.pid == ScaledReferenceConfig(gamma=0.25)
     assert torch.isfinite(hub.score("w1 w2 w3")["positional_scores"]).all()
+
+
+def test_warmup_with_a_non_additive_method_is_refused(data_dir):
+    """Warm-up runs fairseq's fused attention plus the method's term: a method without a separate term is refused
+    (the method is handed to the decoder directly, so the registry stays as it is for other tests)."""
+    from dataclasses import dataclass
+
+    import pid_plugins
+    from pid_plugins.core import MethodChoice
+
+    @dataclass(frozen=True)
+    class Cfg(pid_plugins.MethodConfig):
+        warmup_steps: int = 0
+
+    class Doubled(pid_plugins.AttentionMethod):
+        name = "doubled"
+        config_type = Cfg
+        state_fields = ()
+        additive = False
+
+        def update(self, params, out, value_q, state, scale, head_dim):
+            return 2 * out, ()
+
+    stock, task, args = build(data_dir, arch="transformer_lm")
+    args.max_target_positions = args.tokens_per_sample  # as build_model sets it
+    embed = stock.decoder.embed_tokens
+    decoder = pf.PIDTransformerDecoder(args, task.target_dictionary, embed, no_encoder_attn=True,
+                                       choice=MethodChoice(Doubled(), Cfg()))  # no warm-up: fine
+    assert decoder.pid_warmup is None
+    with pytest.raises(ValueError, match="'doubled' is not additive: set its warmup_steps to 0"):
+        pf.PIDTransformerDecoder(args, task.target_dictionary, embed, no_encoder_attn=True,
+                                 choice=MethodChoice(Doubled(), Cfg(warmup_steps=5)))
