@@ -122,18 +122,20 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
     assert all(layer.self_attn.pid.control_first_layer is control_first_layer for layer in model.decoder.layers)
     model = model.double()
     seen = []
-    original = pf.model.pid_update
+    import pid_plugins.core.methods as methods  # the layers call PID's rule through its AttentionMethod
 
-    def spy(out, v, state, gains):
-        result = original(out, v, state, gains)
+    original = methods.pid_update
+
+    def spy(out, v, state, gains, **kw):
+        result = original(out, v, state, gains, **kw)
         seen.append((out.detach().clone(), v.detach().clone(), result[0].detach().clone()))
         return result
 
-    pf.model.pid_update = spy
+    methods.pid_update = spy
     try:
         logits(model, tokens())
     finally:
-        pf.model.pid_update = original
+        methods.pid_update = original
     attn, vals, got = zip(*seen)
     want = naive_pid_stack(list(attn), list(vals), 0.7, 0.4, 0.2, 0.6, control_first_layer=control_first_layer)
     for g, w in zip(got, want):

@@ -5,12 +5,22 @@ Use with fairseq's own CLI through ``--user-dir`` (a directory with a unique nam
     fairseq-train data-bin/x --task language_modeling --user-dir "$(python -m pid_plugins.fairseq)" \\
         --arch transformer_lm_pid --pid-lambda-p 0.4 --pid-lambda-i 0.5 --pid-lambda-d 0.1 --pid-beta 0.3 ...
 
-fairseq 0.12.2 needs a compatibility hook to import on Python 3.11 (``pid_plugins_fairseq_compat``, loaded
-at start-up by a ``.pth`` file installed with the package); it is also installed here, which suffices when
-this module is imported before fairseq.
+Another registered attention method: ``--attention-method NAME --attention-cfg '{"gamma": 0.3}'`` (the method
+registered in the process, e.g. by the user's own ``--user-dir`` module calling ``pid_plugins.register_method``).
 
-Importing this module also makes fairseq load checkpoints with ``weights_only=True`` whatever
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (:mod:`pid_plugins.fairseq.checkpoint`).
+Import-time changes to third-party modules (each needed for fairseq 0.12.2 to run here; nothing else is patched):
+
+* ``pid_plugins_fairseq_compat.install()``: fairseq 0.12.2 and hydra 1.0.7 declare dataclass fields with mutable
+  defaults, which Python 3.11 refuses; the hook (also loaded at start-up by a ``.pth`` file installed with the
+  package) lets those defaults through, only in ``fairseq``/``hydra``. Installing it here suffices when this
+  module is imported before fairseq.
+* ``numpy.compat.long`` (gone in NumPy 2) is provided when missing: fairseq reads it when it builds "eos"-break
+  datasets (``fairseq-interactive``, the hub interface's ``score``/``sample``).
+* ``fairseq.checkpoint_utils.torch.load`` becomes :func:`~pid_plugins.fairseq.checkpoint.safe_torch_load`: fairseq
+  loads checkpoints with ``weights_only=True`` whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says
+  (:mod:`pid_plugins.fairseq.checkpoint`).
+* fairseq's model registry gains ``transformer_lm_pid`` and the registry's architectures (its public
+  ``register_model`` / ``register_model_architecture``).
 """
 import os
 
@@ -49,6 +59,7 @@ from .model import (  # noqa: E402
     PIDTransformerDecoderLayer,
     PIDTransformerLanguageModel,
     PIDTransformerLanguageModelConfig,
+    attention_from_args,
     load_pid_lm,
 )
 
@@ -56,5 +67,5 @@ USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
-    "PIDTransformerLanguageModelConfig", "load_pid_lm", "UnsafeCheckpointError", "USER_DIR",
+    "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm", "UnsafeCheckpointError", "USER_DIR",
 ]

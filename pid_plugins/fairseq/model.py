@@ -1,20 +1,27 @@
-"""PID transformer language model for fairseq (``--arch transformer_lm_pid``).
+"""PID transformer language model for fairseq (``--arch transformer_lm_pid``), with any registered attention method.
 
 fairseq's ``MultiheadAttention`` runs the fused ``F.multi_head_attention_forward`` in training, where per-head
-values never exist in Python, and its decoder calls each layer with no side channel. So the PID model is
-fairseq's own ``transformer_lm`` with three classes swapped in after building (parameters untouched, so a
-softmax ``transformer_lm`` checkpoint loads as is):
+values never exist in Python, and its decoder calls each layer with no side channel. So the model is fairseq's own
+``transformer_lm`` built with three subclasses from the start (same parameters and names, so a softmax
+``transformer_lm`` checkpoint loads as is):
 
-* :class:`PIDMultiheadAttention` computes q/k/v with the layer's own projections, runs SDPA, applies
-  :func:`pid_plugins.core.pid_update` to the current positions' values, and keeps fairseq's incremental
-  cache (``prev_key``/``prev_value`` batch-first, so beam reordering needs nothing more);
-* :class:`PIDTransformerDecoderLayer` returns the PID state as a fourth output;
-* :class:`PIDTransformerDecoder` threads it through the layer loop, one fresh state per forward.
+* :class:`PIDMultiheadAttention` computes q/k/v with the layer's own projections and hands the method
+  (:meth:`~pid_plugins.core.AttentionMethod.forward`) an ``attend`` that runs SDPA with the layer's keys, masks and
+  dropout; it keeps fairseq's incremental cache (``prev_key``/``prev_value`` batch-first, so beam reordering needs
+  nothing more);
+* :class:`PIDTransformerDecoderLayer` builds that attention and returns the method's state as a fourth output;
+* :class:`PIDTransformerDecoder` builds those layers and threads the state through the layer loop, one fresh state
+  per forward.
 
-With softmax attention or all gains zero the layers run fairseq's own code, so outputs equal the stock model's.
+The method is ``--attention-method NAME`` (``pid``, the default; ``softmax``; or any method registered with
+:func:`pid_plugins.register_method`, e.g. in the user's own ``--user-dir``) with its parameters as
+``--attention-cfg JSON``; PID's gains keep their ``--pid-*`` options. With softmax attention or a method that is the
+identity (PID with all gains zero) the layers run fairseq's own code, so outputs equal the stock model's.
 """
 # no `from __future__ import annotations`: omegaconf 2.0 reads the config dataclass field types at run time
 
+import ast
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -23,55 +30,100 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq import options
+from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.transformer import TransformerDecoder
+from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.models.transformer_lm import (
-    TransformerLanguageModel, TransformerLanguageModelConfig, base_lm_architecture,
+    DEFAULT_MAX_TARGET_POSITIONS, TransformerLanguageModel, TransformerLanguageModelConfig, base_lm_architecture,
 )
+from fairseq.modules import AdaptiveInput, CharacterTokenEmbedder
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
-from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_term, pid_update, scaled_gains, warmup_scale
+from ..core import AttentionMethod, GainWarmup, MethodChoice, make_warmup, resolve_attention, warmup_scale
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
-    "PIDTransformerLanguageModelConfig", "load_pid_lm",
+    "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm",
 ]
 
-_LM = PIDConfig.preset("lm")
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+#: PID's own options (``--pid-NAME``); unset they are None, so a method other than PID can refuse them
+PID_OPTIONS = ("lambda_p", "lambda_i", "lambda_d", "beta", "control_first_layer", "warmup_steps")
 
 
 @dataclass
 class PIDTransformerLanguageModelConfig(TransformerLanguageModelConfig):
-    pid_attention: str = field(default="pid", metadata={"help": "'pid', or 'softmax' for the stock model"})
-    pid_lambda_p: float = field(default=_LM.lambda_p, metadata={"help": "PID proportional gain (>= 0)"})
-    pid_lambda_i: float = field(default=_LM.lambda_i, metadata={"help": "PID integral gain (>= 0)"})
-    pid_lambda_d: float = field(default=_LM.lambda_d, metadata={"help": "PID derivative gain (>= 0)"})
-    pid_beta: float = field(default=_LM.beta, metadata={"help": "weight of the first layer's values, in (0, 1]"})
+    attention_method: str = field(default="pid", metadata={
+        "help": "the attention method: 'pid' (default), 'softmax' for the stock model, or the name of a method "
+                "registered with pid_plugins.register_method (e.g. by your own --user-dir)"})
+    attention_cfg: Optional[str] = field(default=None, metadata={
+        "help": "the method's parameters as a JSON object, e.g. '{\"gamma\": 0.3}' (unset: its fairseq preset). "
+                "PID's may also be given with the --pid-* options, not both"})
+    pid_attention: str = field(default="pid", metadata={
+        "help": "'pid', or 'softmax' for the stock model (the historical spelling of --attention-method)"})
+    pid_lambda_p: Optional[float] = field(default=None, metadata={
+        "help": "PID proportional gain (>= 0; unset: the lm preset's, 0.4)"})
+    pid_lambda_i: Optional[float] = field(default=None, metadata={
+        "help": "PID integral gain (>= 0; unset: the lm preset's, 0.5)"})
+    pid_lambda_d: Optional[float] = field(default=None, metadata={
+        "help": "PID derivative gain (>= 0; unset: the lm preset's, 0.1)"})
+    pid_beta: Optional[float] = field(default=None, metadata={
+        "help": "weight of the first layer's values, in (0, 1] (unset: the lm preset's, 0.3)"})
     # a value, not a flag: fairseq turns a bool field that defaults to True into a flag that sets it False
-    pid_control_first_layer: str = field(default="true", metadata={
-        "help": "'true' (default): the first layer gets the PID term too (eq. 25 with sums from layer 1); 'false': "
-                "it computes plain attention and only records v^1 (NeuTRENO's convention)"})
-    pid_warmup_steps: int = field(default=0, metadata={
+    pid_control_first_layer: Optional[str] = field(default=None, metadata={
+        "help": "'true' (the default): the first layer gets the PID term too (eq. 25 with sums from layer 1); "
+                "'false': it computes plain attention and only records v^1 (NeuTRENO's convention)"})
+    pid_warmup_steps: Optional[int] = field(default=None, metadata={
         "help": "gain warm-up for fine-tuning into PID: the PID term is scaled by min(1, t/N), t counting training "
-                "forward passes (saved in the checkpoint: --restore-file continues it); 0 (default): off"})
+                "forward passes (saved in the checkpoint: --restore-file continues it); 0 (the default): off"})
 
 
-def pid_config_from_args(args: Any) -> Optional[PIDConfig]:
-    attention = safe_getattr(args, "pid_attention", "pid")
-    if attention not in ("pid", "softmax"):
-        raise ValueError(f"--pid-attention must be 'pid' or 'softmax', got {attention!r}")
-    if attention == "softmax":
-        return None
-    return PIDConfig(
-        lambda_p=safe_getattr(args, "pid_lambda_p", _LM.lambda_p), lambda_i=safe_getattr(args, "pid_lambda_i", _LM.lambda_i),
-        lambda_d=safe_getattr(args, "pid_lambda_d", _LM.lambda_d), beta=safe_getattr(args, "pid_beta", _LM.beta),
-        control_first_layer=_as_bool(safe_getattr(args, "pid_control_first_layer", "true"), "--pid-control-first-layer"),
-        warmup_steps=safe_getattr(args, "pid_warmup_steps", 0),
-    )
+def attention_from_args(args: Any) -> Optional[MethodChoice]:
+    """The attention method and its parameters from fairseq's options (None: softmax, the stock model), through
+    :func:`pid_plugins.core.resolve_attention`."""
+    legacy = safe_getattr(args, "pid_attention", "pid") or "pid"
+    if legacy not in ("pid", "softmax"):
+        raise ValueError(f"--pid-attention must be 'pid' or 'softmax', got {legacy!r}")
+    name = safe_getattr(args, "attention_method", "pid") or "pid"
+    if legacy == "softmax" and name not in ("pid", "softmax"):
+        raise ValueError(f"--pid-attention softmax conflicts with --attention-method {name}: give one of them "
+                         "(--attention-method softmax for the stock model)")
+    if legacy == "softmax":
+        name = "softmax"
+    cfg_text = safe_getattr(args, "attention_cfg", None)
+    params = _parse_attention_cfg(cfg_text) if cfg_text not in (None, "") else None
+    given = {key: safe_getattr(args, f"pid_{key}", None) for key in PID_OPTIONS}
+    given = {key: value for key, value in given.items() if value is not None}
+    pid: Optional[Dict[str, Any]] = None
+    if name == "pid" and given:
+        if params is not None:
+            raise ValueError(f"PID's parameters are given twice, as --attention-cfg and as --pid-"
+                             f"{sorted(given)[0].replace('_', '-')}: use one of them")
+        pid = dict(given)
+        if "control_first_layer" in pid:
+            pid["control_first_layer"] = _as_bool(pid["control_first_layer"], "--pid-control-first-layer")
+    elif name not in ("pid", "softmax") and given:
+        options_given = ", ".join(f"--pid-{key.replace('_', '-')}" for key in sorted(given))
+        raise ValueError(f"{options_given} set PID's parameters but --attention-method is {name}: drop them, or "
+                         f"pass {name}'s parameters as --attention-cfg JSON")
+    return resolve_attention(name, params, zoo="fairseq", pid=pid, where="transformer_lm_pid")
+
+
+def _parse_attention_cfg(text: Any) -> Any:
+    """``--attention-cfg``: a JSON object of parameters (or a JSON string naming a preset)."""
+    if isinstance(text, dict):  # already parsed (a config written by Python)
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--attention-cfg must be a JSON object, e.g. '{{\"gamma\": 0.3}}', got {text!r} ({exc})") from exc
+    if not isinstance(value, (dict, str)):
+        raise ValueError(f"--attention-cfg must be a JSON object (or a JSON string naming a preset), got {text!r}")
+    return value
 
 
 def _as_bool(value: Any, option: str) -> bool:
@@ -87,21 +139,38 @@ def _as_bool(value: Any, option: str) -> bool:
 
 
 class PIDMultiheadAttention(MultiheadAttention):
-    """fairseq self-attention (same parameters) with :meth:`forward_pid`; ``pid`` set by the model."""
+    """fairseq self-attention (same parameters) whose output the attention method computes.
 
-    pid: Optional[PIDConfig] = None
+    ``attention_method`` (an :class:`~pid_plugins.core.AttentionMethod`, or None for softmax) and ``pid`` (its
+    config) are given at construction; a method with learnable parameters keeps them as ``pid_gains``.
+    """
 
-    def forward_pid(
+    def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.attention_method = method
+        self.pid = config
+        self.pid_gains = method.make_learned(config) if method is not None else None
+
+    def _qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        T, B, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v = (proj(x).view(T, B, H, D).permute(1, 2, 0, 3) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return q, k, v
+
+    def forward_method(
         self,
         x: Tensor,
-        state: Optional[PIDState],
+        state: Optional[tuple],
         incremental_state: IncrementalState = None,
         attn_mask: Optional[Tensor] = None,
         key_padding_mask: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, PIDState]:
+    ) -> Tuple[Tensor, tuple]:
+        """The method's layer: q/k/v from the layer's projections (cached keys/values prepended), ``attend`` = SDPA
+        with the keys, masks and dropout bound, then the output projection."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
-        q, k, v = (proj(x).view(T, B, H, D).permute(1, 2, 0, 3) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self._qkv(x)
         v_query = v
         if incremental_state is not None:
             saved = self._get_input_buffer(incremental_state)
@@ -120,33 +189,58 @@ class PIDMultiheadAttention(MultiheadAttention):
             pad = torch.zeros(B, 1, 1, k.size(2), dtype=q.dtype, device=q.device)
             pad = pad.masked_fill(key_padding_mask.bool()[:, None, None, :], float("-inf"))
             mask = pad if mask is None else mask + pad
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             dropout_p=self.dropout_module.p if self.training else 0.0)
-        out, state = pid_update(out, v_query, state, self.pid)
+        dropout_p = self.dropout_module.p if self.training else 0.0
+
+        def attend(query: Tensor, value: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(query, k, value, attn_mask=mask, dropout_p=dropout_p)
+
+        method = self.attention_method
+        params = method.layer_params(self.pid, self.pid_gains)
+        out, state = method.forward(params, attend, q, v, v_query, state, head_dim=-3)
         return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), state
 
     def forward_warmup(
         self,
         x: Tensor,
-        state: Optional[PIDState],
+        state: Optional[tuple],
         scale: Tensor,
         incremental_state: IncrementalState = None,
         attn_mask: Optional[Tensor] = None,
         key_padding_mask: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, PIDState]:
-        """Under gain warm-up: fairseq's own attention (its fused kernel and cache) plus the PID term scaled by
-        ``scale`` through the output projection's weight, so a zero scale is the stock layer exactly."""
+    ) -> Tuple[Tensor, tuple]:
+        """Under warm-up (additive methods): fairseq's own attention (its fused kernel and cache) plus the method's
+        term scaled by ``scale`` through the output projection's weight, so a zero scale is the stock layer exactly."""
         out, _ = MultiheadAttention.forward(self, query=x, key=x, value=x, key_padding_mask=key_padding_mask,
                                             incremental_state=incremental_state, need_weights=False,
                                             attn_mask=attn_mask)
         T, B, C = x.shape
         v = self.v_proj(x).view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        term, state = pid_term(v, state, scaled_gains(self.pid, scale))
+        method = self.attention_method
+        term, state = method.term(method.layer_params(self.pid, self.pid_gains), v, state, scale, head_dim=-3)
         return out + F.linear(term.permute(2, 0, 1, 3).reshape(T, B, C), self.out_proj.weight), state
 
 
 class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
-    """fairseq's decoder layer (language-model use: no encoder attention) returning the PID state too."""
+    """fairseq's decoder layer (language-model use: no encoder attention) with :class:`PIDMultiheadAttention`,
+    returning the method's state too."""
+
+    def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
+                 add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
+        # read by build_self_attention, which the base __init__ calls
+        self._attention_choice = (method, config)
+        super().__init__(cfg, no_encoder_attn=no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+        del self._attention_choice
+
+    def build_self_attention(self, embed_dim: int, cfg: Any, add_bias_kv: bool = False,
+                             add_zero_attn: bool = False) -> PIDMultiheadAttention:
+        """fairseq's ``build_self_attention`` with the PID class (same arguments, same parameters)."""
+        method, config = self._attention_choice
+        return PIDMultiheadAttention(
+            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn, self_attention=not cfg.cross_self_attention, q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size, xformers_att_config=cfg.decoder.xformers_att_config,
+            method=method, config=config,
+        )
 
     def forward(  # type: ignore[override]
         self,
@@ -160,25 +254,26 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         self_attn_padding_mask: Optional[Tensor] = None,
         need_attn: bool = False,
         need_head_weights: bool = False,
-        pid_state: Optional[PIDState] = None,
+        pid_state: Optional[tuple] = None,
         pid_scale: Optional[Tensor] = None,
     ):
-        pid = self.self_attn.pid
-        if pid is None or pid.is_zero:
+        method = self.self_attn.attention_method
+        if method is None or method.is_identity(self.self_attn.pid):
             out = super().forward(x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
                                   prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights)
             return (*out, pid_state)
         if encoder_out is not None or self.cross_self_attention or prev_self_attn_state is not None:
-            raise NotImplementedError("PID decoder layers support the language-model case (no encoder attention)")
+            raise NotImplementedError(
+                f"{method.name} decoder layers support the language-model case (no encoder attention)")
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        if pid_scale is not None:  # gain warm-up
+        if pid_scale is not None:  # warm-up
             x, pid_state = self.self_attn.forward_warmup(x, pid_state, pid_scale, incremental_state, self_attn_mask,
                                                          self_attn_padding_mask)
         else:
-            x, pid_state = self.self_attn.forward_pid(x, pid_state, incremental_state, self_attn_mask,
-                                                      self_attn_padding_mask)
+            x, pid_state = self.self_attn.forward_method(x, pid_state, incremental_state, self_attn_mask,
+                                                         self_attn_padding_mask)
         if self.c_attn is not None:
             T, B = x.size(0), x.size(1)
             x = torch.einsum("tbhd,h->tbhd", x.view(T, B, self.nh, self.head_dim), self.c_attn).reshape(T, B, -1)
@@ -203,7 +298,30 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
 
 
 class PIDTransformerDecoder(TransformerDecoder):
-    """fairseq's decoder with the PID state threaded through the layer loop (one fresh state per forward)."""
+    """fairseq's decoder built with :class:`PIDTransformerDecoderLayer` layers, the method's state threaded through
+    the layer loop (one fresh state per forward). ``choice``: :func:`attention_from_args` (None: softmax)."""
+
+    def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
+                 output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
+        method, config = choice if choice is not None else (None, None)
+        steps = getattr(config, "warmup_steps", 0) or 0
+        if steps and not method.additive:
+            raise ValueError(f"warm-up runs fairseq's attention plus the method's term, but {method.name!r} is not "
+                             "additive: set its warmup_steps to 0")
+        # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
+        self.attention_method, self.pid = method, config
+        super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
+                         output_projection=output_projection)
+        #: the warm-up counter (``--pid-warmup-steps N``), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = make_warmup(config if steps else None, like=self.embed_tokens.weight)
+
+    def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
+        """fairseq's ``build_decoder_layer`` with the PID layer class (activation checkpointing is refused)."""
+        cfg = TransformerConfig.from_namespace(args)
+        if cfg.checkpoint_activations:
+            raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
+        layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method, config=self.pid)
+        return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
 
     def extract_features_scriptable(  # type: ignore[override]
         self,
@@ -242,7 +360,7 @@ class PIDTransformerDecoder(TransformerDecoder):
             self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
         attn: Optional[Tensor] = None
         inner_states: List[Optional[Tensor]] = [x]
-        state: Optional[PIDState] = None
+        state: Optional[tuple] = None
         scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward of the decoder
         for idx, layer in enumerate(self.layers):
             self_attn_mask = (self.buffered_future_mask(x)
@@ -265,41 +383,43 @@ class PIDTransformerDecoder(TransformerDecoder):
         return x, {"attn": [attn], "inner_states": inner_states}
 
 
-def to_pid_decoder(decoder: TransformerDecoder, pid: Optional[PIDConfig]) -> TransformerDecoder:
-    """Swap a built fairseq ``TransformerDecoder``'s classes for the PID ones (parameters untouched)."""
-    if type(decoder) not in (TransformerDecoder, PIDTransformerDecoder):
-        raise TypeError(f"expected fairseq's TransformerDecoder, got {type(decoder).__name__}")
-    for i, layer in enumerate(decoder.layers):
-        if type(layer) not in (TransformerDecoderLayerBase, PIDTransformerDecoderLayer):
-            raise TypeError(
-                f"decoder layer {i} is {type(layer).__name__} (wrapped for activation checkpointing or FSDP?): "
-                "PID layers need plain TransformerDecoderLayerBase layers; drop --checkpoint-activations"
-            )
-        if type(layer.self_attn) not in (MultiheadAttention, PIDMultiheadAttention):
-            raise TypeError(f"decoder layer {i} uses {type(layer.self_attn).__name__}, not fairseq's MultiheadAttention")
-        layer.__class__ = PIDTransformerDecoderLayer
-        layer.self_attn.__class__ = PIDMultiheadAttention
-        layer.self_attn.pid = pid
-    decoder.__class__ = PIDTransformerDecoder
-    decoder.pid = pid
-    #: the gain warm-up counter (``--pid-warmup-steps N``), advanced once per training forward
-    decoder.pid_warmup = make_warmup(pid, decoder._modules.get("pid_warmup"),
-                                     like=next(decoder.parameters()))
-    return decoder
-
-
 @register_model("transformer_lm_pid", dataclass=PIDTransformerLanguageModelConfig)
 class PIDTransformerLanguageModel(TransformerLanguageModel):
-    """fairseq's ``transformer_lm`` with PID attention (gains from ``--pid-*``, preset ``lm`` by default)."""
+    """fairseq's ``transformer_lm`` with the attention method of ``--attention-method`` (PID by default, gains from
+    ``--pid-*`` or ``--attention-cfg``, preset ``lm``), built as :class:`PIDTransformerDecoder`."""
 
     @classmethod
     def build_model(cls, args: Any, task: Any) -> "PIDTransformerLanguageModel":
-        pid = pid_config_from_args(args)
+        """fairseq's ``TransformerLanguageModel.build_model`` (0.12.2), building :class:`PIDTransformerDecoder`:
+        the same modules in the same order, so a seed gives the stock model's initial weights."""
+        choice = attention_from_args(args)
         if safe_getattr(args, "checkpoint_activations", False):
             raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
-        model = super().build_model(args, task)
-        to_pid_decoder(model.decoder, pid)
-        return model
+        if args.decoder_layers_to_keep:
+            args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
+        if safe_getattr(args, "max_target_positions", None) is None:
+            args.max_target_positions = safe_getattr(args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
+        if args.character_embeddings:
+            embed_tokens = CharacterTokenEmbedder(
+                task.source_dictionary, ast.literal_eval(args.character_filters), args.character_embedding_dim,
+                args.decoder_embed_dim, args.char_embedder_highway_layers)
+        elif args.adaptive_input:
+            embed_tokens = AdaptiveInput(
+                len(task.source_dictionary), task.source_dictionary.pad(), args.decoder_input_dim,
+                args.adaptive_input_factor, args.decoder_embed_dim,
+                options.eval_str_list(args.adaptive_input_cutoff, type=int), args.quant_noise_pq,
+                args.quant_noise_pq_block_size)
+        else:
+            embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
+        if args.tie_adaptive_weights:
+            if not (args.adaptive_input and args.adaptive_input_factor == args.adaptive_softmax_factor
+                    and args.adaptive_softmax_cutoff == args.adaptive_input_cutoff
+                    and args.decoder_input_dim == args.decoder_output_dim):
+                raise ValueError("--tie-adaptive-weights needs --adaptive-input with the adaptive softmax's factor "
+                                 "and cutoff, and --decoder-input-dim equal to --decoder-output-dim")
+        decoder = PIDTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True,
+                                        choice=choice)
+        return cls(decoder)
 
 
 def _register_architectures() -> None:
@@ -311,11 +431,15 @@ def _register_architectures() -> None:
             # fairseq leaves unset options as None before applying the architecture: fill in the entry's values
             for key, value in _entry.kwargs.items():
                 setattr(args, key, safe_getattr(args, key, value))
-            gains = _entry.pid_config()
-            for key in ("lambda_p", "lambda_i", "lambda_d", "beta"):
-                setattr(args, f"pid_{key}", safe_getattr(args, f"pid_{key}", getattr(gains, key)))
-            args.pid_control_first_layer = safe_getattr(args, "pid_control_first_layer",
-                                                        str(gains.control_first_layer).lower())
+            # the entry's PID gains, unless another method or --attention-cfg is chosen (the --pid-* options
+            # would then conflict with it)
+            if (safe_getattr(args, "attention_method", "pid") or "pid") == "pid" and \
+                    not safe_getattr(args, "attention_cfg", None):
+                gains = _entry.pid_config()
+                for key in ("lambda_p", "lambda_i", "lambda_d", "beta"):
+                    setattr(args, f"pid_{key}", safe_getattr(args, f"pid_{key}", getattr(gains, key)))
+                args.pid_control_first_layer = safe_getattr(args, "pid_control_first_layer",
+                                                            str(gains.control_first_layer).lower())
             base_lm_architecture(args)
 
         register_model_architecture("transformer_lm_pid", entry.name)(arch)
