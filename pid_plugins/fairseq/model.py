@@ -321,7 +321,14 @@ class PIDTransformerDecoder(TransformerDecoder):
         if cfg.checkpoint_activations:
             raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
         layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method, config=self.pid)
-        return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
+        wrapped = fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
+        if wrapped is not layer:  # fairscale's FullyShardedDataParallel (--ddp-backend fully_sharded): untested here
+            raise ValueError(
+                "transformer_lm_pid: fairseq's --ddp-backend fully_sharded (fairscale) wraps the decoder layers, which "
+                "PID's layer loop is not tested with; use --ddp-backend legacy_ddp / pytorch_ddp, or torch's FSDP2 "
+                "fully_shard per layer (README, Scaling out)"
+            )
+        return layer
 
     def extract_features_scriptable(  # type: ignore[override]
         self,
