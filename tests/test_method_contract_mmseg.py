@@ -72,7 +72,8 @@ def naive_layers(layers, h, heads, gamma):
         mha = layer.attn.attn
         B, N, C = h.shape
         t = layer.norm1(h)
-        q, k, v = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
+        qkv = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // heads) ** -0.5, -1) @ v)
         values.append(v)
         u = naive_scaled_reference(attn_outs, values, gamma)[-1]
