@@ -331,8 +331,8 @@ def resolve_attention(
             raise ValueError(f"{where}: give the parameters once, as pid= or as attention_cfg=, not both")
         if attention not in ("pid", None):
             raise ValueError(
-                f"{where}: pid=... sets PID's gains but attention={attention!r}: set attention='pid', or pass "
-                f"{attention!r}'s parameters as attention_cfg"
+                f"{where}: pid=... sets PID's gains but attention={attention!r}: set attention='pid' to use it"
+                + ("" if attention == SOFTMAX else f", or pass {attention!r}'s parameters as attention_cfg")
             )
         params = pid
     if attention == SOFTMAX:
@@ -347,7 +347,9 @@ def resolve_attention(
     method = get_method(attention)
     config = method.configure(params, zoo, default)
     if getattr(config, "learnable", False) and not learnable:
-        raise ValueError(f"{where}: learnable {method.name} parameters are not supported here; use fixed ones")
+        raise ValueError(
+            f"{where}: learnable gains are not supported here ({method.name}, learnable=True); use fixed ones"
+        )
     return MethodChoice(method, config)
 
 

@@ -1,13 +1,22 @@
-"""mmsegmentation adapter: ``PIDVisionTransformer``, a Segmenter/ViT backbone with PID attention.
+"""mmsegmentation adapter: ``PIDVisionTransformer``, a Segmenter/ViT backbone with PID attention (or another method).
 
 List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=dict(type='PIDVisionTransformer',
-...)``: it takes every argument of mmseg's ``VisionTransformer`` plus ``attention='pid'|'softmax'`` and the
-gains (``pid=dict(...)`` and/or ``lambda_p``, ``lambda_i``, ``lambda_d``, ``beta``; preset ``segmenter``).
-``decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid')`` puts PID in the decoder too.
+...)``: it takes every argument of mmseg's ``VisionTransformer`` plus ``attention='pid'|'softmax'|'<method>'``,
+the method's parameters ``attention_cfg=...`` and, for PID, the gains (``pid=dict(...)`` and/or ``lambda_p``,
+``lambda_i``, ``lambda_d``, ``beta``; preset ``segmenter``). ``decode_head=dict(type='PIDSegmenterMaskTransformerHead',
+attention='pid')`` puts the method in the decoder too. A method registered with ``pid_plugins.register_method``
+is picked by its name (list its module in ``custom_imports`` first).
 
-Importing it also makes mmengine's checkpoint loading weights-only for every scheme, with mmengine's own
-checkpoint classes allow-listed (:mod:`pid_plugins.mmseg.checkpoint`): ``init_cfg``, ``load_from``,
-``resume`` and mmseg's tools never unpickle code, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says.
+Import-time changes to third-party modules (all made when this package is imported, e.g. by ``custom_imports``):
+
+* ``mmcv._ext``: a stand-in module, only when the compiled mmcv ops are absent (mmcv-lite), so ``mmseg.models``
+  imports; its ops raise a clear error when called (:mod:`pid_plugins.mmseg.compat`).
+* mmengine's ``CheckpointLoader``: every scheme's loader replaced by a weights-only one, and mmengine's checkpoint
+  classes allow-listed with ``torch.serialization.add_safe_globals``, so ``init_cfg``, ``load_from``, ``resume``
+  and mmseg's tools never unpickle code, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says
+  (:mod:`pid_plugins.mmseg.checkpoint`).
+* mmseg's ``MODELS`` registry: ``PIDVisionTransformer`` and ``PIDSegmenterMaskTransformerHead`` added (new names;
+  mmseg's own classes are untouched).
 """
 from .compat import install_mmcv_ext_standin
 

@@ -1,4 +1,4 @@
-"""PID attention in Segmenter's mask-transformer decoder (an option, off by default)."""
+"""Attention methods (PID, or any registered one) in Segmenter's mask-transformer decoder (off by default)."""
 from __future__ import annotations
 
 from typing import Any, List, Optional
@@ -9,53 +9,50 @@ from torch import Tensor
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
-from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, warmup_scale
-from .vit import PIDTransformerEncoderLayer
+from ..core import SOFTMAX, AttentionMethod, GainWarmup, warmup_scale
+from .vit import choose_attention, method_layers, method_warmup
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
 
 
 @MODELS.register_module()
 class PIDSegmenterMaskTransformerHead(SegmenterMaskTransformerHead):
-    """mmseg's ``SegmenterMaskTransformerHead`` with optional PID attention in its transformer layers.
+    """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method in its transformer layers.
 
-    The decoder's layers (patch tokens + class embeddings) form their own PID group: the state starts afresh
+    The decoder's layers (patch tokens + class embeddings) form their own group: the method's state starts afresh
     at the decoder's first layer, independent of the backbone's. Parameter names are mmseg's, so stock
     Segmenter checkpoints load unchanged.
 
     Args (beyond mmseg's head):
-        attention: ``'softmax'`` (default: the stock head, layers untouched) or ``'pid'``.
-        pid: gains for ``attention='pid'``: a preset name, a ``PIDConfig`` or a dict (``preset`` key allowed),
-            over the paper's ``segmenter`` preset.
+        attention: ``'softmax'`` (default: the stock head, layers untouched), ``'pid'`` or another registered
+            method's name (:func:`pid_plugins.register_method`).
+        attention_cfg: the method's parameters: a preset name, its config, or a dict (``preset`` key allowed) over
+            its ``mmseg`` preset (PID: the paper's ``segmenter``).
+        pid: PID's gains, the same as ``attention_cfg`` for ``attention='pid'`` (its historical spelling).
     """
 
-    def __init__(self, *args: Any, attention: str = "softmax", pid: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, attention: str = SOFTMAX, pid: Any = None, attention_cfg: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if attention not in ("pid", "softmax"):
-            raise ValueError(f"decode_head attention must be 'pid' or 'softmax', got {attention!r}")
-        if attention == "softmax" and pid is not None:
-            raise ValueError("decode_head pid=... is set but attention='softmax': set attention='pid' to use it")
-        self.pid: Optional[PIDConfig] = None
-        #: the gain warm-up counter (``pid=dict(warmup_steps=N)``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = None
-        if attention == "pid":
-            self.pid = PIDConfig.coerce(pid, default="segmenter")
-            if self.pid.learnable:
-                raise ValueError("learnable gains are not supported by the mmseg decode head; use fixed gains")
-            for layer in self.layers:
-                layer.__class__ = PIDTransformerEncoderLayer
-                layer.pid = self.pid
-            self.pid_warmup = make_warmup(self.pid, like=self.cls_emb)
+        where = "mmseg decode_head PIDSegmenterMaskTransformerHead"
+        choice = choose_attention(attention, attention_cfg, pid, where)
+        #: the method's config (PID's gains), None for softmax
+        self.pid = choice.config if choice is not None else None
+        #: the attention method, None for softmax
+        self.attention_method: Optional[AttentionMethod] = choice.method if choice is not None else None
+        #: the gain warm-up counter (``warmup_steps=N`` in the config), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.cls_emb, where)
+        method_layers(self.layers, choice)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:
-        if self.pid is None:
-            return super().forward(inputs)
+        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward
+        if self.attention_method is None or self.attention_method.is_identity(self.pid):
+            return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
         x = self._transform_inputs(inputs)
         b, c, h, w = x.shape
         x = self.dec_proj(x.permute(0, 2, 3, 1).contiguous().view(b, -1, c))
         x = torch.cat((x, self.cls_emb.expand(x.size(0), -1, -1)), 1)
-        state: Optional[PIDState] = None
-        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward
+        state: Optional[tuple] = None
         for layer in self.layers:
             x, state = layer(x, state, scale)
         x = self.decoder_norm(x)

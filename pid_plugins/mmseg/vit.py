@@ -1,11 +1,12 @@
-"""PID attention in mmseg's ViT backbone (Segmenter).
+"""Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter).
 
 mmseg's ``TransformerEncoderLayer`` uses mmcv's ``MultiheadAttention`` around ``torch.nn.MultiheadAttention``
-(packed ``in_proj_weight``), which never exposes per-head values. :class:`PIDTransformerEncoderLayer`
-computes q/k/v from those same parameters (names unchanged, so checkpoints load as they are), runs the
-core's SDPA + PID path, and returns the PID state; :class:`PIDVisionTransformer` threads it through the
-layers. With softmax attention (or all gains zero) the layers run mmcv's own attention, so the output is
-the stock backbone's, bit for bit.
+(packed ``in_proj_weight``), which never exposes per-head values. :class:`PIDTransformerEncoderLayer` takes over
+a built layer's submodules (names unchanged, so checkpoints load as they are), computes q/k/v from those same
+parameters, hands the SDPA call to the method (:meth:`~pid_plugins.core.methods.AttentionMethod.forward`) and
+returns the method's state; :class:`PIDVisionTransformer` threads it through the layers. With softmax attention
+(or a method that computes the stock attention, e.g. PID with zero gains) the layers stay mmseg's own and the
+backbone runs mmseg's forward: the stock output, bit for bit.
 """
 from __future__ import annotations
 
@@ -13,62 +14,122 @@ import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from torch import Tensor
 from mmengine.logging import print_log
+from mmengine.model import BaseModule, ModuleList
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
 from mmseg.registry import MODELS
 
-from ..core import GainWarmup, PIDConfig, PIDState, make_warmup, pid_term, scaled_gains, sdpa_with_pid, warmup_scale
+from ..core import (
+    SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, get_method, make_warmup,
+    resolve_attention, unwrap_state_dict, warmup_scale,
+)
 from .checkpoint import load_checkpoint
 
-__all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg"]
+__all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
+           "method_layers", "method_warmup"]
+
+
+def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str) -> Optional[MethodChoice]:
+    """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg (no learnable parameters): None for softmax,
+    else the method and its parameters over its ``mmseg`` preset."""
+    if attention != SOFTMAX:
+        try:
+            get_method(attention)
+        except ValueError as exc:
+            raise ValueError(f"{where}: attention must be 'pid' or 'softmax' or another registered method: {exc}") \
+                from None
+    return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, learnable=False, where=where)
+
+
+def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
+    """Replace each of mmseg's ``TransformerEncoderLayer`` in ``layers`` by a :class:`PIDTransformerEncoderLayer`
+    that takes over its submodules, unless the choice computes the stock attention (softmax, identity config)."""
+    if choice is None or choice.method.is_identity(choice.config):
+        return
+    for i, layer in enumerate(layers):
+        layers[i] = PIDTransformerEncoderLayer(layer, choice.method, choice.config)
+
+
+def method_warmup(choice: Optional[MethodChoice], like: Tensor, where: str) -> Optional[GainWarmup]:
+    """The gain warm-up counter for ``warmup_steps`` in the method's config (None without). The layers run the
+    warm-up as mmcv's own attention plus the method's scaled term, so the method must be additive."""
+    steps = getattr(choice.config, "warmup_steps", 0) if choice is not None else 0
+    if not steps:
+        return None
+    if not choice.method.additive:
+        raise ValueError(
+            f"{where}: warmup_steps={steps} runs mmcv's attention plus attention method {choice.method.name!r}'s "
+            "term, but that method is not additive (it has no separate term): set warmup_steps=0"
+        )
+    return make_warmup(choice.config, like=like)
 
 
 class PIDTransformerEncoderLayer(TransformerEncoderLayer):
-    """mmseg's encoder layer with PID attention; ``forward(x, state) -> (x, state)``.
+    """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``.
 
-    Built by :class:`PIDVisionTransformer` from mmseg's own layers (same parameters); ``pid`` is set there.
+    Built from one of mmseg's own layers, whose submodules (``ln1``, ``attn``, ``ln2``, ``ffn``) it takes over:
+    same parameter names, devices, dtypes and train/eval mode. ``pid`` holds the method's config (PID's gains for
+    ``attention='pid'``), ``attention_method`` the method.
     """
 
-    pid: Optional[PIDConfig] = None
+    def __init__(self, layer: TransformerEncoderLayer, method: AttentionMethod, config: Any) -> None:
+        # BaseModule's, not TransformerEncoderLayer's __init__: that one would build (and draw) new submodules
+        BaseModule.__init__(self, init_cfg=layer.init_cfg)
+        self._is_init = layer._is_init
+        self.norm1_name, self.norm2_name, self.with_cp = layer.norm1_name, layer.norm2_name, layer.with_cp
+        for name, module in layer.named_children():
+            self.add_module(name, module)
+        self.train(layer.training)
+        self.attention_method = method
+        self.pid = config
 
-    def _attention(self, x: Tensor, state: Optional[PIDState]) -> Tuple[Tensor, PIDState]:
+    def _attention(self, x: Tensor, state: Optional[tuple]) -> Tuple[Tensor, tuple]:
         mha = self.attn.attn  # torch.nn.MultiheadAttention
         B, N, C = x.shape
         heads = mha.num_heads
-        qkv = torch.nn.functional.linear(x, mha.in_proj_weight, mha.in_proj_bias)
+        qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
         q, k, v = qkv.reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4).unbind(0)
-        out, state = sdpa_with_pid(q, k, v, state, self.pid, dropout_p=mha.dropout if self.training else 0.0)
+        dropout_p = mha.dropout if self.training else 0.0
+
+        def attend(query: Tensor, value: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(query, k, value, attn_mask=None, dropout_p=dropout_p,
+                                                  is_causal=False, scale=None)
+
+        params = self.attention_method.layer_params(self.pid, None)
+        out, state = self.attention_method.forward(params, attend, q, v, v, state, head_dim=-3)
         return mha.out_proj(out.transpose(1, 2).reshape(B, N, C)), state
 
-    def _warmup_attention(self, x: Tensor, state: Optional[PIDState], scale: Tensor) -> Tuple[Tensor, PIDState]:
+    def _warmup_attention(self, x: Tensor, state: Optional[tuple], scale: Tensor) -> Tuple[Tensor, tuple]:
         """Under gain warm-up: mmcv's own attention (before its dropout and residual, as mmcv computes it) plus
-        the scaled PID term through the output projection's weight, so a zero scale is the stock layer exactly."""
+        the method's scaled term through the output projection's weight, so a zero scale is the stock layer
+        exactly."""
         a = self.attn
         mha = a.attn
         B, N, C = x.shape
         q = x.transpose(0, 1) if a.batch_first else x
         out = mha(query=q, key=q, value=q, attn_mask=None, key_padding_mask=None)[0]
         out = out.transpose(0, 1) if a.batch_first else out
-        v = torch.nn.functional.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None
-                                       else mha.in_proj_bias[2 * C:])
-        term, state = pid_term(v.reshape(B, N, mha.num_heads, C // mha.num_heads).transpose(1, 2), state,
-                               scaled_gains(self.pid, scale))
-        return out + torch.nn.functional.linear(term.transpose(1, 2).reshape(B, N, C), mha.out_proj.weight), state
+        v = F.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None else mha.in_proj_bias[2 * C:])
+        params = self.attention_method.layer_params(self.pid, None)
+        term, state = self.attention_method.term(
+            params, v.reshape(B, N, mha.num_heads, C // mha.num_heads).transpose(1, 2), state, scale, head_dim=-3)
+        return out + F.linear(term.transpose(1, 2).reshape(B, N, C), mha.out_proj.weight), state
 
-    def forward(self, x: Tensor, state: Optional[PIDState] = None,  # type: ignore[override]
-                scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[PIDState]]:
-        """``scale``: the gain warm-up scale of this forward (None: no warm-up)."""
-        def inner(x: Tensor, *state_tensors: Tensor) -> Tuple[Tensor, ...]:
-            if self.pid is None or self.pid.is_zero:
-                return (self.ffn(self.norm2(y := self.attn(self.norm1(x), identity=x)), identity=y),)
-            if scale is not None:
-                out, new_state = self._warmup_attention(self.norm1(x), PIDState(*state_tensors) if state_tensors
-                                                        else None, scale)
-                x = x + self.attn.dropout_layer(self.attn.proj_drop(out))
-                return (self.ffn(self.norm2(x), identity=x), *new_state)
-            out, new_state = self._attention(self.norm1(x), PIDState(*state_tensors) if state_tensors else None)
+    def forward(self, x: Tensor, state: Optional[tuple] = None,  # type: ignore[override]
+                scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
+        """``state``: the previous layer's (None at the group's first layer); ``scale``: the gain warm-up scale of
+        this forward (None: no warm-up)."""
+        method = self.attention_method
+
+        def inner(x: Tensor, *state_tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+            given = method.make_state(*state_tensors) if state_tensors else None
+            if scale is None:
+                out, new_state = self._attention(self.norm1(x), given)
+            else:
+                out, new_state = self._warmup_attention(self.norm1(x), given, scale)
             x = x + self.attn.dropout_layer(self.attn.proj_drop(out))
             return (self.ffn(self.norm2(x), identity=x), *new_state)
 
@@ -77,7 +138,10 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
             outputs = cp.checkpoint(inner, x, *args, use_reentrant=False)
         else:
             outputs = inner(x, *args)
-        return outputs[0], (PIDState(*outputs[1:]) if len(outputs) > 1 else state)
+        return outputs[0], method.make_state(*outputs[1:])
+
+    def extra_repr(self) -> str:
+        return f"attention={self.attention_method.name!r}, config={self.pid}"
 
 
 def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
@@ -105,13 +169,15 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
 
 @MODELS.register_module()
 class PIDVisionTransformer(VisionTransformer):
-    """mmseg's ``VisionTransformer`` with PID attention in its encoder layers (one PID group).
+    """mmseg's ``VisionTransformer`` with an attention method (PID by default) in its encoder layers (one group).
 
     Args (beyond mmseg's ``VisionTransformer``):
-        attention: ``'pid'`` (default) or ``'softmax'`` (the stock backbone).
-        pid: gains as a preset name, a ``PIDConfig``, or a dict (``preset`` key allowed) over the paper's
-            ``segmenter`` preset.
-        lambda_p, lambda_i, lambda_d, beta: single gains, overriding ``pid``.
+        attention: ``'pid'`` (default), ``'softmax'`` (the stock backbone) or another registered method's name
+            (:func:`pid_plugins.register_method`).
+        attention_cfg: the method's parameters: a preset name, its config, or a dict (``preset`` key allowed) over
+            its ``mmseg`` preset (PID: the paper's ``segmenter``).
+        pid: PID's gains, the same as ``attention_cfg`` for ``attention='pid'`` (its historical spelling).
+        lambda_p, lambda_i, lambda_d, beta: single PID gains, overriding ``pid`` (PID only).
 
     ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` accepts an mmseg ViT checkpoint or a timm
     ViT/DeiT checkpoint (e.g. trained with ``pid_plugins.timm``; converted with :func:`timm_vit_to_mmseg`),
@@ -120,42 +186,39 @@ class PIDVisionTransformer(VisionTransformer):
     A whole segmentor checkpoint (``backbone.`` and ``decode_head.`` keys) is refused: load it with ``load_from``.
     """
 
-    def __init__(self, *args: Any, attention: str = "pid", pid: Any = None, lambda_p: Optional[float] = None,
-                 lambda_i: Optional[float] = None, lambda_d: Optional[float] = None, beta: Optional[float] = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, attention: str = "pid", pid: Any = None, attention_cfg: Any = None,
+                 lambda_p: Optional[float] = None, lambda_i: Optional[float] = None, lambda_d: Optional[float] = None,
+                 beta: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if attention not in ("pid", "softmax"):
-            raise ValueError(f"attention must be 'pid' or 'softmax', got {attention!r}")
+        where = "mmseg backbone PIDVisionTransformer"
+        choice = choose_attention(attention, attention_cfg, pid, where)
         single = {k: v for k, v in dict(lambda_p=lambda_p, lambda_i=lambda_i, lambda_d=lambda_d, beta=beta).items()
                   if v is not None}
-        config = None
-        if attention == "pid":
-            config = PIDConfig.coerce(pid, default="segmenter")
-            config = config.replace(**single) if single else config
-            if config.learnable:
-                raise ValueError("learnable gains are not supported by the mmseg backbone; use fixed gains")
-        self.pid = config
-        #: the gain warm-up counter (``pid=dict(warmup_steps=N)``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = make_warmup(config, like=self.pos_embed)
-        for layer in self.layers:
-            layer.__class__ = PIDTransformerEncoderLayer
-            layer.pid = config
+        if single:
+            if choice is None or not isinstance(choice.config, PIDConfig):
+                raise ValueError(
+                    f"{where}: {sorted(single)} are PID's gains but attention={attention!r}: set attention='pid', "
+                    "or pass the method's parameters as attention_cfg=dict(...)"
+                )
+            choice = MethodChoice(choice.method, choice.config.replace(**single))
+        #: the method's config (PID's gains), None for softmax
+        self.pid = choice.config if choice is not None else None
+        #: the attention method, None for softmax
+        self.attention_method: Optional[AttentionMethod] = choice.method if choice is not None else None
+        #: the gain warm-up counter (``warmup_steps=N`` in the config), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.pos_embed, where)
+        method_layers(self.layers, choice)
 
     def init_weights(self) -> None:
         cfg = self.init_cfg
         if not (isinstance(cfg, dict) and cfg.get("type") == "Pretrained"):
             return super().init_weights()
-        checkpoint = load_checkpoint(cfg["checkpoint"], map_location="cpu")
-        state_dict = checkpoint
-        for key in ("state_dict", "model"):
-            if isinstance(state_dict, dict) and key in state_dict:
-                state_dict = state_dict[key]
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"checkpoint {cfg['checkpoint']!r} holds a {type(state_dict).__name__}, not a state_dict")
+        source = f"checkpoint {cfg['checkpoint']!r}"
+        state_dict = unwrap_state_dict(load_checkpoint(cfg["checkpoint"], map_location="cpu"), source)
         heads = sorted({k.split(".", 1)[0] for k in state_dict if k.startswith(("decode_head.", "auxiliary_head."))})
         if heads:
             raise ValueError(
-                f"checkpoint {cfg['checkpoint']!r} is a whole segmentor (backbone. and {', '.join(heads)}. keys), "
+                f"{source} is a whole segmentor (backbone. and {', '.join(heads)}. keys), "
                 "not a backbone: load it with load_from=PATH (or tools/test.py PATH); backbone init_cfg takes a "
                 "backbone, mmseg ViT or timm ViT/DeiT checkpoint"
             )
@@ -174,23 +237,20 @@ class PIDVisionTransformer(VisionTransformer):
                 state_dict["pos_embed"], (h // self.patch_size, w // self.patch_size), (pos_size, pos_size),
                 self.interpolate_mode)
         expected = self.state_dict()
-        missing = sorted(set(expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(expected))
-        if missing or unexpected:
-            hint = ("mmseg ViT checkpoints and timm ViT/DeiT checkpoints of the same size load; check "
-                    "embed_dims/num_layers/num_heads")
-            if "patch_embed.projection.bias" in unexpected:
-                hint = ("timm ViT/DeiT checkpoints have a patch-embedding bias and mmseg's ViT default has none: "
-                        "set backbone patch_bias=True")
-            elif "patch_embed.projection.bias" in missing:
-                hint = "this checkpoint has no patch-embedding bias: set backbone patch_bias=False"
-            raise ValueError(
-                f"checkpoint {cfg['checkpoint']!r} does not fit PIDVisionTransformer: missing keys {missing}; "
-                f"unexpected keys {unexpected}. {hint}"
-            )
+        hint = ("mmseg ViT checkpoints and timm ViT/DeiT checkpoints of the same size load; check "
+                "embed_dims/num_layers/num_heads")
+        if "patch_embed.projection.bias" in set(state_dict) - set(expected):
+            hint = ("timm ViT/DeiT checkpoints have a patch-embedding bias and mmseg's ViT default has none: "
+                    "set backbone patch_bias=True")
+        elif "patch_embed.projection.bias" in set(expected) - set(state_dict):
+            hint = "this checkpoint has no patch-embedding bias: set backbone patch_bias=False"
+        check_keys(expected, state_dict, f"PIDVisionTransformer ({source})", hint)
         self.load_state_dict(state_dict, strict=True)
 
     def forward(self, inputs: Tensor) -> Tuple[Any, ...]:
+        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward (outside the checkpointed layers)
+        if self.attention_method is None or self.attention_method.is_identity(self.pid):
+            return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
         B = inputs.shape[0]
         x, hw_shape = self.patch_embed(inputs)
         x = torch.cat((self.cls_token.expand(B, -1, -1), x), dim=1)
@@ -202,8 +262,7 @@ class PIDVisionTransformer(VisionTransformer):
         outs = []
         if self.out_origin:
             outs.append(self._output(x, hw_shape))
-        state: Optional[PIDState] = None
-        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward (outside the checkpointed layers)
+        state: Optional[tuple] = None
         for i, layer in enumerate(self.layers):
             x, state = layer(x, state, scale)
             if i == len(self.layers) - 1 and self.final_norm:
