@@ -88,7 +88,7 @@ def test_resolve_attention_is_the_one_policy():
         resolve_attention("pid", {"lambda_p": 1.0}, zoo="timm", pid={"lambda_p": 1.0})
     with pytest.raises(ValueError, match="pid=... sets PID's gains but attention='scaled_reference'"):
         resolve_attention(NAME, zoo="timm", pid={"lambda_p": 1.0})
-    with pytest.raises(ValueError, match="the backbone: learnable pid parameters are not supported here"):
+    with pytest.raises(ValueError, match="the backbone: learnable gains are not supported here"):
         resolve_attention("pid", {"learnable": True}, zoo="mmseg", learnable=False, where="the backbone")
     with pytest.raises(ValueError, match="ScaledReferenceConfig.gamma must be float"):
         resolve_attention(NAME, {"gamma": "x"}, zoo="timm")

@@ -289,7 +289,7 @@ def test_refusals_say_what_to_change():
     with pytest.raises(ValueError, match="learnable gains are not supported here"):
         backbone(pid=dict(learnable=True))  # mmseg has no learnable parameters, for PID either
     for build_part in (backbone, head):
-        with pytest.raises(ValueError, match=r"unknown attention method 'nope'.*\['pid'.*'scaled_reference'"):
+        with pytest.raises(ValueError, match=r"unknown attention method 'nope'.*'pid'.*'scaled_reference'"):
             build_part(attention="nope")
         with pytest.raises(ValueError, match="pid=... sets PID's gains but attention='scaled_reference'"):
             build_part(attention=NAME, pid=dict(lambda_p=0.1))
