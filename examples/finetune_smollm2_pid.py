@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import pid_plugins.hf
 from pid_plugins import PIDConfig
-from pid_plugins.hf.local_weights import load_smollm2
+from pid_plugins.research.weights import load_smollm2
 
 TRAIN_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt", "lear_gut.txt", "romeo_and_juliet_gut.txt"]
 VALID_PLAY = "julius_caesar_gut.txt"

@@ -72,7 +72,7 @@ def lm_config(arm: Dict[str, Any], warmup_steps: int):
 
 @torch.no_grad()
 def last_layer_cosine(model, blocks: torch.Tensor, batch: int) -> float:
-    from pid_plugins.analysis.measures import mean_pairwise_cosine
+    from pid_plugins.research.analysis.measures import mean_pairwise_cosine
 
     model.eval()
     values = []
@@ -97,8 +97,8 @@ def learned_gains(model) -> Optional[Dict[str, list]]:
 
 def run_lm(args: argparse.Namespace) -> None:
     import pid_plugins.hf
-    from pid_plugins.analysis.robustness import lm_perplexity
-    from pid_plugins.hf.local_weights import load_smollm2
+    from pid_plugins.research.analysis.robustness import lm_perplexity
+    from pid_plugins.research.weights import load_smollm2
     from finetune_smollm2_pid import TRAIN_PLAYS, VALID_PLAY, blocks
 
     out = Path(args.out)
@@ -225,10 +225,10 @@ def run_vision(args: argparse.Namespace) -> None:
     import timm
 
     import pid_plugins.timm  # noqa: F401
-    from pid_plugins.analysis.diagnostics import collect_layer_measures
-    from pid_plugins.analysis.robustness import PixelClassifier, evaluate_image_robustness, relative_mce
-    from pid_plugins.datasets import load_images
-    from pid_plugins.experiments import VisionSpec, _train_classifier
+    from pid_plugins.research.analysis.diagnostics import collect_layer_measures
+    from pid_plugins.research.analysis.robustness import PixelClassifier, evaluate_image_robustness, relative_mce
+    from pid_plugins.research.datasets import load_images
+    from pid_plugins.research.experiments import VisionSpec, _train_classifier
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

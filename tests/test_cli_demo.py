@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from pid_plugins.cli import main
+from pid_plugins.research.cli import main
 
 
 def test_cli_presets(capsys):
@@ -82,7 +82,7 @@ def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     res2 = json.loads((tmp_path / "demo.json").read_text())
     assert res2["vision"]["models"]["pid"]["robustness"]["clean"] == v["models"]["pid"]["robustness"]["clean"]
     # the reproduction record aggregates per-seed results of this shape (here: the same run twice -> std 0)
-    from pid_plugins.demo import write_reproduction_record
+    from pid_plugins.research.demo import write_reproduction_record
 
     rec = write_reproduction_record([dict(res, seed=0), dict(res, seed=1)], tmp_path / "rep", vision_epochs=0.15,
                                     lm_steps=60, corpus="wiki")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pid_plugins.cli import main
+from pid_plugins.research.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 MMSEG_TINY = "configs/mmseg/segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"

@@ -342,7 +342,7 @@ def test_errors():
 def test_minilm_embeddings_identical_at_zero_gains():
     from transformers import AutoTokenizer
 
-    from pid_plugins.hf.local_weights import minilm_dir
+    from pid_plugins.research.weights import minilm_dir
 
     path = minilm_dir()
     tok = AutoTokenizer.from_pretrained(path)
@@ -361,7 +361,7 @@ def test_minilm_embeddings_identical_at_zero_gains():
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from pid_plugins.hf.local_weights import load_smollm2
+    from pid_plugins.research.weights import load_smollm2
 
     return load_smollm2(tmp_path_factory.mktemp("smollm2"))
 

@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from pid_plugins.experiments import ARMS, VisionSpec, arm_config, vision_models
-from pid_plugins.study import write_study_record
+from pid_plugins.research.experiments import ARMS, VisionSpec, arm_config, vision_models
+from pid_plugins.research.study import write_study_record
 
 
 def test_arm_configs():
@@ -87,8 +87,8 @@ def test_study_command_runs_end_to_end_and_refuses_bad_arms(tmp_path):
 def test_demo_option_gives_the_pid_models_a_reference_only_first_layer():
     from dataclasses import replace
 
-    from pid_plugins.cli import build_parser
-    from pid_plugins.demo import demo_specs
+    from pid_plugins.research.cli import build_parser
+    from pid_plugins.research.demo import demo_specs
 
     vision, language = demo_specs(True, control_first_layer=False)
     assert not vision.control_first_layer and not language.control_first_layer

@@ -2,7 +2,7 @@
 
 Vision: a small DeiT (timm adapter) trained twice from the same initial weights and data order, softmax and
 PID, on Fashion-MNIST (scikit-learn's digits when it is not installed); then clean accuracy, FGSM/PGD over an
-eps sweep, Gaussian noise, corruptions and the per-layer collapse measures (``pid_plugins.analysis``).
+eps sweep, Gaussian noise, corruptions and the per-layer collapse measures (``pid_plugins.research.analysis``).
 
 Language: a small Llama (transformers adapter, grouped-query attention) trained softmax vs PID on the real
 Wikipedia articles shipped with gensim, byte-level (vocabulary 256, so no tokenizer is needed); validation
@@ -53,7 +53,7 @@ ARMS = ("softmax", "pid", "pid_ref", "neutreno")
 def arm_config(arm: str, preset: str, language: bool = False, control_first_layer: bool = True):
     """The PID gains of an arm (``None`` for softmax); ``control_first_layer`` applies to the ``pid`` arm
     (``pid_ref`` is always reference-only)."""
-    from .core import PIDConfig
+    from ..core import PIDConfig
 
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {list(ARMS)}")

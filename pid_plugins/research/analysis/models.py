@@ -102,7 +102,7 @@ def load_model(
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
 
-    from ..catalogue import get_model_entry, list_models
+    from ...catalogue import get_model_entry, list_models
 
     names = list_models("*")
     if name in names:

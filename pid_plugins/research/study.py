@@ -1,6 +1,6 @@
 """The first-layer / NeuTRENO / depth study (``pid-plugins study``).
 
-Arms (:data:`pid_plugins.experiments.ARMS`), each trained from the softmax model's initial weights and data
+Arms (:data:`pid_plugins.research.experiments.ARMS`), each trained from the softmax model's initial weights and data
 order: softmax, PID with the preset's gains and the first layer controlled (eq. 25 as written), the same with a
 reference-only first layer (NeuTRENO's convention), and NeuTRENO itself. Vision: the demo's DeiT on
 Fashion-MNIST at several depths; language: the demo's byte-level Llama. Per seed, the paired difference
@@ -214,7 +214,7 @@ def _plot(settings: Dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-if __name__ == "__main__":  # python -m pid_plugins.study ... == pid-plugins study ...
+if __name__ == "__main__":  # python -m pid_plugins.research.study ... == pid-plugins study ...
     import sys
 
     from .cli import main

@@ -106,7 +106,7 @@ def _out_folder(text: str) -> Path:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from .catalogue import ZOOS, get_model_entry, list_models
+    from ..catalogue import ZOOS, get_model_entry, list_models
 
     names = list_models(args.pattern, zoo=args.zoo)
     if not names:
@@ -123,7 +123,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from .catalogue import load_presets
+    from ..catalogue import load_presets
 
     print(f"{'preset':<10} {'lambda_p':>8} {'lambda_i':>8} {'lambda_d':>8} {'beta':>6}")
     for name, g in load_presets().items():
@@ -147,7 +147,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     unknown = sorted(set(parts) - {"core", "vision", "language"})
     if unknown or not parts:
         raise CLIError(f"--parts takes a comma list of core, vision, language; got {args.parts!r}")
-    from .core import PIDConfig
+    from ..core import PIDConfig
 
     PIDConfig.preset(args.preset)  # a bad preset fails before anything runs
     _check_demo_data(args.data, args.corpus)

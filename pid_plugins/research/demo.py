@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .analysis.measures import consensus_distance, mean_pairwise_cosine, numerical_rank
-from .core import PIDConfig, PIDSelfAttention, pid_update
+from ..core import PIDConfig, PIDSelfAttention, pid_update
 
 __all__ = ["fixed_attention_trajectory", "attention_stack_trajectory", "run_core_demo"]
 
@@ -286,7 +286,7 @@ def run_demo(out_dir: str | os.PathLike = "demo_out", *, quick: bool = False, pa
              control_first_layer: bool = True, log=print) -> dict[str, Any]:
     """Run the demo's parts, write ``report.md``, JSON and PNGs into ``out_dir``, return the results.
 
-    Two runs into one ``out_dir`` at once are refused (:func:`~pid_plugins.experiments.output_lock`).
+    Two runs into one ``out_dir`` at once are refused (:func:`~pid_plugins.research.experiments.output_lock`).
     """
     from .experiments import output_lock
 
