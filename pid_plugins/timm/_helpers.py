@@ -82,18 +82,21 @@ class MethodLayer:
         """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer.
 
         ``attend(q, v)`` is the layer's stock attention (keys, mask, dropout bound). The stock path (softmax, or
-        a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through. A method that
-        only post-processes (``update``) gets one :func:`pid_step` leaf call after the attention; a method that
-        changes the queries or calls attention itself runs its ``forward`` here (torch.fx then traces into it).
+        a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through. Otherwise
+        this is the method's ``forward`` in its three steps: ``prepare`` and ``attend`` here when the method
+        overrides them (torch.fx traces through them: they get the ``attend`` closure), then ``update`` in one
+        :func:`pid_step` call, a leaf for torch.fx.
         """
         method = self.attention_method
         if method is None or method.is_identity(self.pid):
             return attend(q, v), state
-        if not overrides_attention(method):
-            return pid_step(self, attend(q, v), v, state, scale)
-        params = method.layer_params(self.pid, self.pid_gains)
-        state = method.make_state(*state) if state is not None else None
-        return method.forward(params, attend, q, v, v, state, scale=scale, head_dim=-3)
+        if overrides_attention(method):
+            params = method.layer_params(self.pid, self.pid_gains)
+            q = method.prepare(params, q, v, method.make_state(*state) if state is not None else None)
+            out = method.attend(params, attend, q, v)
+        else:
+            out = attend(q, v)
+        return pid_step(self, out, v, state, scale)
 
 
 @register_notrace_function

@@ -177,9 +177,11 @@ class FANBlock(nn.Module):
 
     def forward(self, x: Tensor, H: int, W: int, *state: Tensor, pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, ...]:
         y, new_state = self.attn(self.norm1(x), state if state else None, pid_scale)
+        # indexed first: the block's last traced operation is its output x (fx feature extraction by module name)
+        state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path(self.gamma1 * y)
         x = x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), H, W))
-        return (x,) + state_outputs(new_state, self.attn.state_size)
+        return (x,) + state
 
 
 class FAN(nn.Module):

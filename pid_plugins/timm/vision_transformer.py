@@ -102,9 +102,12 @@ class PIDBlock(Block):
         y, new_state = self.attn(
             self.norm1(x), state if state else None, attn_mask=attn_mask, is_causal=is_causal, pid_scale=pid_scale,
         )
+        # the state is indexed before the residual branches, so that the block's last traced operation is its
+        # output x (torch.fx feature extraction by module name, timm's feature_cls="fx", returns that operation)
+        state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return (x,) + state_outputs(new_state, self.attn.state_size)
+        return (x,) + state
 
 
 class _PIDViTMixin:
