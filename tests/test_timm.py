@@ -448,7 +448,7 @@ def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ to_pid
-def test_to_pid_converts_in_place_and_keeps_the_weights():
+def test_to_pid_builds_the_pid_model_and_keeps_the_weights():
     torch.manual_seed(0)
     stock = timm.create_model("deit_tiny_patch16_224", **TINY).eval()
     before = {k: v.clone() for k, v in stock.state_dict().items()}
@@ -456,7 +456,10 @@ def test_to_pid_converts_in_place_and_keeps_the_weights():
     with torch.no_grad():
         y_stock = stock(x)
     model = pt.to_pid(stock, PIDConfig.preset("deit"))
-    assert model is stock and isinstance(model, timm.models.VisionTransformer)
+    # a new module (as peft's get_peft_model), holding the stock model's own parameters; the stock one stays stock
+    assert model is not stock and isinstance(model, timm.models.VisionTransformer)
+    assert type(stock) is timm.models.VisionTransformer and type(stock.blocks[0].attn) is timm.layers.Attention
+    assert all(p is q for p, q in zip(model.parameters(), stock.parameters()))
     assert isinstance(model, pt.PIDVisionTransformer)
     assert list(model.state_dict()) == list(before)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())

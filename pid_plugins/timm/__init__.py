@@ -1,11 +1,21 @@
-"""timm adapter: PID DeiT/ViT registered into timm's model registry.
+"""timm adapter: PID DeiT/ViT and FAN (and any registered attention method) in timm's model registry.
 
 ``import pid_plugins.timm`` registers every timm variant declared in ``registry/timm.toml``::
 
     import timm, pid_plugins.timm
     model = timm.create_model("pid_deit_tiny_patch16_224")                       # preset `deit`
     model = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=0.5))
-    model = pid_plugins.timm.to_pid(stock_vit, PIDConfig.preset("deit"))       # convert, weights kept
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention="<name>", attention_cfg={...})  # a method
+    model = pid_plugins.timm.to_pid(stock_vit, PIDConfig.preset("deit"))       # a new PID model, weights moved
+
+Import-time changes to third-party modules (all through timm's and torch.fx's own extension points):
+
+* timm's model registry: ``register_model`` adds the ``pid_*`` names and the softmax ``fan_*`` names (with their
+  ``default_cfgs``), so ``timm.create_model`` and timm's scripts find them.
+* timm's fx leaf list: ``register_notrace_function(pid_step)``, so timm's feature extraction records the method's
+  update step as one call (its shape checks are Python control flow that fx cannot trace).
+* ``torch.fx.wrap("pid_step")`` in ``pid_plugins.timm._helpers``: the same leaf for plain torch.fx tracers
+  (torchvision's feature extraction), which do not read timm's list.
 """
 try:
     import timm  # noqa: F401

@@ -1,11 +1,12 @@
-"""What every PID timm family shares: gains from kwargs, the PID step and the block loop, local-only
-pretrained sources, strict key checks, and registration of the catalogue's entries with timm's
-``register_model``."""
+"""What every timm family shares: the attention choice from kwargs, the method's step and the block loop,
+local-only pretrained sources, strict key checks, conversion by rebuilding modules, and registration of the
+catalogue's entries with timm's ``register_model``."""
 from __future__ import annotations
 
+import copy
 import os
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -15,43 +16,135 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
-from ..core import PIDConfig, PIDState, layer_gains, pid_update, scaled_gains
+from ..core import SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, check_keys, list_methods, make_warmup
+from ..core import resolve_attention
 
-ATTENTION_CHOICES = ("pid", "softmax")
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
-def resolve_pid(pid: Any = None, attention: str = "pid", default: Union[PIDConfig, str] = "deit") -> Optional[PIDConfig]:
-    """The PID config a model is built with; ``None`` means stock softmax attention."""
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
-    if attention == "softmax":
-        return None
-    return PIDConfig.coerce(pid, default=default)
+def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid: Any = None,
+                default: Any = None) -> Optional[MethodChoice]:
+    """The attention a timm model is built with: ``None`` for the stock softmax attention, else the method and
+    its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy). ``default``: the
+    catalogue entry's preset for PID (other methods start from their own default preset)."""
+    if attention != SOFTMAX and attention is not None and attention not in list_methods():
+        raise ValueError(
+            f"attention must be one of {[SOFTMAX, *list_methods()]}, got {attention!r} "
+            "(pid_plugins.register_method adds a method)"
+        )
+    return resolve_attention(attention, attention_cfg, zoo="timm", pid=pid,
+                             default=default if attention in ("pid", None) else None)
+
+
+def model_warmup(config: Any, current: Optional[GainWarmup] = None, like: Optional[Tensor] = None
+                 ) -> Optional[GainWarmup]:
+    """The model's warm-up counter for ``config`` (None when the method's config has no ``warmup_steps``)."""
+    return make_warmup(config if getattr(config, "warmup_steps", 0) else None, current, like=like)
+
+
+# ------------------------------------------------------------------------------------------ attention layers
+def overrides_attention(method: AttentionMethod) -> bool:
+    """Whether ``method`` changes the queries or calls attention itself (``prepare`` / ``attend`` overridden)."""
+    kind = type(method)
+    return kind.prepare is not AttentionMethod.prepare or kind.attend is not AttentionMethod.attend
+
+
+class MethodLayer:
+    """What an attention layer of a timm family holds for its method (mixed into the layer's ``nn.Module``).
+
+    ``attention_method`` (the :class:`~pid_plugins.core.AttentionMethod`, None for softmax), ``pid`` (its config,
+    the attribute PID models always had) and ``pid_gains`` (the method's learnable per-layer parameters, from
+    ``method.make_learned``, or None: the attribute name keeps PID checkpoints loading unchanged).
+    """
+
+    attention_method: Optional[AttentionMethod]
+    pid: Any
+    pid_gains: Optional[nn.Module]
+
+    def set_attention(self, choice: Optional[MethodChoice], like: Tensor) -> None:
+        """Switch the layer to ``choice`` (None: softmax); learnable parameters are (re)initialised on ``like``'s
+        device and dtype."""
+        self.attention_method = choice.method if choice is not None else None
+        self.pid = choice.config if choice is not None else None
+        learned = choice.method.make_learned(choice.config) if choice is not None else None
+        self.pid_gains = learned.to(device=like.device, dtype=like.dtype) if learned is not None else None
+
+    @property
+    def state_size(self) -> int:
+        """How many flat tensors this layer hands to the next (0: the stock attention, nothing threaded)."""
+        method = self.attention_method
+        return 0 if method is None or method.is_identity(self.pid) else len(method.state_fields)
+
+    def method_attention(
+        self, attend: Callable[[Tensor, Tensor], Tensor], q: Tensor, v: Tensor, state: Optional[Tuple[Any, ...]],
+        scale: Optional[Tensor],
+    ) -> Tuple[Tensor, Optional[tuple]]:
+        """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer.
+
+        ``attend(q, v)`` is the layer's stock attention (keys, mask, dropout bound). The stock path (softmax, or
+        a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through. Otherwise
+        this is the method's ``forward`` in its three steps: ``prepare`` and ``attend`` here when the method
+        overrides them (torch.fx traces through them: they get the ``attend`` closure), then ``update`` in one
+        :func:`pid_step` call, a leaf for torch.fx.
+        """
+        method = self.attention_method
+        if method is None or method.is_identity(self.pid):
+            return attend(q, v), state
+        if overrides_attention(method):
+            params = method.layer_params(self.pid, self.pid_gains)
+            q = method.prepare(params, q, v, method.make_state(*state) if state is not None else None)
+            out = method.attend(params, attend, q, v)
+        else:
+            out = attend(q, v)
+        return pid_step(self, out, v, state, scale)
 
 
 @register_notrace_function
 def pid_step(
-    layer: nn.Module, attn_out: Tensor, value: Tensor, state: Optional[PIDState], scale: Optional[Tensor] = None,
-) -> Tuple[Tensor, PIDState]:
-    """The PID update of one attention ``layer`` (its ``pid`` config and ``pid_gains``), its gains multiplied by
-    the model's warm-up ``scale`` for this forward (None: no warm-up).
+    layer: MethodLayer, attn_out: Tensor, value: Tensor, state: Optional[Tuple[Any, ...]],
+    scale: Optional[Tensor] = None,
+) -> Tuple[Tensor, tuple]:
+    """The update step of one attention ``layer``'s method (PID: the PID update) with the layer's parameters
+    (``layer.pid`` and ``layer.pid_gains``), scaled by the model's warm-up ``scale`` for this forward (None: no
+    warm-up). ``state``: the previous layer's flat state tensors, or None at the group's first layer.
 
-    Registered with timm's ``register_notrace_function``: torch.fx (timm's and torchvision's feature
-    extraction) records it as one call instead of tracing into :func:`pid_update`, whose shape checks are
-    Python control flow. Its result is a tuple: index it (``res[0]``) or unpack it into a fixed number of
-    names; ``*rest`` unpacking of a traced value is not possible.
+    Registered with timm's ``register_notrace_function`` (and ``torch.fx.wrap`` below): torch.fx (timm's and
+    torchvision's feature extraction) records it as one call instead of tracing into the method's update, whose
+    shape checks are Python control flow. Its result is a tuple: index it (``res[0]``) or unpack it into a fixed
+    number of names; ``*rest`` unpacking of a traced value is not possible.
     """
-    return pid_update(attn_out, value, state, scaled_gains(layer_gains(layer.pid, layer.pid_gains), scale))
+    method = layer.attention_method
+    params = method.layer_params(layer.pid, layer.pid_gains)
+    return method.update(params, attn_out, value, method.make_state(*state) if state is not None else None,
+                         scale, -3)
 
 
-def state_outputs(state: Optional[PIDState]) -> Tuple[Any, ...]:
-    """A block's PID state as the flat tail of its output tuple (``()`` for softmax attention).
+# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
+torch.fx.wrap("pid_step")
 
-    Indexes the state field by field, so it also works on a torch.fx proxy of a :func:`pid_step` result.
+
+def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
+    """A block's method state as the flat tail of its output tuple (``()`` for the stock attention).
+
+    Indexes the state field by field (``size`` = ``len(method.state_fields)``), so it also works on a torch.fx
+    proxy of a :func:`pid_step` result.
     """
-    if state is None:
+    if state is None or not size:
         return ()
-    return tuple(state[i] for i in range(len(PIDState._fields)))
+    return tuple(state[i] for i in range(size))
+
+
+def rebuilt(cls: Type[ModuleT], module: nn.Module) -> ModuleT:
+    """A new ``cls`` module holding ``module``'s submodules, parameters, buffers, hooks and attributes (the same
+    objects: nothing is copied, device, dtype and train/eval mode are kept), for converting a stock timm module to
+    its subclass with a method. ``module`` itself is left as it was (it shares its parameters with the result)."""
+    if not issubclass(cls, type(module)):
+        raise TypeError(f"{cls.__name__} does not extend {type(module).__name__}")
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for key, value in vars(module).items():
+        object.__setattr__(new, key, copy.copy(value) if isinstance(value, (dict, set)) else value)
+    return new
 
 
 def run_blocks(
@@ -106,14 +199,6 @@ def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> Non
         raise FileNotFoundError(f"pretrained weights file not found: {cfg.file!r}. {hint}")
 
 
-def unwrap_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Tensor]:
-    """The parameters of a checkpoint saved as ``{"model": ...}``, ``{"state_dict": ...}`` or bare."""
-    for key in ("model", "state_dict"):
-        if key in state_dict and isinstance(state_dict[key], dict):
-            return state_dict[key]
-    return state_dict
-
-
 def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
     """The classifier parameters timm's ``load_pretrained`` discards after the filter has run.
 
@@ -130,7 +215,7 @@ def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
 
 
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
-    """Fill learnable PID gains and the warm-up counter a softmax checkpoint lacks; raise listing
+    """Fill learnable method parameters (PID gains) and the warm-up counter a softmax checkpoint lacks; raise listing
     missing/unexpected keys.
 
     Classifier keys that timm's ``load_pretrained`` is about to drop (the model's ``num_classes`` differs
@@ -143,14 +228,15 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
         elif name == "pid_warmup.step" and name not in out:  # no warm-up counter in the checkpoint: t starts at 0
             out[name] = torch.zeros_like(value)
     dropped = _dropped_classifier_keys(model, set(expected) | set(out))
-    missing = sorted(set(expected) - set(out) - dropped)
-    unexpected = sorted(set(out) - set(expected) - dropped)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint does not fit {type(model).__name__}: missing keys {missing}; unexpected keys "
-            f"{unexpected}. {hint}"
-        )
+    check_keys(expected, out, type(model).__name__, hint, ignore=dropped)
     return out
+
+
+def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, Any]) -> Optional[MethodChoice]:
+    """Pop ``attention`` / ``attention_cfg`` / ``pid`` from a catalogue entrypoint's ``kwargs`` and resolve them
+    (PID starts from the entry's preset)."""
+    return resolve_pid(kwargs.pop("attention", default_attention), kwargs.pop("attention_cfg", None),
+                       kwargs.pop("pid", None), default=entry.pid_config())
 
 
 def register_entries(

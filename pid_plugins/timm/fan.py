@@ -8,8 +8,9 @@ components, which FAN shares; parameter names follow the official FAN checkpoint
 after :func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention
 ``qkv`` split into ``q``/``k``/``v``).
 
-The PID group is the token-mixing self-attention of the FAN blocks; the class-attention blocks stay
-softmax. The state flows between blocks as plain tensors: ``block(x, H, W, *state) -> (x, *state)``.
+The PID group (or any registered attention method's, ``attention="<name>"``) is the token-mixing self-attention
+of the FAN blocks; the class-attention blocks stay softmax. The method's state flows between blocks as plain
+tensors: ``block(x, H, W, *state) -> (x, *state)``.
 
 Names (from ``registry/timm.toml``): ``fan_{tiny_12,small_12,base_18,large_24}_p16_224`` (softmax) and
 ``pid_fan_*`` (PID, preset ``deit``).
@@ -34,20 +35,18 @@ from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, Positiona
 from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import GainWarmup, PIDConfig, PIDGains, PIDState, make_warmup, warmup_scale
+from ..core import GainWarmup, MethodChoice, unwrap_state_dict, warmup_scale
 from ._helpers import (
-    catalogue_entries, check_pretrained_source, finish_state_dict, pid_step, register_entries, resolve_pid, run_blocks,
-    state_outputs, unwrap_state_dict,
+    MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict, model_warmup,
+    register_entries, resolve_pid, run_blocks, state_outputs,
 )
-
-# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
-torch.fx.wrap("pid_step")
 
 __all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_filter_fn"]
 
 
-class TokenMixing(nn.Module):
-    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally PID.
+class TokenMixing(MethodLayer, nn.Module):
+    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally with an
+    attention method (PID).
 
     ``fused_attn`` (timm's switch, ``TIMM_FUSED_ATTN``) picks ``F.scaled_dot_product_attention`` or the
     official order of operations, ``softmax((q * scale) @ k^T) @ v``.
@@ -57,7 +56,7 @@ class TokenMixing(nn.Module):
 
     def __init__(
         self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0,
-        proj_drop: float = 0.0, pid: Optional[PIDConfig] = None, device: Any = None, dtype: Any = None,
+        proj_drop: float = 0.0, choice: Optional[MethodChoice] = None, device: Any = None, dtype: Any = None,
     ) -> None:
         super().__init__()
         dd = dict(device=device, dtype=dtype)
@@ -72,29 +71,20 @@ class TokenMixing(nn.Module):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
-        self.pid: Optional[PIDConfig] = None
-        self.pid_gains: Optional[PIDGains] = None
-        self.set_pid(pid)
+        self.set_attention(choice, self.q.weight)
 
-    def set_pid(self, pid: Optional[PIDConfig]) -> None:
-        """Switch to PID (``pid``) or softmax (``None``); learnable gains are (re)initialised."""
-        self.pid = pid
-        ref = self.q.weight
-        self.pid_gains = (
-            PIDGains(pid).to(device=ref.device, dtype=ref.dtype) if pid is not None and pid.learnable else None
-        )
+    def _attend(self, q: Tensor, v: Tensor, *, k: Tensor) -> Tensor:
+        """``softmax(q k^T * scale) v`` per head, fused or in the official order of operations."""
+        if self.fused_attn:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        return self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
 
-    def forward(self, x: Tensor, state: Optional[PIDState] = None,
-                pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[PIDState]]:
+    def forward(self, x: Tensor, state: Optional[Tuple[Any, ...]] = None,
+                pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
         B, N, C = x.shape
         q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        if self.fused_attn:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            out = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
-        if self.pid is not None:
-            out, state = pid_step(self, out, v, state, pid_scale)
+        out, state = self.method_attention(partial(self._attend, k=k), q, v, state, pid_scale)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C))), state
 
 
@@ -170,12 +160,13 @@ class FANBlock(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = False,
                  proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
-                 norm_layer: Type[nn.Module] = nn.LayerNorm, eta: float = 1.0, pid: Optional[PIDConfig] = None,
+                 norm_layer: Type[nn.Module] = nn.LayerNorm, eta: float = 1.0, choice: Optional[MethodChoice] = None,
                  device: Any = None, dtype: Any = None) -> None:
         super().__init__()
         dd = dict(device=device, dtype=dtype)
         self.norm1 = norm_layer(dim, **dd)
-        self.attn = TokenMixing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, pid=pid,
+        self.attn = TokenMixing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop,
+                                choice=choice,
                                 **dd)
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim, **dd)
@@ -185,18 +176,21 @@ class FANBlock(nn.Module):
         self.gamma2 = nn.Parameter(eta * torch.ones(dim, **dd))
 
     def forward(self, x: Tensor, H: int, W: int, *state: Tensor, pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, ...]:
-        y, new_state = self.attn(self.norm1(x), PIDState(*state) if state else None, pid_scale)
+        y, new_state = self.attn(self.norm1(x), state if state else None, pid_scale)
+        # indexed first: the block's last traced operation is its output x (fx feature extraction by module name)
+        state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path(self.gamma1 * y)
         x = x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), H, W))
-        return (x,) + state_outputs(new_state)
+        return (x,) + state
 
 
 class FAN(nn.Module):
     """FAN-ViT: convolutional stem, Fourier positions, FAN blocks, two class-attention blocks, head.
 
-    ``pid`` (a :class:`PIDConfig`, a dict of overrides of ``deit``, or a preset name) with
-    ``attention="pid"`` puts the FAN blocks' token mixing under PID control; ``attention="softmax"``
-    (the default of the ``fan_*`` names) is the stock FAN.
+    ``attention="pid"`` puts the FAN blocks' token mixing under PID control (``pid`` or ``attention_cfg``: a
+    :class:`PIDConfig`, a dict of overrides of ``deit``, or a preset name), ``attention="<name>"`` under another
+    registered method (``attention_cfg``: its parameters); ``attention="softmax"`` (the default of the ``fan_*``
+    names) is the stock FAN.
     """
 
     def __init__(
@@ -224,6 +218,7 @@ class FAN(nn.Module):
         tokens_norm: bool = True,
         pid: Any = None,
         attention: str = "softmax",
+        attention_cfg: Any = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
@@ -233,9 +228,12 @@ class FAN(nn.Module):
             raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
         act_layer = get_act_layer(act_layer) or nn.GELU
-        self.pid = resolve_pid(pid, attention)
-        #: the gain warm-up counter (``PIDConfig.warmup_steps > 0``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = make_warmup(self.pid, like=torch.empty(0, device=device))
+        choice = resolve_pid(attention, attention_cfg, pid)
+        #: the method's config and the method (None: softmax)
+        self.pid = choice.config if choice is not None else None
+        self.attention_method = choice.method if choice is not None else None
+        #: the gain warm-up counter (``warmup_steps > 0``), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = model_warmup(self.pid, like=torch.empty(0, device=device))
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
@@ -251,7 +249,7 @@ class FAN(nn.Module):
         self.blocks = nn.ModuleList(
             FANBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
                      attn_drop=attn_drop_rate, drop_path=drop_path_rate, norm_layer=norm_layer, eta=eta,
-                     pid=self.pid, **dd)
+                     choice=choice, **dd)
             for _ in range(depth)
         )
         self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
@@ -309,12 +307,15 @@ class FAN(nn.Module):
                      if num_classes > 0 else nn.Identity())
         self.head.train(self.training)
 
-    def set_pid(self, pid: Optional[PIDConfig]) -> None:
-        """Switch every FAN block's token mixing to PID (``pid``) or softmax (``None``)."""
+    def set_attention(self, attention: str = "pid", attention_cfg: Any = None, pid: Any = None) -> None:
+        """Switch every FAN block's token mixing to ``attention`` (a method's name with its parameters, or
+        ``"softmax"``), in place; learnable parameters are (re)initialised."""
+        choice = resolve_pid(attention, attention_cfg, pid)
         for blk in self.blocks:
-            blk.attn.set_pid(pid)
-        self.pid = pid
-        self.pid_warmup = make_warmup(pid, self.pid_warmup, like=next(self.parameters()))
+            blk.attn.set_attention(choice, blk.attn.q.weight)
+        self.pid = choice.config if choice is not None else None
+        self.attention_method = choice.method if choice is not None else None
+        self.pid_warmup = model_warmup(self.pid, self.pid_warmup, like=next(self.parameters()))
 
     def _embed(self, x: Tensor) -> Tuple[Tensor, int, int]:
         B = x.shape[0]
@@ -393,7 +394,7 @@ class FAN(nn.Module):
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: FAN) -> Dict[str, Tensor]:
     """Load an official (or our own) FAN checkpoint: unwrap, rename ``pos_embeder``, split fused ``qkv``."""
-    out = dict(unwrap_state_dict(state_dict))
+    out = unwrap_state_dict(state_dict, "FAN checkpoint")
     out = _xcit_checkpoint_filter_fn(out, model)
     return finish_state_dict(
         out, model, "FAN checkpoints in the official layout load strictly (fan_tiny_12_p16_224 into "
@@ -402,9 +403,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: FAN) -> Dict[str, Te
 
 
 def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any) -> FAN:
-    pid = kwargs.pop("pid", None)
-    attention = kwargs.pop("attention", default_attention)
-    config = resolve_pid(pid, attention, default=entry.pid_config())
+    choice = entry_choice(entry, default_attention, kwargs)
     if pretrained:
         check_pretrained_source(name, entry.base, kwargs)
     out_indices = kwargs.pop("out_indices", 3)
@@ -412,7 +411,8 @@ def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bo
         FAN, name, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        pid=config, attention="pid" if config is not None else "softmax",
+        attention=choice.method.name if choice is not None else "softmax",
+        attention_cfg=choice.config if choice is not None else None,
         **{**entry.kwargs, **kwargs},
     )
 

@@ -1,7 +1,8 @@
-"""PID Vision Transformer / DeiT for timm.
+"""PID Vision Transformer / DeiT for timm (PID, or any registered attention method: ``attention="<name>"``).
 
-The PID group is the stack of transformer blocks. The PID state flows between blocks as plain tensors,
-``block(x, v_first, e_sum, e_prev) -> (x, v_first, e_sum, e_prev)``, which keeps gradient checkpointing
+The method's group is the stack of transformer blocks. The method's state flows between blocks as plain tensors
+(``len(method.state_fields)`` of them; PID: ``block(x, v_first, e_sum, e_prev) -> (x, v_first, e_sum, e_prev)``),
+which keeps gradient checkpointing
 (reentrant or not) and ``torch.compile(fullgraph=True)`` exact. ``forward_features`` and
 ``forward_intermediates`` are overridden to thread it; every other part of timm's model contract is
 inherited from timm's ``VisionTransformer``.
@@ -25,65 +26,55 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import GainWarmup, PIDConfig, PIDGains, PIDState, make_warmup, warmup_scale
+from ..core import GainWarmup, MethodChoice, warmup_scale
 from ._helpers import (
-    catalogue_entries, check_pretrained_source, finish_state_dict, pid_step, register_entries, resolve_pid, run_blocks,
-    state_outputs,
+    MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict, model_warmup,
+    rebuilt, register_entries, resolve_pid, run_blocks, state_outputs,
 )
-
-# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
-torch.fx.wrap("pid_step")
 
 __all__ = [
     "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
     "checkpoint_filter_fn", "to_pid",
 ]
 
-class PIDAttention(Attention):
-    """timm's ``Attention`` (same parameters, same state_dict) with the PID update before ``proj``.
+class PIDAttention(MethodLayer, Attention):
+    """timm's ``Attention`` (same parameters, same state_dict) with the attention method's step before ``proj``.
 
-    ``forward(x, state)`` returns ``(y, new_state)``. With ``pid=None`` it computes exactly what timm's
-    ``Attention`` computes and passes the state through.
+    ``forward(x, state)`` returns ``(y, new_state)``; ``state`` is the previous layer's flat state tensors (a
+    tuple) or None. With ``choice=None`` (softmax) or a method whose config is the identity it computes exactly
+    what timm's ``Attention`` computes and passes the state through.
     """
 
-    def __init__(self, *args: Any, pid: Optional[PIDConfig] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.pid: Optional[PIDConfig] = None
-        self.pid_gains: Optional[PIDGains] = None
-        self.set_pid(pid)
+        self.set_attention(choice, self.qkv.weight)
 
-    def set_pid(self, pid: Optional[PIDConfig]) -> None:
-        """Switch the layer to PID (``pid``) or softmax (``None``); learnable gains are (re)initialised."""
-        self.pid = pid
-        if pid is not None and pid.learnable:
-            ref = self.qkv.weight
-            self.pid_gains = PIDGains(pid).to(device=ref.device, dtype=ref.dtype)
-        else:
-            self.pid_gains = None
+    def _attend(self, q: Tensor, v: Tensor, *, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
+        """timm's ``Attention``: ``softmax(q k^T * scale) v`` per head, fused or in timm's order of operations."""
+        if self.fused_attn:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0,
+                is_causal=is_causal,
+            )
+        scores = (q * self.scale) @ k.transpose(-2, -1)
+        scores = maybe_add_mask(scores, resolve_self_attn_mask(q.shape[-2], scores, attn_mask, is_causal))
+        return self.attn_drop(scores.softmax(dim=-1)) @ v
 
     def forward(
         self,
         x: Tensor,
-        state: Optional[PIDState] = None,
+        state: Optional[Tuple[Any, ...]] = None,
         attn_mask: Optional[Tensor] = None,
         is_causal: bool = False,
         pid_scale: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, Optional[PIDState]]:
+    ) -> Tuple[Tensor, Optional[tuple]]:
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_attn:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0,
-                is_causal=is_causal,
-            )
-        else:
-            scores = (q * self.scale) @ k.transpose(-2, -1)
-            scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
-            out = self.attn_drop(scores.softmax(dim=-1)) @ v
-        if self.pid is not None:
-            out, state = pid_step(self, out, v, state, pid_scale)
+        out, state = self.method_attention(
+            partial(self._attend, k=k, attn_mask=attn_mask, is_causal=is_causal), q, v, state, pid_scale
+        )
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
@@ -97,32 +88,37 @@ class PIDBlock(Block):
     under ``torch.utils.checkpoint`` (both modes) with the state as ordinary inputs and outputs.
     """
 
-    def __init__(self, *args: Any, pid: Optional[PIDConfig] = None, **kwargs: Any) -> None:
+    attn: PIDAttention
+
+    def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
         kwargs["attn_layer"] = PIDAttention
         super().__init__(*args, **kwargs)
-        self.attn.set_pid(pid)
+        self.attn.set_attention(choice, self.attn.qkv.weight)
 
     def forward(
         self, x: Tensor, *state: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
         pid_scale: Optional[Tensor] = None,
     ) -> Tuple[Tensor, ...]:
         y, new_state = self.attn(
-            self.norm1(x), PIDState(*state) if state else None, attn_mask=attn_mask, is_causal=is_causal,
-            pid_scale=pid_scale,
+            self.norm1(x), state if state else None, attn_mask=attn_mask, is_causal=is_causal, pid_scale=pid_scale,
         )
+        # the state is indexed before the residual branches, so that the block's last traced operation is its
+        # output x (torch.fx feature extraction by module name, timm's feature_cls="fx", returns that operation)
+        state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return (x,) + state_outputs(new_state)
+        return (x,) + state
 
 
 class _PIDViTMixin:
-    """Overrides of ``VisionTransformer`` that thread the PID state through the blocks."""
+    """Overrides of ``VisionTransformer`` that thread the method's state through the blocks."""
 
     blocks: nn.Sequential
     grad_checkpointing: bool
 
-    def __init__(self, *args: Any, pid: Any = None, attention: str = "pid", **kwargs: Any) -> None:
-        config = resolve_pid(pid, attention)
+    def __init__(self, *args: Any, pid: Any = None, attention: str = "pid", attention_cfg: Any = None,
+                 **kwargs: Any) -> None:
+        choice = resolve_pid(attention, attention_cfg, pid)
         block_fn = kwargs.pop("block_fn", None)
         if block_fn not in (None, Block, PIDBlock):
             raise ValueError(
@@ -135,10 +131,17 @@ class _PIDViTMixin:
                 f"attn_layer={attn_layer!r} is not supported. Use attention='softmax' for the stock model, or "
                 "build the stock timm model with that attn_layer"
             )
-        super().__init__(*args, block_fn=partial(PIDBlock, pid=config), **kwargs)
-        self.pid = config
-        #: the gain warm-up counter (``PIDConfig.warmup_steps > 0``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = make_warmup(config, like=next(self.parameters()))
+        super().__init__(*args, block_fn=partial(PIDBlock, choice=choice), **kwargs)
+        self._set_model_attention(choice)
+
+    def _set_model_attention(self, choice: Optional[MethodChoice]) -> None:
+        #: the method's config (None: softmax) and the method (None: softmax)
+        self.pid = choice.config if choice is not None else None
+        self.attention_method = choice.method if choice is not None else None
+        #: the gain warm-up counter (``warmup_steps > 0``), advanced once per training forward
+        self.pid_warmup: Optional[GainWarmup] = model_warmup(
+            self.pid, getattr(self, "pid_warmup", None), like=next(self.parameters())
+        )
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -215,10 +218,12 @@ class _PIDViTMixin:
 
 
 class PIDVisionTransformer(_PIDViTMixin, VisionTransformer):
-    """timm ``VisionTransformer`` with PID attention in every block.
+    """timm ``VisionTransformer`` with PID attention (or another registered method) in every block.
 
-    Extra keyword arguments: ``pid`` (a :class:`PIDConfig`, a dict of overrides of the ``deit`` preset,
-    or a preset name) and ``attention`` (``"pid"``, or ``"softmax"`` for the stock model).
+    Extra keyword arguments: ``attention`` (``"pid"``, a registered method's name, or ``"softmax"`` for the stock
+    model), ``attention_cfg`` (the method's parameters: an instance, a dict of overrides of its default preset,
+    or a preset name) and ``pid`` (PID's historical spelling of ``attention_cfg``: a :class:`PIDConfig`, a dict of
+    overrides of the ``deit`` preset, or a preset name).
     """
 
 
@@ -248,9 +253,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer
 def _create(
     entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any
 ) -> VisionTransformer:
-    pid = kwargs.pop("pid", None)
-    attention = kwargs.pop("attention", default_attention)
-    config = resolve_pid(pid, attention, default=entry.pid_config())
+    choice = entry_choice(entry, default_attention, kwargs)
     if pretrained:
         check_pretrained_source(name, entry.base, kwargs)
     out_indices = kwargs.pop("out_indices", 3)
@@ -261,31 +264,36 @@ def _create(
         pretrained,
         pretrained_filter_fn=partial(checkpoint_filter_fn, adapt_layer_scale=True),
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        pid=config,
-        attention="pid" if config is not None else "softmax",
+        attention=choice.method.name if choice is not None else "softmax",
+        attention_cfg=choice.config if choice is not None else None,
         **model_args,
     )
 
 
 # --------------------------------------------------------------------------------------- to_pid
 def to_pid(model: VisionTransformer, config: Any = None, *, attention: str = "pid") -> VisionTransformer:
-    """Convert a timm ViT/DeiT (or reconfigure a PID one) in place and return it, weights kept.
+    """A timm ViT/DeiT with PID attention (or the method ``attention``), weights kept: use the model it returns.
 
-    The result is still an instance of the model's timm class (``PIDVisionTransformer`` subclasses
-    ``VisionTransformer``), its ``state_dict`` keys are unchanged (unless ``config.learnable`` adds gains),
-    and with all gains zero (or ``attention="softmax"``) it computes exactly what the stock model computed.
+    A stock ``VisionTransformer`` / ``VisionTransformerDistilled`` is converted into a **new** module (as peft's
+    ``get_peft_model`` returns a new one): a :class:`PIDVisionTransformer` (a subclass of the stock class) whose
+    blocks are new :class:`PIDBlock` / :class:`PIDAttention` modules holding the stock model's own submodules,
+    parameters and buffers (the same tensors, not copies: same device, dtype, train/eval mode, same
+    ``state_dict`` keys unless the method adds learnable parameters). The stock model is left a stock model,
+    sharing its weights with the result. A PID model is reconfigured in place and returned. With all gains
+    zero (or ``attention="softmax"``) the result computes exactly what the stock model computed.
 
     Args:
         model: a timm ``VisionTransformer`` / ``VisionTransformerDistilled`` built with standard
             ``Block`` + ``Attention`` blocks, or a PID model to reconfigure.
-        config: a :class:`PIDConfig`, a dict of overrides of the ``deit`` preset, or a preset name.
+        config: the method's parameters; for PID a :class:`PIDConfig`, a dict of overrides of the ``deit``
+            preset, or a preset name.
+        attention: ``"pid"``, another registered method's name, or ``"softmax"``.
     """
-    pid = resolve_pid(config, attention)
+    choice = resolve_pid(attention, config)
     if isinstance(model, _PIDViTMixin):
         for blk in model.blocks:
-            blk.attn.set_pid(pid)
-        model.pid = pid
-        model.pid_warmup = make_warmup(pid, model.pid_warmup, like=next(model.parameters()))
+            blk.attn.set_attention(choice, blk.attn.qkv.weight)
+        model._set_model_attention(choice)
         return model
     target = _STOCK_CLASSES.get(type(model))
     if target is None:
@@ -306,14 +314,18 @@ def to_pid(model: VisionTransformer, config: Any = None, *, attention: str = "pi
         raise ValueError(
             f"all PID layers must have values of one shape (heads, head_dim); this model's blocks have {sorted(shapes)}"
         )
-    model.__class__ = target
+    blocks = []
     for blk in model.blocks:
-        blk.__class__ = PIDBlock
-        blk.attn.__class__ = PIDAttention
-        blk.attn.set_pid(pid)
-    model.pid = pid
-    model.pid_warmup = make_warmup(pid, like=next(model.parameters()))
-    return model
+        attn = rebuilt(PIDAttention, blk.attn)
+        attn.set_attention(choice, attn.qkv.weight)
+        block = rebuilt(PIDBlock, blk)
+        block.attn = attn
+        blocks.append(block)
+    new = rebuilt(target, model)
+    new.blocks = nn.Sequential(*blocks)
+    new.blocks.train(model.blocks.training)
+    new._set_model_attention(choice)
+    return new
 
 
 # ------------------------------------------------------------------------------------ registration
