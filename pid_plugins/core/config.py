@@ -1,4 +1,5 @@
-"""PID gains: the four numbers of the PIDformer controller, with validation and the paper's presets.
+"""Method parameters: :class:`MethodConfig` (presets, validation and the dict round trip every attention method's
+parameters share) and :class:`PIDConfig`, the four numbers of the PIDformer controller with the paper's presets.
 
 A PIDConfig is a value: frozen, hashable, and round-trips through a plain dict (configs and checkpoints
 store it as a dict). The presets are declared once, in the registry (``registry/presets.toml``).
@@ -8,16 +9,93 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Mapping
 
-__all__ = ["PIDConfig", "PRESETS"]
+__all__ = ["MethodConfig", "PIDConfig", "PRESETS"]
 
 _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
 
 
 @dataclass(frozen=True)
-class PIDConfig:
+class MethodConfig:
+    """Base for a method's parameters: subclass it as a frozen dataclass of float/int/bool fields and list presets.
+
+    ``PRESETS``: ``{name: {field: value}}``. ``validate()`` (override) raises ``ValueError`` for bad values.
+    ``ZERO``: the field values (a dict) with which the method computes the stock attention (``is_zero``).
+    """
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    ZERO: ClassVar[Mapping[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool}.get(str(f.type))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+            elif kind is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+                raise ValueError(f"{type(self).__name__}.{f.name} must be {kind.__name__}, got {value!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and what to change."""
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "MethodConfig":
+        if not isinstance(name, str) or name not in cls.PRESETS:
+            raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of {sorted(cls.PRESETS)}")
+        return cls.from_dict({**cls.PRESETS[name], **overrides})
+
+    @classmethod
+    def preset_names(cls) -> List[str]:
+        return sorted(cls.PRESETS)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MethodConfig":
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__}: parameters must be given as a dict or {cls.__name__}, got {type(data).__name__}")
+        data = dict(data)
+        if "preset" in data:
+            return cls.preset(data.pop("preset"), **data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; allowed: {sorted(known)} and 'preset'")
+        return cls(**data)
+
+    @classmethod
+    def coerce(cls, value: Any, default: Any = None) -> "MethodConfig":
+        base = default if isinstance(default, cls) else (cls.preset(default) if default is not None else cls())
+        if value is None:
+            return base
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls.preset(value)
+        if isinstance(value, Mapping):
+            data = dict(value)
+            return cls.from_dict(data) if "preset" in data else cls.from_dict({**base.to_dict(), **data})
+        raise ValueError(
+            f"{cls.__name__}: parameters must be a {cls.__name__}, a dict, a preset name or None, got {type(value).__name__}"
+        )
+
+    def replace(self, **changes: Any) -> "MethodConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_zero(self) -> bool:
+        return bool(self.ZERO) and all(getattr(self, k) == v for k, v in self.ZERO.items())
+
+
+
+@dataclass(frozen=True)
+class PIDConfig(MethodConfig):
     """Gains of the PID attention update (PIDformer, eq. 25).
 
     For layer l of a PID group, with values v^l and the attention output A^l v^l::
@@ -109,60 +187,6 @@ class PIDConfig:
     @classmethod
     def preset_names(cls) -> list[str]:
         return sorted(_PRESET_CONFIGS)
-
-    # ------------------------------------------------------------------------------------- dict round trip
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict (floats, bools and an int) that :meth:`from_dict` turns back into an equal config."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PIDConfig":
-        """Build from a dict; a ``preset`` key names the base preset the other keys override."""
-        if isinstance(data, PIDConfig):
-            return data
-        if not isinstance(data, Mapping):
-            raise ValueError(f"PID gains must be given as a dict or PIDConfig, got {type(data).__name__}")
-        data = dict(data)
-        if "preset" in data:
-            base = data.pop("preset")
-            return cls.preset(base, **data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown PIDConfig field(s) {unknown}; allowed: {sorted(known)} and 'preset'"
-            )
-        return cls(**data)
-
-    @classmethod
-    def coerce(
-        cls, value: "PIDConfig | Mapping[str, Any] | str | None", default: "PIDConfig | str" = "deit"
-    ) -> "PIDConfig":
-        """Normalise what users pass (a PIDConfig, a dict of overrides, a preset name, or None).
-
-        ``None`` gives ``default`` (a PIDConfig or a preset name). A dict without ``preset`` overrides
-        ``default``, so ``dict(lambda_p=0.5)`` means "the default gains with lambda_p = 0.5"; a dict with
-        ``preset`` overrides that preset instead.
-        """
-        base = default if isinstance(default, PIDConfig) else cls.preset(default)
-        if value is None:
-            return base
-        if isinstance(value, PIDConfig):
-            return value
-        if isinstance(value, str):
-            return cls.preset(value)
-        if isinstance(value, Mapping):
-            data = dict(value)
-            if "preset" in data:
-                return cls.from_dict(data)
-            return cls.from_dict({**base.to_dict(), **data})
-        raise ValueError(
-            f"PID gains must be a PIDConfig, a dict, a preset name or None, got {type(value).__name__}"
-        )
-
-    def replace(self, **changes: Any) -> "PIDConfig":
-        """A copy with some fields changed (validated)."""
-        return dataclasses.replace(self, **changes)
 
     @property
     def is_zero(self) -> bool:

@@ -32,19 +32,19 @@ import dataclasses
 import keyword
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .config import PIDConfig
+from .config import MethodConfig, PIDConfig
 from .control import PIDState, pid_update
 from .gains import PIDGains
-from .warmup import scaled_gains
+from .warmup import GainWarmup, make_warmup, scaled_gains
 
 __all__ = [
     "AttentionMethod", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
-    "resolve_attention", "on_register", "SOFTMAX", "ZOOS",
+    "resolve_attention", "on_register", "calls_attention_once", "method_warmup", "SOFTMAX", "ZOOS",
 ]
 
 #: the attention choice that means "the zoo's stock attention, no method"
@@ -138,6 +138,13 @@ class AttentionMethod:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def calls_attention_once(method: AttentionMethod) -> bool:
+    """Whether ``method`` keeps :class:`AttentionMethod`'s ``prepare`` and ``attend`` (one call of the zoo's attention
+    with the model's queries): then an adapter may compute the attention itself and call only :meth:`update`."""
+    kind = type(method)
+    return kind.prepare is AttentionMethod.prepare and kind.attend is AttentionMethod.attend
+
+
 # ------------------------------------------------------------------------------------------------------ PID
 class PIDMethod(AttentionMethod):
     """PID attention (PIDformer, ICML 2024, eq. 25): :func:`~pid_plugins.core.control.pid_update` with
@@ -165,81 +172,6 @@ class PIDMethod(AttentionMethod):
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
                head_dim: int) -> Tuple[Tensor, PIDState]:
         return pid_update(out, value_q, state, scaled_gains(params, scale), head_dim=head_dim)
-
-
-# ------------------------------------------------------------------------------------------ simple configs
-@dataclass(frozen=True)
-class MethodConfig:
-    """Base for a method's parameters: subclass it as a frozen dataclass of float/int/bool fields and list presets.
-
-    ``PRESETS``: ``{name: {field: value}}``. ``validate()`` (override) raises ``ValueError`` for bad values.
-    ``ZERO``: the field values (a dict) with which the method computes the stock attention (``is_zero``).
-    """
-
-    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
-    ZERO: ClassVar[Mapping[str, Any]] = {}
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            kind = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool}.get(str(f.type))
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, float(value))
-            elif kind is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
-                raise ValueError(f"{type(self).__name__}.{f.name} must be {kind.__name__}, got {value!r}")
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the field and what to change."""
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "MethodConfig":
-        if not isinstance(name, str) or name not in cls.PRESETS:
-            raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of {sorted(cls.PRESETS)}")
-        return cls.from_dict({**cls.PRESETS[name], **overrides})
-
-    @classmethod
-    def preset_names(cls) -> List[str]:
-        return sorted(cls.PRESETS)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MethodConfig":
-        if isinstance(data, cls):
-            return data
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{cls.__name__} must be given as a dict or {cls.__name__}, got {type(data).__name__}")
-        data = dict(data)
-        if "preset" in data:
-            return cls.preset(data.pop("preset"), **data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; allowed: {sorted(known)} and 'preset'")
-        return cls(**data)
-
-    @classmethod
-    def coerce(cls, value: Any, default: Any = None) -> "MethodConfig":
-        base = default if isinstance(default, cls) else (cls.preset(default) if default is not None else cls())
-        if value is None:
-            return base
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            return cls.preset(value)
-        if isinstance(value, Mapping):
-            data = dict(value)
-            return cls.from_dict(data) if "preset" in data else cls.from_dict({**base.to_dict(), **data})
-        raise ValueError(f"{cls.__name__}: expected an instance, a dict, a preset name or None, got {type(value).__name__}")
-
-    def replace(self, **changes: Any) -> "MethodConfig":
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def is_zero(self) -> bool:
-        return bool(self.ZERO) and all(getattr(self, k) == v for k, v in self.ZERO.items())
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -351,6 +283,24 @@ def resolve_attention(
             f"{where}: learnable gains are not supported here ({method.name}, learnable=True); use fixed ones"
         )
     return MethodChoice(method, config)
+
+
+def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = None,
+                  current: Optional[GainWarmup] = None, *, stock_plus_term: bool = False,
+                  where: str = "this model") -> Optional[GainWarmup]:
+    """The gain warm-up counter a model built with ``choice`` carries (None: softmax, or no ``warmup_steps`` in the
+    method's parameters), see :func:`~pid_plugins.core.warmup.make_warmup`. ``stock_plus_term``: the adapter runs
+    warm-up as the zoo's own fused attention plus the method's separate :meth:`~AttentionMethod.term` (mmseg,
+    fairseq), which only additive methods have: refused otherwise, before anything runs."""
+    config = choice.config if choice is not None else None
+    steps = getattr(config, "warmup_steps", 0) or 0
+    if steps and stock_plus_term and not choice.method.additive:
+        raise ValueError(
+            f"{where}: warmup_steps={steps} runs the zoo's own attention plus attention method "
+            f"{choice.method.name!r}'s term, but that method is not additive (it has no separate term): "
+            "set warmup_steps=0"
+        )
+    return make_warmup(config if steps else None, current, like=like)
 
 
 register_method(PIDMethod())

@@ -72,7 +72,7 @@ def make_warmup(config: Optional[PIDConfig], current: Optional[GainWarmup] = Non
     """The counter a model built with ``config`` carries: None without warm-up (the model has no counter and
     its state_dict is unchanged). ``current`` (a model's existing counter, when it is reconfigured) is kept if
     ``N`` is unchanged, else its ``t`` carries over to the new counter. ``like``: a tensor of the model (device)."""
-    steps = config.warmup_steps if config is not None else 0
+    steps = getattr(config, "warmup_steps", 0) if config is not None else 0
     if not steps:
         return None
     if current is not None and current.warmup_steps == steps:

@@ -43,7 +43,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
-from ..core import AttentionMethod, GainWarmup, MethodChoice, make_warmup, resolve_attention, warmup_scale
+from ..core import AttentionMethod, GainWarmup, MethodChoice, method_warmup, resolve_attention, warmup_scale
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
@@ -304,16 +304,13 @@ class PIDTransformerDecoder(TransformerDecoder):
     def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
         method, config = choice if choice is not None else (None, None)
-        steps = getattr(config, "warmup_steps", 0) or 0
-        if steps and not method.additive:
-            raise ValueError(f"warm-up runs fairseq's attention plus the method's term, but {method.name!r} is not "
-                             "additive: set its warmup_steps to 0")
         # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
         self.attention_method, self.pid = method, config
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         #: the warm-up counter (``--pid-warmup-steps N``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = make_warmup(config if steps else None, like=self.embed_tokens.weight)
+        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.embed_tokens.weight, stock_plus_term=True,
+                                                              where="transformer_lm_pid")
 
     def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
         """fairseq's ``build_decoder_layer`` with the PID layer class (activation checkpointing is refused)."""

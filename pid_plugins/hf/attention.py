@@ -46,7 +46,9 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
-from ..core import AttentionMethod, GainWarmup, PIDConfig, PIDMethod, PIDState, get_method, make_warmup, on_register
+from ..core import (
+    AttentionMethod, GainWarmup, PIDConfig, PIDMethod, PIDState, calls_attention_once, get_method, make_warmup, on_register,
+)
 from . import gains as learned_gains
 
 __all__ = [
@@ -96,7 +98,7 @@ class PIDForwardState:
         # the attention once with the given queries (else its own prepare/attend run), the base function (None for
         # eager: each model family has its own eager_attention_forward)
         self.zero = self.method.is_identity(config)
-        self.plain = _calls_attention_once(type(self.method))
+        self.plain = calls_attention_once(self.method)
         self.learnable = bool(getattr(config, "learnable", False))
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
@@ -128,13 +130,6 @@ _PID = get_method(ATTN_IMPLEMENTATION)
 #: the attention methods registered with transformers' interfaces, by implementation name
 _METHODS: Dict[str, AttentionMethod] = {}
 _PARSED: Dict[Any, Any] = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _calls_attention_once(cls: type) -> bool:
-    """Whether a method class keeps :class:`AttentionMethod`'s ``prepare`` and ``attend`` (one call of the base
-    attention with the model's queries): then the attention function calls the base itself and only ``update``."""
-    return cls.prepare is AttentionMethod.prepare and cls.attend is AttentionMethod.attend
 
 
 def method_of(config: Any) -> Optional[AttentionMethod]:

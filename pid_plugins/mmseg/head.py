@@ -9,8 +9,8 @@ from torch import Tensor
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
-from ..core import SOFTMAX, AttentionMethod, GainWarmup, warmup_scale
-from .vit import choose_attention, method_layers, method_warmup
+from ..core import SOFTMAX, AttentionMethod, GainWarmup, method_warmup, warmup_scale
+from .vit import choose_attention, method_layers
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
 
@@ -41,7 +41,7 @@ class PIDSegmenterMaskTransformerHead(SegmenterMaskTransformerHead):
         #: the attention method, None for softmax
         self.attention_method: Optional[AttentionMethod] = choice.method if choice is not None else None
         #: the gain warm-up counter (``warmup_steps=N`` in the config), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.cls_emb, where)
+        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.cls_emb, stock_plus_term=True, where=where)
         method_layers(self.layers, choice)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:

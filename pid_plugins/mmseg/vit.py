@@ -23,13 +23,13 @@ from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransforme
 from mmseg.registry import MODELS
 
 from ..core import (
-    SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, get_method, make_warmup,
+    SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, get_method, method_warmup,
     resolve_attention, unwrap_state_dict, warmup_scale,
 )
 from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
-           "method_layers", "method_warmup"]
+           "method_layers"]
 
 
 def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str) -> Optional[MethodChoice]:
@@ -51,20 +51,6 @@ def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
         return
     for i, layer in enumerate(layers):
         layers[i] = PIDTransformerEncoderLayer(layer, choice.method, choice.config)
-
-
-def method_warmup(choice: Optional[MethodChoice], like: Tensor, where: str) -> Optional[GainWarmup]:
-    """The gain warm-up counter for ``warmup_steps`` in the method's config (None without). The layers run the
-    warm-up as mmcv's own attention plus the method's scaled term, so the method must be additive."""
-    steps = getattr(choice.config, "warmup_steps", 0) if choice is not None else 0
-    if not steps:
-        return None
-    if not choice.method.additive:
-        raise ValueError(
-            f"{where}: warmup_steps={steps} runs mmcv's attention plus attention method {choice.method.name!r}'s "
-            "term, but that method is not additive (it has no separate term): set warmup_steps=0"
-        )
-    return make_warmup(choice.config, like=like)
 
 
 class PIDTransformerEncoderLayer(TransformerEncoderLayer):
@@ -206,7 +192,8 @@ class PIDVisionTransformer(VisionTransformer):
         #: the attention method, None for softmax
         self.attention_method: Optional[AttentionMethod] = choice.method if choice is not None else None
         #: the gain warm-up counter (``warmup_steps=N`` in the config), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.pos_embed, where)
+        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.pos_embed, stock_plus_term=True,
+                                                              where=where)
         method_layers(self.layers, choice)
 
     def init_weights(self) -> None:

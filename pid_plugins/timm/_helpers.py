@@ -16,7 +16,7 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
-from ..core import SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, check_keys, list_methods, make_warmup
+from ..core import SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, calls_attention_once, check_keys, list_methods
 from ..core import resolve_attention
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -36,19 +36,7 @@ def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid
                              default=default if attention in ("pid", None) else None)
 
 
-def model_warmup(config: Any, current: Optional[GainWarmup] = None, like: Optional[Tensor] = None
-                 ) -> Optional[GainWarmup]:
-    """The model's warm-up counter for ``config`` (None when the method's config has no ``warmup_steps``)."""
-    return make_warmup(config if getattr(config, "warmup_steps", 0) else None, current, like=like)
-
-
 # ------------------------------------------------------------------------------------------ attention layers
-def overrides_attention(method: AttentionMethod) -> bool:
-    """Whether ``method`` changes the queries or calls attention itself (``prepare`` / ``attend`` overridden)."""
-    kind = type(method)
-    return kind.prepare is not AttentionMethod.prepare or kind.attend is not AttentionMethod.attend
-
-
 class MethodLayer:
     """What an attention layer of a timm family holds for its method (mixed into the layer's ``nn.Module``).
 
@@ -90,7 +78,7 @@ class MethodLayer:
         method = self.attention_method
         if method is None or method.is_identity(self.pid):
             return attend(q, v), state
-        if overrides_attention(method):
+        if not calls_attention_once(method):
             params = method.layer_params(self.pid, self.pid_gains)
             q = method.prepare(params, q, v, method.make_state(*state) if state is not None else None)
             out = method.attend(params, attend, q, v)

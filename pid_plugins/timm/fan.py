@@ -35,9 +35,9 @@ from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, Positiona
 from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import GainWarmup, MethodChoice, unwrap_state_dict, warmup_scale
+from ..core import GainWarmup, MethodChoice, make_warmup, unwrap_state_dict, warmup_scale
 from ._helpers import (
-    MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict, model_warmup,
+    MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     register_entries, resolve_pid, run_blocks, state_outputs,
 )
 
@@ -233,7 +233,7 @@ class FAN(nn.Module):
         self.pid = choice.config if choice is not None else None
         self.attention_method = choice.method if choice is not None else None
         #: the gain warm-up counter (``warmup_steps > 0``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = model_warmup(self.pid, like=torch.empty(0, device=device))
+        self.pid_warmup: Optional[GainWarmup] = make_warmup(self.pid, like=torch.empty(0, device=device))
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
@@ -315,7 +315,7 @@ class FAN(nn.Module):
             blk.attn.set_attention(choice, blk.attn.q.weight)
         self.pid = choice.config if choice is not None else None
         self.attention_method = choice.method if choice is not None else None
-        self.pid_warmup = model_warmup(self.pid, self.pid_warmup, like=next(self.parameters()))
+        self.pid_warmup = make_warmup(self.pid, self.pid_warmup, like=next(self.parameters()))
 
     def _embed(self, x: Tensor) -> Tuple[Tensor, int, int]:
         B = x.shape[0]

@@ -26,9 +26,9 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import GainWarmup, MethodChoice, warmup_scale
+from ..core import GainWarmup, MethodChoice, make_warmup, warmup_scale
 from ._helpers import (
-    MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict, model_warmup,
+    MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     rebuilt, register_entries, resolve_pid, run_blocks, state_outputs,
 )
 
@@ -139,7 +139,7 @@ class _PIDViTMixin:
         self.pid = choice.config if choice is not None else None
         self.attention_method = choice.method if choice is not None else None
         #: the gain warm-up counter (``warmup_steps > 0``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = model_warmup(
+        self.pid_warmup: Optional[GainWarmup] = make_warmup(
             self.pid, getattr(self, "pid_warmup", None), like=next(self.parameters())
         )
 
