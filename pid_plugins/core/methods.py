@@ -43,7 +43,7 @@ from .gains import PIDGains
 from .warmup import GainWarmup, make_warmup, scaled_gains
 
 __all__ = [
-    "AttentionMethod", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
+    "AttentionMethod", "AttentionContext", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "resolve_attention", "on_register", "calls_attention_once", "method_warmup", "SOFTMAX", "ZOOS",
 ]
 
@@ -53,6 +53,16 @@ SOFTMAX = "softmax"
 ZOOS = ("timm", "hf", "mmseg", "fairseq")
 
 Attend = Callable[[Tensor, Tensor], Tensor]
+
+
+class AttentionContext(NamedTuple):
+    """What an adapter knows about one attention call, for :meth:`AttentionMethod.check` (all False: a
+    bidirectional, uncached self-attention without dropout and with as many key/value heads as query heads)."""
+
+    causal: bool = False  #: each position attends to itself and earlier positions only
+    cached: bool = False  #: the keys/values include positions that are not queries here (a KV cache)
+    dropout: bool = False  #: attention dropout is active in this call
+    grouped: bool = False  #: fewer key/value heads than query heads (grouped-query attention)
 
 
 class AttentionMethod:
@@ -85,6 +95,10 @@ class AttentionMethod:
         if default is None:
             default = self.default_presets.get(zoo, self.default_presets.get("*"))
         return self.config_type.coerce(value, default=default)
+
+    def check(self, config: Any, context: AttentionContext) -> None:
+        """Refuse (``ValueError`` saying what to change) an attention call the method cannot compute exactly, before
+        anything is computed; adapters call it at every layer call with what they know. Default: every context."""
 
     def is_identity(self, config: Any) -> bool:
         """Whether the method with ``config`` computes the stock attention exactly (adapters then run the stock

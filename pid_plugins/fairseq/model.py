@@ -43,7 +43,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
-from ..core import AttentionMethod, GainWarmup, MethodChoice, method_warmup, resolve_attention, warmup_scale
+from ..core import AttentionContext, AttentionMethod, GainWarmup, MethodChoice, method_warmup, resolve_attention, warmup_scale
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
@@ -170,6 +170,9 @@ class PIDMultiheadAttention(MultiheadAttention):
         with the keys, masks and dropout bound, then the output projection."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
+        method = self.attention_method
+        method.check(self.pid, AttentionContext(causal=True, cached=incremental_state is not None,
+                                                dropout=self.training and self.dropout_module.p > 0))
         q, k, v = self._qkv(x)
         v_query = v
         if incremental_state is not None:
@@ -194,7 +197,6 @@ class PIDMultiheadAttention(MultiheadAttention):
         def attend(query: Tensor, value: Tensor) -> Tensor:
             return F.scaled_dot_product_attention(query, k, value, attn_mask=mask, dropout_p=dropout_p)
 
-        method = self.attention_method
         params = method.layer_params(self.pid, self.pid_gains)
         out, state = method.forward(params, attend, q, v, v_query, state, head_dim=-3)
         return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), state
@@ -210,6 +212,8 @@ class PIDMultiheadAttention(MultiheadAttention):
     ) -> Tuple[Tensor, tuple]:
         """Under warm-up (additive methods): fairseq's own attention (its fused kernel and cache) plus the method's
         term scaled by ``scale`` through the output projection's weight, so a zero scale is the stock layer exactly."""
+        self.attention_method.check(self.pid, AttentionContext(causal=True, cached=incremental_state is not None,
+                                                               dropout=self.training and self.dropout_module.p > 0))
         out, _ = MultiheadAttention.forward(self, query=x, key=x, value=x, key_padding_mask=key_padding_mask,
                                             incremental_state=incremental_state, need_weights=False,
                                             attn_mask=attn_mask)

@@ -47,7 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import (
-    AttentionMethod, GainWarmup, PIDConfig, PIDMethod, PIDState, calls_attention_once, get_method, make_warmup, on_register,
+    AttentionContext, AttentionMethod, GainWarmup, PIDConfig, PIDMethod, PIDState, calls_attention_once, get_method, make_warmup, on_register,
 )
 from . import gains as learned_gains
 
@@ -85,7 +85,7 @@ class PIDForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable")
+                 "function", "start", "plain", "learnable", "cached")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None) -> None:
@@ -100,6 +100,7 @@ class PIDForwardState:
         self.zero = self.method.is_identity(config)
         self.plain = calls_attention_once(self.method)
         self.learnable = bool(getattr(config, "learnable", False))
+        self.cached = past_length is not None  # a cache object was passed (set again by the hook for dynamic caches)
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
@@ -237,6 +238,9 @@ def pid_attention_forward(
     if run.zero:
         return base(module, query, key, value, attention_mask, **kwargs)
     method = run.method
+    method.check(run.config, AttentionContext(
+        causal=bool(getattr(module, "is_causal", False)), cached=run.cached or key.shape[-2] != query.shape[-2],
+        dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]))
     params: Any = run.params
     if run.learnable:  # this layer's own parameters (PID: lambda_p, lambda_i, lambda_d), else the config's
         layer = getattr(module, learned_gains.GAINS_ATTR, None)
@@ -473,7 +477,9 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     cache = kwargs.get("past_key_values")
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache), scale, method)
+    run = PIDForwardState(gains, base, _static_past(cache), scale, method)
+    run.cached = cache is not None
+    kwargs["pid_state"] = run
     return args, kwargs
 
 

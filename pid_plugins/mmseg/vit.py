@@ -23,7 +23,7 @@ from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransforme
 from mmseg.registry import MODELS
 
 from ..core import (
-    SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, get_method, method_warmup,
+    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, get_method, method_warmup,
     resolve_attention, unwrap_state_dict, warmup_scale,
 )
 from .checkpoint import load_checkpoint
@@ -84,6 +84,7 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
             return F.scaled_dot_product_attention(query, k, value, attn_mask=None, dropout_p=dropout_p,
                                                   is_causal=False, scale=None)
 
+        self.attention_method.check(self.pid, AttentionContext(dropout=dropout_p > 0))
         params = self.attention_method.layer_params(self.pid, None)
         out, state = self.attention_method.forward(params, attend, q, v, v, state, head_dim=-3)
         return mha.out_proj(out.transpose(1, 2).reshape(B, N, C)), state
@@ -94,6 +95,7 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
         exactly."""
         a = self.attn
         mha = a.attn
+        self.attention_method.check(self.pid, AttentionContext(dropout=self.training and mha.dropout > 0))
         B, N, C = x.shape
         q = x.transpose(0, 1) if a.batch_first else x
         out = mha(query=q, key=q, value=q, attn_mask=None, key_padding_mask=None)[0]

@@ -16,8 +16,10 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
-from ..core import SOFTMAX, AttentionMethod, GainWarmup, MethodChoice, calls_attention_once, check_keys, list_methods
-from ..core import resolve_attention
+from ..core import (
+    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, MethodChoice, calls_attention_once, check_keys, list_methods,
+    resolve_attention,
+)
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -65,7 +67,7 @@ class MethodLayer:
 
     def method_attention(
         self, attend: Callable[[Tensor, Tensor], Tensor], q: Tensor, v: Tensor, state: Optional[Tuple[Any, ...]],
-        scale: Optional[Tensor],
+        scale: Optional[Tensor], causal: bool = False,
     ) -> Tuple[Tensor, Optional[tuple]]:
         """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer.
 
@@ -78,6 +80,8 @@ class MethodLayer:
         method = self.attention_method
         if method is None or method.is_identity(self.pid):
             return attend(q, v), state
+        drop = getattr(self, "attn_drop", None)
+        method.check(self.pid, AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0))
         if not calls_attention_once(method):
             params = method.layer_params(self.pid, self.pid_gains)
             q = method.prepare(params, q, v, method.make_state(*state) if state is not None else None)

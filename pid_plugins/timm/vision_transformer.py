@@ -73,7 +73,7 @@ class PIDAttention(MethodLayer, Attention):
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         out, state = self.method_attention(
-            partial(self._attend, k=k, attn_mask=attn_mask, is_causal=is_causal), q, v, state, pid_scale
+            partial(self._attend, k=k, attn_mask=attn_mask, is_causal=is_causal), q, v, state, pid_scale, is_causal
         )
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
