@@ -16,3 +16,5 @@ __all__ = [
     "AttentionMethod", "AttentionContext", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "on_register", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys",
 ]
+
+from . import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing and Elliptical beside PID)

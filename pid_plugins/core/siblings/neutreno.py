@@ -1,0 +1,1 @@
+"""(placeholder: registered by issue 27's work)"""
