@@ -36,9 +36,13 @@ def naive_pid_stack(attn_outs, values, lp, li, ld, beta, control_first_layer=Tru
     return outs
 
 
-def naive_mmseg_layers(layers, h, heads, gains, control_first_layer=True):
-    """mmseg ``TransformerEncoderLayer``s (pre-norm, ``nn.MultiheadAttention`` + FFN) run as one PID group,
-    attention by hand from the weights and the rule from :func:`naive_pid_stack`; returns the tokens."""
+def naive_mmseg_layers(layers, h, heads, gains=None, control_first_layer=True, rule=None):
+    """mmseg ``TransformerEncoderLayer``s (pre-norm, ``nn.MultiheadAttention`` + FFN) run as one group of a
+    layer-coupled rule, attention by hand from the weights; returns the tokens. The rule: PID's
+    (:func:`naive_pid_stack` with ``gains``), or ``rule(attn_outs, values)`` -> the outputs of every layer so far."""
+    if rule is None:
+        def rule(attn_outs, values):
+            return naive_pid_stack(attn_outs, values, *gains, control_first_layer=control_first_layer)
     attn_outs, values = [], []
     for layer in layers:
         mha = layer.attn.attn
@@ -48,7 +52,7 @@ def naive_mmseg_layers(layers, h, heads, gains, control_first_layer=True):
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
         attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // heads) ** -0.5, -1) @ v)
         values.append(v)
-        u = naive_pid_stack(attn_outs, values, *gains, control_first_layer=control_first_layer)[-1]
+        u = rule(attn_outs, values)[-1]
         h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
         h = layer.ffn(layer.norm2(h), identity=h)
     return h

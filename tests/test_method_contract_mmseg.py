@@ -18,6 +18,7 @@ import torch.nn.functional as F
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
+from reference import naive_mmseg_layers  # noqa: E402
 from toy_method import METHOD, NAME, ScaledReferenceConfig, naive_scaled_reference  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -65,21 +66,10 @@ def features(dtype=torch.float32):
 
 
 def naive_layers(layers, h, heads, gamma):
-    """mmseg ``TransformerEncoderLayer``s (pre-norm, packed ``in_proj`` + FFN) as one ``scaled_reference`` group:
-    attention by hand from the weights, the rule from :func:`naive_scaled_reference`."""
-    attn_outs, values = [], []
-    for layer in layers:
-        mha = layer.attn.attn
-        B, N, C = h.shape
-        t = layer.norm1(h)
-        qkv = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // heads) ** -0.5, -1) @ v)
-        values.append(v)
-        u = naive_scaled_reference(attn_outs, values, gamma)[-1]
-        h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
-        h = layer.ffn(layer.norm2(h), identity=h)
-    return h
+    """mmseg ``TransformerEncoderLayer``s as one ``scaled_reference`` group: attention by hand from the weights
+    (tests/reference.py), the rule from :func:`naive_scaled_reference`."""
+    return naive_mmseg_layers(layers, h, heads, rule=lambda attn_outs, values: naive_scaled_reference(
+        attn_outs, values, gamma))
 
 
 # ------------------------------------------------------------------------------------------ the user path
