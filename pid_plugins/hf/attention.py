@@ -85,7 +85,7 @@ class PIDForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached")
+                 "function", "start", "plain", "learnable", "cached", "checks")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None) -> None:
@@ -99,6 +99,7 @@ class PIDForwardState:
         # eager: each model family has its own eager_attention_forward)
         self.zero = self.method.is_identity(config)
         self.plain = calls_attention_once(self.method)
+        self.checks = type(self.method).check is not AttentionMethod.check  # (PID checks nothing: no per-call cost)
         self.learnable = bool(getattr(config, "learnable", False))
         self.cached = past_length is not None  # a cache object was passed (set again by the hook for dynamic caches)
         self.function = _BASE_FUNCTIONS.get(base)
@@ -238,9 +239,10 @@ def pid_attention_forward(
     if run.zero:
         return base(module, query, key, value, attention_mask, **kwargs)
     method = run.method
-    method.check(run.config, AttentionContext(
-        causal=bool(getattr(module, "is_causal", False)), cached=run.cached or key.shape[-2] != query.shape[-2],
-        dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]))
+    if run.checks:
+        method.check(run.config, AttentionContext(
+            causal=bool(getattr(module, "is_causal", False)), cached=run.cached or key.shape[-2] != query.shape[-2],
+            dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]))
     params: Any = run.params
     if run.learnable:  # this layer's own parameters (PID: lambda_p, lambda_i, lambda_d), else the config's
         layer = getattr(module, learned_gains.GAINS_ATTR, None)
