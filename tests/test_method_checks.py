@@ -135,3 +135,22 @@ def test_fairseq_reports_causal_and_cached_decoding(tmp_path):
     assert SEEN == [AttentionContext(causal=True, cached=True)] * 2
     with torch.no_grad(), pytest.raises(ValueError, match="cannot run cached attention"):
         build({"refuse": "cached"}).decoder(tokens[:, :1], incremental_state={})
+
+
+def test_timm_fx_feature_extraction_runs_the_check_with_concrete_arguments():
+    """Under torch.fx (timm's feature extraction) ``is_causal`` is a traced argument: the check is a leaf, run when
+    the graph runs, with the concrete values (a method reading ``context.causal`` traces and refuses as in eager)."""
+    timm = pytest.importorskip("timm")
+    import pid_plugins.timm  # noqa: F401
+    from timm.models import create_feature_extractor
+
+    model = timm.create_model("pid_deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5,
+                              attention="context_probe", attention_cfg={"refuse": "causal"}).eval()
+    extractor = create_feature_extractor(model, return_nodes=["blocks.1"])
+    x = torch.randn(1, 3, 32, 32)
+    SEEN.clear()
+    with torch.no_grad():
+        got = extractor(x)["blocks.1"]
+        want = model.forward_intermediates(x, indices=[1], intermediates_only=True, output_fmt="NLC")[0]
+    assert SEEN and all(c == AttentionContext() for c in SEEN)
+    torch.testing.assert_close(got[:, model.num_prefix_tokens:], want, rtol=0, atol=0)

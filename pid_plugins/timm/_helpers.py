@@ -80,8 +80,7 @@ class MethodLayer:
         method = self.attention_method
         if method is None or method.is_identity(self.pid):
             return attend(q, v), state
-        drop = getattr(self, "attn_drop", None)
-        method.check(self.pid, AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0))
+        q = check_step(self, q, causal)
         if not calls_attention_once(method):
             params = method.layer_params(self.pid, self.pid_gains)
             q = method.prepare(params, q, v, method.make_state(*state) if state is not None else None)
@@ -111,8 +110,21 @@ def pid_step(
                          scale, -3)
 
 
-# a leaf for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
+@register_notrace_function
+def check_step(layer: MethodLayer, query: Tensor, causal: Any = False) -> Tensor:
+    """The layer's method refuses what it cannot compute exactly (``AttentionMethod.check``: causal, attention
+    dropout in training), before the layer computes; returns ``query`` unchanged. A leaf for torch.fx too: in a
+    traced model (feature extraction) the ``is_causal`` argument is only known when the graph runs, and the query
+    passing through keeps the call in the graph."""
+    drop = getattr(layer, "attn_drop", None)
+    layer.attention_method.check(layer.pid, AttentionContext(
+        causal=bool(causal), dropout=layer.training and drop is not None and drop.p > 0))
+    return query
+
+
+# leaves for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
 torch.fx.wrap("pid_step")
+torch.fx.wrap("check_step")
 
 
 def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
