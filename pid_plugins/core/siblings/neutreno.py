@@ -1,5 +1,6 @@
-"""NeuTRENO attention (Nguyen et al., "Mitigating Over-smoothing in Transformers via Regularized Nonlocal
-Functionals", NeurIPS 2024), as a registered attention method ``"neutreno"``.
+"""NeuTRENO attention (Nguyen, Nguyen and Baraniuk, "Mitigating Over-smoothing in Transformers via Regularized
+Nonlocal Functionals", NeurIPS 2023: Advances in NeurIPS 36, which the code's readme cites as 2024), as a registered
+attention method ``"neutreno"``.
 
 For the layers ``l = 1 .. L`` of one group (a stack of self-attention layers in one forward pass, as for PID), with
 ``A^l`` the layer's (dropped-out) attention matrix and ``v^l`` its values, per head and query position::
@@ -7,8 +8,9 @@ For the layers ``l = 1 .. L`` of one group (a stack of self-attention layers in 
     u^1 = A^1 v^1                              (the first layer only records v^1)
     u^l = A^l v^l + alpha * (v^1 - v^l)        (l >= 2)
 
-It is PID with ``(lambda_p, lambda_i, lambda_d, beta) = (alpha, 0, 0, 1)`` under either first-layer convention, but
-threads only ``v^1`` from layer to layer (PID also threads its running error and last error).
+It is PID with ``(lambda_p, lambda_i, lambda_d, beta) = (alpha, 0, 0, 1)`` under either first-layer convention (and
+computes the same float operations: equal bit for bit in float32/float64), but threads only ``v^1`` from layer to
+layer (PID also threads its running error and last error).
 
 As the official code computes it (github.com/tamnguyen9520/NeuTRENO_NeurIPS2024, read at its public snapshot):
 
