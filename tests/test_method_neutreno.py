@@ -22,6 +22,16 @@ from pid_plugins.core.siblings.neutreno import NeuTRENOConfig, NeuTRENOMethod
 NAME = "neutreno"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread (float64 convolutions, e.g. FAN's, take the slow kernel, whose parallel
+    regions cost far more than they compute on a shared machine); restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def naive_neutreno(attn_out, values, alpha):
     """The official rule, position by position in float64: ``attn_out`` (B, H, N, D) is this layer's ``A v``,
     ``values`` the group's values so far ``[v^1, ..., v^l]`` (B, H_kv, N, D); a query head reads key/value head
