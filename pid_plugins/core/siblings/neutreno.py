@@ -40,9 +40,9 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..config import MethodConfig
 from ..control import expand_heads
 from ..methods import AttentionMethod, register_method
-from ..config import MethodConfig
 
 __all__ = ["NeuTRENOConfig", "NeuTRENOMethod", "neutreno_update"]
 
