@@ -5,6 +5,7 @@ the test build the same initial model and see the same global batches.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -90,7 +91,7 @@ FSDP_MODES = {  # name: (reshard_after_forward, gradient checkpointing); "ddp": 
     "checkpointing": (True, True),
     "ddp": (None, False),
 }
-TOY_GAMMA = 0.3  # the toy method's strength in the toy_* cases
+TOY_GAMMA = 0.3  # the toy method's strength in the scaled_reference:* cases
 
 
 def toy_method():
@@ -103,20 +104,19 @@ def toy_method():
     return toy
 
 
-def _hf(kind: str):
+def _hf(kind: str, method=None):
     import pid_plugins.hf  # noqa: F401  (registers attn_implementation="pid")
     import transformers as T
 
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   max_position_embeddings=32, pad_token_id=0, attn_implementation="pid")
-    if kind == "toy_decoder":  # a user-registered method, no learnable parameters
-        name = toy_method().NAME
-        return T.LlamaForCausalLM(T.LlamaConfig(**{**common, "attn_implementation": name}, num_hidden_layers=4,
-                                                num_key_value_heads=2, **{name: {"gamma": TOY_GAMMA}}))
+    learnable = {"pid": {"learnable": True}}
+    if method is not None:  # another attention method (a registered sibling of PID, or the tests' toy)
+        name, params = method
+        common, learnable = {**common, "attn_implementation": name, name: params}, {}
     if kind == "decoder":  # Llama with grouped-query attention, 4 layers (a copied state would show from layer 2),
         # learnable gains (parameters of each attention module, so fully_shard per layer shards them with it)
-        return T.LlamaForCausalLM(T.LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=2,
-                                                pid={"learnable": True}))
+        return T.LlamaForCausalLM(T.LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=2, **learnable))
     if kind == "encoder":
         return T.BertModel(T.BertConfig(**common, num_hidden_layers=3, hidden_dropout_prob=0.0,
                                         attention_probs_dropout_prob=0.0), add_pooling_layer=False)
@@ -170,7 +170,7 @@ def _mmseg_backbone(with_cp: bool = False, **method):
                              norm_cfg=dict(type="LN", eps=1e-6), with_cp=with_cp, **method))
 
 
-def _fairseq_lm(workdir, method=None):
+def _fairseq_lm(workdir, method=None, params=None):
     from fairseq import options, tasks
     from fairseq.data import Dictionary
 
@@ -184,7 +184,7 @@ def _fairseq_lm(workdir, method=None):
         str(workdir), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir", USER_DIR,
         "--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-attention-heads", "4",
         "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "32", "--dropout", "0",
-        *(["--attention-method", method, "--attention-cfg", f'{{"gamma": {TOY_GAMMA}}}'] if method else [])])
+        *(["--attention-method", method, "--attention-cfg", json.dumps(params or {})] if method else [])])
     return tasks.setup_task(args).build_model(args)
 
 
@@ -206,26 +206,38 @@ def _mmseg_out(model, batch):
     return torch.cat([f.flatten(1) for f in model(batch["x"])], dim=1)
 
 
+def _method(name: str):
+    """``(method name, parameters, zoo case)`` of a ``<method>:<case>`` name, else ``(None, None, name)``. The tests'
+    toy method (``scaled_reference``) is registered on first use, as a user's code would."""
+    if ":" not in name:
+        return None, None, name
+    method, base = name.split(":", 1)
+    if method == "scaled_reference":
+        toy_method()
+        return method, {"gamma": TOY_GAMMA}, base
+    return method, None, base
+
+
 def fsdp_case(name: str, workdir):
     """(build(checkpointing) -> model, layers(model), batch() -> dict, forward(model, batch) -> tensor,
-    checkpointing supported). ``toy_*``: the same model with the tests' toy method (``attention=<its name>``)."""
-    toy = name.startswith("toy_")
-    base = name[4:] if toy else name
-    method = dict(attention=toy_method().NAME, attention_cfg=dict(gamma=TOY_GAMMA)) if toy else {}
+    checkpointing supported). ``<method>:<case>``: the case's model with another attention method
+    (``attention=<method>``, its default parameters; the toy's strength TOY_GAMMA)."""
+    method, params, base = _method(name)
+    chosen = dict(attention=method, attention_cfg=params) if method else {}
     if base.startswith("hf_"):
-        kind = ("toy_" if toy else "") + base[3:]
+        kind = base[3:]
 
         def build(checkpointing):
-            model = _hf(kind)
+            model = _hf(kind, (method, params or {}) if method else None)
             if checkpointing:
                 _hf_checkpointing(model)
             return model
-        return build, _hf_layers, _tokens(kind == "encoder_decoder"), _hf_forward(kind.replace("toy_", "")), True
+        return build, _hf_layers, _tokens(kind == "encoder_decoder"), _hf_forward(kind), True
     if base in ("timm_deit", "timm_fan"):
         timm_name, kw, size = (("pid_deit_tiny_patch16_224", dict(TIMM_TINY, pid=dict(learnable=True)), 32)
                                if base == "timm_deit" else ("pid_fan_tiny_12_p16_224", FAN_TINY, 64))
-        if toy:
-            kw = dict({k: v for k, v in kw.items() if k != "pid"}, **method)
+        if method:
+            kw = dict({k: v for k, v in kw.items() if k != "pid"}, **chosen)
 
         def build(checkpointing):
             model = _timm(timm_name, **kw)
@@ -233,25 +245,32 @@ def fsdp_case(name: str, workdir):
             return model
         return build, lambda m: list(m.blocks), _images(size), lambda m, b: m(b["x"]), True
     if base == "mmseg":
-        return (lambda checkpointing: _mmseg_backbone(checkpointing, **method), lambda m: list(m.layers),
+        return (lambda checkpointing: _mmseg_backbone(checkpointing, **chosen), lambda m: list(m.layers),
                 _images(64), _mmseg_out, True)
     if base == "fairseq":
-        return (lambda checkpointing: _fairseq_lm(workdir, method.get("attention")),
+        return (lambda checkpointing: _fairseq_lm(workdir, method, params),
                 lambda m: list(m.decoder.layers), _tokens(low=4, high=44), lambda m, b: m(b["input_ids"])[0], False)
     raise KeyError(name)
 
 
+#: PID in every zoo and family kind; the tests' toy method (a user-registered one) in every zoo; PID's siblings
+#: (issue 27) in every zoo where they apply (Elliptical refuses causal models)
 FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq",
-              "toy_hf_decoder", "toy_timm_deit", "toy_mmseg", "toy_fairseq")
+              *(f"scaled_reference:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
+              *(f"neutreno:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
+              *(f"elliptical:{c}" for c in ("hf_encoder", "timm_deit", "mmseg")))
 
 
 def case_modes(name: str, workdir) -> list:
-    """The modes a case runs in: FSDP2 both ways and with checkpointing (where the zoo supports it); the toy
-    method's cases also under DDP (the PID cases' DDP runs are the zoos' own launchers, in test_distributed.py)."""
+    """The modes a case runs in: PID's cases under FSDP2 both ways and with checkpointing (where the zoo supports
+    it; their DDP runs are the zoos' own launchers, in test_distributed.py); the toy method's under FSDP2 (with and
+    without checkpointing) and DDP; PID's siblings' under DDP."""
     supports_checkpointing = fsdp_case(name, workdir)[4]
     modes = [m for m, (_, ckpt) in FSDP_MODES.items() if m != "ddp" and (supports_checkpointing or not ckpt)]
-    if name.startswith("toy_"):
-        modes = [m for m in modes if m != "keep_unsharded"] + ["ddp"]
+    if name.startswith("scaled_reference:"):
+        return [m for m in modes if m != "keep_unsharded"] + ["ddp"]
+    if ":" in name:
+        return ["ddp"]
     return modes
 
 
