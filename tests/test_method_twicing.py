@@ -114,7 +114,7 @@ def test_from_layer_counts_the_layers_of_a_group():
 
 # ============================================================================================== timm
 DEIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=10)
-FAN = dict(img_size=64, embed_dim=48, depth=2, num_heads=4, num_classes=10)
+FAN = dict(img_size=32, embed_dim=48, depth=2, num_heads=4, num_classes=10)
 TIMM = {"deit": ("pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", DEIT),
         "fan": ("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", FAN)}
 
@@ -136,31 +136,29 @@ def images(kind, n=2):
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
 
 
-def timm_reference(kind, stock, x):
-    """The stock timm model's modules in float64, every layer's attention twiced by hand."""
-    if kind == "deit":
-        h = stock.norm_pre(stock._pos_embed(stock.patch_embed(x)))
-    else:
-        h, Hp, Wp = stock._embed(x)
+def deit_reference(stock, x):
+    """The stock DeiT's modules in float64, every layer's attention twiced by hand."""
+    h = stock.norm_pre(stock._pos_embed(stock.patch_embed(x)))
     for blk in stock.blocks:
         a = blk.attn
         B, N, C = h.shape
-        t = blk.norm1(h)
-        if kind == "deit":
-            q, k, v = a.qkv(t).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
-        else:
-            q = a.q(t).reshape(B, N, a.num_heads, -1).transpose(1, 2)
-            k, v = a.kv(t).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-        u = twice64(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, v)
-        if kind == "deit":
-            h = h + a.proj(u.transpose(1, 2).reshape(B, N, C))
-            h = h + blk.mlp(blk.norm2(h))
-        else:
-            h = h + blk.gamma1 * a.proj(u.transpose(1, 2).reshape(B, N, C))
-            h = h + blk.gamma2 * blk.mlp(blk.norm2(h), Hp, Wp)
-    if kind == "deit":
-        return stock.forward_head(stock.norm(h))
-    return stock.forward_head(stock.norm(stock.forward_cls(h)))
+        q, k, v = a.qkv(blk.norm1(h)).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+        h = h + a.proj(twice64(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, v).transpose(1, 2).reshape(B, N, C))
+        h = h + blk.mlp(blk.norm2(h))
+    return stock.forward_head(stock.norm(h))
+
+
+def fan_attention_reference(stock, h):
+    """FAN's token-mixing layers in float64 (the stack of its blocks' attentions, each fed the previous one's
+    output), twiced by hand. (FAN's whole model in float64 runs its grouped convolutions in torch's slow float64
+    kernel: the rest of FAN's model is checked with the toy method in test_method_contract_timm.py.)"""
+    for blk in stock.blocks:
+        a = blk.attn
+        B, N, C = h.shape
+        q = a.q(h).reshape(B, N, a.num_heads, -1).transpose(1, 2)
+        k, v = a.kv(h).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
+        h = a.proj(twice64(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, v).transpose(1, 2).reshape(B, N, C))
+    return h
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -173,15 +171,23 @@ def test_timm_matches_a_float64_reference_and_softmax_is_stock(kind, fused):
             blk.attn.fused_attn = fused
     x = images(kind)
     with torch.no_grad():
-        want = timm_reference(kind, stock.double(), x.double())
-        torch.testing.assert_close(model.double()(x.double()), want, rtol=1e-10, atol=1e-10)
-        assert not torch.allclose(stock(x.double()), want)
-        stock.float()
         softmax = timm.create_model(TIMM[kind][0], attention="softmax", **TIMM[kind][2]).eval()
         softmax.load_state_dict(stock.state_dict())
         for blk in softmax.blocks:
             blk.attn.fused_attn = fused
         assert torch.equal(softmax(x), stock(x))  # (b): the stock attention with the same weights
+        model, stock = model.double(), stock.double()
+        if kind == "deit":
+            want = deit_reference(stock, x.double())
+            torch.testing.assert_close(model(x.double()), want, rtol=1e-10, atol=1e-10)
+            assert not torch.allclose(stock(x.double()), want)
+        else:
+            h = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+            got, state = h, None
+            for blk in model.blocks:
+                got, state = blk.attn(got, state)
+            assert state == (None,)  # every layer twices: nothing to count
+            torch.testing.assert_close(got, fan_attention_reference(stock, h), rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="use from_layer=0"):
         timm.create_model(TIMM[kind][0], attention=NAME, attention_cfg="lm", **TIMM[kind][2]).eval()(x)
 
@@ -192,29 +198,32 @@ def test_timm_checkpointing_compile_dropout_and_save(kind, tmp_path):
     ref, _ = timm_pair(kind)
     x = images(kind)
     # (c) both checkpointing modes equal no checkpointing
-    for reentrant in (False, True):
-        ckpt, _ = timm_pair(kind)
-        ckpt.set_grad_checkpointing(True)
-        previous = timm.layers.use_reentrant_ckpt()
-        timm.layers.set_reentrant_ckpt(reentrant)
-        results = []
-        try:
-            for model in (ref, ckpt):
-                model.zero_grad()
-                inp = x.clone().requires_grad_()
-                out = model(inp)
-                out.square().mean().backward()
-                results.append([out.detach(), inp.grad] + [p.grad for p in model.parameters()])
-        finally:
-            timm.layers.set_reentrant_ckpt(previous)
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    # (d) compile
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.testing.assert_close(torch.compile(ref, fullgraph=True, backend="aot_eager")(x), ref(x),
-                                   rtol=1e-5, atol=1e-6)
-    torch._dynamo.reset()
+
+    def step(model):
+        model.zero_grad()
+        inp = x.clone().requires_grad_()
+        out = model(inp)
+        out.square().mean().backward()
+        return [out.detach(), inp.grad] + [p.grad for p in model.parameters()]
+
+    want = step(ref)
+    ckpt, _ = timm_pair(kind)
+    ckpt.set_grad_checkpointing(True)
+    previous = timm.layers.use_reentrant_ckpt()
+    try:
+        for reentrant in (False, True):
+            timm.layers.set_reentrant_ckpt(reentrant)
+            for a, b in zip(step(ckpt), want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        timm.layers.set_reentrant_ckpt(previous)
+    # (d) compile (DeiT: FAN's layers run the same MethodLayer step, compiled in test_method_contract_timm.py)
+    if kind == "deit":
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(ref, fullgraph=True, backend="aot_eager")(x), ref(x),
+                                       rtol=1e-5, atol=1e-6)
+        torch._dynamo.reset()
     # training without attention dropout runs; with it, refused before anything is computed
     ref.train()(x)
     ref.eval()
