@@ -28,7 +28,7 @@ a static shape for ``torch.compile`` and a plain tensor for checkpointed blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
