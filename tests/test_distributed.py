@@ -259,8 +259,8 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
     (Before the transformers adapter's per-forward state became opaque, FSDP2's hooks rebuilt it per layer and
     the Llama case differed by about 0.2 from layer 3 on.) The ``scaled_reference:*`` cases run the tests'
     user-registered toy method (tests/toy_method.py) in every zoo, under FSDP2 and under DistributedDataParallel
-    (the adapter contract gives any method what PID has); ``neutreno:*`` and ``elliptical:*`` run PID's siblings
-    under DDP."""
+    (the adapter contract gives any method what PID has); ``neutreno:*``, ``elliptical:*`` and ``twicing:*`` run PID's
+    siblings under DDP."""
     for mod in ("timm", "transformers", "mmseg", "fairseq"):
         pytest.importorskip(mod)
     launch(tmp_path, "fsdp2", [str(DIST / "fsdp2.py"), str(tmp_path)], timeout=900)

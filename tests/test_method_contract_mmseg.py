@@ -310,7 +310,7 @@ def test_warmup_with_a_non_additive_method_is_refused(monkeypatch):
         default_presets = {"*": "default"}
         additive = False
 
-        def attend(self, params, attend, query, value):
+        def attend(self, params, attend, query, value, state=None, head_dim=-3):
             return 2 * attend(query, value)
 
         def update(self, params, out, value_q, state, scale, head_dim):

@@ -106,8 +106,11 @@ def test_from_layer_counts_the_layers_of_a_group():
         torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
         assert state[0].shape == (min(layer + 1, 2),)
     assert method.forward(TwicingConfig(), lambda a, b: b, q, v, v, None)[1] == (None,)
-    with pytest.raises(ValueError, match="use from_layer=0"):  # the stateless step (timm) cannot count layers
-        method.attend(config, lambda a, b: b, q, v)
+    # the attend step alone (as timm calls it) reads the layer's index from the state too
+    plain = lambda a, b: F.scaled_dot_product_attention(a, k, b)  # noqa: E731
+    torch.testing.assert_close(method.attend(config, plain, q, v, None), plain(q, v), rtol=0, atol=0)
+    torch.testing.assert_close(method.attend(config, plain, q, v, state), twice64(q @ k.transpose(-1, -2) / 3 ** 0.5, v),
+                               rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="as many value heads as query heads"):
         twicing_rule(lambda a, b: a, q, v[:, :1])
 
@@ -188,8 +191,13 @@ def test_timm_matches_a_float64_reference_and_softmax_is_stock(kind, fused):
                 got, state = blk.attn(got, state)
             assert state == (None,)  # every layer twices: nothing to count
             torch.testing.assert_close(got, fan_attention_reference(stock, h), rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="use from_layer=0"):
-        timm.create_model(TIMM[kind][0], attention=NAME, attention_cfg="lm", **TIMM[kind][2]).eval()(x)
+    # from_layer past the last layer (the language preset, layers >= 14): every layer computes the stock attention
+    late = timm.create_model(TIMM[kind][0], attention=NAME, attention_cfg="lm", **TIMM[kind][2]).eval()
+    late.load_state_dict(stock.state_dict())
+    for blk in late.blocks:
+        blk.attn.fused_attn = fused
+    with torch.no_grad():
+        torch.testing.assert_close(late.float()(x.float()), stock.float()(x.float()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", sorted(TIMM))

@@ -125,8 +125,10 @@ class AttentionMethod:
         """Before attention: the queries the attention uses (default: unchanged)."""
         return query
 
-    def attend(self, params: Any, attend: Attend, query: Tensor, value: Tensor) -> Tensor:
-        """How the method calls the zoo's attention (default: once, ``A v``)."""
+    def attend(self, params: Any, attend: Attend, query: Tensor, value: Tensor, state: Optional[tuple] = None,
+               head_dim: int = -3) -> Tensor:
+        """How the method calls the zoo's attention (default: once, ``A v``). ``state``: the previous layer's;
+        ``head_dim``: where ``attend``'s output has its heads (the values have them at -3)."""
         return attend(query, value)
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
@@ -138,7 +140,7 @@ class AttentionMethod:
                 state: Optional[tuple], *, scale: Optional[Tensor] = None, head_dim: int = -3) -> Tuple[Tensor, tuple]:
         """One layer: :meth:`prepare`, :meth:`attend`, :meth:`update`."""
         query = self.prepare(params, query, value, state)
-        out = self.attend(params, attend, query, value)
+        out = self.attend(params, attend, query, value, state, head_dim)
         return self.update(params, out, value_q, state, scale, head_dim)
 
     def term(self, params: Any, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],

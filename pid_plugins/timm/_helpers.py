@@ -83,8 +83,9 @@ class MethodLayer:
         q = check_step(self, q, causal)
         if not calls_attention_once(method):
             params = method.layer_params(self.pid, self.pid_gains)
-            q = method.prepare(params, q, v, method.make_state(*state) if state is not None else None)
-            out = method.attend(params, attend, q, v)
+            previous = method.make_state(*state) if state is not None else None
+            q = method.prepare(params, q, v, previous)
+            out = method.attend(params, attend, q, v, previous, -3)
         else:
             out = attend(q, v)
         return pid_step(self, out, v, state, scale)

@@ -254,11 +254,12 @@ def fsdp_case(name: str, workdir):
 
 
 #: PID in every zoo and family kind; the tests' toy method (a user-registered one) in every zoo; PID's siblings
-#: (issue 27) in every zoo where they apply (Elliptical refuses causal models)
+#: (issue 27) in every zoo where they apply (Elliptical refuses causal models; Twicing grouped-query attention)
 FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq",
               *(f"scaled_reference:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
               *(f"neutreno:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
-              *(f"elliptical:{c}" for c in ("hf_encoder", "timm_deit", "mmseg")))
+              *(f"elliptical:{c}" for c in ("hf_encoder", "timm_deit", "mmseg")),
+              *(f"twicing:{c}" for c in ("hf_encoder", "timm_deit", "mmseg", "fairseq")))
 
 
 def case_modes(name: str, workdir) -> list:

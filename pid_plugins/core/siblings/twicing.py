@@ -89,10 +89,7 @@ def _layer(state: Optional[tuple]) -> int:
 class Twicing(AttentionMethod):
     """Twicing attention, ``A v + A (v - A v)`` (see the module docstring): two calls of the zoo's attention.
 
-    :meth:`forward` (called by adapters that run the whole layer through the method: transformers, mmseg, fairseq)
-    knows the layer's index and the output layout; :meth:`attend` is the step for adapters that call ``prepare``,
-    ``attend`` and ``update`` one by one (timm, whose attention output has its heads at -3): it has no state, so it
-    twices every layer and refuses ``from_layer > 0``.
+    :meth:`attend` reads the layer's index from the previous layer's state and the output layout from ``head_dim``.
     """
 
     name = "twicing"
@@ -121,13 +118,13 @@ class Twicing(AttentionMethod):
                 "key/value heads as query heads (num_key_value_heads = num_attention_heads)"
             )
 
-    def attend(self, params: TwicingConfig, attend: Attend, query: Tensor, value: Tensor) -> Tensor:
-        if params.from_layer:
-            raise ValueError(
-                f"twicing attention with from_layer={params.from_layer} needs each layer's index, which this "
-                "adapter's attention step is not given: use from_layer=0 (every layer, the official vision setting)"
-            )
-        return twicing_rule(attend, query, value, -3)
+    def attend(self, params: TwicingConfig, attend: Attend, query: Tensor, value: Tensor,
+               state: Optional[tuple] = None, head_dim: int = -3) -> Tensor:
+        """``A v + A (v - A v)`` from layer ``from_layer`` on (the layer's index from the previous layer's state),
+        ``A v`` before."""
+        if _layer(state) >= params.from_layer:
+            return twicing_rule(attend, query, value, head_dim)
+        return attend(query, value)
 
     def update(self, params: TwicingConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
@@ -137,15 +134,6 @@ class Twicing(AttentionMethod):
             return out, (None,)
         count = min(_layer(state) + 1, params.from_layer)
         return out, (torch.zeros(count, dtype=torch.bool, device=value_q.device),)
-
-    def forward(self, params: TwicingConfig, attend: Attend, query: Tensor, value: Tensor, value_q: Tensor,
-                state: Optional[tuple], *, scale: Optional[Tensor] = None, head_dim: int = -3) -> Tuple[Tensor, tuple]:
-        """One layer: ``A v + A (v - A v)`` from layer ``from_layer`` on, ``A v`` before."""
-        if _layer(state) >= params.from_layer:
-            out = twicing_rule(attend, query, value, head_dim)
-        else:
-            out = attend(query, value)
-        return self.update(params, out, value_q, state, scale, head_dim)
 
 
 register_method(Twicing())
