@@ -291,10 +291,12 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         layer_stack=args.layer_stack, seed=args.seed, attention=attention, attention_cfg=args.attention_cfg or (),
         log=lambda m: print(m, file=sys.stderr),
     )
-    print(f"{'model':<40} {'method':<16} {'layers':>6} {'cos first':>9} {'cos last':>9} {'E last':>7} "
+    w = max([40, *(len(label) for label in report["models"])])
+    m = max([16, *(len(r["method"]) for r in report["models"].values())])
+    print(f"{'model':<{w}} {'method':<{m}} {'layers':>6} {'cos first':>9} {'cos last':>9} {'E last':>7} "
           f"{'erank last':>10}")
     for label, r in report["models"].items():
-        print(f"{label:<40} {r['method']:<16} {r['num_layers']:>6} {r['mean_cosine'][0]:>9.3f} "
+        print(f"{label:<{w}} {r['method']:<{m}} {r['num_layers']:>6} {r['mean_cosine'][0]:>9.3f} "
               f"{r['mean_cosine'][-1]:>9.3f} {r['consensus_distance'][-1]:>7.3f} {r['effective_rank'][-1]:>10.2f}")
     print(f"wrote {args.out}/diagnose.json and {args.out}/diagnose.png")
     return 0
