@@ -17,8 +17,8 @@ rename), and :func:`output_lock` keeps two runs from writing into one folder at 
 The models compared are the spec's ``arms`` (:func:`parse_arm`: the built-in :data:`ARMS` or any registered
 attention method with its parameters; :func:`arm_choice` resolves them): every arm is built
 from the softmax model's initial weights, trained, cached (``vision_<label>.safetensors``), evaluated and
-reported in turn (with its ``method`` and ``attention_cfg``); each model's cache key covers its arm's method and
-parameters.
+reported in turn (with its ``method`` and ``attention_cfg``); the cache key covers every built-in arm's gains
+and the method, parameters and code of the spec's method arms.
 """
 from __future__ import annotations
 
@@ -197,11 +197,10 @@ class VisionSpec:
     arms: Tuple[str, ...] = ("softmax", "pid")  #: the arms to train and compare (:func:`parse_arm`)
     control_first_layer: bool = True  #: the ``pid`` arm's first-layer convention (False: reference-only)
 
-    def training_key(self, arm: str = "pid") -> str:
-        """The cache key of the model of ``arm`` (one of :attr:`arms`; default: the ``pid`` arm)."""
+    def training_key(self) -> str:
         keys = ("data", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "epochs", "batch_size", "lr",
                 "weight_decay", "train_limit", "preset", "seed", "control_first_layer")
-        return _key(self, keys, "timm", arm, language=False)
+        return _key(self, keys, "timm", language=False)
 
 
 @dataclass
@@ -223,11 +222,10 @@ class LanguageSpec:
     arms: Tuple[str, ...] = ("softmax", "pid")  #: the arms to train and compare (:func:`parse_arm`)
     control_first_layer: bool = True  #: the ``pid`` arm's first-layer convention (False: reference-only)
 
-    def training_key(self, arm: str = "pid") -> str:
-        """The cache key of the model of ``arm`` (one of :attr:`arms`; default: the ``pid`` arm)."""
+    def training_key(self) -> str:
         keys = ("corpus", "seq_len", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "steps",
                 "batch_size", "lr", "weight_decay", "preset", "seed", "control_first_layer")
-        return _key(self, keys, "hf", arm, language=True)
+        return _key(self, keys, "hf", language=True)
 
 
 # ----------------------------------------------------------------------------------------- caching
@@ -252,17 +250,24 @@ def code_fingerprint(zoo: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _key(spec: Any, keys: Tuple[str, ...], zoo: str, arm: str, language: bool) -> str:
-    """The training key of one arm's model of a Vision/LanguageSpec: the spec's training fields, the arm's
-    attention method and parameters, and the code."""
-    record = arm_record(arm, spec.preset, language, spec.control_first_layer)
-    choice = arm_choice(arm, spec.preset, language, spec.control_first_layer)
-    try:  # a method registered outside pid_plugins: its own code too
-        method_code = inspect.getsource(type(choice.method)) if choice is not None else ""
-    except (OSError, TypeError):
-        method_code = f"{type(choice.method).__module__}.{type(choice.method).__qualname__}"
-    payload = {"spec": {k: getattr(spec, k) for k in keys}, "arm": record, "method_code": method_code,
-               "code": code_fingerprint(zoo)}
+def _key(spec: Any, keys: Tuple[str, ...], zoo: str, language: bool) -> str:
+    """The training key of a Vision/LanguageSpec: its training fields, every built-in arm's gains, the method,
+    parameters and code of each of its method arms, and the code."""
+    gains = {arm: arm_config(arm, spec.preset, language, spec.control_first_layer).to_dict()
+             for arm in ARMS if arm != "softmax"}
+    payload = {"spec": {k: getattr(spec, k) for k in keys}, "gains": gains, "code": code_fingerprint(zoo)}
+    methods = {}
+    for arm in spec.arms:
+        if parse_arm(arm).label not in ARMS:
+            choice = arm_choice(arm, spec.preset, language, spec.control_first_layer)
+            try:  # a method registered outside pid_plugins: its own code too
+                code = inspect.getsource(type(choice.method))
+            except (OSError, TypeError):
+                code = f"{type(choice.method).__module__}.{type(choice.method).__qualname__}"
+            methods[parse_arm(arm).label] = {**arm_record(arm, spec.preset, language, spec.control_first_layer),
+                                             "code": code}
+    if methods:
+        payload["methods"] = methods
     return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -360,11 +365,9 @@ def _write_cache(model: nn.Module, path: Path, info: Dict[str, Any]) -> None:
             os.fsync(f.fileno())
 
 
-def _trained(model: nn.Module, path: Path, spec: Any, arm: str, train: Callable[[], Dict[str, Any]],
-             log: Log) -> Dict[str, Any]:
-    """Load ``model`` from ``path`` if it was trained as ``arm`` with this spec and code, else train it and save it
-    there."""
-    key = spec.training_key(arm)
+def _trained(model: nn.Module, path: Path, spec: Any, train: Callable[[], Dict[str, Any]], log: Log) -> Dict[str, Any]:
+    """Load ``model`` from ``path`` if it was trained with this spec and code, else train it and save it there."""
+    key = spec.training_key()
     info = _read_cache(model, path, key, log)
     if info is not None:
         log(f"{path.stem.replace('_', ' ')}: loaded the cached model {path}")
@@ -465,7 +468,7 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
                                "test_size": len(test), "models": {}}
     for arm, (label, model) in zip(spec.arms, models.items()):
         clf = PixelClassifier(model)
-        info = _trained(model, out / f"vision_{label}.safetensors", spec, arm,
+        info = _trained(model, out / f"vision_{label}.safetensors", spec,
                         lambda: _train_classifier(clf, train, spec, label, log), log)
         clf.eval()
         robust = evaluate_image_robustness(
@@ -566,7 +569,7 @@ def run_language(spec: LanguageSpec, out: Path, log: Log = print) -> Dict[str, A
     results: Dict[str, Any] = {"spec": asdict(spec), "train_blocks": len(train), "valid_blocks": len(valid),
                                "models": {}}
     for arm, (label, model) in zip(spec.arms, language_models(spec).items()):
-        info = _trained(model, out / f"language_{label}.safetensors", spec, arm,
+        info = _trained(model, out / f"language_{label}.safetensors", spec,
                         lambda: _train_lm(model, train, spec, label, log), log)
         model.eval()
         robust = evaluate_lm_robustness(model, valid, rates=spec.rates, batch_size=16, seed=spec.seed, progress=True)
