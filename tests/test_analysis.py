@@ -400,3 +400,74 @@ def test_text_corpora_are_real_and_split():
     assert train.shape == (90, 100) and valid.shape == (10, 100)
     with pytest.raises(ValueError, match="unknown text"):
         load_text("wikitext103")
+
+
+# ----------------------------------------------------------------------------------- any registered method
+def test_cli_diagnose_builds_models_with_any_registered_method(tmp_path, capsys):
+    """--attention/--attention-cfg: a method registered by the user (tests/toy_method.py) on a pid_* name and on a
+    stock DeiT; its zero strength is the stock attention exactly, and the record names the method."""
+    import toy_method  # noqa: F401  (registers scaled_reference)
+
+    def diagnose(out, *options, model="pid_deit_tiny_patch16_224"):
+        rc = main(["diagnose", "--model", model, "--model-kwargs", json.dumps(SMALL), *options, "--data", "digits",
+                   "--num-samples", "8", "--passes", "0", "--out", str(tmp_path / out)])
+        assert rc == 0
+        (r,) = json.loads((tmp_path / out / "diagnose.json").read_text())["models"].items()
+        return r
+
+    label, soft = diagnose("softmax", "--attention", "softmax")
+    assert label == "pid_deit_tiny_patch16_224 [softmax]" and soft["method"] == "softmax"
+    _, zero = diagnose("zero", "--attention", "scaled_reference", "--attention-cfg", '{"gamma": 0}')
+    label, strong = diagnose("strong", "--attention", "scaled_reference", "--attention-cfg", "strong")
+    assert label == "pid_deit_tiny_patch16_224 [scaled_reference]"
+    assert (zero["method"], zero["attention_cfg"]) == ("scaled_reference", {"gamma": 0.0})
+    assert (strong["method"], strong["attention_cfg"]) == ("scaled_reference", {"gamma": 2.0})
+    assert zero["mean_cosine"] == soft["mean_cosine"]  # same seed, same weights: gamma 0 is the stock attention
+    assert strong["mean_cosine"] != soft["mean_cosine"]
+    # a stock timm DeiT is converted (weights kept); without --attention a model reports what it runs
+    _, converted = diagnose("converted", "--attention", "scaled_reference", "--attention-cfg", '{"gamma": 2}',
+                            model="deit_tiny_patch16_224")
+    assert converted["method"] == "scaled_reference" and converted["attention_cfg"] == {"gamma": 2.0}
+    _, default = diagnose("default")
+    assert default["method"] == "pid" and default["attention_cfg"]["lambda_p"] == 0.8
+    assert "scaled_reference" in capsys.readouterr().out
+
+
+def test_cli_attention_on_transformers_folders(tmp_path, tiny_llamas, capsys):
+    import toy_method  # noqa: F401
+
+    text = tmp_path / "text.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 60)
+    rc = main(["attack", "--model", str(tiny_llamas[0]), "--model", str(tiny_llamas[1]), "--model",
+               str(tiny_llamas[1]), "--attention", "scaled_reference", "--attention", "softmax", "--attention", "pid",
+               "--attention-cfg", '{"gamma": 2}', "--attention-cfg", "null", "--attention-cfg", '{"lambda_p": 0}',
+               "--data", str(text), "--num-samples", "4", "--seq-len", "32", "--rates", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "attack.json").read_text())["models"]
+    sr, soft, pid0 = rep["softmax [scaled_reference]"], rep["pid [softmax]"], rep["pid [pid]"]
+    assert (sr["method"], sr["attention_cfg"]) == ("scaled_reference", {"gamma": 2.0})
+    assert soft["method"] == "softmax" and pid0["method"] == "pid" and pid0["attention_cfg"]["lambda_p"] == 0
+    assert sr["perplexity"] != soft["perplexity"]
+    assert "pid [softmax] (softmax): ppl@0%" in capsys.readouterr().out
+
+
+def test_unknown_or_misplaced_attention_is_refused_before_anything_runs(tmp_path, capsys):
+    cfg = "configs/mmseg/segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
+    from pathlib import Path
+
+    cases = [
+        (["--model", "pid_deit_tiny_patch16_224", "--attention", "no_such_method"],
+         "--attention 'no_such_method': unknown attention method; choose from softmax, "),
+        (["--model", "pid_deit_tiny_patch16_224", "--model", "deit_tiny_patch16_224", "--attention", "pid",
+          "--attention", "pid", "--attention", "pid"], "3 --attention for 2 models"),
+        (["--model", "pid_deit_tiny_patch16_224", "--attention", "pid", "--attention-cfg", '{"lambda_q": 1}'],
+         "lambda_q"),
+        (["--model", "pid_deit_tiny_patch16_224", "--attention", "pid", "--model-kwargs", '{"attention": "pid"}'],
+         "both choose the attention"),
+        (["--model", str(Path(__file__).parents[1] / cfg), "--attention", "pid"], "is an mmseg config: it sets the attention"),
+    ]
+    for argv, message in cases:
+        rc = main(["diagnose", *argv, "--data", "digits", "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err, err
+        assert not (tmp_path / "out").exists()

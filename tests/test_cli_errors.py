@@ -179,3 +179,25 @@ def test_good_checkpoints_still_load(files, tmp_path, capsys):
                      "--num-samples", "8", "--batch-size", "8", "--passes", "0", "--out", str(out)])
         assert code == 0
         assert sorted(p.name for p in out.iterdir()) == ["diagnose.json", "diagnose.png"]
+
+
+# an attention method that is not registered, for diagnose/attack and the study's arms (one line, exit code 2)
+METHOD_CASES = [
+    ("unknown --attention", ["diagnose", *TIMM, "--attention", "no_such_method", "--data", "digits"],
+     "--attention 'no_such_method': unknown attention method; choose from softmax, "),
+    ("attack unknown --attention", ["attack", *TIMM, "--attention", "no_such_method", "--data", "digits"],
+     "--attention 'no_such_method': unknown attention method"),
+    ("--attention-cfg without --attention", ["diagnose", *TIMM, "--attention-cfg", "{}", "--data", "digits"],
+     "--attention-cfg gives a method's parameters: name the method with --attention"),
+    ("--attention-cfg not JSON", ["diagnose", *TIMM, "--attention", "pid", "--attention-cfg", "{lambda_p: 1}",
+                                  "--data", "digits"], "argument --attention-cfg: expected a JSON object or a preset"),
+    ("study unknown arm", ["study", "--arms", "softmax,pid,no_such_method"], "--arms: unknown arm 'no_such_method'"),
+    ("study bad arm parameters", ["study", "--arms", 'softmax,p5=pid:{"lambda_q": 0.5}'],
+     "--arms: arm 'p5=pid:{\"lambda_q\": 0.5}': unknown PIDConfig field"),
+    ("study arm label repeated", ["study", "--arms", "softmax,pid,pid=pid"], "--arms: arm 'pid=pid': 'pid' is a built-in arm"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", [pytest.param(a, e, id=i) for i, a, e in METHOD_CASES])
+def test_unknown_attention_method_is_one_clear_line(files, tmp_path, capsys, argv, expected):
+    test_bad_input_is_one_clear_line(files, tmp_path, capsys, argv, expected)

@@ -98,3 +98,76 @@ def test_demo_option_gives_the_pid_models_a_reference_only_first_layer():
     assert language.training_key() != replace(language, control_first_layer=True).training_key()
     args = build_parser().parse_args(["demo", "--pid-first-layer", "reference"])
     assert args.pid_first_layer == "reference"
+
+
+# ------------------------------------------------------------------------- arms that name any registered method
+def test_arm_specs_name_any_registered_method_with_its_parameters():
+    import toy_method  # noqa: F401  (registers scaled_reference)
+
+    from pid_plugins.research.experiments import arm_choice, arm_record, parse_arm, split_arms
+
+    arms = split_arms('softmax,pid,scaled_reference,sr2=scaled_reference:{"gamma": 2, "x": [1, 2]},p5=pid:strong')
+    assert arms == ("softmax", "pid", "scaled_reference", 'sr2=scaled_reference:{"gamma": 2, "x": [1, 2]}',
+                    "p5=pid:strong")
+    assert parse_arm("scaled_reference") == ("scaled_reference", "scaled_reference", None)
+    assert parse_arm('sr2=scaled_reference:{"gamma": 2}') == ("sr2", "scaled_reference", {"gamma": 2})
+    assert arm_record("scaled_reference", "deit") == {"method": "scaled_reference", "attention_cfg": {"gamma": 0.5}}
+    assert arm_record("sr=scaled_reference:strong", "deit")["attention_cfg"] == {"gamma": 2.0}
+    # a pid method arm starts from the spec's preset; the built-in arms are PID gains as before
+    assert arm_choice('p=pid:{"lambda_p": 0.3}', "deit").config.gains == (0.3, 0.5, 0.05, 0.1)
+    assert arm_record("neutreno", "deit") == arm_record('n=pid:{"lambda_p": 0.6, "lambda_i": 0, "lambda_d": 0, '
+                                                        '"beta": 1}', "deit")
+    for bad, message in [("sr=scaled_reference:[1]", "a JSON object of parameters or a preset name"),
+                         ("sr=scaled_reference:nope", "preset 'nope'"), ("1x=scaled_reference", "Python identifier"),
+                         ("pid_ref=scaled_reference", "built-in arm"), ("sr=softmax", "unknown arm")]:
+        with pytest.raises(ValueError, match=message):
+            arm_choice(bad, "deit")
+    # the cache key covers the method arms' methods and parameters (the built-in arms' gains as before)
+    spec = VisionSpec(arms=("softmax", "pid", "sr=scaled_reference"))
+    keys = {spec.training_key(), VisionSpec(arms=("softmax", "pid", "sr=scaled_reference:strong")).training_key(),
+            VisionSpec(arms=("softmax", "pid")).training_key()}
+    assert len(keys) == 3
+    assert VisionSpec(arms=("softmax", "pid_ref")).training_key() == VisionSpec(arms=("softmax", "pid")).training_key()
+
+
+def test_study_compares_softmax_pid_and_a_registered_method(tmp_path, capsys):
+    """The study with a method the test registers, on a tiny budget: every arm trained from the softmax weights,
+    the record names each arm's method, a rerun loads the cached models, and a changed parameter retrains."""
+    timm = pytest.importorskip("timm")  # noqa: F841
+    import toy_method  # noqa: F401
+
+    from pid_plugins.research.cli import main
+
+    out = tmp_path / "study"
+    argv = ["study", "--out", str(out), "--seeds", "0", "--depths", "2", "--parts", "vision", "--data", "digits",
+            "--train-limit", "32", "--test-limit", "8", "--pgd-steps", "1", "--vision-epochs", "0.5"]
+    arms = 'softmax,pid,sr=scaled_reference:{"gamma": 2}'
+    assert main([*argv, "--arms", arms]) == 0
+    setting = json.loads((out / "study.json").read_text())["settings"]["vision_depth2"]
+    assert setting["arms"] == ["softmax", "pid", "sr"]
+    assert setting["methods"]["sr"] == {"method": "scaled_reference", "attention_cfg": {"gamma": 2.0}}
+    assert setting["methods"]["softmax"]["method"] == "softmax" and setting["methods"]["pid"]["method"] == "pid"
+    results = json.loads((out / "vision_depth2" / "seed0" / "results.json").read_text())
+    assert results["models"]["sr"]["method"] == "scaled_reference"
+    assert "`sr` = `scaled_reference` {\"gamma\": 2.0}" in (out / "study.md").read_text()
+    assert "| sr - softmax |" in (out / "study.md").read_text()
+    capsys.readouterr()
+    assert main([*argv, "--arms", arms]) == 0
+    assert "vision sr: loaded the cached model" in capsys.readouterr().err
+    assert main([*argv, "--arms", 'softmax,pid,sr=scaled_reference:{"gamma": 1}']) == 0
+    assert "vision sr: loaded" not in capsys.readouterr().err  # another parameter: trained again
+
+
+def test_records_written_before_arms_named_their_method_still_aggregate(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "reproduce" / "study"
+    for folder in ("vision_depth6", "language"):
+        shutil.copytree(committed / folder, tmp_path / folder)
+    record = write_study_record(tmp_path)
+    methods = record["settings"]["vision_depth6"]["methods"]
+    assert methods["softmax"] == {"method": "softmax", "attention_cfg": None}
+    assert methods["neutreno"]["attention_cfg"]["lambda_p"] == 0.6 and methods["pid_ref"]["method"] == "pid"
+    assert not methods["pid_ref"]["attention_cfg"]["control_first_layer"]
+    assert record["settings"]["language"]["methods"]["pid"]["attention_cfg"]["lambda_p"] == arm_config("pid", "lm").lambda_p

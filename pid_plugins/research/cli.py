@@ -98,6 +98,38 @@ def _model_kwargs(text: str) -> dict:
     return value
 
 
+def _attention_cfg(text: str) -> object:
+    """An argparse type: a method's parameters, a JSON object of overrides of its default preset (``{}``: the
+    defaults; ``null``: none, e.g. for softmax) or a preset name."""
+    import json
+
+    if text.isidentifier() and text not in ("null", "true", "false"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a preset name, e.g. '{{\"lambda_p\": 0.5}}' "
+                                         f"({exc})") from None
+    if value is not None and not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a preset name, e.g. '{{\"lambda_p\": 0.5}}', "
+                                         f"got {text}")
+    return value
+
+
+def _attention_names(args: argparse.Namespace) -> List[str]:
+    """The --attention names, each checked against the methods registered now (one clear error otherwise)."""
+    from ..core import SOFTMAX, list_methods
+
+    names = args.attention or []
+    unknown = [n for n in names if n != SOFTMAX and n not in list_methods()]
+    if unknown:
+        raise CLIError(f"--attention {unknown[0]!r}: unknown attention method; choose from "
+                       f"{', '.join([SOFTMAX, *list_methods()])}")
+    if args.attention_cfg and not names:
+        raise CLIError("--attention-cfg gives a method's parameters: name the method with --attention")
+    return names
+
+
 def _out_folder(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
@@ -225,7 +257,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from .experiments import check_arms
+    from .experiments import check_arms, split_arms
     from .study import run_study, write_study_record
 
     if args.aggregate:
@@ -234,7 +266,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
         with output_lock(Path(args.out)):
             write_study_record(args.out)
     else:
-        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        arms = split_arms(args.arms)
         try:
             check_arms(arms)
         except ValueError as exc:
@@ -252,15 +284,20 @@ def _cmd_study(args: argparse.Namespace) -> int:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .analysis.run import run_diagnose
 
+    attention = _attention_names(args)
     report = run_diagnose(
         args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
         num_samples=args.num_samples, batch_size=args.batch_size, seq_len=args.seq_len, passes=args.passes,
-        layer_stack=args.layer_stack, seed=args.seed, log=lambda m: print(m, file=sys.stderr),
+        layer_stack=args.layer_stack, seed=args.seed, attention=attention, attention_cfg=args.attention_cfg or (),
+        log=lambda m: print(m, file=sys.stderr),
     )
-    print(f"{'model':<40} {'layers':>6} {'cos first':>9} {'cos last':>9} {'E last':>7} {'erank last':>10}")
+    w = max([40, *(len(label) for label in report["models"])])
+    m = max([16, *(len(r["method"]) for r in report["models"].values())])
+    print(f"{'model':<{w}} {'method':<{m}} {'layers':>6} {'cos first':>9} {'cos last':>9} {'E last':>7} "
+          f"{'erank last':>10}")
     for label, r in report["models"].items():
-        print(f"{label:<40} {r['num_layers']:>6} {r['mean_cosine'][0]:>9.3f} {r['mean_cosine'][-1]:>9.3f} "
-              f"{r['consensus_distance'][-1]:>7.3f} {r['effective_rank'][-1]:>10.2f}")
+        print(f"{label:<{w}} {r['method']:<{m}} {r['num_layers']:>6} {r['mean_cosine'][0]:>9.3f} "
+              f"{r['mean_cosine'][-1]:>9.3f} {r['consensus_distance'][-1]:>7.3f} {r['effective_rank'][-1]:>10.2f}")
     print(f"wrote {args.out}/diagnose.json and {args.out}/diagnose.png")
     return 0
 
@@ -269,6 +306,7 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     from .analysis.robustness import DEFAULT_CORRUPTIONS
     from .analysis.run import run_attack
 
+    attention = _attention_names(args)
     attacks = [a.strip() for a in args.attacks.lower().split(",") if a.strip() and a.strip() != "none"]
     unknown = sorted(set(attacks) - {"fgsm", "pgd", "spsa"})
     if unknown:
@@ -301,8 +339,8 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     report = run_attack(
         args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
         baseline=baseline, num_samples=args.num_samples, batch_size=args.batch_size, seq_len=args.seq_len,
-        seed=args.seed, image_options=image_options, rates=args.rates,
-        log=lambda m: print(m, file=sys.stderr),
+        seed=args.seed, image_options=image_options, rates=args.rates, attention=attention,
+        attention_cfg=args.attention_cfg or (), log=lambda m: print(m, file=sys.stderr),
     )
     for label, r in report["models"].items():
         if report["kind"] == "image":
@@ -316,7 +354,7 @@ def _cmd_attack(args: argparse.Namespace) -> int:
                     parts.append(f"mCE {r['corruptions']['mce_vs_baseline']:.1f}")
         else:
             parts = [f"ppl@{100 * x:g}% {p:.2f}" for x, p in zip(r["substitution_rate"], r["perplexity"])]
-        print(f"{label}: " + ", ".join(parts))
+        print(f"{label} ({r['method']}): " + ", ".join(parts))
     print(f"wrote {args.out}/attack.json and {args.out}/attack.png")
     return 0
 
@@ -331,6 +369,12 @@ def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> Non
     p.add_argument("--model-kwargs", type=_model_kwargs, default={},
                    help="JSON kwargs for building models by name (timm / registry), e.g. '{\"num_classes\": 10}'; "
                         "refused for transformers folders and mmseg configs, which carry their own configuration")
+    p.add_argument("--attention", action="append", metavar="METHOD",
+                   help="build the models with this attention: softmax or a registered method (pid_plugins."
+                        "list_methods(), e.g. pid); once for every --model or once per --model, in order")
+    p.add_argument("--attention-cfg", action="append", type=_attention_cfg, metavar="JSON",
+                   help="the method's parameters for each --attention, in order: a JSON object of overrides of its "
+                        "default preset (e.g. '{\"lambda_p\": 0.5}'), a preset name, or null (softmax)")
     p.add_argument("--data", required=True,
                    help="images: fashion-mnist, digits, auto or a <class>/<image> folder; text: wiki, shakespeare or a .txt file")
     p.add_argument("--num-samples", type=_int(1), default=samples, help="images, or token blocks of text (>= 1)")
@@ -398,12 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_reproduce)
     from .study import DEFAULT_BUDGET as B
 
-    p = sub.add_parser("study", help="softmax vs PID (first layer controlled / reference-only) vs NeuTRENO, over "
-                                     "seeds and depths: paired differences with 95%% t-intervals")
+    p = sub.add_parser("study", help="softmax vs PID (first layer controlled / reference-only), NeuTRENO and any "
+                                     "registered attention method, over seeds and depths: paired differences with "
+                                     "95%% t-intervals")
     p.add_argument("--out", type=_out_folder, default=Path("study_out"))
     p.add_argument("--seeds", type=_int(0), nargs="+", default=[0, 1, 2])
     p.add_argument("--depths", type=_int(1), nargs="+", default=[6, 12], help="vision model depths")
-    p.add_argument("--arms", default="softmax,pid,pid_ref,neutreno")
+    p.add_argument("--arms", default="softmax,pid,pid_ref,neutreno",
+                   help="comma list starting with softmax: built-in arms (pid, pid_ref, neutreno) and any registered "
+                        "attention method as [label=]method[:params], params a JSON object or a preset name, e.g. "
+                        "'softmax,pid,p5=pid:{\"lambda_p\": 0.5}'")
     p.add_argument("--parts", default="vision,language")
     p.add_argument("--data", default=B["data"])
     p.add_argument("--corpus", default=B["corpus"])

@@ -14,9 +14,11 @@ builds and trains the model) and the training log. A rerun with the same key goe
 damaged file or another key is retrained, with a message. Files are written atomically (temporary file +
 rename), and :func:`output_lock` keeps two runs from writing into one folder at once.
 
-The models compared are the spec's ``arms`` (:data:`ARMS`, gains from :func:`arm_config`): every arm is built
-from the softmax model's initial weights, trained, cached (``vision_<arm>.safetensors``), evaluated and reported
-in turn; the cache key covers every arm's gains.
+The models compared are the spec's ``arms`` (:func:`parse_arm`: the built-in :data:`ARMS` or any registered
+attention method with its parameters; :func:`arm_choice` resolves them): every arm is built
+from the softmax model's initial weights, trained, cached (``vision_<label>.safetensors``), evaluated and
+reported in turn (with its ``method`` and ``attention_cfg``); the cache key covers every built-in arm's gains
+and the method, parameters and code of the spec's method arms.
 """
 from __future__ import annotations
 
@@ -32,44 +34,140 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "ARMS", "arm_config", "check_arms",
+__all__ = ["VisionSpec", "LanguageSpec", "run_vision", "run_language", "ARMS", "Arm", "parse_arm", "split_arms",
+           "arm_choice", "arm_config", "arm_record", "check_arms",
            "output_lock", "atomic_path", "write_atomic", "code_fingerprint"]
 
 Log = Callable[[str], None]
 
-#: The models an experiment can compare, each trained from the softmax model's initial weights and data order:
-#: ``softmax``; ``pid`` (the spec's preset, first layer controlled, eq. 25 as written); ``pid_ref`` (the same
-#: gains with a reference-only first layer, ``control_first_layer=False``); ``neutreno`` (the P-only special
-#: case, lambda 0.6 for vision and 0.4 for language, as in the NeuTRENO paper).
+#: The built-in arms, each trained from the softmax model's initial weights and data order: ``softmax``; ``pid``
+#: (the spec's preset, first layer controlled, eq. 25 as written); ``pid_ref`` (the same gains with a
+#: reference-only first layer, ``control_first_layer=False``); ``neutreno`` (the P-only special case of PID,
+#: lambda 0.6 for vision and 0.4 for language, as in the NeuTRENO paper). Any registered attention method is an
+#: arm too (:func:`parse_arm`).
 ARMS = ("softmax", "pid", "pid_ref", "neutreno")
 
 
-def arm_config(arm: str, preset: str, language: bool = False, control_first_layer: bool = True):
-    """The PID gains of an arm (``None`` for softmax); ``control_first_layer`` applies to the ``pid`` arm
-    (``pid_ref`` is always reference-only)."""
-    from ..core import PIDConfig
+class Arm(NamedTuple):
+    """One arm, read from its text by :func:`parse_arm`: ``label`` (its name in records and cached file names),
+    ``method`` (``"softmax"`` or a registered attention method) and ``params`` (the method's parameters as given:
+    None for its default preset, a preset name, or a dict of overrides; built-in arms: None)."""
 
-    if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}; choose from {list(ARMS)}")
-    if arm == "softmax":
+    label: str
+    method: str
+    params: Any = None
+
+
+def parse_arm(text: str) -> Arm:
+    """An arm from its text: a built-in arm (:data:`ARMS`), or ``[label=]method[:params]`` with ``method`` a
+    registered attention method (:func:`pid_plugins.list_methods`), ``params`` a JSON object of overrides of its
+    default preset or a preset name, and ``label`` (default: the method's name) a Python identifier, e.g.
+    ``scaled_reference``, ``sr2=scaled_reference:{"gamma": 2}``, ``p5=pid:{"lambda_p": 0.5}``."""
+    from ..core import SOFTMAX, list_methods
+
+    text = text.strip()
+    if text in ARMS:
+        return Arm(text, SOFTMAX if text == SOFTMAX else "pid")
+    head, sep, raw = text.partition(":")
+    label, _, method = head.rpartition("=")
+    label, method = (label or method).strip(), method.strip()
+    if method not in list_methods():
+        raise ValueError(
+            f"unknown arm {text!r}: choose from {list(ARMS)} or a registered attention method {list_methods()}, "
+            "optionally as label=method:params (params: a JSON object or a preset name)"
+        )
+    if not label.isidentifier():
+        raise ValueError(f"arm {text!r}: its label {label!r} must be a Python identifier (it names files and columns)")
+    if label in ARMS:
+        raise ValueError(f"arm {text!r}: {label!r} is a built-in arm; give this one another label, e.g. "
+                         f"{method}_m={method}{sep}{raw}")
+    params: Any = None
+    if sep:
+        raw = raw.strip()
+        if raw.startswith("{"):
+            try:
+                params = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"arm {text!r}: its parameters are not a JSON object ({exc})") from None
+            if not isinstance(params, dict):
+                raise ValueError(f"arm {text!r}: its parameters must be a JSON object or a preset name")
+        elif raw.isidentifier():
+            params = raw
+        else:
+            raise ValueError(f"arm {text!r}: after ':' give a JSON object of parameters or a preset name, got {raw!r}")
+    return Arm(label, method, params)
+
+
+def split_arms(text: str) -> Tuple[str, ...]:
+    """The arms of a comma list such as ``softmax,pid,sr=scaled_reference:{"gamma": 2, "x": 1}`` (commas inside
+    brackets or quotes belong to an arm's parameters)."""
+    arms, depth, quoted, start = [], 0, False, 0
+    for i, ch in enumerate(text):
+        if ch == '"' and (i == 0 or text[i - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and ch in "{[":
+            depth += 1
+        elif not quoted and ch in "}]":
+            depth -= 1
+        elif ch == "," and depth == 0 and not quoted:
+            arms.append(text[start:i])
+            start = i + 1
+    arms.append(text[start:])
+    return tuple(a.strip() for a in arms if a.strip())
+
+
+def arm_choice(arm: str, preset: str, language: bool = False, control_first_layer: bool = True):
+    """The attention method and parameters of an arm (a :class:`~pid_plugins.core.MethodChoice`; None for softmax).
+    Built-in arms are PID gains (``control_first_layer`` applies to the ``pid`` arm; ``pid_ref`` is always
+    reference-only); a method arm's parameters start from its default preset in the zoo (``timm`` for vision,
+    ``hf`` for language), PID's from ``preset``."""
+    from ..core import PIDConfig, resolve_attention
+
+    parsed = parse_arm(arm)
+    if arm.strip() == "softmax":
         return None
-    if arm == "neutreno":
-        return PIDConfig.preset("neutreno", **({"lambda_p": 0.4} if language else {}))
-    return PIDConfig.preset(preset, control_first_layer=arm == "pid" and control_first_layer)
+    if parsed.label in ARMS:
+        if parsed.label == "neutreno":
+            gains = PIDConfig.preset("neutreno", **({"lambda_p": 0.4} if language else {}))
+        else:
+            gains = PIDConfig.preset(preset, control_first_layer=parsed.label == "pid" and control_first_layer)
+        return resolve_attention("pid", gains, zoo="hf" if language else "timm")
+    try:
+        return resolve_attention(parsed.method, parsed.params, zoo="hf" if language else "timm",
+                                 default=preset if parsed.method == "pid" else None, where=f"arm {arm!r}")
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith(f"arm {arm!r}") else f"arm {arm!r}: {message}") from None
+
+
+def arm_config(arm: str, preset: str, language: bool = False, control_first_layer: bool = True):
+    """The parameters of an arm's method (``None`` for softmax; PID gains for the built-in arms), see
+    :func:`arm_choice`."""
+    choice = arm_choice(arm, preset, language, control_first_layer)
+    return None if choice is None else choice.config
+
+
+def arm_record(arm: str, preset: str, language: bool = False, control_first_layer: bool = True) -> Dict[str, Any]:
+    """What a record says about an arm: ``{"method": name, "attention_cfg": its parameters as a dict or None}``."""
+    from .analysis.models import method_record
+
+    choice = arm_choice(arm, preset, language, control_first_layer)
+    return method_record(None if choice is None else choice.method.name, None if choice is None else choice.config)
 
 
 def check_arms(arms: Tuple[str, ...]) -> None:
-    """Refuse an arm list that does not start with softmax, repeats an arm or names an unknown one."""
-    if not arms or arms[0] != "softmax" or len(set(arms)) != len(arms):
+    """Refuse an arm list that does not start with softmax, repeats an arm (or a label) or names an unknown one."""
+    labels = [parse_arm(a).label for a in arms]
+    if not arms or arms[0] != "softmax" or len(set(labels)) != len(labels):
         raise ValueError(f"arms must start with 'softmax' (the baseline) and not repeat, got {list(arms)}")
     for arm in arms:
-        arm_config(arm, "deit")
+        arm_choice(arm, "deit")
 
 
 @dataclass
@@ -96,7 +194,7 @@ class VisionSpec:
                                     "elastic_transform")
     severities: Tuple[int, ...] = (1, 2, 3, 4, 5)
     diag_samples: int = 256
-    arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
+    arms: Tuple[str, ...] = ("softmax", "pid")  #: the arms to train and compare (:func:`parse_arm`)
     control_first_layer: bool = True  #: the ``pid`` arm's first-layer convention (False: reference-only)
 
     def training_key(self) -> str:
@@ -121,7 +219,7 @@ class LanguageSpec:
     seed: int = 0
     valid_blocks: int = 96
     rates: Tuple[float, ...] = (0.0, 0.05, 0.1, 0.2)
-    arms: Tuple[str, ...] = ("softmax", "pid")  #: which of :data:`ARMS` to train and compare
+    arms: Tuple[str, ...] = ("softmax", "pid")  #: the arms to train and compare (:func:`parse_arm`)
     control_first_layer: bool = True  #: the ``pid`` arm's first-layer convention (False: reference-only)
 
     def training_key(self) -> str:
@@ -137,12 +235,12 @@ def code_fingerprint(zoo: str) -> str:
     import importlib
     import importlib.metadata
 
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # the pid_plugins package
     h = hashlib.sha1()
     for folder in ("core", zoo):
         for f in sorted((root / folder).rglob("*.py")):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    for fn in (arm_config, vision_models, _train_classifier, language_models, _train_lm, _cosine_lr):
+    for fn in (parse_arm, arm_choice, vision_models, _train_classifier, language_models, _train_lm, _cosine_lr):
         h.update(inspect.getsource(fn).encode())
     for dist in ("torch", {"timm": "timm", "hf": "transformers"}[zoo]):
         try:
@@ -153,10 +251,23 @@ def code_fingerprint(zoo: str) -> str:
 
 
 def _key(spec: Any, keys: Tuple[str, ...], zoo: str, language: bool) -> str:
-    """The training key of a Vision/LanguageSpec: its training fields, every arm's gains and the code."""
+    """The training key of a Vision/LanguageSpec: its training fields, every built-in arm's gains, the method,
+    parameters and code of each of its method arms, and the code."""
     gains = {arm: arm_config(arm, spec.preset, language, spec.control_first_layer).to_dict()
              for arm in ARMS if arm != "softmax"}
     payload = {"spec": {k: getattr(spec, k) for k in keys}, "gains": gains, "code": code_fingerprint(zoo)}
+    methods = {}
+    for arm in spec.arms:
+        if parse_arm(arm).label not in ARMS:
+            choice = arm_choice(arm, spec.preset, language, spec.control_first_layer)
+            try:  # a method registered outside pid_plugins: its own code too
+                code = inspect.getsource(type(choice.method))
+            except (OSError, TypeError):
+                code = f"{type(choice.method).__module__}.{type(choice.method).__qualname__}"
+            methods[parse_arm(arm).label] = {**arm_record(arm, spec.preset, language, spec.control_first_layer),
+                                             "code": code}
+    if methods:
+        payload["methods"] = methods
     return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -286,10 +397,20 @@ def vision_models(spec: VisionSpec, num_classes: int) -> Dict[str, nn.Module]:
     torch.manual_seed(spec.seed)
     models = {"softmax": timm.create_model("deit_tiny_patch16_224", **kwargs)}
     for arm in spec.arms[1:]:
-        pid = arm_config(arm, spec.preset, False, spec.control_first_layer)
-        models[arm] = timm.create_model("pid_deit_tiny_patch16_224", pid=pid, **kwargs)
-        models[arm].load_state_dict(models["softmax"].state_dict(), strict=True)
+        choice = arm_choice(arm, spec.preset, False, spec.control_first_layer)
+        model = timm.create_model("pid_deit_tiny_patch16_224", attention=choice.method.name,
+                                  attention_cfg=choice.config, **kwargs)
+        models[parse_arm(arm).label] = _with_weights_of(model, models["softmax"])
     return models
+
+
+def _with_weights_of(model: nn.Module, softmax: nn.Module) -> nn.Module:
+    """``model`` holding ``softmax``'s weights; its method's own learnable parameters keep their initial values."""
+    missing, unexpected = model.load_state_dict(softmax.state_dict(), strict=False)
+    foreign = [k for k in missing if ".pid_gains." not in k and not k.endswith("pid_warmup.step")] + unexpected
+    if foreign:
+        raise ValueError(f"the arm's model does not match the softmax model: keys {foreign[:8]}")
+    return model
 
 
 def _train_classifier(clf: nn.Module, train, spec: VisionSpec, label: str, log: Log) -> Dict[str, Any]:
@@ -345,7 +466,7 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
     models = vision_models(spec, train.num_classes)
     results: Dict[str, Any] = {"spec": asdict(spec), "data": train.source, "train_size": len(train),
                                "test_size": len(test), "models": {}}
-    for label, model in models.items():
+    for arm, (label, model) in zip(spec.arms, models.items()):
         clf = PixelClassifier(model)
         info = _trained(model, out / f"vision_{label}.safetensors", spec,
                         lambda: _train_classifier(clf, train, spec, label, log), log)
@@ -361,6 +482,7 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
         diag = collect_layer_measures(model, batches, forward=fwd)
         diag["repeated_passes"] = repeated_passes(model, batches[0], 12, forward=fwd)
         results["models"][label] = {
+            **arm_record(arm, spec.preset, False, spec.control_first_layer),
             "robustness": robust, "collapse": diag, "train_loss": info["train_loss"],
             "train_seconds": info["train_seconds"], "cached": info["cached"],
             "params": sum(p.numel() for p in model.parameters()),
@@ -393,8 +515,9 @@ def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
     softmax.config._attn_implementation = "sdpa"
     models = {"softmax": softmax}
     for arm in spec.arms[1:]:
-        pid = arm_config(arm, spec.preset, True, spec.control_first_layer)
-        models[arm] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), pid)
+        choice = arm_choice(arm, spec.preset, True, spec.control_first_layer)
+        models[parse_arm(arm).label] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), choice.config,
+                                                             method=choice.method.name)
     return models
 
 
@@ -445,7 +568,7 @@ def run_language(spec: LanguageSpec, out: Path, log: Log = print) -> Dict[str, A
     train, valid = byte_blocks(spec)
     results: Dict[str, Any] = {"spec": asdict(spec), "train_blocks": len(train), "valid_blocks": len(valid),
                                "models": {}}
-    for label, model in language_models(spec).items():
+    for arm, (label, model) in zip(spec.arms, language_models(spec).items()):
         info = _trained(model, out / f"language_{label}.safetensors", spec,
                         lambda: _train_lm(model, train, spec, label, log), log)
         model.eval()
@@ -455,7 +578,7 @@ def run_language(spec: LanguageSpec, out: Path, log: Log = print) -> Dict[str, A
         diag["repeated_passes"] = repeated_passes(model, batches[0], 12)
         ppl = robust["perplexity"][0]
         results["models"][label] = {
-            "valid_perplexity": ppl, "bits_per_byte": math.log2(ppl), "robustness": robust, "collapse": diag,
+            **arm_record(arm, spec.preset, True, spec.control_first_layer), "valid_perplexity": ppl, "bits_per_byte": math.log2(ppl), "robustness": robust, "collapse": diag,
             "train_loss": info["train_loss"], "train_seconds": info["train_seconds"], "cached": info["cached"],
             "params": sum(p.numel() for p in model.parameters()),
         }

@@ -1,8 +1,10 @@
-"""The first-layer / NeuTRENO / depth study (``pid-plugins study``).
+"""The first-layer / NeuTRENO / depth study (``pid-plugins study``), and side-by-side attention methods.
 
-Arms (:data:`pid_plugins.research.experiments.ARMS`), each trained from the softmax model's initial weights and data
-order: softmax, PID with the preset's gains and the first layer controlled (eq. 25 as written), the same with a
-reference-only first layer (NeuTRENO's convention), and NeuTRENO itself. Vision: the demo's DeiT on
+Arms, each trained from the softmax model's initial weights and data order: the built-in ones
+(:data:`pid_plugins.research.experiments.ARMS`: softmax, PID with the preset's gains and the first layer controlled
+(eq. 25 as written), the same with a reference-only first layer (NeuTRENO's convention), and NeuTRENO as PID
+gains) and any registered attention method with its parameters (``[label=]method[:params]``,
+:func:`~pid_plugins.research.experiments.parse_arm`). Vision: the demo's DeiT on
 Fashion-MNIST at several depths; language: the demo's byte-level Llama. Per seed, the paired difference
 arm - softmax of every measure; over seeds its mean +- std and whether a 95% paired t-interval excludes zero
 ("beyond seed noise").
@@ -35,8 +37,9 @@ def _vision_spec(seed: int, depth: int, budget: Dict[str, Any], arms: Sequence[s
 def _language_spec(seed: int, budget: Dict[str, Any], arms: Sequence[str]):
     from .experiments import LanguageSpec
 
+    # the built-in neutreno arm is vision only (as in the committed record); method arms run in both parts
     return LanguageSpec(corpus=budget["corpus"], seed=seed, steps=budget["lm_steps"],
-                        arms=tuple(a for a in arms if a in ("softmax", "pid", "pid_ref")))
+                        arms=tuple(a for a in arms if a.strip() != "neutreno"))
 
 
 DEFAULT_BUDGET = dict(data="auto", corpus="wiki", vision_epochs=1.0, patch_size=7, train_limit=20000,
@@ -86,7 +89,8 @@ def _paired(values: Dict[str, List[float]], arm: str, base: str = "softmax") -> 
 
 
 def write_study_record(out_dir: str | Path) -> Dict[str, Any]:
-    """Aggregate every ``*/seed*/results.json`` under ``out_dir`` into study.json, study.md and study.png."""
+    """Aggregate every ``*/seed*/results.json`` under ``out_dir`` into study.json, study.md and study.png (each
+    setting lists its arms' ``methods``: the attention method and parameters of each arm)."""
     from .demo import _metrics
     from .experiments import atomic_path, write_atomic
 
@@ -120,7 +124,8 @@ def write_study_record(out_dir: str | Path) -> Dict[str, Any]:
                                                                    for r in results))] for arm in arms}
         spec = results[0]["spec"]
         settings[folder.name] = {
-            "part": part, "seeds": [int(p.parent.name[4:]) for p in runs], "arms": arms, "spec": spec,
+            "part": part, "seeds": [int(p.parent.name[4:]) for p in runs], "arms": arms,
+            "methods": {arm: _method_of(arm, results[0]["models"][arm], spec, part) for arm in arms}, "spec": spec,
             "summary": summary, "mean_cosine_per_layer": per_layer,
             "wall_seconds": sum(r.get("wall_seconds", 0.0) for r in results),
         }
@@ -135,7 +140,20 @@ def write_study_record(out_dir: str | Path) -> Dict[str, Any]:
     return record
 
 
+def _method_of(arm: str, result: Dict[str, Any], spec: Dict[str, Any], part: str) -> Dict[str, Any]:
+    """An arm's ``{"method", "attention_cfg"}``: from its results, or (records written before arms named their
+    method: built-in arms only) from the arm's name and the spec."""
+    if "method" in result:
+        return {"method": result["method"], "attention_cfg": result.get("attention_cfg")}
+    from .experiments import arm_record
+
+    return arm_record(arm, spec.get("preset", "lm" if part == "language" else "deit"), part == "language",
+                      spec.get("control_first_layer", True))
+
+
 def _markdown(record: Dict[str, Any], png: Path | None) -> str:
+    from .experiments import ARMS
+
     lines = ["# Study: first-layer convention, NeuTRENO, depth", ""]
     if record["budget"]:
         lines += ["Budget: " + ", ".join(f"{k}={v}" for k, v in record["budget"].items()), ""]
@@ -147,6 +165,7 @@ def _markdown(record: Dict[str, Any], png: Path | None) -> str:
     for name, s in record["settings"].items():
         arms = [a for a in s["arms"] if a != "softmax"]
         spec = s["spec"]
+        others = {a: m for a, m in s.get("methods", {}).items() if a not in ARMS}
         what = (f"depth {spec['depth']}, {spec['epochs']} epoch(s) on {spec.get('train_limit') or 'all'} images, "
                 f"patch {spec['patch_size']}" if s["part"] == "vision" else
                 f"{spec['num_layers']} layers, {spec['steps']} steps, preset {spec['preset']}")
@@ -155,6 +174,10 @@ def _markdown(record: Dict[str, Any], png: Path | None) -> str:
                   "| measure | softmax (mean +- std) | " + " | ".join(f"{a} - softmax" for a in arms)
                   + (" | pid_ref - pid" if both else "") + " |",
                   "|---|---|" + "---|" * (len(arms) + both)]
+        if others:
+            lines[-2:-2] = ["Method arms: " + "; ".join(
+                f"`{a}` = `{m['method']}`" + (f" {json.dumps(m['attention_cfg'])}" if m["attention_cfg"] else "")
+                for a, m in others.items()), ""]
         for measure, m in s["summary"].items():
             base = m["per_arm"]["softmax"]
             cells = []

@@ -8,9 +8,16 @@ Accepted specs:
 - an HF variant of the registry (``pid_gpt2_wikitext103``): built from its config, randomly initialised;
 - a local transformers folder (``config.json`` + weights, e.g. a ``save_pretrained`` output);
 - an mmseg config file (``configs/mmseg/*.py``), built with ``mmseg.apis.init_model`` (checkpoint optional).
+
+``attention`` (``"softmax"`` or any registered attention method, :func:`pid_plugins.list_methods`) with
+``attention_cfg`` (its parameters) builds a timm or transformers model with that attention instead of the one its
+name or folder gives: a ``pid_*`` / ``fan_*`` registry name is built with ``attention=``, a stock timm ViT/DeiT
+or a transformers model is converted after its weights are loaded (``to_pid``). An mmseg config sets its own
+attention. :func:`attention_of` reads the attention a model runs, for the records.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import pickle
 from dataclasses import dataclass
@@ -19,7 +26,7 @@ from typing import Any, Dict, Optional
 
 from torch import nn
 
-__all__ = ["LoadedModel", "load_model", "load_weights"]
+__all__ = ["LoadedModel", "load_model", "load_weights", "attention_of", "method_record", "check_attention"]
 
 
 @dataclass
@@ -29,6 +36,49 @@ class LoadedModel:
     label: str
     tokenizer: Any = None
     layer_stack: Optional[str] = None  #: the stack to analyse, when the default search would pick another
+
+
+def method_record(method: Optional[str], config: Any = None) -> Dict[str, Any]:
+    """``{"method": name, "attention_cfg": parameters}`` for records (``"softmax"`` and None for the stock
+    attention); parameters as a plain dict when the config has ``to_dict`` (or is a dataclass)."""
+    if method is None or method == "softmax":
+        return {"method": "softmax", "attention_cfg": None}
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    return {"method": method, "attention_cfg": config if isinstance(config, (dict, str, type(None))) else repr(config)}
+
+
+def attention_of(model: nn.Module) -> Dict[str, Any]:
+    """The attention ``model`` runs, as :func:`method_record`: a transformers model's ``attn_implementation`` when
+    it names a registered method, else the method of its first attention layer that has one (timm, mmseg,
+    fairseq adapters), else softmax."""
+    from ...core import get_method, list_methods
+
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is not None:  # transformers
+        if implementation in list_methods():
+            from pid_plugins.hf import model_method_config
+
+            method = get_method(implementation)
+            return method_record(method.name, model_method_config(config, method))
+        return method_record(None)
+    for module in model.modules():
+        method = getattr(module, "attention_method", None)
+        if method is not None:
+            return method_record(method.name, getattr(module, "pid", None))
+    return method_record(None)
+
+
+def check_attention(attention: Optional[str]) -> None:
+    """Refuse an attention name that is neither ``"softmax"`` nor a registered method, saying which exist."""
+    from ...core import SOFTMAX, list_methods
+
+    if attention is not None and attention != SOFTMAX and attention not in list_methods():
+        raise ValueError(f"unknown attention method {attention!r}: choose from {', '.join([SOFTMAX, *list_methods()])} "
+                         "(pid_plugins.register_method adds one)")
 
 
 def _label(name: str, checkpoint: Optional[str]) -> str:
@@ -76,12 +126,37 @@ def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedMo
     return LoadedModel(model, "segmentation", label, layer_stack="backbone.layers")
 
 
+def _hf_attention(lm: LoadedModel, attention: Optional[str], attention_cfg: Any) -> LoadedModel:
+    """A transformers model switched to ``attention`` (None: as built), weights untouched."""
+    if attention is None:
+        return lm
+    from ...core import resolve_attention
+    from pid_plugins.hf import to_pid
+    from pid_plugins.hf.attention import BASE_ATTR
+
+    choice = resolve_attention(attention, attention_cfg, zoo="hf", where=lm.label)
+    if choice is None:
+        lm.model.set_attn_implementation(getattr(lm.model.config, BASE_ATTR, None) or "sdpa")
+    else:
+        to_pid(lm.model, choice.config, method=choice.method.name)
+    return lm
+
+
 def load_model(
-    name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[Dict[str, Any]] = None
+    name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[Dict[str, Any]] = None,
+    attention: Optional[str] = None, attention_cfg: Any = None,
 ) -> LoadedModel:
-    """Build the model ``name`` (see module doc) on the CPU, in eval mode."""
+    """Build the model ``name`` (see module doc) on the CPU, in eval mode; with ``attention`` (``"softmax"`` or a
+    registered method) and ``attention_cfg`` (its parameters), with that attention."""
     kwargs = dict(kwargs or {})
-    label = _label(name, checkpoint)
+    check_attention(attention)
+    if attention is None and attention_cfg is not None:
+        raise ValueError(f"attention parameters {attention_cfg!r} are given without an attention method: "
+                         "name the method too (--attention)")
+    if attention is not None and {"attention", "attention_cfg", "pid"} & set(kwargs):
+        raise ValueError(f"--model-kwargs {sorted({'attention', 'attention_cfg', 'pid'} & set(kwargs))} and "
+                         "--attention both choose the attention: give it once, with --attention / --attention-cfg")
+    label = _label(name, checkpoint) + (f" [{attention}]" if attention is not None else "")
     path = Path(name)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -91,11 +166,14 @@ def load_model(
         if kwargs:
             raise ValueError(f"{path} is a transformers folder: its config.json sets the model, so --model-kwargs "
                              f"{sorted(kwargs)} would be ignored; drop --model-kwargs (or edit config.json)")
-        return _hf_folder(path, label)
+        return _hf_attention(_hf_folder(path, label), attention, attention_cfg)
     if path.suffix == ".py" and path.is_file():
         if kwargs:
             raise ValueError(f"{path} is an mmseg config: it sets the model, so --model-kwargs {sorted(kwargs)} would "
                              "be ignored; drop --model-kwargs (or edit the config)")
+        if attention is not None:
+            raise ValueError(f"{path} is an mmseg config: it sets the attention (the backbone's attention= and "
+                             "attention_cfg=), so drop --attention (or edit the config)")
         return _mmseg_config(path, checkpoint, label)
     if path.suffix == ".py":
         raise FileNotFoundError(f"mmseg config not found: {path}")
@@ -125,7 +203,8 @@ def load_model(
             config = pid_plugins.hf.get_config(name, **kwargs)
             causal = entry.arch != "encoder"
             auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-            return LoadedModel(auto.from_config(config).eval(), "causal_lm" if causal else "encoder", label)
+            lm = LoadedModel(auto.from_config(config).eval(), "causal_lm" if causal else "encoder", label)
+            return _hf_attention(lm, attention, attention_cfg)
         if entry.zoo != "timm":
             raise ValueError(
                 f"{name} is a {entry.zoo} model: the analysis tools take timm and transformers models by name "
@@ -135,7 +214,7 @@ def load_model(
         import timm
     except ImportError as exc:
         raise ValueError(f"{name!r} is not a registry or transformers name, and timm is not installed") from exc
-    import pid_plugins.timm  # noqa: F401  (registers the PID and FAN variants)
+    import pid_plugins.timm  # (registers the PID and FAN variants)
 
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, names + timm.list_models(), n=5)
@@ -143,14 +222,22 @@ def load_model(
             f"unknown model {name!r}: not a registry name, a timm model, a transformers folder or an mmseg "
             f"config file" + (f"; did you mean {', '.join(close)}?" if close else "")
         )
+    # pid_plugins' own names (pid_*, fan_*) are built with the attention; a stock model is converted after loading
+    built_with = attention is not None and timm.models.model_entrypoint(name).__module__.startswith("pid_plugins.")
+    choice = dict(attention=attention, attention_cfg=attention_cfg) if built_with else {}
     try:
-        model = timm.create_model(name, pretrained=False, **kwargs)
+        model = timm.create_model(name, pretrained=False, **kwargs, **choice)
     except TypeError as exc:  # an unexpected keyword reaches the model's __init__
         if not kwargs:
             raise
         raise ValueError(f"--model-kwargs {sorted(kwargs)} do not fit {name}: {exc}") from None
     if checkpoint:
         load_weights(model, checkpoint)
+    if attention is not None and not built_with and (attention != "softmax" or attention_cfg is not None):
+        try:
+            model = pid_plugins.timm.to_pid(model, attention_cfg, attention=attention)
+        except TypeError as exc:
+            raise ValueError(f"--attention {attention!r} needs a ViT/DeiT or a pid_*/fan_* model: {exc}") from None
     return LoadedModel(model.eval(), "image", label)
 
 

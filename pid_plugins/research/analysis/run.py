@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from .models import LoadedModel, load_model
+from .models import LoadedModel, attention_of, check_attention, load_model
 
 __all__ = ["ModelInputs", "model_inputs", "run_diagnose", "run_attack", "text_blocks", "staged_output"]
 
@@ -95,10 +95,26 @@ def model_inputs(lm: LoadedModel, data: str, num_samples: int, batch_size: int, 
     return ModelInputs(batches, fwd, desc, images.labels)
 
 
-def _load_all(models: Sequence[str], checkpoints: Sequence[str], kwargs: Dict[str, Any]) -> List[LoadedModel]:
+def _per_model(values: Sequence[Any], models: Sequence[str], what: str) -> List[Any]:
+    """One value per model: none given (None each), one for every model, or one per model in order."""
+    if len(values) not in (0, 1, len(models)):
+        raise ValueError(f"{len(values)} {what} for {len(models)} models: give one for all, one per --model, or none")
+    return list(values) * len(models) if len(values) == 1 else list(values) or [None] * len(models)
+
+
+def _load_all(models: Sequence[str], checkpoints: Sequence[str], kwargs: Dict[str, Any],
+              attention: Sequence[Optional[str]] = (), attention_cfg: Sequence[Any] = ()) -> List[LoadedModel]:
     if checkpoints and len(checkpoints) != len(models):
         raise ValueError(f"{len(checkpoints)} checkpoints for {len(models)} models: give one per --model, or none")
-    loaded = [load_model(m, checkpoint=checkpoints[i] if checkpoints else None, kwargs=kwargs)
+    if attention_cfg and len(attention_cfg) != len(attention):
+        raise ValueError(f"{len(attention_cfg)} --attention-cfg for {len(attention)} --attention: give one per "
+                         "--attention, in order, or none")
+    methods = _per_model(attention, models, "--attention")
+    cfgs = _per_model(attention_cfg, models, "--attention-cfg") if attention_cfg else [None] * len(models)
+    for method in methods:  # every name is checked before any model is built
+        check_attention(method)
+    loaded = [load_model(m, checkpoint=checkpoints[i] if checkpoints else None, kwargs=kwargs,
+                         attention=methods[i], attention_cfg=cfgs[i])
               for i, m in enumerate(models)]
     labels = [lm.label for lm in loaded]
     for i, lm in enumerate(loaded):
@@ -151,8 +167,13 @@ def _finite(obj: Any) -> Any:
 def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoints: Sequence[str] = (),
                  model_kwargs: Optional[Dict[str, Any]] = None, num_samples: int = 64, batch_size: int = 16,
                  seq_len: int = 128, passes: int = 20, layer_stack: Optional[str] = None, seed: int = 0,
+                 attention: Sequence[Optional[str]] = (), attention_cfg: Sequence[Any] = (),
                  log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Per-layer measures (and repeated passes) of each model on ``data``; writes diagnose.json / .png."""
+    """Per-layer measures (and repeated passes) of each model on ``data``; writes diagnose.json / .png.
+
+    ``attention`` / ``attention_cfg``: the attention method (``"softmax"`` or a registered one) and its parameters,
+    one for every model or one per model (:func:`~pid_plugins.research.analysis.models.load_model`). Each model's
+    record names the ``method`` it runs and its ``attention_cfg``."""
     from tqdm.auto import tqdm
 
     from .diagnostics import collect_layer_measures, repeated_passes
@@ -166,7 +187,7 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
     results: Dict[str, Any] = {}
     # every model and its data first: mistakes are reported before any work
     prepared = [(lm, model_inputs(lm, data, num_samples, batch_size, seq_len, seed))
-                for lm in _load_all(models, checkpoints, model_kwargs or {})]
+                for lm in _load_all(models, checkpoints, model_kwargs or {}, attention, attention_cfg)]
     for lm, inp in tqdm(prepared, desc="models"):
         log(f"{lm.label}: {inp.description}")
         stack = layer_stack or lm.layer_stack
@@ -177,7 +198,7 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
                                                        forward=inp.forward)
             except ValueError as exc:
                 log(f"{lm.label}: no repeated passes ({exc})")
-        r["data"] = inp.description
+        r.update(attention_of(lm.model), data=inp.description)
         results[lm.label] = r
     report = {"data": data, "models": _finite(results)}
     with staged_output(out) as stage:
@@ -190,10 +211,12 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
                model_kwargs: Optional[Dict[str, Any]] = None, baseline: Optional[int] = None,
                num_samples: int = 256, batch_size: int = 64, seq_len: int = 128, seed: int = 0,
                image_options: Optional[Dict[str, Any]] = None, rates: Sequence[float] = (0.0, 0.05, 0.1, 0.2),
+               attention: Sequence[Optional[str]] = (), attention_cfg: Sequence[Any] = (),
                log: Callable[[str], None] = print) -> Dict[str, Any]:
     """Robustness of each model on ``data``; writes attack.json / attack.png.
 
     ``baseline``: index of the model the mCE is relative to (default: none, plain mean corruption error).
+    ``attention`` / ``attention_cfg``: as in :func:`run_diagnose`; each record names its ``method``.
     """
     from .plots import plot_image_robustness, plot_lm_robustness
     from .robustness import PixelClassifier, evaluate_image_robustness, evaluate_lm_robustness, relative_mce
@@ -210,7 +233,7 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
-    loaded = _load_all(models, checkpoints, model_kwargs or {})
+    loaded = _load_all(models, checkpoints, model_kwargs or {}, attention, attention_cfg)
     kinds = {lm.kind for lm in loaded}
     if len(kinds) > 1:
         raise ValueError(f"compare models of one kind: got {sorted(kinds)}")
@@ -227,7 +250,7 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
         else:
             blocks = torch.cat([b["input_ids"] for b in inp.batches])
             r = evaluate_lm_robustness(lm.model, blocks, rates=rates, batch_size=batch_size, seed=seed)
-        r["data"] = inp.description
+        r.update(attention_of(lm.model), data=inp.description)
         results[lm.label] = r
     if kind == "image" and baseline is not None:
         base = results[loaded[baseline].label]
