@@ -28,10 +28,9 @@ validated config (:class:`MethodConfig` gives presets, dict round trip and valid
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 import keyword
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
@@ -157,7 +156,11 @@ class AttentionMethod:
 def calls_attention_once(method: AttentionMethod) -> bool:
     """Whether ``method`` keeps :class:`AttentionMethod`'s ``prepare`` and ``attend`` (one call of the zoo's attention
     with the model's queries): then an adapter may compute the attention itself and call only :meth:`update`."""
-    kind = type(method)
+    return _calls_once(type(method))
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_once(kind: type) -> bool:
     return kind.prepare is AttentionMethod.prepare and kind.attend is AttentionMethod.attend
 
 
@@ -187,7 +190,8 @@ class PIDMethod(AttentionMethod):
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
                head_dim: int) -> Tuple[Tensor, PIDState]:
-        return pid_update(out, value_q, state, scaled_gains(params, scale), head_dim=head_dim)
+        return pid_update(out, value_q, state, params if scale is None else scaled_gains(params, scale),
+                          head_dim=head_dim)
 
 
 # ------------------------------------------------------------------------------------------------ registry

@@ -85,7 +85,7 @@ class PIDForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached", "checks")
+                 "function", "start", "plain", "learnable", "cached", "checks", "update")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None) -> None:
@@ -100,6 +100,7 @@ class PIDForwardState:
         self.zero = self.method.is_identity(config)
         self.plain = calls_attention_once(self.method)
         self.checks = type(self.method).check is not AttentionMethod.check  # (PID checks nothing: no per-call cost)
+        self.update = self.method.update  # bound once per forward
         self.learnable = bool(getattr(config, "learnable", False))
         self.cached = past_length is not None  # a cache object was passed (set again by the hook for dynamic caches)
         self.function = _BASE_FUNCTIONS.get(base)
@@ -274,7 +275,7 @@ def pid_attention_forward(
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
     # the method's term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
     if run.plain:
-        u, layers[index] = method.update(params, out, v_q.transpose(1, 2), previous, run.scale, -2)
+        u, layers[index] = run.update(params, out, v_q.transpose(1, 2), previous, run.scale, -2)
     else:  # the method calls the base attention itself (its queries, once or more; (B, H, q, D) in, (B, q, H, D) out)
         def attend(q: Tensor, v: Tensor) -> Tensor:
             return base(module, q, key, v, attention_mask, **kwargs)[0]
