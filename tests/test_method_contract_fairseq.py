@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("fairseq")
 import pid_plugins.fairseq as pf  # noqa: E402
-from fairseq import checkpoint_utils  # noqa: E402
 from toy_method import METHOD, ScaledReferenceConfig, toy_rule  # noqa: E402
-from zoo_cases import data_dir, fairseq_reference, fs_method, fs_save_checkpoint, fs_tiny  # noqa: E402,F401
+from zoo_cases import (data_dir, fairseq_reference, fs_incremental_logits, fs_method,  # noqa: E402,F401
+                       fs_save_and_reload, fs_tiny)
 from zoo_cases import fs_build as build  # noqa: E402
 from zoo_cases import fs_logits as logits  # noqa: E402
 from zoo_cases import fs_parse as parse  # noqa: E402
@@ -90,11 +90,7 @@ def test_incremental_decoding_equals_recomputation_and_is_causal(data_dir):
     model, _, _ = build(data_dir, extra=toy(0.7))
     toks = tokens(length=9)
     full = logits(model, toks)
-    state, steps = {}, []
-    with torch.no_grad():
-        for t in range(1, toks.size(1) + 1):
-            steps.append(model(toks[:, :t], incremental_state=state)[0][:, -1])
-    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
     # beam reordering: the cache follows the rows
     state, order = {}, torch.tensor([1, 0])
     with torch.no_grad():
@@ -125,11 +121,9 @@ def test_decoder_forward_compiles_fullgraph(data_dir):
 def test_save_and_reload_through_fairseq_checkpoint_utils(data_dir, tmp_path):
     model, task, args = build(data_dir, extra=toy(0.4))
     path = str(tmp_path / "checkpoint_toy.pt")
-    fs_save_checkpoint(model, args, path)
+    loaded = fs_save_and_reload(model, task, args, path)
     saved = torch.load(path, map_location="cpu", weights_only=True)
     assert saved["cfg"]["model"]["attention_method"] == "scaled_reference"
-    (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task)
-    loaded.eval()
     assert loaded.decoder.layers[0].self_attn.attention_method is METHOD
     assert loaded.decoder.layers[0].self_attn.pid == ScaledReferenceConfig(gamma=0.4)
     toks = tokens()

@@ -10,7 +10,8 @@ import transformers as T  # noqa: E402
 import pid_plugins  # noqa: E402
 import pid_plugins.hf as ph  # noqa: E402
 from toy_method import NAME, ScaledReferenceConfig, toy_rule  # noqa: E402
-from zoo_cases import bart_config, bert_config, causal_lm_loss, hf_grads, llama_config, llama_reference  # noqa: E402
+from zoo_cases import (bart_config, bert_config, causal_lm_loss, hf_checkpointing_grads, llama_config,  # noqa: E402
+                       llama_reference)
 from zoo_cases import hf_ids as ids  # noqa: E402
 from zoo_cases import llama_twins  # noqa: E402
 
@@ -59,12 +60,7 @@ def test_gradient_checkpointing_equals_no_checkpointing():
     model, _ = twins()
     model.train()
     x = ids()
-    plain_logits, plain = hf_grads(model, causal_lm_loss(x))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt_logits, ckpt = hf_grads(model, causal_lm_loss(x))
-    torch.testing.assert_close(ckpt_logits, plain_logits, rtol=0, atol=0)
-    for name in plain:
-        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=1e-7)
+    hf_checkpointing_grads(model, causal_lm_loss(x))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant': False"):
         model(x, labels=x)

@@ -15,7 +15,8 @@ import pid_plugins  # noqa: E402
 import pid_plugins.timm as pt  # noqa: E402
 from pid_plugins.timm._helpers import pid_step  # noqa: E402
 from toy_method import METHOD, NAME, ScaledReference, ScaledReferenceConfig, toy_rule  # noqa: E402
-from zoo_cases import DEIT, FAN, set_fused, timm_checkpointing_results, timm_load_pretrained, timm_reference  # noqa: E402
+from zoo_cases import (DEIT, FAN, set_fused, timm_checkpointing_results, timm_load_pretrained,  # noqa: E402
+                       timm_reference)
 from zoo_cases import TIMM as MODELS  # noqa: E402
 from zoo_cases import timm_images as images  # noqa: E402
 from zoo_cases import timm_pair  # noqa: E402

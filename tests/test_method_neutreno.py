@@ -15,9 +15,10 @@ from pid_plugins import pid_update
 from pid_plugins.core import AttentionContext
 from pid_plugins.core.siblings.neutreno import NeuTRENOConfig, NeuTRENOMethod
 from zoo_cases import (TIMM, assert_equal_or_both_none, bart_config, bert_config, causal_lm_loss,  # noqa: F401
-                       data_dir, fairseq_reference, fs_build, fs_logits, fs_method, fs_save_checkpoint, fs_tokens,
-                       hf_grads, hf_ids, import_timm, import_transformers, llama_reference, mm_inputs, mm_out,
-                       mm_train_step, mmseg_reference, on_outputs, set_fused, timm_images, timm_reference)
+                       data_dir, fairseq_reference, fs_build, fs_incremental_logits, fs_logits, fs_method,
+                       fs_save_and_reload, fs_tokens, hf_checkpointing_grads, hf_ids, import_timm, import_transformers,
+                       llama_reference, mm_inputs, mm_out, mm_with_cp_runs, mmseg_reference, on_outputs, set_fused,
+                       timm_images, timm_reference)
 from zoo_cases import llama_twins as zoo_llama_twins
 from zoo_cases import mm_pair as zoo_mm_pair
 from zoo_cases import timm_pair as zoo_timm_pair
@@ -239,12 +240,7 @@ def test_hf_llama_alpha_zero_checkpointing_and_compile():
         assert torch.equal(zero(x).logits, stock(x).logits)
     model, _ = llama_twins()
     model.train()
-    plain_logits, plain = hf_grads(model, causal_lm_loss(x))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt_logits, ckpt = hf_grads(model, causal_lm_loss(x))
-    torch.testing.assert_close(ckpt_logits, plain_logits, rtol=0, atol=0)
-    for name in plain:
-        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=1e-7)
+    hf_checkpointing_grads(model, causal_lm_loss(x))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant': False"):
         model(x, labels=x)
@@ -399,14 +395,7 @@ def test_mmseg_matches_a_float64_reference_and_alpha_zero_is_stock(part):
 
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_with_cp_equals_no_checkpointing(part):
-    ref, _ = mm_pair(part)
-    ckpt, _ = mm_pair(part)
-    for layer in ckpt.layers:
-        layer.with_cp = True
-    results = []
-    for model in (ref, ckpt):
-        y, x_grad, grads = mm_train_step(part, model)
-        results.append([y, x_grad] + grads)
+    _, results = mm_with_cp_runs(part, lambda: mm_pair(part)[0])
     assert_equal_or_both_none(*results)
 
 
@@ -467,11 +456,7 @@ def test_fairseq_incremental_decoding_causality_and_compile(data_dir):
     model, _, _ = fs_build(data_dir, extra=neutreno_args(0.6))
     toks = fs_tokens(length=9)
     full = fs_logits(model, toks)
-    state, steps = {}, []
-    with torch.no_grad():
-        for t in range(1, toks.size(1) + 1):
-            steps.append(model(toks[:, :t], incremental_state=state)[0][:, -1])
-    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
     for j in (3, 6):
         changed = toks.clone()
         changed[:, j] = (changed[:, j] - 4 + 7) % 40 + 4
@@ -485,15 +470,10 @@ def test_fairseq_incremental_decoding_causality_and_compile(data_dir):
 
 
 def test_fairseq_save_reload_and_checkpointing_refusal(data_dir, tmp_path):
-    from fairseq import checkpoint_utils
-
     with pytest.raises(ValueError, match="--checkpoint-activations is not supported by transformer_lm_pid"):
         fs_build(data_dir, extra=[*neutreno_args(0.4), "--checkpoint-activations"])
     model, task, args = fs_build(data_dir, extra=neutreno_args(0.3))
-    path = str(tmp_path / "checkpoint.pt")
-    fs_save_checkpoint(model, args, path)
-    (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task)
-    loaded.eval()
+    loaded = fs_save_and_reload(model, task, args, str(tmp_path / "checkpoint.pt"))
     assert loaded.decoder.layers[0].self_attn.pid == NeuTRENOConfig(alpha=0.3)
     toks = fs_tokens()
     assert torch.equal(fs_logits(loaded, toks), fs_logits(model, toks))

@@ -368,6 +368,20 @@ def mm_train_step(part: str, model, inputs=None) -> Tuple[Tensor, Optional[Tenso
     return y.detach(), leaf.grad, [p.grad for p in model.parameters()]
 
 
+def mm_with_cp_runs(part: str, build: Callable, input_grad: bool = True):
+    """Two parts from ``build()``, the second with every layer's ``with_cp`` set (mmseg's checkpointing), each run
+    by :func:`mm_train_step`: (the first part, per part [output, the input's gradient (``input_grad``), the
+    parameters' gradients...])."""
+    ref, ckpt = build(), build()
+    for layer in ckpt.layers:
+        layer.with_cp = True
+    results = []
+    for model in (ref, ckpt):
+        y, x_grad, grads = mm_train_step(part, model)
+        results.append([y] + ([x_grad] if input_grad else []) + grads)
+    return ref, results
+
+
 # ================================================================================================ fairseq
 def fs_tiny(layers: int = 3) -> List[str]:
     return ["--decoder-layers", str(layers), "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
@@ -442,6 +456,26 @@ def fs_save_checkpoint(model, args, path: str) -> None:
     }, path)
 
 
+def fs_save_and_reload(model, task, args, path: str):
+    """:func:`fs_save_checkpoint`, then fairseq's ``load_model_ensemble`` (weights only): the loaded model, eval
+    mode."""
+    from fairseq import checkpoint_utils
+
+    fs_save_checkpoint(model, args, path)
+    (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task)
+    return loaded.eval()
+
+
+def fs_incremental_logits(model, toks: Tensor) -> Tensor:
+    """The last position's logits of ``toks[:, :t]``, t = 1 .. N, decoded one token at a time with fairseq's
+    incremental state: (B, N, vocabulary)."""
+    state, steps = {}, []
+    with torch.no_grad():
+        for t in range(1, toks.size(1) + 1):
+            steps.append(model(toks[:, :t], incremental_state=state)[0][:, -1])
+    return torch.stack(steps, 1)
+
+
 def fairseq_reference(stock, toks: Tensor, rule: Rule) -> Tensor:
     """A (float64) transformer_lm's modules run by hand (pre- or post-norm), attention by ``rule`` under the causal
     mask; the logits."""
@@ -474,6 +508,18 @@ def fairseq_reference(stock, toks: Tensor, rule: Rule) -> Tensor:
     if dec.project_out_dim is not None:
         x = dec.project_out_dim(x)
     return dec.output_layer(x)
+
+
+def hf_checkpointing_grads(model, forward: Callable, every_parameter: bool = True):
+    """:func:`hf_grads` without, then with non-reentrant gradient checkpointing (left enabled): asserts the outputs
+    equal bit for bit and every gradient within rtol 1e-6, atol 1e-7; returns both gradient dicts."""
+    plain_out, plain = hf_grads(model, forward, every_parameter)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt_out, ckpt = hf_grads(model, forward, every_parameter)
+    torch.testing.assert_close(ckpt_out, plain_out, rtol=0, atol=0)
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=1e-7)
+    return plain, ckpt
 
 
 def causal_lm_loss(x: Tensor) -> Callable:
