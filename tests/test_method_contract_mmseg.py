@@ -18,7 +18,7 @@ pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
 from toy_method import METHOD, NAME, ScaledReferenceConfig, toy_rule  # noqa: E402
-from zoo_cases import assert_equal_or_both_none, mm_args, mm_inputs, mmseg_reference  # noqa: E402
+from zoo_cases import assert_equal_or_both_none, mm_args, mm_compiled, mm_inputs, mmseg_reference  # noqa: E402
 from zoo_cases import mm_build as build  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -144,16 +144,11 @@ def test_with_cp_equals_no_checkpointing(part):
 
 # ------------------------------------------------------------------------------------------ (d) compile
 def test_backbone_compiles_fullgraph_and_equals_eager():
-    torch._dynamo.reset()
-    try:
-        model = backbone(**TOY)
-        x = images()
-        with torch.no_grad():
-            # mmengine modules cannot be wrapped by torch.compile(module): compile the bound forward
-            compiled = torch.compile(model.forward, fullgraph=True, backend="eager")(x)[0]
-            torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
-    finally:
-        torch._dynamo.reset()
+    model = backbone(**TOY)
+    x = images()
+    compiled = mm_compiled(model, x, "eager")  # mmengine modules: the bound forward compiled
+    with torch.no_grad():
+        torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ (f) save/reload

@@ -13,9 +13,9 @@ import torch
 import pid_plugins
 from pid_plugins.core import AttentionContext
 from pid_plugins.core.siblings.elliptical import EllipticalConfig, EllipticalMethod
-from zoo_cases import (MM_TYPES, TIMM, assert_equal_or_both_none, bart_config, bert_config, bert_reference,
-                       fs_build, fs_dictionary, fs_method, hf_checkpointing_grads, hf_ids, import_timm,
-                       import_transformers, llama_config, mm_args, mm_build, mm_inputs, mm_out, mm_with_cp_runs,
+from zoo_cases import (MM_TYPES, TIMM, assert_equal_or_both_none, bart_config, bert_config, bert_reference, fs_build,
+                       fs_dictionary, fs_method, hf_checkpointing_grads, hf_ids, import_timm, import_transformers,
+                       llama_config, mm_args, mm_build, mm_compiled, mm_inputs, mm_out, mm_with_cp_runs,
                        mmseg_reference, set_fused, timm_checkpointing_results, timm_images, timm_load_pretrained,
                        timm_reference)
 from zoo_cases import mm_pair as zoo_mm_pair
@@ -353,13 +353,9 @@ def test_mmseg_with_cp_equals_no_checkpointing_and_reloads(part):
 def test_mmseg_backbone_compiles_fullgraph():
     model, _ = mm_pair("backbone", {"from_layer": 3})
     x = mm_inputs("backbone")
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")(x)[0]
-            torch.testing.assert_close(compiled, model(x)[0], rtol=1e-5, atol=1e-6)
-    finally:
-        torch._dynamo.reset()
+    compiled = mm_compiled(model, x, "aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled, model(x)[0], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- fairseq

@@ -16,9 +16,10 @@ from pid_plugins.core import AttentionContext
 from pid_plugins.core.siblings.neutreno import NeuTRENOConfig, NeuTRENOMethod
 from zoo_cases import (TIMM, assert_equal_or_both_none, bart_config, bert_config, causal_lm_loss,  # noqa: F401
                        data_dir, fairseq_reference, fs_build, fs_incremental_logits, fs_logits, fs_method,
-                       fs_save_and_reload, fs_tokens, hf_checkpointing_grads, hf_ids, import_timm, import_transformers,
-                       llama_reference, mm_inputs, mm_out, mm_with_cp_runs, mmseg_reference, on_outputs, set_fused,
-                       timm_images, timm_reference)
+                       fs_save_and_reload, fs_tokens, hf_checkpointing_grads, hf_ids, import_timm,
+                       import_transformers, llama_reference, mm_compiled, mm_inputs, mm_out,
+                       mm_with_cp_runs, mmseg_reference, on_outputs, set_fused, timm_images,
+                       timm_reference)
 from zoo_cases import llama_twins as zoo_llama_twins
 from zoo_cases import mm_pair as zoo_mm_pair
 from zoo_cases import timm_pair as zoo_timm_pair
@@ -402,13 +403,9 @@ def test_mmseg_with_cp_equals_no_checkpointing(part):
 def test_mmseg_compile_warmup_and_save_reload(tmp_path):
     model, stock = mm_pair("backbone")
     x = mm_inputs("backbone")
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            compiled = torch.compile(model.forward, fullgraph=True, backend="eager")(x)[0]
-            torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
-    finally:
-        torch._dynamo.reset()
+    compiled = mm_compiled(model, x, "eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
     # warm-up: mmseg's fused attention plus the method's term, scaled by t / N
     warm, _ = mm_pair("backbone", attention_cfg={"warmup_steps": 2})
     warm.train()

@@ -15,9 +15,10 @@ from pid_plugins.core import AttentionContext, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
 from zoo_cases import TIMM as ZOO_TIMM
 from zoo_cases import (assert_equal_or_both_none, bart_config, bert_config, bert_reference,  # noqa: F401
-                       causal_lm_loss, data_dir, fairseq_reference, fs_method, fs_save_and_reload, fs_tokens,
-                       hf_checkpointing_grads, hf_ids, llama_config, llama_twins, mm_args, mm_build, mm_pair,
-                       mmseg_reference, on_scores, set_fused, timm_attention_stack, timm_images, timm_reference)
+                       causal_lm_loss, data_dir, fairseq_reference, fs_method, fs_save_and_reload,
+                       fs_tokens, hf_checkpointing_grads, hf_ids, llama_config, llama_twins, mm_args,
+                       mm_build, mm_compiled, mm_pair, mmseg_reference, on_scores, set_fused,
+                       timm_attention_stack, timm_images, timm_reference)
 from zoo_cases import fs_build as zoo_fs_build
 from zoo_cases import llama_reference as zoo_llama_reference
 from zoo_cases import timm_pair as zoo_timm_pair
@@ -394,11 +395,9 @@ def test_mmseg_with_cp_compile_dropout_and_save(tmp_path):
         results.append([y.detach(), inp.grad] + [p.grad for p in model.parameters()])
     assert_equal_or_both_none(*results)
     ref.eval()
-    torch._dynamo.reset()
+    compiled = mm_compiled(ref, x, "eager")
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(ref.forward, fullgraph=True, backend="eager")(x)[0], ref(x)[0],
-                                   rtol=1e-6, atol=1e-6)
-    torch._dynamo.reset()
+        torch.testing.assert_close(compiled, ref(x)[0], rtol=1e-6, atol=1e-6)
     dropping = mm_build("PIDVisionTransformer", BACKBONE, attention=NAME, attn_drop_rate=0.1)
     dropping(x)
     dropping.train()

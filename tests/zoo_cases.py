@@ -382,6 +382,18 @@ def mm_with_cp_runs(part: str, build: Callable, input_grad: bool = True):
     return ref, results
 
 
+def mm_compiled(model, x, backend: str) -> Tensor:
+    """The first output of ``torch.compile(model.forward, fullgraph=True, backend=backend)(x)`` under no_grad
+    (mmengine modules cannot be wrapped by ``torch.compile(module)``: the bound forward), dynamo reset before and
+    after."""
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            return torch.compile(model.forward, fullgraph=True, backend=backend)(x)[0]
+    finally:
+        torch._dynamo.reset()
+
+
 # ================================================================================================ fairseq
 def fs_tiny(layers: int = 3) -> List[str]:
     return ["--decoder-layers", str(layers), "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
