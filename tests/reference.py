@@ -38,21 +38,13 @@ def naive_pid_stack(attn_outs, values, lp, li, ld, beta, control_first_layer=Tru
 
 def naive_mmseg_layers(layers, h, heads, gains=None, control_first_layer=True, rule=None):
     """mmseg ``TransformerEncoderLayer``s (pre-norm, ``nn.MultiheadAttention`` + FFN) run as one group of a
-    layer-coupled rule, attention by hand from the weights; returns the tokens. The rule: PID's
-    (:func:`naive_pid_stack` with ``gains``), or ``rule(attn_outs, values)`` -> the outputs of every layer so far."""
+    layer-coupled rule, attention by hand from the weights (:func:`zoo_cases.mmseg_layers`); returns the tokens. The
+    rule: PID's (:func:`naive_pid_stack` with ``gains``), or ``rule(attn_outs, values)`` -> the outputs of every
+    layer so far. ``heads``: the layers' head count."""
+    from zoo_cases import mmseg_layers, on_outputs
+
     if rule is None:
         def rule(attn_outs, values):
             return naive_pid_stack(attn_outs, values, *gains, control_first_layer=control_first_layer)
-    attn_outs, values = [], []
-    for layer in layers:
-        mha = layer.attn.attn
-        B, N, C = h.shape
-        t = layer.norm1(h)
-        qkv = (t @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * (C // heads) ** -0.5, -1) @ v)
-        values.append(v)
-        u = rule(attn_outs, values)[-1]
-        h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
-        h = layer.ffn(layer.norm2(h), identity=h)
-    return h
+    assert all(layer.attn.attn.num_heads == heads for layer in layers)
+    return mmseg_layers(layers, h, on_outputs(lambda attn_outs, values: rule(attn_outs, values)[-1]))

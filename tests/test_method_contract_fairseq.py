@@ -12,53 +12,21 @@ import torch
 
 pytest.importorskip("fairseq")
 import pid_plugins.fairseq as pf  # noqa: E402
-from fairseq import checkpoint_utils, options, tasks  # noqa: E402
-from fairseq.data import Dictionary  # noqa: E402
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from toy_method import METHOD, ScaledReferenceConfig, naive_scaled_reference  # noqa: E402
+from toy_method import METHOD, ScaledReferenceConfig, toy_rule  # noqa: E402
+from zoo_cases import (data_dir, fairseq_reference, fs_incremental_logits, fs_method,  # noqa: E402,F401
+                       fs_save_and_reload, fs_tiny)
+from zoo_cases import fs_build as build  # noqa: E402
+from zoo_cases import fs_logits as logits  # noqa: E402
+from zoo_cases import fs_parse as parse  # noqa: E402
+from zoo_cases import fs_tokens as tokens  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
-TINY = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-        "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dict")
-    dictionary = Dictionary()
-    for i in range(40):
-        dictionary.add_symbol(f"w{i}")
-    dictionary.save(str(d / "dict.txt"))
-    return d
-
-
-def parse(data_dir, arch="transformer_lm_pid", extra=()):
-    return options.parse_args_and_arch(options.get_training_parser(), [
-        str(data_dir), "--task", "language_modeling", "--arch", arch, "--user-dir", pf.USER_DIR, *TINY, *extra])
-
-
-def build(data_dir, arch="transformer_lm_pid", extra=(), seed=0):
-    args = parse(data_dir, arch, extra)
-    task = tasks.setup_task(args)
-    torch.manual_seed(seed)
-    model = task.build_model(args)
-    model.eval()
-    return model, task, args
+TINY = fs_tiny()
 
 
 def toy(gamma):
-    return ["--attention-method", "scaled_reference", "--attention-cfg", json.dumps({"gamma": gamma})]
-
-
-def tokens(n=2, length=10, seed=1):
-    return torch.randint(4, 44, (n, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, toks, **kw):
-    with torch.no_grad():
-        return model(toks, **kw)[0]
+    return fs_method("scaled_reference", {"gamma": gamma})
 
 
 def test_toy_is_selected_by_name_and_reaches_every_layer(data_dir):
@@ -90,42 +58,8 @@ def test_float64_reference_of_the_decoder_stack(data_dir):
     stock, model = stock.double(), model.double()
     toks = tokens()
     got = logits(model, toks)
-
-    dec = stock.decoder
-    B, N = toks.shape
     with torch.no_grad():
-        x = dec.embed_scale * dec.embed_tokens(toks)
-        if dec.project_in_dim is not None:
-            x = dec.project_in_dim(x)
-        x = x + dec.embed_positions(toks)
-        x = x.transpose(0, 1)  # (N, B, C), fairseq's layout
-        causal = torch.triu(torch.ones(N, N, dtype=torch.bool), 1)
-        attn_outs, values = [], []
-        for layer in dec.layers:
-            attn = layer.self_attn
-            H, D = attn.num_heads, attn.head_dim
-            residual = x
-            h = layer.self_attn_layer_norm(x) if layer.normalize_before else x
-            q, k, v = (p(h).view(N, B, H, D).permute(1, 2, 0, 3) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            scores = (q @ k.transpose(-1, -2)) / D ** 0.5
-            a = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1) @ v
-            attn_outs.append(a)
-            values.append(v)
-            u = naive_scaled_reference(attn_outs, values, gamma)[-1]
-            x = residual + attn.out_proj(u.permute(2, 0, 1, 3).reshape(N, B, H * D))
-            if not layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
-            residual = x
-            h = layer.final_layer_norm(x) if layer.normalize_before else x
-            x = residual + layer.fc2(layer.activation_fn(layer.fc1(h)))
-            if not layer.normalize_before:
-                x = layer.final_layer_norm(x)
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        x = x.transpose(0, 1)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        want = dec.output_layer(x)
+        want = fairseq_reference(stock, toks, toy_rule(gamma))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert not torch.allclose(got, logits(stock, toks))  # the toy does change the model
 
@@ -156,11 +90,7 @@ def test_incremental_decoding_equals_recomputation_and_is_causal(data_dir):
     model, _, _ = build(data_dir, extra=toy(0.7))
     toks = tokens(length=9)
     full = logits(model, toks)
-    state, steps = {}, []
-    with torch.no_grad():
-        for t in range(1, toks.size(1) + 1):
-            steps.append(model(toks[:, :t], incremental_state=state)[0][:, -1])
-    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
     # beam reordering: the cache follows the rows
     state, order = {}, torch.tensor([1, 0])
     with torch.no_grad():
@@ -190,18 +120,10 @@ def test_decoder_forward_compiles_fullgraph(data_dir):
 
 def test_save_and_reload_through_fairseq_checkpoint_utils(data_dir, tmp_path):
     model, task, args = build(data_dir, extra=toy(0.4))
-    cfg = convert_namespace_to_omegaconf(args)
     path = str(tmp_path / "checkpoint_toy.pt")
-    checkpoint_utils.torch_persistent_save({
-        "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "args": None, "model": model.state_dict(),
-        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
-                               "lr_scheduler_state": {}, "num_updates": 0}],
-        "extra_state": {"train_iterator": {"epoch": 1}}, "last_optimizer_state": None,
-    }, path)
+    loaded = fs_save_and_reload(model, task, args, path)
     saved = torch.load(path, map_location="cpu", weights_only=True)
     assert saved["cfg"]["model"]["attention_method"] == "scaled_reference"
-    (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task)
-    loaded.eval()
     assert loaded.decoder.layers[0].self_attn.attention_method is METHOD
     assert loaded.decoder.layers[0].self_attn.pid == ScaledReferenceConfig(gamma=0.4)
     toks = tokens()

@@ -6,62 +6,26 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import transformers as T  # noqa: E402
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 import pid_plugins  # noqa: E402
 import pid_plugins.hf as ph  # noqa: E402
-from toy_method import NAME, ScaledReferenceConfig, naive_scaled_reference  # noqa: E402
+from toy_method import NAME, ScaledReferenceConfig, toy_rule  # noqa: E402
+from zoo_cases import (bart_config, bert_config, causal_lm_loss, hf_checkpointing_grads, llama_config,  # noqa: E402
+                       llama_reference)
+from zoo_cases import hf_ids as ids  # noqa: E402
+from zoo_cases import llama_twins  # noqa: E402
 
-V = 96
-
-
-def llama(gamma=0.3, layers=3, method=NAME, **kw):
-    args = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
-    if method is not None:
-        args.update(attn_implementation=method, **{method: {"gamma": gamma}})
-    else:
-        args.update(attn_implementation="sdpa")
-    return T.LlamaConfig(**{**args, **kw})
-
-
-def ids(n=2, length=8, seed=1):
-    return torch.randint(3, V, (n, length), generator=torch.Generator().manual_seed(seed))
+V = 96  # the tiny models' vocabulary (zoo_cases' default)
 
 
 def twins(gamma=0.3, layers=3):
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama(gamma, layers)).eval()
-    stock = T.LlamaForCausalLM(llama(method=None, layers=layers)).eval()
-    stock.load_state_dict(model.state_dict())
-    return model, stock
+    return llama_twins(NAME, {"gamma": gamma}, layers=layers)
 
 
 def reference_llama(model, x, gamma):
-    """The whole Llama by hand in float64: the stock modules for embeddings, norms, rotary and MLP, attention
+    """The whole (float64) Llama by hand: the stock modules for embeddings, norms, rotary and MLP, attention
     written out (softmax of masked scores), and the toy rule from its loop statement."""
-    m = model.model.double()
-    B, N = x.shape
-    h = m.embed_tokens(x)
-    cos, sin = m.rotary_emb(h, torch.arange(N)[None])
-    causal = torch.full((N, N), float("-inf"), dtype=torch.float64).triu(1)
-    v_first = None
-    for layer in m.layers:
-        a = layer.self_attn
-        D = a.head_dim
-        t = layer.input_layernorm(h)
-        q = a.q_proj(t).view(B, N, -1, D).transpose(1, 2)
-        k = a.k_proj(t).view(B, N, -1, D).transpose(1, 2)
-        v = a.v_proj(t).view(B, N, -1, D).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        r = q.shape[1] // k.shape[1]
-        kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-        out = torch.softmax(q @ kk.transpose(-1, -2) * D ** -0.5 + causal, -1) @ vv
-        v_first = v if v_first is None else v_first
-        u = naive_scaled_reference([out], [v_first], gamma)[0]
-        h = h + a.o_proj(u.transpose(1, 2).reshape(B, N, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.lm_head(m.norm(h))
+    return llama_reference(model, x, toy_rule(gamma))
 
 
 def test_registered_method_is_an_attn_implementation():
@@ -96,19 +60,7 @@ def test_gradient_checkpointing_equals_no_checkpointing():
     model, _ = twins()
     model.train()
     x = ids()
-
-    def grads():
-        model.zero_grad()
-        out = model(x, labels=x)
-        out.loss.backward()
-        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain_logits, plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt_logits, ckpt = grads()
-    torch.testing.assert_close(ckpt_logits, plain_logits, rtol=0, atol=0)
-    for name in plain:
-        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=1e-7)
+    hf_checkpointing_grads(model, causal_lm_loss(x))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant': False"):
         model(x, labels=x)
@@ -154,8 +106,8 @@ def test_save_and_reload(tmp_path):
 
 def test_to_pid_converts_to_a_registered_method_and_refuses_bad_input():
     torch.manual_seed(0)
-    stock = T.LlamaForCausalLM(llama(method=None)).eval()
-    model = T.LlamaForCausalLM(llama(method=None)).eval()
+    stock = T.LlamaForCausalLM(llama_config("sdpa")).eval()
+    model = T.LlamaForCausalLM(llama_config("sdpa")).eval()
     model.load_state_dict(stock.state_dict())
     ph.to_pid(model, {"gamma": 0.0}, method=NAME)
     x = ids()
@@ -171,11 +123,8 @@ def test_encoder_and_encoder_decoder_families():
     """BERT (encoder) and BART (PID-style self-attention stacks, cross-attention untouched): switched off equals
     stock bit for bit, switched on changes the output."""
     for cls, cfg in (
-        (T.BertModel, T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=64, max_position_embeddings=32)),
-        (T.BartModel, T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
-                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                   decoder_ffn_dim=64, max_position_embeddings=32)),
+        (T.BertModel, bert_config()),
+        (T.BartModel, bart_config()),
     ):
         torch.manual_seed(0)
         stock = cls(cfg).eval()

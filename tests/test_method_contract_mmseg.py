@@ -13,32 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
-from reference import naive_mmseg_layers  # noqa: E402
-from toy_method import METHOD, NAME, ScaledReferenceConfig, naive_scaled_reference  # noqa: E402
+from toy_method import METHOD, NAME, ScaledReferenceConfig, toy_rule  # noqa: E402
+from zoo_cases import assert_equal_or_both_none, mm_args, mm_compiled, mm_inputs, mmseg_reference  # noqa: E402
+from zoo_cases import mm_build as build  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 GAMMA = 0.3
-BACKBONE = dict(img_size=(32, 32), patch_size=8, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,
-                final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
-HEAD = dict(in_channels=48, channels=48, num_classes=5, num_layers=2, num_heads=3, embed_dims=48,
-            dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
+BACKBONE = mm_args("backbone")
+HEAD = mm_args("head")
 TOY = dict(attention=NAME, attention_cfg=dict(gamma=GAMMA))
-
-
-def build(type, args, seed=0, **kw):
-    from mmseg.registry import MODELS
-
-    torch.manual_seed(seed)
-    model = MODELS.build(dict(type=type, **args, **kw))
-    model.init_weights()
-    model.eval()  # mmseg's ViT.train() returns None: not chained
-    return model
 
 
 def backbone(seed=0, **kw):
@@ -58,18 +46,11 @@ def stock_head(seed=0):
 
 
 def images(dtype=torch.float32):
-    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    return mm_inputs("backbone", dtype)
 
 
 def features(dtype=torch.float32):
-    return [torch.randn(2, 48, 4, 4, generator=torch.Generator().manual_seed(2), dtype=dtype)]
-
-
-def naive_layers(layers, h, heads, gamma):
-    """mmseg ``TransformerEncoderLayer``s as one ``scaled_reference`` group: attention by hand from the weights
-    (tests/reference.py), the rule from :func:`naive_scaled_reference`."""
-    return naive_mmseg_layers(layers, h, heads, rule=lambda attn_outs, values: naive_scaled_reference(
-        attn_outs, values, gamma))
+    return mm_inputs("head", dtype, seed=2)
 
 
 # ------------------------------------------------------------------------------------------ the user path
@@ -101,10 +82,7 @@ def test_backbone_matches_a_float64_reference_from_stock_modules():
     x = images(torch.float64)
     with torch.no_grad():
         got = model(x)[0]
-        h, hw = stock.patch_embed(x)
-        h = stock._pos_embeding(torch.cat([stock.cls_token.expand(2, -1, -1), h], 1), hw, stock.pos_embed)
-        h = stock.norm1(naive_layers(stock.layers, h, 3, GAMMA))
-        want = h[:, 1:].reshape(2, 4, 4, 48).permute(0, 3, 1, 2)
+        want = mmseg_reference("backbone", stock, x, toy_rule(GAMMA))
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
         assert (got - stock(x)[0]).abs().max() > 1e-3  # the method changes the output
 
@@ -116,12 +94,7 @@ def test_decode_head_matches_a_float64_reference_from_stock_modules():
     x = features(torch.float64)
     with torch.no_grad():
         got = model(x)
-        h = stock.dec_proj(x[0].flatten(2).transpose(1, 2))
-        h = torch.cat([h, stock.cls_emb.expand(2, -1, -1)], 1)
-        h = stock.decoder_norm(naive_layers(stock.layers, h, 3, GAMMA))  # the decoder's own group
-        patches = F.normalize(stock.patch_proj(h[:, :-5]), dim=2)
-        classes = F.normalize(stock.classes_proj(h[:, -5:]), dim=2)
-        want = stock.mask_norm(patches @ classes.transpose(1, 2)).transpose(1, 2).reshape(2, 5, 4, 4)
+        want = mmseg_reference("head", stock, x, toy_rule(GAMMA))  # the decoder's own group
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
         assert (got - stock(x)).abs().max() > 1e-3
 
@@ -166,24 +139,16 @@ def test_with_cp_equals_no_checkpointing(part):
     y_ckpt, g_ckpt = _train_step(ckpt, inputs, out)
     assert torch.equal(y_ref, y_ckpt)
     assert len(g_ref) == len(g_ckpt) and sum(g is not None for g in g_ref) > 10
-    for a, b in zip(g_ref, g_ckpt):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_equal_or_both_none(g_ref, g_ckpt)
 
 
 # ------------------------------------------------------------------------------------------ (d) compile
 def test_backbone_compiles_fullgraph_and_equals_eager():
-    torch._dynamo.reset()
-    try:
-        model = backbone(**TOY)
-        x = images()
-        with torch.no_grad():
-            # mmengine modules cannot be wrapped by torch.compile(module): compile the bound forward
-            compiled = torch.compile(model.forward, fullgraph=True, backend="eager")(x)[0]
-            torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
-    finally:
-        torch._dynamo.reset()
+    model = backbone(**TOY)
+    x = images()
+    compiled = mm_compiled(model, x, "eager")  # mmengine modules: the bound forward compiled
+    with torch.no_grad():
+        torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ (f) save/reload

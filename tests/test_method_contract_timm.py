@@ -14,36 +14,18 @@ timm = pytest.importorskip("timm")
 import pid_plugins  # noqa: E402
 import pid_plugins.timm as pt  # noqa: E402
 from pid_plugins.timm._helpers import pid_step  # noqa: E402
-from toy_method import METHOD, NAME, ScaledReference, ScaledReferenceConfig, naive_scaled_reference  # noqa: E402
-
-DEIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=10)
-FAN = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)
-MODELS = {"deit": ("pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", DEIT),
-          "fan": ("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", FAN)}
-
-
-def images(kind, n=2, seed=1):
-    size = MODELS[kind][2]["img_size"]
-    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+from toy_method import METHOD, NAME, ScaledReference, ScaledReferenceConfig, toy_rule  # noqa: E402
+from zoo_cases import (DEIT, FAN, set_fused, timm_checkpointing_results, timm_load_pretrained,  # noqa: E402
+                       timm_reference)
+from zoo_cases import TIMM as MODELS  # noqa: E402
+from zoo_cases import timm_images as images  # noqa: E402
+from zoo_cases import timm_pair  # noqa: E402
 
 
-def pair(kind, gamma: Optional[float] = 0.5, seed=0, **kwargs):
+def pair(kind, gamma: Optional[float] = 0.5, seed=0):
     """The toy-method model (by its PID name, ``attention="scaled_reference"``) and the stock timm model, with
     identical weights."""
-    name, base, cfg = MODELS[kind]
-    args = {**cfg, **kwargs}
-    torch.manual_seed(seed)
-    stock = timm.create_model(base, **args)
-    method_cfg = None if gamma is None else {"gamma": gamma}
-    model = timm.create_model(name, attention=NAME, attention_cfg=method_cfg, **args)
-    model.load_state_dict(stock.state_dict())  # strict: the toy adds no parameters
-    return model.eval(), stock.eval()
-
-
-def set_fused(models, fused):
-    for m in models:
-        for blk in m.blocks:
-            blk.attn.fused_attn = fused
+    return timm_pair(kind, seed, attention=NAME, attention_cfg=None if gamma is None else {"gamma": gamma})
 
 
 # ------------------------------------------------------------------------------------------ selection
@@ -76,48 +58,14 @@ def test_softmax_and_pid_names_keep_working():
 
 
 # ------------------------------------------------------------------------- (a) an independent reference
-def _deit_reference(stock, x, gamma):
-    """The stock DeiT's modules, float64, attention by hand, the toy rule from ``naive_scaled_reference``."""
-    h = stock.norm_pre(stock._pos_embed(stock.patch_embed(x)))
-    v_first = None
-    for blk in stock.blocks:
-        a = blk.attn
-        B, N, C = h.shape
-        q, k, v = a.qkv(blk.norm1(h)).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
-        out = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, -1) @ v
-        v_first = v if v_first is None else v_first
-        u = naive_scaled_reference([out], [v_first], gamma)[0]
-        h = h + a.proj(u.transpose(1, 2).reshape(B, N, C))
-        h = h + blk.mlp(blk.norm2(h))
-    return stock.forward_head(stock.norm(h))
-
-
-def _fan_reference(stock, x, gamma):
-    """The stock FAN's modules, float64, token mixing by hand, the toy rule from ``naive_scaled_reference``."""
-    h, Hp, Wp = stock._embed(x)
-    v_first = None
-    for blk in stock.blocks:
-        a = blk.attn
-        B, N, C = h.shape
-        t = blk.norm1(h)
-        q = a.q(t).reshape(B, N, a.num_heads, -1).transpose(1, 2)
-        k, v = a.kv(t).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-        out = torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, -1) @ v
-        v_first = v if v_first is None else v_first
-        u = naive_scaled_reference([out], [v_first], gamma)[0]
-        h = h + blk.gamma1 * a.proj(u.transpose(1, 2).reshape(B, N, C))
-        h = h + blk.gamma2 * blk.mlp(blk.norm2(h), Hp, Wp)
-    return stock.forward_head(stock.norm(stock.forward_cls(h)))
-
-
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_whole_model_matches_an_independent_float64_reference(kind):
+    """The stock DeiT / FAN modules, float64, attention by hand, the toy rule from ``naive_scaled_reference``."""
     model, stock = pair(kind, gamma=0.7)
     model, stock = model.double(), stock.double()
     x = images(kind).double()
-    reference = _deit_reference if kind == "deit" else _fan_reference
     with torch.no_grad():
-        want = reference(stock, x, 0.7)
+        want = timm_reference(kind, stock, x, toy_rule(0.7))
         torch.testing.assert_close(model(x), want, rtol=1e-10, atol=1e-10)
         assert not torch.allclose(stock(x), want)
 
@@ -144,17 +92,7 @@ def test_gradient_checkpointing_equals_no_checkpointing(kind, reentrant):
     ref, _ = pair(kind)
     ckpt, _ = pair(kind)
     ckpt.set_grad_checkpointing(True)
-    results = []
-    previous = timm.layers.use_reentrant_ckpt()
-    timm.layers.set_reentrant_ckpt(reentrant)
-    try:
-        for model in (ref, ckpt):
-            inp = images(kind).requires_grad_()
-            out = model(inp)
-            (out.square().mean() + model(inp * 0.5).mean()).backward()
-            results.append([out.detach(), inp.grad] + [p.grad for p in model.parameters()])
-    finally:
-        timm.layers.set_reentrant_ckpt(previous)
+    results = timm_checkpointing_results(timm, (ref, ckpt), lambda: images(kind), reentrant)
     assert len(results[0]) == len(results[1])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -179,8 +117,7 @@ def test_timm_save_and_load_give_the_same_outputs(kind, tmp_path):
     path = tmp_path / "model.pth"
     torch.save(model.state_dict(), path)
     x = images(kind)
-    loaded = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path), num_classes=10),
-                               attention=NAME, attention_cfg={"gamma": 0.3}, **cfg).eval()
+    loaded = timm_load_pretrained(name, path, attention=NAME, attention_cfg={"gamma": 0.3}, **cfg)
     other = timm.create_model(name, attention=NAME, attention_cfg={"gamma": 0.3}, **cfg).eval()
     timm.models.load_checkpoint(other, str(path))  # validate.py's path (weights-only)
     with torch.no_grad():

@@ -7,14 +7,19 @@ DeiT and FAN, transformers BERT, mmseg backbone and decode head) are compared wi
 stock modules; causal models (transformers decoders and encoder-decoders, fairseq LMs) and cached decoding are refused
 before anything is computed.
 """
-import json
-
 import pytest
 import torch
 
 import pid_plugins
 from pid_plugins.core import AttentionContext
 from pid_plugins.core.siblings.elliptical import EllipticalConfig, EllipticalMethod
+from zoo_cases import (MM_TYPES, TIMM, assert_equal_or_both_none, bart_config, bert_config, bert_reference, fs_build,
+                       fs_dictionary, fs_method, hf_checkpointing_grads, hf_ids, import_timm, import_transformers,
+                       llama_config, mm_args, mm_build, mm_compiled, mm_inputs, mm_out, mm_with_cp_runs,
+                       mmseg_reference, set_fused, timm_checkpointing_results, timm_images, timm_load_pretrained,
+                       timm_reference)
+from zoo_cases import mm_pair as zoo_mm_pair
+from zoo_cases import timm_pair as zoo_timm_pair
 
 NAME = "elliptical"
 METHOD = pid_plugins.get_method(NAME)
@@ -123,57 +128,20 @@ def test_scales_take_no_gradient_and_follow_the_layout_of_the_update():
 
 # ---------------------------------------------------------------------------------------------- timm
 timm_cases = pytest.mark.parametrize("kind", ["deit", "fan"])
-DEIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=10)
-FAN = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)
-TIMM = {"deit": ("pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", DEIT),
-        "fan": ("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", FAN)}
+
+
+def elliptical_rule(from_layer):
+    """The zoo references' per-layer rule: the first layer plain, then :func:`naive_layer` with the previous
+    layer's values (layers counted from 1)."""
+    def rule(qs, ks, vs, mask):
+        if len(vs) == 1:
+            return naive_attention(qs[-1], ks[-1], vs[-1])
+        return naive_layer(qs[-1], ks[-1], vs[-1], vs[-2], len(vs), from_layer)
+    return rule
 
 
 def timm_pair(kind, cfg=None, seed=0):
-    timm = pytest.importorskip("timm")
-    import pid_plugins.timm  # noqa: F401  (registers the pid_* names)
-
-    name, base, args = TIMM[kind]
-    torch.manual_seed(seed)
-    stock = timm.create_model(base, **args)
-    model = timm.create_model(name, attention=NAME, attention_cfg=cfg, **args)
-    model.load_state_dict(stock.state_dict())  # strict: the method adds no parameters
-    return model.eval(), stock.eval()
-
-
-def timm_images(kind, n=2, seed=1):
-    size = TIMM[kind][2]["img_size"]
-    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
-
-
-def _timm_reference(kind, stock, x, from_layer):
-    """The stock DeiT / FAN modules in float64, attention by hand with the official rule."""
-    if kind == "deit":
-        h = stock.norm_pre(stock._pos_embed(stock.patch_embed(x)))
-    else:
-        h, Hp, Wp = stock._embed(x)
-    v_prev = None
-    for index, blk in enumerate(stock.blocks, start=1):
-        a = blk.attn
-        B, N, C = h.shape
-        t = blk.norm1(h)
-        if kind == "deit":
-            q, k, v = a.qkv(t).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
-        else:
-            q = a.q(t).reshape(B, N, a.num_heads, -1).transpose(1, 2)
-            k, v = a.kv(t).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-        out = naive_attention(q, k, v) if v_prev is None else naive_layer(q, k, v, v_prev, index, from_layer)
-        v_prev = v
-        y = a.proj(out.transpose(1, 2).reshape(B, N, C))
-        if kind == "deit":
-            h = h + y
-            h = h + blk.mlp(blk.norm2(h))
-        else:
-            h = h + blk.gamma1 * y
-            h = h + blk.gamma2 * blk.mlp(blk.norm2(h), Hp, Wp)
-    if kind == "deit":
-        return stock.forward_head(stock.norm(h))
-    return stock.forward_head(stock.norm(stock.forward_cls(h)))
+    return zoo_timm_pair(kind, seed, attention=NAME, attention_cfg=cfg)
 
 
 @pytest.mark.parametrize("kind, from_layer", [("deit", 2), ("deit", 3), ("fan", 3)])
@@ -183,7 +151,7 @@ def test_timm_matches_an_independent_float64_reference(kind, from_layer):
     model, stock = model.double(), stock.double()
     x = timm_images(kind).double()
     with torch.no_grad():
-        want = _timm_reference(kind, stock, x, from_layer)
+        want = timm_reference(kind, stock, x, elliptical_rule(from_layer))
         torch.testing.assert_close(model(x), want, rtol=1e-10, atol=1e-10)
         assert not torch.allclose(stock(x), want)
 
@@ -193,13 +161,11 @@ def test_timm_matches_an_independent_float64_reference(kind, from_layer):
 def test_timm_without_elliptical_layers_is_the_stock_model_bit_for_bit(kind, fused):
     """No ZERO values exist (delta cancels): with ``from_layer`` past the depth the method's path scales the queries
     by exactly 1 and equals the stock model bit for bit; ``attention='softmax'`` is the stock model."""
-    timm = pytest.importorskip("timm")
+    timm = import_timm()
     model, stock = timm_pair(kind, {"from_layer": 99})
     softmax = timm.create_model(TIMM[kind][0], attention="softmax", **TIMM[kind][2]).eval()
     softmax.load_state_dict(stock.state_dict())
-    for m in (model, stock, softmax):
-        for blk in m.blocks:
-            blk.attn.fused_attn = fused
+    set_fused((model, stock, softmax), fused)
     x = timm_images(kind)
     with torch.no_grad():
         want = stock(x)
@@ -210,21 +176,11 @@ def test_timm_without_elliptical_layers_is_the_stock_model_bit_for_bit(kind, fus
 @timm_cases
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_timm_gradient_checkpointing_equals_no_checkpointing(kind, reentrant):
-    timm = pytest.importorskip("timm")
+    timm = import_timm()
     ref, _ = timm_pair(kind)
     ckpt, _ = timm_pair(kind)
     ckpt.set_grad_checkpointing(True)
-    results = []
-    previous = timm.layers.use_reentrant_ckpt()
-    timm.layers.set_reentrant_ckpt(reentrant)
-    try:
-        for model in (ref, ckpt):
-            inp = timm_images(kind).requires_grad_()
-            out = model(inp)
-            (out.square().mean() + model(inp * 0.5).mean()).backward()
-            results.append([out.detach(), inp.grad] + [p.grad for p in model.parameters()])
-    finally:
-        timm.layers.set_reentrant_ckpt(previous)
+    results = timm_checkpointing_results(timm, (ref, ckpt), lambda: timm_images(kind), reentrant)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -240,13 +196,11 @@ def test_timm_compile_fullgraph_equals_eager(kind):
 
 
 def test_timm_save_and_reload(tmp_path):
-    timm = pytest.importorskip("timm")
     name, _, cfg = TIMM["deit"]
     model, _ = timm_pair("deit", {"from_layer": 3}, seed=3)
     path = tmp_path / "model.pth"
     torch.save(model.state_dict(), path)
-    loaded = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path), num_classes=10),
-                               attention=NAME, attention_cfg={"from_layer": 3}, **cfg).eval()
+    loaded = timm_load_pretrained(name, path, attention=NAME, attention_cfg={"from_layer": 3}, **cfg)
     x = timm_images("deit")
     with torch.no_grad():
         want = model(x)
@@ -257,45 +211,27 @@ def test_timm_save_and_reload(tmp_path):
 V = 96
 
 
-def bert_config(**kw):
-    T = pytest.importorskip("transformers")
-    return T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, **kw)
-
-
 def bert_pair(cfg=None, seed=0):
-    T = pytest.importorskip("transformers")
+    T = import_transformers()
     import pid_plugins.hf as ph
 
     torch.manual_seed(seed)
-    stock = T.BertModel(bert_config()).eval()
-    model = T.BertModel(bert_config()).eval()
+    config = dict(layers=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    stock = T.BertModel(bert_config(V, **config)).eval()
+    model = T.BertModel(bert_config(V, **config)).eval()
     model.load_state_dict(stock.state_dict())
     ph.to_pid(model, cfg, method=NAME)
     return model, stock
 
 
 def ids(n=2, length=8, seed=1):
-    return torch.randint(3, V, (n, length), generator=torch.Generator().manual_seed(seed))
+    return hf_ids(n, length, seed, vocab=V)
 
 
 def reference_bert(stock, x, from_layer):
     """BERT by hand in float64: the stock modules for embeddings, projections, post-norms and MLP, attention with
     the official rule."""
-    m = stock.double()
-    B, N = x.shape
-    h = m.embeddings(x)
-    v_prev = None
-    for index, layer in enumerate(m.encoder.layer, start=1):
-        a = layer.attention.self
-        H = m.config.num_attention_heads
-        q, k, v = (p(h).view(B, N, H, -1).transpose(1, 2) for p in (a.query, a.key, a.value))
-        out = naive_attention(q, k, v) if v_prev is None else naive_layer(q, k, v, v_prev, index, from_layer)
-        v_prev = v
-        h = layer.attention.output(out.transpose(1, 2).reshape(B, N, -1), h)
-        h = layer.output(layer.intermediate(h), h)
-    return h
+    return bert_reference(stock.double(), x, elliptical_rule(from_layer))
 
 
 @pytest.mark.parametrize("from_layer", [2, 3])
@@ -323,19 +259,12 @@ def test_bert_gradient_checkpointing_equals_no_checkpointing():
     model.train()
     x = ids()
 
-    def grads():
-        model.zero_grad()
-        out = model(x).last_hidden_state
-        out.square().mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    def forward(m):
+        out = m(x).last_hidden_state
+        return out, out.square().mean()
 
-    plain_out, plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt_out, ckpt = grads()
-    torch.testing.assert_close(ckpt_out, plain_out, rtol=0, atol=0)
+    plain, ckpt = hf_checkpointing_grads(model, forward, every_parameter=False)
     assert plain.keys() == ckpt.keys() and len(plain) > 10
-    for name in plain:
-        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=1e-7)
 
 
 def test_bert_compiled_fullgraph_equals_eager():
@@ -349,7 +278,7 @@ def test_bert_compiled_fullgraph_equals_eager():
 
 
 def test_bert_save_and_reload(tmp_path):
-    T = pytest.importorskip("transformers")
+    T = import_transformers()
     import pid_plugins.hf as ph
 
     model, _ = bert_pair({"from_layer": 3})
@@ -364,17 +293,13 @@ def test_bert_save_and_reload(tmp_path):
 
 def test_transformers_causal_models_are_refused_with_the_message():
     """Llama (decoder: forward and cached generation) and BART (its decoder's causal self-attention)."""
-    T = pytest.importorskip("transformers")
+    T = import_transformers()
     import pid_plugins.hf as ph
 
     torch.manual_seed(0)
-    llama = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)).eval()
+    llama = T.LlamaForCausalLM(llama_config(layers=2, vocab=V)).eval()
     ph.to_pid(llama, method=NAME)
-    bart = T.BartModel(T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
-                                    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                    decoder_ffn_dim=64, max_position_embeddings=32)).eval()
+    bart = T.BartModel(bart_config(V)).eval()
     ph.to_pid(bart, method=NAME)
     x = ids()
     with torch.no_grad():
@@ -385,86 +310,24 @@ def test_transformers_causal_models_are_refused_with_the_message():
 
 
 # ---------------------------------------------------------------------------------------------- mmseg
-BACKBONE = dict(img_size=(32, 32), patch_size=8, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,
-                final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
-HEAD = dict(in_channels=48, channels=48, num_classes=5, num_layers=3, num_heads=3, embed_dims=48,
-            dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
-
-
-def mm_build(type, args, seed=0, **kw):
-    pytest.importorskip("mmseg")
-    import pid_plugins.mmseg  # noqa: F401  (registers the PID* types)
-    from mmseg.registry import MODELS
-
-    torch.manual_seed(seed)
-    model = MODELS.build(dict(type=type, **args, **kw))
-    model.init_weights()
-    model.eval()
-    return model
-
-
 def mm_pair(part, cfg=None, **kw):
-    args = BACKBONE if part == "backbone" else HEAD
-    kind = "VisionTransformer" if part == "backbone" else "SegmenterMaskTransformerHead"
-    stock = mm_build(kind, args)
-    model = mm_build("PID" + kind, args, seed=1, attention=NAME, attention_cfg=cfg, **kw)
-    model.load_state_dict(stock.state_dict(), strict=True)
-    return model, stock
-
-
-def mm_inputs(part, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1)
-    if part == "backbone":
-        return torch.randn(2, 3, 32, 32, generator=g, dtype=dtype)
-    return [torch.randn(2, 48, 4, 4, generator=g, dtype=dtype)]
-
-
-def mm_out(part, model, x):
-    return model(x)[0] if part == "backbone" else model(x)
-
-
-def naive_mmseg_layers(layers, h, heads, from_layer):
-    v_prev = None
-    for index, layer in enumerate(layers, start=1):
-        mha = layer.attn.attn
-        B, N, C = h.shape
-        qkv = (layer.norm1(h) @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        out = naive_attention(q, k, v) if v_prev is None else naive_layer(q, k, v, v_prev, index, from_layer)
-        v_prev = v
-        h = h + mha.out_proj(out.transpose(1, 2).reshape(B, N, C))
-        h = layer.ffn(layer.norm2(h), identity=h)
-    return h
+    return zoo_mm_pair(part, layers=3, attention=NAME, attention_cfg=cfg, **kw)
 
 
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_matches_an_independent_float64_reference(part):
-    import torch.nn.functional as F
-
     model, stock = mm_pair(part, {"from_layer": 3})
     assert model.pid == EllipticalConfig(from_layer=3) and model.attention_method is METHOD
     model, stock = model.double(), stock.double()
     x = mm_inputs(part, torch.float64)
     with torch.no_grad():
         got = mm_out(part, model, x)
-        if part == "backbone":
-            h, hw = stock.patch_embed(x)
-            h = stock._pos_embeding(torch.cat([stock.cls_token.expand(2, -1, -1), h], 1), hw, stock.pos_embed)
-            h = stock.norm1(naive_mmseg_layers(stock.layers, h, 3, 3))
-            want = h[:, 1:].reshape(2, 4, 4, 48).permute(0, 3, 1, 2)
-        else:
-            h = stock.dec_proj(x[0].flatten(2).transpose(1, 2))
-            h = torch.cat([h, stock.cls_emb.expand(2, -1, -1)], 1)
-            h = stock.decoder_norm(naive_mmseg_layers(stock.layers, h, 3, 3))
-            patches = F.normalize(stock.patch_proj(h[:, :-5]), dim=2)
-            classes = F.normalize(stock.classes_proj(h[:, -5:]), dim=2)
-            want = stock.mask_norm(patches @ classes.transpose(1, 2)).transpose(1, 2).reshape(2, 5, 4, 4)
+        want = mmseg_reference(part, stock, x, elliptical_rule(3))
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
         assert (got - mm_out(part, stock, x)).abs().max() > 1e-4
     # switched off: attention='softmax' with the same weights is the stock model bit for bit (mmseg's own layers);
     # without elliptical layers the method's path (SDPA) computes the stock attention up to rounding
-    kind = "VisionTransformer" if part == "backbone" else "SegmenterMaskTransformerHead"
-    softmax = mm_build("PID" + kind, BACKBONE if part == "backbone" else HEAD, seed=2, attention="softmax")
+    softmax = mm_build("PID" + MM_TYPES[part], mm_args(part, 3), seed=2, attention="softmax")
     unscaled, stock = mm_pair(part, {"from_layer": 99})
     softmax.load_state_dict(stock.state_dict(), strict=True)
     x = mm_inputs(part)
@@ -476,26 +339,11 @@ def test_mmseg_matches_an_independent_float64_reference(part):
 
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_with_cp_equals_no_checkpointing_and_reloads(part):
-    ref, _ = mm_pair(part)
-    ckpt, _ = mm_pair(part)
-    for layer in ckpt.layers:
-        layer.with_cp = True
-    results = []
-    for model in (ref, ckpt):
-        model.train()
-        x = mm_inputs(part)
-        x = x.requires_grad_() if part == "backbone" else [x[0].requires_grad_()]
-        y = mm_out(part, model, x)
-        (y.square().mean() + y.mean()).backward()
-        results.append([y.detach()] + [p.grad for p in model.parameters()])
+    ref, results = mm_with_cp_runs(part, lambda: mm_pair(part)[0], input_grad=False)
     assert sum(g is not None for g in results[0]) > 10
-    for a, b in zip(*results):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_equal_or_both_none(*results)
     # mmseg's save/reload: a state_dict (the method adds no parameters) into a freshly built model
-    again = mm_build("PIDVisionTransformer" if part == "backbone" else "PIDSegmenterMaskTransformerHead",
-                     BACKBONE if part == "backbone" else HEAD, seed=5, attention=NAME)
+    again = mm_build("PID" + MM_TYPES[part], mm_args(part, 3), seed=5, attention=NAME)
     again.load_state_dict(ref.state_dict(), strict=True)
     ref.eval()
     with torch.no_grad():
@@ -505,32 +353,14 @@ def test_mmseg_with_cp_equals_no_checkpointing_and_reloads(part):
 def test_mmseg_backbone_compiles_fullgraph():
     model, _ = mm_pair("backbone", {"from_layer": 3})
     x = mm_inputs("backbone")
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")(x)[0]
-            torch.testing.assert_close(compiled, model(x)[0], rtol=1e-5, atol=1e-6)
-    finally:
-        torch._dynamo.reset()
+    compiled = mm_compiled(model, x, "aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled, model(x)[0], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- fairseq
 def test_fairseq_language_models_are_refused_with_the_message(tmp_path):
-    pytest.importorskip("fairseq")
-    import pid_plugins.fairseq as pf
-    from fairseq import options, tasks
-    from fairseq.data import Dictionary
-
-    dictionary = Dictionary()
-    for i in range(40):
-        dictionary.add_symbol(f"w{i}")
-    dictionary.save(str(tmp_path / "dict.txt"))
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir", pf.USER_DIR,
-        "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-        "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0",
-        "--attention-method", NAME, "--attention-cfg", json.dumps({"from_layer": 2})])
-    model = tasks.setup_task(args).build_model(args).eval()
+    model, _, _ = fs_build(fs_dictionary(tmp_path), extra=fs_method(NAME, {"from_layer": 2}), layers=2)
     assert model.decoder.layers[0].self_attn.attention_method is METHOD
     toks = torch.randint(4, 44, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -7,17 +7,22 @@ checkpointing, torch.compile, cached decoding, causality, save/reload and warm-u
 The references never call pid_plugins' code: attention written out by hand from the stock modules' weights (or the
 stock model with hooks that add the term at its output projection), the term from :func:`naive_neutreno`.
 """
-import json
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import pid_plugins
 from pid_plugins import pid_update
 from pid_plugins.core import AttentionContext
 from pid_plugins.core.siblings.neutreno import NeuTRENOConfig, NeuTRENOMethod
+from zoo_cases import (TIMM, assert_equal_or_both_none, bart_config, bert_config, causal_lm_loss,  # noqa: F401
+                       data_dir, fairseq_reference, fs_build, fs_incremental_logits, fs_logits, fs_method,
+                       fs_save_and_reload, fs_tokens, hf_checkpointing_grads, hf_ids, import_timm,
+                       import_transformers, llama_reference, mm_compiled, mm_inputs, mm_out,
+                       mm_with_cp_runs, mmseg_reference, on_outputs, set_fused, timm_images,
+                       timm_reference)
+from zoo_cases import llama_twins as zoo_llama_twins
+from zoo_cases import mm_pair as zoo_mm_pair
+from zoo_cases import timm_pair as zoo_timm_pair
 
 NAME = "neutreno"
 
@@ -118,63 +123,14 @@ def test_warmup_scale_term_and_half_precision():
 
 
 # ================================================================================================ timm
-def _timm():
-    timm = pytest.importorskip("timm")
-    import pid_plugins.timm  # noqa: F401  (registers the pid_* models and the fan_* names)
-
-    return timm
-
-
-DEIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=10)
-FAN = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)
-TIMM = {"deit": ("pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", DEIT),
-        "fan": ("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", FAN)}
+def neutreno_rule(alpha):
+    """The by-hand rule for the zoo references: this layer's ``A v`` plus the term from :func:`naive_neutreno`."""
+    return on_outputs(lambda attn_outs, values: naive_neutreno(attn_outs[-1], values, alpha))
 
 
 def timm_pair(kind, alpha=0.6, seed=0, **method):
     """(NeuTRENO model, stock model) with the same weights; ``method``: more NeuTRENO parameters."""
-    timm = _timm()
-    name, base, cfg = TIMM[kind]
-    torch.manual_seed(seed)
-    stock = timm.create_model(base, **cfg)
-    model = timm.create_model(name, attention=NAME, attention_cfg={"alpha": alpha, **method}, **cfg)
-    model.load_state_dict(stock.state_dict())  # strict: NeuTRENO adds no parameters
-    return model.eval(), stock.eval()
-
-
-def images(kind, n=2, seed=1):
-    size = TIMM[kind][2]["img_size"]
-    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
-
-
-def timm_reference(kind, stock, x, alpha):
-    """The stock model's modules in float64, attention by hand, the term from :func:`naive_neutreno`."""
-    if kind == "deit":
-        h = stock.norm_pre(stock._pos_embed(stock.patch_embed(x)))
-    else:
-        h, Hp, Wp = stock._embed(x)
-    values = []
-    for blk in stock.blocks:
-        a = blk.attn
-        B, N, C = h.shape
-        t = blk.norm1(h)
-        if kind == "deit":
-            q, k, v = a.qkv(t).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
-        else:
-            q = a.q(t).reshape(B, N, a.num_heads, -1).transpose(1, 2)
-            k, v = a.kv(t).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-        values.append(v)
-        u = naive_neutreno(torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, -1) @ v, values, alpha)
-        y = a.proj(u.transpose(1, 2).reshape(B, N, C))
-        if kind == "deit":
-            h = h + y
-            h = h + blk.mlp(blk.norm2(h))
-        else:
-            h = h + blk.gamma1 * y
-            h = h + blk.gamma2 * blk.mlp(blk.norm2(h), Hp, Wp)
-    if kind == "deit":
-        return stock.forward_head(stock.norm(h))
-    return stock.forward_head(stock.norm(stock.forward_cls(h)))
+    return zoo_timm_pair(kind, seed, attention=NAME, attention_cfg={"alpha": alpha, **method})
 
 
 @pytest.mark.parametrize("kind", sorted(TIMM))
@@ -182,9 +138,9 @@ def test_timm_matches_a_float64_reference(kind):
     model, stock = timm_pair(kind, alpha=0.6)
     assert model.pid == NeuTRENOConfig(alpha=0.6) and model.attention_method.name == NAME
     model, stock = model.double(), stock.double()
-    x = images(kind).double()
+    x = timm_images(kind).double()
     with torch.no_grad():
-        want = timm_reference(kind, stock, x, 0.6)
+        want = timm_reference(kind, stock, x, neutreno_rule(0.6))
         torch.testing.assert_close(model(x), want, rtol=1e-10, atol=1e-10)
         assert (stock(x) - want).abs().max() > 1e-3
 
@@ -192,21 +148,19 @@ def test_timm_matches_a_float64_reference(kind):
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_alpha_zero_is_the_stock_model_bit_for_bit(kind):
     model, stock = timm_pair(kind, alpha=0.0)
-    x = images(kind)
+    x = timm_images(kind)
     for fused in (True, False):
-        for m in (model, stock):
-            for blk in m.blocks:
-                blk.attn.fused_attn = fused
+        set_fused((model, stock), fused)
         with torch.no_grad():
             assert torch.equal(model(x), stock(x))
 
 
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_checkpointing_compile_and_save_reload(kind, tmp_path):
-    timm = _timm()
+    timm = import_timm()
     name, _, cfg = TIMM[kind]
     ref, _ = timm_pair(kind)
-    x = images(kind)
+    x = timm_images(kind)
     # gradient checkpointing, both of timm's modes
     previous = timm.layers.use_reentrant_ckpt()
     try:
@@ -242,7 +196,7 @@ def test_timm_checkpointing_compile_and_save_reload(kind, tmp_path):
 def test_timm_warmup_starts_at_the_stock_model_and_reaches_the_method():
     model, stock = timm_pair("deit", alpha=0.6, warmup_steps=2)
     full, _ = timm_pair("deit", alpha=0.6)
-    x = images("deit")
+    x = timm_images("deit")
     assert model.pid_warmup is not None and model.pid_warmup.warmup_steps == 2
     model.train()
     with torch.no_grad():
@@ -253,62 +207,29 @@ def test_timm_warmup_starts_at_the_stock_model_and_reaches_the_method():
 
 
 # ================================================================================================ transformers
-def _hf():
-    transformers = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401  (every registered method becomes an attn_implementation)
-
-    return transformers
-
-
 V = 96
 
 
 def llama_twins(alpha=0.4, layers=3):
-    T = _hf()
-    args = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(**args, attn_implementation=NAME, neutreno={"alpha": alpha})).eval()
-    stock = T.LlamaForCausalLM(T.LlamaConfig(**args, attn_implementation="sdpa")).eval()
-    stock.load_state_dict(model.state_dict())
-    return model, stock
+    return zoo_llama_twins(NAME, {"alpha": alpha}, layers=layers, vocab=V)
 
 
 def token_ids(n=2, length=8, seed=1):
-    return torch.randint(3, V, (n, length), generator=torch.Generator().manual_seed(seed))
+    return hf_ids(n, length, seed, vocab=V)
 
 
 def test_hf_llama_matches_a_float64_reference():
     """Llama (grouped-query, rotary, causal) by hand: each query head reads its key/value head's v^1 - v^l."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     model, stock = llama_twins(alpha=0.4)
     from pid_plugins.hf import model_method_config
 
     assert model_method_config(model.config) == NeuTRENOConfig(alpha=0.4)
     model.double()
-    m = stock.double().model
+    stock.double()
     x = token_ids()
-    B, N = x.shape
     with torch.no_grad():
         got = model(x).logits
-        h = m.embed_tokens(x)
-        cos, sin = m.rotary_emb(h, torch.arange(N)[None])
-        causal = torch.full((N, N), float("-inf"), dtype=torch.float64).triu(1)
-        values = []
-        for layer in m.layers:
-            a = layer.self_attn
-            D = a.head_dim
-            t = layer.input_layernorm(h)
-            q, k, v = (p(t).view(B, N, -1, D).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            r = q.shape[1] // k.shape[1]
-            out = torch.softmax(q @ k.repeat_interleave(r, 1).transpose(-1, -2) * D ** -0.5 + causal, -1)
-            values.append(v)
-            u = naive_neutreno(out @ v.repeat_interleave(r, 1), values, 0.4)
-            h = h + a.o_proj(u.transpose(1, 2).reshape(B, N, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        want = stock.lm_head(m.norm(h))
+        want = llama_reference(stock, x, neutreno_rule(0.4))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert (got - stock(x).logits).abs().max() > 1e-3
 
@@ -320,19 +241,7 @@ def test_hf_llama_alpha_zero_checkpointing_and_compile():
         assert torch.equal(zero(x).logits, stock(x).logits)
     model, _ = llama_twins()
     model.train()
-
-    def grads():
-        model.zero_grad()
-        out = model(x, labels=x)
-        out.loss.backward()
-        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain_logits, plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt_logits, ckpt = grads()
-    torch.testing.assert_close(ckpt_logits, plain_logits, rtol=0, atol=0)
-    for name in plain:
-        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=1e-7)
+    hf_checkpointing_grads(model, causal_lm_loss(x))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant': False"):
         model(x, labels=x)
@@ -364,7 +273,7 @@ def test_hf_cached_generation_equals_recomputation_and_is_causal():
 
 
 def test_hf_save_and_reload(tmp_path):
-    T = _hf()
+    T = import_transformers()
     from pid_plugins.hf import model_method_config
 
     model, _ = llama_twins(alpha=0.3)
@@ -414,18 +323,14 @@ def test_hf_encoder_and_encoder_decoder_match_a_float64_reference(family):
     """BERT (an encoder: one group) and BART (the encoder's and the decoder's self-attention stacks are two groups,
     cross-attention untouched), against the hooked stock model; alpha = 0 is the stock model bit for bit; the
     encoder-decoder's cached decoding equals recomputation."""
-    T = _hf()
+    T = import_transformers()
     import pid_plugins.hf as ph
 
     if family == "bert":
-        cfg = T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, max_position_embeddings=32)
-        cls = T.BertModel
+        cfg, cls = bert_config(V), T.BertModel
     else:
-        cfg = T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                           max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                           decoder_start_token_id=1, forced_eos_token_id=None)
+        cfg = bart_config(V, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                          forced_eos_token_id=None)
         cls = T.BartForConditionalGeneration
     torch.manual_seed(0)
     stock = cls(cfg).eval()
@@ -468,58 +373,9 @@ def test_hf_encoder_and_encoder_decoder_match_a_float64_reference(family):
 
 
 # ================================================================================================ mmseg
-BACKBONE = dict(img_size=(32, 32), patch_size=8, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,
-                final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
-HEAD = dict(in_channels=48, channels=48, num_classes=5, num_layers=2, num_heads=3, embed_dims=48,
-            dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
-
-
-def mm_build(type, args, seed=0, **kw):
-    pytest.importorskip("mmseg")
-    import pid_plugins.mmseg  # noqa: F401  (registers the PID types)
-    from mmseg.registry import MODELS
-
-    torch.manual_seed(seed)
-    model = MODELS.build(dict(type=type, **args, **kw))
-    model.init_weights()
-    model.eval()
-    return model
-
-
 def mm_pair(part, seed=0, **method):
     """(NeuTRENO part, stock part) with the stock part's weights."""
-    args, pid_type, stock_type = ((BACKBONE, "PIDVisionTransformer", "VisionTransformer") if part == "backbone"
-                                  else (HEAD, "PIDSegmenterMaskTransformerHead", "SegmenterMaskTransformerHead"))
-    stock = mm_build(stock_type, args, seed)
-    model = mm_build(pid_type, args, seed + 1, attention=NAME, **method)
-    model.load_state_dict(stock.state_dict(), strict=True)
-    return model, stock
-
-
-def mm_input(part, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1)
-    if part == "backbone":
-        return torch.randn(2, 3, 32, 32, generator=g, dtype=dtype)
-    return [torch.randn(2, 48, 4, 4, generator=g, dtype=dtype)]
-
-
-def mm_out(part, model, x):
-    return model(x)[0] if part == "backbone" else model(x)
-
-
-def naive_mm_layers(layers, h, heads, alpha):
-    """mmseg ``TransformerEncoderLayer``s (pre-norm, packed in_proj, FFN) as one NeuTRENO group, by hand."""
-    values = []
-    for layer in layers:
-        mha = layer.attn.attn
-        B, N, C = h.shape
-        qkv = (layer.norm1(h) @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        values.append(v)
-        u = naive_neutreno(torch.softmax(q @ k.transpose(-1, -2) * (C // heads) ** -0.5, -1) @ v, values, alpha)
-        h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
-        h = layer.ffn(layer.norm2(h), identity=h)
-    return h
+    return zoo_mm_pair(part, seed=seed, attention=NAME, **method)
 
 
 @pytest.mark.parametrize("part", ["backbone", "head"])
@@ -527,58 +383,29 @@ def test_mmseg_matches_a_float64_reference_and_alpha_zero_is_stock(part):
     model, stock = mm_pair(part, attention_cfg={"alpha": 0.6})
     assert model.pid == NeuTRENOConfig(alpha=0.6) == mm_pair(part)[0].pid  # the segmenter preset
     model, stock = model.double(), stock.double()
-    x = mm_input(part, torch.float64)
+    x = mm_inputs(part, torch.float64)
     with torch.no_grad():
         got = mm_out(part, model, x)
-        if part == "backbone":
-            h, hw = stock.patch_embed(x)
-            h = stock._pos_embeding(torch.cat([stock.cls_token.expand(2, -1, -1), h], 1), hw, stock.pos_embed)
-            h = stock.norm1(naive_mm_layers(stock.layers, h, 3, 0.6))
-            want = h[:, 1:].reshape(2, 4, 4, 48).permute(0, 3, 1, 2)
-        else:
-            h = stock.dec_proj(x[0].flatten(2).transpose(1, 2))
-            h = torch.cat([h, stock.cls_emb.expand(2, -1, -1)], 1)
-            h = stock.decoder_norm(naive_mm_layers(stock.layers, h, 3, 0.6))  # the decoder's own group
-            patches = F.normalize(stock.patch_proj(h[:, :-5]), dim=2)
-            classes = F.normalize(stock.classes_proj(h[:, -5:]), dim=2)
-            want = stock.mask_norm(patches @ classes.transpose(1, 2)).transpose(1, 2).reshape(2, 5, 4, 4)
+        want = mmseg_reference(part, stock, x, neutreno_rule(0.6))
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
         assert (got - mm_out(part, stock, x)).abs().max() > 1e-3
     zero, stock = mm_pair(part, attention_cfg={"alpha": 0.0})
     with torch.no_grad():
-        assert torch.equal(mm_out(part, zero, mm_input(part)), mm_out(part, stock, mm_input(part)))
+        assert torch.equal(mm_out(part, zero, mm_inputs(part)), mm_out(part, stock, mm_inputs(part)))
 
 
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_with_cp_equals_no_checkpointing(part):
-    ref, _ = mm_pair(part)
-    ckpt, _ = mm_pair(part)
-    for layer in ckpt.layers:
-        layer.with_cp = True
-    results = []
-    for model in (ref, ckpt):
-        model.train()
-        x = mm_input(part)
-        x = x.requires_grad_() if part == "backbone" else [x[0].requires_grad_()]
-        y = mm_out(part, model, x)
-        (y.square().mean() + y.mean()).backward()
-        results.append([y.detach(), (x if part == "backbone" else x[0]).grad] + [p.grad for p in model.parameters()])
-    for a, b in zip(*results):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _, results = mm_with_cp_runs(part, lambda: mm_pair(part)[0])
+    assert_equal_or_both_none(*results)
 
 
 def test_mmseg_compile_warmup_and_save_reload(tmp_path):
     model, stock = mm_pair("backbone")
-    x = mm_input("backbone")
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            compiled = torch.compile(model.forward, fullgraph=True, backend="eager")(x)[0]
-            torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
-    finally:
-        torch._dynamo.reset()
+    x = mm_inputs("backbone")
+    compiled = mm_compiled(model, x, "eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
     # warm-up: mmseg's fused attention plus the method's term, scaled by t / N
     warm, _ = mm_pair("backbone", attention_cfg={"warmup_steps": 2})
     warm.train()
@@ -599,47 +426,8 @@ def test_mmseg_compile_warmup_and_save_reload(tmp_path):
 
 
 # ================================================================================================ fairseq
-TINY = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-        "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    pytest.importorskip("fairseq")
-    from fairseq.data import Dictionary
-
-    d = tmp_path_factory.mktemp("dict")
-    dictionary = Dictionary()
-    for i in range(40):
-        dictionary.add_symbol(f"w{i}")
-    dictionary.save(str(d / "dict.txt"))
-    return d
-
-
-def fs_build(data_dir, arch="transformer_lm_pid", extra=(), seed=0):
-    import pid_plugins.fairseq as pf
-    from fairseq import options, tasks
-
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(data_dir), "--task", "language_modeling", "--arch", arch, "--user-dir", pf.USER_DIR, *TINY, *extra])
-    task = tasks.setup_task(args)
-    torch.manual_seed(seed)
-    model = task.build_model(args)
-    model.eval()
-    return model, task, args
-
-
 def neutreno_args(alpha=None):
-    return ["--attention-method", NAME] + ([] if alpha is None else ["--attention-cfg", json.dumps({"alpha": alpha})])
-
-
-def fs_tokens(n=2, length=10, seed=1):
-    return torch.randint(4, 44, (n, length), generator=torch.Generator().manual_seed(seed))
-
-
-def fs_logits(model, toks, **kw):
-    with torch.no_grad():
-        return model(toks, **kw)[0]
+    return fs_method(NAME, None if alpha is None else {"alpha": alpha})
 
 
 def test_fairseq_matches_a_float64_reference_and_alpha_zero_is_stock(data_dir):
@@ -655,38 +443,8 @@ def test_fairseq_matches_a_float64_reference_and_alpha_zero_is_stock(data_dir):
     model.load_state_dict(stock.state_dict(), strict=True)
     stock, model = stock.double(), model.double()
     got = fs_logits(model, toks)
-    dec = stock.decoder
-    B, N = toks.shape
     with torch.no_grad():
-        x = dec.embed_scale * dec.embed_tokens(toks)
-        if dec.project_in_dim is not None:
-            x = dec.project_in_dim(x)
-        x = (x + dec.embed_positions(toks)).transpose(0, 1)  # (N, B, C)
-        causal = torch.triu(torch.ones(N, N, dtype=torch.bool), 1)
-        values = []
-        for layer in dec.layers:
-            attn = layer.self_attn
-            H, D = attn.num_heads, attn.head_dim
-            residual = x
-            h = layer.self_attn_layer_norm(x) if layer.normalize_before else x
-            q, k, v = (p(h).view(N, B, H, D).permute(1, 2, 0, 3) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            a = torch.softmax(((q @ k.transpose(-1, -2)) / math.sqrt(D)).masked_fill(causal, float("-inf")), -1) @ v
-            values.append(v)
-            u = naive_neutreno(a, values, alpha)
-            x = residual + attn.out_proj(u.permute(2, 0, 1, 3).reshape(N, B, H * D))
-            if not layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
-            residual = x
-            h = layer.final_layer_norm(x) if layer.normalize_before else x
-            x = residual + layer.fc2(layer.activation_fn(layer.fc1(h)))
-            if not layer.normalize_before:
-                x = layer.final_layer_norm(x)
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        x = x.transpose(0, 1)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        want = dec.output_layer(x)
+        want = fairseq_reference(stock, toks, neutreno_rule(alpha))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert (got - fs_logits(stock, toks)).abs().max() > 1e-3
 
@@ -695,11 +453,7 @@ def test_fairseq_incremental_decoding_causality_and_compile(data_dir):
     model, _, _ = fs_build(data_dir, extra=neutreno_args(0.6))
     toks = fs_tokens(length=9)
     full = fs_logits(model, toks)
-    state, steps = {}, []
-    with torch.no_grad():
-        for t in range(1, toks.size(1) + 1):
-            steps.append(model(toks[:, :t], incremental_state=state)[0][:, -1])
-    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
     for j in (3, 6):
         changed = toks.clone()
         changed[:, j] = (changed[:, j] - 4 + 7) % 40 + 4
@@ -713,23 +467,10 @@ def test_fairseq_incremental_decoding_causality_and_compile(data_dir):
 
 
 def test_fairseq_save_reload_and_checkpointing_refusal(data_dir, tmp_path):
-    from fairseq import checkpoint_utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from omegaconf import OmegaConf
-
     with pytest.raises(ValueError, match="--checkpoint-activations is not supported by transformer_lm_pid"):
         fs_build(data_dir, extra=[*neutreno_args(0.4), "--checkpoint-activations"])
     model, task, args = fs_build(data_dir, extra=neutreno_args(0.3))
-    path = str(tmp_path / "checkpoint.pt")
-    checkpoint_utils.torch_persistent_save({
-        "cfg": OmegaConf.to_container(convert_namespace_to_omegaconf(args), resolve=True, enum_to_str=True),
-        "args": None, "model": model.state_dict(),
-        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
-                               "lr_scheduler_state": {}, "num_updates": 0}],
-        "extra_state": {"train_iterator": {"epoch": 1}}, "last_optimizer_state": None,
-    }, path)
-    (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task)
-    loaded.eval()
+    loaded = fs_save_and_reload(model, task, args, str(tmp_path / "checkpoint.pt"))
     assert loaded.decoder.layers[0].self_attn.pid == NeuTRENOConfig(alpha=0.3)
     toks = fs_tokens()
     assert torch.equal(fs_logits(loaded, toks), fs_logits(model, toks))

@@ -5,7 +5,6 @@ The references are written from the official rule (github.com/lazizcodes/twicing
 with the attention matrix formed explicitly in float64, not through the method's code. Twicing has no strength
 parameter: switched off is ``attention="softmax"`` with the same weights (and ``from_layer`` past the last layer).
 """
-import json
 
 import pytest
 import torch
@@ -14,6 +13,15 @@ import torch.nn.functional as F
 import pid_plugins
 from pid_plugins.core import AttentionContext, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
+from zoo_cases import TIMM as ZOO_TIMM
+from zoo_cases import (assert_equal_or_both_none, bart_config, bert_config, bert_reference,  # noqa: F401
+                       causal_lm_loss, data_dir, fairseq_reference, fs_method, fs_save_and_reload,
+                       fs_tokens, hf_checkpointing_grads, hf_ids, llama_config, llama_twins, mm_args,
+                       mm_build, mm_compiled, mm_pair, mmseg_reference, on_scores, set_fused,
+                       timm_attention_stack, timm_images, timm_reference)
+from zoo_cases import fs_build as zoo_fs_build
+from zoo_cases import llama_reference as zoo_llama_reference
+from zoo_cases import timm_pair as zoo_timm_pair
 
 NAME = "twicing"
 
@@ -23,6 +31,12 @@ def twice64(scores, v):
     a = torch.softmax(scores.double(), -1)
     av = a @ v.double()
     return av + a @ (v.double() - av)
+
+
+def twiced_from(from_layer):
+    """The zoo references' per-layer rule: stock ``A v`` before ``from_layer``, :func:`twice64` from it on."""
+    return on_scores(lambda index, scores, v: twice64(scores, v) if index >= from_layer else
+                     torch.softmax(scores, -1) @ v)
 
 
 # ============================================================================================== core
@@ -116,72 +130,35 @@ def test_from_layer_counts_the_layers_of_a_group():
 
 
 # ============================================================================================== timm
-DEIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=10)
-FAN = dict(img_size=32, embed_dim=48, depth=2, num_heads=4, num_classes=10)
-TIMM = {"deit": ("pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", DEIT),
-        "fan": ("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", FAN)}
+TIMM = {**ZOO_TIMM, "fan": ZOO_TIMM["fan"][:2] + (dict(ZOO_TIMM["fan"][2], img_size=32, depth=2),)}
 
 
-def timm_pair(kind, **kw):
-    timm = pytest.importorskip("timm")
-    import pid_plugins.timm  # noqa: F401
-
-    name, base, cfg = TIMM[kind]
-    torch.manual_seed(0)
-    stock = timm.create_model(base, **cfg, **kw)
-    model = timm.create_model(name, attention=NAME, **cfg, **kw)
-    model.load_state_dict(stock.state_dict())
-    return model.eval(), stock.eval()
+def timm_pair(kind):
+    return zoo_timm_pair(kind, models=TIMM, attention=NAME)
 
 
 def images(kind, n=2):
-    size = TIMM[kind][2]["img_size"]
-    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
-
-
-def deit_reference(stock, x):
-    """The stock DeiT's modules in float64, every layer's attention twiced by hand."""
-    h = stock.norm_pre(stock._pos_embed(stock.patch_embed(x)))
-    for blk in stock.blocks:
-        a = blk.attn
-        B, N, C = h.shape
-        q, k, v = a.qkv(blk.norm1(h)).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
-        h = h + a.proj(twice64(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, v).transpose(1, 2).reshape(B, N, C))
-        h = h + blk.mlp(blk.norm2(h))
-    return stock.forward_head(stock.norm(h))
-
-
-def fan_attention_reference(stock, h):
-    """FAN's token-mixing layers in float64 (the stack of its blocks' attentions, each fed the previous one's
-    output), twiced by hand. (FAN's whole model in float64 runs its grouped convolutions in torch's slow float64
-    kernel: the rest of FAN's model is checked with the toy method in test_method_contract_timm.py.)"""
-    for blk in stock.blocks:
-        a = blk.attn
-        B, N, C = h.shape
-        q = a.q(h).reshape(B, N, a.num_heads, -1).transpose(1, 2)
-        k, v = a.kv(h).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-        h = a.proj(twice64(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, v).transpose(1, 2).reshape(B, N, C))
-    return h
+    return timm_images(kind, n, models=TIMM)
 
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_matches_a_float64_reference_and_softmax_is_stock(kind, fused):
+    """DeiT whole; FAN's token-mixing layers alone (the stack of its blocks' attentions, each fed the previous one's
+    output: FAN's whole model in float64 runs its grouped convolutions in torch's slow float64 kernel, the rest of
+    FAN's model is checked with the toy method in test_method_contract_timm.py)."""
     timm = pytest.importorskip("timm")
     model, stock = timm_pair(kind)
-    for m in (model, stock):
-        for blk in m.blocks:
-            blk.attn.fused_attn = fused
+    set_fused((model, stock), fused)
     x = images(kind)
     with torch.no_grad():
         softmax = timm.create_model(TIMM[kind][0], attention="softmax", **TIMM[kind][2]).eval()
         softmax.load_state_dict(stock.state_dict())
-        for blk in softmax.blocks:
-            blk.attn.fused_attn = fused
+        set_fused((softmax,), fused)
         assert torch.equal(softmax(x), stock(x))  # (b): the stock attention with the same weights
         model, stock = model.double(), stock.double()
         if kind == "deit":
-            want = deit_reference(stock, x.double())
+            want = timm_reference("deit", stock, x.double(), twiced_from(0))
             torch.testing.assert_close(model(x.double()), want, rtol=1e-10, atol=1e-10)
             assert not torch.allclose(stock(x.double()), want)
         else:
@@ -190,12 +167,11 @@ def test_timm_matches_a_float64_reference_and_softmax_is_stock(kind, fused):
             for blk in model.blocks:
                 got, state = blk.attn(got, state)
             assert state == (None,)  # every layer twices: nothing to count
-            torch.testing.assert_close(got, fan_attention_reference(stock, h), rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(got, timm_attention_stack(stock, h, twiced_from(0)), rtol=1e-10, atol=1e-10)
     # from_layer past the last layer (the language preset, layers >= 14): every layer computes the stock attention
     late = timm.create_model(TIMM[kind][0], attention=NAME, attention_cfg="lm", **TIMM[kind][2]).eval()
     late.load_state_dict(stock.state_dict())
-    for blk in late.blocks:
-        blk.attn.fused_attn = fused
+    set_fused((late,), fused)
     with torch.no_grad():
         torch.testing.assert_close(late.float()(x.float()), stock.float()(x.float()), rtol=0, atol=0)
 
@@ -253,48 +229,21 @@ def test_timm_checkpointing_compile_dropout_and_save(kind, tmp_path):
 V = 64
 
 
-def llama_cfg(T, method=NAME, cfg=None, layers=3, kv_heads=4, **kw):
-    args = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                num_key_value_heads=kv_heads, max_position_embeddings=64, pad_token_id=0)
-    args.update(attn_implementation=method, **({method: cfg} if cfg is not None else {}))
-    return T.LlamaConfig(**{**args, **kw})
+def llama_cfg(method=NAME, cfg=None, kv_heads=4, **kw):
+    return llama_config(method, cfg, kv_heads=kv_heads, vocab=V, **kw)
 
 
-def llama_pair(cfg=None, **kw):
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
-
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama_cfg(T, cfg=cfg, **kw)).eval()
-    stock = T.LlamaForCausalLM(llama_cfg(T, method="sdpa", **kw)).eval()
-    stock.load_state_dict(model.state_dict())
-    return model, stock
+def llama_pair(cfg=None, kv_heads=4, **kw):
+    return llama_twins(NAME, cfg, kv_heads=kv_heads, vocab=V, **kw)
 
 
 def ids(n=2, length=8, seed=1):
-    return torch.randint(3, V, (n, length), generator=torch.Generator().manual_seed(seed))
+    return hf_ids(n, length, seed, vocab=V)
 
 
 def llama_reference(model, x, from_layer):
-    """The Llama by hand in float64 (stock modules for embeddings, norms, rotary, MLP), attention written out."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    m = model.model.double()
-    B, N = x.shape
-    h = m.embed_tokens(x)
-    cos, sin = m.rotary_emb(h, torch.arange(N)[None])
-    causal = torch.full((N, N), float("-inf"), dtype=torch.float64).triu(1)
-    for index, layer in enumerate(m.layers):
-        a = layer.self_attn
-        D = a.head_dim
-        t = layer.input_layernorm(h)
-        q, k, v = (p(t).view(B, N, -1, D).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        scores = q @ k.transpose(-1, -2) * D ** -0.5 + causal
-        u = twice64(scores, v) if index >= from_layer else torch.softmax(scores, -1) @ v
-        h = h + a.o_proj(u.transpose(1, 2).reshape(B, N, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.lm_head(m.norm(h))
+    """The (float64) Llama by hand (stock modules for embeddings, norms, rotary, MLP), attention written out."""
+    return zoo_llama_reference(model, x, twiced_from(from_layer))
 
 
 @pytest.mark.parametrize("from_layer", [0, 1])
@@ -316,7 +265,7 @@ def test_hf_switched_off_is_the_stock_model_bit_for_bit():
     with torch.no_grad():
         want = stock(x, attention_mask=mask).logits
         assert torch.equal(late(x, attention_mask=mask).logits, want)
-        softmax = T.LlamaForCausalLM(llama_cfg(T, method="sdpa")).eval()
+        softmax = T.LlamaForCausalLM(llama_cfg(method="sdpa")).eval()
         softmax.load_state_dict(stock.state_dict())
         assert torch.equal(softmax(x, attention_mask=mask).logits, want)
 
@@ -328,18 +277,7 @@ def test_hf_checkpointing_compile_and_save(tmp_path):
     x = ids()
     model.train()
 
-    def grads():
-        model.zero_grad()
-        out = model(x, labels=x)
-        out.loss.backward()
-        return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
-
-    plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt = grads()
-    torch.testing.assert_close(ckpt[0], plain[0], rtol=0, atol=0)
-    for a, b in zip(ckpt[1], plain[1]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    hf_checkpointing_grads(model, causal_lm_loss(x))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant': False"):  # the adapter's one refusal, for every method
         model(x, labels=x)
@@ -389,40 +327,21 @@ def test_hf_refuses_grouped_query_and_attention_dropout():
         model.train()(ids())
 
 
-def bert_reference(model, x):
-    """BERT's encoder by hand in float64 (its modules for embeddings, output blocks and FFN), attention written
-    out and twiced."""
-    emb = model.embeddings(x)
-    h = emb
-    for layer in model.encoder.layer:
-        s = layer.attention.self
-        B, N, _ = h.shape
-        H, D = s.num_attention_heads, s.attention_head_size
-        q, k, v = (p(h).view(B, N, H, D).transpose(1, 2) for p in (s.query, s.key, s.value))
-        ctx = twice64(q @ k.transpose(-1, -2) / D ** 0.5, v).transpose(1, 2).reshape(B, N, H * D)
-        att = layer.attention.output(ctx, h)
-        h = layer.output(layer.intermediate(att), att)
-    return h
-
-
 def test_hf_encoder_and_encoder_decoder():
     T = pytest.importorskip("transformers")
     import pid_plugins.hf as ph
 
     torch.manual_seed(0)
-    bert = T.BertModel(T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    intermediate_size=64, max_position_embeddings=32)).eval()
+    bert = T.BertModel(bert_config(V)).eval()
     x = ids()
     with torch.no_grad():
         stock = bert(x).last_hidden_state
         ph.to_pid(bert, method=NAME)
         got = bert.double()(x).last_hidden_state
-        torch.testing.assert_close(got, bert_reference(bert, x), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got, bert_reference(bert, x, twiced_from(0)), rtol=1e-10, atol=1e-10)
         assert not torch.allclose(got.float(), stock)
     torch.manual_seed(0)
-    bart = T.BartModel(T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
-                                    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                    decoder_ffn_dim=64, max_position_embeddings=32)).eval()
+    bart = T.BartModel(bart_config(V)).eval()
     with torch.no_grad():
         want = bart(x).last_hidden_state
         ph.to_pid(bart, {"from_layer": 2}, method=NAME)  # past each stack's last layer: the stock model
@@ -440,63 +359,25 @@ def test_hf_encoder_and_encoder_decoder():
 
 
 # ============================================================================================== mmseg
-BACKBONE = dict(img_size=(32, 32), patch_size=8, embed_dims=48, num_layers=2, num_heads=3, drop_path_rate=0.0,
-                final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
-HEAD = dict(in_channels=48, channels=48, num_classes=5, num_layers=2, num_heads=3, embed_dims=48,
-            dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
-
-
-def mm_build(type, args, seed=0, **kw):
-    pytest.importorskip("mmseg")
-    import pid_plugins.mmseg  # noqa: F401
-    from mmseg.registry import MODELS
-
-    torch.manual_seed(seed)
-    model = MODELS.build(dict(type=type, **args, **kw))
-    model.init_weights()
-    model.eval()
-    return model
-
-
-def mm_layers(layers, h, heads):
-    """mmseg ``TransformerEncoderLayer``s (pre-norm, packed in_proj, FFN) with every attention twiced by hand."""
-    for layer in layers:
-        mha = layer.attn.attn
-        B, N, C = h.shape
-        qkv = (layer.norm1(h) @ mha.in_proj_weight.T + mha.in_proj_bias).reshape(B, N, 3, heads, C // heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        u = twice64(q @ k.transpose(-1, -2) * (C // heads) ** -0.5, v)
-        h = h + mha.out_proj(u.transpose(1, 2).reshape(B, N, C))
-        h = layer.ffn(layer.norm2(h), identity=h)
-    return h
+BACKBONE = mm_args("backbone", layers=2)
+HEAD = mm_args("head", layers=2)
 
 
 def test_mmseg_backbone_and_head_match_float64_references_and_softmax_is_stock():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 32, 32, generator=g, dtype=torch.float64)
     feats = [torch.randn(2, 48, 4, 4, generator=g, dtype=torch.float64)]
-    stock = mm_build("VisionTransformer", BACKBONE)
-    model = mm_build("PIDVisionTransformer", BACKBONE, seed=1, attention=NAME)
-    model.load_state_dict(stock.state_dict(), strict=True)
+    model, stock = mm_pair("backbone", layers=2, attention=NAME)
     softmax = mm_build("PIDVisionTransformer", BACKBONE, seed=1, attention="softmax")
     softmax.load_state_dict(stock.state_dict(), strict=True)
-    stock_h = mm_build("SegmenterMaskTransformerHead", HEAD)
-    head = mm_build("PIDSegmenterMaskTransformerHead", HEAD, seed=1, attention=NAME)
-    head.load_state_dict(stock_h.state_dict(), strict=True)
+    head, stock_h = mm_pair("head", layers=2, attention=NAME)
     with torch.no_grad():
         assert torch.equal(softmax(x.float())[0], stock(x.float())[0])
         stock, model, stock_h, head = stock.double(), model.double(), stock_h.double(), head.double()
-        h, hw = stock.patch_embed(x)
-        h = stock._pos_embeding(torch.cat([stock.cls_token.expand(2, -1, -1), h], 1), hw, stock.pos_embed)
-        h = stock.norm1(mm_layers(stock.layers, h, 3))
-        want = h[:, 1:].reshape(2, 4, 4, 48).permute(0, 3, 1, 2)
+        want = mmseg_reference("backbone", stock, x, twiced_from(0))
         torch.testing.assert_close(model(x)[0], want, rtol=1e-10, atol=1e-10)
         assert (want - stock(x)[0]).abs().max() > 1e-3
-        h = stock_h.dec_proj(feats[0].flatten(2).transpose(1, 2))
-        h = stock_h.decoder_norm(mm_layers(stock_h.layers, torch.cat([h, stock_h.cls_emb.expand(2, -1, -1)], 1), 3))
-        patches = F.normalize(stock_h.patch_proj(h[:, :-5]), dim=2)
-        classes = F.normalize(stock_h.classes_proj(h[:, -5:]), dim=2)
-        want = stock_h.mask_norm(patches @ classes.transpose(1, 2)).transpose(1, 2).reshape(2, 5, 4, 4)
+        want = mmseg_reference("head", stock_h, feats, twiced_from(0))
         torch.testing.assert_close(head(feats), want, rtol=1e-10, atol=1e-10)
 
 
@@ -512,16 +393,11 @@ def test_mmseg_with_cp_compile_dropout_and_save(tmp_path):
         y = model(inp)[0]
         y.square().mean().backward()
         results.append([y.detach(), inp.grad] + [p.grad for p in model.parameters()])
-    for a, b in zip(*results):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_equal_or_both_none(*results)
     ref.eval()
-    torch._dynamo.reset()
+    compiled = mm_compiled(ref, x, "eager")
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(ref.forward, fullgraph=True, backend="eager")(x)[0], ref(x)[0],
-                                   rtol=1e-6, atol=1e-6)
-    torch._dynamo.reset()
+        torch.testing.assert_close(compiled, ref(x)[0], rtol=1e-6, atol=1e-6)
     dropping = mm_build("PIDVisionTransformer", BACKBONE, attention=NAME, attn_drop_rate=0.1)
     dropping(x)
     dropping.train()
@@ -538,77 +414,17 @@ def test_mmseg_with_cp_compile_dropout_and_save(tmp_path):
 
 
 # ============================================================================================== fairseq
-TINY = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-        "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    pytest.importorskip("fairseq")
-    from fairseq.data import Dictionary
-
-    d = tmp_path_factory.mktemp("dict")
-    dictionary = Dictionary()
-    for i in range(40):
-        dictionary.add_symbol(f"w{i}")
-    dictionary.save(str(d / "dict.txt"))
-    return d
-
-
 def fs_build(data_dir, arch="transformer_lm_pid", extra=(), seed=0):
-    from fairseq import options, tasks
-
-    import pid_plugins.fairseq as pf
-
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(data_dir), "--task", "language_modeling", "--arch", arch, "--user-dir", pf.USER_DIR, *TINY, *extra])
-    task = tasks.setup_task(args)
-    torch.manual_seed(seed)
-    model = task.build_model(args)
-    model.eval()
-    return model, task, args
+    return zoo_fs_build(data_dir, arch, extra, seed, layers=2)
 
 
 def fs_twicing(cfg=None):
-    return ["--attention-method", NAME] + (["--attention-cfg", json.dumps(cfg)] if cfg is not None else [])
-
-
-def fs_tokens(n=2, length=10, seed=1):
-    return torch.randint(4, 44, (n, length), generator=torch.Generator().manual_seed(seed))
+    return fs_method(NAME, cfg)
 
 
 def fs_reference(stock, toks, from_layer):
     """fairseq's transformer_lm modules run by hand in float64, the attention written out and twiced."""
-    dec = stock.decoder
-    B, N = toks.shape
-    x = dec.embed_scale * dec.embed_tokens(toks)
-    if dec.project_in_dim is not None:
-        x = dec.project_in_dim(x)
-    x = (x + dec.embed_positions(toks)).transpose(0, 1)
-    causal = torch.full((N, N), float("-inf"), dtype=torch.float64).triu(1)
-    for index, layer in enumerate(dec.layers):
-        attn = layer.self_attn
-        H, D = attn.num_heads, attn.head_dim
-        residual = x
-        h = layer.self_attn_layer_norm(x) if layer.normalize_before else x
-        q, k, v = (p(h).view(N, B, H, D).permute(1, 2, 0, 3) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        scores = q @ k.transpose(-1, -2) / D ** 0.5 + causal
-        u = twice64(scores, v) if index >= from_layer else torch.softmax(scores, -1) @ v
-        x = residual + attn.out_proj(u.permute(2, 0, 1, 3).reshape(N, B, H * D))
-        if not layer.normalize_before:
-            x = layer.self_attn_layer_norm(x)
-        residual = x
-        h = layer.final_layer_norm(x) if layer.normalize_before else x
-        x = residual + layer.fc2(layer.activation_fn(layer.fc1(h)))
-        if not layer.normalize_before:
-            x = layer.final_layer_norm(x)
-    if dec.layer_norm is not None:
-        x = dec.layer_norm(x)
-    x = x.transpose(0, 1)
-    if dec.project_out_dim is not None:
-        x = dec.project_out_dim(x)
-    return dec.output_layer(x)
-
+    return fairseq_reference(stock, toks, twiced_from(from_layer))
 
 def test_fairseq_lm_reference_softmax_causality_and_cache_refusal(data_dir):
     stock, _, _ = fs_build(data_dir, arch="transformer_lm")
@@ -648,21 +464,8 @@ def test_fairseq_lm_reference_softmax_causality_and_cache_refusal(data_dir):
 
 
 def test_fairseq_save_and_reload_through_checkpoint_utils(data_dir, tmp_path):
-    from fairseq import checkpoint_utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from omegaconf import OmegaConf
-
     model, task, args = fs_build(data_dir, extra=fs_twicing({"from_layer": 1}))
-    path = str(tmp_path / "checkpoint_twicing.pt")
-    checkpoint_utils.torch_persistent_save({
-        "cfg": OmegaConf.to_container(convert_namespace_to_omegaconf(args), resolve=True, enum_to_str=True),
-        "args": None, "model": model.state_dict(),
-        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
-                               "lr_scheduler_state": {}, "num_updates": 0}],
-        "extra_state": {"train_iterator": {"epoch": 1}}, "last_optimizer_state": None,
-    }, path)
-    (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task)
-    loaded.eval()
+    loaded = fs_save_and_reload(model, task, args, str(tmp_path / "checkpoint_twicing.pt"))
     assert loaded.decoder.layers[0].self_attn.pid == TwicingConfig(from_layer=1)
     toks = fs_tokens()
     with torch.no_grad():

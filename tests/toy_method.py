@@ -64,3 +64,11 @@ def naive_scaled_reference(attn_outs, values, gamma):
                     u[b, h, i] = a[b, h, i].double() + gamma * values[0][b, h // group, i].double()
         outs.append(u)
     return outs
+
+
+def toy_rule(gamma):
+    """The per-layer rule of the zoo references (tests/zoo_cases.py): this layer's ``A v`` plus ``gamma v^1``, from
+    :func:`naive_scaled_reference`."""
+    from zoo_cases import on_outputs
+
+    return on_outputs(lambda attn_outs, values: naive_scaled_reference(attn_outs, values, gamma)[-1])
