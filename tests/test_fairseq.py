@@ -10,20 +10,44 @@ import torch
 
 pytest.importorskip("fairseq")
 import pid_plugins.fairseq as pf  # noqa: E402
-from fairseq import options  # noqa: E402
+from fairseq import options, tasks  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
 from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
-from zoo_cases import data_dir, fs_build, fs_tiny  # noqa: E402,F401
-from zoo_cases import fs_logits as logits  # noqa: E402
-from zoo_cases import fs_tokens as tokens  # noqa: E402
 
 BIN = Path(sys.executable).parent
-TINY = fs_tiny()
+TINY = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+        "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dict")
+    dictionary = Dictionary()
+    for i in range(40):
+        dictionary.add_symbol(f"w{i}")
+    dictionary.save(str(d / "dict.txt"))
+    return d
 
 
 def build(data_dir, arch="transformer_lm_pid", extra=(), seed=0):
-    model, task, _ = fs_build(data_dir, arch, extra, seed)
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(data_dir), "--task", "language_modeling", "--arch", arch,
+                                                "--user-dir", pf.USER_DIR, *TINY, *extra])
+    task = tasks.setup_task(args)
+    torch.manual_seed(seed)
+    model = task.build_model(args)
+    model.eval()
     return model, task
+
+
+def tokens(n=2, length=10, seed=1):
+    return torch.randint(4, 44, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, toks, **kw):
+    with torch.no_grad():
+        return model(toks, **kw)[0]
 
 
 def test_compat_hook_is_scoped_to_fairseq_and_hydra():

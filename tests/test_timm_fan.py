@@ -8,7 +8,6 @@ import pid_plugins.timm  # noqa: E402,F401
 from pid_plugins import PIDConfig, get_model_entry, list_models  # noqa: E402
 from pid_plugins.timm import FAN  # noqa: E402
 from reference import naive_pid_stack  # noqa: E402
-from zoo_cases import on_outputs, timm_reference  # noqa: E402
 
 SMALL = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)
 PAPER_PARAMS_M = {"fan_tiny_12_p16_224": 7.3, "fan_small_12_p16_224": 28.3,
@@ -82,9 +81,21 @@ def test_pid_fan_matches_a_hand_written_reference():
     model, _ = pair(pid=cfg)
     model = model.double()
     x = images().double()
-    rule = on_outputs(lambda attn_outs, values: naive_pid_stack(attn_outs, values, *cfg.gains)[-1])
     with torch.no_grad():
-        want = timm_reference("fan", model, x, rule, features=True)
+        h, Hp, Wp = model._embed(x)
+        attn_outs, values = [], []
+        for blk in model.blocks:
+            a = blk.attn
+            B, N, C = h.shape
+            t = blk.norm1(h)
+            q = a.q(t).reshape(B, N, a.num_heads, -1).transpose(1, 2)
+            k, v = a.kv(t).reshape(B, N, 2, a.num_heads, -1).permute(2, 0, 3, 1, 4)
+            attn_outs.append(torch.softmax(q @ k.transpose(-1, -2) * a.head_dim ** -0.5, -1) @ v)
+            values.append(v)
+            u = naive_pid_stack(attn_outs, values, *cfg.gains)[-1]
+            h = h + blk.gamma1 * a.proj(u.transpose(1, 2).reshape(B, N, C))
+            h = h + blk.gamma2 * blk.mlp(blk.norm2(h), Hp, Wp)
+        want = model.norm(model.forward_cls(h))
         torch.testing.assert_close(model.forward_features(x), want, rtol=1e-10, atol=1e-10)
 
 
