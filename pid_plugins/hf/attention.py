@@ -85,10 +85,11 @@ class PIDForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached", "checks", "update")
+                 "function", "start", "plain", "learnable", "cached", "checks")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
-                 scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None) -> None:
+                 scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
+                 cached: bool = False) -> None:
         self.method = method if method is not None else _PID
         self.config = config  # the method's parameters (PID: a PIDConfig)
         self.base = base
@@ -100,9 +101,8 @@ class PIDForwardState:
         self.zero = self.method.is_identity(config)
         self.plain = calls_attention_once(self.method)
         self.checks = type(self.method).check is not AttentionMethod.check  # (PID checks nothing: no per-call cost)
-        self.update = self.method.update  # bound once per forward
         self.learnable = bool(getattr(config, "learnable", False))
-        self.cached = past_length is not None  # a cache object was passed (set again by the hook for dynamic caches)
+        self.cached = cached or past_length is not None  # a cache object was passed to the forward
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
@@ -275,7 +275,7 @@ def pid_attention_forward(
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
     # the method's term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
     if run.plain:
-        u, layers[index] = run.update(params, out, v_q.transpose(1, 2), previous, run.scale, -2)
+        u, layers[index] = method.update(params, out, v_q.transpose(1, 2), previous, run.scale, -2)
     else:  # the method calls the base attention itself (its queries, once or more; (B, H, q, D) in, (B, q, H, D) out)
         def attend(q: Tensor, v: Tensor) -> Tensor:
             return base(module, q, key, v, attention_mask, **kwargs)[0]
@@ -480,9 +480,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     cache = kwargs.get("past_key_values")
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    run = PIDForwardState(gains, base, _static_past(cache), scale, method)
-    run.cached = cache is not None
-    kwargs["pid_state"] = run
+    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache), scale, method, cached=cache is not None)
     return args, kwargs
 
 
