@@ -83,10 +83,11 @@ def test_config_presets_and_validation():
 
 def test_check_refuses_causal_and_cached_with_what_to_do():
     METHOD.check(EllipticalConfig(), AttentionContext(dropout=True, grouped=True))  # both exact
-    with pytest.raises(ValueError, match="not causal.*earlier positions would read later tokens.*bidirectional"):
+    with pytest.raises(ValueError, match="not causal.*earlier positions would read later tokens.*mean='prefix'"):
         METHOD.check(EllipticalConfig(), AttentionContext(causal=True))
-    with pytest.raises(ValueError, match="KV cache.*without a cache"):
+    with pytest.raises(ValueError, match="KV cache.*mean='prefix'.*without a cache"):
         METHOD.check(EllipticalConfig(), AttentionContext(cached=True))
+    METHOD.check(EllipticalConfig(mean="prefix"), AttentionContext(causal=True, cached=True, grouped=True))
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -305,7 +306,7 @@ def test_transformers_causal_models_are_refused_with_the_message():
     with torch.no_grad():
         for run in (lambda: llama(x), lambda: llama.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0),
                     lambda: bart(x)):
-            with pytest.raises(ValueError, match="'elliptical' is not causal.*later tokens.*bidirectional"):
+            with pytest.raises(ValueError, match="'elliptical' with mean='sequence' is not causal.*later tokens.*mean='prefix'"):
                 run()
 
 
@@ -364,7 +365,7 @@ def test_fairseq_language_models_are_refused_with_the_message(tmp_path):
     assert model.decoder.layers[0].self_attn.attention_method is METHOD
     toks = torch.randint(4, 44, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        with pytest.raises(ValueError, match="'elliptical' is not causal.*later tokens.*bidirectional"):
+        with pytest.raises(ValueError, match="'elliptical' with mean='sequence' is not causal.*later tokens.*mean='prefix'"):
             model(toks)
-        with pytest.raises(ValueError, match="'elliptical' is not causal"):
+        with pytest.raises(ValueError, match="'elliptical' with mean='sequence' is not causal"):
             model.decoder(toks[:, :1], incremental_state={})

@@ -98,13 +98,13 @@ def test_config_presets_and_validation():
             method.configure({field: 0.5})
 
 
-def test_check_refuses_what_cannot_be_exact():
+def test_check_refuses_only_attention_dropout():
+    """Grouped-query attention and a KV cache are computed exactly (keys expanded for the second call, A v kept in
+    the cache); one dropout draw cannot serve two calls."""
     method, config = get_method(NAME), TwicingConfig()
-    method.check(config, AttentionContext(causal=True))
-    for field, match in (("dropout", "set the attention dropout to 0"), ("cached", "use_cache=False"),
-                         ("grouped", "num_key_value_heads = num_attention_heads")):
-        with pytest.raises(ValueError, match=match):
-            method.check(config, AttentionContext(**{field: True}))
+    method.check(config, AttentionContext(causal=True, cached=True, grouped=True))
+    with pytest.raises(ValueError, match="'twicing'.*set the attention dropout to 0"):
+        method.check(config, AttentionContext(dropout=True))
 
 
 def test_from_layer_counts_the_layers_of_a_group():
@@ -125,8 +125,31 @@ def test_from_layer_counts_the_layers_of_a_group():
     torch.testing.assert_close(method.attend(config, plain, q, v, None), plain(q, v), rtol=0, atol=0)
     torch.testing.assert_close(method.attend(config, plain, q, v, state), twice64(q @ k.transpose(-1, -2) / 3 ** 0.5, v),
                                rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match="as many value heads as query heads"):
-        twicing_rule(lambda a, b: a, q, v[:, :1])
+
+
+def test_grouped_query_heads_and_a_cache_slot_are_exact():
+    """Two query heads per key/value head: the second call gets the values expanded to the query heads (the keys
+    too, inside ``attend``), against the float64 rule per query head. With two past key positions, ``A v`` of the
+    past comes from the slot; without one the rule refuses rather than mixing positions."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 3, 5, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 3, 5, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def attend(a, b, k=k):
+        return F.scaled_dot_product_attention(a, k.repeat_interleave(2, 1), b.repeat_interleave(a.shape[1] // b.shape[1], 1))
+
+    want = twice64(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 5 ** 0.5, v.repeat_interleave(2, 1))
+    torch.testing.assert_close(twicing_rule(attend, q, v), want, rtol=1e-12, atol=1e-12)
+    # decoding the last position with A v of the first two from a slot: the last row of the full computation
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()
+    full = lambda a, b: F.scaled_dot_product_attention(  # noqa: E731
+        a, k.repeat_interleave(2, 1), b.repeat_interleave(a.shape[1] // b.shape[1], 1), attn_mask=causal[-a.shape[2]:])
+    past_av = full(q, v)[:, :, :2]
+    slot = lambda rows: torch.cat([past_av, rows], dim=2)  # noqa: E731
+    torch.testing.assert_close(twicing_rule(full, q[:, :, 2:], v, slot=slot), twicing_rule(full, q, v)[:, :, 2:],
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="CacheSlot"):
+        twicing_rule(full, q[:, :, 2:], v)
 
 
 # ============================================================================================== timm

@@ -19,7 +19,7 @@ _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Base for a method's parameters: subclass it as a frozen dataclass of float/int/bool fields and list presets.
+    """Base for a method's parameters: subclass it as a frozen dataclass of float/int/bool/str fields and list presets.
 
     ``PRESETS``: ``{name: {field: value}}``. ``validate()`` (override) raises ``ValueError`` for bad values.
     ``ZERO``: the field values (a dict) with which the method computes the stock attention (``is_zero``).
@@ -31,7 +31,7 @@ class MethodConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool}.get(str(f.type))
+            kind = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool, "str": str}.get(str(f.type))
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, f.name, float(value))
             elif kind is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):

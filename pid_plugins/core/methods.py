@@ -42,7 +42,7 @@ from .gains import PIDGains
 from .warmup import GainWarmup, make_warmup, scaled_gains
 
 __all__ = [
-    "AttentionMethod", "AttentionContext", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
+    "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "resolve_attention", "on_register", "calls_attention_once", "method_warmup", "SOFTMAX", "ZOOS",
 ]
 
@@ -86,6 +86,15 @@ class AttentionMethod:
     state_fields: ClassVar[Tuple[str, ...]]
     default_presets: ClassVar[Mapping[str, str]] = {}
     additive: ClassVar[bool] = True
+    #: the state is built from the values of every key position (``value_q`` in :meth:`update` is then all key
+    #: positions' values, cached ones included), not only the query rows: value residual's ``v^1``, Elliptical's
+    #: previous values. Adapters with a KV cache pass accordingly (without a cache the two are the same).
+    keys_state: ClassVar[bool] = False
+    #: :meth:`prepare` reads which keys each query attends to (``visible=``): Elliptical's prefix mean
+    reads_visible: ClassVar[bool] = False
+    #: :meth:`attend` stores a per-position tensor next to the layer's cached keys/values (``slot=``): Twicing's
+    #: ``A v`` of past positions
+    cache_slot: ClassVar[bool] = False
 
     # --------------------------------------------------------------------------------------- parameters
     def configure(self, value: Any = None, zoo: str = "*", default: Any = None) -> Any:
@@ -120,14 +129,20 @@ class AttentionMethod:
         """The state from its flat tensors (as adapters thread it through checkpointed blocks)."""
         return tuple(tensors)
 
-    def prepare(self, params: Any, query: Tensor, value: Tensor, state: Optional[tuple]) -> Tensor:
-        """Before attention: the queries the attention uses (default: unchanged)."""
+    def prepare(self, params: Any, query: Tensor, value: Tensor, state: Optional[tuple],
+                visible: Optional[Tensor] = None) -> Tensor:
+        """Before attention: the queries the attention uses (default: unchanged). ``visible`` (adapters pass it
+        to methods with ``reads_visible``): a boolean ``(B or 1, 1, q, K)`` tensor, True where query ``i`` attends
+        to key ``j`` (causal mask, padding and sliding window applied), or None when every query sees every key."""
         return query
 
     def attend(self, params: Any, attend: Attend, query: Tensor, value: Tensor, state: Optional[tuple] = None,
-               head_dim: int = -3) -> Tensor:
+               head_dim: int = -3, slot: Optional["CacheSlot"] = None) -> Tensor:
         """How the method calls the zoo's attention (default: once, ``A v``). ``state``: the previous layer's;
-        ``head_dim``: where ``attend``'s output has its heads (the values have them at -3)."""
+        ``head_dim``: where ``attend``'s output has its heads (the values have them at -3). ``attend`` also takes
+        values with as many heads as the queries when the keys have fewer (grouped-query attention: the keys are
+        expanded for that call). ``slot`` (adapters pass it to methods with ``cache_slot``): see
+        :class:`CacheSlot`."""
         return attend(query, value)
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
@@ -136,10 +151,18 @@ class AttentionMethod:
         raise NotImplementedError
 
     def forward(self, params: Any, attend: Attend, query: Tensor, value: Tensor, value_q: Tensor,
-                state: Optional[tuple], *, scale: Optional[Tensor] = None, head_dim: int = -3) -> Tuple[Tensor, tuple]:
-        """One layer: :meth:`prepare`, :meth:`attend`, :meth:`update`."""
-        query = self.prepare(params, query, value, state)
-        out = self.attend(params, attend, query, value, state, head_dim)
+                state: Optional[tuple], *, scale: Optional[Tensor] = None, head_dim: int = -3,
+                visible: Optional[Tensor] = None, slot: Optional["CacheSlot"] = None) -> Tuple[Tensor, tuple]:
+        """One layer: :meth:`prepare`, :meth:`attend`, :meth:`update` (``visible`` and ``slot`` reach the methods
+        that declare ``reads_visible`` / ``cache_slot``; ``value_q``: see ``keys_state``)."""
+        if self.reads_visible:
+            query = self.prepare(params, query, value, state, visible=visible)
+        else:
+            query = self.prepare(params, query, value, state)
+        if self.cache_slot:
+            out = self.attend(params, attend, query, value, state, head_dim, slot=slot)
+        else:
+            out = self.attend(params, attend, query, value, state, head_dim)
         return self.update(params, out, value_q, state, scale, head_dim)
 
     def term(self, params: Any, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
@@ -151,6 +174,17 @@ class AttentionMethod:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class CacheSlot:
+    """A per-layer store next to a layer's cached keys/values, for a method that needs a tensor of its own at every
+    past key position (Twicing: ``A v``). ``slot(rows)`` takes the method's tensor for the query rows,
+    ``(B, H, q, D)``, stores it where the cache keeps this layer's keys (so the zoo's own cache machinery reorders
+    it for beam search, crops it, keeps it in static buffers and sliding windows) and returns it for every key
+    position, ``(B, H, K, D)``, aligned with the values ``attend`` reads. Without a cache it returns ``rows``."""
+
+    def __call__(self, rows: Tensor) -> Tensor:  # pragma: no cover - the interface
+        raise NotImplementedError
 
 
 def calls_attention_once(method: AttentionMethod) -> bool:

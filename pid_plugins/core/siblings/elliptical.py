@@ -18,9 +18,24 @@ computed from detached tensors under ``no_grad`` (here: from detached tensors on
 ``torch.compile`` exact). With grouped-query attention (transformers) the scaling of a key/value head serves each
 query head of its group (the official code has no grouped heads).
 
-Refused: causal models (the mean over the sequence would let earlier positions read later tokens; the authors'
-WikiText code does so) and cached decoding. There are no parameter values that give the stock attention (``delta``
-cancels in the max scaling): the stock model is ``attention="softmax"`` with the same weights.
+Causal models (``mean``). The official rule (``mean="sequence"``, the default) averages over the whole sequence,
+so in a causal model every position's scaling reads later tokens. The authors' own language-model code does exactly
+that: ``Wikitext/lmtool-fwms/src/mem_transformer.py`` (``W_over_layers``, called with ``delta=1`` from the causal
+decoder's attention, ``run_M_small.sh``: 16 layers, ``--M-positions 1..15``, ``--mem_len 0``) takes the mean of
+``|v^l - v^{l-1}|`` over all ``tgt_len`` positions under a causal attention mask, and has no KV cache. That is
+refused here in a causal model and with a cache. ``mean="prefix"`` is the causal form: query ``i`` averages over
+the key positions it attends to (``visible``: positions ``<= i`` that are not padding, left padding included; in a
+sliding-window layer, the window), then divides by the max over ``head_dim``::
+
+    m^l[b, h, i, :] = sum_{j visible to i} |v^l_j - v^{l-1}_j| / delta  /  #{j visible to i}
+    m^l[b, h, i, :] = m^l[b, h, i, :] / max_d m^l[b, h, i, d]        (a row of zeros stays zero)
+
+With a KV cache both layers' values at every past position are in the cache, so the prefix mean at a decoding step
+is computed from them (the state hands on all key positions' values): decoding equals recomputation. Without a mask
+and without causality (a bidirectional model without padding) ``"prefix"`` equals ``"sequence"``.
+
+There are no parameter values that give the stock attention (``delta`` cancels in the max scaling): the stock model
+is ``attention="softmax"`` with the same weights.
 """
 from __future__ import annotations
 
@@ -34,9 +49,10 @@ from torch import Tensor
 from ..config import MethodConfig
 from ..methods import AttentionContext, AttentionMethod, register_method
 
-__all__ = ["EllipticalConfig", "EllipticalMethod", "elliptical_scales"]
+__all__ = ["EllipticalConfig", "EllipticalMethod", "elliptical_scales", "elliptical_prefix_scales"]
 
 _OFFICIAL = "the official rule averages over the whole sequence"
+MEANS = ("sequence", "prefix")
 
 
 @dataclass(frozen=True)
@@ -49,10 +65,14 @@ class EllipticalConfig(MethodConfig):
             The official scripts use ``--M-positions 1 .. depth-1`` (0-based): every layer but the first, 2.
         delta: the step the value difference is divided by (official: 5 for DeiT, FAN and Segmenter, 1 in the
             WikiText and LRA code). It cancels in the max scaling up to rounding; kept to compute the same numbers.
+        mean: what ``|v^l - v^{l-1}|`` is averaged over: ``"sequence"`` (the official rule: every position, the
+            default; refused in causal models and with a KV cache) or ``"prefix"`` (each query over the key
+            positions it attends to: the causal form, padding excluded, exact with a KV cache).
     """
 
     from_layer: int = 2
     delta: float = 5.0
+    mean: str = "sequence"
 
     PRESETS = {
         # ImageNet/run_elliptical.sh (--M-positions 1..11) and ImageNet/models.py MahalaAttention.forward (delta=5)
@@ -61,6 +81,10 @@ class EllipticalConfig(MethodConfig):
         "fan": {"from_layer": 2, "delta": 5.0},
         # ADE20K/model/factory.py (M_positions=[1..11]), ADE20K/model/deit_elliptical.py (delta=5)
         "segmenter": {"from_layer": 2, "delta": 5.0},
+        # Wikitext/lmtool-fwms/run_M_small.sh (--M-positions 1..15 of --n_layer 16) and src/mem_transformer.py
+        # (W_over_layers(..., delta = 1)); the official mean is over the whole sequence, which is not causal: this
+        # preset takes the prefix mean (set mean="sequence" only for a bidirectional model)
+        "lm": {"from_layer": 2, "delta": 1.0, "mean": "prefix"},
     }
 
     def validate(self) -> None:
@@ -71,6 +95,11 @@ class EllipticalConfig(MethodConfig):
             )
         if not (math.isfinite(self.delta) and self.delta > 0):
             raise ValueError(f"EllipticalConfig.delta must be a finite number > 0, got {self.delta!r}")
+        if self.mean not in MEANS:
+            raise ValueError(
+                f"EllipticalConfig.mean must be one of {MEANS} ('sequence': the official whole-sequence mean; "
+                f"'prefix': the causal form), got {self.mean!r}"
+            )
 
 
 def elliptical_scales(value: Tensor, value_prev: Tensor, delta: float) -> Tensor:
@@ -82,6 +111,21 @@ def elliptical_scales(value: Tensor, value_prev: Tensor, delta: float) -> Tensor
     return m / m.amax(dim=-1, keepdim=True)
 
 
+def elliptical_prefix_scales(value: Tensor, value_prev: Tensor, delta: float, visible: Optional[Tensor]) -> Tensor:
+    """The causal scaling ``m`` ``(B, H, q, D)``: for each query, the mean of ``|v - v_prev| / delta`` over the key
+    positions it attends to (``visible``: boolean ``(B or 1, 1, q, K)``; None: every key, then ``q = 1``), divided by
+    its max over ``D`` (a row of zeros stays zero). ``value``, ``value_prev``: ``(B, H, K, D)``. No gradient."""
+    diff = ((value.detach() - value_prev.detach()) / delta).abs()
+    if visible is None:
+        m = diff.mean(dim=-2, keepdim=True)
+    else:
+        weights = visible.to(diff.dtype)
+        count = weights.sum(dim=-1, keepdim=True).clamp_min(1.0)
+        m = torch.matmul(weights, diff) / count
+    top = m.amax(dim=-1, keepdim=True)
+    return m / torch.where(top > 0, top, torch.ones_like(top))
+
+
 class EllipticalMethod(AttentionMethod):
     """Elliptical attention: the queries scaled per dimension by :func:`elliptical_scales` (:meth:`prepare`), one
     call of the zoo's attention, the values handed on (:meth:`update`). State: ``(v_prev, layer)``, the previous
@@ -91,37 +135,56 @@ class EllipticalMethod(AttentionMethod):
     name = "elliptical"
     config_type = EllipticalConfig
     state_fields = ("v_prev", "layer")
-    default_presets = {"timm": "deit", "mmseg": "segmenter", "*": "deit"}
+    default_presets = {"timm": "deit", "mmseg": "segmenter", "hf": "deit", "fairseq": "lm", "*": "deit"}
     additive = False
+    keys_state = True
+    reads_visible = True
 
     def check(self, config: EllipticalConfig, context: AttentionContext) -> None:
+        if config.mean != "sequence":
+            return
         if context.causal:
             raise ValueError(
-                "attention method 'elliptical' is not causal: its query scaling averages |v^l - v^{l-1}| over the "
-                f"whole sequence ({_OFFICIAL}), so earlier positions would read later tokens. Use it in a "
-                "bidirectional (encoder) model, or choose attention='softmax' or another method for a causal model"
+                "attention method 'elliptical' with mean='sequence' is not causal: its query scaling averages "
+                f"|v^l - v^{{l-1}}| over the whole sequence ({_OFFICIAL}), so earlier positions would read later "
+                "tokens. For a causal model set mean='prefix' (each position averages over the positions it attends "
+                "to), e.g. the 'lm' preset"
             )
         if context.cached:
             raise ValueError(
-                "attention method 'elliptical' cannot decode with a KV cache: its query scaling averages over the "
-                f"whole sequence ({_OFFICIAL}). Run without a cache (use_cache=False / no incremental state)"
+                "attention method 'elliptical' with mean='sequence' cannot decode with a KV cache: its query scaling "
+                f"averages over the whole sequence ({_OFFICIAL}). Set mean='prefix', or run without a cache "
+                "(use_cache=False / no incremental state)"
             )
 
-    def prepare(self, params: EllipticalConfig, query: Tensor, value: Tensor, state: Optional[tuple]) -> Tensor:
+    def prepare(self, params: EllipticalConfig, query: Tensor, value: Tensor, state: Optional[tuple],
+                visible: Optional[Tensor] = None) -> Tensor:
         """``q diag(m)`` from the layer ``from_layer`` on; unchanged (``q * 1``, exact) before, and at the group's
-        first layer. ``query`` ``(B, H, N, D)``, ``value`` ``(B, H_kv, N, D)``."""
+        first layer. ``query`` ``(B, H, q, D)``, ``value`` ``(B, H_kv, K, D)``; the previous layer's values
+        (the state) cover the same key positions."""
         if state is None:
             return query
         value_prev, layer = state[0], state[1]
-        m = elliptical_scales(value, value_prev, params.delta).to(query.dtype)
+        if value_prev.shape != value.shape:
+            raise ValueError(
+                f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} but the previous "
+                f"layer's {tuple(value_prev.shape)}: consecutive layers must see the same key positions (a model "
+                "mixing sliding-window and full-attention layers with a cache, or layers of different widths, "
+                "cannot run it)"
+            )
+        if params.mean == "sequence":
+            m = elliptical_scales(value, value_prev, params.delta).to(query.dtype)[:, :, None, None, :]
+        else:
+            m = elliptical_prefix_scales(value, value_prev, params.delta, visible).to(query.dtype)[:, :, None]
         m = torch.where(layer + 1 >= params.from_layer, m, torch.ones_like(m))
         # key/value head j serves query heads j*r .. j*r + r - 1 (r = 1 without grouped-query attention)
-        grouped = query.unflatten(1, (m.shape[1], -1))
-        return (grouped * m[:, :, None, None, :]).flatten(1, 2)
+        grouped = query.unflatten(1, (value.shape[1], -1))
+        return (grouped * m).flatten(1, 2)
 
     def update(self, params: EllipticalConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
-        """The attention output unchanged; the state: this layer's values in ``(B, H_kv, N, D)`` and its index."""
+        """The attention output unchanged; the state: this layer's values at every key position (``keys_state``)
+        in ``(B, H_kv, K, D)`` and its index."""
         value = value_q.detach().movedim(head_dim, -3)
         layer = torch.ones((), dtype=torch.long, device=value.device) if state is None else state[1] + 1
         return out, (value, layer)

@@ -14,10 +14,18 @@ with the same ``A`` in both products. The official code (github.com/lazizcodes/t
   ``run_sharp_small.sh`` trains it with ``--n_layer 16 --mem_len 0`` (the last two layers, no memory/cache).
 
 Here the second product is a second call of the zoo's own attention, ``attend(q, v - A v)``: it is the same ``A``
-(same queries, keys, mask and scale) exactly when no dropout is drawn, and it needs ``A v`` at every key position.
-So :meth:`Twicing.check` refuses attention dropout, cached decoding (the cache would have to hold ``A v`` of past
-positions too) and grouped-query attention (the zoo repeats each value head for its query group, so per-query-head
-values ``v - A v`` cannot be passed through it). The rule is causal: ``(A v)_j`` reads positions ``<= j``.
+(same queries, keys, mask and scale) exactly when no dropout is drawn, so :meth:`Twicing.check` refuses attention
+dropout in training (one dropout draw cannot serve two calls), and nothing else. The rule is causal: ``(A v)_j``
+reads positions ``<= j``. Two cases the official code does not have (../shared/specs/methods.md):
+
+* grouped-query attention (transformers' Llama, Mistral, Qwen, ...): ``v - A v`` has one tensor per *query* head;
+  the second call gets the values expanded to the query heads (``repeat_interleave``, as the model expands them)
+  minus ``A v``, and the adapter's ``attend`` expands the keys to the query heads for that call. Exact: every query
+  head sees the same keys and mask as in the first call.
+* a KV cache: the second product needs ``(A v)_j`` at every past key position ``j``. In a causal model it is fixed
+  once computed, so the adapter keeps it next to the layer's cached keys/values (:class:`CacheSlot`: transformers'
+  dynamic, static and sliding-window caches, reordered by beam search; fairseq's ``incremental_state``) and the
+  method reads it back for every key position. Decoding with the cache equals recomputing the prefix.
 
 Which layers twice: ``from_layer`` (0-based, counted over the layers of a group in order, the way the adapters
 thread a method's state): the layers with index ``>= from_layer``; the earlier ones compute the stock attention.
@@ -34,7 +42,8 @@ import torch
 from torch import Tensor
 
 from ..config import MethodConfig
-from ..methods import Attend, AttentionContext, AttentionMethod, register_method
+from ..control import expand_heads
+from ..methods import Attend, AttentionContext, AttentionMethod, CacheSlot, register_method
 
 __all__ = ["TwicingConfig", "Twicing", "twicing_rule"]
 
@@ -65,18 +74,23 @@ class TwicingConfig(MethodConfig):
             )
 
 
-def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -3) -> Tensor:
+def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -3,
+                 slot: Optional[CacheSlot] = None) -> Tensor:
     """``A v + A (v - A v)`` from two calls of ``attend`` (``attend(q, v) = A v`` in the output layout, heads at
-    ``head_dim``; ``value`` in the layout ``attend`` takes, heads at -3)."""
+    ``head_dim``; ``value`` ``(B, H_kv, K, D)`` in the layout ``attend`` takes). With fewer key/value heads than
+    query heads, the second call's values are per query head (``attend`` expands the keys). ``slot``: where a KV
+    cache keeps ``A v`` of the past key positions (None: no cache, the keys are the query positions)."""
     once = attend(query, value)
-    residual = once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3)
-    if residual.shape != value.shape:
+    rows = once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3)  # (B, H, q, D)
+    smoothed = rows if slot is None else slot(rows)  # (B, H, K, D): A v at every key position
+    values = expand_heads(value, rows.shape[-3], -3)
+    if smoothed.shape != values.shape:
         raise ValueError(
-            f"twicing attention: the attention output {tuple(residual.shape)} does not match the values "
-            f"{tuple(value.shape)} (grouped-query heads or a key/value cache?): twicing needs as many value heads as "
-            "query heads and the keys of the query positions only"
+            f"twicing attention: A v at the key positions has shape {tuple(smoothed.shape)} but the values (expanded "
+            f"to the query heads) {tuple(values.shape)}: with a key/value cache the adapter must keep A v of the past "
+            "positions next to it (a CacheSlot); this zoo gave none"
         )
-    return once + attend(query, value - residual)
+    return once + attend(query, values - smoothed)
 
 
 def _layer(state: Optional[tuple]) -> int:
@@ -97,33 +111,22 @@ class Twicing(AttentionMethod):
     state_fields = ("layer",)
     default_presets = {"*": "vision"}
     additive = False
+    cache_slot = True
 
     def check(self, config: TwicingConfig, context: AttentionContext) -> None:
         if context.dropout:
             raise ValueError(
-                "twicing attention calls the attention twice with the same A, which one attention-dropout draw cannot "
-                "serve: set the attention dropout to 0 (timm attn_drop_rate, transformers attention_dropout, mmseg "
-                "attn_drop_rate, fairseq --attention-dropout) or run the model in eval mode"
-            )
-        if context.cached:
-            raise ValueError(
-                "twicing attention needs A v at every key position, which a key/value cache does not hold: decode "
-                "without the cache (transformers: use_cache=False; fairseq: no incremental_state), recomputing the "
-                "prefix at every step"
-            )
-        if context.grouped:
-            raise ValueError(
-                "twicing attention passes v - A v (one per query head) through the attention as values, but "
-                "grouped-query attention shares each value head across a group of query heads: use as many "
-                "key/value heads as query heads (num_key_value_heads = num_attention_heads)"
+                "attention method 'twicing' calls the attention twice with the same A, which one attention-dropout "
+                "draw cannot serve: set the attention dropout to 0 (timm attn_drop_rate, transformers "
+                "attention_dropout, mmseg attn_drop_rate, fairseq --attention-dropout) or run the model in eval mode"
             )
 
     def attend(self, params: TwicingConfig, attend: Attend, query: Tensor, value: Tensor,
-               state: Optional[tuple] = None, head_dim: int = -3) -> Tensor:
+               state: Optional[tuple] = None, head_dim: int = -3, slot: Optional[CacheSlot] = None) -> Tensor:
         """``A v + A (v - A v)`` from layer ``from_layer`` on (the layer's index from the previous layer's state),
         ``A v`` before."""
         if _layer(state) >= params.from_layer:
-            return twicing_rule(attend, query, value, head_dim)
+            return twicing_rule(attend, query, value, head_dim, slot)
         return attend(query, value)
 
     def update(self, params: TwicingConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],

@@ -1,0 +1,156 @@
+"""Value residual learning (ResFormer: Zhou, Wu, Jiang, Obeid and Lan, "Value Residual Learning", arXiv 2410.17897,
+ACL 2025) as the attention method ``value_residual``.
+
+For the layers ``l = 1 .. L`` of one group (a stack of self-attention layers in one forward pass, as for PID), with
+``v^l`` the layer's values per key/value head::
+
+    u^1 = softmax(q^1 k^1^T * scale + mask) v^1                                 (the first layer records v^1)
+    u^l = softmax(q^l k^l^T * scale + mask) (lambda_1 * v^1 + lambda_2 * v^l)    (l >= 2)
+
+Keys and queries are unchanged; the mix is formed per key/value head, before grouped-query attention repeats the
+values for the query heads.
+
+As the official code computes it (github.com/Zcchill/Value-Residual-Learning, read at its public snapshot):
+
+* ``src/modeling/modeling_llama_resformer.py``, ``LlamaAttention.forward`` (and ``LlamaFlashAttention2``): layer 0
+  appends its ``v_proj`` output to ``formal_layer_values``, a list the decoder passes from layer to layer; every later
+  layer replaces its values by ``0.5*formal_layer_values[0] + 0.5*value_states`` before the head reshape, RoPE and
+  ``past_key_value.update`` (so the cache holds the mixed values), then ``repeat_kv`` and the attention as usual.
+* ``scripts/run_llama_resformer_82M.sh`` trains that model; ``modeling_llama_NeuTRENO_lambda04.py`` is the NeuTRENO
+  baseline of the same repository (``lambda`` 0.4, our ``neutreno`` ``lm`` preset).
+
+With a KV cache the mix is formed at attention time over every cached position, with the first layer's cached
+values as ``v^1`` (the state hands on the first layer's values at every key position, ``keys_state``): the mix is
+linear and per position, so this equals caching the mixed values as the official code does.
+
+Parameters: ``lambda_1`` (weight of ``v^1``) and ``lambda_2`` (weight of the layer's own values); the official code
+and the paper's ResFormer use 0.5 and 0.5 (preset ``resformer``). ``lambda_1 = 0, lambda_2 = 1`` is the stock
+attention (the adapters then run the stock code path, bit for bit). The paper also studies the lambdas as trained
+per-layer weights; the public code has only the fixed 0.5/0.5. ``learnable=True`` gives every layer its own
+``lambda_1`` and ``lambda_2`` (two scalars, unconstrained), starting at the config's values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..config import MethodConfig
+from ..methods import Attend, AttentionMethod, register_method
+
+__all__ = ["ValueResidualConfig", "ValueResidualLambdas", "ValueResidualMethod", "value_residual_mix"]
+
+
+@dataclass(frozen=True)
+class ValueResidualConfig(MethodConfig):
+    """Parameters of value residual learning (ResFormer).
+
+    Args:
+        lambda_1: weight of the group's first layer's values ``v^1`` in every later layer (finite).
+        lambda_2: weight of the layer's own values (finite). ``(lambda_1, lambda_2) = (0, 1)``: the stock attention.
+        learnable: every layer after the first gets its own trainable ``lambda_1`` and ``lambda_2``, starting at
+            these values (two parameters per layer; off by default, so a softmax checkpoint loads unchanged).
+    """
+
+    lambda_1: float = 0.5
+    lambda_2: float = 0.5
+    learnable: bool = False
+
+    PRESETS = {
+        # src/modeling/modeling_llama_resformer.py, LlamaAttention.forward: 0.5*formal_layer_values[0] + 0.5*value_states
+        "resformer": {"lambda_1": 0.5, "lambda_2": 0.5},
+    }
+    ZERO = {"lambda_1": 0.0, "lambda_2": 1.0}
+
+    def validate(self) -> None:
+        for name in ("lambda_1", "lambda_2"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"ValueResidualConfig.{name} must be a finite number (ResFormer: lambda_1 = lambda_2 = 0.5; "
+                    f"lambda_1 = 0, lambda_2 = 1: the stock attention), got {value!r}"
+                )
+
+
+class ValueResidualLambdas(nn.Module):
+    """One layer's trainable ``lambda_1`` and ``lambda_2`` (each of shape ``(1,)``: FSDP2 shards along the first
+    dimension and refuses 0-dim parameters), initialised from a :class:`ValueResidualConfig`."""
+
+    def __init__(self, config: ValueResidualConfig) -> None:
+        super().__init__()
+        self.lambda_1 = nn.Parameter(torch.tensor([config.lambda_1]))
+        self.lambda_2 = nn.Parameter(torch.tensor([config.lambda_2]))
+
+    def forward(self) -> Tuple[Tensor, Tensor]:
+        return self.lambda_1, self.lambda_2
+
+
+def value_residual_mix(value: Tensor, v_first: Tensor, lambda_1: Any, lambda_2: Any) -> Tensor:
+    """``lambda_1 * v^1 + lambda_2 * v`` per key/value head, ``(B, H_kv, K, D)``. ``v_first`` may cover more key
+    positions than ``value`` (a sliding-window layer after a full first layer, with a cache): both end at the
+    newest position, so its last ``K`` rows are used."""
+    length = value.shape[-2]
+    if v_first.shape[-2] != length:
+        if v_first.shape[-2] < length or v_first.shape[:-2] != value.shape[:-2]:
+            raise ValueError(
+                f"attention method 'value_residual': this layer's values have shape {tuple(value.shape)} but the "
+                f"group's first layer had {tuple(v_first.shape)}: every layer must have the first layer's key/value "
+                "heads and head_dim, and the first layer must see every key position a later layer sees (a "
+                "sliding-window first layer under full-attention layers, with a cache, cannot run it)"
+            )
+        v_first = v_first.narrow(-2, v_first.shape[-2] - length, length)
+    if v_first.shape != value.shape:
+        raise ValueError(
+            f"attention method 'value_residual': this layer's values have shape {tuple(value.shape)} but the group's "
+            f"first layer had {tuple(v_first.shape)}: every layer of a group must have values of one shape"
+        )
+    if isinstance(lambda_1, Tensor) or isinstance(lambda_2, Tensor):
+        return v_first * lambda_1.to(value.dtype) + value * lambda_2.to(value.dtype)
+    return v_first * lambda_1 + value * lambda_2
+
+
+class ValueResidualMethod(AttentionMethod):
+    """ResFormer: every layer after the group's first attends over ``lambda_1 v^1 + lambda_2 v^l`` (:meth:`attend`);
+    the state is ``v^1`` at every key position (``keys_state``)."""
+
+    name = "value_residual"
+    config_type = ValueResidualConfig
+    state_fields = ("v_first",)
+    default_presets = {"*": "resformer"}
+    additive = False
+    keys_state = True
+
+    def is_identity(self, config: ValueResidualConfig) -> bool:
+        return config.is_zero and not config.learnable
+
+    def make_learned(self, config: ValueResidualConfig) -> Optional[nn.Module]:
+        return ValueResidualLambdas(config) if config.learnable else None
+
+    def layer_params(self, config: ValueResidualConfig, learned: Optional[nn.Module]) -> Any:
+        """``(lambda_1, lambda_2)``: the config's numbers, or the layer's trained ones."""
+        if learned is None:
+            return (config.lambda_1, config.lambda_2)
+        return learned()
+
+    def attend(self, params: Any, attend: Attend, query: Tensor, value: Tensor, state: Optional[tuple] = None,
+               head_dim: int = -3) -> Tensor:
+        lambda_1, lambda_2 = params
+        if state is None:  # the group's first layer: its own values (trained lambdas join the graph with weight 0)
+            out = attend(query, value)
+            if isinstance(lambda_1, Tensor):
+                out = out + 0.0 * (lambda_1 + lambda_2).to(out.dtype)
+            return out
+        return attend(query, value_residual_mix(value, state[0], lambda_1, lambda_2))
+
+    def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
+               head_dim: int) -> Tuple[Tensor, tuple]:
+        """The output unchanged; the state: the first layer's values at every key position, ``(B, H_kv, K, D)``."""
+        if state is None:
+            return out, (value_q.movedim(head_dim, -3),)
+        return out, (state[0],)
+
+
+register_method(ValueResidualMethod())
