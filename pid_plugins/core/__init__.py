@@ -5,7 +5,7 @@ from .config import PIDConfig
 from .control import PIDState, expand_heads, pid_update
 from .gains import PIDGains, layer_gains
 from .methods import (
-    SOFTMAX, AttentionContext, AttentionMethod, MethodChoice, MethodConfig, PIDMethod, calls_attention_once, get_method, list_methods,
+    SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, MethodChoice, MethodConfig, PIDMethod, calls_attention_once, get_method, list_methods,
     method_warmup, on_register, register_method, resolve_attention,
 )
 from .warmup import GainWarmup, make_warmup, pid_term, scaled_gains, warmup_scale
@@ -13,7 +13,7 @@ from .warmup import GainWarmup, make_warmup, pid_term, scaled_gains, warmup_scal
 __all__ = [
     "PIDConfig", "PIDState", "pid_update", "expand_heads", "PIDGains", "layer_gains",
     "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale", "pid_term",
-    "AttentionMethod", "AttentionContext", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
+    "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "on_register", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys",
 ]
 

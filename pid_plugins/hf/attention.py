@@ -47,7 +47,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import (
-    AttentionContext, AttentionMethod, GainWarmup, PIDConfig, PIDMethod, PIDState, calls_attention_once, get_method, make_warmup, on_register,
+    AttentionContext, AttentionMethod, CacheSlot, GainWarmup, PIDConfig, PIDMethod, PIDState, calls_attention_once, expand_heads,
+    get_method, make_warmup, on_register,
 )
 from . import gains as learned_gains
 
@@ -85,7 +86,7 @@ class PIDForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached", "checks")
+                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "layer_count")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
@@ -106,6 +107,8 @@ class PIDForwardState:
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
+        self.cache: Any = None  # for methods with a cache slot: the (self-attention) cache this forward updates
+        self.layer_count = 0  # the owner's self-attention layers (layer_idx + 1 at most): where cache slots start
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
         # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
@@ -230,11 +233,12 @@ def pid_attention_forward(
         base = run.base if run is not None else base_attention(getattr(module, "config", None))
         return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
     if run is None or index is None:
+        chosen = getattr(getattr(module, "config", None), "_attn_implementation", "pid")
         raise RuntimeError(
-            f"attn_implementation={getattr(getattr(module, 'config', None), '_attn_implementation', 'pid')!r}: "
-            f"{type(module).__name__} got no per-forward PID state. Call "
-            "pid_plugins.hf.to_pid(model) once (needed for models built before `import pid_plugins.hf`); a model "
-            "whose forward does not pass its keyword arguments down to the attention layers cannot run PID"
+            f"attn_implementation={chosen!r}: {type(module).__name__} got no per-forward state of attention method "
+            f"{chosen!r}. Call pid_plugins.hf.to_pid(model, method={chosen!r}) once (needed for models built before "
+            "`import pid_plugins.hf`); a model whose forward does not pass its keyword arguments down to the "
+            f"attention layers cannot run {chosen!r}"
         )
     base = run.function or _base_function(module, run.base)
     if run.zero:
@@ -268,8 +272,8 @@ def pid_attention_forward(
     layers = run.layers
     if index in layers and not run.finished:
         raise RuntimeError(
-            f"attn_implementation='pid': {type(module).__name__} ran twice in one forward (one attention module "
-            "shared by several layers, as in ALBERT): PID needs one attention module per layer"
+            f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
+            f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
         )
     earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
@@ -278,11 +282,139 @@ def pid_attention_forward(
         u, layers[index] = method.update(params, out, v_q.transpose(1, 2), previous, run.scale, -2)
     else:  # the method calls the base attention itself (its queries, once or more; (B, H, q, D) in, (B, q, H, D) out)
         def attend(q: Tensor, v: Tensor) -> Tensor:
+            if v.shape[1] != key.shape[1]:  # values per query head (Twicing's v - A v): keys expanded to match
+                return base(_ExpandedHeads(module), q, expand_heads(key, v.shape[1], 1), v, attention_mask,
+                            **kwargs)[0]
             return base(module, q, key, v, attention_mask, **kwargs)[0]
 
-        u, layers[index] = method.forward(params, attend, query, value, v_q.transpose(1, 2), previous,
-                                          scale=run.scale, head_dim=-2)
+        state_values = value if method.keys_state else v_q  # keys_state: the values at every key position
+        visible = _visible(module, attention_mask, query, key, kwargs) if method.reads_visible else None
+        slot = _slot(run, module, q_len, length) if method.cache_slot else None
+        u, layers[index] = method.forward(params, attend, query, value, state_values.transpose(1, 2), previous,
+                                          scale=run.scale, head_dim=-2, visible=visible, slot=slot)
     return u, weights
+
+
+class _ExpandedHeads:
+    """An attention module as a base attention function sees it for a call whose keys were expanded to the query
+    heads: ``num_key_value_groups`` is 1 (no second expansion); every other attribute is the module's."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _visible(module: nn.Module, mask: Any, query: Tensor, key: Tensor, kwargs: dict) -> Optional[Tensor]:
+    """Which keys each query attends to, boolean ``(B or 1, 1 or H, q, K)``, from the mask the base attention gets
+    (boolean: SDPA's; float: eager's, where masked positions hold the dtype's minimum or -inf), or None when every
+    query sees every key. Without a mask a causal layer sees keys ``<= past + i`` (dynamic cache)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if mask is None:
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", False) if causal is None else causal
+        if not causal or q_len == 1:
+            return None
+        rows = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
+        return (torch.arange(k_len, device=query.device)[None, :] <= rows)[None, None]
+    if not isinstance(mask, Tensor):
+        raise ValueError(
+            f"attention method reads which keys each query attends to, but the base attention's mask is a "
+            f"{type(mask).__name__} (flex attention's BlockMask?): use base 'sdpa' or 'eager' "
+            "(pid_plugins.hf.to_pid(model, base='sdpa', method=...))"
+        )
+    mask = mask[..., :k_len]
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _slot(run: PIDForwardState, module: nn.Module, q_len: int, k_len: int) -> Optional[CacheSlot]:
+    """Where this layer keeps its method's per-position tensor beside its cached keys/values (None: no cache, the
+    keys are the query positions)."""
+    cache = run.cache
+    if cache is None:
+        if k_len != q_len:
+            raise ValueError(
+                f"attention method {run.method.name!r} keeps a tensor per past position beside the KV cache, but this "
+                "forward got the cached keys without the cache object (a cache the model made inside a forward the "
+                "method did not see): pass past_key_values=DynamicCache(config=model.config) to the first forward, as "
+                "generate() does"
+            )
+        return None
+    layer_idx = getattr(module, "layer_idx", None)
+    if not isinstance(layer_idx, int):
+        raise ValueError(
+            f"attention method {run.method.name!r} keeps a tensor per past position beside the KV cache, which needs "
+            f"the attention module's layer_idx; {type(module).__name__} has none: decode with use_cache=False"
+        )
+    return _LayerSlot(cache, layer_idx, run.layer_count)
+
+
+class _LayerSlot(CacheSlot):
+    """A method's per-position tensor kept in the model's own cache, as an extra cache layer of the same kind as
+    layer ``layer_idx``'s (dynamic, sliding-window dynamic or static), at index ``base + layer_idx`` (``base``: the
+    model's layer count). Being a layer of the cache, it is reordered by beam search, cropped, reset and kept in a
+    static buffer by the cache's own methods, in step with the layer's keys and values."""
+
+    def __init__(self, cache: Any, layer_idx: int, layer_count: int) -> None:
+        self.cache, self.layer_idx, self.layer_count = cache, layer_idx, layer_count
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        index = _slot_index(self.cache, self.layer_idx, self.layer_count)
+        # a cache layer stores a pair: the tensor rides in the values' place, the keys' place holds zero width
+        _, stored = self.cache.layers[index].update(rows[..., :0], rows)
+        return stored
+
+
+_SLOT_BASE = "_pid_plugins_slot_base"
+
+
+def _slot_index(cache: Any, layer_idx: int, layer_count: int) -> int:
+    """The cache layer that holds layer ``layer_idx``'s slot; the slots of every layer are made on first use."""
+    base = cache.__dict__.get(_SLOT_BASE)
+    if base is None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "the attention method's cache slots are made at the first forward with this cache, which must run "
+                "eagerly (prefill before compiling the decoding step, as generate() does)"
+            )
+        layers = cache.layers
+        base = max(len(layers), layer_count, layer_idx + 1)
+        replicate = getattr(cache, "layer_class_to_replicate", None)
+        while len(layers) < base:  # a lazily grown cache: the model's layers not reached yet
+            if replicate is None:
+                raise ValueError(f"{type(cache).__name__} has {len(layers)} layers for a model of {base}")
+            layers.append(replicate())
+        for i in range(base):
+            layers.append(_layer_like(layers[i]))
+        cache.__dict__[_SLOT_BASE] = base
+    return base + layer_idx
+
+
+def _layer_like(layer: Any) -> Any:
+    """An empty cache layer of ``layer``'s kind and size."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+
+    kind = type(layer)
+    if kind is DynamicLayer:
+        return DynamicLayer()
+    if kind is DynamicSlidingWindowLayer:
+        fresh = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+        if getattr(layer, "record_past", False):
+            fresh.activate_past_recording()
+        return fresh
+    if kind is StaticLayer:
+        return StaticLayer(max_cache_len=layer.max_cache_len)
+    names = (DynamicLayer.__name__, DynamicSlidingWindowLayer.__name__, StaticLayer.__name__)
+    raise ValueError(
+        f"the attention method keeps a tensor per past position beside the KV cache, in a cache layer of the same kind; "
+        f"{kind.__name__} is not one it can make (supported: {', '.join(names)}; not {StaticSlidingWindowLayer.__name__}, "
+        "quantized or offloaded layers): use the default dynamic cache or cache_implementation='static'"
+    )
 
 
 def pid_mask(*args: Any, **kwargs: Any):
@@ -310,6 +442,13 @@ class _Plan:
     owns_layers: bool
     cache_position: Optional[int]  # index of `past_key_values` among the positional arguments, if any
     learnable: bool = False  # whether discovery gave the self-attention modules their gains
+    causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
+    layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules (where method cache slots start)
+
+
+def _chosen(model: nn.Module) -> str:
+    """The attention implementation a model's config names (for messages)."""
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "pid"))
 
 
 def _is_cross(parts: list, module: nn.Module) -> bool:
@@ -350,6 +489,8 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
     learnable = learnable if getattr(learnable, "learnable", False) else None
     added = []
     order = 0
+    causal = False
+    layer_count = 0
     stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
     for path, sub in _walk(model):
         if isinstance(sub, PreTrainedModel):
@@ -371,6 +512,9 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
             elif learnable is not None and learned_gains.attach(sub, learnable):
                 added.append(path)
             if not cross:  # an encoder and a decoder under one owner are separate PID groups
+                causal = causal or bool(getattr(sub, "is_causal", False))
+                if isinstance(getattr(sub, "layer_idx", None), int):
+                    layer_count = max(layer_count, sub.layer_idx + 1)
                 stack = next((p for p in parts if "encoder" in p.lower() or "decoder" in p.lower()), "")
                 earlier = stacks.get(stack, ())
                 setattr(sub, _EARLIER, earlier)
@@ -379,16 +523,18 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
         elif "Attention" in cls.__name__ and not any(
             "Attention" in type(m).__name__ or _calls_interface(type(m)) for m in sub.modules() if m is not sub
         ):
+            chosen = _chosen(model)
             raise ValueError(
-                f"attn_implementation='pid': {type(model).__name__}.{path} ({cls.__name__}) computes attention "
-                "without transformers' attention interface (custom or remote code?), so PID cannot reach it"
+                f"attn_implementation={chosen!r}: {type(model).__name__}.{path} ({cls.__name__}) computes attention "
+                f"without transformers' attention interface (custom or remote code?), so attention method {chosen!r} "
+                "cannot reach it"
             )
     params = inspect.signature(type(model).forward).parameters
     names = [n for n in params if n != "self"]
     if order and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         raise ValueError(
-            f"attn_implementation='pid': {type(model).__name__}.forward takes no **kwargs, so the per-forward PID "
-            "state cannot reach its attention layers"
+            f"attn_implementation={_chosen(model)!r}: {type(model).__name__}.forward takes no **kwargs, so the "
+            "per-forward state of the attention method cannot reach its attention layers"
         )
     _persist(model.config)
     try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
@@ -406,14 +552,14 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
             )
     plan = _Plan(owns_layers=order > 0,
                  cache_position=names.index("past_key_values") if "past_key_values" in names else None,
-                 learnable=learnable is not None)
+                 learnable=learnable is not None, causal=causal, layer_count=layer_count)
     model.__dict__[_PLAN] = plan
     return plan
 
 
 # ------------------------------------------------------------------------------------------ per-forward checks
-def _check_checkpointing(model: nn.Module) -> None:
-    """Refuse reentrant checkpointing (it cuts the PID state's graph between layers) before any gradient."""
+def _check_checkpointing(model: nn.Module, name: str = "pid") -> None:
+    """Refuse reentrant checkpointing (it cuts the method state's graph between layers) before any gradient."""
     for m in model.modules():
         if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
             func = m._gradient_checkpointing_func
@@ -421,14 +567,14 @@ def _check_checkpointing(model: nn.Module) -> None:
             # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
             if keywords is None or keywords.get("use_reentrant", True) is not False:
                 raise ValueError(
-                    "PID attention needs non-reentrant gradient checkpointing (reentrant checkpointing cuts the PID "
-                    "state's gradient between layers): use model.gradient_checkpointing_enable("
+                    f"attention method {name!r} needs non-reentrant gradient checkpointing (reentrant checkpointing "
+                    "cuts the method state's gradient between layers): use model.gradient_checkpointing_enable("
                     "gradient_checkpointing_kwargs={'use_reentrant': False})"
                 )
             return
 
 
-def _static_past(cache: Any) -> Optional[Tensor]:
+def _static_past(cache: Any, name: str = "pid") -> Optional[Tensor]:
     """The static cache's length before this forward (a tensor, never synced), None for dynamic caches."""
     layers = getattr(cache, "layers", None)
     if not layers:
@@ -437,7 +583,7 @@ def _static_past(cache: Any) -> Optional[Tensor]:
     kind = type(first).__name__
     if any("Static" in type(x).__name__ and "Sliding" in type(x).__name__ for x in layers):
         raise NotImplementedError(
-            "PID attention cannot use a static sliding-window cache (a rolling buffer does not keep the query "
+            f"attention method {name!r} cannot use a static sliding-window cache (a rolling buffer does not keep the query "
             "positions' values where they can be located): use the dynamic cache (the default) for this model"
         )
     if "Static" not in kind:
@@ -455,7 +601,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if plan is None:
         if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
             raise RuntimeError(
-                f"attn_implementation='pid': {type(module).__name__} was switched to PID after it was built, and "
+                f"attn_implementation={method.name!r}: {type(module).__name__} was switched to it after it was built, and "
                 "torch.compile reached its first forward: call pid_plugins.hf.to_pid(model) (or run one eager "
                 "forward) before compiling"
             )
@@ -471,17 +617,38 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     scale = _warmup_scale(module, gains)
     base = base_attention(config)
     if module.training and torch.is_grad_enabled():
-        _check_checkpointing(module)
+        _check_checkpointing(module, method.name)
     if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
         raise ValueError(
-            "output_attentions needs the eager base attention under PID: "
-            "pid_plugins.hf.to_pid(model, base='eager')"
+            f"output_attentions needs the eager base attention under attention method {method.name!r}: "
+            f"pid_plugins.hf.to_pid(model, base='eager', method={method.name!r})"
         )
     cache = kwargs.get("past_key_values")
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    kwargs["pid_state"] = PIDForwardState(gains, base, _static_past(cache), scale, method, cached=cache is not None)
+    if cache is None and method.cache_slot and plan.causal and plan.cache_position is not None and \
+            len(args) <= plan.cache_position and kwargs.get("use_cache", getattr(config, "use_cache", False)) and \
+            not method.is_identity(gains):
+        # the model would make its cache inside the forward, where the method cannot reach it to keep its
+        # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
+        cache = _new_cache(config)
+        kwargs["past_key_values"] = cache
+    state = PIDForwardState(gains, base, _static_past(cache, method.name), scale, method, cached=cache is not None)
+    if method.cache_slot and cache is not None:
+        state.cache = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
+        state.layer_count = plan.layer_count
+    kwargs["pid_state"] = state
     return args, kwargs
+
+
+def _new_cache(config: Any) -> Any:
+    """The cache a transformers model makes when ``use_cache`` and no cache is passed: ``DynamicCache(config=...)``,
+    in an ``EncoderDecoderCache`` for encoder-decoder models."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    if getattr(config, "is_encoder_decoder", False):
+        return EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+    return DynamicCache(config=config)
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
