@@ -365,8 +365,9 @@ class _LayerSlot(CacheSlot):
 
     def __call__(self, rows: Tensor) -> Tensor:
         index = _slot_index(self.cache, self.layer_idx, self.layer_count)
-        # a cache layer stores a pair: the tensor rides in the values' place, the keys' place holds zero width
-        _, stored = self.cache.layers[index].update(rows[..., :0], rows)
+        # a cache layer stores a pair: the tensor rides in the values' place, the keys' place holds one column of it
+        # (not zero width: cache layers treat an empty key tensor as an empty layer, e.g. when reordering beams)
+        _, stored = self.cache.layers[index].update(rows[..., :1], rows)
         return stored
 
 
