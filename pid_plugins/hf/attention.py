@@ -378,11 +378,6 @@ def _slot_index(cache: Any, layer_idx: int, layer_count: int) -> int:
     """The cache layer that holds layer ``layer_idx``'s slot; the slots of every layer are made on first use."""
     base = cache.__dict__.get(_SLOT_BASE)
     if base is None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "the attention method's cache slots are made at the first forward with this cache, which must run "
-                "eagerly (prefill before compiling the decoding step, as generate() does)"
-            )
         layers = cache.layers
         base = max(len(layers), layer_count, layer_idx + 1)
         replicate = getattr(cache, "layer_class_to_replicate", None)
