@@ -736,6 +736,7 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
     if not isinstance(module, PreTrainedModel):
         return
     if not module.__dict__.get(_HOOKED, False):
+        _check_family(module)
         _hook(module)
         _persist(module.config)  # saved as "pid" whenever the model runs PID at save time, null otherwise
         # the counter exists from construction on, so from_pretrained loads t (config.pid has warmup_steps > 0)
@@ -745,6 +746,34 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
         _adopt_counters(module, submodule)
     if submodule is not None and not isinstance(submodule, PreTrainedModel):
         _attach_gains_at_construction(module, name, submodule)
+
+
+def _check_family(model: PreTrainedModel) -> None:
+    """Refuse, while the model is being built (before its layers exist), a family that picks its attention classes
+    from its own table by ``config._attn_implementation`` (GPT-J's ``GPTJ_ATTENTION_CLASSES``, Falcon's, ...) instead
+    of calling transformers' attention interface: a method's name is not in that table (transformers itself would
+    fail with a bare ``KeyError``), and the family's attention code never calls the method."""
+    config = getattr(model, "config", None)
+    method = method_of(config)
+    if method is None:
+        return
+    for table_name, keys in _attention_tables(type(model)):
+        if method.name not in keys:
+            raise ValueError(
+                f"attn_implementation={method.name!r}: {type(model).__name__} ({getattr(config, 'model_type', '?')}) "
+                f"picks its attention class from its own table {table_name} ({', '.join(map(repr, keys))}) instead of "
+                f"transformers' attention interface, so attention method {method.name!r} cannot reach its attention. "
+                f"Use one of {list(keys)} for this family, or a family on the attention interface (Llama, Mistral, "
+                "Qwen2, GPT-NeoX, ...)"
+            )
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_tables(cls: type) -> tuple:
+    """``(name, keys)`` of the ``*_ATTENTION_CLASSES`` dicts in the module that defines ``cls``."""
+    module = sys.modules.get(cls.__module__)
+    return tuple((name, tuple(value)) for name, value in vars(module).items()
+                 if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict)) if module else ()
 
 
 def _attach_gains_at_construction(model: PreTrainedModel, name: str, child: nn.Module) -> None:
