@@ -212,6 +212,8 @@ def _method(name: str):
     if ":" not in name:
         return None, None, name
     method, base = name.split(":", 1)
+    if method == "elliptical" and base == "hf_decoder":  # a causal model: the prefix mean (the official one is refused)
+        return method, {"mean": "prefix"}, base
     if method == "scaled_reference":
         toy_method()
         return method, {"gamma": TOY_GAMMA}, base
@@ -254,12 +256,14 @@ def fsdp_case(name: str, workdir):
 
 
 #: PID in every zoo and family kind; the tests' toy method (a user-registered one) in every zoo; PID's siblings
-#: (issue 27) in every zoo where they apply (Elliptical refuses causal models; Twicing grouped-query attention)
+#: (issue 27) in every zoo where they apply; Twicing with grouped-query attention, Elliptical's prefix mean and value
+#: residual in a causal Llama with grouped-query attention (issue 31)
 FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq",
               *(f"scaled_reference:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
               *(f"neutreno:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
               *(f"elliptical:{c}" for c in ("hf_encoder", "timm_deit", "mmseg")),
-              *(f"twicing:{c}" for c in ("hf_encoder", "timm_deit", "mmseg", "fairseq")))
+              *(f"twicing:{c}" for c in ("hf_encoder", "hf_decoder", "timm_deit", "mmseg", "fairseq")),
+              *(f"{m}:hf_decoder" for m in ("elliptical", "value_residual")))
 
 
 def case_modes(name: str, workdir) -> list:
