@@ -269,3 +269,20 @@ def test_save_and_reload_keeps_the_method_and_its_parameters(name, tmp_path):
     assert ph.model_method_config(loaded.config).to_dict() == {**ph.model_method_config(model.config).to_dict()}
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, want)
+
+
+@pytest.mark.parametrize("name", ["elliptical", "value_residual"])
+def test_a_cache_mixing_sliding_and_full_layers_is_refused_for_methods_reading_all_key_positions(name):
+    """Gemma 3 (a sliding-window layer, then a full one): the first layer's / previous layer's values at every key
+    position are not in its cache; refused before the forward, naming the method. Without a cache it runs."""
+    cfg = T.Gemma3TextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                             head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                             attn_implementation=name)
+    setattr(cfg, name, METHODS[name][0])
+    model = T.Gemma3ForCausalLM(cfg).eval()
+    x = hf_ids(2, 8)
+    with torch.no_grad():
+        model(x, use_cache=False)
+        with pytest.raises(ValueError, match=rf"'{name}' reads earlier layers' values.*mixes sliding-window"):
+            model.generate(x, max_new_tokens=2, do_sample=False)

@@ -629,6 +629,14 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
         cache = _new_cache(config)
         kwargs["past_key_values"] = cache
+    if method.keys_state and cache is not None and not method.is_identity(gains):
+        sliding = getattr(getattr(cache, "self_attention_cache", cache), "is_sliding", None)
+        if sliding and any(sliding) and not all(sliding):
+            raise ValueError(
+                f"attention method {method.name!r} reads earlier layers' values at every key position, but this "
+                f"{type(module).__name__}'s cache mixes sliding-window and full-attention layers, which keep different "
+                "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
+            )
     state = PIDForwardState(gains, base, _static_past(cache, method.name), scale, method, cached=cache is not None)
     if method.cache_slot and cache is not None:
         state.cache = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
