@@ -164,7 +164,13 @@ SMOLLM2_CFG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, nu
                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
-def hf_pair(cfg: Optional[Dict[str, Any]] = None):
+#: the methods besides PID with a decoding row (their transformers parameters: Twicing in every layer, Elliptical's
+#: causal prefix mean, ResFormer's 0.5/0.5)
+HF_SIBLINGS = (("neutreno", None), ("twicing", {"from_layer": 0}), ("elliptical", {"mean": "prefix"}),
+               ("value_residual", None))
+
+
+def hf_pair(cfg: Optional[Dict[str, Any]] = None, method: str = "pid", params: Any = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import pid_plugins.hf
@@ -175,13 +181,13 @@ def hf_pair(cfg: Optional[Dict[str, Any]] = None):
     stock.set_attn_implementation("sdpa")
     pid = LlamaForCausalLM(LlamaConfig(**cfg))
     pid.load_state_dict(stock.state_dict())
-    pid_plugins.hf.to_pid(pid)
+    pid_plugins.hf.to_pid(pid, params, method=method)
     return stock, pid
 
 
-def hf_runs(batch: int, seq: int, new_tokens: int, cfg: Optional[Dict[str, Any]] = None
-            ) -> Dict[str, Tuple[Callable, Callable]]:
-    stock, pid = hf_pair(cfg)
+def hf_runs(batch: int, seq: int, new_tokens: int, cfg: Optional[Dict[str, Any]] = None, method: str = "pid",
+            params: Any = None) -> Dict[str, Tuple[Callable, Callable]]:
+    stock, pid = hf_pair(cfg, method, params)
     ids = torch.randint(0, (cfg or HF_CFG)["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     prompt = ids[:, :64]
 
@@ -430,6 +436,16 @@ def build_tasks(args) -> List[Task]:
                 fs, fp = cached("hf_smol", lambda: hf_runs(batch=1, seq=64, new_tokens=32, cfg=SMOLLM2_CFG))["decode"]
                 return fs, fp, dict(reps=n, batch=1, prompt=64, new_tokens=32, tokens=32, config=SMOLLM2_CFG)
             add("hf", "hf SmolLM2-135M shape decode b1, 64+32 tokens", "tokens/s", build_hf_smol)
+
+            # every other method at the same shape, decoding with the dynamic cache (method/stock)
+            for method, params in HF_SIBLINGS:
+                def build_hf_sibling(method=method, params=params, n=reps(5, 2)):
+                    fs, fp = cached(f"hf_smol_{method}", lambda: hf_runs(batch=1, seq=64, new_tokens=32,
+                                                                         cfg=SMOLLM2_CFG, method=method,
+                                                                         params=params))["decode"]
+                    return fs, fp, dict(reps=n, batch=1, prompt=64, new_tokens=32, tokens=32, config=SMOLLM2_CFG,
+                                        method=method, params=params)
+                add("hf", f"hf SmolLM2-135M shape decode b1, 64+32 tokens, {method}", "tokens/s", build_hf_sibling)
         if "fairseq" in args.only:
             for what, kind, n in (("train step", "time", reps(7, 3)), ("incremental decoding", "tokens/s", reps(5, 3))):
                 def build_fs(what=what, n=n):
