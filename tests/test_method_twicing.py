@@ -15,7 +15,8 @@ from pid_plugins.core import AttentionContext, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
 from zoo_cases import TIMM as ZOO_TIMM
 from zoo_cases import (assert_equal_or_both_none, bart_config, bert_config, bert_reference,  # noqa: F401
-                       causal_lm_loss, data_dir, fairseq_reference, fs_method, fs_save_and_reload,
+                       causal_lm_loss, data_dir, fairseq_reference, fs_incremental_logits, fs_method,
+                       fs_save_and_reload,
                        fs_tokens, hf_checkpointing_grads, hf_ids, llama_config, llama_twins, mm_args,
                        mm_build, mm_compiled, mm_pair, mmseg_reference, on_scores, set_fused,
                        timm_attention_stack, timm_images, timm_reference)
@@ -448,7 +449,7 @@ def fs_reference(stock, toks, from_layer):
     """fairseq's transformer_lm modules run by hand in float64, the attention written out and twiced."""
     return fairseq_reference(stock, toks, twiced_from(from_layer))
 
-def test_fairseq_lm_reference_softmax_causality_and_cache_refusal(data_dir):
+def test_fairseq_lm_reference_softmax_causality_and_incremental_decoding(data_dir):
     stock, _, _ = fs_build(data_dir, arch="transformer_lm")
     toks = fs_tokens()
     with torch.no_grad():
@@ -471,8 +472,8 @@ def test_fairseq_lm_reference_softmax_causality_and_cache_refusal(data_dir):
             other = model(changed)[0]
             torch.testing.assert_close(other[:, :j], full[:, :j], rtol=0, atol=0)
             assert not torch.allclose(other[:, j:], full[:, j:])
-        with pytest.raises(ValueError, match="no incremental_state"):
-            model(toks[:, :1], incremental_state={})
+        # A v of past positions kept in fairseq's incremental buffer: decoding token by token equals the full pass
+        torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
         torch._dynamo.reset()
         compiled = torch.compile(model.decoder, fullgraph=True, backend="eager")(toks)[0]
         torch._dynamo.reset()

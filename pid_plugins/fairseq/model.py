@@ -43,7 +43,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
-from ..core import AttentionContext, AttentionMethod, GainWarmup, MethodChoice, method_warmup, resolve_attention, warmup_scale
+from ..core import AttentionContext, AttentionMethod, CacheSlot, GainWarmup, MethodChoice, method_warmup, resolve_attention, warmup_scale
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
@@ -175,6 +175,7 @@ class PIDMultiheadAttention(MultiheadAttention):
                                                 dropout=self.training and self.dropout_module.p > 0))
         q, k, v = self._qkv(x)
         v_query = v
+        slot = None
         if incremental_state is not None:
             saved = self._get_input_buffer(incremental_state)
             if "prev_key" in saved and saved["prev_key"] is not None:
@@ -185,6 +186,8 @@ class PIDMultiheadAttention(MultiheadAttention):
                 batch_size=B, src_len=k.size(2), static_kv=False)
             saved["prev_key"], saved["prev_value"], saved["prev_key_padding_mask"] = k, v, key_padding_mask
             self._set_input_buffer(incremental_state, saved)
+            if method.cache_slot:
+                slot = _BufferSlot(self, incremental_state)
         mask: Optional[Tensor] = None
         if attn_mask is not None:
             mask = attn_mask.to(q.dtype)[None, None]
@@ -198,7 +201,12 @@ class PIDMultiheadAttention(MultiheadAttention):
             return F.scaled_dot_product_attention(query, k, value, attn_mask=mask, dropout_p=dropout_p)
 
         params = method.layer_params(self.pid, self.pid_gains)
-        out, state = method.forward(params, attend, q, v, v_query, state, head_dim=-3)
+        visible = None
+        if method.reads_visible and mask is not None:  # which keys each query sees (causal mask and padding)
+            visible = (mask > float("-inf")).expand(mask.shape[0], 1, T, k.size(2))
+        # keys_state methods hand on the values of every key position (the cached ones included)
+        out, state = method.forward(params, attend, q, v, v if method.keys_state else v_query, state, head_dim=-3,
+                                    visible=visible, slot=slot)
         return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), state
 
     def forward_warmup(
@@ -222,6 +230,25 @@ class PIDMultiheadAttention(MultiheadAttention):
         method = self.attention_method
         term, state = method.term(method.layer_params(self.pid, self.pid_gains), v, state, scale, head_dim=-3)
         return out + F.linear(term.permute(2, 0, 1, 3).reshape(T, B, C), self.out_proj.weight), state
+
+
+class _BufferSlot(CacheSlot):
+    """A method's per-position tensor (Twicing's ``A v``) kept in fairseq's incremental buffer of the layer, beside
+    ``prev_key``/``prev_value`` and batch-first like them, so ``reorder_incremental_state`` (beam search) reorders
+    it with them."""
+
+    KEY = "prev_method_slot"
+
+    def __init__(self, layer: "PIDMultiheadAttention", incremental_state: Dict[str, Dict[str, Optional[Tensor]]]):
+        self.layer, self.incremental_state = layer, incremental_state
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        saved = self.layer._get_input_buffer(self.incremental_state)
+        previous = saved.get(self.KEY)
+        stored = rows if previous is None else torch.cat([previous, rows], dim=2)
+        saved[self.KEY] = stored
+        self.layer._set_input_buffer(self.incremental_state, saved)
+        return stored
 
 
 class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
