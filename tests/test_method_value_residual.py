@@ -186,9 +186,17 @@ def test_timm_save_and_reload_through_the_pretrained_path(tmp_path):
     assert again.blocks[1].attn.pid_gains.lambda_1.item() == 0.25
     assert again.blocks[2].attn.pid_gains.lambda_2.item() == 1.5
     again.load_state_dict(learned.state_dict(), strict=True)  # the plain state_dict round trip too
+    # a softmax checkpoint (no lambdas in it) into learnable lambdas: they start at the config's values
+    _, stock = timm_pair("deit", seed=5)
+    torch.save(stock.state_dict(), tmp_path / "softmax.pth")
+    fresh = timm_load_pretrained(name, tmp_path / "softmax.pth", attention=NAME,
+                                 attention_cfg={"learnable": True, **MIXED}, **args)
+    assert all(blk.attn.pid_gains.lambda_1.item() == pytest.approx(0.3) for blk in fresh.blocks)
+    fixed, _ = timm_pair("deit", MIXED, seed=5)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
         assert torch.equal(again(x), learned(x))
+        torch.testing.assert_close(fresh(x), fixed(x), rtol=1e-6, atol=1e-6)  # the same rule, trainable
 
 
 @pytest.mark.parametrize("kind", sorted(TIMM))
