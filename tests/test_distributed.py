@@ -260,7 +260,8 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
     the Llama case differed by about 0.2 from layer 3 on.) The ``scaled_reference:*`` cases run the tests'
     user-registered toy method (tests/toy_method.py) in every zoo, under FSDP2 and under DistributedDataParallel
     (the adapter contract gives any method what PID has); ``neutreno:*``, ``elliptical:*`` and ``twicing:*`` run PID's
-    siblings under DDP."""
+    siblings under DDP; ``value_residual:*`` and ``value_residual_learnable:timm_deit`` (trainable lambdas, sharded
+    with their block) run under FSDP2 and DDP."""
     for mod in ("timm", "transformers", "mmseg", "fairseq"):
         pytest.importorskip(mod)
     launch(tmp_path, "fsdp2", [str(DIST / "fsdp2.py"), str(tmp_path)], timeout=900)
@@ -287,6 +288,10 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
                 if name == "hf_decoder":  # learnable gains: sharded by fully_shard of their decoder layer
                     gains = [n for n in stepped if ".pid_gains." in n]
                     assert len(gains) == 12 and set(gains) <= set(run["dtensors"]), (name, mode)
+                if name == "value_residual_learnable:timm_deit":  # lambda_1, lambda_2 per block
+                    gains = [n for n in stepped if ".pid_gains." in n]
+                    assert len(gains) == 6 and (mode == "ddp" or set(gains) <= set(run["dtensors"])), (name, mode)
+                    assert max_change(stepped, {n: init[n] for n in gains}) > 0, name  # the lambdas trained
                 torch.testing.assert_close(run["out"], outs[rank].detach(), rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{name} {mode} rank {rank} forward: {m}")
                 assert_close_params(run["params"], stepped)

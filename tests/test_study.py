@@ -158,6 +158,39 @@ def test_study_compares_softmax_pid_and_a_registered_method(tmp_path, capsys):
     assert "vision sr: loaded" not in capsys.readouterr().err  # another parameter: trained again
 
 
+def test_study_arms_take_value_residual(tmp_path, capsys):
+    """``value_residual`` as a study arm (fixed and learnable lambdas): resolved in both parts' zoos, a bad parameter
+    refused before anything runs, and a tiny vision study trains and records it."""
+    pytest.importorskip("timm")
+    from pid_plugins.core.siblings.value_residual import ValueResidualConfig
+    from pid_plugins.research.cli import main
+    from pid_plugins.research.experiments import arm_choice, arm_record, check_arms
+
+    assert arm_record("value_residual", "deit") == {
+        "method": "value_residual", "attention_cfg": {"lambda_1": 0.5, "lambda_2": 0.5, "learnable": False}}
+    assert arm_choice('vr=value_residual:{"lambda_1": 0.25}', "lm", language=True).config == ValueResidualConfig(
+        lambda_1=0.25)
+    assert arm_choice("vr=value_residual:resformer", "deit").config == ValueResidualConfig()
+    check_arms(("softmax", "pid", "vr=value_residual", 'vrl=value_residual:{"learnable": true}'))
+    with pytest.raises(ValueError, match="lambda_1 must be a finite number"):
+        arm_choice('vr=value_residual:{"lambda_1": NaN}', "deit")
+    out = tmp_path / "study"
+    argv = ["study", "--out", str(out), "--seeds", "0", "--depths", "2", "--parts", "vision", "--data", "digits",
+            "--train-limit", "32", "--test-limit", "8", "--pgd-steps", "1", "--vision-epochs", "0.5"]
+    assert main([*argv, "--arms", 'softmax,vr=value_residual:{"lambda_3": 1}']) == 2
+    assert "--arms: arm 'vr=value_residual:{\"lambda_3\": 1}': unknown ValueResidualConfig field" in \
+        capsys.readouterr().err
+    assert main([*argv, "--arms", 'softmax,pid,vr=value_residual,vrl=value_residual:{"learnable": true}']) == 0
+    setting = json.loads((out / "study.json").read_text())["settings"]["vision_depth2"]
+    assert setting["arms"] == ["softmax", "pid", "vr", "vrl"]
+    assert setting["methods"]["vr"] == {"method": "value_residual",
+                                        "attention_cfg": {"lambda_1": 0.5, "lambda_2": 0.5, "learnable": False}}
+    assert setting["methods"]["vrl"]["attention_cfg"]["learnable"] is True
+    results = json.loads((out / "vision_depth2" / "seed0" / "results.json").read_text())
+    assert results["models"]["vr"]["method"] == results["models"]["vrl"]["method"] == "value_residual"
+    assert "| vr - softmax |" in (out / "study.md").read_text()
+
+
 def test_records_written_before_arms_named_their_method_still_aggregate(tmp_path):
     import shutil
     from pathlib import Path

@@ -217,6 +217,8 @@ def _method(name: str):
     if method == "scaled_reference":
         toy_method()
         return method, {"gamma": TOY_GAMMA}, base
+    if method == "value_residual_learnable":  # value residual with per-layer trainable lambda_1, lambda_2
+        return "value_residual", {"learnable": True}, base
     return method, None, base
 
 
@@ -257,22 +259,24 @@ def fsdp_case(name: str, workdir):
 
 #: PID in every zoo and family kind; the tests' toy method (a user-registered one) in every zoo; PID's siblings
 #: (issue 27) in every zoo where they apply; Twicing with grouped-query attention, Elliptical's prefix mean and value
-#: residual in a causal Llama with grouped-query attention (issue 31)
+#: residual in a causal Llama with grouped-query attention (issue 31); value residual (fixed and learnable lambdas)
+#: in timm and mmseg, under FSDP2 and DDP like the toy
 FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq",
               *(f"scaled_reference:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
               *(f"neutreno:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
               *(f"elliptical:{c}" for c in ("hf_encoder", "timm_deit", "mmseg")),
               *(f"twicing:{c}" for c in ("hf_encoder", "hf_decoder", "timm_deit", "mmseg", "fairseq")),
-              *(f"{m}:hf_decoder" for m in ("elliptical", "value_residual")))
+              *(f"{m}:hf_decoder" for m in ("elliptical", "value_residual")),
+              *(f"value_residual:{c}" for c in ("timm_deit", "mmseg")), "value_residual_learnable:timm_deit")
 
 
 def case_modes(name: str, workdir) -> list:
     """The modes a case runs in: PID's cases under FSDP2 both ways and with checkpointing (where the zoo supports
     it; their DDP runs are the zoos' own launchers, in test_distributed.py); the toy method's under FSDP2 (with and
-    without checkpointing) and DDP; PID's siblings' under DDP."""
+    without checkpointing) and DDP, and so value residual's; PID's other siblings' under DDP."""
     supports_checkpointing = fsdp_case(name, workdir)[4]
     modes = [m for m, (_, ckpt) in FSDP_MODES.items() if m != "ddp" and (supports_checkpointing or not ckpt)]
-    if name.startswith("scaled_reference:"):
+    if name.startswith(("scaled_reference:", "value_residual")):
         return [m for m in modes if m != "keep_unsharded"] + ["ddp"]
     if ":" in name:
         return ["ddp"]

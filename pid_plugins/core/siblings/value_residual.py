@@ -112,6 +112,11 @@ def value_residual_mix(value: Tensor, v_first: Tensor, lambda_1: Any, lambda_2: 
     return v_first * lambda_1 + value * lambda_2
 
 
+# a leaf for every torch.fx tracer (timm's feature extraction traces the method's ``attend``): the shape checks
+# above are Python control flow on the values' shapes, which a symbolic trace cannot follow
+torch.fx.wrap("value_residual_mix")
+
+
 class ValueResidualMethod(AttentionMethod):
     """ResFormer: every layer after the group's first attends over ``lambda_1 v^1 + lambda_2 v^l`` (:meth:`attend`);
     the state is ``v^1`` at every key position (``keys_state``)."""
