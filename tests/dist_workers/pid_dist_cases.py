@@ -266,7 +266,7 @@ FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "ti
               *(f"neutreno:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
               *(f"elliptical:{c}" for c in ("hf_encoder", "timm_deit", "mmseg")),
               *(f"twicing:{c}" for c in ("hf_encoder", "hf_decoder", "timm_deit", "mmseg", "fairseq")),
-              *(f"{m}:hf_decoder" for m in ("elliptical", "value_residual")),
+              *(f"{m}:{c}" for m in ("elliptical", "value_residual") for c in ("hf_decoder", "fairseq")),
               *(f"value_residual:{c}" for c in ("timm_deit", "mmseg")), "value_residual_learnable:timm_deit")
 
 
