@@ -90,7 +90,7 @@ class PIDForwardState:
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
-                 cached: bool = False) -> None:
+                 cached: bool = False, cache: Any = None, layer_count: int = 0) -> None:
         self.method = method if method is not None else _PID
         self.config = config  # the method's parameters (PID: a PIDConfig)
         self.base = base
@@ -107,8 +107,8 @@ class PIDForwardState:
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
-        self.cache: Any = None  # for methods with a cache slot: the (self-attention) cache this forward updates
-        self.layer_count = 0  # the owner's self-attention layers (layer_idx + 1 at most): where cache slots start
+        self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
+        self.layer_count = layer_count  # the owner's layer count (1 + the largest layer_idx): where cache slots start
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
         # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
@@ -554,6 +554,11 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
 
 
 # ------------------------------------------------------------------------------------------ per-forward checks
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` has gradient checkpointing on."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def _check_checkpointing(model: nn.Module, name: str = "pid") -> None:
     """Refuse reentrant checkpointing (it cuts the method state's graph between layers) before any gradient."""
     for m in model.modules():
@@ -622,25 +627,28 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     cache = kwargs.get("past_key_values")
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    if cache is None and method.cache_slot and plan.causal and plan.cache_position is not None and \
-            len(args) <= plan.cache_position and kwargs.get("use_cache", getattr(config, "use_cache", False)) and \
-            not method.is_identity(gains):
+    active = not method.is_identity(gains)
+    # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
+    layers_cache = not (method.cache_slot and module.training and _checkpointing(module))
+    if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
+            plan.cache_position is not None and len(args) <= plan.cache_position and \
+            kwargs.get("use_cache", getattr(config, "use_cache", False)):
         # the model would make its cache inside the forward, where the method cannot reach it to keep its
         # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
         cache = _new_cache(config)
         kwargs["past_key_values"] = cache
-    if method.keys_state and cache is not None and not method.is_identity(gains):
-        sliding = getattr(getattr(cache, "self_attention_cache", cache), "is_sliding", None)
+    own = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
+    if method.keys_state and own is not None and active:
+        sliding = getattr(own, "is_sliding", None)
         if sliding and any(sliding) and not all(sliding):
             raise ValueError(
                 f"attention method {method.name!r} reads earlier layers' values at every key position, but this "
                 f"{type(module).__name__}'s cache mixes sliding-window and full-attention layers, which keep different "
                 "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
             )
-    state = PIDForwardState(gains, base, _static_past(cache, method.name), scale, method, cached=cache is not None)
-    if method.cache_slot and cache is not None:
-        state.cache = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
-        state.layer_count = plan.layer_count
+    slot_cache = own if method.cache_slot and layers_cache else None
+    state = PIDForwardState(gains, base, _static_past(cache, method.name), scale, method, cached=cache is not None,
+                            cache=slot_cache, layer_count=plan.layer_count)
     kwargs["pid_state"] = state
     return args, kwargs
 
