@@ -13,7 +13,7 @@ import torch
 import pid_plugins
 from pid_plugins.core import AttentionContext
 from pid_plugins.core.siblings.elliptical import EllipticalConfig, EllipticalMethod
-from zoo_cases import attention64, fairseq_reference, fs_incremental_logits
+from zoo_cases import elliptical_prefix_rule, fairseq_reference, fs_incremental_logits
 from zoo_cases import (MM_TYPES, TIMM, assert_equal_or_both_none, bart_config, bert_config, bert_reference, fs_build,
                        fs_dictionary, fs_method, hf_checkpointing_grads, hf_ids, import_timm, import_transformers,
                        llama_config, mm_args, mm_build, mm_compiled, mm_inputs, mm_out, mm_with_cp_runs,
@@ -361,22 +361,6 @@ def test_mmseg_backbone_compiles_fullgraph():
 
 
 # ---------------------------------------------------------------------------------------------- fairseq
-def elliptical_prefix64(delta, from_layer=2):
-    """The causal form, written per position: query ``i`` of layer ``l >= from_layer`` scaled by the mean over
-    ``j <= i`` of ``|v^l_j - v^{l-1}_j| / delta``, divided by its max over the dimension."""
-    def rule(qs, ks, vs, mask):
-        q = qs[-1].double()
-        if len(qs) >= from_layer:
-            d = ((vs[-1].double() - vs[-2].double()) / delta).abs()
-            m = torch.empty_like(d)
-            for i in range(d.shape[2]):
-                mean = d[:, :, : i + 1].mean(2)
-                m[:, :, i] = mean / mean.amax(-1, keepdim=True)
-            q = q * m
-        return attention64(q, ks[-1], vs[-1], mask)
-    return rule
-
-
 def test_fairseq_language_models_run_the_prefix_mean_and_refuse_the_sequence_mean(tmp_path):
     """fairseq's default for the causal LM is the ``lm`` preset (prefix mean, delta 1): the float64 rule, causality,
     incremental decoding equal to the full pass; ``mean="sequence"`` is refused naming ``mean='prefix'``."""
@@ -388,7 +372,7 @@ def test_fairseq_language_models_run_the_prefix_mean_and_refuse_the_sequence_mea
     toks = torch.randint(4, 44, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(toks)[0]
-        want = fairseq_reference(stock.double(), toks, elliptical_prefix64(1.0))
+        want = fairseq_reference(stock.double(), toks, elliptical_prefix_rule(1.0))
         torch.testing.assert_close(full.double(), want, rtol=1e-5, atol=1e-5)
         stock.float()
         torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from zoo_cases import attention64, causal_mask, hf_grads, hf_ids, import_transformers, llama_config, llama_reference, \
-    llama_twins, scores64
+from zoo_cases import elliptical_prefix_rule, hf_grads, hf_ids, import_transformers, llama_config, llama_reference, \
+    llama_twins, scores64, value_residual_rule
 
 T = import_transformers()
 import pid_plugins.hf as ph  # noqa: E402
@@ -29,34 +29,10 @@ def twicing_rule(qs, ks, vs, mask):
     return av + a @ (v - av)
 
 
-def value_residual_rule(lambda_1=0.5, lambda_2=0.5):
-    """Layer 1 plain; later layers attend over ``lambda_1 v^1 + lambda_2 v^l`` (per key/value head)."""
-    def rule(qs, ks, vs, mask):
-        v = vs[-1].double() if len(vs) == 1 else lambda_1 * vs[0].double() + lambda_2 * vs[-1].double()
-        return attention64(qs[-1], ks[-1], v, mask)
-    return rule
-
-
-def elliptical_prefix_rule(delta, from_layer=2):
-    """From layer ``from_layer`` (1-based) on, query ``i`` scaled per dimension by the mean over positions ``j <= i``
-    of ``|v^l_j - v^{l-1}_j| / delta``, divided by its max over the dimension (a loop over positions)."""
-    def rule(qs, ks, vs, mask):
-        q = qs[-1].double()
-        if len(qs) >= from_layer:
-            d = ((vs[-1].double() - vs[-2].double()) / delta).abs()
-            m = torch.empty_like(d)
-            for i in range(d.shape[2]):
-                mean = d[:, :, : i + 1].mean(2)
-                m[:, :, i] = mean / mean.amax(-1, keepdim=True)
-            q = q * m.repeat_interleave(q.shape[1] // d.shape[1], 1)
-        return attention64(q, ks[-1], vs[-1], mask)
-    return rule
-
-
 METHODS = {  # name: (parameters, rule)
     "twicing": ({"from_layer": 0}, twicing_rule),
     "elliptical": ({"mean": "prefix"}, elliptical_prefix_rule(5.0)),
-    "value_residual": (None, value_residual_rule()),
+    "value_residual": (None, value_residual_rule([(0.5, 0.5)] * 3)),
 }
 
 

@@ -8,15 +8,16 @@ first layer attends over its own values and records them (``v^1``); every later 
 unchanged (:func:`vr_rule`, on zoo_cases' float64 attention). ``(lambda_1, lambda_2) = (0, 1)`` is the stock model
 bit for bit; ``learnable=True`` gives every layer its own trainable lambdas (``pid_gains``).
 """
-from typing import Optional, Sequence, Tuple
+from typing import Optional
 
 import pytest
 import torch
 
 import pid_plugins
-from zoo_cases import fairseq_reference, fs_build, fs_dictionary, fs_incremental_logits, fs_method, fs_save_and_reload
 from pid_plugins.core.siblings.value_residual import ValueResidualConfig, ValueResidualLambdas
-from zoo_cases import (MM_TYPES, TIMM, assert_equal_or_both_none, attention64, import_timm, mm_args, mm_build,
+from zoo_cases import (fairseq_reference, fs_build, fs_dictionary, fs_incremental_logits, fs_method, fs_save_and_reload,
+                       value_residual_rule)
+from zoo_cases import (MM_TYPES, TIMM, assert_equal_or_both_none, import_timm, mm_args, mm_build,
                        mm_inputs, mm_out, mm_with_cp_runs, mmseg_reference, set_fused, timm_checkpointing_results,
                        timm_images, timm_load_pretrained, timm_reference)
 from zoo_cases import mm_pair as zoo_mm_pair
@@ -37,15 +38,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def vr_rule(lambdas: Sequence[Tuple[float, float]]):
-    """The zoo references' rule: layer ``l`` (1-based, ``len(qs)``) of a group attends over its own values when it is
-    the first, else over ``lambda_1 * v^1 + lambda_2 * v^l`` with ``lambdas[l - 1]`` (float64)."""
-    def rule(qs, ks, vs, mask):
-        if len(qs) == 1:
-            return attention64(qs[-1], ks[-1], vs[-1], mask)
-        l1, l2 = lambdas[len(qs) - 1]
-        return attention64(qs[-1], ks[-1], l1 * vs[0].double() + l2 * vs[-1].double(), mask)
-    return rule
+vr_rule = value_residual_rule  # the zoo references' rule, one (lambda_1, lambda_2) per layer
 
 
 def fixed_rule(cfg: Optional[dict]):
@@ -292,13 +285,6 @@ def test_config_presets_and_off_switch():
         METHOD.configure({"lambda_1": float("nan")})
 
 
-def resformer_rule(lambda_1=0.5, lambda_2=0.5):
-    def rule(qs, ks, vs, mask):
-        v = vs[-1].double() if len(vs) == 1 else lambda_1 * vs[0].double() + lambda_2 * vs[-1].double()
-        return attention64(qs[-1], ks[-1], v, mask)
-    return rule
-
-
 # ==== fairseq
 def test_fairseq_lm_rule_off_switch_incremental_decoding_and_reload(tmp_path):
     data = fs_dictionary(tmp_path)
@@ -308,7 +294,7 @@ def test_fairseq_lm_rule_off_switch_incremental_decoding_and_reload(tmp_path):
     toks = torch.randint(4, 44, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(toks)[0]
-        want = fairseq_reference(stock.double(), toks, resformer_rule())
+        want = fairseq_reference(stock.double(), toks, fixed_rule(None))
         torch.testing.assert_close(full.double(), want, rtol=1e-5, atol=1e-5)
         stock.float()
         # v^1 of past positions: the first layer's cached values

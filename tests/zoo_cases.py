@@ -61,6 +61,36 @@ def on_scores(statement: Callable[[int, Tensor, Tensor], Tensor]) -> Rule:
     return rule
 
 
+def value_residual_rule(lambdas: Sequence[Tuple[float, float]]) -> Rule:
+    """Value residual (ResFormer, the official ``modeling_llama_resformer.py``): layer ``l`` (1-based, ``len(qs)``)
+    attends over its own values when it is the group's first, else over ``lambda_1 * v^1 + lambda_2 * v^l`` with
+    ``lambdas[l - 1]``, per key/value head (float64)."""
+    def rule(qs, ks, vs, mask):
+        if len(qs) == 1:
+            return attention64(qs[-1], ks[-1], vs[-1], mask)
+        l1, l2 = lambdas[len(qs) - 1]
+        return attention64(qs[-1], ks[-1], l1 * vs[0].double() + l2 * vs[-1].double(), mask)
+    return rule
+
+
+def elliptical_prefix_rule(delta: float, from_layer: int = 2) -> Rule:
+    """Elliptical attention's causal form (``mean="prefix"``), written per position: from layer ``from_layer``
+    (1-based) on, query ``i`` is scaled per dimension by the mean over positions ``j <= i`` of
+    ``|v^l_j - v^{l-1}_j| / delta``, divided by its max over the dimension (key/value head ``j`` scaling the query
+    heads of its group), under the causal mask."""
+    def rule(qs, ks, vs, mask):
+        q = qs[-1].double()
+        if len(qs) >= from_layer:
+            d = ((vs[-1].double() - vs[-2].double()) / delta).abs()
+            m = torch.empty_like(d)
+            for i in range(d.shape[2]):
+                mean = d[:, :, : i + 1].mean(2)
+                m[:, :, i] = mean / mean.amax(-1, keepdim=True)
+            q = q * m.repeat_interleave(q.shape[1] // d.shape[1], 1)
+        return attention64(q, ks[-1], vs[-1], mask)
+    return rule
+
+
 def assert_equal_or_both_none(got: Sequence[Optional[Tensor]], want: Sequence[Optional[Tensor]]) -> None:
     """Element by element: both None, or equal bit for bit."""
     for a, b in zip(got, want):
