@@ -36,7 +36,7 @@ def test_register_refuses_bad_methods_and_silent_replacement():
         config_type = ScaledReferenceConfig
         state_fields = ()
 
-    with pytest.raises(ValueError, match="identifier other than 'softmax'"):
+    with pytest.raises(ValueError, match="'softmax' is taken by pid_plugins: the stock attention"):
         pid_plugins.register_method(Bad())
     with pytest.raises(TypeError, match="AttentionMethod instance"):
         pid_plugins.register_method(object())

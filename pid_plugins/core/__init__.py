@@ -6,7 +6,7 @@ from .control import PIDState, expand_heads, pid_update
 from .gains import PIDGains, layer_gains
 from .methods import (
     SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, MethodChoice, MethodConfig, PIDMethod, calls_attention_once, get_method, list_methods,
-    method_warmup, on_register, register_method, resolve_attention,
+    method_warmup, on_register, register_method, reserve_names, resolve_attention,
 )
 from .warmup import GainWarmup, make_warmup, pid_term, scaled_gains, warmup_scale
 
@@ -14,7 +14,7 @@ __all__ = [
     "PIDConfig", "PIDState", "pid_update", "expand_heads", "PIDGains", "layer_gains",
     "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale", "pid_term",
     "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
-    "on_register", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys",
+    "on_register", "reserve_names", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys",
 ]
 
 from . import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing and Elliptical beside PID)

@@ -43,7 +43,7 @@ from .warmup import GainWarmup, make_warmup, scaled_gains
 
 __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
-    "resolve_attention", "on_register", "calls_attention_once", "method_warmup", "SOFTMAX", "ZOOS",
+    "resolve_attention", "on_register", "reserve_names", "calls_attention_once", "method_warmup", "SOFTMAX", "ZOOS",
 ]
 
 #: the attention choice that means "the zoo's stock attention, no method"
@@ -232,22 +232,55 @@ class PIDMethod(AttentionMethod):
 _METHODS: Dict[str, AttentionMethod] = {}
 _LISTENERS: List[Callable[[AttentionMethod], None]] = []
 _LOCK = threading.RLock()
+#: per zoo, a function returning the names that zoo holds for something that is not ours, each with what it is
+_RESERVED: Dict[str, Callable[[], Mapping[str, str]]] = {
+    "pid_plugins": lambda: {SOFTMAX: "the stock attention of every zoo (attention='softmax')"},
+}
+
+
+def reserve_names(zoo: str, reserved: Callable[[], Mapping[str, str]]) -> None:
+    """Declare the names ``zoo`` holds for something that is not ours: ``reserved()`` maps each to what it is there,
+    and is read at every later registration (names the zoo adds later count too). :func:`register_method` refuses
+    them from now on. An adapter calls this on import, before it exposes any method: a method registered earlier
+    under one of these names is refused here, so the adapter's import fails with the same message instead of
+    rewiring the zoo."""
+    with _LOCK:
+        names = reserved()
+        clash = sorted(name for name in _METHODS if name in names)
+        if clash:
+            raise ValueError(_reserved_message(clash[0], zoo, names[clash[0]]))
+        _RESERVED[zoo] = reserved
+
+
+def _check_unreserved(name: str) -> None:
+    for zoo, reserved in _RESERVED.items():
+        what = reserved().get(name)
+        if what is not None:
+            raise ValueError(_reserved_message(name, zoo, what))
+
+
+def _reserved_message(name: str, zoo: str, what: str) -> str:
+    return f"attention method name {name!r} is taken by {zoo}: {what}. Give the method another name (e.g. 'my_{name}')"
 
 
 def register_method(method: AttentionMethod, *, replace: bool = False) -> AttentionMethod:
-    """Register ``method`` under ``method.name`` (an identifier, not ``"softmax"``). Adapters that have been imported
-    learn of it at once (transformers: ``attn_implementation="<name>"`` works from now on). Returns ``method``."""
+    """Register ``method`` under ``method.name``, an identifier that no zoo holds for something that is not ours
+    (``"softmax"``; transformers' ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ...: see :func:`reserve_names`).
+    Adapters that have been imported learn of it at once (transformers: ``attn_implementation="<name>"`` works from
+    now on). ``replace=True`` replaces a method registered here under that name, never a zoo's own. Returns
+    ``method``."""
     if not isinstance(method, AttentionMethod):
         raise TypeError(f"register_method takes an AttentionMethod instance, got {type(method).__name__}")
     name = getattr(method, "name", None)
-    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name == SOFTMAX:
-        raise ValueError(f"attention method name must be a Python identifier other than {SOFTMAX!r}, got {name!r}")
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"attention method name must be a Python identifier, got {name!r}")
     for attr in ("config_type", "state_fields"):
         if not hasattr(method, attr):
             raise TypeError(f"attention method {name!r} sets no {attr}")
     if not callable(getattr(method.config_type, "coerce", None)):
         raise TypeError(f"attention method {name!r}: config_type {method.config_type!r} has no coerce(value, default)")
     with _LOCK:
+        _check_unreserved(name)
         if name in _METHODS and _METHODS[name] is not method and not replace:
             raise ValueError(f"attention method {name!r} is already registered; pass replace=True to replace it")
         _METHODS[name] = method

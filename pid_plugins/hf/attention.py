@@ -48,7 +48,7 @@ from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mas
 
 from ..core import (
     AttentionContext, AttentionMethod, CacheSlot, GainWarmup, PIDConfig, PIDMethod, PIDState, calls_attention_once, expand_heads,
-    get_method, make_warmup, on_register,
+    get_method, make_warmup, on_register, reserve_names,
 )
 from . import gains as learned_gains
 
@@ -924,5 +924,24 @@ def _register(method: AttentionMethod) -> None:
     _METHODS[method.name] = method
 
 
+def _transformers_names() -> Dict[str, str]:
+    """The names transformers holds, for :func:`~pid_plugins.core.reserve_names`: its attention and mask
+    implementations (read live: kernels registered later count), ``"eager"`` (built in), and the attributes of
+    ``PretrainedConfig`` and ours (a method's parameters are saved as ``config.<name>``)."""
+    from transformers import PretrainedConfig
+
+    names = {name: f"PretrainedConfig.{name}, which a method's parameters (saved as config.<method name>) would overwrite"
+             for name in {*dir(PretrainedConfig), *vars(PretrainedConfig())} if not name.startswith("_")}
+    names.update({name: f"pid_plugins' configuration attribute config.{name}" for name in (BASE_ATTR, WARMUP_ATTR)})
+    replaced = "which a method of that name would replace for every model that uses it, also models without a method"
+    names["eager"] = f'its built-in attn_implementation="eager", {replaced}'
+    for interface, ours in ((AttentionMaskInterface, pid_mask), (AttentionInterface, pid_attention_forward)):
+        for name, function in interface._global_mapping.items():
+            if function is not ours:
+                names[name] = f'its attn_implementation="{name}" ({interface.__name__}), {replaced}'
+    return names
+
+
 learned_gains.install()
+reserve_names("transformers", _transformers_names)
 on_register(_register)

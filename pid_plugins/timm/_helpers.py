@@ -18,10 +18,21 @@ from timm.models._manipulate import checkpoint
 from ..catalogue import ModelEntry, load_catalogue
 from ..core import (
     SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, MethodChoice, calls_attention_once, check_keys, list_methods,
-    resolve_attention,
+    reserve_names, resolve_attention,
 )
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def _timm_names() -> Dict[str, str]:
+    """timm's own names of ViT attention layers (``attn_layer='diff'``, ...), which ``attention=`` must not shadow."""
+    from timm.models import vision_transformer
+
+    return {name: f"its attn_layer={name!r} (timm.models.vision_transformer.ATTN_LAYERS)"
+            for name in getattr(vision_transformer, "ATTN_LAYERS", {}) if name}
+
+
+reserve_names("timm", _timm_names)
 
 
 def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid: Any = None,
