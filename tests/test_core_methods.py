@@ -82,8 +82,8 @@ def test_resolve_attention_is_the_one_policy():
     assert resolve_attention("pid", {"lambda_p": 0.1}, zoo="timm").config == PIDConfig.preset("deit", lambda_p=0.1)
     assert resolve_attention(None, zoo="timm", pid="lm").config == PIDConfig.preset("lm")
     assert resolve_attention(NAME, "strong", zoo="timm").config == ScaledReferenceConfig(gamma=2.0)
-    with pytest.raises(ValueError, match="attention='softmax'"):
-        resolve_attention("softmax", {"lambda_p": 1.0}, zoo="timm")
+    with pytest.raises(ValueError, match="not both"):  # a contradiction, flipped or not
+        resolve_attention("softmax", {"lambda_p": 1.0}, zoo="timm", pid={"lambda_p": 1.0})
     with pytest.raises(ValueError, match="not both"):
         resolve_attention("pid", {"lambda_p": 1.0}, zoo="timm", pid={"lambda_p": 1.0})
     with pytest.raises(ValueError, match="pid=... sets PID's gains but attention='scaled_reference'"):
@@ -94,6 +94,22 @@ def test_resolve_attention_is_the_one_policy():
         resolve_attention(NAME, {"gamma": "x"}, zoo="timm")
     with pytest.raises(ValueError, match="unknown ScaledReferenceConfig preset"):
         resolve_attention(NAME, "nope", zoo="timm")
+
+
+def test_softmax_ignores_the_recipes_method_parameters_in_one_warning(caplog):
+    """The A/B flip: attention='softmax' with the parameters still in the recipe is the stock attention."""
+    for params, pid, named in (({"lambda_p": 1.0, "warmup_steps": 9}, None, "attention_cfg={'lambda_p', 'warmup_steps'}"),
+                               (None, "deit", "pid='deit' (a preset)"), (None, PIDConfig(), "pid=PIDConfig(...)")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pid_plugins"):
+            assert resolve_attention("softmax", params, zoo="timm", pid=pid, where="my model") is None
+        assert [r.getMessage() for r in caplog.records] == [
+            f"my model: attention='softmax', the stock attention: the method parameters also given ({named}) are "
+            "not used"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pid_plugins"):
+        assert resolve_attention("softmax", zoo="timm") is None
+    assert not caplog.records
 
 
 def test_pid_method_is_pid_update_bit_for_bit():

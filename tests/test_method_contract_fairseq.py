@@ -147,8 +147,6 @@ def test_refusals(data_dir):
         build(data_dir, extra=["--attention-method", "scaled_reference", "--attention-cfg", "gamma=0.3"])
     with pytest.raises(ValueError, match="PID's parameters are given twice, as --attention-cfg and as --pid-lambda-p"):
         build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0.2}', "--pid-lambda-p", "0.3"])
-    with pytest.raises(ValueError, match="attention parameters are set but attention='softmax'"):
-        build(data_dir, extra=["--attention-method", "softmax", "--attention-cfg", '{"gamma": 0.3}'])
 
 
 def test_pid_through_the_new_options(data_dir):

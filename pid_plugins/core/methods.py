@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import keyword
+import logging
 import threading
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
@@ -45,6 +46,8 @@ __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "resolve_attention", "on_register", "reserve_names", "calls_attention_once", "method_warmup", "SOFTMAX", "ZOOS",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: the attention choice that means "the zoo's stock attention, no method"
 SOFTMAX = "softmax"
@@ -332,35 +335,39 @@ def resolve_attention(
     default: Any = None,
     learnable: bool = True,
     where: str = "this model",
+    options: Optional[Mapping[str, Any]] = None,
 ) -> Optional[MethodChoice]:
     """The one policy every adapter applies to what a user asks for: ``None`` for ``"softmax"`` (the stock
     attention), else the registered method and its parameters.
 
     Args:
-        attention: ``"softmax"`` or a registered method's name.
+        attention: ``"softmax"`` or a registered method's name. ``"softmax"`` is the stock attention whatever
+            parameters the recipe also carries (the A/B flip of one flag): they are not used, named in one warning.
         params: the method's parameters (instance, dict of overrides, preset name, None: the zoo's default preset).
         zoo: which adapter asks (``"timm"``, ``"hf"``, ``"mmseg"``, ``"fairseq"``): picks the default preset.
         pid: PID's gains under their historical keyword ``pid=`` (PID only; the same as ``params``).
         default: the preset (or config) to start from instead of the zoo's default (e.g. a catalogue entry's).
         learnable: whether this adapter supports learnable parameters (refused with a message otherwise).
         where: names the model or layer in messages.
+        options: parameters the adapter took as separate options and applies itself (mmseg's ``lambda_p=``,
+            fairseq's ``--pid-lambda-p``), by the name the user wrote: only named in the warning for softmax.
     """
+    if pid is not None and params is not None:
+        raise ValueError(f"{where}: give the parameters once, as pid= or as attention_cfg=, not both")
+    if attention == SOFTMAX:  # the A/B flip: the recipe keeps the method's parameters, the stock attention ignores them
+        given = [_describe_params(keyword, value) for keyword, value in (("pid", pid), ("attention_cfg", params))
+                 if value is not None] + [f"{name}={value!r}" for name, value in (options or {}).items()]
+        if given:
+            logger.warning("%s: attention='softmax', the stock attention: the method parameters also given (%s) are "
+                           "not used", where, ", ".join(given))
+        return None
     if pid is not None:
-        if params is not None:
-            raise ValueError(f"{where}: give the parameters once, as pid= or as attention_cfg=, not both")
         if attention not in ("pid", None):
             raise ValueError(
-                f"{where}: pid=... sets PID's gains but attention={attention!r}: set attention='pid' to use it"
-                + ("" if attention == SOFTMAX else f", or pass {attention!r}'s parameters as attention_cfg")
+                f"{where}: pid=... sets PID's gains but attention={attention!r}: set attention='pid' to use it, "
+                f"or pass {attention!r}'s parameters as attention_cfg"
             )
         params = pid
-    if attention == SOFTMAX:
-        if params is not None:
-            raise ValueError(
-                f"{where}: attention parameters are set but attention='softmax' (the stock attention takes none): "
-                "set attention to a method's name, e.g. attention='pid'"
-            )
-        return None
     if attention is None:
         attention = "pid"
     method = get_method(attention)
@@ -370,6 +377,15 @@ def resolve_attention(
             f"{where}: learnable gains are not supported here ({method.name}, learnable=True); use fixed ones"
         )
     return MethodChoice(method, config)
+
+
+def _describe_params(keyword: str, params: Any) -> str:
+    """``params`` for a log line: the keys of a dict, a preset's name, a config's fields that differ from defaults."""
+    if isinstance(params, Mapping):
+        return f"{keyword}={{{', '.join(map(repr, params))}}}" if params else f"{keyword}={{}}"
+    if isinstance(params, str):
+        return f"{keyword}={params!r} (a preset)"
+    return f"{keyword}={type(params).__name__}(...)"
 
 
 def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = None,

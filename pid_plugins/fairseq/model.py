@@ -99,10 +99,10 @@ def attention_from_args(args: Any) -> Optional[MethodChoice]:
     given = {key: safe_getattr(args, f"pid_{key}", None) for key in PID_OPTIONS}
     given = {key: value for key, value in given.items() if value is not None}
     pid: Optional[Dict[str, Any]] = None
+    if name in ("pid", "softmax") and given and params is not None:  # never meant, flipped to softmax or not
+        raise ValueError(f"PID's parameters are given twice, as --attention-cfg and as --pid-"
+                         f"{sorted(given)[0].replace('_', '-')}: use one of them")
     if name == "pid" and given:
-        if params is not None:
-            raise ValueError(f"PID's parameters are given twice, as --attention-cfg and as --pid-"
-                             f"{sorted(given)[0].replace('_', '-')}: use one of them")
         pid = dict(given)
         if "control_first_layer" in pid:
             pid["control_first_layer"] = _as_bool(pid["control_first_layer"], "--pid-control-first-layer")
@@ -110,7 +110,8 @@ def attention_from_args(args: Any) -> Optional[MethodChoice]:
         options_given = ", ".join(f"--pid-{key.replace('_', '-')}" for key in sorted(given))
         raise ValueError(f"{options_given} set PID's parameters but --attention-method is {name}: drop them, or "
                          f"pass {name}'s parameters as --attention-cfg JSON")
-    return resolve_attention(name, params, zoo="fairseq", pid=pid, where="transformer_lm_pid")
+    options = {f"--pid-{key.replace('_', '-')}": value for key, value in given.items()} if name == "softmax" else None
+    return resolve_attention(name, params, zoo="fairseq", pid=pid, where="transformer_lm_pid", options=options)
 
 
 def _parse_attention_cfg(text: Any) -> Any:

@@ -32,7 +32,8 @@ __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mm
            "method_layers"]
 
 
-def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str) -> Optional[MethodChoice]:
+def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
+                     options: Optional[Dict[str, Any]] = None) -> Optional[MethodChoice]:
     """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg (no learnable parameters): None for softmax,
     else the method and its parameters over its ``mmseg`` preset."""
     if attention != SOFTMAX:
@@ -41,7 +42,8 @@ def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str) -
         except ValueError as exc:
             raise ValueError(f"{where}: attention must be 'pid' or 'softmax' or another registered method: {exc}") \
                 from None
-    return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, learnable=False, where=where)
+    return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, learnable=False, where=where,
+                             options=options)
 
 
 def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
@@ -179,10 +181,10 @@ class PIDVisionTransformer(VisionTransformer):
                  beta: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         where = "mmseg backbone PIDVisionTransformer"
-        choice = choose_attention(attention, attention_cfg, pid, where)
         single = {k: v for k, v in dict(lambda_p=lambda_p, lambda_i=lambda_i, lambda_d=lambda_d, beta=beta).items()
                   if v is not None}
-        if single:
+        choice = choose_attention(attention, attention_cfg, pid, where, options=single)
+        if single and attention != SOFTMAX:
             if choice is None or not isinstance(choice.config, PIDConfig):
                 raise ValueError(
                     f"{where}: {sorted(single)} are PID's gains but attention={attention!r}: set attention='pid', "

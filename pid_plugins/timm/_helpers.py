@@ -36,7 +36,7 @@ reserve_names("timm", _timm_names)
 
 
 def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid: Any = None,
-                default: Any = None) -> Optional[MethodChoice]:
+                default: Any = None, where: str = "this model") -> Optional[MethodChoice]:
     """The attention a timm model is built with: ``None`` for the stock softmax attention, else the method and
     its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy). ``default``: the
     catalogue entry's preset for PID (other methods start from their own default preset)."""
@@ -46,7 +46,7 @@ def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid
             "(pid_plugins.register_method adds a method)"
         )
     return resolve_attention(attention, attention_cfg, zoo="timm", pid=pid,
-                             default=default if attention in ("pid", None) else None)
+                             default=default if attention in ("pid", None) else None, where=where)
 
 
 # ------------------------------------------------------------------------------------------ attention layers
@@ -248,11 +248,12 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
     return out
 
 
-def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, Any]) -> Optional[MethodChoice]:
-    """Pop ``attention`` / ``attention_cfg`` / ``pid`` from a catalogue entrypoint's ``kwargs`` and resolve them
-    (PID starts from the entry's preset)."""
+def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, Any],
+                 name: str) -> Optional[MethodChoice]:
+    """Pop ``attention`` / ``attention_cfg`` / ``pid`` from the ``kwargs`` of the entrypoint ``name`` and resolve
+    them (PID starts from the entry's preset)."""
     return resolve_pid(kwargs.pop("attention", default_attention), kwargs.pop("attention_cfg", None),
-                       kwargs.pop("pid", None), default=entry.pid_config())
+                       kwargs.pop("pid", None), default=entry.pid_config(), where=f"timm model {name!r}")
 
 
 def register_entries(

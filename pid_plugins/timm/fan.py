@@ -228,7 +228,7 @@ class FAN(nn.Module):
             raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
         act_layer = get_act_layer(act_layer) or nn.GELU
-        choice = resolve_pid(attention, attention_cfg, pid)
+        choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
         #: the method's config and the method (None: softmax)
         self.pid = choice.config if choice is not None else None
         self.attention_method = choice.method if choice is not None else None
@@ -310,7 +310,7 @@ class FAN(nn.Module):
     def set_attention(self, attention: str = "pid", attention_cfg: Any = None, pid: Any = None) -> None:
         """Switch every FAN block's token mixing to ``attention`` (a method's name with its parameters, or
         ``"softmax"``), in place; learnable parameters are (re)initialised."""
-        choice = resolve_pid(attention, attention_cfg, pid)
+        choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
         for blk in self.blocks:
             blk.attn.set_attention(choice, blk.attn.q.weight)
         self.pid = choice.config if choice is not None else None
@@ -403,7 +403,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: FAN) -> Dict[str, Te
 
 
 def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any) -> FAN:
-    choice = entry_choice(entry, default_attention, kwargs)
+    choice = entry_choice(entry, default_attention, kwargs, name)
     if pretrained:
         check_pretrained_source(name, entry.base, kwargs)
     out_indices = kwargs.pop("out_indices", 3)

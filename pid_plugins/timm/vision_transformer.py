@@ -118,7 +118,7 @@ class _PIDViTMixin:
 
     def __init__(self, *args: Any, pid: Any = None, attention: str = "pid", attention_cfg: Any = None,
                  **kwargs: Any) -> None:
-        choice = resolve_pid(attention, attention_cfg, pid)
+        choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
         block_fn = kwargs.pop("block_fn", None)
         if block_fn not in (None, Block, PIDBlock):
             raise ValueError(
@@ -253,7 +253,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer
 def _create(
     entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any
 ) -> VisionTransformer:
-    choice = entry_choice(entry, default_attention, kwargs)
+    choice = entry_choice(entry, default_attention, kwargs, name)
     if pretrained:
         check_pretrained_source(name, entry.base, kwargs)
     out_indices = kwargs.pop("out_indices", 3)
