@@ -232,3 +232,18 @@ def test_fairseq_contradictions_stay_refused(fairseq_dict):
     with pytest.raises(ValueError, match="PID's parameters are given twice, as --attention-cfg and as --pid-lambda-p"):
         fairseq_build(fairseq_dict, "transformer_lm_pid",
                       ["--attention-method", "softmax", "--attention-cfg", '{"lambda_p": 0.2}', "--pid-lambda-p", "0.3"])
+
+
+# =============================================================================================== transformers
+def test_transformers_method_config_is_inert_under_sdpa():
+    """``config.pid`` (any method's parameters) left in a config flipped to ``attn_implementation="sdpa"``."""
+    from zoo_cases import hf_ids, import_transformers, llama_config
+
+    T = import_transformers()
+    torch.manual_seed(0)
+    flipped = T.LlamaForCausalLM(llama_config("sdpa", pid={"lambda_p": 0.3}, neutreno={"lambda_": 0.6})).eval()
+    stock = T.LlamaForCausalLM(llama_config("sdpa")).eval()
+    stock.load_state_dict(flipped.state_dict(), strict=True)
+    x = hf_ids(2, 8)
+    with torch.no_grad():
+        assert torch.equal(flipped(x).logits, stock(x).logits)
