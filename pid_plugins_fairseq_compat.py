@@ -1,17 +1,28 @@
-"""Lets fairseq 0.12.2 and hydra-core 1.0.7 import on Python 3.11+ (loaded at start-up by a .pth file).
+"""Lets fairseq 0.12.2 and hydra-core 1.0.7 import on Python 3.11+.
 
 Python 3.11 refuses a dataclass field whose default is an unhashable object ("mutable default ... use
 default_factory"); fairseq's and hydra's config dataclasses use instances of other (eq=True, so unhashable)
 dataclasses as defaults (fairseq issue #5012, fixed after its last release). This gives exactly those
 default objects' classes an identity ``__hash__`` while their owner class is being processed, so the
 defaults stay shared as on Python 3.10. Only classes defined in ``fairseq``, ``fairseq_cli``, ``hydra``
-and ``pid_plugins.fairseq`` are touched; on Python < 3.11 nothing is installed. Kept free of imports
-beyond the standard library: every interpreter start in the environment runs it.
+and ``pid_plugins.fairseq`` are touched; on Python < 3.11 nothing is installed.
+
+``import pid_plugins.fairseq`` installs it in its own process. fairseq's own commands (``fairseq-train``, ...) and
+pytest's hydra plugin import fairseq or hydra before any plugin code, so those need it from interpreter start:
+that is an opt-in, for the environment that has the fairseq extra, by one command::
+
+    python -m pid_plugins_fairseq_compat install     # writes pid_plugins_fairseq_compat.pth into site-packages
+    python -m pid_plugins_fairseq_compat uninstall   # removes it; `status` says whether it is there and active
+
+Nothing is written by installing the package: an environment without that command starts its interpreters with
+the standard library untouched. Kept free of imports beyond the standard library (the .pth imports it at start).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import sysconfig
 
 SCOPE = ("fairseq.", "fairseq_cli.", "hydra.", "pid_plugins.fairseq")
 
@@ -44,4 +55,39 @@ def install() -> bool:
     return True
 
 
-install()
+def pth_path() -> str:
+    """Where the start-up hook goes: this interpreter's site-packages (purelib)."""
+    return os.path.join(sysconfig.get_paths()["purelib"], PTH)
+
+
+PTH = "pid_plugins_fairseq_compat.pth"
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    """``python -m pid_plugins_fairseq_compat install|uninstall|status``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] not in ("install", "uninstall", "status"):
+        print("usage: python -m pid_plugins_fairseq_compat install|uninstall|status\n"
+              "install: start the fairseq/hydra Python 3.11 hook in every interpreter of this environment "
+              f"(writes {pth_path()})", file=sys.stderr)
+        return 2
+    path = pth_path()
+    if args[0] == "install":
+        with open(path, "w") as f:
+            f.write("import pid_plugins_fairseq_compat; pid_plugins_fairseq_compat.install()\n")
+        print(f"installed {path}: fairseq and hydra import on Python 3.11 from interpreter start")
+    elif args[0] == "uninstall":
+        if os.path.exists(path):
+            os.remove(path)
+            print(f"removed {path}")
+        else:
+            print(f"not installed ({path} does not exist)")
+    else:
+        active = getattr(dataclasses._get_field, "_pid_plugins_compat", False)
+        print(f"{'installed' if os.path.exists(path) else 'not installed'}: {path}; active in this interpreter: "
+              f"{active}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -91,8 +91,9 @@ def test_timm_adapter_without_timm_says_what_to_install():
     assert "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'" in proc.stderr
 
 
-def test_fairseq_compat_is_started_by_a_pth_file_in_site_packages():
-    """fairseq-train (and pytest's hydra plugin) import fairseq before any plugin code: the hook must be live."""
+def test_fairseq_compat_is_started_by_the_opt_in_pth_file_in_site_packages():
+    """fairseq-train (and pytest's hydra plugin) import fairseq before any plugin code: in this environment (the
+    fairseq extra, where make runs ``python -m pid_plugins_fairseq_compat install``) the hook is live at start."""
     proc = run("import sys, dataclasses; print('pid_plugins_fairseq_compat' in sys.modules, "
                "getattr(dataclasses._get_field, '_pid_plugins_compat', False))")
     assert proc.returncode == 0, proc.stderr

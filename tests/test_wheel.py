@@ -3,8 +3,9 @@
 The wheel goes into a fresh virtual environment whose only other entry on ``sys.path`` is the pinned stack's
 site-packages, added as a plain path (so that folder's own ``.pth`` files, among them the editable install of
 this repository, are not run). Everything runs from a folder outside the repository, and the test checks that
-``pid_plugins`` comes from the wheel. The wheel's ``pid_plugins_fairseq_compat.pth`` is run at interpreter start
-by the fresh environment, as it would be after ``pip install pid-plugins[fairseq]``.
+``pid_plugins`` comes from the wheel. The wheel writes nothing that runs at interpreter start: the fairseq Python
+3.11 hook is started in every interpreter only after the opt-in ``python -m pid_plugins_fairseq_compat install``,
+which the fairseq test runs as a user would.
 """
 import os
 import shutil
@@ -35,7 +36,8 @@ def installed(tmp_path_factory):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = {p.relative_to(REPO).as_posix() for p in (REPO / "pid_plugins").rglob("*.py")}
     assert sources <= names, f"source files missing from the wheel: {sorted(sources - names)}"
-    assert {"pid_plugins_fairseq_compat.pth", "pid_plugins_fairseq_compat.py"} <= names
+    assert "pid_plugins_fairseq_compat.py" in names
+    assert not [n for n in names if n.endswith(".pth")], "the wheel must not start code in every interpreter"
     env_dir = root / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
@@ -60,6 +62,20 @@ def run(installed, *args, **kw):
     return proc.stdout
 
 
+def test_the_installed_wheel_leaves_the_standard_library_alone(installed):
+    """``pip install pid-plugins[hf]``: no .pth of ours, and every interpreter's ``dataclasses._get_field`` is the
+    standard library's, also after ``import pid_plugins`` and its transformers adapter."""
+    _, purelib, _, _ = installed
+    assert not list(purelib.glob("pid_plugins*.pth"))
+    out = run(installed, "-c", (
+        "import dataclasses, inspect, sys\n"
+        "print(dataclasses._get_field.__module__, 'pid_plugins_fairseq_compat' in sys.modules)\n"
+        "import pid_plugins, pid_plugins.hf\n"
+        "print(dataclasses._get_field.__module__, 'pid_plugins_fairseq_compat' in sys.modules)\n"
+    ))
+    assert out.split() == ["dataclasses", "False", "dataclasses", "False"]
+
+
 def test_every_adapter_imports_from_the_wheel(installed):
     _, purelib, _, _ = installed
     out = run(installed, "-c", (
@@ -77,7 +93,7 @@ def test_every_adapter_imports_from_the_wheel(installed):
     files = out.split()
     assert files[0] == str(purelib / "pid_plugins" / "__init__.py")
     assert files[1] == str(purelib / "pid_plugins_fairseq_compat.py")
-    assert files[2] == "True"  # the .pth file ran at start-up
+    assert files[2] == "True"  # import pid_plugins.fairseq installed the hook in its own process
 
 
 def test_cli_and_registry_files_from_the_wheel(installed):
@@ -99,7 +115,11 @@ def test_cli_and_registry_files_from_the_wheel(installed):
 
 
 def test_fairseq_user_dir_from_the_wheel_trains(installed):
+    """fairseq's own CLI imports fairseq before --user-dir: it runs after the documented opt-in command."""
     python, purelib, work, _ = installed
+    out = run(installed, "-m", "pid_plugins_fairseq_compat", "install")
+    assert str(purelib / "pid_plugins_fairseq_compat.pth") in out
+    assert "active in this interpreter: True" in run(installed, "-m", "pid_plugins_fairseq_compat", "status")
     user_dir = run(installed, "-m", "pid_plugins.fairseq").strip()
     assert user_dir == str(purelib / "pid_plugins" / "fairseq" / "user_dir" / "pid_fairseq")
     words = [f"w{i}" for i in range(20)]
@@ -119,3 +139,6 @@ def test_fairseq_user_dir_from_the_wheel_trains(installed):
     assert proc.returncode == 0, log[-3000:]
     assert "model: PIDTransformerLanguageModel" in log
     assert "num_updates 4" in log
+    run(installed, "-m", "pid_plugins_fairseq_compat", "uninstall")  # the opt-in is undone by one command
+    assert not (purelib / "pid_plugins_fairseq_compat.pth").exists()
+    assert run(installed, "-c", "import dataclasses; print(dataclasses._get_field.__module__)").strip() == "dataclasses"
