@@ -8,8 +8,8 @@ import pytest
 import torch
 
 pytest.importorskip("mmseg")
-import pid_plugins.mmseg  # noqa: E402,F401  (installs the weights-only loaders)
-from pid_plugins.mmseg.checkpoint import UnsafeCheckpointError  # noqa: E402
+import pid_plugins.mmseg  # noqa: E402,F401
+from pid_plugins.mmseg.checkpoint import UnsafeCheckpointError, WeightsOnlyCheckpointHook, weights_only_schemes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
@@ -94,7 +94,7 @@ def test_mmengine_loaders_refuse_pickled_code(evil, env, entry, monkeypatch):
         "load_checkpoint": lambda: mm.load_checkpoint(torch.nn.Linear(1, 1), str(path), map_location="cpu"),
         "CheckpointLoader": lambda: mm.CheckpointLoader.load_checkpoint(str(path), map_location="cpu"),
     }
-    with pytest.raises(UnsafeCheckpointError, match="Payload|exec"):
+    with weights_only_schemes(), pytest.raises(UnsafeCheckpointError, match="Payload|exec"):
         calls[entry]()
     assert not marker.exists()
 
@@ -119,14 +119,58 @@ def test_http_checkpoints_are_weights_only_too(evil, env, tmp_path, monkeypatch)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
-        good = mm._load_checkpoint(f"{base}/good.pth", map_location="cpu")
-        assert torch.equal(good["state_dict"]["w"], torch.arange(3.0))
-        with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint 'http"):
-            mm._load_checkpoint(f"{base}/evil.pth", map_location="cpu")
+        with weights_only_schemes():
+            base = f"http://127.0.0.1:{server.server_address[1]}"
+            good = mm._load_checkpoint(f"{base}/good.pth", map_location="cpu")
+            assert torch.equal(good["state_dict"]["w"], torch.arange(3.0))
+            with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint 'http"):
+                mm._load_checkpoint(f"{base}/evil.pth", map_location="cpu")
     finally:
         server.shutdown()
     assert not marker.exists()
+
+
+def test_import_leaves_mmengine_and_torch_as_they_were():
+    """``import pid_plugins.mmseg`` changes neither mmengine's CheckpointLoader table nor torch's safe globals."""
+    script = (
+        "import torch\n"
+        "from mmengine.runner.checkpoint import CheckpointLoader\n"
+        "before = dict(CheckpointLoader._schemes), list(torch.serialization.get_safe_globals())\n"
+        "import pid_plugins.mmseg\n"
+        "after = dict(CheckpointLoader._schemes), list(torch.serialization.get_safe_globals())\n"
+        "print(before == after, sorted({f.__module__ for f in after[0].values()}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[-2] == "True ['mmengine.runner.checkpoint']"
+
+
+def test_the_hook_scopes_weights_only_loading_to_the_run(evil, monkeypatch):
+    """Between the runner's before_run and after_run every scheme is ours; after it, mmengine's table exactly."""
+    from mmengine.runner.checkpoint import CheckpointLoader, _load_checkpoint
+
+    path, marker = evil
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    stock = dict(CheckpointLoader._schemes)
+    assert {f.__module__ for f in stock.values()} == {"mmengine.runner.checkpoint"}
+    hook = WeightsOnlyCheckpointHook()
+    hook.before_run(runner=None)
+    try:
+        assert {f.__module__ for f in CheckpointLoader._schemes.values()} == {"pid_plugins.mmseg.checkpoint"}
+        with pytest.raises(UnsafeCheckpointError):
+            _load_checkpoint(str(path), map_location="cpu")
+    finally:
+        hook.after_run(runner=None)
+    assert CheckpointLoader._schemes == stock and not marker.exists()
+    # the allow-list is scoped too: a plain weights-only load elsewhere in the process does not see it
+    from mmengine.logging import HistoryBuffer
+
+    buffer = HistoryBuffer()
+    buffer.update(0.5)
+    torch.save({"hub": buffer}, path.parent / "hub.pth")
+    with pytest.raises(Exception, match="HistoryBuffer"):
+        torch.load(path.parent / "hub.pth", weights_only=True)
+    assert isinstance(pid_plugins.mmseg.checkpoint.load_checkpoint(str(path.parent / "hub.pth"))["hub"], HistoryBuffer)
 
 
 def test_allow_listed_getattr_cannot_reach_exec(tmp_path, monkeypatch):

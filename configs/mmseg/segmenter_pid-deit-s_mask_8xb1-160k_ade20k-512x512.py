@@ -2,6 +2,8 @@
 # (timm DeiT checkpoint: patch-embedding bias, ImageNet mean/std).
 _base_ = 'mmseg::segmenter/segmenter_vit-s_mask_8xb1-160k_ade20k-512x512.py'
 custom_imports = dict(imports=['pid_plugins.mmseg'], allow_failed_imports=False)
+# load_from / resume / tools/test.py load weights only, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
+custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]
 model = dict(
     pretrained=None,
     data_preprocessor=dict(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375]),

@@ -2,6 +2,8 @@
 # mmseg's own config, with the backbone switched to PID (paper preset `segmenter`: 0.5, 0.3, 0.05, 1.0).
 _base_ = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
 custom_imports = dict(imports=['pid_plugins.mmseg'], allow_failed_imports=False)
+# load_from / resume / tools/test.py load weights only, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
+custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]
 
 model = dict(
     # The paper initialises the backbone from an ImageNet (PID) DeiT, i.e. a timm DeiT checkpoint: it has a

@@ -11,12 +11,13 @@ Import-time changes to third-party modules (all made when this package is import
 
 * ``mmcv._ext``: a stand-in module, only when the compiled mmcv ops are absent (mmcv-lite), so ``mmseg.models``
   imports; its ops raise a clear error when called (:mod:`pid_plugins.mmseg.compat`).
-* mmengine's ``CheckpointLoader``: every scheme's loader replaced by a weights-only one, and mmengine's checkpoint
-  classes allow-listed with ``torch.serialization.add_safe_globals``, so ``init_cfg``, ``load_from``, ``resume``
-  and mmseg's tools never unpickle code, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says
-  (:mod:`pid_plugins.mmseg.checkpoint`).
 * mmseg's ``MODELS`` registry: ``PIDVisionTransformer`` and ``PIDSegmenterMaskTransformerHead`` added (new names;
-  mmseg's own classes are untouched).
+  mmseg's own classes are untouched); ``HOOKS``: ``WeightsOnlyCheckpointHook``.
+
+mmengine's ``CheckpointLoader`` is left as mmengine made it. The plugin's own paths load weights only, whatever
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says: the backbone's ``init_cfg``, and ``load_from`` / ``resume`` / mmseg's
+tools in runs whose config lists ``WeightsOnlyCheckpointHook`` in ``custom_hooks`` (the shipped configs do:
+:mod:`pid_plugins.mmseg.checkpoint`).
 """
 from .compat import install_mmcv_ext_standin
 
@@ -34,8 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the mm s
 from . import checkpoint
 from .head import PIDSegmenterMaskTransformerHead
 from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_mmseg
-
-checkpoint.install()
+from .checkpoint import WeightsOnlyCheckpointHook
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "PIDSegmenterMaskTransformerHead",
-           "timm_vit_to_mmseg", "install_mmcv_ext_standin"]
+           "WeightsOnlyCheckpointHook", "timm_vit_to_mmseg", "install_mmcv_ext_standin"]

@@ -4,12 +4,23 @@ mmengine's ``CheckpointLoader`` (behind ``init_cfg=dict(type='Pretrained')``, ``
 mmseg's ``tools/train.py`` / ``tools/test.py``) calls ``torch.load`` without ``weights_only``, so
 ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns it into a plain unpickler that executes any ``__reduce__``.
 An explicit ``weights_only=True`` is never overridden by that variable (torch 2.14), so
-:func:`load_checkpoint` passes it for every scheme, and :func:`install` registers it as mmengine's loader for
-every scheme mmengine knows (``register_scheme(..., force=True)``; run when ``pid_plugins.mmseg`` is imported,
-e.g. through a config's ``custom_imports``).
+:func:`load_checkpoint` passes it for every scheme.
+
+The scope is the plugin's own paths, never the whole process: importing ``pid_plugins.mmseg`` leaves mmengine's
+``CheckpointLoader`` as mmengine made it.
+
+* ``init_cfg=dict(type='Pretrained')`` of :class:`~pid_plugins.mmseg.PIDVisionTransformer` calls
+  :func:`load_checkpoint` itself.
+* ``load_from``, ``resume`` and mmseg's ``tools/train.py`` / ``tools/test.py``: the shipped configs add
+  :class:`WeightsOnlyCheckpointHook` to ``custom_hooks``. From the runner's ``before_run`` to its ``after_run``
+  (the runner loads ``load_from``/``resume`` in between), every mmengine scheme loads through
+  :func:`load_checkpoint` (:func:`weights_only_schemes`). Configs that inherit the shipped ones get it. Add
+  ``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]`` to a config of your own.
+* :func:`install` makes it process-wide, for a user who asks for that.
 
 mmengine's own training checkpoints hold a few objects besides tensors (the ``message_hub`` logs):
-:data:`SAFE_GLOBALS` allow-lists exactly those with ``torch.serialization.add_safe_globals`` (found by saving
+:data:`SAFE_GLOBALS` allow-lists exactly those, only inside :func:`load_checkpoint` (``torch.serialization.
+safe_globals``, a context: other ``torch.load`` calls of the process do not see them; found by saving
 a checkpoint with mmengine's ``Runner`` and listing ``get_unsafe_globals_in_checkpoint``). One of them is
 ``builtins.getattr``, which pickle uses for ``HistoryBuffer.min``-style method references; it is registered
 as :func:`history_buffer_method`, which returns only HistoryBuffer's own statistic methods and refuses
@@ -17,19 +28,24 @@ anything else (a real ``getattr`` would let a checkpoint reach ``exec``).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import re
-from typing import Any, Callable, List, Tuple, Union
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Tuple, Union
 
 import numpy as np
 import torch
 from mmengine.dist import get_dist_info
+from mmengine.hooks import Hook
 from mmengine.logging.history_buffer import HistoryBuffer
 from mmengine.runner import checkpoint as mm_checkpoint
+from mmseg.registry import HOOKS
 
-__all__ = ["load_checkpoint", "install", "history_buffer_method", "SAFE_GLOBALS", "UnsafeCheckpointError"]
+__all__ = ["load_checkpoint", "weights_only_schemes", "WeightsOnlyCheckpointHook", "install",
+           "history_buffer_method", "SAFE_GLOBALS", "UnsafeCheckpointError"]
 
 _STATISTICS = ("min", "max", "current", "mean")  # HistoryBuffer._set_default_statistics
 
@@ -76,7 +92,8 @@ def _refusal(name: str, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
 
 def _torch_load(source: Any, name: str, map_location: Any) -> Any:
     try:
-        return torch.load(source, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise _refusal(name, exc) from None
 
@@ -158,8 +175,52 @@ def load_checkpoint(filename: str, map_location: Any = None) -> Any:
     return load_from_local_weights_only(filename, map_location)
 
 
+_SCOPE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def weights_only_schemes() -> Iterator[None]:
+    """Inside: every mmengine ``CheckpointLoader`` scheme loads with :func:`load_checkpoint` (weights only).
+    After: mmengine's table is what it was before, exactly."""
+    loader_class = mm_checkpoint.CheckpointLoader
+    with _SCOPE_LOCK:
+        # mmengine's table (prefix -> loader, a class attribute): register_scheme mutates it and then rebinds a
+        # sorted copy, so a copy of the table, rebound afterwards, restores it exactly
+        saved: Dict[str, Callable[..., Any]] = loader_class._schemes.copy()
+        try:
+            for prefixes, loader in _SCHEMES:
+                loader_class.register_scheme(prefixes, loader=loader, force=True)
+            yield
+        finally:
+            loader_class._schemes = saved
+
+
+@HOOKS.register_module()
+class WeightsOnlyCheckpointHook(Hook):
+    """``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]``: the runner's ``load_from``/``resume`` (and
+    every other mmengine checkpoint load between ``before_run`` and ``after_run``) load weights only, whatever
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (:func:`weights_only_schemes`). The shipped configs add it."""
+
+    priority = "HIGHEST"
+
+    def __init__(self) -> None:
+        self._scope: Any = None
+
+    def before_run(self, runner: Any) -> None:
+        if self._scope is None:
+            self._scope = weights_only_schemes()
+            self._scope.__enter__()
+
+    def after_run(self, runner: Any) -> None:
+        if self._scope is not None:
+            scope, self._scope = self._scope, None
+            scope.__exit__(None, None, None)
+
+
 def install() -> None:
-    """Allow-list mmengine's checkpoint classes and make every mmengine checkpoint scheme weights-only."""
+    """Opt-in, process-wide: every mmengine checkpoint scheme loads weights only from now on, and mmengine's
+    checkpoint classes are allow-listed for every ``torch.load(weights_only=True)`` of the process. Nothing calls
+    this for you (the shipped configs use :class:`WeightsOnlyCheckpointHook`)."""
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
     for prefixes, loader in _SCHEMES:
         mm_checkpoint.CheckpointLoader.register_scheme(prefixes, loader=loader, force=True)
