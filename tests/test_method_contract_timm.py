@@ -133,7 +133,7 @@ def test_learnable_and_unknown_names_are_refused_clearly():
         timm.create_model("pid_fan_tiny_12_p16_224", attention=NAME, attention_cfg={"learnable": True}, **FAN)
     assert "gamma" in str(info.value)  # what it does take
     for name in ("pid_deit_tiny_patch16_224", "fan_tiny_12_p16_224"):
-        with pytest.raises(ValueError, match="attention must be one of") as info:
+        with pytest.raises(ValueError, match="unknown attention method 'scaled_referense'") as info:
             timm.create_model(name, attention="scaled_referense", **MODELS["deit" if "deit" in name else "fan"][2])
         assert NAME in str(info.value) and "'pid'" in str(info.value) and "'softmax'" in str(info.value)
     with pytest.raises(ValueError, match="pid=... sets PID's gains"):

@@ -78,7 +78,7 @@ def test_gains_from_config_arguments():
         build(pid=0.5)
     assert build(lambda_p=0.2, beta=0.5).pid.gains == (0.2, 0.3, 0.05, 0.5)
     assert build(attention="softmax").pid is None
-    with pytest.raises(ValueError, match="attention must be 'pid' or 'softmax'"):
+    with pytest.raises(ValueError, match="PIDVisionTransformer: unknown attention method 'linear'"):
         build(attention="linear")
     with pytest.raises(ValueError, match="PIDConfig.beta"):
         build(beta=0.0)

@@ -75,7 +75,7 @@ def test_init_cfg_pretrained_refuses_pickled_code(evil, env, monkeypatch):
         monkeypatch.setenv(key, value)
     model = MODELS.build(dict(type="PIDVisionTransformer", img_size=(32, 32), patch_size=16, embed_dims=24,
                               num_layers=1, num_heads=2, init_cfg=dict(type="Pretrained", checkpoint=str(path))))
-    with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint .*weights_only=True"):
+    with pytest.raises(UnsafeCheckpointError, match="refused to load checkpoint .*weights_only=True"):
         model.init_weights()
     assert not marker.exists()
 
@@ -123,7 +123,7 @@ def test_http_checkpoints_are_weights_only_too(evil, env, tmp_path, monkeypatch)
             base = f"http://127.0.0.1:{server.server_address[1]}"
             good = mm._load_checkpoint(f"{base}/good.pth", map_location="cpu")
             assert torch.equal(good["state_dict"]["w"], torch.arange(3.0))
-            with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint 'http"):
+            with pytest.raises(UnsafeCheckpointError, match="refused to load checkpoint 'http"):
                 mm._load_checkpoint(f"{base}/evil.pth", map_location="cpu")
     finally:
         server.shutdown()
@@ -238,7 +238,7 @@ def test_mmseg_tools_refuse_pickled_code_with_the_variable_set(evil, ade_tiny, t
                        f"load_from={path}", env_extra=force)
     for proc in (tested, resumed):
         assert proc.returncode != 0
-        assert "UnsafeCheckpointError: refusing to load checkpoint" in proc.stderr, proc.stderr[-2000:]
+        assert "UnsafeCheckpointError: refused to load checkpoint" in proc.stderr, proc.stderr[-2000:]
     assert not marker.exists()
 
 

@@ -73,7 +73,7 @@ def test_head_arguments():
     assert build(attention="pid").pid == PIDConfig.preset("segmenter")
     assert build(attention="pid", pid="deit").pid == PIDConfig.preset("deit")
     assert build(attention="pid", pid=dict(lambda_p=0.1)).pid == PIDConfig.preset("segmenter", lambda_p=0.1)
-    with pytest.raises(ValueError, match="attention must be 'pid' or 'softmax'"):
+    with pytest.raises(ValueError, match="PIDSegmenterMaskTransformerHead: unknown attention method 'linear'"):
         build(attention="linear")
     assert build(pid="deit").attention_method is None  # the head's default is softmax: pid= alone is inert
     with pytest.raises(ValueError, match="learnable gains are not supported"):

@@ -85,7 +85,7 @@ def test_gains_by_kwarg_and_validation():
         timm.create_model("pid_deit_tiny_patch16_224", pid=dict(beta=0.0), **TINY)
     with pytest.raises(ValueError, match="PIDConfig.lambda_p must be >= 0"):
         timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=-1), **TINY)
-    with pytest.raises(ValueError, match="attention must be one of"):
+    with pytest.raises(ValueError, match="unknown attention method 'linear'"):
         timm.create_model("pid_deit_tiny_patch16_224", attention="linear", **TINY)
     with pytest.raises(RuntimeError, match="Unknown model"):
         timm.create_model("pid_deit_nano_patch16_224")

@@ -1,6 +1,6 @@
 """The PID-attention core: gains, the update rule, and a reference attention module."""
 from .attention import PIDSelfAttention, sdpa_with_pid
-from .checkpoint import check_keys, unwrap_state_dict
+from .checkpoint import UnsafeCheckpointError, check_keys, load_weights_only, unwrap_state_dict
 from .config import PIDConfig
 from .control import PIDState, expand_heads, pid_update
 from .gains import PIDGains, layer_gains
@@ -8,13 +8,14 @@ from .methods import (
     SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, MethodChoice, MethodConfig, PIDMethod, calls_attention_once, get_method, list_methods,
     method_warmup, on_register, register_method, reserve_names, resolve_attention,
 )
-from .warmup import GainWarmup, make_warmup, pid_term, scaled_gains, warmup_scale
+from .warmup import GainWarmup, make_warmup, scaled_gains, warmup_scale
 
 __all__ = [
     "PIDConfig", "PIDState", "pid_update", "expand_heads", "PIDGains", "layer_gains",
-    "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale", "pid_term",
+    "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale",
     "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
-    "on_register", "reserve_names", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys",
+    "on_register", "reserve_names", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys", "UnsafeCheckpointError",
+    "load_weights_only",
 ]
 
 from . import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing and Elliptical beside PID)

@@ -1,16 +1,66 @@
-"""Reading a checkpoint's weights, once for every adapter: which entry holds the state_dict, and the strict key check.
+"""Reading a checkpoint, once for every adapter: the weights-only load and its refusal, which entry holds the
+state_dict, and the strict key check.
 
-Reading the file itself stays with each zoo's own loader (timm's ``load_state_dict``, mmengine's
-``CheckpointLoader``, fairseq's ``checkpoint_utils``), which the adapters make weights-only; this module decides
-what is done with what they read.
+Each zoo keeps its own loader (timm's ``load_state_dict``, mmengine's ``CheckpointLoader``, fairseq's
+``checkpoint_utils``); on the plugin's paths the adapters route its file reading through :func:`weights_only`
+(:func:`load_weights_only`), so no code in a checkpoint runs, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says
+(an explicit ``weights_only=True`` is never overridden by it).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping
+import contextlib
+import pickle
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Sequence
 
+import torch
 from torch import Tensor
 
-__all__ = ["STATE_DICT_KEYS", "unwrap_state_dict", "check_keys"]
+__all__ = ["STATE_DICT_KEYS", "UnsafeCheckpointError", "weights_only", "load_weights_only", "refusal_reason",
+           "unwrap_state_dict", "check_keys"]
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint holds objects outside plain weights and its zoo's allow-list (possibly code to run): it is not
+    loaded."""
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The line of torch's weights-only error that names what was refused (its first line otherwise)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = [line for line in lines if "GLOBAL" in line or "Unsupported" in line or "unrecognized" in line
+              or "getattr" in line]
+    rest = [line for line in lines[1:] if not line.startswith(("Check the documentation", "Please file"))]
+    return (detail or rest or lines or ["unreadable pickle"])[0]
+
+
+@contextlib.contextmanager
+def weights_only(name: Any, allowed: Sequence[Any] = (), allowed_text: str = "tensors and containers"
+                 ) -> Iterator[None]:
+    """Around a ``torch.load(..., weights_only=True)`` (or a zoo call that makes one): ``allowed`` globals are
+    allow-listed for this load only (``torch.serialization.safe_globals``), and a refusal becomes one
+    :class:`UnsafeCheckpointError` naming the file, what was refused and what to do."""
+    with torch.serialization.safe_globals(list(allowed)):
+        try:
+            yield
+        except pickle.UnpicklingError as exc:
+            if isinstance(exc, UnsafeCheckpointError):
+                raise
+            raise UnsafeCheckpointError(
+                f"refused to load checkpoint {str(name)!r}: it holds objects other than {allowed_text} "
+                f"({refusal_reason(exc)}). pid-plugins loads checkpoints with torch.load(weights_only=True) "
+                "whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, so no code in a checkpoint runs; save the weights "
+                "as a plain state_dict of tensors instead"
+            ) from None
+
+
+def load_weights_only(source: Any, map_location: Any = None, *, name: Optional[Any] = None,
+                      allowed: Sequence[Any] = (), allowed_text: str = "tensors and containers",
+                      **kwargs: Any) -> Any:
+    """``torch.load(source, weights_only=True)`` under :func:`weights_only` (a ``weights_only`` given in ``kwargs``
+    is ignored: it is always True)."""
+    kwargs.pop("weights_only", None)
+    with weights_only(name if name is not None else getattr(source, "name", source), allowed, allowed_text):
+        return torch.load(source, map_location=map_location, weights_only=True, **kwargs)
 
 #: the entries a training checkpoint keeps its weights under, in the order they are looked for (timm's
 #: ``load_state_dict`` order: ``state_dict`` before ``model``; mmengine writes ``state_dict``, DeiT ``model``)

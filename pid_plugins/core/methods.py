@@ -44,15 +44,13 @@ from .warmup import GainWarmup, make_warmup, scaled_gains
 
 __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
-    "resolve_attention", "on_register", "reserve_names", "calls_attention_once", "method_warmup", "SOFTMAX", "ZOOS",
+    "resolve_attention", "on_register", "reserve_names", "calls_attention_once", "method_warmup", "SOFTMAX",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: the attention choice that means "the zoo's stock attention, no method"
 SOFTMAX = "softmax"
-#: the zoos an adapter exists for (the keys of :attr:`AttentionMethod.default_presets`)
-ZOOS = ("timm", "hf", "mmseg", "fairseq")
 
 Attend = Callable[[Tensor, Tensor], Tensor]
 
@@ -370,7 +368,10 @@ def resolve_attention(
         params = pid
     if attention is None:
         attention = "pid"
-    method = get_method(attention)
+    if not isinstance(attention, str) or attention not in _METHODS:
+        raise ValueError(f"{where}: unknown attention method {attention!r}: choose {SOFTMAX!r} or one of "
+                         f"{list_methods()} (pid_plugins.register_method adds one)")
+    method = _METHODS[attention]
     config = method.configure(params, zoo, default)
     if getattr(config, "learnable", False) and not learnable:
         raise ValueError(

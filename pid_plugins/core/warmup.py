@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .config import PIDConfig
 
-__all__ = ["GainWarmup", "make_warmup", "scaled_gains", "warmup_scale", "pid_term"]
+__all__ = ["GainWarmup", "make_warmup", "scaled_gains", "warmup_scale"]
 
 
 class GainWarmup(nn.Module):
@@ -104,15 +104,3 @@ def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
         lp, li, ld, beta = values[:4]
         first = values[4] if len(values) > 4 else True
     return (lp * scale, li * scale, ld * scale, beta, first)
-
-
-def pid_term(value: Tensor, state: Any, gains: Any) -> tuple[Tensor, Any]:
-    """The PID term alone (``pid_update`` of a zero attention output): ``(term, new_state)``.
-
-    For adapters whose stock attention is a fused kernel the PID path does not reproduce bit for bit (mmcv's and
-    fairseq's ``MultiheadAttention``): under warm-up they run the stock attention and add the term projected by
-    the output projection's weight, so a zero scale gives the stock output exactly.
-    """
-    from .control import pid_update
-
-    return pid_update(torch.zeros_like(value), value, state, gains)

@@ -13,11 +13,12 @@ written before fairseq's hydra configs (0.12 writes ``cfg`` as a plain dict).
 installs it.
 """
 import argparse
-import pickle
 import types
 from typing import Any, List
 
 import torch
+
+from ..core.checkpoint import UnsafeCheckpointError, load_weights_only
 
 __all__ = ["FAIRSEQ_SAFE_GLOBALS", "UnsafeCheckpointError", "safe_torch_load", "install"]
 
@@ -25,32 +26,11 @@ __all__ = ["FAIRSEQ_SAFE_GLOBALS", "UnsafeCheckpointError", "safe_torch_load", "
 FAIRSEQ_SAFE_GLOBALS: List[Any] = [argparse.Namespace]
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint holds objects outside the allow-list (possibly code to run): it is not loaded."""
-
-
 def safe_torch_load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
     """``torch.load(f, weights_only=True)`` with :data:`FAIRSEQ_SAFE_GLOBALS` allowed; any ``weights_only``
     given by the caller is ignored (fairseq passes none)."""
-    kwargs.pop("weights_only", None)
-    name = getattr(f, "name", f)
-    with torch.serialization.safe_globals(FAIRSEQ_SAFE_GLOBALS):
-        try:
-            return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(
-                f"refused to load {name}: it holds objects other than tensors, containers and "
-                f"argparse.Namespace ({refusal_reason(exc)}); pid-plugins loads fairseq checkpoints with weights_only=True "
-                "whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says. Re-save the checkpoint's tensors and args if "
-                "you trust it"
-            ) from exc
-
-
-def refusal_reason(exc: BaseException) -> str:
-    """The line of torch's weights-only error that names what was refused (its first line otherwise)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    detail = [line for line in lines[1:] if not line.startswith(("Check the documentation", "Please file"))]
-    return (detail or lines or ["unreadable pickle"])[0]
+    return load_weights_only(f, map_location, allowed=FAIRSEQ_SAFE_GLOBALS,
+                             allowed_text="tensors, containers and argparse.Namespace", **kwargs)
 
 
 class _TorchWithSafeLoad(types.ModuleType):

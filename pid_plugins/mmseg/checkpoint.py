@@ -44,14 +44,12 @@ from mmengine.logging.history_buffer import HistoryBuffer
 from mmengine.runner import checkpoint as mm_checkpoint
 from mmseg.registry import HOOKS
 
+from ..core.checkpoint import UnsafeCheckpointError, load_weights_only, weights_only
+
 __all__ = ["load_checkpoint", "weights_only_schemes", "WeightsOnlyCheckpointHook", "install",
            "history_buffer_method", "SAFE_GLOBALS", "UnsafeCheckpointError"]
 
 _STATISTICS = ("min", "max", "current", "mean")  # HistoryBuffer._set_default_statistics
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint holds an object outside plain weights and mmengine's known checkpoint classes."""
 
 
 def history_buffer_method(owner: Any, name: str) -> Callable:
@@ -78,24 +76,11 @@ SAFE_GLOBALS: List[Union[Any, Tuple[Callable, str]]] = [
 ]
 
 
-def _refusal(name: str, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line or "unrecognized" in line
-                   or "getattr" in line), lines[0] if lines else "")
-    return UnsafeCheckpointError(
-        f"refusing to load checkpoint {name!r}: it holds Python objects that are neither weights nor one of "
-        f"mmengine's checkpoint classes ({detail}). pid_plugins.mmseg loads checkpoints with "
-        "torch.load(weights_only=True) whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, so no code in a "
-        "checkpoint runs; save the weights as a plain state_dict of tensors instead."
-    )
+_ALLOWED = "weights and mmengine's checkpoint classes"
 
 
 def _torch_load(source: Any, name: str, map_location: Any) -> Any:
-    try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(source, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise _refusal(name, exc) from None
+    return load_weights_only(source, map_location, name=name, allowed=SAFE_GLOBALS, allowed_text=_ALLOWED)
 
 
 def load_from_local_weights_only(filename: str, map_location: Any = None) -> Any:
@@ -107,11 +92,9 @@ def load_from_local_weights_only(filename: str, map_location: Any = None) -> Any
 
 def load_from_http_weights_only(url: str, map_location: Any = None) -> Any:
     def fetch() -> Any:
-        try:
+        with weights_only(url, SAFE_GLOBALS, _ALLOWED):
             return torch.hub.load_state_dict_from_url(url, map_location=map_location, progress=False,
                                                       weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise _refusal(url, exc) from None
 
     rank, world_size = get_dist_info()  # rank 0 downloads first, as mmengine's load_from_http
     checkpoint = fetch() if rank == 0 else None

@@ -23,7 +23,7 @@ from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransforme
 from mmseg.registry import MODELS
 
 from ..core import (
-    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, get_method, method_warmup,
+    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, method_warmup,
     resolve_attention, unwrap_state_dict, warmup_scale,
 )
 from .checkpoint import load_checkpoint
@@ -36,12 +36,6 @@ def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
                      options: Optional[Dict[str, Any]] = None) -> Optional[MethodChoice]:
     """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg (no learnable parameters): None for softmax,
     else the method and its parameters over its ``mmseg`` preset."""
-    if attention != SOFTMAX:
-        try:
-            get_method(attention)
-        except ValueError as exc:
-            raise ValueError(f"{where}: attention must be 'pid' or 'softmax' or another registered method: {exc}") \
-                from None
     return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, learnable=False, where=where,
                              options=options)
 

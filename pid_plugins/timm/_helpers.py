@@ -17,7 +17,7 @@ from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
 from ..core import (
-    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, MethodChoice, calls_attention_once, check_keys, list_methods,
+    AttentionContext, AttentionMethod, MethodChoice, calls_attention_once, check_keys,
     reserve_names, resolve_attention,
 )
 
@@ -40,11 +40,6 @@ def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid
     """The attention a timm model is built with: ``None`` for the stock softmax attention, else the method and
     its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy). ``default``: the
     catalogue entry's preset for PID (other methods start from their own default preset)."""
-    if attention != SOFTMAX and attention is not None and attention not in list_methods():
-        raise ValueError(
-            f"attention must be one of {[SOFTMAX, *list_methods()]}, got {attention!r} "
-            "(pid_plugins.register_method adds a method)"
-        )
     return resolve_attention(attention, attention_cfg, zoo="timm", pid=pid,
                              default=default if attention in ("pid", None) else None, where=where)
 

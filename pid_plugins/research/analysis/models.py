@@ -115,8 +115,11 @@ def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedMo
         cfg = Config.fromfile(str(path))
     except Exception as exc:  # noqa: BLE001  (any error raised by running the user's config file)
         raise ValueError(f"cannot read the mmseg config {path}: {type(exc).__name__}: {exc}") from None
+    from pid_plugins.mmseg.checkpoint import weights_only_schemes
+
     try:
-        model = init_model(cfg, checkpoint, device="cpu")
+        with weights_only_schemes():  # mmseg's init_model loads through mmengine's CheckpointLoader
+            model = init_model(cfg, checkpoint, device="cpu")
     except (KeyError, TypeError, AttributeError, AssertionError, RuntimeError, EOFError, pickle.UnpicklingError,
             OSError) as exc:
         # unregistered types or bad arguments in the config; a damaged or refused checkpoint file
