@@ -5,15 +5,16 @@ from .config import PIDConfig
 from .control import PIDState, expand_heads, pid_update
 from .gains import PIDGains, layer_gains
 from .methods import (
-    SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, MethodChoice, MethodConfig, PIDMethod, calls_attention_once, get_method, list_methods,
-    method_warmup, on_register, register_method, reserve_names, resolve_attention,
+    SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, MethodConfig, PIDMethod, StockPath,
+    calls_attention_once, get_method, list_methods, method_warmup, on_register, register_method, reserve_names,
+    resolve_attention,
 )
 from .warmup import GainWarmup, make_warmup, scaled_gains, warmup_scale
 
 __all__ = [
     "PIDConfig", "PIDState", "pid_update", "expand_heads", "PIDGains", "layer_gains",
     "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale",
-    "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
+    "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "on_register", "reserve_names", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys", "UnsafeCheckpointError",
     "load_weights_only",
 ]

@@ -43,7 +43,8 @@ from .gains import PIDGains
 from .warmup import GainWarmup, make_warmup, scaled_gains
 
 __all__ = [
-    "AttentionMethod", "AttentionContext", "CacheSlot", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
+    "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod",
+    "register_method", "get_method", "list_methods", "method_check", "method_update",
     "resolve_attention", "on_register", "reserve_names", "calls_attention_once", "method_warmup", "SOFTMAX",
 ]
 
@@ -151,6 +152,19 @@ class AttentionMethod:
         """After attention: the layer's output from the attention output and the state for the next layer."""
         raise NotImplementedError
 
+    def apply(self, config: Any, learned: Optional[nn.Module], call: "LayerCall",
+              state: Optional[tuple]) -> Tuple[Tensor, tuple]:
+        """One layer: the one call every adapter makes. ``config`` and ``learned`` are the layer's parameters (its
+        :meth:`make_learned` module or None), ``call`` what the adapter knows (:class:`LayerCall`), ``state`` the
+        previous layer's (flat tensors or this method's state; None at the group's first layer). Returns the layer's
+        attention output (projected when the call has ``project``) and the state for the next layer.
+
+        Order: :meth:`check` (refusals before anything is computed), :meth:`layer_params`; then the zoo's stock
+        layer plus :meth:`term` when the call has a stock path under warm-up (additive methods), else
+        :meth:`prepare`, :meth:`attend` (the zoo's attention once when the method keeps both defaults) and
+        :meth:`update`."""
+        return _apply(self, config, learned, call, state)
+
     def forward(self, params: Any, attend: Attend, query: Tensor, value: Tensor, value_q: Tensor,
                 state: Optional[tuple], *, scale: Optional[Tensor] = None, head_dim: int = -3,
                 visible: Optional[Tensor] = None, slot: Optional["CacheSlot"] = None) -> Tuple[Tensor, tuple]:
@@ -186,6 +200,90 @@ class CacheSlot:
 
     def __call__(self, rows: Tensor) -> Tensor:  # pragma: no cover - the interface
         raise NotImplementedError
+
+
+class StockPath(NamedTuple):
+    """The zoo's own attention layer (a fused kernel the method path does not reproduce bit for bit), for the
+    warm-up of additive methods: the layer output is ``output() + project_term(term)``, so a zero warm-up scale gives
+    the stock layer exactly."""
+
+    #: the stock layer's output, after its output projection (computed only when this path is taken)
+    output: Callable[[], Tensor]
+    #: a per-head tensor (heads at the call's ``head_dim``) through the output projection's weight, without bias
+    project_term: Callable[[Tensor], Tensor]
+
+
+class LayerCall(NamedTuple):
+    """One attention call of one layer, as its adapter knows it: what :meth:`AttentionMethod.apply` reads.
+
+    Layouts: ``query`` ``(B, H, q, D)`` and ``value`` ``(B, H_kv, K, D)`` as ``attend`` takes them; ``attend``'s output
+    and ``value_q`` (the query positions' values) have their heads at ``head_dim`` (-3: ``(B, H, q, D)``, -2:
+    ``(B, q, H, D)``). ``visible`` and ``slot`` are built only for the methods that read them (``reads_visible``,
+    ``cache_slot``). ``project``: the layer's output projection (head layout in, layer output out), for adapters
+    that own it; ``apply`` then returns the projected output. ``stock``: the zoo's own fused layer, for adapters
+    that have one; under warm-up (``scale`` given) additive methods add their term to it. A call with ``stock`` and
+    ``scale`` needs only ``value_q`` (``attend``, ``query`` and ``value`` may be None)."""
+
+    attend: Optional[Attend]
+    query: Optional[Tensor]
+    value: Optional[Tensor]
+    value_q: Tensor
+    head_dim: int = -3
+    context: AttentionContext = AttentionContext()
+    scale: Optional[Tensor] = None
+    visible: Optional[Callable[[], Optional[Tensor]]] = None
+    slot: Optional[Callable[[], Optional["CacheSlot"]]] = None
+    project: Optional[Callable[[Tensor], Tensor]] = None
+    stock: Optional[StockPath] = None
+
+
+def method_check(method: AttentionMethod, config: Any, context: AttentionContext, query: Tensor) -> Tensor:
+    """``method.check(config, context)``, returning ``query`` unchanged: a leaf for torch.fx (a traced model knows
+    the context only when the graph runs; the query passing through keeps the call in the graph)."""
+    method.check(config, AttentionContext(*(bool(flag) for flag in context)))
+    return query
+
+
+def method_update(method: AttentionMethod, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple],
+                  scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
+    """``method.update(...)``: a leaf for torch.fx (timm's and torchvision's feature extraction), whose tracer cannot
+    follow the Python shape checks of an update. Its result is a tuple: index it or unpack a fixed number."""
+    return method.update(params, out, value_q, state, scale, head_dim)
+
+
+torch.fx.wrap("method_check")
+torch.fx.wrap("method_update")
+
+
+def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], call: LayerCall,
+           state: Optional[tuple]) -> Tuple[Tensor, tuple]:
+    params = method.layer_params(config, learned)
+    previous = None if state is None else method.make_state(*state)
+    if call.stock is not None and call.scale is not None and method.additive:
+        method_check(method, config, call.context, call.value_q)
+        term, new_state = method_update(method, params, torch.zeros_like(call.value_q), call.value_q, previous,
+                                        call.scale, call.head_dim)
+        return call.stock.output() + call.stock.project_term(term), new_state
+    if call.attend is None or call.query is None or call.value is None:
+        raise ValueError(f"attention method {method.name!r}: the adapter gave no attention to call (attend, query, "
+                         "value) and no stock path for this call")
+    query = method_check(method, config, call.context, call.query)
+    if _calls_once(type(method)):  # the common case: the zoo's attention once, then the update
+        out = call.attend(query, call.value)
+    else:
+        if method.reads_visible:
+            query = method.prepare(params, query, call.value, previous,
+                                   visible=call.visible() if call.visible is not None else None)
+        else:
+            query = method.prepare(params, query, call.value, previous)
+        if method.cache_slot:
+            out = method.attend(params, call.attend, query, call.value, previous, call.head_dim,
+                                slot=call.slot() if call.slot is not None else None)
+        else:
+            out = method.attend(params, call.attend, query, call.value, previous, call.head_dim)
+    state_values = call.value.movedim(-3, call.head_dim) if method.keys_state else call.value_q
+    out, new_state = method_update(method, params, out, state_values, previous, call.scale, call.head_dim)
+    return (call.project(out) if call.project is not None else out), new_state
 
 
 def calls_attention_once(method: AttentionMethod) -> bool:

@@ -24,7 +24,8 @@ import ast
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,10 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
-from ..core import AttentionContext, AttentionMethod, CacheSlot, GainWarmup, MethodChoice, method_warmup, resolve_attention, warmup_scale
+from ..core import (
+    AttentionContext, AttentionMethod, CacheSlot, GainWarmup, LayerCall, MethodChoice, StockPath, method_warmup,
+    resolve_attention, warmup_scale,
+)
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
@@ -166,17 +170,34 @@ class PIDMultiheadAttention(MultiheadAttention):
         incremental_state: IncrementalState = None,
         attn_mask: Optional[Tensor] = None,
         key_padding_mask: Optional[Tensor] = None,
+        scale: Optional[Tensor] = None,
     ) -> Tuple[Tensor, tuple]:
-        """The method's layer: q/k/v from the layer's projections (cached keys/values prepended), ``attend`` = SDPA
-        with the keys, masks and dropout bound, then the output projection."""
+        """The layer under its method, one :meth:`~pid_plugins.core.AttentionMethod.apply`: q/k/v from the layer's
+        projections (cached keys/values prepended), ``attend`` = SDPA with the keys, masks and dropout bound, then
+        the output projection. Under gain warm-up (``scale``; additive methods) fairseq's own attention, its fused
+        kernel and cache, is the stock path, to which the method adds its scaled term through the output
+        projection's weight: a zero scale is the stock layer exactly."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
         method = self.attention_method
-        method.check(self.pid, AttentionContext(causal=True, cached=incremental_state is not None,
-                                                dropout=self.training and self.dropout_module.p > 0))
+        context = AttentionContext(causal=True, cached=incremental_state is not None,
+                                   dropout=self.training and self.dropout_module.p > 0)
+
+        def project_term(term: Tensor) -> Tensor:
+            return F.linear(term.permute(2, 0, 1, 3).reshape(T, B, C), self.out_proj.weight)
+
+        if scale is not None:
+            def stock() -> Tensor:
+                return MultiheadAttention.forward(self, query=x, key=x, value=x, key_padding_mask=key_padding_mask,
+                                                  incremental_state=incremental_state, need_weights=False,
+                                                  attn_mask=attn_mask)[0]
+
+            v = self.v_proj(x).view(T, B, H, D).permute(1, 2, 0, 3)
+            call = LayerCall(None, None, None, v, context=context, scale=scale, stock=StockPath(stock, project_term))
+            return method.apply(self.pid, self.pid_gains, call, state)
         q, k, v = self._qkv(x)
         v_query = v
-        slot = None
+        slot: Optional[Callable[[], CacheSlot]] = None
         if incremental_state is not None:
             saved = self._get_input_buffer(incremental_state)
             if "prev_key" in saved and saved["prev_key"] is not None:
@@ -187,8 +208,7 @@ class PIDMultiheadAttention(MultiheadAttention):
                 batch_size=B, src_len=k.size(2), static_kv=False)
             saved["prev_key"], saved["prev_value"], saved["prev_key_padding_mask"] = k, v, key_padding_mask
             self._set_input_buffer(incremental_state, saved)
-            if method.cache_slot:
-                slot = _BufferSlot(self, incremental_state)
+            slot = partial(_BufferSlot, self, incremental_state)
         mask: Optional[Tensor] = None
         if attn_mask is not None:
             mask = attn_mask.to(q.dtype)[None, None]
@@ -201,36 +221,14 @@ class PIDMultiheadAttention(MultiheadAttention):
         def attend(query: Tensor, value: Tensor) -> Tensor:
             return F.scaled_dot_product_attention(query, k, value, attn_mask=mask, dropout_p=dropout_p)
 
-        params = method.layer_params(self.pid, self.pid_gains)
-        visible = None
-        if method.reads_visible and mask is not None:  # which keys each query sees (causal mask and padding)
-            visible = (mask > float("-inf")).expand(mask.shape[0], 1, T, k.size(2))
-        # keys_state methods hand on the values of every key position (the cached ones included)
-        out, state = method.forward(params, attend, q, v, v if method.keys_state else v_query, state, head_dim=-3,
-                                    visible=visible, slot=slot)
-        return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), state
+        def visible() -> Optional[Tensor]:  # which keys each query sees (causal mask and padding)
+            return None if mask is None else (mask > float("-inf")).expand(mask.shape[0], 1, T, k.size(2))
 
-    def forward_warmup(
-        self,
-        x: Tensor,
-        state: Optional[tuple],
-        scale: Tensor,
-        incremental_state: IncrementalState = None,
-        attn_mask: Optional[Tensor] = None,
-        key_padding_mask: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, tuple]:
-        """Under warm-up (additive methods): fairseq's own attention (its fused kernel and cache) plus the method's
-        term scaled by ``scale`` through the output projection's weight, so a zero scale is the stock layer exactly."""
-        self.attention_method.check(self.pid, AttentionContext(causal=True, cached=incremental_state is not None,
-                                                               dropout=self.training and self.dropout_module.p > 0))
-        out, _ = MultiheadAttention.forward(self, query=x, key=x, value=x, key_padding_mask=key_padding_mask,
-                                            incremental_state=incremental_state, need_weights=False,
-                                            attn_mask=attn_mask)
-        T, B, C = x.shape
-        v = self.v_proj(x).view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        method = self.attention_method
-        term, state = method.term(method.layer_params(self.pid, self.pid_gains), v, state, scale, head_dim=-3)
-        return out + F.linear(term.permute(2, 0, 1, 3).reshape(T, B, C), self.out_proj.weight), state
+        def project(out: Tensor) -> Tensor:
+            return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
+
+        call = LayerCall(attend, q, v, v_query, context=context, visible=visible, slot=slot, project=project)
+        return method.apply(self.pid, self.pid_gains, call, state)
 
 
 class _BufferSlot(CacheSlot):
@@ -300,12 +298,8 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        if pid_scale is not None:  # warm-up
-            x, pid_state = self.self_attn.forward_warmup(x, pid_state, pid_scale, incremental_state, self_attn_mask,
-                                                         self_attn_padding_mask)
-        else:
-            x, pid_state = self.self_attn.forward_method(x, pid_state, incremental_state, self_attn_mask,
-                                                         self_attn_padding_mask)
+        x, pid_state = self.self_attn.forward_method(x, pid_state, incremental_state, self_attn_mask,
+                                                     self_attn_padding_mask, pid_scale)
         if self.c_attn is not None:
             T, B = x.size(0), x.size(1)
             x = torch.einsum("tbhd,h->tbhd", x.view(T, B, self.nh, self.head_dim), self.c_attn).reshape(T, B, -1)

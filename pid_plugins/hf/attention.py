@@ -47,7 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import (
-    AttentionContext, AttentionMethod, CacheSlot, GainWarmup, PIDConfig, PIDMethod, PIDState, calls_attention_once, expand_heads,
+    AttentionContext, AttentionMethod, CacheSlot, GainWarmup, PIDConfig, PIDMethod, PIDState, LayerCall, expand_heads,
     get_method, make_warmup, on_register, reserve_names,
 )
 from . import gains as learned_gains
@@ -95,13 +95,9 @@ class PIDForwardState:
         self.config = config  # the method's parameters (PID: a PIDConfig)
         self.base = base
         self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
-        self.params = self.method.layer_params(config, None)  # what every layer without its own parameters reads
-        # decided once per forward, not per layer call: the stock attention (zero gains), whether the method calls
-        # the attention once with the given queries (else its own prepare/attend run), the base function (None for
-        # eager: each model family has its own eager_attention_forward)
+        # decided once per forward, not per layer call: the stock attention (zero gains), the base function (None
+        # for eager: each model family has its own eager_attention_forward)
         self.zero = self.method.is_identity(config)
-        self.plain = calls_attention_once(self.method)
-        self.checks = type(self.method).check is not AttentionMethod.check  # (PID checks nothing: no per-call cost)
         self.learnable = bool(getattr(config, "learnable", False))
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
         self.function = _BASE_FUNCTIONS.get(base)
@@ -244,22 +240,14 @@ def pid_attention_forward(
     if run.zero:
         return base(module, query, key, value, attention_mask, **kwargs)
     method = run.method
-    if run.checks:
-        method.check(run.config, AttentionContext(
-            causal=bool(getattr(module, "is_causal", False)), cached=run.cached or key.shape[-2] != query.shape[-2],
-            dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]))
-    params: Any = run.params
+    learned = None
     if run.learnable:  # this layer's own parameters (PID: lambda_p, lambda_i, lambda_d), else the config's
-        layer = getattr(module, learned_gains.GAINS_ATTR, None)
-        if layer is None:
+        learned = getattr(module, learned_gains.GAINS_ATTR, None)
+        if learned is None:
             raise RuntimeError(
                 f"attn_implementation={method.name!r}: config.{method.name} is learnable but {type(module).__name__} "
                 f"has no {learned_gains.GAINS_ATTR}: call pid_plugins.hf.to_pid(model) to add them"
             )
-        params = method.layer_params(run.config, layer)
-    weights = None
-    if run.plain:
-        out, weights = base(module, query, key, value, attention_mask, **kwargs)
     q_len, length = query.shape[-2], value.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
         v_q = value if length == q_len else value.narrow(2, length - q_len, q_len)
@@ -277,21 +265,29 @@ def pid_attention_forward(
         )
     earlier = getattr(module, _EARLIER, None)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
-    # the method's term in the output's (B, q, heads, D) layout, so the output stays contiguous for o_proj
-    if run.plain:
-        u, layers[index] = method.update(params, out, v_q.transpose(1, 2), previous, run.scale, -2)
-    else:  # the method calls the base attention itself (its queries, once or more; (B, H, q, D) in, (B, q, H, D) out)
-        def attend(q: Tensor, v: Tensor) -> Tensor:
-            if v.shape[1] != key.shape[1]:  # values per query head (Twicing's v - A v): keys expanded to match
-                return base(_ExpandedHeads(module), q, expand_heads(key, v.shape[1], 1), v, attention_mask,
-                            **kwargs)[0]
-            return base(module, q, key, v, attention_mask, **kwargs)[0]
+    weights: Optional[Tensor] = None
 
-        state_values = value if method.keys_state else v_q  # keys_state: the values at every key position
-        visible = _visible(module, attention_mask, query, key, kwargs) if method.reads_visible else None
-        slot = _slot(run, module, q_len, length) if method.cache_slot else None
-        u, layers[index] = method.forward(params, attend, query, value, state_values.transpose(1, 2), previous,
-                                          scale=run.scale, head_dim=-2, visible=visible, slot=slot)
+    def attend(q: Tensor, v: Tensor) -> Tensor:
+        """The base attention with this call's keys, mask and arguments: ``(B, H, q, D)`` in, ``(B, q, H, D)`` out;
+        values per query head (Twicing's ``v - A v``) get the keys expanded to match."""
+        nonlocal weights
+        if v.shape[1] != key.shape[1]:
+            return base(_ExpandedHeads(module), q, expand_heads(key, v.shape[1], 1), v, attention_mask, **kwargs)[0]
+        out, probabilities = base(module, q, key, v, attention_mask, **kwargs)
+        if weights is None:  # the first call's attention weights (eager with output_attentions)
+            weights = probabilities
+        return out
+
+    call = LayerCall(
+        attend, query, value, v_q.transpose(1, 2), head_dim=-2,  # the output's (B, q, heads, D), contiguous for o_proj
+        context=AttentionContext(causal=bool(getattr(module, "is_causal", False)),
+                                 cached=run.cached or key.shape[-2] != query.shape[-2],
+                                 dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]),
+        scale=run.scale,
+        visible=lambda: _visible(module, attention_mask, query, key, kwargs),
+        slot=lambda: _slot(run, module, q_len, length),
+    )
+    u, layers[index] = method.apply(run.config, learned, call, previous)
     return u, weights
 
 

@@ -23,8 +23,8 @@ from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransforme
 from mmseg.registry import MODELS
 
 from ..core import (
-    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, MethodChoice, PIDConfig, check_keys, method_warmup,
-    resolve_attention, unwrap_state_dict, warmup_scale,
+    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, LayerCall, MethodChoice, PIDConfig, StockPath, check_keys,
+    method_warmup, resolve_attention, unwrap_state_dict, warmup_scale,
 )
 from .checkpoint import load_checkpoint
 
@@ -68,39 +68,43 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
         self.attention_method = method
         self.pid = config
 
-    def _attention(self, x: Tensor, state: Optional[tuple]) -> Tuple[Tensor, tuple]:
-        mha = self.attn.attn  # torch.nn.MultiheadAttention
+    def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
+        """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected.
+        Under gain warm-up (``scale``) mmcv's own attention is the stock path (before its dropout and residual, as
+        mmcv computes it), to which the method adds its scaled term through the output projection's weight: a zero
+        scale is the stock layer exactly."""
+        a = self.attn
+        mha = a.attn  # torch.nn.MultiheadAttention
         B, N, C = x.shape
         heads = mha.num_heads
+        dropout_p = mha.dropout if self.training else 0.0
+        context = AttentionContext(dropout=dropout_p > 0)
+
+        def project_term(term: Tensor) -> Tensor:
+            return F.linear(term.transpose(1, 2).reshape(B, N, C), mha.out_proj.weight)
+
+        if scale is not None:
+            def stock() -> Tensor:
+                q = x.transpose(0, 1) if a.batch_first else x
+                out = mha(query=q, key=q, value=q, attn_mask=None, key_padding_mask=None)[0]
+                return out.transpose(0, 1) if a.batch_first else out
+
+            v = F.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None else mha.in_proj_bias[2 * C:])
+            call = LayerCall(None, None, None, v.reshape(B, N, heads, C // heads).transpose(1, 2), context=context,
+                             scale=scale, stock=StockPath(stock, project_term))
+            return self.attention_method.apply(self.pid, None, call, state)
         qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
         q, k, v = qkv.reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4).unbind(0)
-        dropout_p = mha.dropout if self.training else 0.0
 
         def attend(query: Tensor, value: Tensor) -> Tensor:
             return F.scaled_dot_product_attention(query, k, value, attn_mask=None, dropout_p=dropout_p,
                                                   is_causal=False, scale=None)
 
-        self.attention_method.check(self.pid, AttentionContext(dropout=dropout_p > 0))
-        params = self.attention_method.layer_params(self.pid, None)
-        out, state = self.attention_method.forward(params, attend, q, v, v, state, head_dim=-3)
-        return mha.out_proj(out.transpose(1, 2).reshape(B, N, C)), state
+        def project(out: Tensor) -> Tensor:
+            return mha.out_proj(out.transpose(1, 2).reshape(B, N, C))
 
-    def _warmup_attention(self, x: Tensor, state: Optional[tuple], scale: Tensor) -> Tuple[Tensor, tuple]:
-        """Under gain warm-up: mmcv's own attention (before its dropout and residual, as mmcv computes it) plus
-        the method's scaled term through the output projection's weight, so a zero scale is the stock layer
-        exactly."""
-        a = self.attn
-        mha = a.attn
-        self.attention_method.check(self.pid, AttentionContext(dropout=self.training and mha.dropout > 0))
-        B, N, C = x.shape
-        q = x.transpose(0, 1) if a.batch_first else x
-        out = mha(query=q, key=q, value=q, attn_mask=None, key_padding_mask=None)[0]
-        out = out.transpose(0, 1) if a.batch_first else out
-        v = F.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None else mha.in_proj_bias[2 * C:])
-        params = self.attention_method.layer_params(self.pid, None)
-        term, state = self.attention_method.term(
-            params, v.reshape(B, N, mha.num_heads, C // mha.num_heads).transpose(1, 2), state, scale, head_dim=-3)
-        return out + F.linear(term.transpose(1, 2).reshape(B, N, C), mha.out_proj.weight), state
+        return self.attention_method.apply(self.pid, None, LayerCall(attend, q, v, v, context=context,
+                                                                     project=project), state)
 
     def forward(self, x: Tensor, state: Optional[tuple] = None,  # type: ignore[override]
                 scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
@@ -109,11 +113,7 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
         method = self.attention_method
 
         def inner(x: Tensor, *state_tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-            given = method.make_state(*state_tensors) if state_tensors else None
-            if scale is None:
-                out, new_state = self._attention(self.norm1(x), given)
-            else:
-                out, new_state = self._warmup_attention(self.norm1(x), given, scale)
+            out, new_state = self._attention(self.norm1(x), state_tensors or None, scale)
             x = x + self.attn.dropout_layer(self.attn.proj_drop(out))
             return (self.ffn(self.norm2(x), identity=x), *new_state)
 
