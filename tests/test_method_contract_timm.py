@@ -13,7 +13,7 @@ import torch
 timm = pytest.importorskip("timm")
 import pid_plugins  # noqa: E402
 import pid_plugins.timm as pt  # noqa: E402
-from pid_plugins.timm._helpers import pid_step  # noqa: E402
+from pid_plugins.core.methods import method_update  # noqa: E402
 from toy_method import METHOD, NAME, ScaledReference, ScaledReferenceConfig, toy_rule  # noqa: E402
 from zoo_cases import (DEIT, FAN, set_fused, timm_checkpointing_results, timm_load_pretrained,  # noqa: E402
                        timm_reference)
@@ -182,7 +182,7 @@ def test_fx_feature_extraction(kind):
     name, _, cfg = MODELS[kind]
     model, _ = pair(kind)
     extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
-    steps = [n for n in extractor.graph.nodes if n.op == "call_function" and n.target is pid_step]
+    steps = [n for n in extractor.graph.nodes if n.op == "call_function" and n.target is method_update]
     assert len(steps) == len(model.blocks)  # the method's update: one leaf call per layer
     x = images(kind)
     with torch.no_grad():

@@ -12,9 +12,22 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping
 
-__all__ = ["MethodConfig", "PIDConfig", "PRESETS"]
+__all__ = ["MethodConfig", "PIDConfig", "PRESETS", "fx_constant"]
 
 _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
+
+
+def fx_constant(value: Any, tracer: Any) -> Any:
+    """torch.fx's ``__fx_create_arg__`` protocol for a constant that is neither a tensor nor a plain value (a method,
+    its frozen config): stored once per trace as an attribute of the traced root, read by a ``get_attr`` node (as fx
+    stores constant tensors), so leaf functions such as the method's update step can take it as an argument."""
+    stored = tracer.__dict__.setdefault("_pid_plugins_constants", {})
+    name = stored.get(id(value))
+    if name is None:
+        name = tracer.get_fresh_qualname("_pid_plugins_constant")
+        setattr(tracer.root, name, value)
+        stored[id(value)] = name
+    return tracer.create_node("get_attr", name, (), {})
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,9 @@ class MethodConfig:
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     ZERO: ClassVar[Mapping[str, Any]] = {}
+
+    def __fx_create_arg__(self, tracer: Any) -> Any:  # a constant of a torch.fx graph (see fx_constant)
+        return fx_constant(self, tracer)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -3,7 +3,8 @@
 A method changes what one self-attention layer computes from its queries ``q``, keys ``k`` and values ``v`` (per
 head, before the output projection) and from a *state* that the earlier layers of the same forward pass handed on
 (PID: the first layer's values, the running error and the last error). Every zoo adapter knows only where q/k/v and
-the attention call live and how its layers are looped; everything else is asked of the method, through one contract:
+the attention call live and how its layers are looped; everything else is asked of the method, through one call
+per layer:
 
 .. code-block:: python
 
@@ -11,15 +12,19 @@ the attention call live and how its layers are looped; everything else is asked 
     method, config = choice.method, choice.config                      # frozen, validated parameters
     learned = method.make_learned(config)                              # per-layer parameters, or None
     # per layer, per forward:
-    params = method.layer_params(config, learned)                      # what this layer's rule reads
-    out, state = method.forward(params, attend, q, v, v_q, state, scale=warmup_scale, head_dim=-3)
+    call = LayerCall(attend, q, v, v_q, head_dim=-3, context=AttentionContext(causal=False), scale=warmup_scale)
+    out, state = method.apply(config, learned, call, state)
 
 ``attend(q, v)`` is the zoo's own attention with everything else bound (keys, mask, dropout, scale): it returns
 ``A v`` per head, in the layout the zoo's output projection reads (``head_dim`` says where the heads are). ``v_q``
 are the values of the query positions (the last rows with a KV cache) in that layout, ``state`` is ``None`` at the
 group's first layer and afterwards whatever the previous layer returned (a tuple of tensors or ``None``\\ s with the
 method's ``state_fields``, so adapters can thread it as flat tensors through checkpointed blocks). ``scale`` is the
-gain warm-up factor of this forward (``None``: no warm-up), see :mod:`pid_plugins.core.warmup`.
+gain warm-up factor of this forward (``None``: no warm-up), see :mod:`pid_plugins.core.warmup`. :class:`LayerCall`
+also carries what only some methods read (``visible``, a cache ``slot``: built on demand), the layer's output
+projection and the zoo's own fused layer (``stock``, the warm-up path of additive methods). :meth:`AttentionMethod.apply`
+chooses the path: the refusals of :meth:`~AttentionMethod.check`, then the stock layer plus the method's term, the
+zoo's attention once and the update, or the method's own ``prepare``/``attend``.
 
 A method is registered by name with :func:`register_method`; :func:`get_method` and :func:`list_methods` read the
 registry. The transformers adapter registers every method with ``AttentionInterface`` under its name
@@ -37,7 +42,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Opt
 import torch
 from torch import Tensor, nn
 
-from .config import MethodConfig, PIDConfig
+from .config import MethodConfig, PIDConfig, fx_constant
 from .control import PIDState, pid_update
 from .gains import PIDGains
 from .warmup import GainWarmup, make_warmup, scaled_gains
@@ -189,6 +194,9 @@ class AttentionMethod:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+    def __fx_create_arg__(self, tracer: Any) -> Any:  # a constant of a torch.fx graph (the leaves take the method)
+        return fx_constant(self, tracer)
 
 
 class CacheSlot:

@@ -17,9 +17,9 @@ from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
 from ..core import (
-    AttentionContext, AttentionMethod, MethodChoice, calls_attention_once, check_keys,
-    reserve_names, resolve_attention,
+    AttentionContext, AttentionMethod, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
 )
+from ..core.methods import method_check, method_update
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -73,72 +73,33 @@ class MethodLayer:
 
     def method_attention(
         self, attend: Callable[[Tensor, Tensor], Tensor], q: Tensor, v: Tensor, state: Optional[Tuple[Any, ...]],
-        scale: Optional[Tensor], causal: bool = False,
+        scale: Optional[Tensor], causal: Any = False,
     ) -> Tuple[Tensor, Optional[tuple]]:
         """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer.
 
         ``attend(q, v)`` is the layer's stock attention (keys, mask, dropout bound). The stock path (softmax, or
-        a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through. Otherwise
-        this is the method's ``forward`` in its three steps: ``prepare`` and ``attend`` here when the method
-        overrides them (torch.fx traces through them: they get the ``attend`` closure), then ``update`` in one
-        :func:`pid_step` call, a leaf for torch.fx.
+        a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through; otherwise
+        the method's one :meth:`~pid_plugins.core.AttentionMethod.apply`, whose refusals and update step are leaves
+        for torch.fx (:func:`~pid_plugins.core.methods.method_check`, :func:`~pid_plugins.core.methods.method_update`).
         """
         method = self.attention_method
         if method is None or method.is_identity(self.pid):
             return attend(q, v), state
-        q = check_step(self, q, causal)
-        if not calls_attention_once(method):
-            params = method.layer_params(self.pid, self.pid_gains)
-            previous = method.make_state(*state) if state is not None else None
-            q = method.prepare(params, q, v, previous)
-            out = method.attend(params, attend, q, v, previous, -3)
-        else:
-            out = attend(q, v)
-        return pid_step(self, out, v, state, scale)
+        drop = getattr(self, "attn_drop", None)
+        context = AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0)
+        return method.apply(self.pid, self.pid_gains, LayerCall(attend, q, v, v, context=context, scale=scale), state)
 
 
-@register_notrace_function
-def pid_step(
-    layer: MethodLayer, attn_out: Tensor, value: Tensor, state: Optional[Tuple[Any, ...]],
-    scale: Optional[Tensor] = None,
-) -> Tuple[Tensor, tuple]:
-    """The update step of one attention ``layer``'s method (PID: the PID update) with the layer's parameters
-    (``layer.pid`` and ``layer.pid_gains``), scaled by the model's warm-up ``scale`` for this forward (None: no
-    warm-up). ``state``: the previous layer's flat state tensors, or None at the group's first layer.
-
-    Registered with timm's ``register_notrace_function`` (and ``torch.fx.wrap`` below): torch.fx (timm's and
-    torchvision's feature extraction) records it as one call instead of tracing into the method's update, whose
-    shape checks are Python control flow. Its result is a tuple: index it (``res[0]``) or unpack it into a fixed
-    number of names; ``*rest`` unpacking of a traced value is not possible.
-    """
-    method = layer.attention_method
-    params = method.layer_params(layer.pid, layer.pid_gains)
-    return method.update(params, attn_out, value, method.make_state(*state) if state is not None else None,
-                         scale, -3)
-
-
-@register_notrace_function
-def check_step(layer: MethodLayer, query: Tensor, causal: Any = False) -> Tensor:
-    """The layer's method refuses what it cannot compute exactly (``AttentionMethod.check``: causal, attention
-    dropout in training), before the layer computes; returns ``query`` unchanged. A leaf for torch.fx too: in a
-    traced model (feature extraction) the ``is_causal`` argument is only known when the graph runs, and the query
-    passing through keeps the call in the graph."""
-    drop = getattr(layer, "attn_drop", None)
-    layer.attention_method.check(layer.pid, AttentionContext(
-        causal=bool(causal), dropout=layer.training and drop is not None and drop.p > 0))
-    return query
-
-
-# leaves for every torch.fx tracer, also ones not given timm's notrace lists (plain torchvision)
-torch.fx.wrap("pid_step")
-torch.fx.wrap("check_step")
+# timm's own fx leaf list (its feature extraction traces with it; plain torch.fx uses core's torch.fx.wrap)
+register_notrace_function(method_check)
+register_notrace_function(method_update)
 
 
 def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
     """A block's method state as the flat tail of its output tuple (``()`` for the stock attention).
 
     Indexes the state field by field (``size`` = ``len(method.state_fields)``), so it also works on a torch.fx
-    proxy of a :func:`pid_step` result.
+    proxy of a :func:`~pid_plugins.core.methods.method_update` result.
     """
     if state is None or not size:
         return ()
