@@ -44,9 +44,10 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
+from ..core.layer import MethodLayer, MethodModel
 from ..core import (
-    AttentionContext, AttentionMethod, CacheSlot, GainWarmup, LayerCall, MethodChoice, StockPath, method_warmup,
-    resolve_attention, warmup_scale,
+    AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath, resolve_attention,
+    warmup_scale,
 )
 
 __all__ = [
@@ -143,7 +144,7 @@ def _as_bool(value: Any, option: str) -> bool:
     raise ValueError(f"{option} takes true or false, got {value!r}")
 
 
-class PIDMultiheadAttention(MultiheadAttention):
+class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
     """fairseq self-attention (same parameters) whose output the attention method computes.
 
     ``attention_method`` (an :class:`~pid_plugins.core.AttentionMethod`, or None for softmax) and ``pid`` (its
@@ -153,9 +154,7 @@ class PIDMultiheadAttention(MultiheadAttention):
     def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.attention_method = method
-        self.pid = config
-        self.pid_gains = method.make_learned(config) if method is not None else None
+        self.set_attention(MethodChoice(method, config) if method is not None else None)
 
     def _qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         T, B, _ = x.shape
@@ -194,7 +193,7 @@ class PIDMultiheadAttention(MultiheadAttention):
 
             v = self.v_proj(x).view(T, B, H, D).permute(1, 2, 0, 3)
             call = LayerCall(None, None, None, v, context=context, scale=scale, stock=StockPath(stock, project_term))
-            return method.apply(self.pid, self.pid_gains, call, state)
+            return self.apply_method(call, state)
         q, k, v = self._qkv(x)
         v_query = v
         slot: Optional[Callable[[], CacheSlot]] = None
@@ -228,7 +227,7 @@ class PIDMultiheadAttention(MultiheadAttention):
             return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
 
         call = LayerCall(attend, q, v, v_query, context=context, visible=visible, slot=slot, project=project)
-        return method.apply(self.pid, self.pid_gains, call, state)
+        return self.apply_method(call, state)
 
 
 class _BufferSlot(CacheSlot):
@@ -288,7 +287,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         pid_scale: Optional[Tensor] = None,
     ):
         method = self.self_attn.attention_method
-        if method is None or method.is_identity(self.self_attn.pid):
+        if not self.self_attn.method_active:
             out = super().forward(x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
                                   prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights)
             return (*out, pid_state)
@@ -323,7 +322,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         return x, None, None, pid_state
 
 
-class PIDTransformerDecoder(TransformerDecoder):
+class PIDTransformerDecoder(MethodModel, TransformerDecoder):
     """fairseq's decoder built with :class:`PIDTransformerDecoderLayer` layers, the method's state threaded through
     the layer loop (one fresh state per forward). ``choice``: :func:`attention_from_args` (None: softmax)."""
 
@@ -334,9 +333,7 @@ class PIDTransformerDecoder(TransformerDecoder):
         self.attention_method, self.pid = method, config
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        #: the warm-up counter (``--pid-warmup-steps N``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.embed_tokens.weight, stock_plus_term=True,
-                                                              where="transformer_lm_pid")
+        self.set_model_method(choice, self.embed_tokens.weight, stock_plus_term=True, where="transformer_lm_pid")
 
     def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
         """fairseq's ``build_decoder_layer`` with the PID layer class (activation checkpointing is refused)."""

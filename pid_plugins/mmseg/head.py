@@ -9,14 +9,17 @@ from torch import Tensor
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
-from ..core import SOFTMAX, AttentionMethod, GainWarmup, method_warmup, warmup_scale
+from ..core.layer import MethodModel
+from ..core import (
+    SOFTMAX, warmup_scale,
+)
 from .vit import choose_attention, method_layers
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
 
 
 @MODELS.register_module()
-class PIDSegmenterMaskTransformerHead(SegmenterMaskTransformerHead):
+class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead):
     """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method in its transformer layers.
 
     The decoder's layers (patch tokens + class embeddings) form their own group: the method's state starts afresh
@@ -36,17 +39,12 @@ class PIDSegmenterMaskTransformerHead(SegmenterMaskTransformerHead):
         super().__init__(*args, **kwargs)
         where = "mmseg decode_head PIDSegmenterMaskTransformerHead"
         choice = choose_attention(attention, attention_cfg, pid, where)
-        #: the method's config (PID's gains), None for softmax
-        self.pid = choice.config if choice is not None else None
-        #: the attention method, None for softmax
-        self.attention_method: Optional[AttentionMethod] = choice.method if choice is not None else None
-        #: the gain warm-up counter (``warmup_steps=N`` in the config), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.cls_emb, stock_plus_term=True, where=where)
+        self.set_model_method(choice, self.cls_emb, stock_plus_term=True, where=where)
         method_layers(self.layers, choice)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:
         scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward
-        if self.attention_method is None or self.attention_method.is_identity(self.pid):
+        if not self.method_active:
             return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
         x = self._transform_inputs(inputs)
         b, c, h, w = x.shape

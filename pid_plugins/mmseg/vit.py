@@ -23,9 +23,10 @@ from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransforme
 from mmseg.registry import MODELS
 
 from ..core import (
-    SOFTMAX, AttentionContext, AttentionMethod, GainWarmup, LayerCall, MethodChoice, PIDConfig, StockPath, check_keys,
-    method_warmup, resolve_attention, unwrap_state_dict, warmup_scale,
+    SOFTMAX, AttentionContext, AttentionMethod, LayerCall, MethodChoice, PIDConfig, StockPath, check_keys,
+    resolve_attention, unwrap_state_dict, warmup_scale,
 )
+from ..core.layer import MethodLayer, MethodModel
 from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
@@ -43,13 +44,13 @@ def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
 def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     """Replace each of mmseg's ``TransformerEncoderLayer`` in ``layers`` by a :class:`PIDTransformerEncoderLayer`
     that takes over its submodules, unless the choice computes the stock attention (softmax, identity config)."""
-    if choice is None or choice.method.is_identity(choice.config):
+    if choice is None or choice.method.is_identity(choice.config):  # the stock layers, untouched
         return
     for i, layer in enumerate(layers):
         layers[i] = PIDTransformerEncoderLayer(layer, choice.method, choice.config)
 
 
-class PIDTransformerEncoderLayer(TransformerEncoderLayer):
+class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
     """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``.
 
     Built from one of mmseg's own layers, whose submodules (``ln1``, ``attn``, ``ln2``, ``ffn``) it takes over:
@@ -65,8 +66,9 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
         for name, module in layer.named_children():
             self.add_module(name, module)
         self.train(layer.training)
-        self.attention_method = method
-        self.pid = config
+        self.set_attention(MethodChoice(method, config))
+        if self.pid_gains is not None:  # mmseg has no learnable parameters (refused before, by choose_attention)
+            raise ValueError(f"mmseg layers take no learnable parameters ({method.name})")
 
     def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
         """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected.
@@ -92,7 +94,7 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
             v = F.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None else mha.in_proj_bias[2 * C:])
             call = LayerCall(None, None, None, v.reshape(B, N, heads, C // heads).transpose(1, 2), context=context,
                              scale=scale, stock=StockPath(stock, project_term))
-            return self.attention_method.apply(self.pid, None, call, state)
+            return self.apply_method(call, state)
         qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
         q, k, v = qkv.reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4).unbind(0)
 
@@ -103,8 +105,7 @@ class PIDTransformerEncoderLayer(TransformerEncoderLayer):
         def project(out: Tensor) -> Tensor:
             return mha.out_proj(out.transpose(1, 2).reshape(B, N, C))
 
-        return self.attention_method.apply(self.pid, None, LayerCall(attend, q, v, v, context=context,
-                                                                     project=project), state)
+        return self.apply_method(LayerCall(attend, q, v, v, context=context, project=project), state)
 
     def forward(self, x: Tensor, state: Optional[tuple] = None,  # type: ignore[override]
                 scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
@@ -152,7 +153,7 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
 
 
 @MODELS.register_module()
-class PIDVisionTransformer(VisionTransformer):
+class PIDVisionTransformer(MethodModel, VisionTransformer):
     """mmseg's ``VisionTransformer`` with an attention method (PID by default) in its encoder layers (one group).
 
     Args (beyond mmseg's ``VisionTransformer``):
@@ -185,13 +186,7 @@ class PIDVisionTransformer(VisionTransformer):
                     "or pass the method's parameters as attention_cfg=dict(...)"
                 )
             choice = MethodChoice(choice.method, choice.config.replace(**single))
-        #: the method's config (PID's gains), None for softmax
-        self.pid = choice.config if choice is not None else None
-        #: the attention method, None for softmax
-        self.attention_method: Optional[AttentionMethod] = choice.method if choice is not None else None
-        #: the gain warm-up counter (``warmup_steps=N`` in the config), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = method_warmup(choice, self.pos_embed, stock_plus_term=True,
-                                                              where=where)
+        self.set_model_method(choice, self.pos_embed, stock_plus_term=True, where=where)
         method_layers(self.layers, choice)
 
     def init_weights(self) -> None:
@@ -234,7 +229,7 @@ class PIDVisionTransformer(VisionTransformer):
 
     def forward(self, inputs: Tensor) -> Tuple[Any, ...]:
         scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward (outside the checkpointed layers)
-        if self.attention_method is None or self.attention_method.is_identity(self.pid):
+        if not self.method_active:
             return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
         B = inputs.shape[0]
         x, hw_shape = self.patch_embed(inputs)

@@ -19,6 +19,7 @@ from ..catalogue import ModelEntry, load_catalogue
 from ..core import (
     AttentionContext, AttentionMethod, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
 )
+from ..core.layer import MethodLayer as CoreMethodLayer
 from ..core.methods import method_check, method_update
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -45,31 +46,9 @@ def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid
 
 
 # ------------------------------------------------------------------------------------------ attention layers
-class MethodLayer:
-    """What an attention layer of a timm family holds for its method (mixed into the layer's ``nn.Module``).
-
-    ``attention_method`` (the :class:`~pid_plugins.core.AttentionMethod`, None for softmax), ``pid`` (its config,
-    the attribute PID models always had) and ``pid_gains`` (the method's learnable per-layer parameters, from
-    ``method.make_learned``, or None: the attribute name keeps PID checkpoints loading unchanged).
-    """
-
-    attention_method: Optional[AttentionMethod]
-    pid: Any
-    pid_gains: Optional[nn.Module]
-
-    def set_attention(self, choice: Optional[MethodChoice], like: Tensor) -> None:
-        """Switch the layer to ``choice`` (None: softmax); learnable parameters are (re)initialised on ``like``'s
-        device and dtype."""
-        self.attention_method = choice.method if choice is not None else None
-        self.pid = choice.config if choice is not None else None
-        learned = choice.method.make_learned(choice.config) if choice is not None else None
-        self.pid_gains = learned.to(device=like.device, dtype=like.dtype) if learned is not None else None
-
-    @property
-    def state_size(self) -> int:
-        """How many flat tensors this layer hands to the next (0: the stock attention, nothing threaded)."""
-        method = self.attention_method
-        return 0 if method is None or method.is_identity(self.pid) else len(method.state_fields)
+class MethodLayer(CoreMethodLayer):
+    """What an attention layer of a timm family holds for its method (mixed into the layer's ``nn.Module``): core's
+    :class:`~pid_plugins.core.layer.MethodLayer` and the timm attention call."""
 
     def method_attention(
         self, attend: Callable[[Tensor, Tensor], Tensor], q: Tensor, v: Tensor, state: Optional[Tuple[Any, ...]],
@@ -82,12 +61,11 @@ class MethodLayer:
         the method's one :meth:`~pid_plugins.core.AttentionMethod.apply`, whose refusals and update step are leaves
         for torch.fx (:func:`~pid_plugins.core.methods.method_check`, :func:`~pid_plugins.core.methods.method_update`).
         """
-        method = self.attention_method
-        if method is None or method.is_identity(self.pid):
+        if not self.method_active:
             return attend(q, v), state
         drop = getattr(self, "attn_drop", None)
         context = AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0)
-        return method.apply(self.pid, self.pid_gains, LayerCall(attend, q, v, v, context=context, scale=scale), state)
+        return self.apply_method(LayerCall(attend, q, v, v, context=context, scale=scale), state)
 
 
 # timm's own fx leaf list (its feature extraction traces with it; plain torch.fx uses core's torch.fx.wrap)

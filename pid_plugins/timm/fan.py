@@ -35,7 +35,10 @@ from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, Positiona
 from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import GainWarmup, MethodChoice, make_warmup, unwrap_state_dict, warmup_scale
+from ..core.layer import MethodModel
+from ..core import (
+    MethodChoice, unwrap_state_dict, warmup_scale,
+)
 from ._helpers import (
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     register_entries, resolve_pid, run_blocks, state_outputs,
@@ -184,7 +187,7 @@ class FANBlock(nn.Module):
         return (x,) + state
 
 
-class FAN(nn.Module):
+class FAN(MethodModel, nn.Module):
     """FAN-ViT: convolutional stem, Fourier positions, FAN blocks, two class-attention blocks, head.
 
     ``attention="pid"`` puts the FAN blocks' token mixing under PID control (``pid`` or ``attention_cfg``: a
@@ -229,11 +232,7 @@ class FAN(nn.Module):
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
         act_layer = get_act_layer(act_layer) or nn.GELU
         choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
-        #: the method's config and the method (None: softmax)
-        self.pid = choice.config if choice is not None else None
-        self.attention_method = choice.method if choice is not None else None
-        #: the gain warm-up counter (``warmup_steps > 0``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = make_warmup(self.pid, like=torch.empty(0, device=device))
+        self.set_model_method(choice, torch.empty(0, device=device), where=type(self).__name__)
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
@@ -313,9 +312,7 @@ class FAN(nn.Module):
         choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
         for blk in self.blocks:
             blk.attn.set_attention(choice, blk.attn.q.weight)
-        self.pid = choice.config if choice is not None else None
-        self.attention_method = choice.method if choice is not None else None
-        self.pid_warmup = make_warmup(self.pid, self.pid_warmup, like=next(self.parameters()))
+        self.set_model_method(choice, next(self.parameters()), where=type(self).__name__)
 
     def _embed(self, x: Tensor) -> Tuple[Tensor, int, int]:
         B = x.shape[0]

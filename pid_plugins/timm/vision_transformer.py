@@ -26,7 +26,10 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core import GainWarmup, MethodChoice, make_warmup, warmup_scale
+from ..core.layer import MethodModel
+from ..core import (
+    MethodChoice, warmup_scale,
+)
 from ._helpers import (
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     rebuilt, register_entries, resolve_pid, run_blocks, state_outputs,
@@ -110,7 +113,7 @@ class PIDBlock(Block):
         return (x,) + state
 
 
-class _PIDViTMixin:
+class _PIDViTMixin(MethodModel):
     """Overrides of ``VisionTransformer`` that thread the method's state through the blocks."""
 
     blocks: nn.Sequential
@@ -135,13 +138,7 @@ class _PIDViTMixin:
         self._set_model_attention(choice)
 
     def _set_model_attention(self, choice: Optional[MethodChoice]) -> None:
-        #: the method's config (None: softmax) and the method (None: softmax)
-        self.pid = choice.config if choice is not None else None
-        self.attention_method = choice.method if choice is not None else None
-        #: the gain warm-up counter (``warmup_steps > 0``), advanced once per training forward
-        self.pid_warmup: Optional[GainWarmup] = make_warmup(
-            self.pid, getattr(self, "pid_warmup", None), like=next(self.parameters())
-        )
+        self.set_model_method(choice, next(self.parameters()), where=type(self).__name__)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
