@@ -66,9 +66,12 @@ class LayerGains(PIDGains):
             init.constant_(getattr(self, f"{name}_raw"), raw)
 
 
-def layer_gains_of(module: nn.Module) -> "LayerGains | None":
+def layer_gains_of(module: nn.Module) -> "nn.Module | None":
+    """``module``'s gains: a :class:`PIDGains`, or a wrapper holding one as ``original_module`` (peft's
+    ``modules_to_save=["pid_gains"]``: calling it gives the active adapter's copy), else None."""
     gains = module._modules.get(GAINS_ATTR)
-    return gains if isinstance(gains, PIDGains) else None
+    held = getattr(gains, "original_module", None) if isinstance(gains, nn.Module) else None
+    return gains if isinstance(gains, PIDGains) or isinstance(held, PIDGains) else None
 
 
 def attach(attention: nn.Module, config: PIDConfig) -> bool:
