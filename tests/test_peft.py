@@ -15,7 +15,7 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AttentionInterface, AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainingArguments
 
 import pid_plugins.hf as ph
 from pid_plugins.core import GainWarmup
@@ -239,6 +239,28 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert again.config._attn_implementation == "pid" and again.config.pid["learnable"] is True
     assert torch.equal(logits(again, x), logits(merged, x))
+
+
+def test_trainer_keeps_the_gains_peft_trains_out_of_weight_decay(tmp_path):
+    """NoGainDecayTrainerMixin over a PeftModel: the gains' trained copies (``pid_gains.modules_to_save.default.``)
+    go to the no-decay group, the adapter's weights stay where the plain Trainer puts them."""
+    wrapped = get_peft_model(build("pid", LEARN), ADAPTERS["lora"][0](modules_to_save=["pid_gains"]))
+    args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, report_to="none", use_cpu=True)
+    names = {id(p): n for n, p in wrapped.named_parameters()}
+
+    def groups(trainer_cls):
+        opt = trainer_cls(model=wrapped, args=args).create_optimizer()
+        return {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
+
+    class PIDTrainer(ph.NoGainDecayTrainerMixin, Trainer):
+        pass
+
+    gains = {n for n, p in wrapped.named_parameters() if p.requires_grad and ".pid_gains." in n}
+    plain, ours = groups(Trainer), groups(PIDTrainer)
+    assert len(gains) == 3 * LAYERS and gains <= plain[0.1]  # the plain Trainer decays them
+    assert ours[0.0] == plain.get(0.0, set()) | gains and ours[0.1] == plain[0.1] - gains
+    originals = {n.replace(".modules_to_save.default.", ".original_module.") for n in gains}
+    assert set(ph.gain_parameter_names(wrapped)) == gains | originals
 
 
 # ================================================================ gain warm-up through the PeftModel

@@ -40,7 +40,9 @@ __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "dec
 GAINS_ATTR = "pid_gains"
 #: matches the state-dict keys of the gains (transformers' ``_keys_to_ignore_on_load_missing`` is a regex list)
 MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.lambda_[pid]_raw$"
-_NAME = re.compile(MISSING_PATTERN)
+#: a gain's parameter name, also inside peft's ``modules_to_save`` wrapper (``pid_gains.modules_to_save.<adapter>.``
+#: the trained copy, ``pid_gains.original_module.`` the frozen original)
+_NAME = re.compile(rf"(^|\.){GAINS_ATTR}\.(modules_to_save\.[^.]+\.|original_module\.)?lambda_[pid]_raw$")
 
 
 class LayerGains(PIDGains):
