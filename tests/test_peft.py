@@ -270,11 +270,12 @@ N = 3
 @pytest.mark.parametrize("save_counter", [True, False], ids=["counter-in-adapter", "counter-in-base"])
 def test_warm_up_advances_through_the_peft_model_as_without_it(save_counter, calls, tmp_path):
     x = hf_ids(2, 8)
-    warm = {**METHODS["pid"], "warmup_steps": N}
+    warm = {**LEARN, "warmup_steps": N}  # learnable gains too, trained beside the adapter
     plain = build("pid", warm)
     model = build("pid", warm)
     assert torch.equal(logits(model, x), logits(stock_twin(model), x))  # t = 0: the stock model
-    wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["pid_warmup"] if save_counter else None))
+    saved_modules = ["pid_gains", "pid_warmup"] if save_counter else ["pid_gains"]
+    wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=saved_modules))
     # the counter is reached through the PeftModel's attribute delegation, wrapped by peft or not
     assert int(wrapped.pid_warmup.step) == 0 and wrapped.pid_warmup.warmup_steps == N
 
@@ -314,9 +315,11 @@ def test_warm_up_advances_through_the_peft_model_as_without_it(save_counter, cal
 
 # ================================================================ gradient checkpointing under peft
 def test_gradient_checkpointing_under_peft_gives_the_same_gradients_and_refuses_reentrant():
+    """Non-reentrant checkpointing gives the adapter's and the gains' gradients without it; reentrant is refused
+    before any gradient, as without peft."""
     x = hf_ids(2, 8)
 
-    def lora_grads(checkpointing):
+    def adapter_grads(checkpointing):
         model = build("pid", LEARN)
         if checkpointing is not None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
@@ -325,11 +328,10 @@ def test_gradient_checkpointing_under_peft_gives_the_same_gradients_and_refuses_
         wrapped(input_ids=x, labels=x).loss.backward()
         return {n: p.grad for n, p in wrapped.named_parameters() if p.requires_grad}
 
-    want = lora_grads(None)
-    got = lora_grads({"use_reentrant": False})
+    want = adapter_grads(None)
+    got = adapter_grads({"use_reentrant": False})
     assert got.keys() == want.keys() and any(".pid_gains." in n for n in got)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
     with pytest.raises(ValueError, match="use_reentrant"):
-        lora_grads({"use_reentrant": True})
-
+        adapter_grads({"use_reentrant": True})
