@@ -21,6 +21,10 @@ How they survive transformers' own paths:
 * weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
   ``nn.LayerNorm`` type only, with no model hook. :class:`NoGainDecayTrainerMixin` (or
   :func:`decay_parameter_names`) keeps the gains out; see its docstring.
+* peft: ``modules_to_save=["pid_gains"]`` trains a copy of each layer's gains beside the adapter and saves it
+  with the adapter (``"pid_warmup"`` likewise saves the warm-up counter); :func:`layer_gains_of` and
+  :func:`is_gain_name` recognise peft's wrapper, so rediscovery keeps it and the weight-decay helpers skip its
+  gains. Tested in tests/test_peft.py.
 """
 from __future__ import annotations
 
