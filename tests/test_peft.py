@@ -313,6 +313,28 @@ def test_warm_up_advances_through_the_peft_model_as_without_it(save_counter, cal
     torch.testing.assert_close(logits(merged, x), trained, rtol=1e-5, atol=1e-5)
 
 
+def test_the_counter_swap_is_found_once_and_a_plain_warm_up_model_is_not_rediscovered(monkeypatch):
+    """Discovery runs again only when the counter module was replaced (peft wrapping it, merge_and_unload
+    unwrapping it), once; a warm-up model whose counter moved to the outer model while it was built is not
+    rediscovered at its first forward (a first forward under torch.compile traces no discovery)."""
+    import pid_plugins.hf.attention as attention
+
+    x = hf_ids(1, 5)
+    model = build("pid", {**METHODS["pid"], "warmup_steps": N})
+    runs = []
+    original = attention._discover
+    monkeypatch.setattr(attention, "_discover", lambda m, *a, **kw: runs.append(type(m).__name__) or
+                        original(m, *a, **kw))
+    logits(model, x)
+    assert runs == []
+    wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["pid_warmup"]))
+    logits(wrapped, x), logits(wrapped, x)
+    assert runs == ["LlamaForCausalLM"]
+    merged = wrapped.merge_and_unload()
+    logits(merged, x), logits(merged, x)
+    assert runs == ["LlamaForCausalLM"] * 2
+
+
 # ================================================================ gradient checkpointing under peft
 def test_gradient_checkpointing_under_peft_gives_the_same_gradients_and_refuses_reentrant():
     """Non-reentrant checkpointing gives the adapter's and the gains' gradients without it; reentrant is refused

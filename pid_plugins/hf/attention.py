@@ -742,6 +742,9 @@ def _adopt_counters(model: PreTrainedModel, submodule: nn.Module) -> None:
     for m in submodule.modules():
         if isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
             counter = m._modules.pop(WARMUP_ATTR)
+            plan = m.__dict__.get(_PLAN)
+            if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
+                plan.counter = None
             if model._modules.get(WARMUP_ATTR) is None:
                 _give_counter(model, counter)
 
