@@ -436,6 +436,7 @@ class _Plan:
     learnable: bool = False  # whether discovery gave the self-attention modules their gains
     causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
     layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules (where method cache slots start)
+    counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
 
 
 def _chosen(model: nn.Module) -> str:
@@ -544,7 +545,8 @@ def _discover(model: PreTrainedModel, at_forward: bool = False) -> _Plan:
             )
     plan = _Plan(owns_layers=order > 0,
                  cache_position=names.index("past_key_values") if "past_key_values" in names else None,
-                 learnable=learnable is not None, causal=causal, layer_count=layer_count)
+                 learnable=learnable is not None, causal=causal, layer_count=layer_count,
+                 counter=model._modules.get(WARMUP_ATTR))
     model.__dict__[_PLAN] = plan
     return plan
 
@@ -604,6 +606,11 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             )
         with _LOCK:
             plan = _discover(module, at_forward=True)
+    if plan.counter is not module._modules.get(WARMUP_ATTR):
+        # the counter module was replaced after discovery (peft's modules_to_save=["pid_warmup"] wraps it, its
+        # merge_and_unload unwraps it): the nested models' layers must read the counter this forward advances
+        with _LOCK:
+            plan = _discover(module)
     if not plan.owns_layers:
         return None
     gains_config = module.__dict__.get(_GAINS_SOURCE, config)
@@ -731,6 +738,9 @@ def _adopt_counters(model: PreTrainedModel, submodule: nn.Module) -> None:
     for m in submodule.modules():
         if isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
             counter = m._modules.pop(WARMUP_ATTR)
+            plan = m.__dict__.get(_PLAN)
+            if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
+                plan.counter = None
             if model._modules.get(WARMUP_ATTR) is None:
                 _give_counter(model, counter)
 

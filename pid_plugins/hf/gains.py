@@ -21,6 +21,10 @@ How they survive transformers' own paths:
 * weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
   ``nn.LayerNorm`` type only, with no model hook. :class:`NoGainDecayTrainerMixin` (or
   :func:`decay_parameter_names`) keeps the gains out; see its docstring.
+* peft: ``modules_to_save=["pid_gains"]`` trains a copy of each layer's gains beside the adapter and saves it
+  with the adapter (``"pid_warmup"`` likewise saves the warm-up counter); :func:`layer_gains_of` and
+  :func:`is_gain_name` recognise peft's wrapper, so rediscovery keeps it and the weight-decay helpers skip its
+  gains. Tested in tests/test_peft.py.
 """
 from __future__ import annotations
 
@@ -40,7 +44,9 @@ __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "dec
 GAINS_ATTR = "pid_gains"
 #: matches the state-dict keys of the gains (transformers' ``_keys_to_ignore_on_load_missing`` is a regex list)
 MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.lambda_[pid]_raw$"
-_NAME = re.compile(MISSING_PATTERN)
+#: a gain's parameter name, also inside peft's ``modules_to_save`` wrapper (``pid_gains.modules_to_save.<adapter>.``
+#: the trained copy, ``pid_gains.original_module.`` the frozen original)
+_NAME = re.compile(rf"(^|\.){GAINS_ATTR}\.(modules_to_save\.[^.]+\.|original_module\.)?lambda_[pid]_raw$")
 
 
 class LayerGains(PIDGains):
@@ -66,9 +72,12 @@ class LayerGains(PIDGains):
             init.constant_(getattr(self, f"{name}_raw"), raw)
 
 
-def layer_gains_of(module: nn.Module) -> "LayerGains | None":
+def layer_gains_of(module: nn.Module) -> "nn.Module | None":
+    """``module``'s gains: a :class:`PIDGains`, or a wrapper holding one as ``original_module`` (peft's
+    ``modules_to_save=["pid_gains"]``: calling it gives the active adapter's copy), else None."""
     gains = module._modules.get(GAINS_ATTR)
-    return gains if isinstance(gains, PIDGains) else None
+    held = getattr(gains, "original_module", None) if isinstance(gains, nn.Module) else None
+    return gains if isinstance(gains, PIDGains) or isinstance(held, PIDGains) else None
 
 
 def attach(attention: nn.Module, config: PIDConfig) -> bool:
