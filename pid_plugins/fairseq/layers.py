@@ -1,0 +1,302 @@
+"""The layers of ``transformer_lm_pid``: fairseq's attention, decoder layer and decoder with an attention method.
+
+fairseq's ``MultiheadAttention`` runs the fused ``F.multi_head_attention_forward`` in training, where per-head
+values never exist in Python, and its decoder calls each layer with no side channel. So the model is fairseq's own
+``transformer_lm`` built with three subclasses from the start (same parameters and names, so a softmax
+``transformer_lm`` checkpoint loads as is):
+
+* :class:`PIDMultiheadAttention` computes q/k/v with the layer's own projections and makes the method's one call
+  (:meth:`~pid_plugins.core.AttentionMethod.apply`) with an ``attend`` that runs SDPA with the layer's keys, masks
+  and dropout; it keeps fairseq's incremental cache (``prev_key``/``prev_value`` batch-first, so beam reordering
+  needs nothing more);
+* :class:`PIDTransformerDecoderLayer` builds that attention and returns the method's state as a fourth output;
+* :class:`PIDTransformerDecoder` builds those layers and threads the state through the layer loop, one fresh state
+  per forward.
+
+With softmax attention or a method that is the identity (PID with all gains zero) the layers run fairseq's own
+code, so outputs equal the stock model's.
+"""
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.distributed import fsdp_wrap
+from fairseq.models.transformer import TransformerConfig, TransformerDecoder
+from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath, warmup_scale
+from ..core.layer import MethodLayer, MethodModel
+
+__all__ = ["PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
+
+IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+
+class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
+    """fairseq self-attention (same parameters) whose output the attention method computes.
+
+    ``attention_method`` (an :class:`~pid_plugins.core.AttentionMethod`, or None for softmax) and ``pid`` (its
+    config) are given at construction; a method with learnable parameters keeps them as ``pid_gains``.
+    """
+
+    def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_attention(MethodChoice(method, config) if method is not None else None)
+
+    def _qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        T, B, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v = (proj(x).view(T, B, H, D).permute(1, 2, 0, 3) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return q, k, v
+
+    def forward_method(
+        self,
+        x: Tensor,
+        state: Optional[tuple],
+        incremental_state: IncrementalState = None,
+        attn_mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+        scale: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, tuple]:
+        """The layer under its method, one :meth:`~pid_plugins.core.AttentionMethod.apply`: q/k/v from the layer's
+        projections (cached keys/values prepended), ``attend`` = SDPA with the keys, masks and dropout bound, then
+        the output projection. Under gain warm-up (``scale``; additive methods) fairseq's own attention, its fused
+        kernel and cache, is the stock path, to which the method adds its scaled term through the output
+        projection's weight: a zero scale is the stock layer exactly."""
+        T, B, C = x.shape
+        H, D = self.num_heads, self.head_dim
+        method = self.attention_method
+        context = AttentionContext(causal=True, cached=incremental_state is not None,
+                                   dropout=self.training and self.dropout_module.p > 0)
+
+        def project_term(term: Tensor) -> Tensor:
+            return F.linear(term.permute(2, 0, 1, 3).reshape(T, B, C), self.out_proj.weight)
+
+        if scale is not None:
+            def stock() -> Tensor:
+                return MultiheadAttention.forward(self, query=x, key=x, value=x, key_padding_mask=key_padding_mask,
+                                                  incremental_state=incremental_state, need_weights=False,
+                                                  attn_mask=attn_mask)[0]
+
+            v = self.v_proj(x).view(T, B, H, D).permute(1, 2, 0, 3)
+            call = LayerCall(None, None, None, v, context=context, scale=scale, stock=StockPath(stock, project_term))
+            return self.apply_method(call, state)
+        q, k, v = self._qkv(x)
+        v_query = v
+        slot: Optional[Callable[[], CacheSlot]] = None
+        if incremental_state is not None:
+            saved = self._get_input_buffer(incremental_state)
+            if "prev_key" in saved and saved["prev_key"] is not None:
+                k = torch.cat([saved["prev_key"].view(B, H, -1, D), k], dim=2)
+                v = torch.cat([saved["prev_value"].view(B, H, -1, D), v], dim=2)
+            key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+                key_padding_mask=key_padding_mask, prev_key_padding_mask=saved.get("prev_key_padding_mask"),
+                batch_size=B, src_len=k.size(2), static_kv=False)
+            saved["prev_key"], saved["prev_value"], saved["prev_key_padding_mask"] = k, v, key_padding_mask
+            self._set_input_buffer(incremental_state, saved)
+            slot = partial(_BufferSlot, self, incremental_state)
+        mask: Optional[Tensor] = None
+        if attn_mask is not None:
+            mask = attn_mask.to(q.dtype)[None, None]
+        if key_padding_mask is not None:
+            pad = torch.zeros(B, 1, 1, k.size(2), dtype=q.dtype, device=q.device)
+            pad = pad.masked_fill(key_padding_mask.bool()[:, None, None, :], float("-inf"))
+            mask = pad if mask is None else mask + pad
+        dropout_p = self.dropout_module.p if self.training else 0.0
+
+        def attend(query: Tensor, value: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(query, k, value, attn_mask=mask, dropout_p=dropout_p)
+
+        def visible() -> Optional[Tensor]:  # which keys each query sees (causal mask and padding)
+            return None if mask is None else (mask > float("-inf")).expand(mask.shape[0], 1, T, k.size(2))
+
+        def project(out: Tensor) -> Tensor:
+            return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
+
+        call = LayerCall(attend, q, v, v_query, context=context, visible=visible, slot=slot, project=project)
+        return self.apply_method(call, state)
+
+
+class _BufferSlot(CacheSlot):
+    """A method's per-position tensor (Twicing's ``A v``) kept in fairseq's incremental buffer of the layer, beside
+    ``prev_key``/``prev_value`` and batch-first like them, so ``reorder_incremental_state`` (beam search) reorders
+    it with them."""
+
+    KEY = "prev_method_slot"
+
+    def __init__(self, layer: "PIDMultiheadAttention", incremental_state: Dict[str, Dict[str, Optional[Tensor]]]):
+        self.layer, self.incremental_state = layer, incremental_state
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        saved = self.layer._get_input_buffer(self.incremental_state)
+        previous = saved.get(self.KEY)
+        stored = rows if previous is None else torch.cat([previous, rows], dim=2)
+        saved[self.KEY] = stored
+        self.layer._set_input_buffer(self.incremental_state, saved)
+        return stored
+
+
+class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
+    """fairseq's decoder layer (language-model use: no encoder attention) with :class:`PIDMultiheadAttention`,
+    returning the method's state too."""
+
+    def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
+                 add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
+        # read by build_self_attention, which the base __init__ calls
+        self._attention_choice = (method, config)
+        super().__init__(cfg, no_encoder_attn=no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+        del self._attention_choice
+
+    def build_self_attention(self, embed_dim: int, cfg: Any, add_bias_kv: bool = False,
+                             add_zero_attn: bool = False) -> PIDMultiheadAttention:
+        """fairseq's ``build_self_attention`` with the PID class (same arguments, same parameters)."""
+        method, config = self._attention_choice
+        return PIDMultiheadAttention(
+            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn, self_attention=not cfg.cross_self_attention, q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size, xformers_att_config=cfg.decoder.xformers_att_config,
+            method=method, config=config,
+        )
+
+    def forward(  # type: ignore[override]
+        self,
+        x: Tensor,
+        encoder_out: Optional[Tensor] = None,
+        encoder_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        prev_self_attn_state: Optional[List[Tensor]] = None,
+        prev_attn_state: Optional[List[Tensor]] = None,
+        self_attn_mask: Optional[Tensor] = None,
+        self_attn_padding_mask: Optional[Tensor] = None,
+        need_attn: bool = False,
+        need_head_weights: bool = False,
+        pid_state: Optional[tuple] = None,
+        pid_scale: Optional[Tensor] = None,
+    ):
+        method = self.self_attn.attention_method
+        if not self.self_attn.method_active:
+            out = super().forward(x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
+                                  prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights)
+            return (*out, pid_state)
+        if encoder_out is not None or self.cross_self_attention or prev_self_attn_state is not None:
+            raise NotImplementedError(
+                f"{method.name} decoder layers support the language-model case (no encoder attention)")
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        x, pid_state = self.self_attn.forward_method(x, pid_state, incremental_state, self_attn_mask,
+                                                     self_attn_padding_mask, pid_scale)
+        if self.c_attn is not None:
+            T, B = x.size(0), x.size(1)
+            x = torch.einsum("tbhd,h->tbhd", x.view(T, B, self.nh, self.head_dim), self.c_attn).reshape(T, B, -1)
+        if self.attn_ln is not None:
+            x = self.attn_ln(x)
+        x = self.residual_connection(self.dropout_module(x), residual)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.activation_dropout_module(self.activation_fn(self.fc1(x)))
+        if self.ffn_layernorm is not None:
+            x = self.ffn_layernorm(x)
+        x = self.dropout_module(self.fc2(x))
+        if self.w_resid is not None:
+            residual = torch.mul(self.w_resid, residual)
+        x = self.residual_connection(x, residual)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x, None, None, pid_state
+
+
+class PIDTransformerDecoder(MethodModel, TransformerDecoder):
+    """fairseq's decoder built with :class:`PIDTransformerDecoderLayer` layers, the method's state threaded through
+    the layer loop (one fresh state per forward). ``choice``: :func:`attention_from_args` (None: softmax)."""
+
+    def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
+                 output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
+        method, config = choice if choice is not None else (None, None)
+        # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
+        self.attention_method, self.pid = method, config
+        super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
+                         output_projection=output_projection)
+        self.set_model_method(choice, self.embed_tokens.weight, stock_plus_term=True, where="transformer_lm_pid")
+
+    def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
+        """fairseq's ``build_decoder_layer`` with the PID layer class (activation checkpointing is refused)."""
+        cfg = TransformerConfig.from_namespace(args)
+        if cfg.checkpoint_activations:
+            raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
+        layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method, config=self.pid)
+        wrapped = fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
+        if wrapped is not layer:  # fairscale's FullyShardedDataParallel (--ddp-backend fully_sharded): untested here
+            raise ValueError(
+                "transformer_lm_pid: fairseq's --ddp-backend fully_sharded (fairscale) wraps the decoder layers, which "
+                "PID's layer loop is not tested with; use --ddp-backend legacy_ddp / pytorch_ddp, or torch's FSDP2 "
+                "fully_shard per layer (README, Scaling out)"
+            )
+        return layer
+
+    def extract_features_scriptable(  # type: ignore[override]
+        self,
+        prev_output_tokens: Tensor,
+        encoder_out: Optional[Dict[str, List[Tensor]]],
+        incremental_state: IncrementalState = None,
+        full_context_alignment: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+    ):
+        if alignment_layer is None:
+            alignment_layer = self.num_layers - 1
+        enc = encoder_out["encoder_out"][0] if encoder_out and len(encoder_out["encoder_out"]) > 0 else None
+        padding_mask = (encoder_out["encoder_padding_mask"][0]
+                        if encoder_out and len(encoder_out["encoder_padding_mask"]) > 0 else None)
+        positions = (self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
+                     if self.embed_positions is not None else None)
+        if incremental_state is not None:
+            prev_output_tokens = prev_output_tokens[:, -1:]
+            positions = positions[:, -1:] if positions is not None else None
+        prev_output_tokens = prev_output_tokens.contiguous()
+        x = self.embed_scale * self.embed_tokens(prev_output_tokens)
+        if self.quant_noise is not None:
+            x = self.quant_noise(x)
+        if self.project_in_dim is not None:
+            x = self.project_in_dim(x)
+        if positions is not None:
+            x += positions
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = self.dropout_module(x).transpose(0, 1)
+        self_attn_padding_mask: Optional[Tensor] = None
+        if torch.compiler.is_compiling():  # no data-dependent branch in a graph: always the mask (maybe all False)
+            self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
+        elif self.cross_self_attention or prev_output_tokens.eq(self.padding_idx).any():
+            self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
+        attn: Optional[Tensor] = None
+        inner_states: List[Optional[Tensor]] = [x]
+        state: Optional[tuple] = None
+        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward of the decoder
+        for idx, layer in enumerate(self.layers):
+            self_attn_mask = (self.buffered_future_mask(x)
+                              if incremental_state is None and not full_context_alignment else None)
+            x, layer_attn, _, state = layer(
+                x, enc, padding_mask, incremental_state, self_attn_mask=self_attn_mask,
+                self_attn_padding_mask=self_attn_padding_mask, need_attn=bool(idx == alignment_layer),
+                need_head_weights=bool(idx == alignment_layer), pid_state=state, pid_scale=scale,
+            )
+            inner_states.append(x)
+            if layer_attn is not None and idx == alignment_layer:
+                attn = layer_attn.float().to(x)
+        if attn is not None:
+            attn = (attn[:alignment_heads] if alignment_heads is not None else attn).mean(dim=0)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        x = x.transpose(0, 1)
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        return x, {"attn": [attn], "inner_states": inner_states}
