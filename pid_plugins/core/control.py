@@ -71,6 +71,10 @@ def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
     (``repeat_interleave``, as transformers' ``repeat_kv`` and SDPA's ``enable_gqa`` do).
     """
     kv_heads = x.shape[head_dim]
+    if torch.jit.is_tracing():  # sizes are traced values: no Python branch on them (exact for r = 1 too)
+        dim = head_dim % x.dim()
+        return x.unsqueeze(dim + 1).expand(*x.shape[:dim + 1], num_heads // kv_heads, *x.shape[dim + 1:]).flatten(
+            dim, dim + 1)
     if kv_heads == num_heads:
         return x
     if kv_heads <= 0 or num_heads % kv_heads != 0:
@@ -117,7 +121,8 @@ def pid_update(
         lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
         tensor_gains = isinstance(lambda_p, Tensor) or isinstance(lambda_i, Tensor) or isinstance(lambda_d, Tensor)
     shape = value.shape
-    if state is not None and state[0].shape != shape:
+    traced = torch.jit.is_tracing()  # TorchScript tracing (torch.onnx's exporter): sizes are traced values
+    if state is not None and not traced and state[0].shape != shape:
         raise ValueError(
             f"PID layer values have shape {tuple(shape)} but the group's first layer had "
             f"{tuple(state[0].shape)}: every layer of a PID group must have values of one shape "
@@ -125,7 +130,11 @@ def pid_update(
             "or use softmax attention for the odd layers"
         )
     # grouped-query attention: the shape of the attention output viewed as (..., H_kv, r, ...), else None
-    grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
+    if traced:  # no Python branch on traced sizes: the grouped view, exact for r = 1 too (a size-1 dimension)
+        dim = head_dim % attn_out.dim()
+        grouped = ((*attn_out.shape[:dim], shape[dim], -1, *attn_out.shape[dim + 1:]), dim + 1)
+    else:
+        grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
 
     if state is None and not control_first_layer:
         # Reference-only first layer: plain attention, v^1 recorded, no error yet. Learnable gains join the
@@ -165,7 +174,7 @@ def pid_update(
         # Fast path (fixed gains, full precision): u = A v + (lP + lD) e + lI S - lD e_prev.
         if first:
             out = target.add(kv(e), alpha=lambda_p + lambda_i)
-        elif e.numel() <= _SMALL and lambda_i != 0.0 and max(abs(lambda_p + lambda_d), abs(lambda_d)) <= 1e4 * abs(lambda_i):
+        elif not traced and e.numel() <= _SMALL and lambda_i != 0.0 and max(abs(lambda_p + lambda_d), abs(lambda_d)) <= 1e4 * abs(lambda_i):
             # ((lP + lD)/lI and lD/lI are moderate numbers: no overflow, no loss in the fused form)
             # small tensors (decoding): each kernel launch is the cost, so the fewest kernels,
             # lI * (S + (lP + lD)/lI e - lD/lI e_prev), with one temporary in key/value-head space

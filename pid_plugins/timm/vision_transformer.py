@@ -11,6 +11,7 @@ Variants are declared in ``registry/timm.toml`` and registered here with ``regis
 """
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
@@ -113,6 +114,18 @@ class PIDBlock(Block):
         return (x,) + state
 
 
+def _flag(is_causal: Any) -> Any:
+    """``is_causal`` as the Python bool SDPA takes. torch.onnx's TorchScript exporter (timm's ``onnx_export``) passes
+    ``forward``'s default arguments as graph inputs, so the flag arrives as a traced 0-dim tensor: its value is a
+    constant of the export (timm's own ``VisionTransformer`` specialises on it too), not data, so it is read once,
+    here, without the tracer's warning about a data-dependent branch."""
+    if isinstance(is_causal, Tensor):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return bool(is_causal)
+    return is_causal  # a bool (or a torch.fx proxy while timm's feature extraction traces: left to the layers)
+
+
 class _PIDViTMixin(MethodModel):
     """Overrides of ``VisionTransformer`` that thread the method's state through the blocks."""
 
@@ -155,6 +168,7 @@ class _PIDViTMixin(MethodModel):
         take_indices: Optional[List[int]] = None,
         norm: bool = False,
     ) -> Tuple[Tensor, List[Tensor]]:
+        is_causal = _flag(is_causal)
         use_checkpoint = self.grad_checkpointing and attn_mask is None and not is_causal
         kwargs = {} if use_checkpoint else dict(attn_mask=attn_mask, is_causal=is_causal)
         # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)

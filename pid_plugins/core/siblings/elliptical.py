@@ -165,7 +165,7 @@ class EllipticalMethod(AttentionMethod):
         if state is None:
             return query
         value_prev, layer = state[0], state[1]
-        if value_prev.shape != value.shape:
+        if not torch.jit.is_tracing() and value_prev.shape != value.shape:
             raise ValueError(
                 f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} but the previous "
                 f"layer's {tuple(value_prev.shape)}: consecutive layers must see the same key positions (a model "

@@ -96,7 +96,7 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     """
     if v_first is None:
         return attn_out
-    if v_first.shape != value.shape:
+    if not torch.jit.is_tracing() and v_first.shape != value.shape:
         raise ValueError(
             f"NeuTRENO layer values have shape {tuple(value.shape)} but the group's first layer had "
             f"{tuple(v_first.shape)}: every layer of a group must have values of one shape (same heads, head_dim "
@@ -105,7 +105,7 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     wide = attn_out.dtype in _LOW_PRECISION
     diff = v_first.float() - value.float() if wide else v_first - value
     heads = attn_out.shape[head_dim]
-    if diff.shape[head_dim] != heads:
+    if torch.jit.is_tracing() or diff.shape[head_dim] != heads:
         diff = expand_heads(diff, heads, head_dim)
     if wide:
         return (attn_out.float() + diff * alpha).to(attn_out.dtype)

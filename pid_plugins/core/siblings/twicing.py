@@ -84,7 +84,7 @@ def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -
     rows = once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3)  # (B, H, q, D)
     smoothed = rows if slot is None else slot(rows)  # (B, H, K, D): A v at every key position
     values = expand_heads(value, rows.shape[-3], -3)
-    if smoothed.shape != values.shape:
+    if not torch.jit.is_tracing() and smoothed.shape != values.shape:
         raise ValueError(
             f"twicing attention: A v at the key positions has shape {tuple(smoothed.shape)} but the values (expanded "
             f"to the query heads) {tuple(values.shape)}: with a key/value cache the adapter must keep A v of the past "

@@ -93,7 +93,7 @@ def value_residual_mix(value: Tensor, v_first: Tensor, lambda_1: Any, lambda_2: 
     positions than ``value`` (a sliding-window layer after a full first layer, with a cache): both end at the
     newest position, so its last ``K`` rows are used."""
     length = value.shape[-2]
-    if v_first.shape[-2] != length:
+    if not torch.jit.is_tracing() and v_first.shape[-2] != length:  # (traced: no cache, the same positions)
         if v_first.shape[-2] < length or v_first.shape[:-2] != value.shape[:-2]:
             raise ValueError(
                 f"attention method 'value_residual': this layer's values have shape {tuple(value.shape)} but the "
@@ -102,7 +102,7 @@ def value_residual_mix(value: Tensor, v_first: Tensor, lambda_1: Any, lambda_2: 
                 "sliding-window first layer under full-attention layers, with a cache, cannot run it)"
             )
         v_first = v_first.narrow(-2, v_first.shape[-2] - length, length)
-    if v_first.shape != value.shape:
+    if not torch.jit.is_tracing() and v_first.shape != value.shape:
         raise ValueError(
             f"attention method 'value_residual': this layer's values have shape {tuple(value.shape)} but the group's "
             f"first layer had {tuple(v_first.shape)}: every layer of a group must have values of one shape"
