@@ -13,6 +13,7 @@ from .core import (
     PIDSelfAttention,
     PIDState,
     expand_heads,
+    finish_warmup,
     get_method,
     list_methods,
     pid_update,
@@ -24,6 +25,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PIDConfig", "PIDState", "PIDGains", "GainWarmup", "pid_update", "expand_heads", "PIDSelfAttention", "sdpa_with_pid",
-    "AttentionMethod", "MethodConfig", "register_method", "get_method", "list_methods",
+    "AttentionMethod", "MethodConfig", "register_method", "get_method", "list_methods", "finish_warmup",
     "ModelEntry", "list_models", "get_model_entry", "__version__",
 ]

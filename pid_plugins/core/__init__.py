@@ -9,6 +9,7 @@ from .methods import (
     calls_attention_once, get_method, list_methods, method_warmup, on_register, register_method, reserve_names,
     resolve_attention,
 )
+from .layer import MethodLayer, MethodModel, finish_warmup, finished_config, register_warmup_finisher
 from .warmup import GainWarmup, make_warmup, scaled_gains, warmup_scale
 
 __all__ = [
@@ -16,7 +17,7 @@ __all__ = [
     "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale",
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "on_register", "reserve_names", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys", "UnsafeCheckpointError",
-    "load_weights_only",
+    "load_weights_only", "MethodLayer", "MethodModel", "finish_warmup", "finished_config", "register_warmup_finisher",
 ]
 
 from . import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing and Elliptical beside PID)

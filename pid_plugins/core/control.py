@@ -18,7 +18,7 @@ The state is an explicit value (:class:`PIDState`), passed in and returned, neve
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -97,6 +97,7 @@ def pid_update(
     gains: GainsLike,
     *,
     head_dim: int = -3,
+    scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, PIDState]:
     """Apply the PID correction to one layer's attention output.
 
@@ -108,6 +109,10 @@ def pid_update(
         gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``
             (floats or scalar / broadcastable tensors, e.g. learnable per-layer gains).
         head_dim: which dimension holds the heads (only used to expand key/value heads).
+        scale: the gain warm-up's factor (a 0-dim tensor, :mod:`pid_plugins.core.warmup`), or None. It multiplies
+            the PID term: fixed gains stay Python floats and the error tensors are scaled as they are added, so at
+            ``scale = 1`` the result is bit for bit the one without a scale (a warmed-up model computes what its
+            :func:`~pid_plugins.finish_warmup` model computes). Tensor (learnable) gains are multiplied by it.
 
     Returns:
         ``(u, new_state)``: the controlled output (same shape and dtype as ``attn_out``) and the state
@@ -120,6 +125,8 @@ def pid_update(
     else:
         lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
         tensor_gains = isinstance(lambda_p, Tensor) or isinstance(lambda_i, Tensor) or isinstance(lambda_d, Tensor)
+    if scale is not None and tensor_gains:
+        lambda_p, lambda_i, lambda_d, scale = lambda_p * scale, lambda_i * scale, lambda_d * scale, None
     shape = value.shape
     traced = torch.jit.is_tracing()  # TorchScript tracing (torch.onnx's exporter): sizes are traced values
     if state is not None and not traced and state[0].shape != shape:
@@ -159,6 +166,8 @@ def pid_update(
     e_sum = e if first else state[1] + e
     new_state = PIDState(v_first, e_sum, e)
     if not tensor_gains and lambda_p == 0.0 and lambda_i == 0.0 and lambda_d == 0.0:
+        if scale is not None:  # the warm-up's scale joins the graph with the term (a compiled graph keeps one form)
+            return attn_out + 0.0 * scale.to(attn_out.dtype), new_state
         return attn_out, new_state
 
     # Grouped-query attention: key/value head j serves query heads j*r .. j*r + r - 1 (as
@@ -169,6 +178,8 @@ def pid_update(
         target, kv = attn_out, _same
     else:
         target, kv = attn_out.reshape(grouped[0]), functools.partial(Tensor.unsqueeze, dim=grouped[1])
+    if scale is not None:  # warm-up with fixed gains: each error tensor scaled as it is added (exact at 1)
+        kv = functools.partial(_scaled, kv, scale.to(e.dtype))
 
     if not tensor_gains and attn_out.dtype == e.dtype:
         # Fast path (fixed gains, full precision): u = A v + (lP + lD) e + lI S - lD e_prev.
@@ -211,6 +222,10 @@ _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # else t
 
 def _same(x: Tensor) -> Tensor:
     return x
+
+
+def _scaled(kv: Callable[[Tensor], Tensor], scale: Tensor, x: Tensor) -> Tensor:
+    return kv(x) * scale
 
 
 def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int]:

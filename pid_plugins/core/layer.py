@@ -3,14 +3,18 @@ layer's method, config and learnable parameters) and :class:`MethodModel` (the m
 warm-up counter)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import logging
+from typing import Any, Callable, List, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from .methods import AttentionMethod, LayerCall, MethodChoice, method_warmup
 from .warmup import GainWarmup
 
-__all__ = ["MethodLayer", "MethodModel"]
+__all__ = ["MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config"]
+
+logger = logging.getLogger(__name__)
 
 
 class MethodLayer:
@@ -71,11 +75,87 @@ class MethodModel:
         ``stock_plus_term``: see :func:`~pid_plugins.core.method_warmup`."""
         self.attention_method = choice.method if choice is not None else None
         self.pid = choice.config if choice is not None else None
+        self._stock_plus_term = stock_plus_term
+        self.__dict__.pop("_warmup_finished", None)
+        self._buffers.pop("_warmup_finished", None)
         self.pid_warmup = method_warmup(choice, like, self.__dict__.get("_modules", {}).get("pid_warmup"),
                                         stock_plus_term=stock_plus_term, where=where)
+
+    def method_scale(self) -> Optional[Tensor]:
+        """This forward's warm-up scale for the layers, read once per forward of the model (a training forward then
+        advances the counter): None on the fixed path (no warm-up). A model whose adapter runs warm-up as the zoo's
+        stock attention plus the method's term (mmseg, fairseq) keeps that form after :func:`finish_warmup`, at a
+        constant scale of 1: exactly the function it was warmed up to."""
+        counter = self.pid_warmup
+        if counter is not None:
+            return counter()
+        return self._buffers.get("_warmup_finished")
 
     @property
     def method_active(self) -> bool:
         """Whether the model runs its method (False: softmax, or a config that computes the stock attention)."""
         method = self.attention_method
         return method is not None and not method.is_identity(self.pid)
+
+
+# ------------------------------------------------------------------------------------ finish_warmup
+_FINISHERS: List[Callable[[nn.Module], bool]] = []
+
+
+def register_warmup_finisher(finisher: Callable[[nn.Module], bool]) -> None:
+    """For adapters whose models hold the warm-up elsewhere than a :class:`MethodModel` (transformers keeps it in
+    ``config`` and a counter per model): ``finisher(model)`` finishes that model's warm-up in place and returns
+    whether it found a method there."""
+    if finisher not in _FINISHERS:
+        _FINISHERS.append(finisher)
+
+
+def finished_config(config: Any) -> Any:
+    """``config`` without its warm-up (``warmup_steps=0``): the method at its final parameters."""
+    return config.replace(warmup_steps=0) if getattr(config, "warmup_steps", 0) else config
+
+
+def finish_warmup(model: nn.Module) -> nn.Module:
+    """End a model's gain warm-up: the model, in place, at its final parameters on the fixed path.
+
+    A model fine-tuned with ``warmup_steps=N`` scales its method's term by ``min(1, t / N)``, a tensor read from
+    its counter at every forward. After ``finish_warmup`` the model has no counter (its ``state_dict`` loses the
+    ``pid_warmup.step`` key) and its config has ``warmup_steps=0``: the method runs at scale 1 with fixed gains
+    (Python floats; learnable gains as trained). In timm and transformers that is the path of a model built
+    without warm-up. In mmseg and fairseq, whose warm-up runs the zoo's fused attention plus the method's term, the
+    finished model keeps that form (the fused kernel and the method path differ in rounding, about 1e-6): a model
+    rebuilt from its saved config takes the method path. That is exactly the function of the model warmed up to ``t >= N``; a model
+    stopped earlier (``t < N``) jumps to its final parameters, which one warning says. Learnable parameters are
+    kept as trained. A model without warm-up is returned unchanged. Call it before inference or export.
+
+    Returns ``model`` (changed in place). Raises ``TypeError`` for a model without any attention method of
+    pid-plugins (a stock model: nothing to finish).
+    """
+    found = False
+    for name, module in model.named_modules():
+        if isinstance(module, (MethodLayer, MethodModel)):
+            found = True
+            if module.attention_method is not None:
+                module.pid = finished_config(module.pid)
+        if isinstance(module, MethodModel) and module.pid_warmup is not None:
+            counter = module.pid_warmup
+            _warn_unfinished(counter, name or type(model).__name__)
+            module.pid_warmup = None
+            if getattr(module, "_stock_plus_term", False):  # keep the warmed-up form, at scale 1 (not saved)
+                one = torch.ones((), dtype=counter.scale().dtype, device=counter.step.device)
+                module.register_buffer("_warmup_finished", one, persistent=False)
+    for finisher in _FINISHERS:
+        found = finisher(model) or found
+    if not found:
+        raise TypeError(
+            f"finish_warmup: {type(model).__name__} has no attention method of pid-plugins (a stock model has no "
+            "warm-up to finish); give it a model built or converted with a method"
+        )
+    return model
+
+
+def _warn_unfinished(counter: GainWarmup, where: str) -> None:
+    step = int(counter.step)
+    if step < counter.warmup_steps:
+        logger.warning("finish_warmup: %s had warmed up %d of %d steps (scale %.3f); it now runs at its final "
+                       "parameters (scale 1)", where, step, counter.warmup_steps, step / counter.warmup_steps)

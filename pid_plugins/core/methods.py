@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from .config import MethodConfig, PIDConfig, fx_constant
 from .control import PIDState, pid_update
 from .gains import PIDGains
-from .warmup import GainWarmup, make_warmup, scaled_gains
+from .warmup import GainWarmup, make_warmup
 
 __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod",
@@ -331,8 +331,7 @@ class PIDMethod(AttentionMethod):
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
                head_dim: int) -> Tuple[Tensor, PIDState]:
-        return pid_update(out, value_q, state, params if scale is None else scaled_gains(params, scale),
-                          head_dim=head_dim)
+        return pid_update(out, value_q, state, params, head_dim=head_dim, scale=scale)
 
 
 # ------------------------------------------------------------------------------------------------ registry

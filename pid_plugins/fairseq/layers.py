@@ -28,7 +28,7 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath, warmup_scale
+from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
 from ..core.layer import MethodLayer, MethodModel
 
 __all__ = ["PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
@@ -280,7 +280,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         attn: Optional[Tensor] = None
         inner_states: List[Optional[Tensor]] = [x]
         state: Optional[tuple] = None
-        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward of the decoder
+        scale = self.method_scale()  # one warm-up step per forward of the decoder
         for idx, layer in enumerate(self.layers):
             self_attn_mask = (self.buffered_future_mask(x)
                               if incremental_state is None and not full_context_alignment else None)

@@ -11,7 +11,7 @@ from mmseg.registry import MODELS
 
 from ..core.layer import MethodModel
 from ..core import (
-    SOFTMAX, warmup_scale,
+    SOFTMAX,
 )
 from .vit import choose_attention, method_layers
 
@@ -43,7 +43,7 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
         method_layers(self.layers, choice)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:
-        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward
+        scale = self.method_scale()  # one warm-up step per forward
         if not self.method_active:
             return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
         x = self._transform_inputs(inputs)

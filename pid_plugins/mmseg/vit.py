@@ -24,7 +24,7 @@ from mmseg.registry import MODELS
 
 from ..core import (
     SOFTMAX, AttentionContext, AttentionMethod, LayerCall, MethodChoice, PIDConfig, StockPath, check_keys,
-    resolve_attention, unwrap_state_dict, warmup_scale,
+    resolve_attention, unwrap_state_dict,
 )
 from ..core.layer import MethodLayer, MethodModel
 from .checkpoint import load_checkpoint
@@ -228,7 +228,7 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         self.load_state_dict(state_dict, strict=True)
 
     def forward(self, inputs: Tensor) -> Tuple[Any, ...]:
-        scale = warmup_scale(self.pid_warmup)  # one warm-up step per forward (outside the checkpointed layers)
+        scale = self.method_scale()  # one warm-up step per forward (outside the checkpointed layers)
         if not self.method_active:
             return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
         B = inputs.shape[0]

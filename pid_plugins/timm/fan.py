@@ -37,7 +37,7 @@ from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 from ..catalogue import ModelEntry
 from ..core.layer import MethodModel
 from ..core import (
-    MethodChoice, unwrap_state_dict, warmup_scale,
+    MethodChoice, unwrap_state_dict,
 )
 from ._helpers import (
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
@@ -325,7 +325,7 @@ class FAN(MethodModel, nn.Module):
                         take_indices: Optional[List[int]] = None, norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
         # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
         return run_blocks(blocks, x, (Hp, Wp), self.grad_checkpointing, take_indices, self.norm if norm else None,
-                          pid_scale=warmup_scale(self.pid_warmup))
+                          pid_scale=self.method_scale())
 
     def forward_cls(self, x: Tensor) -> Tensor:
         """Prepend the class token and run the (softmax) class-attention blocks."""

@@ -29,7 +29,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoi
 from ..catalogue import ModelEntry
 from ..core.layer import MethodModel
 from ..core import (
-    MethodChoice, warmup_scale,
+    MethodChoice,
 )
 from ._helpers import (
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
@@ -173,7 +173,7 @@ class _PIDViTMixin(MethodModel):
         kwargs = {} if use_checkpoint else dict(attn_mask=attn_mask, is_causal=is_causal)
         # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
         return run_blocks(blocks, x, (), use_checkpoint, take_indices, self.norm if norm else None,
-                          pid_scale=warmup_scale(self.pid_warmup), **kwargs)
+                          pid_scale=self.method_scale(), **kwargs)
 
     def forward_features(
         self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False

@@ -88,11 +88,13 @@ class NeuTRENOConfig(MethodConfig):
 
 
 def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], alpha: Any,
-                    head_dim: int = -3) -> Tensor:
+                    head_dim: int = -3, scale: Optional[Tensor] = None) -> Tensor:
     """One layer's output: ``attn_out`` at the group's first layer (``v_first`` None), else
     ``attn_out + alpha * (v_first - value)``, the term in key/value-head space expanded to ``attn_out``'s heads.
 
-    ``alpha``: a float or a 0-dim tensor (warm-up). ``value`` and ``v_first``: the values of the query positions.
+    ``alpha``: a float or a 0-dim tensor. ``scale``: the warm-up's factor (0-dim tensor) or None; it multiplies the
+    difference, so at 1 the result is bit for bit the one without it. ``value`` and ``v_first``: the values of the
+    query positions.
     """
     if v_first is None:
         return attn_out
@@ -107,6 +109,8 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     heads = attn_out.shape[head_dim]
     if torch.jit.is_tracing() or diff.shape[head_dim] != heads:
         diff = expand_heads(diff, heads, head_dim)
+    if scale is not None:
+        diff = diff * scale.to(diff.dtype)
     if wide:
         return (attn_out.float() + diff * alpha).to(attn_out.dtype)
     if isinstance(alpha, Tensor):
@@ -126,8 +130,7 @@ class NeuTRENOMethod(AttentionMethod):
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
         if state is None:
             return out, (value_q,)
-        alpha = params.alpha if scale is None else params.alpha * scale
-        return neutreno_update(out, value_q, state[0], alpha, head_dim), (state[0],)
+        return neutreno_update(out, value_q, state[0], params.alpha, head_dim, scale), (state[0],)
 
 
 register_method(NeuTRENOMethod())
