@@ -21,6 +21,9 @@ from .core import (
     sdpa_with_pid,
 )
 
+from .core import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing, Elliptical and value residual beside PID,
+#                                                after core is complete: core never imports its siblings)
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -35,8 +35,26 @@ def test_presets_are_read_from_the_registry():
     from importlib import resources
 
     raw = tomllib.loads(resources.files("pid_plugins.registry").joinpath("presets.toml").read_text())
-    assert all(table.get("source") for table in raw.values())
-    assert "NeurIPS 2023" in raw["neutreno"]["source"]
+    assert all(table.get("source") for presets in raw.values() for table in presets.values())
+    assert "NeurIPS 2023" in raw["pid"]["neutreno"]["source"]
+
+
+def test_every_built_in_method_reads_its_presets_from_the_registry():
+    """One preset source: registry/presets.toml holds every built-in method's presets, each with its source."""
+    import tomllib
+    from importlib import resources
+
+    import pid_plugins
+
+    raw = tomllib.loads(resources.files("pid_plugins.registry").joinpath("presets.toml").read_text())
+    assert set(raw) == {"pid", "neutreno", "twicing", "elliptical", "value_residual"}
+    for method, presets in raw.items():
+        config_type = pid_plugins.get_method(method).config_type
+        expected = {name: {k: v for k, v in table.items() if k not in ("description", "source")}
+                    for name, table in presets.items()}
+        assert {name: dict(fields) for name, fields in config_type.PRESETS.items()} == expected, method
+        for name in presets:  # each validates as the method's config
+            config_type.preset(name)
 
 
 def test_parse_catalogue_entries():

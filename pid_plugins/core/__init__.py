@@ -20,4 +20,3 @@ __all__ = [
     "load_weights_only", "MethodLayer", "MethodModel", "finish_warmup", "finished_config", "register_warmup_finisher",
 ]
 
-from . import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing and Elliptical beside PID)

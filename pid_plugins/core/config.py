@@ -12,7 +12,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping
 
-__all__ = ["MethodConfig", "PIDConfig", "PRESETS", "fx_constant"]
+__all__ = ["MethodConfig", "PIDConfig", "PRESETS", "fx_constant", "registry_presets"]
 
 _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
 
@@ -216,25 +216,48 @@ class PIDConfig(MethodConfig):
 
 
 # ------------------------------------------------------------------------------------------------- presets
-_PRESET_KEYS = ("lambda_p", "lambda_i", "lambda_d", "beta")
+_DOC_KEYS = ("description", "source")
 
 
-def _load_presets() -> dict[str, dict[str, float]]:
-    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml`` (the one source)."""
+def _load_registry() -> dict[str, dict[str, dict[str, Any]]]:
+    """``{method: {preset: {field: value}}}`` from ``registry/presets.toml``, the one source of every built-in
+    method's presets (``description`` and ``source`` are documentation, left out)."""
     import tomllib
     from importlib import resources
 
     text = resources.files("pid_plugins.registry").joinpath("presets.toml").read_text(encoding="utf-8")
+    registry: dict[str, dict[str, dict[str, Any]]] = {}
+    for method, presets in tomllib.loads(text).items():
+        for name, table in presets.items():
+            if not isinstance(table, dict) or not table.get("source"):
+                raise ValueError(f"registry/presets.toml: [{method}.{name}] must be a table with a source")
+            registry.setdefault(method, {})[name] = {k: v for k, v in table.items() if k not in _DOC_KEYS}
+    return registry
+
+
+_REGISTRY = _load_registry()
+
+
+def registry_presets(method: str) -> Mapping[str, Mapping[str, Any]]:
+    """A built-in method's presets from ``registry/presets.toml``: ``{preset: {field: value}}`` (read once, at
+    import: looking one up reads no file, so ``torch.compile`` traces it without a graph break)."""
+    if method not in _REGISTRY:
+        raise ValueError(f"registry/presets.toml declares no presets for {method!r}; it has {sorted(_REGISTRY)}")
+    return _REGISTRY[method]
+
+
+def _pid_presets() -> dict[str, dict[str, float]]:
     presets = {}
-    for name, table in tomllib.loads(text).items():
-        gains = {k: v for k, v in table.items() if k in _PRESET_KEYS}
+    for name, gains in registry_presets("pid").items():
         missing = set(_PRESET_KEYS) - set(gains)
         if missing:
-            raise ValueError(f"registry/presets.toml: preset {name!r} lacks {sorted(missing)}")
-        presets[name] = gains
+            raise ValueError(f"registry/presets.toml: preset [pid.{name}] lacks {sorted(missing)}")
+        presets[name] = {k: gains[k] for k in _PRESET_KEYS}
     return presets
 
 
-#: the presets as plain data, read once at import: ``{name: {lambda_p, lambda_i, lambda_d, beta}}``
-PRESETS: Mapping[str, Mapping[str, float]] = _load_presets()
+_PRESET_KEYS = ("lambda_p", "lambda_i", "lambda_d", "beta")
+#: PID's presets as plain data: ``{name: {lambda_p, lambda_i, lambda_d, beta}}``
+PRESETS: Mapping[str, Mapping[str, float]] = _pid_presets()
+PIDConfig.PRESETS = PRESETS
 _PRESET_CONFIGS: dict[str, PIDConfig] = {name: PIDConfig(**gains) for name, gains in PRESETS.items()}  # validates

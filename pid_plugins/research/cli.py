@@ -155,11 +155,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from ..catalogue import load_presets
+    from ..core import PIDConfig, get_method, list_methods
 
     print(f"{'preset':<10} {'lambda_p':>8} {'lambda_i':>8} {'lambda_d':>8} {'beta':>6}")
-    for name, g in load_presets().items():
+    for name, g in PIDConfig.PRESETS.items():
         print(f"{name:<10} {g['lambda_p']:>8} {g['lambda_i']:>8} {g['lambda_d']:>8} {g['beta']:>6}")
+    for method in list_methods():  # the other methods' presets (registry/presets.toml, or a user method's class)
+        presets = getattr(get_method(method).config_type, "PRESETS", {})
+        if method == "pid" or not presets:
+            continue
+        print(f"\n{method}")
+        for name, fields in presets.items():
+            print(f"  {name:<10} " + ", ".join(f"{k}={v}" for k, v in fields.items()))
     return 0
 
 

@@ -46,7 +46,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..config import MethodConfig
+from ..config import MethodConfig, registry_presets
 from ..methods import AttentionContext, AttentionMethod, register_method
 
 __all__ = ["EllipticalConfig", "EllipticalMethod", "elliptical_scales", "elliptical_prefix_scales"]
@@ -74,18 +74,7 @@ class EllipticalConfig(MethodConfig):
     delta: float = 5.0
     mean: str = "sequence"
 
-    PRESETS = {
-        # ImageNet/run_elliptical.sh (--M-positions 1..11) and ImageNet/models.py MahalaAttention.forward (delta=5)
-        "deit": {"from_layer": 2, "delta": 5.0},
-        # FAN/scripts/fan_vit/run_elliptical_fan.sh (--M-positions 1..11), FAN/models/fan.py (delta=5)
-        "fan": {"from_layer": 2, "delta": 5.0},
-        # ADE20K/model/factory.py (M_positions=[1..11]), ADE20K/model/deit_elliptical.py (delta=5)
-        "segmenter": {"from_layer": 2, "delta": 5.0},
-        # Wikitext/lmtool-fwms/run_M_small.sh (--M-positions 1..15 of --n_layer 16) and src/mem_transformer.py
-        # (W_over_layers(..., delta = 1)); the official mean is over the whole sequence, which is not causal: this
-        # preset takes the prefix mean (set mean="sequence" only for a bidirectional model)
-        "lm": {"from_layer": 2, "delta": 1.0, "mean": "prefix"},
-    }
+    PRESETS = registry_presets("elliptical")  # registry/presets.toml, each with its source
 
     def validate(self) -> None:
         if self.from_layer < 2:

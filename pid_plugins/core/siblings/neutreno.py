@@ -40,7 +40,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..config import MethodConfig
+from ..config import MethodConfig, registry_presets
 from ..control import expand_heads
 from ..methods import AttentionMethod, register_method
 
@@ -63,14 +63,7 @@ class NeuTRENOConfig(MethodConfig):
     alpha: float = 0.6
     warmup_steps: int = 0
 
-    PRESETS = {
-        # DeiT/neutreno.py, Attention.__init__: self.alpha = 0.6
-        "deit": {"alpha": 0.6},
-        # segmenter/run.sh: --alpha 0.6 (encoder and decoder, segmenter/segm/train.py)
-        "segmenter": {"alpha": 0.6},
-        # wikitext103/src/mem_transformer.py, NeuTRENOMultiHeadAttn.forward: 0.4 * (head_v0 - head_v)
-        "lm": {"alpha": 0.4},
-    }
+    PRESETS = registry_presets("neutreno")  # registry/presets.toml, each with its source
     ZERO = {"alpha": 0.0}
 
     def validate(self) -> None:

@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..config import MethodConfig
+from ..config import MethodConfig, registry_presets
 from ..control import expand_heads
 from ..methods import Attend, AttentionContext, AttentionMethod, CacheSlot, register_method
 
@@ -59,13 +59,7 @@ class TwicingConfig(MethodConfig):
 
     from_layer: int = 0
 
-    PRESETS = {
-        # twicing_attention_vision/models.py: SharpVisionTransformer builds SharpBlock at every layer
-        "vision": {"from_layer": 0},
-        # twicing_attention_lang/lmtool-fwms/src/mem_transformer.py MultiHeadAttn.forward: `layer_num >= 14`,
-        # of the 16 layers of run_sharp_small.sh (--n_layer 16): the last two
-        "lm": {"from_layer": 14},
-    }
+    PRESETS = registry_presets("twicing")  # registry/presets.toml, each with its source
 
     def validate(self) -> None:
         if self.from_layer < 0:

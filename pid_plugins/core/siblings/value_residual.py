@@ -38,7 +38,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..config import MethodConfig
+from ..config import MethodConfig, registry_presets
 from ..methods import Attend, AttentionMethod, register_method
 
 __all__ = ["ValueResidualConfig", "ValueResidualLambdas", "ValueResidualMethod", "value_residual_mix"]
@@ -59,10 +59,7 @@ class ValueResidualConfig(MethodConfig):
     lambda_2: float = 0.5
     learnable: bool = False
 
-    PRESETS = {
-        # src/modeling/modeling_llama_resformer.py, LlamaAttention.forward: 0.5*formal_layer_values[0] + 0.5*value_states
-        "resformer": {"lambda_1": 0.5, "lambda_2": 0.5},
-    }
+    PRESETS = registry_presets("value_residual")  # registry/presets.toml, each with its source
     ZERO = {"lambda_1": 0.0, "lambda_2": 1.0}
 
     def validate(self) -> None:
