@@ -306,3 +306,26 @@ def test_running_sum_over_depth_is_accumulated_in_float32():
     rounded = [v.bfloat16().double() for v in vals]
     exact = sum(0.1 * rounded[0] - v for v in rounded)
     torch.testing.assert_close(state.e_sum.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, kv_heads, dtype", [
+    ((2, 4, 3, 8), 4, torch.float32),      # small tensors: the fused decoding form
+    ((2, 4, 96, 64), 4, torch.float32),    # large tensors: accumulated in place
+    ((2, 4, 96, 64), 2, torch.float32),    # grouped-query attention
+    ((2, 4, 16, 8), 4, torch.bfloat16),    # low precision: the term in float32, one rounding
+])
+def test_warmup_scale_one_is_the_fixed_gain_path_bit_for_bit(shape, kv_heads, dtype):
+    """The warm-up scale multiplies the term's error tensors, never the fixed gains: at scale 1 every path gives
+    exactly the fixed-gain result (what finish_warmup relies on), and at 0 the attention output."""
+    torch.manual_seed(0)
+    cfg = PIDConfig(lambda_p=0.8, lambda_i=0.5, lambda_d=0.05, beta=0.1)
+    one, zero = torch.ones((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    fixed = scaled = zeroed = None
+    for _ in range(3):
+        out = torch.randn(shape).to(dtype)
+        v = torch.randn(shape[0], kv_heads, *shape[2:]).to(dtype)
+        want, fixed = pid_update(out, v, fixed, cfg)
+        got, scaled = pid_update(out, v, scaled, cfg, scale=one)
+        none, zeroed = pid_update(out, v, zeroed, cfg, scale=zero)
+        assert torch.equal(got, want)
+        assert torch.equal(none, out)
