@@ -121,9 +121,9 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
         module.__class__ = _TO_METHOD.get(type(module), type(module))
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.qkv.weight)
-        _match_mode(blk.attn, "pid_gains")
+        _settle(blk.attn, "pid_gains")
     model._set_model_attention(choice)
-    _match_mode(model, "pid_warmup")
+    _settle(model, "pid_warmup")
 
 
 def _to_stock(model: nn.Module) -> None:
@@ -150,14 +150,18 @@ def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     """FAN keeps its class: every FAN block's token mixing and the model switch to ``choice`` (None: softmax)."""
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.q.weight)
-        _match_mode(blk.attn, "pid_gains")
+        _settle(blk.attn, "pid_gains")
     model.set_model_method(choice, next(model.parameters()), where=type(model).__name__)
-    _match_mode(model, "pid_warmup")
+    _settle(model, "pid_warmup")
 
 
-def _match_mode(owner: nn.Module, name: str) -> None:
-    """A submodule just created (learnable gains, the warm-up counter) takes its owner's train/eval mode: a counter
-    created in training mode would advance on every forward of a model in eval mode."""
+def _settle(owner: nn.Module, name: str) -> None:
+    """A submodule the method just made (learnable parameters, the warm-up counter) takes its owner's train/eval
+    mode (a counter made in training mode would advance on every forward of a model in eval mode); none: the plain
+    ``name = None`` attribute of a module built without it, not a ``None`` submodule entry left by the old one."""
+    if name in owner._modules and owner._modules[name] is None:
+        del owner._modules[name]
+        owner.__dict__[name] = None
     child = owner._modules.get(name)
     if child is not None:
         child.train(owner.training)
