@@ -243,7 +243,6 @@ class PIDVisionTransformerDistilled(_PIDViTMixin, VisionTransformerDistilled):
 
 
 _MODEL_CLASSES = {"vit": PIDVisionTransformer, "vit_distilled": PIDVisionTransformerDistilled}
-_STOCK_CLASSES = {VisionTransformer: PIDVisionTransformer, VisionTransformerDistilled: PIDVisionTransformerDistilled}
 
 
 # ------------------------------------------------------------------------------------ checkpoints
