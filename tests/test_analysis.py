@@ -485,7 +485,7 @@ def test_unknown_or_misplaced_attention_is_refused_before_anything_runs(tmp_path
 
     cases = [
         (["--model", "pid_deit_tiny_patch16_224", "--attention", "no_such_method"],
-         "--attention 'no_such_method': unknown attention method; choose from softmax, "),
+         "--attention: unknown attention method 'no_such_method': choose 'softmax' or one of ['"),
         (["--model", "pid_deit_tiny_patch16_224", "--model", "deit_tiny_patch16_224", "--attention", "pid",
           "--attention", "pid", "--attention", "pid"], "3 --attention for 2 models"),
         (["--model", "pid_deit_tiny_patch16_224", "--attention", "pid", "--attention-cfg", '{"lambda_q": 1}'],

@@ -184,9 +184,9 @@ def test_good_checkpoints_still_load(files, tmp_path, capsys):
 # an attention method that is not registered, for diagnose/attack and the study's arms (one line, exit code 2)
 METHOD_CASES = [
     ("unknown --attention", ["diagnose", *TIMM, "--attention", "no_such_method", "--data", "digits"],
-     "--attention 'no_such_method': unknown attention method; choose from softmax, "),
+     "--attention: unknown attention method 'no_such_method': choose 'softmax' or one of ['"),
     ("attack unknown --attention", ["attack", *TIMM, "--attention", "no_such_method", "--data", "digits"],
-     "--attention 'no_such_method': unknown attention method"),
+     "--attention: unknown attention method 'no_such_method'"),
     ("--attention-cfg without --attention", ["diagnose", *TIMM, "--attention-cfg", "{}", "--data", "digits"],
      "--attention-cfg gives a method's parameters: name the method with --attention"),
     ("--attention-cfg not JSON", ["diagnose", *TIMM, "--attention", "pid", "--attention-cfg", "{lambda_p: 1}",

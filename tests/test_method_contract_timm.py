@@ -141,20 +141,20 @@ def test_learnable_and_unknown_names_are_refused_clearly():
 
 
 # ------------------------------------------------------------------------------------------- to_pid
-def test_to_pid_builds_the_method_model_from_a_stock_one():
+def test_to_pid_converts_a_stock_model_to_the_method_in_place():
     model, stock = pair("deit", gamma=0.4)
     before = {k: v.clone() for k, v in stock.state_dict().items()}
     x = images("deit")
     with torch.no_grad():
         y_stock = stock(x)
     converted = pt.to_pid(stock, {"gamma": 0.4}, attention=NAME)
-    assert converted is not stock and isinstance(converted, pt.PIDVisionTransformer) and not converted.training
+    assert converted is stock and type(converted) is pt.PIDVisionTransformer and not converted.training
     assert converted.attention_method is METHOD and converted.pid == ScaledReferenceConfig(gamma=0.4)
     assert list(converted.state_dict()) == list(before)
     with torch.no_grad():
         assert torch.equal(converted(x), model(x))
-        assert torch.equal(stock(x), y_stock)  # the stock model is left as it was
         assert torch.equal(pt.to_pid(converted, {"gamma": 0.0}, attention=NAME)(x), y_stock)  # reconfigured
+        assert torch.equal(pt.to_pid(converted, attention="softmax")(x), y_stock)  # the stock model again
 
 
 # -------------------------------------------------------------------- features_only / intermediates / fx

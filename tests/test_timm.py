@@ -448,19 +448,18 @@ def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ to_pid
-def test_to_pid_builds_the_pid_model_and_keeps_the_weights():
+def test_to_pid_converts_in_place_and_keeps_the_weights():
     torch.manual_seed(0)
     stock = timm.create_model("deit_tiny_patch16_224", **TINY).eval()
     before = {k: v.clone() for k, v in stock.state_dict().items()}
+    params = list(stock.parameters())
     x = images()
     with torch.no_grad():
         y_stock = stock(x)
     model = pt.to_pid(stock, PIDConfig.preset("deit"))
-    # a new module (as peft's get_peft_model), holding the stock model's own parameters; the stock one stays stock
-    assert model is not stock and isinstance(model, timm.models.VisionTransformer)
-    assert type(stock) is timm.models.VisionTransformer and type(stock.blocks[0].attn) is timm.layers.Attention
-    assert all(p is q for p, q in zip(model.parameters(), stock.parameters()))
-    assert isinstance(model, pt.PIDVisionTransformer)
+    # in place (pid_plugins.timm.convert): the same module and parameter tensors, now of the PID classes
+    assert model is stock and type(model) is pt.PIDVisionTransformer and type(model.blocks[0].attn) is pt.PIDAttention
+    assert all(p is q for p, q in zip(model.parameters(), params)) and not model.training
     assert list(model.state_dict()) == list(before)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     reference, _ = pair()
@@ -470,6 +469,7 @@ def test_to_pid_builds_the_pid_model_and_keeps_the_weights():
         assert not torch.allclose(model(x), y_stock)
         assert torch.equal(pt.to_pid(model, PIDConfig(0, 0, 0, 1.0))(x), y_stock)
         assert torch.equal(pt.to_pid(model, attention="softmax")(x), y_stock)
+    assert type(model) is timm.models.VisionTransformer and type(model.blocks[0].attn) is timm.layers.Attention
     pt.to_pid(model, dict(learnable=True))
     assert sum("pid_gains" in n for n, _ in model.named_parameters()) == 9
 

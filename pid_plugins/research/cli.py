@@ -117,17 +117,84 @@ def _attention_cfg(text: str) -> object:
 
 
 def _attention_names(args: argparse.Namespace) -> List[str]:
-    """The --attention names, each checked against the methods registered now (one clear error otherwise)."""
-    from ..core import SOFTMAX, list_methods
+    """The --attention names, each checked against the methods registered now (core's message otherwise)."""
+    from ..core import SOFTMAX, get_method
 
     names = args.attention or []
-    unknown = [n for n in names if n != SOFTMAX and n not in list_methods()]
-    if unknown:
-        raise CLIError(f"--attention {unknown[0]!r}: unknown attention method; choose from "
-                       f"{', '.join([SOFTMAX, *list_methods()])}")
+    for name in names:
+        if name != SOFTMAX:
+            try:
+                get_method(name)
+            except ValueError as exc:
+                raise CLIError(f"--attention: {exc}{_IMPORT_HINT}") from None
     if args.attention_cfg and not names:
         raise CLIError("--attention-cfg gives a method's parameters: name the method with --attention")
     return names
+
+
+_IMPORT_HINT = "; a method your own module registers: --import MODULE (a dotted name or a .py file)"
+
+
+def import_user_modules(specs: Sequence[str]) -> List[str]:
+    """Import each ``--import`` module, in order, so that the attention methods it registers
+    (:func:`pid_plugins.register_method`) can be chosen by name. ``spec`` is a path to a ``.py`` file or a dotted
+    module name importable from ``sys.path`` or the current directory. Returns the modules' names; raises
+    :class:`CLIError` naming the module when it cannot be found or its import fails."""
+    import importlib
+    import os
+
+    names = []
+    for spec in specs:
+        path = Path(spec)
+        if spec.endswith(".py") or os.sep in spec or (os.altsep and os.altsep in spec):
+            if not path.is_file():
+                raise CLIError(f"--import {spec!r}: no such .py file; give a path to a Python file or a dotted module "
+                               "name importable from the current directory or PYTHONPATH")
+            names.append(_import_file(path.resolve(), spec))
+            continue
+        if not all(part.isidentifier() for part in spec.split(".")):
+            raise CLIError(f"--import {spec!r}: not a dotted module name (e.g. my_methods or pkg.methods) or a path to "
+                           "a .py file")
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m`: modules in the current directory are importable
+        try:
+            importlib.import_module(spec)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and spec.startswith(exc.name) and spec[len(exc.name):][:1] in ("", "."):
+                raise CLIError(f"--import {spec!r}: no module named {exc.name!r} on the current directory or "
+                               "PYTHONPATH; give a dotted module name importable from there or a path to a .py "
+                               "file") from None
+            raise CLIError(f"--import {spec!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # the user's module raised: name it and what it raised
+            raise CLIError(f"--import {spec!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        names.append(spec)
+    return names
+
+
+def _import_file(path: Path, spec: str) -> str:
+    """Run the file ``path`` as the module named after it (once: a module of that name from this file is kept)."""
+    import importlib.util
+
+    name = path.stem if path.stem.isidentifier() else "user_module"
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
+            return name
+        import hashlib  # another module owns the name: keep it, load this file under a name of its own
+
+        name = f"_pid_plugins_import_{name}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise CLIError(f"--import {spec!r}: cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    sys.path.insert(0, str(path.parent))  # its own sibling imports, as `python file.py` would see them
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise CLIError(f"--import {spec!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
+    return name
 
 
 def _out_folder(text: str) -> Path:
@@ -273,6 +340,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
         with output_lock(Path(args.out)):
             write_study_record(args.out)
     else:
+        import_user_modules(args.imports)
         arms = split_arms(args.arms)
         try:
             check_arms(arms)
@@ -291,6 +359,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .analysis.run import run_diagnose
 
+    import_user_modules(args.imports)
     attention = _attention_names(args)
     report = run_diagnose(
         args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
@@ -313,6 +382,7 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     from .analysis.robustness import DEFAULT_CORRUPTIONS
     from .analysis.run import run_attack
 
+    import_user_modules(args.imports)
     attention = _attention_names(args)
     attacks = [a.strip() for a in args.attacks.lower().split(",") if a.strip() and a.strip() != "none"]
     unknown = sorted(set(attacks) - {"fgsm", "pgd", "spsa"})
@@ -382,12 +452,20 @@ def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> Non
     p.add_argument("--attention-cfg", action="append", type=_attention_cfg, metavar="JSON",
                    help="the method's parameters for each --attention, in order: a JSON object of overrides of its "
                         "default preset (e.g. '{\"lambda_p\": 0.5}'), a preset name, or null (softmax)")
+    _add_import_arg(p)
     p.add_argument("--data", required=True,
                    help="images: fashion-mnist, digits, auto or a <class>/<image> folder; text: wiki, shakespeare or a .txt file")
     p.add_argument("--num-samples", type=_int(1), default=samples, help="images, or token blocks of text (>= 1)")
     p.add_argument("--batch-size", type=_int(1), default=batch)
     p.add_argument("--seq-len", type=_int(2), default=128, help="tokens per text block (>= 2)")
     p.add_argument("--seed", type=_int(0), default=0)
+
+
+def _add_import_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import this module first (a dotted name importable from the current directory or "
+                        "PYTHONPATH, or a path to a .py file), so the attention methods it registers with "
+                        "pid_plugins.register_method can be named by --attention / --arms; repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test-limit", type=_int(1), default=B["test_limit"])
     p.add_argument("--pgd-steps", type=_int(1), default=B["pgd_steps"])
     p.add_argument("--lm-steps", type=_int(1), default=B["lm_steps"])
+    _add_import_arg(p)
     p.add_argument("--aggregate", action="store_true", help="only aggregate the results already in --out")
     p.set_defaults(func=_cmd_study)
     return parser

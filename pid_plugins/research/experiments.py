@@ -69,7 +69,7 @@ def parse_arm(text: str) -> Arm:
     registered attention method (:func:`pid_plugins.list_methods`), ``params`` a JSON object of overrides of its
     default preset or a preset name, and ``label`` (default: the method's name) a Python identifier, e.g.
     ``scaled_reference``, ``sr2=scaled_reference:{"gamma": 2}``, ``p5=pid:{"lambda_p": 0.5}``."""
-    from ..core import SOFTMAX, list_methods
+    from ..core import SOFTMAX, get_method, list_methods
 
     text = text.strip()
     if text in ARMS:
@@ -78,10 +78,17 @@ def parse_arm(text: str) -> Arm:
     label, _, method = head.rpartition("=")
     label, method = (label or method).strip(), method.strip()
     if method not in list_methods():
-        raise ValueError(
-            f"unknown arm {text!r}: choose from {list(ARMS)} or a registered attention method {list_methods()}, "
-            "optionally as label=method:params (params: a JSON object or a preset name)"
-        )
+        if method == SOFTMAX:
+            raise ValueError(f"unknown arm {text!r}: softmax is the baseline arm 'softmax' (first, without a label "
+                             "or parameters)")
+        try:
+            get_method(method)
+        except ValueError as exc:
+            raise ValueError(
+                f"unknown arm {text!r}: not a built-in arm {list(ARMS)}, and {exc}; give a method as "
+                "[label=]method[:params] (params: a JSON object or a preset name); a method your own module "
+                "registers: --import MODULE"
+            ) from None
     if not label.isidentifier():
         raise ValueError(f"arm {text!r}: its label {label!r} must be a Python identifier (it names files and columns)")
     if label in ARMS:

@@ -6,7 +6,8 @@
     model = timm.create_model("pid_deit_tiny_patch16_224")                       # preset `deit`
     model = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=0.5))
     model = timm.create_model("pid_deit_tiny_patch16_224", attention="<name>", attention_cfg={...})  # a method
-    model = pid_plugins.timm.to_pid(stock_vit, PIDConfig.preset("deit"))       # a new PID model, weights moved
+    pid_plugins.timm.convert(stock_vit, "pid", {"lambda_p": 0.5})               # in place, the same tensors
+    pid_plugins.timm.convert(stock_vit, "softmax")                               # timm's own classes again
 
 Import-time changes to third-party modules (all through timm's and torch.fx's own extension points):
 
@@ -24,6 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without timm
         "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'"
     ) from exc
 
+from .conversion import convert
 from .fan import FAN, ChannelProcessing, FANBlock, TokenMixing
 from .vision_transformer import (
     PIDAttention,
@@ -37,5 +39,5 @@ from .vision_transformer import (
 __all__ = [
     "FAN", "FANBlock", "TokenMixing", "ChannelProcessing",
     "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
-    "checkpoint_filter_fn", "to_pid",
+    "checkpoint_filter_fn", "convert", "to_pid",
 ]

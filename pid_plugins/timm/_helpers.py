@@ -1,12 +1,11 @@
 """What every timm family shares: the attention choice from kwargs, the method's step and the block loop,
-local-only pretrained sources, strict key checks, conversion by rebuilding modules, and registration of the
-catalogue's entries with timm's ``register_model``."""
+local-only pretrained sources, strict key checks, and registration of the catalogue's entries with timm's
+``register_model``."""
 from __future__ import annotations
 
-import copy
 import os
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -21,8 +20,6 @@ from ..core import (
 )
 from ..core.layer import MethodLayer as CoreMethodLayer
 from ..core.methods import method_check, method_update
-
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def _timm_names() -> Dict[str, str]:
@@ -82,19 +79,6 @@ def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
     if state is None or not size:
         return ()
     return tuple(state[i] for i in range(size))
-
-
-def rebuilt(cls: Type[ModuleT], module: nn.Module) -> ModuleT:
-    """A new ``cls`` module holding ``module``'s submodules, parameters, buffers, hooks and attributes (the same
-    objects: nothing is copied, device, dtype and train/eval mode are kept), for converting a stock timm module to
-    its subclass with a method. ``module`` itself is left as it was (it shares its parameters with the result)."""
-    if not issubclass(cls, type(module)):
-        raise TypeError(f"{cls.__name__} does not extend {type(module).__name__}")
-    new = cls.__new__(cls)
-    nn.Module.__init__(new)
-    for key, value in vars(module).items():
-        object.__setattr__(new, key, copy.copy(value) if isinstance(value, (dict, set)) else value)
-    return new
 
 
 def run_blocks(

@@ -306,13 +306,13 @@ class FAN(MethodModel, nn.Module):
                      if num_classes > 0 else nn.Identity())
         self.head.train(self.training)
 
-    def set_attention(self, attention: str = "pid", attention_cfg: Any = None, pid: Any = None) -> None:
-        """Switch every FAN block's token mixing to ``attention`` (a method's name with its parameters, or
-        ``"softmax"``), in place; learnable parameters are (re)initialised."""
-        choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
-        for blk in self.blocks:
-            blk.attn.set_attention(choice, blk.attn.q.weight)
-        self.set_model_method(choice, next(self.parameters()), where=type(self).__name__)
+    def set_attention(self, attention: str = "pid", attention_cfg: Any = None, pid: Any = None) -> "FAN":
+        """``pid_plugins.timm.convert(self, attention, attention_cfg)``: every FAN block's token mixing switched to
+        ``attention`` (a method's name with its parameters, or ``"softmax"``) in place; learnable parameters are
+        (re)initialised. Returns the model."""
+        from .conversion import convert
+
+        return convert(self, attention, attention_cfg, pid=pid)
 
     def _embed(self, x: Tensor) -> Tuple[Tensor, int, int]:
         B = x.shape[0]

@@ -33,7 +33,7 @@ from ..core import (
 )
 from ._helpers import (
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
-    rebuilt, register_entries, resolve_pid, run_blocks, state_outputs,
+    register_entries, resolve_pid, run_blocks, state_outputs,
 )
 
 __all__ = [
@@ -243,7 +243,6 @@ class PIDVisionTransformerDistilled(_PIDViTMixin, VisionTransformerDistilled):
 
 
 _MODEL_CLASSES = {"vit": PIDVisionTransformer, "vit_distilled": PIDVisionTransformerDistilled}
-_STOCK_CLASSES = {VisionTransformer: PIDVisionTransformer, VisionTransformerDistilled: PIDVisionTransformerDistilled}
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -283,60 +282,19 @@ def _create(
 
 # --------------------------------------------------------------------------------------- to_pid
 def to_pid(model: VisionTransformer, config: Any = None, *, attention: str = "pid") -> VisionTransformer:
-    """A timm ViT/DeiT with PID attention (or the method ``attention``), weights kept: use the model it returns.
-
-    A stock ``VisionTransformer`` / ``VisionTransformerDistilled`` is converted into a **new** module (as peft's
-    ``get_peft_model`` returns a new one): a :class:`PIDVisionTransformer` (a subclass of the stock class) whose
-    blocks are new :class:`PIDBlock` / :class:`PIDAttention` modules holding the stock model's own submodules,
-    parameters and buffers (the same tensors, not copies: same device, dtype, train/eval mode, same
-    ``state_dict`` keys unless the method adds learnable parameters). The stock model is left a stock model,
-    sharing its weights with the result. A PID model is reconfigured in place and returned. With all gains
-    zero (or ``attention="softmax"``) the result computes exactly what the stock model computed.
+    """``convert(model, attention, config)`` (:func:`pid_plugins.timm.convert`): the model's attention switched
+    in place, the same parameter tensors; returns ``model``.
 
     Args:
         model: a timm ``VisionTransformer`` / ``VisionTransformerDistilled`` built with standard
-            ``Block`` + ``Attention`` blocks, or a PID model to reconfigure.
+            ``Block`` + ``Attention`` blocks, a model with a method to reconfigure, or a FAN.
         config: the method's parameters; for PID a :class:`PIDConfig`, a dict of overrides of the ``deit``
             preset, or a preset name.
-        attention: ``"pid"``, another registered method's name, or ``"softmax"``.
+        attention: ``"pid"``, another registered method's name, or ``"softmax"`` (timm's stock classes again).
     """
-    choice = resolve_pid(attention, config)
-    if isinstance(model, _PIDViTMixin):
-        for blk in model.blocks:
-            blk.attn.set_attention(choice, blk.attn.qkv.weight)
-        model._set_model_attention(choice)
-        return model
-    target = _STOCK_CLASSES.get(type(model))
-    if target is None:
-        raise TypeError(
-            f"to_pid converts timm VisionTransformer / VisionTransformerDistilled models, got "
-            f"{type(model).__name__}; for other architectures build the PID model by name "
-            "(pid_plugins.list_models(zoo='timm'))"
-        )
-    shapes = set()
-    for i, blk in enumerate(model.blocks):
-        if type(blk) is not Block or type(blk.attn) is not Attention:
-            raise TypeError(
-                f"to_pid needs timm Block + Attention blocks; block {i} is {type(blk).__name__} with "
-                f"{type(getattr(blk, 'attn', None)).__name__} attention"
-            )
-        shapes.add((blk.attn.num_heads, blk.attn.head_dim))
-    if len(shapes) > 1:
-        raise ValueError(
-            f"all PID layers must have values of one shape (heads, head_dim); this model's blocks have {sorted(shapes)}"
-        )
-    blocks = []
-    for blk in model.blocks:
-        attn = rebuilt(PIDAttention, blk.attn)
-        attn.set_attention(choice, attn.qkv.weight)
-        block = rebuilt(PIDBlock, blk)
-        block.attn = attn
-        blocks.append(block)
-    new = rebuilt(target, model)
-    new.blocks = nn.Sequential(*blocks)
-    new.blocks.train(model.blocks.training)
-    new._set_model_attention(choice)
-    return new
+    from .conversion import convert
+
+    return convert(model, attention, config)
 
 
 # ------------------------------------------------------------------------------------ registration
