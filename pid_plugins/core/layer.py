@@ -35,8 +35,10 @@ class MethodLayer:
         self.attention_method = choice.method if choice is not None else None
         self.pid = choice.config if choice is not None else None
         learned = choice.method.make_learned(choice.config) if choice is not None else None
-        if learned is not None and like is not None:
-            learned = learned.to(device=like.device, dtype=like.dtype)
+        if learned is not None:
+            if like is not None:
+                learned = learned.to(device=like.device, dtype=like.dtype)
+            learned.train(self.training)  # the layer's mode, whatever mode it is switched in
         self.pid_gains = learned
 
     @property
@@ -78,8 +80,11 @@ class MethodModel:
         self._stock_plus_term = stock_plus_term
         self.__dict__.pop("_warmup_finished", None)
         self._buffers.pop("_warmup_finished", None)
-        self.pid_warmup = method_warmup(choice, like, self.__dict__.get("_modules", {}).get("pid_warmup"),
-                                        stock_plus_term=stock_plus_term, where=where)
+        counter = method_warmup(choice, like, self.__dict__.get("_modules", {}).get("pid_warmup"),
+                                stock_plus_term=stock_plus_term, where=where)
+        if counter is not None:
+            counter.train(self.training)  # a counter made on a model in eval mode must not count its forwards
+        self.pid_warmup = counter
 
     def method_scale(self) -> Optional[Tensor]:
         """This forward's warm-up scale for the layers, read once per forward of the model (a training forward then
