@@ -33,13 +33,16 @@ def _timm_names() -> Dict[str, str]:
 reserve_names("timm", _timm_names)
 
 
-def resolve_pid(attention: Optional[str] = "pid", attention_cfg: Any = None, pid: Any = None,
+def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any = None, pid: Any = None,
                 default: Any = None, where: str = "this model") -> Optional[MethodChoice]:
     """The attention a timm model is built with: ``None`` for the stock softmax attention, else the method and
     its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy). ``default``: the
     catalogue entry's preset for PID (other methods start from their own default preset)."""
     return resolve_attention(attention, attention_cfg, zoo="timm", pid=pid,
                              default=default if attention in ("pid", None) else None, where=where)
+
+
+resolve_pid = resolve_timm_attention  # the former name (it resolves any method, not only PID)
 
 
 # ------------------------------------------------------------------------------------------ attention layers
@@ -170,7 +173,7 @@ def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, An
                  name: str) -> Optional[MethodChoice]:
     """Pop ``attention`` / ``attention_cfg`` / ``pid`` from the ``kwargs`` of the entrypoint ``name`` and resolve
     them (PID starts from the entry's preset)."""
-    return resolve_pid(kwargs.pop("attention", default_attention), kwargs.pop("attention_cfg", None),
+    return resolve_timm_attention(kwargs.pop("attention", default_attention), kwargs.pop("attention_cfg", None),
                        kwargs.pop("pid", None), default=entry.pid_config(), where=f"timm model {name!r}")
 
 

@@ -28,7 +28,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from ..core import MethodChoice
-from ._helpers import resolve_pid
+from ._helpers import resolve_timm_attention
 from .fan import FAN
 from .vision_transformer import (
     PIDAttention, PIDBlock, PIDVisionTransformer, PIDVisionTransformerDistilled, _PIDViTMixin,
@@ -75,7 +75,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
     model or block this cannot convert) before anything is changed.
     """
     where = type(model).__name__
-    choice = resolve_pid(attention, attention_cfg, pid, where=where)
+    choice = resolve_timm_attention(attention, attention_cfg, pid, where=where)
     if isinstance(model, FAN):
         _convert_fan(model, choice)
         return model

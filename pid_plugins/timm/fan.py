@@ -41,7 +41,7 @@ from ..core import (
 )
 from ._helpers import (
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
-    register_entries, resolve_pid, run_blocks, state_outputs,
+    register_entries, resolve_timm_attention, run_blocks, state_outputs,
 )
 
 __all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_filter_fn"]
@@ -231,7 +231,7 @@ class FAN(MethodModel, nn.Module):
             raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
         act_layer = get_act_layer(act_layer) or nn.GELU
-        choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
+        choice = resolve_timm_attention(attention, attention_cfg, pid, where=type(self).__name__)
         self.set_model_method(choice, torch.empty(0, device=device), where=type(self).__name__)
         self.num_classes = num_classes
         self.global_pool = global_pool

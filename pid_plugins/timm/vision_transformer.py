@@ -33,7 +33,7 @@ from ..core import (
 )
 from ._helpers import (
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
-    register_entries, resolve_pid, run_blocks, state_outputs,
+    register_entries, resolve_timm_attention, run_blocks, state_outputs,
 )
 
 __all__ = [
@@ -134,7 +134,7 @@ class _PIDViTMixin(MethodModel):
 
     def __init__(self, *args: Any, pid: Any = None, attention: str = "pid", attention_cfg: Any = None,
                  **kwargs: Any) -> None:
-        choice = resolve_pid(attention, attention_cfg, pid, where=type(self).__name__)
+        choice = resolve_timm_attention(attention, attention_cfg, pid, where=type(self).__name__)
         block_fn = kwargs.pop("block_fn", None)
         if block_fn not in (None, Block, PIDBlock):
             raise ValueError(
