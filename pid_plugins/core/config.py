@@ -59,19 +59,25 @@ class MethodConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "MethodConfig":
+        """The preset ``name`` (a key of ``PRESETS``) with ``overrides`` applied, validated; ``ValueError`` names
+        the presets there are."""
         if not isinstance(name, str) or name not in cls.PRESETS:
             raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of {sorted(cls.PRESETS)}")
         return cls.from_dict({**cls.PRESETS[name], **overrides})
 
     @classmethod
     def preset_names(cls) -> List[str]:
+        """The names :meth:`preset` accepts, sorted."""
         return sorted(cls.PRESETS)
 
     def to_dict(self) -> Dict[str, Any]:
+        """Every field as a plain dict (what configs and checkpoints store); ``from_dict(c.to_dict()) == c``."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MethodConfig":
+        """A config from a dict of fields (an instance is returned as is). A ``"preset"`` key starts from that
+        preset and the other keys override it; unknown keys raise ``ValueError`` listing the allowed ones."""
         if isinstance(data, cls):
             return data
         if not isinstance(data, Mapping):
@@ -87,6 +93,9 @@ class MethodConfig:
 
     @classmethod
     def coerce(cls, value: Any, default: Any = None) -> "MethodConfig":
+        """A config from what a user passes: ``None`` (``default``: a config, a preset name, or the field defaults),
+        an instance, a preset name, or a dict of overrides of ``default`` (a dict with ``"preset"`` starts from that
+        preset instead). Anything else raises ``ValueError``."""
         base = default if isinstance(default, cls) else (cls.preset(default) if default is not None else cls())
         if value is None:
             return base
@@ -102,10 +111,12 @@ class MethodConfig:
         )
 
     def replace(self, **changes: Any) -> "MethodConfig":
+        """A copy with ``changes`` applied (validated like a new config)."""
         return dataclasses.replace(self, **changes)
 
     @property
     def is_zero(self) -> bool:
+        """True when the fields equal ``ZERO``: the method then computes the stock attention."""
         return bool(self.ZERO) and all(getattr(self, k) == v for k, v in self.ZERO.items())
 
 
@@ -202,6 +213,7 @@ class PIDConfig(MethodConfig):
 
     @classmethod
     def preset_names(cls) -> list[str]:
+        """The names :meth:`preset` accepts (``registry/presets.toml``), sorted."""
         return sorted(_PRESET_CONFIGS)
 
     @property

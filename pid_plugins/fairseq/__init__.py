@@ -64,6 +64,7 @@ from .model import (  # noqa: E402
 )
 
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
+"""The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",

@@ -20,6 +20,9 @@ PID_OPTIONS = ("lambda_p", "lambda_i", "lambda_d", "beta", "control_first_layer"
 
 @dataclass
 class PIDTransformerLanguageModelConfig(TransformerLanguageModelConfig):
+    """``transformer_lm``'s options plus the attention method's: ``--attention-method``, ``--attention-cfg`` and
+    PID's ``--pid-*`` gains (each option's help says what it takes)."""
+
     attention_method: str = field(default="pid", metadata={
         "help": "the attention method: 'pid' (default), 'softmax' for the stock model, or the name of a method "
                 "registered with pid_plugins.register_method (e.g. by your own --user-dir)"})

@@ -58,8 +58,10 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "pid"
+"""PID's ``attn_implementation`` name (every other registered method is registered under its own name)."""
 BASE_ATTR = "pid_attention_base"
 BASES = ("sdpa", "eager", "flex_attention")
+"""The base attentions a method runs on (``to_pid(model, base=...)``, saved as ``config.pid_attention_base``)."""
 _HOOKED = "_pid_plugins_hooked"
 _PLAN = "_pid_plugins_plan"
 _GAINS_SOURCE = "_pid_plugins_gains_config"

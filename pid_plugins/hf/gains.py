@@ -149,6 +149,7 @@ def is_gain_name(name: str) -> bool:
 
 
 def gain_parameter_names(model: nn.Module) -> List[str]:
+    """The names of the model's learnable PID gains (``...pid_gains.lambda_p_raw`` etc., peft's names included)."""
     return [n for n, _ in model.named_parameters() if is_gain_name(n)]
 
 
@@ -173,4 +174,5 @@ class NoGainDecayTrainerMixin:
     """
 
     def get_decay_parameter_names(self, model: nn.Module) -> List[str]:
+        """The ``Trainer``'s own weight-decay names without the PID gains."""
         return decay_parameter_names(super().get_decay_parameter_names(model))  # type: ignore[misc]

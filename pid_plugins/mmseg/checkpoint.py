@@ -74,6 +74,7 @@ SAFE_GLOBALS: List[Union[Any, Tuple[Callable, str]]] = [
     (history_buffer_method, "builtins.getattr"),
     *_numpy_globals(),
 ]
+"""The classes mmengine's training checkpoints need beyond tensors, allow-listed only inside these loads."""
 
 
 _ALLOWED = "weights and mmengine's checkpoint classes"
