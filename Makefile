@@ -77,3 +77,8 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The documentation site (docs/ + mkdocs.yml, API reference from the docstrings) into site/; warnings are errors
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site

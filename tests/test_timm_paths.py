@@ -152,14 +152,15 @@ print(json.dumps(dict(pid=model.pid.to_dict(), logits=out.tolist())))
 
 
 def test_the_readme_validate_py_command(tmp_path):
-    """The README's validate.py command (as written there) imports the plugin before running the script."""
+    """The validate.py command of the timm docs page (docs/timm.md, as written there) imports the plugin before
+    running the script."""
     import json
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "timm.md").read_text()
     program = re.search(r'python -c "(import runpy, sys, pid_plugins\.timm;[^"]*)" \\\n\s+validate\.py', readme).group(1)
     gains = {"lambda_p": 0.8, "lambda_i": 0.5, "lambda_d": 0.05, "beta": 0.1}
     assert f'--model-kwargs pid="{gains}"' in readme
