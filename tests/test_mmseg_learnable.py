@@ -132,6 +132,18 @@ def test_with_cp_gives_the_gains_the_same_gradients(part):
     assert_equal_or_both_none(ckpt, ref)
 
 
+def test_a_learnable_backbone_compiles_fullgraph_and_equals_eager():
+    from zoo_cases import mm_compiled
+
+    model = part_model("backbone", "pid")
+    with torch.no_grad():
+        _set_per_layer_values(model, "pid")
+    x = mm_inputs("backbone")
+    compiled = mm_compiled(model, x, "aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------- init_cfg Pretrained
 def _pretrained(tmp_path, state_dict, **kw):
     path = tmp_path / "pretrained.pth"
