@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
-from pid_plugins import PIDConfig, get_method  # noqa: E402
+from pid_plugins import PIDConfig  # noqa: E402
 from reference import naive_pid_stack  # noqa: E402
 from zoo_cases import (  # noqa: E402
     MM_TYPES, assert_equal_or_both_none, mm_args, mm_build, mm_inputs, mm_out, mm_with_cp_runs, mmseg_reference,
