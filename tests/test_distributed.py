@@ -297,6 +297,51 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
                 assert_close_params(run["params"], stepped)
 
 
+def test_mmseg_learnable_parameters_under_fsdp2_and_ddp_equal_one_process(tmp_path):
+    """Learnable method parameters in mmseg (issue 34): PID's gains and value residual's lambdas in the ViT backbone
+    and in Segmenter's mask-transformer head, under FSDP2's per-layer recipe (reshard_after_forward both ways, mmseg's
+    with_cp) and DistributedDataParallel: the forward equals the unsharded model's, one SGD step equals one process
+    over the global batch, every layer's parameters are sharded with their layer and they train."""
+    pytest.importorskip("mmseg")
+    names = cases.MMSEG_LEARNABLE_CASES
+    launch(tmp_path, "fsdp2_mmseg_learnable", [str(DIST / "fsdp2.py"), str(tmp_path), ",".join(names)], timeout=600)
+    r0, r1 = load_ranks(tmp_path)
+    work = tmp_path / "reference"
+    work.mkdir()
+    expected = {(name, mode) for name in names for mode in cases.case_modes(name, work)}
+    assert set(r0["runs"]) == set(r1["runs"]) == expected
+    assert {mode for _, mode in expected} == {"reshard", "keep_unsharded", "checkpointing", "ddp"}
+    for name in names:
+        model, layers, batch, forward = cases.build_fsdp_case(name, work)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        gains = [n for n in init if ".pid_gains." in n]
+        assert len(gains) == len(layers(model)) * (3 if name.startswith("pid") else 2) > 0
+        outs = [forward(model, cases.rank_slice(batch(), r, 2)) for r in (0, 1)]
+        loss = sum(cases.fsdp_loss(o) for o in outs) / 2  # what the ranks' gradient averaging computes
+        opt = torch.optim.SGD(model.parameters(), lr=cases.FSDP_LR)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        stepped = {n: p.detach() for n, p in model.named_parameters()}
+        grads = {n: p.grad for n, p in model.named_parameters() if n in gains}
+        # every layer's parameters are used; past each group's first layer (zero error with PID's beta = 1, its own
+        # values for value residual) they get gradients and train
+        assert all(g is not None for g in grads.values()) and sum(g.abs().max() > 0 for g in grads.values()) >= \
+            len(gains) - len(gains) // len(layers(model)), name
+        assert max_change({n: stepped[n] for n in gains}, {n: init[n] for n in gains}) > 0, name
+        for mode in cases.case_modes(name, work):
+            for rank, run in enumerate((r0["runs"][name, mode], r1["runs"][name, mode])):
+                assert run["sharded"] > 0, (name, mode)
+                assert mode == "ddp" or set(gains) <= set(run["dtensors"]), (name, mode)  # sharded with the layer
+                torch.testing.assert_close(run["out"], outs[rank].detach(), rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{name} {mode} rank {rank} forward: {m}")
+                assert_close_params(run["params"], stepped)
+                assert set(run["gain_grads"]) == set(gains), (name, mode)
+                for n in gains:  # the gains' gradients (too small to show in the stepped parameters), averaged alike
+                    torch.testing.assert_close(run["gain_grads"][n], grads[n], rtol=1e-4, atol=1e-12,
+                                               msg=lambda m, n=n: f"{name} {mode} rank {rank} {n} gradient: {m}")
+
+
 # --------------------------------------------------------------------------------- fairseq-train
 FAIRSEQ_TRAIN = ["--task", "language_modeling", "--arch", "transformer_lm_pid", "--decoder-layers", "2",
                  "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",

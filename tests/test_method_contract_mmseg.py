@@ -241,8 +241,6 @@ torch.save(dict(state_dict=model.state_dict(), out=out), {str(tmp_path / 'out.pt
 def test_refusals_say_what_to_change():
     with pytest.raises(ValueError, match=r"unknown ScaledReferenceConfig field\(s\) \['learnable'\]"):
         backbone(attention=NAME, attention_cfg=dict(learnable=True))
-    with pytest.raises(ValueError, match="learnable gains are not supported here"):
-        backbone(pid=dict(learnable=True))  # mmseg has no learnable parameters, for PID either
     for build_part in (backbone, head):
         with pytest.raises(ValueError, match=r"unknown attention method 'nope'.*'pid'.*'scaled_reference'"):
             build_part(attention="nope")

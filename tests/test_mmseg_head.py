@@ -76,8 +76,6 @@ def test_head_arguments():
     with pytest.raises(ValueError, match="PIDSegmenterMaskTransformerHead: unknown attention method 'linear'"):
         build(attention="linear")
     assert build(pid="deit").attention_method is None  # the head's default is softmax: pid= alone is inert
-    with pytest.raises(ValueError, match="learnable gains are not supported"):
-        build(attention="pid", pid=dict(learnable=True))
 
 
 def test_config_round_trip_and_a_training_step(tmp_path):

@@ -5,7 +5,9 @@ List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=d
 the method's parameters ``attention_cfg=...`` and, for PID, the gains (``pid=dict(...)`` and/or ``lambda_p``,
 ``lambda_i``, ``lambda_d``, ``beta``; preset ``segmenter``). ``decode_head=dict(type='PIDSegmenterMaskTransformerHead',
 attention='pid')`` puts the method in the decoder too. A method registered with ``pid_plugins.register_method``
-is picked by its name (list its module in ``custom_imports`` first).
+is picked by its name (list its module in ``custom_imports`` first). ``attention_cfg=dict(learnable=True)`` (PID's
+gains, value residual's lambdas) gives every layer its own trainable ``pid_gains``; the shipped configs keep them out
+of weight decay (``optim_wrapper.paramwise_cfg.custom_keys``). :func:`convert` switches a built model in place.
 
 Import-time changes to third-party modules (all made when this package is imported, e.g. by ``custom_imports``):
 
@@ -36,6 +38,7 @@ from . import checkpoint
 from .head import PIDSegmenterMaskTransformerHead
 from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_mmseg
 from .checkpoint import WeightsOnlyCheckpointHook
+from .conversion import convert
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "PIDSegmenterMaskTransformerHead",
-           "WeightsOnlyCheckpointHook", "timm_vit_to_mmseg", "install_mmcv_ext_standin"]
+           "WeightsOnlyCheckpointHook", "timm_vit_to_mmseg", "install_mmcv_ext_standin", "convert"]

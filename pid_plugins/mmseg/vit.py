@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
-from torch import Tensor
+from torch import Tensor, nn
 from mmengine.logging import print_log
 from mmengine.model import BaseModule, ModuleList
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
@@ -30,24 +30,64 @@ from ..core.layer import MethodLayer, MethodModel
 from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
-           "method_layers"]
+           "method_layers", "initial_learned_state"]
 
 
 def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
                      options: Optional[Dict[str, Any]] = None) -> Optional[MethodChoice]:
-    """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg (no learnable parameters): None for softmax,
-    else the method and its parameters over its ``mmseg`` preset."""
-    return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, learnable=False, where=where,
-                             options=options)
+    """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg: None for softmax, else the method and its
+    parameters over its ``mmseg`` preset (learnable parameters included: each layer gets its own ``pid_gains``)."""
+    return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, where=where, options=options)
 
 
 def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
-    """Replace each of mmseg's ``TransformerEncoderLayer`` in ``layers`` by a :class:`PIDTransformerEncoderLayer`
-    that takes over its submodules, unless the choice computes the stock attention (softmax, identity config)."""
-    if choice is None or choice.method.is_identity(choice.config):  # the stock layers, untouched
-        return
-    for i, layer in enumerate(layers):
-        layers[i] = PIDTransformerEncoderLayer(layer, choice.method, choice.config)
+    """Switch ``layers`` (mmseg's ``TransformerEncoderLayer`` or :class:`PIDTransformerEncoderLayer`) to ``choice``, in
+    place: the same module objects, their class swapped. A choice that computes the stock attention (softmax, an
+    identity config) leaves (or makes) them mmseg's own layers, without anything pid-plugins added; otherwise every
+    layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for learnable parameters,
+    a fresh ``pid_gains`` module (initial values, on the layer's device, dtype and train/eval mode)."""
+    stock = choice is None or choice.method.is_identity(choice.config)
+    for layer in layers:
+        if stock:
+            to_stock_layer(layer)
+        else:
+            to_method_layer(layer, choice)
+
+
+#: what :class:`PIDTransformerEncoderLayer` holds beyond mmseg's layer (core's MethodLayer)
+LAYER_ATTRS = ("attention_method", "pid", "pid_gains")
+
+
+def strip(module: nn.Module, names: Tuple[str, ...]) -> None:
+    """Remove ``names`` from ``module`` wherever nn.Module keeps them (attribute, submodule, parameter, buffer)."""
+    for name in names:
+        for store in (module._modules, module._parameters, module._buffers):
+            store.pop(name, None)
+        module.__dict__.pop(name, None)
+
+
+def settle(owner: nn.Module, name: str) -> None:
+    """After a method switch: a submodule set to None (``pid_gains``, ``pid_warmup`` of the previous method) becomes
+    the plain ``name = None`` attribute a module built without it has, not a ``None`` submodule entry."""
+    if name in owner._modules and owner._modules[name] is None:
+        del owner._modules[name]
+        owner.__dict__[name] = None
+
+
+def to_method_layer(layer: TransformerEncoderLayer, choice: MethodChoice) -> None:
+    """One of mmseg's layers (or a method layer) -> :class:`PIDTransformerEncoderLayer` with ``choice``, in place."""
+    if type(layer) is TransformerEncoderLayer:
+        layer.__class__ = PIDTransformerEncoderLayer
+    layer.set_attention(choice, layer.attn.attn.in_proj_weight)
+    settle(layer, "pid_gains")
+
+
+def to_stock_layer(layer: TransformerEncoderLayer) -> None:
+    """A :class:`PIDTransformerEncoderLayer` -> mmseg's ``TransformerEncoderLayer``, in place, with everything
+    pid-plugins added removed (mmseg's own layers are left as they are)."""
+    if type(layer) is PIDTransformerEncoderLayer:
+        strip(layer, LAYER_ATTRS)
+        layer.__class__ = TransformerEncoderLayer
 
 
 class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
@@ -55,7 +95,10 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
     Built from one of mmseg's own layers, whose submodules (``ln1``, ``attn``, ``ln2``, ``ffn``) it takes over:
     same parameter names, devices, dtypes and train/eval mode. ``pid`` holds the method's config (PID's gains for
-    ``attention='pid'``), ``attention_method`` the method.
+    ``attention='pid'``), ``attention_method`` the method and ``pid_gains`` its learnable parameters (a module from
+    the method's ``make_learned``, e.g. PID's ``{"learnable": True}`` gains, value residual's lambdas), or None.
+    :class:`PIDVisionTransformer` and :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` switch their
+    layers in place instead (:func:`method_layers`, the same result).
     """
 
     def __init__(self, layer: TransformerEncoderLayer, method: AttentionMethod, config: Any) -> None:
@@ -66,9 +109,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         for name, module in layer.named_children():
             self.add_module(name, module)
         self.train(layer.training)
-        self.set_attention(MethodChoice(method, config))
-        if self.pid_gains is not None:  # mmseg has no learnable parameters (refused before, by choose_attention)
-            raise ValueError(f"mmseg layers take no learnable parameters ({method.name})")
+        self.set_attention(MethodChoice(method, config), layer.attn.attn.in_proj_weight)
 
     def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
         """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected.
@@ -129,10 +170,29 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         return f"attention={self.attention_method.name!r}, config={self.pid}"
 
 
+def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
+    """The learnable method parameters of every :class:`PIDTransformerEncoderLayer` in ``model`` at their initial
+    values (the method's ``make_learned`` of the layer's config; on the layer's device and dtype), by their
+    ``model.state_dict()`` names: what a checkpoint without them (softmax, fixed parameters) loads as."""
+    out: Dict[str, Tensor] = {}
+    for name, layer in model.named_modules():
+        gains = getattr(layer, "pid_gains", None)
+        if isinstance(layer, PIDTransformerEncoderLayer) and gains is not None:
+            fresh = layer.attention_method.make_learned(layer.pid)
+            like = next(gains.parameters(), None)
+            for key, value in fresh.state_dict().items():
+                if like is not None and value.is_floating_point():
+                    value = value.to(device=like.device, dtype=like.dtype)
+                out[f"{name}.pid_gains.{key}" if name else f"pid_gains.{key}"] = value
+    return out
+
+
 def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names.
 
     The same renaming mmseg's ``tools/model_converters/vit2mmseg.py`` applies; the classifier head is dropped.
+    Learnable method parameters (timm keeps them on the attention, ``blocks.<i>.attn.pid_gains.*``) go to the mmseg
+    layer that holds them, ``layers.<i>.pid_gains.*``.
     """
     out: Dict[str, Tensor] = {}
     for key, value in state_dict.items():
@@ -147,7 +207,8 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
             new = key.replace("blocks.", "layers.", 1)
             new = (new.replace(".norm1.", ".ln1.").replace(".norm2.", ".ln2.")
                    .replace(".mlp.fc1.", ".ffn.layers.0.0.").replace(".mlp.fc2.", ".ffn.layers.1.")
-                   .replace(".attn.qkv.", ".attn.attn.in_proj_").replace(".attn.proj.", ".attn.attn.out_proj."))
+                   .replace(".attn.qkv.", ".attn.attn.in_proj_").replace(".attn.proj.", ".attn.attn.out_proj.")
+                   .replace(".attn.pid_gains.", ".pid_gains."))
         out[new] = value
     return out
 
@@ -166,7 +227,9 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
 
     ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` accepts an mmseg ViT checkpoint or a timm
     ViT/DeiT checkpoint (e.g. trained with ``pid_plugins.timm``; converted with :func:`timm_vit_to_mmseg`),
-    and loads it strictly: missing or unexpected keys raise a ``ValueError`` listing them. The file is read with
+    and loads it strictly: missing or unexpected keys raise a ``ValueError`` listing them, except learnable method
+    parameters (``pid_gains``) that a softmax or fixed-parameter checkpoint does not have: they start at their
+    initial values (the method's ``make_learned`` of the layer's config). The file is read with
     ``torch.load(weights_only=True)`` whatever the environment says (:mod:`pid_plugins.mmseg.checkpoint`).
     A whole segmentor checkpoint (``backbone.`` and ``decode_head.`` keys) is refused: load it with ``load_from``.
     """
@@ -217,6 +280,8 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
                 state_dict["pos_embed"], (h // self.patch_size, w // self.patch_size), (pos_size, pos_size),
                 self.interpolate_mode)
         expected = self.state_dict()
+        for name, value in initial_learned_state(self).items():
+            state_dict.setdefault(name, value)
         hint = ("mmseg ViT checkpoints and timm ViT/DeiT checkpoints of the same size load; check "
                 "embed_dims/num_layers/num_heads")
         if "patch_embed.projection.bias" in set(state_dict) - set(expected):

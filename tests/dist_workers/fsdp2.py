@@ -6,7 +6,8 @@ then on the model. For every case of ``pid_dist_cases.FSDP_CASES`` and every mod
 on its half of the global batch and one SGD step, and saves its output and the whole parameters after the step
 (``full_tensor()`` of each DTensor) to OUT/rank{rank}.pt; tests/test_distributed.py compares them with the
 unsharded model in one process.
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/fsdp2.py OUT
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/fsdp2.py OUT [CASE,CASE,...]
+(the optional second argument: these cases instead of ``FSDP_CASES``).
 """
 import sys
 from pathlib import Path
@@ -42,16 +43,21 @@ def run(name: str, mode: str, rank: int, world: int, workdir: Path) -> dict:
               for n, p in model.named_parameters()}
     sharded = sum(isinstance(p, DTensor) for p in model.parameters()) if mode != "ddp" else len(params)
     dtensors = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-    return {"out": out.detach().clone(), "params": params, "sharded": sharded, "dtensors": dtensors}
+    # the learnable method parameters' gradients (averaged over the ranks), whole: small next to the parameters, so
+    # compared on their own
+    gain_grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                  for n, p in model.named_parameters() if ".pid_gains." in n and p.grad is not None}
+    return {"out": out.detach().clone(), "params": params, "sharded": sharded, "dtensors": dtensors,
+            "gain_grads": gain_grads}
 
 
-def main(out: Path) -> None:
+def main(out: Path, names: tuple = cases.FSDP_CASES) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     workdir = out / f"work{rank}"
     workdir.mkdir(exist_ok=True)
     runs = {}
-    for name in cases.FSDP_CASES:
+    for name in names:
         for mode in cases.case_modes(name, workdir):
             runs[name, mode] = run(name, mode, rank, world, workdir)
             print(f"rank {rank}: {name} {mode} done", flush=True)
@@ -61,4 +67,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *([tuple(sys.argv[2].split(","))] if len(sys.argv) > 2 else []))

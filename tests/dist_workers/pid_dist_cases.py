@@ -170,6 +170,22 @@ def _mmseg_backbone(with_cp: bool = False, **method):
                              norm_cfg=dict(type="LN", eps=1e-6), with_cp=with_cp, **method))
 
 
+MMSEG_HEAD = dict(in_channels=48, channels=48, num_classes=5, num_layers=3, num_heads=3, embed_dims=48,
+                  dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
+
+
+def _mmseg_head(with_cp: bool = False, **method):
+    """Segmenter's mask-transformer head with a method in its 3 layers (mmseg's head has no with_cp argument: its
+    layers' own flag)."""
+    import pid_plugins.mmseg  # noqa: F401
+    from mmseg.registry import MODELS
+
+    head = MODELS.build(dict(type="PIDSegmenterMaskTransformerHead", **MMSEG_HEAD, **method))
+    for layer in head.layers:
+        layer.with_cp = with_cp
+    return head
+
+
 def _fairseq_lm(workdir, method=None, params=None):
     from fairseq import options, tasks
     from fairseq.data import Dictionary
@@ -219,6 +235,8 @@ def _method(name: str):
         return method, {"gamma": TOY_GAMMA}, base
     if method == "value_residual_learnable":  # value residual with per-layer trainable lambda_1, lambda_2
         return "value_residual", {"learnable": True}, base
+    if method == "pid_learnable":  # PID with per-layer trainable gains
+        return "pid", {"learnable": True}, base
     return method, None, base
 
 
@@ -251,6 +269,11 @@ def fsdp_case(name: str, workdir):
     if base == "mmseg":
         return (lambda checkpointing: _mmseg_backbone(checkpointing, **chosen), lambda m: list(m.layers),
                 _images(64), _mmseg_out, True)
+    if base == "mmseg_head":
+        def features():
+            return {"x": torch.randn(FSDP_GLOBAL_BATCH, 48, 8, 8, generator=torch.Generator().manual_seed(9))}
+        return (lambda checkpointing: _mmseg_head(checkpointing, **chosen), lambda m: list(m.layers), features,
+                lambda m, b: m([b["x"]]), True)
     if base == "fairseq":
         return (lambda checkpointing: _fairseq_lm(workdir, method, params),
                 lambda m: list(m.decoder.layers), _tokens(low=4, high=44), lambda m, b: m(b["input_ids"])[0], False)
@@ -270,12 +293,20 @@ FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "ti
               *(f"value_residual:{c}" for c in ("timm_deit", "mmseg")), "value_residual_learnable:timm_deit")
 
 
+#: learnable method parameters in mmseg (issue 34): PID's gains and value residual's lambdas, in the ViT backbone and
+#: in Segmenter's mask-transformer head, each layer's sharded with it (tests/test_distributed.py runs these alone)
+MMSEG_LEARNABLE_CASES = tuple(f"{m}:{c}" for m in ("pid_learnable", "value_residual_learnable")
+                              for c in ("mmseg", "mmseg_head"))
+
+
 def case_modes(name: str, workdir) -> list:
     """The modes a case runs in: PID's cases under FSDP2 both ways and with checkpointing (where the zoo supports
     it; their DDP runs are the zoos' own launchers, in test_distributed.py); the toy method's under FSDP2 (with and
     without checkpointing) and DDP, and so value residual's; PID's other siblings' under DDP."""
     supports_checkpointing = fsdp_case(name, workdir)[4]
     modes = [m for m, (_, ckpt) in FSDP_MODES.items() if m != "ddp" and (supports_checkpointing or not ckpt)]
+    if name.startswith("pid_learnable:"):
+        return modes + ["ddp"]
     if name.startswith(("scaled_reference:", "value_residual")):
         return [m for m in modes if m != "keep_unsharded"] + ["ddp"]
     if ":" in name:
