@@ -54,6 +54,7 @@ from .checkpoint import UnsafeCheckpointError, install as _install_safe_loading 
 _install_safe_loading()  # fairseq's checkpoint_utils loads with weights_only=True, whatever the environment says
 
 from .model import (  # noqa: E402
+    GAIN_PARAM_GROUP,
     PIDMultiheadAttention,
     PIDTransformerDecoder,
     PIDTransformerDecoderLayer,
@@ -62,10 +63,12 @@ from .model import (  # noqa: E402
     attention_from_args,
     load_pid_lm,
 )
+from .conversion import convert  # noqa: E402
 
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
     "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm", "UnsafeCheckpointError", "USER_DIR",
+    "GAIN_PARAM_GROUP", "convert",
 ]

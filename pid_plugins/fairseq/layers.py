@@ -31,9 +31,14 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
 from ..core.layer import MethodLayer, MethodModel
 
-__all__ = ["PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
+__all__ = ["GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+#: the fairseq parameter group (``param.param_group``) of a method's learnable parameters (PID's gains,
+#: value_residual's lambdas: every parameter under a layer's ``pid_gains``). fairseq's ``--optimizer composite``
+#: builds one optimizer per group, so a group ``pid_gains`` with ``weight_decay: 0`` keeps them out of weight decay
+GAIN_PARAM_GROUP = "pid_gains"
 
 
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
@@ -47,6 +52,25 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.set_attention(MethodChoice(method, config) if method is not None else None)
+
+    def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
+        """:meth:`MethodLayer.set_attention <pid_plugins.core.MethodLayer.set_attention>`, then the learnable
+        parameters are put in fairseq's parameter group :data:`GAIN_PARAM_GROUP`."""
+        super().set_attention(choice, like)
+        self._tag_learned()
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "PIDMultiheadAttention":
+        # a conversion that makes new Parameter objects (``.to()`` with overwrite_module_params_on_conversion)
+        # drops their attributes: tag them again
+        result = super()._apply(fn, *args, **kwargs)
+        self._tag_learned()
+        return result
+
+    def _tag_learned(self) -> None:
+        learned = self.__dict__.get("_modules", {}).get("pid_gains")
+        if learned is not None:
+            for parameter in learned.parameters():
+                parameter.param_group = GAIN_PARAM_GROUP
 
     def _qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         T, B, _ = x.shape
