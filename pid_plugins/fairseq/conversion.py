@@ -157,6 +157,7 @@ def _strip(module: nn.Module, names: tuple) -> None:
     for name in names:
         for store in (module._modules, module._parameters, module._buffers):
             store.pop(name, None)
+        module._non_persistent_buffers_set.discard(name)
         module.__dict__.pop(name, None)
 
 
