@@ -107,6 +107,10 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
     assert torch.equal(reloaded[0], rebuilt[0]) and torch.equal(reloaded[1], rebuilt[1])
     torch.testing.assert_close(reloaded[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reloaded[1], want[1], rtol=1e-5, atol=1e-5)
+    if spelling == "pid_option":  # the hub interface takes the same overrides
+        hub = pf.load_pid_lm(path, str(data_dir), **overrides)
+        assert hub.models[0].decoder.pid_warmup is None
+        assert torch.equal(outputs(hub.models[0])[0], reloaded[0])
     # the warm-up path really was taken before (not the method's path): the two differ in rounding
     assert not torch.equal(reloaded[0], want[0])
 

@@ -8,6 +8,15 @@ Use with fairseq's own CLI through ``--user-dir`` (a directory with a unique nam
 Another registered attention method: ``--attention-method NAME --attention-cfg '{"gamma": 0.3}'`` (the method
 registered in the process, e.g. by the user's own ``--user-dir`` module calling ``pid_plugins.register_method``).
 
+A loaded ``transformer_lm`` (``checkpoint_utils``, the hub interface) switches attention in place with
+:func:`convert` (``attention="softmax"`` turns it back into fairseq's own model).
+
+Learnable method parameters (``{"learnable": true}``: PID's gains, value_residual's lambdas) are in fairseq's
+parameter group ``pid_gains`` (:data:`GAIN_PARAM_GROUP`, the ``param_group`` attribute fairseq's
+``--optimizer composite`` reads): a composite config (``fairseq-hydra-train``) with ``weight_decay: 0`` for that
+group keeps them out of weight decay. fairseq's other optimizers put every parameter in one group: with
+``--weight-decay`` > 0 they decay those too (PID's raw gains towards 0, i.e. the gains towards log 2).
+
 Import-time changes to third-party modules (each needed for fairseq 0.12.2 to run here; nothing else is patched):
 
 * ``pid_plugins_fairseq_compat.install()``: fairseq 0.12.2 and hydra 1.0.7 declare dataclass fields with mutable
