@@ -23,8 +23,8 @@ from .layers import GAIN_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecod
 from .options import PIDTransformerLanguageModelConfig, attention_from_args
 
 __all__ = [
-    "GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
-    "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm",
+    "GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder",
+    "PIDTransformerLanguageModel", "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm",
 ]
 
 
