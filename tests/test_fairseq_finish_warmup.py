@@ -150,3 +150,23 @@ def test_a_model_without_warmup_is_unchanged_and_a_stock_model_is_refused(data_d
     stock, _, _ = fs_build(data_dir, arch="transformer_lm")
     with pytest.raises(TypeError, match="TransformerLanguageModel has no attention method of pid-plugins"):
         pid_plugins.finish_warmup(stock)
+
+
+def test_loading_a_finished_model_with_its_warmup_on_says_what_happens(data_dir, tmp_path, caplog):
+    """Saved after finish_warmup but loaded with the warm-up options of its cfg: the counter starts at 0 (the stock
+    model, as when fine-tuning a softmax checkpoint) and one warning says how to load it finished."""
+    from fairseq import checkpoint_utils
+
+    model, task, args = build(data_dir, "pid_option")
+    pid_plugins.finish_warmup(train(model, N).eval())
+    path = str(tmp_path / "checkpoint_stale_cfg.pt")
+    fs_save_checkpoint(model, args, path)
+    with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
+        (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task, strict=True)
+    assert "decoder.pid_warmup.step: this checkpoint has no gain warm-up counter" in caplog.text
+    assert "arg_overrides={'pid_warmup_steps': 0}" in caplog.text
+    assert int(loaded.decoder.pid_warmup.step) == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
+        checkpoint_utils.load_model_ensemble([path], arg_overrides={"pid_warmup_steps": 0}, task=task, strict=True)
+    assert "no gain warm-up counter" not in caplog.text
