@@ -8,6 +8,15 @@ Use with fairseq's own CLI through ``--user-dir`` (a directory with a unique nam
 Another registered attention method: ``--attention-method NAME --attention-cfg '{"gamma": 0.3}'`` (the method
 registered in the process, e.g. by the user's own ``--user-dir`` module calling ``pid_plugins.register_method``).
 
+A loaded ``transformer_lm`` (``checkpoint_utils``, the hub interface) switches attention in place with
+:func:`convert` (``attention="softmax"`` turns it back into fairseq's own model).
+
+Learnable method parameters (``{"learnable": true}``: PID's gains, value_residual's lambdas) are in fairseq's
+parameter group ``pid_gains`` (:data:`GAIN_PARAM_GROUP`, the ``param_group`` attribute fairseq's
+``--optimizer composite`` reads): a composite config (``fairseq-hydra-train``) with ``weight_decay: 0`` for that
+group keeps them out of weight decay. fairseq's other optimizers put every parameter in one group: with
+``--weight-decay`` > 0 they decay those too (PID's raw gains towards 0, i.e. the gains towards log 2).
+
 Import-time changes to third-party modules (each needed for fairseq 0.12.2 to run here; nothing else is patched):
 
 * ``pid_plugins_fairseq_compat.install()``: fairseq 0.12.2 and hydra 1.0.7 declare dataclass fields with mutable
@@ -54,6 +63,7 @@ from .checkpoint import UnsafeCheckpointError, install as _install_safe_loading 
 _install_safe_loading()  # fairseq's checkpoint_utils loads with weights_only=True, whatever the environment says
 
 from .model import (  # noqa: E402
+    GAIN_PARAM_GROUP,
     PIDMultiheadAttention,
     PIDTransformerDecoder,
     PIDTransformerDecoderLayer,
@@ -62,6 +72,7 @@ from .model import (  # noqa: E402
     attention_from_args,
     load_pid_lm,
 )
+from .conversion import convert  # noqa: E402
 
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 """The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""
@@ -69,4 +80,5 @@ USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
     "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm", "UnsafeCheckpointError", "USER_DIR",
+    "GAIN_PARAM_GROUP", "convert",
 ]

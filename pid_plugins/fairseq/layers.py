@@ -16,6 +16,7 @@ values never exist in Python, and its decoder calls each layer with no side chan
 With softmax attention or a method that is the identity (PID with all gains zero) the layers run fairseq's own
 code, so outputs equal the stock model's.
 """
+import logging
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -31,9 +32,16 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
 from ..core.layer import MethodLayer, MethodModel
 
-__all__ = ["PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
+__all__ = ["GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+logger = logging.getLogger(__name__)
+
+#: the fairseq parameter group (``param.param_group``) of a method's learnable parameters (PID's gains,
+#: value_residual's lambdas: every parameter under a layer's ``pid_gains``). fairseq's ``--optimizer composite``
+#: builds one optimizer per group, so a group ``pid_gains`` with ``weight_decay: 0`` keeps them out of weight decay
+GAIN_PARAM_GROUP = "pid_gains"
 
 
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
@@ -47,6 +55,25 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.set_attention(MethodChoice(method, config) if method is not None else None)
+
+    def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
+        """:meth:`MethodLayer.set_attention <pid_plugins.core.MethodLayer.set_attention>`, then the learnable
+        parameters are put in fairseq's parameter group :data:`GAIN_PARAM_GROUP`."""
+        super().set_attention(choice, like)
+        self._tag_learned()
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "PIDMultiheadAttention":
+        # a conversion that makes new Parameter objects (``.to()`` with overwrite_module_params_on_conversion)
+        # drops their attributes: tag them again
+        result = super()._apply(fn, *args, **kwargs)
+        self._tag_learned()
+        return result
+
+    def _tag_learned(self) -> None:
+        learned = self.__dict__.get("_modules", {}).get("pid_gains")
+        if learned is not None:
+            for parameter in learned.parameters():
+                parameter.param_group = GAIN_PARAM_GROUP
 
     def _qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         T, B, _ = x.shape
@@ -226,6 +253,21 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         self.set_model_method(choice, self.embed_tokens.weight, stock_plus_term=True, where="transformer_lm_pid")
+
+    def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
+        """fairseq's upgrade (run on every checkpoint load), then one warning when this decoder warms up but the
+        checkpoint has no warm-up counter: the counter starts at 0, i.e. the stock model. That is meant when
+        fine-tuning a softmax checkpoint; a model saved after :func:`pid_plugins.finish_warmup` is loaded with its
+        warm-up off instead (fairseq's ``arg_overrides``)."""
+        state_dict = super().upgrade_state_dict_named(state_dict, name)
+        key = f"{name}.pid_warmup.step" if name else "pid_warmup.step"
+        if self.pid_warmup is not None and key not in state_dict:
+            logger.warning(
+                "%s: this checkpoint has no gain warm-up counter, so the warm-up (warmup_steps=%d) starts at t=0: the "
+                "stock model. Meant when fine-tuning a softmax checkpoint; a model saved after "
+                "pid_plugins.finish_warmup loads with its warm-up off: arg_overrides={'pid_warmup_steps': 0} (or "
+                "--attention-cfg without warmup_steps)", key, self.pid_warmup.warmup_steps)
+        return state_dict
 
     def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
         """fairseq's ``build_decoder_layer`` with the PID layer class (activation checkpointing is refused)."""

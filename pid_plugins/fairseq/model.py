@@ -19,12 +19,12 @@ from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
 from .hub import load_pid_lm
-from .layers import PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
+from .layers import GAIN_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
 from .options import PIDTransformerLanguageModelConfig, attention_from_args
 
 __all__ = [
-    "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
-    "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm",
+    "GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder",
+    "PIDTransformerLanguageModel", "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm",
 ]
 
 

@@ -1,0 +1,172 @@
+"""``convert(model, attention, attention_cfg)``: switch a loaded fairseq language model's attention, in place.
+
+The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the
+same module objects, hooks and train/eval mode kept) and returned, for chaining.
+
+* A stock ``transformer_lm`` (fairseq's ``TransformerLanguageModel`` with its ``TransformerDecoder``, decoder
+  layers and ``MultiheadAttention``; built by the task, loaded with ``checkpoint_utils`` or the hub interface)
+  becomes :class:`~pid_plugins.fairseq.PIDTransformerLanguageModel` with :class:`~pid_plugins.fairseq.
+  PIDTransformerDecoder`, :class:`~pid_plugins.fairseq.PIDTransformerDecoderLayer` and
+  :class:`~pid_plugins.fairseq.PIDMultiheadAttention`: each module's class is swapped (those classes add no
+  parameters of their own) and the attributes their ``__init__`` sets are set (the method, its config, learnable
+  parameters, the warm-up counter). It then computes what ``--arch transformer_lm_pid --attention-method NAME``
+  computes with the same weights.
+* ``attention="softmax"`` turns such a model back into fairseq's own classes, with every attribute, parameter,
+  buffer and submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it computes
+  exactly what the stock model computes, incremental decoding included.
+* A model with a method is reconfigured in place (another method, other parameters, learnable parameters on or
+  off, warm-up on or off).
+
+Everything is checked before anything changes: an unknown method or bad parameters (core's message), a model that
+is not a fairseq ``transformer_lm``, decoder layers that are not fairseq's standard ones (encoder attention,
+activation checkpointing, FSDP wrapping, extra key/value biases), warm-up with a method that has no separate term.
+"""
+from typing import Any, Optional, TypeVar
+
+from fairseq.hub_utils import GeneratorHubInterface
+from fairseq.models.transformer import TransformerDecoder
+from fairseq.models.transformer_lm import TransformerLanguageModel
+from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+from torch import nn
+
+from ..core import MethodChoice, method_warmup, resolve_attention
+from .layers import PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
+from .model import PIDTransformerLanguageModel
+
+__all__ = ["convert"]
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+#: stock class -> its class with a method, and back
+_TO_METHOD = {
+    TransformerLanguageModel: PIDTransformerLanguageModel,
+    TransformerDecoder: PIDTransformerDecoder,
+    TransformerDecoderLayerBase: PIDTransformerDecoderLayer,
+    MultiheadAttention: PIDMultiheadAttention,
+}
+_TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items()}
+
+#: what a layer / the decoder with a method holds beyond the stock module (core's MethodLayer / MethodModel)
+_LAYER_ATTRS = ("attention_method", "pid", "pid_gains")
+_DECODER_ATTRS = ("attention_method", "pid", "pid_warmup", "_stock_plus_term", "_warmup_finished")
+_WHERE = "pid_plugins.fairseq.convert"
+
+
+def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) -> ModelT:
+    """Switch a fairseq language model's attention to ``attention``, in place; returns ``model``.
+
+    Args:
+        model: a fairseq ``TransformerLanguageModel`` (``--arch transformer_lm`` and its variants), a
+            ``transformer_lm_pid`` model, or a hub interface holding such models (``TransformerLanguageModel.
+            from_pretrained``, :func:`~pid_plugins.fairseq.load_pid_lm`): each of its models is converted.
+        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
+            ``"softmax"``: fairseq's own attention (the model goes back to fairseq's own classes).
+        attention_cfg: the method's parameters: a config instance, a dict of overrides of its fairseq preset (for
+            PID the ``lm`` preset), or a preset name; ``{"learnable": True}`` adds learnable parameters (in
+            fairseq's ``param_group`` ``"pid_gains"``, :data:`~pid_plugins.fairseq.GAIN_PARAM_GROUP`),
+            ``{"warmup_steps": N}`` the warm-up counter.
+
+    The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); learnable
+    parameters and the warm-up counter are made on the model's device and dtype: build the optimizer after
+    converting. The model's train/eval mode is kept. Raises ``ValueError`` (unknown method, bad parameters) or
+    ``TypeError`` (a model or layer this cannot convert) before anything is changed.
+    """
+    if isinstance(model, GeneratorHubInterface):
+        models = list(model.models)
+        if not models:
+            raise TypeError(f"{_WHERE}: this hub interface holds no model")
+    else:
+        models = [model]
+    choice = resolve_attention(attention, attention_cfg, zoo="fairseq", where=_WHERE)
+    for lm in models:
+        _check(lm, choice)
+    for lm in models:
+        if choice is None:
+            _to_stock(lm)
+        else:
+            _to_method(lm, choice)
+    return model
+
+
+def _check(model: nn.Module, choice: Optional[MethodChoice]) -> None:
+    """Refuse what cannot be converted, before anything changes."""
+    kind = type(model)
+    if kind not in (TransformerLanguageModel, PIDTransformerLanguageModel):
+        hint = ("; convert the model before torch.compile" if hasattr(model, "_orig_mod")
+                else "; only decoder-only language models (--arch transformer_lm and its variants) are supported")
+        raise TypeError(f"{_WHERE}: a fairseq TransformerLanguageModel (transformer_lm) or transformer_lm_pid model, "
+                        f"got {kind.__name__}{hint}")
+    decoder = model.decoder
+    if type(decoder) not in (TransformerDecoder, PIDTransformerDecoder):
+        raise TypeError(f"{_WHERE}: the model's decoder must be fairseq's TransformerDecoder, got "
+                        f"{type(decoder).__name__}")
+    if getattr(decoder, "cross_self_attention", False):
+        raise TypeError(f"{_WHERE}: --cross-self-attention is not supported by transformer_lm_pid; the model has it")
+    for i, layer in enumerate(decoder.layers):
+        attn = getattr(layer, "self_attn", None)
+        if (type(layer), type(attn)) not in ((TransformerDecoderLayerBase, MultiheadAttention),
+                                            (PIDTransformerDecoderLayer, PIDMultiheadAttention)):
+            raise TypeError(
+                f"{_WHERE}: decoder layer {i} is {type(layer).__name__} with {type(attn).__name__} self-attention; "
+                "transformer_lm_pid needs fairseq's TransformerDecoderLayerBase + MultiheadAttention (a model "
+                "built with --ddp-backend fully_sharded wraps them: convert before wrapping)")
+        if "forward" in layer.__dict__ or "forward" in attn.__dict__:
+            raise TypeError(f"{_WHERE}: decoder layer {i} has its forward replaced (--checkpoint-activations); "
+                            "transformer_lm_pid does not support activation checkpointing: build the model without it")
+        if getattr(layer, "encoder_attn", None) is not None:
+            raise TypeError(f"{_WHERE}: decoder layer {i} has encoder attention; only decoder-only language models "
+                            "are supported")
+        if attn.bias_k is not None or attn.add_zero_attn or not attn.self_attention:
+            raise TypeError(f"{_WHERE}: decoder layer {i}'s attention has extra key/value biases or zero attention "
+                            "(add_bias_kv / add_zero_attn), which transformer_lm_pid does not support")
+    if choice is not None:
+        method_warmup(choice, stock_plus_term=True, where=_WHERE)  # refuses warm-up of a non-additive method
+
+
+def _to_method(model: nn.Module, choice: MethodChoice) -> None:
+    """Stock (or method) transformer_lm -> the PID classes with ``choice``: class swaps, then what their
+    ``__init__`` sets."""
+    decoder = model.decoder
+    layers = list(decoder.layers)
+    for module in (model, decoder, *layers, *(layer.self_attn for layer in layers)):
+        module.__class__ = _TO_METHOD.get(type(module), type(module))
+    for layer in layers:
+        attn = layer.self_attn
+        attn.set_attention(choice, attn.q_proj.weight)
+        _settle(attn, "pid_gains")
+    decoder.set_model_method(choice, decoder.embed_tokens.weight, stock_plus_term=True, where=_WHERE)
+    _settle(decoder, "pid_warmup")
+
+
+def _to_stock(model: nn.Module) -> None:
+    """(Method) transformer_lm -> fairseq's own classes, with everything pid-plugins added removed."""
+    decoder = model.decoder
+    for layer in decoder.layers:
+        _strip(layer.self_attn, _LAYER_ATTRS)
+        layer.self_attn.__class__ = _TO_STOCK.get(type(layer.self_attn), type(layer.self_attn))
+        layer.__class__ = _TO_STOCK.get(type(layer), type(layer))
+    if isinstance(decoder, PIDTransformerDecoder):
+        _strip(decoder, _DECODER_ATTRS)
+    decoder.__class__ = _TO_STOCK.get(type(decoder), type(decoder))
+    model.__class__ = _TO_STOCK.get(type(model), type(model))
+
+
+def _strip(module: nn.Module, names: tuple) -> None:
+    """Remove ``names`` from ``module`` wherever nn.Module keeps them (attribute, submodule, parameter, buffer)."""
+    for name in names:
+        for store in (module._modules, module._parameters, module._buffers):
+            store.pop(name, None)
+        module._non_persistent_buffers_set.discard(name)
+        module.__dict__.pop(name, None)
+
+
+def _settle(owner: nn.Module, name: str) -> None:
+    """A submodule the method just made (learnable parameters, the warm-up counter) takes its owner's train/eval
+    mode; none: the plain ``name = None`` attribute of a module built without it, not a ``None`` submodule entry."""
+    if name in owner._modules and owner._modules[name] is None:
+        del owner._modules[name]
+        owner.__dict__[name] = None
+    child = owner._modules.get(name)
+    if child is not None:
+        child.train(owner.training)

@@ -1,0 +1,172 @@
+"""``pid_plugins.finish_warmup(model)`` on fairseq models (transformer_lm_pid with --pid-warmup-steps or
+--attention-cfg warmup_steps; PID, NeuTRENO, learnable PID; built by --arch or converted from transformer_lm).
+
+fairseq's warm-up runs fairseq's own attention plus the method's term; after training past ``warmup_steps`` the
+finished model keeps that form at scale 1: exactly (torch.equal) what the warmed-up model computed, full forward
+and incremental decoding, without ``decoder.pid_warmup.step``. Its checkpoint, loaded with the warm-up switched off
+(the saved cfg, or fairseq's ``arg_overrides``), loads strictly and is the model built without warm-up."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("fairseq")
+import pid_plugins  # noqa: E402
+import pid_plugins.fairseq as pf  # noqa: E402
+from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_method,  # noqa: E402,F401
+                       fs_parse, fs_save_checkpoint, fs_tokens)
+
+N = 3
+KEY = "decoder.pid_warmup.step"
+#: how the warm-up is asked for: the --pid-* option or --attention-cfg, for PID, NeuTRENO and learnable PID
+SPELLINGS = {
+    "pid_option": ["--pid-warmup-steps", str(N)],
+    "pid_cfg": fs_method("pid", {"warmup_steps": N}),
+    "neutreno": fs_method("neutreno", {"warmup_steps": N}),
+    "learnable_pid": fs_method("pid", {"learnable": True, "warmup_steps": N}),
+}
+#: the same model without warm-up
+PLAIN = {"pid_option": [], "pid_cfg": fs_method("pid", {}), "neutreno": fs_method("neutreno", {}),
+         "learnable_pid": fs_method("pid", {"learnable": True})}
+
+
+def build(data_dir, spelling, converted=False):
+    """(model in training mode, task, args): built by --arch transformer_lm_pid, or a transformer_lm converted."""
+    if converted:
+        stock, task, args = fs_build(data_dir, arch="transformer_lm")
+        cfg = {"warmup_steps": N, "learnable": spelling == "learnable_pid"}
+        return pf.convert(stock, "neutreno" if spelling == "neutreno" else "pid", cfg).train(), task, args
+    model, task, args = fs_build(data_dir, extra=SPELLINGS[spelling])
+    return model.train(), task, args
+
+
+def train(model, steps):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    toks = fs_tokens(n=4, length=12, seed=2)
+    for _ in range(steps):
+        opt.zero_grad()
+        logits = model(toks[:, :-1])[0]
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), toks[:, 1:].reshape(-1)).backward()
+        opt.step()
+    return model
+
+
+def outputs(model):
+    toks = fs_tokens(length=9)
+    padded = toks.clone()
+    padded[0, -3:] = 1
+    return fs_logits(model, padded), fs_incremental_logits(model, toks)
+
+
+CASES = [(spelling, False) for spelling in SPELLINGS] + [("pid_cfg", True), ("learnable_pid", True)]
+
+
+@pytest.mark.parametrize("spelling, converted", CASES)
+def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, spelling, converted, tmp_path):
+    model, task, args = build(data_dir, spelling, converted)
+    assert model.decoder.pid_warmup.warmup_steps == N
+    train(model, N + 1).eval()
+    assert int(model.decoder.pid_warmup.step) == N + 1 and KEY in model.state_dict()
+    want = outputs(model)
+    gains = {n: p.clone() for n, p in model.named_parameters() if ".pid_gains." in n}
+    assert pid_plugins.finish_warmup(model) is model
+    assert model.decoder.pid_warmup is None and KEY not in model.state_dict()
+    assert model.decoder.pid.warmup_steps == 0
+    assert all(layer.self_attn.pid.warmup_steps == 0 for layer in model.decoder.layers)
+    got = outputs(model)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # full forward and incremental decoding
+    assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".pid_gains." in n)
+    model.train()
+    model(fs_tokens())  # a training forward no longer counts anything
+    assert KEY not in model.state_dict()
+    model.eval()
+    # the checkpoint, loaded with the warm-up off, loads strictly: the model built without warm-up, with these
+    # weights (fairseq's fused attention and the method's path differ in rounding only). A model built by --arch is
+    # saved with its cfg and loaded with fairseq's arg_overrides; a converted one is saved with the cfg of
+    # transformer_lm_pid without warm-up
+    from fairseq import checkpoint_utils
+
+    plain_options = PLAIN[spelling] if not converted else fs_method(
+        "neutreno" if spelling == "neutreno" else "pid", {"learnable": spelling == "learnable_pid"})
+    path = str(tmp_path / "checkpoint_finished.pt")
+    fs_save_checkpoint(model, fs_parse(data_dir, extra=plain_options) if converted else args, path)
+    if converted:
+        overrides = {}
+    elif spelling == "pid_option":
+        overrides = {"pid_warmup_steps": 0}
+    else:
+        overrides = {"attention_cfg": '{"learnable": true}' if spelling == "learnable_pid" else "{}"}
+    (loaded,), _ = checkpoint_utils.load_model_ensemble([path], arg_overrides=overrides, task=task, strict=True)
+    loaded.eval()
+    assert loaded.decoder.pid_warmup is None and KEY not in loaded.state_dict()
+    assert list(loaded.state_dict()) == list(model.state_dict())
+    plain = fs_build(data_dir, extra=plain_options, seed=3)[0]
+    plain.load_state_dict(model.state_dict(), strict=True)
+    reloaded, rebuilt = outputs(loaded), outputs(plain)
+    assert torch.equal(reloaded[0], rebuilt[0]) and torch.equal(reloaded[1], rebuilt[1])
+    torch.testing.assert_close(reloaded[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reloaded[1], want[1], rtol=1e-5, atol=1e-5)
+    if spelling == "pid_option":  # the hub interface takes the same overrides
+        hub = pf.load_pid_lm(path, str(data_dir), **overrides)
+        assert hub.models[0].decoder.pid_warmup is None
+        assert torch.equal(outputs(hub.models[0])[0], reloaded[0])
+    # the warm-up path really was taken before (not the method's path): the two differ in rounding
+    assert not torch.equal(reloaded[0], want[0])
+
+
+def test_finished_early_runs_at_the_final_gains_and_says_so(data_dir, caplog):
+    model = train(build(data_dir, "pid_option")[0], 1).eval()
+    full = train(build(data_dir, "pid_option")[0], 1).eval()
+    full.decoder.pid_warmup.step.fill_(N)  # the same weights at scale 1
+    with caplog.at_level(logging.WARNING, logger="pid_plugins.core.layer"):
+        pid_plugins.finish_warmup(model)
+    assert "had warmed up 1 of 3 steps" in caplog.text
+    got, want = outputs(model), outputs(full)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_finished_model_converts_back_to_fairseqs_own_model(data_dir):
+    stock, _, _ = fs_build(data_dir, arch="transformer_lm")
+    fresh, _, _ = fs_build(data_dir, arch="transformer_lm")
+    want = fs_logits(fresh, fs_tokens())
+    model = pid_plugins.finish_warmup(train(pf.convert(stock, "pid", {"warmup_steps": N}).train(), N).eval())
+    assert "_warmup_finished" in dict(model.decoder.named_buffers())
+    pf.convert(model, "softmax")
+    assert sorted(vars(model.decoder)) == sorted(vars(fresh.decoder))
+    assert model.decoder._non_persistent_buffers_set == fresh.decoder._non_persistent_buffers_set
+    assert list(model.state_dict()) == list(fresh.state_dict())
+    assert not torch.equal(fs_logits(model, fs_tokens()), want)  # (trained) but fairseq's own code runs it:
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    assert torch.equal(fs_logits(model, fs_tokens()), fs_logits(fresh, fs_tokens()))
+
+
+def test_a_model_without_warmup_is_unchanged_and_a_stock_model_is_refused(data_dir):
+    model, _, _ = fs_build(data_dir)
+    before = fs_logits(model, fs_tokens())
+    assert pid_plugins.finish_warmup(model) is model
+    assert model.decoder.pid_warmup is None and "_warmup_finished" not in dict(model.decoder.named_buffers())
+    assert torch.equal(fs_logits(model, fs_tokens()), before)
+    stock, _, _ = fs_build(data_dir, arch="transformer_lm")
+    with pytest.raises(TypeError, match="TransformerLanguageModel has no attention method of pid-plugins"):
+        pid_plugins.finish_warmup(stock)
+
+
+def test_loading_a_finished_model_with_its_warmup_on_says_what_happens(data_dir, tmp_path, caplog):
+    """Saved after finish_warmup but loaded with the warm-up options of its cfg: the counter starts at 0 (the stock
+    model, as when fine-tuning a softmax checkpoint) and one warning says how to load it finished."""
+    from fairseq import checkpoint_utils
+
+    model, task, args = build(data_dir, "pid_option")
+    pid_plugins.finish_warmup(train(model, N).eval())
+    path = str(tmp_path / "checkpoint_stale_cfg.pt")
+    fs_save_checkpoint(model, args, path)
+    with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
+        (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task, strict=True)
+    assert "decoder.pid_warmup.step: this checkpoint has no gain warm-up counter" in caplog.text
+    assert "arg_overrides={'pid_warmup_steps': 0}" in caplog.text
+    assert int(loaded.decoder.pid_warmup.step) == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
+        checkpoint_utils.load_model_ensemble([path], arg_overrides={"pid_warmup_steps": 0}, task=task, strict=True)
+    assert "no gain warm-up counter" not in caplog.text

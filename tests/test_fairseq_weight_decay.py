@@ -1,0 +1,188 @@
+"""Learnable method parameters out of weight decay in fairseq (issue 34).
+
+fairseq 0.12.2 has one per-parameter optimizer mechanism: a parameter's ``param_group`` attribute, read by
+``--optimizer composite`` (one fairseq optimizer and lr scheduler per group). Every other optimizer
+(``--optimizer adam --weight-decay 0.1`` ...) gets ``model.parameters()`` as one group. transformer_lm_pid puts
+the learnable parameters (PID's gains, value_residual's lambdas) in the group ``pid_gains``; a composite config
+with ``weight_decay: 0`` for that group keeps them out of weight decay. Checked on the optimizer fairseq's own
+``Trainer`` builds (adam, sgd, nag), by a step that can only decay, and by the real ``fairseq-hydra-train``."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fairseq")
+import pid_plugins.fairseq as pf  # noqa: E402
+from zoo_cases import data_dir, fs_build, fs_method, fs_parse, fs_tiny  # noqa: E402,F401
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+WD, LR = 0.1, 0.01
+LEARNABLE = {"pid": fs_method("pid", {"learnable": True}),
+             "value_residual": fs_method("value_residual", {"learnable": True})}
+
+
+def composite(cfg, optimizer: str, gains_weight_decay: float = 0.0):
+    """``cfg`` (fairseq's, from ``--optimizer OPTIMIZER --weight-decay WD``) with ``--optimizer composite``: the
+    group ``default`` keeps ``--weight-decay``, the group ``pid_gains`` gets ``gains_weight_decay``; one fixed lr
+    scheduler per group (``--lr-scheduler pass_through``), as in fairseq's own composite configs."""
+    from omegaconf import OmegaConf
+
+    # fairseq's sgd is a legacy (argparse) optimizer: its config gets no defaults, so momentum is spelled out
+    extra = {"momentum": 0.0} if optimizer == "sgd" else {}
+
+    def group(weight_decay):
+        return {"lr": [LR], "optimizer": {"_name": optimizer, "weight_decay": weight_decay, **extra},
+                "lr_scheduler": {"_name": "fixed"}}
+
+    cfg.optimizer = OmegaConf.create({"_name": "composite", "groups": {
+        "default": group(WD), pf.GAIN_PARAM_GROUP: group(gains_weight_decay)}})
+    cfg.lr_scheduler = OmegaConf.create({"_name": "pass_through"})
+    return cfg
+
+
+def fairseq_trainer(data_dir, method: str, optimizer: str, grouped: bool = True):
+    """fairseq's ``Trainer`` as ``fairseq_cli.train`` builds it (task, model, criterion, cfg), CPU."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+    from fairseq import tasks
+
+    args = fs_parse(data_dir, extra=[*LEARNABLE[method], "--optimizer", optimizer, "--weight-decay", str(WD),
+                                     "--lr", str(LR), "--cpu"])
+    cfg = convert_namespace_to_omegaconf(args)
+    if grouped:
+        cfg = composite(cfg, optimizer)
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model)
+    return Trainer(cfg, task, model, task.build_criterion(cfg.criterion)), model
+
+
+def gains_of(model):
+    return {name: p for name, p in model.named_parameters() if ".pid_gains." in name}
+
+
+@pytest.mark.parametrize("method", LEARNABLE)
+def test_learnable_parameters_are_in_fairseqs_param_group(data_dir, method):
+    model, _, _ = fs_build(data_dir, extra=LEARNABLE[method])
+    gains = gains_of(model)
+    assert len(gains) >= 2 * len(model.decoder.layers) - 2
+    assert all(getattr(p, "param_group", None) == "pid_gains" for p in gains.values())
+    assert not any(hasattr(p, "param_group") for n, p in model.named_parameters() if n not in gains)
+    model.to(torch.float64)  # a dtype conversion keeps the tag (also where it makes new Parameter objects)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.float32)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert all(getattr(p, "param_group", None) == "pid_gains" for p in gains_of(model).values())
+    assert set(gains_of(model)) == set(gains)
+
+
+@pytest.mark.parametrize("method, optimizer", [("pid", "adam"), ("pid", "sgd"), ("pid", "nag"),
+                                               ("value_residual", "adam")])
+def test_fairseqs_trainer_builds_a_group_without_weight_decay_for_the_learnable_parameters(data_dir, method,
+                                                                                         optimizer):
+    trainer, model = fairseq_trainer(data_dir, method, optimizer)
+    groups = list(trainer.optimizer.param_groups)  # built by fairseq (Trainer._build_optimizer)
+    gains = {id(p) for p in gains_of(model).values()}
+    undecayed = [id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]]
+    decayed = [id(p) for g in groups if g["weight_decay"] == WD for p in g["params"]]
+    assert len(groups) == 2 and sorted(undecayed) == sorted(gains)
+    assert sorted(decayed) == sorted({id(p) for p in model.parameters()} - gains)  # everything else, once
+    # a step with zero gradients can only decay: the gains stay, every other weight shrinks by lr * wd
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    for name, p in model.named_parameters():
+        if ".pid_gains." in name:
+            assert torch.equal(p, before[name]), name
+        else:
+            torch.testing.assert_close(p, before[name] * (1 - LR * WD), rtol=1e-6, atol=0)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if ".pid_gains." not in n)
+
+
+def test_without_the_composite_optimizer_fairseq_decays_the_gains(data_dir):
+    """What the group changes: fairseq's plain --optimizer adam --weight-decay puts every parameter, the gains too,
+    in its one group (so the step above would shrink them)."""
+    trainer, model = fairseq_trainer(data_dir, "pid", "adam", grouped=False)
+    groups = list(trainer.optimizer.param_groups)
+    assert len(groups) == 1 and groups[0]["weight_decay"] == WD
+    before = {name: p.detach().clone() for name, p in gains_of(model).items()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    for name, p in gains_of(model).items():
+        torch.testing.assert_close(p, before[name] * (1 - LR * WD), rtol=1e-6, atol=0)
+        assert not torch.equal(p, before[name])
+
+
+YAML = """\
+common: {{cpu: true, user_dir: {user_dir}, log_interval: 1, seed: 1}}
+task: {{_name: language_modeling, data: {data}, tokens_per_sample: 32}}
+model:
+  _name: transformer_lm_pid
+  attention_cfg: '{{"learnable": true}}'
+  decoder_layers: 3
+  decoder_embed_dim: 32
+  decoder_ffn_embed_dim: 64
+  decoder_attention_heads: 4
+  dropout: 0.0
+criterion: cross_entropy
+optimizer:
+  _name: composite
+  groups:
+    default:
+      lr: [0.001]
+      optimizer: {{_name: adam, weight_decay: 0.1}}
+      lr_scheduler: {{_name: fixed}}
+    pid_gains:
+      lr: [0.001]
+      optimizer: {{_name: adam, weight_decay: 0.0}}
+      lr_scheduler: {{_name: fixed}}
+lr_scheduler: pass_through
+optimization: {{max_update: 2, lr: [0.001]}}
+dataset: {{max_tokens: 128, num_workers: 0}}
+checkpoint: {{save_dir: {save_dir}, no_epoch_checkpoints: true}}
+"""
+
+
+def test_fairseq_hydra_train_with_a_gains_group(tmp_path, data_dir):
+    """The real CLI: fairseq-hydra-train with the composite config above trains, its checkpoint's optimizer state
+    has the gains (and only them) in a group with weight_decay 0, and training resumes from it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               HYDRA_FULL_ERROR="1")
+
+    def run(cmd):
+        proc = subprocess.run([str(BIN / cmd[0]), *map(str, cmd[1:])], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=900, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    words = [f"w{i}" for i in range(12)]
+    lines = [" ".join(words[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
+    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
+         "--destdir", "data-bin", "--workers", "1"])
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "gains.yaml").write_text(YAML.format(user_dir=pf.USER_DIR, data=tmp_path / "data-bin",
+                                                              save_dir=tmp_path / "ck"))
+    log = run(["fairseq-hydra-train", "--config-dir", tmp_path / "conf", "--config-name", "gains"])
+    assert "lr_pid_gains=0.001" in log and "model: PIDTransformerLanguageModel" in log
+    state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    gains = [k for k in state["model"] if ".pid_gains." in k]
+    assert len(gains) == 9  # 3 layers x (lambda_p, lambda_i, lambda_d)
+    optim = state["last_optimizer_state"]
+    assert set(optim) == {"default", "pid_gains"}
+    assert [(g["weight_decay"], len(g["params"])) for g in optim["pid_gains"]["param_groups"]] == [(0.0, 9)]
+    same, _, _ = fs_build(data_dir, extra=LEARNABLE["pid"])  # the same architecture: its other parameters
+    others = sum(1 for n, _ in same.named_parameters() if ".pid_gains." not in n)
+    assert [(g["weight_decay"], len(g["params"])) for g in optim["default"]["param_groups"]] == [(0.1, others)]
+    log = run(["fairseq-hydra-train", "--config-dir", tmp_path / "conf", "--config-name", "gains",
+               "optimization.max_update=3"])
+    assert "Loaded checkpoint" in log and "num_updates=3" in log
