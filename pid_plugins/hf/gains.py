@@ -9,13 +9,13 @@ checkpointing recomputes them with the layer. Cross-attention has none (it runs 
 
 How they survive transformers' own paths:
 
-* construction: ``pid_plugins.hf.attention``'s module-registration hook calls :func:`attach_to_child` whenever
-  a PID model whose ``config.pid`` is learnable registers a child, so ``Model(config)``, ``from_config`` and
+* construction: :mod:`pid_plugins.hf.install`'s module-registration hook calls :func:`attach` whenever
+  a PID model whose ``config.pid`` is learnable registers a child (for every self-attention module below it), so ``Model(config)``, ``from_config`` and
   ``from_pretrained(..., attn_implementation="pid")`` build the gains before any weight is loaded, and the
   saved values load into them;
 * missing keys (a softmax or fixed-gain checkpoint loaded into a learnable model): transformers materialises
   missing parameters with ``torch.empty`` and then runs its weight initialisation on every module it does not
-  know to be initialised. :func:`install` makes that initialisation call :meth:`LayerGains.reset_parameters`
+  know to be initialised. :mod:`pid_plugins.hf.install` makes that initialisation call :meth:`LayerGains.reset_parameters`
   (the config's gains, through ``transformers.initialization``, which leaves loaded parameters alone), and the
   model's ``_keys_to_ignore_on_load_missing`` names the gains, so their absence is not reported;
 * weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
@@ -34,11 +34,11 @@ from typing import Iterable, List
 import torch
 from torch import nn
 
-from ..core import GainWarmup, PIDConfig
+from ..core import PIDConfig
 from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
 
 __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
-           "gain_parameter_names", "install", "is_gain_name", "layer_gains_of"]
+           "gain_parameter_names", "is_gain_name", "layer_gains_of"]
 
 #: the attribute (submodule name) of the gains on each self-attention module
 GAINS_ATTR = "pid_gains"
@@ -91,6 +91,7 @@ def attach(attention: nn.Module, config: PIDConfig) -> bool:
     ref = next((p for p in attention.parameters() if p.is_floating_point()), None)
     if ref is not None:
         gains = gains.to(device=ref.device, dtype=ref.dtype)
+    gains.train(attention.training)  # the layer's mode, whatever mode it gets them in
     setattr(attention, GAINS_ATTR, gains)
     return True
 
@@ -109,37 +110,6 @@ def ignore_missing(model: nn.Module) -> None:
     current = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     if MISSING_PATTERN not in current:
         model._keys_to_ignore_on_load_missing = {*current, MISSING_PATTERN}
-
-
-# ------------------------------------------------------------------------- transformers' weight initialisation
-_ORIGINAL_INIT = None
-
-
-def _initialize_weights(self, module: nn.Module, *args, **kwargs):
-    if isinstance(module, LayerGains):  # parameters transformers loaded are flagged and left alone
-        module.reset_parameters()
-        module._is_hf_initialized = True
-        return None
-    if isinstance(module, GainWarmup):  # the warm-up counter: t = 0 unless transformers loaded it (flagged)
-        from transformers import initialization as init
-
-        init.zeros_(module.step)
-        module._is_hf_initialized = True
-        return None
-    return _ORIGINAL_INIT(self, module, *args, **kwargs)
-
-
-def install() -> None:
-    """Make ``PreTrainedModel._initialize_weights`` (the one place transformers 5 initialises every module of a
-    model: at construction and for the missing keys of ``from_pretrained``) initialise :class:`LayerGains` from
-    their config, and the gain warm-up counter (:class:`~pid_plugins.core.warmup.GainWarmup`) at 0. The model's own
-    ``_init_weights`` does not know them and would leave ``torch.empty`` values."""
-    global _ORIGINAL_INIT
-    from transformers import PreTrainedModel
-
-    if _ORIGINAL_INIT is None:
-        _ORIGINAL_INIT = PreTrainedModel._initialize_weights
-        PreTrainedModel._initialize_weights = _initialize_weights
 
 
 # ---------------------------------------------------------------------------------------------- weight decay
