@@ -10,6 +10,10 @@ All through transformers' and torch's extension points except the last:
   hooks when it registers its first child (before any forward), refuses a family that picks its attention classes
   from its own table, makes the warm-up counter and learnable parameters while the model is built (so
   ``from_pretrained`` loads them), and wraps the model's ``post_init`` once (discovery before the first forward);
+* ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (behind every ``from_config``) are wrapped
+  once, so that a method's parameters are a keyword of both (``attn_implementation="pid", pid={...}``): transformers
+  hands a keyword that names no attribute of the config to the model's ``__init__``, which takes none, and
+  ``from_config`` hands every keyword there, so no config-side extension point reaches them;
 * :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`);
 * ``PreTrainedModel._initialize_weights`` is wrapped once, so that transformers' initialisation of missing weights
   gives learnable gains their initial values and the warm-up counter ``t = 0`` (transformers has no hook for
@@ -17,8 +21,9 @@ All through transformers' and torch's extension points except the last:
 """
 from __future__ import annotations
 
+import contextvars
 import functools
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -28,7 +33,7 @@ from ..core import AttentionMethod, GainWarmup, on_register, register_warmup_fin
 from . import conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
-from .config import _METHODS, BASE_ATTR, STOCK_ATTR, method_of, persist
+from .config import _METHODS, BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
 __all__ = ["install"]
@@ -41,6 +46,9 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
     if not isinstance(module, PreTrainedModel):
         return
     if not module.__dict__.get(discovery.HOOKED, False):
+        request = _REQUEST.get()
+        if request is not None:  # from_pretrained(..., pid={...}): the config is final now, the layers not built yet
+            apply_method_kwargs(module.config, *request)
         _check_family(module)
         discovery.hook(module)
         persist(module.config)  # saved as the method's name whenever the model runs one at save time, else null
@@ -101,6 +109,56 @@ def _post_init(model: PreTrainedModel) -> None:
     if method_of(model.config) is not None and discovery.PLAN not in model.__dict__:
         with discovery._LOCK:
             discovery.discover(model)
+
+
+# --------------------------------------------------------------- a method's parameters as a loader keyword
+#: during ``from_pretrained(..., <method>=...)``: (the parameters by method name, the call for messages)
+_REQUEST: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("pid_plugins_hf_request", default=None)
+
+
+def _from_pretrained_with_method_kwargs(original: Any) -> Any:
+    """``original`` (a ``from_pretrained`` function) taking a method's parameters as a keyword."""
+    @functools.wraps(original)
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        if _REQUEST.get() is not None:  # an outer loader took them (the auto class, then the model class)
+            return original(cls, *args, **kwargs)
+        where = f"{cls.__name__}.from_pretrained"
+        given = take_method_kwargs(kwargs, where)
+        if not given:
+            return original(cls, *args, **kwargs)
+        token = _REQUEST.set((given, where))
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            _REQUEST.reset(token)
+
+    return from_pretrained
+
+
+def _wrap_loaders() -> None:
+    """``from_pretrained(..., <method>=params)`` (of the model classes and of the auto classes, which would otherwise
+    let ``AutoConfig`` replace a saved ``config.<method>`` with them unchecked): the parameters are checked before
+    anything is loaded and set on the config when the model is built from it (the first registration of a child,
+    before any layer exists, so learnable parameters and the warm-up counter are made and loaded from the
+    checkpoint). ``_from_config(config, ..., <method>=params)``: set on ``config`` before the model is built (as
+    transformers sets ``attn_implementation``)."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    original_from_config = PreTrainedModel.__dict__["_from_config"].__func__
+
+    @functools.wraps(original_from_config)
+    def _from_config(cls, config, **kwargs: Any):
+        where = f"{cls.__name__}.from_config"
+        given = take_method_kwargs(kwargs, where)
+        if given:  # checked against the implementation the model will run
+            chosen = kwargs.get("attn_implementation", getattr(config, "_attn_implementation", None))
+            apply_method_kwargs(config, given, where, chosen=chosen)
+        return original_from_config(cls, config, **kwargs)
+
+    for owner in (PreTrainedModel, _BaseAutoModelClass):
+        original = owner.__dict__["from_pretrained"].__func__
+        owner.from_pretrained = classmethod(_from_pretrained_with_method_kwargs(original))
+    PreTrainedModel._from_config = classmethod(_from_config)
 
 
 # ------------------------------------------------------------------------ transformers' weight initialisation
@@ -169,6 +227,7 @@ def install() -> None:
     _INSTALLED[0] = True
     torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
     _wrap_initialize_weights()
+    _wrap_loaders()
     reserve_names("transformers", _transformers_names)
     on_register(_register)
     register_warmup_finisher(conversion.finish)
