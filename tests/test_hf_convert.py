@@ -207,3 +207,17 @@ def test_to_pid_is_convert_under_its_earlier_signature():
     assert model.config.to_dict() == other.config.to_dict()
     x = hf_ids()
     assert torch.equal(out(model, x), out(other, x))
+
+
+def test_the_names_of_the_adapter_before_its_split_still_import():
+    from pid_plugins.hf import attention
+    from pid_plugins.hf.attention import (  # noqa: F401
+        BASE_ATTR, PIDForwardState, install_pid_hooks, model_pid_config, pid_attention_forward, pid_mask, to_pid,
+    )
+
+    assert PIDForwardState is ph.MethodForwardState is attention.MethodForwardState
+    assert pid_attention_forward is ph.method_attention_forward and pid_mask is ph.method_mask
+    assert to_pid is ph.to_pid and install_pid_hooks is ph.install_pid_hooks and attention.convert is ph.convert
+    assert T.AttentionInterface._global_mapping["pid"] is ph.method_attention_forward
+    with pytest.raises(AttributeError):
+        attention.no_such_name
