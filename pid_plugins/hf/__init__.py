@@ -1,16 +1,18 @@
 """HuggingFace transformers adapter: ``attn_implementation="pid"`` (and every method registered with
 :func:`pid_plugins.register_method`, under its name).
 
-``import pid_plugins.hf`` registers ``"pid"`` with transformers' ``AttentionInterface`` (the attention
-function: the base attention, SDPA by default, then the PID term on self-attention) and
-``AttentionMaskInterface`` (the base attention's mask function). Then::
+``import pid_plugins.hf`` registers every method with transformers' ``AttentionInterface`` (the attention
+function: the base attention, SDPA by default, then the method on self-attention) and ``AttentionMaskInterface``
+(the base attention's mask function). Then::
 
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
-    model = pid_plugins.hf.to_pid(model, PIDConfig.preset("lm"))                     # or convert
-    model.config.pid = {"lambda_p": 0.5}                                              # change gains
-    model = pid_plugins.hf.to_pid(model, {"learnable": True})                        # learnable gains
-    model = pid_plugins.hf.to_pid(model, base="eager")                               # attention weights
-    model = pid_plugins.hf.to_pid(model, {"gamma": 0.3}, method="my_method")          # a registered method
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")                   # preset `lm`
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid", pid={"lambda_p": 0.3})
+    model = AutoModel.from_config(config, attn_implementation="value_residual", value_residual={...})
+    pid_plugins.hf.convert(model, "pid", {"learnable": True})     # a built model, in place (learnable gains)
+    pid_plugins.hf.convert(model, "neutreno", base="eager")       # another method, on eager attention
+    pid_plugins.hf.convert(model, "softmax")                      # back to the stock model, bit for bit
+    model.config.pid = {"lambda_p": 0.5}                          # change the gains of a PID model
+    pid_plugins.finish_warmup(model)                              # end a gain warm-up: the fixed-gain model
 
 The adapter, one job per module: :mod:`~pid_plugins.hf.attention` (the attention and mask functions),
 :mod:`~pid_plugins.hf.discovery` (finding a model's attention modules; the forward hooks that hand each forward its
@@ -43,5 +45,6 @@ __all__ = [
     "ATTN_IMPLEMENTATION", "BASES", "MethodForwardState", "PIDForwardState", "method_attention_forward",
     "pid_attention_forward", "method_mask", "pid_mask", "install_pid_hooks", "model_pid_config",
     "model_method_config", "method_of",
-    "convert", "to_pid", "get_config", "list_models", "NoGainDecayTrainerMixin", "decay_parameter_names", "gain_parameter_names",
+    "convert", "to_pid", "get_config", "list_models", "NoGainDecayTrainerMixin", "decay_parameter_names",
+    "gain_parameter_names",
 ]

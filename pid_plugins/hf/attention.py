@@ -47,7 +47,8 @@ __all__ = [
 ]
 
 ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
-EARLIER = "_pid_plugins_earlier"  # on self-attention modules: the indices of the earlier layers of its stack, nearest first
+#: on self-attention modules: the indices of the earlier layers of its stack, nearest first
+EARLIER = "_pid_plugins_earlier"
 _ROLE, _EARLIER = ROLE, EARLIER  # the names tests and earlier code read
 
 

@@ -81,12 +81,10 @@ def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -
 
 
 def check_learnable(method: AttentionMethod, cfg: Any) -> Any:
-    """``cfg``, refused if it asks for learnable parameters of a method whose parameters this adapter cannot learn."""
-    if getattr(cfg, "learnable", False) and not isinstance(method, PIDMethod):
-        raise ValueError(
-            f"config.{method.name}: learnable parameters are supported for 'pid' only under transformers; "
-            "set learnable=False"
-        )
+    """``cfg``, refused if it asks for learnable parameters the method does not make (``method.make_learned``)."""
+    if getattr(cfg, "learnable", False) and not isinstance(method, PIDMethod) and method.make_learned(cfg) is None:
+        raise ValueError(f"config.{method.name}: attention method {method.name!r} makes no learnable parameters for "
+                         f"{cfg!r}: set learnable=False")
     return cfg
 
 

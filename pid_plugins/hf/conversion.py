@@ -17,7 +17,8 @@ Everything is checked before anything changes: an unknown method or bad paramete
 attention that is not one of ``sdpa``, ``eager``, ``flex_attention`` or that the model cannot run, a model that is
 not a transformers model, a family whose attention does not go through transformers' attention interface.
 
-Also here: ``finish_warmup`` for transformers models (registered with :func:`pid_plugins.core.register_warmup_finisher`).
+Also here: ``finish_warmup`` for transformers models (:func:`finish`, registered with
+:func:`pid_plugins.core.register_warmup_finisher`).
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
             "; convert the transformers model inside a wrapper (peft: before get_peft_model)")
         raise TypeError(f"convert: a transformers PreTrainedModel, got {where}{hint}")
     if base is not None and attention == SOFTMAX:
-        raise ValueError(f"{where}: base={base!r} is the attention a method is added to; attention='softmax' takes none")
+        raise ValueError(f"{where}: base={base!r} is the attention a method is added to; attention='softmax' takes "
+                         "none: drop base=")
     method = methods().get(attention) if isinstance(attention, str) else None
     default = None
     if method is not None and getattr(model.config, method.name, None) is not None:

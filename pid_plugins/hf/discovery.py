@@ -34,14 +34,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..core import PIDConfig
 from . import gains as learned_gains
 from .attention import EARLIER, ROLE, MethodForwardState
 from .cache import new_cache, static_past
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
 
-__all__ = ["PLAN", "Plan", "calls_interface", "check_model", "discover", "hook", "install_pid_hooks", "is_cross", "walk"]
+__all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "hook", "install_pid_hooks",
+           "is_cross", "learnable_config", "walk"]
 
 HOOKED = "_pid_plugins_hooked"  # in a model's __dict__: it carries the forward hooks
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan (discovered)
@@ -82,7 +82,7 @@ def is_cross(parts: list, module: nn.Module) -> bool:
     return bool(getattr(module, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
 
 
-def learnable_config(config: Any) -> Optional[PIDConfig]:
+def learnable_config(config: Any) -> Any:
     """``config.pid`` if the model runs PID with learnable gains, else None (also when config.pid is invalid:
     the first forward reports that)."""
     method = method_of(config)
@@ -153,7 +153,8 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     gains_source = model.__dict__.get(GAINS_SOURCE, model.config)
     warmup = counter_of(model)
     base = base_attention(gains_source)
-    learnable: Optional[PIDConfig] = model_method_config(gains_source)
+    method = method_of(gains_source) or method_of(model.config)
+    learnable: Any = model_method_config(gains_source, method)
     learnable = learnable if getattr(learnable, "learnable", False) else None
     added = []
     order = 0
@@ -177,7 +178,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
             setattr(sub, ROLE, -1 if cross else order)
             if cross:
                 learned_gains.detach(sub)
-            elif learnable is not None and learned_gains.attach(sub, learnable):
+            elif learnable is not None and learned_gains.attach(sub, learnable, method):
                 added.append(path)
             if not cross:  # an encoder and a decoder under one owner are separate PID groups
                 causal = causal or bool(getattr(sub, "is_causal", False))

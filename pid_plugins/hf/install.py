@@ -95,7 +95,7 @@ def _attach_gains_at_construction(model: PreTrainedModel, name: str, child: nn.M
     for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in discovery.walk(child))]:
         if not isinstance(sub, PreTrainedModel) and discovery.calls_interface(type(sub)) and \
                 not discovery.is_cross(path.split("."), sub):
-            added = learned_gains.attach(sub, cfg) or added
+            added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
     if added:
         learned_gains.ignore_missing(model)
 
@@ -166,8 +166,7 @@ _ORIGINAL_INIT = None
 
 
 def _initialize_weights(self, module: nn.Module, *args, **kwargs):
-    if isinstance(module, learned_gains.LayerGains):  # parameters transformers loaded are flagged and left alone
-        module.reset_parameters()
+    if learned_gains.reset(module):  # learnable parameters: those transformers loaded are flagged and left alone
         module._is_hf_initialized = True
         return None
     if isinstance(module, GainWarmup):  # the warm-up counter: t = 0 unless transformers loaded it (flagged)
