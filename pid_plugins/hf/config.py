@@ -189,7 +189,7 @@ def apply_method_kwargs(config: Any, given: Dict[str, Any], where: str, chosen: 
 def _check_chosen(name: str, chosen: Any, where: str) -> None:
     if chosen == name:
         return
-    other = f", or {chosen}=... for {chosen!r}'s parameters" if chosen in _METHODS else ""
+    other = f", or {chosen}=... for the parameters of {chosen!r}" if chosen in _METHODS else ""
     raise ValueError(
         f"{where}: {name}=... sets the parameters of attention method {name!r}, but the model is built with "
         f"attn_implementation={chosen!r}: pass attn_implementation={name!r} to run {name!r}{other}"

@@ -1,7 +1,9 @@
-"""Learnable PID gains for transformers models (``config.pid = {"learnable": True, ...}``).
+"""Learnable parameters of a method for transformers models (``config.pid = {"learnable": True, ...}``, likewise
+``config.value_residual``): PID's gains, or what another method's ``make_learned`` makes (value residual: ``lambda_1``,
+``lambda_2``).
 
-Where they live: every self-attention module of a PID model gets a submodule ``pid_gains``
-(:class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
+Where they live: every self-attention module of a model running the method gets a submodule ``pid_gains`` (for PID a
+:class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
 ``lambda_d_raw``, each of shape ``(1,)``, gain = softplus(raw)), so its parameters are named like
 ``model.layers.3.self_attn.pid_gains.lambda_p_raw`` and belong to their layer: FSDP2's ``fully_shard`` per
 decoder layer shards them with the layer, ``device_map`` puts them on the layer's device, gradient
@@ -9,13 +11,13 @@ checkpointing recomputes them with the layer. Cross-attention has none (it runs 
 
 How they survive transformers' own paths:
 
-* construction: :mod:`pid_plugins.hf.install`'s module-registration hook calls :func:`attach` whenever
-  a PID model whose ``config.pid`` is learnable registers a child (for every self-attention module below it), so ``Model(config)``, ``from_config`` and
-  ``from_pretrained(..., attn_implementation="pid")`` build the gains before any weight is loaded, and the
-  saved values load into them;
+* construction: :mod:`pid_plugins.hf.install`'s module-registration hook calls :func:`attach` whenever a model
+  whose method's parameters are learnable registers a child (for every self-attention module below it), so
+  ``Model(config)``, ``from_config`` and ``from_pretrained(..., attn_implementation="pid")`` build them before any
+  weight is loaded, and the saved values load into them;
 * missing keys (a softmax or fixed-gain checkpoint loaded into a learnable model): transformers materialises
   missing parameters with ``torch.empty`` and then runs its weight initialisation on every module it does not
-  know to be initialised. :mod:`pid_plugins.hf.install` makes that initialisation call :meth:`LayerGains.reset_parameters`
+  know to be initialised. :mod:`pid_plugins.hf.install` makes that initialisation call :func:`reset`
   (the config's gains, through ``transformers.initialization``, which leaves loaded parameters alone), and the
   model's ``_keys_to_ignore_on_load_missing`` names the gains, so their absence is not reported;
 * weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
