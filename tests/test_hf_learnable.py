@@ -345,7 +345,10 @@ def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
     def check(out, value, state, gains, **kw):
         layer = len(calls)
         calls.append(layer)
-        want, _ = original(out, value, state, (*fixed[layer], 0.4, True), **kw)
+        # the rule gets the warm-up scale (it multiplies the error tensors, exact at 1): the same function as the
+        # gains x 3/4 without a scale
+        assert float(kw["scale"]) == 0.75
+        want, _ = original(out, value, state, (*fixed[layer], 0.4, True), **{**kw, "scale": None})
         got, new = original(out, value, state, gains, **kw)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         return got, new

@@ -317,13 +317,13 @@ def test_the_counter_swap_is_found_once_and_a_plain_warm_up_model_is_not_redisco
     """Discovery runs again only when the counter module was replaced (peft wrapping it, merge_and_unload
     unwrapping it), once; a warm-up model whose counter moved to the outer model while it was built is not
     rediscovered at its first forward (a first forward under torch.compile traces no discovery)."""
-    import pid_plugins.hf.attention as attention
+    import pid_plugins.hf.discovery as discovery
 
     x = hf_ids(1, 5)
     model = build("pid", {**METHODS["pid"], "warmup_steps": N})
     runs = []
-    original = attention._discover
-    monkeypatch.setattr(attention, "_discover", lambda m, *a, **kw: runs.append(type(m).__name__) or
+    original = discovery.discover
+    monkeypatch.setattr(discovery, "discover", lambda m, *a, **kw: runs.append(type(m).__name__) or
                         original(m, *a, **kw))
     logits(model, x)
     assert runs == []

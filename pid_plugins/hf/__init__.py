@@ -1,23 +1,26 @@
 """HuggingFace transformers adapter: ``attn_implementation="pid"`` (and every method registered with
 :func:`pid_plugins.register_method`, under its name).
 
-``import pid_plugins.hf`` registers ``"pid"`` with transformers' ``AttentionInterface`` (the attention
-function: the base attention, SDPA by default, then the PID term on self-attention) and
-``AttentionMaskInterface`` (the base attention's mask function). Then::
+``import pid_plugins.hf`` registers every method with transformers' ``AttentionInterface`` (the attention
+function: the base attention, SDPA by default, then the method on self-attention) and ``AttentionMaskInterface``
+(the base attention's mask function). Then::
 
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
-    model = pid_plugins.hf.to_pid(model, PIDConfig.preset("lm"))                     # or convert
-    model.config.pid = {"lambda_p": 0.5}                                              # change gains
-    model = pid_plugins.hf.to_pid(model, {"learnable": True})                        # learnable gains
-    model = pid_plugins.hf.to_pid(model, base="eager")                               # attention weights
-    model = pid_plugins.hf.to_pid(model, {"gamma": 0.3}, method="my_method")          # a registered method
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")                   # preset `lm`
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid", pid={"lambda_p": 0.3})
+    model = AutoModel.from_config(config, attn_implementation="value_residual", value_residual={...})
+    pid_plugins.hf.convert(model, "pid", {"learnable": True})     # a built model, in place (learnable gains)
+    pid_plugins.hf.convert(model, "neutreno", base="eager")       # another method, on eager attention
+    pid_plugins.hf.convert(model, "softmax")                      # back to the stock model, bit for bit
+    model.config.pid = {"lambda_p": 0.5}                          # change the gains of a PID model
+    pid_plugins.finish_warmup(model)                              # end a gain warm-up: the fixed-gain model
 
-Changes to transformers on import (all through its extension points except the last two): every registered method
-is registered with ``AttentionInterface`` and ``AttentionMaskInterface`` under its name; a torch
-module-registration hook gives each ``PreTrainedModel`` an inert forward pre-/post-hook and, once, wraps its
-``post_init`` (discovery of a model built as PID before its first forward); ``PreTrainedModel._initialize_weights``
-is wrapped once so that transformers' initialisation of missing weights gives learnable gains their initial values
-and the warm-up counter t = 0 (transformers has no hook for modules it does not know).
+The adapter, one job per module: :mod:`~pid_plugins.hf.attention` (the attention and mask functions),
+:mod:`~pid_plugins.hf.discovery` (finding a model's attention modules; the forward hooks that hand each forward its
+method state), :mod:`~pid_plugins.hf.config` (what a model config says: the method, its parameters, the base
+attention; how the choice is saved), :mod:`~pid_plugins.hf.warmup` (the gain warm-up counter),
+:mod:`~pid_plugins.hf.cache` (the method and transformers' KV caches), :mod:`~pid_plugins.hf.gains` (learnable gains,
+weight decay), :mod:`~pid_plugins.hf.install` (what the import changes in transformers),
+:mod:`~pid_plugins.hf.conversion` (switching a built model in place).
 """
 try:
     import transformers  # noqa: F401
@@ -27,21 +30,21 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from .attention import (
-    ATTN_IMPLEMENTATION,
-    BASES,
-    PIDForwardState,
-    install_pid_hooks,
-    method_of,
-    model_method_config,
-    model_pid_config,
-    pid_attention_forward,
-    to_pid,
+    MethodForwardState, PIDForwardState, method_attention_forward, method_mask, pid_attention_forward, pid_mask,
 )
 from .catalogue import get_config, list_models
+from .config import ATTN_IMPLEMENTATION, BASES, method_of, model_method_config, model_pid_config
+from .conversion import convert, to_pid
+from .discovery import install_pid_hooks
 from .gains import NoGainDecayTrainerMixin, decay_parameter_names, gain_parameter_names
+from .install import install as _install
+
+_install()
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BASES", "PIDForwardState", "pid_attention_forward", "install_pid_hooks", "model_pid_config",
+    "ATTN_IMPLEMENTATION", "BASES", "MethodForwardState", "PIDForwardState", "method_attention_forward",
+    "pid_attention_forward", "method_mask", "pid_mask", "install_pid_hooks", "model_pid_config",
     "model_method_config", "method_of",
-    "to_pid", "get_config", "list_models", "NoGainDecayTrainerMixin", "decay_parameter_names", "gain_parameter_names",
+    "convert", "to_pid", "get_config", "list_models", "NoGainDecayTrainerMixin", "decay_parameter_names",
+    "gain_parameter_names",
 ]

@@ -7,7 +7,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .. import catalogue
 from ..core import PIDConfig
-from .attention import ATTN_IMPLEMENTATION
+from .config import ATTN_IMPLEMENTATION
 
 __all__ = ["get_config", "list_models"]
 

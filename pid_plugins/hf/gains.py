@@ -1,7 +1,9 @@
-"""Learnable PID gains for transformers models (``config.pid = {"learnable": True, ...}``).
+"""Learnable parameters of a method for transformers models (``config.pid = {"learnable": True, ...}``, likewise
+``config.value_residual``): PID's gains, or what another method's ``make_learned`` makes (value residual: ``lambda_1``,
+``lambda_2``).
 
-Where they live: every self-attention module of a PID model gets a submodule ``pid_gains``
-(:class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
+Where they live: every self-attention module of a model running the method gets a submodule ``pid_gains`` (for PID a
+:class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
 ``lambda_d_raw``, each of shape ``(1,)``, gain = softplus(raw)), so its parameters are named like
 ``model.layers.3.self_attn.pid_gains.lambda_p_raw`` and belong to their layer: FSDP2's ``fully_shard`` per
 decoder layer shards them with the layer, ``device_map`` puts them on the layer's device, gradient
@@ -9,13 +11,13 @@ checkpointing recomputes them with the layer. Cross-attention has none (it runs 
 
 How they survive transformers' own paths:
 
-* construction: ``pid_plugins.hf.attention``'s module-registration hook calls :func:`attach_to_child` whenever
-  a PID model whose ``config.pid`` is learnable registers a child, so ``Model(config)``, ``from_config`` and
-  ``from_pretrained(..., attn_implementation="pid")`` build the gains before any weight is loaded, and the
-  saved values load into them;
+* construction: :mod:`pid_plugins.hf.install`'s module-registration hook calls :func:`attach` whenever a model
+  whose method's parameters are learnable registers a child (for every self-attention module below it), so
+  ``Model(config)``, ``from_config`` and ``from_pretrained(..., attn_implementation="pid")`` build them before any
+  weight is loaded, and the saved values load into them;
 * missing keys (a softmax or fixed-gain checkpoint loaded into a learnable model): transformers materialises
   missing parameters with ``torch.empty`` and then runs its weight initialisation on every module it does not
-  know to be initialised. :func:`install` makes that initialisation call :meth:`LayerGains.reset_parameters`
+  know to be initialised. :mod:`pid_plugins.hf.install` makes that initialisation call :func:`reset`
   (the config's gains, through ``transformers.initialization``, which leaves loaded parameters alone), and the
   model's ``_keys_to_ignore_on_load_missing`` names the gains, so their absence is not reported;
 * weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
@@ -29,24 +31,26 @@ How they survive transformers' own paths:
 from __future__ import annotations
 
 import re
-from typing import Iterable, List
+from typing import Any, Iterable, List, Optional
 
 import torch
 from torch import nn
 
-from ..core import GainWarmup, PIDConfig
+from ..core import AttentionMethod, PIDConfig, PIDMethod
 from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
 
 __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
-           "gain_parameter_names", "install", "is_gain_name", "layer_gains_of"]
+           "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset"]
 
 #: the attribute (submodule name) of the gains on each self-attention module
 GAINS_ATTR = "pid_gains"
 #: matches the state-dict keys of the gains (transformers' ``_keys_to_ignore_on_load_missing`` is a regex list)
-MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.lambda_[pid]_raw$"
+MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.[^.]+$"
 #: a gain's parameter name, also inside peft's ``modules_to_save`` wrapper (``pid_gains.modules_to_save.<adapter>.``
 #: the trained copy, ``pid_gains.original_module.`` the frozen original)
-_NAME = re.compile(rf"(^|\.){GAINS_ATTR}\.(modules_to_save\.[^.]+\.|original_module\.)?lambda_[pid]_raw$")
+_NAME = re.compile(rf"(^|\.){GAINS_ATTR}\.(modules_to_save\.[^.]+\.|original_module\.)?[^.]+$")
+#: on a learned module of another method than PID: ``(method, config)`` it was made from (its initial values)
+_ORIGIN = "_pid_plugins_origin"
 
 
 class LayerGains(PIDGains):
@@ -72,31 +76,89 @@ class LayerGains(PIDGains):
             init.constant_(getattr(self, f"{name}_raw"), raw)
 
 
+def _is_learned(module: Any) -> bool:
+    return isinstance(module, PIDGains) or (isinstance(module, nn.Module) and _ORIGIN in module.__dict__)
+
+
 def layer_gains_of(module: nn.Module) -> "nn.Module | None":
-    """``module``'s gains: a :class:`PIDGains`, or a wrapper holding one as ``original_module`` (peft's
-    ``modules_to_save=["pid_gains"]``: calling it gives the active adapter's copy), else None."""
+    """``module``'s learnable parameters: a :class:`PIDGains` or another method's ``make_learned`` module made here,
+    or a wrapper holding one as ``original_module`` (peft's ``modules_to_save=["pid_gains"]``: calling it gives the
+    active adapter's copy), else None."""
     gains = module._modules.get(GAINS_ATTR)
     held = getattr(gains, "original_module", None) if isinstance(gains, nn.Module) else None
-    return gains if isinstance(gains, PIDGains) or isinstance(held, PIDGains) else None
+    return gains if _is_learned(gains) or _is_learned(held) else None
 
 
-def attach(attention: nn.Module, config: PIDConfig) -> bool:
-    """Give ``attention`` a :class:`LayerGains` from ``config`` unless it has gains; True if it added them.
+def _method_of_learned(gains: nn.Module) -> Optional[str]:
+    """The name of the method whose parameters ``gains`` (or the module a wrapper holds) are."""
+    held = gains if _is_learned(gains) else getattr(gains, "original_module", None)
+    origin = held.__dict__.get(_ORIGIN) if held is not None else None
+    return origin[0].name if origin is not None else "pid"
 
-    They take the device and dtype of the module's first parameter (the current default device and dtype if
-    it has none yet, e.g. transformers' meta-device construction)."""
-    if layer_gains_of(attention) is not None:
+
+def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
+    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters): PID's
+    :class:`LayerGains`, another method's ``make_learned`` module marked with what it was made from (so that
+    transformers' initialisation of missing weights restores those values, :func:`reset`)."""
+    if isinstance(method, PIDMethod):
+        return LayerGains(config) if getattr(config, "learnable", False) else None
+    learned = method.make_learned(config)
+    if learned is not None:
+        learned.__dict__[_ORIGIN] = (method, config)
+    return learned
+
+
+@torch.no_grad()
+def reset(module: nn.Module) -> bool:
+    """Give a learned module made here the initial values of what it was made from, leaving the parameters
+    transformers loaded alone (``transformers.initialization``); True if ``module`` is one."""
+    if isinstance(module, LayerGains):
+        module.reset_parameters()
+        return True
+    origin = module.__dict__.get(_ORIGIN)
+    if origin is None:
         return False
-    gains = LayerGains(config)
-    ref = next((p for p in attention.parameters() if p.is_floating_point()), None)
+    from transformers import initialization as init  # skips parameters flagged as loaded
+
+    fresh = origin[0].make_learned(origin[1])
+    for name, param in module.named_parameters():
+        init.copy_(param, fresh.get_parameter(name).to(device=param.device, dtype=param.dtype))
+    return True
+
+
+def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] = None) -> bool:
+    """Give ``attention`` the learnable parameters of ``method`` (default PID) with ``config`` unless it has some of
+    that method (another method's are replaced); True if it added them.
+
+    They take the device and dtype of the module's first floating-point parameter (the current default device and
+    dtype if it has none yet, e.g. transformers' meta-device construction) and the module's train/eval mode."""
+    name = method.name if method is not None else "pid"
+    current = layer_gains_of(attention)
+    if current is not None and _method_of_learned(current) == name:
+        return False
+    from ..core import get_method
+
+    gains = make(method if method is not None else get_method("pid"), config)
+    if gains is None:
+        return False
+    ref = next((p for p in attention.parameters() if p.is_floating_point() and not _is_gain_param(attention, p)),
+               None)
     if ref is not None:
         gains = gains.to(device=ref.device, dtype=ref.dtype)
+    gains.train(attention.training)  # the layer's mode, whatever mode it gets them in
+    if current is not None:
+        delattr(attention, GAINS_ATTR)
     setattr(attention, GAINS_ATTR, gains)
     return True
 
 
+def _is_gain_param(attention: nn.Module, param: torch.Tensor) -> bool:
+    gains = attention._modules.get(GAINS_ATTR)
+    return gains is not None and any(param is p for p in gains.parameters())
+
+
 def detach(attention: nn.Module) -> bool:
-    """Remove ``attention``'s gains; True if it had some."""
+    """Remove ``attention``'s learnable parameters; True if it had some."""
     if layer_gains_of(attention) is None:
         return False
     delattr(attention, GAINS_ATTR)
@@ -109,37 +171,6 @@ def ignore_missing(model: nn.Module) -> None:
     current = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     if MISSING_PATTERN not in current:
         model._keys_to_ignore_on_load_missing = {*current, MISSING_PATTERN}
-
-
-# ------------------------------------------------------------------------- transformers' weight initialisation
-_ORIGINAL_INIT = None
-
-
-def _initialize_weights(self, module: nn.Module, *args, **kwargs):
-    if isinstance(module, LayerGains):  # parameters transformers loaded are flagged and left alone
-        module.reset_parameters()
-        module._is_hf_initialized = True
-        return None
-    if isinstance(module, GainWarmup):  # the warm-up counter: t = 0 unless transformers loaded it (flagged)
-        from transformers import initialization as init
-
-        init.zeros_(module.step)
-        module._is_hf_initialized = True
-        return None
-    return _ORIGINAL_INIT(self, module, *args, **kwargs)
-
-
-def install() -> None:
-    """Make ``PreTrainedModel._initialize_weights`` (the one place transformers 5 initialises every module of a
-    model: at construction and for the missing keys of ``from_pretrained``) initialise :class:`LayerGains` from
-    their config, and the gain warm-up counter (:class:`~pid_plugins.core.warmup.GainWarmup`) at 0. The model's own
-    ``_init_weights`` does not know them and would leave ``torch.empty`` values."""
-    global _ORIGINAL_INIT
-    from transformers import PreTrainedModel
-
-    if _ORIGINAL_INIT is None:
-        _ORIGINAL_INIT = PreTrainedModel._initialize_weights
-        PreTrainedModel._initialize_weights = _initialize_weights
 
 
 # ---------------------------------------------------------------------------------------------- weight decay

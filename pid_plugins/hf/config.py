@@ -1,0 +1,198 @@
+"""What a transformers model config says about its attention method, and how that is saved.
+
+* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method);
+* :func:`model_method_config`: its parameters, ``config.<method name>`` (``config.pid`` for PID) over the method's
+  transformers preset, parsed once per value (a first forward under ``torch.compile`` only looks them up);
+* :func:`base_attention`: the attention the method is added to (``config.pid_attention_base``);
+* :class:`_SavedImplementation` / :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's
+  name when the model runs a method at save time (transformers itself does not save ``_attn_implementation``), and
+  as null otherwise, so ``from_pretrained`` builds the model with the method again;
+* :func:`take_method_kwargs` / :func:`apply_method_kwargs`: a method's parameters as a keyword of ``from_pretrained``
+  and ``from_config`` (``attn_implementation="pid", pid={"lambda_p": 0.3}``), saved as ``config.<method>``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..core import AttentionMethod, PIDConfig, PIDMethod, get_method
+
+__all__ = [
+    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "apply_method_kwargs", "base_attention",
+    "check_learnable", "method_of", "methods", "model_method_config", "model_pid_config", "persist",
+    "take_method_kwargs",
+]
+
+ATTN_IMPLEMENTATION = "pid"
+"""PID's ``attn_implementation`` name (every other registered method is registered under its own name)."""
+#: the config attribute naming the attention a method is added to
+BASE_ATTR = "pid_attention_base"
+BASES = ("sdpa", "eager", "flex_attention")
+"""The base attentions a method runs on (``convert(model, ..., base=...)``, saved as ``config.pid_attention_base``)."""
+#: the config attribute holding the stock ``attn_implementation`` a model had before ``convert`` gave it a method
+#: (``convert(model, "softmax")`` returns to it)
+STOCK_ATTR = "pid_stock_attention"
+
+_PID = get_method(ATTN_IMPLEMENTATION)
+#: the attention methods registered with transformers' interfaces, by implementation name
+_METHODS: Dict[str, AttentionMethod] = {}
+_PARSED: Dict[Any, Any] = {}
+
+
+def methods() -> Dict[str, AttentionMethod]:
+    """The methods registered with transformers' interfaces so far, by ``attn_implementation`` name (live)."""
+    return _METHODS
+
+
+def method_of(config: Any) -> Optional[AttentionMethod]:
+    """The attention method a model config runs (``config._attn_implementation`` names a registered method), or None
+    (a stock implementation)."""
+    return _METHODS.get(getattr(config, "_attn_implementation", None))
+
+
+def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
+    """The parameters a model runs its method with: ``config.<method name>`` (``config.pid`` for PID: a dict, a
+    PIDConfig or a preset name) over the method's transformers preset (PID: ``lm``; with ``learnable``, the initial
+    values of every self-attention layer's own gains). ``method``: default, the one ``config`` runs, else PID."""
+    method = method or method_of(config) or _PID
+    raw = getattr(config, method.name, None)
+    if raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
+        key: Any = (method.name, raw)
+    elif isinstance(raw, dict):
+        key = (method.name, tuple(sorted(raw.items())))
+    else:
+        key = (method.name, raw)
+    try:
+        cfg = _PARSED.get(key)
+    except TypeError:  # unhashable values: let the method's config report them
+        key, cfg = None, None
+    if cfg is None:
+        if torch.compiler.is_compiling():  # building a config is not traceable: parse it eagerly
+            raise RuntimeError(
+                f"config.{method.name} = {raw!r} was set after the model was built and first read under "
+                "torch.compile: call pid_plugins.hf.to_pid(model) (or run one eager forward) before compiling"
+            )
+        cfg = check_learnable(method, method.configure(dict(raw) if isinstance(raw, dict) else raw, "hf"))
+        if key is not None:
+            if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
+                _PARSED.clear()
+            _PARSED[key] = cfg
+    return cfg
+
+
+def check_learnable(method: AttentionMethod, cfg: Any) -> Any:
+    """``cfg``, refused if it asks for learnable parameters the method does not make (``method.make_learned``)."""
+    if getattr(cfg, "learnable", False) and not isinstance(method, PIDMethod) and method.make_learned(cfg) is None:
+        raise ValueError(f"config.{method.name}: attention method {method.name!r} makes no learnable parameters for "
+                         f"{cfg!r}: set learnable=False")
+    return cfg
+
+
+def model_pid_config(config: Any) -> PIDConfig:
+    """PID's gains of a model config: ``config.pid`` over the ``lm`` preset (:func:`model_method_config` for PID)."""
+    return model_method_config(config, _PID)
+
+
+def base_attention(config: Any) -> str:
+    """The attention a method is added to: ``config.pid_attention_base`` if set, else ``"eager"`` for models with
+    attention logit softcapping (Gemma 2; SDPA cannot softcap) and ``"sdpa"`` otherwise."""
+    base = getattr(config, BASE_ATTR, None)
+    if base is None:
+        return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+    if base not in BASES:
+        raise ValueError(f"config.{BASE_ATTR}={base!r} is not one of {BASES}")
+    if base != "eager" and getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{getattr(config, 'model_type', 'this model')} uses attention logit softcapping, which {base} cannot "
+            "compute: use pid_plugins.hf.to_pid(model, base='eager')"
+        )
+    return base
+
+
+# ------------------------------------------------------------------------------------- saving the choice
+def _plain(value: Optional[str]) -> Optional[str]:
+    return value
+
+
+class _SavedImplementation:
+    """``config.attn_implementation``: serialises (``to_dict`` deep-copies the config's attributes) as the method's
+    name when the model runs a method at save time and as null otherwise, so a model switched back with
+    ``set_attn_implementation("sdpa")`` reloads with the stock default."""
+
+    def __init__(self, config: Any):
+        self._config = weakref.ref(config)
+
+    def _current(self) -> Optional[str]:
+        config = self._config()
+        return None if config is None else config._attn_implementation
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        config = self._config()
+        copied = memo.get(id(config)) if config is not None else None
+        if copied is not None:  # the config itself is being copied (a deep copy of the model): stay live
+            return _SavedImplementation(copied)
+        current = self._current()  # to_dict copies the attributes only: the value to save
+        return current if current in _METHODS else None
+
+    def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
+        return _plain, (self.__deepcopy__({}),)
+
+    def __eq__(self, other: object) -> bool:
+        return self._current() == other
+
+    def __hash__(self) -> int:
+        return hash(self._current())
+
+    def __repr__(self) -> str:
+        return repr(self._current())
+
+
+def persist(config: Any) -> None:
+    """Make ``config`` save the method it runs: transformers does not save ``_attn_implementation``; an
+    ``attn_implementation`` entry in config.json is read back by the config's ``__init__``."""
+    if not isinstance(config.__dict__.get("attn_implementation"), _SavedImplementation):
+        config.attn_implementation = _SavedImplementation(config)
+
+
+# ------------------------------------------------------------------ parameters as a keyword of the loaders
+def take_method_kwargs(kwargs: dict, where: str) -> Dict[str, Any]:
+    """Pop the keywords named after a registered method (``pid=``, ``value_residual=``, ...) from a loader's
+    ``kwargs`` (transformers would hand them to the model's ``__init__``, which takes none), checked before anything
+    is loaded: one method at most, valid parameters, and, when ``attn_implementation`` is among ``kwargs``, that
+    method's name."""
+    given = {name: kwargs.pop(name) for name in list(kwargs) if name in _METHODS}
+    if len(given) > 1:
+        raise ValueError(f"{where}: parameters given for {sorted(given)}; a model runs one attention method: give "
+                         "only the keyword of the method attn_implementation names")
+    for name, value in given.items():
+        chosen = kwargs.get("attn_implementation")
+        if chosen is not None:
+            _check_chosen(name, chosen, where)
+        method = _METHODS[name]
+        check_learnable(method, method.configure(dict(value) if isinstance(value, dict) else value, "hf"))
+    return given
+
+
+def apply_method_kwargs(config: Any, given: Dict[str, Any], where: str, chosen: Optional[str] = None) -> None:
+    """Set ``config.<method>`` from ``given`` (:func:`take_method_kwargs`), refused unless the model runs that method
+    (``chosen``, default ``config._attn_implementation``). A dict overrides the parameters ``config`` already has (a
+    saved model's), else the method's preset."""
+    chosen = getattr(config, "_attn_implementation", None) if chosen is None else chosen
+    for name, value in given.items():
+        _check_chosen(name, chosen, where)
+        method = _METHODS[name]
+        default = model_method_config(config, method) if getattr(config, name, None) is not None else None
+        cfg = method.configure(dict(value) if isinstance(value, dict) else value, "hf", default=default)
+        setattr(config, name, check_learnable(method, cfg).to_dict())
+
+
+def _check_chosen(name: str, chosen: Any, where: str) -> None:
+    if chosen == name:
+        return
+    other = f", or {chosen}=... for the parameters of {chosen!r}" if chosen in _METHODS else ""
+    raise ValueError(
+        f"{where}: {name}=... sets the parameters of attention method {name!r}, but the model is built with "
+        f"attn_implementation={chosen!r}: pass attn_implementation={name!r} to run {name!r}{other}"
+    )

@@ -1,0 +1,207 @@
+"""``convert(model, attention, attention_cfg)``: switch a built transformers model's attention, in place.
+
+The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the
+same module objects, hooks and train/eval mode kept) and returned, for chaining.
+
+* A stock model (``sdpa``, ``eager``, ...) gets the method: ``config.<method>`` (its parameters), the base attention
+  (``config.pid_attention_base``), the stock implementation it had (``config.pid_stock_attention``), learnable
+  parameters and the warm-up counter when the parameters ask for them; ``config._attn_implementation`` names the
+  method. It then computes what the model built with ``attn_implementation=<method>`` computes.
+* ``attention="softmax"`` returns it to the stock implementation it had (transformers' default when none was
+  recorded), with every parameter, buffer, submodule and config attribute pid-plugins added removed: its
+  ``state_dict`` keys are the stock model's and it computes exactly what the stock model computes.
+* A model with a method is reconfigured in place (another method, other parameters, learnable gains on or off);
+  the parameters of the method it leaves are removed from its config.
+
+Everything is checked before anything changes: an unknown method or bad parameters (core's message), a base
+attention that is not one of ``sdpa``, ``eager``, ``flex_attention`` or that the model cannot run, a model that is
+not a transformers model, a family whose attention does not go through transformers' attention interface.
+
+Also here: ``finish_warmup`` for transformers models (:func:`finish`, registered with
+:func:`pid_plugins.core.register_warmup_finisher`).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, TypeVar
+
+from torch import nn
+from transformers import PreTrainedModel, PretrainedConfig
+
+from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, resolve_attention
+from ..core.layer import _warn_unfinished
+from . import gains as learned_gains
+from .attention import EARLIER, ROLE
+from .config import (
+    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, method_of, methods,
+    model_method_config,
+)
+from .discovery import GAINS_SOURCE, PLAN, check_model, install_pid_hooks
+from .warmup import WARMUP_ATTR, WARMUP_MISSING_KEY, WARMUP_SOURCE, attach_warmup
+
+__all__ = ["convert", "finish", "to_pid"]
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: Any = None, *,
+            base: Optional[str] = None) -> ModelT:
+    """Switch a transformers model's attention to ``attention``, in place; returns ``model``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` whose attention goes through transformers' attention interface
+            (Llama, Mistral, Qwen2, GPT-2, BERT, T5, BART, ...), stock or with a method.
+        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``:
+            the stock attention (the ``attn_implementation`` the model had before it got a method; transformers'
+            default, ``sdpa``, if none was recorded).
+        attention_cfg: the method's parameters: a config instance, a dict of overrides, a preset name, or None. A
+            dict overrides the model's own ``config.<method>`` when it has one, else the method's transformers preset
+            (PID: ``lm``); None keeps ``config.<method>`` if set, else the preset. Saved as ``config.<method>``.
+        base: the attention the method is added to: ``"sdpa"`` (default; ``"eager"`` for models with logit
+            softcapping), ``"eager"`` (attention weights) or ``"flex_attention"``; saved as
+            ``config.pid_attention_base``. None keeps the model's.
+
+    The parameters and buffers are the model's own tensors before and after; learnable parameters
+    (``{"learnable": True}``) are added to every self-attention module, initialised on its device and dtype, and
+    ``warmup_steps`` adds the warm-up counter (``pid_warmup``): build the optimizer after converting. Learnable
+    parameters a model already has are kept as trained. Convert before ``torch.compile`` and before wrapping the model.
+
+    Raises ``ValueError`` (unknown method, bad parameters, a base the model cannot run, attention this adapter cannot
+    reach) or ``TypeError`` (not a transformers model) before anything is changed.
+    """
+    where = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        hint = "; convert the model before torch.compile" if hasattr(model, "_orig_mod") else (
+            "; convert the transformers model inside a wrapper (peft: before get_peft_model)")
+        raise TypeError(f"convert: a transformers PreTrainedModel, got {where}{hint}")
+    if base is not None and attention == SOFTMAX:
+        raise ValueError(f"{where}: base={base!r} is the attention a method is added to; attention='softmax' takes "
+                         "none: drop base=")
+    method = methods().get(attention) if isinstance(attention, str) else None
+    default = None
+    if method is not None and getattr(model.config, method.name, None) is not None:
+        default = model_method_config(model.config, method)  # a dict overrides the model's own parameters
+    choice = resolve_attention(attention, attention_cfg, zoo="hf", default=default, where=where)
+    if choice is None:
+        _to_stock(model)
+        return model
+    check_learnable(choice.method, choice.config)
+    resolved_base = _check_base(model, base)
+    check_model(model, choice.method.name)
+    _to_method(model, choice, resolved_base)
+    return model
+
+
+def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = None, *,
+           method: str = ATTN_IMPLEMENTATION) -> PreTrainedModel:
+    """:func:`convert` under its earlier name: ``to_pid(model, config, base, method=...)`` is
+    ``convert(model, method, config, base=base)``."""
+    return convert(model, method, config, base=base)
+
+
+# --------------------------------------------------------------------------------------------- to a method
+def _check_base(model: PreTrainedModel, base: Optional[str]) -> str:
+    """The base attention the model will run its method on (``base``, else the one its config names, else the
+    default), refused before anything changes if the model cannot run it."""
+    if base is not None and base not in BASES:
+        raise ValueError(f"base attention {base!r} is not one of {BASES}")
+    config = model.config
+    previous = config.__dict__.get(BASE_ATTR)
+    if base is not None:
+        setattr(config, BASE_ATTR, base)
+    try:
+        resolved = base_attention(config)
+    finally:  # only read here: set by _to_method
+        if previous is None:
+            config.__dict__.pop(BASE_ATTR, None)
+        else:
+            setattr(config, BASE_ATTR, previous)
+    if resolved == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
+        raise ValueError(f"{type(model).__name__} does not support flex attention: use base 'sdpa' or 'eager'")
+    return resolved
+
+
+def _to_method(model: PreTrainedModel, choice: MethodChoice, base: str) -> None:
+    config, name = model.config, choice.method.name
+    if method_of(config) is None and isinstance(config._attn_implementation, str):
+        setattr(config, STOCK_ATTR, config._attn_implementation)  # what attention="softmax" returns to
+    for other in methods():  # the parameters of a method the model leaves
+        if other != name:
+            config.__dict__.pop(other, None)
+    setattr(config, name, choice.config.to_dict())
+    if not getattr(choice.config, "learnable", False):  # fixed parameters: learned ones would be left unused
+        for m in model.modules():
+            learned_gains.detach(m)
+    attach_warmup(model, choice.config)
+    setattr(config, BASE_ATTR, base)
+    model.set_attn_implementation(name)
+    install_pid_hooks(model)
+
+
+# ---------------------------------------------------------------------------------------------- to softmax
+def _configs(model: nn.Module) -> Iterator[PretrainedConfig]:
+    """Every config of every transformers model in ``model`` and their sub-configs, once each."""
+    seen = set()
+    stack = [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    while stack:
+        config = stack.pop()
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        yield config
+        stack.extend(sub for key in getattr(config, "sub_configs", {})
+                     if isinstance(sub := getattr(config, key, None), PretrainedConfig))
+
+
+def _to_stock(model: PreTrainedModel) -> None:
+    """Back to the stock implementation, with everything pid-plugins added removed."""
+    config = model.config
+    if method_of(config) is not None:
+        stock = config.__dict__.get(STOCK_ATTR)
+        model.set_attn_implementation(stock if isinstance(stock, str) and stock not in methods() else None)
+    for m in model.modules():
+        learned_gains.detach(m)
+        for attr in (ROLE, EARLIER):
+            m.__dict__.pop(attr, None)
+        if isinstance(m, PreTrainedModel):
+            m._modules.pop(WARMUP_ATTR, None)
+            for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE):
+                m.__dict__.pop(attr, None)
+            ignore = m.__dict__.get("_keys_to_ignore_on_load_missing")
+            if isinstance(ignore, set):
+                ignore -= {learned_gains.MISSING_PATTERN, WARMUP_MISSING_KEY}
+    for cfg in _configs(model):
+        for attr in (*methods(), BASE_ATTR, STOCK_ATTR):
+            cfg.__dict__.pop(attr, None)
+
+
+# ------------------------------------------------------------------------------------------- finish_warmup
+def finish(model: nn.Module) -> bool:
+    """:func:`pid_plugins.finish_warmup` for the transformers models in ``model`` (also inside a wrapper, e.g. peft's):
+    every config that runs a method gets ``warmup_steps=0`` in ``config.<method>``, every model loses its warm-up
+    counter (``pid_warmup``, with peft's ``modules_to_save`` wrapper around it), and discovery runs again, so no layer
+    reads a counter. Returns whether a transformers model with a method was found.
+
+    The layers then take the fixed-parameter path. The warm-up scale multiplies the method's error tensors and is
+    exact at 1, so a model warmed up to ``t >= N`` computes the same function bit for bit."""
+    names = {name: m for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    with_method = {name: m for name, m in names.items() if method_of(m.config) is not None}
+    if not with_method:
+        return False
+    for name, m in with_method.items():
+        counter = m._modules.pop(WARMUP_ATTR, None)
+        if counter is not None:
+            held = [c for c in counter.modules() if isinstance(c, GainWarmup)]  # peft: the trained copy is last
+            if held:
+                _warn_unfinished(held[-1], name or type(m).__name__)
+    for config in _configs(model):
+        method = method_of(config)
+        if method is not None and getattr(config, method.name, None) is not None:
+            cfg = model_method_config(config, method)
+            if getattr(cfg, "warmup_steps", 0):
+                setattr(config, method.name, finished_config(cfg).to_dict())
+    # rediscover from each outermost transformers model (it hands its config and counter to the nested ones)
+    outermost = [m for name, m in with_method.items()
+                 if not any(name.startswith(f"{other}.") or (other == "" and name) for other in names if other != name)]
+    for m in outermost:
+        install_pid_hooks(m)
+    return True

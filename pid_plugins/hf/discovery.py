@@ -1,0 +1,361 @@
+"""Finding a model's attention modules, and the forward hooks that hand each forward its method state.
+
+How it fits transformers (no frame inspection, one path for every way a model gets a method):
+
+* every :class:`~transformers.PreTrainedModel` built after ``import pid_plugins.hf`` carries a forward pre-hook (with
+  kwargs) and a forward hook (:mod:`pid_plugins.hf.install` adds them when the model registers its first child;
+  :func:`install_pid_hooks` adds them to models built before the import). They do nothing unless the model's
+  ``config._attn_implementation`` names a registered method, so ``from_pretrained(..., attn_implementation="pid")``,
+  ``from_config``, ``Model(config)``, ``set_attn_implementation("pid")`` and ``convert`` all run the same code.
+* Discovery (:func:`discover`, once per model: after ``post_init``, or at the first forward of a model switched
+  later): every module whose class calls the attention interface is an attention module; its role (self- or
+  cross-attention) comes from where it sits (``encoder_attn``, ``crossattention``, ``EncDecAttention``, ... or
+  ``is_cross_attention``), its position in the layer order from the module tree (no ``layer_idx`` needed). A module
+  named ``*Attention*`` that computes attention without the interface (custom code) is refused, naming it. With
+  learnable parameters, every self-attention module gets its ``pid_gains`` (:mod:`pid_plugins.hf.gains`).
+* Each forward of a module that owns attention layers (a decoder, an encoder, a base model) gets a fresh
+  :class:`~pid_plugins.hf.attention.MethodForwardState` in its keyword arguments; transformers passes them down to
+  every attention call and gradient checkpointing captures them with each layer. The parameters come from the
+  outermost model's ``config.<method>`` (T5's stacks keep deep copies of the config).
+* Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the method state's
+  gradient between layers), a static sliding-window cache, ``output_attentions`` without the eager base.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from . import gains as learned_gains
+from .attention import EARLIER, ROLE, MethodForwardState
+from .cache import new_cache, static_past
+from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
+from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
+
+__all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "hook", "install_pid_hooks",
+           "is_cross", "learnable_config", "walk"]
+
+HOOKED = "_pid_plugins_hooked"  # in a model's __dict__: it carries the forward hooks
+PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan (discovered)
+GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
+_LOCK = threading.Lock()
+_CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
+                          "encoder_decoder_attention"})
+
+
+# ------------------------------------------------------------------------------------ discovery (once per model)
+@functools.lru_cache(maxsize=None)
+def calls_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` dispatches through transformers' attention interface (transformers' own heuristic)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+@dataclass
+class Plan:
+    owns_layers: bool
+    cache_position: Optional[int]  # index of `past_key_values` among the positional arguments, if any
+    learnable: bool = False  # whether discovery gave the self-attention modules their gains
+    causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
+    layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules (where method cache slots start)
+    counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
+
+
+def _chosen(model: nn.Module) -> str:
+    """The attention implementation a model's config names (for messages)."""
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "pid"))
+
+
+def is_cross(parts: list, module: nn.Module) -> bool:
+    """Whether an attention module at module path ``parts`` is cross-attention (its values come from another
+    sequence: no PID term, no gains)."""
+    return bool(getattr(module, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
+
+
+def learnable_config(config: Any) -> Any:
+    """``config.pid`` if the model runs PID with learnable gains, else None (also when config.pid is invalid:
+    the first forward reports that)."""
+    method = method_of(config)
+    if method is None or getattr(config, method.name, None) is None:
+        return None
+    try:
+        cfg = model_method_config(config, method)
+    except ValueError:
+        return None
+    return cfg if getattr(cfg, "learnable", False) else None
+
+
+def walk(module: nn.Module, prefix: str = ""):
+    """(path, module) below ``module``, not descending into nested PreTrainedModels (they are their own owners)."""
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        yield path, child
+        if not isinstance(child, PreTrainedModel):
+            yield from walk(child, path)
+
+
+def _outside_interface(module: nn.Module) -> bool:
+    """Whether ``module`` looks like attention (``*Attention*``, no attention module inside it) but does not call
+    transformers' attention interface."""
+    return "Attention" in type(module).__name__ and not calls_interface(type(module)) and not any(
+        "Attention" in type(m).__name__ or calls_interface(type(m)) for m in module.modules() if m is not module
+    )
+
+
+def _outside_message(name: str, model: nn.Module, path: str, module: nn.Module) -> str:
+    return (f"attn_implementation={name!r}: {type(model).__name__}.{path} ({type(module).__name__}) computes attention "
+            f"without transformers' attention interface (custom or remote code?), so attention method {name!r} "
+            "cannot reach it")
+
+
+def _takes_kwargs(cls: type) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
+
+
+def _no_kwargs_message(name: str, model: nn.Module) -> str:
+    return (f"attn_implementation={name!r}: {type(model).__name__}.forward takes no **kwargs, so the "
+            "per-forward state of the attention method cannot reach its attention layers")
+
+
+def check_model(model: PreTrainedModel, name: str) -> None:
+    """Refuse, changing nothing, a model whose attention method ``name`` could not reach its attention: a family that
+    picks its attention classes from its own table, an attention module outside the attention interface, a model
+    owning attention layers whose forward takes no ``**kwargs`` (what discovery refuses)."""
+    for owner in model.modules():
+        if not isinstance(owner, PreTrainedModel):
+            continue
+        check_family(type(owner), owner.config, name)
+        owns = False
+        for path, sub in walk(owner):
+            if isinstance(sub, PreTrainedModel):
+                continue
+            if calls_interface(type(sub)):
+                owns = True
+            elif _outside_interface(sub):
+                raise ValueError(_outside_message(name, owner, path, sub))
+        if owns and not _takes_kwargs(type(owner)):
+            raise ValueError(_no_kwargs_message(name, owner))
+
+
+def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
+    """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface.
+    With learnable gains, give every self-attention module its gains if it has none (and cross-attention none)."""
+    gains_source = model.__dict__.get(GAINS_SOURCE, model.config)
+    warmup = counter_of(model)
+    base = base_attention(gains_source)
+    method = method_of(gains_source) or method_of(model.config)
+    learnable: Any = model_method_config(gains_source, method)
+    learnable = learnable if getattr(learnable, "learnable", False) else None
+    added = []
+    order = 0
+    causal = False
+    layer_count = 0
+    stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
+    for path, sub in walk(model):
+        if isinstance(sub, PreTrainedModel):
+            sub.__dict__[GAINS_SOURCE] = gains_source
+            if warmup is not None:
+                sub.__dict__[WARMUP_SOURCE] = warmup
+            else:
+                sub.__dict__.pop(WARMUP_SOURCE, None)
+            if getattr(sub, "config", None) is not None:
+                setattr(sub.config, BASE_ATTR, base)
+            continue
+        cls = type(sub)
+        if calls_interface(cls):
+            parts = path.split(".")
+            cross = is_cross(parts, sub)
+            setattr(sub, ROLE, -1 if cross else order)
+            if cross:
+                learned_gains.detach(sub)
+            elif learnable is not None and learned_gains.attach(sub, learnable, method):
+                added.append(path)
+            if not cross:  # an encoder and a decoder under one owner are separate PID groups
+                causal = causal or bool(getattr(sub, "is_causal", False))
+                if isinstance(getattr(sub, "layer_idx", None), int):
+                    layer_count = max(layer_count, sub.layer_idx + 1)
+                stack = next((p for p in parts if "encoder" in p.lower() or "decoder" in p.lower()), "")
+                earlier = stacks.get(stack, ())
+                setattr(sub, EARLIER, earlier)
+                stacks[stack] = (order, *earlier)
+                order += 1
+        elif _outside_interface(sub):
+            raise ValueError(_outside_message(_chosen(model), model, path, sub))
+    params = inspect.signature(type(model).forward).parameters
+    names = [n for n in params if n != "self"]
+    if order and not _takes_kwargs(type(model)):
+        raise ValueError(_no_kwargs_message(_chosen(model), model))
+    persist(model.config)
+    try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
+        model_method_config(gains_source)
+    except ValueError:
+        pass  # refused with its message at the first forward
+    if added:
+        learned_gains.ignore_missing(model)
+        if at_forward:
+            warnings.warn(
+                f"attn_implementation='pid': learnable PID gains were added to {type(model).__name__} at its first "
+                f"forward ({len(added)} layers, from config.pid): an optimizer built before now does not train "
+                "them. Call pid_plugins.hf.to_pid(model) before building the optimizer",
+                stacklevel=4,
+            )
+    plan = Plan(owns_layers=order > 0,
+                 cache_position=names.index("past_key_values") if "past_key_values" in names else None,
+                 learnable=learnable is not None, causal=causal, layer_count=layer_count,
+                 counter=model._modules.get(WARMUP_ATTR))
+    model.__dict__[PLAN] = plan
+    return plan
+
+
+def check_family(cls: type, config: object, name: str) -> None:
+    """Refuse method ``name`` for a model class whose family picks its attention from its own table."""
+    for table_name, keys in _attention_tables(cls):
+        if name not in keys:
+            raise ValueError(
+                f"attn_implementation={name!r}: {cls.__name__} ({getattr(config, 'model_type', '?')}) "
+                f"picks its attention class from its own table {table_name} ({', '.join(map(repr, keys))}) instead of "
+                f"transformers' attention interface, so attention method {name!r} cannot reach its attention. "
+                f"Use one of {list(keys)} for this family, or a family on the attention interface (Llama, Mistral, "
+                "Qwen2, GPT-NeoX, ...)"
+            )
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_tables(cls: type) -> tuple:
+    """``(name, keys)`` of the ``*_ATTENTION_CLASSES`` dicts in the module that defines ``cls``."""
+    module = sys.modules.get(cls.__module__)
+    return tuple((name, tuple(value)) for name, value in vars(module).items()
+                 if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict)) if module else ()
+
+
+# ------------------------------------------------------------------------------------------ per-forward checks
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` has gradient checkpointing on."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def _check_checkpointing(model: nn.Module, name: str = "pid") -> None:
+    """Refuse reentrant checkpointing (it cuts the method state's graph between layers) before any gradient."""
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
+            func = m._gradient_checkpointing_func
+            keywords = getattr(func, "keywords", None)
+            # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
+            if keywords is None or keywords.get("use_reentrant", True) is not False:
+                raise ValueError(
+                    f"attention method {name!r} needs non-reentrant gradient checkpointing (reentrant checkpointing "
+                    "cuts the method state's gradient between layers): use model.gradient_checkpointing_enable("
+                    "gradient_checkpointing_kwargs={'use_reentrant': False})"
+                )
+            return
+
+
+# ---------------------------------------------------------------------------------------------- the hooks
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    config = module.config
+    method = method_of(config)
+    if method is None:
+        return None
+    plan = module.__dict__.get(PLAN)
+    if plan is None:
+        if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
+            raise RuntimeError(
+                f"attn_implementation={method.name!r}: {type(module).__name__} was switched to it after it was built, and "
+                "torch.compile reached its first forward: call pid_plugins.hf.to_pid(model) (or run one eager "
+                "forward) before compiling"
+            )
+        with _LOCK:
+            plan = discover(module, at_forward=True)
+    if plan.counter is not module._modules.get(WARMUP_ATTR):
+        # the counter module was replaced after discovery (peft's modules_to_save=["pid_warmup"] wraps it, its
+        # merge_and_unload unwraps it): the nested models' layers must read the counter this forward advances
+        with _LOCK:
+            plan = discover(module)
+    if not plan.owns_layers:
+        return None
+    gains_config = module.__dict__.get(GAINS_SOURCE, config)
+    gains = model_method_config(gains_config, method)
+    if getattr(gains, "learnable", False) and not plan.learnable:  # config.pid became learnable after discovery
+        with _LOCK:
+            plan = discover(module, at_forward=True)
+    scale = warmup_scale(module, gains)
+    base = base_attention(config)
+    if module.training and torch.is_grad_enabled():
+        _check_checkpointing(module, method.name)
+    if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
+        raise ValueError(
+            f"output_attentions needs the eager base attention under attention method {method.name!r}: "
+            f"pid_plugins.hf.to_pid(model, base='eager', method={method.name!r})"
+        )
+    cache = kwargs.get("past_key_values")
+    if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
+        cache = args[plan.cache_position]
+    active = not method.is_identity(gains)
+    # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
+    layers_cache = not (method.cache_slot and module.training and _checkpointing(module))
+    if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
+            plan.cache_position is not None and len(args) <= plan.cache_position and \
+            kwargs.get("use_cache", getattr(config, "use_cache", False)):
+        # the model would make its cache inside the forward, where the method cannot reach it to keep its
+        # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
+        cache = new_cache(config)
+        kwargs["past_key_values"] = cache
+    own = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
+    if method.keys_state and own is not None and active:
+        sliding = getattr(own, "is_sliding", None)
+        if sliding and any(sliding) and not all(sliding):
+            raise ValueError(
+                f"attention method {method.name!r} reads earlier layers' values at every key position, but this "
+                f"{type(module).__name__}'s cache mixes sliding-window and full-attention layers, which keep different "
+                "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
+            )
+    slot_cache = own if method.cache_slot and layers_cache else None
+    state = MethodForwardState(gains, base, static_past(cache, method.name), scale, method, cached=cache is not None,
+                            cache=slot_cache, layer_count=plan.layer_count)
+    kwargs["pid_state"] = state
+    return args, kwargs
+
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    run = kwargs.get("pid_state")
+    if run is not None:
+        run.finished = True
+    # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
+    # after the forward: checkpointed layers recompute with the scale their MethodForwardState holds
+    counter = module._modules.get(WARMUP_ATTR)
+    if counter is not None and module.training and method_of(module.config) is not None:
+        counter.advance()
+
+
+def hook(model: PreTrainedModel) -> None:
+    """Give ``model`` the (inert unless its config names a method) forward pre-hook and hook, once."""
+    if not model.__dict__.get(HOOKED, False):
+        model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        model.register_forward_hook(_post_hook, with_kwargs=True)
+        model.__dict__[HOOKED] = True
+
+
+def install_pid_hooks(model: PreTrainedModel) -> PreTrainedModel:
+    """Hook every PreTrainedModel in ``model`` (models built before the import) and check it now."""
+    with _LOCK:
+        for m in model.modules():
+            if isinstance(m, PreTrainedModel):
+                hook(m)
+                m.__dict__.pop(PLAN, None)
+                m.__dict__.pop(GAINS_SOURCE, None)
+                m.__dict__.pop(WARMUP_SOURCE, None)
+        for m in model.modules():  # outermost first: it hands its config (gains, base) to the nested models
+            if isinstance(m, PreTrainedModel) and PLAN not in m.__dict__:
+                discover(m)
+    persist(model.config)
+    return model

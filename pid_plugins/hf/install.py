@@ -1,0 +1,232 @@
+"""What ``import pid_plugins.hf`` changes in transformers, once, and what runs while a model is being built.
+
+All through transformers' and torch's extension points except the last:
+
+* every registered method (now and later, :func:`pid_plugins.register_method`) is registered with
+  ``AttentionInterface`` (:func:`~pid_plugins.hf.attention.method_attention_forward`) and ``AttentionMaskInterface``
+  (the base attention's mask function) under its name, and the names transformers holds are reserved
+  (:func:`~pid_plugins.core.reserve_names`: a method cannot take ``"sdpa"`` or a ``PretrainedConfig`` attribute);
+* a torch module-registration hook (:func:`_on_registration`) gives every ``PreTrainedModel`` its inert forward
+  hooks when it registers its first child (before any forward), refuses a family that picks its attention classes
+  from its own table, makes the warm-up counter and learnable parameters while the model is built (so
+  ``from_pretrained`` loads them), and wraps the model's ``post_init`` once (discovery before the first forward);
+* ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (behind every ``from_config``) are wrapped
+  once, so that a method's parameters are a keyword of both (``attn_implementation="pid", pid={...}``): transformers
+  hands a keyword that names no attribute of the config to the model's ``__init__``, which takes none, and
+  ``from_config`` hands every keyword there, so no config-side extension point reaches them;
+* :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`);
+* ``PreTrainedModel._initialize_weights`` is wrapped once, so that transformers' initialisation of missing weights
+  gives learnable gains their initial values and the warm-up counter ``t = 0`` (transformers has no hook for
+  modules it does not know).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, PretrainedConfig
+
+from ..core import AttentionMethod, GainWarmup, on_register, register_warmup_finisher, reserve_names
+from . import conversion, discovery
+from . import gains as learned_gains
+from .attention import method_attention_forward, method_mask
+from .config import _METHODS, BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
+from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
+
+__all__ = ["install"]
+
+
+# ------------------------------------------------------------------------------------- while a model is built
+def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
+    # PreTrainedModel.__init__ runs nn.Module.__init__ first, so the model's own first child registration
+    # reaches here before any forward: every model built after the import carries the (inert) hook
+    if not isinstance(module, PreTrainedModel):
+        return
+    if not module.__dict__.get(discovery.HOOKED, False):
+        request = _REQUEST.get()
+        if request is not None:  # from_pretrained(..., pid={...}): the config is final now, the layers not built yet
+            apply_method_kwargs(module.config, *request)
+        _check_family(module)
+        discovery.hook(module)
+        persist(module.config)  # saved as the method's name whenever the model runs one at save time, else null
+        # the counter exists from construction on, so from_pretrained loads t (config.pid has warmup_steps > 0)
+        attach_warmup(module)
+        module.__dict__["post_init"] = functools.partial(_post_init, module)
+    if ANY_COUNTER[0] and submodule is not None and not isinstance(submodule, GainWarmup):
+        _adopt_counters(module, submodule)
+    if submodule is not None and not isinstance(submodule, PreTrainedModel):
+        _attach_gains_at_construction(module, name, submodule)
+
+
+def _check_family(model: PreTrainedModel) -> None:
+    """Refuse, while the model is being built (before its layers exist), a family that picks its attention classes
+    from its own table by ``config._attn_implementation`` (GPT-J's ``GPTJ_ATTENTION_CLASSES``, Falcon's, ...) instead
+    of calling transformers' attention interface: a method's name is not in that table (transformers itself would
+    fail with a bare ``KeyError``), and the family's attention code never calls the method."""
+    config = getattr(model, "config", None)
+    method = method_of(config)
+    if method is not None:
+        discovery.check_family(type(model), config, method.name)
+
+
+def _adopt_counters(model: PreTrainedModel, submodule: nn.Module) -> None:
+    """Move the warm-up counters of models nested in ``submodule`` to ``model``: one counter, on the outermost
+    model, advanced once per forward of the whole model."""
+    for m in submodule.modules():
+        if isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
+            counter = m._modules.pop(WARMUP_ATTR)
+            plan = m.__dict__.get(discovery.PLAN)
+            if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
+                plan.counter = None
+            if model._modules.get(WARMUP_ATTR) is None:
+                give_counter(model, counter)
+
+
+def _attach_gains_at_construction(model: PreTrainedModel, name: str, child: nn.Module) -> None:
+    """A model with learnable parameters registers ``child`` (its layers are built by then): give each self-attention
+    module below it its parameters now, so that ``from_pretrained`` loads the saved values into them."""
+    cfg = discovery.learnable_config(model.__dict__.get("config"))
+    if cfg is None:
+        return
+    added = False
+    for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in discovery.walk(child))]:
+        if not isinstance(sub, PreTrainedModel) and discovery.calls_interface(type(sub)) and \
+                not discovery.is_cross(path.split("."), sub):
+            added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
+    if added:
+        learned_gains.ignore_missing(model)
+
+
+def _post_init(model: PreTrainedModel) -> None:
+    """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
+    built with a method is discovered now, before any forward, so that a first forward under ``torch.compile`` traces
+    no discovery. The instance attribute removes itself: later calls reach the class's ``post_init``."""
+    model.__dict__.pop("post_init", None)
+    type(model).post_init(model)
+    if method_of(model.config) is not None and discovery.PLAN not in model.__dict__:
+        with discovery._LOCK:
+            discovery.discover(model)
+
+
+# --------------------------------------------------------------- a method's parameters as a loader keyword
+#: during ``from_pretrained(..., <method>=...)``: (the parameters by method name, the call for messages)
+_REQUEST: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("pid_plugins_hf_request", default=None)
+
+
+def _from_pretrained_with_method_kwargs(original: Any) -> Any:
+    """``original`` (a ``from_pretrained`` function) taking a method's parameters as a keyword."""
+    @functools.wraps(original)
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        if _REQUEST.get() is not None:  # an outer loader took them (the auto class, then the model class)
+            return original(cls, *args, **kwargs)
+        where = f"{cls.__name__}.from_pretrained"
+        given = take_method_kwargs(kwargs, where)
+        if not given:
+            return original(cls, *args, **kwargs)
+        token = _REQUEST.set((given, where))
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            _REQUEST.reset(token)
+
+    return from_pretrained
+
+
+def _wrap_loaders() -> None:
+    """``from_pretrained(..., <method>=params)`` (of the model classes and of the auto classes, which would otherwise
+    let ``AutoConfig`` replace a saved ``config.<method>`` with them unchecked): the parameters are checked before
+    anything is loaded and set on the config when the model is built from it (the first registration of a child,
+    before any layer exists, so learnable parameters and the warm-up counter are made and loaded from the
+    checkpoint). ``_from_config(config, ..., <method>=params)``: set on ``config`` before the model is built (as
+    transformers sets ``attn_implementation``)."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    original_from_config = PreTrainedModel.__dict__["_from_config"].__func__
+
+    @functools.wraps(original_from_config)
+    def _from_config(cls, config, **kwargs: Any):
+        where = f"{cls.__name__}.from_config"
+        given = take_method_kwargs(kwargs, where)
+        if given:  # checked against the implementation the model will run
+            chosen = kwargs.get("attn_implementation", getattr(config, "_attn_implementation", None))
+            apply_method_kwargs(config, given, where, chosen=chosen)
+        return original_from_config(cls, config, **kwargs)
+
+    for owner in (PreTrainedModel, _BaseAutoModelClass):
+        original = owner.__dict__["from_pretrained"].__func__
+        owner.from_pretrained = classmethod(_from_pretrained_with_method_kwargs(original))
+    PreTrainedModel._from_config = classmethod(_from_config)
+
+
+# ------------------------------------------------------------------------ transformers' weight initialisation
+_ORIGINAL_INIT = None
+
+
+def _initialize_weights(self, module: nn.Module, *args, **kwargs):
+    if learned_gains.reset(module):  # learnable parameters: those transformers loaded are flagged and left alone
+        module._is_hf_initialized = True
+        return None
+    if isinstance(module, GainWarmup):  # the warm-up counter: t = 0 unless transformers loaded it (flagged)
+        from transformers import initialization as init
+
+        init.zeros_(module.step)
+        module._is_hf_initialized = True
+        return None
+    return _ORIGINAL_INIT(self, module, *args, **kwargs)
+
+
+def _wrap_initialize_weights() -> None:
+    """Make ``PreTrainedModel._initialize_weights`` (the one place transformers 5 initialises every module of a
+    model: at construction and for the missing keys of ``from_pretrained``) initialise learnable gains
+    (:class:`~pid_plugins.hf.gains.LayerGains`) from their config, and the gain warm-up counter
+    (:class:`~pid_plugins.core.warmup.GainWarmup`) at 0. The model's own ``_init_weights`` does not know them and
+    would leave ``torch.empty`` values."""
+    global _ORIGINAL_INIT
+    if _ORIGINAL_INIT is None:
+        _ORIGINAL_INIT = PreTrainedModel._initialize_weights
+        PreTrainedModel._initialize_weights = _initialize_weights
+
+
+# --------------------------------------------------------------------------------------- the registrations
+def _register(method: AttentionMethod) -> None:
+    """Every registered attention method is an ``attn_implementation`` of transformers, under its name: the same
+    attention function (it reads the method from the forward's state) and the base attention's mask function."""
+    AttentionInterface.register(method.name, method_attention_forward)
+    AttentionMaskInterface.register(method.name, method_mask)
+    _METHODS[method.name] = method
+
+
+def _transformers_names() -> Dict[str, str]:
+    """The names transformers holds, for :func:`~pid_plugins.core.reserve_names`: its attention and mask
+    implementations (read live: kernels registered later count), ``"eager"`` (built in), and the attributes of
+    ``PretrainedConfig`` and ours (a method's parameters are saved as ``config.<name>``)."""
+    names = {name: f"PretrainedConfig.{name}, which a method's parameters (saved as config.<method name>) would overwrite"
+             for name in {*dir(PretrainedConfig), *vars(PretrainedConfig())} if not name.startswith("_")}
+    names.update({name: f"pid_plugins' configuration attribute config.{name}"
+                  for name in (BASE_ATTR, STOCK_ATTR, WARMUP_ATTR)})
+    replaced = "which a method of that name would replace for every model that uses it, also models without a method"
+    names["eager"] = f'its built-in attn_implementation="eager", {replaced}'
+    for interface, ours in ((AttentionMaskInterface, method_mask), (AttentionInterface, method_attention_forward)):
+        for name, function in interface._global_mapping.items():
+            if function is not ours:
+                names[name] = f'its attn_implementation="{name}" ({interface.__name__}), {replaced}'
+    return names
+
+
+_INSTALLED = [False]
+
+
+def install() -> None:
+    """Make the changes above, once (``import pid_plugins.hf`` calls it)."""
+    if _INSTALLED[0]:
+        return
+    _INSTALLED[0] = True
+    torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+    _wrap_initialize_weights()
+    _wrap_loaders()
+    reserve_names("transformers", _transformers_names)
+    on_register(_register)
+    register_warmup_finisher(conversion.finish)

@@ -1,0 +1,136 @@
+"""``pid_plugins.finish_warmup(model)`` on transformers models (issue 34, part 4): a tiny GQA Llama with PID, learnable
+PID and NeuTRENO, ``warmup_steps=N``, trained past N steps; after ``finish_warmup`` it computes exactly (torch.equal)
+what the warmed-up model computed, has no ``pid_warmup.step``, has ``warmup_steps=0`` in ``config.<method>`` (also after
+save_pretrained + from_pretrained), is the model built without warm-up with the same weights; also under peft."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import transformers as T  # noqa: E402
+
+import pid_plugins  # noqa: E402
+import pid_plugins.hf  # noqa: E402,F401
+from zoo_cases import bert_config, hf_ids, llama_config  # noqa: E402
+
+N = 3
+METHODS = {"pid": ("pid", {}), "learnable_pid": ("pid", {"learnable": True}), "neutreno": ("neutreno", {})}
+
+
+def build(case, warmup_steps=N, seed=0):
+    method, cfg = METHODS[case]
+    cfg = {**cfg, "warmup_steps": warmup_steps} if warmup_steps else cfg
+    torch.manual_seed(seed)
+    return T.LlamaForCausalLM(llama_config(method, cfg)).eval()
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def warmed_up(model, steps=N + 1):
+    """``steps`` SGD steps in training mode (t = steps), then eval mode."""
+    x = hf_ids(2, 8, seed=2)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", METHODS)
+def test_finished_model_is_the_warmed_up_function_without_the_counter(case, tmp_path):
+    method = METHODS[case][0]
+    model = warmed_up(build(case))
+    assert int(model.pid_warmup.step) == N + 1
+    x = hf_ids()
+    want = logits(model, x)
+    if case == "learnable_pid":  # the gains moved during warm-up and are kept as trained
+        gains = {n: p.clone() for n, p in model.named_parameters() if ".pid_gains." in n}
+        initial = dict(build(case).named_parameters())
+        assert gains and any(not torch.equal(p, initial[n]) for n, p in gains.items())
+    assert pid_plugins.finish_warmup(model) is model
+    assert "pid_warmup" not in model._modules and "pid_warmup.step" not in model.state_dict()
+    assert getattr(model.config, method)["warmup_steps"] == 0
+    assert torch.equal(logits(model, x), want)
+    if case == "learnable_pid":
+        assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".pid_gains." in n)
+    plain = build(case, warmup_steps=0, seed=1)  # the model built without warm-up, with these weights
+    plain.load_state_dict(model.state_dict(), strict=True)
+    assert torch.equal(logits(plain, x), want)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())[method]["warmup_steps"] == 0
+    reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert getattr(reloaded.config, method)["warmup_steps"] == 0 and "pid_warmup" not in reloaded._modules
+    assert torch.equal(logits(reloaded, x), want)
+    model.train()
+    model(input_ids=x)  # a training forward counts nothing any more
+    assert "pid_warmup.step" not in model.state_dict()
+
+
+def test_a_model_stopped_early_jumps_to_its_final_parameters_with_one_warning(caplog):
+    model = warmed_up(build("pid"), steps=1)
+    x = hf_ids()
+    before = logits(model, x)
+    with caplog.at_level("WARNING"):
+        pid_plugins.finish_warmup(model)
+    assert any("had warmed up 1 of 3 steps" in r.getMessage() for r in caplog.records)
+    assert not torch.allclose(logits(model, x), before)
+    plain = build("pid", warmup_steps=0, seed=1)
+    plain.load_state_dict(model.state_dict())
+    assert torch.equal(logits(model, x), logits(plain, x))
+
+
+def test_nested_models_read_no_counter_after_finishing():
+    """T5's stacks keep deep copies of the config and read the outer model's counter: after finish_warmup every
+    config says warmup_steps=0 and the model is the one built without warm-up."""
+    config = T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                        decoder_start_token_id=0, pad_token_id=0)
+    config._attn_implementation, config.pid = "pid", {"warmup_steps": N}
+    torch.manual_seed(0)
+    model = T.T5ForConditionalGeneration(config).eval()
+    x = hf_ids()
+    model.train()
+    for _ in range(N + 1):
+        model(input_ids=x, labels=x)
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=x, labels=x).logits
+    pid_plugins.finish_warmup(model)
+    assert not any("pid_warmup" in k for k in model.state_dict())
+    assert all(m.config.pid["warmup_steps"] == 0 for m in model.modules() if isinstance(m, T.PreTrainedModel))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x, labels=x).logits, want)
+
+
+def test_a_stock_model_is_refused_and_a_model_without_warm_up_is_unchanged():
+    stock = T.BertModel(bert_config()).eval()
+    with pytest.raises(TypeError, match="no attention method of pid-plugins"):
+        pid_plugins.finish_warmup(stock)
+    model = build("pid", warmup_steps=0)
+    x = hf_ids()
+    want = logits(model, x)
+    keys = list(model.state_dict())
+    assert pid_plugins.finish_warmup(model) is model
+    assert list(model.state_dict()) == keys and torch.equal(logits(model, x), want)
+
+
+def test_under_peft_with_the_counter_in_the_adapter():
+    peft = pytest.importorskip("peft")
+    model = build("learnable_pid")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         modules_to_save=["pid_gains", "pid_warmup"]))
+    warmed_up(wrapped)
+    assert int(wrapped.pid_warmup.step) == N + 1
+    x = hf_ids()
+    want = logits(wrapped, x)
+    assert pid_plugins.finish_warmup(wrapped) is wrapped
+    assert not any("pid_warmup" in k for k in wrapped.state_dict())
+    assert wrapped.base_model.model.config.pid["warmup_steps"] == 0
+    assert torch.equal(logits(wrapped, x), want)
+    merged = wrapped.merge_and_unload()
+    torch.testing.assert_close(logits(merged, x), want, rtol=1e-5, atol=1e-5)  # merging LoRA rounds differently
