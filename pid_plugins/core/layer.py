@@ -12,7 +12,10 @@ from torch import Tensor, nn
 from .methods import AttentionMethod, LayerCall, MethodChoice, method_warmup
 from .warmup import GainWarmup
 
-__all__ = ["MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config"]
+__all__ = [
+    "MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config", "LAYER_ATTRIBUTES",
+    "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,37 @@ class MethodModel:
         """Whether the model runs its method (False: softmax, or a config that computes the stock attention)."""
         method = self.attention_method
         return method is not None and not method.is_identity(self.pid)
+
+
+# ------------------------------------------------------------------------------------ convert
+#: what :class:`MethodLayer` adds to its zoo's attention module: every adapter's ``convert(model, "softmax")``
+#: removes exactly these
+LAYER_ATTRIBUTES = ("attention_method", "pid", "pid_gains")
+#: what :class:`MethodModel` adds to its zoo's model (or the module that owns a group of method layers)
+MODEL_ATTRIBUTES = ("attention_method", "pid", "pid_warmup", "_stock_plus_term", "_warmup_finished")
+
+
+def strip_attributes(module: nn.Module, names: Tuple[str, ...]) -> None:
+    """Remove ``names`` from ``module`` wherever ``nn.Module`` keeps them (plain attribute, submodule, parameter,
+    buffer, non-persistent buffer name): a module going back to its zoo's stock class keeps nothing of ours."""
+    for name in names:
+        for store in (module._modules, module._parameters, module._buffers):
+            store.pop(name, None)
+        module._non_persistent_buffers_set.discard(name)
+        module.__dict__.pop(name, None)
+
+
+def settle_submodule(owner: nn.Module, name: str) -> None:
+    """After a method switch in place: a submodule the method just made (learnable parameters, the warm-up counter)
+    takes its owner's train/eval mode (a counter made in training mode would advance on every forward of a model in
+    eval mode); none: the plain ``name = None`` attribute of a module built without it, not a ``None`` submodule
+    entry left by the previous method."""
+    if name in owner._modules and owner._modules[name] is None:
+        del owner._modules[name]
+        owner.__dict__[name] = None
+    child = owner._modules.get(name)
+    if child is not None:
+        child.train(owner.training)
 
 
 # ------------------------------------------------------------------------------------ finish_warmup

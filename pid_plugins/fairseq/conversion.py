@@ -31,6 +31,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import nn
 
 from ..core import MethodChoice, method_warmup, resolve_attention
+from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, settle_submodule, strip_attributes
 from .layers import PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
 from .model import PIDTransformerLanguageModel
 
@@ -47,9 +48,6 @@ _TO_METHOD = {
 }
 _TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items()}
 
-#: what a layer / the decoder with a method holds beyond the stock module (core's MethodLayer / MethodModel)
-_LAYER_ATTRS = ("attention_method", "pid", "pid_gains")
-_DECODER_ATTRS = ("attention_method", "pid", "pid_warmup", "_stock_plus_term", "_warmup_finished")
 _WHERE = "pid_plugins.fairseq.convert"
 
 
@@ -134,39 +132,21 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
     for layer in layers:
         attn = layer.self_attn
         attn.set_attention(choice, attn.q_proj.weight)
-        _settle(attn, "pid_gains")
+        settle_submodule(attn, "pid_gains")
     decoder.set_model_method(choice, decoder.embed_tokens.weight, stock_plus_term=True, where=_WHERE)
-    _settle(decoder, "pid_warmup")
+    settle_submodule(decoder, "pid_warmup")
 
 
 def _to_stock(model: nn.Module) -> None:
     """(Method) transformer_lm -> fairseq's own classes, with everything pid-plugins added removed."""
     decoder = model.decoder
     for layer in decoder.layers:
-        _strip(layer.self_attn, _LAYER_ATTRS)
+        strip_attributes(layer.self_attn, LAYER_ATTRIBUTES)
         layer.self_attn.__class__ = _TO_STOCK.get(type(layer.self_attn), type(layer.self_attn))
         layer.__class__ = _TO_STOCK.get(type(layer), type(layer))
     if isinstance(decoder, PIDTransformerDecoder):
-        _strip(decoder, _DECODER_ATTRS)
+        strip_attributes(decoder, MODEL_ATTRIBUTES)
     decoder.__class__ = _TO_STOCK.get(type(decoder), type(decoder))
     model.__class__ = _TO_STOCK.get(type(model), type(model))
 
 
-def _strip(module: nn.Module, names: tuple) -> None:
-    """Remove ``names`` from ``module`` wherever nn.Module keeps them (attribute, submodule, parameter, buffer)."""
-    for name in names:
-        for store in (module._modules, module._parameters, module._buffers):
-            store.pop(name, None)
-        module._non_persistent_buffers_set.discard(name)
-        module.__dict__.pop(name, None)
-
-
-def _settle(owner: nn.Module, name: str) -> None:
-    """A submodule the method just made (learnable parameters, the warm-up counter) takes its owner's train/eval
-    mode; none: the plain ``name = None`` attribute of a module built without it, not a ``None`` submodule entry."""
-    if name in owner._modules and owner._modules[name] is None:
-        del owner._modules[name]
-        owner.__dict__[name] = None
-    child = owner._modules.get(name)
-    if child is not None:
-        child.train(owner.training)

@@ -97,7 +97,6 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         projection's weight: a zero scale is the stock layer exactly."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
-        method = self.attention_method
         context = AttentionContext(causal=True, cached=incremental_state is not None,
                                    dropout=self.training and self.dropout_module.p > 0)
 

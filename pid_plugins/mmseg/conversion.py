@@ -31,10 +31,9 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.models.segmentors import BaseSegmentor
 
 from ..core import MethodChoice, method_warmup
+from ..core.layer import MODEL_ATTRIBUTES, settle_submodule, strip_attributes
 from .head import PIDSegmenterMaskTransformerHead
-from .vit import (
-    PIDTransformerEncoderLayer, PIDVisionTransformer, choose_attention, method_layers, settle, strip,
-)
+from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, choose_attention, method_layers
 
 __all__ = ["convert"]
 
@@ -47,8 +46,6 @@ _BACKBONES = (VisionTransformer, PIDVisionTransformer)
 _HEADS = (SegmenterMaskTransformerHead, PIDSegmenterMaskTransformerHead)
 _LAYERS = (TransformerEncoderLayer, PIDTransformerEncoderLayer)
 
-#: what a backbone / head with a method holds beyond the stock module (core's MethodModel)
-MODEL_ATTRS = ("attention_method", "pid", "pid_warmup", "_stock_plus_term", "_warmup_finished")
 
 
 def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *, pid: Any = None) -> ModelT:
@@ -134,7 +131,7 @@ def _to_method(part: nn.Module, choice: MethodChoice, where: str) -> None:
     part.__class__ = _TO_METHOD.get(type(part), type(part))
     like = part.pos_embed if isinstance(part, VisionTransformer) else part.cls_emb
     part.set_model_method(choice, like, stock_plus_term=True, where=where)
-    settle(part, "pid_warmup")
+    settle_submodule(part, "pid_warmup")
     method_layers(part.layers, choice)
 
 
@@ -142,6 +139,6 @@ def _to_stock(part: nn.Module) -> None:
     """(Method) backbone/head -> mmseg's own classes, with everything pid-plugins added removed."""
     method_layers(part.layers, None)
     if type(part) in _TO_STOCK:
-        strip(part, MODEL_ATTRS)
+        strip_attributes(part, MODEL_ATTRIBUTES)
         part.__class__ = _TO_STOCK[type(part)]
 

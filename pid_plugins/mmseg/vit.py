@@ -26,7 +26,7 @@ from ..core import (
     SOFTMAX, AttentionContext, AttentionMethod, LayerCall, MethodChoice, PIDConfig, StockPath, check_keys,
     resolve_attention, unwrap_state_dict,
 )
-from ..core.layer import MethodLayer, MethodModel
+from ..core.layer import LAYER_ATTRIBUTES, MethodLayer, MethodModel, settle_submodule, strip_attributes
 from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
@@ -54,39 +54,19 @@ def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
             to_method_layer(layer, choice)
 
 
-#: what :class:`PIDTransformerEncoderLayer` holds beyond mmseg's layer (core's MethodLayer)
-LAYER_ATTRS = ("attention_method", "pid", "pid_gains")
-
-
-def strip(module: nn.Module, names: Tuple[str, ...]) -> None:
-    """Remove ``names`` from ``module`` wherever nn.Module keeps them (attribute, submodule, parameter, buffer)."""
-    for name in names:
-        for store in (module._modules, module._parameters, module._buffers):
-            store.pop(name, None)
-        module.__dict__.pop(name, None)
-
-
-def settle(owner: nn.Module, name: str) -> None:
-    """After a method switch: a submodule set to None (``pid_gains``, ``pid_warmup`` of the previous method) becomes
-    the plain ``name = None`` attribute a module built without it has, not a ``None`` submodule entry."""
-    if name in owner._modules and owner._modules[name] is None:
-        del owner._modules[name]
-        owner.__dict__[name] = None
-
-
 def to_method_layer(layer: TransformerEncoderLayer, choice: MethodChoice) -> None:
     """One of mmseg's layers (or a method layer) -> :class:`PIDTransformerEncoderLayer` with ``choice``, in place."""
     if type(layer) is TransformerEncoderLayer:
         layer.__class__ = PIDTransformerEncoderLayer
     layer.set_attention(choice, layer.attn.attn.in_proj_weight)
-    settle(layer, "pid_gains")
+    settle_submodule(layer, "pid_gains")
 
 
 def to_stock_layer(layer: TransformerEncoderLayer) -> None:
     """A :class:`PIDTransformerEncoderLayer` -> mmseg's ``TransformerEncoderLayer``, in place, with everything
     pid-plugins added removed (mmseg's own layers are left as they are)."""
     if type(layer) is PIDTransformerEncoderLayer:
-        strip(layer, LAYER_ATTRS)
+        strip_attributes(layer, LAYER_ATTRIBUTES)
         layer.__class__ = TransformerEncoderLayer
 
 

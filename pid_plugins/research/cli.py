@@ -205,7 +205,7 @@ def _out_folder(text: str) -> Path:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from ..catalogue import ZOOS, get_model_entry, list_models
+    from ..catalogue import get_model_entry, list_models
 
     names = list_models(args.pattern, zoo=args.zoo)
     if not names:

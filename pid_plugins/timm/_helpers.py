@@ -16,7 +16,7 @@ from timm.models._manipulate import checkpoint
 
 from ..catalogue import ModelEntry, load_catalogue
 from ..core import (
-    AttentionContext, AttentionMethod, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
+    AttentionContext, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
 )
 from ..core.layer import MethodLayer as CoreMethodLayer
 from ..core.methods import method_check, method_update

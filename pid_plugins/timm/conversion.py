@@ -28,6 +28,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from ..core import MethodChoice
+from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, settle_submodule, strip_attributes
 from ._helpers import resolve_timm_attention
 from .fan import FAN
 from .vision_transformer import (
@@ -48,9 +49,6 @@ _TO_METHOD = {
 _TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items()}
 _VIT_CLASSES = (VisionTransformer, VisionTransformerDistilled, PIDVisionTransformer, PIDVisionTransformerDistilled)
 
-#: what a layer / a model with a method holds beyond the stock module (core's MethodLayer / MethodModel)
-_LAYER_ATTRS = ("attention_method", "pid", "pid_gains")
-_MODEL_ATTRS = ("attention_method", "pid", "pid_warmup", "_stock_plus_term", "_warmup_finished")
 
 
 def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *, pid: Any = None) -> ModelT:
@@ -121,28 +119,20 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
         module.__class__ = _TO_METHOD.get(type(module), type(module))
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.qkv.weight)
-        _settle(blk.attn, "pid_gains")
+        settle_submodule(blk.attn, "pid_gains")
     model._set_model_attention(choice)
-    _settle(model, "pid_warmup")
+    settle_submodule(model, "pid_warmup")
 
 
 def _to_stock(model: nn.Module) -> None:
     """(Method) ViT -> timm's own classes, with everything pid-plugins added removed."""
     for blk in model.blocks:
-        _strip(blk.attn, _LAYER_ATTRS)
+        strip_attributes(blk.attn, LAYER_ATTRIBUTES)
         blk.attn.__class__ = _TO_STOCK.get(type(blk.attn), type(blk.attn))
         blk.__class__ = _TO_STOCK.get(type(blk), type(blk))
     if isinstance(model, _PIDViTMixin):
-        _strip(model, _MODEL_ATTRS)
+        strip_attributes(model, MODEL_ATTRIBUTES)
     model.__class__ = _TO_STOCK.get(type(model), type(model))
-
-
-def _strip(module: nn.Module, names: tuple) -> None:
-    """Remove ``names`` from ``module`` wherever nn.Module keeps them (attribute, submodule, parameter, buffer)."""
-    for name in names:
-        for store in (module._modules, module._parameters, module._buffers):
-            store.pop(name, None)
-        module.__dict__.pop(name, None)
 
 
 # ------------------------------------------------------------------------------------------------------- FAN
@@ -150,18 +140,7 @@ def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     """FAN keeps its class: every FAN block's token mixing and the model switch to ``choice`` (None: softmax)."""
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.q.weight)
-        _settle(blk.attn, "pid_gains")
+        settle_submodule(blk.attn, "pid_gains")
     model.set_model_method(choice, next(model.parameters()), where=type(model).__name__)
-    _settle(model, "pid_warmup")
+    settle_submodule(model, "pid_warmup")
 
-
-def _settle(owner: nn.Module, name: str) -> None:
-    """A submodule the method just made (learnable parameters, the warm-up counter) takes its owner's train/eval
-    mode (a counter made in training mode would advance on every forward of a model in eval mode); none: the plain
-    ``name = None`` attribute of a module built without it, not a ``None`` submodule entry left by the old one."""
-    if name in owner._modules and owner._modules[name] is None:
-        del owner._modules[name]
-        owner.__dict__[name] = None
-    child = owner._modules.get(name)
-    if child is not None:
-        child.train(owner.training)
