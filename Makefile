@@ -17,7 +17,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test conformance timm-tests demo bench clean-venv
+.PHONY: install data test test-fast conformance timm-tests demo bench clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,8 +61,17 @@ data:
 timm-tests: $(STAMP)
 	$(PY) tests/timm_suite.py fetch
 
+# pytest-xdist: WORKERS processes (2: this project's CI machine has 2 cores; tests/conftest.py gives each worker
+# cores/WORKERS torch threads); --dist loadgroup keeps each xdist_group (torchrun's 2-rank jobs) on one worker
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
+
 test: $(STAMP) data timm-tests
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+# the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo)
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow"
 
 # timm's own model tests over every pid_* and fan_* name (every test but TorchScript; long: large models)
 conformance: $(STAMP) timm-tests
