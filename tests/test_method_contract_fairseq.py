@@ -109,6 +109,7 @@ def test_incremental_decoding_equals_recomputation_and_is_causal(data_dir):
         assert not torch.allclose(other[:, j:], full[:, j:])
 
 
+@pytest.mark.slow
 def test_decoder_forward_compiles_fullgraph(data_dir):
     model, _, _ = build(data_dir, extra=toy(0.4))
     decoder = model.decoder
@@ -118,6 +119,7 @@ def test_decoder_forward_compiles_fullgraph(data_dir):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_save_and_reload_through_fairseq_checkpoint_utils(data_dir, tmp_path):
     model, task, args = build(data_dir, extra=toy(0.4))
     path = str(tmp_path / "checkpoint_toy.pt")
@@ -174,6 +176,7 @@ def test_learnable_pid_gains_are_per_layer_parameters(data_dir):
                for n, p in model.named_parameters() if "pid_gains" in n)
 
 
+@pytest.mark.slow
 def test_fairseq_train_cli_with_a_method_from_the_users_user_dir(tmp_path, tiny_fairseq_data_bin):
     """fairseq-train --arch transformer_lm_pid --attention-method scaled_reference, the toy registered by the user's
     own --user-dir (which imports pid_plugins.fairseq); the checkpoint reloads with the method and its parameters."""

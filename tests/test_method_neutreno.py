@@ -155,6 +155,7 @@ def test_timm_alpha_zero_is_the_stock_model_bit_for_bit(kind):
             assert torch.equal(model(x), stock(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_checkpointing_compile_and_save_reload(kind, tmp_path):
     timm = import_timm()
@@ -234,6 +235,7 @@ def test_hf_llama_matches_a_float64_reference():
     assert (got - stock(x).logits).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_hf_llama_alpha_zero_checkpointing_and_compile():
     zero, stock = llama_twins(alpha=0.0)
     x = token_ids()

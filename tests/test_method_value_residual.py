@@ -151,6 +151,7 @@ def test_timm_gradient_checkpointing_equals_no_checkpointing(kind, learnable, re
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_timm_deit_compile_fullgraph_equals_eager():
     model, _ = timm_pair("deit", MIXED)
     x = timm_images("deit")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

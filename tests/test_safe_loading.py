@@ -76,6 +76,7 @@ PROBES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_extra", ENV_SETTINGS)
 def test_python_load_paths_refuse_pickled_code(tmp_path, env_extra):
     marker = tmp_path / "pwned"
@@ -116,6 +117,7 @@ def data_bin(tiny_fairseq_data_bin):
     return tiny_fairseq_data_bin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_extra", ENV_SETTINGS)
 def test_fairseq_train_refuses_a_pickled_checkpoint(tmp_path, env_extra, data_bin):
     """fairseq-train --finetune-from-model through --user-dir (fairseq's own CLI and checkpoint_utils)."""

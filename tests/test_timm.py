@@ -285,6 +285,7 @@ def test_dynamic_img_size():
                 2, 48, size // 8, size // 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
 def test_torch_compile_fullgraph(name):
     model, stock = pair(name)
@@ -297,6 +298,7 @@ def test_torch_compile_fullgraph(name):
         torch.testing.assert_close(compiled(x), model(x))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_training_with_checkpointing():
     model, _ = pair(pid=dict(learnable=True))
     model.train().set_grad_checkpointing(True)
@@ -312,6 +314,7 @@ def test_torch_compile_fullgraph_training_with_checkpointing():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_torch_compile_inductor_matches_eager():
     model, _ = pair()
     x = images()
@@ -321,6 +324,7 @@ def test_torch_compile_inductor_matches_eager():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_torch_export_replaces_torchscript():
     """torch.jit.script is deprecated in torch 2.x and cannot type the variadic PID state: export works."""
     model, _ = pair()
@@ -495,6 +499,7 @@ def test_to_pid_refuses_what_it_cannot_convert():
 
 
 # --------------------------------------------------------------------------- fine-tuning on real data
+@pytest.mark.slow
 def test_fine_tune_a_softmax_checkpoint_into_pid_on_real_digits(tmp_path):
     """Pretrain a softmax DeiT briefly on real handwritten digits, load it into PID DeiT, fine-tune further."""
     from sklearn.datasets import load_digits

@@ -300,6 +300,7 @@ def test_timm_learnable_gains_are_scaled_too():
 
 
 # ------------------------------------------------------------------------------------------ compile (no recompile)
+@pytest.mark.slow
 @pytest.mark.parametrize("zoo", ["timm_vit", "hf"])
 def test_compiled_model_does_not_recompile_as_t_advances(zoo):
     import torch._dynamo
@@ -409,6 +410,7 @@ def test_hf_to_pid_adds_the_counter_and_refuses_a_model_without_one():
     assert int(model.pid_warmup.step) == 0 and model.pid_warmup.warmup_steps == N
 
 
+@pytest.mark.slow
 def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path, tiny_fairseq_data_bin):
     import pid_plugins.fairseq as pf
 

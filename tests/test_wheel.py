@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
+
 REPO = Path(__file__).resolve().parents[1]
 STACK = sysconfig.get_paths()["purelib"]  # the pinned stack (torch, timm, transformers, mmseg, fairseq, ...)
 
