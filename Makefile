@@ -30,7 +30,8 @@ $(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_comp
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	@# fairseq ships only an sdist whose setup.py compiles torch extensions whose sources it lacks whenever
 	@# torch is importable: build its wheel in an isolated environment (pinned build tools, no torch)
-	@echo ">> building fairseq's wheel (isolated build; about 2 minutes the first time)"
+	@# pip keeps the built wheel in its cache (keyed by the sdist): with a warm pip cache this step takes seconds
+	@echo ">> building fairseq's wheel (isolated build; about a minute the first time, seconds from pip's cache)"
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) wheel -q --no-deps -c constraints.txt -w $(VENV)/wheels fairseq 2>&1 | $(QUIET_PIP)
 	@echo ">> installing pid-plugins[$(EXTRAS)] (editable)"
 	$(PIP) install -q -c constraints.txt --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)

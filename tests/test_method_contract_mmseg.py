@@ -143,6 +143,7 @@ def test_with_cp_equals_no_checkpointing(part):
 
 
 # ------------------------------------------------------------------------------------------ (d) compile
+@pytest.mark.slow
 def test_backbone_compiles_fullgraph_and_equals_eager():
     model = backbone(**TOY)
     x = images()

@@ -287,6 +287,7 @@ def test_config_presets_and_off_switch():
 
 
 # ==== fairseq
+@pytest.mark.slow
 def test_fairseq_lm_rule_off_switch_incremental_decoding_and_reload(tmp_path):
     data = fs_dictionary(tmp_path)
     stock, _, _ = fs_build(data, arch="transformer_lm")

@@ -80,6 +80,7 @@ def test_head_arguments():
         build(attention="pid", pid=dict(learnable=True))
 
 
+@pytest.mark.slow
 def test_config_round_trip_and_a_training_step(tmp_path):
     """The option in a config: dumped, reloaded, built into the whole Segmenter; checkpoints stay stock-shaped."""
     from mmengine.config import Config

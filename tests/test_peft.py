@@ -105,6 +105,7 @@ def assert_method_ran(calls, name, forwards):
 
 
 # ================================================================ LoRA and IA3 on PID and every sibling method
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("name", METHODS)
 def test_adapter_wraps_trains_saves_reloads_merges_and_generates_with_the_method_on(name, adapter, calls, tmp_path):

@@ -56,6 +56,7 @@ def test_every_catalogue_name_is_registered_with_a_local_only_pretrained_cfg():
     assert timm.models.get_pretrained_cfg("pid_vit_base_patch16_224").mean == (0.5, 0.5, 0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_real_sizes_build_and_run_with_the_stock_state_dict_layout(name):
     entry = pid_plugins_entry(name)
@@ -392,6 +393,7 @@ def test_missing_weights_file_is_a_clear_error(tmp_path):
         timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
 
 
+@pytest.mark.slow
 def test_checkpoints_load_with_weights_only(stock_deit_tiny, tmp_path, monkeypatch):
     calls = []
     original = torch.load

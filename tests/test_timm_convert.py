@@ -178,6 +178,7 @@ def test_fan_round_trip_in_place():
 
 
 # ------------------------------------------------------------------------------------------------ refusals
+@pytest.mark.slow
 def test_refusals_come_before_any_change():
     from timm.models.vision_transformer import ResPostBlock
 

@@ -38,6 +38,7 @@ def test_names_come_from_the_registry():
     assert set(pid_names) | {get_model_entry(n).base for n in pid_names} <= registered
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PAPER_PARAMS_M))
 def test_real_sizes_parameter_counts_and_forward(name):
     model = timm.create_model(name).eval()
