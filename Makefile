@@ -17,7 +17,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test conformance timm-tests demo bench clean-venv
+.PHONY: install data test test-fast conformance timm-tests demo bench clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,8 @@ $(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_comp
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	@# fairseq ships only an sdist whose setup.py compiles torch extensions whose sources it lacks whenever
 	@# torch is importable: build its wheel in an isolated environment (pinned build tools, no torch)
-	@echo ">> building fairseq's wheel (isolated build; about 2 minutes the first time)"
+	@# pip keeps the built wheel in its cache (keyed by the sdist): with a warm pip cache this step takes seconds
+	@echo ">> building fairseq's wheel (isolated build; about a minute the first time, seconds from pip's cache)"
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) wheel -q --no-deps -c constraints.txt -w $(VENV)/wheels fairseq 2>&1 | $(QUIET_PIP)
 	@echo ">> installing pid-plugins[$(EXTRAS)] (editable)"
 	$(PIP) install -q -c constraints.txt --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
@@ -61,8 +62,17 @@ data:
 timm-tests: $(STAMP)
 	$(PY) tests/timm_suite.py fetch
 
+# pytest-xdist: WORKERS processes (2: this project's CI machine has 2 cores; tests/conftest.py gives each worker
+# cores/WORKERS torch threads); --dist loadgroup keeps each xdist_group (torchrun's 2-rank jobs) on one worker
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
+
 test: $(STAMP) data timm-tests
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+# the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo)
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow"
 
 # timm's own model tests over every pid_* and fan_* name (every test but TorchScript; long: large models)
 conformance: $(STAMP) timm-tests

@@ -62,17 +62,33 @@ def perplexity(model, data: torch.Tensor, batch: int) -> float:
     return math.exp(total / count)
 
 
-def fine_tune(model, train: torch.Tensor, steps: int, batch: int, lr: float, seed: int, label: str) -> list[float]:
+def fine_tune(model, train: torch.Tensor, steps: int, batch: int, lr: float, seed: int, label: str,
+              gain_lr: float | None = None, mininterval: float = 0.1) -> list[float]:
+    """The fine-tuning loop of this example and of examples/finetune_study.py; returns the training losses.
+
+    ``steps`` AdamW steps (no weight decay: learnable gains stay free) on ``batch`` blocks of ``train`` drawn
+    with a generator seeded by ``seed`` (every model sees the same batches), the learning rate warmed up
+    linearly over 20 steps, gradients clipped to norm 1. ``gain_lr``: learnable PID gains (parameters named
+    ``pid_gains``) in their own parameter group at that learning rate (None: one group, all at ``lr``).
+    ``label`` names the progress bar (``softmax``: no PID warm-up scale is shown).
+    """
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # no decay: learnable gains stay free
+    if gain_lr is None:
+        groups = [{"params": list(model.parameters()), "lr": lr}]
+    else:
+        gains = [p for n, p in model.named_parameters() if "pid_gains" in n]
+        groups = [{"params": [p for n, p in model.named_parameters() if "pid_gains" not in n], "lr": lr}]
+        if gains:
+            groups.append({"params": gains, "lr": gain_lr, "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     losses = []
     warmup = getattr(model, "pid_warmup", None) if label != "softmax" else None
-    progress = tqdm(range(steps), desc=f"fine-tune {label}")
+    progress = tqdm(range(steps), desc=f"fine-tune {label}", mininterval=mininterval)
     for _ in progress:
         x = train[torch.randint(0, len(train), (batch,), generator=g)]
-        loss = model(x, labels=x).loss
+        loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -82,7 +98,7 @@ def fine_tune(model, train: torch.Tensor, steps: int, batch: int, lr: float, see
         shown = {"loss": f"{losses[-1]:.3f}"}
         if warmup is not None:  # the scale the next forward uses
             shown["pid_scale"] = f"{min(1.0, int(warmup.step) / warmup.warmup_steps):.2f}"
-        progress.set_postfix(shown)
+        progress.set_postfix(shown, refresh=False)
     return losses
 
 

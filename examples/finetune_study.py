@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
-from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -99,7 +98,7 @@ def run_lm(args: argparse.Namespace) -> None:
     import pid_plugins.hf
     from pid_plugins.research.analysis.robustness import lm_perplexity
     from pid_plugins.research.weights import load_smollm2
-    from finetune_smollm2_pid import TRAIN_PLAYS, VALID_PLAY, blocks
+    from finetune_smollm2_pid import TRAIN_PLAYS, VALID_PLAY, blocks, fine_tune
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -145,26 +144,9 @@ def run_lm(args: argparse.Namespace) -> None:
             result["pid"] = cfg.to_dict()
         result["valid_ppl_before"] = ppl(model)
         torch.manual_seed(args.seed)
-        gains = [p for n, p in model.named_parameters() if "pid_gains" in n]
-        others = [p for n, p in model.named_parameters() if "pid_gains" not in n]
-        groups = [{"params": others, "lr": args.lr}]
-        if gains:
-            groups.append({"params": gains, "lr": args.gain_lr, "weight_decay": 0.0})
-        opt = torch.optim.AdamW(groups, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-        g = torch.Generator().manual_seed(args.seed)
-        model.train()
-        losses = []
         t0 = time.time()
-        for _ in tqdm(range(args.steps), desc=f"fine-tune {name}", mininterval=10):
-            x = train[torch.randint(0, len(train), (args.batch,), generator=g)]
-            loss = model(input_ids=x, labels=x).loss
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
+        losses = fine_tune(model, train, args.steps, args.batch, args.lr, args.seed, name, gain_lr=args.gain_lr,
+                           mininterval=10)
         result["train_seconds"] = time.time() - t0
         result["train_loss_first_10"] = sum(losses[:10]) / min(10, len(losses))
         result["train_loss_last_10"] = sum(losses[-10:]) / min(10, len(losses))

@@ -155,6 +155,7 @@ def trained_digits_model():
     return clf.eval()
 
 
+@pytest.mark.slow
 def test_attacks_reduce_accuracy_and_never_increase_it(trained_digits_model):
     from pid_plugins.research.analysis.robustness import evaluate_image_robustness
     from pid_plugins.research.datasets import load_images
@@ -180,6 +181,7 @@ def test_attacks_reduce_accuracy_and_never_increase_it(trained_digits_model):
     assert 0.0 <= c["mean_corruption_error"] <= 1.0
 
 
+@pytest.mark.slow
 def test_spsa_runs_and_does_not_raise_accuracy(trained_digits_model):
     from pid_plugins.research.analysis.robustness import evaluate_image_robustness
     from pid_plugins.research.datasets import load_images
@@ -264,6 +266,7 @@ def _png(path):
     return path.is_file() and path.read_bytes()[:8] == PNG
 
 
+@pytest.mark.slow
 def test_cli_diagnose_timm_writes_json_and_png(tmp_path, capsys):
     kwargs = json.dumps(SMALL)
     rc = main(["diagnose", "--model", "deit_tiny_patch16_224", "--model", "pid_deit_tiny_patch16_224",
@@ -280,6 +283,7 @@ def test_cli_diagnose_timm_writes_json_and_png(tmp_path, capsys):
     assert "pid_deit_tiny_patch16_224" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_diagnose_and_attack_hf_folders(tmp_path, tiny_llamas):
     text = tmp_path / "text.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 60)
@@ -299,6 +303,7 @@ def test_cli_diagnose_and_attack_hf_folders(tmp_path, tiny_llamas):
     assert _png(tmp_path / "a" / "attack.png")
 
 
+@pytest.mark.slow
 def test_cli_attack_timm_with_checkpoint_and_baseline(tmp_path, trained_digits_model):
     ckpt = tmp_path / "digits_vit.pth"
     torch.save(trained_digits_model.model.state_dict(), ckpt)
@@ -317,6 +322,7 @@ def test_cli_attack_timm_with_checkpoint_and_baseline(tmp_path, trained_digits_m
     assert _png(tmp_path / "a" / "attack.png")
 
 
+@pytest.mark.slow
 def test_cli_diagnose_mmseg_config(tmp_path):
     pytest.importorskip("mmseg")
     from pathlib import Path
@@ -391,6 +397,7 @@ def test_fashion_mnist_when_installed():
     assert torch.bincount(test.labels).tolist() == [1000] * 10
 
 
+@pytest.mark.slow
 def test_text_corpora_are_real_and_split():
     from pid_plugins.research.datasets import load_text, split_blocks
 
@@ -403,6 +410,7 @@ def test_text_corpora_are_real_and_split():
 
 
 # ----------------------------------------------------------------------------------- any registered method
+@pytest.mark.slow
 def test_cli_diagnose_builds_models_with_any_registered_method(tmp_path, capsys):
     """--attention/--attention-cfg: a method registered by the user (tests/toy_method.py) on a pid_* name and on a
     stock DeiT; its zero strength is the stock attention exactly, and the record names the method."""
@@ -433,6 +441,7 @@ def test_cli_diagnose_builds_models_with_any_registered_method(tmp_path, capsys)
     assert "scaled_reference" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_diagnose_and_attack_take_value_residual(tmp_path, capsys):
     """A built-in sibling by name (``value_residual``): its off switch (lambda_1 = 0, lambda_2 = 1) measures as the
     stock attention, its default (ResFormer, 0.5 / 0.5) does not, and the records name the method and parameters."""

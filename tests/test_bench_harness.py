@@ -41,6 +41,7 @@ def test_interleaved_alternates_and_counts():
     assert r["ratio"] > 0
 
 
+@pytest.mark.slow
 def test_peak_memory_sees_a_known_allocation():
     n = 1_000_000  # 4 MB of float32
 

@@ -105,14 +105,9 @@ def test_shipped_catalogue_is_valid():
         entry.pid_config()
 
 
-def test_wheel_ships_the_registry_and_finds_it_through_importlib_resources(tmp_path):
-    wheel_dir = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir),
-         str(REPO)],
-        check=True, cwd=tmp_path,
-    )
-    (wheel,) = wheel_dir.glob("pid_plugins-*.whl")
+@pytest.mark.slow
+def test_wheel_ships_the_registry_and_finds_it_through_importlib_resources(tmp_path, pid_plugins_wheel):
+    wheel = pid_plugins_wheel  # the session's wheel (tests/conftest.py)
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "pid_plugins/registry/presets.toml" in names
     assert "pid_plugins/registry/__init__.py" in names

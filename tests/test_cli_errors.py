@@ -158,6 +158,7 @@ def test_bad_input_is_one_clear_line(files, tmp_path, capsys, argv, expected):
     assert not (files / "pwned").exists()
 
 
+@pytest.mark.slow
 def test_console_script_prints_no_traceback(files, tmp_path):
     """The installed entry point: the same one line on stderr, exit code 2."""
     script = Path(sys.executable).parent / "pid-plugins"
@@ -171,6 +172,7 @@ def test_console_script_prints_no_traceback(files, tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_good_checkpoints_still_load(files, tmp_path, capsys):
     """The same files, undamaged, run (so the errors above come from the damage)."""
     for ext in ("pth", "safetensors"):

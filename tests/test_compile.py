@@ -36,6 +36,7 @@ def _gains(source):
             "PIDConfig": PIDConfig.preset("segmenter", lambda_i=0.7)}[source]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["unset", "dict", "preset name", "PIDConfig"])
 def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
     pytest.importorskip("transformers")
@@ -80,6 +81,7 @@ def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
 
 
 # ------------------------------------------------------------------------------------------------ other zoos
+@pytest.mark.slow
 def test_timm_forward_compiles_fullgraph_with_a_preset_name():
     timm = pytest.importorskip("timm")
     import pid_plugins.timm  # noqa: F401

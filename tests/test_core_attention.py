@@ -265,6 +265,7 @@ def test_reference_only_first_layer_in_the_module_stack():
     assert all(p.grad is not None for p in learned.parameters())  # every parameter in the graph (DDP)
 
 
+@pytest.mark.slow
 def test_stack_compiles_fullgraph_and_matches_eager():
     torch._dynamo.reset()
     m = Stack(PIDConfig.preset("deit")).eval()

@@ -141,6 +141,7 @@ def test_training_key_covers_gains_and_code(monkeypatch):
         assert spec.training_key() != key
 
 
+@pytest.mark.slow
 def test_concurrent_runs_into_one_folder_are_refused(tmp_path, capsys):
     out = tmp_path / "demo"
     holder = subprocess.Popen(
@@ -208,6 +209,7 @@ def test_a_run_that_writes_nothing_leaves_no_folder(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [ex.LOCK_NAME, "result.json"]
 
 
+@pytest.mark.slow
 def test_real_models_round_trip_through_the_cache(tmp_path):
     """run_vision / run_language on tiny specs: the second run loads every arm from its file, same results."""
     vspec = ex.VisionSpec(data="digits", epochs=0.05, batch_size=64, embed_dim=12, depth=2, num_heads=2, test_limit=32,

@@ -25,6 +25,10 @@ DIST = HERE / "dist_workers"  # not tests/dist/: .gitignore ignores every dist/ 
 sys.path.insert(0, str(DIST))
 import pid_dist_cases as cases  # noqa: E402
 
+# torchrun's two ranks (and the two-thread tests) on a 2-core machine: under pytest-xdist these run on one
+# worker, one after the other, never beside each other
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+
 TINY_SEGMENTER = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 
 

@@ -162,21 +162,16 @@ def test_control_first_layer_option_default_and_validation(data_dir):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path):
+@pytest.mark.slow
+def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_data_bin):
     """fairseq-train --pid-control-first-layer false: the checkpoint keeps it and load_pid_lm restores it."""
-    words = [f"w{i}" for i in range(12)]
-    lines = [" ".join(words[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
-    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
-    (tmp_path / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
-    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
-         "--destdir", "data-bin", "--workers", "1"], tmp_path)
-    run(["fairseq-train", "data-bin", "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
+    run(["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
          "transformer_lm_pid", *TINY, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001", "--max-update",
          "2", "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints",
          "--pid-control-first-layer", "false"], tmp_path)
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["cfg"]["model"]["pid_control_first_layer"] == "false"
-    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tmp_path / "data-bin"))
+    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
     assert all(layer.self_attn.pid.control_first_layer is False for layer in hub.models[0].decoder.layers)
 
 
@@ -251,6 +246,7 @@ TRAIN = ["--task", "language_modeling", "--user-dir", pf.USER_DIR, "--decoder-la
          "5", "--cpu", "--seed", "1", "--num-workers", "0"]
 
 
+@pytest.mark.slow
 def test_cli_train_eval_generate_and_python_loading(corpus):
     log = run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm_pid", "--max-update", "40",
                "--save-dir", "pid"], corpus)
@@ -275,6 +271,7 @@ def test_cli_train_eval_generate_and_python_loading(corpus):
     assert sampled.startswith("the king")
 
 
+@pytest.mark.slow
 def test_softmax_checkpoint_fine_tunes_as_pid(corpus):
     run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm", "--max-update", "20", "--save-dir",
          "softmax"], corpus)

@@ -12,13 +12,18 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
+
+# slow; on one xdist worker with test_hf's SmolLM2 test: the session reads the GGUF file once (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
+
 REPO = Path(__file__).resolve().parents[1]
 SHORT_LM = ["--batch", "1", "--block", "32", "--valid-blocks", "2", "--steps", "2"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("smollm2")
+def cache(smollm2_cache):
+    """The session's dequantized safetensors copy of SmolLM2-135M (written once by load_smollm2)."""
+    return smollm2_cache
 
 
 def run(args, cwd):

@@ -251,6 +251,7 @@ def test_reentrant_checkpointing_is_refused():
         model(ids_batch(), labels=ids_batch())
 
 
+@pytest.mark.slow
 def test_torch_compile():
     _, model = pair("llama")
     ids = ids_batch()
@@ -260,6 +261,7 @@ def test_torch_compile():
         torch.testing.assert_close(compiled(ids).logits, run(model, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_trainer_fine_tunes_a_pid_model_on_real_text(tmp_path):
     from pathlib import Path
 
@@ -359,15 +361,10 @@ def test_minilm_embeddings_identical_at_zero_gains():
     assert torch.isfinite(c).all() and not torch.allclose(a, c)
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from pid_plugins.research.weights import load_smollm2
-
-    return load_smollm2(tmp_path_factory.mktemp("smollm2"))
-
-
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
 def test_smollm2_loads_converts_and_generates(smollm2, tmp_path):
-    model, tok = smollm2
+    model, tok, _ = smollm2  # load_smollm2 from the GGUF file, once per session (tests/conftest.py)
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (9, 3)
     batch = tok(["The capital of France is"], return_tensors="pt")
     with torch.no_grad():

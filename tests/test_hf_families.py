@@ -227,6 +227,7 @@ def test_softcapping_defaults_to_eager_and_output_attentions_needs_eager():
     torch.testing.assert_close(out.attentions[0], want.attentions[0])  # first layer: same queries and keys
 
 
+@pytest.mark.slow
 def test_flex_attention_base():
     stock, model = build("llama")
     stock.set_attn_implementation("flex_attention")
@@ -239,6 +240,7 @@ def test_flex_attention_base():
         ph.to_pid(build("gpt2")[1], base="flex_attention")
 
 
+@pytest.mark.slow
 def test_static_cache_decoding_compiles_fullgraph_without_recompiles():
     from torch._dynamo.utils import counters
 

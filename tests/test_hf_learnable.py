@@ -149,6 +149,7 @@ def test_gradient_checkpointing_equals_no_checkpointing():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_trains_the_gains_like_eager():
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(llama_config()).train()

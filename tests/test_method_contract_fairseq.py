@@ -109,6 +109,7 @@ def test_incremental_decoding_equals_recomputation_and_is_causal(data_dir):
         assert not torch.allclose(other[:, j:], full[:, j:])
 
 
+@pytest.mark.slow
 def test_decoder_forward_compiles_fullgraph(data_dir):
     model, _, _ = build(data_dir, extra=toy(0.4))
     decoder = model.decoder
@@ -118,6 +119,7 @@ def test_decoder_forward_compiles_fullgraph(data_dir):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_save_and_reload_through_fairseq_checkpoint_utils(data_dir, tmp_path):
     model, task, args = build(data_dir, extra=toy(0.4))
     path = str(tmp_path / "checkpoint_toy.pt")
@@ -174,17 +176,14 @@ def test_learnable_pid_gains_are_per_layer_parameters(data_dir):
                for n, p in model.named_parameters() if "pid_gains" in n)
 
 
-def test_fairseq_train_cli_with_a_method_from_the_users_user_dir(tmp_path):
+@pytest.mark.slow
+def test_fairseq_train_cli_with_a_method_from_the_users_user_dir(tmp_path, tiny_fairseq_data_bin):
     """fairseq-train --arch transformer_lm_pid --attention-method scaled_reference, the toy registered by the user's
     own --user-dir (which imports pid_plugins.fairseq); the checkpoint reloads with the method and its parameters."""
     user_dir = tmp_path / "my_methods_user_dir"
     user_dir.mkdir()
     (user_dir / "__init__.py").write_text(
         f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nimport pid_plugins.fairseq  # noqa\nimport toy_method  # noqa\n")
-    words = [f"w{i}" for i in range(12)]
-    lines = [" ".join(words[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
-    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
-    (tmp_path / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
 
     def run(cmd):
@@ -192,15 +191,13 @@ def test_fairseq_train_cli_with_a_method_from_the_users_user_dir(tmp_path):
                               timeout=900, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
-    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
-         "--destdir", "data-bin", "--workers", "1"])
-    run(["fairseq-train", "data-bin", "--task", "language_modeling", "--user-dir", user_dir, "--arch",
+    run(["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", user_dir, "--arch",
          "transformer_lm_pid", *TINY, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001", "--max-update",
          "2", "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints", *toy(0.25)])
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["cfg"]["model"]["attention_method"] == "scaled_reference"
     assert json.loads(state["cfg"]["model"]["attention_cfg"]) == {"gamma": 0.25}
-    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tmp_path / "data-bin"))
+    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
     attn = hub.models[0].decoder.layers[0].self_attn
     assert attn.attention_method is METHOD and attn.pid == ScaledReferenceConfig(gamma=0.25)
     assert torch.isfinite(hub.score("w1 w2 w3")["positional_scores"]).all()

@@ -66,6 +66,7 @@ def test_gradient_checkpointing_equals_no_checkpointing():
         model(x, labels=x)
 
 
+@pytest.mark.slow
 def test_compiled_fullgraph_equals_eager():
     model, _ = twins()
     x = ids()

@@ -143,6 +143,7 @@ def test_with_cp_equals_no_checkpointing(part):
 
 
 # ------------------------------------------------------------------------------------------ (d) compile
+@pytest.mark.slow
 def test_backbone_compiles_fullgraph_and_equals_eager():
     model = backbone(**TOY)
     x = images()
@@ -195,6 +196,7 @@ model = {model!r}
 """
 
 
+@pytest.mark.slow
 def test_a_config_file_registers_the_method_and_the_plugin_with_custom_imports(tmp_path):
     """A fresh process: mmengine's ``Config.fromfile`` imports the user's method module and the plugin; mmseg's
     ``MODELS.build`` builds the segmentor; its output and weights equal this process's build of the same file."""

@@ -99,6 +99,7 @@ def test_gradient_checkpointing_equals_no_checkpointing(kind, reentrant):
 
 
 # ---------------------------------------------------------------------------------------- (d) compile
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_compile_fullgraph_equals_eager(kind):
     model, _ = pair(kind)

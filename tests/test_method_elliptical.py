@@ -187,6 +187,7 @@ def test_timm_gradient_checkpointing_equals_no_checkpointing(kind, reentrant):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @timm_cases
 def test_timm_compile_fullgraph_equals_eager(kind):
     model, _ = timm_pair(kind, {"from_layer": 3})
@@ -269,6 +270,7 @@ def test_bert_gradient_checkpointing_equals_no_checkpointing():
     assert plain.keys() == ckpt.keys() and len(plain) > 10
 
 
+@pytest.mark.slow
 def test_bert_compiled_fullgraph_equals_eager():
     model, _ = bert_pair({"from_layer": 3})
     x = ids()
@@ -352,6 +354,7 @@ def test_mmseg_with_cp_equals_no_checkpointing_and_reloads(part):
         assert torch.equal(mm_out(part, again, mm_inputs(part)), mm_out(part, ref, mm_inputs(part)))
 
 
+@pytest.mark.slow
 def test_mmseg_backbone_compiles_fullgraph():
     model, _ = mm_pair("backbone", {"from_layer": 3})
     x = mm_inputs("backbone")

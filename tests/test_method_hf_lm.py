@@ -188,6 +188,7 @@ def test_families_with_their_own_attention_tables_are_refused_while_built(family
 
 
 # ============================================================================== compile, checkpointing, reload
+@pytest.mark.slow
 @pytest.mark.parametrize("name", METHODS)
 def test_static_cache_decoding_compiles_fullgraph_without_recompiles(name):
     torch._dynamo.reset()

@@ -100,6 +100,7 @@ def test_softmax_and_timm_attention_layers_are_refused():
             pid_plugins.register_method(method_named(name), replace=True)
 
 
+@pytest.mark.slow
 def test_an_adapter_imported_after_the_registration_refuses_it_before_exposing_anything():
     """Registered before ``import pid_plugins.hf`` (the core knows no zoo then), ``flex_attention`` is refused by the
     adapter's import: transformers' table keeps its own function. Same for timm's ``diff``."""

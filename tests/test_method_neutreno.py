@@ -155,6 +155,7 @@ def test_timm_alpha_zero_is_the_stock_model_bit_for_bit(kind):
             assert torch.equal(model(x), stock(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_checkpointing_compile_and_save_reload(kind, tmp_path):
     timm = import_timm()
@@ -234,6 +235,7 @@ def test_hf_llama_matches_a_float64_reference():
     assert (got - stock(x).logits).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_hf_llama_alpha_zero_checkpointing_and_compile():
     zero, stock = llama_twins(alpha=0.0)
     x = token_ids()
@@ -400,6 +402,7 @@ def test_mmseg_with_cp_equals_no_checkpointing(part):
     assert_equal_or_both_none(*results)
 
 
+@pytest.mark.slow
 def test_mmseg_compile_warmup_and_save_reload(tmp_path):
     model, stock = mm_pair("backbone")
     x = mm_inputs("backbone")
@@ -449,6 +452,7 @@ def test_fairseq_matches_a_float64_reference_and_alpha_zero_is_stock(data_dir):
     assert (got - fs_logits(stock, toks)).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_fairseq_incremental_decoding_causality_and_compile(data_dir):
     model, _, _ = fs_build(data_dir, extra=neutreno_args(0.6))
     toks = fs_tokens(length=9)
@@ -466,6 +470,7 @@ def test_fairseq_incremental_decoding_causality_and_compile(data_dir):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fairseq_save_reload_and_checkpointing_refusal(data_dir, tmp_path):
     with pytest.raises(ValueError, match="--checkpoint-activations is not supported by transformer_lm_pid"):
         fs_build(data_dir, extra=[*neutreno_args(0.4), "--checkpoint-activations"])

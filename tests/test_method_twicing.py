@@ -200,6 +200,7 @@ def test_timm_matches_a_float64_reference_and_softmax_is_stock(kind, fused):
         torch.testing.assert_close(late.float()(x.float()), stock.float()(x.float()), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_checkpointing_compile_dropout_and_save(kind, tmp_path):
     timm = pytest.importorskip("timm")
@@ -294,6 +295,7 @@ def test_hf_switched_off_is_the_stock_model_bit_for_bit():
         assert torch.equal(softmax(x, attention_mask=mask).logits, want)
 
 
+@pytest.mark.slow
 def test_hf_checkpointing_compile_and_save(tmp_path):
     T = pytest.importorskip("transformers")
     import pid_plugins.hf as ph
@@ -404,6 +406,7 @@ def test_mmseg_backbone_and_head_match_float64_references_and_softmax_is_stock()
         torch.testing.assert_close(head(feats), want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_mmseg_with_cp_compile_dropout_and_save(tmp_path):
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     ref = mm_build("PIDVisionTransformer", BACKBONE, attention=NAME)
@@ -449,6 +452,7 @@ def fs_reference(stock, toks, from_layer):
     """fairseq's transformer_lm modules run by hand in float64, the attention written out and twiced."""
     return fairseq_reference(stock, toks, twiced_from(from_layer))
 
+@pytest.mark.slow
 def test_fairseq_lm_reference_softmax_causality_and_incremental_decoding(data_dir):
     stock, _, _ = fs_build(data_dir, arch="transformer_lm")
     toks = fs_tokens()
@@ -486,6 +490,7 @@ def test_fairseq_lm_reference_softmax_causality_and_incremental_decoding(data_di
         dropping(toks)
 
 
+@pytest.mark.slow
 def test_fairseq_save_and_reload_through_checkpoint_utils(data_dir, tmp_path):
     model, task, args = fs_build(data_dir, extra=fs_twicing({"from_layer": 1}))
     loaded = fs_save_and_reload(model, task, args, str(tmp_path / "checkpoint_twicing.pt"))

@@ -151,6 +151,7 @@ def test_timm_gradient_checkpointing_equals_no_checkpointing(kind, learnable, re
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_timm_deit_compile_fullgraph_equals_eager():
     model, _ = timm_pair("deit", MIXED)
     x = timm_images("deit")
@@ -281,6 +282,7 @@ def test_config_presets_and_off_switch():
 
 
 # ==== fairseq
+@pytest.mark.slow
 def test_fairseq_lm_rule_off_switch_incremental_decoding_and_reload(tmp_path):
     data = fs_dictionary(tmp_path)
     stock, _, _ = fs_build(data, arch="transformer_lm")

@@ -142,6 +142,7 @@ def test_timm_checkpoint_needs_the_patch_bias(tmp_path):
     assert set(pm.timm_vit_to_mmseg(deit.state_dict())) == set(build(patch_bias=True).state_dict())
 
 
+@pytest.mark.slow
 def test_shipped_config_takes_a_timm_pid_deit_checkpoint(tmp_path):
     """The paper's pipeline: Segmenter from an ImageNet PID DeiT (timm), with the config as shipped.
 
@@ -219,6 +220,7 @@ def test_mismatched_checkpoint_lists_the_keys(tmp_path):
     assert "unexpected keys ['layers.1.extra']" in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_loads_and_builds(config):
     from mmengine.config import Config
@@ -239,6 +241,7 @@ def test_every_config_loads_and_builds(config):
     assert type(model.decode_head).__name__ == "SegmenterMaskTransformerHead"  # decoder PID is opt-in
 
 
+@pytest.mark.slow
 def test_control_first_layer_is_carried_by_configs_and_checkpoint_meta(tmp_path):
     """A config's pid=dict(..., control_first_layer=False) survives dump/reload and reaches the backbone."""
     from mmengine.config import Config

@@ -130,6 +130,7 @@ def test_http_checkpoints_are_weights_only_too(evil, env, tmp_path, monkeypatch)
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_import_leaves_mmengine_and_torch_as_they_were():
     """``import pid_plugins.mmseg`` changes neither mmengine's CheckpointLoader table nor torch's safe globals."""
     script = (
@@ -173,6 +174,7 @@ def test_the_hook_scopes_weights_only_loading_to_the_run(evil, monkeypatch):
     assert isinstance(pid_plugins.mmseg.checkpoint.load_checkpoint(str(path.parent / "hub.pth"))["hub"], HistoryBuffer)
 
 
+@pytest.mark.slow
 def test_allow_listed_getattr_cannot_reach_exec(tmp_path, monkeypatch):
     """mmengine checkpoints need builtins.getattr; ours resolves only HistoryBuffer's statistic methods."""
     marker = tmp_path / "marker"
@@ -229,6 +231,7 @@ def ade_tiny(tmp_path_factory):
     return ["--cfg-options"] + [f"{s}_dataloader.dataset.data_root={data}" for s in ("train", "val", "test")]
 
 
+@pytest.mark.slow
 def test_mmseg_tools_refuse_pickled_code_with_the_variable_set(evil, ade_tiny, tmp_path):
     """tools/test.py (load_from) and tools/train.py --resume, with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1."""
     path, marker = evil
@@ -242,6 +245,7 @@ def test_mmseg_tools_refuse_pickled_code_with_the_variable_set(evil, ade_tiny, t
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_mmseg_tools_train_resume_test_with_default_torch_loading(ade_tiny, tmp_path):
     """The whole cycle on our config with torch's default loading (no variable): mmengine's classes load."""
     work = tmp_path / "work"

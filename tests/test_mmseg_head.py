@@ -78,6 +78,7 @@ def test_head_arguments():
     assert build(pid="deit").attention_method is None  # the head's default is softmax: pid= alone is inert
 
 
+@pytest.mark.slow
 def test_config_round_trip_and_a_training_step(tmp_path):
     """The option in a config: dumped, reloaded, built into the whole Segmenter; checkpoints stay stock-shaped."""
     from mmengine.config import Config

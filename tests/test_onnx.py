@@ -19,6 +19,8 @@ timm = pytest.importorskip("timm")
 import pid_plugins.timm  # noqa: E402,F401
 from timm.utils.onnx import onnx_export  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
+
 MODELS = {"pid_deit_tiny_patch16_224": dict(img_size=32, depth=3), "pid_fan_tiny_12_p16_224": dict(img_size=64, depth=3)}
 METHODS = {"pid": None, "neutreno": None, "twicing": {"from_layer": 0}, "elliptical": None, "value_residual": None}
 

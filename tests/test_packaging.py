@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "pid_plugins"
 RESEARCH = "pid_plugins.research"
@@ -75,6 +77,7 @@ def test_the_import_scan_resolves_relative_imports():
     assert "pid_plugins.catalogue" in imported_modules(PACKAGE / "hf" / "catalogue.py")  # from .. import catalogue
 
 
+@pytest.mark.slow
 def test_adapters_import_no_research_module_at_run_time():
     proc = run(
         "import sys\n"
@@ -85,12 +88,14 @@ def test_adapters_import_no_research_module_at_run_time():
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow
 def test_timm_adapter_without_timm_says_what_to_install():
     proc = run("import sys; sys.modules['timm'] = None\nimport pid_plugins.timm\n")
     assert proc.returncode != 0
     assert "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_fairseq_compat_is_started_by_the_opt_in_pth_file_in_site_packages():
     """fairseq-train (and pytest's hydra plugin) import fairseq before any plugin code: in this environment (the
     fairseq extra, where make runs ``python -m pid_plugins_fairseq_compat install``) the hook is live at start."""

@@ -105,6 +105,7 @@ def assert_method_ran(calls, name, forwards):
 
 
 # ================================================================ LoRA and IA3 on PID and every sibling method
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("name", METHODS)
 def test_adapter_wraps_trains_saves_reloads_merges_and_generates_with_the_method_on(name, adapter, calls, tmp_path):
@@ -241,6 +242,7 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     assert torch.equal(logits(again, x), logits(merged, x))
 
 
+@pytest.mark.slow
 def test_trainer_keeps_the_gains_peft_trains_out_of_weight_decay(tmp_path):
     """NoGainDecayTrainerMixin over a PeftModel: the gains' trained copies (``pid_gains.modules_to_save.default.``)
     go to the no-decay group, the adapter's weights stay where the plain Trainer puts them."""
@@ -313,6 +315,7 @@ def test_warm_up_advances_through_the_peft_model_as_without_it(save_counter, cal
     torch.testing.assert_close(logits(merged, x), trained, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_counter_swap_is_found_once_and_a_plain_warm_up_model_is_not_rediscovered(monkeypatch):
     """Discovery runs again only when the counter module was replaced (peft wrapping it, merge_and_unload
     unwrapping it), once; a warm-up model whose counter moved to the outer model while it was built is not

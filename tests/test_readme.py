@@ -26,6 +26,7 @@ def python_blocks(pages=PAGES):
     return blocks
 
 
+@pytest.mark.slow  # make test-fast leaves the examples out
 @pytest.mark.parametrize("code", python_blocks())
 def test_docs_example_runs(code, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -76,6 +76,7 @@ PROBES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_extra", ENV_SETTINGS)
 def test_python_load_paths_refuse_pickled_code(tmp_path, env_extra):
     marker = tmp_path / "pwned"
@@ -110,19 +111,13 @@ def test_python_load_paths_refuse_pickled_code(tmp_path, env_extra):
     assert "whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says" in out["fairseq checkpoint_utils"]
 
 
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    pytest.importorskip("fairseq")
-    d = tmp_path_factory.mktemp("corpus")
-    lines = [" ".join(f"w{(3 * i + j) % 10}" for j in range(8)) for i in range(40)]
-    (d / "train.txt").write_text("\n".join(lines) + "\n")
-    (d / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
-    subprocess.run([str(Path(sys.executable).parent / "fairseq-preprocess"), "--only-source", "--trainpref",
-                    "train.txt", "--validpref", "valid.txt", "--destdir", "data-bin", "--workers", "1"],
-                   cwd=d, check=True, capture_output=True)
-    return d / "data-bin"
+@pytest.fixture
+def data_bin(tiny_fairseq_data_bin):
+    """A binarised corpus for fairseq-train to start on (the session's tiny one, tests/conftest.py)."""
+    return tiny_fairseq_data_bin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_extra", ENV_SETTINGS)
 def test_fairseq_train_refuses_a_pickled_checkpoint(tmp_path, env_extra, data_bin):
     """fairseq-train --finetune-from-model through --user-dir (fairseq's own CLI and checkpoint_utils)."""

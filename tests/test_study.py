@@ -50,6 +50,7 @@ def _fake_run(path, seed, top1):
     (path / f"seed{seed}" / "results.json").write_text(json.dumps(res))
 
 
+@pytest.mark.slow
 def test_record_pairs_by_seed_and_marks_only_what_is_beyond_noise(tmp_path):
     folder = tmp_path / "vision_depth2"
     # pid is 2 points better in every seed although seeds differ by 20 points: beyond noise when paired;
@@ -65,6 +66,7 @@ def test_record_pairs_by_seed_and_marks_only_what_is_beyond_noise(tmp_path):
     assert "**+2.000 +- 0.000**" in md and "| +1.000 +- 2.000 |" in md
 
 
+@pytest.mark.slow
 def test_study_command_runs_end_to_end_and_refuses_bad_arms(tmp_path):
     import subprocess
     import sys
@@ -130,6 +132,7 @@ def test_arm_specs_name_any_registered_method_with_its_parameters():
     assert VisionSpec(arms=("softmax", "pid_ref")).training_key() == VisionSpec(arms=("softmax", "pid")).training_key()
 
 
+@pytest.mark.slow
 def test_study_compares_softmax_pid_and_a_registered_method(tmp_path, capsys):
     """The study with a method the test registers, on a tiny budget: every arm trained from the softmax weights,
     the record names each arm's method, a rerun loads the cached models, and a changed parameter retrains."""
@@ -158,6 +161,7 @@ def test_study_compares_softmax_pid_and_a_registered_method(tmp_path, capsys):
     assert "vision sr: loaded" not in capsys.readouterr().err  # another parameter: trained again
 
 
+@pytest.mark.slow
 def test_study_arms_take_value_residual(tmp_path, capsys):
     """``value_residual`` as a study arm (fixed and learnable lambdas): resolved in both parts' zoos, a bad parameter
     refused before anything runs, and a tiny vision study trains and records it."""

@@ -56,6 +56,7 @@ def test_every_catalogue_name_is_registered_with_a_local_only_pretrained_cfg():
     assert timm.models.get_pretrained_cfg("pid_vit_base_patch16_224").mean == (0.5, 0.5, 0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_real_sizes_build_and_run_with_the_stock_state_dict_layout(name):
     entry = pid_plugins_entry(name)
@@ -285,6 +286,7 @@ def test_dynamic_img_size():
                 2, 48, size // 8, size // 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
 def test_torch_compile_fullgraph(name):
     model, stock = pair(name)
@@ -297,6 +299,7 @@ def test_torch_compile_fullgraph(name):
         torch.testing.assert_close(compiled(x), model(x))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_training_with_checkpointing():
     model, _ = pair(pid=dict(learnable=True))
     model.train().set_grad_checkpointing(True)
@@ -312,6 +315,7 @@ def test_torch_compile_fullgraph_training_with_checkpointing():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_torch_compile_inductor_matches_eager():
     model, _ = pair()
     x = images()
@@ -321,6 +325,7 @@ def test_torch_compile_inductor_matches_eager():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_torch_export_replaces_torchscript():
     """torch.jit.script is deprecated in torch 2.x and cannot type the variadic PID state: export works."""
     model, _ = pair()
@@ -388,6 +393,7 @@ def test_missing_weights_file_is_a_clear_error(tmp_path):
         timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
 
 
+@pytest.mark.slow
 def test_checkpoints_load_with_weights_only(stock_deit_tiny, tmp_path, monkeypatch):
     calls = []
     original = torch.load
@@ -495,6 +501,7 @@ def test_to_pid_refuses_what_it_cannot_convert():
 
 
 # --------------------------------------------------------------------------- fine-tuning on real data
+@pytest.mark.slow
 def test_fine_tune_a_softmax_checkpoint_into_pid_on_real_digits(tmp_path):
     """Pretrain a softmax DeiT briefly on real handwritten digits, load it into PID DeiT, fine-tune further."""
     from sklearn.datasets import load_digits

@@ -178,6 +178,7 @@ def test_fan_round_trip_in_place():
 
 
 # ------------------------------------------------------------------------------------------------ refusals
+@pytest.mark.slow
 def test_refusals_come_before_any_change():
     from timm.models.vision_transformer import ResPostBlock
 
@@ -211,6 +212,7 @@ def test_refusals_come_before_any_change():
 
 
 # ------------------------------------------------------------------------------------- timm's model contract
+@pytest.mark.slow
 def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_path):
     from timm.models import create_feature_extractor, get_graph_node_names
     from pid_plugins.core.methods import method_update

@@ -38,6 +38,7 @@ def test_names_come_from_the_registry():
     assert set(pid_names) | {get_model_entry(n).base for n in pid_names} <= registered
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PAPER_PARAMS_M))
 def test_real_sizes_parameter_counts_and_forward(name):
     model = timm.create_model(name).eval()
@@ -179,6 +180,7 @@ def test_grad_checkpointing_gives_identical_gradients(reentrant):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_and_other_input_sizes():
     model, stock = pair()
     x = images()
@@ -241,6 +243,7 @@ def test_mismatched_checkpoint_lists_the_keys(tmp_path):
         timm.create_model("fan_tiny_12_p16_224", pretrained=True)
 
 
+@pytest.mark.slow
 def test_fine_tune_pid_fan_on_real_digits():
     from sklearn.datasets import load_digits
 

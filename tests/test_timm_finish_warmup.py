@@ -77,6 +77,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(kind, meth
     assert "pid_warmup.step" not in model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MODELS)
 def test_finished_model_traces_with_fx_and_exports_with_timms_onnx_export(kind, tmp_path):
     onnxruntime = pytest.importorskip("onnxruntime")

@@ -15,6 +15,8 @@ pytest.importorskip("timm")
 pytest.importorskip("torchvision")
 import timm_suite  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
+
 CONFORMANCE = os.environ.get("PID_TIMM_CONFORMANCE") == "1"
 
 

@@ -151,6 +151,7 @@ print(json.dumps(dict(pid=model.pid.to_dict(), logits=out.tolist())))
 '''
 
 
+@pytest.mark.slow
 def test_the_readme_validate_py_command(tmp_path):
     """The validate.py command of the timm docs page (docs/timm.md, as written there) imports the plugin before
     running the script."""

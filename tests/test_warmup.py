@@ -300,6 +300,7 @@ def test_timm_learnable_gains_are_scaled_too():
 
 
 # ------------------------------------------------------------------------------------------ compile (no recompile)
+@pytest.mark.slow
 @pytest.mark.parametrize("zoo", ["timm_vit", "hf"])
 def test_compiled_model_does_not_recompile_as_t_advances(zoo):
     import torch._dynamo
@@ -409,7 +410,8 @@ def test_hf_to_pid_adds_the_counter_and_refuses_a_model_without_one():
     assert int(model.pid_warmup.step) == 0 and model.pid_warmup.warmup_steps == N
 
 
-def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path):
+@pytest.mark.slow
+def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path, tiny_fairseq_data_bin):
     import pid_plugins.fairseq as pf
 
     def run(cmd):
@@ -418,13 +420,7 @@ def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path):
                               timeout=900, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
-    words = [f"w{i}" for i in range(12)]
-    lines = [" ".join(words[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
-    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
-    (tmp_path / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
-    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
-         "--destdir", "data-bin", "--workers", "1"])
-    train = ["fairseq-train", "data-bin", "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
+    train = ["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
              "transformer_lm_pid", *Fairseq.tiny, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001",
              "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints", "--pid-warmup-steps", "10"]
     run([*train, "--max-update", "2"])
@@ -434,5 +430,5 @@ def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path):
     run([*train, "--max-update", "3"])  # resumes from ck/checkpoint_last.pt
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert int(state["model"]["decoder.pid_warmup.step"]) == 3
-    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tmp_path / "data-bin"))
+    hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
     assert int(hub.models[0].decoder.pid_warmup.step) == 3 and hub.models[0].decoder.pid_warmup.warmup_steps == 10

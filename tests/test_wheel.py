@@ -8,7 +8,6 @@ this repository, are not run). Everything runs from a folder outside the reposit
 which the fairseq test runs as a user would.
 """
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,21 +17,16 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
+
 REPO = Path(__file__).resolve().parents[1]
 STACK = sysconfig.get_paths()["purelib"]  # the pinned stack (torch, timm, transformers, mmseg, fairseq, ...)
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
+def installed(tmp_path_factory, pid_plugins_wheel):
     root = tmp_path_factory.mktemp("wheel")
-    # build from a clean copy of the sources: an in-tree build/ folder left by an earlier build would leak into
-    # the wheel and hide a package the configuration forgets
-    src = root / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*_out", ".pytest_cache", ".cache", "data"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(root / "dist"), str(src)], check=True, cwd=root, capture_output=True)
-    (wheel,) = (root / "dist").glob("pid_plugins-*.whl")
+    wheel = pid_plugins_wheel  # built from a clean copy of the sources (tests/conftest.py)
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = {p.relative_to(REPO).as_posix() for p in (REPO / "pid_plugins").rglob("*.py")}
     assert sources <= names, f"source files missing from the wheel: {sorted(sources - names)}"

