@@ -67,8 +67,9 @@ timm-tests: $(STAMP)
 WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
+# --durations: the slowest tests of every run are in the log (where the next minutes are to be saved)
 test: $(STAMP) data timm-tests
-	$(PYTEST)
+	$(PYTEST) --durations=25
 
 # the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo)
 test-fast: $(STAMP)
