@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
-from toy_method import METHOD, NAME, ScaledReferenceConfig, toy_rule  # noqa: E402
+from toy_method import METHOD, NAME, ScaledReferenceConfig, register_non_additive_method, toy_rule  # noqa: E402
 from zoo_cases import assert_equal_or_both_none, mm_args, mm_compiled, mm_inputs, mmseg_reference  # noqa: E402
 from zoo_cases import mm_build as build  # noqa: E402
 
@@ -257,31 +257,8 @@ def test_refusals_say_what_to_change():
 
 
 def test_warmup_with_a_non_additive_method_is_refused(monkeypatch):
-    from dataclasses import dataclass
-
-    from pid_plugins import AttentionMethod, MethodConfig
-    from pid_plugins.core import methods
-
-    @dataclass(frozen=True)
-    class DoubledConfig(MethodConfig):
-        warmup_steps: int = 0
-        PRESETS = {"default": {"warmup_steps": 0}}
-
-    class Doubled(AttentionMethod):  # calls attention twice: no separate additive term
-        name = "contract_mmseg_doubled"
-        config_type = DoubledConfig
-        state_fields = ()
-        default_presets = {"*": "default"}
-        additive = False
-
-        def attend(self, params, attend, query, value, state=None, head_dim=-3):
-            return 2 * attend(query, value)
-
-        def update(self, params, out, value_q, state, scale, head_dim):
-            return out, ()
-
-    monkeypatch.setitem(methods._METHODS, Doubled.name, Doubled())  # registered for this test only
-    assert backbone(attention="contract_mmseg_doubled").pid == DoubledConfig()  # without warm-up it builds
+    doubled = register_non_additive_method(monkeypatch, "contract_mmseg_doubled")  # for this test only
+    assert backbone(attention="contract_mmseg_doubled").pid == doubled.config_type()  # without warm-up it builds
     for build_part in (backbone, head):
         with pytest.raises(ValueError, match="'contract_mmseg_doubled'.* not additive.*set warmup_steps=0"):
             build_part(attention="contract_mmseg_doubled", attention_cfg=dict(warmup_steps=10))

@@ -16,6 +16,7 @@ import pid_plugins.mmseg as pm  # noqa: E402
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer  # noqa: E402
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead  # noqa: E402
 from zoo_cases import mm_args  # noqa: E402
+from toy_method import register_non_additive_method  # noqa: E402
 
 METHODS = {
     "pid": ("pid", None), "neutreno": ("neutreno", None), "twicing": ("twicing", None),
@@ -211,33 +212,9 @@ def test_warmup_counters_are_made_follow_the_mode_carry_over_and_go():
 
 # ------------------------------------------------------------------------------------------------ refusals
 def _register_non_additive_method_with_warmup(monkeypatch):
-    """A method that calls attention twice (no separate additive term) and takes warmup_steps, registered for one
-    test: mmseg warms up as the stock attention plus the method's term, which it does not have."""
-    from dataclasses import dataclass
-
-    from pid_plugins import AttentionMethod, MethodConfig
-    from pid_plugins.core import methods
-
-    @dataclass(frozen=True)
-    class DoubledConfig(MethodConfig):
-        warmup_steps: int = 0
-        PRESETS = {"default": {"warmup_steps": 0}}
-
-    class Doubled(AttentionMethod):
-        name = "convert_mmseg_doubled"
-        config_type = DoubledConfig
-        state_fields = ()
-        default_presets = {"*": "default"}
-        additive = False
-
-        def attend(self, params, attend, query, value, state=None, head_dim=-3):
-            return 2 * attend(query, value)
-
-        def update(self, params, out, value_q, state, scale, head_dim):
-            return out, ()
-
-    monkeypatch.setitem(methods._METHODS, Doubled.name, Doubled())
-    return Doubled.name
+    """A method that calls attention twice and takes warmup_steps, registered for one test: mmseg warms up as the
+    stock attention plus the method's term, which it does not have."""
+    return register_non_additive_method(monkeypatch, "convert_mmseg_doubled").name
 
 
 def test_refusals_come_before_any_change(monkeypatch):

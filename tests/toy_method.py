@@ -72,3 +72,32 @@ def toy_rule(gamma):
     from zoo_cases import on_outputs
 
     return on_outputs(lambda attn_outs, values: naive_scaled_reference(attn_outs, values, gamma)[-1])
+
+
+def register_non_additive_method(monkeypatch, method_name: str) -> AttentionMethod:
+    """A method that calls the attention twice (``2 A v``: no separate additive term) and takes ``warmup_steps``,
+    registered under ``method_name`` for one test only (``monkeypatch``): the subject of the refusal of warm-up where a zoo
+    warms up as its stock attention plus the method's term."""
+    from pid_plugins.core import methods
+
+    @dataclass(frozen=True)
+    class DoubledConfig(MethodConfig):
+        warmup_steps: int = 0
+        PRESETS = {"default": {"warmup_steps": 0}}
+
+    class Doubled(AttentionMethod):
+        name = method_name
+        config_type = DoubledConfig
+        state_fields = ()
+        default_presets = {"*": "default"}
+        additive = False
+
+        def attend(self, params, attend, query, value, state=None, head_dim=-3):
+            return 2 * attend(query, value)
+
+        def update(self, params, out, value_q, state, scale, head_dim):
+            return out, ()
+
+    method = Doubled()
+    monkeypatch.setitem(methods._METHODS, method_name, method)
+    return method
