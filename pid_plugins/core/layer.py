@@ -14,7 +14,7 @@ from .warmup import GainWarmup
 
 __all__ = [
     "MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config", "LAYER_ATTRIBUTES",
-    "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule",
+    "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule", "warn_unfinished_warmup",
 ]
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def finish_warmup(model: nn.Module) -> nn.Module:
                 module.pid = finished_config(module.pid)
         if isinstance(module, MethodModel) and module.pid_warmup is not None:
             counter = module.pid_warmup
-            _warn_unfinished(counter, name or type(model).__name__)
+            warn_unfinished_warmup(counter, name or type(model).__name__)
             module.pid_warmup = None
             if getattr(module, "_stock_plus_term", False):  # keep the warmed-up form, at scale 1 (not saved)
                 one = torch.ones((), dtype=counter.scale().dtype, device=counter.step.device)
@@ -193,7 +193,9 @@ def finish_warmup(model: nn.Module) -> nn.Module:
     return model
 
 
-def _warn_unfinished(counter: GainWarmup, where: str) -> None:
+def warn_unfinished_warmup(counter: GainWarmup, where: str) -> None:
+    """One warning when a counter is dropped before ``t`` reached ``N`` (the model jumps to scale 1); for adapters
+    whose finisher (:func:`register_warmup_finisher`) drops counters of their own."""
     step = int(counter.step)
     if step < counter.warmup_steps:
         logger.warning("finish_warmup: %s had warmed up %d of %d steps (scale %.3f); it now runs at its final "

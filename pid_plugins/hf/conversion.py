@@ -28,7 +28,7 @@ from torch import nn
 from transformers import PreTrainedModel, PretrainedConfig
 
 from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, resolve_attention
-from ..core.layer import _warn_unfinished
+from ..core.layer import warn_unfinished_warmup
 from . import gains as learned_gains
 from .attention import EARLIER, ROLE
 from .config import (
@@ -192,7 +192,7 @@ def finish(model: nn.Module) -> bool:
         if counter is not None:
             held = [c for c in counter.modules() if isinstance(c, GainWarmup)]  # peft: the trained copy is last
             if held:
-                _warn_unfinished(held[-1], name or type(m).__name__)
+                warn_unfinished_warmup(held[-1], name or type(m).__name__)
     for config in _configs(model):
         method = method_of(config)
         if method is not None and getattr(config, method.name, None) is not None:
