@@ -31,8 +31,8 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import nn
 
 from ..core import MethodChoice, method_warmup, resolve_attention
-from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, settle_submodule, strip_attributes
-from .layers import PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
+from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, settle_submodule, strip_attributes
+from .layers import PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, self_attentions
 from .model import PIDTransformerLanguageModel
 
 __all__ = ["convert"]
@@ -133,6 +133,7 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
         attn = layer.self_attn
         attn.set_attention(choice, attn.q_proj.weight)
         settle_submodule(attn, "pid_gains")
+    number_layers(self_attentions(decoder))
     decoder.set_model_method(choice, decoder.embed_tokens.weight, stock_plus_term=True, where=_WHERE)
     settle_submodule(decoder, "pid_warmup")
 
