@@ -242,10 +242,15 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         return x, None, None, pid_state
 
 
+def decoder_layers(decoder: TransformerDecoder) -> List[Any]:
+    """The decoder's layers in order, every one (iterating fairseq's ``LayerDropModuleList`` in training mode yields a
+    random subset)."""
+    return [decoder.layers[i] for i in range(len(decoder.layers))]
+
+
 def self_attentions(decoder: TransformerDecoder) -> List[MultiheadAttention]:
-    """The decoder's self-attention modules in layer order, every layer (fairseq's ``LayerDropModuleList`` iterates
-    over a random subset in training mode): the method's group."""
-    return [decoder.layers[i].self_attn for i in range(len(decoder.layers))]
+    """The decoder's self-attention modules in layer order: the method's group."""
+    return [layer.self_attn for layer in decoder_layers(decoder)]
 
 
 class PIDTransformerDecoder(MethodModel, TransformerDecoder):
