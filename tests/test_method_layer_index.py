@@ -227,3 +227,23 @@ def test_fairseq_decoder_built_converted_and_incremental(data_dir, probe):
     with torch.no_grad():
         stock.eval()(toks)
     assert probe.seen == [0, 1, 2]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "opt",
+                                    "gpt_neox", "gpt2", "bert", "modernbert", "vit", "bart", "t5", "whisper"])
+def test_hf_every_family_passes_its_stack_position_equal_to_layer_idx(family, probe):
+    """The family matrix of tests/test_hf_families.py: two self-attention layers per stack, each stack from 0; the
+    index is the module's position in its stack, which equals ``layer_idx`` wherever a family has one (ViT, BERT
+    and others have none: the position is all there is)."""
+    import pid_plugins.hf as ph
+    from pid_plugins.hf.attention import EARLIER
+    from test_hf_families import FAMILIES, forward, inputs
+
+    make, cls, kind, base, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = ph.convert(cls(make()).eval(), NAME, base=base)
+    forward(model, **inputs(family))
+    assert probe.seen == ([0, 1, 0, 1] if kind in ("seq2seq", "speech") else [0, 1])
+    numbered = [(len(getattr(m, EARLIER)), m.layer_idx) for m in model.modules()
+                if hasattr(m, EARLIER) and isinstance(getattr(m, "layer_idx", None), int)]
+    assert all(position == layer_idx for position, layer_idx in numbered), numbered
