@@ -189,8 +189,7 @@ class AttentionMethod:
         attention output (projected when the call has ``project``) and the state for the next layer.
 
         Order: :meth:`check` (refusals before anything is computed), :meth:`layer_params` (with ``call.layer``); then
-        the zoo's stock
-        layer plus :meth:`term` when the call has a stock path under warm-up (additive methods), else
+        the zoo's stock layer plus :meth:`term` when the call has a stock path under warm-up (additive methods), else
         :meth:`prepare`, :meth:`attend` (the zoo's attention once when the method keeps both defaults) and
         :meth:`update`."""
         return _apply(self, config, learned, call, state)

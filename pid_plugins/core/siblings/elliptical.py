@@ -12,11 +12,11 @@ projection split into heads, before attention) and the previous layer's ``v^{l-1
 
 Every layer hands its values on (the official blocks return them whether or not they rescale their queries), so the
 state is ``(v^l,)``; the layer's index ``l`` is the one the adapter passes with every call (:attr:`LayerCall.layer
-<pid_plugins.core.LayerCall>`, read in :meth:`EllipticalMethod.layer_params`). Facts read from the official code: the mean runs over the whole sequence (no padding mask,
-also in ``LRA/PrimalFormer``), the ratio is divided by ``delta`` before the max scaling and has no epsilon (``v^l ==
-v^{l-1}`` in a whole head gives 0/0), the first layer never rescales (it has no previous values), and ``m`` is
-computed from detached tensors under ``no_grad`` (here: from detached tensors only, which keeps checkpointing and
-``torch.compile`` exact). With grouped-query attention (transformers) the scaling of a key/value head serves each
+<pid_plugins.core.LayerCall>`, read in :meth:`EllipticalMethod.layer_params`). Facts read from the official code:
+the mean runs over the whole sequence (no padding mask, also in ``LRA/PrimalFormer``), the ratio is divided by
+``delta`` before the max scaling and has no epsilon (``v^l == v^{l-1}`` in a whole head gives 0/0), the first layer
+never rescales (it has no previous values), and ``m`` is computed from detached tensors under ``no_grad`` (here:
+from detached tensors only, which keeps checkpointing and ``torch.compile`` exact). With grouped-query attention (transformers) the scaling of a key/value head serves each
 query head of its group (the official code has no grouped heads).
 
 Causal models (``mean``). The official rule (``mean="sequence"``, the default) averages over the whole sequence,

@@ -32,8 +32,7 @@ thread a method's state): the layers with index ``>= from_layer``; the earlier o
 call of the zoo's attention). The index is the one the adapter passes with every call (:attr:`LayerCall.layer
 <pid_plugins.core.LayerCall>`, read in :meth:`Twicing.layer_params`): a Python int, so the choice is a constant for
 torch.fx and torch.compile, and the method hands nothing from layer to layer (no ``state_fields``). There is no
-strength parameter
-(no ZERO config): ``attention="softmax"`` with the same weights is the stock model.
+strength parameter (no ZERO config): ``attention="softmax"`` with the same weights is the stock model.
 """
 from __future__ import annotations
 
