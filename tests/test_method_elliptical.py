@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pid_plugins
-from pid_plugins.core import AttentionContext
+from pid_plugins.core import AttentionContext, LayerCall
 from pid_plugins.core.siblings.elliptical import EllipticalConfig, EllipticalMethod
 from zoo_cases import elliptical_prefix_rule, fairseq_reference, fs_incremental_logits
 from zoo_cases import (MM_TYPES, TIMM, assert_equal_or_both_none, bart_config, bert_config, bert_reference, fs_build,
@@ -93,8 +93,9 @@ def test_check_refuses_causal_and_cached_with_what_to_do():
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_layer_stack_matches_the_loop_statement(kv_heads):
-    """Four layers of the method with SDPA as the attention, against :func:`naive_layer`: the first layer plain, the
-    state (previous values, layer index) handed on by every layer, ``from_layer`` respected, grouped heads."""
+    """Four layers of the method (the one call, with each layer's index) with SDPA as the attention, against
+    :func:`naive_layer`: the first layer plain, the previous values handed on by every layer, ``from_layer``
+    respected, grouped heads."""
     g = torch.Generator().manual_seed(0)
     B, H, N, D = 2, 4, 5, 3
     for from_layer in (2, 3, 9):
@@ -107,12 +108,20 @@ def test_layer_stack_matches_the_loop_statement(kv_heads):
             def attend(query, value):
                 return torch.nn.functional.scaled_dot_product_attention(query, k, value, enable_gqa=True)
 
-            out, state = METHOD.forward(config, attend, q, v, v, state, head_dim=-3)
+            out, state = METHOD.apply(config, None, LayerCall(attend, q, v, v, layer=layer - 1), state)
             want = naive_attention(q, k, v) if layer == 1 else naive_layer(q, k, v, v_prev, layer, from_layer, 2.0)
             torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
-            assert torch.equal(state[0], v) and int(state[1]) == layer and not state[0].requires_grad
+            assert len(state) == 1 and torch.equal(state[0], v) and not state[0].requires_grad
             v_prev = v
         assert from_layer == 9 or not torch.allclose(out, naive_attention(q, k, v))
+    # from_layer=2 (every layer after the first) needs no index: the state tells the first layer; a later from_layer
+    # refuses a call without one, naming the method and what the adapter must pass
+    v_prev, v = v, torch.randn(B, kv_heads, N, D, generator=g, dtype=torch.float64)
+    call = LayerCall(attend, q, v, v)
+    torch.testing.assert_close(METHOD.apply(EllipticalConfig(delta=2.0), None, call, state)[0],
+                               naive_layer(q, k, v, v_prev, 2, 2, 2.0), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="'elliptical' reads the layer's index.*LayerCall\\(\\.\\.\\., layer=i\\)"):
+        METHOD.apply(EllipticalConfig(from_layer=3), None, call, state)
 
 
 def test_scales_take_no_gradient_and_follow_the_layout_of_the_update():
@@ -172,7 +181,7 @@ def test_timm_without_elliptical_layers_is_the_stock_model_bit_for_bit(kind, fus
     with torch.no_grad():
         want = stock(x)
         assert torch.equal(model(x), want) and torch.equal(softmax(x), want)
-    assert model.blocks[0].attn.state_size == 2  # the method's path ran (the state is threaded)
+    assert model.blocks[0].attn.state_size == 1  # the method's path ran (the state is threaded)
 
 
 @timm_cases

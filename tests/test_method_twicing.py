@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import pid_plugins
-from pid_plugins.core import AttentionContext, get_method
+from pid_plugins.core import AttentionContext, LayerCall, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
 from zoo_cases import TIMM as ZOO_TIMM
 from zoo_cases import (assert_equal_or_both_none, bart_config, bert_config, bert_reference,  # noqa: F401
@@ -83,7 +83,7 @@ def test_rule_matches_its_loop_statement_in_both_output_layouts(causal):
 
 def test_config_presets_and_validation():
     method = get_method(NAME)
-    assert isinstance(method, Twicing) and not method.additive and method.state_fields == ("layer",)
+    assert isinstance(method, Twicing) and not method.additive and method.state_fields == ()
     assert TwicingConfig.preset("vision") == TwicingConfig(from_layer=0) == method.configure(None, "hf")
     assert TwicingConfig.preset("lm").from_layer == 14
     assert method.configure({"from_layer": 3}, "timm") == TwicingConfig(3)
@@ -109,23 +109,30 @@ def test_check_refuses_only_attention_dropout():
 
 
 def test_from_layer_counts_the_layers_of_a_group():
-    """Five layers threaded through ``forward``: stock attention before ``from_layer``, twicing from it on."""
+    """Five layers, each the one call with its index in the group (``LayerCall.layer``): stock attention before
+    ``from_layer``, twicing from it on; nothing is handed from layer to layer."""
     method, config = get_method(NAME), TwicingConfig(from_layer=2)
     g = torch.Generator().manual_seed(1)
     state = None
     for layer in range(5):
         q, k, v = (torch.randn(1, 2, 4, 3, generator=g, dtype=torch.float64) for _ in range(3))
-        out, state = method.forward(config, lambda a, b: F.scaled_dot_product_attention(a, k, b), q, v, v, state)
+        plain = lambda a, b: F.scaled_dot_product_attention(a, k, b)  # noqa: E731
+        out, state = method.apply(config, None, LayerCall(plain, q, v, v, layer=layer), state)
         scores = q @ k.transpose(-1, -2) / 3 ** 0.5
-        want = twice64(scores, v) if layer >= 2 else torch.softmax(scores, -1) @ v
-        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
-        assert state[0].shape == (min(layer + 1, 2),)
-    assert method.forward(TwicingConfig(), lambda a, b: b, q, v, v, None)[1] == (None,)
-    # the attend step alone (as timm calls it) reads the layer's index from the state too
-    plain = lambda a, b: F.scaled_dot_product_attention(a, k, b)  # noqa: E731
-    torch.testing.assert_close(method.attend(config, plain, q, v, None), plain(q, v), rtol=0, atol=0)
-    torch.testing.assert_close(method.attend(config, plain, q, v, state), twice64(q @ k.transpose(-1, -2) / 3 ** 0.5, v),
-                               rtol=1e-12, atol=1e-12)
+        if layer >= 2:
+            torch.testing.assert_close(out, twice64(scores, v), rtol=1e-12, atol=1e-12)
+        else:  # the stock attention exactly: one call of the zoo's attention
+            torch.testing.assert_close(out, torch.softmax(scores, -1) @ v, rtol=1e-12, atol=1e-12)
+            assert torch.equal(out, plain(q, v))
+        assert state == ()
+    # the index decides, not the calls before: a group's layer 3 twices when called first
+    out, _ = method.apply(config, None, LayerCall(plain, q, v, v, layer=3), None)
+    torch.testing.assert_close(out, twice64(q @ k.transpose(-1, -2) / 3 ** 0.5, v), rtol=1e-12, atol=1e-12)
+    assert method.layer_params(config, None, layer=1) is None and method.layer_params(config, None, 2) is config
+    # from_layer=0 (every layer twices) needs no index; from_layer > 0 refuses a call without one, naming the method
+    assert method.apply(TwicingConfig(), None, LayerCall(plain, q, v, v), None)[1] == ()
+    with pytest.raises(ValueError, match="'twicing' reads the layer's index.*LayerCall\\(\\.\\.\\., layer=i\\)"):
+        method.apply(config, None, LayerCall(plain, q, v, v), None)
 
 
 def test_grouped_query_heads_and_a_cache_slot_are_exact():
@@ -190,7 +197,7 @@ def test_timm_matches_a_float64_reference_and_softmax_is_stock(kind, fused):
             got, state = h, None
             for blk in model.blocks:
                 got, state = blk.attn(got, state)
-            assert state == (None,)  # every layer twices: nothing to count
+            assert state == ()  # no state: the layer's index comes with each call
             torch.testing.assert_close(got, timm_attention_stack(stock, h, twiced_from(0)), rtol=1e-10, atol=1e-10)
     # from_layer past the last layer (the language preset, layers >= 14): every layer computes the stock attention
     late = timm.create_model(TIMM[kind][0], attention=NAME, attention_cfg="lm", **TIMM[kind][2]).eval()

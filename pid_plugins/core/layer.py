@@ -4,7 +4,7 @@ warm-up counter)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +14,7 @@ from .warmup import GainWarmup
 
 __all__ = [
     "MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config", "LAYER_ATTRIBUTES",
-    "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule", "warn_unfinished_warmup",
+    "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule", "warn_unfinished_warmup", "number_layers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -26,11 +26,15 @@ class MethodLayer:
     ``attention_method`` (the :class:`~pid_plugins.core.AttentionMethod`, None for softmax), ``pid`` (its config,
     the attribute PID layers always had) and ``pid_gains`` (the method's learnable per-layer parameters, from
     ``method.make_learned``, or None: the attribute name keeps saved PID checkpoints loading unchanged).
+    ``layer_index``: the layer's 0-based position within its group (set by the model that owns the group with
+    :func:`number_layers`, when it is built or converted; None for a layer outside a model), which the adapter
+    passes as :attr:`LayerCall.layer <pid_plugins.core.LayerCall>`.
     """
 
     attention_method: Optional[AttentionMethod]
     pid: Any
     pid_gains: Optional[nn.Module]
+    layer_index: Optional[int] = None
 
     def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
         """Switch the layer to ``choice`` (None: softmax); learnable parameters are (re)initialised on ``like``'s
@@ -106,10 +110,18 @@ class MethodModel:
         return method is not None and not method.is_identity(self.pid)
 
 
+def number_layers(layers: Iterable[MethodLayer]) -> None:
+    """Give the method layers of one group, in the order the model threads its method's state through them, their
+    0-based ``layer_index`` (a plain int attribute: not saved with the model, a constant for torch.fx and
+    torch.compile). A model calls it when it builds or converts its layers; each group counts from 0."""
+    for index, layer in enumerate(layers):
+        layer.layer_index = index
+
+
 # ------------------------------------------------------------------------------------ convert
 #: what :class:`MethodLayer` adds to its zoo's attention module: every adapter's ``convert(model, "softmax")``
 #: removes exactly these
-LAYER_ATTRIBUTES = ("attention_method", "pid", "pid_gains")
+LAYER_ATTRIBUTES = ("attention_method", "pid", "pid_gains", "layer_index")
 #: what :class:`MethodModel` adds to its zoo's model (or the module that owns a group of method layers)
 MODEL_ATTRIBUTES = ("attention_method", "pid", "pid_warmup", "_stock_plus_term", "_warmup_finished")
 

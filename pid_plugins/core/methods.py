@@ -12,14 +12,17 @@ per layer:
     method, config = choice.method, choice.config                      # frozen, validated parameters
     learned = method.make_learned(config)                              # per-layer parameters, or None
     # per layer, per forward:
-    call = LayerCall(attend, q, v, v_q, head_dim=-3, context=AttentionContext(causal=False), scale=warmup_scale)
+    call = LayerCall(attend, q, v, v_q, head_dim=-3, context=AttentionContext(causal=False), scale=warmup_scale,
+                     layer=index)                                      # the layer's 0-based index in its group
     out, state = method.apply(config, learned, call, state)
 
 ``attend(q, v)`` is the zoo's own attention with everything else bound (keys, mask, dropout, scale): it returns
 ``A v`` per head, in the layout the zoo's output projection reads (``head_dim`` says where the heads are). ``v_q``
 are the values of the query positions (the last rows with a KV cache) in that layout, ``state`` is ``None`` at the
 group's first layer and afterwards whatever the previous layer returned (a tuple of tensors or ``None``\\ s with the
-method's ``state_fields``, so adapters can thread it as flat tensors through checkpointed blocks). ``scale`` is the
+method's ``state_fields``, so adapters can thread it as flat tensors through checkpointed blocks). ``layer`` is the
+layer's 0-based index in that group (a Python int the adapter knows from the model's structure: a constant for
+torch.fx and torch.compile); a method reads it in :meth:`~AttentionMethod.layer_params`. ``scale`` is the
 gain warm-up factor of this forward (``None``: no warm-up), see :mod:`pid_plugins.core.warmup`. :class:`LayerCall`
 also carries what only some methods read (``visible``, a cache ``slot``: built on demand), the layer's output
 projection and the zoo's own fused layer (``stock``, the warm-up path of additive methods). :meth:`AttentionMethod.apply`
@@ -34,6 +37,7 @@ validated config (:class:`MethodConfig` gives presets, dict round trip and valid
 from __future__ import annotations
 
 import functools
+import inspect
 import keyword
 import logging
 import threading
@@ -73,7 +77,9 @@ class AttentionContext(NamedTuple):
 
 class AttentionMethod:
     """One layer-coupled attention method. Subclass it, set the class attributes, implement :meth:`update` (and
-    :meth:`prepare` / :meth:`attend` when the method changes the queries or calls attention more than once).
+    :meth:`prepare` / :meth:`attend` when the method changes the queries or calls attention more than once;
+    :meth:`layer_params` when a layer's rule depends on its learned parameters or on its index within the group,
+    which adapters pass as :attr:`LayerCall.layer`).
 
     Class attributes:
         name: the name users pick it by (``attention="<name>"``, ``attn_implementation="<name>"``).
@@ -127,9 +133,27 @@ class AttentionMethod:
             raise ValueError(f"attention method {self.name!r} has no learnable parameters: set learnable=False")
         return None
 
-    def layer_params(self, config: Any, learned: Optional[nn.Module]) -> Any:
-        """What one layer's rule reads: the config, or the learned values when the layer has them."""
+    def layer_params(self, config: Any, learned: Optional[nn.Module], layer: Optional[int] = None) -> Any:
+        """What one layer's rule reads (the ``params`` of :meth:`prepare`, :meth:`attend` and :meth:`update`): the
+        config, or the learned values when the layer has them (default: the config).
+
+        ``layer`` is the layer's 0-based index within its group (:attr:`LayerCall.layer`: the layers the adapter
+        threads the state through, in order), or None when the adapter gave none. A rule that depends on where the
+        layer sits (Twicing's and Elliptical's ``from_layer``) reads it here, through :meth:`require_layer`, and
+        returns what its layer computes: the index is a Python int, so a branch on it is a constant for torch.fx
+        and torch.compile, and the state stays the tensors layers hand on."""
         return config
+
+    def require_layer(self, layer: Optional[int]) -> int:
+        """``layer`` (see :meth:`layer_params`), or a ``ValueError`` naming this method when the adapter passed
+        none."""
+        if layer is None:
+            raise ValueError(
+                f"attention method {self.name!r} reads the layer's index within its group of layers, but the adapter "
+                "passed none: an adapter must call it with LayerCall(..., layer=i), i the 0-based position of the layer "
+                "among the layers it threads the method's state through (a layer called outside its model has none)"
+            )
+        return layer
 
     # ----------------------------------------------------------------------------------------- the rule
     def make_state(self, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
@@ -164,8 +188,8 @@ class AttentionMethod:
         previous layer's (flat tensors or this method's state; None at the group's first layer). Returns the layer's
         attention output (projected when the call has ``project``) and the state for the next layer.
 
-        Order: :meth:`check` (refusals before anything is computed), :meth:`layer_params`; then the zoo's stock
-        layer plus :meth:`term` when the call has a stock path under warm-up (additive methods), else
+        Order: :meth:`check` (refusals before anything is computed), :meth:`layer_params` (with ``call.layer``); then
+        the zoo's stock layer plus :meth:`term` when the call has a stock path under warm-up (additive methods), else
         :meth:`prepare`, :meth:`attend` (the zoo's attention once when the method keeps both defaults) and
         :meth:`update`."""
         return _apply(self, config, learned, call, state)
@@ -230,7 +254,11 @@ class LayerCall(NamedTuple):
     ``cache_slot``). ``project``: the layer's output projection (head layout in, layer output out), for adapters
     that own it; ``apply`` then returns the projected output. ``stock``: the zoo's own fused layer, for adapters
     that have one; under warm-up (``scale`` given) additive methods add their term to it. A call with ``stock`` and
-    ``scale`` needs only ``value_q`` (``attend``, ``query`` and ``value`` may be None)."""
+    ``scale`` needs only ``value_q`` (``attend``, ``query`` and ``value`` may be None). ``layer``: the layer's
+    0-based index within its group (the layers the adapter threads the method's state through, in order; separate
+    groups such as an encoder and a decoder count from 0 each), a Python int fixed when the model is built or
+    converted; :meth:`AttentionMethod.layer_params` receives it. None: the adapter does not know it (a method that
+    needs it refuses the call, :meth:`AttentionMethod.require_layer`)."""
 
     attend: Optional[Attend]
     query: Optional[Tensor]
@@ -243,6 +271,7 @@ class LayerCall(NamedTuple):
     slot: Optional[Callable[[], Optional["CacheSlot"]]] = None
     project: Optional[Callable[[Tensor], Tensor]] = None
     stock: Optional[StockPath] = None
+    layer: Optional[int] = None
 
 
 def method_check(method: AttentionMethod, config: Any, context: AttentionContext, query: Tensor) -> Tensor:
@@ -265,7 +294,7 @@ torch.fx.wrap("method_update")
 
 def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], call: LayerCall,
            state: Optional[tuple]) -> Tuple[Tensor, tuple]:
-    params = method.layer_params(config, learned)
+    params = method.layer_params(config, learned, layer=call.layer)
     previous = None if state is None else method.make_state(*state)
     if call.stock is not None and call.scale is not None and method.additive:
         method_check(method, config, call.context, call.value_q)
@@ -318,7 +347,7 @@ class PIDMethod(AttentionMethod):
     def make_learned(self, config: PIDConfig) -> Optional[nn.Module]:
         return PIDGains(config) if config.learnable else None
 
-    def layer_params(self, config: PIDConfig, learned: Optional[nn.Module]) -> Any:
+    def layer_params(self, config: PIDConfig, learned: Optional[nn.Module], layer: Optional[int] = None) -> Any:
         """The config (fixed gains), or the layer's learned ``lambda_p, lambda_i, lambda_d`` with the config's
         ``beta`` and first-layer rule (those are never learned)."""
         if learned is None:
@@ -385,6 +414,11 @@ def register_method(method: AttentionMethod, *, replace: bool = False) -> Attent
             raise TypeError(f"attention method {name!r} sets no {attr}")
     if not callable(getattr(method.config_type, "coerce", None)):
         raise TypeError(f"attention method {name!r}: config_type {method.config_type!r} has no coerce(value, default)")
+    if not _takes_layer(method.layer_params):
+        raise TypeError(
+            f"attention method {name!r}: layer_params(config, learned, layer) takes the layer's index within its "
+            "group (None when the adapter has none): add the parameter `layer: Optional[int] = None`"
+        )
     with _LOCK:
         _check_unreserved(name)
         if name in _METHODS and _METHODS[name] is not method and not replace:
@@ -394,6 +428,15 @@ def register_method(method: AttentionMethod, *, replace: bool = False) -> Attent
     for listener in listeners:
         listener(method)
     return method
+
+
+def _takes_layer(layer_params: Callable[..., Any]) -> bool:
+    """Whether ``layer_params`` accepts the keyword ``layer`` (by name, or as ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(layer_params).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
+        return True
+    return any(p.name == "layer" and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def get_method(name: str) -> AttentionMethod:

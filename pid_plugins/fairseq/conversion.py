@@ -31,8 +31,10 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import nn
 
 from ..core import MethodChoice, method_warmup, resolve_attention
-from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, settle_submodule, strip_attributes
-from .layers import PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
+from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, settle_submodule, strip_attributes
+from .layers import (
+    PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, self_attentions,
+)
 from .model import PIDTransformerLanguageModel
 
 __all__ = ["convert"]
@@ -101,7 +103,7 @@ def _check(model: nn.Module, choice: Optional[MethodChoice]) -> None:
                         f"{type(decoder).__name__}")
     if getattr(decoder, "cross_self_attention", False):
         raise TypeError(f"{_WHERE}: --cross-self-attention is not supported by transformer_lm_pid; the model has it")
-    for i, layer in enumerate(decoder.layers):
+    for i, layer in enumerate(decoder_layers(decoder)):
         attn = getattr(layer, "self_attn", None)
         if (type(layer), type(attn)) not in ((TransformerDecoderLayerBase, MultiheadAttention),
                                             (PIDTransformerDecoderLayer, PIDMultiheadAttention)):
@@ -126,13 +128,14 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
     """Stock (or method) transformer_lm -> the PID classes with ``choice``: class swaps, then what their
     ``__init__`` sets."""
     decoder = model.decoder
-    layers = list(decoder.layers)
+    layers = decoder_layers(decoder)
     for module in (model, decoder, *layers, *(layer.self_attn for layer in layers)):
         module.__class__ = _TO_METHOD.get(type(module), type(module))
     for layer in layers:
         attn = layer.self_attn
         attn.set_attention(choice, attn.q_proj.weight)
         settle_submodule(attn, "pid_gains")
+    number_layers(self_attentions(decoder))
     decoder.set_model_method(choice, decoder.embed_tokens.weight, stock_plus_term=True, where=_WHERE)
     settle_submodule(decoder, "pid_warmup")
 
@@ -140,7 +143,7 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
 def _to_stock(model: nn.Module) -> None:
     """(Method) transformer_lm -> fairseq's own classes, with everything pid-plugins added removed."""
     decoder = model.decoder
-    for layer in decoder.layers:
+    for layer in decoder_layers(decoder):
         strip_attributes(layer.self_attn, LAYER_ATTRIBUTES)
         layer.self_attn.__class__ = _TO_STOCK.get(type(layer.self_attn), type(layer.self_attn))
         layer.__class__ = _TO_STOCK.get(type(layer), type(layer))

@@ -30,7 +30,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
-from ..core.layer import MethodLayer, MethodModel
+from ..core.layer import MethodLayer, MethodModel, number_layers
 
 __all__ = ["GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
@@ -110,7 +110,8 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
                                                   attn_mask=attn_mask)[0]
 
             v = self.v_proj(x).view(T, B, H, D).permute(1, 2, 0, 3)
-            call = LayerCall(None, None, None, v, context=context, scale=scale, stock=StockPath(stock, project_term))
+            call = LayerCall(None, None, None, v, context=context, scale=scale, stock=StockPath(stock, project_term),
+                             layer=self.layer_index)
             return self.apply_method(call, state)
         q, k, v = self._qkv(x)
         v_query = v
@@ -144,7 +145,8 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         def project(out: Tensor) -> Tensor:
             return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
 
-        call = LayerCall(attend, q, v, v_query, context=context, visible=visible, slot=slot, project=project)
+        call = LayerCall(attend, q, v, v_query, context=context, visible=visible, slot=slot, project=project,
+                         layer=self.layer_index)
         return self.apply_method(call, state)
 
 
@@ -240,6 +242,17 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         return x, None, None, pid_state
 
 
+def decoder_layers(decoder: TransformerDecoder) -> List[Any]:
+    """The decoder's layers in order, every one (iterating fairseq's ``LayerDropModuleList`` in training mode yields a
+    random subset)."""
+    return [decoder.layers[i] for i in range(len(decoder.layers))]
+
+
+def self_attentions(decoder: TransformerDecoder) -> List[MultiheadAttention]:
+    """The decoder's self-attention modules in layer order: the method's group."""
+    return [layer.self_attn for layer in decoder_layers(decoder)]
+
+
 class PIDTransformerDecoder(MethodModel, TransformerDecoder):
     """fairseq's decoder built with :class:`PIDTransformerDecoderLayer` layers, the method's state threaded through
     the layer loop (one fresh state per forward). ``choice``: :func:`attention_from_args` (None: softmax)."""
@@ -252,6 +265,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         self.set_model_method(choice, self.embed_tokens.weight, stock_plus_term=True, where="transformer_lm_pid")
+        number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
         """fairseq's upgrade (run on every checkpoint load), then one warning when this decoder warms up but the

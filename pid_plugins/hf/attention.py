@@ -11,7 +11,11 @@ model's forward pre-hook (:mod:`pid_plugins.hf.discovery`) put in the forward's 
   cache's own length tensor (no ``int()``: compiled decoding does not recompile per step);
 * cross-attention (marked by discovery) runs the base attention unchanged;
 * learnable parameters: the module's own ``pid_gains`` (see :mod:`pid_plugins.hf.gains`);
-* one attention module run twice in a forward (ALBERT's shared layers) is refused at the layer that meets it.
+* one attention module run twice in a forward (ALBERT's shared layers) is refused at the layer that meets it;
+* the layer's index in its group (:attr:`~pid_plugins.core.LayerCall.layer`) is its position among the
+  self-attention modules of its stack, from discovery (the number of earlier layers it reads its state from; no
+  ``layer_idx`` needed: every self-attention module discovery finds has one; it equals ``layer_idx`` where a family
+  numbers its layers).
 
 :func:`method_mask` is the base attention's mask function (``config.pid_attention_base``).
 
@@ -198,6 +202,7 @@ def method_attention_forward(
         scale=run.scale,
         visible=lambda: _visible(module, attention_mask, query, key, kwargs),
         slot=lambda: _slot(run, module, q_len, length),
+        layer=index if earlier is None else len(earlier),  # its position in its stack (encoder, decoder: each from 0)
     )
     u, layers[index] = method.apply(run.config, learned, call, previous)
     return u, weights

@@ -26,7 +26,9 @@ from ..core import (
     SOFTMAX, AttentionContext, AttentionMethod, LayerCall, MethodChoice, PIDConfig, StockPath, check_keys,
     resolve_attention, unwrap_state_dict,
 )
-from ..core.layer import LAYER_ATTRIBUTES, MethodLayer, MethodModel, settle_submodule, strip_attributes
+from ..core.layer import (
+    LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, settle_submodule, strip_attributes,
+)
 from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
@@ -45,13 +47,16 @@ def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     place: the same module objects, their class swapped. A choice that computes the stock attention (softmax, an
     identity config) leaves (or makes) them mmseg's own layers, without anything pid-plugins added; otherwise every
     layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for learnable parameters,
-    a fresh ``pid_gains`` module (initial values, on the layer's device, dtype and train/eval mode)."""
+    a fresh ``pid_gains`` module (initial values, on the layer's device, dtype and train/eval mode) and its position in
+    ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
     stock = choice is None or choice.method.is_identity(choice.config)
     for layer in layers:
         if stock:
             to_stock_layer(layer)
         else:
             to_method_layer(layer, choice)
+    if not stock:
+        number_layers(layers)
 
 
 def to_method_layer(layer: TransformerEncoderLayer, choice: MethodChoice) -> None:
@@ -114,7 +119,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
             v = F.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None else mha.in_proj_bias[2 * C:])
             call = LayerCall(None, None, None, v.reshape(B, N, heads, C // heads).transpose(1, 2), context=context,
-                             scale=scale, stock=StockPath(stock, project_term))
+                             scale=scale, stock=StockPath(stock, project_term), layer=self.layer_index)
             return self.apply_method(call, state)
         qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
         q, k, v = qkv.reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4).unbind(0)
@@ -126,7 +131,8 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         def project(out: Tensor) -> Tensor:
             return mha.out_proj(out.transpose(1, 2).reshape(B, N, C))
 
-        return self.apply_method(LayerCall(attend, q, v, v, context=context, project=project), state)
+        return self.apply_method(LayerCall(attend, q, v, v, context=context, project=project, layer=self.layer_index),
+                                 state)
 
     def forward(self, x: Tensor, state: Optional[tuple] = None,  # type: ignore[override]
                 scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:

@@ -58,14 +58,15 @@ class MethodLayer(CoreMethodLayer):
 
         ``attend(q, v)`` is the layer's stock attention (keys, mask, dropout bound). The stock path (softmax, or
         a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through; otherwise
-        the method's one :meth:`~pid_plugins.core.AttentionMethod.apply`, whose refusals and update step are leaves
-        for torch.fx (:func:`~pid_plugins.core.methods.method_check`, :func:`~pid_plugins.core.methods.method_update`).
+        the method's one :meth:`~pid_plugins.core.AttentionMethod.apply` (with the layer's ``layer_index``, its
+        position among the model's blocks), whose refusals and update step are leaves for torch.fx (:func:`~pid_plugins.core.methods.method_check`, :func:`~pid_plugins.core.methods.method_update`).
         """
         if not self.method_active:
             return attend(q, v), state
         drop = getattr(self, "attn_drop", None)
         context = AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0)
-        return self.apply_method(LayerCall(attend, q, v, v, context=context, scale=scale), state)
+        return self.apply_method(LayerCall(attend, q, v, v, context=context, scale=scale, layer=self.layer_index),
+                                 state)
 
 
 # timm's own fx leaf list (its feature extraction traces with it; plain torch.fx uses core's torch.fx.wrap)

@@ -28,7 +28,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from ..core import MethodChoice
-from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, settle_submodule, strip_attributes
+from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, settle_submodule, strip_attributes
 from ._helpers import resolve_timm_attention
 from .fan import FAN
 from .vision_transformer import (
@@ -141,6 +141,7 @@ def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.q.weight)
         settle_submodule(blk.attn, "pid_gains")
+    number_layers(blk.attn for blk in model.blocks)
     model.set_model_method(choice, next(model.parameters()), where=type(model).__name__)
     settle_submodule(model, "pid_warmup")
 

@@ -35,7 +35,7 @@ from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, Positiona
 from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core.layer import MethodModel
+from ..core.layer import MethodModel, number_layers
 from ..core import (
     MethodChoice, unwrap_state_dict,
 )
@@ -251,6 +251,7 @@ class FAN(MethodModel, nn.Module):
                      choice=choice, **dd)
             for _ in range(depth)
         )
+        number_layers(blk.attn for blk in self.blocks)  # the FAN blocks are the method's group
         self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
         self.cls_attn_blocks = nn.ModuleList(
             ClassAttentionBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,

@@ -27,7 +27,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from ..catalogue import ModelEntry
-from ..core.layer import MethodModel
+from ..core.layer import MethodModel, number_layers
 from ..core import (
     MethodChoice,
 )
@@ -152,6 +152,7 @@ class _PIDViTMixin(MethodModel):
 
     def _set_model_attention(self, choice: Optional[MethodChoice]) -> None:
         self.set_model_method(choice, next(self.parameters()), where=type(self).__name__)
+        number_layers(blk.attn for blk in self.blocks)  # the blocks are the method's group
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:

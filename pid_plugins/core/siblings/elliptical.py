@@ -11,11 +11,12 @@ projection split into heads, before attention) and the previous layer's ``v^{l-1
     u^l           = softmax(q k^T * scale + mask) v^l                               (layers l <  from_layer)
 
 Every layer hands its values on (the official blocks return them whether or not they rescale their queries), so the
-state is ``(v^l, l)``. Facts read from the official code: the mean runs over the whole sequence (no padding mask,
-also in ``LRA/PrimalFormer``), the ratio is divided by ``delta`` before the max scaling and has no epsilon (``v^l ==
-v^{l-1}`` in a whole head gives 0/0), the first layer never rescales (it has no previous values), and ``m`` is
-computed from detached tensors under ``no_grad`` (here: from detached tensors only, which keeps checkpointing and
-``torch.compile`` exact). With grouped-query attention (transformers) the scaling of a key/value head serves each
+state is ``(v^l,)``; the layer's index ``l`` is the one the adapter passes with every call (:attr:`LayerCall.layer
+<pid_plugins.core.LayerCall>`, read in :meth:`EllipticalMethod.layer_params`). Facts read from the official code:
+the mean runs over the whole sequence (no padding mask, also in ``LRA/PrimalFormer``), the ratio is divided by
+``delta`` before the max scaling and has no epsilon (``v^l == v^{l-1}`` in a whole head gives 0/0), the first layer
+never rescales (it has no previous values), and ``m`` is computed from detached tensors under ``no_grad`` (here:
+from detached tensors only, which keeps checkpointing and ``torch.compile`` exact). With grouped-query attention (transformers) the scaling of a key/value head serves each
 query head of its group (the official code has no grouped heads).
 
 Causal models (``mean``). The official rule (``mean="sequence"``, the default) averages over the whole sequence,
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
 from ..methods import AttentionContext, AttentionMethod, register_method
@@ -117,13 +118,13 @@ def elliptical_prefix_scales(value: Tensor, value_prev: Tensor, delta: float, vi
 
 class EllipticalMethod(AttentionMethod):
     """Elliptical attention: the queries scaled per dimension by :func:`elliptical_scales` (:meth:`prepare`), one
-    call of the zoo's attention, the values handed on (:meth:`update`). State: ``(v_prev, layer)``, the previous
-    layer's values ``(B, H_kv, N, D)`` (detached) and its 1-based index in the group (a 0-dim int64 tensor, so
-    ``from_layer`` is applied without Python branching on values: torch.fx and torch.compile trace it)."""
+    call of the zoo's attention, the values handed on (:meth:`update`). State: ``(v_prev,)``, the previous layer's
+    values ``(B, H_kv, N, D)`` (detached). Which layers rescale: :meth:`layer_params`, from the layer's index (a
+    Python int: a constant for torch.fx and torch.compile)."""
 
     name = "elliptical"
     config_type = EllipticalConfig
-    state_fields = ("v_prev", "layer")
+    state_fields = ("v_prev",)
     default_presets = {"timm": "deit", "mmseg": "segmenter", "hf": "deit", "fairseq": "lm", "*": "deit"}
     additive = False
     keys_state = True
@@ -146,14 +147,23 @@ class EllipticalMethod(AttentionMethod):
                 "(use_cache=False / no incremental state)"
             )
 
-    def prepare(self, params: EllipticalConfig, query: Tensor, value: Tensor, state: Optional[tuple],
+    def layer_params(self, config: EllipticalConfig, learned: Optional[nn.Module],
+                     layer: Optional[int] = None) -> Optional[EllipticalConfig]:
+        """The config at the layers that rescale their queries (1-based index ``>= from_layer``: 0-based ``layer +
+        1``), None at the earlier ones (they keep their queries and only hand their values on). With
+        ``from_layer=2`` that is every layer after the group's first, which the state tells (no index needed)."""
+        if config.from_layer > 2 and self.require_layer(layer) + 1 < config.from_layer:
+            return None
+        return config
+
+    def prepare(self, params: Optional[EllipticalConfig], query: Tensor, value: Tensor, state: Optional[tuple],
                 visible: Optional[Tensor] = None) -> Tensor:
-        """``q diag(m)`` from the layer ``from_layer`` on; unchanged (``q * 1``, exact) before, and at the group's
-        first layer. ``query`` ``(B, H, q, D)``, ``value`` ``(B, H_kv, K, D)``; the previous layer's values
-        (the state) cover the same key positions."""
-        if state is None:
+        """``q diag(m)`` at a layer that rescales (``params``: :meth:`layer_params`); the queries unchanged before
+        ``from_layer`` (``params`` None) and at the group's first layer (``state`` None). ``query`` ``(B, H, q, D)``,
+        ``value`` ``(B, H_kv, K, D)``; the previous layer's values (the state) cover the same key positions."""
+        if state is None or params is None:
             return query
-        value_prev, layer = state[0], state[1]
+        value_prev = state[0]
         if not torch.jit.is_tracing() and value_prev.shape != value.shape:
             raise ValueError(
                 f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} but the previous "
@@ -165,18 +175,15 @@ class EllipticalMethod(AttentionMethod):
             m = elliptical_scales(value, value_prev, params.delta).to(query.dtype)[:, :, None, None, :]
         else:
             m = elliptical_prefix_scales(value, value_prev, params.delta, visible).to(query.dtype)[:, :, None]
-        m = torch.where(layer + 1 >= params.from_layer, m, torch.ones_like(m))
         # key/value head j serves query heads j*r .. j*r + r - 1 (r = 1 without grouped-query attention)
         grouped = query.unflatten(1, (value.shape[1], -1))
         return (grouped * m).flatten(1, 2)
 
-    def update(self, params: EllipticalConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
+    def update(self, params: Optional[EllipticalConfig], out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
         """The attention output unchanged; the state: this layer's values at every key position (``keys_state``)
-        in ``(B, H_kv, K, D)`` and its index."""
-        value = value_q.detach().movedim(head_dim, -3)
-        layer = torch.ones((), dtype=torch.long, device=value.device) if state is None else state[1] + 1
-        return out, (value, layer)
+        in ``(B, H_kv, K, D)``."""
+        return out, (value_q.detach().movedim(head_dim, -3),)
 
 
 register_method(EllipticalMethod())

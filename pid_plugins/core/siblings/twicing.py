@@ -28,10 +28,11 @@ reads positions ``<= j``. Two cases the official code does not have (../shared/s
   method reads it back for every key position. Decoding with the cache equals recomputing the prefix.
 
 Which layers twice: ``from_layer`` (0-based, counted over the layers of a group in order, the way the adapters
-thread a method's state): the layers with index ``>= from_layer``; the earlier ones compute the stock attention.
-The layer index travels in the state as the *length* of a small boolean tensor (capped at ``from_layer``), so it is
-a static shape for ``torch.compile`` and a plain tensor for checkpointed blocks. There is no strength parameter
-(no ZERO config): ``attention="softmax"`` with the same weights is the stock model.
+thread a method's state): the layers with index ``>= from_layer``; the earlier ones compute the stock attention (one
+call of the zoo's attention). The index is the one the adapter passes with every call (:attr:`LayerCall.layer
+<pid_plugins.core.LayerCall>`, read in :meth:`Twicing.layer_params`): a Python int, so the choice is a constant for
+torch.fx and torch.compile, and the method hands nothing from layer to layer (no ``state_fields``). There is no
+strength parameter (no ZERO config): ``attention="softmax"`` with the same weights is the stock model.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
 from ..control import expand_heads
@@ -87,22 +88,16 @@ def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -
     return once + attend(query, values - smoothed)
 
 
-def _layer(state: Optional[tuple]) -> int:
-    """This layer's index in its group, from the previous layer's state (see :meth:`Twicing.update`)."""
-    if state is None or state[0] is None:
-        return 0
-    return state[0].shape[0]
-
-
 class Twicing(AttentionMethod):
     """Twicing attention, ``A v + A (v - A v)`` (see the module docstring): two calls of the zoo's attention.
 
-    :meth:`attend` reads the layer's index from the previous layer's state and the output layout from ``head_dim``.
+    :meth:`layer_params` decides from the layer's index whether the layer twices; :meth:`attend` reads the output
+    layout from ``head_dim``. No state: nothing is handed from layer to layer.
     """
 
     name = "twicing"
     config_type = TwicingConfig
-    state_fields = ("layer",)
+    state_fields = ()
     default_presets = {"*": "vision"}
     additive = False
     cache_slot = True
@@ -115,22 +110,26 @@ class Twicing(AttentionMethod):
                 "attention_dropout, mmseg attn_drop_rate, fairseq --attention-dropout) or run the model in eval mode"
             )
 
-    def attend(self, params: TwicingConfig, attend: Attend, query: Tensor, value: Tensor,
+    def layer_params(self, config: TwicingConfig, learned: Optional[nn.Module],
+                     layer: Optional[int] = None) -> Optional[TwicingConfig]:
+        """The config at the layers that twice (index ``>= from_layer``), None at the earlier ones (they compute the
+        stock attention). With ``from_layer=0`` every layer twices, whatever the index (None included)."""
+        if config.from_layer and self.require_layer(layer) < config.from_layer:
+            return None
+        return config
+
+    def attend(self, params: Optional[TwicingConfig], attend: Attend, query: Tensor, value: Tensor,
                state: Optional[tuple] = None, head_dim: int = -3, slot: Optional[CacheSlot] = None) -> Tensor:
-        """``A v + A (v - A v)`` from layer ``from_layer`` on (the layer's index from the previous layer's state),
-        ``A v`` before."""
-        if _layer(state) >= params.from_layer:
+        """``A v + A (v - A v)`` at a layer that twices (``params``: :meth:`layer_params`), ``A v`` at one before
+        ``from_layer`` (``params`` None)."""
+        if params is not None:
             return twicing_rule(attend, query, value, head_dim, slot)
         return attend(query, value)
 
-    def update(self, params: TwicingConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
+    def update(self, params: Optional[TwicingConfig], out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
-        """The output unchanged; the state: this layer's index + 1 as the length of a boolean tensor
-        (capped at ``from_layer``: every later layer twices), or None when every layer twices."""
-        if not params.from_layer:
-            return out, (None,)
-        count = min(_layer(state) + 1, params.from_layer)
-        return out, (torch.zeros(count, dtype=torch.bool, device=value_q.device),)
+        """The output unchanged, and no state."""
+        return out, ()
 
 
 register_method(Twicing())

@@ -131,7 +131,8 @@ class ValueResidualMethod(AttentionMethod):
     def make_learned(self, config: ValueResidualConfig) -> Optional[nn.Module]:
         return ValueResidualLambdas(config) if config.learnable else None
 
-    def layer_params(self, config: ValueResidualConfig, learned: Optional[nn.Module]) -> Any:
+    def layer_params(self, config: ValueResidualConfig, learned: Optional[nn.Module],
+                     layer: Optional[int] = None) -> Any:
         """``(lambda_1, lambda_2)``: the config's numbers, or the layer's trained ones."""
         if learned is None:
             return (config.lambda_1, config.lambda_2)
