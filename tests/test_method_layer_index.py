@@ -79,17 +79,28 @@ def test_the_index_reaches_layer_params_and_a_method_that_needs_it_is_refused_wi
     assert NeedsIndex().apply(LayerProbeConfig(), None, LayerCall(attend, q, v, v, layer=1), None)[1] == ()
 
 
-def test_register_refuses_a_layer_params_without_the_index():
+def test_a_method_written_before_the_index_keeps_working():
+    """A user's method whose ``layer_params(config, learned)`` predates ``LayerCall.layer`` registers and runs
+    unchanged: it is called without the index (which it never read)."""
+    from pid_plugins.core import LayerCall
+
     class Old(LayerProbe):
         name = "old_layer_params"
 
         def layer_params(self, config, learned):  # the signature before LayerCall.layer
+            self.seen.append("old")
             return config
 
-    with pytest.raises(TypeError, match=r"'old_layer_params': layer_params\(config, learned, layer\).*"
-                                        r"layer: Optional\[int\] = None"):
-        pid_plugins.register_method(Old())
-    assert "old_layer_params" not in pid_plugins.list_methods()
+    old = pid_plugins.register_method(Old(), replace=True)
+    try:
+        q = v = torch.randn(1, 2, 3, 4)
+        attend = lambda a, b: torch.nn.functional.scaled_dot_product_attention(a, a, b)  # noqa: E731
+        out, state = old.apply(LayerProbeConfig(), None, LayerCall(attend, q, v, v, layer=3), None)
+        assert torch.equal(out, attend(q, v)) and state == () and old.seen == ["old"]
+    finally:
+        from pid_plugins.core import methods
+
+        methods._METHODS.pop("old_layer_params", None)
 
 
 # ================================================================================================ timm

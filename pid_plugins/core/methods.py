@@ -294,7 +294,10 @@ torch.fx.wrap("method_update")
 
 def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], call: LayerCall,
            state: Optional[tuple]) -> Tuple[Tensor, tuple]:
-    params = method.layer_params(config, learned, layer=call.layer)
+    if _takes_layer(type(method)):
+        params = method.layer_params(config, learned, layer=call.layer)
+    else:  # a method written before LayerCall.layer: layer_params(config, learned)
+        params = method.layer_params(config, learned)
     previous = None if state is None else method.make_state(*state)
     if call.stock is not None and call.scale is not None and method.additive:
         method_check(method, config, call.context, call.value_q)
@@ -414,11 +417,6 @@ def register_method(method: AttentionMethod, *, replace: bool = False) -> Attent
             raise TypeError(f"attention method {name!r} sets no {attr}")
     if not callable(getattr(method.config_type, "coerce", None)):
         raise TypeError(f"attention method {name!r}: config_type {method.config_type!r} has no coerce(value, default)")
-    if not _takes_layer(method.layer_params):
-        raise TypeError(
-            f"attention method {name!r}: layer_params(config, learned, layer) takes the layer's index within its "
-            "group (None when the adapter has none): add the parameter `layer: Optional[int] = None`"
-        )
     with _LOCK:
         _check_unreserved(name)
         if name in _METHODS and _METHODS[name] is not method and not replace:
@@ -430,10 +428,13 @@ def register_method(method: AttentionMethod, *, replace: bool = False) -> Attent
     return method
 
 
-def _takes_layer(layer_params: Callable[..., Any]) -> bool:
-    """Whether ``layer_params`` accepts the keyword ``layer`` (by name, or as ``**kwargs``)."""
+@functools.lru_cache(maxsize=None)
+def _takes_layer(kind: type) -> bool:
+    """Whether ``kind.layer_params`` accepts the keyword ``layer`` (by name, or as ``**kwargs``). A method written
+    before :attr:`LayerCall.layer` existed (``layer_params(config, learned)``) keeps working: it is called without
+    the index, which it never read."""
     try:
-        parameters = inspect.signature(layer_params).parameters.values()
+        parameters = inspect.signature(kind.layer_params).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
         return True
     return any(p.name == "layer" and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)
