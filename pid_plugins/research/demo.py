@@ -176,10 +176,12 @@ def demo_specs(quick: bool, seed: int = 0, data: str = "auto", corpus: str = "wi
     from .experiments import LanguageSpec, VisionSpec
 
     if quick:
-        vision = VisionSpec(data=data, epochs=0.15, test_limit=200, pgd_steps=3, eps_sweep=(0.0, 2 / 255, 4 / 255),
-                            noise_sigmas=(0.1, 0.3), corruptions=("gaussian_noise", "contrast"), severities=(1, 3, 5),
-                            diag_samples=64, seed=seed)
-        language = LanguageSpec(corpus=corpus, steps=60, valid_blocks=16, seed=seed)
+        # smaller models than the full run's (the same code paths: timm's blocks, transformers' GQA Llama)
+        vision = VisionSpec(data=data, embed_dim=64, depth=4, num_heads=2, epochs=0.15, test_limit=200, pgd_steps=3,
+                            eps_sweep=(0.0, 2 / 255, 4 / 255), noise_sigmas=(0.1, 0.3),
+                            corruptions=("gaussian_noise", "contrast"), severities=(1, 3, 5), diag_samples=64, seed=seed)
+        language = LanguageSpec(corpus=corpus, seq_len=64, hidden_size=64, num_layers=3, steps=60, valid_blocks=16,
+                                seed=seed)
     else:
         vision = VisionSpec(data=data, epochs=1.0, test_limit=500, pgd_steps=10, seed=seed)
         language = LanguageSpec(corpus=corpus, steps=800, valid_blocks=64, seed=seed)
