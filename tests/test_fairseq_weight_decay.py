@@ -151,9 +151,10 @@ checkpoint: {{save_dir: {save_dir}, no_epoch_checkpoints: true}}
 """
 
 
-def test_fairseq_hydra_train_with_a_gains_group(tmp_path, data_dir):
-    """The real CLI: fairseq-hydra-train with the composite config above trains, its checkpoint's optimizer state
-    has the gains (and only them) in a group with weight_decay 0, and training resumes from it."""
+def test_fairseq_hydra_train_with_a_gains_group(tmp_path, data_dir, tiny_fairseq_data_bin):
+    """The real CLI: fairseq-hydra-train with the composite config above trains (on the session's tiny corpus,
+    tests/conftest.py), its checkpoint's optimizer state has the gains (and only them) in a group with
+    weight_decay 0, and training resumes from it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                HYDRA_FULL_ERROR="1")
 
@@ -163,14 +164,8 @@ def test_fairseq_hydra_train_with_a_gains_group(tmp_path, data_dir):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout + proc.stderr
 
-    words = [f"w{i}" for i in range(12)]
-    lines = [" ".join(words[(5 * i + j) % 12] for j in range(8)) for i in range(60)]
-    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
-    (tmp_path / "valid.txt").write_text("\n".join(lines[:8]) + "\n")
-    run(["fairseq-preprocess", "--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt",
-         "--destdir", "data-bin", "--workers", "1"])
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "gains.yaml").write_text(YAML.format(user_dir=pf.USER_DIR, data=tmp_path / "data-bin",
+    (tmp_path / "conf" / "gains.yaml").write_text(YAML.format(user_dir=pf.USER_DIR, data=tiny_fairseq_data_bin,
                                                               save_dir=tmp_path / "ck"))
     log = run(["fairseq-hydra-train", "--config-dir", tmp_path / "conf", "--config-name", "gains"])
     assert "lr_pid_gains=0.001" in log and "model: PIDTransformerLanguageModel" in log
