@@ -128,9 +128,11 @@ def run_lm(args: argparse.Namespace) -> None:
             print(f"{name}: recorded already, skipped", flush=True)
             continue
         arm = arms[name]
-        from transformers import AutoModelForCausalLM  # noqa: F401  (the model class below comes from base)
+        from transformers.initialization import no_init_weights
 
-        model = type(base)(base.config.__class__.from_dict(base.config.to_dict()))
+        with no_init_weights():  # no random initialisation: every weight is loaded from `state` below
+            model = type(base)(base.config.__class__.from_dict(base.config.to_dict()))
+        model.tie_weights()  # (init_weights ties the embedding and the LM head; skipped above)
         model.load_state_dict(state)
         model.set_attn_implementation("sdpa")
         result: Dict[str, Any] = {"arm": arm}
