@@ -342,3 +342,22 @@ def test_rename_legacy_keys_only_below_modules_that_hold_a_method():
         "plain.pid_gains.lambda_p_raw": 3, "vit.blocks.0.pid_gains.x": 4,
         "vit.blocks.1.attn.pid_gains.lambda_p_raw": 5,  # today's name is there already: it wins
         "vit.blocks.1.attn.attention_params.lambda_p_raw": 6}
+
+
+def test_the_shipped_hook_refuses_custom_keys_naming_pid_gains():
+    """WeightsOnlyCheckpointHook (in the shipped configs' custom_hooks) runs the check when a run starts."""
+    _mmseg()
+    from types import SimpleNamespace
+
+    from mmengine.config import Config
+
+    from pid_plugins.mmseg import WeightsOnlyCheckpointHook
+
+    hook, model = WeightsOnlyCheckpointHook(), make.mmseg_segmentor()
+    old = Config(dict(optim_wrapper=dict(paramwise_cfg=dict(custom_keys={"pid_gains": dict(decay_mult=0.0)}))))
+    with pytest.raises(ValueError, match="renamed each layer's learnable method parameters from 'pid_gains'"):
+        hook.before_run(SimpleNamespace(cfg=old, model=model))
+    new = Config(dict(optim_wrapper=dict(paramwise_cfg=dict(custom_keys={"attention_params": dict(decay_mult=0.0)}))))
+    runner = SimpleNamespace(cfg=new, model=model)
+    hook.before_run(runner)
+    hook.after_run(runner)
