@@ -50,7 +50,8 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
     """fairseq self-attention (same parameters) whose output the attention method computes.
 
     ``attention_method`` (an :class:`~pid_plugins.core.AttentionMethod`, or None for softmax) and
-    ``attention_config`` (its config) are given at construction; a method with learnable parameters keeps them as ``attention_params``.
+    ``attention_config`` (its config) are given at construction; a method with learnable parameters keeps them as
+    ``attention_params``.
     """
 
     def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
@@ -277,7 +278,8 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         cfg = TransformerConfig.from_namespace(args)
         if cfg.checkpoint_activations:
             raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
-        layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method, config=self.attention_config)
+        layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method,
+                                           config=self.attention_config)
         wrapped = fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
         if wrapped is not layer:  # fairscale's FullyShardedDataParallel (--ddp-backend fully_sharded): untested here
             raise ValueError(

@@ -60,8 +60,9 @@ def _warmup_steps(config: Any) -> int:
 
 
 def give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
-    """Make ``counter`` ``model``'s ``attention_warmup``; a checkpoint without it loads without a missing-key report (the
-    wrapped ``_initialize_weights`` of :mod:`pid_plugins.hf.install` starts it at 0)."""
+    """Make ``counter`` ``model``'s ``attention_warmup``; a checkpoint without it loads without a missing-key report
+    (the wrapped ``_initialize_weights`` of :mod:`pid_plugins.hf.install` starts it at 0), one saved as
+    ``pid_warmup`` (before the rename) under the new name (:func:`~pid_plugins.core.layer.accept_legacy_keys`)."""
     ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
     model._keys_to_ignore_on_load_missing = {*(ignore or ()), WARMUP_MISSING_KEY}
     setattr(model, WARMUP_ATTR, counter)

@@ -38,7 +38,8 @@ __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mm
 def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
                      options: Optional[Dict[str, Any]] = None) -> Optional[MethodChoice]:
     """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg: None for softmax, else the method and its
-    parameters over its ``mmseg`` preset (learnable parameters included: each layer gets its own ``attention_params``)."""
+    parameters over its ``mmseg`` preset (learnable parameters included: each layer gets its own
+    ``attention_params``)."""
     return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, where=where, options=options)
 
 
@@ -76,9 +77,9 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
     """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``.
 
     Built from one of mmseg's own layers, whose submodules (``ln1``, ``attn``, ``ln2``, ``ffn``) it takes over:
-    same parameter names, devices, dtypes and train/eval mode. ``pid`` holds the method's config (PID's gains for
-    ``attention='pid'``), ``attention_method`` the method and ``attention_params`` its learnable parameters (a module from
-    the method's ``make_learned``, e.g. PID's ``{"learnable": True}`` gains, value residual's lambdas), or None.
+    same parameter names, devices, dtypes and train/eval mode. ``attention_config`` holds the method's config (PID's
+    gains for ``attention='pid'``), ``attention_method`` the method and ``attention_params`` its learnable parameters
+    (a module from the method's ``make_learned``, e.g. PID's ``{"learnable": True}`` gains, value residual's lambdas), or None.
     :class:`PIDVisionTransformer` and :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` switch their
     layers in place instead (:func:`method_layers`, the same result).
     """
