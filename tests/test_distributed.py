@@ -162,7 +162,8 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
     train_timm_one_process(model)
     run0, run1 = r0["runs"]["warmup"], r1["runs"]["warmup"]
     assert_same_params(run0["state_dict"], run1["state_dict"])
-    assert int(run0["state_dict"]["attention_warmup.step"]) == int(run1["state_dict"]["attention_warmup.step"]) == cases.TIMM_STEPS
+    steps = [int(run["state_dict"]["attention_warmup.step"]) for run in (run0, run1)]
+    assert steps == [cases.TIMM_STEPS] * 2
     assert_close_params(run0["state_dict"], model.state_dict())
 
 

@@ -119,7 +119,8 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
 
     model, _ = build(data_dir, extra=["--pid-lambda-p", "0.7", "--pid-lambda-i", "0.4", "--pid-lambda-d", "0.2",
                                       "--pid-beta", "0.6", "--pid-control-first-layer", str(control_first_layer)])
-    assert all(layer.self_attn.attention_config.control_first_layer is control_first_layer for layer in model.decoder.layers)
+    assert all(layer.self_attn.attention_config.control_first_layer is control_first_layer
+               for layer in model.decoder.layers)
     model = model.double()
     seen = []
     import pid_plugins.core.methods as methods  # the layers call PID's rule through its AttentionMethod

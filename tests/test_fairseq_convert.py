@@ -94,7 +94,8 @@ def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key)
         assert layer.self_attn.attention_method is ref_layer.self_attn.attention_method
         assert layer.self_attn.attention_config == ref_layer.self_attn.attention_config
     if cfg and cfg.get("learnable"):
-        assert all(p.param_group == pf.GAIN_PARAM_GROUP for n, p in model.named_parameters() if ".attention_params." in n)
+        assert all(p.param_group == pf.GAIN_PARAM_GROUP
+                   for n, p in model.named_parameters() if ".attention_params." in n)
     if key == "pid_warmup":
         assert model.decoder.attention_warmup.warmup_steps == 4 and not model.decoder.attention_warmup.training
         for m in (model, reference):  # a few training forwards, so the scale is neither 0 nor 1

@@ -3,8 +3,8 @@
 
 fairseq's warm-up runs fairseq's own attention plus the method's term; after training past ``warmup_steps`` the
 finished model keeps that form at scale 1: exactly (torch.equal) what the warmed-up model computed, full forward
-and incremental decoding, without ``decoder.attention_warmup.step``. Its checkpoint, loaded with the warm-up switched off
-(the saved cfg, or fairseq's ``arg_overrides``), loads strictly and is the model built without warm-up."""
+and incremental decoding, without ``decoder.attention_warmup.step``. Its checkpoint, loaded with the warm-up switched
+off (the saved cfg, or fairseq's ``arg_overrides``), loads strictly and is the model built without warm-up."""
 import logging
 
 import pytest

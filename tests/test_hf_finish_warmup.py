@@ -1,7 +1,7 @@
 """``pid_plugins.finish_warmup(model)`` on transformers models (issue 34, part 4): a tiny GQA Llama with PID, learnable
 PID and NeuTRENO, ``warmup_steps=N``, trained past N steps; after ``finish_warmup`` it computes exactly (torch.equal)
-what the warmed-up model computed, has no ``attention_warmup.step``, has ``warmup_steps=0`` in ``config.<method>`` (also after
-save_pretrained + from_pretrained), is the model built without warm-up with the same weights; also under peft."""
+what the warmed-up model computed, has no ``attention_warmup.step``, has ``warmup_steps=0`` in ``config.<method>``
+(also after save_pretrained + from_pretrained), is the model built without warm-up with the same weights; also under peft."""
 import json
 
 import pytest

@@ -49,7 +49,8 @@ def learned(model, path):
 def test_one_gains_module_per_self_attention_layer_made_at_construction():
     model = T.LlamaForCausalLM(llama_config())
     names = sorted(gains_of(model))
-    assert names == sorted(f"model.layers.{i}.self_attn.attention_params.lambda_{k}_raw" for i in range(3) for k in "pid")
+    assert names == sorted(f"model.layers.{i}.self_attn.attention_params.lambda_{k}_raw"
+                           for i in range(3) for k in "pid")
     assert all(p.shape == (1,) and p.requires_grad for p in gains_of(model).values())
     for i in range(3):  # softplus-positive, from the config; a gain 0 starts at 1e-4
         torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.attention_params")),

@@ -27,7 +27,8 @@ def test_built_with_learnable_lambdas_from_the_config_is_the_fixed_model_and_tra
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(llama_config("value_residual", LEARN))
     got = lambdas(model)
-    assert sorted(got) == sorted(f"model.layers.{i}.self_attn.attention_params.lambda_{k}" for i in range(3) for k in (1, 2))
+    assert sorted(got) == sorted(f"model.layers.{i}.self_attn.attention_params.lambda_{k}"
+                                 for i in range(3) for k in (1, 2))
     assert all(float(p) == pytest.approx(LEARN[n.rsplit(".", 1)[1]]) for n, p in got.items())
     fixed = T.LlamaForCausalLM(llama_config("value_residual", {"lambda_1": 0.3, "lambda_2": 0.6})).eval()
     fixed.load_state_dict({k: v for k, v in model.state_dict().items() if k in fixed.state_dict()})

@@ -32,8 +32,10 @@ def pair(kind, gamma: Optional[float] = 0.5, seed=0):
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_selected_by_name_through_create_model(kind):
     model, _ = pair(kind, gamma=None)
-    assert model.attention_method is METHOD and model.attention_config == ScaledReferenceConfig(gamma=0.5)  # its own default
-    assert all(blk.attn.attention_method is METHOD and blk.attn.attention_config == model.attention_config for blk in model.blocks)
+    assert model.attention_method is METHOD
+    assert model.attention_config == ScaledReferenceConfig(gamma=0.5)  # its own default
+    assert all(blk.attn.attention_method is METHOD and blk.attn.attention_config == model.attention_config
+               for blk in model.blocks)
     model, _ = pair(kind, gamma=0.25)
     assert model.attention_config.gamma == 0.25 and model.attention_warmup is None
     preset = timm.create_model(MODELS[kind][0], attention=NAME, attention_cfg="strong", **MODELS[kind][2])
@@ -51,7 +53,8 @@ def test_selected_by_name_through_create_model(kind):
 
 def test_softmax_and_pid_names_keep_working():
     deit = timm.create_model("pid_deit_tiny_patch16_224", **DEIT)
-    assert type(deit.attention_method).__name__ == "PIDMethod" and deit.attention_config == pid_plugins.PIDConfig.preset("deit")
+    assert type(deit.attention_method).__name__ == "PIDMethod"
+    assert deit.attention_config == pid_plugins.PIDConfig.preset("deit")
     assert timm.create_model("pid_deit_tiny_patch16_224", attention="softmax", **DEIT).attention_method is None
     fan = timm.create_model("fan_tiny_12_p16_224", **FAN)
     assert fan.attention_config is None and fan.attention_method is None

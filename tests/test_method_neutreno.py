@@ -383,7 +383,8 @@ def mm_pair(part, seed=0, **method):
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_matches_a_float64_reference_and_alpha_zero_is_stock(part):
     model, stock = mm_pair(part, attention_cfg={"alpha": 0.6})
-    assert model.attention_config == NeuTRENOConfig(alpha=0.6) == mm_pair(part)[0].attention_config  # the segmenter preset
+    # the segmenter preset
+    assert model.attention_config == NeuTRENOConfig(alpha=0.6) == mm_pair(part)[0].attention_config
     model, stock = model.double(), stock.double()
     x = mm_inputs(part, torch.float64)
     with torch.no_grad():

@@ -71,7 +71,8 @@ def test_gains_from_config_arguments():
     assert build(pid=PIDConfig(0.1, 0.2, 0.3, 0.4)).attention_config == PIDConfig(0.1, 0.2, 0.3, 0.4)
     assert build(pid=ConfigDict(lambda_p=0.2)).attention_config == PIDConfig.preset("segmenter", lambda_p=0.2)
     assert build(pid="deit", beta=0.5).attention_config == PIDConfig.preset("deit", beta=0.5)
-    assert build(pid=dict(control_first_layer=False)).attention_config == PIDConfig.preset("segmenter", control_first_layer=False)
+    assert build(pid=dict(control_first_layer=False)).attention_config == PIDConfig.preset(
+        "segmenter", control_first_layer=False)
     with pytest.raises(ValueError, match="unknown PID preset 'nope'"):
         build(pid="nope")
     with pytest.raises(ValueError, match="must be a PIDConfig, a dict, a preset name"):

@@ -194,7 +194,8 @@ def test_warmup_counters_are_made_follow_the_mode_carry_over_and_go():
     model = stock()
     pm.convert(model, "pid", {"warmup_steps": 4})
     parts = (model.backbone, model.decode_head)
-    assert all(isinstance(p.attention_warmup, pid_plugins.GainWarmup) and not p.attention_warmup.training for p in parts)
+    assert all(isinstance(p.attention_warmup, pid_plugins.GainWarmup) and not p.attention_warmup.training
+               for p in parts)
     assert {"backbone.attention_warmup.step", "decode_head.attention_warmup.step"} <= set(model.state_dict())
     logits(model)
     assert all(int(p.attention_warmup.step) == 0 for p in parts)  # eval forwards do not count
@@ -205,7 +206,8 @@ def test_warmup_counters_are_made_follow_the_mode_carry_over_and_go():
     pm.convert(model, "pid", {"warmup_steps": 8})  # another N: t carries over
     assert model.backbone.attention_warmup.warmup_steps == 8 and int(model.backbone.attention_warmup.step) == 2
     pm.convert(model, "pid")  # no warm-up: the counters go
-    assert all(p.attention_warmup is None for p in parts) and not any("attention_warmup" in k for k in model.state_dict())
+    assert all(p.attention_warmup is None for p in parts)
+    assert not any("attention_warmup" in k for k in model.state_dict())
     model.eval()
     assert layout(model) == layout(built_with("pid"))
 

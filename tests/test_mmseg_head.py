@@ -72,7 +72,8 @@ def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(contro
 def test_head_arguments():
     assert build(attention="pid").attention_config == PIDConfig.preset("segmenter")
     assert build(attention="pid", pid="deit").attention_config == PIDConfig.preset("deit")
-    assert build(attention="pid", pid=dict(lambda_p=0.1)).attention_config == PIDConfig.preset("segmenter", lambda_p=0.1)
+    assert build(attention="pid", pid=dict(lambda_p=0.1)).attention_config == PIDConfig.preset("segmenter",
+                                                                                             lambda_p=0.1)
     with pytest.raises(ValueError, match="PIDSegmenterMaskTransformerHead: unknown attention method 'linear'"):
         build(attention="linear")
     assert build(pid="deit").attention_method is None  # the head's default is softmax: pid= alone is inert

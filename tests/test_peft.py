@@ -1,7 +1,8 @@
 """peft on attention-method models in transformers (issue 32): LoRA and IA3 adapters on a tiny grouped-query
 Llama (4 query / 2 key-value heads) running PID and each sibling method; learnable PID gains trained beside the
-adapter (``modules_to_save=["attention_params"]``); gain warm-up through the PeftModel (``modules_to_save=["attention_warmup"]``
-keeps its counter in the adapter checkpoint); save/reload of the adapter; merge_and_unload and cached generation.
+adapter (``modules_to_save=["attention_params"]``); gain warm-up through the PeftModel
+(``modules_to_save=["attention_warmup"]`` keeps its counter in the adapter checkpoint); save/reload of the
+adapter; merge_and_unload and cached generation.
 
 "The method stays on" is checked two ways: the attention function transformers calls is the method's with a
 non-identity state at every layer of every forward (a recorder in transformers' ``AttentionInterface``), and the
@@ -244,8 +245,9 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
 
 @pytest.mark.slow
 def test_trainer_keeps_the_gains_peft_trains_out_of_weight_decay(tmp_path):
-    """NoGainDecayTrainerMixin over a PeftModel: the gains' trained copies (``attention_params.modules_to_save.default.``)
-    go to the no-decay group, the adapter's weights stay where the plain Trainer puts them."""
+    """NoGainDecayTrainerMixin over a PeftModel: the gains' trained copies
+    (``attention_params.modules_to_save.default.``) go to the no-decay group, the adapter's weights stay where the
+    plain Trainer puts them."""
     wrapped = get_peft_model(build("pid", LEARN), ADAPTERS["lora"][0](modules_to_save=["attention_params"]))
     args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, report_to="none", use_cpu=True)
     names = {id(p): n for n, p in wrapped.named_parameters()}

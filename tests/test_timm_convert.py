@@ -74,7 +74,8 @@ def test_distilled_deit_converts_and_goes_back():
     with torch.no_grad():
         y_stock = model(x)
         pt.convert(model)
-        assert type(model) is pt.PIDVisionTransformerDistilled and model.attention_config == pid_plugins.PIDConfig.preset("deit")
+        assert type(model) is pt.PIDVisionTransformerDistilled
+        assert model.attention_config == pid_plugins.PIDConfig.preset("deit")
         assert torch.equal(model(x), named(weights=weights, name="pid_deit_tiny_distilled_patch16_224")(x))
         pt.convert(model, "softmax")
         assert type(model) is VisionTransformerDistilled and torch.equal(model(x), y_stock)
@@ -143,7 +144,8 @@ def test_warmup_counter_is_created_follows_the_mode_and_is_removed():
     model(x)
     assert int(model.attention_warmup.step) == 1
     pt.convert(model, "pid", {"warmup_steps": 8})  # another N: t carries over
-    assert model.attention_warmup.warmup_steps == 8 and int(model.attention_warmup.step) == 1 and model.attention_warmup.training
+    counter = model.attention_warmup
+    assert counter.warmup_steps == 8 and int(counter.step) == 1 and counter.training
     pt.convert(model, "pid")  # no warm-up: the counter goes
     assert model.attention_warmup is None and "attention_warmup.step" not in model.state_dict()
     pt.convert(model, "pid", {"warmup_steps": 4})

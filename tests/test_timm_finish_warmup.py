@@ -62,7 +62,8 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(kind, meth
         assert gains and any(not torch.equal(p, initial[n]) for n, p in gains.items())
     assert pid_plugins.finish_warmup(model) is model
     assert model.attention_warmup is None and "attention_warmup.step" not in model.state_dict()
-    assert model.attention_config.warmup_steps == 0 and all(blk.attn.attention_config.warmup_steps == 0 for blk in model.blocks)
+    assert model.attention_config.warmup_steps == 0
+    assert all(blk.attn.attention_config.warmup_steps == 0 for blk in model.blocks)
     with torch.no_grad():
         assert torch.equal(model(x), want)
     if method == "learnable_pid":

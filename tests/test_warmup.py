@@ -355,7 +355,8 @@ def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model
 
     zoo = ZOOS["hf"]
     warm, stock = warm_and_stock(zoo)
-    assert [k for k in warm.state_dict() if "attention_warmup" in k] == ["attention_warmup.step"]  # on the outermost model
+    # on the outermost model
+    assert [k for k in warm.state_dict() if "attention_warmup" in k] == ["attention_warmup.step"]
     warm.train()
     x = zoo.inputs()
     for _ in range(3):
@@ -425,10 +426,12 @@ def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path, tiny_fairseq_da
              "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints", "--pid-warmup-steps", "10"]
     run([*train, "--max-update", "2"])
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    assert int(state["model"]["decoder.attention_warmup.step"]) == 2  # 2 updates, 2 training forwards (validation: eval)
+    # 2 updates, 2 training forwards (validation: eval)
+    assert int(state["model"]["decoder.attention_warmup.step"]) == 2
     assert state["cfg"]["model"]["pid_warmup_steps"] == 10
     run([*train, "--max-update", "3"])  # resumes from ck/checkpoint_last.pt
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert int(state["model"]["decoder.attention_warmup.step"]) == 3
     hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
-    assert int(hub.models[0].decoder.attention_warmup.step) == 3 and hub.models[0].decoder.attention_warmup.warmup_steps == 10
+    counter = hub.models[0].decoder.attention_warmup
+    assert int(counter.step) == 3 and counter.warmup_steps == 10
