@@ -69,22 +69,22 @@ def fine_tune(model, train: torch.Tensor, steps: int, batch: int, lr: float, see
     ``steps`` AdamW steps (no weight decay: learnable gains stay free) on ``batch`` blocks of ``train`` drawn
     with a generator seeded by ``seed`` (every model sees the same batches), the learning rate warmed up
     linearly over 20 steps, gradients clipped to norm 1. ``gain_lr``: learnable PID gains (parameters named
-    ``pid_gains``) in their own parameter group at that learning rate (None: one group, all at ``lr``).
+    ``attention_params``) in their own parameter group at that learning rate (None: one group, all at ``lr``).
     ``label`` names the progress bar (``softmax``: no PID warm-up scale is shown).
     """
     g = torch.Generator().manual_seed(seed)
     if gain_lr is None:
         groups = [{"params": list(model.parameters()), "lr": lr}]
     else:
-        gains = [p for n, p in model.named_parameters() if "pid_gains" in n]
-        groups = [{"params": [p for n, p in model.named_parameters() if "pid_gains" not in n], "lr": lr}]
+        gains = [p for n, p in model.named_parameters() if "attention_params" in n]
+        groups = [{"params": [p for n, p in model.named_parameters() if "attention_params" not in n], "lr": lr}]
         if gains:
             groups.append({"params": gains, "lr": gain_lr, "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     losses = []
-    warmup = getattr(model, "pid_warmup", None) if label != "softmax" else None
+    warmup = getattr(model, "attention_warmup", None) if label != "softmax" else None
     progress = tqdm(range(steps), desc=f"fine-tune {label}", mininterval=mininterval)
     for _ in progress:
         x = train[torch.randint(0, len(train), (batch,), generator=g)]
@@ -162,8 +162,8 @@ def main() -> None:
                                   "first_10_loss": sum(first) / len(first), "last_10_loss": sum(last) / len(last)}
         if label == "pid":
             results["runs"][label]["pid"] = pid_config(args).to_dict()
-            if getattr(base, "pid_warmup", None) is not None:
-                results["runs"][label]["warmup_t"] = int(base.pid_warmup.step)
+            if getattr(base, "attention_warmup", None) is not None:
+                results["runs"][label]["warmup_t"] = int(base.attention_warmup.step)
             if args.learnable:
                 results["runs"][label]["learned_gains_mean"] = learned_gains(base)
         print(f"{label}: valid perplexity {before:.2f} -> {after:.2f} ({seconds:.0f} s)")

@@ -128,7 +128,7 @@ def test_fairseq_decoder_forward_compiles_fullgraph_with_a_preset_name(tmp_path)
         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"])
     torch.manual_seed(0)
     model = tasks.setup_task(args).build_model(args).eval()
-    assert model.decoder.pid == PIDConfig.preset("lm")
+    assert model.decoder.attention_config == PIDConfig.preset("lm")
     toks = torch.randint(4, 44, (2, 8), generator=torch.Generator().manual_seed(1))
     decoder = model.decoder
     with torch.no_grad():

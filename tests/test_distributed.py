@@ -146,7 +146,7 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
     model = cases.timm_model()
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     losses = train_timm_one_process(model)
-    gains = [k for k in init if ".pid_gains." in k]
+    gains = [k for k in init if ".attention_params." in k]
     assert {k.split(".")[1] for k in gains} == {str(i) for i in range(cases.TIMM_TINY["depth"])}
     for mode in ("plain", "grad_checkpointing"):
         run0, run1 = r0["runs"][mode], r1["runs"][mode]
@@ -162,7 +162,8 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
     train_timm_one_process(model)
     run0, run1 = r0["runs"]["warmup"], r1["runs"]["warmup"]
     assert_same_params(run0["state_dict"], run1["state_dict"])
-    assert int(run0["state_dict"]["pid_warmup.step"]) == int(run1["state_dict"]["pid_warmup.step"]) == cases.TIMM_STEPS
+    steps = [int(run["state_dict"]["attention_warmup.step"]) for run in (run0, run1)]
+    assert steps == [cases.TIMM_STEPS] * 2
     assert_close_params(run0["state_dict"], model.state_dict())
 
 
@@ -198,7 +199,7 @@ def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(
     fresh = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(ckpt["state_dict"], strict=True)
     assert type(model.backbone).__name__ == "PIDVisionTransformer"
-    assert model.backbone.pid == PIDConfig.preset("segmenter")
+    assert model.backbone.attention_config == PIDConfig.preset("segmenter")
     assert_same_params(model.state_dict(), r0["state_dict"])
     assert max_change(model.state_dict(), fresh) > 1e-3
     model.eval()
@@ -249,7 +250,7 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
         opt.step()
     assert_close_params(r0["state_dict"], model.state_dict())
     assert max_change(r0["state_dict"], r0["init"]) > 1e-3
-    gains = [k for k in r0["init"] if ".pid_gains." in k]
+    gains = [k for k in r0["init"] if ".attention_params." in k]
     assert len(gains) == (3 * layers if learnable else 0)
     if learnable:  # the Trainer's optimizer trained them, in step on both ranks
         assert max(abs(r0["state_dict"][k] - r0["init"][k]).item() for k in gains) > 1e-5
@@ -290,10 +291,10 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
             for rank, run in enumerate((r0["runs"][name, mode], r1["runs"][name, mode])):
                 assert run["sharded"] > 0, (name, mode)
                 if name == "hf_decoder":  # learnable gains: sharded by fully_shard of their decoder layer
-                    gains = [n for n in stepped if ".pid_gains." in n]
+                    gains = [n for n in stepped if ".attention_params." in n]
                     assert len(gains) == 12 and set(gains) <= set(run["dtensors"]), (name, mode)
                 if name == "value_residual_learnable:timm_deit":  # lambda_1, lambda_2 per block
-                    gains = [n for n in stepped if ".pid_gains." in n]
+                    gains = [n for n in stepped if ".attention_params." in n]
                     assert len(gains) == 6 and (mode == "ddp" or set(gains) <= set(run["dtensors"])), (name, mode)
                     assert max_change(stepped, {n: init[n] for n in gains}) > 0, name  # the lambdas trained
                 torch.testing.assert_close(run["out"], outs[rank].detach(), rtol=1e-5, atol=1e-5,
@@ -318,7 +319,7 @@ def test_mmseg_learnable_parameters_under_fsdp2_and_ddp_equal_one_process(tmp_pa
     for name in names:
         model, layers, batch, forward = cases.build_fsdp_case(name, work)
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
-        gains = [n for n in init if ".pid_gains." in n]
+        gains = [n for n in init if ".attention_params." in n]
         assert len(gains) == len(layers(model)) * (3 if name.startswith("pid") else 2) > 0
         outs = [forward(model, cases.rank_slice(batch(), r, 2)) for r in (0, 1)]
         loss = sum(cases.fsdp_loss(o) for o in outs) / 2  # what the ranks' gradient averaging computes

@@ -84,11 +84,11 @@ def test_architectures_from_the_registry(data_dir):
 def test_pid_options_reach_every_layer_and_are_validated(data_dir):
     model, _ = build(data_dir, extra=["--pid-lambda-p", "0.2", "--pid-beta", "0.9"])
     assert isinstance(model, pf.PIDTransformerLanguageModel)
-    assert all(layer.self_attn.pid.gains == (0.2, 0.5, 0.1, 0.9) for layer in model.decoder.layers)
+    assert all(layer.self_attn.attention_config.gains == (0.2, 0.5, 0.1, 0.9) for layer in model.decoder.layers)
     with pytest.raises(ValueError, match="PIDConfig.beta"):
         build(data_dir, extra=["--pid-beta", "0"])
     softmax, _ = build(data_dir, extra=["--pid-attention", "softmax"])
-    assert all(layer.self_attn.pid is None for layer in softmax.decoder.layers)
+    assert all(layer.self_attn.attention_config is None for layer in softmax.decoder.layers)
 
 
 def test_zero_gains_equal_the_stock_transformer_lm(data_dir):
@@ -119,7 +119,8 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
 
     model, _ = build(data_dir, extra=["--pid-lambda-p", "0.7", "--pid-lambda-i", "0.4", "--pid-lambda-d", "0.2",
                                       "--pid-beta", "0.6", "--pid-control-first-layer", str(control_first_layer)])
-    assert all(layer.self_attn.pid.control_first_layer is control_first_layer for layer in model.decoder.layers)
+    assert all(layer.self_attn.attention_config.control_first_layer is control_first_layer
+               for layer in model.decoder.layers)
     model = model.double()
     seen = []
     import pid_plugins.core.methods as methods  # the layers call PID's rule through its AttentionMethod
@@ -146,7 +147,7 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
 
 def test_control_first_layer_option_default_and_validation(data_dir):
     default, _ = build(data_dir)
-    assert all(layer.self_attn.pid.control_first_layer is True for layer in default.decoder.layers)
+    assert all(layer.self_attn.attention_config.control_first_layer is True for layer in default.decoder.layers)
     with pytest.raises(ValueError, match="--pid-control-first-layer takes true or false, got 'maybe'"):
         build(data_dir, extra=["--pid-control-first-layer", "maybe"])
     ref, _ = build(data_dir, extra=["--pid-control-first-layer", "false"])
@@ -172,7 +173,7 @@ def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_d
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["cfg"]["model"]["pid_control_first_layer"] == "false"
     hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
-    assert all(layer.self_attn.pid.control_first_layer is False for layer in hub.models[0].decoder.layers)
+    assert all(layer.self_attn.attention_config.control_first_layer is False for layer in hub.models[0].decoder.layers)
 
 
 def test_incremental_decoding_equals_full_forward_and_survives_beam_reordering(data_dir):
@@ -267,7 +268,7 @@ def test_cli_train_eval_generate_and_python_loading(corpus):
     assert sum(line.startswith("H-") for line in gen.splitlines()) > 10
     hub = pf.load_pid_lm(str(corpus / "pid" / "checkpoint_best.pt"), str(corpus / "data-bin"))
     assert isinstance(hub.models[0], pf.PIDTransformerLanguageModel)
-    assert hub.models[0].decoder.layers[0].self_attn.pid == PIDConfig.preset("lm")
+    assert hub.models[0].decoder.layers[0].self_attn.attention_config == PIDConfig.preset("lm")
     scored = hub.score("the king is dead")
     assert torch.isfinite(scored["positional_scores"]).all()
     sampled = hub.sample("the king", beam=1, sampling=True, sampling_topk=5, max_len_b=5)

@@ -88,21 +88,22 @@ def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key)
     reference, _ = built(data_dir, key)
     assert list(model.state_dict()) == list(reference.state_dict())  # the built model's keys, in its order
     assert {n for n, _ in model.named_parameters()} - set(params) == {
-        n for n, _ in reference.named_parameters() if ".pid_gains." in n}
+        n for n, _ in reference.named_parameters() if ".attention_params." in n}
     reference.load_state_dict(model.state_dict(), strict=True)
     for layer, ref_layer in zip(model.decoder.layers, reference.decoder.layers):
         assert layer.self_attn.attention_method is ref_layer.self_attn.attention_method
-        assert layer.self_attn.pid == ref_layer.self_attn.pid
+        assert layer.self_attn.attention_config == ref_layer.self_attn.attention_config
     if cfg and cfg.get("learnable"):
-        assert all(p.param_group == pf.GAIN_PARAM_GROUP for n, p in model.named_parameters() if ".pid_gains." in n)
+        assert all(p.param_group == pf.GAIN_PARAM_GROUP
+                   for n, p in model.named_parameters() if ".attention_params." in n)
     if key == "pid_warmup":
-        assert model.decoder.pid_warmup.warmup_steps == 4 and not model.decoder.pid_warmup.training
+        assert model.decoder.attention_warmup.warmup_steps == 4 and not model.decoder.attention_warmup.training
         for m in (model, reference):  # a few training forwards, so the scale is neither 0 nor 1
             m.train()
             for _ in range(2):
                 m(fs_tokens())
             m.eval()
-        assert int(model.decoder.pid_warmup.step) == int(reference.decoder.pid_warmup.step) == 2
+        assert int(model.decoder.attention_warmup.step) == int(reference.decoder.attention_warmup.step) == 2
     assert_same_function(model, reference, task)
 
 
@@ -140,15 +141,15 @@ def test_back_to_softmax_is_fairseqs_own_model_bit_for_bit(data_dir, key):
 def test_method_to_other_method_in_place(data_dir, start, target):
     """A transformer_lm_pid model (built by --arch) reconfigured: the model built for the target, same weights."""
     model, task = built(data_dir, start)
-    params = {n: p for n, p in model.named_parameters() if ".pid_gains." not in n}
+    params = {n: p for n, p in model.named_parameters() if ".attention_params." not in n}
     name, cfg = METHODS[target]
     assert pf.convert(model, name, cfg) is model
     reference, _ = built(data_dir, target)
     assert list(model.state_dict()) == list(reference.state_dict())
     assert all(p is params[n] for n, p in model.named_parameters() if n in params)
     if not (cfg or {}).get("learnable"):
-        assert not any(".pid_gains." in n for n, _ in model.named_parameters())
-    assert ("pid_warmup" in dict(model.decoder.named_children())) == (target == "pid_warmup")
+        assert not any(".attention_params." in n for n, _ in model.named_parameters())
+    assert ("attention_warmup" in dict(model.decoder.named_children())) == (target == "pid_warmup")
     reference.load_state_dict(model.state_dict(), strict=True)
     assert_same_function(model, reference, task)
 
@@ -157,10 +158,10 @@ def test_training_mode_is_kept_and_new_modules_follow_it(data_dir):
     stock, _ = stock_model(data_dir)
     stock.train()
     pf.convert(stock, "pid", {"learnable": True, "warmup_steps": 3})
-    assert stock.training and stock.decoder.pid_warmup.training
-    assert all(layer.self_attn.pid_gains.training for layer in stock.decoder.layers)
+    assert stock.training and stock.decoder.attention_warmup.training
+    assert all(layer.self_attn.attention_params.training for layer in stock.decoder.layers)
     stock(fs_tokens())
-    assert int(stock.decoder.pid_warmup.step) == 1
+    assert int(stock.decoder.attention_warmup.step) == 1
 
 
 def test_hub_interface_converts_its_models(data_dir, tmp_path):

@@ -3,8 +3,8 @@
 
 fairseq's warm-up runs fairseq's own attention plus the method's term; after training past ``warmup_steps`` the
 finished model keeps that form at scale 1: exactly (torch.equal) what the warmed-up model computed, full forward
-and incremental decoding, without ``decoder.pid_warmup.step``. Its checkpoint, loaded with the warm-up switched off
-(the saved cfg, or fairseq's ``arg_overrides``), loads strictly and is the model built without warm-up."""
+and incremental decoding, without ``decoder.attention_warmup.step``. Its checkpoint, loaded with the warm-up switched
+off (the saved cfg, or fairseq's ``arg_overrides``), loads strictly and is the model built without warm-up."""
 import logging
 
 import pytest
@@ -18,7 +18,7 @@ from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_
                        fs_parse, fs_save_checkpoint, fs_tokens)
 
 N = 3
-KEY = "decoder.pid_warmup.step"
+KEY = "decoder.attention_warmup.step"
 #: how the warm-up is asked for: the --pid-* option or --attention-cfg, for PID, NeuTRENO and learnable PID
 SPELLINGS = {
     "pid_option": ["--pid-warmup-steps", str(N)],
@@ -65,18 +65,18 @@ CASES = [(spelling, False) for spelling in SPELLINGS] + [("pid_cfg", True), ("le
 @pytest.mark.parametrize("spelling, converted", CASES)
 def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, spelling, converted, tmp_path):
     model, task, args = build(data_dir, spelling, converted)
-    assert model.decoder.pid_warmup.warmup_steps == N
+    assert model.decoder.attention_warmup.warmup_steps == N
     train(model, N + 1).eval()
-    assert int(model.decoder.pid_warmup.step) == N + 1 and KEY in model.state_dict()
+    assert int(model.decoder.attention_warmup.step) == N + 1 and KEY in model.state_dict()
     want = outputs(model)
-    gains = {n: p.clone() for n, p in model.named_parameters() if ".pid_gains." in n}
+    gains = {n: p.clone() for n, p in model.named_parameters() if ".attention_params." in n}
     assert pid_plugins.finish_warmup(model) is model
-    assert model.decoder.pid_warmup is None and KEY not in model.state_dict()
-    assert model.decoder.pid.warmup_steps == 0
-    assert all(layer.self_attn.pid.warmup_steps == 0 for layer in model.decoder.layers)
+    assert model.decoder.attention_warmup is None and KEY not in model.state_dict()
+    assert model.decoder.attention_config.warmup_steps == 0
+    assert all(layer.self_attn.attention_config.warmup_steps == 0 for layer in model.decoder.layers)
     got = outputs(model)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # full forward and incremental decoding
-    assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".pid_gains." in n)
+    assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".attention_params." in n)
     model.train()
     model(fs_tokens())  # a training forward no longer counts anything
     assert KEY not in model.state_dict()
@@ -99,7 +99,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
         overrides = {"attention_cfg": '{"learnable": true}' if spelling == "learnable_pid" else "{}"}
     (loaded,), _ = checkpoint_utils.load_model_ensemble([path], arg_overrides=overrides, task=task, strict=True)
     loaded.eval()
-    assert loaded.decoder.pid_warmup is None and KEY not in loaded.state_dict()
+    assert loaded.decoder.attention_warmup is None and KEY not in loaded.state_dict()
     assert list(loaded.state_dict()) == list(model.state_dict())
     plain = fs_build(data_dir, extra=plain_options, seed=3)[0]
     plain.load_state_dict(model.state_dict(), strict=True)
@@ -109,7 +109,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
     torch.testing.assert_close(reloaded[1], want[1], rtol=1e-5, atol=1e-5)
     if spelling == "pid_option":  # the hub interface takes the same overrides
         hub = pf.load_pid_lm(path, str(data_dir), **overrides)
-        assert hub.models[0].decoder.pid_warmup is None
+        assert hub.models[0].decoder.attention_warmup is None
         assert torch.equal(outputs(hub.models[0])[0], reloaded[0])
     # the warm-up path really was taken before (not the method's path): the two differ in rounding
     assert not torch.equal(reloaded[0], want[0])
@@ -118,7 +118,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
 def test_finished_early_runs_at_the_final_gains_and_says_so(data_dir, caplog):
     model = train(build(data_dir, "pid_option")[0], 1).eval()
     full = train(build(data_dir, "pid_option")[0], 1).eval()
-    full.decoder.pid_warmup.step.fill_(N)  # the same weights at scale 1
+    full.decoder.attention_warmup.step.fill_(N)  # the same weights at scale 1
     with caplog.at_level(logging.WARNING, logger="pid_plugins.core.layer"):
         pid_plugins.finish_warmup(model)
     assert "had warmed up 1 of 3 steps" in caplog.text
@@ -145,7 +145,7 @@ def test_a_model_without_warmup_is_unchanged_and_a_stock_model_is_refused(data_d
     model, _, _ = fs_build(data_dir)
     before = fs_logits(model, fs_tokens())
     assert pid_plugins.finish_warmup(model) is model
-    assert model.decoder.pid_warmup is None and "_warmup_finished" not in dict(model.decoder.named_buffers())
+    assert model.decoder.attention_warmup is None and "_warmup_finished" not in dict(model.decoder.named_buffers())
     assert torch.equal(fs_logits(model, fs_tokens()), before)
     stock, _, _ = fs_build(data_dir, arch="transformer_lm")
     with pytest.raises(TypeError, match="TransformerLanguageModel has no attention method of pid-plugins"):
@@ -163,9 +163,9 @@ def test_loading_a_finished_model_with_its_warmup_on_says_what_happens(data_dir,
     fs_save_checkpoint(model, args, path)
     with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
         (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task, strict=True)
-    assert "decoder.pid_warmup.step: this checkpoint has no gain warm-up counter" in caplog.text
+    assert "decoder.attention_warmup.step: this checkpoint has no gain warm-up counter" in caplog.text
     assert "arg_overrides={'pid_warmup_steps': 0}" in caplog.text
-    assert int(loaded.decoder.pid_warmup.step) == 0
+    assert int(loaded.decoder.attention_warmup.step) == 0
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
         checkpoint_utils.load_model_ensemble([path], arg_overrides={"pid_warmup_steps": 0}, task=task, strict=True)

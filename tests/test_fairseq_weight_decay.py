@@ -3,7 +3,7 @@
 fairseq 0.12.2 has one per-parameter optimizer mechanism: a parameter's ``param_group`` attribute, read by
 ``--optimizer composite`` (one fairseq optimizer and lr scheduler per group). Every other optimizer
 (``--optimizer adam --weight-decay 0.1`` ...) gets ``model.parameters()`` as one group. transformer_lm_pid puts
-the learnable parameters (PID's gains, value_residual's lambdas) in the group ``pid_gains``; a composite config
+the learnable parameters (PID's gains, value_residual's lambdas) in the group ``attention_params``; a composite config
 with ``weight_decay: 0`` for that group keeps them out of weight decay. Checked on the optimizer fairseq's own
 ``Trainer`` builds (adam, sgd, nag), by a step that can only decay, and by the real ``fairseq-hydra-train``."""
 import os
@@ -27,7 +27,7 @@ LEARNABLE = {"pid": fs_method("pid", {"learnable": True}),
 
 def composite(cfg, optimizer: str, gains_weight_decay: float = 0.0):
     """``cfg`` (fairseq's, from ``--optimizer OPTIMIZER --weight-decay WD``) with ``--optimizer composite``: the
-    group ``default`` keeps ``--weight-decay``, the group ``pid_gains`` gets ``gains_weight_decay``; one fixed lr
+    group ``default`` keeps ``--weight-decay``, the group ``attention_params`` gets ``gains_weight_decay``; one fixed lr
     scheduler per group (``--lr-scheduler pass_through``), as in fairseq's own composite configs."""
     from omegaconf import OmegaConf
 
@@ -62,7 +62,7 @@ def fairseq_trainer(data_dir, method: str, optimizer: str, grouped: bool = True)
 
 
 def gains_of(model):
-    return {name: p for name, p in model.named_parameters() if ".pid_gains." in name}
+    return {name: p for name, p in model.named_parameters() if ".attention_params." in name}
 
 
 @pytest.mark.parametrize("method", LEARNABLE)
@@ -70,7 +70,7 @@ def test_learnable_parameters_are_in_fairseqs_param_group(data_dir, method):
     model, _, _ = fs_build(data_dir, extra=LEARNABLE[method])
     gains = gains_of(model)
     assert len(gains) >= 2 * len(model.decoder.layers) - 2
-    assert all(getattr(p, "param_group", None) == "pid_gains" for p in gains.values())
+    assert all(getattr(p, "param_group", None) == "attention_params" for p in gains.values())
     assert not any(hasattr(p, "param_group") for n, p in model.named_parameters() if n not in gains)
     model.to(torch.float64)  # a dtype conversion keeps the tag (also where it makes new Parameter objects)
     torch.__future__.set_overwrite_module_params_on_conversion(True)
@@ -78,7 +78,7 @@ def test_learnable_parameters_are_in_fairseqs_param_group(data_dir, method):
         model.to(torch.float32)
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
-    assert all(getattr(p, "param_group", None) == "pid_gains" for p in gains_of(model).values())
+    assert all(getattr(p, "param_group", None) == "attention_params" for p in gains_of(model).values())
     assert set(gains_of(model)) == set(gains)
 
 
@@ -99,11 +99,11 @@ def test_fairseqs_trainer_builds_a_group_without_weight_decay_for_the_learnable_
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
     for name, p in model.named_parameters():
-        if ".pid_gains." in name:
+        if ".attention_params." in name:
             assert torch.equal(p, before[name]), name
         else:
             torch.testing.assert_close(p, before[name] * (1 - LR * WD), rtol=1e-6, atol=0)
-    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if ".pid_gains." not in n)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if ".attention_params." not in n)
 
 
 def test_without_the_composite_optimizer_fairseq_decays_the_gains(data_dir):
@@ -140,7 +140,7 @@ optimizer:
       lr: [0.001]
       optimizer: {{_name: adam, weight_decay: 0.1}}
       lr_scheduler: {{_name: fixed}}
-    pid_gains:
+    attention_params:
       lr: [0.001]
       optimizer: {{_name: adam, weight_decay: 0.0}}
       lr_scheduler: {{_name: fixed}}
@@ -168,15 +168,15 @@ def test_fairseq_hydra_train_with_a_gains_group(tmp_path, data_dir, tiny_fairseq
     (tmp_path / "conf" / "gains.yaml").write_text(YAML.format(user_dir=pf.USER_DIR, data=tiny_fairseq_data_bin,
                                                               save_dir=tmp_path / "ck"))
     log = run(["fairseq-hydra-train", "--config-dir", tmp_path / "conf", "--config-name", "gains"])
-    assert "lr_pid_gains=0.001" in log and "model: PIDTransformerLanguageModel" in log
+    assert "lr_attention_params=0.001" in log and "model: PIDTransformerLanguageModel" in log
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    gains = [k for k in state["model"] if ".pid_gains." in k]
+    gains = [k for k in state["model"] if ".attention_params." in k]
     assert len(gains) == 9  # 3 layers x (lambda_p, lambda_i, lambda_d)
     optim = state["last_optimizer_state"]
-    assert set(optim) == {"default", "pid_gains"}
-    assert [(g["weight_decay"], len(g["params"])) for g in optim["pid_gains"]["param_groups"]] == [(0.0, 9)]
+    assert set(optim) == {"default", "attention_params"}
+    assert [(g["weight_decay"], len(g["params"])) for g in optim["attention_params"]["param_groups"]] == [(0.0, 9)]
     same, _, _ = fs_build(data_dir, extra=LEARNABLE["pid"])  # the same architecture: its other parameters
-    others = sum(1 for n, _ in same.named_parameters() if ".pid_gains." not in n)
+    others = sum(1 for n, _ in same.named_parameters() if ".attention_params." not in n)
     assert [(g["weight_decay"], len(g["params"])) for g in optim["default"]["param_groups"]] == [(0.1, others)]
     log = run(["fairseq-hydra-train", "--config-dir", tmp_path / "conf", "--config-name", "gains",
                "optimization.max_update=3"])

@@ -58,7 +58,7 @@ def test_timm_keyword_flip_is_the_stock_model(name, recipe, caplog):
     [line] = flip_warnings(caplog)
     assert line.startswith(f"timm model {name!r}: attention='softmax'") and "are not used" in line
     assert all(getattr(m, "attention_method", None) is None for m in flipped.modules())
-    assert not any("pid_gains" in k or "pid_warmup" in k for k in flipped.state_dict())
+    assert not any("attention_params" in k or "attention_warmup" in k for k in flipped.state_dict())
     stock = timm_stock_twin(flipped, stock_name, size)
     x = torch.randn(2, 3, size["img_size"], size["img_size"], generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -66,8 +66,8 @@ def test_stock_to_pid_to_softmax_is_the_stock_model_bit_for_bit(family, cfg, tmp
     assert bool(added) == (cfg is not None)  # learnable gains (3 per layer) and the warm-up counter
     if cfg is not None:
         layers = stock.config.num_hidden_layers
-        assert len([k for k in added if ".pid_gains." in k]) == 3 * layers and "pid_warmup.step" in added
-        assert not model.pid_warmup.training and all(not m.training for m in model.modules())
+        assert len([k for k in added if ".attention_params." in k]) == 3 * layers and "attention_warmup.step" in added
+        assert not model.attention_warmup.training and all(not m.training for m in model.modules())
     assert ph.convert(model, "softmax") is model
     assert model.config._attn_implementation == "sdpa"
     assert list(model.state_dict()) == list(stock.state_dict())
@@ -147,16 +147,16 @@ def test_method_to_another_method_is_the_model_built_with_that_method():
 def test_learnable_gains_are_added_kept_as_trained_and_removed():
     model = build("llama").double()
     ph.convert(model, "pid", {"learnable": True, "lambda_p": 0.5})
-    gains = {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+    gains = {n: p for n, p in model.named_parameters() if ".attention_params." in n}
     assert len(gains) == 9 and all(p.dtype == torch.float64 for p in gains.values())
     with torch.no_grad():
         next(iter(gains.values())).add_(0.25)  # "trained"
     trained = {n: p.clone() for n, p in gains.items()}
     ph.convert(model, "pid", {"lambda_d": 0.2})  # a dict overrides the model's config.pid: still learnable
-    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters() if ".pid_gains." in n)
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters() if ".attention_params." in n)
     assert model.config.pid["learnable"] is True and model.config.pid["lambda_p"] == 0.5
     ph.convert(model, "pid", {"learnable": False})
-    assert not [n for n, _ in model.named_parameters() if ".pid_gains." in n]
+    assert not [n for n, _ in model.named_parameters() if ".attention_params." in n]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,7 +1,7 @@
 """``pid_plugins.finish_warmup(model)`` on transformers models (issue 34, part 4): a tiny GQA Llama with PID, learnable
 PID and NeuTRENO, ``warmup_steps=N``, trained past N steps; after ``finish_warmup`` it computes exactly (torch.equal)
-what the warmed-up model computed, has no ``pid_warmup.step``, has ``warmup_steps=0`` in ``config.<method>`` (also after
-save_pretrained + from_pretrained), is the model built without warm-up with the same weights; also under peft."""
+what the warmed-up model computed, has no ``attention_warmup.step``, has ``warmup_steps=0`` in ``config.<method>``
+(also after save_pretrained + from_pretrained), is the model built without warm-up with the same weights; also under peft."""
 import json
 
 import pytest
@@ -46,30 +46,30 @@ def warmed_up(model, steps=N + 1):
 def test_finished_model_is_the_warmed_up_function_without_the_counter(case, tmp_path):
     method = METHODS[case][0]
     model = warmed_up(build(case))
-    assert int(model.pid_warmup.step) == N + 1
+    assert int(model.attention_warmup.step) == N + 1
     x = hf_ids()
     want = logits(model, x)
     if case == "learnable_pid":  # the gains moved during warm-up and are kept as trained
-        gains = {n: p.clone() for n, p in model.named_parameters() if ".pid_gains." in n}
+        gains = {n: p.clone() for n, p in model.named_parameters() if ".attention_params." in n}
         initial = dict(build(case).named_parameters())
         assert gains and any(not torch.equal(p, initial[n]) for n, p in gains.items())
     assert pid_plugins.finish_warmup(model) is model
-    assert "pid_warmup" not in model._modules and "pid_warmup.step" not in model.state_dict()
+    assert "attention_warmup" not in model._modules and "attention_warmup.step" not in model.state_dict()
     assert getattr(model.config, method)["warmup_steps"] == 0
     assert torch.equal(logits(model, x), want)
     if case == "learnable_pid":
-        assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".pid_gains." in n)
+        assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".attention_params." in n)
     plain = build(case, warmup_steps=0, seed=1)  # the model built without warm-up, with these weights
     plain.load_state_dict(model.state_dict(), strict=True)
     assert torch.equal(logits(plain, x), want)
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())[method]["warmup_steps"] == 0
     reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert getattr(reloaded.config, method)["warmup_steps"] == 0 and "pid_warmup" not in reloaded._modules
+    assert getattr(reloaded.config, method)["warmup_steps"] == 0 and "attention_warmup" not in reloaded._modules
     assert torch.equal(logits(reloaded, x), want)
     model.train()
     model(input_ids=x)  # a training forward counts nothing any more
-    assert "pid_warmup.step" not in model.state_dict()
+    assert "attention_warmup.step" not in model.state_dict()
 
 
 def test_a_model_stopped_early_jumps_to_its_final_parameters_with_one_warning(caplog):
@@ -101,7 +101,7 @@ def test_nested_models_read_no_counter_after_finishing():
     with torch.no_grad():
         want = model(input_ids=x, labels=x).logits
     pid_plugins.finish_warmup(model)
-    assert not any("pid_warmup" in k for k in model.state_dict())
+    assert not any("attention_warmup" in k for k in model.state_dict())
     assert all(m.config.pid["warmup_steps"] == 0 for m in model.modules() if isinstance(m, T.PreTrainedModel))
     with torch.no_grad():
         assert torch.equal(model(input_ids=x, labels=x).logits, want)
@@ -123,13 +123,13 @@ def test_under_peft_with_the_counter_in_the_adapter():
     peft = pytest.importorskip("peft")
     model = build("learnable_pid")
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                         modules_to_save=["pid_gains", "pid_warmup"]))
+                                                         modules_to_save=["attention_params", "attention_warmup"]))
     warmed_up(wrapped)
-    assert int(wrapped.pid_warmup.step) == N + 1
+    assert int(wrapped.attention_warmup.step) == N + 1
     x = hf_ids()
     want = logits(wrapped, x)
     assert pid_plugins.finish_warmup(wrapped) is wrapped
-    assert not any("pid_warmup" in k for k in wrapped.state_dict())
+    assert not any("attention_warmup" in k for k in wrapped.state_dict())
     assert wrapped.base_model.model.config.pid["warmup_steps"] == 0
     assert torch.equal(logits(wrapped, x), want)
     merged = wrapped.merge_and_unload()

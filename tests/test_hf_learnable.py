@@ -28,7 +28,7 @@ def ids(n=2, length=8, seed=1):
 
 
 def gains_of(model):
-    return {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+    return {n: p for n, p in model.named_parameters() if ".attention_params." in n}
 
 
 def spread_gains(model, seed=0):
@@ -49,10 +49,11 @@ def learned(model, path):
 def test_one_gains_module_per_self_attention_layer_made_at_construction():
     model = T.LlamaForCausalLM(llama_config())
     names = sorted(gains_of(model))
-    assert names == sorted(f"model.layers.{i}.self_attn.pid_gains.lambda_{k}_raw" for i in range(3) for k in "pid")
+    assert names == sorted(f"model.layers.{i}.self_attn.attention_params.lambda_{k}_raw"
+                           for i in range(3) for k in "pid")
     assert all(p.shape == (1,) and p.requires_grad for p in gains_of(model).values())
     for i in range(3):  # softplus-positive, from the config; a gain 0 starts at 1e-4
-        torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.pid_gains")),
+        torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.attention_params")),
                                    torch.tensor([0.6, 0.3, 1e-4]), rtol=1e-5, atol=0)
     assert not gains_of(T.LlamaForCausalLM(llama_config(pid={"lambda_p": 0.6})))  # fixed gains: no parameters
     assert not gains_of(T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")))
@@ -100,7 +101,7 @@ def test_learned_gains_follow_the_rule_in_float64_per_layer_with_grouped_query_a
     stock = T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")).double().eval()
     missing, unexpected = stock.load_state_dict(model.state_dict(), strict=False)
     assert not missing and sorted(unexpected) == sorted(gains_of(model))
-    per_layer = [learned(model, f"model.layers.{i}.self_attn.pid_gains") for i in range(3)]
+    per_layer = [learned(model, f"model.layers.{i}.self_attn.attention_params") for i in range(3)]
     assert len({g for g in per_layer}) == 3  # three different gain triples
     x = ids()
     with torch.no_grad():
@@ -122,7 +123,7 @@ def test_gains_get_gradients_and_change_after_an_optimizer_step():
     grads = {n: p.grad for n, p in gains_of(model).items()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())  # DDP: every gain is used
     # lambda_d has no term at the first layer (no e^0): its gradient there is exactly 0, elsewhere not
-    first_d = "model.layers.0.self_attn.pid_gains.lambda_d_raw"
+    first_d = "model.layers.0.self_attn.attention_params.lambda_d_raw"
     assert grads[first_d].item() == 0.0
     assert all(g.abs().item() > 0 for n, g in grads.items() if n != first_d)
     opt.step()
@@ -144,7 +145,7 @@ def test_gradient_checkpointing_equals_no_checkpointing():
         results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     assert results[0][1].keys() == results[1][1].keys()
-    assert sum(".pid_gains." in n for n in results[0][1]) == 9
+    assert sum(".attention_params." in n for n in results[0][1]) == 9
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
@@ -185,7 +186,7 @@ def test_an_encoder_and_an_encoder_decoder_train_their_gains(family):
         model = T.BartForConditionalGeneration(config)
         x = {"input_ids": ids(), "labels": ids(n=2, length=5, seed=2)}
         self_attn = [f"model.{s}.layers.{i}.self_attn" for s in ("encoder", "decoder") for i in range(2)]
-    assert sorted({n.rsplit(".pid_gains.", 1)[0] for n in gains_of(model)}) == sorted(self_attn)  # none on cross
+    assert sorted({n.rsplit(".attention_params.", 1)[0] for n in gains_of(model)}) == sorted(self_attn)  # none on cross
     model.train()
     before = {n: p.detach().clone() for n, p in gains_of(model).items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -206,7 +207,7 @@ def test_save_pretrained_from_pretrained_round_trips_the_learned_gains_exactly(t
     assert len(gains_of(model)) == 9
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert {k for k in f.keys() if ".pid_gains." in k} == set(gains_of(model))
+        assert {k for k in f.keys() if ".attention_params." in k} == set(gains_of(model))
     again, info = T.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert again.config._attn_implementation == "pid" and again.config.pid["learnable"] is True
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -228,7 +229,7 @@ def test_a_softmax_checkpoint_loads_into_learnable_pid_with_the_configs_gains(tm
     assert not info["missing_keys"] and not info["unexpected_keys"]  # the gains' absence is expected
     assert len(gains_of(model)) == 9
     for i in range(3):  # transformers materialised the missing gains: they hold the config's values, not garbage
-        torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.pid_gains")),
+        torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.attention_params")),
                                    torch.tensor([0.6, 0.3, 0.2]), rtol=1e-6, atol=0)
     sd = stock.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items() if k in sd)
@@ -244,7 +245,7 @@ def test_to_pid_adds_the_gains_to_an_existing_model_and_fixed_gains_remove_them(
     model = T.LlamaForCausalLM(llama_config(pid=None)).to(torch.float64)
     ph.to_pid(model, {"learnable": True, "lambda_p": 0.5})
     assert len(gains_of(model)) == 9 and all(p.dtype == torch.float64 for p in gains_of(model).values())
-    assert learned(model, "model.layers.1.self_attn.pid_gains")[0] == pytest.approx(0.5)
+    assert learned(model, "model.layers.1.self_attn.attention_params")[0] == pytest.approx(0.5)
     assert model.config.pid["learnable"] is True
     x = ids()
     model(x, labels=x).loss.backward()
@@ -305,7 +306,7 @@ def test_every_family_builds_its_gains_where_discovery_finds_self_attention_and_
         config.pid, config._attn_implementation, config.pid_attention_base = {"learnable": True}, "pid", base
         torch.manual_seed(0)
         model = cls(config).train()
-        built = sorted({n.rsplit(".pid_gains.", 1)[0] for n in gains_of(model)})
+        built = sorted({n.rsplit(".attention_params.", 1)[0] for n in gains_of(model)})
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no gains added at the first forward
             loss_of(model, family, inputs(family)).backward()
@@ -331,11 +332,11 @@ def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
     model.train()
     for _ in range(3):
         model(x).logits.sum().backward()
-    assert int(model.pid_warmup.step) == 3
+    assert int(model.attention_warmup.step) == 3
     model.eval()
     fixed = []  # each layer's learned gains x 3/4
     for i in range(3):
-        lp, li, ld = learned(model, f"model.layers.{i}.self_attn.pid_gains")
+        lp, li, ld = learned(model, f"model.layers.{i}.self_attn.attention_params")
         fixed.append((0.75 * lp, 0.75 * li, 0.75 * ld))
     # each layer's call of the core rule must see its learned gains x 3/4 (beta and the first-layer rule fixed)
     import pid_plugins.core.methods as A  # where the PID method calls the rule

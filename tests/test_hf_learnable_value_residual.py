@@ -1,5 +1,5 @@
 """Learnable value-residual lambdas under transformers (``value_residual={"learnable": True}``): made through the
-method contract (``make_learned``) on every self-attention module as ``pid_gains`` (``lambda_1``, ``lambda_2``),
+method contract (``make_learned``) on every self-attention module as ``attention_params`` (``lambda_1``, ``lambda_2``),
 initialised from the config also for the missing keys of a stock checkpoint, trained (every layer's reach the loss),
 saved and reloaded, out of weight decay; convert adds, replaces and removes them."""
 import pytest
@@ -15,7 +15,7 @@ LEARN = {"learnable": True, "lambda_1": 0.3, "lambda_2": 0.6}
 
 
 def lambdas(model):
-    return {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+    return {n: p for n, p in model.named_parameters() if ".attention_params." in n}
 
 
 def logits(model, x):
@@ -27,7 +27,8 @@ def test_built_with_learnable_lambdas_from_the_config_is_the_fixed_model_and_tra
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(llama_config("value_residual", LEARN))
     got = lambdas(model)
-    assert sorted(got) == sorted(f"model.layers.{i}.self_attn.pid_gains.lambda_{k}" for i in range(3) for k in (1, 2))
+    assert sorted(got) == sorted(f"model.layers.{i}.self_attn.attention_params.lambda_{k}"
+                                 for i in range(3) for k in (1, 2))
     assert all(float(p) == pytest.approx(LEARN[n.rsplit(".", 1)[1]]) for n, p in got.items())
     fixed = T.LlamaForCausalLM(llama_config("value_residual", {"lambda_1": 0.3, "lambda_2": 0.6})).eval()
     fixed.load_state_dict({k: v for k, v in model.state_dict().items() if k in fixed.state_dict()})

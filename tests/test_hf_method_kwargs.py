@@ -90,14 +90,14 @@ def test_a_dict_overrides_the_parameters_a_saved_model_has(checkpoint, tmp_path)
 def test_learnable_gains_by_keyword_are_built_and_loaded(checkpoint, tmp_path):
     model = T.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="pid",
                                                    pid={"learnable": True, "lambda_p": 0.5})
-    gains = {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+    gains = {n: p for n, p in model.named_parameters() if ".attention_params." in n}
     assert len(gains) == 9
     with torch.no_grad():
         for p in gains.values():
             p.add_(0.125)  # "trained"
     model.save_pretrained(tmp_path)
     again = T.AutoModelForCausalLM.from_pretrained(tmp_path, pid={"learnable": True})
-    assert all(torch.equal(p, gains[n]) for n, p in again.named_parameters() if ".pid_gains." in n)
+    assert all(torch.equal(p, gains[n]) for n, p in again.named_parameters() if ".attention_params." in n)
     x = hf_ids()
     assert torch.equal(logits(again, x), logits(model, x))
 

@@ -37,12 +37,12 @@ def test_toy_is_selected_by_name_and_reaches_every_layer(data_dir):
     for layer in model.decoder.layers:
         assert type(layer) is pf.PIDTransformerDecoderLayer and type(layer.self_attn) is pf.PIDMultiheadAttention
         assert layer.self_attn.attention_method is METHOD
-        assert layer.self_attn.pid == ScaledReferenceConfig(gamma=0.3)
+        assert layer.self_attn.attention_config == ScaledReferenceConfig(gamma=0.3)
     # unset parameters: the method's preset; a preset name as a JSON string
     default, _, _ = build(data_dir, extra=["--attention-method", "scaled_reference"])
-    assert default.decoder.layers[0].self_attn.pid == ScaledReferenceConfig.preset("default")
+    assert default.decoder.layers[0].self_attn.attention_config == ScaledReferenceConfig.preset("default")
     strong, _, _ = build(data_dir, extra=["--attention-method", "scaled_reference", "--attention-cfg", '"strong"'])
-    assert strong.decoder.layers[0].self_attn.pid.gamma == 2.0
+    assert strong.decoder.layers[0].self_attn.attention_config.gamma == 2.0
     # the catalogue's architectures take the method too (their PID gains are not filled in then)
     wide, _, _ = build(data_dir, arch="transformer_lm_pid_wikitext103", extra=toy(0.3))
     assert wide.decoder.layers[0].self_attn.attention_method is METHOD
@@ -127,7 +127,7 @@ def test_save_and_reload_through_fairseq_checkpoint_utils(data_dir, tmp_path):
     saved = torch.load(path, map_location="cpu", weights_only=True)
     assert saved["cfg"]["model"]["attention_method"] == "scaled_reference"
     assert loaded.decoder.layers[0].self_attn.attention_method is METHOD
-    assert loaded.decoder.layers[0].self_attn.pid == ScaledReferenceConfig(gamma=0.4)
+    assert loaded.decoder.layers[0].self_attn.attention_config == ScaledReferenceConfig(gamma=0.4)
     toks = tokens()
     assert torch.equal(logits(loaded, toks), logits(model, toks))
 
@@ -155,8 +155,8 @@ def test_pid_through_the_new_options(data_dir):
     """--attention-cfg for PID equals the --pid-* spelling; --attention-method softmax is the stock model."""
     a, _, _ = build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0.2, "beta": 0.9}'])
     b, _, _ = build(data_dir, extra=["--pid-lambda-p", "0.2", "--pid-beta", "0.9"])
-    assert a.decoder.layers[0].self_attn.pid == b.decoder.layers[0].self_attn.pid
-    assert a.decoder.layers[0].self_attn.pid.gains == (0.2, 0.5, 0.1, 0.9)
+    assert a.decoder.layers[0].self_attn.attention_config == b.decoder.layers[0].self_attn.attention_config
+    assert a.decoder.layers[0].self_attn.attention_config.gains == (0.2, 0.5, 0.1, 0.9)
     toks = tokens()
     assert torch.equal(logits(a, toks), logits(b, toks))
     softmax, _, _ = build(data_dir, extra=["--attention-method", "softmax"])
@@ -166,14 +166,14 @@ def test_pid_through_the_new_options(data_dir):
     assert torch.equal(logits(softmax, toks), logits(stock, toks))
 
 
-def test_learnable_pid_gains_are_per_layer_parameters(data_dir):
+def test_learnable_attention_params_are_per_layer_parameters(data_dir):
     model, _, _ = build(data_dir, extra=["--attention-cfg", '{"learnable": true}'])
-    names = [n for n, _ in model.named_parameters() if "pid_gains" in n]
-    assert len(names) >= len(model.decoder.layers) and all(".self_attn.pid_gains." in n for n in names)
+    names = [n for n, _ in model.named_parameters() if "attention_params" in n]
+    assert len(names) >= len(model.decoder.layers) and all(".self_attn.attention_params." in n for n in names)
     model.train()
     model(tokens())[0].sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
-               for n, p in model.named_parameters() if "pid_gains" in n)
+               for n, p in model.named_parameters() if "attention_params" in n)
 
 
 @pytest.mark.slow
@@ -199,7 +199,7 @@ def test_fairseq_train_cli_with_a_method_from_the_users_user_dir(tmp_path, tiny_
     assert json.loads(state["cfg"]["model"]["attention_cfg"]) == {"gamma": 0.25}
     hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
     attn = hub.models[0].decoder.layers[0].self_attn
-    assert attn.attention_method is METHOD and attn.pid == ScaledReferenceConfig(gamma=0.25)
+    assert attn.attention_method is METHOD and attn.attention_config == ScaledReferenceConfig(gamma=0.25)
     assert torch.isfinite(hub.score("w1 w2 w3")["positional_scores"]).all()
 
 
@@ -229,7 +229,7 @@ def test_warmup_with_a_non_additive_method_is_refused(data_dir):
     embed = stock.decoder.embed_tokens
     decoder = pf.PIDTransformerDecoder(args, task.target_dictionary, embed, no_encoder_attn=True,
                                        choice=MethodChoice(Doubled(), Cfg()))  # no warm-up: fine
-    assert decoder.pid_warmup is None
+    assert decoder.attention_warmup is None
     with pytest.raises(ValueError, match="'doubled'.* not additive.*set warmup_steps=0"):
         pf.PIDTransformerDecoder(args, task.target_dictionary, embed, no_encoder_attn=True,
                                  choice=MethodChoice(Doubled(), Cfg(warmup_steps=5)))

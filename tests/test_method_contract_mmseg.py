@@ -58,19 +58,20 @@ def test_the_toy_is_chosen_by_name_and_layers_take_over_mmseg_modules():
     from mmseg.models.backbones.vit import TransformerEncoderLayer
 
     stock, model = stock_backbone(), backbone(**TOY)
-    assert model.pid == ScaledReferenceConfig(gamma=GAMMA) and model.attention_method is METHOD
-    assert all(type(layer) is pm.PIDTransformerEncoderLayer and layer.pid == model.pid for layer in model.layers)
+    assert model.attention_config == ScaledReferenceConfig(gamma=GAMMA) and model.attention_method is METHOD
+    assert all(type(layer) is pm.PIDTransformerEncoderLayer and layer.attention_config == model.attention_config
+               for layer in model.layers)
     assert all(isinstance(layer, TransformerEncoderLayer) and not layer.training for layer in model.layers)
     # the same modules and parameter names, and the same random initialisation (the conversion draws nothing)
     assert list(model.state_dict()) == list(stock.state_dict())
     for key, value in stock.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
     h = head(**TOY)
-    assert h.pid == ScaledReferenceConfig(gamma=GAMMA) and h.attention_method is METHOD
+    assert h.attention_config == ScaledReferenceConfig(gamma=GAMMA) and h.attention_method is METHOD
     assert all(type(layer) is pm.PIDTransformerEncoderLayer for layer in h.layers)
     assert list(h.state_dict()) == list(stock_head().state_dict())
-    assert backbone(attention=NAME, attention_cfg="strong").pid.gamma == 2.0  # a preset name
-    assert backbone(attention=NAME).pid.gamma == 0.5  # the method's default preset
+    assert backbone(attention=NAME, attention_cfg="strong").attention_config.gamma == 2.0  # a preset name
+    assert backbone(attention=NAME).attention_config.gamma == 0.5  # the method's default preset
     assert backbone(attention="softmax").attention_method is None
 
 
@@ -253,12 +254,14 @@ def test_refusals_say_what_to_change():
             build_part(attention=NAME, attention_cfg=dict(gamma=float("nan")))
     with pytest.raises(ValueError, match=r"\['lambda_p'\] are PID's gains but attention='scaled_reference'"):
         backbone(attention=NAME, lambda_p=0.2)
-    assert backbone(attention="pid", attention_cfg="deit", beta=0.5).pid == PIDConfig.preset("deit", beta=0.5)
+    built = backbone(attention="pid", attention_cfg="deit", beta=0.5)
+    assert built.attention_config == PIDConfig.preset("deit", beta=0.5)
 
 
 def test_warmup_with_a_non_additive_method_is_refused(monkeypatch):
     doubled = register_non_additive_method(monkeypatch, "contract_mmseg_doubled")  # for this test only
-    assert backbone(attention="contract_mmseg_doubled").pid == doubled.config_type()  # without warm-up it builds
+    # without warm-up it builds
+    assert backbone(attention="contract_mmseg_doubled").attention_config == doubled.config_type()
     for build_part in (backbone, head):
         with pytest.raises(ValueError, match="'contract_mmseg_doubled'.* not additive.*set warmup_steps=0"):
             build_part(attention="contract_mmseg_doubled", attention_cfg=dict(warmup_steps=10))

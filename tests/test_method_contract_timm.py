@@ -32,12 +32,14 @@ def pair(kind, gamma: Optional[float] = 0.5, seed=0):
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_selected_by_name_through_create_model(kind):
     model, _ = pair(kind, gamma=None)
-    assert model.attention_method is METHOD and model.pid == ScaledReferenceConfig(gamma=0.5)  # its own default
-    assert all(blk.attn.attention_method is METHOD and blk.attn.pid == model.pid for blk in model.blocks)
+    assert model.attention_method is METHOD
+    assert model.attention_config == ScaledReferenceConfig(gamma=0.5)  # its own default
+    assert all(blk.attn.attention_method is METHOD and blk.attn.attention_config == model.attention_config
+               for blk in model.blocks)
     model, _ = pair(kind, gamma=0.25)
-    assert model.pid.gamma == 0.25 and model.pid_warmup is None
+    assert model.attention_config.gamma == 0.25 and model.attention_warmup is None
     preset = timm.create_model(MODELS[kind][0], attention=NAME, attention_cfg="strong", **MODELS[kind][2])
-    assert preset.pid.gamma == 2.0
+    assert preset.attention_config.gamma == 2.0
     if kind == "fan":  # the softmax names pid_plugins registers (fan_*) take the method too
         assert timm.create_model(MODELS[kind][1], attention=NAME, **FAN).attention_method is METHOD
     # the state is threaded as len(state_fields) flat tensors: a block is an ordinary module of tensors
@@ -51,10 +53,11 @@ def test_selected_by_name_through_create_model(kind):
 
 def test_softmax_and_pid_names_keep_working():
     deit = timm.create_model("pid_deit_tiny_patch16_224", **DEIT)
-    assert type(deit.attention_method).__name__ == "PIDMethod" and deit.pid == pid_plugins.PIDConfig.preset("deit")
+    assert type(deit.attention_method).__name__ == "PIDMethod"
+    assert deit.attention_config == pid_plugins.PIDConfig.preset("deit")
     assert timm.create_model("pid_deit_tiny_patch16_224", attention="softmax", **DEIT).attention_method is None
     fan = timm.create_model("fan_tiny_12_p16_224", **FAN)
-    assert fan.pid is None and fan.attention_method is None
+    assert fan.attention_config is None and fan.attention_method is None
 
 
 # ------------------------------------------------------------------------- (a) an independent reference
@@ -150,7 +153,7 @@ def test_to_pid_converts_a_stock_model_to_the_method_in_place():
         y_stock = stock(x)
     converted = pt.to_pid(stock, {"gamma": 0.4}, attention=NAME)
     assert converted is stock and type(converted) is pt.PIDVisionTransformer and not converted.training
-    assert converted.attention_method is METHOD and converted.pid == ScaledReferenceConfig(gamma=0.4)
+    assert converted.attention_method is METHOD and converted.attention_config == ScaledReferenceConfig(gamma=0.4)
     assert list(converted.state_dict()) == list(before)
     with torch.no_grad():
         assert torch.equal(converted(x), model(x))

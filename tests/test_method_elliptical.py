@@ -158,7 +158,7 @@ def timm_pair(kind, cfg=None, seed=0):
 @pytest.mark.parametrize("kind, from_layer", [("deit", 2), ("deit", 3), ("fan", 3)])
 def test_timm_matches_an_independent_float64_reference(kind, from_layer):
     model, stock = timm_pair(kind, {"from_layer": from_layer})
-    assert model.attention_method is METHOD and model.pid == EllipticalConfig(from_layer=from_layer)
+    assert model.attention_method is METHOD and model.attention_config == EllipticalConfig(from_layer=from_layer)
     model, stock = model.double(), stock.double()
     x = timm_images(kind).double()
     with torch.no_grad():
@@ -330,7 +330,7 @@ def mm_pair(part, cfg=None, **kw):
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_matches_an_independent_float64_reference(part):
     model, stock = mm_pair(part, {"from_layer": 3})
-    assert model.pid == EllipticalConfig(from_layer=3) and model.attention_method is METHOD
+    assert model.attention_config == EllipticalConfig(from_layer=3) and model.attention_method is METHOD
     model, stock = model.double(), stock.double()
     x = mm_inputs(part, torch.float64)
     with torch.no_grad():
@@ -380,7 +380,7 @@ def test_fairseq_language_models_run_the_prefix_mean_and_refuse_the_sequence_mea
     stock, _, _ = fs_build(data, arch="transformer_lm", layers=3)
     model, _, _ = fs_build(data, extra=fs_method(NAME), layers=3, seed=1)
     model.load_state_dict(stock.state_dict(), strict=True)
-    assert model.decoder.layers[0].self_attn.pid == EllipticalConfig.preset("lm")
+    assert model.decoder.layers[0].self_attn.attention_config == EllipticalConfig.preset("lm")
     toks = torch.randint(4, 44, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(toks)[0]

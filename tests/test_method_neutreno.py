@@ -136,7 +136,7 @@ def timm_pair(kind, alpha=0.6, seed=0, **method):
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_matches_a_float64_reference(kind):
     model, stock = timm_pair(kind, alpha=0.6)
-    assert model.pid == NeuTRENOConfig(alpha=0.6) and model.attention_method.name == NAME
+    assert model.attention_config == NeuTRENOConfig(alpha=0.6) and model.attention_method.name == NAME
     model, stock = model.double(), stock.double()
     x = timm_images(kind).double()
     with torch.no_grad():
@@ -198,7 +198,7 @@ def test_timm_warmup_starts_at_the_stock_model_and_reaches_the_method():
     model, stock = timm_pair("deit", alpha=0.6, warmup_steps=2)
     full, _ = timm_pair("deit", alpha=0.6)
     x = timm_images("deit")
-    assert model.pid_warmup is not None and model.pid_warmup.warmup_steps == 2
+    assert model.attention_warmup is not None and model.attention_warmup.warmup_steps == 2
     model.train()
     with torch.no_grad():
         assert torch.equal(model(x), stock(x))  # t = 0
@@ -383,7 +383,8 @@ def mm_pair(part, seed=0, **method):
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_matches_a_float64_reference_and_alpha_zero_is_stock(part):
     model, stock = mm_pair(part, attention_cfg={"alpha": 0.6})
-    assert model.pid == NeuTRENOConfig(alpha=0.6) == mm_pair(part)[0].pid  # the segmenter preset
+    # the segmenter preset
+    assert model.attention_config == NeuTRENOConfig(alpha=0.6) == mm_pair(part)[0].attention_config
     model, stock = model.double(), stock.double()
     x = mm_inputs(part, torch.float64)
     with torch.no_grad():
@@ -437,7 +438,7 @@ def test_fairseq_matches_a_float64_reference_and_alpha_zero_is_stock(data_dir):
     alpha = 0.4
     stock, _, _ = fs_build(data_dir, arch="transformer_lm")
     default, _, _ = fs_build(data_dir, extra=neutreno_args())
-    assert default.decoder.layers[0].self_attn.pid == NeuTRENOConfig(alpha=0.4)  # the lm preset
+    assert default.decoder.layers[0].self_attn.attention_config == NeuTRENOConfig(alpha=0.4)  # the lm preset
     zero, _, _ = fs_build(data_dir, extra=neutreno_args(0.0), seed=1)
     zero.load_state_dict(stock.state_dict(), strict=True)
     toks = fs_tokens()
@@ -476,6 +477,6 @@ def test_fairseq_save_reload_and_checkpointing_refusal(data_dir, tmp_path):
         fs_build(data_dir, extra=[*neutreno_args(0.4), "--checkpoint-activations"])
     model, task, args = fs_build(data_dir, extra=neutreno_args(0.3))
     loaded = fs_save_and_reload(model, task, args, str(tmp_path / "checkpoint.pt"))
-    assert loaded.decoder.layers[0].self_attn.pid == NeuTRENOConfig(alpha=0.3)
+    assert loaded.decoder.layers[0].self_attn.attention_config == NeuTRENOConfig(alpha=0.3)
     toks = fs_tokens()
     assert torch.equal(fs_logits(loaded, toks), fs_logits(model, toks))

@@ -501,7 +501,7 @@ def test_fairseq_lm_reference_softmax_causality_and_incremental_decoding(data_di
 def test_fairseq_save_and_reload_through_checkpoint_utils(data_dir, tmp_path):
     model, task, args = fs_build(data_dir, extra=fs_twicing({"from_layer": 1}))
     loaded = fs_save_and_reload(model, task, args, str(tmp_path / "checkpoint_twicing.pt"))
-    assert loaded.decoder.layers[0].self_attn.pid == TwicingConfig(from_layer=1)
+    assert loaded.decoder.layers[0].self_attn.attention_config == TwicingConfig(from_layer=1)
     toks = fs_tokens()
     with torch.no_grad():
         assert torch.equal(loaded(toks)[0], model(toks)[0])

@@ -6,7 +6,7 @@ The rule is restated here from the official code (github.com/Zcchill/Value-Resid
 first layer attends over its own values and records them (``v^1``); every later layer attends over
 ``lambda_1 * v^1 + lambda_2 * v^l`` (per key/value head, before any grouped-query repetition), keys and queries
 unchanged (:func:`vr_rule`, on zoo_cases' float64 attention). ``(lambda_1, lambda_2) = (0, 1)`` is the stock model
-bit for bit; ``learnable=True`` gives every layer its own trainable lambdas (``pid_gains``).
+bit for bit; ``learnable=True`` gives every layer its own trainable lambdas (``attention_params``).
 """
 from typing import Optional
 
@@ -62,7 +62,7 @@ def timm_learnable(kind, seed=0):
     stock = timm.create_model(base, **args).eval()
     model = timm.create_model(name, attention=NAME, attention_cfg={"learnable": True}, **args).eval()
     result = model.load_state_dict(stock.state_dict(), strict=False)
-    assert not result.unexpected_keys and all(".pid_gains." in k for k in result.missing_keys)
+    assert not result.unexpected_keys and all(".attention_params." in k for k in result.missing_keys)
     return model, stock
 
 
@@ -71,8 +71,8 @@ def timm_learnable(kind, seed=0):
 def test_timm_matches_an_independent_float64_reference(kind, cfg):
     """Logits and ``forward_features`` of DeiT and FAN against the stock modules run by hand with the rule."""
     model, stock = timm_pair(kind, cfg)
-    assert model.attention_method is METHOD and model.pid == ValueResidualConfig(**(cfg or {}))
-    assert all(blk.attn.pid_gains is None for blk in model.blocks) and model.blocks[0].attn.state_size == 1
+    assert model.attention_method is METHOD and model.attention_config == ValueResidualConfig(**(cfg or {}))
+    assert all(blk.attn.attention_params is None for blk in model.blocks) and model.blocks[0].attn.state_size == 1
     model, stock = model.double(), stock.double()
     x = timm_images(kind).double()
     with torch.no_grad():
@@ -90,7 +90,7 @@ def test_timm_matches_an_independent_float64_reference(kind, cfg):
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_lambdas_zero_and_one_are_the_stock_model_bit_for_bit(kind):
     model, stock = timm_pair(kind, OFF)
-    assert METHOD.is_identity(model.pid) and model.blocks[0].attn.state_size == 0  # the stock code path
+    assert METHOD.is_identity(model.attention_config) and model.blocks[0].attn.state_size == 0  # the stock code path
     x = timm_images(kind)
     for fused in (True, False):
         set_fused((model, stock), fused)
@@ -104,10 +104,10 @@ def test_timm_learnable_lambdas_per_block_reference_gradients_and_weight_decay(k
     from timm.optim import create_optimizer_v2
 
     model, stock = timm_learnable(kind)
-    gains = [blk.attn.pid_gains for blk in model.blocks]
+    gains = [blk.attn.attention_params for blk in model.blocks]
     assert all(isinstance(g, ValueResidualLambdas) for g in gains) and len({id(g) for g in gains}) == len(gains)
-    names = {n for n, _ in model.named_parameters() if ".pid_gains." in n}
-    assert names == {f"blocks.{i}.attn.pid_gains.lambda_{j}" for i in range(len(gains)) for j in (1, 2)}
+    names = {n for n, _ in model.named_parameters() if ".attention_params." in n}
+    assert names == {f"blocks.{i}.attn.attention_params.lambda_{j}" for i in range(len(gains)) for j in (1, 2)}
     assert all(g.lambda_1.item() == 0.5 and g.lambda_2.item() == 0.5 for g in gains)  # the preset's values
     # each block reads its own lambdas: set them apart and compare with the per-layer reference
     lambdas = [(0.5, 0.5), (0.25, 1.125), (-0.375, 0.75)]  # exact in float32
@@ -123,7 +123,7 @@ def test_timm_learnable_lambdas_per_block_reference_gradients_and_weight_decay(k
     # gradients: every later block's lambdas get one; the first block's take part with weight 0
     model.train()
     model(timm_images(kind)).square().mean().backward()
-    assert all(p.grad is not None for n, p in model.named_parameters() if ".pid_gains." in n)
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".attention_params." in n)
     assert torch.equal(gains[0].lambda_1.grad, torch.zeros(1)) and torch.equal(gains[0].lambda_2.grad, torch.zeros(1))
     assert all(g.lambda_1.grad.abs().item() > 0 and g.lambda_2.grad.abs().item() > 0 for g in gains[1:])
     # the lambdas are not weight-decayed (as PID's learnable gains): timm's optimizer factory reads no_weight_decay()
@@ -132,7 +132,7 @@ def test_timm_learnable_lambdas_per_block_reference_gradients_and_weight_decay(k
     params = dict(model.named_parameters())
     assert not any(id(params[n]) in decayed for n in names)
     assert any(n.endswith("mlp.fc1.weight") and id(p) in decayed for n, p in params.items())
-    if kind == "deit":  # DeiT lists the names, FAN a pattern ("*.pid_gains.*")
+    if kind == "deit":  # DeiT lists the names, FAN a pattern ("*.attention_params.*")
         assert names <= model.no_weight_decay()
 
 
@@ -173,20 +173,20 @@ def test_timm_save_and_reload_through_the_pretrained_path(tmp_path):
     loaded = timm_load_pretrained(name, tmp_path / "fixed.pth", attention=NAME, attention_cfg=MIXED, **args)
     learned, _ = timm_learnable("deit", seed=4)
     with torch.no_grad():
-        learned.blocks[1].attn.pid_gains.lambda_1.fill_(0.25)
-        learned.blocks[2].attn.pid_gains.lambda_2.fill_(1.5)
+        learned.blocks[1].attn.attention_params.lambda_1.fill_(0.25)
+        learned.blocks[2].attn.attention_params.lambda_2.fill_(1.5)
     torch.save(learned.state_dict(), tmp_path / "learned.pth")
     again = timm_load_pretrained(name, tmp_path / "learned.pth", attention=NAME, attention_cfg={"learnable": True},
                                  **args)
-    assert again.blocks[1].attn.pid_gains.lambda_1.item() == 0.25
-    assert again.blocks[2].attn.pid_gains.lambda_2.item() == 1.5
+    assert again.blocks[1].attn.attention_params.lambda_1.item() == 0.25
+    assert again.blocks[2].attn.attention_params.lambda_2.item() == 1.5
     again.load_state_dict(learned.state_dict(), strict=True)  # the plain state_dict round trip too
     # a softmax checkpoint (no lambdas in it) into learnable lambdas: they start at the config's values
     _, stock = timm_pair("deit", seed=5)
     torch.save(stock.state_dict(), tmp_path / "softmax.pth")
     fresh = timm_load_pretrained(name, tmp_path / "softmax.pth", attention=NAME,
                                  attention_cfg={"learnable": True, **MIXED}, **args)
-    assert all(blk.attn.pid_gains.lambda_1.item() == pytest.approx(0.3) for blk in fresh.blocks)
+    assert all(blk.attn.attention_params.lambda_1.item() == pytest.approx(0.3) for blk in fresh.blocks)
     fixed, _ = timm_pair("deit", MIXED, seed=5)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
@@ -229,7 +229,7 @@ def mm_pair(part, cfg=None, **kw):
 def test_mmseg_matches_an_independent_float64_reference(part, cfg):
     """The Segmenter backbone and the mask-transformer decode head (its decoder layers: their own group)."""
     model, stock = mm_pair(part, cfg)
-    assert model.attention_method is METHOD and model.pid == ValueResidualConfig(**(cfg or {}))
+    assert model.attention_method is METHOD and model.attention_config == ValueResidualConfig(**(cfg or {}))
     model, stock = model.double(), stock.double()
     x = mm_inputs(part, torch.float64)
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_mmseg_lambdas_zero_and_one_are_the_stock_model_bit_for_bit(part):
     from pid_plugins.mmseg.vit import PIDTransformerEncoderLayer
 
     model, stock = mm_pair(part, OFF)
-    assert model.attention_method is METHOD and METHOD.is_identity(model.pid)
+    assert model.attention_method is METHOD and METHOD.is_identity(model.attention_config)
     assert all(type(layer) is TransformerEncoderLayer for layer in model.layers)  # mmseg's own layers
     on, _ = mm_pair(part)
     assert all(isinstance(layer, PIDTransformerEncoderLayer) for layer in on.layers)

@@ -65,19 +65,20 @@ def test_zero_gains_or_softmax_equal_the_stock_backbone(kw):
 def test_gains_from_config_arguments():
     from mmengine.config import ConfigDict
 
-    assert build().pid == PIDConfig.preset("segmenter")
-    assert build(pid=dict(preset="deit")).pid == PIDConfig.preset("deit")
-    assert build(pid="deit").pid == PIDConfig.preset("deit")  # a preset name, as on the timm side
-    assert build(pid=PIDConfig(0.1, 0.2, 0.3, 0.4)).pid == PIDConfig(0.1, 0.2, 0.3, 0.4)
-    assert build(pid=ConfigDict(lambda_p=0.2)).pid == PIDConfig.preset("segmenter", lambda_p=0.2)
-    assert build(pid="deit", beta=0.5).pid == PIDConfig.preset("deit", beta=0.5)
-    assert build(pid=dict(control_first_layer=False)).pid == PIDConfig.preset("segmenter", control_first_layer=False)
+    assert build().attention_config == PIDConfig.preset("segmenter")
+    assert build(pid=dict(preset="deit")).attention_config == PIDConfig.preset("deit")
+    assert build(pid="deit").attention_config == PIDConfig.preset("deit")  # a preset name, as on the timm side
+    assert build(pid=PIDConfig(0.1, 0.2, 0.3, 0.4)).attention_config == PIDConfig(0.1, 0.2, 0.3, 0.4)
+    assert build(pid=ConfigDict(lambda_p=0.2)).attention_config == PIDConfig.preset("segmenter", lambda_p=0.2)
+    assert build(pid="deit", beta=0.5).attention_config == PIDConfig.preset("deit", beta=0.5)
+    assert build(pid=dict(control_first_layer=False)).attention_config == PIDConfig.preset(
+        "segmenter", control_first_layer=False)
     with pytest.raises(ValueError, match="unknown PID preset 'nope'"):
         build(pid="nope")
     with pytest.raises(ValueError, match="must be a PIDConfig, a dict, a preset name"):
         build(pid=0.5)
-    assert build(lambda_p=0.2, beta=0.5).pid.gains == (0.2, 0.3, 0.05, 0.5)
-    assert build(attention="softmax").pid is None
+    assert build(lambda_p=0.2, beta=0.5).attention_config.gains == (0.2, 0.3, 0.05, 0.5)
+    assert build(attention="softmax").attention_config is None
     with pytest.raises(ValueError, match="PIDVisionTransformer: unknown attention method 'linear'"):
         build(attention="linear")
     with pytest.raises(ValueError, match="PIDConfig.beta"):
@@ -175,7 +176,7 @@ def test_shipped_config_takes_a_timm_pid_deit_checkpoint(tmp_path):
     backbone_cfg.update(img_size=(224, 224))
     backbone = MODELS.build(backbone_cfg)
     backbone.init_weights()  # strict: raises on any missing/unexpected key
-    assert backbone.pid == deit.blocks[0].attn.pid == PIDConfig.preset("segmenter")
+    assert backbone.attention_config == deit.blocks[0].attn.attention_config == PIDConfig.preset("segmenter")
     backbone.eval()  # mmseg's ViT.train() returns None, so not chained
     backbone.double(), deit.double()
     x = torch.randn(2, 3, 224, 224, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
@@ -232,7 +233,7 @@ def test_every_config_loads_and_builds(config):
     assert cfg.model.backbone.type == "PIDVisionTransformer" and cfg.model.pretrained is None
     init_default_scope("mmseg")
     model = MODELS.build(cfg.model)
-    assert model.backbone.pid == PIDConfig.preset("segmenter")
+    assert model.backbone.attention_config == PIDConfig.preset("segmenter")
     assert type(model.backbone).__name__ == "PIDVisionTransformer"
     # initialised from a timm DeiT (the paper's pipeline): its patch bias and ImageNet normalisation
     assert cfg.model.backbone.patch_bias is True and model.backbone.patch_embed.projection.bias is not None
@@ -258,8 +259,8 @@ def test_control_first_layer_is_carried_by_configs_and_checkpoint_meta(tmp_path)
     for flag, config in (("False", again), ("True", Config.fromfile(str(TINY_CONFIG)))):
         torch.manual_seed(0)
         models[flag] = MODELS.build(config.model).eval()
-    assert models["False"].backbone.pid == PIDConfig.preset("segmenter", control_first_layer=False)
-    assert models["True"].backbone.pid.control_first_layer is True  # the default, as the shipped configs
+    assert models["False"].backbone.attention_config == PIDConfig.preset("segmenter", control_first_layer=False)
+    assert models["True"].backbone.attention_config.control_first_layer is True  # the default, as the shipped configs
     models["False"].load_state_dict(models["True"].state_dict())
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():

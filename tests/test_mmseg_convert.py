@@ -106,7 +106,7 @@ def test_a_stock_segmentor_converted_in_place_equals_the_one_built_with_the_meth
     assert (y - y_stock).abs().max() > 1e-4  # the method is on
     if cfg:  # learnable: each layer's parameters at their initial values, as a built model's
         fresh = built_with(attention, cfg)
-        gains = {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+        gains = {n: p for n, p in model.named_parameters() if ".attention_params." in n}
         assert len(gains) == 5 * (3 if attention == "pid" else 2)
         assert all(torch.equal(p, fresh.state_dict()[n]) for n, p in gains.items())
 
@@ -163,7 +163,7 @@ def test_softmax_goes_back_to_mmsegs_own_classes_bit_for_bit(cfg):
 
 def test_a_segmentor_built_with_pid_types_goes_to_mmsegs_classes_too():
     model = built_with("pid", {"learnable": True, "warmup_steps": 3})
-    weights = {k: v for k, v in state(model).items() if ".pid_gains." not in k and "pid_warmup" not in k}
+    weights = {k: v for k, v in state(model).items() if ".attention_params." not in k and "attention_warmup" not in k}
     pm.convert(model, "softmax")
     reference = stock()
     reference.load_state_dict(weights, strict=True)
@@ -176,16 +176,16 @@ def test_learnable_parameters_on_and_off_on_the_models_device_dtype_and_mode():
     model = stock()
     model.double()
     pm.convert(model, "pid", {"learnable": True})
-    gains = {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+    gains = {n: p for n, p in model.named_parameters() if ".attention_params." in n}
     assert len(gains) == 3 * 5 and all(p.dtype == torch.float64 for p in gains.values())
     assert not any(m.training for m in model.modules())  # eval model: the new gains modules are in eval too
     model.train()
     pm.convert(model, "value_residual", {"learnable": True})  # another method's learnable parameters, train mode
-    lambdas = [n for n, _ in model.named_parameters() if ".pid_gains." in n]
+    lambdas = [n for n, _ in model.named_parameters() if ".attention_params." in n]
     assert len(lambdas) == 2 * 5 and all(m.training for m in model.modules())
     model.eval()
     pm.convert(model, "pid", {"learnable": False})
-    assert not any(".pid_gains." in n for n, _ in model.named_parameters())
+    assert not any(".attention_params." in n for n, _ in model.named_parameters())
     reference = built_with("pid").double()
     assert layout(model) == layout(reference)
 
@@ -194,18 +194,20 @@ def test_warmup_counters_are_made_follow_the_mode_carry_over_and_go():
     model = stock()
     pm.convert(model, "pid", {"warmup_steps": 4})
     parts = (model.backbone, model.decode_head)
-    assert all(isinstance(p.pid_warmup, pid_plugins.GainWarmup) and not p.pid_warmup.training for p in parts)
-    assert {"backbone.pid_warmup.step", "decode_head.pid_warmup.step"} <= set(model.state_dict())
+    assert all(isinstance(p.attention_warmup, pid_plugins.GainWarmup) and not p.attention_warmup.training
+               for p in parts)
+    assert {"backbone.attention_warmup.step", "decode_head.attention_warmup.step"} <= set(model.state_dict())
     logits(model)
-    assert all(int(p.pid_warmup.step) == 0 for p in parts)  # eval forwards do not count
+    assert all(int(p.attention_warmup.step) == 0 for p in parts)  # eval forwards do not count
     model.train()
     model.backbone(images())
     model.decode_head(model.backbone(images()))
-    assert int(model.backbone.pid_warmup.step) == 2 and int(model.decode_head.pid_warmup.step) == 1
+    assert int(model.backbone.attention_warmup.step) == 2 and int(model.decode_head.attention_warmup.step) == 1
     pm.convert(model, "pid", {"warmup_steps": 8})  # another N: t carries over
-    assert model.backbone.pid_warmup.warmup_steps == 8 and int(model.backbone.pid_warmup.step) == 2
+    assert model.backbone.attention_warmup.warmup_steps == 8 and int(model.backbone.attention_warmup.step) == 2
     pm.convert(model, "pid")  # no warm-up: the counters go
-    assert all(p.pid_warmup is None for p in parts) and not any("pid_warmup" in k for k in model.state_dict())
+    assert all(p.attention_warmup is None for p in parts)
+    assert not any("attention_warmup" in k for k in model.state_dict())
     model.eval()
     assert layout(model) == layout(built_with("pid"))
 

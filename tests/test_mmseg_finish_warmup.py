@@ -1,7 +1,7 @@
 """``pid_plugins.finish_warmup(model)`` on mmseg models (issue 34): a Segmenter with a method in its ViT backbone and in
 its mask-transformer head (PID, NeuTRENO, learnable PID; built from a config or converted), trained past
 ``warmup_steps``, then finished: it computes exactly (torch.equal) what the warmed-up model computed, its state_dict
-has no ``pid_warmup.step``, and it runs at a fixed scale of 1 (mmseg's warm-up form, the stock attention plus the
+has no ``attention_warmup.step``, and it runs at a fixed scale of 1 (mmseg's warm-up form, the stock attention plus the
 method's term, kept; see ``pid_plugins.core.layer.finish_warmup``)."""
 import copy
 import logging
@@ -93,18 +93,18 @@ CASES = [(method, False) for method in METHODS] + [("pid", True), ("learnable_pi
 @pytest.mark.parametrize("method, converted", CASES)
 def test_finished_segmentor_is_the_warmed_up_function_without_the_counter(method, converted):
     model = train(build(method, converted=converted), N)
-    assert all(int(p.pid_warmup.step) == N for p in parts(model))  # t = N: the scale reached 1
+    assert all(int(p.attention_warmup.step) == N for p in parts(model))  # t = N: the scale reached 1
     want = logits(model)
-    gains = {n: p.clone() for n, p in model.named_parameters() if ".pid_gains." in n}
+    gains = {n: p.clone() for n, p in model.named_parameters() if ".attention_params." in n}
     if method == "learnable_pid":  # the learned gains moved during warm-up (past each group's first layer)
         initial = dict(build(method, converted=converted).named_parameters())
         assert len(gains) == 15 and sum(not torch.equal(p, initial[n]) for n, p in gains.items()) >= 9
     assert pid_plugins.finish_warmup(model) is model
-    assert all(p.pid_warmup is None and p.pid.warmup_steps == 0 for p in parts(model))
-    assert all(layer.pid.warmup_steps == 0 for p in parts(model) for layer in p.layers)
-    assert not any("pid_warmup" in k for k in model.state_dict())
+    assert all(p.attention_warmup is None and p.attention_config.warmup_steps == 0 for p in parts(model))
+    assert all(layer.attention_config.warmup_steps == 0 for p in parts(model) for layer in p.layers)
+    assert not any("attention_warmup" in k for k in model.state_dict())
     assert torch.equal(logits(model), want)
-    assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".pid_gains." in n)
+    assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".attention_params." in n)
     # a fixed scale: 1, a constant (not saved), whatever the mode; training forwards count nothing
     for part in parts(model):
         assert part.method_scale().item() == 1.0 and "_warmup_finished" not in part.state_dict()
@@ -116,7 +116,7 @@ def test_finished_segmentor_is_the_warmed_up_function_without_the_counter(method
     # model keeps the stock attention plus the method's term; the plain model takes the method path)
     torch.testing.assert_close(logits(plain), want, rtol=1e-5, atol=1e-5)
     train(model, 1)
-    assert not any("pid_warmup" in k for k in model.state_dict())
+    assert not any("attention_warmup" in k for k in model.state_dict())
     assert all(part.method_scale().item() == 1.0 for part in parts(model))
 
 
@@ -124,7 +124,7 @@ def test_finishing_early_warns_and_jumps_to_the_final_gains(caplog):
     model = train(build("pid", warmup_steps=5), 2)
     at_the_end = copy.deepcopy(model)
     for part in parts(at_the_end):
-        part.pid_warmup.step.fill_(5)  # the same weights at t = N: scale 1
+        part.attention_warmup.step.fill_(5)  # the same weights at t = N: scale 1
     with caplog.at_level(logging.WARNING, logger="pid_plugins.core.layer"):
         pid_plugins.finish_warmup(model)
     assert "had warmed up 2 of 5 steps (scale 0.400)" in caplog.text
@@ -137,7 +137,7 @@ def test_a_finished_segmentor_converts_back_to_the_stock_one_bit_for_bit():
     from mmseg.registry import MODELS
 
     model = pid_plugins.finish_warmup(train(build("learnable_pid", converted=True), N))
-    weights = {k: v for k, v in model.state_dict().items() if ".pid_gains." not in k}
+    weights = {k: v for k, v in model.state_dict().items() if ".attention_params." not in k}
     pm.convert(model, "softmax")
     assert not any(hasattr(p, "_warmup_finished") or "_warmup_finished" in p._buffers for p in parts(model))
     assert all(type(layer) is TransformerEncoderLayer for p in parts(model) for layer in p.layers)

@@ -33,7 +33,7 @@ def test_default_is_the_stock_head():
     from mmseg.models.backbones.vit import TransformerEncoderLayer
 
     head = build()
-    assert head.pid is None and all(type(layer) is TransformerEncoderLayer for layer in head.layers)
+    assert head.attention_config is None and all(type(layer) is TransformerEncoderLayer for layer in head.layers)
     stock = build(type="SegmenterMaskTransformerHead")
     assert list(head.state_dict()) == list(stock.state_dict())
     with torch.no_grad():
@@ -70,9 +70,10 @@ def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(contro
 
 
 def test_head_arguments():
-    assert build(attention="pid").pid == PIDConfig.preset("segmenter")
-    assert build(attention="pid", pid="deit").pid == PIDConfig.preset("deit")
-    assert build(attention="pid", pid=dict(lambda_p=0.1)).pid == PIDConfig.preset("segmenter", lambda_p=0.1)
+    assert build(attention="pid").attention_config == PIDConfig.preset("segmenter")
+    assert build(attention="pid", pid="deit").attention_config == PIDConfig.preset("deit")
+    assert build(attention="pid", pid=dict(lambda_p=0.1)).attention_config == PIDConfig.preset("segmenter",
+                                                                                             lambda_p=0.1)
     with pytest.raises(ValueError, match="PIDSegmenterMaskTransformerHead: unknown attention method 'linear'"):
         build(attention="linear")
     assert build(pid="deit").attention_method is None  # the head's default is softmax: pid= alone is inert
@@ -96,8 +97,8 @@ def test_config_round_trip_and_a_training_step(tmp_path):
     init_default_scope("mmseg")
     model = MODELS.build(reloaded.model)
     model.init_weights()
-    assert model.decode_head.pid == PIDConfig.preset("segmenter", lambda_p=0.3)
-    assert model.backbone.pid == PIDConfig.preset("segmenter")  # a separate group with its own gains
+    assert model.decode_head.attention_config == PIDConfig.preset("segmenter", lambda_p=0.3)
+    assert model.backbone.attention_config == PIDConfig.preset("segmenter")  # a separate group with its own gains
     stock = MODELS.build(Config.fromfile(str(TINY_CONFIG)).model)
     assert list(model.state_dict()) == list(stock.state_dict())
     model.train()

@@ -1,7 +1,7 @@
 """Learnable method parameters in mmseg (issue 34): PID's ``{"learnable": True}`` gains and value residual's learnable
 lambdas, in the ViT backbone and in Segmenter's mask-transformer head.
 
-Each layer holds its own ``pid_gains`` module (the method's ``make_learned``); trained values match float64
+Each layer holds its own ``attention_params`` module (the method's ``make_learned``); trained values match float64
 references written by hand from the stock modules; ``with_cp`` gives the same gradients; the gains train through
 mmengine's OptimWrapper and Runner and survive the checkpoint round trip (weights-only loading); a softmax or
 fixed-gain checkpoint given as ``init_cfg=dict(type='Pretrained')`` fills them with their initial values; the shipped
@@ -41,7 +41,7 @@ def stock_part(part, seed=0):
 
 
 def gains_of(model):
-    return {n: p for n, p in model.named_parameters() if ".pid_gains." in n}
+    return {n: p for n, p in model.named_parameters() if ".attention_params." in n}
 
 
 def with_stock_weights(model, stock):
@@ -52,7 +52,7 @@ def with_stock_weights(model, stock):
 
 
 def initial_values(layer):
-    return layer.attention_method.make_learned(layer.pid).state_dict()
+    return layer.attention_method.make_learned(layer.attention_config).state_dict()
 
 
 # ------------------------------------------------------------------------------------------- the parameters
@@ -61,18 +61,18 @@ def initial_values(layer):
 def test_each_layer_holds_its_learnable_parameters_at_their_initial_values(part, method):
     model = part_model(part, method)
     layers = len(model.layers)
-    assert sorted(gains_of(model)) == sorted(f"layers.{i}.pid_gains.{name}" for i in range(layers)
+    assert sorted(gains_of(model)) == sorted(f"layers.{i}.attention_params.{name}" for i in range(layers)
                                              for name in LEARNED[method])
     for layer in model.layers:
-        assert type(layer) is pm.PIDTransformerEncoderLayer and layer.pid.learnable
-        assert not layer.pid_gains.training  # the layer's mode (mm_build puts the model in eval)
+        assert type(layer) is pm.PIDTransformerEncoderLayer and layer.attention_config.learnable
+        assert not layer.attention_params.training  # the layer's mode (mm_build puts the model in eval)
         for name, value in initial_values(layer).items():
-            assert torch.equal(layer.pid_gains.state_dict()[name], value), name
+            assert torch.equal(layer.attention_params.state_dict()[name], value), name
     if method == "pid":  # the gains start at the config's (softplus of the raw parameter)
-        gains = model.layers[0].pid_gains()[:3]
+        gains = model.layers[0].attention_params()[:3]
         torch.testing.assert_close(torch.cat(gains), torch.tensor(PIDConfig.preset("segmenter").gains[:3]))
     model.train()
-    assert all(layer.pid_gains.training for layer in model.layers)
+    assert all(layer.attention_params.training for layer in model.layers)
     model.double()
     assert all(p.dtype == torch.float64 for p in gains_of(model).values())
 
@@ -82,7 +82,7 @@ def _set_per_layer_values(model, method):
     values = []
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
-            g = layer.pid_gains
+            g = layer.attention_params
             if method == "pid":
                 for name, gain in zip(LEARNED[method], (0.6 - 0.1 * i, 0.2 + 0.15 * i, 0.05 + 0.1 * i)):
                     getattr(g, name).fill_(gain + math.log(-math.expm1(-gain)))  # softplus(raw) = gain
@@ -105,7 +105,7 @@ def test_trained_parameters_match_a_float64_reference_from_stock_modules(part, m
         values = _set_per_layer_values(model, method)
         got = mm_out(part, model, x)
     if method == "pid":
-        beta = model.pid.beta
+        beta = model.attention_config.beta
         rule = on_outputs(lambda outs, vs: naive_pid_stack(outs, vs, *values[len(outs) - 1], beta)[-1])
         assert values[0] != values[1]
     else:
@@ -175,7 +175,7 @@ def test_softmax_checkpoint_into_a_learnable_backbone_starts_the_gains_at_their_
         assert torch.equal(state[key], value), key
     for layer in model.layers:
         for name, value in initial_values(layer).items():
-            assert torch.equal(layer.pid_gains.state_dict()[name], value), name
+            assert torch.equal(layer.attention_params.state_dict()[name], value), name
     fixed = mm_build("PIDVisionTransformer", mm_args("backbone"), 4, attention=method)
     fixed.load_state_dict(stock.state_dict(), strict=True)
     x = mm_inputs("backbone")
@@ -192,7 +192,7 @@ def test_fixed_and_timm_learnable_checkpoints_into_a_learnable_backbone(tmp_path
     fixed = mm_build("PIDVisionTransformer", mm_args("backbone"), 5)
     model = _pretrained(tmp_path, fixed.state_dict(), pid=dict(learnable=True))
     for layer in model.layers:
-        assert all(torch.equal(layer.pid_gains.state_dict()[k], v) for k, v in initial_values(layer).items())
+        assert all(torch.equal(layer.attention_params.state_dict()[k], v) for k, v in initial_values(layer).items())
     # a timm PID DeiT trained with learnable gains: its trained gains reach the mmseg layers
     args = mm_args("backbone")
     torch.manual_seed(0)
@@ -200,15 +200,15 @@ def test_fixed_and_timm_learnable_checkpoints_into_a_learnable_backbone(tmp_path
                              num_heads=3, pid=dict(preset="segmenter", learnable=True))
     with torch.no_grad():
         for i, blk in enumerate(deit.blocks):
-            blk.attn.pid_gains.lambda_p_raw.fill_(0.1 * i - 0.5)
+            blk.attn.attention_params.lambda_p_raw.fill_(0.1 * i - 0.5)
     model = _pretrained(tmp_path, deit.state_dict(), pid=dict(learnable=True), patch_bias=True)
     assert args["num_layers"] == len(deit.blocks)
     for i, blk in enumerate(deit.blocks):
-        for name, value in blk.attn.pid_gains.state_dict().items():
-            assert torch.equal(model.layers[i].pid_gains.state_dict()[name], value), (i, name)
+        for name, value in blk.attn.attention_params.state_dict().items():
+            assert torch.equal(model.layers[i].attention_params.state_dict()[name], value), (i, name)
     # learned gains into a fixed-gain model: refused, listing them
     learnable = mm_build("PIDVisionTransformer", mm_args("backbone"), 5, pid=dict(learnable=True))
-    with pytest.raises(ValueError, match=r"unexpected keys \['layers.0.pid_gains.lambda_d_raw'"):
+    with pytest.raises(ValueError, match=r"unexpected keys \['layers.0.attention_params.lambda_d_raw'"):
         _pretrained(tmp_path, learnable.state_dict())
 
 
@@ -245,11 +245,11 @@ def _decay_by_name(model, optim_wrapper):
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("segmenter_pid-deit-*_mask_8xb1-*.py")), ids=lambda p: p.name)
-def test_every_shipped_config_keeps_pid_gains_out_of_weight_decay(config):
+def test_every_shipped_config_keeps_attention_params_out_of_weight_decay(config):
     from mmengine.config import Config
 
     cfg = Config.fromfile(str(config))
-    assert cfg.optim_wrapper.paramwise_cfg.custom_keys == {"pid_gains": {"decay_mult": 0.0}}
+    assert cfg.optim_wrapper.paramwise_cfg.custom_keys == {"attention_params": {"decay_mult": 0.0}}
     assert cfg.optim_wrapper.type == "OptimWrapper" and cfg.optim_wrapper.optimizer.type == "SGD"  # mmseg's, merged
 
 

@@ -83,8 +83,8 @@ def test_timm_onnx_export_of_learnable_gains_and_warmup(pid, tmp_path):
     """Learned gains are exported as constants; under warm-up the graph holds this step's scale (eval: t fixed)."""
     torch.manual_seed(0)
     model = timm.create_model("pid_deit_tiny_patch16_224", pid=pid, **MODELS["pid_deit_tiny_patch16_224"]).eval()
-    if model.pid_warmup is not None:
-        model.pid_warmup.step.fill_(4)  # scale 0.4
+    if model.attention_warmup is not None:
+        model.attention_warmup.step.fill_(4)  # scale 0.4
     path = tmp_path / "model.onnx"
     onnx_export(model, str(path), input_size=(3, 32, 32), batch_size=2, check=True)
     x = torch.randn(3, 3, 32, 32)

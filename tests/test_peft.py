@@ -1,7 +1,8 @@
 """peft on attention-method models in transformers (issue 32): LoRA and IA3 adapters on a tiny grouped-query
 Llama (4 query / 2 key-value heads) running PID and each sibling method; learnable PID gains trained beside the
-adapter (``modules_to_save=["pid_gains"]``); gain warm-up through the PeftModel (``modules_to_save=["pid_warmup"]``
-keeps its counter in the adapter checkpoint); save/reload of the adapter; merge_and_unload and cached generation.
+adapter (``modules_to_save=["attention_params"]``); gain warm-up through the PeftModel
+(``modules_to_save=["attention_warmup"]`` keeps its counter in the adapter checkpoint); save/reload of the
+adapter; merge_and_unload and cached generation.
 
 "The method stays on" is checked two ways: the attention function transformers calls is the method's with a
 non-identity state at every layer of every forward (a recorder in transformers' ``AttentionInterface``), and the
@@ -170,7 +171,7 @@ def gains_named(model):
     """{layer.kind: the gain's raw parameter} of the gains modules the attention layers use (through peft)."""
     out = {}
     for i, layer in enumerate(model.model.layers):
-        gains = layer.self_attn.pid_gains
+        gains = layer.self_attn.attention_params
         for k in "pid":
             out[f"{i}.{k}"] = getattr(gains, f"lambda_{k}_raw")
     return out
@@ -182,15 +183,15 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     initial = {k: v.detach().clone() for k, v in gains_named(model).items()}
     assert len(initial) == 3 * LAYERS and len(ph.gain_parameter_names(model)) == 3 * LAYERS
     before = logits(model, x)
-    wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["pid_gains"]))
+    wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["attention_params"]))
     assert torch.equal(logits(wrapped, x), before)
 
     trainable = {n for n, p in wrapped.named_parameters() if p.requires_grad}
-    gain_names = {n for n in trainable if ".pid_gains." in n}
-    assert gain_names == {f"base_model.model.model.layers.{i}.self_attn.pid_gains.modules_to_save.default."
+    gain_names = {n for n in trainable if ".attention_params." in n}
+    assert gain_names == {f"base_model.model.model.layers.{i}.self_attn.attention_params.modules_to_save.default."
                           f"lambda_{k}_raw" for i in range(LAYERS) for k in "pid"}
     assert all("lora_" in n for n in trainable - gain_names)
-    frozen_originals = {n for n, p in wrapped.named_parameters() if ".pid_gains.original_module." in n}
+    frozen_originals = {n for n, p in wrapped.named_parameters() if ".attention_params.original_module." in n}
     assert len(frozen_originals) == 3 * LAYERS and not frozen_originals & trainable
 
     # the attention layers read the trained copies: they get gradients (lambda_d of the first layer, which has no
@@ -200,7 +201,7 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     grads = {n: p.grad for n, p in wrapped.named_parameters() if n in gain_names}
     assert all(g is not None for g in grads.values())
     zero = {n for n, g in grads.items() if torch.count_nonzero(g) == 0}
-    assert zero == {"base_model.model.model.layers.0.self_attn.pid_gains.modules_to_save.default.lambda_d_raw"}
+    assert zero == {"base_model.model.model.layers.0.self_attn.attention_params.modules_to_save.default.lambda_d_raw"}
     wrapped.zero_grad()
     start = snapshot(wrapped)
     train(wrapped, x, steps=3)
@@ -211,10 +212,10 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     trained = logits(wrapped, x)
     assert calls and all(c[0] == "pid" and c[2] for c in calls)
     # discovery run again (to_pid on the wrapped base) keeps peft's wrappers: no fresh gains replace them
-    wrappers = [layer.self_attn.pid_gains for layer in model.model.layers]
+    wrappers = [layer.self_attn.attention_params for layer in model.model.layers]
     assert all(type(w).__name__ == "ModulesToSaveWrapper" for w in wrappers)
     ph.to_pid(model)
-    assert [layer.self_attn.pid_gains for layer in model.model.layers] == wrappers
+    assert [layer.self_attn.attention_params for layer in model.model.layers] == wrappers
     assert torch.equal(logits(wrapped, x), trained)
 
     # saved in the adapter checkpoint, restored onto a fresh learnable base (which starts from the config's gains)
@@ -222,7 +223,7 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     for i in range(LAYERS):
         for k in "pid":
-            key = f"base_model.model.model.layers.{i}.self_attn.pid_gains.lambda_{k}_raw"
+            key = f"base_model.model.model.layers.{i}.self_attn.attention_params.lambda_{k}_raw"
             assert torch.equal(saved[key], learned[f"{i}.{k}"]), key
     fresh = build("pid", LEARN)
     assert all(torch.equal(v, initial[k]) for k, v in gains_named(fresh).items())
@@ -232,7 +233,7 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
 
     # merged: plain LayerGains holding the learned values, saved and reloaded by transformers as a PID model
     merged = reloaded.merge_and_unload()
-    assert all(isinstance(layer.self_attn.pid_gains, LayerGains) for layer in merged.model.layers)
+    assert all(isinstance(layer.self_attn.attention_params, LayerGains) for layer in merged.model.layers)
     assert all(torch.equal(v, learned[k]) for k, v in gains_named(merged).items())
     assert len(ph.gain_parameter_names(merged)) == 3 * LAYERS
     torch.testing.assert_close(logits(merged, x), trained, rtol=1e-5, atol=1e-5)
@@ -244,9 +245,10 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
 
 @pytest.mark.slow
 def test_trainer_keeps_the_gains_peft_trains_out_of_weight_decay(tmp_path):
-    """NoGainDecayTrainerMixin over a PeftModel: the gains' trained copies (``pid_gains.modules_to_save.default.``)
-    go to the no-decay group, the adapter's weights stay where the plain Trainer puts them."""
-    wrapped = get_peft_model(build("pid", LEARN), ADAPTERS["lora"][0](modules_to_save=["pid_gains"]))
+    """NoGainDecayTrainerMixin over a PeftModel: the gains' trained copies
+    (``attention_params.modules_to_save.default.``) go to the no-decay group, the adapter's weights stay where the
+    plain Trainer puts them."""
+    wrapped = get_peft_model(build("pid", LEARN), ADAPTERS["lora"][0](modules_to_save=["attention_params"]))
     args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, report_to="none", use_cpu=True)
     names = {id(p): n for n, p in wrapped.named_parameters()}
 
@@ -257,7 +259,7 @@ def test_trainer_keeps_the_gains_peft_trains_out_of_weight_decay(tmp_path):
     class PIDTrainer(ph.NoGainDecayTrainerMixin, Trainer):
         pass
 
-    gains = {n for n, p in wrapped.named_parameters() if p.requires_grad and ".pid_gains." in n}
+    gains = {n for n, p in wrapped.named_parameters() if p.requires_grad and ".attention_params." in n}
     plain, ours = groups(Trainer), groups(PIDTrainer)
     assert len(gains) == 3 * LAYERS and gains <= plain[0.1]  # the plain Trainer decays them
     assert ours[0.0] == plain.get(0.0, set()) | gains and ours[0.1] == plain[0.1] - gains
@@ -276,10 +278,10 @@ def test_warm_up_advances_through_the_peft_model_as_without_it(save_counter, cal
     plain = build("pid", warm)
     model = build("pid", warm)
     assert torch.equal(logits(model, x), logits(stock_twin(model), x))  # t = 0: the stock model
-    saved_modules = ["pid_gains", "pid_warmup"] if save_counter else ["pid_gains"]
+    saved_modules = ["attention_params", "attention_warmup"] if save_counter else ["attention_params"]
     wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=saved_modules))
     # the counter is reached through the PeftModel's attribute delegation, wrapped by peft or not
-    assert int(wrapped.pid_warmup.step) == 0 and wrapped.pid_warmup.warmup_steps == N
+    assert int(wrapped.attention_warmup.step) == 0 and wrapped.attention_warmup.warmup_steps == N
 
     def scales(seen):
         return [c[3] for c in seen if c[1] == 0]
@@ -290,28 +292,28 @@ def test_warm_up_advances_through_the_peft_model_as_without_it(save_counter, cal
     calls.clear()
     train(wrapped, x, steps=N + 1)
     assert scales(calls) == without_peft == [k / N for k in range(N)] + [1.0]
-    assert int(wrapped.pid_warmup.step) == int(plain.pid_warmup.step) == N + 1
+    assert int(wrapped.attention_warmup.step) == int(plain.attention_warmup.step) == N + 1
     trained = logits(wrapped, x)
     greedy(wrapped, x)  # eval forwards and generation do not count
-    assert int(wrapped.pid_warmup.step) == N + 1
+    assert int(wrapped.attention_warmup.step) == N + 1
     calls.clear()
     logits(wrapped, x)
     assert scales(calls) == [1.0]
 
     wrapped.save_pretrained(tmp_path / "adapter")
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert ("base_model.model.pid_warmup.step" in saved) == save_counter
+    assert ("base_model.model.attention_warmup.step" in saved) == save_counter
     reloaded = PeftModel.from_pretrained(build("pid", warm), tmp_path / "adapter").eval()
     if save_counter:  # t is restored with the adapter
-        assert int(reloaded.pid_warmup.step) == N + 1
+        assert int(reloaded.attention_warmup.step) == N + 1
     else:  # the fresh base's counter starts at 0, so the reloaded model is the stock model plus the adapter...
-        assert int(reloaded.pid_warmup.step) == 0
+        assert int(reloaded.attention_warmup.step) == 0
         assert not torch.allclose(logits(reloaded, x), trained, rtol=0, atol=1e-4)
-        reloaded.pid_warmup.step.fill_(N)  # ... until t is set (through the PeftModel) to the end of the warm-up
+        reloaded.attention_warmup.step.fill_(N)  # ... until t is set (through the PeftModel) to the end of the warm-up
     assert torch.equal(logits(reloaded, x), trained)
 
     merged = reloaded.merge_and_unload()
-    assert isinstance(merged.pid_warmup, GainWarmup) and int(merged.pid_warmup.step) >= N
+    assert isinstance(merged.attention_warmup, GainWarmup) and int(merged.attention_warmup.step) >= N
     torch.testing.assert_close(logits(merged, x), trained, rtol=1e-5, atol=1e-5)
 
 
@@ -330,7 +332,7 @@ def test_the_counter_swap_is_found_once_and_a_plain_warm_up_model_is_not_redisco
                         original(m, *a, **kw))
     logits(model, x)
     assert runs == []
-    wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["pid_warmup"]))
+    wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["attention_warmup"]))
     logits(wrapped, x), logits(wrapped, x)
     assert runs == ["LlamaForCausalLM"]
     merged = wrapped.merge_and_unload()
@@ -348,14 +350,14 @@ def test_gradient_checkpointing_under_peft_gives_the_same_gradients_and_refuses_
         model = build("pid", LEARN)
         if checkpointing is not None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-        wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["pid_gains"]))
+        wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=["attention_params"]))
         wrapped.train()
         wrapped(input_ids=x, labels=x).loss.backward()
         return {n: p.grad for n, p in wrapped.named_parameters() if p.requires_grad}
 
     want = adapter_grads(None)
     got = adapter_grads({"use_reentrant": False})
-    assert got.keys() == want.keys() and any(".pid_gains." in n for n in got)
+    assert got.keys() == want.keys() and any(".attention_params." in n for n in got)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
     with pytest.raises(ValueError, match="use_reentrant"):

@@ -26,7 +26,7 @@ def pair(name="pid_deit_tiny_patch16_224", seed=0, **kwargs):
     stock = timm.create_model(base, **args)
     model = timm.create_model(name, **args, **pid_kwargs)
     result = model.load_state_dict(stock.state_dict(), strict=False)  # learnable gains are model-only
-    assert not result.unexpected_keys and all(".pid_gains." in k for k in result.missing_keys)
+    assert not result.unexpected_keys and all(".attention_params." in k for k in result.missing_keys)
     return model.eval(), stock.eval()
 
 
@@ -64,8 +64,8 @@ def test_real_sizes_build_and_run_with_the_stock_state_dict_layout(name):
     with torch.device("meta"):
         stock = timm.create_model(entry.base)
     model = timm.create_model(name).eval()
-    assert model.pid == PIDConfig.preset("deit")
-    assert all(blk.attn.pid == model.pid for blk in model.blocks)
+    assert model.attention_config == PIDConfig.preset("deit")
+    assert all(blk.attn.attention_config == model.attention_config for blk in model.blocks)
     sd = model.state_dict()
     assert list(sd) == list(stock.state_dict())
     assert all(sd[k].shape == v.shape for k, v in stock.state_dict().items())
@@ -76,12 +76,12 @@ def test_real_sizes_build_and_run_with_the_stock_state_dict_layout(name):
 
 def test_gains_by_kwarg_and_validation():
     m = timm.create_model("pid_deit_small_patch16_224", pid=dict(lambda_p=0.5, beta=0.3), **TINY)
-    assert m.pid.gains == (0.5, 0.5, 0.05, 0.3)
-    assert all(blk.attn.pid == m.pid for blk in m.blocks)
+    assert m.attention_config.gains == (0.5, 0.5, 0.05, 0.3)
+    assert all(blk.attn.attention_config == m.attention_config for blk in m.blocks)
     m = timm.create_model("pid_deit_tiny_patch16_224", pid="segmenter", **TINY)
-    assert m.pid == PIDConfig.preset("segmenter")
+    assert m.attention_config == PIDConfig.preset("segmenter")
     m = timm.create_model("pid_deit_tiny_patch16_224", pid=PIDConfig(0.1, 0.2, 0.3, 0.4), **TINY)
-    assert m.pid.gains == (0.1, 0.2, 0.3, 0.4)
+    assert m.attention_config.gains == (0.1, 0.2, 0.3, 0.4)
     with pytest.raises(ValueError, match="PIDConfig.beta must be in"):
         timm.create_model("pid_deit_tiny_patch16_224", pid=dict(beta=0.0), **TINY)
     with pytest.raises(ValueError, match="PIDConfig.lambda_p must be >= 0"):
@@ -109,7 +109,7 @@ def test_softmax_or_zero_gains_give_the_stock_model_bit_for_bit(name, kwargs, fu
         assert torch.equal(model(x), stock(x))
         assert torch.equal(model.forward_features(x), stock.forward_features(x))
     if "attention" in kwargs:
-        assert model.pid is None and all(blk.attn.pid is None for blk in model.blocks)
+        assert model.attention_config is None and all(blk.attn.attention_config is None for blk in model.blocks)
 
 
 @pytest.mark.parametrize("control_first_layer", [True, False])
@@ -232,11 +232,11 @@ def test_reset_classifier(name):
 def test_no_weight_decay_and_learnable_gains():
     model = timm.create_model("pid_deit_tiny_patch16_224", **TINY)
     assert {"pos_embed", "cls_token"} <= model.no_weight_decay()
-    assert not any("pid_gains" in n for n in model.no_weight_decay())
+    assert not any("attention_params" in n for n in model.no_weight_decay())
     learned = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(learnable=True), **TINY)
-    gains = {n for n, _ in learned.named_parameters() if "pid_gains" in n}
+    gains = {n for n, _ in learned.named_parameters() if "attention_params" in n}
     assert len(gains) == 3 * 3 and gains <= learned.no_weight_decay()
-    assert learned.blocks[0].attn.pid_gains()[0].item() == pytest.approx(0.8)  # lambda_p = softplus(raw)
+    assert learned.blocks[0].attn.attention_params()[0].item() == pytest.approx(0.8)  # lambda_p = softplus(raw)
 
 
 def grads_of(model, x, views=2):
@@ -369,7 +369,7 @@ def test_pretrained_softmax_checkpoint_into_learnable_gains(stock_deit_tiny, tmp
     torch.save(stock_deit_tiny.state_dict(), path)
     model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pid=dict(learnable=True),
                               pretrained_cfg_overlay=dict(file=str(path)))
-    assert model.blocks[5].attn.pid_gains()[1].item() == pytest.approx(0.5)  # lambda_i = softplus(raw)
+    assert model.blocks[5].attn.attention_params()[1].item() == pytest.approx(0.5)  # lambda_i = softplus(raw)
     assert torch.equal(model.blocks[5].attn.qkv.weight, stock_deit_tiny.blocks[5].attn.qkv.weight)
 
 
@@ -443,7 +443,7 @@ def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
         pretrained_cfg_overlay=dict(file=str(path), num_classes=-1),  # --pretrained-path
         **model_kwargs,
     )
-    assert model.pid.gains == (0.5, 0.5, 0.05, 0.3)
+    assert model.attention_config.gains == (0.5, 0.5, 0.05, 0.3)
     assert model.num_classes == 10 and model.head.out_features == 10
     assert torch.equal(model.blocks[11].mlp.fc2.weight, stock_deit_tiny.blocks[11].mlp.fc2.weight)
     # train.py builds its optimizer with timm's factory, which reads no_weight_decay()
@@ -477,14 +477,14 @@ def test_to_pid_converts_in_place_and_keeps_the_weights():
         assert torch.equal(pt.to_pid(model, attention="softmax")(x), y_stock)
     assert type(model) is timm.models.VisionTransformer and type(model.blocks[0].attn) is timm.layers.Attention
     pt.to_pid(model, dict(learnable=True))
-    assert sum("pid_gains" in n for n, _ in model.named_parameters()) == 9
+    assert sum("attention_params" in n for n, _ in model.named_parameters()) == 9
 
 
 def test_to_pid_distilled():
     torch.manual_seed(0)
     stock = timm.create_model("deit_tiny_distilled_patch16_224", **TINY).eval()
     model = pt.to_pid(stock)
-    assert isinstance(model, pt.PIDVisionTransformerDistilled) and model.pid == PIDConfig.preset("deit")
+    assert isinstance(model, pt.PIDVisionTransformerDistilled) and model.attention_config == PIDConfig.preset("deit")
     assert model(images()).shape == (2, 10)
 
 

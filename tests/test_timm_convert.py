@@ -74,7 +74,8 @@ def test_distilled_deit_converts_and_goes_back():
     with torch.no_grad():
         y_stock = model(x)
         pt.convert(model)
-        assert type(model) is pt.PIDVisionTransformerDistilled and model.pid == pid_plugins.PIDConfig.preset("deit")
+        assert type(model) is pt.PIDVisionTransformerDistilled
+        assert model.attention_config == pid_plugins.PIDConfig.preset("deit")
         assert torch.equal(model(x), named(weights=weights, name="pid_deit_tiny_distilled_patch16_224")(x))
         pt.convert(model, "softmax")
         assert type(model) is VisionTransformerDistilled and torch.equal(model(x), y_stock)
@@ -119,36 +120,37 @@ def test_a_model_built_by_pid_name_goes_to_the_stock_class_too():
 def test_learnable_gains_are_created_on_the_models_device_dtype_and_mode():
     model = stock().double()
     pt.convert(model, "pid", {"learnable": True})
-    gains = [n for n, _ in model.named_parameters() if ".pid_gains." in n]
+    gains = [n for n, _ in model.named_parameters() if ".attention_params." in n]
     assert len(gains) == 3 * DEIT["depth"]
-    assert all(p.dtype == torch.float64 for n, p in model.named_parameters() if ".pid_gains." in n)
+    assert all(p.dtype == torch.float64 for n, p in model.named_parameters() if ".attention_params." in n)
     assert not any(m.training for m in model.modules())  # eval model: the new gains modules are in eval too
     assert {n for n in gains} <= model.no_weight_decay()
     reference = named("pid", {"learnable": True}).double()
     assert list(model.state_dict()) == list(reference.state_dict())
     pt.convert(model, "pid", {"learnable": False})
-    assert not any(".pid_gains." in n for n, _ in model.named_parameters())
+    assert not any(".attention_params." in n for n, _ in model.named_parameters())
 
 
 def test_warmup_counter_is_created_follows_the_mode_and_is_removed():
     model = stock()
     pt.convert(model, "pid", {"warmup_steps": 4})
-    assert isinstance(model.pid_warmup, pid_plugins.GainWarmup) and not model.pid_warmup.training
-    assert "pid_warmup.step" in model.state_dict()
+    assert isinstance(model.attention_warmup, pid_plugins.GainWarmup) and not model.attention_warmup.training
+    assert "attention_warmup.step" in model.state_dict()
     x = images()
     with torch.no_grad():
         model(x)
-    assert int(model.pid_warmup.step) == 0  # eval forwards do not count
+    assert int(model.attention_warmup.step) == 0  # eval forwards do not count
     model.train()
     model(x)
-    assert int(model.pid_warmup.step) == 1
+    assert int(model.attention_warmup.step) == 1
     pt.convert(model, "pid", {"warmup_steps": 8})  # another N: t carries over
-    assert model.pid_warmup.warmup_steps == 8 and int(model.pid_warmup.step) == 1 and model.pid_warmup.training
+    counter = model.attention_warmup
+    assert counter.warmup_steps == 8 and int(counter.step) == 1 and counter.training
     pt.convert(model, "pid")  # no warm-up: the counter goes
-    assert model.pid_warmup is None and "pid_warmup.step" not in model.state_dict()
+    assert model.attention_warmup is None and "attention_warmup.step" not in model.state_dict()
     pt.convert(model, "pid", {"warmup_steps": 4})
     pt.convert(model, "softmax")
-    assert not hasattr(model, "pid_warmup") and "pid_warmup.step" not in model.state_dict()
+    assert not hasattr(model, "attention_warmup") and "attention_warmup.step" not in model.state_dict()
 
 
 # --------------------------------------------------------------------------------------------------- FAN
@@ -164,7 +166,7 @@ def test_fan_round_trip_in_place():
         assert pt.convert(model, "pid", {"learnable": True, "warmup_steps": 3}) is model
         after = dict(model.named_parameters())
         assert all(after[n] is p for n, p in params.items()) and len(after) == len(params) + 3 * FAN["depth"]
-        assert not model.pid_warmup.training and not model.blocks[0].attn.pid_gains.training
+        assert not model.attention_warmup.training and not model.blocks[0].attn.attention_params.training
         reference = named("pid", {"learnable": True, "warmup_steps": 3}, name="pid_fan_tiny_12_p16_224", args=FAN)
         reference.load_state_dict(model.state_dict())
         assert layout(model, ordered=False) == layout(reference, ordered=False)
@@ -256,15 +258,15 @@ def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_
     # a checkpoint saved by a pid_* model loads strictly into a converted one (learned gains, warm-up step)
     saved = named("pid", {"learnable": True, "warmup_steps": 10})
     saved.load_state_dict(weights, strict=False)
-    saved.pid_warmup.step.fill_(7)
+    saved.attention_warmup.step.fill_(7)
     with torch.no_grad():
         for n, p in saved.named_parameters():
-            if ".pid_gains." in n:
+            if ".attention_params." in n:
                 p.add_(0.25)
     path = tmp_path / "pid.pth"
     torch.save(saved.state_dict(), path)
     other = pt.convert(stock(seed=3), "pid", {"learnable": True, "warmup_steps": 10})
     other.load_state_dict(torch.load(path, weights_only=True), strict=True)
-    assert int(other.pid_warmup.step) == 7
+    assert int(other.attention_warmup.step) == 7
     with torch.no_grad():
         assert torch.equal(other(x), saved(x))

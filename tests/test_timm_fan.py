@@ -22,7 +22,7 @@ def pair(seed=0, **kwargs):
     stock = timm.create_model("fan_tiny_12_p16_224", **args)
     model = timm.create_model("pid_fan_tiny_12_p16_224", **args, **pid_kwargs)
     result = model.load_state_dict(stock.state_dict(), strict=False)
-    assert not result.unexpected_keys and all(".pid_gains." in k for k in result.missing_keys)
+    assert not result.unexpected_keys and all(".attention_params." in k for k in result.missing_keys)
     return model.eval(), stock.eval()
 
 
@@ -46,9 +46,9 @@ def test_real_sizes_parameter_counts_and_forward(name):
     assert params == pytest.approx(PAPER_PARAMS_M[name], rel=0.02)
     if name == "fan_tiny_12_p16_224":
         assert params == pytest.approx(7.0, rel=0.05)  # the FAN-T figure
-    assert model.pid is None
+    assert model.attention_config is None
     pid = timm.create_model("pid_" + name).eval()
-    assert pid.pid == PIDConfig.preset("deit")
+    assert pid.attention_config == PIDConfig.preset("deit")
     assert list(pid.state_dict()) == list(model.state_dict())
     with torch.no_grad():
         out = pid(torch.randn(1, 3, 224, 224))
@@ -57,8 +57,8 @@ def test_real_sizes_parameter_counts_and_forward(name):
 
 def test_pid_controls_token_mixing_only():
     model, _ = pair()
-    assert all(blk.attn.pid == PIDConfig.preset("deit") for blk in model.blocks)
-    assert all(not hasattr(blk.attn, "pid") for blk in model.cls_attn_blocks)
+    assert all(blk.attn.attention_config == PIDConfig.preset("deit") for blk in model.blocks)
+    assert all(not hasattr(blk.attn, "attention_config") for blk in model.cls_attn_blocks)
 
 
 @pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
@@ -154,7 +154,7 @@ def test_reset_classifier_and_no_weight_decay():
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
-        if ".pid_gains." in n or n.endswith("temperature") or n.startswith("pos_embed") or n == "cls_token":
+        if ".attention_params." in n or n.endswith("temperature") or n.startswith("pos_embed") or n == "cls_token":
             assert id(p) not in decayed, n
     assert any(names[i].endswith("attn.q.weight") for i in decayed)
 

@@ -1,6 +1,6 @@
 """``pid_plugins.finish_warmup(model)`` on timm models (PID DeiT, FAN; PID, NeuTRENO, learnable PID; built by
 name or converted): after training past ``warmup_steps`` the finished model computes exactly (torch.equal) what
-the warmed-up model computed, has no ``pid_warmup.step``, is the model built without warm-up with the same
+the warmed-up model computed, has no ``attention_warmup.step``, is the model built without warm-up with the same
 weights, and still exports with timm's ``onnx_export`` and traces with timm's fx feature extraction."""
 import numpy as np
 import pytest
@@ -43,7 +43,7 @@ def warmed_up(kind, method, converted=False):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    assert int(model.pid_warmup.step) == N + 1
+    assert int(model.attention_warmup.step) == N + 1
     return model.eval()
 
 
@@ -57,16 +57,17 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(kind, meth
     with torch.no_grad():
         want = model(x)
     if method == "learnable_pid":  # the learned gains moved during warm-up and are kept as trained
-        gains = {n: p.clone() for n, p in model.named_parameters() if ".pid_gains." in n}
+        gains = {n: p.clone() for n, p in model.named_parameters() if ".attention_params." in n}
         initial = dict(build(kind, method, converted=converted).named_parameters())
         assert gains and any(not torch.equal(p, initial[n]) for n, p in gains.items())
     assert pid_plugins.finish_warmup(model) is model
-    assert model.pid_warmup is None and "pid_warmup.step" not in model.state_dict()
-    assert model.pid.warmup_steps == 0 and all(blk.attn.pid.warmup_steps == 0 for blk in model.blocks)
+    assert model.attention_warmup is None and "attention_warmup.step" not in model.state_dict()
+    assert model.attention_config.warmup_steps == 0
+    assert all(blk.attn.attention_config.warmup_steps == 0 for blk in model.blocks)
     with torch.no_grad():
         assert torch.equal(model(x), want)
     if method == "learnable_pid":
-        assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".pid_gains." in n)
+        assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".attention_params." in n)
     # the model built without warm-up, with these weights, is the same function
     plain = build(kind, method, warmup_steps=0, converted=converted).eval()
     plain.load_state_dict(model.state_dict(), strict=True)
@@ -74,7 +75,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(kind, meth
         assert torch.equal(plain(x), want)
     model.train()
     model(x)  # a training forward no longer counts anything
-    assert "pid_warmup.step" not in model.state_dict()
+    assert "attention_warmup.step" not in model.state_dict()
 
 
 @pytest.mark.slow
@@ -91,7 +92,7 @@ def test_finished_model_traces_with_fx_and_exports_with_timms_onnx_export(kind, 
     extractor = create_feature_extractor(model, return_nodes={"head": "logits"})
     nodes = list(extractor.graph.nodes)
     assert sum(n.op == "call_function" and n.target is method_update for n in nodes) == len(model.blocks)
-    assert not any("pid_warmup" in str(n.target) for n in nodes)  # no counter left in the graph
+    assert not any("attention_warmup" in str(n.target) for n in nodes)  # no counter left in the graph
     with torch.no_grad():
         assert torch.equal(extractor(x)["logits"], want)
     size = MODELS[kind][2]["img_size"]

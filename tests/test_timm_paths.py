@@ -111,7 +111,7 @@ def test_fx_feature_extraction(name, cfg, learnable, control_first_layer):
     extractor(x)["logits"].sum().backward()
     assert model.blocks[0].attn.proj.weight.grad is not None
     if learnable:
-        assert all(p.grad is not None for p in model.blocks[1].attn.pid_gains.parameters())
+        assert all(p.grad is not None for p in model.blocks[1].attn.attention_params.parameters())
 
 
 @pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "fan_tiny_12_p16_224", "pid_fan_tiny_12_p16_224"])
@@ -147,7 +147,7 @@ load_checkpoint(model, args.checkpoint, False)
 model.eval()
 with torch.no_grad():
     out = model(torch.load(args.data, weights_only=True))
-print(json.dumps(dict(pid=model.pid.to_dict(), logits=out.tolist())))
+print(json.dumps(dict(pid=model.attention_config.to_dict(), logits=out.tolist())))
 '''
 
 

@@ -48,11 +48,11 @@ def test_counter_schedule_eval_and_missing_key():
 class Zoo:
     """One zoo's tiny model: ``build(pid)`` (None: the stock softmax model), inputs, output, the counter."""
 
-    key = "pid_warmup.step"
+    key = "attention_warmup.step"
     checkpointing = True
 
     def counter(self, model):
-        return model.pid_warmup
+        return model.attention_warmup
 
     def out(self, model, x):
         return model(x)
@@ -148,7 +148,7 @@ class MmsegHead(MmsegBackbone):
 
 
 class Fairseq(Zoo):
-    key = "decoder.pid_warmup.step"
+    key = "decoder.attention_warmup.step"
     checkpointing = False  # transformer_lm_pid refuses --checkpoint-activations (nothing to count twice)
     tiny = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
             "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
@@ -183,7 +183,7 @@ class Fairseq(Zoo):
         return tasks.setup_task(args).build_model(args)
 
     def counter(self, model):
-        return model.decoder.pid_warmup
+        return model.decoder.attention_warmup
 
     def inputs(self, dtype=torch.float32):
         return torch.randint(4, 44, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -197,7 +197,7 @@ ZOOS = {"timm_vit": TimmViT(), "timm_fan": TimmFAN(), "hf": HF(), "mmseg_backbon
 
 
 def without_counter(state_dict):
-    return {k: v for k, v in state_dict.items() if "pid_warmup" not in k}
+    return {k: v for k, v in state_dict.items() if "attention_warmup" not in k}
 
 
 def warm_and_stock(zoo, dtype=torch.float32):
@@ -216,7 +216,7 @@ def test_t0_is_the_stock_model_and_each_training_forward_counts_once(zoo):
     zoo = ZOOS[zoo]
     warm, stock = warm_and_stock(zoo)
     assert zoo.key in warm.state_dict() and zoo.key in dict(warm.named_buffers())  # DDP broadcasts buffers
-    assert not any("pid_warmup" in k for k in zoo.build(GAINS).state_dict())  # no warm-up: state_dict unchanged
+    assert not any("attention_warmup" in k for k in zoo.build(GAINS).state_dict())  # no warm-up: state_dict unchanged
     x = zoo.inputs()
     warm.train()
     stock.train()
@@ -334,15 +334,15 @@ def test_timm_checkpoint_and_pretrained_softmax_file(tmp_path):
     torch.save({"state_dict": warm.state_dict(), "epoch": 0}, tmp_path / "last.pth.tar")
     resumed = zoo.build(dict(GAINS, warmup_steps=N))
     resume_checkpoint(resumed, str(tmp_path / "last.pth.tar"))  # train.py --resume
-    assert int(resumed.pid_warmup.step) == 1
+    assert int(resumed.attention_warmup.step) == 1
     load_checkpoint(resumed, str(tmp_path / "last.pth.tar"), strict=True)
-    assert int(resumed.pid_warmup.step) == 1
+    assert int(resumed.attention_warmup.step) == 1
     torch.save(stock.state_dict(), tmp_path / "softmax.pth")  # a softmax checkpoint as pretrained weights
     import timm
 
     model = timm.create_model(zoo.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "softmax.pth")),
                               pid=dict(GAINS, warmup_steps=N), **zoo.arch)
-    assert int(model.pid_warmup.step) == 0
+    assert int(model.attention_warmup.step) == 0
     model.train()
     stock.train()
     # (num_classes differs from the pretrained cfg's: timm keeps the new head's init, so compare the features)
@@ -355,14 +355,15 @@ def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model
 
     zoo = ZOOS["hf"]
     warm, stock = warm_and_stock(zoo)
-    assert [k for k in warm.state_dict() if "pid_warmup" in k] == ["pid_warmup.step"]  # on the outermost model
+    # on the outermost model
+    assert [k for k in warm.state_dict() if "attention_warmup" in k] == ["attention_warmup.step"]
     warm.train()
     x = zoo.inputs()
     for _ in range(3):
         zoo.out(warm, x)
     warm.save_pretrained(tmp_path / "warm")
     back = LlamaForCausalLM.from_pretrained(tmp_path / "warm")
-    assert int(back.pid_warmup.step) == 3 and back.config.pid["warmup_steps"] == N
+    assert int(back.attention_warmup.step) == 3 and back.config.pid["warmup_steps"] == N
     back.train()
     torch.testing.assert_close(zoo.out(back, x), zoo.out(warm, x), rtol=0, atol=0)
     # a softmax checkpoint: the counter is missing, from_pretrained starts it at 0, without a warning
@@ -378,8 +379,8 @@ def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model
     with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "empty_like", poisoned)
         model = LlamaForCausalLM.from_pretrained(tmp_path / "stock", config=config, attn_implementation="pid")
-    assert int(model.pid_warmup.step) == 0
-    assert "pid_warmup" not in caplog.text
+    assert int(model.attention_warmup.step) == 0
+    assert "attention_warmup" not in caplog.text
     model.train()
     stock.train()
     assert torch.equal(zoo.out(model, x), zoo.out(stock, x))
@@ -388,10 +389,10 @@ def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model
     t5.pid = {"warmup_steps": N}
     t5._attn_implementation = "pid"
     seq2seq = T5ForConditionalGeneration(t5).train()
-    assert [k for k in seq2seq.state_dict() if "pid_warmup" in k] == ["pid_warmup.step"]
+    assert [k for k in seq2seq.state_dict() if "attention_warmup" in k] == ["attention_warmup.step"]
     ids = torch.randint(1, 40, (2, 6))
     seq2seq(input_ids=ids, labels=ids).loss.backward()
-    assert int(seq2seq.pid_warmup.step) == 1
+    assert int(seq2seq.attention_warmup.step) == 1
 
 
 def test_hf_to_pid_adds_the_counter_and_refuses_a_model_without_one():
@@ -407,7 +408,7 @@ def test_hf_to_pid_adds_the_counter_and_refuses_a_model_without_one():
     with pytest.raises(ValueError, match="has no warm-up counter"):
         zoo.out(model, zoo.inputs())
     ph.to_pid(model)
-    assert int(model.pid_warmup.step) == 0 and model.pid_warmup.warmup_steps == N
+    assert int(model.attention_warmup.step) == 0 and model.attention_warmup.warmup_steps == N
 
 
 @pytest.mark.slow
@@ -425,10 +426,12 @@ def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path, tiny_fairseq_da
              "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints", "--pid-warmup-steps", "10"]
     run([*train, "--max-update", "2"])
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    assert int(state["model"]["decoder.pid_warmup.step"]) == 2  # 2 updates, 2 training forwards (validation: eval)
+    # 2 updates, 2 training forwards (validation: eval)
+    assert int(state["model"]["decoder.attention_warmup.step"]) == 2
     assert state["cfg"]["model"]["pid_warmup_steps"] == 10
     run([*train, "--max-update", "3"])  # resumes from ck/checkpoint_last.pt
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    assert int(state["model"]["decoder.pid_warmup.step"]) == 3
+    assert int(state["model"]["decoder.attention_warmup.step"]) == 3
     hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
-    assert int(hub.models[0].decoder.pid_warmup.step) == 3 and hub.models[0].decoder.pid_warmup.warmup_steps == 10
+    counter = hub.models[0].decoder.attention_warmup
+    assert int(counter.step) == 3 and counter.warmup_steps == 10

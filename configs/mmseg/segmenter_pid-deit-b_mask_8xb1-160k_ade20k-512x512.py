@@ -10,6 +10,7 @@ model = dict(
     backbone=dict(type='PIDVisionTransformer', attention='pid', pid=dict(preset='segmenter'), patch_bias=True),
 )
 # Learnable method parameters (pid=dict(..., learnable=True): each layer's PID gains; value residual's lambdas) are
-# the `pid_gains` of each layer: no weight decay for them (decay would pull PID's raw gains to 0, i.e. every gain to
-# log 2, and value residual's lambdas to 0), whatever weight_decay the optimizer is given.
-optim_wrapper = dict(paramwise_cfg=dict(custom_keys={'pid_gains': dict(decay_mult=0.0)}))
+# the `attention_params` of each layer: no weight decay for them (decay would pull PID's raw gains to 0, i.e.
+# every gain to log 2, and value residual's lambdas to 0), whatever weight_decay the optimizer is given. (Before
+# the rename the key was 'pid_gains': WeightsOnlyCheckpointHook stops a run whose custom_keys still names it.)
+optim_wrapper = dict(paramwise_cfg=dict(custom_keys={'attention_params': dict(decay_mult=0.0)}))

@@ -128,7 +128,7 @@ class AttentionMethod:
 
     def make_learned(self, config: Any) -> Optional[nn.Module]:
         """One layer's learnable parameters (a module the adapter registers on the attention layer as
-        ``pid_gains``), or None for fixed parameters."""
+        ``attention_params``), or None for fixed parameters."""
         if getattr(config, "learnable", False):
             raise ValueError(f"attention method {self.name!r} has no learnable parameters: set learnable=False")
         return None

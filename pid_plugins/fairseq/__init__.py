@@ -12,7 +12,7 @@ A loaded ``transformer_lm`` (``checkpoint_utils``, the hub interface) switches a
 :func:`convert` (``attention="softmax"`` turns it back into fairseq's own model).
 
 Learnable method parameters (``{"learnable": true}``: PID's gains, value_residual's lambdas) are in fairseq's
-parameter group ``pid_gains`` (:data:`GAIN_PARAM_GROUP`, the ``param_group`` attribute fairseq's
+parameter group ``attention_params`` (:data:`GAIN_PARAM_GROUP`, the ``param_group`` attribute fairseq's
 ``--optimizer composite`` reads): a composite config (``fairseq-hydra-train``) with ``weight_decay: 0`` for that
 group keeps them out of weight decay. fairseq's other optimizers put every parameter in one group: with
 ``--weight-decay`` > 0 they decay those too (PID's raw gains towards 0, i.e. the gains towards log 2).

@@ -64,7 +64,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
             ``"softmax"``: fairseq's own attention (the model goes back to fairseq's own classes).
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its fairseq preset (for
             PID the ``lm`` preset), or a preset name; ``{"learnable": True}`` adds learnable parameters (in
-            fairseq's ``param_group`` ``"pid_gains"``, :data:`~pid_plugins.fairseq.GAIN_PARAM_GROUP`),
+            fairseq's ``param_group`` ``"attention_params"``, :data:`~pid_plugins.fairseq.GAIN_PARAM_GROUP`),
             ``{"warmup_steps": N}`` the warm-up counter.
 
     The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); learnable
@@ -134,10 +134,10 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
     for layer in layers:
         attn = layer.self_attn
         attn.set_attention(choice, attn.q_proj.weight)
-        settle_submodule(attn, "pid_gains")
+        settle_submodule(attn, "attention_params")
     number_layers(self_attentions(decoder))
     decoder.set_model_method(choice, decoder.embed_tokens.weight, stock_plus_term=True, where=_WHERE)
-    settle_submodule(decoder, "pid_warmup")
+    settle_submodule(decoder, "attention_warmup")
 
 
 def _to_stock(model: nn.Module) -> None:

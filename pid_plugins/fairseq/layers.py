@@ -30,7 +30,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
-from ..core.layer import MethodLayer, MethodModel, number_layers
+from ..core.layer import MethodLayer, MethodModel, number_layers, rename_legacy_keys
 
 __all__ = ["GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
@@ -39,16 +39,19 @@ IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 logger = logging.getLogger(__name__)
 
 #: the fairseq parameter group (``param.param_group``) of a method's learnable parameters (PID's gains,
-#: value_residual's lambdas: every parameter under a layer's ``pid_gains``). fairseq's ``--optimizer composite``
-#: builds one optimizer per group, so a group ``pid_gains`` with ``weight_decay: 0`` keeps them out of weight decay
-GAIN_PARAM_GROUP = "pid_gains"
+#: value_residual's lambdas: every parameter under a layer's ``attention_params``). fairseq's ``--optimizer
+#: composite`` builds one optimizer per group, so a group ``attention_params`` with ``weight_decay: 0`` keeps them
+#: out of weight decay (before the rename the group was ``pid_gains``: a composite config naming that group is
+#: refused by fairseq, which wants one optimizer per group the parameters name)
+GAIN_PARAM_GROUP = "attention_params"
 
 
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
     """fairseq self-attention (same parameters) whose output the attention method computes.
 
-    ``attention_method`` (an :class:`~pid_plugins.core.AttentionMethod`, or None for softmax) and ``pid`` (its
-    config) are given at construction; a method with learnable parameters keeps them as ``pid_gains``.
+    ``attention_method`` (an :class:`~pid_plugins.core.AttentionMethod`, or None for softmax) and
+    ``attention_config`` (its config) are given at construction; a method with learnable parameters keeps them as
+    ``attention_params``.
     """
 
     def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
@@ -70,7 +73,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         return result
 
     def _tag_learned(self) -> None:
-        learned = self.__dict__.get("_modules", {}).get("pid_gains")
+        learned = self.__dict__.get("_modules", {}).get("attention_params")
         if learned is not None:
             for parameter in learned.parameters():
                 parameter.param_group = GAIN_PARAM_GROUP
@@ -261,25 +264,27 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
         method, config = choice if choice is not None else (None, None)
         # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
-        self.attention_method, self.pid = method, config
+        self.attention_method, self.attention_config = method, config
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         self.set_model_method(choice, self.embed_tokens.weight, stock_plus_term=True, where="transformer_lm_pid")
         number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
-        """fairseq's upgrade (run on every checkpoint load), then one warning when this decoder warms up but the
-        checkpoint has no warm-up counter: the counter starts at 0, i.e. the stock model. That is meant when
-        fine-tuning a softmax checkpoint; a model saved after :func:`pid_plugins.finish_warmup` is loaded with its
-        warm-up off instead (fairseq's ``arg_overrides``)."""
+        """fairseq's upgrade (run on every checkpoint load) and the keys a release before the rename saved
+        (``pid_gains``, ``pid_warmup``) under today's names (:func:`~pid_plugins.core.layer.rename_legacy_keys`),
+        then one warning when this decoder warms up but the checkpoint has no warm-up counter: the counter starts at
+        0, i.e. the stock model. That is meant when fine-tuning a softmax checkpoint; a model saved after
+        :func:`pid_plugins.finish_warmup` is loaded with its warm-up off instead (fairseq's ``arg_overrides``)."""
         state_dict = super().upgrade_state_dict_named(state_dict, name)
-        key = f"{name}.pid_warmup.step" if name else "pid_warmup.step"
-        if self.pid_warmup is not None and key not in state_dict:
+        rename_legacy_keys(state_dict, self, f"{name}." if name else "")
+        key = f"{name}.attention_warmup.step" if name else "attention_warmup.step"
+        if self.attention_warmup is not None and key not in state_dict:
             logger.warning(
                 "%s: this checkpoint has no gain warm-up counter, so the warm-up (warmup_steps=%d) starts at t=0: the "
                 "stock model. Meant when fine-tuning a softmax checkpoint; a model saved after "
                 "pid_plugins.finish_warmup loads with its warm-up off: arg_overrides={'pid_warmup_steps': 0} (or "
-                "--attention-cfg without warmup_steps)", key, self.pid_warmup.warmup_steps)
+                "--attention-cfg without warmup_steps)", key, self.attention_warmup.warmup_steps)
         return state_dict
 
     def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
@@ -287,7 +292,8 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         cfg = TransformerConfig.from_namespace(args)
         if cfg.checkpoint_activations:
             raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
-        layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method, config=self.pid)
+        layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method,
+                                           config=self.attention_config)
         wrapped = fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
         if wrapped is not layer:  # fairscale's FullyShardedDataParallel (--ddp-backend fully_sharded): untested here
             raise ValueError(

@@ -10,7 +10,7 @@ model's forward pre-hook (:mod:`pid_plugins.hf.discovery`) put in the forward's 
   dynamic caches (sliding-window ones included), ``[past, past + q_len)`` of a static cache, where ``past`` is the
   cache's own length tensor (no ``int()``: compiled decoding does not recompile per step);
 * cross-attention (marked by discovery) runs the base attention unchanged;
-* learnable parameters: the module's own ``pid_gains`` (see :mod:`pid_plugins.hf.gains`);
+* learnable parameters: the module's own ``attention_params`` (see :mod:`pid_plugins.hf.gains`);
 * one attention module run twice in a forward (ALBERT's shared layers) is refused at the layer that meets it;
 * the layer's index in its group (:attr:`~pid_plugins.core.LayerCall.layer`) is its position among the
   self-attention modules of its stack, from discovery (the number of earlier layers it reads its state from; no

@@ -62,7 +62,7 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
 
     The parameters and buffers are the model's own tensors before and after; learnable parameters
     (``{"learnable": True}``) are added to every self-attention module, initialised on its device and dtype, and
-    ``warmup_steps`` adds the warm-up counter (``pid_warmup``): build the optimizer after converting. Learnable
+    ``warmup_steps`` adds the warm-up counter (``attention_warmup``): build the optimizer after converting. Learnable
     parameters a model already has are kept as trained. Convert before ``torch.compile`` and before wrapping the model.
 
     Raises ``ValueError`` (unknown method, bad parameters, a base the model cannot run, attention this adapter cannot
@@ -178,8 +178,8 @@ def _to_stock(model: PreTrainedModel) -> None:
 def finish(model: nn.Module) -> bool:
     """:func:`pid_plugins.finish_warmup` for the transformers models in ``model`` (also inside a wrapper, e.g. peft's):
     every config that runs a method gets ``warmup_steps=0`` in ``config.<method>``, every model loses its warm-up
-    counter (``pid_warmup``, with peft's ``modules_to_save`` wrapper around it), and discovery runs again, so no layer
-    reads a counter. Returns whether a transformers model with a method was found.
+    counter (``attention_warmup``, with peft's ``modules_to_save`` wrapper around it), and discovery runs again, so
+    no layer reads a counter. Returns whether a transformers model with a method was found.
 
     The layers then take the fixed-parameter path. The warm-up scale multiplies the method's error tensors and is
     exact at 1, so a model warmed up to ``t >= N`` computes the same function bit for bit."""

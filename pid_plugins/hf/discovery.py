@@ -12,7 +12,7 @@ How it fits transformers (no frame inspection, one path for every way a model ge
   cross-attention) comes from where it sits (``encoder_attn``, ``crossattention``, ``EncDecAttention``, ... or
   ``is_cross_attention``), its position in the layer order from the module tree (no ``layer_idx`` needed). A module
   named ``*Attention*`` that computes attention without the interface (custom code) is refused, naming it. With
-  learnable parameters, every self-attention module gets its ``pid_gains`` (:mod:`pid_plugins.hf.gains`).
+  learnable parameters, every self-attention module gets its ``attention_params`` (:mod:`pid_plugins.hf.gains`).
 * Each forward of a module that owns attention layers (a decoder, an encoder, a base model) gets a fresh
   :class:`~pid_plugins.hf.attention.MethodForwardState` in its keyword arguments; transformers passes them down to
   every attention call and gradient checkpointing captures them with each layer. The parameters come from the
@@ -277,7 +277,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         with _LOCK:
             plan = discover(module, at_forward=True)
     if plan.counter is not module._modules.get(WARMUP_ATTR):
-        # the counter module was replaced after discovery (peft's modules_to_save=["pid_warmup"] wraps it, its
+        # the counter module was replaced after discovery (peft's modules_to_save=["attention_warmup"] wraps it, its
         # merge_and_unload unwraps it): the nested models' layers must read the counter this forward advances
         with _LOCK:
             plan = discover(module)

@@ -2,10 +2,10 @@
 ``config.value_residual``): PID's gains, or what another method's ``make_learned`` makes (value residual: ``lambda_1``,
 ``lambda_2``).
 
-Where they live: every self-attention module of a model running the method gets a submodule ``pid_gains`` (for PID a
-:class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
+Where they live: every self-attention module of a model running the method gets a submodule ``attention_params``
+(for PID a :class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
 ``lambda_d_raw``, each of shape ``(1,)``, gain = softplus(raw)), so its parameters are named like
-``model.layers.3.self_attn.pid_gains.lambda_p_raw`` and belong to their layer: FSDP2's ``fully_shard`` per
+``model.layers.3.self_attn.attention_params.lambda_p_raw`` and belong to their layer: FSDP2's ``fully_shard`` per
 decoder layer shards them with the layer, ``device_map`` puts them on the layer's device, gradient
 checkpointing recomputes them with the layer. Cross-attention has none (it runs the base attention).
 
@@ -23,8 +23,8 @@ How they survive transformers' own paths:
 * weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
   ``nn.LayerNorm`` type only, with no model hook. :class:`NoGainDecayTrainerMixin` (or
   :func:`decay_parameter_names`) keeps the gains out; see its docstring.
-* peft: ``modules_to_save=["pid_gains"]`` trains a copy of each layer's gains beside the adapter and saves it
-  with the adapter (``"pid_warmup"`` likewise saves the warm-up counter); :func:`layer_gains_of` and
+* peft: ``modules_to_save=["attention_params"]`` trains a copy of each layer's gains beside the adapter and saves it
+  with the adapter (``"attention_warmup"`` likewise saves the warm-up counter); :func:`layer_gains_of` and
   :func:`is_gain_name` recognise peft's wrapper, so rediscovery keeps it and the weight-decay helpers skip its
   gains. Tested in tests/test_peft.py.
 """
@@ -38,16 +38,18 @@ from torch import nn
 
 from ..core import AttentionMethod, PIDConfig, PIDMethod
 from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
+from ..core.layer import accept_legacy_keys
 
 __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
            "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset"]
 
 #: the attribute (submodule name) of the gains on each self-attention module
-GAINS_ATTR = "pid_gains"
+GAINS_ATTR = "attention_params"
 #: matches the state-dict keys of the gains (transformers' ``_keys_to_ignore_on_load_missing`` is a regex list)
 MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.[^.]+$"
-#: a gain's parameter name, also inside peft's ``modules_to_save`` wrapper (``pid_gains.modules_to_save.<adapter>.``
-#: the trained copy, ``pid_gains.original_module.`` the frozen original)
+#: a gain's parameter name, also inside peft's ``modules_to_save`` wrapper
+#: (``attention_params.modules_to_save.<adapter>.`` the trained copy, ``attention_params.original_module.`` the
+#: frozen original)
 _NAME = re.compile(rf"(^|\.){GAINS_ATTR}\.(modules_to_save\.[^.]+\.|original_module\.)?[^.]+$")
 #: on a learned module of another method than PID: ``(method, config)`` it was made from (its initial values)
 _ORIGIN = "_pid_plugins_origin"
@@ -82,8 +84,8 @@ def _is_learned(module: Any) -> bool:
 
 def layer_gains_of(module: nn.Module) -> "nn.Module | None":
     """``module``'s learnable parameters: a :class:`PIDGains` or another method's ``make_learned`` module made here,
-    or a wrapper holding one as ``original_module`` (peft's ``modules_to_save=["pid_gains"]``: calling it gives the
-    active adapter's copy), else None."""
+    or a wrapper holding one as ``original_module`` (peft's ``modules_to_save=["attention_params"]``: calling it gives
+    the active adapter's copy), else None."""
     gains = module._modules.get(GAINS_ATTR)
     held = getattr(gains, "original_module", None) if isinstance(gains, nn.Module) else None
     return gains if _is_learned(gains) or _is_learned(held) else None
@@ -149,6 +151,7 @@ def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] 
     if current is not None:
         delattr(attention, GAINS_ATTR)
     setattr(attention, GAINS_ATTR, gains)
+    accept_legacy_keys(attention)  # load_state_dict of a checkpoint saved as pid_gains
     return True
 
 
@@ -180,7 +183,8 @@ def is_gain_name(name: str) -> bool:
 
 
 def gain_parameter_names(model: nn.Module) -> List[str]:
-    """The names of the model's learnable PID gains (``...pid_gains.lambda_p_raw`` etc., peft's names included)."""
+    """The names of the model's learnable method parameters (``...attention_params.lambda_p_raw`` etc., peft's names
+    included)."""
     return [n for n, _ in model.named_parameters() if is_gain_name(n)]
 
 

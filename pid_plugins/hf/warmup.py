@@ -1,4 +1,4 @@
-"""The gain warm-up of a transformers model: one counter per model (``pid_warmup``, a
+"""The gain warm-up of a transformers model: one counter per model (``attention_warmup``, a
 :class:`~pid_plugins.core.GainWarmup` submodule of the outermost model, so its ``t`` is saved and loaded with the
 weights), made when ``config.<method>`` asks for ``warmup_steps > 0``.
 
@@ -16,14 +16,15 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ..core import GainWarmup, PIDConfig, make_warmup
+from ..core.layer import accept_legacy_keys
 from .config import _PID, method_of, model_method_config
 
 __all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter", "warmup_scale"]
 
-WARMUP_ATTR = "pid_warmup"  # the outermost model's gain warm-up counter (a submodule: `pid_warmup.step`)
+WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule: `attention_warmup.step`)
 WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
 #: the counter's state-dict key for transformers' ``_keys_to_ignore_on_load_missing`` (a regex)
-WARMUP_MISSING_KEY = r"(^|\.)pid_warmup\.step$"
+WARMUP_MISSING_KEY = rf"(^|\.){WARMUP_ATTR}\.step$"
 #: whether a warm-up counter was ever made (else module registrations need no scan for counters to adopt)
 ANY_COUNTER = [False]
 
@@ -59,11 +60,13 @@ def _warmup_steps(config: Any) -> int:
 
 
 def give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
-    """Make ``counter`` ``model``'s ``pid_warmup``; a checkpoint without it loads without a missing-key report (the
-    wrapped ``_initialize_weights`` of :mod:`pid_plugins.hf.install` starts it at 0)."""
+    """Make ``counter`` ``model``'s ``attention_warmup``; a checkpoint without it loads without a missing-key report
+    (the wrapped ``_initialize_weights`` of :mod:`pid_plugins.hf.install` starts it at 0), one saved as
+    ``pid_warmup`` (before the rename) under the new name (:func:`~pid_plugins.core.layer.accept_legacy_keys`)."""
     ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
     model._keys_to_ignore_on_load_missing = {*(ignore or ()), WARMUP_MISSING_KEY}
     setattr(model, WARMUP_ATTR, counter)
+    accept_legacy_keys(model)  # load_state_dict of a checkpoint saved as pid_warmup
 
 
 def attach_warmup(model: PreTrainedModel, config: Any = None) -> None:

@@ -6,8 +6,8 @@ the method's parameters ``attention_cfg=...`` and, for PID, the gains (``pid=dic
 ``lambda_i``, ``lambda_d``, ``beta``; preset ``segmenter``). ``decode_head=dict(type='PIDSegmenterMaskTransformerHead',
 attention='pid')`` puts the method in the decoder too. A method registered with ``pid_plugins.register_method``
 is picked by its name (list its module in ``custom_imports`` first). ``attention_cfg=dict(learnable=True)`` (PID's
-gains, value residual's lambdas) gives every layer its own trainable ``pid_gains``; the shipped configs keep them out
-of weight decay (``optim_wrapper.paramwise_cfg.custom_keys``). :func:`convert` switches a built model in place.
+gains, value residual's lambdas) gives every layer its own trainable ``attention_params``; the shipped configs keep
+them out of weight decay (``optim_wrapper.paramwise_cfg.custom_keys``). :func:`convert` switches a built model in place.
 
 Import-time changes to third-party modules (all made when this package is imported, e.g. by ``custom_imports``):
 

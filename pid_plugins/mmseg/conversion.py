@@ -12,7 +12,7 @@ module objects, hooks and train/eval mode kept) and returned, for chaining.
   ``SegmenterMaskTransformerHead`` <-> :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead`,
   ``TransformerEncoderLayer`` <-> :class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer`; the PID classes add no
   parameters of their own) and the attributes their ``__init__`` sets are set: the method, its config, learnable
-  parameters (``pid_gains``), the warm-up counter (``pid_warmup``).
+  parameters (``attention_params``), the warm-up counter (``attention_warmup``).
 * ``attention="softmax"`` turns the model back into mmseg's own classes with every attribute, parameter, buffer and
   submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it computes exactly what
   the stock model computes.
@@ -59,7 +59,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
             ``"softmax"``: mmseg's stock attention (mmseg's own classes again).
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its ``mmseg`` preset (for
             PID the paper's ``segmenter``), or a preset name; ``{"learnable": True}`` gives every layer its own
-            trainable parameters (``pid_gains``), ``warmup_steps`` the warm-up counter (``pid_warmup``).
+            trainable parameters (``attention_params``), ``warmup_steps`` the warm-up counter (``attention_warmup``).
         pid: PID's parameters under their historical keyword (the same as ``attention_cfg``; PID only).
 
     The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); learnable
@@ -131,7 +131,7 @@ def _to_method(part: nn.Module, choice: MethodChoice, where: str) -> None:
     part.__class__ = _TO_METHOD.get(type(part), type(part))
     like = part.pos_embed if isinstance(part, VisionTransformer) else part.cls_emb
     part.set_model_method(choice, like, stock_plus_term=True, where=where)
-    settle_submodule(part, "pid_warmup")
+    settle_submodule(part, "attention_warmup")
     method_layers(part.layers, choice)
 
 

@@ -27,7 +27,7 @@ from ..core import (
     resolve_attention, unwrap_state_dict,
 )
 from ..core.layer import (
-    LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, settle_submodule, strip_attributes,
+    LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, rename_legacy_keys, settle_submodule, strip_attributes,
 )
 from .checkpoint import load_checkpoint
 
@@ -38,7 +38,8 @@ __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mm
 def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
                      options: Optional[Dict[str, Any]] = None) -> Optional[MethodChoice]:
     """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg: None for softmax, else the method and its
-    parameters over its ``mmseg`` preset (learnable parameters included: each layer gets its own ``pid_gains``)."""
+    parameters over its ``mmseg`` preset (learnable parameters included: each layer gets its own
+    ``attention_params``)."""
     return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, where=where, options=options)
 
 
@@ -47,8 +48,8 @@ def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     place: the same module objects, their class swapped. A choice that computes the stock attention (softmax, an
     identity config) leaves (or makes) them mmseg's own layers, without anything pid-plugins added; otherwise every
     layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for learnable parameters,
-    a fresh ``pid_gains`` module (initial values, on the layer's device, dtype and train/eval mode) and its position in
-    ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
+    a fresh ``attention_params`` module (initial values, on the layer's device, dtype and train/eval mode) and its
+    position in ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
     stock = choice is None or choice.method.is_identity(choice.config)
     for layer in layers:
         if stock:
@@ -64,7 +65,7 @@ def to_method_layer(layer: TransformerEncoderLayer, choice: MethodChoice) -> Non
     if type(layer) is TransformerEncoderLayer:
         layer.__class__ = PIDTransformerEncoderLayer
     layer.set_attention(choice, layer.attn.attn.in_proj_weight)
-    settle_submodule(layer, "pid_gains")
+    settle_submodule(layer, "attention_params")
 
 
 def to_stock_layer(layer: TransformerEncoderLayer) -> None:
@@ -79,9 +80,9 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
     """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``.
 
     Built from one of mmseg's own layers, whose submodules (``ln1``, ``attn``, ``ln2``, ``ffn``) it takes over:
-    same parameter names, devices, dtypes and train/eval mode. ``pid`` holds the method's config (PID's gains for
-    ``attention='pid'``), ``attention_method`` the method and ``pid_gains`` its learnable parameters (a module from
-    the method's ``make_learned``, e.g. PID's ``{"learnable": True}`` gains, value residual's lambdas), or None.
+    same parameter names, devices, dtypes and train/eval mode. ``attention_config`` holds the method's config (PID's
+    gains for ``attention='pid'``), ``attention_method`` the method and ``attention_params`` its learnable parameters
+    (a module from the method's ``make_learned``, e.g. PID's ``{"learnable": True}`` gains, value residual's lambdas), or None.
     :class:`PIDVisionTransformer` and :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` switch their
     layers in place instead (:func:`method_layers`, the same result).
     """
@@ -153,7 +154,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         return outputs[0], method.make_state(*outputs[1:])
 
     def extra_repr(self) -> str:
-        return f"attention={self.attention_method.name!r}, config={self.pid}"
+        return f"attention={self.attention_method.name!r}, config={self.attention_config}"
 
 
 def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
@@ -162,14 +163,14 @@ def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
     ``model.state_dict()`` names: what a checkpoint without them (softmax, fixed parameters) loads as."""
     out: Dict[str, Tensor] = {}
     for name, layer in model.named_modules():
-        gains = getattr(layer, "pid_gains", None)
+        gains = getattr(layer, "attention_params", None)
         if isinstance(layer, PIDTransformerEncoderLayer) and gains is not None:
-            fresh = layer.attention_method.make_learned(layer.pid)
+            fresh = layer.attention_method.make_learned(layer.attention_config)
             like = next(gains.parameters(), None)
             for key, value in fresh.state_dict().items():
                 if like is not None and value.is_floating_point():
                     value = value.to(device=like.device, dtype=like.dtype)
-                out[f"{name}.pid_gains.{key}" if name else f"pid_gains.{key}"] = value
+                out[f"{name}.attention_params.{key}" if name else f"attention_params.{key}"] = value
     return out
 
 
@@ -177,8 +178,8 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names.
 
     The same renaming mmseg's ``tools/model_converters/vit2mmseg.py`` applies; the classifier head is dropped.
-    Learnable method parameters (timm keeps them on the attention, ``blocks.<i>.attn.pid_gains.*``) go to the mmseg
-    layer that holds them, ``layers.<i>.pid_gains.*``.
+    Learnable method parameters (timm keeps them on the attention, ``blocks.<i>.attn.attention_params.*``; before the
+    rename ``blocks.<i>.attn.pid_gains.*``) go to the mmseg layer that holds them, ``layers.<i>.attention_params.*``.
     """
     out: Dict[str, Tensor] = {}
     for key, value in state_dict.items():
@@ -194,7 +195,8 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
             new = (new.replace(".norm1.", ".ln1.").replace(".norm2.", ".ln2.")
                    .replace(".mlp.fc1.", ".ffn.layers.0.0.").replace(".mlp.fc2.", ".ffn.layers.1.")
                    .replace(".attn.qkv.", ".attn.attn.in_proj_").replace(".attn.proj.", ".attn.attn.out_proj.")
-                   .replace(".attn.pid_gains.", ".pid_gains."))
+                   .replace(".attn.attention_params.", ".attention_params.")
+                   .replace(".attn.pid_gains.", ".attention_params."))
         out[new] = value
     return out
 
@@ -214,7 +216,7 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` accepts an mmseg ViT checkpoint or a timm
     ViT/DeiT checkpoint (e.g. trained with ``pid_plugins.timm``; converted with :func:`timm_vit_to_mmseg`),
     and loads it strictly: missing or unexpected keys raise a ``ValueError`` listing them, except learnable method
-    parameters (``pid_gains``) that a softmax or fixed-parameter checkpoint does not have: they start at their
+    parameters (``attention_params``) that a softmax or fixed-parameter checkpoint does not have: they start at their
     initial values (the method's ``make_learned`` of the layer's config). The file is read with
     ``torch.load(weights_only=True)`` whatever the environment says (:mod:`pid_plugins.mmseg.checkpoint`).
     A whole segmentor checkpoint (``backbone.`` and ``decode_head.`` keys) is refused: load it with ``load_from``.
@@ -254,10 +256,11 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         state_dict = {k[len("backbone."):] if k.startswith("backbone.") else k: v for k, v in state_dict.items()}
         if any(k.startswith("blocks.") for k in state_dict):
             state_dict = timm_vit_to_mmseg(state_dict)
+        rename_legacy_keys(state_dict, self)  # saved before the rename: pid_gains, pid_warmup
         # pretrained weights start a new training run: its warm-up starts at t = 0, whatever the checkpoint's was
-        state_dict.pop("pid_warmup.step", None)
-        if self.pid_warmup is not None:
-            state_dict["pid_warmup.step"] = torch.zeros_like(self.pid_warmup.step)
+        state_dict.pop("attention_warmup.step", None)
+        if self.attention_warmup is not None:
+            state_dict["attention_warmup.step"] = torch.zeros_like(self.attention_warmup.step)
         if "pos_embed" in state_dict and state_dict["pos_embed"].shape != self.pos_embed.shape:
             h, w = self.img_size
             pos_size = int(math.sqrt(state_dict["pos_embed"].shape[1] - 1))

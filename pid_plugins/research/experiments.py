@@ -414,7 +414,8 @@ def vision_models(spec: VisionSpec, num_classes: int) -> Dict[str, nn.Module]:
 def _with_weights_of(model: nn.Module, softmax: nn.Module) -> nn.Module:
     """``model`` holding ``softmax``'s weights; its method's own learnable parameters keep their initial values."""
     missing, unexpected = model.load_state_dict(softmax.state_dict(), strict=False)
-    foreign = [k for k in missing if ".pid_gains." not in k and not k.endswith("pid_warmup.step")] + unexpected
+    foreign = [k for k in missing
+               if ".attention_params." not in k and not k.endswith("attention_warmup.step")] + unexpected
     if foreign:
         raise ValueError(f"the arm's model does not match the softmax model: keys {foreign[:8]}")
     return model

@@ -19,6 +19,7 @@ from ..core import (
     AttentionContext, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
 )
 from ..core.layer import MethodLayer as CoreMethodLayer
+from ..core.layer import rename_legacy_keys
 from ..core.methods import method_check, method_update
 
 
@@ -153,17 +154,18 @@ def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
 
 
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
-    """Fill learnable method parameters (PID gains) and the warm-up counter a softmax checkpoint lacks; raise listing
-    missing/unexpected keys.
+    """Give keys saved before the rename (``pid_gains``, ``pid_warmup``) today's names, fill learnable method
+    parameters (PID gains) and the warm-up counter a softmax checkpoint lacks; raise listing missing/unexpected keys.
 
     Classifier keys that timm's ``load_pretrained`` is about to drop (the model's ``num_classes`` differs
     from the pretrained cfg's) are not counted: the new head keeps its fresh initialisation, as in timm.
     """
+    rename_legacy_keys(out, model)
     expected = model.state_dict()
     for name, value in expected.items():
-        if ".pid_gains." in name and name not in out:
+        if ".attention_params." in name and name not in out:
             out[name] = value.detach().clone()
-        elif name == "pid_warmup.step" and name not in out:  # no warm-up counter in the checkpoint: t starts at 0
+        elif name == "attention_warmup.step" and name not in out:  # no warm-up counter in the checkpoint: t starts at 0
             out[name] = torch.zeros_like(value)
     dropped = _dropped_classifier_keys(model, set(expected) | set(out))
     check_keys(expected, out, type(model).__name__, hint, ignore=dropped)

@@ -66,7 +66,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
 
     The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); a
     method with learnable parameters (``{"learnable": True}``) adds them, initialised on the model's device and
-    dtype, and ``warmup_steps`` adds the warm-up counter (``pid_warmup``): build the optimizer after converting.
+    dtype, and ``warmup_steps`` adds the warm-up counter (``attention_warmup``): build the optimizer after converting.
     Convert before ``torch.compile`` (a compiled wrapper is refused) and before wrapping the model (DDP, FSDP).
 
     Raises ``ValueError`` (unknown method, bad parameters, blocks of different head shapes) or ``TypeError`` (a
@@ -119,9 +119,9 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
         module.__class__ = _TO_METHOD.get(type(module), type(module))
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.qkv.weight)
-        settle_submodule(blk.attn, "pid_gains")
+        settle_submodule(blk.attn, "attention_params")
     model._set_model_attention(choice)
-    settle_submodule(model, "pid_warmup")
+    settle_submodule(model, "attention_warmup")
 
 
 def _to_stock(model: nn.Module) -> None:
@@ -140,8 +140,8 @@ def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     """FAN keeps its class: every FAN block's token mixing and the model switch to ``choice`` (None: softmax)."""
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.q.weight)
-        settle_submodule(blk.attn, "pid_gains")
+        settle_submodule(blk.attn, "attention_params")
     number_layers(blk.attn for blk in model.blocks)
     model.set_model_method(choice, next(model.parameters()), where=type(model).__name__)
-    settle_submodule(model, "pid_warmup")
+    settle_submodule(model, "attention_warmup")
 

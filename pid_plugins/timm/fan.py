@@ -278,7 +278,7 @@ class FAN(MethodModel, nn.Module):
     # ------------------------------------------------------------------------------ timm contract
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
-        return {"cls_token", "pos_embed.*", "*.temperature", "*.pid_gains.*"}
+        return {"cls_token", "pos_embed.*", "*.temperature", "*.attention_params.*"}
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:

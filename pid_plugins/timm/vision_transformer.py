@@ -157,7 +157,7 @@ class _PIDViTMixin(MethodModel):
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         names = set(super().no_weight_decay())
-        names.update(n for n, _ in self.named_parameters() if ".pid_gains." in n)
+        names.update(n for n, _ in self.named_parameters() if ".attention_params." in n)
         return names
 
     def _blocks_forward(

@@ -46,7 +46,7 @@ def run(name: str, mode: str, rank: int, world: int, workdir: Path) -> dict:
     # the learnable method parameters' gradients (averaged over the ranks), whole: small next to the parameters, so
     # compared on their own
     gain_grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                  for n, p in model.named_parameters() if ".pid_gains." in n and p.grad is not None}
+                  for n, p in model.named_parameters() if ".attention_params." in n and p.grad is not None}
     return {"out": out.detach().clone(), "params": params, "sharded": sharded, "dtensors": dtensors,
             "gain_grads": gain_grads}
 

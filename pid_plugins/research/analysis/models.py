@@ -68,7 +68,7 @@ def attention_of(model: nn.Module) -> Dict[str, Any]:
     for module in model.modules():
         method = getattr(module, "attention_method", None)
         if method is not None:
-            return method_record(method.name, getattr(module, "pid", None))
+            return method_record(method.name, getattr(module, "attention_config", None))
     return method_record(None)
 
 
