@@ -92,15 +92,10 @@ def test_a_method_written_before_the_index_keeps_working():
             return config
 
     old = pid_plugins.register_method(Old(), replace=True)
-    try:
-        q = v = torch.randn(1, 2, 3, 4)
-        attend = lambda a, b: torch.nn.functional.scaled_dot_product_attention(a, a, b)  # noqa: E731
-        out, state = old.apply(LayerProbeConfig(), None, LayerCall(attend, q, v, v, layer=3), None)
-        assert torch.equal(out, attend(q, v)) and state == () and old.seen == ["old"]
-    finally:
-        from pid_plugins.core import methods
-
-        methods._METHODS.pop("old_layer_params", None)
+    q = v = torch.randn(1, 2, 3, 4)
+    attend = lambda a, b: torch.nn.functional.scaled_dot_product_attention(a, a, b)  # noqa: E731
+    out, state = old.apply(LayerProbeConfig(), None, LayerCall(attend, q, v, v, layer=3), None)
+    assert torch.equal(out, attend(q, v)) and state == () and old.seen == ["old"]
 
 
 # ================================================================================================ timm
