@@ -1,4 +1,5 @@
-"""``python -c code`` for tests, from a pre-imported interpreter (a zygote) instead of a fresh one each time.
+"""``python -c code`` (and ``python -m module``) for tests, from a pre-imported interpreter (a zygote), not a
+fresh one each time.
 
 Why: the docs examples (tests/test_readme.py) and a few CLI tests each start ``python -c`` only to have a clean
 interpreter, and each of them paid interpreter start + ``import torch`` + the zoos (transformers, timm,
@@ -15,8 +16,11 @@ text=True, timeout=timeout)`` would give it:
   fails as it does for a user;
 - ``__main__`` is a new module as ``-c`` makes it (``__name__ == "__main__"``, ``__loader__`` BuiltinImporter, no
   ``__file__``); the code is compiled as ``"<string>"`` without inheriting any ``__future__`` flag;
-- ``sys.argv == ["-c"]``, ``sys.path`` is the zygote's own at its start (it is itself a ``python -c`` started in an
-  empty directory: ``''`` first, then PYTHONPATH and site; no tests/ folder, no pytest paths), cwd = ``cwd``;
+- ``sys.argv == ["-c", *args]``, ``sys.path`` is the zygote's own at its start (it is itself a ``python -c``
+  started in an empty directory: ``''`` first, then PYTHONPATH and site; no tests/ folder, no pytest paths),
+  cwd = ``cwd``;
+  :func:`run_python_m` runs ``python -m module *args`` the same way, through runpy as the interpreter does
+  (``sys.path[0]`` the cwd, ``sys.argv[0]`` the module's file);
 - the environment is ``env`` (``os.environ`` by default) and the zygote was started with that same environment
   (but for :data:`PER_CALL`, e.g. pytest's ``PYTEST_CURRENT_TEST``): a call with another environment gets a zygote
   of its own, so nothing read at import time differs;
@@ -40,8 +44,11 @@ re-created by their fork handlers, as in a DataLoader worker). Blocks that start
 What it cannot give: modules the zoos import at import time are already imported (their import-time output was the
 zygote's, and a module the block does not import may be in ``sys.modules``); the hash seed is the zygote's.
 
-Fallback: ``PID_TEST_NO_FORKSERVER=1`` (or a platform without ``os.fork``) runs the plain subprocess instead; the
-two agree on all docs examples (tests/test_readme.py checks a failing case both ways).
+Under pytest-xdist each worker starts its own zygote on first use (about 8 s of CPU, paid back by the second case).
+
+Fallback: ``PID_TEST_NO_FORKSERVER=1`` (or a platform without ``os.fork``) runs the plain subprocess instead. The two
+gave the same exit code on every docs example (all 31, run both ways when this was written), and
+tests/test_readme.py checks a failing example both ways.
 """
 from __future__ import annotations
 
@@ -74,7 +81,8 @@ ZYGOTE = r'''
 import os, sys
 _rfd, _wfd = int(sys.argv[1]), int(sys.argv[2])
 del sys.argv[1:]
-import atexit, builtins, importlib, importlib.machinery, io, json, logging, random, signal, struct, threading, traceback, types, warnings
+import atexit, builtins, importlib, importlib.machinery, io, json, logging, random, runpy, signal, struct, threading
+import types, warnings
 _PATH = list(sys.path)
 _FILTERS = list(warnings.filters)
 _SHOWWARNING = warnings.showwarning
@@ -126,9 +134,14 @@ def _child(req):
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     os.chdir(req["cwd"])
     os.environ.clear(); os.environ.update(req["env"])
-    sys.argv[:] = ["-c"]
-    sys.orig_argv = [sys.executable, "-c", req["code"]]
-    sys.path[:] = _PATH
+    if req["module"]:  # python -m module args: sys.path[0] is the cwd, runpy sets argv[0] to the module's file
+        sys.argv[:] = ["-m", *req["args"]]
+        sys.orig_argv = [sys.executable, "-m", req["module"], *req["args"]]
+        sys.path[:] = [os.getcwd(), *_PATH[1:]]
+    else:
+        sys.argv[:] = ["-c", *req["args"]]
+        sys.orig_argv = [sys.executable, "-c", req["code"], *req["args"]]
+        sys.path[:] = _PATH
     warnings.filters[:] = _FILTERS
     warnings._filters_mutated()
     warnings.showwarning = _SHOWWARNING
@@ -144,7 +157,10 @@ def _child(req):
     sys.modules["__main__"] = main
     rc = 0
     try:
-        exec(compile(req["code"], "<string>", "exec", dont_inherit=True), main.__dict__)
+        if req["module"]:
+            runpy._run_module_as_main(req["module"], alter_argv=True)
+        else:
+            exec(compile(req["code"], "<string>", "exec", dont_inherit=True), main.__dict__)
     except SystemExit as e:
         code = e.code
         if code is None:
@@ -246,13 +262,16 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, code: str, cwd, env: dict[str, str], timeout: float | None) -> subprocess.CompletedProcess:
-        args = [sys.executable, "-c", code]
+    def run(self, code: str | None, cwd, env: dict[str, str], timeout: float | None, args=(),
+            module: str | None = None) -> subprocess.CompletedProcess:
+        """``python -c code *args`` (or ``python -m module *args``) in a new child."""
+        args = [str(a) for a in args]
+        cmd = [sys.executable, *(["-m", module] if module else ["-c", code]), *args]
         with self.lock, tempfile.TemporaryDirectory(dir=self.dir) as out:
             paths = {k: os.path.join(out, k) for k in ("stdout", "stderr")}
             for p in paths.values():
                 open(p, "wb").close()
-            self._send({"code": code, "cwd": os.fspath(cwd), "env": env, **paths})
+            self._send({"code": code, "module": module, "args": args, "cwd": os.fspath(cwd), "env": env, **paths})
             pid = self._recv()["pid"]
             try:
                 reply = self._recv(timeout)
@@ -262,11 +281,11 @@ class Zygote:
                 except ProcessLookupError:
                     pass
                 self._recv()
-                raise subprocess.TimeoutExpired(args, timeout, _read_text(paths["stdout"]),
+                raise subprocess.TimeoutExpired(cmd, timeout, _read_text(paths["stdout"]),
                                                 _read_text(paths["stderr"])) from None
             if reply is None:
                 raise RuntimeError(f"the zygote died: {(self.dir / 'zygote.log').read_text()[-3000:]}")
-            return subprocess.CompletedProcess(args, reply["status"], _read_text(paths["stdout"]),
+            return subprocess.CompletedProcess(cmd, reply["status"], _read_text(paths["stdout"]),
                                                _read_text(paths["stderr"]))
 
     def close(self) -> None:
@@ -324,18 +343,29 @@ def zygote_modules(env: dict[str, str] | None = None) -> list[str]:
 
 
 def run_python_c(code: str, cwd=None, env: dict[str, str] | None = None, timeout: float | None = None,
-                 fork: bool | None = None) -> subprocess.CompletedProcess:
-    """``subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                 fork: bool | None = None, args=()) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout)``, from a fork of the zygote unless ``fork`` is false (default: unless
     ``PID_TEST_NO_FORKSERVER`` is set)."""
+    return _run(code, None, args, cwd, env, timeout, fork)
+
+
+def run_python_m(module: str, *args, cwd=None, env: dict[str, str] | None = None, timeout: float | None = None,
+                 fork: bool | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, "-m", module, *args], ...)`` as :func:`run_python_c` (the child runs the
+    module with runpy as ``-m`` does: ``sys.path[0]`` the cwd, ``sys.argv[0]`` the module's file)."""
+    return _run(None, module, args, cwd, env, timeout, fork)
+
+
+def _run(code, module, args, cwd, env, timeout, fork) -> subprocess.CompletedProcess:
     if fork is None:
         fork = not DISABLED
     cwd = os.getcwd() if cwd is None else cwd
     if not fork:
-        return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        cmd = [sys.executable, *(["-m", module] if module else ["-c", code]), *map(str, args)]
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     env = dict(os.environ if env is None else env)
-    return zygote(env).run(code, cwd, env, timeout)
+    return zygote(env).run(code, cwd, env, timeout, args=args, module=module)
 
 
 @atexit.register
