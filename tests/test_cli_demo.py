@@ -1,8 +1,7 @@
 import json
-import subprocess
-import sys
 
 import pytest
+from pyexec import run_python_m  # python -m from a fork of an interpreter with the zoos (not pid_plugins) imported
 
 from pid_plugins.research.cli import main
 
@@ -30,8 +29,8 @@ def test_cli_bad_preset_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_writes_report_and_shows_collapse(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pid_plugins", "demo", "--parts", "core", "--out", str(tmp_path)],
-                          check=True, capture_output=True, text=True)
+    proc = run_python_m("pid_plugins", "demo", "--parts", "core", "--out", str(tmp_path))
+    proc.check_returncode()
     assert "report.md" in proc.stdout
     res = json.loads((tmp_path / "core_demo.json").read_text())
     fixed = res["fixed_attention"]
@@ -54,8 +53,7 @@ def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     """`pid-plugins demo --quick`: the main job end to end, through the timm and transformers adapters."""
     import math
 
-    proc = subprocess.run([sys.executable, "-m", "pid_plugins", "demo", "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = run_python_m("pid_plugins", "demo", "--quick", "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vision (" in proc.stdout and "language (" in proc.stdout
     res = json.loads((tmp_path / "demo.json").read_text())
@@ -78,8 +76,7 @@ def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     assert "| clean top-1 |" in report and "| validation perplexity (bytes) |" in report
     assert "nan" not in report.lower()
     # the trained models are cached: a rerun goes straight to evaluation
-    again = subprocess.run([sys.executable, "-m", "pid_plugins", "demo", "--quick", "--parts", "vision",
-                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    again = run_python_m("pid_plugins", "demo", "--quick", "--parts", "vision", "--out", str(tmp_path), timeout=600)
     assert again.returncode == 0 and "loaded the cached model" in again.stderr
     res2 = json.loads((tmp_path / "demo.json").read_text())
     assert res2["vision"]["models"]["pid"]["robustness"]["clean"] == v["models"]["pid"]["robustness"]["clean"]

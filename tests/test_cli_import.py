@@ -1,17 +1,18 @@
 """``--import MODULE`` for ``diagnose``, ``attack`` and ``study``: a method the user's module registers
 (tests/toy_method.py registers ``scaled_reference``) is selectable by ``--attention NAME`` / a study arm.
 
-The commands run as ``python -m pid_plugins.research.cli`` in a fresh process (nothing registered by this test
-process leaks in), with this checkout on PYTHONPATH and tests/ NOT on it: the module is found in the current
-directory or by its file path, and without ``--import`` the name is refused with core's message.
+The commands run as ``python -m pid_plugins.research.cli`` in a process of their own (nothing registered by this test
+process leaks in: a fork of tests/pyexec.py's zygote, which has imported the zoos but not pid_plugins), with this
+checkout on PYTHONPATH and tests/ NOT on it: the module is found in the current directory or by its file path, and
+without ``--import`` the name is refused with core's message.
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from pyexec import run_python_m
 
 pytest.importorskip("timm")
 from pid_plugins.research.cli import main  # noqa: E402
@@ -29,8 +30,7 @@ CORE_MESSAGE = "unknown attention method 'scaled_reference': choose 'softmax' or
 
 def cli(*argv, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "pid_plugins.research.cli", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_python_m("pid_plugins.research.cli", *argv, cwd=cwd, env=env, timeout=900)
     return proc
 
 

@@ -6,8 +6,6 @@ transformers' attention tables are compared, bit for bit, before and after every
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 import pid_plugins
 from pid_plugins.core.siblings.neutreno import NeuTRENOMethod
+from pyexec import run_python_c
 from zoo_cases import hf_ids, import_transformers, llama_config
 
 T = import_transformers()
@@ -121,7 +120,7 @@ def test_an_adapter_imported_after_the_registration_refuses_it_before_exposing_a
         except ValueError as exc:
             print("TIMM:", exc)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = run_python_c(script, timeout=300)  # python -c, forked from a zygote that holds no pid_plugins
     assert out.returncode == 0, out.stderr
     assert "HF: attention method name 'flex_attention' is taken by transformers" in out.stdout
     assert "TIMM: attention method name 'diff' is taken by timm" in out.stdout

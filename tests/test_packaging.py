@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pyexec import run_python_c
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "pid_plugins"
@@ -13,7 +14,14 @@ RESEARCH = "pid_plugins.research"
 
 
 def run(code):
+    """A fresh interpreter: for what holds at interpreter start or depends on which zoos are imported."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def run_forked(code):
+    """``python -c`` in a fork of tests/pyexec.py's zygote (zoos imported, pid_plugins not): for what depends only
+    on pid_plugins' own imports."""
+    return run_python_c(code, timeout=300)
 
 
 def test_import_pid_plugins_imports_no_zoo():
@@ -79,7 +87,7 @@ def test_the_import_scan_resolves_relative_imports():
 
 @pytest.mark.slow
 def test_adapters_import_no_research_module_at_run_time():
-    proc = run(
+    proc = run_forked(
         "import sys\n"
         "import pid_plugins.timm, pid_plugins.hf, pid_plugins.mmseg, pid_plugins.fairseq\n"
         "print(sorted(m for m in sys.modules if m.startswith('pid_plugins.research')))\n"
@@ -90,7 +98,7 @@ def test_adapters_import_no_research_module_at_run_time():
 
 @pytest.mark.slow
 def test_timm_adapter_without_timm_says_what_to_install():
-    proc = run("import sys; sys.modules['timm'] = None\nimport pid_plugins.timm\n")
+    proc = run_forked("import sys; sys.modules['timm'] = None\nimport pid_plugins.timm\n")
     assert proc.returncode != 0
     assert "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'" in proc.stderr
 

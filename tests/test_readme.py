@@ -1,11 +1,14 @@
 """Every ```python example in the README and on every docs page (docs/**/*.md) runs as written, in an empty
-directory; the README stays short (at most 300 lines, `make demo` and `make test` in its first 80)."""
+directory; the README stays short (at most 300 lines, `make demo` and `make test` in its first 80).
+
+Each block runs as ``python -c code`` would, in a fork of an interpreter that has already imported torch and the
+zoos but never pid_plugins (tests/pyexec.py says what is preserved; ``PID_TEST_NO_FORKSERVER=1`` runs a plain
+subprocess instead)."""
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from pyexec import run_python_c, zygote_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -29,8 +32,39 @@ def python_blocks(pages=PAGES):
 @pytest.mark.slow  # make test-fast leaves the examples out
 @pytest.mark.parametrize("code", python_blocks())
 def test_docs_example_runs(code, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_python_c(code, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+#: a transformers example that forgot ``import pid_plugins.hf``: "pid" is not a known attention implementation
+FORGOT_IMPORT = """
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, attn_implementation="pid"))
+print("built")
+"""
+
+
+@pytest.mark.slow
+def test_forked_example_without_the_plugin_import_fails_as_in_a_subprocess(tmp_path):
+    """The registration comes only from the block's own imports: the zygote holds no pid_plugins, so the forked
+    child fails exactly as a fresh ``python -c`` (same exit code, same error), and the import makes both pass."""
+    forked = run_python_c(FORGOT_IMPORT, cwd=tmp_path, timeout=600, fork=True)
+    fresh = run_python_c(FORGOT_IMPORT, cwd=tmp_path, timeout=600, fork=False)
+    assert fresh.returncode == 1 and "built" not in fresh.stdout, fresh.stderr[-3000:]
+    assert forked.returncode == fresh.returncode and forked.stdout == fresh.stdout
+    last = [p.stderr.strip().splitlines()[-1] for p in (forked, fresh)]
+    assert last[0] == last[1] and "pid" in last[0], last
+    assert forked.stderr.splitlines()[0] == "Traceback (most recent call last):", forked.stderr[-3000:]
+    fixed = run_python_c("import pid_plugins.hf" + FORGOT_IMPORT, cwd=tmp_path, timeout=600, fork=True)
+    assert fixed.returncode == 0 and fixed.stdout == "built\n", fixed.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_zygote_has_imported_the_zoos_but_not_pid_plugins():
+    modules = zygote_modules()
+    assert not [m for m in modules if m == "pid_plugins" or m.startswith("pid_plugins.")], modules
+    assert {"torch", "transformers", "timm"} <= set(modules)
 
 
 def test_readme_has_an_example_per_zoo():
