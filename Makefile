@@ -62,12 +62,9 @@ data:
 timm-tests: $(STAMP)
 	$(PY) tests/timm_suite.py fetch
 
-# pytest-xdist: WORKERS processes, one more than this project's CI machine has cores (2): much of the suite starts
-# processes (torchrun, the zoos' command-line tools, pip) and waits on them, and a third worker keeps both cores busy
-# meanwhile (measured on 2 cores: the suite in 466 s with 3 workers, 510 s with 2). tests/conftest.py gives each
-# worker max(1, cores/WORKERS) torch threads; --dist loadgroup keeps each xdist_group (torchrun's 2-rank jobs) on
-# one worker
-WORKERS ?= 3
+# pytest-xdist: WORKERS processes (2: this project's CI machine has 2 cores; tests/conftest.py gives each worker
+# cores/WORKERS torch threads); --dist loadgroup keeps each xdist_group (torchrun's 2-rank jobs) on one worker
+WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
 # --durations: the slowest tests of every run are in the log (where the next minutes are to be saved)
