@@ -36,6 +36,7 @@ def uv_options(pip_config: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                            check=True).stdout
+    # no pip, or a configuration pip cannot read: only the strategy (uv then uses PyPI alone)
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    config = proc.stdout if proc.returncode == 0 else ""
     print(shlex.join(uv_options(config)))
