@@ -53,7 +53,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         return
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if config.getvalue("loadgroup"):
-        lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        # xdist's own reading of the tag: an "@" after the parameters' "]" (an "@" inside them is no tag)
+        lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group")
+                and item.nodeid.rfind("@") <= item.nodeid.rfind("]")]
         if lost:
             raise pytest.UsageError(
                 f"pytest-xdist's --dist loadgroup did not group {len(lost)} tests marked xdist_group (first: "
