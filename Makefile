@@ -30,7 +30,9 @@ $(PY):
 # module it imports). INSTALLER=pip installs everything with pip instead.
 INSTALLER ?= uv
 ifeq ($(INSTALLER),uv)
-INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(shell $(PY) tools/uv_sources.py)
+# pip's package sources as uv options: asked once, when the first install line needs them (the venv exists then)
+UV_SOURCES = $(eval UV_SOURCES := $(shell $(PY) tools/uv_sources.py))$(UV_SOURCES)
+INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(UV_SOURCES)
 else
 INSTALL = $(PIP) install -q
 endif
