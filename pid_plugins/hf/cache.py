@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..core import CacheSlot
+from .internals import CACHE_LAYERS, STATIC_LAYER
 
 __all__ = ["LayerSlot", "new_cache", "static_past"]
 
@@ -27,16 +28,20 @@ def static_past(cache: Any, name: str = "pid") -> Optional[Tensor]:
     layers = getattr(cache, "layers", None)
     if not layers:
         return None
-    first = layers[0]
-    kind = type(first).__name__
-    if any("Static" in type(x).__name__ and "Sliding" in type(x).__name__ for x in layers):
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    CACHE_LAYERS.require()
+    if any(isinstance(x, StaticSlidingWindowLayer) or ("Static" in type(x).__name__ and "Sliding" in type(x).__name__)
+           for x in layers):
         raise NotImplementedError(
             f"attention method {name!r} cannot use a static sliding-window cache (a rolling buffer does not keep the query "
             "positions' values where they can be located): use the dynamic cache (the default) for this model"
         )
-    if "Static" not in kind:
+    first = layers[0]
+    if not (isinstance(first, StaticLayer) or "Static" in type(first).__name__):
         return None
-    length = first.cumulative_length if getattr(first, "is_initialized", False) else None
+    STATIC_LAYER.require()
+    length = first.cumulative_length if first.is_initialized else None
     return torch.zeros((), dtype=torch.long) if length is None else length.clone()
 
 

@@ -38,7 +38,9 @@ from . import gains as learned_gains
 from .attention import EARLIER, ROLE, MethodForwardState
 from .cache import new_cache, static_past
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
+from .internals import CACHE_KEYWORD, CHECKPOINTING, INTERFACE_SOURCE, cache_keywords, unknown_cache
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
+from ..versions import InternalChanged
 
 __all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "hook", "install_pid_hooks",
            "is_cross", "learnable_config", "walk"]
@@ -64,11 +66,13 @@ def calls_interface(cls: type) -> bool:
 @dataclass
 class Plan:
     owns_layers: bool
-    cache_position: Optional[int]  # index of `past_key_values` among the positional arguments, if any
+    cache_position: Optional[int]  # index of the cache keyword among the positional arguments, if any
     learnable: bool = False  # whether discovery gave the self-attention modules their gains
     causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
     layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules (where method cache slots start)
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
+    #: the keywords its forward takes the KV cache under (``cache``, ``past_key_values``: internals.CACHE_KEYWORD)
+    cache_keywords: tuple = ()
 
 
 def _chosen(model: nn.Module) -> str:
@@ -131,6 +135,7 @@ def check_model(model: PreTrainedModel, name: str) -> None:
     """Refuse, changing nothing, a model whose attention method ``name`` could not reach its attention: a family that
     picks its attention classes from its own table, an attention module outside the attention interface, a model
     owning attention layers whose forward takes no ``**kwargs`` (what discovery refuses)."""
+    INTERFACE_SOURCE.require()
     for owner in model.modules():
         if not isinstance(owner, PreTrainedModel):
             continue
@@ -150,6 +155,7 @@ def check_model(model: PreTrainedModel, name: str) -> None:
 def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface.
     With learnable gains, give every self-attention module its gains if it has none (and cross-attention none)."""
+    INTERFACE_SOURCE.require()
     gains_source = model.__dict__.get(GAINS_SOURCE, model.config)
     warmup = counter_of(model)
     base = base_attention(gains_source)
@@ -193,6 +199,9 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
             raise ValueError(_outside_message(_chosen(model), model, path, sub))
     params = inspect.signature(type(model).forward).parameters
     names = [n for n in params if n != "self"]
+    keywords = cache_keywords(type(model).forward)
+    if causal:  # a decoder reads its cache: the keyword it comes under must be one the adapter knows
+        CACHE_KEYWORD.require()
     if order and not _takes_kwargs(type(model)):
         raise ValueError(_no_kwargs_message(_chosen(model), model))
     persist(model.config)
@@ -209,10 +218,9 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 "them. Call pid_plugins.hf.to_pid(model) before building the optimizer",
                 stacklevel=4,
             )
-    plan = Plan(owns_layers=order > 0,
-                 cache_position=names.index("past_key_values") if "past_key_values" in names else None,
-                 learnable=learnable is not None, causal=causal, layer_count=layer_count,
-                 counter=model._modules.get(WARMUP_ATTR))
+    plan = Plan(owns_layers=order > 0, cache_position=names.index(keywords[0]) if keywords else None,
+                learnable=learnable is not None, causal=causal, layer_count=layer_count,
+                counter=model._modules.get(WARMUP_ATTR), cache_keywords=keywords)
     model.__dict__[PLAN] = plan
     return plan
 
@@ -246,6 +254,7 @@ def _checkpointing(model: nn.Module) -> bool:
 
 def _check_checkpointing(model: nn.Module, name: str = "pid") -> None:
     """Refuse reentrant checkpointing (it cuts the method state's graph between layers) before any gradient."""
+    CHECKPOINTING.require()
     for m in model.modules():
         if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
             func = m._gradient_checkpointing_func
@@ -297,9 +306,12 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             f"output_attentions needs the eager base attention under attention method {method.name!r}: "
             f"pid_plugins.hf.to_pid(model, base='eager', method={method.name!r})"
         )
-    cache = kwargs.get("past_key_values")
+    cache = next((kwargs[k] for k in plan.cache_keywords if kwargs.get(k) is not None), None)
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
+    renamed = unknown_cache(args, kwargs, plan.cache_keywords)
+    if renamed is not None:  # a release that passes the cache under a name the adapter does not read
+        raise InternalChanged(CACHE_KEYWORD.message(f"{type(module).__name__}.forward got the cache as {renamed}="))
     active = not method.is_identity(gains)
     # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
     layers_cache = not (method.cache_slot and module.training and _checkpointing(module))
@@ -309,7 +321,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         # the model would make its cache inside the forward, where the method cannot reach it to keep its
         # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
         cache = new_cache(config)
-        kwargs["past_key_values"] = cache
+        kwargs[plan.cache_keywords[0]] = cache
     own = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
     if method.keys_state and own is not None and active:
         sliding = getattr(own, "is_sliding", None)

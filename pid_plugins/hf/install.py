@@ -31,10 +31,12 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, PretrainedConfig
 
+from ..versions import check_version
 from ..core import AttentionMethod, GainWarmup, on_register, register_warmup_finisher, reserve_names
 from . import conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
+from .internals import GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS, WEIGHT_CONVERSIONS
 from .config import _METHODS, BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
@@ -133,6 +135,7 @@ def _forget_legacy_key_mapping(loaded: Any) -> Any:
     """transformers reverts the renamings a load used when the model is saved again (so a converted checkpoint keeps
     its layout): not ours, a model loaded from a checkpoint saved before the rename saves today's names."""
     model = loaded[0] if isinstance(loaded, tuple) else loaded
+    WEIGHT_CONVERSIONS.require()
     used = getattr(model, "_weight_conversions", None)
     if used:
         model._weight_conversions = [c for c in used if list(getattr(c, "_original_source_patterns", ()))
@@ -249,6 +252,10 @@ def install() -> None:
     """Make the changes above, once (``import pid_plugins.hf`` calls it)."""
     if _INSTALLED[0]:
         return
+    check_version("transformers")
+    check_version("torch")
+    for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING):  # what the changes below rely on
+        internal.require()
     _INSTALLED[0] = True
     torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
     _wrap_initialize_weights()

@@ -1,0 +1,156 @@
+"""Every transformers internal the adapter reads, in one place: what, why, which versions, and the check that runs
+where the adapter first uses it (:meth:`pid_plugins.versions.Internal.require`).
+
+The public extension points carry most of the adapter: ``AttentionInterface`` / ``AttentionMaskInterface`` (the
+attention and mask functions), ``model.set_attn_implementation``, ``from_pretrained(key_mapping=...)``, the cache
+classes' public methods (``update``, ``crop``, ``reorder_cache``, ``reset``), and torch's module hooks. What is left
+has no extension point in transformers 5.24; if a release changes one of these, the user gets
+:class:`~pid_plugins.versions.InternalChanged` naming the version and the tested range, never a different result.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ..versions import Internal
+
+__all__ = ["INTERNALS", "cache_keywords", "require_all"]
+
+ZOO = "transformers"
+#: the keyword a model's forward takes its KV cache under: ``cache`` from 5.24 (``past_key_values`` is its deprecated
+#: spelling until 5.40), ``past_key_values`` before
+CACHE_KEYWORDS: Tuple[str, ...] = ("cache", "past_key_values")
+
+
+def cache_keywords(forward: Any) -> Tuple[str, ...]:
+    """The cache keywords (:data:`CACHE_KEYWORDS`) ``forward``'s signature names, in the order it names them."""
+    names = inspect.signature(forward).parameters
+    return tuple(n for n in names if n in CACHE_KEYWORDS)
+
+
+def _cache_keyword() -> bool:
+    from transformers import LlamaModel
+
+    return bool(cache_keywords(LlamaModel.forward))
+
+
+def _static_layer() -> bool:
+    from transformers.cache_utils import StaticLayer
+
+    layer = StaticLayer(max_cache_len=4)
+    return isinstance(layer.cumulative_length, torch.Tensor) and layer.is_initialized is False
+
+
+def _cache_layers() -> bool:
+    from transformers.cache_utils import (
+        Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
+    )
+
+    cache = DynamicCache()
+    window = DynamicSlidingWindowLayer(sliding_window=4)
+    return (isinstance(cache.layers, list) and hasattr(cache, "layer_class_to_replicate")
+            and hasattr(window, "sliding_window") and StaticLayer(max_cache_len=4).max_cache_len == 4
+            and issubclass(StaticSlidingWindowLayer, StaticLayer) and isinstance(DynamicLayer(), object)
+            and isinstance(getattr(Cache, "is_sliding", None), property))
+
+
+def _initialize_weights() -> bool:
+    from transformers import PreTrainedModel
+
+    params = list(inspect.signature(PreTrainedModel._initialize_weights).parameters)
+    return params[:2] == ["self", "module"] and callable(getattr(PreTrainedModel, "post_init", None))
+
+
+def _loaders() -> bool:
+    from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    return all(isinstance(owner.__dict__.get(name), classmethod) for owner, name in (
+        (PreTrainedModel, "from_pretrained"), (PreTrainedModel, "_from_config"), (_BaseAutoModelClass, "from_pretrained")))
+
+
+def _checkpointing() -> bool:
+    from transformers import PreTrainedModel
+
+    source = inspect.getsource(PreTrainedModel._set_gradient_checkpointing)
+    return "_gradient_checkpointing_func" in source and "gradient_checkpointing" in source
+
+
+def _interface_source() -> bool:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    LlamaConfig  # noqa: B018  (the family module is importable)
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(LlamaAttention.forward)
+
+
+def _global_mapping() -> bool:
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    return all(isinstance(getattr(i, "_global_mapping", None), dict) and "sdpa" in i._global_mapping
+               for i in (AttentionInterface, AttentionMaskInterface))
+
+
+def _weight_conversions() -> bool:
+    from transformers import core_model_loading
+
+    source = inspect.getsource(core_model_loading)
+    return "_weight_conversions" in source and "_original_source_patterns" in source
+
+
+CACHE_KEYWORD = Internal(
+    ZOO, "the forward keyword carrying the KV cache (`cache` or `past_key_values`)",
+    "finding the cache a forward uses (static caches: where the query positions' values are; Twicing: its slot)",
+    "5.0 - 5.23 (`past_key_values`), 5.24 (`cache`)", _cache_keyword)
+STATIC_LAYER = Internal(
+    ZOO, "StaticLayer.cumulative_length (a tensor) and StaticLayer.is_initialized",
+    "the static cache's length before a forward (the query positions' rows in the key/value buffer)",
+    "5.0 - 5.24", _static_layer)
+CACHE_LAYERS = Internal(
+    ZOO, "Cache.layers, Cache.layer_class_to_replicate, Cache.is_sliding and the layer classes of cache_utils",
+    "keeping a method's per-position tensor (Twicing's A v) as extra cache layers of the same kind",
+    "5.0 - 5.24", _cache_layers)
+INITIALIZE_WEIGHTS = Internal(
+    ZOO, "PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
+    "initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery before the first forward",
+    "5.0 - 5.24", _initialize_weights)
+LOADERS = Internal(
+    ZOO, "PreTrainedModel.from_pretrained/_from_config and _BaseAutoModelClass.from_pretrained (classmethods)",
+    "a method's parameters as a loader keyword (from_pretrained(..., pid={...}))", "5.0 - 5.24", _loaders)
+CHECKPOINTING = Internal(
+    ZOO, "PreTrainedModel._set_gradient_checkpointing sets module._gradient_checkpointing_func",
+    "refusing reentrant gradient checkpointing before any gradient", "5.0 - 5.24", _checkpointing)
+INTERFACE_SOURCE = Internal(
+    ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic)",
+    "finding a model's attention modules, and refusing attention outside the interface", "5.0 - 5.24",
+    _interface_source)
+GLOBAL_MAPPING = Internal(
+    ZOO, "AttentionInterface._global_mapping / AttentionMaskInterface._global_mapping",
+    "reserving the attention implementation names transformers holds (a method cannot replace 'sdpa')",
+    "5.0 - 5.24", _global_mapping)
+WEIGHT_CONVERSIONS = Internal(
+    ZOO, "model._weight_conversions with _original_source_patterns (the key renamings a load used)",
+    "not writing the old key names back when a model loaded from an old checkpoint is saved", "5.0 - 5.24",
+    _weight_conversions)
+
+INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, INTERFACE_SOURCE,
+             GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
+
+
+def require_all() -> None:
+    """Check every internal now (``import pid_plugins.hf`` checks those it changes transformers with)."""
+    for internal in INTERNALS:
+        internal.require()
+
+
+def unknown_cache(args: tuple, kwargs: dict, known: Tuple[str, ...]) -> Optional[str]:
+    """The keyword under which a forward got a transformers ``Cache`` that is not one of ``known`` (a release that
+    renamed the cache keyword again), or None."""
+    from transformers.cache_utils import Cache
+
+    for name, value in kwargs.items():
+        if isinstance(value, Cache) and name not in known:
+            return name
+    return None

@@ -1,0 +1,123 @@
+"""The zoo versions pid-plugins is tested with, and the guard on the zoo internals its adapters read.
+
+Two promises, one module (standard library only, so ``import pid_plugins`` still needs only torch):
+
+* :data:`TESTED`: for torch and every zoo, the lowest and the newest release the whole test suite runs under
+  (``make test`` pins the newest in ``constraints.txt``, ``make test-compat`` the lowest in
+  ``constraints-lowest.txt``). ``pyproject.toml`` gives pip the same lower bounds, and transformers an upper bound
+  below its next minor release. Importing an adapter with a version outside the tested range warns once
+  (:class:`UntestedVersionWarning`), naming the range.
+* :class:`Internal`: one private internal of a zoo that an adapter reads because the zoo has no extension point for
+  it (what, why, which versions). Each adapter lists its internals in one place (``pid_plugins/<zoo>/internals.py``)
+  and calls :func:`Internal.require` where it first uses one: if the internal no longer looks as expected, the user
+  gets :class:`InternalChanged`, naming the zoo's version and the tested range, before anything is computed, never
+  a different result.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Callable, Dict, Optional, Tuple
+
+__all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "check_version", "installed_version"]
+
+#: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test)
+TESTED: Dict[str, Tuple[str, str]] = {
+    "torch": ("2.14.1", "2.15.0"),
+    "transformers": ("5.23.0", "5.24.0"),
+    "timm": ("1.0.31", "1.0.31"),
+    "mmsegmentation": ("1.2.2", "1.2.2"),
+    "mmengine": ("0.10.7", "0.10.7"),
+    "mmcv-lite": ("2.1.0", "2.1.0"),
+    "fairseq": ("0.12.2", "0.12.2"),
+    "peft": ("0.21.2", "0.21.2"),
+    "accelerate": ("1.15.0", "1.15.0"),
+}
+
+
+class UntestedVersionWarning(UserWarning):
+    """A zoo (or torch) is installed at a version outside the range pid-plugins is tested with."""
+
+
+class InternalChanged(RuntimeError):
+    """A zoo internal an adapter reads no longer looks as the adapter expects (a zoo release changed it)."""
+
+
+def _key(version: str) -> Tuple[int, ...]:
+    """``"5.24.0"`` -> (5, 24, 0); local and pre-release parts ignored (``2.15.0+cu132``, ``1.0.0rc1``)."""
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution``, or None."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def tested_range(distribution: str) -> str:
+    low, high = TESTED[distribution]
+    return f"{low} to {high}" if low != high else low
+
+
+@functools.lru_cache(maxsize=None)
+def check_version(distribution: str, version: Optional[str] = None) -> bool:
+    """Warn once (:class:`UntestedVersionWarning`) if ``distribution`` is installed outside its tested range;
+    True when it is inside (or not installed)."""
+    version = installed_version(distribution) if version is None else version
+    if version is None or distribution not in TESTED:
+        return True
+    low, high = TESTED[distribution]
+    if _key(low) <= _key(version) <= _key(high):
+        return True
+    side = "newer than the newest" if _key(version) > _key(high) else "older than the oldest"
+    warnings.warn(
+        f"{distribution} {version} is {side} release pid-plugins is tested with ({tested_range(distribution)}). "
+        f"Internals the adapter reads are checked where used and refused with an error if they changed; for results "
+        f"we have verified, install {distribution}=={high} (pip install -c constraints.txt 'pid-plugins[...]').",
+        UntestedVersionWarning,
+        stacklevel=3,
+    )
+    return False
+
+
+@dataclass(frozen=True)
+class Internal:
+    """A private internal of a zoo that an adapter reads (the zoo has no extension point for it).
+
+    ``check`` answers whether the internal still looks as the adapter expects; :meth:`require` runs it once per
+    process (at the adapter's first use) and raises :class:`InternalChanged` when it does not.
+    """
+
+    zoo: str  #: the distribution (``"transformers"``)
+    name: str  #: what is read (``"StaticLayer.cumulative_length"``)
+    why: str  #: what the adapter needs it for
+    versions: str  #: the releases it is known to hold in (``"5.0 -"``)
+    check: Callable[[], bool] = field(repr=False, compare=False)
+
+    def require(self) -> None:
+        """Raise :class:`InternalChanged` if the internal no longer looks as expected (checked once per process)."""
+        if not _holds(self):
+            raise InternalChanged(self.message())
+
+    def message(self, detail: str = "") -> str:
+        version = installed_version(self.zoo) or "?"
+        extra = f" ({detail})" if detail else ""
+        return (
+            f"{self.zoo} {version} changed an internal pid-plugins reads: {self.name}{extra}, needed for {self.why}. "
+            f"pid-plugins is tested with {self.zoo} {tested_range(self.zoo)} (known to hold in {self.versions}); "
+            f"install {self.zoo}=={TESTED[self.zoo][1]} (pip install -c constraints.txt), or report it with this "
+            "message. Nothing was computed with the changed internal."
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _holds(internal: Internal) -> bool:
+    try:
+        return bool(internal.check())
+    except Exception:  # an attribute, a class or a signature that is gone: the internal changed
+        return False
