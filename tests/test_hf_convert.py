@@ -190,11 +190,12 @@ def test_a_base_the_model_cannot_run_is_refused_before_anything_changes():
 
 
 def test_a_family_outside_the_attention_interface_is_refused_before_anything_changes():
-    """GPT-J picks its attention class from its own table: refused naming the table, the model unchanged."""
-    config = T.GPTJConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32)
-    model = T.GPTJForCausalLM(config).eval()
+    """GPT-Neo picks its attention class from its own table: refused naming the table, the model unchanged."""
+    config = T.GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
+                            attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=32)
+    model = T.GPTNeoForCausalLM(config).eval()
     before = snapshot(model)
-    with pytest.raises(ValueError, match="GPTJ_ATTENTION_CLASSES"):
+    with pytest.raises(ValueError, match="GPT_NEO_ATTENTION_CLASSES"):
         ph.convert(model, "pid")
     assert snapshot(model) == before
 

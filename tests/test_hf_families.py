@@ -67,6 +67,12 @@ FAMILIES = {
                                         decoder_start_token_id=1),
                 T.WhisperForConditionalGeneration, "speech", "sdpa", 4),
 }
+# GPT-J runs transformers' attention interface from transformers 5.24 (before, its own GPTJ_ATTENTION_CLASSES
+# table, refused: test_method_hf_lm.py)
+if not hasattr(__import__("transformers.models.gptj.modeling_gptj", fromlist=["x"]), "GPTJ_ATTENTION_CLASSES"):
+    FAMILIES["gptj"] = (lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                             n_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                        T.GPTJForCausalLM, "decoder", "sdpa", 2)
 DECODERS = [f for f, spec in FAMILIES.items() if spec[2] == "decoder"]
 
 

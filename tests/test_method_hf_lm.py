@@ -171,14 +171,16 @@ def test_twicing_refuses_attention_dropout_in_training_only():
 
 
 @pytest.mark.parametrize("method", ["pid", "neutreno", "twicing", "elliptical", "value_residual"])
-@pytest.mark.parametrize("family", ["gptj", "falcon"])
+@pytest.mark.parametrize("family", ["gpt_neo", "falcon"])
 def test_families_with_their_own_attention_tables_are_refused_while_built(family, method):
-    """GPT-J and Falcon pick their attention classes from their own tables: refused before any layer exists, with
-    a message that names attn_implementation, the method, the family and why (never a bare KeyError)."""
-    config = {"gptj": lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
+    """GPT-Neo and Falcon pick their attention classes from their own tables (transformers 5.23 and 5.24; GPT-J did
+    until 5.23): refused before any layer exists, with a message that names attn_implementation, the method, the
+    family and why (never a bare KeyError)."""
+    config = {"gpt_neo": lambda: T.GPTNeoConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4,
+                                                attention_types=[[["global", "local"], 1]], window_size=4),
               "falcon": lambda: T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
                                                num_attention_heads=4)}[family]()
-    model_cls = {"gptj": T.GPTJForCausalLM, "falcon": T.FalconForCausalLM}[family]
+    model_cls = {"gpt_neo": T.GPTNeoForCausalLM, "falcon": T.FalconForCausalLM}[family]
     config._attn_implementation = method
     with pytest.raises(ValueError, match=rf"attn_implementation='{method}'.*\({family}\).*own table .*_ATTENTION_CLASSES"
                                          rf".*attention method '{method}' cannot reach"):

@@ -200,7 +200,7 @@ def method_attention_forward(
                                  cached=run.cached or key.shape[-2] != query.shape[-2],
                                  dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]),
         scale=run.scale,
-        visible=lambda: _visible(module, attention_mask, query, key, kwargs),
+        visible=lambda: _visible(module, attention_mask, query, key, kwargs, run),
         slot=lambda: _slot(run, module, q_len, length),
         layer=index if earlier is None else len(earlier),  # its position in its stack (encoder, decoder: each from 0)
     )
@@ -221,17 +221,27 @@ class _ExpandedHeads:
         return getattr(self._module, name)
 
 
-def _visible(module: nn.Module, mask: Any, query: Tensor, key: Tensor, kwargs: dict) -> Optional[Tensor]:
+def _visible(module: nn.Module, mask: Any, query: Tensor, key: Tensor, kwargs: dict,
+             run: Optional[MethodForwardState] = None) -> Optional[Tensor]:
     """Which keys each query attends to, boolean ``(B or 1, 1 or H, q, K)``, from the mask the base attention gets
     (boolean: SDPA's; float: eager's, where masked positions hold the dtype's minimum or -inf), or None when every
-    query sees every key. Without a mask a causal layer sees keys ``<= past + i`` (dynamic cache)."""
+    query sees every key. Without a mask a causal layer's query ``i`` sees keys ``<= past + i``: ``past`` is the
+    static cache's length before this forward (transformers passes no mask to a static-cache prefill, whose key
+    buffer is the whole ``max_cache_len``), else ``K - q`` (no cache, dynamic caches: the queries end the keys)."""
     q_len, k_len = query.shape[-2], key.shape[-2]
+    static = run is not None and run.past_length is not None
     if mask is None:
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", False) if causal is None else causal
-        if not causal or q_len == 1:
+        if not causal or (q_len == 1 and not static):
             return None
-        rows = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
+        if not static:
+            past: Any = k_len - q_len
+        elif run.start is not None and query.device.type == "cpu":
+            past = run.start
+        else:
+            past = run.past_length.to(query.device)
+        rows = torch.arange(q_len, device=query.device)[:, None] + past
         return (torch.arange(k_len, device=query.device)[None, :] <= rows)[None, None]
     if not isinstance(mask, Tensor):
         raise ValueError(
