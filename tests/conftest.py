@@ -101,7 +101,7 @@ def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("pid_plugins_wheel")
     src = root / "src"
     shutil.copytree(repo, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*_out", ".pytest_cache", ".cache", "data"))
+        ".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pycache__", "*_out", ".pytest_cache", ".cache", "data"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(root / "dist"), str(src)], check=True, cwd=root, capture_output=True)
     (wheel,) = (root / "dist").glob("pid_plugins-*.whl")

@@ -45,6 +45,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without fairseq
         f"({exc})"
     ) from exc
 
+from ..versions import check_version  # noqa: E402
+
+check_version("fairseq")
+
+
 def _numpy_compat_long() -> None:
     """fairseq 0.12.2 reads ``numpy.compat.long`` (gone in NumPy 2) when it builds "eos"-break datasets
     (fairseq-interactive, the hub interface's ``score``/``sample``). Provide that one name when missing."""

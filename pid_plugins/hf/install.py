@@ -253,7 +253,6 @@ def install() -> None:
     if _INSTALLED[0]:
         return
     check_version("transformers")
-    check_version("torch")
     for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING):  # what the changes below rely on
         internal.require()
     _INSTALLED[0] = True

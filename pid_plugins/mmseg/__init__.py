@@ -34,6 +34,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the mm s
         f"({exc})"
     ) from exc
 
+from ..versions import check_version  # noqa: E402
+
+for _dist in ("mmsegmentation", "mmengine", "mmcv-lite"):
+    check_version(_dist)
+
 from . import checkpoint
 from .head import PIDSegmenterMaskTransformerHead
 from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_mmseg

@@ -25,6 +25,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without timm
         "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'"
     ) from exc
 
+from ..versions import check_version
+
+check_version("timm")
+
 from .conversion import convert
 from .fan import FAN, ChannelProcessing, FANBlock, TokenMixing
 from .vision_transformer import (

@@ -1,0 +1,149 @@
+"""The versions pid-plugins declares and the guard on the zoo internals its adapters read.
+
+* pyproject's bounds, constraints.txt (make test) and constraints-lowest.txt (make test-compat) agree with
+  :data:`pid_plugins.versions.TESTED`, and the installed zoos are inside the tested range;
+* a version outside the range warns at import, once, naming the range;
+* every internal the transformers adapter lists holds under the installed transformers, and a faked change of one
+  (monkeypatch) is refused with one clear error naming the version and the tested range, before anything runs.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from pid_plugins import versions
+from pid_plugins.versions import TESTED, InternalChanged, UntestedVersionWarning, check_version
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.version_info >= (3, 11):
+    import tomllib
+
+
+def pins(path: Path) -> dict:
+    return {m.group(1).lower(): m.group(2) for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", path.read_text(), re.M)}
+
+
+def test_the_pin_files_are_the_tested_range():
+    newest, lowest = pins(ROOT / "constraints.txt"), pins(ROOT / "constraints-lowest.txt")
+    for dist, (low, high) in TESTED.items():
+        assert newest[dist] == high, f"constraints.txt pins {dist}=={newest[dist]}, TESTED says newest {high}"
+        assert lowest[dist] == low, f"constraints-lowest.txt pins {dist}=={lowest[dist]}, TESTED says lowest {low}"
+
+
+def test_pyproject_bounds_every_extra_at_the_tested_range():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        requirements += extra
+    declared = {}
+    for req in requirements:
+        m = re.match(r"^([A-Za-z0-9_.-]+)(.*)$", req)
+        declared.setdefault(m.group(1).lower(), set()).add(m.group(2).replace(" ", ""))
+    for dist, (low, high) in TESTED.items():
+        assert dist in declared, f"{dist} is tested but no extra declares it"
+        for spec in declared[dist]:
+            assert f">={low}" in spec, f"pyproject: {dist}{spec} should admit {low} as its lowest version"
+    minor = ".".join(TESTED["transformers"][1].split(".")[:2])
+    upper = f"<{minor.split('.')[0]}.{int(minor.split('.')[1]) + 1}"
+    assert all(upper in spec for spec in declared["transformers"]), \
+        f"transformers should be capped below its next minor release ({upper}): its minor releases change internals"
+
+
+def test_the_installed_zoos_are_inside_the_tested_range():
+    for dist in TESTED:
+        assert check_version.__wrapped__(dist), f"{dist} {versions.installed_version(dist)} is outside {TESTED[dist]}"
+
+
+@pytest.mark.parametrize("version, side", [("99.0.0", "newer than the newest"), ("0.0.1", "older than the oldest")])
+def test_a_version_outside_the_range_warns_once_naming_the_range(version, side):
+    low, high = TESTED["transformers"]
+    with pytest.warns(UntestedVersionWarning, match=rf"transformers {re.escape(version)} is {side} release .*"
+                                                    rf"\({re.escape(low)} to {re.escape(high)}\)"):
+        assert not check_version("transformers", version)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_version("transformers", version)  # once per version: the second call is silent
+    assert check_version("transformers", high)
+    assert check_version("torch", "2.15.0+cu132")  # a local build tag is the release it was built from
+
+
+def test_every_transformers_internal_holds_under_the_installed_release():
+    pytest.importorskip("transformers")
+    from pid_plugins.hf import internals
+
+    for internal in internals.INTERNALS:
+        assert internal.check(), internal.name
+
+
+@pytest.fixture
+def fresh_checks():
+    versions._holds.cache_clear()
+    yield
+    versions._holds.cache_clear()
+
+
+def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeypatch, fresh_checks):
+    """A release whose StaticLayer no longer keeps ``cumulative_length`` as a tensor: the method model's forward with a
+    static cache stops with the message, where it would otherwise read the wrong rows of the value buffer."""
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+    from transformers import cache_utils
+
+    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
+    original = cache_utils.StaticLayer.__init__
+
+    def changed(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.cumulative_length = 0  # what a release might keep instead
+
+    monkeypatch.setattr(cache_utils.StaticLayer, "__init__", changed)
+    low, high = TESTED["transformers"]
+    version = versions.installed_version("transformers")
+    with pytest.raises(InternalChanged, match=rf"transformers {re.escape(version)} changed an internal pid-plugins reads: "
+                                              rf"StaticLayer.cumulative_length.*tested with transformers "
+                                              rf"{re.escape(low)} to {re.escape(high)}"):
+        with torch.no_grad():
+            model(torch.tensor([[3, 4, 5]]), past_key_values=T.StaticCache(config=config, max_cache_len=8),
+                  use_cache=True)
+
+
+def test_a_cache_under_an_unknown_keyword_is_refused(monkeypatch, fresh_checks):
+    """A release that passes the cache under a new keyword (as 5.24 did with ``cache``): refused, never run without
+    the method seeing the cache."""
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+    from pid_plugins.hf import internals
+
+    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
+    with pytest.raises(InternalChanged, match=r"the forward keyword carrying the KV cache .*got the cache as kv_cache="):
+        model.model(torch.tensor([[3, 4, 5]]), kv_cache=T.DynamicCache(config=config))
+    # and the keyword list itself: a release whose models name neither keyword is refused at discovery
+    monkeypatch.setattr(internals, "CACHE_KEYWORDS", ("a_keyword_no_release_uses",))
+    versions._holds.cache_clear()  # checked once per process: as in a process started under that release
+    with pytest.raises(InternalChanged, match=r"the forward keyword carrying the KV cache"):
+        T.LlamaForCausalLM._from_config(config, attn_implementation="pid")
+
+
+def test_a_changed_loader_internal_stops_the_import(monkeypatch, fresh_checks):
+    """What ``import pid_plugins.hf`` changes in transformers relies on three internals: a release without them
+    stops the import with the message (no half-installed adapter)."""
+    pytest.importorskip("transformers")
+    from transformers import PreTrainedModel
+
+    from pid_plugins.hf import install, internals
+
+    monkeypatch.setattr(install, "_INSTALLED", [False])
+    monkeypatch.delattr(PreTrainedModel, "_initialize_weights")
+    with pytest.raises(InternalChanged, match=r"PreTrainedModel._initialize_weights"):
+        install.install()
+    assert not install._INSTALLED[0]
+    assert internals.INITIALIZE_WEIGHTS in internals.INTERNALS
