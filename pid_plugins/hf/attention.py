@@ -264,8 +264,8 @@ def _slot(run: MethodForwardState, module: nn.Module, q_len: int, k_len: int) ->
             raise ValueError(
                 f"attention method {run.method.name!r} keeps a tensor per past position beside the KV cache, but this "
                 "forward got the cached keys without the cache object (a cache the model made inside a forward the "
-                "method did not see): pass past_key_values=DynamicCache(config=model.config) to the first forward, as "
-                "generate() does"
+                "method did not see): pass DynamicCache(config=model.config) to the first forward (cache= from "
+                "transformers 5.24, past_key_values= before), as generate() does"
             )
         return None
     layer_idx = getattr(module, "layer_idx", None)
