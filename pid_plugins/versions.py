@@ -1,6 +1,6 @@
 """The zoo versions pid-plugins is tested with, and the guard on the zoo internals its adapters read.
 
-Two promises, one module (standard library only, so ``import pid_plugins`` still needs only torch):
+Two promises, one module (standard library and torch only):
 
 * :data:`TESTED`: for torch and every zoo, the lowest and the newest release the whole test suite runs under
   (``make test`` pins the newest in ``constraints.txt``, ``make test-compat`` the lowest in
@@ -21,6 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Callable, Dict, Optional, Tuple
+
+import torch
 
 __all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "check_version", "installed_version"]
 
@@ -100,7 +102,11 @@ class Internal:
     check: Callable[[], bool] = field(repr=False, compare=False)
 
     def require(self) -> None:
-        """Raise :class:`InternalChanged` if the internal no longer looks as expected (checked once per process)."""
+        """Raise :class:`InternalChanged` if the internal no longer looks as expected (checked once per process).
+        Inside a ``torch.compile`` trace it does nothing: adapters require every internal a forward reads when they
+        discover the model (eager), so the compiled graph holds no check."""
+        if torch.compiler.is_compiling():
+            return
         if not _holds(self):
             raise InternalChanged(self.message())
 

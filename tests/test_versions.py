@@ -88,15 +88,16 @@ def fresh_checks():
 
 
 def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeypatch, fresh_checks):
-    """A release whose StaticLayer no longer keeps ``cumulative_length`` as a tensor: the method model's forward with a
-    static cache stops with the message, where it would otherwise read the wrong rows of the value buffer."""
+    """A release whose StaticLayer no longer keeps ``cumulative_length`` as a tensor: a method decoder is refused when
+    it is built (discovery checks what its forwards will read), where it would otherwise read the wrong rows of the
+    value buffer; and a model built before the change stops at its first static-cache forward."""
     T = pytest.importorskip("transformers")
     import pid_plugins.hf  # noqa: F401
     from transformers import cache_utils
 
     config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2)
-    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
+    built = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
     original = cache_utils.StaticLayer.__init__
 
     def changed(self, *args, **kwargs):
@@ -104,13 +105,16 @@ def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeyp
         self.cumulative_length = 0  # what a release might keep instead
 
     monkeypatch.setattr(cache_utils.StaticLayer, "__init__", changed)
+    versions._holds.cache_clear()  # checked once per process: as in a process started under that release
     low, high = TESTED["transformers"]
     version = versions.installed_version("transformers")
-    with pytest.raises(InternalChanged, match=rf"transformers {re.escape(version)} changed an internal pid-plugins reads: "
-                                              rf"StaticLayer.cumulative_length.*tested with transformers "
-                                              rf"{re.escape(low)} to {re.escape(high)}"):
+    message = (rf"transformers {re.escape(version)} changed an internal pid-plugins reads: "
+               rf"StaticLayer.cumulative_length.*tested with transformers {re.escape(low)} to {re.escape(high)}")
+    with pytest.raises(InternalChanged, match=message):
+        T.LlamaForCausalLM._from_config(config, attn_implementation="pid")
+    with pytest.raises(InternalChanged, match=message):
         with torch.no_grad():
-            model(torch.tensor([[3, 4, 5]]), past_key_values=T.StaticCache(config=config, max_cache_len=8),
+            built(torch.tensor([[3, 4, 5]]), past_key_values=T.StaticCache(config=config, max_cache_len=8),
                   use_cache=True)
 
 

@@ -38,7 +38,9 @@ from . import gains as learned_gains
 from .attention import EARLIER, ROLE, MethodForwardState
 from .cache import new_cache, static_past
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
-from .internals import CACHE_KEYWORD, CHECKPOINTING, INTERFACE_SOURCE, cache_keywords, unknown_cache
+from .internals import (
+    CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, cache_keywords, unknown_cache,
+)
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
 from ..versions import InternalChanged
 
@@ -200,8 +202,10 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     params = inspect.signature(type(model).forward).parameters
     names = [n for n in params if n != "self"]
     keywords = cache_keywords(type(model).forward)
-    if causal:  # a decoder reads its cache: the keyword it comes under must be one the adapter knows
-        CACHE_KEYWORD.require()
+    if causal:  # a decoder reads its cache: the keyword it comes under, and the cache layers, as the adapter knows them
+        for internal in (CACHE_KEYWORD, CACHE_LAYERS, STATIC_LAYER):
+            internal.require()
+    CHECKPOINTING.require()
     if order and not _takes_kwargs(type(model)):
         raise ValueError(_no_kwargs_message(_chosen(model), model))
     persist(model.config)
