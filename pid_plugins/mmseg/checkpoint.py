@@ -203,8 +203,9 @@ class WeightsOnlyCheckpointHook(Hook):
         if cfg is not None and model is not None:
             check_custom_keys(cfg.get("optim_wrapper"), model)
         if self._scope is None:
-            self._scope = weights_only_schemes()
-            self._scope.__enter__()
+            scope = weights_only_schemes()
+            scope.__enter__()  # refused (InternalChanged) before mmengine's table changes: no scope is kept
+            self._scope = scope
 
     def after_run(self, runner: Any) -> None:
         if self._scope is not None:
