@@ -1,5 +1,5 @@
-"""Every fairseq internal the adapter reads (and the one Python internal its compatibility hook relies on), in one place:
-what, why, which versions, and the check that runs where the adapter first uses it
+"""Every fairseq internal the adapter reads (and the one Python internal its compatibility hook relies on), in one
+place: what, why, which versions, and the check that runs where the adapter first uses it
 (:meth:`pid_plugins.versions.Internal.require`).
 
 fairseq's public extension points carry most of the adapter: ``--user-dir``, ``register_model`` /
@@ -81,9 +81,9 @@ def _checkpoint_torch() -> bool:
 
     from fairseq import checkpoint_utils
 
-    source = squashed(checkpoint_utils)
+    source, load = squashed(checkpoint_utils), squashed(checkpoint_utils.load_checkpoint_to_cpu)
     return (isinstance(checkpoint_utils.torch, types.ModuleType) and checkpoint_utils.torch.__name__ == "torch"
-            and "state=torch.load(f,map_location=torch.device('cpu'))" in squashed(checkpoint_utils.load_checkpoint_to_cpu)
+            and "state=torch.load(f,map_location=torch.device('cpu'))" in load
             and "fromtorchimport" not in source and "serialization.load(" not in source)
 
 
@@ -122,9 +122,9 @@ def _input_buffer() -> bool:
 #: what fairseq's ``TransformerDecoderLayerBase.forward`` reads: the method layer computes it again
 DECODER_LAYER_READS = frozenset({
     "activation_dropout_module", "activation_fn", "attn_ln", "c_attn", "cross_self_attention", "dropout_module",
-    "embed_dim", "encoder_attn", "encoder_attn_layer_norm", "fc1", "fc2", "ffn_layernorm", "final_layer_norm", "head_dim",
-    "need_attn", "nh", "normalize_before", "onnx_trace", "residual_connection", "self_attn", "self_attn_layer_norm",
-    "training", "w_resid"})
+    "embed_dim", "encoder_attn", "encoder_attn_layer_norm", "fc1", "fc2", "ffn_layernorm", "final_layer_norm",
+    "head_dim", "need_attn", "nh", "normalize_before", "onnx_trace", "residual_connection", "self_attn",
+    "self_attn_layer_norm", "training", "w_resid"})
 DECODER_LAYER_PARAMETERS = ["self", "x", "encoder_out", "encoder_padding_mask", "incremental_state",
                             "prev_self_attn_state", "prev_attn_state", "self_attn_mask", "self_attn_padding_mask",
                             "need_attn", "need_head_weights"]

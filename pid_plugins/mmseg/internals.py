@@ -60,7 +60,8 @@ def _mmseg_vit() -> bool:
 
     resize = inspect.getattr_static(VisionTransformer, "resize_pos_embed")
     init = squashed(VisionTransformer.init_weights)
-    return (parameters(VisionTransformer.forward) == ["self", "inputs"] and reads(VisionTransformer.forward) == VIT_READS
+    return (parameters(VisionTransformer.forward) == ["self", "inputs"]
+            and reads(VisionTransformer.forward) == VIT_READS
             and "x,hw_shape=self.patch_embed(inputs)" in squashed(VisionTransformer.forward)
             and parameters(VisionTransformer._pos_embeding) == ["self", "patched_img", "hw_shape", "pos_embed"]
             and isinstance(resize, staticmethod)
@@ -155,7 +156,8 @@ def _history_buffer() -> bool:
 
     source = squashed(HistoryBuffer._set_default_statistics)
     found = set(re.findall(r"self\._statistics_methods\.setdefault\('(\w+)',HistoryBuffer\.(\w+)\)", source))
-    return found == {(name, name) for name in STATISTICS} and all(callable(getattr(HistoryBuffer, n)) for n in STATISTICS)
+    return (found == {(name, name) for name in STATISTICS}
+            and all(callable(getattr(HistoryBuffer, name)) for name in STATISTICS))
 
 
 # ------------------------------------------------------------------------------------------------- the internals
@@ -183,7 +185,8 @@ BASE_MODULE = Internal(
     "a PIDTransformerEncoderLayer built from one of mmseg's layers keeps its initialisation state", "0.10.7",
     _base_module)
 SEGMENTER_HEAD = Internal(
-    MMSEG, "mmseg SegmenterMaskTransformerHead.forward (the attributes it reads) and its TransformerEncoderLayer layers",
+    MMSEG, "mmseg SegmenterMaskTransformerHead.forward (the attributes it reads) and its TransformerEncoderLayer "
+    "layers",
     "PIDSegmenterMaskTransformerHead computes mmseg's head again with the method's state threaded through the layers",
     "1.2.2", _segmenter_head)
 CHECKPOINT_SCHEMES = Internal(

@@ -50,7 +50,8 @@ def _attn_layers() -> bool:
 def _create_attn() -> bool:
     from timm.models.vision_transformer import Block, _create_attn
 
-    return ("attn_layer" in parameters(Block.__init__) and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"]
+    return ("attn_layer" in parameters(Block.__init__)
+            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"]
             and "self.attn=_create_attn(attn_layer," in squashed(Block.__init__)
             and "isinstance(attn_layer,str)" in squashed(_create_attn))
 
@@ -125,7 +126,7 @@ def _pretrained_source() -> bool:
     fields = set(PretrainedCfg.__dataclass_fields__)
     return (parameters(resolve_pretrained_cfg)[:3] == ["variant", "pretrained_cfg", "pretrained_cfg_overlay"]
             and {"file", "state_dict", "url", "hf_hub_id", "source"} <= fields
-            and _resolve_pretrained_source({"state_dict": {"w": 0}, "file": "a.pth", "url": "http://x"})[0] == "state_dict"
+            and _resolve_pretrained_source({"state_dict": {"w": 0}, "file": "a.pth"})[0] == "state_dict"
             and _resolve_pretrained_source({"file": "a.pth", "url": "http://x"}) == ("file", "a.pth"))
 
 
