@@ -20,6 +20,7 @@ the standard library untouched. Kept free of imports beyond the standard library
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import sys
 import sysconfig
@@ -31,13 +32,40 @@ def _in_scope(module: str) -> bool:
     return module.startswith(SCOPE) or module in ("fairseq", "fairseq_cli", "hydra")
 
 
+def python_get_field():
+    """Python's own ``dataclasses._get_field`` (the one under the hook once it is installed), or None."""
+    current = getattr(dataclasses, "_get_field", None)
+    if getattr(current, "_pid_plugins_compat", False) and not hasattr(current, "_pid_plugins_original"):
+        # the hook of an earlier pid-plugins (started from its .pth): Python's function is the one it closed over
+        cells = dict(zip(current.__code__.co_freevars, current.__closure__ or ()))
+        return cells["original"].cell_contents if "original" in cells else current
+    return getattr(current, "_pid_plugins_original", current)
+
+
+def target_holds(read_source: bool = True) -> bool:
+    """Whether ``dataclasses._get_field`` still looks as the hook expects (Python 3.11 - 3.13): called as
+    ``(cls, a_name, a_type, ...)`` and, with ``read_source``, refusing a default whose class is unhashable (the rule
+    the hook relaxes). ``pid_plugins.fairseq`` checks both (:data:`pid_plugins.fairseq.internals.DATACLASS_FIELD`);
+    :func:`install` (also run at interpreter start) checks the signature only, and installs nothing otherwise."""
+    original = python_get_field()
+    try:
+        if list(inspect.signature(original).parameters)[:3] != ["cls", "a_name", "a_type"]:
+            return False
+        return not read_source or "__class__.__hash__ is None" in inspect.getsource(original)
+    except (TypeError, ValueError, OSError):  # not a Python function any more, or no source
+        return False
+
+
 def install() -> bool:
-    """Install the hook (idempotent). Returns True if it is active."""
+    """Install the hook (idempotent). Returns True if it is active; False on Python < 3.11, or when
+    ``dataclasses._get_field`` no longer looks as the hook expects (then nothing is installed)."""
     if sys.version_info < (3, 11):
         return False
-    original = dataclasses._get_field
+    original = getattr(dataclasses, "_get_field", None)
     if getattr(original, "_pid_plugins_compat", False):
         return True
+    if not target_holds(read_source=False):
+        return False
 
     def _get_field(cls, a_name, a_type, *args, **kwargs):
         if _in_scope(getattr(cls, "__module__", "")):
@@ -51,6 +79,7 @@ def install() -> bool:
         return original(cls, a_name, a_type, *args, **kwargs)
 
     _get_field._pid_plugins_compat = True
+    _get_field._pid_plugins_original = original
     dataclasses._get_field = _get_field
     return True
 

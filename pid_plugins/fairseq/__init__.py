@@ -32,9 +32,14 @@ Import-time changes to third-party modules (each needed for fairseq 0.12.2 to ru
   ``register_model`` / ``register_model_architecture``).
 """
 import os
+import sys
 
 import pid_plugins_fairseq_compat
 
+from .internals import DATACLASS_FIELD, NUMPY_COMPAT  # (imports no zoo)
+
+if sys.version_info >= (3, 11):
+    DATACLASS_FIELD.require()  # what the hook wraps
 pid_plugins_fairseq_compat.install()
 
 try:
@@ -58,6 +63,7 @@ def _numpy_compat_long() -> None:
     import numpy
 
     if not hasattr(numpy, "compat"):
+        NUMPY_COMPAT.require()  # the one name fairseq reads
         numpy.compat = types.SimpleNamespace(long=int)
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..core import MethodChoice, method_warmup, resolve_attention
 from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, settle_submodule, strip_attributes
+from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 from .layers import (
     PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, self_attentions,
 )
@@ -79,6 +80,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     else:
         models = [model]
     choice = resolve_attention(attention, attention_cfg, zoo="fairseq", where=_WHERE)
+    require(DECODER, DECODER_LAYER, *ATTENTION, PARAM_GROUP)  # what the method classes compute again
     for lm in models:
         _check(lm, choice)
     for lm in models:

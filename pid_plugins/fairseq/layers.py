@@ -31,6 +31,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
 from ..core.layer import MethodLayer, MethodModel, number_layers, rename_legacy_keys
+from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 
 __all__ = ["GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
@@ -56,6 +57,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
 
     def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
                  **kwargs: Any) -> None:
+        require(*ATTENTION)
         super().__init__(*args, **kwargs)
         self.set_attention(MethodChoice(method, config) if method is not None else None)
 
@@ -75,6 +77,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
     def _tag_learned(self) -> None:
         learned = self.__dict__.get("_modules", {}).get("attention_params")
         if learned is not None:
+            PARAM_GROUP.require()
             for parameter in learned.parameters():
                 parameter.param_group = GAIN_PARAM_GROUP
 
@@ -178,6 +181,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
 
     def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
                  add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
+        require(DECODER_LAYER, *ATTENTION)
         # read by build_self_attention, which the base __init__ calls
         self._attention_choice = (method, config)
         super().__init__(cfg, no_encoder_attn=no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
@@ -262,6 +266,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
 
     def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
+        require(DECODER, DECODER_LAYER, *ATTENTION)
         method, config = choice if choice is not None else (None, None)
         # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
         self.attention_method, self.attention_config = method, config

@@ -45,6 +45,7 @@ from mmengine.runner import checkpoint as mm_checkpoint
 from mmseg.registry import HOOKS
 
 from ..core.checkpoint import UnsafeCheckpointError, load_weights_only, weights_only
+from .internals import CHECKPOINT_HELPERS, CHECKPOINT_SCHEMES, CHECKPOINTS, require
 
 __all__ = ["load_checkpoint", "weights_only_schemes", "WeightsOnlyCheckpointHook", "install",
            "history_buffer_method", "SAFE_GLOBALS", "UnsafeCheckpointError"]
@@ -152,6 +153,7 @@ _SCHEMES: List[Tuple[Union[str, Tuple[str, ...]], Callable[..., Any]]] = [
 
 def load_checkpoint(filename: str, map_location: Any = None) -> Any:
     """Load a checkpoint by path or URL (mmengine's schemes) with ``weights_only=True``, always."""
+    require(*CHECKPOINTS)
     for prefixes, loader in _SCHEMES:
         for prefix in (prefixes,) if isinstance(prefixes, str) else prefixes:
             if prefix and re.match(prefix, filename):
@@ -166,6 +168,7 @@ _SCOPE_LOCK = threading.RLock()
 def weights_only_schemes() -> Iterator[None]:
     """Inside: every mmengine ``CheckpointLoader`` scheme loads with :func:`load_checkpoint` (weights only).
     After: mmengine's table is what it was before, exactly."""
+    require(CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS)
     loader_class = mm_checkpoint.CheckpointLoader
     with _SCOPE_LOCK:
         # mmengine's table (prefix -> loader, a class attribute): register_scheme mutates it and then rebinds a
@@ -200,8 +203,9 @@ class WeightsOnlyCheckpointHook(Hook):
         if cfg is not None and model is not None:
             check_custom_keys(cfg.get("optim_wrapper"), model)
         if self._scope is None:
-            self._scope = weights_only_schemes()
-            self._scope.__enter__()
+            scope = weights_only_schemes()
+            scope.__enter__()  # refused (InternalChanged) before mmengine's table changes: no scope is kept
+            self._scope = scope
 
     def after_run(self, runner: Any) -> None:
         if self._scope is not None:
@@ -213,6 +217,7 @@ def install() -> None:
     """Opt-in, process-wide: every mmengine checkpoint scheme loads weights only from now on, and mmengine's
     checkpoint classes are allow-listed for every ``torch.load(weights_only=True)`` of the process. Nothing calls
     this for you (the shipped configs use :class:`WeightsOnlyCheckpointHook`)."""
+    require(*CHECKPOINTS)
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
     for prefixes, loader in _SCHEMES:
         mm_checkpoint.CheckpointLoader.register_scheme(prefixes, loader=loader, force=True)

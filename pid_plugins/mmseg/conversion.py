@@ -33,6 +33,7 @@ from mmseg.models.segmentors import BaseSegmentor
 from ..core import MethodChoice, method_warmup
 from ..core.layer import MODEL_ATTRIBUTES, settle_submodule, strip_attributes
 from .head import PIDSegmenterMaskTransformerHead
+from .internals import BACKBONE, HEAD, require
 from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, choose_attention, method_layers
 
 __all__ = ["convert"]
@@ -74,6 +75,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
     choice = choose_attention(attention, attention_cfg, pid, where)
     parts = _parts(model)
     for name, part in parts:
+        require(*(BACKBONE if isinstance(part, VisionTransformer) else HEAD))  # what the method classes compute again
         _check_layers(part, name)
         if choice is not None:  # refused for non-additive methods with warm-up (mmseg warms up stock + term)
             method_warmup(choice, None, None, stock_plus_term=True, where=f"{where}: {name}")

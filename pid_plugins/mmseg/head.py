@@ -13,6 +13,7 @@ from ..core.layer import MethodModel
 from ..core import (
     SOFTMAX,
 )
+from .internals import HEAD, require
 from .vit import choose_attention, method_layers
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
@@ -36,6 +37,7 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
 
     def __init__(self, *args: Any, attention: str = SOFTMAX, pid: Any = None, attention_cfg: Any = None,
                  **kwargs: Any) -> None:
+        require(*HEAD)
         super().__init__(*args, **kwargs)
         where = "mmseg decode_head PIDSegmenterMaskTransformerHead"
         choice = choose_attention(attention, attention_cfg, pid, where)

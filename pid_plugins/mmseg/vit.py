@@ -30,6 +30,7 @@ from ..core.layer import (
     LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, rename_legacy_keys, settle_submodule, strip_attributes,
 )
 from .checkpoint import load_checkpoint
+from .internals import BACKBONE, BASE_MODULE, LAYERS, require
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
            "method_layers", "initial_learned_state"]
@@ -50,6 +51,7 @@ def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for learnable parameters,
     a fresh ``attention_params`` module (initial values, on the layer's device, dtype and train/eval mode) and its
     position in ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
+    require(*LAYERS)
     stock = choice is None or choice.method.is_identity(choice.config)
     for layer in layers:
         if stock:
@@ -62,6 +64,7 @@ def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
 
 def to_method_layer(layer: TransformerEncoderLayer, choice: MethodChoice) -> None:
     """One of mmseg's layers (or a method layer) -> :class:`PIDTransformerEncoderLayer` with ``choice``, in place."""
+    require(*LAYERS)
     if type(layer) is TransformerEncoderLayer:
         layer.__class__ = PIDTransformerEncoderLayer
     layer.set_attention(choice, layer.attn.attn.in_proj_weight)
@@ -88,6 +91,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
     """
 
     def __init__(self, layer: TransformerEncoderLayer, method: AttentionMethod, config: Any) -> None:
+        require(*LAYERS, BASE_MODULE)
         # BaseModule's, not TransformerEncoderLayer's __init__: that one would build (and draw) new submodules
         BaseModule.__init__(self, init_cfg=layer.init_cfg)
         self._is_init = layer._is_init
@@ -225,6 +229,7 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     def __init__(self, *args: Any, attention: str = "pid", pid: Any = None, attention_cfg: Any = None,
                  lambda_p: Optional[float] = None, lambda_i: Optional[float] = None, lambda_d: Optional[float] = None,
                  beta: Optional[float] = None, **kwargs: Any) -> None:
+        require(*BACKBONE)
         super().__init__(*args, **kwargs)
         where = "mmseg backbone PIDVisionTransformer"
         single = {k: v for k, v in dict(lambda_p=lambda_p, lambda_i=lambda_i, lambda_d=lambda_d, beta=beta).items()

@@ -11,24 +11,28 @@ import torch
 from torch import Tensor, nn
 from timm.layers import register_notrace_function
 from timm.models import generate_default_cfgs, register_model
-from timm.models._builder import resolve_pretrained_cfg
-from timm.models._manipulate import checkpoint
 
-from ..catalogue import ModelEntry, load_catalogue
-from ..core import (
+from .internals import ATTN_LAYERS, CHECKPOINT, CLASSIFIER_DROP, DEFAULT_CFGS, PRETRAINED_SOURCE
+
+CHECKPOINT.require()  # a private module of timm, read from here on
+from timm.models._manipulate import checkpoint  # noqa: E402
+
+from ..catalogue import ModelEntry, load_catalogue  # noqa: E402
+from ..core import (  # noqa: E402
     AttentionContext, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
 )
-from ..core.layer import MethodLayer as CoreMethodLayer
-from ..core.layer import rename_legacy_keys
-from ..core.methods import method_check, method_update
+from ..core.layer import MethodLayer as CoreMethodLayer  # noqa: E402
+from ..core.layer import rename_legacy_keys  # noqa: E402
+from ..core.methods import method_check, method_update  # noqa: E402
 
 
 def _timm_names() -> Dict[str, str]:
     """timm's own names of ViT attention layers (``attn_layer='diff'``, ...), which ``attention=`` must not shadow."""
     from timm.models import vision_transformer
 
+    ATTN_LAYERS.require()
     return {name: f"its attn_layer={name!r} (timm.models.vision_transformer.ATTN_LAYERS)"
-            for name in getattr(vision_transformer, "ATTN_LAYERS", {}) if name}
+            for name in vision_transformer.ATTN_LAYERS if name}
 
 
 reserve_names("timm", _timm_names)
@@ -121,6 +125,10 @@ def run_blocks(
 
 def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> None:
     """Refuse ``pretrained=True`` unless a local file (or an in-memory state_dict) is given."""
+    PRETRAINED_SOURCE.require()
+    CLASSIFIER_DROP.require()  # read when the checkpoint's keys are checked (finish_state_dict)
+    from timm.models._builder import resolve_pretrained_cfg
+
     cfg = resolve_pretrained_cfg(
         name, pretrained_cfg=kwargs.get("pretrained_cfg"), pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
     )
@@ -160,6 +168,7 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
     Classifier keys that timm's ``load_pretrained`` is about to drop (the model's ``num_classes`` differs
     from the pretrained cfg's) are not counted: the new head keeps its fresh initialisation, as in timm.
     """
+    CLASSIFIER_DROP.require()
     rename_legacy_keys(out, model)
     expected = model.state_dict()
     for name, value in expected.items():
@@ -195,6 +204,7 @@ def register_entries(
     """
     import sys
 
+    DEFAULT_CFGS.require()
     entries = list(entries)
     names = [(e, e.name, "pid") for e in entries] + ([(e, e.base, "softmax") for e in entries] if with_base else [])
     module = sys.modules[module_name]

@@ -31,6 +31,7 @@ from ..core import MethodChoice
 from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, settle_submodule, strip_attributes
 from ._helpers import resolve_timm_attention
 from .fan import FAN
+from .internals import FAN as FAN_INTERNALS, VIT, require
 from .vision_transformer import (
     PIDAttention, PIDBlock, PIDVisionTransformer, PIDVisionTransformerDistilled, _PIDViTMixin,
 )
@@ -89,7 +90,9 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
 def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     """Refuse what cannot be converted, before anything changes."""
     kind = type(model)
-    if kind not in _VIT_CLASSES:
+    if kind in _VIT_CLASSES:
+        require(*VIT)  # what the method classes compute again
+    else:
         hint = ("; convert the model before torch.compile" if hasattr(model, "_orig_mod")
                 else "; for other architectures build the model by name (pid_plugins.list_models(zoo='timm'))")
         raise TypeError(
@@ -138,6 +141,7 @@ def _to_stock(model: nn.Module) -> None:
 # ------------------------------------------------------------------------------------------------------- FAN
 def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     """FAN keeps its class: every FAN block's token mixing and the model switch to ``choice`` (None: softmax)."""
+    require(*FAN_INTERNALS)
     for blk in model.blocks:
         blk.attn.set_attention(choice, blk.attn.q.weight)
         settle_submodule(blk.attn, "attention_params")

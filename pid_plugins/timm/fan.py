@@ -29,17 +29,21 @@ from torch import Tensor, nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, get_act_layer, get_norm_layer, trunc_normal_, use_fused_attn
 from timm.models import build_model_with_cfg
-from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint
 from timm.models.xcit import LPI, ClassAttentionBlock, ConvPatchEmbed, PositionalEncodingFourier
 from timm.models.xcit import checkpoint_filter_fn as _xcit_checkpoint_filter_fn
 
-from ..catalogue import ModelEntry
-from ..core.layer import MethodModel, number_layers
-from ..core import (
+from .internals import BUILD_MODEL_WITH_CFG, CHECKPOINT, FAN as FAN_INTERNALS, FEATURE_TAKE_INDICES, XCIT, require
+
+require(FEATURE_TAKE_INDICES, CHECKPOINT)  # private modules of timm, read from here on
+from timm.models._features import feature_take_indices  # noqa: E402
+from timm.models._manipulate import checkpoint  # noqa: E402
+
+from ..catalogue import ModelEntry  # noqa: E402
+from ..core.layer import MethodModel, number_layers  # noqa: E402
+from ..core import (  # noqa: E402
     MethodChoice, unwrap_state_dict,
 )
-from ._helpers import (
+from ._helpers import (  # noqa: E402
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     register_entries, resolve_timm_attention, run_blocks, state_outputs,
 )
@@ -225,6 +229,7 @@ class FAN(MethodModel, nn.Module):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
+        require(*FAN_INTERNALS)
         super().__init__()
         dd = dict(device=device, dtype=dtype)
         if global_pool not in ("", "avg", "token"):
@@ -392,6 +397,7 @@ class FAN(MethodModel, nn.Module):
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: FAN) -> Dict[str, Tensor]:
     """Load an official (or our own) FAN checkpoint: unwrap, rename ``pos_embeder``, split fused ``qkv``."""
+    XCIT.require()
     out = unwrap_state_dict(state_dict, "FAN checkpoint")
     out = _xcit_checkpoint_filter_fn(out, model)
     return finish_state_dict(
@@ -401,6 +407,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: FAN) -> Dict[str, Te
 
 
 def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any) -> FAN:
+    require(BUILD_MODEL_WITH_CFG, *FAN_INTERNALS)
     choice = entry_choice(entry, default_attention, kwargs, name)
     if pretrained:
         check_pretrained_source(name, entry.base, kwargs)

@@ -21,17 +21,24 @@ from torch import Tensor, nn
 
 from timm.layers import Attention, maybe_add_mask, resolve_self_attn_mask
 from timm.models import build_model_with_cfg, get_pretrained_cfg
-from timm.models._features import feature_take_indices
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
-from ..catalogue import ModelEntry
-from ..core.layer import MethodModel, number_layers
-from ..core import (
+from .internals import (
+    ATTENTION_FORWARD, BLOCK_FORWARD, BUILD_MODEL_WITH_CFG, CREATE_ATTN, FEATURE_TAKE_INDICES, VIT,
+    VIT_CHECKPOINT_FILTER, require,
+)
+
+FEATURE_TAKE_INDICES.require()  # a private module of timm, read from here on
+from timm.models._features import feature_take_indices  # noqa: E402
+
+from ..catalogue import ModelEntry  # noqa: E402
+from ..core.layer import MethodModel, number_layers  # noqa: E402
+from ..core import (  # noqa: E402
     MethodChoice,
 )
-from ._helpers import (
+from ._helpers import (  # noqa: E402
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     register_entries, resolve_timm_attention, run_blocks, state_outputs,
 )
@@ -50,6 +57,7 @@ class PIDAttention(MethodLayer, Attention):
     """
 
     def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
+        ATTENTION_FORWARD.require()
         super().__init__(*args, **kwargs)
         self.set_attention(choice, self.qkv.weight)
 
@@ -95,6 +103,7 @@ class PIDBlock(Block):
     attn: PIDAttention
 
     def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
+        require(CREATE_ATTN, BLOCK_FORWARD)
         kwargs["attn_layer"] = PIDAttention
         super().__init__(*args, **kwargs)
         self.attn.set_attention(choice, self.attn.qkv.weight)
@@ -134,6 +143,7 @@ class _PIDViTMixin(MethodModel):
 
     def __init__(self, *args: Any, pid: Any = None, attention: str = "pid", attention_cfg: Any = None,
                  **kwargs: Any) -> None:
+        require(*VIT)
         choice = resolve_timm_attention(attention, attention_cfg, pid, where=type(self).__name__)
         block_fn = kwargs.pop("block_fn", None)
         if block_fn not in (None, Block, PIDBlock):
@@ -254,6 +264,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer
     the checkpoint does not have (a softmax checkpoint) from the model's initial values, and raises a
     ``ValueError`` listing missing and unexpected keys otherwise.
     """
+    VIT_CHECKPOINT_FILTER.require()
     out = _vit_checkpoint_filter_fn(state_dict, model, **kwargs)
     return finish_state_dict(
         out, model, "A softmax checkpoint of the same timm architecture (e.g. deit_tiny_patch16_224 for "
@@ -264,6 +275,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer
 def _create(
     entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any
 ) -> VisionTransformer:
+    require(BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, *VIT)
     choice = entry_choice(entry, default_attention, kwargs, name)
     if pretrained:
         check_pretrained_source(name, entry.base, kwargs)

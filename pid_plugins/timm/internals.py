@@ -1,0 +1,266 @@
+"""Every timm internal the adapter reads, in one place: what, why, which versions, and the check that runs where the
+adapter first uses it (:meth:`pid_plugins.versions.Internal.require`).
+
+timm's public extension points carry most of the adapter: ``register_model`` / ``generate_default_cfgs`` (the model
+names), ``build_model_with_cfg`` (building, pretrained loading, feature extraction), ``register_notrace_function``
+(fx leaves), the ``timm.layers`` building blocks, and the model classes' own hooks (``block_fn``, ``attn_layer``).
+What is left are timm's private modules (``timm.models._builder``, ``_manipulate``, ``_features``, ``_registry``) and
+the parts of timm's ``VisionTransformer`` / ``Block`` / ``Attention`` / XCiT code that the method classes compute
+again with the method's step in between: if a release changes one of these, the user gets
+:class:`~pid_plugins.versions.InternalChanged` naming the version and the tested range, never a different result.
+
+timm is imported inside the checks only (``import pid_plugins.timm`` imports it; this module alone does not).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, FrozenSet, List
+
+from ..versions import Internal
+
+__all__ = ["INTERNALS", "require_all"]
+
+ZOO = "timm"
+
+
+def reads(function: Any) -> FrozenSet[str]:
+    """The attributes ``function`` reads or calls on ``self`` (``self.<name>`` in its source)."""
+    return frozenset(re.findall(r"\bself\.(\w+)", inspect.getsource(function)))
+
+
+def parameters(function: Any) -> List[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def squashed(obj: Any) -> str:
+    """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
+    return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+def _attn_layers() -> bool:
+    from timm.layers import Attention
+    from timm.models import vision_transformer
+
+    layers = vision_transformer.ATTN_LAYERS
+    return isinstance(layers, dict) and all(isinstance(k, str) for k in layers) and layers.get("attn") is Attention
+
+
+def _create_attn() -> bool:
+    from timm.models.vision_transformer import Block, _create_attn
+
+    return ("attn_layer" in parameters(Block.__init__)
+            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"]
+            and "self.attn=_create_attn(attn_layer," in squashed(Block.__init__)
+            and "isinstance(attn_layer,str)" in squashed(_create_attn))
+
+
+#: what timm's ``Attention.forward`` reads on the layer: :class:`~pid_plugins.timm.PIDAttention` computes it again
+ATTENTION_READS = frozenset({"attn_dim", "attn_drop", "fused_attn", "gate", "head_dim", "k_norm", "norm", "num_heads",
+                             "proj", "proj_drop", "q_norm", "qkv", "scale", "training"})
+
+
+def _attention_forward() -> bool:
+    from timm.layers import Attention
+
+    source = squashed(Attention.forward)
+    return (parameters(Attention.forward) == ["self", "x", "attn_mask", "is_causal"]
+            and reads(Attention.forward) == ATTENTION_READS
+            and all(call in source for call in ("F.scaled_dot_product_attention(", "resolve_self_attn_mask(N,attn,",
+                                                "maybe_add_mask(attn,", "self.qkv(x).reshape(B,N,3,self.num_heads,")))
+
+
+#: what timm's ``Block.forward`` reads: :class:`~pid_plugins.timm.PIDBlock` computes it again
+BLOCK_READS = frozenset({"attn", "drop_path1", "drop_path2", "ls1", "ls2", "mlp", "norm1", "norm2"})
+
+
+def _block_forward() -> bool:
+    from timm.models.vision_transformer import Block
+
+    return parameters(Block.forward) == ["self", "x", "attn_mask", "is_causal"] and reads(Block.forward) == BLOCK_READS
+
+
+#: what ``VisionTransformer.forward_features`` / ``forward_intermediates`` read: the method ViT computes them again
+#: with the method's state threaded through the blocks
+VIT_FEATURES_READS = frozenset({"_pos_embed", "blocks", "grad_checkpointing", "norm", "norm_pre", "patch_drop",
+                                "patch_embed"})
+VIT_INTERMEDIATES_READS = VIT_FEATURES_READS | {"num_prefix_tokens"}
+VIT_INTERMEDIATES_PARAMETERS = ["self", "x", "indices", "return_prefix_tokens", "norm", "stop_early", "output_fmt",
+                                "intermediates_only", "output_dict", "attn_mask", "is_causal"]
+
+
+def _vit_forward() -> bool:
+    from timm.models.deit import VisionTransformerDistilled
+    from timm.models.vision_transformer import VisionTransformer
+
+    init = parameters(VisionTransformer.__init__)
+    return ("block_fn" in init and "attn_layer" in init
+            and parameters(VisionTransformer.forward_features) == ["self", "x", "attn_mask", "is_causal"]
+            and reads(VisionTransformer.forward_features) == VIT_FEATURES_READS
+            and parameters(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_PARAMETERS
+            and reads(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_READS
+            and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled)))
+
+
+def _feature_take_indices() -> bool:
+    from timm.models._features import feature_take_indices
+
+    return (parameters(feature_take_indices)[:2] == ["num_features", "indices"]
+            and feature_take_indices(3, None) == ([0, 1, 2], 2) and feature_take_indices(3, 1) == ([2], 2)
+            and feature_take_indices(3, [0, -2]) == ([0, 1], 1))
+
+
+def _checkpoint() -> bool:
+    from timm.models._manipulate import checkpoint
+
+    kinds = [(p.name, p.kind) for p in inspect.signature(checkpoint).parameters.values()]
+    return kinds == [("function", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("args", inspect.Parameter.VAR_POSITIONAL),
+                     ("use_reentrant", inspect.Parameter.KEYWORD_ONLY), ("kwargs", inspect.Parameter.VAR_KEYWORD)] \
+        and "torch.utils.checkpoint.checkpoint(function,*args," in squashed(checkpoint)
+
+
+def _pretrained_source() -> bool:
+    from timm.models._builder import PretrainedCfg, _resolve_pretrained_source, resolve_pretrained_cfg
+
+    fields = set(PretrainedCfg.__dataclass_fields__)
+    return (parameters(resolve_pretrained_cfg)[:3] == ["variant", "pretrained_cfg", "pretrained_cfg_overlay"]
+            and {"file", "state_dict", "url", "hf_hub_id", "source"} <= fields
+            and _resolve_pretrained_source({"state_dict": {"w": 0}, "file": "a.pth"})[0] == "state_dict"
+            and _resolve_pretrained_source({"file": "a.pth", "url": "http://x"}) == ("file", "a.pth"))
+
+
+def _classifier_drop() -> bool:
+    from timm.models._builder import load_pretrained
+
+    source = squashed(load_pretrained)
+    return ("classifiers=pretrained_cfg.get('classifier',None)" in source
+            and "ifnum_classes!=pretrained_cfg['num_classes']:" in source
+            and "state_dict.pop(classifier_name+'.weight',None)" in source)
+
+
+def _build_model_with_cfg() -> bool:
+    from timm.models import build_model_with_cfg
+
+    return ({"pretrained_filter_fn", "feature_cfg"} <= set(parameters(build_model_with_cfg))
+            and "feature_cls=='getter'" in squashed(build_model_with_cfg))
+
+
+def _vit_checkpoint_filter() -> bool:
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    return parameters(checkpoint_filter_fn)[:3] == ["state_dict", "model", "adapt_layer_scale"]
+
+
+def _xcit() -> bool:
+    import torch
+    from timm.models import xcit
+
+    for cls, args in ((xcit.ConvPatchEmbed, ("img_size", "patch_size", "in_chans", "embed_dim", "act_layer")),
+                      (xcit.PositionalEncodingFourier, ("dim",)), (xcit.LPI, ("in_features", "act_layer")),
+                      (xcit.ClassAttentionBlock, ("dim", "num_heads", "mlp_ratio", "qkv_bias", "proj_drop", "attn_drop",
+                                                  "act_layer", "norm_layer", "eta", "tokens_norm"))):
+        if not set(args) | {"device", "dtype"} <= set(parameters(cls.__init__)):
+            return False
+    if not ("returnx,(Hp,Wp)" in squashed(xcit.ConvPatchEmbed.forward)  # and proj[0][0] its first convolution:
+            and "self.proj=torch.nn.Sequential(conv3x3(in_chans," in squashed(xcit.ConvPatchEmbed.__init__)
+            and "returntorch.nn.Sequential(nn.Conv2d(" in squashed(xcit.conv3x3)
+            and parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
+            and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]):
+        return False
+
+    class Model:  # what the filter reads of the model: its position encoding, class-attention blocks, state_dict keys
+        pos_embed, cls_attn_blocks = object(), [None]
+
+        @staticmethod
+        def state_dict():
+            return {"cls_attn_blocks.0.attn.q.weight": None}
+
+    official = {"pos_embeder.token_projection.weight": torch.zeros(1),
+                "cls_attn_blocks.0.attn.qkv.weight": torch.arange(6.0).reshape(6, 1),
+                "cls_attn_blocks.0.attn.qkv.bias": torch.arange(6.0)}
+    out = xcit.checkpoint_filter_fn(official, Model())
+    return (set(out) == {"pos_embed.token_projection.weight"} | {f"cls_attn_blocks.0.attn.{p}.{t}" for p in "qkv"
+                                                                for t in ("weight", "bias")}
+            and out["cls_attn_blocks.0.attn.k.bias"].tolist() == [2.0, 3.0])
+
+
+def _default_cfgs() -> bool:
+    from timm.models import _registry
+
+    source = squashed(_registry.register_model)
+    return "mod=sys.modules[fn.__module__]" in source and "mod.default_cfgs[model_name]" in source
+
+
+# ------------------------------------------------------------------------------------------------- the internals
+ATTN_LAYERS = Internal(
+    ZOO, "timm.models.vision_transformer.ATTN_LAYERS (a dict of attn_layer names)",
+    "reserving timm's own attention layer names (attention= must not shadow attn_layer='diff')", "1.0.31",
+    _attn_layers)
+CREATE_ATTN = Internal(
+    ZOO, "Block(attn_layer=...) builds its attention with timm.models.vision_transformer._create_attn",
+    "PIDBlock: timm's Block with PIDAttention as its attention class (the same parameters, the same init order)",
+    "1.0.31", _create_attn)
+ATTENTION_FORWARD = Internal(
+    ZOO, "timm.layers.Attention.forward(x, attn_mask, is_causal) and the attributes it reads",
+    "PIDAttention computes timm's attention again with the method's step before the output projection",
+    "1.0.31", _attention_forward)
+BLOCK_FORWARD = Internal(
+    ZOO, "timm.models.vision_transformer.Block.forward(x, attn_mask, is_causal) and the attributes it reads",
+    "PIDBlock computes timm's block again, handing the method's state from block to block", "1.0.31",
+    _block_forward)
+VIT_FORWARD = Internal(
+    ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures and the attributes they read)",
+    "the method ViT computes them again with the method's state threaded through the blocks", "1.0.31",
+    _vit_forward)
+FEATURE_TAKE_INDICES = Internal(
+    ZOO, "timm.models._features.feature_take_indices(num_features, indices)",
+    "forward_intermediates / prune_intermediate_layers of the method ViT and FAN (timm's index rules)",
+    "1.0.31", _feature_take_indices)
+CHECKPOINT = Internal(
+    ZOO, "timm.models._manipulate.checkpoint(function, *args, use_reentrant=None, **kwargs)",
+    "gradient checkpointing of the method blocks with timm's reentrant setting (set_reentrant_ckpt)",
+    "1.0.31", _checkpoint)
+PRETRAINED_SOURCE = Internal(
+    ZOO, "timm.models._builder.resolve_pretrained_cfg and _resolve_pretrained_source (state_dict, then file, first)",
+    "refusing pretrained=True without a local file or state_dict (pid-plugins never downloads weights)",
+    "1.0.31", _pretrained_source)
+CLASSIFIER_DROP = Internal(
+    ZOO, "timm.models._builder.load_pretrained drops pretrained_cfg['classifier'] when num_classes differs",
+    "the strict key check of a pretrained load not counting the classifier keys timm discards", "1.0.31",
+    _classifier_drop)
+BUILD_MODEL_WITH_CFG = Internal(
+    ZOO, "build_model_with_cfg(pretrained_filter_fn=..., feature_cfg=dict(feature_cls='getter'))",
+    "building the pid_* and fan_* models: pretrained loading through our filter, features_only through "
+    "forward_intermediates", "1.0.31", _build_model_with_cfg)
+VIT_CHECKPOINT_FILTER = Internal(
+    ZOO, "timm.models.vision_transformer.checkpoint_filter_fn(state_dict, model, adapt_layer_scale)",
+    "loading ViT/DeiT checkpoints into the method ViT (timm's unwrapping and position-embedding resampling)",
+    "1.0.31", _vit_checkpoint_filter)
+XCIT = Internal(
+    ZOO, "timm.models.xcit's ConvPatchEmbed, PositionalEncodingFourier, LPI, ClassAttentionBlock and "
+    "checkpoint_filter_fn (pos_embeder -> pos_embed, class-attention qkv split)",
+    "FAN: its stem, positions, convolutional MLP and class-attention blocks, and official FAN checkpoints",
+    "1.0.31", _xcit)
+DEFAULT_CFGS = Internal(
+    ZOO, "timm.models._registry.register_model reads the registering module's default_cfgs",
+    "the pretrained cfg (input size, normalisation, classifier names) of every registered pid_* / fan_* name",
+    "1.0.31", _default_cfgs)
+
+INTERNALS = (ATTN_LAYERS, CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT,
+             PRETRAINED_SOURCE, CLASSIFIER_DROP, BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, XCIT, DEFAULT_CFGS)
+
+#: what a method ViT (built by name, or converted) relies on
+VIT = (CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT)
+#: what FAN relies on
+FAN = (XCIT, FEATURE_TAKE_INDICES, CHECKPOINT)
+
+
+def require(*internals: Internal) -> None:
+    for internal in internals:
+        internal.require()
+
+
+def require_all() -> None:
+    """Check every internal now."""
+    require(*INTERNALS)
