@@ -81,10 +81,10 @@ def test_every_transformers_internal_holds_under_the_installed_release():
 
 
 @pytest.fixture
-def fresh_checks():
-    versions._holds.cache_clear()
-    yield
-    versions._holds.cache_clear()
+def fresh_checks(monkeypatch):
+    """Each internal is checked once per process; here every require checks again, as in a process started under
+    the changed release (whatever this process imported and checked before the test changed the internal)."""
+    monkeypatch.setattr(versions, "_holds", versions._holds.__wrapped__)
 
 
 def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeypatch, fresh_checks):
@@ -105,7 +105,6 @@ def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeyp
         self.cumulative_length = 0  # what a release might keep instead
 
     monkeypatch.setattr(cache_utils.StaticLayer, "__init__", changed)
-    versions._holds.cache_clear()  # checked once per process: as in a process started under that release
     low, high = TESTED["transformers"]
     version = versions.installed_version("transformers")
     message = (rf"transformers {re.escape(version)} changed an internal pid-plugins reads: "
@@ -132,7 +131,6 @@ def test_a_cache_under_an_unknown_keyword_is_refused(monkeypatch, fresh_checks):
         model.model(torch.tensor([[3, 4, 5]]), kv_cache=T.DynamicCache(config=config))
     # and the keyword list itself: a release whose models name neither keyword is refused at discovery
     monkeypatch.setattr(internals, "CACHE_KEYWORDS", ("a_keyword_no_release_uses",))
-    versions._holds.cache_clear()  # checked once per process: as in a process started under that release
     with pytest.raises(InternalChanged, match=r"the forward keyword carrying the KV cache"):
         T.LlamaForCausalLM._from_config(config, attn_implementation="pid")
 
