@@ -29,8 +29,8 @@ __all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "c
 #: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test)
 TESTED: Dict[str, Tuple[str, str]] = {
     "torch": ("2.14.1", "2.15.0"),
-    "transformers": ("5.23.0", "5.24.0"),
-    "timm": ("1.0.31", "1.0.31"),
+    "transformers": ("5.20.0", "5.24.0"),
+    "timm": ("1.0.28", "1.0.31"),
     "mmsegmentation": ("1.2.2", "1.2.2"),
     "mmengine": ("0.10.7", "0.10.7"),
     "mmcv-lite": ("2.1.0", "2.1.0"),

@@ -103,36 +103,36 @@ def _weight_conversions() -> bool:
 CACHE_KEYWORD = Internal(
     ZOO, "the forward keyword carrying the KV cache (`cache` or `past_key_values`)",
     "finding the cache a forward uses (static caches: where the query positions' values are; Twicing: its slot)",
-    "5.0 - 5.23 (`past_key_values`), 5.24 (`cache`)", _cache_keyword)
+    "5.20 - 5.23 (`past_key_values`), 5.24 (`cache`)", _cache_keyword)
 STATIC_LAYER = Internal(
     ZOO, "StaticLayer.cumulative_length (a tensor) and StaticLayer.is_initialized",
     "the static cache's length before a forward (the query positions' rows in the key/value buffer)",
-    "5.0 - 5.24", _static_layer)
+    "5.20 - 5.24", _static_layer)
 CACHE_LAYERS = Internal(
     ZOO, "Cache.layers, Cache.layer_class_to_replicate, Cache.is_sliding and the layer classes of cache_utils",
     "keeping a method's per-position tensor (Twicing's A v) as extra cache layers of the same kind",
-    "5.0 - 5.24", _cache_layers)
+    "5.20 - 5.24", _cache_layers)
 INITIALIZE_WEIGHTS = Internal(
     ZOO, "PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
     "initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery before the first forward",
-    "5.0 - 5.24", _initialize_weights)
+    "5.20 - 5.24", _initialize_weights)
 LOADERS = Internal(
     ZOO, "PreTrainedModel.from_pretrained/_from_config and _BaseAutoModelClass.from_pretrained (classmethods)",
-    "a method's parameters as a loader keyword (from_pretrained(..., pid={...}))", "5.0 - 5.24", _loaders)
+    "a method's parameters as a loader keyword (from_pretrained(..., pid={...}))", "5.20 - 5.24", _loaders)
 CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing sets module._gradient_checkpointing_func",
-    "refusing reentrant gradient checkpointing before any gradient", "5.0 - 5.24", _checkpointing)
+    "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing)
 INTERFACE_SOURCE = Internal(
     ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic)",
-    "finding a model's attention modules, and refusing attention outside the interface", "5.0 - 5.24",
+    "finding a model's attention modules, and refusing attention outside the interface", "5.20 - 5.24",
     _interface_source)
 GLOBAL_MAPPING = Internal(
     ZOO, "AttentionInterface._global_mapping / AttentionMaskInterface._global_mapping",
     "reserving the attention implementation names transformers holds (a method cannot replace 'sdpa')",
-    "5.0 - 5.24", _global_mapping)
+    "5.20 - 5.24", _global_mapping)
 WEIGHT_CONVERSIONS = Internal(
     ZOO, "model._weight_conversions with _original_source_patterns (the key renamings a load used)",
-    "not writing the old key names back when a model loaded from an old checkpoint is saved", "5.0 - 5.24",
+    "not writing the old key names back when a model loaded from an old checkpoint is saved", "5.20 - 5.24",
     _weight_conversions)
 
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, INTERFACE_SOURCE,
