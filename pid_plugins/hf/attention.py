@@ -87,7 +87,7 @@ class MethodForwardState:
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
         self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
-        self.layer_count = layer_count  # the owner's layer count (1 + the largest layer_idx): where cache slots start
+        self.layer_count = layer_count  # the owner's layer count (1 + the largest layer_idx)
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
         # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
@@ -274,7 +274,7 @@ def _slot(run: MethodForwardState, module: nn.Module, q_len: int, k_len: int) ->
             f"attention method {run.method.name!r} keeps a tensor per past position beside the KV cache, which needs "
             f"the attention module's layer_idx; {type(module).__name__} has none: decode with use_cache=False"
         )
-    return LayerSlot(cache, layer_idx, run.layer_count)
+    return LayerSlot(cache, layer_idx, run.method.name)
 
 
 

@@ -19,6 +19,9 @@ How it fits transformers (no frame inspection, one path for every way a model ge
   outermost model's ``config.<method>`` (T5's stacks keep deep copies of the config).
 * Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the method state's
   gradient between layers), a static sliding-window cache, ``output_attentions`` without the eager base.
+* ``use_cache`` not passed (or passed on as None by an outer model) is the config's, as transformers resolves it: a
+  method with a cache slot (Twicing) gets the cache made here, so a plain ``model(prompt)`` returns a cache decoding
+  can continue from.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ class Plan:
     cache_position: Optional[int]  # index of the cache keyword among the positional arguments, if any
     learnable: bool = False  # whether discovery gave the self-attention modules their gains
     causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
-    layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules (where method cache slots start)
+    layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
     #: the keywords its forward takes the KV cache under (``cache``, ``past_key_values``: internals.CACHE_KEYWORD)
     cache_keywords: tuple = ()
@@ -315,9 +318,11 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     active = not method.is_identity(gains)
     # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
     layers_cache = not (method.cache_slot and module.training and _checkpointing(module))
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:  # not passed, or passed on as None by an outer model: the config's (transformers' default)
+        use_cache = getattr(config, "use_cache", False)
     if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
-            plan.cache_position is not None and len(args) <= plan.cache_position and \
-            kwargs.get("use_cache", getattr(config, "use_cache", False)):
+            plan.cache_position is not None and len(args) <= plan.cache_position and use_cache:
         # the model would make its cache inside the forward, where the method cannot reach it to keep its
         # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
         cache = new_cache(config)

@@ -48,12 +48,17 @@ def _cache_layers() -> bool:
         Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
     )
 
-    cache = DynamicCache()
     window = DynamicSlidingWindowLayer(sliding_window=4)
-    return (isinstance(cache.layers, list) and hasattr(cache, "layer_class_to_replicate")
-            and hasattr(window, "sliding_window") and StaticLayer(max_cache_len=4).max_cache_len == 4
-            and issubclass(StaticSlidingWindowLayer, StaticLayer) and isinstance(DynamicLayer(), object)
-            and isinstance(getattr(Cache, "is_sliding", None), property))
+    methods = ("update", "crop", "reset", "reorder_cache", "offload", "prefetch", "get_seq_length")
+    batch = ("batch_select_indices", "batch_repeat_interleave")  # dynamic layers only
+    return (isinstance(DynamicCache().layers, list) and isinstance(getattr(Cache, "is_sliding", None), property)
+            and all(callable(getattr(kind, m, None)) for kind in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
+                    for m in methods)
+            and all(callable(getattr(kind, m, None)) for kind in (DynamicLayer, DynamicSlidingWindowLayer) for m in batch)
+            and window.sliding_window == 4 and window.record_past is False
+            and callable(getattr(window, "activate_past_recording", None))
+            and StaticLayer(max_cache_len=4).max_cache_len == 4 and issubclass(StaticSlidingWindowLayer, StaticLayer)
+            and "is_initialized" in vars(DynamicLayer()))
 
 
 def _initialize_weights() -> bool:
@@ -109,8 +114,12 @@ STATIC_LAYER = Internal(
     "the static cache's length before a forward (the query positions' rows in the key/value buffer)",
     "5.0 - 5.24", _static_layer)
 CACHE_LAYERS = Internal(
-    ZOO, "Cache.layers, Cache.layer_class_to_replicate, Cache.is_sliding and the layer classes of cache_utils",
-    "keeping a method's per-position tensor (Twicing's A v) as extra cache layers of the same kind",
+    ZOO, "Cache.layers, Cache.is_sliding and the cache layer classes DynamicLayer, DynamicSlidingWindowLayer, StaticLayer "
+    "(subclassed)",
+    "keeping a method's per-position tensor (Twicing's A v) inside each layer's cache object, as transformers' own "
+    "DynamicIndexedLayer / StaticIndexedLayer keep an extra tensor: a subclass of the layer's kind holding an inner "
+    "layer of the same kind, which its update, crop, reset, reorder_cache, offload, prefetch (and the dynamic layers' "
+    "batch_select_indices, batch_repeat_interleave) treat in step with the keys; len(cache) stays the layer count",
     "5.0 - 5.24", _cache_layers)
 INITIALIZE_WEIGHTS = Internal(
     ZOO, "PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
