@@ -61,6 +61,17 @@ def _cache_layers() -> bool:
             and "is_initialized" in vars(DynamicLayer()))
 
 
+def _torch_checkpoint() -> bool:
+    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+
+    wrapped = CheckpointWrapper(torch.nn.Identity(), checkpoint_impl=CheckpointImpl.REENTRANT)
+    return (wrapped.checkpoint_impl is CheckpointImpl.REENTRANT
+            and isinstance(wrapped._checkpoint_wrapped_module, torch.nn.Identity)
+            and "checkpoint" in (_get_registry(checkpoint(torch.nn.Identity())) or {}))
+
+
 def _initialize_weights() -> bool:
     from transformers import PreTrainedModel
 
@@ -121,6 +132,11 @@ CACHE_LAYERS = Internal(
     "layer of the same kind, which its update, crop, reset, reorder_cache, offload, prefetch (and the dynamic layers' "
     "batch_select_indices, batch_repeat_interleave) treat in step with the keys; len(cache) stays the layer count",
     "5.0 - 5.24", _cache_layers)
+TORCH_CHECKPOINT = Internal(
+    "torch", "CheckpointWrapper.checkpoint_impl and ._checkpoint_wrapped_module, and the composable checkpoint's "
+    "registry (_get_registry)",
+    "refusing torch's reentrant checkpoint_wrapper (apply_activation_checkpointing) before the forward, and a KV cache "
+    "under torch's activation checkpointing before the forward", "2.14 - 2.15", _torch_checkpoint)
 INITIALIZE_WEIGHTS = Internal(
     ZOO, "PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
     "initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery before the first forward",
@@ -144,8 +160,8 @@ WEIGHT_CONVERSIONS = Internal(
     "not writing the old key names back when a model loaded from an old checkpoint is saved", "5.0 - 5.24",
     _weight_conversions)
 
-INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, INTERFACE_SOURCE,
-             GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
+INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, TORCH_CHECKPOINT,
+             INTERFACE_SOURCE, GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
 
 
 def require_all() -> None:
