@@ -94,6 +94,19 @@ def _checkpointing() -> bool:
     return "_gradient_checkpointing_func" in source and "gradient_checkpointing" in source
 
 
+def _continuous_batching() -> bool:
+    from transformers.generation.continuous_batching import ContinuousMixin
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    def source(function: Any) -> str:
+        return inspect.getsource(inspect.unwrap(function))
+
+    return (callable(ContinuousMixin.__dict__.get("init_continuous_batching"))
+            and "self.init_continuous_batching(" in source(ContinuousMixin.continuous_batching_context_manager)
+            and "self.continuous_batching_context_manager(" in source(ContinuousMixin.generate_batch)
+            and "switch_to_cb_friendly_attn" in source(ContinuousBatchingManager.__init__))
+
+
 def _interface_source() -> bool:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
@@ -147,6 +160,10 @@ LOADERS = Internal(
 CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing sets module._gradient_checkpointing_func",
     "refusing reentrant gradient checkpointing before any gradient", "5.0 - 5.24", _checkpointing)
+CONTINUOUS_BATCHING = Internal(
+    ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (wrapped once)",
+    "refusing a method model before continuous batching switches its attention (switch_to_cb_friendly_attn: to flash "
+    "attention where flash-attn is installed, with only a log warning)", "5.0 - 5.24", _continuous_batching)
 INTERFACE_SOURCE = Internal(
     ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic)",
     "finding a model's attention modules, and refusing attention outside the interface", "5.0 - 5.24",
@@ -161,7 +178,7 @@ WEIGHT_CONVERSIONS = Internal(
     _weight_conversions)
 
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, TORCH_CHECKPOINT,
-             INTERFACE_SOURCE, GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
+             CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
 
 
 def require_all() -> None:
