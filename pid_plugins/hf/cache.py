@@ -6,8 +6,9 @@ tensor kept inside the model's cache.
 * :func:`new_cache`: the cache a model would make inside its forward, made beforehand so a method with a cache slot
   can reach it;
 * :class:`LayerSlot`: a method's per-position tensor (Twicing's ``A v``) kept inside the layer's own cache layer
-  (a :class:`SlotLayer` subclass of its kind, as transformers' ``DynamicIndexedLayer`` keeps an extra tensor), reordered,
-  cropped and reset in step with the keys by the cache's own methods; ``len(cache)`` stays the model's layer count.
+  (a :class:`SlotLayer` subclass of its kind, as transformers' ``DynamicIndexedLayer`` keeps an extra tensor),
+  reordered, cropped and reset in step with the keys by the cache's own methods; ``len(cache)`` stays the model's
+  layer count.
 """
 from __future__ import annotations
 
@@ -60,8 +61,9 @@ def new_cache(config: Any) -> Any:
 class LayerSlot(CacheSlot):
     """A method's per-position tensor kept inside layer ``layer_idx``'s own cache layer, beside its keys and values
     (as transformers' ``DynamicIndexedLayer`` keeps its indexer keys there): the layer becomes a :class:`SlotLayer` of
-    its kind on first use, whose ``crop``, ``reset``, ``reorder_cache`` (beam search), ``offload``, ``prefetch`` and
-    (dynamic layers) ``batch_select_indices`` and ``batch_repeat_interleave`` treat the tensor in step with the keys. The cache keeps
+    its kind on first use, whose ``crop``, ``reset``, ``reorder_cache`` (beam search), ``offload``, ``prefetch``
+    and (dynamic layers) ``batch_select_indices`` and ``batch_repeat_interleave`` treat the tensor in step with the
+    keys. The cache keeps
     one layer per model layer: ``len(cache)``, iteration and a rebuild from its tensors keep transformers' meaning (a
     rebuilt cache has no method tensor: decoding from one is refused, naming the mode)."""
 
@@ -187,7 +189,8 @@ def _layer_like(layer: Any) -> Any:
 
 
 class DynamicSlotLayer(_DynamicSlotLayer, DynamicLayer):
-    """A :class:`~transformers.cache_utils.DynamicLayer` carrying a method's per-position tensor (:class:`SlotLayer`)."""
+    """A :class:`~transformers.cache_utils.DynamicLayer` carrying a method's per-position tensor
+    (:class:`SlotLayer`)."""
 
 
 class DynamicSlidingWindowSlotLayer(_DynamicSlotLayer, DynamicSlidingWindowLayer):

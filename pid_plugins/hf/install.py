@@ -196,12 +196,13 @@ def _wrap_loaders() -> None:
 
 # ------------------------------------------------------------------------------------------- continuous batching
 def continuous_batching_message(name: str) -> str:
-    return (f"attention method {name!r} cannot run under continuous batching (generate_batch, init_continuous_batching, "
-            "continuous_batching_context_manager, generate(cache_implementation='paged')): it runs transformers' paged "
-            "attention ('paged|eager', 'sdpa' or a flash kernel) over packed sequences, not the model's attention "
-            f"implementation, and would switch this model's attention to flash attention where flash-attn is installed "
-            f"(with only a log warning), dropping {name!r}. Generate with model.generate() (dynamic or static cache), "
-            "or switch the model back to its stock attention first (model.set_attn_implementation('sdpa'))")
+    return (f"attention method {name!r} cannot run under continuous batching (generate_batch, "
+            "init_continuous_batching, continuous_batching_context_manager, generate(cache_implementation='paged')): "
+            "it runs transformers' paged attention ('paged|eager', 'sdpa' or a flash kernel) over packed sequences, "
+            "not the model's attention implementation, and would switch this model's attention to flash attention "
+            f"where flash-attn is installed (with only a log warning), dropping {name!r}. Generate with "
+            "model.generate() (dynamic or static cache), or switch the model back to its stock attention first "
+            "(model.set_attn_implementation('sdpa'))")
 
 
 def _wrap_continuous_batching() -> None:
@@ -285,7 +286,8 @@ def install() -> None:
     if _INSTALLED[0]:
         return
     check_version("transformers")
-    for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING, CONTINUOUS_BATCHING):  # what the changes below rely on
+    # what the changes below rely on
+    for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING, CONTINUOUS_BATCHING):
         internal.require()
     _INSTALLED[0] = True
     torch.nn.modules.module.register_module_module_registration_hook(_on_registration)

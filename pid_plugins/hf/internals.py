@@ -54,7 +54,8 @@ def _cache_layers() -> bool:
     return (isinstance(DynamicCache().layers, list) and isinstance(getattr(Cache, "is_sliding", None), property)
             and all(callable(getattr(kind, m, None)) for kind in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
                     for m in methods)
-            and all(callable(getattr(kind, m, None)) for kind in (DynamicLayer, DynamicSlidingWindowLayer) for m in batch)
+            and all(callable(getattr(kind, m, None))
+                    for kind in (DynamicLayer, DynamicSlidingWindowLayer) for m in batch)
             and window.sliding_window == 4 and window.record_past is False
             and callable(getattr(window, "activate_past_recording", None))
             and StaticLayer(max_cache_len=4).max_cache_len == 4 and issubclass(StaticSlidingWindowLayer, StaticLayer)
@@ -138,8 +139,8 @@ STATIC_LAYER = Internal(
     "the static cache's length before a forward (the query positions' rows in the key/value buffer)",
     "5.0 - 5.24", _static_layer)
 CACHE_LAYERS = Internal(
-    ZOO, "Cache.layers, Cache.is_sliding and the cache layer classes DynamicLayer, DynamicSlidingWindowLayer, StaticLayer "
-    "(subclassed)",
+    ZOO, "Cache.layers, Cache.is_sliding and the cache layer classes DynamicLayer, DynamicSlidingWindowLayer, "
+    "StaticLayer (subclassed)",
     "keeping a method's per-position tensor (Twicing's A v) inside each layer's cache object, as transformers' own "
     "DynamicIndexedLayer / StaticIndexedLayer keep an extra tensor: a subclass of the layer's kind holding an inner "
     "layer of the same kind, which its update, crop, reset, reorder_cache, offload, prefetch (and the dynamic layers' "
