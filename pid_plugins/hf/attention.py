@@ -38,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, PIDState, expand_heads
+from . import checkpointing
 from . import gains as learned_gains
 from .cache import LayerSlot
 from .config import (
@@ -69,7 +70,7 @@ class MethodForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "layer_count")
+                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "layer_count", "grad")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
@@ -87,8 +88,9 @@ class MethodForwardState:
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
         self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
-        self.layer_count = layer_count  # the owner's layer count (1 + the largest layer_idx): where cache slots start
+        self.layer_count = layer_count  # the owner's layer count (1 + the largest layer_idx)
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
+        self.grad = False  # autograd was on when the forward began (set by the pre-hook): see checkpointing.py
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
         # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
         # layer); under torch.compile the length stays a tensor, so decoding steps do not recompile
@@ -156,6 +158,11 @@ def method_attention_forward(
     if run.zero:
         return base(module, query, key, value, attention_mask, **kwargs)
     method = run.method
+    if run.finished:  # activation checkpointing's recomputation, in the backward
+        if key.shape[-2] != query.shape[-2]:  # the layer used a KV cache: it got the keys a second time
+            raise ValueError(checkpointing.cache_message(method.name))
+    elif run.grad and not torch.is_grad_enabled():  # reentrant checkpointing's first forward (an autograd Function)
+        raise ValueError(checkpointing.reentrant_message(method.name, module))
     learned = None
     if run.learnable:  # this layer's own parameters (PID: lambda_p, lambda_i, lambda_d), else the config's
         learned = getattr(module, learned_gains.GAINS_ATTR, None)
@@ -274,7 +281,7 @@ def _slot(run: MethodForwardState, module: nn.Module, q_len: int, k_len: int) ->
             f"attention method {run.method.name!r} keeps a tensor per past position beside the KV cache, which needs "
             f"the attention module's layer_idx; {type(module).__name__} has none: decode with use_cache=False"
         )
-    return LayerSlot(cache, layer_idx, run.layer_count)
+    return LayerSlot(cache, layer_idx, run.method.name)
 
 
 

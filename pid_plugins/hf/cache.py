@@ -5,8 +5,10 @@ tensor kept inside the model's cache.
   decoding does not recompile per step); None for dynamic caches (the query rows end the value tensor);
 * :func:`new_cache`: the cache a model would make inside its forward, made beforehand so a method with a cache slot
   can reach it;
-* :class:`LayerSlot`: a method's per-position tensor (Twicing's ``A v``) as an extra cache layer beside the layer's
-  keys and values, reordered, cropped and reset by the cache's own methods.
+* :class:`LayerSlot`: a method's per-position tensor (Twicing's ``A v``) kept inside the layer's own cache layer
+  (a :class:`SlotLayer` subclass of its kind, as transformers' ``DynamicIndexedLayer`` keeps an extra tensor),
+  reordered, cropped and reset in step with the keys by the cache's own methods; ``len(cache)`` stays the model's
+  layer count.
 """
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+
 from ..core import CacheSlot
 from .internals import CACHE_LAYERS, STATIC_LAYER
 
-__all__ = ["LayerSlot", "new_cache", "static_past"]
-
-_SLOT_BASE = "_pid_plugins_slot_base"
+__all__ = ["DynamicSlidingWindowSlotLayer", "DynamicSlotLayer", "LayerSlot", "SlotLayer", "StaticSlotLayer",
+           "new_cache", "static_past", "with_slot"]
 
 
 def static_past(cache: Any, name: str = "pid") -> Optional[Tensor]:
@@ -56,46 +59,125 @@ def new_cache(config: Any) -> Any:
 
 
 class LayerSlot(CacheSlot):
-    """A method's per-position tensor kept in the model's own cache, as an extra cache layer of the same kind as
-    layer ``layer_idx``'s (dynamic, sliding-window dynamic or static), at index ``base + layer_idx`` (``base``: the
-    model's layer count). Being a layer of the cache, it is reordered by beam search, cropped, reset and kept in a
-    static buffer by the cache's own methods, in step with the layer's keys and values."""
+    """A method's per-position tensor kept inside layer ``layer_idx``'s own cache layer, beside its keys and values
+    (as transformers' ``DynamicIndexedLayer`` keeps its indexer keys there): the layer becomes a :class:`SlotLayer` of
+    its kind on first use, whose ``crop``, ``reset``, ``reorder_cache`` (beam search), ``offload``, ``prefetch``
+    and (dynamic layers) ``batch_select_indices`` and ``batch_repeat_interleave`` treat the tensor in step with the
+    keys. The cache keeps
+    one layer per model layer: ``len(cache)``, iteration and a rebuild from its tensors keep transformers' meaning (a
+    rebuilt cache has no method tensor: decoding from one is refused, naming the mode)."""
 
-    def __init__(self, cache: Any, layer_idx: int, layer_count: int) -> None:
-        self.cache, self.layer_idx, self.layer_count = cache, layer_idx, layer_count
+    def __init__(self, cache: Any, layer_idx: int, name: str = "twicing") -> None:
+        self.cache, self.layer_idx, self.name = cache, layer_idx, name
 
     def __call__(self, rows: Tensor) -> Tensor:
-        index = _slot_index(self.cache, self.layer_idx, self.layer_count)
-        # a cache layer stores a pair: the tensor rides in the values' place, the keys' place holds one column of it
-        # (not zero width: cache layers treat an empty key tensor as an empty layer, e.g. when reordering beams)
-        _, stored = self.cache.layers[index].update(rows[..., :1], rows)
+        layers = self.cache.layers
+        layer = layers[self.layer_idx]
+        if not isinstance(layer, SlotLayer):
+            layer = layers[self.layer_idx] = with_slot(layer, self.name)
+        return layer.slot_update(rows, self.layer_idx, self.name)
+
+
+class SlotLayer:
+    """The mixin of the cache layers that carry a method's per-position tensor (Twicing's ``A v``) in ``slot``: an
+    inner cache layer of the same kind (dynamic, sliding-window dynamic, static) that stores the tensor in its values'
+    place (its keys' place holds one column of it: cache layers treat empty keys as an empty layer), so every cache
+    operation treats it as the layer treats its keys and values, window and static buffer included."""
+
+    slot: Any
+
+    def slot_update(self, rows: Tensor, layer_idx: int, name: str = "twicing") -> Tensor:
+        """Store ``rows`` (the query positions' tensor, ``(B, H, q, D)``) after the cached positions'; return it for
+        every key position the layer's update returned."""
+        slot = self.slot
+        if not torch.compiler.is_compiling():
+            _check_filled(self, slot, rows.shape[-2], layer_idx, name)
+        _, stored = slot.update(rows[..., :1], rows)
         return stored
 
+    def reset(self) -> None:
+        super().reset()
+        self.slot.reset()
 
-def _slot_index(cache: Any, layer_idx: int, layer_count: int) -> int:
-    """The cache layer that holds layer ``layer_idx``'s slot; the slots of every layer are made on first use."""
-    base = cache.__dict__.get(_SLOT_BASE)
-    if base is None:
-        layers = cache.layers
-        base = max(len(layers), layer_count, layer_idx + 1)
-        replicate = getattr(cache, "layer_class_to_replicate", None)
-        while len(layers) < base:  # a lazily grown cache: the model's layers not reached yet
-            if replicate is None:
-                raise ValueError(f"{type(cache).__name__} has {len(layers)} layers for a model of {base}")
-            layers.append(replicate())
-        for i in range(base):
-            layers.append(_layer_like(layers[i]))
-        cache.__dict__[_SLOT_BASE] = base
-    return base + layer_idx
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.slot.reorder_cache(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.slot.crop(tokens_to_remove)
+
+    def offload(self) -> None:
+        super().offload()
+        self.slot.offload()
+
+    def prefetch(self) -> None:
+        super().prefetch()
+        self.slot.prefetch()
+
+
+class _DynamicSlotLayer(SlotLayer):
+    """The batch operations of dynamic layers (static layers have none), in step with the keys."""
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.slot.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.slot.batch_select_indices(indices)
+
+
+def _check_filled(layer: Any, slot: Any, q_len: int, layer_idx: int, name: str) -> None:
+    """Refuse a layer whose cached positions have no method tensor (the layer's update for this forward is done:
+    its length counts the ``q_len`` query positions)."""
+    if isinstance(layer, StaticLayer):  # a tensor length: read (one sync) only while the slot is still empty
+        if slot.is_initialized:
+            return
+        past, held = int(layer.get_seq_length()) - q_len, 0
+    else:
+        past, held = layer.get_seq_length() - q_len, slot.get_seq_length()
+    if past != held:
+        raise ValueError(
+            f"attention method {name!r} keeps a tensor of every cached position (Twicing: A v) inside the KV cache, "
+            f"beside the keys and values, but layer {layer_idx} of this cache holds {past} cached positions and the "
+            f"method's tensor of {held}: the cache was filled without it -- rebuilt from its (keys, values) tensors "
+            "(DynamicCache(ddp_cache_data=...), a gather across ranks, a cache library), or filled by a forward that "
+            "ran another attention implementation. Make the cache by running this model on the tokens "
+            "(model(input_ids, cache=DynamicCache(config=model.config))), or decode with use_cache=False"
+        )
+
+
+def _slot_classes() -> dict:
+    """{layer class: its :class:`SlotLayer` subclass} for the kinds a slot can be made of."""
+    return {DynamicLayer: DynamicSlotLayer, DynamicSlidingWindowLayer: DynamicSlidingWindowSlotLayer,
+            StaticLayer: StaticSlotLayer}
+
+
+def with_slot(layer: Any, name: str = "twicing") -> SlotLayer:
+    """``layer``'s state (the same tensors) in the :class:`SlotLayer` of its kind, with an empty slot. A new object
+    (not a ``__class__`` change, which torch.compile cannot trace): the cache's list gets it in ``layer``'s place."""
+    CACHE_LAYERS.require()
+    kind = type(layer)
+    carrier = _slot_classes().get(kind)
+    if carrier is None:
+        names = ", ".join(k.__name__ for k in _slot_classes())
+        raise ValueError(
+            f"attention method {name!r} keeps a tensor per past position inside each layer of the KV cache; "
+            f"{kind.__name__} is not a layer kind it can extend (supported: {names}; not "
+            f"{StaticSlidingWindowLayer.__name__}, quantized, indexed or linear-attention layers): use the default "
+            "dynamic cache or cache_implementation='static'"
+        )
+    fresh = carrier.__new__(carrier)
+    for attribute, value in vars(layer).items():
+        setattr(fresh, attribute, value)
+    fresh.slot = _layer_like(layer)
+    return fresh
 
 
 def _layer_like(layer: Any) -> Any:
-    """An empty cache layer of ``layer``'s kind and size."""
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
-
+    """An empty cache layer of ``layer``'s kind and size (past recording as ``layer``'s)."""
     kind = type(layer)
-    if kind is DynamicLayer:
-        return DynamicLayer()
     if kind is DynamicSlidingWindowLayer:
         fresh = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
         if getattr(layer, "record_past", False):
@@ -103,9 +185,23 @@ def _layer_like(layer: Any) -> Any:
         return fresh
     if kind is StaticLayer:
         return StaticLayer(max_cache_len=layer.max_cache_len)
-    names = (DynamicLayer.__name__, DynamicSlidingWindowLayer.__name__, StaticLayer.__name__)
-    raise ValueError(
-        f"the attention method keeps a tensor per past position beside the KV cache, in a cache layer of the same kind; "
-        f"{kind.__name__} is not one it can make (supported: {', '.join(names)}; not {StaticSlidingWindowLayer.__name__}, "
-        "quantized or offloaded layers): use the default dynamic cache or cache_implementation='static'"
-    )
+    return DynamicLayer()
+
+
+class DynamicSlotLayer(_DynamicSlotLayer, DynamicLayer):
+    """A :class:`~transformers.cache_utils.DynamicLayer` carrying a method's per-position tensor
+    (:class:`SlotLayer`)."""
+
+
+class DynamicSlidingWindowSlotLayer(_DynamicSlotLayer, DynamicSlidingWindowLayer):
+    """A :class:`~transformers.cache_utils.DynamicSlidingWindowLayer` carrying a method's per-position tensor, in the
+    same window (:class:`SlotLayer`)."""
+
+    def activate_past_recording(self) -> None:
+        super().activate_past_recording()
+        self.slot.activate_past_recording()
+
+
+class StaticSlotLayer(SlotLayer, StaticLayer):
+    """A :class:`~transformers.cache_utils.StaticLayer` carrying a method's per-position tensor in a static buffer of
+    the same length (:class:`SlotLayer`)."""

@@ -18,7 +18,12 @@ How it fits transformers (no frame inspection, one path for every way a model ge
   every attention call and gradient checkpointing captures them with each layer. The parameters come from the
   outermost model's ``config.<method>`` (T5's stacks keep deep copies of the config).
 * Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the method state's
-  gradient between layers), a static sliding-window cache, ``output_attentions`` without the eager base.
+  gradient between layers), transformers' own and torch's ``checkpoint_wrapper`` (:mod:`pid_plugins.hf.checkpointing`),
+  a KV cache in a training forward under torch's activation checkpointing (the recomputation would append the keys a
+  second time: ``use_cache=False``), a static sliding-window cache, ``output_attentions`` without the eager base.
+* ``use_cache`` not passed (or passed on as None by an outer model) is the config's, as transformers resolves it: a
+  method with a cache slot (Twicing) gets the cache made here, so a plain ``model(prompt)`` returns a cache decoding
+  can continue from.
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ from transformers import PreTrainedModel
 from . import gains as learned_gains
 from .attention import EARLIER, ROLE, MethodForwardState
 from .cache import new_cache, static_past
+from .checkpointing import cache_message, torch_checkpointing, wrapper_message
+from .checkpointing import require as require_torch_checkpointing
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, cache_keywords, unknown_cache,
@@ -71,7 +78,7 @@ class Plan:
     cache_position: Optional[int]  # index of the cache keyword among the positional arguments, if any
     learnable: bool = False  # whether discovery gave the self-attention modules their gains
     causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
-    layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules (where method cache slots start)
+    layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
     #: the keywords its forward takes the KV cache under (``cache``, ``past_key_values``: internals.CACHE_KEYWORD)
     cache_keywords: tuple = ()
@@ -256,11 +263,16 @@ def _checkpointing(model: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-def _check_checkpointing(model: nn.Module, name: str = "pid") -> None:
-    """Refuse reentrant checkpointing (it cuts the method state's graph between layers) before any gradient."""
-    CHECKPOINTING.require()
-    for m in model.modules():
-        if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
+def _check_checkpointing(model: nn.Module, name: str = "pid", training: bool = True) -> Optional[str]:
+    """Refuse reentrant checkpointing (it cuts the method state's graph between layers) before any gradient:
+    transformers' own (in training, where transformers checkpoints) and torch's ``checkpoint_wrapper`` (in any mode:
+    it always checkpoints). Returns where torch's activation checkpointing wraps a module of ``model`` (for the KV
+    cache check), or None."""
+    require_torch_checkpointing()
+    found = None
+    for path, m in model.named_modules():
+        if training and getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
+            CHECKPOINTING.require()
             func = m._gradient_checkpointing_func
             keywords = getattr(func, "keywords", None)
             # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
@@ -270,7 +282,14 @@ def _check_checkpointing(model: nn.Module, name: str = "pid") -> None:
                     "cuts the method state's gradient between layers): use model.gradient_checkpointing_enable("
                     "gradient_checkpointing_kwargs={'use_reentrant': False})"
                 )
-            return
+        wrapped = torch_checkpointing(m)
+        if wrapped is not None:
+            what, reentrant = wrapped
+            where = f"{type(model).__name__}.{path}" if path else type(model).__name__
+            if reentrant:
+                raise ValueError(wrapper_message(name, where))
+            found = found or f"torch's {what} at {where}"
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- the hooks
@@ -303,8 +322,8 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             plan = discover(module, at_forward=True)
     scale = warmup_scale(module, gains)
     base = base_attention(config)
-    if module.training and torch.is_grad_enabled():
-        _check_checkpointing(module, method.name)
+    grad = torch.is_grad_enabled()
+    wrapped = _check_checkpointing(module, method.name, module.training) if grad else None
     if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
         raise ValueError(
             f"output_attentions needs the eager base attention under attention method {method.name!r}: "
@@ -317,11 +336,15 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if renamed is not None:  # a release that passes the cache under a name the adapter does not read
         raise InternalChanged(CACHE_KEYWORD.message(f"{type(module).__name__}.forward got the cache as {renamed}="))
     active = not method.is_identity(gains)
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:  # not passed, or passed on as None by an outer model: the config's (transformers' default)
+        use_cache = getattr(config, "use_cache", False)
+    if wrapped is not None and module.training and (cache is not None or use_cache):
+        raise ValueError(cache_message(method.name, wrapped))
     # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
     layers_cache = not (method.cache_slot and module.training and _checkpointing(module))
     if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
-            plan.cache_position is not None and len(args) <= plan.cache_position and \
-            kwargs.get("use_cache", getattr(config, "use_cache", False)):
+            plan.cache_position is not None and len(args) <= plan.cache_position and use_cache:
         # the model would make its cache inside the forward, where the method cannot reach it to keep its
         # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
         cache = new_cache(config)
@@ -338,6 +361,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     slot_cache = own if method.cache_slot and layers_cache else None
     state = MethodForwardState(gains, base, static_past(cache, method.name), scale, method, cached=cache is not None,
                             cache=slot_cache, layer_count=plan.layer_count)
+    state.grad = grad
     kwargs["pid_state"] = state
     return args, kwargs
 

@@ -16,6 +16,10 @@ All through transformers' and torch's extension points except the last:
   ``from_config`` hands every keyword there, so no config-side extension point reaches them; ``from_pretrained``
   also gets transformers' ``key_mapping`` for the keys of checkpoints saved before the rename
   (:data:`LEGACY_KEY_MAPPING`);
+* ``init_continuous_batching`` (behind ``generate_batch``, ``continuous_batching_context_manager`` and
+  ``generate(cache_implementation="paged")``) is wrapped once, so that a model running a method is refused before
+  continuous batching switches its attention (to flash attention where flash-attn is installed, with only a log
+  warning): continuous batching runs its own paged attention, not the model's method, and has no extension point;
 * :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`);
 * ``PreTrainedModel._initialize_weights`` is wrapped once, so that transformers' initialisation of missing weights
   gives learnable gains their initial values and the warm-up counter ``t = 0`` (transformers has no hook for
@@ -36,7 +40,7 @@ from ..core import AttentionMethod, GainWarmup, on_register, register_warmup_fin
 from . import conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
-from .internals import GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS, WEIGHT_CONVERSIONS
+from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS, WEIGHT_CONVERSIONS
 from .config import _METHODS, BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
@@ -190,6 +194,35 @@ def _wrap_loaders() -> None:
     PreTrainedModel._from_config = classmethod(_from_config)
 
 
+# ------------------------------------------------------------------------------------------- continuous batching
+def continuous_batching_message(name: str) -> str:
+    return (f"attention method {name!r} cannot run under continuous batching (generate_batch, "
+            "init_continuous_batching, continuous_batching_context_manager, generate(cache_implementation='paged')): "
+            "it runs transformers' paged attention ('paged|eager', 'sdpa' or a flash kernel) over packed sequences, "
+            "not the model's attention implementation, and would switch this model's attention to flash attention "
+            f"where flash-attn is installed (with only a log warning), dropping {name!r}. Generate with "
+            "model.generate() (dynamic or static cache), or switch the model back to its stock attention first "
+            "(model.set_attn_implementation('sdpa'))")
+
+
+def _wrap_continuous_batching() -> None:
+    """``init_continuous_batching`` (where ``generate_batch``, ``continuous_batching_context_manager`` and
+    ``generate(cache_implementation="paged")`` all start) refuses a model whose config names a method, before
+    transformers' ``switch_to_cb_friendly_attn`` can change its attention: transformers has no extension point there."""
+    from transformers.generation.continuous_batching import ContinuousMixin
+
+    original = ContinuousMixin.__dict__["init_continuous_batching"]
+
+    @functools.wraps(original)
+    def init_continuous_batching(self, *args: Any, **kwargs: Any):
+        method = method_of(getattr(self, "config", None))
+        if method is not None:
+            raise ValueError(continuous_batching_message(method.name))
+        return original(self, *args, **kwargs)
+
+    ContinuousMixin.init_continuous_batching = init_continuous_batching
+
+
 # ------------------------------------------------------------------------ transformers' weight initialisation
 _ORIGINAL_INIT = None
 
@@ -253,12 +286,14 @@ def install() -> None:
     if _INSTALLED[0]:
         return
     check_version("transformers")
-    for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING):  # what the changes below rely on
+    # what the changes below rely on
+    for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING, CONTINUOUS_BATCHING):
         internal.require()
     _INSTALLED[0] = True
     torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
     _wrap_initialize_weights()
     _wrap_loaders()
+    _wrap_continuous_batching()
     reserve_names("transformers", _transformers_names)
     on_register(_register)
     register_warmup_finisher(conversion.finish)

@@ -48,12 +48,29 @@ def _cache_layers() -> bool:
         Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
     )
 
-    cache = DynamicCache()
     window = DynamicSlidingWindowLayer(sliding_window=4)
-    return (isinstance(cache.layers, list) and hasattr(cache, "layer_class_to_replicate")
-            and hasattr(window, "sliding_window") and StaticLayer(max_cache_len=4).max_cache_len == 4
-            and issubclass(StaticSlidingWindowLayer, StaticLayer) and isinstance(DynamicLayer(), object)
-            and isinstance(getattr(Cache, "is_sliding", None), property))
+    methods = ("update", "crop", "reset", "reorder_cache", "offload", "prefetch", "get_seq_length")
+    batch = ("batch_select_indices", "batch_repeat_interleave")  # dynamic layers only
+    return (isinstance(DynamicCache().layers, list) and isinstance(getattr(Cache, "is_sliding", None), property)
+            and all(callable(getattr(kind, m, None)) for kind in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
+                    for m in methods)
+            and all(callable(getattr(kind, m, None))
+                    for kind in (DynamicLayer, DynamicSlidingWindowLayer) for m in batch)
+            and window.sliding_window == 4 and window.record_past is False
+            and callable(getattr(window, "activate_past_recording", None))
+            and StaticLayer(max_cache_len=4).max_cache_len == 4 and issubclass(StaticSlidingWindowLayer, StaticLayer)
+            and "is_initialized" in vars(DynamicLayer()))
+
+
+def _torch_checkpoint() -> bool:
+    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+
+    wrapped = CheckpointWrapper(torch.nn.Identity(), checkpoint_impl=CheckpointImpl.REENTRANT)
+    return (wrapped.checkpoint_impl is CheckpointImpl.REENTRANT
+            and isinstance(wrapped._checkpoint_wrapped_module, torch.nn.Identity)
+            and "checkpoint" in (_get_registry(checkpoint(torch.nn.Identity())) or {}))
 
 
 def _initialize_weights() -> bool:
@@ -76,6 +93,19 @@ def _checkpointing() -> bool:
 
     source = inspect.getsource(PreTrainedModel._set_gradient_checkpointing)
     return "_gradient_checkpointing_func" in source and "gradient_checkpointing" in source
+
+
+def _continuous_batching() -> bool:
+    from transformers.generation.continuous_batching import ContinuousMixin
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    def source(function: Any) -> str:
+        return inspect.getsource(inspect.unwrap(function))
+
+    return (callable(ContinuousMixin.__dict__.get("init_continuous_batching"))
+            and "self.init_continuous_batching(" in source(ContinuousMixin.continuous_batching_context_manager)
+            and "self.continuous_batching_context_manager(" in source(ContinuousMixin.generate_batch)
+            and "switch_to_cb_friendly_attn" in source(ContinuousBatchingManager.__init__))
 
 
 def _interface_source() -> bool:
@@ -109,9 +139,18 @@ STATIC_LAYER = Internal(
     "the static cache's length before a forward (the query positions' rows in the key/value buffer)",
     "5.20 - 5.24", _static_layer)
 CACHE_LAYERS = Internal(
-    ZOO, "Cache.layers, Cache.layer_class_to_replicate, Cache.is_sliding and the layer classes of cache_utils",
-    "keeping a method's per-position tensor (Twicing's A v) as extra cache layers of the same kind",
+    ZOO, "Cache.layers, Cache.is_sliding and the cache layer classes DynamicLayer, DynamicSlidingWindowLayer, "
+    "StaticLayer (subclassed)",
+    "keeping a method's per-position tensor (Twicing's A v) inside each layer's cache object, as transformers' own "
+    "DynamicIndexedLayer / StaticIndexedLayer keep an extra tensor: a subclass of the layer's kind holding an inner "
+    "layer of the same kind, which its update, crop, reset, reorder_cache, offload, prefetch (and the dynamic layers' "
+    "batch_select_indices, batch_repeat_interleave) treat in step with the keys; len(cache) stays the layer count",
     "5.20 - 5.24", _cache_layers)
+TORCH_CHECKPOINT = Internal(
+    "torch", "CheckpointWrapper.checkpoint_impl and ._checkpoint_wrapped_module, and the composable checkpoint's "
+    "registry (_get_registry)",
+    "refusing torch's reentrant checkpoint_wrapper (apply_activation_checkpointing) before the forward, and a KV cache "
+    "under torch's activation checkpointing before the forward", "2.14 - 2.15", _torch_checkpoint)
 INITIALIZE_WEIGHTS = Internal(
     ZOO, "PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
     "initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery before the first forward",
@@ -122,6 +161,10 @@ LOADERS = Internal(
 CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing sets module._gradient_checkpointing_func",
     "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing)
+CONTINUOUS_BATCHING = Internal(
+    ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (wrapped once)",
+    "refusing a method model before continuous batching switches its attention (switch_to_cb_friendly_attn: to flash "
+    "attention where flash-attn is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching)
 INTERFACE_SOURCE = Internal(
     ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic)",
     "finding a model's attention modules, and refusing attention outside the interface", "5.20 - 5.24",
@@ -135,8 +178,8 @@ WEIGHT_CONVERSIONS = Internal(
     "not writing the old key names back when a model loaded from an old checkpoint is saved", "5.20 - 5.24",
     _weight_conversions)
 
-INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, INTERFACE_SOURCE,
-             GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
+INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, TORCH_CHECKPOINT,
+             CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
 
 
 def require_all() -> None:

@@ -1,0 +1,183 @@
+"""The KV cache's other lives (issue 43, "Why" 7): every way transformers and its users make, rebuild, crop, reorder and
+read a cache, for every method, by logits against one uncached forward (atol 1e-4).
+
+Twicing keeps ``A v`` of every cached position inside each layer's own cache object (a cache-layer subclass of the
+layer's kind, as transformers' ``DynamicIndexedLayer`` keeps its indexer keys), so ``len(cache)`` and iteration count
+the model's layers and every cache operation treats ``A v`` in step with the keys. What cannot be exact is refused
+naming the mode: a cache rebuilt from its (keys, values) tensors has no ``A v``. The subject is the one a new user
+meets: a Llama with grouped-query attention (4 layers, 4 query / 2 key-value heads); stock SDPA is the control.
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from zoo_cases import import_transformers
+
+T = import_transformers()
+from pid_plugins.hf.cache import SlotLayer  # noqa: E402
+
+METHODS = {"sdpa": None, "pid": None, "neutreno": None, "twicing": None, "elliptical": {"mean": "prefix"},
+           "value_residual": None}
+PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 3, 4], [9, 8, 7, 6, 5, 4, 3, 12, 13]])
+P = PROMPT.shape[1]
+
+
+def gqa_llama(name):
+    config = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    torch.manual_seed(0)
+    params = {} if METHODS[name] is None else {name: METHODS[name]}
+    return T.LlamaForCausalLM._from_config(config, attn_implementation=name, **params).eval()
+
+
+def uncached(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+def close(got, want):
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_early_exit_assisted_decoding_equals_recomputation_and_restores_the_layer_count(name, monkeypatch):
+    """``assistant_early_exit=2``: the draft pass runs the first 2 layers with its own cache (transformers sets
+    ``config.num_hidden_layers`` to 2 meanwhile); the draft's logits equal the 2-layer model's, the verified tokens'
+    the 4-layer model's, and a second ``generate`` runs (transformers restores the layer count without ``finally``)."""
+    from transformers.generation import candidate_generator
+
+    model = gqa_llama(name)
+    drafts = []
+    original = candidate_generator.EarlyExitCandidateGenerator.get_candidates
+
+    def recorded(self, input_ids, **kwargs):
+        drafts.append(original(self, input_ids, **kwargs))
+        return drafts[-1]
+
+    monkeypatch.setattr(candidate_generator.EarlyExitCandidateGenerator, "get_candidates", recorded)
+    for _ in range(2):
+        with torch.no_grad():
+            out = model.generate(PROMPT[:1], max_new_tokens=10, do_sample=False, assistant_early_exit=2,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        assert model.config.num_hidden_layers == 4
+        close(torch.stack(out.logits, 1), uncached(model, out.sequences)[:, P - 1:-1])
+    model.config.num_hidden_layers = 2
+    try:
+        drafted = [(ids, logits) for ids, logits in drafts if logits is not None]
+        assert len(drafted) >= 4
+        for ids, logits in drafted:
+            close(logits, uncached(model, ids)[:, -logits.shape[1] - 1:-1])
+    finally:
+        model.config.num_hidden_layers = 4
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", METHODS)
+def test_beam_search_logits_equal_recomputation(name, cache):
+    """Beam search reorders the cache every step (``reorder_cache``): the logits each returned sequence's tokens
+    were chosen from (``beam_indices`` into the step's rows) equal the uncached model's on that sequence."""
+    model = gqa_llama(name)
+    with torch.no_grad():
+        out = model.generate(PROMPT, max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2,
+                             cache_implementation=cache, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    full = uncached(model, out.sequences)
+    rows = []
+    for i in range(out.sequences.shape[0]):
+        for t in range(out.sequences.shape[1] - P):
+            beam = int(out.beam_indices[i, t])
+            if beam >= 0:
+                rows.append((out.logits[t][beam], full[i, P - 1 + t]))
+    assert len(rows) == out.sequences.shape[0] * 6
+    assert len({int(b) for b in out.beam_indices[:, 1:].flatten()}) > 2  # the beams were reordered
+    close(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_prompt_lookup_decoding_crops_in_step(name):
+    """Prompt lookup drafts from the prompt and crops the rejected positions from the cache (``crop``)."""
+    model = gqa_llama(name)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    close(torch.stack(out.logits, 1), uncached(model, out.sequences)[:, prompt.shape[1] - 1:-1])
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_plain_forward_returns_a_cache_decoding_continues_from(name):
+    """``model(prompt)`` without ``use_cache=`` (transformers' default: on) returns a cache; two more steps from it
+    equal the uncached model on the longer sequence."""
+    model = gqa_llama(name)
+    with torch.no_grad():
+        out = model(PROMPT)
+        assert len(out.cache) == 4
+        step1 = model(torch.tensor([[7], [8]]), cache=out.cache)
+        step2 = model(torch.tensor([[9], [10]]), cache=step1.cache)
+    full = uncached(model, torch.cat([PROMPT, torch.tensor([[7, 9], [8, 10]])], 1))
+    close(torch.cat([out.logits, step1.logits, step2.logits], 1), full)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_twicing_keeps_one_cache_layer_per_model_layer(cache):
+    """``len(cache)`` is the model's layer count (transformers documents it so) and iteration yields one
+    (keys, values, window) per layer; A v lives inside each layer, as a subclass of the layer's own kind."""
+    model = gqa_llama("twicing")
+    made = T.DynamicCache(config=model.config) if cache == "dynamic" else T.StaticCache(config=model.config,
+                                                                                         max_cache_len=24)
+    kinds = [type(layer) for layer in made.layers]
+    with torch.no_grad():
+        model(PROMPT, cache=made, use_cache=True)
+    assert len(made) == 4 and len(made.layers) == 4
+    assert all(isinstance(layer, SlotLayer) and isinstance(layer, kind) for layer, kind in zip(made.layers, kinds))
+    if cache == "dynamic":
+        items = list(made)
+        assert len(items) == 4 and all(k.shape == (2, 2, P, 16) for k, _, _ in items)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_cache_rebuilt_from_its_tensors(name):
+    """``DynamicCache(ddp_cache_data=list(cache))`` (what DDP-style gathers and cache libraries do) keeps the keys
+    and values only: exact for the methods that keep nothing else; Twicing (A v per cached position) is refused,
+    naming the mode."""
+    model = gqa_llama(name)
+    step = torch.tensor([[7], [8]])
+    with torch.no_grad():
+        cache = model(PROMPT, cache=T.DynamicCache(config=model.config), use_cache=True).cache
+        rebuilt = T.DynamicCache(ddp_cache_data=list(cache))
+        assert len(rebuilt) == 4
+        if name == "twicing":
+            with pytest.raises(ValueError, match=r"'twicing'.*layer 0 of this cache holds 9 cached positions and the "
+                                                 r"method's tensor of 0.*DynamicCache\(ddp_cache_data=\.\.\.\)"):
+                model(step, cache=rebuilt)
+            return
+        got = model(step, cache=rebuilt).logits
+    close(got, uncached(model, torch.cat([PROMPT, step], 1))[:, -1:])
+
+
+@pytest.mark.parametrize("name", ["sdpa", "twicing"])
+def test_crop_select_repeat_reset_copy_and_pickle_keep_the_method_tensor_in_step(name):
+    """The cache operations transformers' generation modes use, called directly, then one decoding step each."""
+    model = gqa_llama(name)
+    ids = torch.cat([PROMPT, torch.tensor([[7, 9], [8, 10]])], 1)
+    full = uncached(model, ids)
+    step = ids[:, P:P + 1]
+    with torch.no_grad():
+        cache = model(ids, cache=T.DynamicCache(config=model.config), use_cache=True).cache
+        cache.crop(-2)  # back to the prompt
+        close(model(step, cache=copy.deepcopy(cache)).logits, full[:, P:P + 1])
+        close(model(step, cache=pickle.loads(pickle.dumps(cache))).logits, full[:, P:P + 1])
+        picked = copy.deepcopy(cache)
+        picked.batch_select_indices(torch.tensor([1]))
+        close(model(step[1:], cache=picked).logits, full[1:, P:P + 1])
+        cache.batch_repeat_interleave(2)
+        close(model(step.repeat_interleave(2, 0), cache=cache).logits, full[:, P:P + 1].repeat_interleave(2, 0))
+        static = T.StaticCache(config=model.config, max_cache_len=24)
+        model(PROMPT.flip(1), cache=static, use_cache=True)
+        static.reset()  # a static cache reused for another prompt
+        close(model(ids[:, :P], cache=static, use_cache=True).logits, full[:, :P])
+        close(model(step, cache=static, use_cache=True).logits, full[:, P:P + 1])
