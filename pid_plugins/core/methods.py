@@ -53,6 +53,7 @@ from .warmup import GainWarmup, make_warmup
 
 __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod",
+    "MissingLayerState", "missing_state_message",
     "register_method", "get_method", "list_methods", "method_check", "method_update",
     "resolve_attention", "on_register", "reserve_names", "calls_attention_once", "method_warmup", "SOFTMAX",
 ]
@@ -258,7 +259,15 @@ class LayerCall(NamedTuple):
     0-based index within its group (the layers the adapter threads the method's state through, in order; separate
     groups such as an encoder and a decoder count from 0 each), a Python int fixed when the model is built or
     converted; :meth:`AttentionMethod.layer_params` receives it. None: the adapter does not know it (a method that
-    needs it refuses the call, :meth:`AttentionMethod.require_layer`)."""
+    needs it refuses the call, :meth:`AttentionMethod.require_layer`).
+
+    The state rule (one place for every adapter, in :meth:`AttentionMethod.apply`): a layer with ``layer > 0`` of a
+    method with cross-layer state (non-empty ``state_fields``) never starts a new state silently. It gets the previous
+    layer's state, or ``restart`` is True (the adapter knows every earlier layer of the group was skipped on purpose
+    in this forward: the model's own layer dropout in training; the layer then starts the state afresh, as the
+    group's first layer does), or the call raises :class:`MissingLayerState`, whose message ends with
+    ``state_route``: the adapter's words for the supported way to run the layer with its state (None: a generic
+    sentence). Methods without cross-layer state (Twicing) and calls without an index are not affected."""
 
     attend: Optional[Attend]
     query: Optional[Tensor]
@@ -272,6 +281,32 @@ class LayerCall(NamedTuple):
     project: Optional[Callable[[Tensor], Tensor]] = None
     stock: Optional[StockPath] = None
     layer: Optional[int] = None
+    restart: bool = False
+    state_route: Optional[str] = None
+
+
+class MissingLayerState(RuntimeError):
+    """A layer that is not its group's first (:attr:`LayerCall.layer` > 0) got no state from the layers before it,
+    under a method that hands state from layer to layer: it would silently take itself for the group's first layer.
+    What cuts the state: pipeline parallelism (a stage whose forward starts in the middle of the group), a loop that
+    calls the layers one by one. The message names the layer, the method, and the supported way."""
+
+
+#: what :class:`MissingLayerState` says when the adapter gave no ``state_route``
+DEFAULT_STATE_ROUTE = ("Run the group's layers in one forward of the model, which threads the state from layer to "
+                       "layer, or hand the previous layer's state to this one.")
+
+
+def missing_state_message(method: "AttentionMethod", layer: int, route: Optional[str] = None) -> str:
+    """The message of :class:`MissingLayerState` for ``method`` at ``layer`` (0-based index in its group) with the
+    adapter's ``route`` (the supported way)."""
+    fields = ", ".join(method.state_fields)
+    return (
+        f"attention method {method.name!r}: layer {layer} of its group got no state from the layers before it. The "
+        f"method hands ({fields}) from layer to layer within one forward, so layer {layer} would silently take itself "
+        f"for the group's first layer. Its forward started in the middle of the group: pipeline parallelism (a stage "
+        f"that starts at layer {layer}), or a loop that calls the layers one by one. {route or DEFAULT_STATE_ROUTE}"
+    )
 
 
 def method_check(method: AttentionMethod, config: Any, context: AttentionContext, query: Tensor) -> Tensor:
@@ -299,6 +334,9 @@ def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], c
     else:  # a method written before LayerCall.layer: layer_params(config, learned)
         params = method.layer_params(config, learned)
     previous = None if state is None else method.make_state(*state)
+    if previous is None and call.layer and method.state_fields and not call.restart:
+        # the state rule: a later layer never starts a new state silently (LayerCall)
+        raise MissingLayerState(missing_state_message(method, call.layer, call.state_route))
     if call.stock is not None and call.scale is not None and method.additive:
         method_check(method, config, call.context, call.value_q)
         term, new_state = method_update(method, params, torch.zeros_like(call.value_q), call.value_q, previous,

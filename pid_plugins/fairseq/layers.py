@@ -26,12 +26,17 @@ from torch import Tensor
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
+from fairseq.modules.layer_drop import LayerDropModuleList
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
 from ..core.layer import MethodLayer, MethodModel, number_layers, rename_legacy_keys
 from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
+
+#: how to run a fairseq method layer with its state, named in core's MissingLayerState
+STATE_ROUTE = ("With fairseq, run the layers through the decoder's own forward (extract_features), which threads the "
+               "state: layer(..., pid_state=state) returns it as its fourth output.")
 
 __all__ = ["GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
@@ -95,12 +100,14 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         attn_mask: Optional[Tensor] = None,
         key_padding_mask: Optional[Tensor] = None,
         scale: Optional[Tensor] = None,
+        restart: bool = False,
     ) -> Tuple[Tensor, tuple]:
         """The layer under its method, one :meth:`~pid_plugins.core.AttentionMethod.apply`: q/k/v from the layer's
         projections (cached keys/values prepended), ``attend`` = SDPA with the keys, masks and dropout bound, then
         the output projection. Under gain warm-up (``scale``; additive methods) fairseq's own attention, its fused
         kernel and cache, is the stock path, to which the method adds its scaled term through the output
-        projection's weight: a zero scale is the stock layer exactly."""
+        projection's weight: a zero scale is the stock layer exactly. ``restart``: the decoder's layer dropout may
+        have skipped every earlier layer in this forward (:attr:`LayerCall.restart <pid_plugins.core.LayerCall>`)."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
         context = AttentionContext(causal=True, cached=incremental_state is not None,
@@ -117,7 +124,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
 
             v = self.v_proj(x).view(T, B, H, D).permute(1, 2, 0, 3)
             call = LayerCall(None, None, None, v, context=context, scale=scale, stock=StockPath(stock, project_term),
-                             layer=self.layer_index)
+                             layer=self.layer_index, restart=restart, state_route=STATE_ROUTE)
             return self.apply_method(call, state)
         q, k, v = self._qkv(x)
         v_query = v
@@ -152,7 +159,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
             return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
 
         call = LayerCall(attend, q, v, v_query, context=context, visible=visible, slot=slot, project=project,
-                         layer=self.layer_index)
+                         layer=self.layer_index, restart=restart, state_route=STATE_ROUTE)
         return self.apply_method(call, state)
 
 
@@ -212,6 +219,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         need_head_weights: bool = False,
         pid_state: Optional[tuple] = None,
         pid_scale: Optional[Tensor] = None,
+        pid_restart: bool = False,
     ):
         method = self.self_attn.attention_method
         if not self.self_attn.method_active:
@@ -225,7 +233,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
         x, pid_state = self.self_attn.forward_method(x, pid_state, incremental_state, self_attn_mask,
-                                                     self_attn_padding_mask, pid_scale)
+                                                     self_attn_padding_mask, pid_scale, restart=pid_restart)
         if self.c_attn is not None:
             T, B = x.size(0), x.size(1)
             x = torch.einsum("tbhd,h->tbhd", x.view(T, B, self.nh, self.head_dim), self.c_attn).reshape(T, B, -1)
@@ -347,13 +355,17 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         inner_states: List[Optional[Tensor]] = [x]
         state: Optional[tuple] = None
         scale = self.method_scale()  # one warm-up step per forward of the decoder
+        # fairseq's layer dropout (--decoder-layerdrop: a LayerDropModuleList yields a random subset in training) skips
+        # layers on purpose: a layer whose earlier layers were all skipped starts the method's state afresh, as the
+        # group's first layer does (LayerCall.restart); a later layer after a kept one gets that layer's state
+        restart = self.training and isinstance(self.layers, LayerDropModuleList)
         for idx, layer in enumerate(self.layers):
             self_attn_mask = (self.buffered_future_mask(x)
                               if incremental_state is None and not full_context_alignment else None)
             x, layer_attn, _, state = layer(
                 x, enc, padding_mask, incremental_state, self_attn_mask=self_attn_mask,
                 self_attn_padding_mask=self_attn_padding_mask, need_attn=bool(idx == alignment_layer),
-                need_head_weights=bool(idx == alignment_layer), pid_state=state, pid_scale=scale,
+                need_head_weights=bool(idx == alignment_layer), pid_state=state, pid_scale=scale, pid_restart=restart,
             )
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:

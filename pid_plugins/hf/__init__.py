@@ -20,7 +20,8 @@ method state), :mod:`~pid_plugins.hf.config` (what a model config says: the meth
 attention; how the choice is saved), :mod:`~pid_plugins.hf.warmup` (the gain warm-up counter),
 :mod:`~pid_plugins.hf.cache` (the method and transformers' KV caches), :mod:`~pid_plugins.hf.gains` (learnable gains,
 weight decay), :mod:`~pid_plugins.hf.install` (what the import changes in transformers),
-:mod:`~pid_plugins.hf.conversion` (switching a built model in place).
+:mod:`~pid_plugins.hf.conversion` (switching a built model in place), :mod:`~pid_plugins.hf.pipeline` (pipeline
+stages for ``torch.distributed.pipelining`` that carry the method's state across stage boundaries).
 """
 try:
     import transformers  # noqa: F401
@@ -37,6 +38,7 @@ from .config import ATTN_IMPLEMENTATION, BASES, method_of, model_method_config, 
 from .conversion import convert, to_pid
 from .discovery import install_pid_hooks
 from .gains import NoGainDecayTrainerMixin, decay_parameter_names, gain_parameter_names
+from .pipeline import PipelineStageModule, pipeline_stage, stage_layer_range
 from .install import install as _install
 
 _install()
@@ -46,5 +48,5 @@ __all__ = [
     "pid_attention_forward", "method_mask", "pid_mask", "install_pid_hooks", "model_pid_config",
     "model_method_config", "method_of",
     "convert", "to_pid", "get_config", "list_models", "NoGainDecayTrainerMixin", "decay_parameter_names",
-    "gain_parameter_names",
+    "gain_parameter_names", "pipeline_stage", "PipelineStageModule", "stage_layer_range",
 ]

@@ -52,6 +52,15 @@ __all__ = [
 ]
 
 ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
+#: True on the placeholder of a layer another pipeline stage owns (pid_plugins.hf.pipeline_stage)
+STAGE_PLACEHOLDER = "_pid_plugins_stage_placeholder"
+#: how to run a transformers layer with its state, named in core's MissingLayerState
+STATE_ROUTE = (
+    "With transformers, run the layers in the model's forward; for pipeline parallelism split the model with "
+    "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with torch.distributed.pipelining "
+    "(PipelineStage and a schedule such as ScheduleGPipe): each stage hands the method's state to the next as tensors "
+    "beside the hidden states (transformers' own DistributedConfig(pp_size=...) is refused for such methods)."
+)
 #: on self-attention modules: the indices of the earlier layers of its stack, nearest first
 EARLIER = "_pid_plugins_earlier"
 _ROLE, _EARLIER = ROLE, EARLIER  # the names tests and earlier code read
@@ -70,11 +79,12 @@ class MethodForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "layer_count", "grad")
+                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "layer_count", "grad",
+                 "restart")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
-                 cached: bool = False, cache: Any = None, layer_count: int = 0) -> None:
+                 cached: bool = False, cache: Any = None, layer_count: int = 0, restart: bool = False) -> None:
         self.method = method if method is not None else _PID
         self.config = config  # the method's parameters (PID: a PIDConfig)
         self.base = base
@@ -89,6 +99,9 @@ class MethodForwardState:
         self.layers: Dict[int, PIDState] = {}
         self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
         self.layer_count = layer_count  # the owner's layer count (1 + the largest layer_idx)
+        # the model's own layer dropout may skip layers in this forward (training): a layer whose earlier layers were
+        # all skipped starts the state afresh (LayerCall.restart); otherwise core refuses a later layer without state
+        self.restart = restart
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
         self.grad = False  # autograd was on when the forward began (set by the pre-hook): see checkpointing.py
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
@@ -101,12 +114,21 @@ class MethodForwardState:
     def previous(self, earlier: tuple[int, ...]) -> Optional[PIDState]:
         """The state of the nearest earlier layer of the stack that ran in this forward (``earlier``: the
         stack's earlier layers, nearest first). A layer skipped by layer dropout (BART's ``layerdrop``,
-        Whisper's, ...) leaves the hidden states unchanged, and so the PID state too."""
+        Whisper's, ...) leaves the hidden states unchanged, and so the method's state too; when every earlier layer
+        was skipped there is none (None), and the first layer that runs starts the state afresh: it takes its own
+        values for ``v^1`` (PID, NeuTRENO, value residual) or keeps its queries (Elliptical), as the group's first
+        layer does (``restart``). A pipeline stage's first layer finds the state the previous stage handed on
+        (:meth:`carry_in`)."""
         for index in earlier:
             state = self.layers.get(index)
             if state is not None:
                 return state
         return None
+
+    def carry_in(self, index: int, state: tuple) -> None:
+        """Hand this forward the state layer ``index`` of the stack computed in another forward (the previous
+        pipeline stage's last layer: :func:`pid_plugins.hf.pipeline_stage`), as if that layer had run here."""
+        self.layers[index] = state
 
     def __repr__(self) -> str:
         return f"MethodForwardState(base={self.base!r}, layers={sorted(self.layers)}, finished={self.finished})"
@@ -210,6 +232,7 @@ def method_attention_forward(
         visible=lambda: _visible(module, attention_mask, query, key, kwargs, run),
         slot=lambda: _slot(run, module, q_len, length),
         layer=index if earlier is None else len(earlier),  # its position in its stack (encoder, decoder: each from 0)
+        restart=run.restart, state_route=STATE_ROUTE,
     )
     u, layers[index] = method.apply(run.config, learned, call, previous)
     return u, weights

@@ -35,7 +35,7 @@ from .config import (
     ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, method_of, methods,
     model_method_config,
 )
-from .discovery import GAINS_SOURCE, PLAN, check_model, install_pid_hooks
+from .discovery import GAINS_SOURCE, PLAN, check_model, install_pid_hooks, pipeline_refusal
 from .warmup import WARMUP_ATTR, WARMUP_MISSING_KEY, WARMUP_SOURCE, attach_warmup
 
 __all__ = ["convert", "finish", "to_pid"]
@@ -87,6 +87,9 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
     check_learnable(choice.method, choice.config)
     resolved_base = _check_base(model, base)
     check_model(model, choice.method.name)
+    refusal = pipeline_refusal(model.config, choice.method, choice.config)  # transformers' own PP
+    if refusal is not None:
+        raise ValueError(refusal)
     _to_method(model, choice, resolved_base)
     return model
 

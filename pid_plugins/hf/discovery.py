@@ -20,10 +20,15 @@ How it fits transformers (no frame inspection, one path for every way a model ge
 * Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the method state's
   gradient between layers), transformers' own and torch's ``checkpoint_wrapper`` (:mod:`pid_plugins.hf.checkpointing`),
   a KV cache in a training forward under torch's activation checkpointing (the recomputation would append the keys a
-  second time: ``use_cache=False``), a static sliding-window cache, ``output_attentions`` without the eager base.
+  second time: ``use_cache=False``), a static sliding-window cache, ``output_attentions`` without the eager base, and
+  transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``) for a method that carries state across
+  layers (:func:`pipeline_refusal`; the supported route is :func:`pid_plugins.hf.pipeline_stage`).
 * ``use_cache`` not passed (or passed on as None by an outer model) is the config's, as transformers resolves it: a
   method with a cache slot (Twicing) gets the cache made here, so a plain ``model(prompt)`` returns a cache decoding
   can continue from.
+* Layer dropout (BART's, Whisper's ``layerdrop`` in training) skips layers on purpose: the forward's state says so
+  (:func:`drops_layers`), and a layer whose earlier layers were all skipped starts the method's state afresh
+  (core's state rule otherwise refuses a later layer without state).
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import gains as learned_gains
-from .attention import EARLIER, ROLE, MethodForwardState
+from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, MethodForwardState
 from .cache import new_cache, static_past
 from .checkpointing import cache_message, torch_checkpointing, wrapper_message
 from .checkpointing import require as require_torch_checkpointing
@@ -51,8 +56,8 @@ from .internals import (
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
 from ..versions import InternalChanged
 
-__all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "hook", "install_pid_hooks",
-           "is_cross", "learnable_config", "walk"]
+__all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "drops_layers", "hook",
+           "install_pid_hooks", "is_cross", "learnable_config", "pipeline_refusal", "walk"]
 
 HOOKED = "_pid_plugins_hooked"  # in a model's __dict__: it carries the forward hooks
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan (discovered)
@@ -82,6 +87,9 @@ class Plan:
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
     #: the keywords its forward takes the KV cache under (``cache``, ``past_key_values``: internals.CACHE_KEYWORD)
     cache_keywords: tuple = ()
+    #: the owner and the modules below it with a ``layerdrop`` attribute (BART's encoder/decoder, Whisper's, ...):
+    #: where transformers' layer dropout reads its probability (besides the config's ``*layerdrop`` keys)
+    layerdrop: tuple = ()
 
 
 def _chosen(model: nn.Module) -> str:
@@ -176,7 +184,17 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     causal = False
     layer_count = 0
     stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
+    droppers = [model] if _number(getattr(model, "layerdrop", None)) else []
     for path, sub in walk(model):
+        if getattr(sub, STAGE_PLACEHOLDER, False):
+            raise ValueError(
+                f"attn_implementation={_chosen(model)!r}: {type(model).__name__}.{path} belongs to another pipeline "
+                "stage (pid_plugins.hf.pipeline_stage put a placeholder in its place), so the model's layers cannot be "
+                "numbered again: choose the method, its parameters and learnable parameters before splitting the model "
+                "into stages"
+            )
+        if _number(getattr(sub, "layerdrop", None)):
+            droppers.append(sub)
         if isinstance(sub, PreTrainedModel):
             sub.__dict__[GAINS_SOURCE] = gains_source
             if warmup is not None:
@@ -199,7 +217,11 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 causal = causal or bool(getattr(sub, "is_causal", False))
                 if isinstance(getattr(sub, "layer_idx", None), int):
                     layer_count = max(layer_count, sub.layer_idx + 1)
-                stack = next((p for p in parts if "encoder" in p.lower() or "decoder" in p.lower()), "")
+                # the stack: the path up to its first encoder/decoder part ("encoder", "model.decoder"; "" for a
+                # decoder-only model), so two encoders under one owner (text_model.encoder, vision_model.encoder)
+                # are two groups
+                cut = next((i for i, p in enumerate(parts) if "encoder" in p.lower() or "decoder" in p.lower()), -1)
+                stack = ".".join(parts[: cut + 1])
                 earlier = stacks.get(stack, ())
                 setattr(sub, EARLIER, earlier)
                 stacks[stack] = (order, *earlier)
@@ -231,9 +253,55 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
             )
     plan = Plan(owns_layers=order > 0, cache_position=names.index(keywords[0]) if keywords else None,
                 learnable=learnable is not None, causal=causal, layer_count=layer_count,
-                counter=model._modules.get(WARMUP_ATTR), cache_keywords=keywords)
+                counter=model._modules.get(WARMUP_ATTR), cache_keywords=keywords, layerdrop=tuple(droppers))
     model.__dict__[PLAN] = plan
     return plan
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+#: the config keys transformers' layer dropout reads (BART, Whisper, M2M100, ...: ``*_layerdrop``; wav2vec2: ``layerdrop``)
+LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def drops_layers(model: nn.Module, plan: Plan) -> bool:
+    """Whether this forward of ``model`` may skip layers on purpose: the model's own layer dropout (a ``layerdrop``
+    attribute of the owner or a module below it, or a ``*layerdrop`` config key, above 0) in training mode. A layer
+    whose earlier layers were all skipped then starts the method's state afresh (:attr:`LayerCall.restart
+    <pid_plugins.core.LayerCall>`), as the group's first layer does."""
+    if not model.training:
+        return False
+    if any((getattr(m, "layerdrop", 0) or 0) > 0 for m in plan.layerdrop):
+        return True
+    config = getattr(model, "config", None)
+    return any(_number(value := getattr(config, key, None)) and value > 0 for key in LAYERDROP_KEYS)
+
+
+def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
+    """The message refusing transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``, which
+    ``from_pretrained`` records as ``config.distributed_config``) for a method that carries state across layers;
+    None when the model runs no such method or no pipeline parallelism."""
+    distributed = getattr(config, "distributed_config", None)
+    pp_size = distributed.get("pp_size") if isinstance(distributed, dict) else getattr(distributed, "pp_size", None)
+    if not _number(pp_size) or pp_size <= 1 or not method.state_fields or method.is_identity(params):
+        return None
+    from ..core import get_method, list_methods
+
+    carrying = [n for n in list_methods() if get_method(n).state_fields]
+    free = [n for n in list_methods() if not get_method(n).state_fields]
+    return (
+        f"attn_implementation={method.name!r}: pipeline parallelism (transformers' DistributedConfig(pp_size="
+        f"{pp_size})) is refused for the attention methods that carry state across layers ({', '.join(carrying)}): "
+        "each stage runs a forward of its own and receives only the previous stage's hidden states, so the first "
+        f"layer of a later stage would lose the state of the layers before it ({', '.join(method.state_fields)} for "
+        f"{method.name!r}) and silently take itself for the first layer. Methods without cross-layer state "
+        f"({', '.join(free) or 'none registered'}) run under it. The supported route: split the model with "
+        "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with "
+        "torch.distributed.pipelining (PipelineStage and a schedule such as ScheduleGPipe): they carry the method's "
+        "state across the stage boundary as tensors"
+    )
 
 
 def check_family(cls: type, config: object, name: str) -> None:
@@ -313,6 +381,11 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         # merge_and_unload unwraps it): the nested models' layers must read the counter this forward advances
         with _LOCK:
             plan = discover(module)
+    if getattr(config, "distributed_config", None) is not None:  # transformers' PP: refused before anything runs
+        refusal = pipeline_refusal(config, method, model_method_config(module.__dict__.get(GAINS_SOURCE, config),
+                                                                       method))
+        if refusal is not None:
+            raise ValueError(refusal)
     if not plan.owns_layers:
         return None
     gains_config = module.__dict__.get(GAINS_SOURCE, config)
@@ -360,7 +433,8 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             )
     slot_cache = own if method.cache_slot and layers_cache else None
     state = MethodForwardState(gains, base, static_past(cache, method.name), scale, method, cached=cache is not None,
-                            cache=slot_cache, layer_count=plan.layer_count)
+                            cache=slot_cache, layer_count=plan.layer_count,
+                            restart=bool(method.state_fields) and drops_layers(module, plan))
     state.grad = grad
     kwargs["pid_state"] = state
     return args, kwargs

@@ -44,6 +44,11 @@ def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
     return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, where=where, options=options)
 
 
+#: how to run an mmseg method layer with its state, named in core's MissingLayerState
+STATE_ROUTE = ("With mmseg, run the layers through the backbone's (or the decode head's) own forward, which threads "
+               "the state: x, state = layer(x, state, scale), state None at the group's first layer only.")
+
+
 def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     """Switch ``layers`` (mmseg's ``TransformerEncoderLayer`` or :class:`PIDTransformerEncoderLayer`) to ``choice``, in
     place: the same module objects, their class swapped. A choice that computes the stock attention (softmax, an
@@ -124,7 +129,8 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
             v = F.linear(x, mha.in_proj_weight[2 * C:], None if mha.in_proj_bias is None else mha.in_proj_bias[2 * C:])
             call = LayerCall(None, None, None, v.reshape(B, N, heads, C // heads).transpose(1, 2), context=context,
-                             scale=scale, stock=StockPath(stock, project_term), layer=self.layer_index)
+                             scale=scale, stock=StockPath(stock, project_term), layer=self.layer_index,
+                             state_route=STATE_ROUTE)
             return self.apply_method(call, state)
         qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
         q, k, v = qkv.reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4).unbind(0)
@@ -136,8 +142,8 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         def project(out: Tensor) -> Tensor:
             return mha.out_proj(out.transpose(1, 2).reshape(B, N, C))
 
-        return self.apply_method(LayerCall(attend, q, v, v, context=context, project=project, layer=self.layer_index),
-                                 state)
+        return self.apply_method(LayerCall(attend, q, v, v, context=context, project=project, layer=self.layer_index,
+                                           state_route=STATE_ROUTE), state)
 
     def forward(self, x: Tensor, state: Optional[tuple] = None,  # type: ignore[override]
                 scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:

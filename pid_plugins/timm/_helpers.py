@@ -51,6 +51,12 @@ resolve_pid = resolve_timm_attention  # the former name (it resolves any method,
 
 
 # ------------------------------------------------------------------------------------------ attention layers
+#: how to run a timm block with its method's state, named in core's MissingLayerState
+STATE_ROUTE = ("With timm, a block takes and returns the state as tensors, x, *state = block(x, *state) (FAN: "
+               "block(x, H, W, *state)): the model's forward, forward_features and forward_intermediates thread it, "
+               "and a pipeline stage must hand the state tensors on beside x.")
+
+
 class MethodLayer(CoreMethodLayer):
     """What an attention layer of a timm family holds for its method (mixed into the layer's ``nn.Module``): core's
     :class:`~pid_plugins.core.layer.MethodLayer` and the timm attention call."""
@@ -70,8 +76,8 @@ class MethodLayer(CoreMethodLayer):
             return attend(q, v), state
         drop = getattr(self, "attn_drop", None)
         context = AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0)
-        return self.apply_method(LayerCall(attend, q, v, v, context=context, scale=scale, layer=self.layer_index),
-                                 state)
+        return self.apply_method(LayerCall(attend, q, v, v, context=context, scale=scale, layer=self.layer_index,
+                                           state_route=STATE_ROUTE), state)
 
 
 # timm's own fx leaf list (its feature extraction traces with it; plain torch.fx uses core's torch.fx.wrap)

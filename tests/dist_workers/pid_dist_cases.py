@@ -329,3 +329,57 @@ def build_fsdp_case(name: str, workdir, checkpointing: bool = False, seed: int =
 
 def fsdp_loss(out):
     return out.float().square().mean()
+
+
+# ---------------------------------------------------------------------------------------- pipeline parallelism
+# A Llama of 4 layers (4 query / 2 key-value heads) split into 2 stages of 2 layers: the state of layers 0-1 must
+# reach layers 2-3. Every method, and PID with learnable gains and with a reference-only first layer (its sums are
+# None after layer 0: the 3-stage split in one process checks that case crosses a boundary).
+PIPELINE_METHODS = {
+    "pid": ("pid", {}),
+    "pid_learnable": ("pid", {"learnable": True}),
+    "neutreno": ("neutreno", {}),
+    "twicing": ("twicing", {}),
+    "elliptical": ("elliptical", {"mean": "prefix"}),  # a causal model: the prefix mean
+    "value_residual": ("value_residual", {}),
+}
+PIPELINE_BATCH = 4  # rows, split into PIPELINE_MICROBATCHES microbatches by the schedule
+PIPELINE_MICROBATCHES = 2
+PIPELINE_STEPS = 2
+PIPELINE_LR = 0.5  # plain SGD
+
+
+def pipeline_config(name: str = "sdpa", params=None):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
+                       attention_dropout=0.0, tie_word_embeddings=False, attn_implementation=name,
+                       **({name: params} if params is not None else {}))
+
+
+def pipeline_llama(case: str, seed: int = 0):
+    """The case's Llama (``PIPELINE_METHODS``), seeded: every rank and the one-process reference build the same."""
+    import pid_plugins.hf  # noqa: F401  (registers the methods with transformers)
+    from transformers import LlamaForCausalLM
+
+    name, params = PIPELINE_METHODS[case]
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(pipeline_config(name, params))
+
+
+def pipeline_batch(step: int = 0):
+    """``(input_ids, attention_mask)`` of one global batch: the inference batch (step -1) has left padding in its
+    last row."""
+    ids = torch.randint(3, 96, (PIPELINE_BATCH, 10), generator=torch.Generator().manual_seed(20 + step))
+    mask = torch.ones_like(ids)
+    if step < 0:
+        ids[-1, :3], mask[-1, :3] = 0, 0
+    return ids, mask
+
+
+def pipeline_loss(logits, labels):
+    """Next-token cross-entropy, the mean over the (micro)batch's tokens."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))

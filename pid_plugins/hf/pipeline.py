@@ -1,0 +1,328 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: a transformers model split into stages whose forward
+carries the attention method's cross-layer state.
+
+PID, NeuTRENO, value residual and Elliptical hand a state from layer to layer within one forward (``v^1``, the
+running error, the previous layer's values). A pipeline stage runs only its own layers, in a forward of its own, so
+the state has to cross the stage boundary with the hidden states: :func:`pipeline_stage` makes the stage module
+whose forward takes and returns it as tensors, which the schedule sends to the next stage (and their gradients
+back)::
+
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage_module = pid_plugins.hf.pipeline_stage(model, rank, world_size)   # this rank's layers, in place
+    stage = PipelineStage(stage_module, rank, world_size, device)
+    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
+    if rank == 0:
+        schedule.step(input_ids)
+    elif rank == world_size - 1:
+        losses = []
+        schedule.step(target=labels, losses=losses)   # returns the logits
+    else:
+        schedule.step()
+
+A stage's forward:
+
+* first stage: ``forward(input_ids, **kwargs)``; later stages: ``forward(hidden_states, *state, **kwargs)``;
+* last stage: the logits; the others: ``(hidden_states, *state)``, where ``state`` is the method's
+  ``state_fields`` of the stage's last layer (PID: ``v_first, e_sum, e_prev``; NeuTRENO and value residual:
+  ``v_first``; Elliptical: ``v_prev``; Twicing and softmax: none), contiguous (gloo sends only contiguous tensors);
+  a field that is None (PID's sums before a reference-only first layer has formed an error) travels as an empty
+  tensor. The gradients the schedule sends back for the inputs are made contiguous too.
+* ``kwargs`` (``attention_mask``, ``position_ids``) go to the model's forward on every stage; give them to
+  ``schedule.step`` on every rank. The stages run without a KV cache (``use_cache=False``).
+
+Which layers a stage owns: ``base_model.layers[start:end)``, by default transformers' own even split
+(``DistributedConfig(pp_size=...)``: the first stages take one more layer each when the count does not divide). The
+model is changed in place, as transformers' own pipeline parallelism does: the layers of other stages, the
+embedding on later stages and the final norm and head on earlier ones are replaced by placeholders, so the stage
+module's ``parameters()`` are the stage's own (build the optimizer on them). The supported models are the
+decoder-only families whose base model keeps its layers in ``layers`` (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...),
+as for transformers' own pipeline parallelism.
+
+transformers' own ``DistributedConfig(pp_size=...)`` hands the next stage only the hidden states: methods that carry
+state across layers are refused under it, with a message naming this route.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+from transformers import PreTrainedModel
+
+from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, MethodForwardState
+from .config import method_of, model_method_config
+from .discovery import PLAN, install_pid_hooks
+from .warmup import counter_of
+
+__all__ = ["PipelineStageModule", "pipeline_stage", "stage_layer_range"]
+
+logger = logging.getLogger(__name__)
+
+
+class NotInStage(nn.Module):
+    """The placeholder of a module another pipeline stage owns: returns its first input unchanged (a layer's hidden
+    states, the embedding's ``inputs_embeds`` path is not taken, a norm's input)."""
+
+    def __init__(self, replaced: str = "") -> None:
+        super().__init__()
+        setattr(self, STAGE_PLACEHOLDER, True)
+        self.replaced = replaced
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+    def extra_repr(self) -> str:
+        return f"replaced={self.replaced!r}"
+
+
+def stage_layer_range(stage_index: int, num_stages: int, num_layers: int) -> Tuple[int, int]:
+    """The layers ``[start, end)`` stage ``stage_index`` of ``num_stages`` owns by default: transformers' own even
+    split (``DistributedConfig(pp_size=...)``), the remainder one layer each to the first stages."""
+    per_stage, remainder = divmod(num_layers, num_stages)
+    start = stage_index * per_stage + min(stage_index, remainder)
+    return start, start + per_stage + (stage_index < remainder)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity whose backward makes the gradient contiguous (gloo sends only contiguous tensors, and the
+    gradient of a stage input is sent back to the previous stage)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _received(tensor: Tensor) -> Tensor:
+    return _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor
+
+
+class _Carry:
+    """One stage forward: what enters (the previous stage's hidden states and state) and what leaves."""
+
+    __slots__ = ("hidden_in", "state_in", "hidden_out", "state_out", "run")
+
+    def __init__(self, hidden_in: Optional[Tensor], state_in: Optional[tuple]) -> None:
+        self.hidden_in, self.state_in = hidden_in, state_in
+        self.hidden_out: Optional[Tensor] = None
+        self.state_out: Optional[tuple] = None
+        self.run: Optional[MethodForwardState] = None
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage of a transformers model with an attention method: the module to give
+    ``torch.distributed.pipelining.PipelineStage``. Made by :func:`pipeline_stage` (see there and the module
+    docstring for its forward).
+
+    Attributes: ``model`` (the model, changed in place: only this stage's modules), ``stage_index``,
+    ``num_stages``, ``layer_range`` (``[start, end)`` of ``base_model.layers``), ``is_first``, ``is_last``.
+    """
+
+    def __init__(self, model: PreTrainedModel, stage_index: int, num_stages: int,
+                 layer_range: Tuple[int, int]) -> None:
+        super().__init__()
+        self.model = model
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.layer_range = layer_range
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        base = model.base_model
+        layers = base.layers[layer_range[0]:layer_range[1]]
+        attentions = [m for layer in layers for m in layer.modules()  # its self-attention (discovery's order)
+                      if isinstance(getattr(m, ROLE, None), int) and getattr(m, ROLE) >= 0]
+        #: the stack index of the layer whose state this stage receives (None: the stage starts the stack) and of
+        #: its own last self-attention layer (whose state it hands on)
+        self._entry: Optional[int] = None
+        self._exit: Optional[int] = None
+        if attentions:
+            earlier = getattr(attentions[0], EARLIER, ())
+            self._entry = earlier[0] if earlier else None
+            self._exit = getattr(attentions[-1], ROLE)
+        self.__dict__["_carry"] = None  # the forward under way (plain attribute: not a submodule)
+        #: recomputation under a checkpoint wrapper around the first layer (its hooks inside the checkpoint): the
+        #: hidden states it received -> what the stage put in their place
+        self.__dict__["_swaps"] = WeakIdKeyDictionary()
+        if not self.is_first:
+            layers[0].register_forward_pre_hook(self._enter, with_kwargs=True)
+        if not self.is_last:
+            layers[-1].register_forward_hook(self._leave, with_kwargs=True)
+
+    # ------------------------------------------------------------------------------------------ the state
+    def state_fields(self) -> Tuple[str, ...]:
+        """The names of the state tensors that cross this stage's boundaries (empty: the stock attention, Twicing, a
+        method whose parameters compute the stock attention)."""
+        config = self.model.config
+        method = method_of(config)
+        if method is None or not method.state_fields:
+            return ()
+        if method.is_identity(model_method_config(config, method)):
+            return ()
+        return tuple(method.state_fields)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
+        """Before this stage's first layer: its input is the previous stage's hidden states (whatever the model's
+        forward did to the placeholder input before the layers), and the forward's method state gets the previous
+        stage's."""
+        arriving = args[0] if args else kwargs.get("hidden_states")
+        carry: Optional[_Carry] = self.__dict__["_carry"]
+        if carry is None or carry.hidden_in is None:
+            replacement = self.__dict__["_swaps"].get(arriving) if isinstance(arriving, Tensor) else None
+            if replacement is None:  # a forward of the model outside the stage: nothing to do
+                return None
+        else:
+            replacement = carry.hidden_in
+            if isinstance(arriving, Tensor):
+                self.__dict__["_swaps"][arriving] = replacement
+            run = kwargs.get("pid_state")
+            carry.run = run
+            if carry.state_in is not None:
+                if not isinstance(run, MethodForwardState) or self._entry is None:
+                    raise RuntimeError(
+                        f"pipeline stage {self.stage_index}: the model's forward gave its layers no state of attention "
+                        f"method {getattr(method_of(self.model.config), 'name', None)!r}: was the model switched to "
+                        "another attention after pipeline_stage?"
+                    )
+                run.carry_in(self._entry, carry.state_in)
+        if args:
+            return (replacement, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": replacement}
+
+    def _leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """After this stage's last layer: its hidden states and the method's state leave the stage."""
+        carry: Optional[_Carry] = self.__dict__["_carry"]
+        if carry is None:
+            return
+        carry.hidden_out = output[0] if isinstance(output, (tuple, list)) else output
+        run = kwargs.get("pid_state")
+        if isinstance(run, MethodForwardState) and self._exit is not None:
+            carry.state_out = run.layers.get(self._exit)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, *inputs: Tensor, **kwargs: Any) -> Any:
+        fields = self.state_fields()
+        for key in ("input_ids", "inputs_embeds", "labels", "use_cache", "cache", "past_key_values"):
+            if key in kwargs:
+                raise TypeError(f"pipeline stage {self.stage_index}: {key}= is not a stage keyword (the first stage "
+                                "takes the input ids positionally; the stages run without a KV cache)")
+        if self.is_first:
+            if len(inputs) != 1:
+                raise TypeError(f"pipeline stage 0 takes the input ids, one tensor; got {len(inputs)} tensors")
+            feed = {"input_ids": inputs[0]}
+            carry = _Carry(None, None)
+        else:
+            if len(inputs) != 1 + len(fields):
+                raise TypeError(
+                    f"pipeline stage {self.stage_index} takes (hidden_states, *state) with the state of attention "
+                    f"method {getattr(method_of(self.model.config), 'name', 'softmax')!r}: {1 + len(fields)} tensors "
+                    f"(hidden_states{''.join(', ' + f for f in fields)}); got {len(inputs)}"
+                )
+            hidden = _received(inputs[0])
+            state = tuple(None if t.numel() == 0 else _received(t) for t in inputs[1:])
+            feed = {"inputs_embeds": hidden}
+            carry = _Carry(hidden, state if fields else None)
+        self.__dict__["_carry"] = carry
+        try:
+            if self.is_last:  # the logits (a base model: its last hidden states)
+                output = self.model(**feed, use_cache=False, **kwargs)
+                logits = getattr(output, "logits", None)
+                return output.last_hidden_state if logits is None else logits
+            self.model.base_model(**feed, use_cache=False, **kwargs)
+        finally:
+            self.__dict__["_carry"] = None
+        if carry.hidden_out is None:
+            raise RuntimeError(f"pipeline stage {self.stage_index}: its last layer did not run")
+        out = [carry.hidden_out.contiguous()]
+        if fields:
+            if carry.state_out is None:
+                raise RuntimeError(f"pipeline stage {self.stage_index}: its last layer handed on no state of attention "
+                                   f"method {method_of(self.model.config).name!r}")
+            like = carry.hidden_out
+            out.extend(t.contiguous() if t is not None else like.new_empty(0) for t in carry.state_out)
+        return tuple(out)
+
+    def extra_repr(self) -> str:
+        return (f"stage_index={self.stage_index}, num_stages={self.num_stages}, "
+                f"layer_range={self.layer_range}")
+
+
+def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
+                   layer_range: Optional[Tuple[int, int]] = None) -> PipelineStageModule:
+    """Stage ``stage_index`` of ``num_stages`` of ``model`` for ``torch.distributed.pipelining``: the module whose
+    forward carries the attention method's cross-layer state across the stage boundary as tensors (see the module
+    docstring for the forward's inputs and outputs).
+
+    Args:
+        model: a transformers decoder-only model (``...ForCausalLM`` for logits from the last stage, or a base
+            model), with its attention method chosen (``attn_implementation=...``, :func:`pid_plugins.hf.convert`)
+            before the split; changed in place: the modules of other stages become placeholders.
+        stage_index: this stage, from 0 (usually the rank).
+        num_stages: the number of stages (usually the world size).
+        layer_range: the layers ``[start, end)`` of ``base_model.layers`` this stage owns (default: transformers'
+            even split, :func:`stage_layer_range`). Stages must cover the layers in order without gaps.
+
+    Refused (``ValueError``) before anything is changed: a model without ``base_model.layers``, an empty or
+    out-of-range stage, a model with gain warm-up (``warmup_steps``: the counter counts forwards, which a schedule
+    runs once per stage and microbatch; finish it with :func:`pid_plugins.finish_warmup` or train without).
+    Tied input and output embeddings on different stages are two copies that training updates separately (a
+    warning says so): untie them, or sum their gradients yourself.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"pipeline_stage: a transformers PreTrainedModel, got {type(model).__name__}")
+    where = type(model).__name__
+    base = model.base_model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"pipeline_stage: {where} has no base_model.layers (a ModuleList of decoder layers), which the stages split, "
+            "as transformers' own pipeline parallelism does: a decoder-only family such as Llama, Mistral, Qwen2, "
+            "Gemma or Phi-3"
+        )
+    if not (isinstance(num_stages, int) and num_stages >= 1 and isinstance(stage_index, int)
+            and 0 <= stage_index < num_stages):
+        raise ValueError(f"pipeline_stage: stage_index must be in [0, num_stages), got {stage_index} of {num_stages}")
+    if any(getattr(m, STAGE_PLACEHOLDER, False) for m in model.modules()):
+        raise ValueError(f"pipeline_stage: {where} is a pipeline stage already (its other stages' modules are "
+                         "placeholders): split a whole model")
+    n = len(layers)
+    start, end = layer_range if layer_range is not None else stage_layer_range(stage_index, num_stages, n)
+    if not 0 <= start < end <= n:
+        raise ValueError(f"pipeline_stage: stage {stage_index} must own at least one of the {n} layers; got "
+                         f"layers [{start}, {end})")
+    if stage_index == 0 and start != 0 or stage_index == num_stages - 1 and end != n:
+        raise ValueError(f"pipeline_stage: the first stage starts at layer 0 and the last ends at layer {n}; stage "
+                         f"{stage_index} of {num_stages} got [{start}, {end})")
+    method = method_of(model.config)
+    if method is not None:
+        params = model_method_config(model.config, method)
+        if getattr(params, "warmup_steps", 0) or counter_of(model) is not None:
+            raise ValueError(
+                f"pipeline_stage: {where} warms its {method.name!r} parameters up (warmup_steps), a counter of the "
+                "model's forwards, which a pipeline schedule runs once per stage and microbatch: finish the warm-up "
+                "first (pid_plugins.finish_warmup(model)) or train with warmup_steps=0"
+            )
+        if any(isinstance(m, PreTrainedModel) and PLAN not in m.__dict__ for m in model.modules()):
+            install_pid_hooks(model)  # number the layers while they are all there
+    first, last = stage_index == 0, stage_index == num_stages - 1
+    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and num_stages > 1
+    for index in range(n):
+        if not start <= index < end:
+            layers[index] = NotInStage(f"layers.{index}")
+    if not first and isinstance(getattr(base, "embed_tokens", None), nn.Module):
+        base.embed_tokens = NotInStage("embed_tokens")
+    if not last:
+        if isinstance(getattr(base, "norm", None), nn.Module):
+            base.norm = NotInStage("norm")
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, nn.Module) and model is not base:
+            model.lm_head = NotInStage("lm_head")
+    if tied and (first or last):
+        logger.warning("pipeline_stage: %s ties its output head to the input embedding; the first and the last "
+                       "stage each keep a copy, which training updates separately unless their gradients are summed",
+                       where)
+    return PipelineStageModule(model, stage_index, num_stages, (start, end))
+

@@ -1,0 +1,51 @@
+"""torchrun worker: transformers' own pipeline parallelism, ``from_pretrained(..., distributed_config=
+DistributedConfig(pp_size=2))`` (gloo, CPU), with every attention method of ``pid_dist_cases.PIPELINE_METHODS``.
+
+The methods that carry state across layers must be refused at the first forward, on every rank, before any stage
+communicates (a rank that went on would wait for the other forever); Twicing (no cross-layer state) must run: its
+logits, and greedy generation, which transformers' naive pipeline forward supports. Every rank saves what it saw to
+OUT/rank{rank}.pt; tests/test_pipeline.py compares it with one process.
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pp.py MODEL_DIR OUT
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import pid_dist_cases as cases
+import pid_plugins.hf  # noqa: F401  (registers the methods with transformers)
+
+CASES = {**cases.PIPELINE_METHODS, "twicing_from_2": ("twicing", {"from_layer": 2})}
+
+
+def main(model_dir: str, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, mask = cases.pipeline_batch(-1)
+    runs = {}
+    for case, (name, params) in CASES.items():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=name,
+                                                     distributed_config=DistributedConfig(pp_size=world),
+                                                     **{name: params}).eval()
+        owned = sorted({n.split(".")[2] for n, _ in model.named_parameters() if n.startswith("model.layers.")})
+        run = {"owned_layers": owned}
+        try:
+            with torch.no_grad():
+                run["logits"] = model(ids, attention_mask=mask).logits.clone()
+                if name == "twicing" and not params:
+                    run["generated"] = model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4,
+                                                      do_sample=False, pad_token_id=0).clone()
+        except ValueError as exc:
+            run["refused"] = str(exc)
+        runs[case] = run
+        dist.barrier()  # both ranks reached the end of the case (a refusal on one rank only would hang here)
+    torch.save({"rank": rank, "world": world, "runs": runs}, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
