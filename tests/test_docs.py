@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # page of the API reference -> public names it must document (as a heading of their own, with their docstring)
 API_NAMES = {
     "api/core": ["PIDConfig", "MethodConfig", "AttentionMethod", "register_method", "get_method", "list_methods",
-                 "finish_warmup", "pid_update", "PIDSelfAttention", "LayerCall", "list_models"],
+                 "finish_warmup", "pid_update", "PIDSelfAttention", "LayerCall", "list_models", "check_version",
+                 "InternalChanged", "Internal"],
     "api/methods": ["PIDMethod", "NeuTRENOConfig", "TwicingConfig", "EllipticalConfig", "ValueResidualConfig"],
     "api/timm": ["convert", "to_pid", "PIDVisionTransformer", "FAN", "checkpoint_filter_fn"],
     "api/hf": ["to_pid", "NoGainDecayTrainerMixin", "gain_parameter_names", "decay_parameter_names", "get_config"],
