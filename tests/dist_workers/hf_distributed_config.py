@@ -37,7 +37,8 @@ def main(kind: str, ckpts: Path, out: Path) -> None:
         config = DistributedConfig(tp_size=world) if kind == "tp" else DistributedConfig(fsdp_size=world)
         model = cases.dc_load(case, ckpts / case_name, config)
         loaded = whole(model)
-        rows = slice(None) if kind == "tp" else slice(rank * cases.DC_BATCH // world, (rank + 1) * cases.DC_BATCH // world)
+        half = cases.DC_BATCH // world
+        rows = slice(None) if kind == "tp" else slice(rank * half, (rank + 1) * half)
         losses = cases.dc_train(model, cases.DC_STEPS[kind], rows)
         runs[case_name] = {
             "loaded": loaded, "params": whole(model), "losses": losses,
