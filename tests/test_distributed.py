@@ -526,3 +526,71 @@ def test_first_forwards_of_a_fresh_hf_pid_model_racing_in_two_threads(tmp_path):
             assert torch.equal(got[n], want[n]), (trial, n)
         hooks = list(model.model._forward_pre_hooks_with_kwargs)
         assert len(hooks) == 1, f"trial {trial}: {len(hooks)} PID hooks registered"
+
+
+# ------------------------------------------------------- transformers' DistributedConfig: TP and FSDP2
+def _distributed_config_runs(tmp_path: Path, kind: str, table: dict) -> tuple:
+    """Save every case's checkpoint, run the worker on 2 ranks, and train each case in one process: the ranks'
+    records and, per case, (parameters as loaded, parameters after the steps, losses) of one process."""
+    pytest.importorskip("transformers")
+    ckpts = tmp_path / "ckpts"
+    for name, case in table.items():
+        cases.dc_checkpoint(case, ckpts / name)
+    launch(tmp_path, f"hf_{kind}", [str(DIST / "hf_distributed_config.py"), kind, str(ckpts), str(tmp_path)],
+           timeout=300)
+    ranks = load_ranks(tmp_path)
+    assert all(r["plugin"] == str(REPO / "pid_plugins" / "__init__.py") for r in ranks)  # this checkout's code
+    one = {}
+    for name, case in table.items():
+        model = cases.dc_load(case, ckpts / name)
+        loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+        losses = cases.dc_train(model, cases.DC_STEPS[kind])
+        one[name] = (loaded, {n: p.detach().clone() for n, p in model.named_parameters()}, losses)
+    return ranks, one
+
+
+def test_hf_tensor_parallel_learnable_parameters_equal_one_process(tmp_path):
+    """``from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))``: the learnable parameters
+    (``attention_params``) are replicated on both ranks, but each rank's attention sees only its own heads; the
+    plugin's ``tp_plan`` entry (``replicated_with_grad_allreduce``) sums their gradients. After 2 SGD steps the
+    losses, every parameter (``full_tensor()``) and each rank's own copy of the gains equal one process, for learnable
+    PID and learnable value residual; fixed-gain PID (no plan entry) stays exact. Without the entry: loss off by
+    5e-3 and the ranks' gains 0.03-0.1 apart."""
+    ranks, one = _distributed_config_runs(tmp_path, "tp", cases.TP_CASES)
+    for name, (loaded, params, losses) in one.items():
+        gains = [n for n in params if ".attention_params." in n]
+        assert len(gains) == {"pid_learnable": 12, "value_residual_learnable": 8, "pid": 0}[name]
+        for r in ranks:
+            run = r["runs"][name]
+            assert run["plan"] == ({"model.layers.*.self_attn.attention_params": "replicated_with_grad_allreduce"}
+                                   if gains else {})
+            assert any(".q_proj." in n for n in run["dtensors"])  # the model really is tensor-parallel
+            assert not any(".attention_params." in n for n in run["dtensors"])  # replicated, plain tensors
+            assert_close_params(run["loaded"], loaded, rtol=0, atol=0)
+            torch.testing.assert_close(torch.stack(run["losses"]), torch.stack(losses), rtol=1e-5, atol=1e-6)
+            assert_close_params(run["params"], params, rtol=1e-5, atol=1e-6)
+            assert_close_params(run["gains"], {n: params[n] for n in gains}, rtol=1e-5, atol=1e-6)
+        if gains:  # the steps moved them, the same on both ranks
+            assert max((params[n] - loaded[n]).abs().max().item() for n in gains) > 1e-4
+            assert_same_params(ranks[0]["runs"][name]["gains"], ranks[1]["runs"][name]["gains"])
+
+
+def test_hf_fsdp2_learnable_parameters_from_a_softmax_checkpoint_equal_one_process(tmp_path):
+    """``DistributedConfig(fsdp_size=2)`` (FSDP2 through transformers: every parameter a DTensor shard on CPU)
+    loading a stock sdpa checkpoint into a model with learnable parameters: transformers initialises the missing
+    ``attention_params`` on their shards (value residual's copy used to fail with "in-place operations that require
+    placement changes are not supported"). The loaded parameters (``full_tensor()``) equal the one-process initial
+    values, and one SGD step on each rank's half of the batch equals one process over the whole batch."""
+    ranks, one = _distributed_config_runs(tmp_path, "fsdp", cases.FSDP_LEARNABLE_CASES)
+    for name, (loaded, params, losses) in one.items():
+        gains = [n for n in params if ".attention_params." in n]
+        assert len(gains) == {"pid_learnable": 12, "value_residual_learnable": 8}[name]
+        for r in ranks:
+            run = r["runs"][name]
+            assert set(run["dtensors"]) == set(params)  # every parameter sharded, the learnable ones included
+            assert_close_params(run["loaded"], loaded, rtol=0, atol=0)
+            assert_close_params(run["params"], params, rtol=1e-5, atol=1e-6)
+        # the global loss is the mean of the ranks' (equal-sized halves)
+        mean = sum(r["runs"][name]["losses"][0] for r in ranks) / 2
+        torch.testing.assert_close(mean, losses[0], rtol=1e-5, atol=1e-6)
+        assert max((params[n] - loaded[n]).abs().max().item() for n in gains) > 1e-5

@@ -244,6 +244,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
         pass  # refused with its message at the first forward
     if added:
         learned_gains.ignore_missing(model)
+        learned_gains.extend_tp_plan(model)  # their tensor-parallel entries (applied when transformers builds it)
         if at_forward:
             warnings.warn(
                 f"attn_implementation='pid': learnable PID gains were added to {type(model).__name__} at its first "

@@ -20,6 +20,13 @@ How they survive transformers' own paths:
   know to be initialised. :mod:`pid_plugins.hf.install` makes that initialisation call :func:`reset`
   (the config's gains, through ``transformers.initialization``, which leaves loaded parameters alone), and the
   model's ``_keys_to_ignore_on_load_missing`` names the gains, so their absence is not reported;
+* sharded parameters: under FSDP2 (``DistributedConfig(fsdp_size=...)``, ``fully_shard``) the missing parameters are
+  DTensor shards when transformers initialises them; :func:`reset` gives each rank its shard of the initial values;
+* tensor parallelism (``from_pretrained(..., tp_plan="auto")``, ``DistributedConfig(tp_size=...)``): the parameters
+  are replicated on every rank, but each rank's attention sees only its own heads, so each rank's gradient is a
+  part of the whole. :func:`extend_tp_plan` (run when the model is built, :mod:`pid_plugins.hf.install`) adds
+  ``"<path>.attention_params": "replicated_with_grad_allreduce"`` to the model's ``tp_plan`` for every attention
+  module that has them, so transformers sums their gradients over the tensor-parallel group after the backward;
 * weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
   ``nn.LayerNorm`` type only, with no model hook. :class:`NoGainDecayTrainerMixin` (or
   :func:`decay_parameter_names`) keeps the gains out; see its docstring.
@@ -31,7 +38,7 @@ How they survive transformers' own paths:
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -41,7 +48,8 @@ from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
 from ..core.layer import accept_legacy_keys
 
 __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
-           "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset"]
+           "extend_tp_plan", "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset",
+           "tp_plan_entries"]
 
 #: the attribute (submodule name) of the gains on each self-attention module
 GAINS_ATTR = "attention_params"
@@ -124,8 +132,20 @@ def reset(module: nn.Module) -> bool:
 
     fresh = origin[0].make_learned(origin[1])
     for name, param in module.named_parameters():
-        init.copy_(param, fresh.get_parameter(name).to(device=param.device, dtype=param.dtype))
+        init.copy_(param, _like(param, fresh.get_parameter(name).detach()))
     return True
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (the whole initial tensor, the same on every rank) on ``param``'s device and dtype, and, when
+    ``param`` is a DTensor (FSDP2's shard, a tensor-parallel placement), with its mesh and placements: each rank
+    takes its own part with no communication, so copying it in needs no placement change."""
+    value = value.to(device=param.device, dtype=param.dtype)
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] = None) -> bool:
@@ -174,6 +194,41 @@ def ignore_missing(model: nn.Module) -> None:
     current = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     if MISSING_PATTERN not in current:
         model._keys_to_ignore_on_load_missing = {*current, MISSING_PATTERN}
+
+
+# ------------------------------------------------------------------------------------------ tensor parallelism
+def _wildcard(name: str) -> str:
+    """A module name with its layer numbers as ``*``, as transformers' plans name modules
+    (``model.layers.3.self_attn`` -> ``model.layers.*.self_attn``)."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def tp_plan_entries(model: nn.Module) -> Dict[str, str]:
+    """The tensor-parallel plan entries for ``model``'s learnable method parameters: every ``attention_params``
+    module made here, replicated with its gradient summed over the tensor-parallel group
+    (``{"model.layers.*.self_attn.attention_params": "replicated_with_grad_allreduce"}``)."""
+    from .internals import TP_STYLE
+
+    return {_wildcard(name): TP_STYLE for name, module in model.named_modules()
+            if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
+
+
+def extend_tp_plan(model: nn.Module) -> bool:
+    """Add :func:`tp_plan_entries` to ``model.tp_plan`` (transformers' public plan, which ``from_pretrained`` applies
+    with ``tp_plan="auto"`` / ``DistributedConfig(tp_size=...)``, and outer models collect from their children);
+    True if it added any. A model without a plan is left alone (transformers refuses tensor parallelism for it)."""
+    entries = tp_plan_entries(model)
+    if not entries:
+        return False
+    from .internals import TP_PLAN
+
+    TP_PLAN.require()
+    plan = model.tp_plan
+    missing = {k: v for k, v in entries.items() if plan.get(k) != v}
+    if not plan or not missing:
+        return False
+    model.tp_plan = {**plan, **missing}
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- weight decay

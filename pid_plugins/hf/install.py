@@ -111,12 +111,17 @@ def _attach_gains_at_construction(model: PreTrainedModel, name: str, child: nn.M
 def _post_init(model: PreTrainedModel) -> None:
     """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
     built with a method is discovered now, before any forward, so that a first forward under ``torch.compile`` traces
-    no discovery. The instance attribute removes itself: later calls reach the class's ``post_init``."""
+    no discovery. The instance attribute removes itself: later calls reach the class's ``post_init``. A model with
+    learnable parameters gets their tensor-parallel plan entries here (:func:`~pid_plugins.hf.gains.extend_tp_plan`):
+    ``post_init`` has just built the model's plan from its class, config and children, and an outer model builds
+    its own from this one's when its ``post_init`` runs."""
     model.__dict__.pop("post_init", None)
     type(model).post_init(model)
     if method_of(model.config) is not None and discovery.PLAN not in model.__dict__:
         with discovery._LOCK:
             discovery.discover(model)
+    if discovery.learnable_config(model.config) is not None:  # after post_init's init_parallel_plans
+        learned_gains.extend_tp_plan(model)
 
 
 # --------------------------------------------------------------- a method's parameters as a loader keyword

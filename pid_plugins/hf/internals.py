@@ -24,10 +24,29 @@ ZOO = "transformers"
 CACHE_KEYWORDS: Tuple[str, ...] = ("cache", "past_key_values")
 
 
+#: transformers' tensor-parallel style for a replicated parameter whose gradient each rank computes only in part
+TP_STYLE = "replicated_with_grad_allreduce"
+
+
 def cache_keywords(forward: Any) -> Tuple[str, ...]:
     """The cache keywords (:data:`CACHE_KEYWORDS`) ``forward``'s signature names, in the order it names them."""
     names = inspect.signature(forward).parameters
     return tuple(n for n in names if n in CACHE_KEYWORDS)
+
+
+def _tp_plan() -> bool:
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.distributed import tensor_parallel
+    except ImportError:
+        return False
+    prop = inspect.getattr_static(PreTrainedModel, "tp_plan", None)
+    style = getattr(tensor_parallel, "ALL_PARALLEL_STYLES", {}).get(TP_STYLE)
+    if not (isinstance(prop, property) and prop.fset is not None and style is not None):
+        return False
+    source = inspect.getsource(type(style).install_forward)  # the style's hook: a gradient all-reduce per parameter
+    return "register_post_accumulate_grad_hook" in source and "all_reduce" in source and "recurse=False" in source
 
 
 def _cache_keyword() -> bool:
@@ -178,8 +197,15 @@ WEIGHT_CONVERSIONS = Internal(
     "not writing the old key names back when a model loaded from an old checkpoint is saved", "5.20 - 5.24",
     _weight_conversions)
 
+TP_PLAN = Internal(
+    ZOO, "PreTrainedModel.tp_plan (a settable property) and the 'replicated_with_grad_allreduce' style of "
+    "ALL_PARALLEL_STYLES (transformers.distributed.tensor_parallel)",
+    "tensor parallelism with learnable parameters: each attention_params module gets a plan entry whose forward hook "
+    "all-reduces its own parameters' gradients over the tensor-parallel group (each rank's attention sees only its "
+    "own heads)", "5.24", _tp_plan)
+
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, TORCH_CHECKPOINT,
-             CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, WEIGHT_CONVERSIONS)
+             CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, WEIGHT_CONVERSIONS, TP_PLAN)
 
 
 def require_all() -> None:

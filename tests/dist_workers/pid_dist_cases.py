@@ -383,3 +383,76 @@ def pipeline_loss(logits, labels):
     import torch.nn.functional as F
 
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+
+
+# ------------------------------------------------- transformers' DistributedConfig: tensor parallelism, FSDP2
+#: case: (attn_implementation, the method's parameters, the checkpoint it loads: "same" = a model of this case,
+#: "softmax" = a stock sdpa model, so its learnable parameters are missing and initialised by transformers)
+TP_CASES = {
+    "pid_learnable": ("pid", {"learnable": True}, "same"),
+    "value_residual_learnable": ("value_residual", {"learnable": True}, "same"),
+    "pid": ("pid", {}, "same"),
+}
+FSDP_LEARNABLE_CASES = {
+    "pid_learnable": ("pid", {"learnable": True}, "softmax"),
+    "value_residual_learnable": ("value_residual", {"learnable": True}, "softmax"),
+}
+DC_STEPS = {"tp": 2, "fsdp": 1}
+DC_BATCH = 4  # rows: tensor parallelism gives every rank all of them, FSDP2 half each
+DC_LR = 0.5  # plain SGD
+
+
+def dc_config(name: str = "sdpa", params=None):
+    """The tiny Llama of the DistributedConfig runs: 4 layers, 4 query / 2 key-value heads, hidden 64."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
+                       attention_dropout=0.0, tie_word_embeddings=False, initializer_range=0.1,
+                       attn_implementation=name, **({name: params} if params is not None else {}))
+
+
+def dc_checkpoint(case: tuple, path, seed: int = 0) -> None:
+    """Save the checkpoint ``case`` loads (see ``TP_CASES``) to ``path``; the learnable parameters of a "same"
+    checkpoint are moved off their initial values, so that loading them is seen."""
+    import pid_plugins.hf  # noqa: F401  (registers the methods with transformers)
+    from transformers import LlamaForCausalLM
+
+    name, params, source = case
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(dc_config() if source == "softmax" else dc_config(name, params))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".attention_params." in n:
+                p.add_(0.05 * (1 + int(n.split(".")[2])))
+    model.save_pretrained(path)
+
+
+def dc_load(case: tuple, path, distributed_config=None):
+    """The case's model loaded from ``path``, with transformers' ``distributed_config`` (None: one process)."""
+    import pid_plugins.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    name, params, _ = case
+    extra = {"distributed_config": distributed_config} if distributed_config is not None else {}
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=name, dtype=torch.float32,
+                                                **({name: params} if params else {}), **extra)
+
+
+def dc_batch(step: int):
+    return torch.randint(3, 128, (DC_BATCH, 12), generator=torch.Generator().manual_seed(40 + step))
+
+
+def dc_train(model, steps: int, rows=slice(None)) -> list:
+    """``steps`` SGD steps on ``rows`` of each global batch; the losses."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=DC_LR)
+    losses = []
+    for step in range(steps):
+        ids = dc_batch(step)[rows]
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses
