@@ -65,3 +65,24 @@ def test_a_static_cache_prefill_reads_no_later_token(name):
     torch.testing.assert_close(logits[0], uncached, rtol=0, atol=1e-5)
     torch.testing.assert_close(logits[1][:, :6], logits[0][:, :6], rtol=0, atol=0)
     assert not torch.allclose(logits[1][:, 6:], logits[0][:, 6:])
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_static_cache_in_chunks_and_after_reset_equals_the_uncached_model(name):
+    """A user's ``StaticCache``: a prompt prefilled in two chunks (the second with a mask from transformers, the first
+    without), then one decoding step, equals the uncached forward by logits; ``cache.reset()`` and the same again give
+    the same logits (the buffer's stale rows are never read)."""
+    model = gqa_llama(name)
+    x = PROMPT
+    with torch.no_grad():
+        want = model(x, use_cache=False).logits
+        cache = T.StaticCache(config=model.config, max_cache_len=24)
+        runs = []
+        for _ in range(2):
+            parts = [model(x[:, :5], past_key_values=cache, use_cache=True).logits,
+                     model(x[:, 5:8], past_key_values=cache, use_cache=True).logits,
+                     model(x[:, 8:], past_key_values=cache, use_cache=True).logits]
+            runs.append(torch.cat(parts, 1))
+            cache.reset()
+    torch.testing.assert_close(runs[0], want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
