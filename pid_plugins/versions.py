@@ -110,6 +110,10 @@ class Internal:
         if not _holds(self):
             raise InternalChanged(self.message())
 
+    def holds(self) -> bool:
+        """Whether the internal looks as expected (checked once per process; True inside a compile trace)."""
+        return torch.compiler.is_compiling() or _holds(self)
+
     def message(self, detail: str = "") -> str:
         version = installed_version(self.zoo) or "?"
         extra = f" ({detail})" if detail else ""

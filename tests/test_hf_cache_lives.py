@@ -115,9 +115,9 @@ def test_a_plain_forward_returns_a_cache_decoding_continues_from(name):
     model = gqa_llama(name)
     with torch.no_grad():
         out = model(PROMPT)
-        assert len(out.cache) == 4
-        step1 = model(torch.tensor([[7], [8]]), cache=out.cache)
-        step2 = model(torch.tensor([[9], [10]]), cache=step1.cache)
+        assert len(out.past_key_values) == 4
+        step1 = model(torch.tensor([[7], [8]]), past_key_values=out.past_key_values)
+        step2 = model(torch.tensor([[9], [10]]), past_key_values=step1.past_key_values)
     full = uncached(model, torch.cat([PROMPT, torch.tensor([[7, 9], [8, 10]])], 1))
     close(torch.cat([out.logits, step1.logits, step2.logits], 1), full)
 
@@ -131,7 +131,7 @@ def test_twicing_keeps_one_cache_layer_per_model_layer(cache):
                                                                                          max_cache_len=24)
     kinds = [type(layer) for layer in made.layers]
     with torch.no_grad():
-        model(PROMPT, cache=made, use_cache=True)
+        model(PROMPT, past_key_values=made, use_cache=True)
     assert len(made) == 4 and len(made.layers) == 4
     assert all(isinstance(layer, SlotLayer) and isinstance(layer, kind) for layer, kind in zip(made.layers, kinds))
     if cache == "dynamic":
@@ -147,15 +147,15 @@ def test_a_cache_rebuilt_from_its_tensors(name):
     model = gqa_llama(name)
     step = torch.tensor([[7], [8]])
     with torch.no_grad():
-        cache = model(PROMPT, cache=T.DynamicCache(config=model.config), use_cache=True).cache
+        cache = model(PROMPT, past_key_values=T.DynamicCache(config=model.config), use_cache=True).past_key_values
         rebuilt = T.DynamicCache(ddp_cache_data=list(cache))
         assert len(rebuilt) == 4
         if name == "twicing":
             with pytest.raises(ValueError, match=r"'twicing'.*layer 0 of this cache holds 9 cached positions and the "
                                                  r"method's tensor of 0.*DynamicCache\(ddp_cache_data=\.\.\.\)"):
-                model(step, cache=rebuilt)
+                model(step, past_key_values=rebuilt)
             return
-        got = model(step, cache=rebuilt).logits
+        got = model(step, past_key_values=rebuilt).logits
     close(got, uncached(model, torch.cat([PROMPT, step], 1))[:, -1:])
 
 
@@ -167,17 +167,17 @@ def test_crop_select_repeat_reset_copy_and_pickle_keep_the_method_tensor_in_step
     full = uncached(model, ids)
     step = ids[:, P:P + 1]
     with torch.no_grad():
-        cache = model(ids, cache=T.DynamicCache(config=model.config), use_cache=True).cache
+        cache = model(ids, past_key_values=T.DynamicCache(config=model.config), use_cache=True).past_key_values
         cache.crop(-2)  # back to the prompt
-        close(model(step, cache=copy.deepcopy(cache)).logits, full[:, P:P + 1])
-        close(model(step, cache=pickle.loads(pickle.dumps(cache))).logits, full[:, P:P + 1])
+        close(model(step, past_key_values=copy.deepcopy(cache)).logits, full[:, P:P + 1])
+        close(model(step, past_key_values=pickle.loads(pickle.dumps(cache))).logits, full[:, P:P + 1])
         picked = copy.deepcopy(cache)
         picked.batch_select_indices(torch.tensor([1]))
-        close(model(step[1:], cache=picked).logits, full[1:, P:P + 1])
+        close(model(step[1:], past_key_values=picked).logits, full[1:, P:P + 1])
         cache.batch_repeat_interleave(2)
-        close(model(step.repeat_interleave(2, 0), cache=cache).logits, full[:, P:P + 1].repeat_interleave(2, 0))
+        close(model(step.repeat_interleave(2, 0), past_key_values=cache).logits, full[:, P:P + 1].repeat_interleave(2, 0))
         static = T.StaticCache(config=model.config, max_cache_len=24)
-        model(PROMPT.flip(1), cache=static, use_cache=True)
+        model(PROMPT.flip(1), past_key_values=static, use_cache=True)
         static.reset()  # a static cache reused for another prompt
-        close(model(ids[:, :P], cache=static, use_cache=True).logits, full[:, :P])
-        close(model(step, cache=static, use_cache=True).logits, full[:, P:P + 1])
+        close(model(ids[:, :P], past_key_values=static, use_cache=True).logits, full[:, :P])
+        close(model(step, past_key_values=static, use_cache=True).logits, full[:, P:P + 1])

@@ -76,7 +76,11 @@ def test_every_transformers_internal_holds_under_the_installed_release():
     pytest.importorskip("transformers")
     from pid_plugins.hf import internals
 
+    older = versions._key(versions.installed_version("transformers")) < (5, 24)
     for internal in internals.INTERNALS:
+        if internal is internals.TP_PLAN and older:  # from 5.24; below it TP with learnable parameters is refused
+            assert not internal.check()
+            continue
         assert internal.check(), internal.name
 
 
@@ -166,3 +170,31 @@ def test_the_docs_list_every_internal_and_the_tested_range():
     index = (ROOT / "docs" / "index.md").read_text()
     for dist, (low, high) in TESTED.items():
         assert re.search(rf"^\| {re.escape(dist)} \| {re.escape(low)} \| {re.escape(high)} \|", index, re.M), dist
+
+
+def test_learnable_parameters_under_tensor_parallelism_need_the_tp_plan_style(monkeypatch, fresh_checks):
+    """A release without the plan style that sums a replicated parameter's gradients (transformers < 5.24): a model
+    with learnable parameters builds and runs, adds no plan entry, and its first forward under tensor parallelism is
+    refused (the gains would drift apart on the ranks), before anything is computed."""
+    import dataclasses
+
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+    from pid_plugins.hf import discovery, internals
+
+    older = dataclasses.replace(internals.TP_PLAN, check=lambda: False)
+    monkeypatch.setattr(internals, "TP_PLAN", older)
+    monkeypatch.setattr(discovery, "TP_PLAN", older)
+    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.tensor([[3, 4, 5]])
+    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid", pid={"learnable": True}).eval()
+    assert not any("attention_params" in k for k in (model.tp_plan or {}))
+    with torch.no_grad():
+        model(ids)  # not tensor-parallel: runs
+    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid", pid={"learnable": True}).eval()
+    monkeypatch.setattr(discovery, "_tensor_parallel", lambda module: True)
+    with pytest.raises(InternalChanged, match=r"replicated_with_grad_allreduce.*runs tensor parallelism with "
+                                              r"learnable parameters"):
+        with torch.no_grad():
+            model(ids)

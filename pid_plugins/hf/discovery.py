@@ -51,7 +51,7 @@ from .checkpointing import cache_message, torch_checkpointing, wrapper_message
 from .checkpointing import require as require_torch_checkpointing
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
 from .internals import (
-    CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, cache_keywords, unknown_cache,
+    CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN, cache_keywords, unknown_cache,
 )
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
 from ..versions import InternalChanged
@@ -87,6 +87,7 @@ class Plan:
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
     #: the keywords its forward takes the KV cache under (``cache``, ``past_key_values``: internals.CACHE_KEYWORD)
     cache_keywords: tuple = ()
+    tp_checked: bool = False  # learnable parameters: whether the first forward checked for tensor parallelism
     #: the owner and the modules below it with a ``layerdrop`` attribute (BART's encoder/decoder, Whisper's, ...):
     #: where transformers' layer dropout reads its probability (besides the config's ``*layerdrop`` keys)
     layerdrop: tuple = ()
@@ -361,6 +362,15 @@ def _check_checkpointing(model: nn.Module, name: str = "pid", training: bool = T
     return found
 
 
+def _tensor_parallel(model: nn.Module) -> bool:
+    """Whether transformers' tensor parallelism sharded ``model`` (a parameter is a DTensor on a mesh named "tp")."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+            return True
+    return False
+
+
 # ---------------------------------------------------------------------------------------------- the hooks
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
     config = module.config
@@ -394,6 +404,11 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if getattr(gains, "learnable", False) and not plan.learnable:  # config.pid became learnable after discovery
         with _LOCK:
             plan = discover(module, at_forward=True)
+    if plan.learnable and not plan.tp_checked and not torch.compiler.is_compiling():
+        plan.tp_checked = True
+        if not TP_PLAN.holds() and _tensor_parallel(module):  # the gains' gradients would not be summed over ranks
+            raise InternalChanged(TP_PLAN.message(f"{type(module).__name__} runs tensor parallelism with learnable "
+                                                  "parameters, which this release cannot synchronise"))
     scale = warmup_scale(module, gains)
     base = base_attention(config)
     grad = torch.is_grad_enabled()

@@ -222,7 +222,8 @@ def extend_tp_plan(model: nn.Module) -> bool:
         return False
     from .internals import TP_PLAN
 
-    TP_PLAN.require()
+    if not TP_PLAN.holds():  # an older release: no entry; tensor parallelism with these parameters is refused at the
+        return False          # first forward (discovery._pre_hook), everything else runs
     plan = model.tp_plan
     missing = {k: v for k, v in entries.items() if plan.get(k) != v}
     if not plan or not missing:

@@ -68,13 +68,14 @@ def _cache_layers() -> bool:
     )
 
     window = DynamicSlidingWindowLayer(sliding_window=4)
-    methods = ("update", "crop", "reset", "reorder_cache", "offload", "prefetch", "get_seq_length")
-    batch = ("batch_select_indices", "batch_repeat_interleave")  # dynamic layers only
+    methods = ("update", "reset", "reorder_cache", "offload", "prefetch", "get_seq_length")
+    # dynamic layers only; static layers are croppable from transformers 5.24 (the slot layer crops with them)
+    dynamic = ("crop", "batch_select_indices", "batch_repeat_interleave")
     return (isinstance(DynamicCache().layers, list) and isinstance(getattr(Cache, "is_sliding", None), property)
             and all(callable(getattr(kind, m, None)) for kind in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
                     for m in methods)
             and all(callable(getattr(kind, m, None))
-                    for kind in (DynamicLayer, DynamicSlidingWindowLayer) for m in batch)
+                    for kind in (DynamicLayer, DynamicSlidingWindowLayer) for m in dynamic)
             and window.sliding_window == 4 and window.record_past is False
             and callable(getattr(window, "activate_past_recording", None))
             and StaticLayer(max_cache_len=4).max_cache_len == 4 and issubclass(StaticSlidingWindowLayer, StaticLayer)
