@@ -136,7 +136,7 @@ def test_use_cache_left_on_gets_one_message(name):
         model(X, labels=X)
     model.eval()
     out = model(X, labels=X)
-    assert len(out.cache) == 3
+    assert len(out.past_key_values) == 3
     with pytest.raises(ValueError, match=USE_CACHE_MESSAGE):
         out.loss.backward()
     model = by_hand(name, reentrant=False)
