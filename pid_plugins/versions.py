@@ -16,15 +16,17 @@ Two promises, one module (standard library and torch only):
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
-__all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "check_version", "installed_version"]
+__all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "check_version", "installed_version",
+           "parameters", "reads", "require", "squashed"]
 
 #: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test)
 TESTED: Dict[str, Tuple[str, str]] = {
@@ -131,3 +133,25 @@ def _holds(internal: Internal) -> bool:
         return bool(internal.check())
     except Exception:  # an attribute, a class or a signature that is gone: the internal changed
         return False
+
+
+def require(*internals: Internal) -> None:
+    """:meth:`Internal.require` each of ``internals``, in order."""
+    for internal in internals:
+        internal.require()
+
+
+# ------------------------------------------------------------------- what an internal's check reads of the zoo's code
+def reads(function: Any, name: str = "self") -> FrozenSet[str]:
+    """The attributes ``function`` reads or calls on ``name`` (``<name>.<attribute>`` in its source)."""
+    return frozenset(re.findall(rf"\b{name}\.(\w+)", inspect.getsource(function)))
+
+
+def parameters(function: Any) -> List[str]:
+    """The names of ``function``'s parameters, in order."""
+    return list(inspect.signature(function).parameters)
+
+
+def squashed(obj: Any) -> str:
+    """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
+    return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")

@@ -15,23 +15,13 @@ import pickle
 import pytest
 import torch
 
-from zoo_cases import import_transformers
+from zoo_cases import CAUSAL_METHODS, GQA_PROMPT, gqa_llama, import_transformers
 
 T = import_transformers()
 from pid_plugins.hf.cache import SlotLayer  # noqa: E402
 
-METHODS = {"sdpa": None, "pid": None, "neutreno": None, "twicing": None, "elliptical": {"mean": "prefix"},
-           "value_residual": None}
-PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 3, 4], [9, 8, 7, 6, 5, 4, 3, 12, 13]])
+METHODS, PROMPT = CAUSAL_METHODS, GQA_PROMPT
 P = PROMPT.shape[1]
-
-
-def gqa_llama(name):
-    config = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
-    torch.manual_seed(0)
-    params = {} if METHODS[name] is None else {name: METHODS[name]}
-    return T.LlamaForCausalLM._from_config(config, attn_implementation=name, **params).eval()
 
 
 def uncached(model, ids):

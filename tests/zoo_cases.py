@@ -238,6 +238,25 @@ def llama_twins(method: str, method_cfg=None, **kw):
     return model, stock
 
 
+#: every built-in method with the parameters a causal model runs it with (Elliptical: the causal prefix mean), and
+#: stock SDPA as the control
+CAUSAL_METHODS = {"sdpa": None, "pid": None, "neutreno": None, "twicing": None, "elliptical": {"mean": "prefix"},
+                  "value_residual": None}
+#: two prompts of 9 tokens for gqa_llama
+GQA_PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 3, 4], [9, 8, 7, 6, 5, 4, 3, 12, 13]])
+
+
+def gqa_llama(name: str):
+    """The Llama a new user decodes with: 4 layers, 4 query / 2 key-value heads, vocabulary 128, running ``name``
+    (a key of :data:`CAUSAL_METHODS`) with its causal parameters; eval mode, the same weights for every method."""
+    T = import_transformers()
+    config = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    torch.manual_seed(0)
+    params = {} if CAUSAL_METHODS[name] is None else {name: CAUSAL_METHODS[name]}
+    return T.LlamaForCausalLM._from_config(config, attn_implementation=name, **params).eval()
+
+
 def bert_config(vocab: int = 96, layers: int = 2, **kw):
     T = import_transformers()
     return T.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,

@@ -19,32 +19,18 @@ from __future__ import annotations
 import inspect
 import platform
 import re
-from typing import Any, FrozenSet, List
+from typing import Any, FrozenSet
 
-from ..versions import Internal
+from ..versions import Internal, parameters, reads, require, squashed
 
 __all__ = ["INTERNALS", "PythonInternal", "require_all"]
 
 ZOO = "fairseq"
 
 
-def reads(function: Any, name: str = "self") -> FrozenSet[str]:
-    """The attributes ``function`` reads or calls on ``name`` (``<name>.<attribute>`` in its source)."""
-    return frozenset(re.findall(rf"\b{name}\.(\w+)", inspect.getsource(function)))
-
-
 def assigned(function: Any) -> FrozenSet[str]:
     """The attributes ``function`` assigns on ``self`` (``self.<attribute> =``)."""
     return frozenset(re.findall(r"\bself\.(\w+)\s*=(?!=)", inspect.getsource(function)))
-
-
-def parameters(function: Any) -> List[str]:
-    return list(inspect.signature(function).parameters)
-
-
-def squashed(obj: Any) -> str:
-    """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
-    return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")
 
 
 class PythonInternal(Internal):
@@ -233,11 +219,6 @@ INTERNALS = (DATACLASS_FIELD, NUMPY_COMPAT, CHECKPOINT_TORCH, MHA, INPUT_BUFFER,
 ATTENTION = (MHA, INPUT_BUFFER)
 #: what a method language model relies on (built by fairseq, or converted)
 MODEL = (BUILD_MODEL, DECODER, DECODER_LAYER, *ATTENTION)
-
-
-def require(*internals: Internal) -> None:
-    for internal in internals:
-        internal.require()
 
 
 def require_all() -> None:

@@ -79,12 +79,12 @@ class MethodForwardState:
     """
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "layer_count", "grad",
+                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "grad",
                  "restart")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
-                 cached: bool = False, cache: Any = None, layer_count: int = 0, restart: bool = False) -> None:
+                 cached: bool = False, cache: Any = None, restart: bool = False) -> None:
         self.method = method if method is not None else _PID
         self.config = config  # the method's parameters (PID: a PIDConfig)
         self.base = base
@@ -98,7 +98,6 @@ class MethodForwardState:
         self.past_length = past_length
         self.layers: Dict[int, PIDState] = {}
         self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
-        self.layer_count = layer_count  # the owner's layer count (1 + the largest layer_idx)
         # the model's own layer dropout may skip layers in this forward (training): a layer whose earlier layers were
         # all skipped starts the state afresh (LayerCall.restart); otherwise core refuses a later layer without state
         self.restart = restart

@@ -83,7 +83,6 @@ class Plan:
     cache_position: Optional[int]  # index of the cache keyword among the positional arguments, if any
     learnable: bool = False  # whether discovery gave the self-attention modules their gains
     causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
-    layer_count: int = 0  # 1 + the largest layer_idx of its self-attention modules
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
     #: the keywords its forward takes the KV cache under (``cache``, ``past_key_values``: internals.CACHE_KEYWORD)
     cache_keywords: tuple = ()
@@ -183,7 +182,6 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     added = []
     order = 0
     causal = False
-    layer_count = 0
     stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
     droppers = [model] if _number(getattr(model, "layerdrop", None)) else []
     for path, sub in walk(model):
@@ -216,8 +214,6 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 added.append(path)
             if not cross:  # an encoder and a decoder under one owner are separate PID groups
                 causal = causal or bool(getattr(sub, "is_causal", False))
-                if isinstance(getattr(sub, "layer_idx", None), int):
-                    layer_count = max(layer_count, sub.layer_idx + 1)
                 # the stack: the path up to its first encoder/decoder part ("encoder", "model.decoder"; "" for a
                 # decoder-only model), so two encoders under one owner (text_model.encoder, vision_model.encoder)
                 # are two groups
@@ -254,7 +250,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 stacklevel=4,
             )
     plan = Plan(owns_layers=order > 0, cache_position=names.index(keywords[0]) if keywords else None,
-                learnable=learnable is not None, causal=causal, layer_count=layer_count,
+                learnable=learnable is not None, causal=causal,
                 counter=model._modules.get(WARMUP_ATTR), cache_keywords=keywords, layerdrop=tuple(droppers))
     model.__dict__[PLAN] = plan
     return plan
@@ -449,7 +445,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             )
     slot_cache = own if method.cache_slot and layers_cache else None
     state = MethodForwardState(gains, base, static_past(cache, method.name), scale, method, cached=cache is not None,
-                            cache=slot_cache, layer_count=plan.layer_count,
+                            cache=slot_cache,
                             restart=bool(method.state_fields) and drops_layers(module, plan))
     state.grad = grad
     kwargs["pid_state"] = state

@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..versions import Internal
+from ..versions import Internal, require
 
 __all__ = ["INTERNALS", "cache_keywords", "require_all"]
 
@@ -211,8 +211,7 @@ INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOAD
 
 def require_all() -> None:
     """Check every internal now (``import pid_plugins.hf`` checks those it changes transformers with)."""
-    for internal in INTERNALS:
-        internal.require()
+    require(*INTERNALS)
 
 
 def unknown_cache(args: tuple, kwargs: dict, known: Tuple[str, ...]) -> Optional[str]:

@@ -18,27 +18,13 @@ from __future__ import annotations
 import ast
 import inspect
 import re
-from typing import Any, FrozenSet, List
+from typing import Any
 
-from ..versions import Internal
+from ..versions import Internal, parameters, reads, require, squashed
 
 __all__ = ["INTERNALS", "require_all"]
 
 MMSEG, MMENGINE, MMCV = "mmsegmentation", "mmengine", "mmcv-lite"
-
-
-def reads(function: Any) -> FrozenSet[str]:
-    """The attributes ``function`` reads or calls on ``self`` (``self.<name>`` in its source)."""
-    return frozenset(re.findall(r"\bself\.(\w+)", inspect.getsource(function)))
-
-
-def parameters(function: Any) -> List[str]:
-    return list(inspect.signature(function).parameters)
-
-
-def squashed(obj: Any) -> str:
-    """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
-    return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")
 
 
 # ------------------------------------------------------------------------------------------------------ checks
@@ -214,11 +200,6 @@ BACKBONE = (MMSEG_VIT, *LAYERS)
 HEAD = (SEGMENTER_HEAD, *LAYERS)
 #: what the weights-only checkpoint loading relies on
 CHECKPOINTS = (CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS, HISTORY_BUFFER)
-
-
-def require(*internals: Internal) -> None:
-    for internal in internals:
-        internal.require()
 
 
 def require_all() -> None:

@@ -14,28 +14,12 @@ timm is imported inside the checks only (``import pid_plugins.timm`` imports it;
 from __future__ import annotations
 
 import inspect
-import re
-from typing import Any, FrozenSet, List
 
-from ..versions import Internal
+from ..versions import Internal, parameters, reads, require, squashed
 
 __all__ = ["INTERNALS", "require_all"]
 
 ZOO = "timm"
-
-
-def reads(function: Any) -> FrozenSet[str]:
-    """The attributes ``function`` reads or calls on ``self`` (``self.<name>`` in its source)."""
-    return frozenset(re.findall(r"\bself\.(\w+)", inspect.getsource(function)))
-
-
-def parameters(function: Any) -> List[str]:
-    return list(inspect.signature(function).parameters)
-
-
-def squashed(obj: Any) -> str:
-    """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
-    return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")
 
 
 # ------------------------------------------------------------------------------------------------------ checks
@@ -254,11 +238,6 @@ INTERNALS = (ATTN_LAYERS, CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, VIT_FOR
 VIT = (CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT)
 #: what FAN relies on
 FAN = (XCIT, FEATURE_TAKE_INDICES, CHECKPOINT)
-
-
-def require(*internals: Internal) -> None:
-    for internal in internals:
-        internal.require()
 
 
 def require_all() -> None:
