@@ -171,8 +171,8 @@ def test_learnable_gains_are_opt_in():
     assert sum(p.numel() for p in fixed.parameters()) == sum(p.numel() for p in stock.parameters())
     learned = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit", learnable=True))
     extra = set(learned.state_dict()) - set(stock.state_dict())
-    assert extra == {"pid_gains.lambda_p_raw", "pid_gains.lambda_i_raw", "pid_gains.lambda_d_raw"}
-    lp, li, ld, beta, control = learned.pid_gains()
+    assert extra == {"attention_params.lambda_p_raw", "attention_params.lambda_i_raw", "attention_params.lambda_d_raw"}
+    lp, li, ld, beta, control = learned.attention_params()
     assert (lp.item(), li.item(), ld.item(), beta, control) == pytest.approx((0.8, 0.5, 0.05, 0.1, True))
     # a softmax checkpoint loads into the fixed-gain PID module strictly
     fixed.load_state_dict(stock.state_dict(), strict=True)
@@ -182,19 +182,19 @@ def test_learned_gains_are_one_element_vectors_and_older_layouts_load():
     """(1,)-shaped raw gains (FSDP2's fully_shard refuses 0-dim parameters); state dicts with 0-dim raw gains
     (before that) and with the gains themselves (before the softplus parametrisation) load to the same gains."""
     learned = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit", learnable=True))
-    assert {p.shape for p in learned.pid_gains.parameters()} == {torch.Size([1])}
+    assert {p.shape for p in learned.attention_params.parameters()} == {torch.Size([1])}
     with torch.no_grad():
-        learned.pid_gains.lambda_i_raw.fill_(0.3)
-    want = [g.detach().clone() for g in learned.pid_gains()[:3]]
+        learned.attention_params.lambda_i_raw.fill_(0.3)
+    want = [g.detach().clone() for g in learned.attention_params()[:3]]
     sd = learned.state_dict()
     zero_dim = {k: (v.reshape(()) if "_raw" in k else v) for k, v in sd.items()}
     gains_only = {k: v for k, v in sd.items() if "_raw" not in k}
-    gains_only.update({f"pid_gains.{n}": torch.nn.functional.softplus(sd[f"pid_gains.{n}_raw"]).reshape(())
+    gains_only.update({f"attention_params.{n}": torch.nn.functional.softplus(sd[f"attention_params.{n}_raw"]).reshape(())
                        for n in ("lambda_p", "lambda_i", "lambda_d")})
     for old in (zero_dim, gains_only):
         fresh = PIDSelfAttention(DIM, HEADS, pid=PIDConfig.preset("deit", learnable=True))
         fresh.load_state_dict(old, strict=True)
-        got = fresh.pid_gains()[:3]
+        got = fresh.attention_params()[:3]
         assert all(g.shape == (1,) for g in got)
         torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=1e-6, atol=1e-7)
 
@@ -209,7 +209,7 @@ def test_learnable_gains_receive_gradients_and_match_fixed_at_init():
     torch.testing.assert_close(learned(x), fixed(x))
     learned(x).square().sum().backward()
     for i, blk in enumerate(learned.blocks):
-        gains = blk.pid_gains
+        gains = blk.attention_params
         assert gains.lambda_p_raw.grad.abs() > 0 and gains.lambda_i_raw.grad.abs() > 0
         # the D term is zero at the group's first layer: lambda_d is in the graph but gets zero gradient
         assert (gains.lambda_d_raw.grad == 0) if i == 0 else (gains.lambda_d_raw.grad.abs() > 0)

@@ -9,7 +9,7 @@ import pid_plugins
 from pid_plugins import AttentionMethod, MethodConfig, PIDConfig, PIDGains, PIDState, pid_update
 from pid_plugins.core import resolve_attention
 from pid_plugins.core.checkpoint import check_keys, unwrap_state_dict
-from pid_plugins.core.methods import PIDMethod, on_register
+from pid_plugins.core.methods import LayerCall, PIDMethod, on_register
 from toy_method import NAME, ScaledReferenceConfig, naive_scaled_reference
 
 
@@ -21,6 +21,11 @@ def sdpa_attend(k):
         r = q.shape[-3] // v.shape[-3]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(r, -3), v.repeat_interleave(r, -3))
     return attend
+
+
+def apply(method, cfg, attend, q, v, state, layer):
+    """One layer through the one path every adapter takes (``AttentionMethod.apply``)."""
+    return method.apply(cfg, None, LayerCall(attend, q, v, v, layer=layer), state)
 
 
 def test_registry_lists_pid_and_user_methods():
@@ -80,14 +85,15 @@ def test_resolve_attention_is_the_one_policy():
     assert resolve_attention("pid", None, zoo="hf").config == PIDConfig.preset("lm")
     assert resolve_attention("pid", None, zoo="timm").config == PIDConfig.preset("deit")
     assert resolve_attention("pid", {"lambda_p": 0.1}, zoo="timm").config == PIDConfig.preset("deit", lambda_p=0.1)
-    assert resolve_attention(None, zoo="timm", pid="lm").config == PIDConfig.preset("lm")
+    assert resolve_attention(None, "lm", zoo="timm").config == PIDConfig.preset("lm")
     assert resolve_attention(NAME, "strong", zoo="timm").config == ScaledReferenceConfig(gamma=2.0)
-    with pytest.raises(ValueError, match="not both"):  # a contradiction, flipped or not
-        resolve_attention("softmax", {"lambda_p": 1.0}, zoo="timm", pid={"lambda_p": 1.0})
-    with pytest.raises(ValueError, match="not both"):
-        resolve_attention("pid", {"lambda_p": 1.0}, zoo="timm", pid={"lambda_p": 1.0})
-    with pytest.raises(ValueError, match="pid=... sets PID's gains but attention='scaled_reference'"):
-        resolve_attention(NAME, zoo="timm", pid={"lambda_p": 1.0})
+    # a method's name where its parameters go: the message names the right argument
+    with pytest.raises(ValueError, match="attention_cfg='twicing' names an attention method, not parameters of 'pid': "
+                                         "pass the method as attention='twicing'"):
+        resolve_attention("pid", "twicing", zoo="timm")
+    with pytest.raises(ValueError, match="--attention-cfg='softmax' names an attention method"):
+        resolve_attention(NAME, "softmax", zoo="fairseq", params_name="--attention-cfg")
+    assert resolve_attention("pid", "neutreno", zoo="timm").config == PIDConfig.preset("neutreno")  # PID's own preset
     with pytest.raises(ValueError, match="the backbone: learnable gains are not supported here"):
         resolve_attention("pid", {"learnable": True}, zoo="mmseg", learnable=False, where="the backbone")
     with pytest.raises(ValueError, match="ScaledReferenceConfig.gamma must be float"):
@@ -98,11 +104,11 @@ def test_resolve_attention_is_the_one_policy():
 
 def test_softmax_ignores_the_recipes_method_parameters_in_one_warning(caplog):
     """The A/B flip: attention='softmax' with the parameters still in the recipe is the stock attention."""
-    for params, pid, named in (({"lambda_p": 1.0, "warmup_steps": 9}, None, "attention_cfg={'lambda_p', 'warmup_steps'}"),
-                               (None, "deit", "pid='deit' (a preset)"), (None, PIDConfig(), "pid=PIDConfig(...)")):
+    for params, named in (({"lambda_p": 1.0, "warmup_steps": 9}, "attention_cfg={'lambda_p', 'warmup_steps'}"),
+                          ("deit", "attention_cfg='deit' (a preset)"), (PIDConfig(), "attention_cfg=PIDConfig(...)")):
         caplog.clear()
         with caplog.at_level("WARNING", logger="pid_plugins"):
-            assert resolve_attention("softmax", params, zoo="timm", pid=pid, where="my model") is None
+            assert resolve_attention("softmax", params, zoo="timm", where="my model") is None
         assert [r.getMessage() for r in caplog.records] == [
             f"my model: attention='softmax', the stock attention: the method parameters also given ({named}) are "
             "not used"]
@@ -118,10 +124,10 @@ def test_pid_method_is_pid_update_bit_for_bit():
     q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
     values = [torch.randn(2, 2, 6, 8) for _ in range(3)]
     state_a = state_b = None
-    for v in values:
+    for i, v in enumerate(values):
         out = sdpa_attend(k)(q, v)
         want, state_a = pid_update(out, v, state_a, cfg)
-        got, state_b = method.forward(cfg, sdpa_attend(k), q, v, v, state_b)
+        got, state_b = apply(method, cfg, sdpa_attend(k), q, v, state_b, i)
         assert torch.equal(got, want)
         assert isinstance(state_b, PIDState) and all(
             (a is None and b is None) or torch.equal(a, b) for a, b in zip(state_a, state_b))
@@ -136,7 +142,7 @@ def test_pid_method_is_pid_update_bit_for_bit():
     v = torch.randn(2, 4, 6, 8)
     out = sdpa_attend(v)(q, v)
     scaled, _ = method.update(cfg, out, v, None, scale, -3)
-    term, _ = method.term(cfg, v, None, scale)
+    term, _ = method.update(cfg, torch.zeros_like(v), v, None, scale, -3)  # an additive method's term
     torch.testing.assert_close(scaled, out + term, rtol=0, atol=1e-6)
     assert torch.equal(scaled, pid_update(out, v, None, cfg, scale=scale)[0])
     # the scale multiplies the term: the gains scaled instead give the same up to rounding, and at scale 1 the
@@ -157,9 +163,9 @@ def test_toy_method_against_its_loop_statement():
     q, k = torch.randn(1, 4, 5, 3, dtype=torch.float64), torch.randn(1, 2, 5, 3, dtype=torch.float64)
     values = [torch.randn(1, 2, 5, 3, dtype=torch.float64) for _ in range(3)]
     outs, state, attn = [], None, []
-    for v in values:
+    for i, v in enumerate(values):
         attn.append(sdpa_attend(k)(q, v))
-        u, state = method.forward(cfg, sdpa_attend(k), q, v, v, state)
+        u, state = apply(method, cfg, sdpa_attend(k), q, v, state, i)
         outs.append(u)
     for got, want in zip(outs, naive_scaled_reference(attn, values, 0.7)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -217,7 +217,7 @@ def test_refusals_come_before_any_change():
 @pytest.mark.slow
 def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_path):
     from timm.models import create_feature_extractor, get_graph_node_names
-    from pid_plugins.core.methods import method_update
+    from pid_plugins.core.methods import _fx_update
 
     cfg = {"learnable": True}
     model = stock()
@@ -234,7 +234,7 @@ def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_
     _, eval_nodes = get_graph_node_names(model)
     assert "blocks.1.add_1" in eval_nodes
     extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
-    assert sum(n.op == "call_function" and n.target is method_update for n in extractor.graph.nodes) == DEIT["depth"]
+    assert sum(n.op == "call_function" and n.target is _fx_update for n in extractor.graph.nodes) == DEIT["depth"]
     with torch.no_grad():
         out = extractor(x)
         assert torch.equal(out["logits"], reference(x))

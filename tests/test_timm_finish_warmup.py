@@ -10,7 +10,7 @@ import torch.nn.functional as F
 timm = pytest.importorskip("timm")
 import pid_plugins  # noqa: E402
 import pid_plugins.timm as pt  # noqa: E402
-from pid_plugins.core.methods import method_update  # noqa: E402
+from pid_plugins.core.methods import _fx_update  # noqa: E402
 from zoo_cases import DEIT, FAN  # noqa: E402
 
 N = 3
@@ -91,7 +91,7 @@ def test_finished_model_traces_with_fx_and_exports_with_timms_onnx_export(kind, 
         want = model(x)
     extractor = create_feature_extractor(model, return_nodes={"head": "logits"})
     nodes = list(extractor.graph.nodes)
-    assert sum(n.op == "call_function" and n.target is method_update for n in nodes) == len(model.blocks)
+    assert sum(n.op == "call_function" and n.target is _fx_update for n in nodes) == len(model.blocks)
     assert not any("attention_warmup" in str(n.target) for n in nodes)  # no counter left in the graph
     with torch.no_grad():
         assert torch.equal(extractor(x)["logits"], want)

@@ -6,7 +6,7 @@ import torch
 timm = pytest.importorskip("timm")
 import pid_plugins.timm  # noqa: E402,F401
 from pid_plugins import PIDConfig  # noqa: E402
-from pid_plugins.core.methods import method_update  # noqa: E402
+from pid_plugins.core.methods import _fx_update  # noqa: E402
 
 DEIT = dict(img_size=32, patch_size=8, embed_dim=72, depth=2, num_heads=3)
 FAN = dict(img_size=32, embed_dim=48, depth=2, num_heads=4)
@@ -97,7 +97,7 @@ def test_fx_feature_extraction(name, cfg, learnable, control_first_layer):
     model = timm.create_model(name, pid=pid, **cfg).eval()
     assert "blocks.1.add_1" in get_graph_node_names(model)[1]  # plain torchvision, no timm tracer lists
     extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
-    steps = [n for n in extractor.graph.nodes if n.op == "call_function" and n.target is method_update]
+    steps = [n for n in extractor.graph.nodes if n.op == "call_function" and n.target is _fx_update]
     assert len(steps) == 2  # one leaf call per PID layer
     x = images()
     with torch.no_grad():

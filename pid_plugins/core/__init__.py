@@ -7,17 +7,17 @@ from .gains import PIDGains, layer_gains
 from .methods import (
     SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, MethodConfig, MissingLayerState,
     PIDMethod, StockPath,
-    calls_attention_once, get_method, list_methods, method_warmup, on_register, register_method, reserve_names,
+    get_method, list_methods, method_warmup, on_register, register_method, reserve_names,
     resolve_attention,
 )
 from .layer import MethodLayer, MethodModel, finish_warmup, finished_config, register_warmup_finisher
-from .warmup import GainWarmup, make_warmup, scaled_gains, warmup_scale
+from .warmup import GainWarmup, make_warmup, scaled_gains
 
 __all__ = [
     "PIDConfig", "PIDState", "pid_update", "expand_heads", "PIDGains", "layer_gains",
-    "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains", "warmup_scale",
+    "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains",
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MissingLayerState", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
-    "on_register", "reserve_names", "resolve_attention", "calls_attention_once", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys", "UnsafeCheckpointError",
+    "on_register", "reserve_names", "resolve_attention", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys", "UnsafeCheckpointError",
     "load_weights_only", "MethodLayer", "MethodModel", "finish_warmup", "finished_config", "register_warmup_finisher",
 ]
 

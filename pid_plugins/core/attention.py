@@ -49,7 +49,8 @@ class PIDSelfAttention(nn.Module):
 
     ``forward(x, state)`` returns ``(y, new_state)``; pass ``new_state`` to the next PID layer of the
     group and ``None`` to the first. With ``pid=None`` the module is plain softmax attention and the
-    state passes through unchanged.
+    state passes through unchanged. ``attention_config`` holds ``pid`` and ``attention_params`` the layer's learnable
+    gains (:class:`PIDGains`, when ``pid.learnable``), as every adapter's method layer names them.
     """
 
     def __init__(
@@ -76,8 +77,8 @@ class PIDSelfAttention(nn.Module):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
-        self.pid = pid
-        self.pid_gains = PIDGains(pid) if pid is not None and pid.learnable else None
+        self.attention_config = pid
+        self.attention_params = PIDGains(pid) if pid is not None and pid.learnable else None
 
     def forward(
         self,
@@ -91,17 +92,17 @@ class PIDSelfAttention(nn.Module):
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         dropout_p = self.attn_drop.p if self.training else 0.0
-        if self.pid is None:
+        if self.attention_config is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale
             )
         else:
             out, state = sdpa_with_pid(
-                q, k, v, state, layer_gains(self.pid, self.pid_gains),
+                q, k, v, state, layer_gains(self.attention_config, self.attention_params),
                 attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
             )
         out = out.transpose(1, 2).reshape(B, N, C)
         return self.proj_drop(self.proj(out)), state
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, pid={self.pid}"
+        return f"num_heads={self.num_heads}, pid={self.attention_config}"

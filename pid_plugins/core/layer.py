@@ -1,11 +1,11 @@
 """What a layer and a model hold for their attention method, once for every adapter: :class:`MethodLayer` (the
-layer's method, config and learnable parameters) and :class:`MethodModel` (the model's method, config and gain
-warm-up counter), and the names releases before the rename saved them under (:func:`rename_legacy_keys`)."""
+layer's method, config and learnable parameters), :class:`MethodModel` (the model's method, config and gain warm-up
+counter), and :func:`replace_module`, how every adapter's ``convert`` switches a module's type (a new module holding
+the old one's parameters, buffers, submodules and hooks; no class is ever reassigned)."""
 from __future__ import annotations
 
 import logging
-import warnings
-from typing import Any, Callable, Dict, Iterable, List, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -16,85 +16,10 @@ from .warmup import GainWarmup
 __all__ = [
     "MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config", "LAYER_ATTRIBUTES",
     "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule", "warn_unfinished_warmup", "number_layers",
-    "RENAMED_ATTRIBUTES", "rename_legacy_keys", "accept_legacy_keys", "holds_method",
+    "rebuild", "replace_module",
 ]
 
 logger = logging.getLogger(__name__)
-
-# ------------------------------------------------------------------------------------ the names before the rename
-#: the attributes releases before the rename called by PID's names, though they carry any method's things: the old
-#: name -> today's. The old names stay readable (a :class:`DeprecationWarning`) for one deprecation period.
-RENAMED_ATTRIBUTES: Dict[str, str] = {
-    "pid_gains": "attention_params",  # the layer's learnable parameters (a submodule: in state_dicts)
-    "pid_warmup": "attention_warmup",  # the model's gain warm-up counter (a submodule: ``...step`` in state_dicts)
-    "pid": "attention_config",  # the layer's / model's method config (a plain attribute)
-}
-#: the renamed submodules, whose old names are in the state_dicts and checkpoints users saved
-_RENAMED_SUBMODULES = {old: new for old, new in RENAMED_ATTRIBUTES.items() if old != "pid"}
-
-
-def _deprecated_alias(old: str) -> property:
-    new = RENAMED_ATTRIBUTES[old]
-
-    def read(self: Any) -> Any:
-        warnings.warn(f"{type(self).__name__}.{old} is renamed {new} (it carries any attention method's, not only "
-                      f"PID's); read .{new}: .{old} goes away in a later release", DeprecationWarning, stacklevel=2)
-        return getattr(self, new)
-
-    read.__doc__ = f"Deprecated read-only alias of ``{new}`` (its name before the rename)."
-    return property(read)
-
-
-def _rename_under(state_dict: MutableMapping[str, Any], prefix: str) -> None:
-    """In place: ``prefix + "pid_gains." + rest`` -> ``prefix + "attention_params." + rest`` (likewise
-    ``pid_warmup.``), unless a key of today's name is there already."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        head, dot, rest = key[len(prefix):].partition(".")
-        new = _RENAMED_SUBMODULES.get(head)
-        if new is not None and dot and f"{prefix}{new}.{rest}" not in state_dict:
-            state_dict[f"{prefix}{new}.{rest}"] = state_dict.pop(key)
-
-
-def holds_method(module: nn.Module) -> bool:
-    """Whether ``module`` holds an attention method's things under the renamed names: a :class:`MethodLayer` or
-    :class:`MethodModel`, or a zoo module given ``attention_params`` / ``attention_warmup`` (transformers)."""
-    return isinstance(module, (MethodLayer, MethodModel)) or any(n in module._modules for n in
-                                                                 _RENAMED_SUBMODULES.values())
-
-
-def rename_legacy_keys(state_dict: MutableMapping[str, Any], model: nn.Module,
-                       prefix: str = "") -> MutableMapping[str, Any]:
-    """``state_dict`` (changed in place and returned) with the keys a release before the rename saved under today's
-    names: below every module of ``model`` that :func:`holds_method` (its key prefix: ``prefix`` + its name),
-    ``<module>.pid_gains.<param>`` -> ``<module>.attention_params.<param>`` and ``<module>.pid_warmup.step`` ->
-    ``<module>.attention_warmup.step``. Other keys, and keys already of today's name, are left alone. The one
-    translation every adapter's loading path uses (a zoo's checkpoint filter, fairseq's upgrade, mmseg's init_cfg)."""
-    for name, module in model.named_modules():
-        if holds_method(module):
-            _rename_under(state_dict, f"{prefix}{name}." if name else prefix)
-    return state_dict
-
-
-def _legacy_keys_pre_hook(state_dict: MutableMapping[str, Any], prefix: str, *args: Any) -> None:
-    _rename_under(state_dict, prefix)
-
-
-def accept_legacy_keys(module: nn.Module) -> None:
-    """Make ``module.load_state_dict`` (and every loader that reaches its ``_load_from_state_dict``: torch's, mmengine's
-    ``load_checkpoint``/init_cfg/Runner resume, fairseq's) take the keys a release before the rename saved below it
-    (:func:`rename_legacy_keys`): a load-state-dict pre-hook, registered once. :class:`MethodLayer` and
-    :class:`MethodModel` register it themselves; transformers' adapter on the modules it gives parameters or the
-    counter."""
-    hooks = module._load_state_dict_pre_hooks.values()
-    if not any(getattr(h, "hook", h) is _legacy_keys_pre_hook for h in hooks):
-        module._register_load_state_dict_pre_hook(_legacy_keys_pre_hook)
-
-
-def _drop_legacy_keys_hook(module: nn.Module) -> None:
-    hooks = module._load_state_dict_pre_hooks
-    for key in [k for k, h in hooks.items() if getattr(h, "hook", h) is _legacy_keys_pre_hook]:
-        del hooks[key]
-
 
 class MethodLayer:
     """Mixed into an adapter's attention layer (an ``nn.Module``): the layer's method and parameters.
@@ -102,8 +27,6 @@ class MethodLayer:
     ``attention_method`` (the :class:`~pid_plugins.core.AttentionMethod`, None for softmax),
     ``attention_config`` (its config) and ``attention_params`` (the method's learnable per-layer parameters, from
     ``method.make_learned``, or None; a submodule, so in the state_dict as ``<layer>.attention_params.<param>``).
-    Checkpoints saved before the rename (``<layer>.pid_gains.<param>``) load unchanged (:func:`accept_legacy_keys`);
-    ``pid`` and ``pid_gains`` are deprecated read-only aliases.
     ``layer_index``: the layer's 0-based position within its group (set by the model that owns the group with
     :func:`number_layers`, when it is built or converted; None for a layer outside a model), which the adapter
     passes as :attr:`LayerCall.layer <pid_plugins.core.LayerCall>`.
@@ -113,8 +36,6 @@ class MethodLayer:
     attention_config: Any
     attention_params: Optional[nn.Module]
     layer_index: Optional[int] = None
-    pid = _deprecated_alias("pid")
-    pid_gains = _deprecated_alias("pid_gains")
 
     def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
         """Switch the layer to ``choice`` (None: softmax); learnable parameters are (re)initialised on ``like``'s
@@ -127,7 +48,6 @@ class MethodLayer:
                 learned = learned.to(device=like.device, dtype=like.dtype)
             learned.train(self.training)  # the layer's mode, whatever mode it is switched in
         self.attention_params = learned
-        accept_legacy_keys(self)
 
     @property
     def method_active(self) -> bool:
@@ -152,16 +72,12 @@ class MethodModel:
 
     ``attention_method`` (None for softmax), ``attention_config`` (the config) and ``attention_warmup`` (the
     :class:`~pid_plugins.core.GainWarmup` counter when the config has ``warmup_steps``, else None; a submodule, so its
-    step is saved with the model: ``<model>.attention_warmup.step``). Checkpoints saved before the rename
-    (``pid_warmup.step``) load unchanged (:func:`accept_legacy_keys`); ``pid`` and ``pid_warmup`` are deprecated
-    read-only aliases.
+    step is saved with the model: ``<model>.attention_warmup.step``).
     """
 
     attention_method: Optional[AttentionMethod]
     attention_config: Any
     attention_warmup: Optional[GainWarmup]
-    pid = _deprecated_alias("pid")
-    pid_warmup = _deprecated_alias("pid_warmup")
 
     def set_model_method(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None, *,
                          stock_plus_term: bool = False, where: str = "this model") -> None:
@@ -177,7 +93,6 @@ class MethodModel:
         if counter is not None:
             counter.train(self.training)  # a counter made on a model in eval mode must not count its forwards
         self.attention_warmup = counter
-        accept_legacy_keys(self)
 
     def method_scale(self) -> Optional[Tensor]:
         """This forward's warm-up scale for the layers, read once per forward of the model (a training forward then
@@ -206,7 +121,7 @@ def number_layers(layers: Iterable[MethodLayer]) -> None:
 
 # ------------------------------------------------------------------------------------ convert
 #: what :class:`MethodLayer` adds to its zoo's attention module: every adapter's ``convert(model, "softmax")``
-#: removes exactly these (and the pre-hook of :func:`accept_legacy_keys`)
+#: removes exactly these
 LAYER_ATTRIBUTES = ("attention_method", "attention_config", "attention_params", "layer_index")
 #: what :class:`MethodModel` adds to its zoo's model (or the module that owns a group of method layers)
 MODEL_ATTRIBUTES = ("attention_method", "attention_config", "attention_warmup", "_stock_plus_term",
@@ -215,14 +130,47 @@ MODEL_ATTRIBUTES = ("attention_method", "attention_config", "attention_warmup", 
 
 def strip_attributes(module: nn.Module, names: Tuple[str, ...]) -> None:
     """Remove ``names`` from ``module`` wherever ``nn.Module`` keeps them (plain attribute, submodule, parameter,
-    buffer, non-persistent buffer name), and the pre-hook of :func:`accept_legacy_keys`: a module going back to its
-    zoo's stock class keeps nothing of ours."""
-    _drop_legacy_keys_hook(module)
+    buffer, non-persistent buffer name): a module going back to its zoo's stock class keeps nothing of ours."""
     for name in names:
         for store in (module._modules, module._parameters, module._buffers):
             store.pop(name, None)
         module._non_persistent_buffers_set.discard(name)
         module.__dict__.pop(name, None)
+
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def rebuild(module: nn.Module, kind: Type[ModuleT]) -> ModuleT:
+    """A new ``kind`` module holding ``module``'s own parameters, buffers and submodules (the same objects: nothing
+    is copied or moved), its hooks (the same hook dictionaries: handles taken on ``module`` still remove them) and its
+    train/eval mode, without running ``kind.__init__``. ``kind`` is the zoo's stock class of ``module`` or one of
+    pid-plugins' method classes derived from it, which add no tensors of their own: the caller then sets what the
+    method class holds (:meth:`MethodLayer.set_attention`, :meth:`MethodModel.set_model_method`) or removes it
+    (:func:`strip_attributes`, before rebuilding as the stock class). ``module`` itself is left unchanged."""
+    if not isinstance(module, nn.Module) or not (isinstance(module, kind) or issubclass(kind, type(module))):
+        raise TypeError(f"rebuild: a {kind.__name__} can be rebuilt from its own class or a base of it, "
+                        f"got {type(module).__name__}")
+    new = kind.__new__(kind)
+    state = dict(module.__dict__)
+    for store in ("_parameters", "_buffers", "_modules"):
+        state[store] = dict(state[store])  # new containers holding the same tensors and modules
+    state["_non_persistent_buffers_set"] = set(state["_non_persistent_buffers_set"])
+    new.__dict__.update(state)
+    return new
+
+
+def replace_module(parent: nn.Module, name: str, kind: Type[ModuleT]) -> ModuleT:
+    """Replace ``parent``'s submodule ``name`` (an attribute name, or an index of a ``ModuleList``/``Sequential``)
+    by :func:`rebuild` of it as ``kind``, in place; returns the new module. The one way every adapter's ``convert``
+    changes a module's type (as peft and torch's module swapping do): ``parent``'s ``state_dict`` keys, the parameter
+    objects an optimizer holds, hooks and train/eval mode are unchanged. A module already of type ``kind`` is kept."""
+    old = parent._modules[name]
+    if type(old) is kind:
+        return old
+    new = rebuild(old, kind)
+    parent._modules[name] = new
+    return new
 
 
 def settle_submodule(owner: nn.Module, name: str) -> None:

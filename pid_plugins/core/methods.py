@@ -12,7 +12,7 @@ per layer:
     method, config = choice.method, choice.config                      # frozen, validated parameters
     learned = method.make_learned(config)                              # per-layer parameters, or None
     # per layer, per forward:
-    call = LayerCall(attend, q, v, v_q, head_dim=-3, context=AttentionContext(causal=False), scale=warmup_scale,
+    call = LayerCall(attend, q, v, v_q, head_dim=-3, context=AttentionContext(causal=False), scale=scale,
                      layer=index)                                      # the layer's 0-based index in its group
     out, state = method.apply(config, learned, call, state)
 
@@ -37,7 +37,6 @@ validated config (:class:`MethodConfig` gives presets, dict round trip and valid
 from __future__ import annotations
 
 import functools
-import inspect
 import keyword
 import logging
 import threading
@@ -54,8 +53,8 @@ from .warmup import GainWarmup, make_warmup
 __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod",
     "MissingLayerState", "missing_state_message",
-    "register_method", "get_method", "list_methods", "method_check", "method_update",
-    "resolve_attention", "on_register", "reserve_names", "calls_attention_once", "method_warmup", "SOFTMAX",
+    "register_method", "get_method", "list_methods",
+    "resolve_attention", "on_register", "reserve_names", "method_warmup", "SOFTMAX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,8 +90,9 @@ class AttentionMethod:
         state_fields: the names of the tensors one layer hands to the next (a fixed number; entries may be None).
         default_presets: the preset each zoo starts from (``{"timm": "deit", ...}``); a zoo not listed uses
             ``default_presets["*"]``.
-        additive: ``forward`` is ``A v + term(v_q, state)``: an adapter whose stock attention is a fused kernel the
-            method path does not reproduce bit for bit may run the stock attention and add :meth:`term`.
+        additive: :meth:`update` is ``out + term(value_q, state)`` (the update of zero attention output is the term):
+            an adapter whose stock attention is a fused kernel the method path does not reproduce bit for bit may run
+            that kernel and add the term under warm-up (:class:`StockPath`).
     """
 
     name: ClassVar[str]
@@ -190,32 +190,10 @@ class AttentionMethod:
         attention output (projected when the call has ``project``) and the state for the next layer.
 
         Order: :meth:`check` (refusals before anything is computed), :meth:`layer_params` (with ``call.layer``); then
-        the zoo's stock layer plus :meth:`term` when the call has a stock path under warm-up (additive methods), else
+        the zoo's stock layer plus the method's term (the update of zeros) when the call has a stock path under warm-up (additive methods), else
         :meth:`prepare`, :meth:`attend` (the zoo's attention once when the method keeps both defaults) and
         :meth:`update`."""
         return _apply(self, config, learned, call, state)
-
-    def forward(self, params: Any, attend: Attend, query: Tensor, value: Tensor, value_q: Tensor,
-                state: Optional[tuple], *, scale: Optional[Tensor] = None, head_dim: int = -3,
-                visible: Optional[Tensor] = None, slot: Optional["CacheSlot"] = None) -> Tuple[Tensor, tuple]:
-        """One layer: :meth:`prepare`, :meth:`attend`, :meth:`update` (``visible`` and ``slot`` reach the methods
-        that declare ``reads_visible`` / ``cache_slot``; ``value_q``: see ``keys_state``)."""
-        if self.reads_visible:
-            query = self.prepare(params, query, value, state, visible=visible)
-        else:
-            query = self.prepare(params, query, value, state)
-        if self.cache_slot:
-            out = self.attend(params, attend, query, value, state, head_dim, slot=slot)
-        else:
-            out = self.attend(params, attend, query, value, state, head_dim)
-        return self.update(params, out, value_q, state, scale, head_dim)
-
-    def term(self, params: Any, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
-             head_dim: int = -3) -> Tuple[Tensor, tuple]:
-        """For additive methods: what :meth:`update` adds to the attention output, alone (the update of zeros)."""
-        if not self.additive:
-            raise ValueError(f"attention method {self.name!r} is not additive: it has no separate term")
-        return self.update(params, torch.zeros_like(value_q), value_q, state, scale, head_dim)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -309,43 +287,40 @@ def missing_state_message(method: "AttentionMethod", layer: int, route: Optional
     )
 
 
-def method_check(method: AttentionMethod, config: Any, context: AttentionContext, query: Tensor) -> Tensor:
+def _fx_check(method: AttentionMethod, config: Any, context: AttentionContext, query: Tensor) -> Tensor:
     """``method.check(config, context)``, returning ``query`` unchanged: a leaf for torch.fx (a traced model knows
     the context only when the graph runs; the query passing through keeps the call in the graph)."""
     method.check(config, AttentionContext(*(bool(flag) for flag in context)))
     return query
 
 
-def method_update(method: AttentionMethod, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple],
+def _fx_update(method: AttentionMethod, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple],
                   scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
     """``method.update(...)``: a leaf for torch.fx (timm's and torchvision's feature extraction), whose tracer cannot
     follow the Python shape checks of an update. Its result is a tuple: index it or unpack a fixed number."""
     return method.update(params, out, value_q, state, scale, head_dim)
 
 
-torch.fx.wrap("method_check")
-torch.fx.wrap("method_update")
+torch.fx.wrap("_fx_check")
+torch.fx.wrap("_fx_update")
 
 
 def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], call: LayerCall,
            state: Optional[tuple]) -> Tuple[Tensor, tuple]:
-    if _takes_layer(type(method)):
-        params = method.layer_params(config, learned, layer=call.layer)
-    else:  # a method written before LayerCall.layer: layer_params(config, learned)
-        params = method.layer_params(config, learned)
+    params = method.layer_params(config, learned, layer=call.layer)
     previous = None if state is None else method.make_state(*state)
     if previous is None and call.layer and method.state_fields and not call.restart:
         # the state rule: a later layer never starts a new state silently (LayerCall)
         raise MissingLayerState(missing_state_message(method, call.layer, call.state_route))
     if call.stock is not None and call.scale is not None and method.additive:
-        method_check(method, config, call.context, call.value_q)
-        term, new_state = method_update(method, params, torch.zeros_like(call.value_q), call.value_q, previous,
+        _fx_check(method, config, call.context, call.value_q)
+        term, new_state = _fx_update(method, params, torch.zeros_like(call.value_q), call.value_q, previous,
                                         call.scale, call.head_dim)
         return call.stock.output() + call.stock.project_term(term), new_state
     if call.attend is None or call.query is None or call.value is None:
         raise ValueError(f"attention method {method.name!r}: the adapter gave no attention to call (attend, query, "
                          "value) and no stock path for this call")
-    query = method_check(method, config, call.context, call.query)
+    query = _fx_check(method, config, call.context, call.query)
     if _calls_once(type(method)):  # the common case: the zoo's attention once, then the update
         out = call.attend(query, call.value)
     else:
@@ -360,14 +335,8 @@ def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], c
         else:
             out = method.attend(params, call.attend, query, call.value, previous, call.head_dim)
     state_values = call.value.movedim(-3, call.head_dim) if method.keys_state else call.value_q
-    out, new_state = method_update(method, params, out, state_values, previous, call.scale, call.head_dim)
+    out, new_state = _fx_update(method, params, out, state_values, previous, call.scale, call.head_dim)
     return (call.project(out) if call.project is not None else out), new_state
-
-
-def calls_attention_once(method: AttentionMethod) -> bool:
-    """Whether ``method`` keeps :class:`AttentionMethod`'s ``prepare`` and ``attend`` (one call of the zoo's attention
-    with the model's queries): then an adapter may compute the attention itself and call only :meth:`update`."""
-    return _calls_once(type(method))
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,18 +435,6 @@ def register_method(method: AttentionMethod, *, replace: bool = False) -> Attent
     return method
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_layer(kind: type) -> bool:
-    """Whether ``kind.layer_params`` accepts the keyword ``layer`` (by name, or as ``**kwargs``). A method written
-    before :attr:`LayerCall.layer` existed (``layer_params(config, learned)``) keeps working: it is called without
-    the index, which it never read."""
-    try:
-        parameters = inspect.signature(kind.layer_params).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
-        return True
-    return any(p.name == "layer" and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
 def get_method(name: str) -> AttentionMethod:
     """The method registered as ``name``."""
     method = _METHODS.get(name) if isinstance(name, str) else None
@@ -516,55 +473,54 @@ def resolve_attention(
     params: Any = None,
     *,
     zoo: str,
-    pid: Any = None,
     default: Any = None,
     learnable: bool = True,
     where: str = "this model",
-    options: Optional[Mapping[str, Any]] = None,
+    params_name: str = "attention_cfg",
 ) -> Optional[MethodChoice]:
     """The one policy every adapter applies to what a user asks for: ``None`` for ``"softmax"`` (the stock
     attention), else the registered method and its parameters.
 
     Args:
-        attention: ``"softmax"`` or a registered method's name. ``"softmax"`` is the stock attention whatever
-            parameters the recipe also carries (the A/B flip of one flag): they are not used, named in one warning.
+        attention: ``"softmax"`` or a registered method's name (None: ``"pid"``). ``"softmax"`` is the stock
+            attention whatever parameters the recipe also carries (the A/B flip of one flag): they are not used,
+            named in one warning.
         params: the method's parameters (instance, dict of overrides, preset name, None: the zoo's default preset).
         zoo: which adapter asks (``"timm"``, ``"hf"``, ``"mmseg"``, ``"fairseq"``): picks the default preset.
-        pid: PID's gains under their historical keyword ``pid=`` (PID only; the same as ``params``).
         default: the preset (or config) to start from instead of the zoo's default (e.g. a catalogue entry's).
         learnable: whether this adapter supports learnable parameters (refused with a message otherwise).
         where: names the model or layer in messages.
-        options: parameters the adapter took as separate options and applies itself (mmseg's ``lambda_p=``,
-            fairseq's ``--pid-lambda-p``), by the name the user wrote: only named in the warning for softmax.
+        params_name: how the user spells the parameters in this zoo (``attention_cfg``, ``--attention-cfg``), for
+            messages.
     """
-    if pid is not None and params is not None:
-        raise ValueError(f"{where}: give the parameters once, as pid= or as attention_cfg=, not both")
     if attention == SOFTMAX:  # the A/B flip: the recipe keeps the method's parameters, the stock attention ignores them
-        given = [_describe_params(keyword, value) for keyword, value in (("pid", pid), ("attention_cfg", params))
-                 if value is not None] + [f"{name}={value!r}" for name, value in (options or {}).items()]
-        if given:
+        if params is not None:
             logger.warning("%s: attention='softmax', the stock attention: the method parameters also given (%s) are "
-                           "not used", where, ", ".join(given))
+                           "not used", where, _describe_params(params_name, params))
         return None
-    if pid is not None:
-        if attention not in ("pid", None):
-            raise ValueError(
-                f"{where}: pid=... sets PID's gains but attention={attention!r}: set attention='pid' to use it, "
-                f"or pass {attention!r}'s parameters as attention_cfg"
-            )
-        params = pid
     if attention is None:
         attention = "pid"
     if not isinstance(attention, str) or attention not in _METHODS:
         raise ValueError(f"{where}: unknown attention method {attention!r}: choose {SOFTMAX!r} or one of "
                          f"{list_methods()} (pid_plugins.register_method adds one)")
     method = _METHODS[attention]
+    if isinstance(params, str) and (params in _METHODS or params == SOFTMAX) and params not in _presets(method):
+        raise ValueError(
+            f"{where}: {params_name}={params!r} names an attention method, not parameters of {attention!r}: pass the "
+            f"method as attention={params!r} (and its parameters, if any, as {params_name})"
+        )
     config = method.configure(params, zoo, default)
     if getattr(config, "learnable", False) and not learnable:
         raise ValueError(
             f"{where}: learnable gains are not supported here ({method.name}, learnable=True); use fixed ones"
         )
     return MethodChoice(method, config)
+
+
+def _presets(method: AttentionMethod) -> List[str]:
+    """The preset names ``method``'s parameters accept (none when its config type declares none)."""
+    names = getattr(method.config_type, "preset_names", None)
+    return list(names()) if callable(names) else []
 
 
 def _describe_params(keyword: str, params: Any) -> str:
@@ -581,7 +537,7 @@ def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = Non
                   where: str = "this model") -> Optional[GainWarmup]:
     """The gain warm-up counter a model built with ``choice`` carries (None: softmax, or no ``warmup_steps`` in the
     method's parameters), see :func:`~pid_plugins.core.warmup.make_warmup`. ``stock_plus_term``: the adapter runs
-    warm-up as the zoo's own fused attention plus the method's separate :meth:`~AttentionMethod.term` (mmseg,
+    warm-up as the zoo's own fused attention plus the method's separate term (``additive``; mmseg,
     fairseq), which only additive methods have: refused otherwise, before anything runs."""
     config = choice.config if choice is not None else None
     steps = getattr(config, "warmup_steps", 0) or 0

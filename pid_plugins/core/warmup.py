@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .config import PIDConfig
 
-__all__ = ["GainWarmup", "make_warmup", "scaled_gains", "warmup_scale"]
+__all__ = ["GainWarmup", "make_warmup", "scaled_gains"]
 
 
 class GainWarmup(nn.Module):
@@ -84,11 +84,6 @@ def make_warmup(config: Optional[PIDConfig], current: Optional[GainWarmup] = Non
         counter.to(like.device)
     counter.train(current.training if current is not None else True)
     return counter
-
-
-def warmup_scale(counter: Optional[GainWarmup]) -> Optional[Tensor]:
-    """``counter()`` (this forward's scale, advancing ``t`` in training mode), or None without a counter."""
-    return counter() if counter is not None else None
 
 
 def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:

@@ -31,7 +31,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
-from ..core.layer import MethodLayer, MethodModel, number_layers, rename_legacy_keys
+from ..core.layer import MethodLayer, MethodModel, number_layers
 from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 
 #: how to run a fairseq method layer with its state, named in core's MissingLayerState
@@ -284,13 +284,10 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
-        """fairseq's upgrade (run on every checkpoint load) and the keys a release before the rename saved
-        (``pid_gains``, ``pid_warmup``) under today's names (:func:`~pid_plugins.core.layer.rename_legacy_keys`),
-        then one warning when this decoder warms up but the checkpoint has no warm-up counter: the counter starts at
+        """fairseq's upgrade (run on every checkpoint load), then one warning when this decoder warms up but the checkpoint has no warm-up counter: the counter starts at
         0, i.e. the stock model. That is meant when fine-tuning a softmax checkpoint; a model saved after
         :func:`pid_plugins.finish_warmup` is loaded with its warm-up off instead (fairseq's ``arg_overrides``)."""
         state_dict = super().upgrade_state_dict_named(state_dict, name)
-        rename_legacy_keys(state_dict, self, f"{name}." if name else "")
         key = f"{name}.attention_warmup.step" if name else "attention_warmup.step"
         if self.attention_warmup is not None and key not in state_dict:
             logger.warning(

@@ -45,7 +45,6 @@ from torch import nn
 
 from ..core import AttentionMethod, PIDConfig, PIDMethod
 from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
-from ..core.layer import accept_legacy_keys
 
 __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
            "extend_tp_plan", "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset",
@@ -171,7 +170,6 @@ def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] 
     if current is not None:
         delattr(attention, GAINS_ATTR)
     setattr(attention, GAINS_ATTR, gains)
-    accept_legacy_keys(attention)  # load_state_dict of a checkpoint saved as pid_gains
     return True
 
 

@@ -13,9 +13,7 @@ All through transformers' and torch's extension points except the last:
 * ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (behind every ``from_config``) are wrapped
   once, so that a method's parameters are a keyword of both (``attn_implementation="pid", pid={...}``): transformers
   hands a keyword that names no attribute of the config to the model's ``__init__``, which takes none, and
-  ``from_config`` hands every keyword there, so no config-side extension point reaches them; ``from_pretrained``
-  also gets transformers' ``key_mapping`` for the keys of checkpoints saved before the rename
-  (:data:`LEGACY_KEY_MAPPING`);
+  ``from_config`` hands every keyword there, so no config-side extension point reaches them;
 * ``init_continuous_batching`` (behind ``generate_batch``, ``continuous_batching_context_manager`` and
   ``generate(cache_implementation="paged")``) is wrapped once, so that a model running a method is refused before
   continuous batching switches its attention (to flash attention where flash-attn is installed, with only a log
@@ -40,7 +38,7 @@ from ..core import AttentionMethod, GainWarmup, on_register, register_warmup_fin
 from . import conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
-from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS, WEIGHT_CONVERSIONS
+from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS
 from .config import _METHODS, BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
@@ -129,44 +127,19 @@ def _post_init(model: PreTrainedModel) -> None:
 _REQUEST: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("pid_plugins_hf_request", default=None)
 
 
-#: transformers' own key renaming (``from_pretrained(key_mapping=...)``, regex -> replacement) for checkpoints saved
-#: before the rename: ``<attention>.pid_gains.<param>`` and ``pid_warmup.step`` load under today's names
-LEGACY_KEY_MAPPING: Dict[str, str] = {r"pid_gains\.": f"{learned_gains.GAINS_ATTR}.",
-                                      r"pid_warmup\.step": f"{WARMUP_ATTR}.step"}
-
-
-def _with_legacy_key_mapping(kwargs: Dict[str, Any]) -> None:
-    """Add :data:`LEGACY_KEY_MAPPING` to a ``from_pretrained`` call's ``key_mapping`` (the user's own first)."""
-    kwargs["key_mapping"] = {**(kwargs.get("key_mapping") or {}), **LEGACY_KEY_MAPPING}
-
-
-def _forget_legacy_key_mapping(loaded: Any) -> Any:
-    """transformers reverts the renamings a load used when the model is saved again (so a converted checkpoint keeps
-    its layout): not ours, a model loaded from a checkpoint saved before the rename saves today's names."""
-    model = loaded[0] if isinstance(loaded, tuple) else loaded
-    WEIGHT_CONVERSIONS.require()
-    used = getattr(model, "_weight_conversions", None)
-    if used:
-        model._weight_conversions = [c for c in used if list(getattr(c, "_original_source_patterns", ()))
-                                     not in ([p] for p in LEGACY_KEY_MAPPING)]
-    return loaded
-
-
 def _from_pretrained_with_method_kwargs(original: Any) -> Any:
-    """``original`` (a ``from_pretrained`` function) taking a method's parameters as a keyword, and loading the keys
-    checkpoints saved before the rename hold (:data:`LEGACY_KEY_MAPPING`)."""
+    """``original`` (a ``from_pretrained`` function) taking a method's parameters as a keyword."""
     @functools.wraps(original)
     def from_pretrained(cls, *args: Any, **kwargs: Any):
-        _with_legacy_key_mapping(kwargs)
         if _REQUEST.get() is not None:  # an outer loader took them (the auto class, then the model class)
-            return _forget_legacy_key_mapping(original(cls, *args, **kwargs))
+            return original(cls, *args, **kwargs)
         where = f"{cls.__name__}.from_pretrained"
         given = take_method_kwargs(kwargs, where)
         if not given:
-            return _forget_legacy_key_mapping(original(cls, *args, **kwargs))
+            return original(cls, *args, **kwargs)
         token = _REQUEST.set((given, where))
         try:
-            return _forget_legacy_key_mapping(original(cls, *args, **kwargs))
+            return original(cls, *args, **kwargs)
         finally:
             _REQUEST.reset(token)
 
@@ -273,7 +246,7 @@ def _transformers_names() -> Dict[str, str]:
     names = {name: f"PretrainedConfig.{name}, which a method's parameters (saved as config.<method name>) would overwrite"
              for name in {*dir(PretrainedConfig), *vars(PretrainedConfig())} if not name.startswith("_")}
     names.update({name: f"pid_plugins' configuration attribute config.{name}"
-                  for name in (BASE_ATTR, STOCK_ATTR, WARMUP_ATTR, "pid_warmup")})
+                  for name in (BASE_ATTR, STOCK_ATTR, WARMUP_ATTR)})
     replaced = "which a method of that name would replace for every model that uses it, also models without a method"
     names["eager"] = f'its built-in attn_implementation="eager", {replaced}'
     for interface, ours in ((AttentionMaskInterface, method_mask), (AttentionInterface, method_attention_forward)):

@@ -143,13 +143,6 @@ def _global_mapping() -> bool:
                for i in (AttentionInterface, AttentionMaskInterface))
 
 
-def _weight_conversions() -> bool:
-    from transformers import core_model_loading
-
-    source = inspect.getsource(core_model_loading)
-    return "_weight_conversions" in source and "_original_source_patterns" in source
-
-
 CACHE_KEYWORD = Internal(
     ZOO, "the forward keyword carrying the KV cache (`cache` or `past_key_values`)",
     "finding the cache a forward uses (static caches: where the query positions' values are; Twicing: its slot)",
@@ -193,11 +186,6 @@ GLOBAL_MAPPING = Internal(
     ZOO, "AttentionInterface._global_mapping / AttentionMaskInterface._global_mapping",
     "reserving the attention implementation names transformers holds (a method cannot replace 'sdpa')",
     "5.20 - 5.24", _global_mapping)
-WEIGHT_CONVERSIONS = Internal(
-    ZOO, "model._weight_conversions with _original_source_patterns (the key renamings a load used)",
-    "not writing the old key names back when a model loaded from an old checkpoint is saved", "5.20 - 5.24",
-    _weight_conversions)
-
 TP_PLAN = Internal(
     ZOO, "PreTrainedModel.tp_plan (a settable property) and the 'replicated_with_grad_allreduce' style of "
     "ALL_PARALLEL_STYLES (transformers.distributed.tensor_parallel)",
@@ -206,7 +194,7 @@ TP_PLAN = Internal(
     "own heads)", "5.24", _tp_plan)
 
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, TORCH_CHECKPOINT,
-             CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, WEIGHT_CONVERSIONS, TP_PLAN)
+             CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, TP_PLAN)
 
 
 def require_all() -> None:

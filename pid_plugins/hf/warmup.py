@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ..core import GainWarmup, PIDConfig, make_warmup
-from ..core.layer import accept_legacy_keys
 from .config import _PID, method_of, model_method_config
 
 __all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter", "warmup_scale"]
@@ -61,12 +60,10 @@ def _warmup_steps(config: Any) -> int:
 
 def give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
     """Make ``counter`` ``model``'s ``attention_warmup``; a checkpoint without it loads without a missing-key report
-    (the wrapped ``_initialize_weights`` of :mod:`pid_plugins.hf.install` starts it at 0), one saved as
-    ``pid_warmup`` (before the rename) under the new name (:func:`~pid_plugins.core.layer.accept_legacy_keys`)."""
+    (the wrapped ``_initialize_weights`` of :mod:`pid_plugins.hf.install` starts it at 0)."""
     ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
     model._keys_to_ignore_on_load_missing = {*(ignore or ()), WARMUP_MISSING_KEY}
     setattr(model, WARMUP_ATTR, counter)
-    accept_legacy_keys(model)  # load_state_dict of a checkpoint saved as pid_warmup
 
 
 def attach_warmup(model: PreTrainedModel, config: Any = None) -> None:

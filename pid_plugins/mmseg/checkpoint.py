@@ -186,9 +186,7 @@ def weights_only_schemes() -> Iterator[None]:
 class WeightsOnlyCheckpointHook(Hook):
     """``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]``: the runner's ``load_from``/``resume`` (and
     every other mmengine checkpoint load between ``before_run`` and ``after_run``) load weights only, whatever
-    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (:func:`weights_only_schemes`). The shipped configs add it. At
-    ``before_run`` it also refuses an ``optim_wrapper.paramwise_cfg.custom_keys`` that still names ``pid_gains``
-    (renamed ``attention_params``: :func:`~pid_plugins.mmseg.renamed.check_custom_keys`)."""
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (:func:`weights_only_schemes`). The shipped configs add it."""
 
     priority = "HIGHEST"
 
@@ -196,12 +194,6 @@ class WeightsOnlyCheckpointHook(Hook):
         self._scope: Any = None
 
     def before_run(self, runner: Any) -> None:
-        from .renamed import check_custom_keys
-
-        cfg = getattr(runner, "cfg", None)
-        model = getattr(runner, "model", None)
-        if cfg is not None and model is not None:
-            check_custom_keys(cfg.get("optim_wrapper"), model)
         if self._scope is None:
             scope = weights_only_schemes()
             scope.__enter__()  # refused (InternalChanged) before mmengine's table changes: no scope is kept

@@ -27,7 +27,7 @@ from ..core import (
     resolve_attention, unwrap_state_dict,
 )
 from ..core.layer import (
-    LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, rename_legacy_keys, settle_submodule, strip_attributes,
+    LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, settle_submodule, strip_attributes,
 )
 from .checkpoint import load_checkpoint
 from .internals import BACKBONE, BASE_MODULE, LAYERS, require
@@ -267,7 +267,6 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         state_dict = {k[len("backbone."):] if k.startswith("backbone.") else k: v for k, v in state_dict.items()}
         if any(k.startswith("blocks.") for k in state_dict):
             state_dict = timm_vit_to_mmseg(state_dict)
-        rename_legacy_keys(state_dict, self)  # saved before the rename: pid_gains, pid_warmup
         # pretrained weights start a new training run: its warm-up starts at t = 0, whatever the checkpoint's was
         state_dict.pop("attention_warmup.step", None)
         if self.attention_warmup is not None:

@@ -13,8 +13,8 @@ Import-time changes to third-party modules (all through timm's and torch.fx's ow
 
 * timm's model registry: ``register_model`` adds the ``pid_*`` names and the softmax ``fan_*`` names (with their
   ``default_cfgs``), so ``timm.create_model`` and timm's scripts find them.
-* timm's fx leaf list: ``register_notrace_function`` of core's ``method_update`` (a method's update step, whose
-  shape checks are Python control flow fx cannot trace) and ``method_check`` (a method's refusals, run with the
+* timm's fx leaf list: ``register_notrace_function`` of core's ``_fx_update`` (a method's update step, whose
+  shape checks are Python control flow fx cannot trace) and ``_fx_check`` (a method's refusals, run with the
   concrete arguments when the traced graph runs), so timm's feature extraction records each as one call. Core marks
   the same two with ``torch.fx.wrap`` for plain torch.fx tracers (torchvision's feature extraction).
 """

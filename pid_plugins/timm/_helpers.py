@@ -22,8 +22,7 @@ from ..core import (  # noqa: E402
     AttentionContext, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
 )
 from ..core.layer import MethodLayer as CoreMethodLayer  # noqa: E402
-from ..core.layer import rename_legacy_keys  # noqa: E402
-from ..core.methods import method_check, method_update  # noqa: E402
+from ..core.methods import _fx_check, _fx_update  # noqa: E402
 
 
 def _timm_names() -> Dict[str, str]:
@@ -70,7 +69,7 @@ class MethodLayer(CoreMethodLayer):
         ``attend(q, v)`` is the layer's stock attention (keys, mask, dropout bound). The stock path (softmax, or
         a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through; otherwise
         the method's one :meth:`~pid_plugins.core.AttentionMethod.apply` (with the layer's ``layer_index``, its
-        position among the model's blocks), whose refusals and update step are leaves for torch.fx (:func:`~pid_plugins.core.methods.method_check`, :func:`~pid_plugins.core.methods.method_update`).
+        position among the model's blocks), whose refusals and update step are leaves for torch.fx (core's ``_fx_check`` and ``_fx_update``).
         """
         if not self.method_active:
             return attend(q, v), state
@@ -81,15 +80,15 @@ class MethodLayer(CoreMethodLayer):
 
 
 # timm's own fx leaf list (its feature extraction traces with it; plain torch.fx uses core's torch.fx.wrap)
-register_notrace_function(method_check)
-register_notrace_function(method_update)
+register_notrace_function(_fx_check)
+register_notrace_function(_fx_update)
 
 
 def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
     """A block's method state as the flat tail of its output tuple (``()`` for the stock attention).
 
     Indexes the state field by field (``size`` = ``len(method.state_fields)``), so it also works on a torch.fx
-    proxy of a :func:`~pid_plugins.core.methods.method_update` result.
+    proxy of a :func:`~pid_plugins.core.methods._fx_update` result.
     """
     if state is None or not size:
         return ()
@@ -168,14 +167,13 @@ def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
 
 
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
-    """Give keys saved before the rename (``pid_gains``, ``pid_warmup``) today's names, fill learnable method
+    """Fill learnable method
     parameters (PID gains) and the warm-up counter a softmax checkpoint lacks; raise listing missing/unexpected keys.
 
     Classifier keys that timm's ``load_pretrained`` is about to drop (the model's ``num_classes`` differs
     from the pretrained cfg's) are not counted: the new head keeps its fresh initialisation, as in timm.
     """
     CLASSIFIER_DROP.require()
-    rename_legacy_keys(out, model)
     expected = model.state_dict()
     for name, value in expected.items():
         if ".attention_params." in name and name not in out:
