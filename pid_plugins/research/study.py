@@ -236,10 +236,3 @@ def _plot(settings: Dict[str, Any], path: Path) -> Path | None:
     plt.close(fig)
     return path
 
-
-if __name__ == "__main__":  # python -m pid_plugins.research.study ... == pid-plugins study ...
-    import sys
-
-    from .cli import main
-
-    raise SystemExit(main(["study", *sys.argv[1:]]))

@@ -1,0 +1,132 @@
+"""The module graph of ``pid_plugins``: no import circle, counting imports inside functions and ``importlib`` calls.
+
+Read from the source (ast), without importing anything: an edge ``a -> b`` for every ``import``/``from ... import``
+of a ``pid_plugins`` module anywhere in ``a`` (module level or inside a function: a function-level import only
+defers a circle) and for every ``importlib.import_module`` of one. ``from pkg import name`` is an edge to
+``pkg.name`` when that is a module, else to ``pkg``. Parent packages, which Python imports first anyway, are not
+edges unless named.
+"""
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pid_plugins
+
+ROOT = Path(pid_plugins.__file__).resolve().parent.parent
+
+
+def _modules() -> Dict[str, Path]:
+    found = {}
+    for path in (ROOT / "pid_plugins").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _absolute(module: str, is_package: bool, level: int, name: str) -> str:
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _names_ours(argument: ast.AST) -> bool:
+    """Whether a computed module name is built from this package's own name (``f"{__package__}.x"``, ``"." + x``,
+    ``"pid_plugins." + x``); a user's module named at run time (the CLI's ``--import``) is not."""
+    for node in ast.walk(argument):
+        if isinstance(node, ast.Name) and node.id in ("__package__", "__name__", "__spec__"):
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith((".", "pid_plugins")):
+            return True
+    return False
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    modules = _modules()
+    graph: Dict[str, Set[str]] = {}
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        targets: List[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(module, is_package, node.level, node.module) if node.level else node.module or ""
+                for alias in node.names:
+                    child = f"{source}.{alias.name}"
+                    targets.append(child if child in modules else source)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+                argument = node.args[0] if node.args else None
+                if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+                    name = argument.value
+                    if name.startswith("."):
+                        level = len(name) - len(name.lstrip("."))
+                        name = _absolute(module, is_package, level, name.lstrip(".") or "")
+                    targets.append(name)
+                elif argument is not None and _names_ours(argument):  # a computed name of one of our modules:
+                    raise AssertionError(  # which one cannot be read, so it is refused outright
+                        f"{path.relative_to(ROOT)}:{node.lineno}: import_module with a computed name; import "
+                        "pid_plugins modules by name (an import statement) so the module graph can be checked"
+                    )
+        graph[module] = {t for t in targets if t in modules and t != module}
+    return graph
+
+
+def circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_analysis_finds_a_circle_and_a_hidden_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_pid_plugins_has_no_import_circle():
+    graph = import_graph()
+    assert "pid_plugins.core.methods" in graph["pid_plugins.core"]  # the graph is read
+    assert circles(graph) == []
+
+
+def test_core_imports_no_adapter_and_adapters_never_import_each_other():
+    graph = import_graph()
+    adapters = ("timm", "hf", "mmseg", "fairseq")
+    for module, targets in graph.items():
+        zoo = module.split(".")[1] if module.count(".") else None
+        for target in targets:
+            other = target.split(".")[1] if target.count(".") else None
+            if module.startswith("pid_plugins.core"):
+                assert other not in adapters, f"{module} imports {target}"
+            if zoo in adapters and other in adapters:
+                assert other == zoo, f"{module} imports {target}"
