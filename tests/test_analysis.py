@@ -190,6 +190,18 @@ def test_spsa_runs_and_does_not_raise_accuracy(trained_digits_model):
     res = evaluate_image_robustness(trained_digits_model, test.images, test.labels, attacks=("spsa",),
                                     eps=16 / 255, spsa_iters=2, noise_sigmas=(), corruptions=(), progress=False)
     assert res["spsa"]["top1"][0] <= res["clean"]["top1"]
+    # the attack does something: images moved within the eps ball, the loss it ascends higher (a no-op attack, which
+    # the accuracy check alone would pass, fails here)
+    import torchattacks
+
+    x, y = test.images[:16], test.labels[:16]
+    torch.manual_seed(0)
+    adv = torchattacks.SPSA(trained_digits_model.eval(), eps=16 / 255, nb_iter=2, nb_sample=64, max_batch_size=64)(x, y)
+    moved = (adv - x).abs()
+    assert moved.max() > 0 and moved.max() <= 16 / 255 + 1e-6
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy
+        assert loss(trained_digits_model(adv), y) > loss(trained_digits_model(x), y)
 
 
 def test_corruptions_and_relative_mce():

@@ -139,6 +139,12 @@ CASES = [
 
 @pytest.mark.parametrize("argv, expected", [pytest.param(a, e, id=i) for i, a, e in CASES])
 def test_bad_input_is_one_clear_line(files, tmp_path, capsys, argv, expected):
+    assert_one_clear_line(files, tmp_path, capsys, argv, expected)
+
+
+def assert_one_clear_line(files, tmp_path, capsys, argv, expected):
+    """``main(argv)`` exits with code 2 and one ``pid-plugins: error:`` line containing ``expected``, as the last line
+    of stderr, without a traceback, and leaves nothing behind."""
     out = tmp_path / "out"
     argv = [a.replace("{d}", str(files)).replace("{repo}", str(REPO)) for a in argv]
     if "--out" not in argv and argv[0] != "list":
@@ -202,4 +208,4 @@ METHOD_CASES = [
 
 @pytest.mark.parametrize("argv, expected", [pytest.param(a, e, id=i) for i, a, e in METHOD_CASES])
 def test_unknown_attention_method_is_one_clear_line(files, tmp_path, capsys, argv, expected):
-    test_bad_input_is_one_clear_line(files, tmp_path, capsys, argv, expected)
+    assert_one_clear_line(files, tmp_path, capsys, argv, expected)

@@ -32,9 +32,10 @@ def _malicious_folder(tmp_path: Path) -> tuple[Path, Path]:
     return folder, marker
 
 
+#: each loader, and the error it refuses the pickle with (torch's weights-only unpickler; load_smollm2 wraps it)
 LOADERS = {
-    "from_pretrained": lambda folder: AutoModelForCausalLM.from_pretrained(folder),
-    "load_smollm2_cache": lambda folder: load_smollm2(folder),
+    "from_pretrained": (lambda folder: AutoModelForCausalLM.from_pretrained(folder), pickle.UnpicklingError),
+    "load_smollm2_cache": (lambda folder: load_smollm2(folder), OSError),
 }
 
 
@@ -47,7 +48,8 @@ def test_a_malicious_pickle_in_a_transformers_folder_is_not_executed(tmp_path, m
         monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     else:
         monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
-    with pytest.raises(Exception, match="(?i)weights.only|safetensors") as info:
-        LOADERS[loader](folder)
+    load, error = LOADERS[loader]
+    with pytest.raises(error, match="(?i)weights.only|safetensors") as info:
+        load(folder)
     assert not marker.exists(), "the pickled payload ran"
     assert "PWNED" not in str(info.value) or "weights" in str(info.value).lower()
