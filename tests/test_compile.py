@@ -51,25 +51,20 @@ def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
     # the path most users take: from_config(..., attn_implementation="pid"), then compile, no eager forward first
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="pid").eval()
     expected_gains = PIDConfig.coerce(_gains(source), default="lm")
-    assert pid_plugins.hf.model_pid_config(model.config) == expected_gains
+    assert pid_plugins.hf.model_method_config(model.config) == expected_gains
     compiled = _compile(model, "inductor" if source == "unset" else "eager")
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
 
     def decode(step, steps=4):
         cache = StaticCache(config=model.config, max_cache_len=16)
-        logits = []
         with torch.no_grad():
-            out = step(input_ids=prompt, past_key_values=cache, use_cache=True).logits
-            logits.append(out)
-            tok = out[:, -1:].argmax(-1)
-            for i in range(steps):
-                if i == 1:  # the prefill and the first decoding step compiled once each; from now on: none
-                    patch = torch._dynamo.config.patch(error_on_recompile=True)
-                    patch.__enter__()
-                out = step(input_ids=tok, past_key_values=cache, use_cache=True).logits
-                logits.append(out)
-                tok = out[:, -1:].argmax(-1)
-            patch.__exit__(None, None, None)
+            # the prefill and the first decoding step compile once each; from then on: no recompilation
+            logits = [step(input_ids=prompt, past_key_values=cache, use_cache=True).logits]
+            logits.append(step(input_ids=logits[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for _ in range(steps - 1):
+                    tok = logits[-1][:, -1:].argmax(-1)
+                    logits.append(step(input_ids=tok, past_key_values=cache, use_cache=True).logits)
         return torch.cat(logits, dim=1)
 
     got = decode(compiled)
@@ -87,7 +82,7 @@ def test_timm_forward_compiles_fullgraph_with_a_preset_name():
     import pid_plugins.timm  # noqa: F401
 
     torch.manual_seed(0)
-    model = timm.create_model("pid_deit_tiny_patch16_224", pid="lm", img_size=32, patch_size=16, embed_dim=24,
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg="lm", img_size=32, patch_size=16, embed_dim=24,
                               depth=2, num_heads=2, num_classes=5).eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -102,7 +97,7 @@ def test_mmseg_backbone_forward_compiles_fullgraph_with_a_preset_name():
     torch.manual_seed(0)
     model = MODELS.build(dict(type="PIDVisionTransformer", img_size=(32, 32), patch_size=16, embed_dims=24,
                               num_layers=2, num_heads=2, drop_path_rate=0.0, final_norm=True, with_cls_token=True,
-                              norm_cfg=dict(type="LN", eps=1e-6), pid="deit"))
+                              norm_cfg=dict(type="LN", eps=1e-6), attention_cfg="deit"))
     model.eval()  # mmseg's ViT.train() returns None
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
