@@ -136,3 +136,59 @@ def test_fairseq_user_dir_from_the_wheel_trains(installed):
     run(installed, "-m", "pid_plugins_fairseq_compat", "uninstall")  # the opt-in is undone by one command
     assert not (purelib / "pid_plugins_fairseq_compat.pth").exists()
     assert run(installed, "-c", "import dataclasses; print(dataclasses._get_field.__module__)").strip() == "dataclasses"
+
+
+def test_the_wheel_carries_the_license_the_type_marker_the_mmseg_configs_and_its_metadata(pid_plugins_wheel):
+    archive = zipfile.ZipFile(pid_plugins_wheel)
+    names = set(archive.namelist())
+    dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+    assert f"{dist_info}/licenses/LICENSE" in names
+    assert archive.read(f"{dist_info}/licenses/LICENSE") == (REPO / "LICENSE").read_bytes()
+    assert "pid_plugins/py.typed" in names
+    configs = {p.name for p in (REPO / "configs" / "mmseg").glob("*.py")}
+    assert configs and {f"pid_plugins/mmseg/configs/{name}" for name in configs} <= names
+    metadata = archive.read(f"{dist_info}/METADATA").decode()
+    fields = [line.split(": ", 1) for line in metadata.split("\n\n", 1)[0].splitlines() if ": " in line]
+    values = {}
+    for key, value in fields:
+        values.setdefault(key, []).append(value)
+    assert values["License-Expression"] == ["Apache-2.0"] and values["License-File"] == ["LICENSE"]
+    assert values["Requires-Python"] == [">=3.11"] and values["Author"]
+    assert "Programming Language :: Python :: 3.11" in values["Classifier"]
+    assert {"timm", "transformers", "mmsegmentation", "fairseq"} <= set(values["Keywords"][0].split(","))
+    extras = {line.split("; extra == ")[1].strip('"') for line in values["Requires-Dist"] if "; extra ==" in line}
+    hf = [line for line in values["Requires-Dist"] if line.endswith('extra == "hf"')]
+    assert not any(name in line for line in hf for name in ("peft", "gguf")), hf  # only what the feature needs
+    assert {"timm", "hf", "peft", "mmseg", "fairseq"} <= extras
+
+
+def test_the_sdist_carries_the_license(tmp_path):
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pycache__", "*_out", ".pytest_cache", ".cache",
+        "data", "site"))
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], cwd=src, check=True,
+                   capture_output=True)
+    (sdist,) = (tmp_path / "dist").glob("pid_plugins-*.tar.gz")
+    import tarfile
+
+    with tarfile.open(sdist) as archive:
+        names = archive.getnames()
+    assert any(n.endswith("/LICENSE") and n.count("/") == 1 for n in names), names[:20]
+    assert any(n.endswith("/configs/mmseg/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py") for n in names)
+
+
+def test_a_pip_user_inherits_a_shipped_mmseg_config(installed):
+    """The documented way: ``python -m pid_plugins.mmseg`` prints the configs' folder; an absolute ``_base_``."""
+    _, purelib, work, _ = installed
+    folder = run(installed, "-m", "pid_plugins.mmseg").strip().splitlines()[-1]
+    assert Path(folder).resolve() == (purelib / "pid_plugins" / "mmseg" / "configs").resolve()
+    mine = work / "my_segmenter.py"
+    mine.write_text(f"_base_ = '{folder}/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'\n"
+                    "model = dict(backbone=dict(attention='softmax'))\n")
+    out = run(installed, "-c", "from mmengine.config import Config; import sys\n"
+                               f"cfg = Config.fromfile({str(mine)!r})\n"
+                               "print(cfg.model.backbone.type, cfg.model.backbone.attention, cfg.custom_imports.imports)")
+    assert out.strip().splitlines()[-1] == "PIDVisionTransformer softmax ['pid_plugins.mmseg']"

@@ -45,5 +45,11 @@ from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_m
 from .checkpoint import WeightsOnlyCheckpointHook
 from .conversion import convert
 
+from importlib import resources as _resources  # noqa: E402
+
+CONFIGS = str(_resources.files("pid_plugins.mmseg.configs"))
+"""The folder of the shipped Segmenter configs (``python -m pid_plugins.mmseg`` prints it), for a config's
+``_base_``: ``_base_ = '<CONFIGS>/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'``."""
+
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "PIDSegmenterMaskTransformerHead",
-           "WeightsOnlyCheckpointHook", "timm_vit_to_mmseg", "install_mmcv_ext_standin", "convert"]
+           "WeightsOnlyCheckpointHook", "timm_vit_to_mmseg", "install_mmcv_ext_standin", "convert", "CONFIGS"]
