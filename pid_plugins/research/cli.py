@@ -436,6 +436,16 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default after its help text."""
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
+    """A subcommand with its one-line summary (``pid-plugins --help``) and description (``pid-plugins NAME --help``)."""
+    description = f"{summary[0].upper()}{summary[1:]}.{' ' + details if details else ''}"
+    return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
+
+
 def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> None:
     p.add_argument("--model", action="append", required=True,
                    help="registry/timm name, transformers folder or mmseg config (a .py file: mmengine executes it "
@@ -456,9 +466,9 @@ def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> Non
     p.add_argument("--data", required=True,
                    help="images: fashion-mnist, digits, auto or a <class>/<image> folder; text: wiki, shakespeare or a .txt file")
     p.add_argument("--num-samples", type=_int(1), default=samples, help="images, or token blocks of text (>= 1)")
-    p.add_argument("--batch-size", type=_int(1), default=batch)
+    p.add_argument("--batch-size", type=_int(1), default=batch, help="inputs per forward pass")
     p.add_argument("--seq-len", type=_int(2), default=128, help="tokens per text block (>= 2)")
-    p.add_argument("--seed", type=_int(0), default=0)
+    p.add_argument("--seed", type=_int(0), default=0, help="seed of the sample drawn from --data")
 
 
 def _add_import_arg(p: argparse.ArgumentParser) -> None:
@@ -468,84 +478,97 @@ def _add_import_arg(p: argparse.ArgumentParser) -> None:
                         "pid_plugins.register_method can be named by --attention / --arms; repeatable")
 
 
+DESCRIPTION = ("PID-controlled attention (PIDformer, ICML 2024) and its sibling methods in timm, transformers, "
+               "mmsegmentation and fairseq: list the model variants, show the presets, measure token collapse and "
+               "robustness of models, and run the demo and the studies measured in the documentation.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pid-plugins", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="list the PID model variants declared in the registry")
+    from .. import __version__
+
+    parser = _Parser(prog="pid-plugins", description=DESCRIPTION, formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"pid-plugins {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    p = _command(sub, "list", "list the PID model variants declared in the registry",
+                 "One line per variant: its name, zoo, base model and preset.")
     p.add_argument("pattern", nargs="?", default="*", help="glob on the name, e.g. 'pid_deit*'")
-    p.add_argument("--zoo", choices=["timm", "hf", "mmseg", "fairseq"], default=None)
+    p.add_argument("--zoo", choices=["timm", "hf", "mmseg", "fairseq"], default=None,
+                   help="only this zoo's variants (default: every zoo)")
     p.set_defaults(func=_cmd_list)
-    p = sub.add_parser("presets", help="show the paper's gains")
+    p = _command(sub, "presets", "show the paper's gains",
+                 "The PID presets (lambda_p, lambda_i, lambda_d, beta) of registry/presets.toml, by name.")
     p.set_defaults(func=_cmd_presets)
-    p = sub.add_parser("diagnose", help="per-layer token collapse and attention sparsity of models, JSON + PNG")
+    p = _command(sub, "diagnose", "per-layer token collapse and attention sparsity of models, JSON + PNG")
     _add_model_args(p, 64, 16)
     p.add_argument("--passes", type=_int(0), default=20, help="repeated passes of the layer stack (0 = skip)")
     p.add_argument("--layer-stack", help="dotted path of the layer stack (default: found automatically)")
-    p.add_argument("--out", type=_out_folder, default=Path("diagnose_out"))
+    p.add_argument("--out", type=_out_folder, default=Path("diagnose_out"), help="output folder (must not exist)")
     p.set_defaults(func=_cmd_diagnose)
-    p = sub.add_parser("attack", help="robustness: attacks, noise, corruptions (images); noisy perplexity (LMs)")
+    p = _command(sub, "attack", "robustness: attacks, noise, corruptions (images); noisy perplexity (LMs)")
     _add_model_args(p, 256, 64)
-    p.add_argument("--baseline", help="the --model the mCE is relative to")
+    p.add_argument("--baseline", help="the --model the mCE is relative to (default: the first)")
     p.add_argument("--attacks", default="fgsm,pgd", help="comma list of fgsm, pgd, spsa (or none)")
     p.add_argument("--eps", type=_eps, default=3 / 255,
                    help="l_inf budget in [0, 1] pixels (PGD/FGSM without a sweep, SPSA), e.g. 3/255")
     p.add_argument("--eps-sweep", type=_number_list(0.0, 1.0, "an eps (e.g. 3/255 or 0.0118)", _fraction), default=[],
                    help="comma list of eps in [0, 1] for FGSM/PGD, e.g. 1/255,2/255,3/255,4/255")
-    p.add_argument("--pgd-steps", type=_int(1), default=20)
-    p.add_argument("--spsa-iters", type=_int(1), default=5)
+    p.add_argument("--pgd-steps", type=_int(1), default=20, help="PGD iterations")
+    p.add_argument("--spsa-iters", type=_int(1), default=5, help="SPSA iterations")
     p.add_argument("--noise", type=_number_list(0.0, math.inf, "a noise sigma (>= 0)"), default=[0.02, 0.05, 0.1, 0.2],
                    help="Gaussian noise sigmas >= 0 (or none)")
     p.add_argument("--corruptions", default="default", help="default, all, none or a comma list of corrupt-tta names")
     p.add_argument("--severities", type=_severities, default=[1, 2, 3, 4, 5], help="comma list of 1..5")
     p.add_argument("--rates", type=_number_list(0.0, 1.0, "a substitution rate (0..1)"), default=[0.0, 0.05, 0.1, 0.2],
                    help="token substitution rates in [0, 1] (language models)")
-    p.add_argument("--out", type=_out_folder, default=Path("attack_out"))
+    p.add_argument("--out", type=_out_folder, default=Path("attack_out"), help="output folder (must not exist)")
     p.set_defaults(func=_cmd_attack)
-    p = sub.add_parser("demo", help="the main job: softmax vs PID on real data (vision + language), report + plots")
+    p = _command(sub, "demo", "the main job: softmax vs PID on real data (vision + language), report + plots",
+                 "make demo runs it with the defaults.")
     p.add_argument("--out", type=_out_folder, default=Path("demo_out"),
-                   help="output directory (default: demo_out); trained models are cached there")
+                   help="output folder; trained models are cached there")
     p.add_argument("--quick", action="store_true", help="tiny budgets (under 3 minutes), for smoke tests")
     p.add_argument("--parts", default="core,vision,language", help="comma list of core, vision, language")
     p.add_argument("--data", default="auto", help="images: fashion-mnist, digits or auto (Fashion-MNIST if installed)")
     p.add_argument("--corpus", default="wiki", help="text: wiki (gensim's Wikipedia sample), shakespeare or a file")
-    p.add_argument("--seed", type=_int(0), default=0)
+    p.add_argument("--seed", type=_int(0), default=0, help="seed of the data order and initial weights")
     p.add_argument("--preset", default="deit", help="gains of the core demo's PID layers")
     p.add_argument("--pid-first-layer", choices=("controlled", "reference"), default="controlled",
-                   help="the vision and language PID models' first layer: controlled (eq. 25 as written, default) "
+                   help="the vision and language PID models' first layer: controlled (eq. 25 as written) "
                         "or reference-only (plain attention, records v^1; better in `pid-plugins study` here)")
     p.set_defaults(func=_cmd_demo)
-    p = sub.add_parser("reproduce", help="the demo comparison with a larger budget over several seeds (mean +- std)")
-    p.add_argument("--out", type=_out_folder, default=Path("reproduce_out"))
-    p.add_argument("--seeds", type=_int(0), nargs="+", default=[0, 1, 2])
-    p.add_argument("--vision-epochs", type=_positive_float, default=3.0)
-    p.add_argument("--lm-steps", type=_int(1), default=2000)
-    p.add_argument("--parts", default="vision,language")
-    p.add_argument("--data", default="auto")
-    p.add_argument("--corpus", default="wiki")
+    p = _command(sub, "reproduce", "the demo comparison with a larger budget over several seeds (mean +- std)")
+    p.add_argument("--out", type=_out_folder, default=Path("reproduce_out"), help="output folder")
+    p.add_argument("--seeds", type=_int(0), nargs="+", default=[0, 1, 2], help="seeds, one run each")
+    p.add_argument("--vision-epochs", type=_positive_float, default=3.0, help="training epochs of the vision models")
+    p.add_argument("--lm-steps", type=_int(1), default=2000, help="training steps of the language models")
+    p.add_argument("--parts", default="vision,language", help="comma list of vision, language")
+    p.add_argument("--data", default="auto", help="images: fashion-mnist, digits or auto (Fashion-MNIST if installed)")
+    p.add_argument("--corpus", default="wiki", help="text: wiki (gensim's Wikipedia sample), shakespeare or a file")
     p.add_argument("--aggregate", nargs="+", metavar="DIR",
                    help="only aggregate the seed*/results.json of earlier runs (e.g. seeds run in parallel) into --out")
     p.set_defaults(func=_cmd_reproduce)
     from .study import DEFAULT_BUDGET as B
 
-    p = sub.add_parser("study", help="softmax vs PID (first layer controlled / reference-only), NeuTRENO and any "
-                                     "registered attention method, over seeds and depths: paired differences with "
-                                     "95%% t-intervals")
-    p.add_argument("--out", type=_out_folder, default=Path("study_out"))
-    p.add_argument("--seeds", type=_int(0), nargs="+", default=[0, 1, 2])
+    p = _command(sub, "study", "softmax vs PID variants and other attention methods over seeds and depths",
+                 "Arms: softmax, PID (first layer controlled or reference-only), NeuTRENO and any registered attention "
+                 "method; paired differences against softmax with 95% t-intervals.")
+    p.add_argument("--out", type=_out_folder, default=Path("study_out"), help="output folder")
+    p.add_argument("--seeds", type=_int(0), nargs="+", default=[0, 1, 2], help="seeds, one run per arm each")
     p.add_argument("--depths", type=_int(1), nargs="+", default=[6, 12], help="vision model depths")
     p.add_argument("--arms", default="softmax,pid,pid_ref,neutreno",
                    help="comma list starting with softmax: built-in arms (pid, pid_ref, neutreno) and any registered "
                         "attention method as [label=]method[:params], params a JSON object or a preset name, e.g. "
                         "'softmax,pid,p5=pid:{\"lambda_p\": 0.5}'")
-    p.add_argument("--parts", default="vision,language")
-    p.add_argument("--data", default=B["data"])
-    p.add_argument("--corpus", default=B["corpus"])
-    p.add_argument("--vision-epochs", type=_positive_float, default=B["vision_epochs"])
-    p.add_argument("--patch-size", type=_int(1), default=B["patch_size"])
+    p.add_argument("--parts", default="vision,language", help="comma list of vision, language")
+    p.add_argument("--data", default=B["data"], help="images: fashion-mnist, digits or auto")
+    p.add_argument("--corpus", default=B["corpus"], help="text: wiki, shakespeare or a file")
+    p.add_argument("--vision-epochs", type=_positive_float, default=B["vision_epochs"],
+                   help="training epochs of the vision models")
+    p.add_argument("--patch-size", type=_int(1), default=B["patch_size"], help="patch size of the vision models")
     p.add_argument("--train-limit", type=_int(1), default=B["train_limit"], help="training images used")
-    p.add_argument("--test-limit", type=_int(1), default=B["test_limit"])
-    p.add_argument("--pgd-steps", type=_int(1), default=B["pgd_steps"])
-    p.add_argument("--lm-steps", type=_int(1), default=B["lm_steps"])
+    p.add_argument("--test-limit", type=_int(1), default=B["test_limit"], help="test images used")
+    p.add_argument("--pgd-steps", type=_int(1), default=B["pgd_steps"], help="PGD iterations of the robustness check")
+    p.add_argument("--lm-steps", type=_int(1), default=B["lm_steps"], help="training steps of the language models")
     _add_import_arg(p)
     p.add_argument("--aggregate", action="store_true", help="only aggregate the results already in --out")
     p.set_defaults(func=_cmd_study)
