@@ -16,7 +16,7 @@ from .warmup import GainWarmup
 __all__ = [
     "MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config", "LAYER_ATTRIBUTES",
     "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule", "warn_unfinished_warmup", "number_layers",
-    "rebuild", "replace_module",
+    "rebuild", "replace_module", "carries_trained_weights", "warn_switch_of_trained_weights",
 ]
 
 logger = logging.getLogger(__name__)
@@ -171,6 +171,45 @@ def replace_module(parent: nn.Module, name: str, kind: Type[ModuleT]) -> ModuleT
     new = rebuild(old, kind)
     parent._modules[name] = new
     return new
+
+
+def carries_trained_weights(model: nn.Module) -> bool:
+    """Whether ``model``'s weights are trained (loaded from a checkpoint, or trained in this process), not as built:
+    a normalisation layer (a module whose class name contains ``Norm``) has a weight or bias whose entries differ.
+    Every zoo initialises those constant (ones and zeros; Gemma's ``1 + w`` norms zeros); training makes them vary. A
+    model on the meta device (not materialised yet) has no weights to judge: False."""
+    for module in model.modules():
+        if "norm" not in type(module).__name__.lower():
+            continue
+        for name in ("weight", "bias"):
+            param = module._parameters.get(name)
+            if param is None or param.numel() < 2 or param.device.type == "meta":
+                continue
+            with torch.no_grad():
+                flat = param.detach().reshape(-1)
+                if bool((flat != flat[0]).any()):
+                    return True
+    return False
+
+
+def warn_switch_of_trained_weights(model: nn.Module, choice: Optional[MethodChoice], where: str) -> None:
+    """Log one warning when trained weights (:func:`carries_trained_weights`) are switched to a method that changes
+    the function at full strength at once: active parameters (not the stock attention) and no warm-up. A softmax
+    checkpoint run with PID at the ``lm`` gains turns to noise (SmolLM2-135M: perplexity 58 -> 1.8e8); the model
+    has to be fine-tuned into the method, with the term grown from 0 (``warmup_steps``). Not for the stock
+    attention, parameters that compute it, a warm-up, or weights as built (training from scratch)."""
+    if choice is None or choice.method.is_identity(choice.config) or getattr(choice.config, "warmup_steps", 0):
+        return
+    if not carries_trained_weights(model):
+        return
+    has_warmup = "warmup_steps" in getattr(choice.config, "__dataclass_fields__", {})
+    how = (f"fine-tune it with a warm-up that grows the method from 0 ({{'warmup_steps': N}} in its parameters) "
+           if has_warmup else "fine-tune it ")
+    logger.warning(
+        "%s: trained weights switched to attention method %r at full strength (%s): its outputs will change a lot "
+        "until the model is fine-tuned (a softmax checkpoint run with PID's lm gains: SmolLM2-135M's perplexity "
+        "58 -> 1.8e8). To keep what the weights learned, %sand see docs/finetuning.md for the recipe measured here "
+        "(warm-up, gain scale).", where, choice.method.name, choice.config, how)
 
 
 def settle_submodule(owner: nn.Module, name: str) -> None:
