@@ -76,13 +76,6 @@ def _mmcv_attention() -> bool:
             and forward.endswith("returnidentity+self.dropout_layer(self.proj_drop(out))"))
 
 
-def _base_module() -> bool:
-    from mmengine.model import BaseModule
-
-    init = squashed(BaseModule.__init__)
-    return "self._is_init=False" in init and "self.init_cfg=copy.deepcopy(init_cfg)" in init
-
-
 #: what mmseg's ``SegmenterMaskTransformerHead.forward`` reads: the method head computes it again
 HEAD_READS = frozenset({"_transform_inputs", "classes_proj", "cls_emb", "dec_proj", "decoder_norm", "layers",
                         "mask_norm", "num_classes", "patch_proj"})
@@ -166,10 +159,6 @@ MMCV_ATTENTION = Internal(
     "forward's identity + dropout_layer(proj_drop(out))",
     "the method layer's q/k/v from the packed in_proj_weight, and mmcv's own attention as the warm-up's stock path",
     "2.1.0", _mmcv_attention)
-BASE_MODULE = Internal(
-    MMENGINE, "mmengine BaseModule._is_init and init_cfg (set in BaseModule.__init__)",
-    "a PIDTransformerEncoderLayer built from one of mmseg's layers keeps its initialisation state", "0.10.7",
-    _base_module)
 SEGMENTER_HEAD = Internal(
     MMSEG, "mmseg SegmenterMaskTransformerHead.forward (the attributes it reads) and its TransformerEncoderLayer "
     "layers",
@@ -190,7 +179,7 @@ HISTORY_BUFFER = Internal(
     "allow-listing exactly what mmengine's training checkpoints pickle by reference (getattr(HistoryBuffer, name))",
     "0.10.7", _history_buffer)
 
-INTERNALS = (MMCV_EXT, MMSEG_VIT, ENCODER_LAYER, MMCV_ATTENTION, BASE_MODULE, SEGMENTER_HEAD, CHECKPOINT_SCHEMES,
+INTERNALS = (MMCV_EXT, MMSEG_VIT, ENCODER_LAYER, MMCV_ATTENTION, SEGMENTER_HEAD, CHECKPOINT_SCHEMES,
              CHECKPOINT_HELPERS, HISTORY_BUFFER)
 
 #: what the method layers rely on
