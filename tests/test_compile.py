@@ -102,7 +102,7 @@ def test_mmseg_backbone_forward_compiles_fullgraph_with_a_preset_name():
     torch.manual_seed(0)
     model = MODELS.build(dict(type="PIDVisionTransformer", img_size=(32, 32), patch_size=16, embed_dims=24,
                               num_layers=2, num_heads=2, drop_path_rate=0.0, final_norm=True, with_cls_token=True,
-                              norm_cfg=dict(type="LN", eps=1e-6), pid="deit"))
+                              norm_cfg=dict(type="LN", eps=1e-6), attention_cfg="deit"))
     model.eval()  # mmseg's ViT.train() returns None
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
