@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
 from typing import Any
 
 from ..versions import Internal, parameters, reads, require, squashed
@@ -102,13 +103,19 @@ def registered_prefixes(module: Any) -> set:
     return found
 
 
+#: mmengine's checkpoint schemes (the prefixes ``mmengine.runner.checkpoint`` registers, grouped by loader, in the
+#: order :mod:`pid_plugins.mmseg.checkpoint` pairs them with its weights-only loaders)
+SCHEME_PREFIXES = ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), ("modelzoo://", "torchvision://"),
+                   ("open-mmlab://", "openmmlab://"), ("mmcls://",), ("pavi://",), ("http://", "https://"), ("",))
+#: the module name of mmcv's compiled ops (:mod:`pid_plugins.mmseg.compat` stands in for it where it is absent)
+MMCV_EXT_NAME = "mmcv._ext"
+
+
 def _checkpoint_schemes() -> bool:
     from mmengine.runner import checkpoint as mm_checkpoint
 
-    from . import checkpoint
-
     loader = mm_checkpoint.CheckpointLoader
-    ours = {p for prefixes, _ in checkpoint._SCHEMES for p in ((prefixes,) if isinstance(prefixes, str) else prefixes)}
+    ours = {p for prefixes in SCHEME_PREFIXES for p in prefixes}
     return (isinstance(vars(loader).get("_schemes"), dict)
             and parameters(loader.register_scheme)[:3] == ["prefixes", "loader", "force"]
             and "cls._schemes=OrderedDict(sorted(cls._schemes.items()" in squashed(loader._register_scheme)
@@ -193,7 +200,6 @@ CHECKPOINTS = (CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS, HISTORY_BUFFER)
 
 def require_all() -> None:
     """Check every internal now (the mmcv._ext one only where the stand-in is in use)."""
-    from .compat import STANDIN_NAME, _MissingOps
-    import sys
-
-    require(*(i for i in INTERNALS if i is not MMCV_EXT or isinstance(sys.modules.get(STANDIN_NAME), _MissingOps)))
+    ext = sys.modules.get(MMCV_EXT_NAME)
+    standin = ext is not None and getattr(getattr(ext, "__spec__", None), "loader", 0) is None  # compat's: no loader
+    require(*(i for i in INTERNALS if i is not MMCV_EXT or standin))
