@@ -217,8 +217,8 @@ def _segmentor_cfg(config=TINY_CONFIG, method="pid"):
     from mmengine.config import Config
 
     cfg = Config.fromfile(str(config))
-    cfg.model.backbone.update(attention=METHODS[method]["attention"],
-                              attention_cfg=METHODS[method]["attention_cfg"])
+    cfg.model.backbone.pop("attention_cfg")  # the shipped PID preset: replaced, not merged with another method's
+    cfg.model.backbone.update(attention=METHODS[method]["attention"], attention_cfg=METHODS[method]["attention_cfg"])
     # two decoder layers (the tiny config has one): a group's first layer has no error with beta = 1, so only the
     # second layer's gains move
     cfg.model.decode_head.update(type="PIDSegmenterMaskTransformerHead", num_layers=2, **METHODS[method])

@@ -75,7 +75,7 @@ def _check_layers(layers: ModuleList, where: str) -> None:
     for i, layer in enumerate(layers):
         if type(layer) not in (TransformerEncoderLayer, PIDTransformerEncoderLayer):
             raise TypeError(
-                f"{where}: layer {i} is {type(layer).__name__}; mmseg's TransformerEncoderLayer (and "
+                f"{where} layer {i} is {type(layer).__name__}; mmseg's TransformerEncoderLayer (and "
                 "PIDTransformerEncoderLayer) layers switch only"
             )
 
