@@ -81,9 +81,9 @@ def test_architectures_from_the_registry(data_dir):
     assert (args.decoder_embed_dim, args.decoder_layers, args.decoder_attention_heads) == (128, 16, 8)
     assert json.loads(args.attention_cfg) == {"preset": "lm"}  # the entry's preset (and gains, where it has any)
     assert pf.attention_from_args(args).config == PIDConfig.preset("lm")
-    again = options.parse_args_and_arch(parser, [str(data_dir), "--task", "language_modeling", "--arch",
+    again = options.parse_args_and_arch(options.get_training_parser(), [str(data_dir), "--task", "language_modeling", "--arch",
                                                  "transformer_lm_pid_wikitext103", "--user-dir", pf.USER_DIR,
-                                                 "--attention-cfg", '{"warmup_steps": 3}'])
+                                                 "--tokens-per-sample", "256", "--attention-cfg", '{"warmup_steps": 3}'])
     assert pf.attention_from_args(again).config == PIDConfig.preset("lm", warmup_steps=3)  # over the entry's
 
 
