@@ -1,5 +1,6 @@
 """fairseq adapter: transformer_lm_pid on Python 3.11, CLI and Python, incremental decoding."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -78,22 +79,36 @@ def test_architectures_from_the_registry(data_dir):
                                                 "transformer_lm_pid_wikitext103", "--user-dir", pf.USER_DIR,
                                                 "--tokens-per-sample", "256"])
     assert (args.decoder_embed_dim, args.decoder_layers, args.decoder_attention_heads) == (128, 16, 8)
-    assert (args.pid_lambda_p, args.pid_lambda_i, args.pid_lambda_d, args.pid_beta) == PIDConfig.preset("lm").gains
+    assert json.loads(args.attention_cfg) == {"preset": "lm"}  # the entry's preset (and gains, where it has any)
+    assert pf.attention_from_args(args).config == PIDConfig.preset("lm")
+    again = options.parse_args_and_arch(options.get_training_parser(), [str(data_dir), "--task", "language_modeling", "--arch",
+                                                 "transformer_lm_pid_wikitext103", "--user-dir", pf.USER_DIR,
+                                                 "--tokens-per-sample", "256", "--attention-cfg", '{"warmup_steps": 3}'])
+    assert pf.attention_from_args(again).config == PIDConfig.preset("lm", warmup_steps=3)  # over the entry's
+
+
+def test_one_spelling_of_the_method_and_its_parameters(data_dir):
+    """--attention-method and --attention-cfg only (issue 44): the --pid-* gain options, --pid-warmup-steps and
+    --pid-attention are gone, and fairseq's parser refuses them."""
+    for removed in (["--pid-lambda-p", "0.2"], ["--pid-beta", "0.5"], ["--pid-control-first-layer", "false"],
+                    ["--pid-warmup-steps", "4"], ["--pid-attention", "softmax"]):
+        with pytest.raises(SystemExit):
+            build(data_dir, extra=removed)
 
 
 def test_pid_options_reach_every_layer_and_are_validated(data_dir):
-    model, _ = build(data_dir, extra=["--pid-lambda-p", "0.2", "--pid-beta", "0.9"])
+    model, _ = build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0.2, "beta": 0.9}'])
     assert isinstance(model, pf.PIDTransformerLanguageModel)
     assert all(layer.self_attn.attention_config.gains == (0.2, 0.5, 0.1, 0.9) for layer in model.decoder.layers)
     with pytest.raises(ValueError, match="PIDConfig.beta"):
-        build(data_dir, extra=["--pid-beta", "0"])
-    softmax, _ = build(data_dir, extra=["--pid-attention", "softmax"])
+        build(data_dir, extra=["--attention-cfg", '{"beta": 0}'])
+    softmax, _ = build(data_dir, extra=["--attention-method", "softmax"])
     assert all(layer.self_attn.attention_config is None for layer in softmax.decoder.layers)
 
 
 def test_zero_gains_equal_the_stock_transformer_lm(data_dir):
     stock, _ = build(data_dir, arch="transformer_lm")
-    zero, _ = build(data_dir, extra=["--pid-lambda-p", "0", "--pid-lambda-i", "0", "--pid-lambda-d", "0"])
+    zero, _ = build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0, "lambda_i": 0, "lambda_d": 0}'])
     zero.load_state_dict(stock.state_dict(), strict=True)
     toks = tokens()
     assert torch.equal(logits(stock, toks), logits(zero, toks))
@@ -102,7 +117,7 @@ def test_zero_gains_equal_the_stock_transformer_lm(data_dir):
 def test_pid_attention_path_matches_fairseq_attention_at_vanishing_gains(data_dir):
     """The PID layers' own attention (q/k/v from fairseq's projections, SDPA, masks) equals fairseq's."""
     stock, _ = build(data_dir, arch="transformer_lm")
-    tiny, _ = build(data_dir, extra=["--pid-lambda-p", "1e-30", "--pid-lambda-i", "0", "--pid-lambda-d", "0"])
+    tiny, _ = build(data_dir, extra=["--attention-cfg", '{"lambda_p": 1e-30, "lambda_i": 0, "lambda_d": 0}'])
     tiny.load_state_dict(stock.state_dict())
     toks = tokens()
     toks[0, -3:] = 1  # padding at the end of the first row
@@ -114,11 +129,11 @@ def test_pid_attention_path_matches_fairseq_attention_at_vanishing_gains(data_di
 
 @pytest.mark.parametrize("control_first_layer", [True, False])
 def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_first_layer):
-    """--pid-control-first-layer true/false against the float64 reference (per position, written independently)."""
+    """--attention-cfg '{"control_first_layer": true|false}' against the float64 reference (per position, written independently)."""
     from reference import naive_pid_stack
 
-    model, _ = build(data_dir, extra=["--pid-lambda-p", "0.7", "--pid-lambda-i", "0.4", "--pid-lambda-d", "0.2",
-                                      "--pid-beta", "0.6", "--pid-control-first-layer", str(control_first_layer)])
+    model, _ = build(data_dir, extra=["--attention-cfg", json.dumps(dict(
+        lambda_p=0.7, lambda_i=0.4, lambda_d=0.2, beta=0.6, control_first_layer=control_first_layer))])
     assert all(layer.self_attn.attention_config.control_first_layer is control_first_layer
                for layer in model.decoder.layers)
     model = model.double()
@@ -148,9 +163,9 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
 def test_control_first_layer_option_default_and_validation(data_dir):
     default, _ = build(data_dir)
     assert all(layer.self_attn.attention_config.control_first_layer is True for layer in default.decoder.layers)
-    with pytest.raises(ValueError, match="--pid-control-first-layer takes true or false, got 'maybe'"):
-        build(data_dir, extra=["--pid-control-first-layer", "maybe"])
-    ref, _ = build(data_dir, extra=["--pid-control-first-layer", "false"])
+    with pytest.raises(ValueError, match="control_first_layer"):
+        build(data_dir, extra=["--attention-cfg", '{"control_first_layer": "maybe"}'])
+    ref, _ = build(data_dir, extra=["--attention-cfg", '{"control_first_layer": false}'])
     ref.load_state_dict(default.state_dict())
     toks = tokens()
     assert not torch.allclose(logits(ref, toks), logits(default, toks))
@@ -165,13 +180,13 @@ def test_control_first_layer_option_default_and_validation(data_dir):
 
 @pytest.mark.slow
 def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_data_bin):
-    """fairseq-train --pid-control-first-layer false: the checkpoint keeps it and load_pid_lm restores it."""
+    """fairseq-train --attention-cfg '{"control_first_layer": false}': the checkpoint keeps it and load_pid_lm restores it."""
     run(["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
          "transformer_lm_pid", *TINY, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001", "--max-update",
          "2", "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints",
-         "--pid-control-first-layer", "false"], tmp_path)
+         "--attention-cfg", '{"control_first_layer": false}'], tmp_path)
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
-    assert state["cfg"]["model"]["pid_control_first_layer"] == "false"
+    assert json.loads(state["cfg"]["model"]["attention_cfg"]) == {"control_first_layer": False}
     hub = pf.load_pid_lm(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tiny_fairseq_data_bin))
     assert all(layer.self_attn.attention_config.control_first_layer is False for layer in hub.models[0].decoder.layers)
 

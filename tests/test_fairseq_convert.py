@@ -78,7 +78,9 @@ def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key)
     buffers = {n: b for n, b in stock.named_buffers()}
     assert pf.convert(stock, name, cfg) is stock
     model = stock
-    assert type(model) is pf.PIDTransformerLanguageModel and type(model.decoder) is pf.PIDTransformerDecoder
+    # the root keeps its class (transformer_lm_pid's adds nothing but build_model); the decoder, its layers and their
+    # self-attention are replaced in their parents (no class is reassigned)
+    assert type(model) is TransformerLanguageModel and type(model.decoder) is pf.PIDTransformerDecoder
     assert all(type(layer) is pf.PIDTransformerDecoderLayer and type(layer.self_attn) is pf.PIDMultiheadAttention
                for layer in model.decoder.layers)
     assert not model.training  # the mode is kept (eval here)
@@ -94,7 +96,7 @@ def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key)
         assert layer.self_attn.attention_method is ref_layer.self_attn.attention_method
         assert layer.self_attn.attention_config == ref_layer.self_attn.attention_config
     if cfg and cfg.get("learnable"):
-        assert all(p.param_group == pf.GAIN_PARAM_GROUP
+        assert all(p.param_group == pf.METHOD_PARAM_GROUP
                    for n, p in model.named_parameters() if ".attention_params." in n)
     if key == "pid_warmup":
         assert model.decoder.attention_warmup.warmup_steps == 4 and not model.decoder.attention_warmup.training
@@ -164,6 +166,12 @@ def test_training_mode_is_kept_and_new_modules_follow_it(data_dir):
     assert int(stock.decoder.attention_warmup.step) == 1
 
 
+def test_transformer_lm_pid_adds_nothing_to_the_root_but_build_model():
+    """Why convert leaves a model's root class alone: transformer_lm_pid's model class only builds."""
+    own = {name for name in vars(pf.PIDTransformerLanguageModel) if not name.startswith("__")}
+    assert own == {"build_model"}
+
+
 def test_hub_interface_converts_its_models(data_dir, tmp_path):
     """A stock transformer_lm checkpoint loaded with load_pid_lm (fairseq's hub interface), converted as a whole."""
     stock, task, args = fs_build(data_dir, arch="transformer_lm")
@@ -172,7 +180,7 @@ def test_hub_interface_converts_its_models(data_dir, tmp_path):
     hub = pf.load_pid_lm(str(path), str(data_dir))
     assert type(hub.models[0]) is TransformerLanguageModel
     assert pf.convert(hub, "neutreno") is hub
-    assert type(hub.models[0]) is pf.PIDTransformerLanguageModel
+    assert type(hub.models[0]) is TransformerLanguageModel and type(hub.models[0].decoder) is pf.PIDTransformerDecoder
     reference, _ = built(data_dir, "neutreno")
     reference.load_state_dict(hub.models[0].state_dict(), strict=True)
     assert_same_function(hub.models[0], reference, task, incremental=False)

@@ -1,10 +1,10 @@
-"""``pid_plugins.finish_warmup(model)`` on fairseq models (transformer_lm_pid with --pid-warmup-steps or
---attention-cfg warmup_steps; PID, NeuTRENO, learnable PID; built by --arch or converted from transformer_lm).
+"""``pid_plugins.finish_warmup(model)`` on fairseq models (transformer_lm_pid with --attention-cfg warmup_steps; PID, NeuTRENO, learnable PID; built by --arch or converted from transformer_lm).
 
 fairseq's warm-up runs fairseq's own attention plus the method's term; after training past ``warmup_steps`` the
 finished model keeps that form at scale 1: exactly (torch.equal) what the warmed-up model computed, full forward
 and incremental decoding, without ``decoder.attention_warmup.step``. Its checkpoint, loaded with the warm-up switched
 off (the saved cfg, or fairseq's ``arg_overrides``), loads strictly and is the model built without warm-up."""
+import json
 import logging
 
 import pytest
@@ -14,20 +14,20 @@ import torch.nn.functional as F
 pytest.importorskip("fairseq")
 import pid_plugins  # noqa: E402
 import pid_plugins.fairseq as pf  # noqa: E402
+from pid_plugins import PIDConfig  # noqa: E402
 from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_method,  # noqa: E402,F401
                        fs_parse, fs_save_checkpoint, fs_tokens)
 
 N = 3
 KEY = "decoder.attention_warmup.step"
-#: how the warm-up is asked for: the --pid-* option or --attention-cfg, for PID, NeuTRENO and learnable PID
+#: how the warm-up is asked for: --attention-cfg, for PID, NeuTRENO and learnable PID
 SPELLINGS = {
-    "pid_option": ["--pid-warmup-steps", str(N)],
     "pid_cfg": fs_method("pid", {"warmup_steps": N}),
     "neutreno": fs_method("neutreno", {"warmup_steps": N}),
     "learnable_pid": fs_method("pid", {"learnable": True, "warmup_steps": N}),
 }
 #: the same model without warm-up
-PLAIN = {"pid_option": [], "pid_cfg": fs_method("pid", {}), "neutreno": fs_method("neutreno", {}),
+PLAIN = {"pid_cfg": fs_method("pid", {}), "neutreno": fs_method("neutreno", {}),
          "learnable_pid": fs_method("pid", {"learnable": True})}
 
 
@@ -93,8 +93,6 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
     fs_save_checkpoint(model, fs_parse(data_dir, extra=plain_options) if converted else args, path)
     if converted:
         overrides = {}
-    elif spelling == "pid_option":
-        overrides = {"pid_warmup_steps": 0}
     else:
         overrides = {"attention_cfg": '{"learnable": true}' if spelling == "learnable_pid" else "{}"}
     (loaded,), _ = checkpoint_utils.load_model_ensemble([path], arg_overrides=overrides, task=task, strict=True)
@@ -107,7 +105,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
     assert torch.equal(reloaded[0], rebuilt[0]) and torch.equal(reloaded[1], rebuilt[1])
     torch.testing.assert_close(reloaded[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reloaded[1], want[1], rtol=1e-5, atol=1e-5)
-    if spelling == "pid_option":  # the hub interface takes the same overrides
+    if spelling == "pid_cfg":  # the hub interface takes the same overrides
         hub = pf.load_pid_lm(path, str(data_dir), **overrides)
         assert hub.models[0].decoder.attention_warmup is None
         assert torch.equal(outputs(hub.models[0])[0], reloaded[0])
@@ -116,8 +114,8 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
 
 
 def test_finished_early_runs_at_the_final_gains_and_says_so(data_dir, caplog):
-    model = train(build(data_dir, "pid_option")[0], 1).eval()
-    full = train(build(data_dir, "pid_option")[0], 1).eval()
+    model = train(build(data_dir, "pid_cfg")[0], 1).eval()
+    full = train(build(data_dir, "pid_cfg")[0], 1).eval()
     full.decoder.attention_warmup.step.fill_(N)  # the same weights at scale 1
     with caplog.at_level(logging.WARNING, logger="pid_plugins.core.layer"):
         pid_plugins.finish_warmup(model)
@@ -157,16 +155,18 @@ def test_loading_a_finished_model_with_its_warmup_on_says_what_happens(data_dir,
     model, as when fine-tuning a softmax checkpoint) and one warning says how to load it finished."""
     from fairseq import checkpoint_utils
 
-    model, task, args = build(data_dir, "pid_option")
+    model, task, args = build(data_dir, "pid_cfg")
     pid_plugins.finish_warmup(train(model, N).eval())
     path = str(tmp_path / "checkpoint_stale_cfg.pt")
     fs_save_checkpoint(model, args, path)
     with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
         (loaded,), _ = checkpoint_utils.load_model_ensemble([path], task=task, strict=True)
     assert "decoder.attention_warmup.step: this checkpoint has no gain warm-up counter" in caplog.text
-    assert "arg_overrides={'pid_warmup_steps': 0}" in caplog.text
+    finished = json.dumps(PIDConfig.preset("lm").to_dict())  # the saved --attention-cfg without its warmup_steps
+    assert f"arg_overrides={{'attention_cfg': {finished!r}}}" in caplog.text
     assert int(loaded.decoder.attention_warmup.step) == 0
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pid_plugins.fairseq.layers"):
-        checkpoint_utils.load_model_ensemble([path], arg_overrides={"pid_warmup_steps": 0}, task=task, strict=True)
+        checkpoint_utils.load_model_ensemble([path], arg_overrides={"attention_cfg": finished}, task=task,
+                                             strict=True)
     assert "no gain warm-up counter" not in caplog.text

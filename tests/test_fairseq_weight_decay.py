@@ -39,7 +39,7 @@ def composite(cfg, optimizer: str, gains_weight_decay: float = 0.0):
                 "lr_scheduler": {"_name": "fixed"}}
 
     cfg.optimizer = OmegaConf.create({"_name": "composite", "groups": {
-        "default": group(WD), pf.GAIN_PARAM_GROUP: group(gains_weight_decay)}})
+        "default": group(WD), pf.METHOD_PARAM_GROUP: group(gains_weight_decay)}})
     cfg.lr_scheduler = OmegaConf.create({"_name": "pass_through"})
     return cfg
 

@@ -3,7 +3,7 @@ method parameters the recipe also carries. They are not used and named in one wa
 
 Each zoo is flipped the way its users flip a recipe: timm's keyword arguments and ``train.py --model-kwargs``,
 mmseg's ``--cfg-options`` on the shipped config and a user config inheriting it with ``_base_``, fairseq's
-``--attention-method softmax`` next to the ``--pid-*`` / ``--attention-cfg`` options. The flipped model is compared
+``--attention-method softmax`` next to the ``--attention-cfg`` option. The flipped model is compared
 with the zoo's own stock model holding the same weights.
 """
 from __future__ import annotations
@@ -134,12 +134,11 @@ def assert_same_segmentation(flipped, stock):
 
 
 CFG_OPTIONS = {  # a PID recipe given by --cfg-options (backbone gains, a PID decoder), then flipped
-    "backbone": ["model.backbone.attention=softmax", "model.backbone.lambda_p=0.2"],
+    "backbone": ["model.backbone.attention=softmax", "model.backbone.attention_cfg.lambda_p=0.2"],
     "decode_head": ["model.decode_head.type=PIDSegmenterMaskTransformerHead", "model.decode_head.attention=softmax",
-                    "model.decode_head.pid.preset=segmenter", "model.decode_head.pid.warmup_steps=5",
+                    "model.decode_head.attention_cfg.preset=segmenter", "model.decode_head.attention_cfg.warmup_steps=5",
                     "model.backbone.attention=softmax"],
-    "sibling": ["model.backbone.attention=softmax", "model.backbone.pid=None",
-                "model.backbone.attention_cfg.gamma=0.6"],
+    "sibling": ["model.backbone.attention=softmax", "model.backbone.attention_cfg.gamma=0.6"],
 }
 
 
@@ -170,12 +169,12 @@ def test_mmseg_base_inheritance_flip_is_the_stock_segmentor(tmp_path, caplog):
     user = tmp_path / "my_softmax_ablation.py"
     user.write_text(f"_base_ = {str(TINY_MMSEG)!r}\nmodel = dict(backbone=dict(attention='softmax'))\n")
     cfg = Config.fromfile(str(user))
-    assert cfg.model.backbone.pid == dict(preset="segmenter")  # inherited, now inert
+    assert cfg.model.backbone.attention_cfg == dict(preset="segmenter")  # inherited, now inert
     with caplog.at_level(logging.WARNING):
         flipped, stock = mmseg_pair(cfg)
     [line] = flip_warnings(caplog)
     assert line == ("mmseg backbone PIDVisionTransformer: attention='softmax', the stock attention: the method "
-                    "parameters also given (pid={'preset'}) are not used")
+                    "parameters also given (attention_cfg={'preset'}) are not used")
     assert_same_segmentation(flipped, stock)
 
 
@@ -209,18 +208,15 @@ def fairseq_build(data_dir, arch, extra=()):
 
 
 @pytest.mark.parametrize("flags", [
-    ["--pid-lambda-p", "0.3", "--pid-beta", "0.5", "--pid-warmup-steps", "4"],
+    ["--attention-cfg", '{"lambda_p": 0.3, "beta": 0.5, "warmup_steps": 4}'],
     ["--attention-cfg", '{"gamma": 0.6}'],
-    ["--pid-attention", "softmax", "--pid-lambda-p", "0.3"],  # the historical spelling flips too
-], ids=["pid-options", "attention-cfg", "pid-attention"])
+], ids=["pid-cfg", "sibling-cfg"])
 def test_fairseq_attention_method_softmax_flip_is_the_stock_transformer_lm(fairseq_dict, flags, caplog):
-    method = [] if "--pid-attention" in flags else ["--attention-method", "softmax"]
     with caplog.at_level(logging.WARNING):
-        flipped = fairseq_build(fairseq_dict, "transformer_lm_pid", [*method, *flags])
+        flipped = fairseq_build(fairseq_dict, "transformer_lm_pid", ["--attention-method", "softmax", *flags])
     [line] = flip_warnings(caplog)
     assert line.startswith("transformer_lm_pid: attention='softmax'")
-    for flag in (f for f in flags if f.startswith("--pid-") and f != "--pid-attention"):
-        assert f"{flag}=" in line
+    assert "--attention-cfg={" in line
     stock = fairseq_build(fairseq_dict, "transformer_lm")
     stock.load_state_dict(flipped.state_dict(), strict=True)
     toks = torch.randint(4, 44, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -228,8 +224,9 @@ def test_fairseq_attention_method_softmax_flip_is_the_stock_transformer_lm(fairs
         assert torch.equal(flipped(toks)[0], stock(toks)[0])
 
 
-def test_fairseq_contradictions_stay_refused(fairseq_dict):
-    with pytest.raises(ValueError, match="PID's parameters are given twice, as --attention-cfg and as --pid-lambda-p"):
+def test_fairseq_has_one_spelling_of_the_parameters(fairseq_dict):
+    """No second spelling to contradict the first: the --pid-* options are gone (fairseq's parser refuses them)."""
+    with pytest.raises(SystemExit):
         fairseq_build(fairseq_dict, "transformer_lm_pid",
                       ["--attention-method", "softmax", "--attention-cfg", '{"lambda_p": 0.2}', "--pid-lambda-p", "0.3"])
 

@@ -52,7 +52,7 @@ def test_mmcv_ext_standin_raises_a_clear_error_when_called():
     assert mmcv.__version__ == "2.1.0"
 
 
-@pytest.mark.parametrize("kw", [dict(pid=ZERO), dict(attention="softmax")])
+@pytest.mark.parametrize("kw", [dict(attention_cfg=ZERO), dict(attention="softmax")])
 def test_zero_gains_or_softmax_equal_the_stock_backbone(kw):
     stock = stock_backbone()
     model = build(**kw)
@@ -66,30 +66,34 @@ def test_gains_from_config_arguments():
     from mmengine.config import ConfigDict
 
     assert build().attention_config == PIDConfig.preset("segmenter")
-    assert build(pid=dict(preset="deit")).attention_config == PIDConfig.preset("deit")
-    assert build(pid="deit").attention_config == PIDConfig.preset("deit")  # a preset name, as on the timm side
-    assert build(pid=PIDConfig(0.1, 0.2, 0.3, 0.4)).attention_config == PIDConfig(0.1, 0.2, 0.3, 0.4)
-    assert build(pid=ConfigDict(lambda_p=0.2)).attention_config == PIDConfig.preset("segmenter", lambda_p=0.2)
-    assert build(pid="deit", beta=0.5).attention_config == PIDConfig.preset("deit", beta=0.5)
-    assert build(pid=dict(control_first_layer=False)).attention_config == PIDConfig.preset(
+    assert build(attention_cfg=dict(preset="deit")).attention_config == PIDConfig.preset("deit")
+    assert build(attention_cfg="deit").attention_config == PIDConfig.preset("deit")  # a preset name, as on the timm side
+    assert build(attention_cfg=PIDConfig(0.1, 0.2, 0.3, 0.4)).attention_config == PIDConfig(0.1, 0.2, 0.3, 0.4)
+    assert build(attention_cfg=ConfigDict(lambda_p=0.2)).attention_config == PIDConfig.preset("segmenter", lambda_p=0.2)
+    assert build(attention_cfg=dict(preset="deit", beta=0.5)).attention_config == PIDConfig.preset("deit", beta=0.5)
+    assert build(attention_cfg=dict(control_first_layer=False)).attention_config == PIDConfig.preset(
         "segmenter", control_first_layer=False)
     with pytest.raises(ValueError, match="unknown PID preset 'nope'"):
-        build(pid="nope")
+        build(attention_cfg="nope")
     with pytest.raises(ValueError, match="must be a PIDConfig, a dict, a preset name"):
-        build(pid=0.5)
-    assert build(lambda_p=0.2, beta=0.5).attention_config.gains == (0.2, 0.3, 0.05, 0.5)
+        build(attention_cfg=0.5)
+    assert build(attention_cfg=dict(lambda_p=0.2, beta=0.5)).attention_config.gains == (0.2, 0.3, 0.05, 0.5)
+    # one spelling of the parameters (issue 44): the historical pid= and the single-gain keywords are gone
+    for removed in (dict(pid=dict(lambda_p=0.2)), dict(lambda_p=0.2), dict(beta=0.5)):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(removed))}'"):
+            build(**removed)
     assert build(attention="softmax").attention_config is None
     with pytest.raises(ValueError, match="PIDVisionTransformer: unknown attention method 'linear'"):
         build(attention="linear")
     with pytest.raises(ValueError, match="PIDConfig.beta"):
-        build(beta=0.0)
+        build(attention_cfg=dict(beta=0.0))
 
 
 @pytest.mark.parametrize("control_first_layer", [True, False])
 def test_pid_backbone_matches_a_hand_written_reference(control_first_layer):
     cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
     stock = stock_backbone()
-    model = build(pid=cfg.to_dict())
+    model = build(attention_cfg=cfg.to_dict())
     model.load_state_dict(stock.state_dict())
     model = model.double()
     x = images().double()
@@ -105,8 +109,8 @@ def test_pid_backbone_matches_a_hand_written_reference(control_first_layer):
 @pytest.mark.parametrize("control_first_layer", [True, False])
 def test_with_cp_gives_identical_gradients(control_first_layer):
     pid = dict(preset="segmenter", control_first_layer=control_first_layer)
-    ref = build(pid=pid)
-    ckpt = build(pid=pid, with_cp=True)
+    ref = build(attention_cfg=pid)
+    ckpt = build(attention_cfg=pid, with_cp=True)
     ckpt.load_state_dict(ref.state_dict())
     grads = []
     for model in (ref, ckpt):
@@ -244,13 +248,13 @@ def test_every_config_loads_and_builds(config):
 
 @pytest.mark.slow
 def test_control_first_layer_is_carried_by_configs_and_checkpoint_meta(tmp_path):
-    """A config's pid=dict(..., control_first_layer=False) survives dump/reload and reaches the backbone."""
+    """A config's attention_cfg=dict(..., control_first_layer=False) survives dump/reload and reaches the backbone."""
     from mmengine.config import Config
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
 
     cfg = Config.fromfile(str(TINY_CONFIG))
-    cfg.model.backbone.pid = dict(preset="segmenter", control_first_layer=False)
+    cfg.model.backbone.attention_cfg = dict(preset="segmenter", control_first_layer=False)
     cfg.dump(str(tmp_path / "cfg.py"))
     reloaded = Config.fromfile(str(tmp_path / "cfg.py"))
     again = Config.fromstring(reloaded.pretty_text, file_format=".py")  # how mmengine stores it in checkpoint meta

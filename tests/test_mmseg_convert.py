@@ -1,5 +1,6 @@
 """``pid_plugins.mmseg.convert(model, attention, attention_cfg)``: a built mmseg segmentor (ViT backbone + Segmenter's
-mask-transformer head), backbone or head switched IN PLACE (issue 35).
+mask-transformer head) switched IN PLACE (issue 35): its backbone and decode head replaced (core's replace_module), a
+bare method backbone or head reconfigured keeping its class, a bare stock one refused (issue 44).
 
 References: the segmentor built from a config with pid-plugins' types and that method, the same weights loaded
 strictly (bit for bit, and the same attributes, submodules, parameters and buffers), and the stock segmentor itself
@@ -126,17 +127,48 @@ def test_method_to_method_equals_the_one_built_with_the_second(first, then):
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items() if k in weights)
 
 
-def test_the_backbone_alone_gives_the_shipped_configs_layout():
+def test_the_method_in_the_backbone_only_gives_the_shipped_configs_function():
     model = stock()
     weights = state(model)
-    assert pm.convert(model.backbone, "pid") is model.backbone
-    assert type(model.decode_head) is SegmenterMaskTransformerHead
+    pm.convert(model, "pid")
+    head = model.decode_head
+    assert pm.convert(head, "softmax") is head  # a bare method head: reconfigured, keeping its class
+    assert type(head) is pm.PIDSegmenterMaskTransformerHead and head.attention_method is None
+    assert all(type(layer) is TransformerEncoderLayer for layer in head.layers)
     reference = built_with("pid", weights=weights, backbone_only=True)
-    assert layout(model) == layout(reference)
+    assert list(model.state_dict()) == list(reference.state_dict())
     assert torch.equal(logits(model), logits(reference))
     pm.convert(model.decode_head, "neutreno")  # and the head alone, its own group
     assert torch.equal(logits(model), logits(build(segmentor_cfg(
         "PIDVisionTransformer", "PIDSegmenterMaskTransformerHead", head_kw=dict(attention="neutreno")), 3, weights)))
+
+
+def test_a_bare_method_backbone_to_softmax_keeps_its_class_and_computes_the_stock_function():
+    model = stock()
+    weights = state(model)
+    y_stock = logits(model)
+    pm.convert(model, "pid", {"learnable": True, "warmup_steps": 5})
+    backbone = model.backbone
+    assert pm.convert(backbone, "softmax") is backbone and model.backbone is backbone
+    assert type(backbone) is pm.PIDVisionTransformer and backbone.attention_method is None
+    assert backbone.attention_warmup is None and "attention_warmup" not in backbone._modules
+    assert all(type(layer) is TransformerEncoderLayer for layer in backbone.layers)
+    pm.convert(model.decode_head, "softmax")
+    assert list(model.state_dict()) == list(weights)
+    assert torch.equal(logits(model), y_stock)
+
+
+@pytest.mark.parametrize("part", ["backbone", "decode_head"])
+def test_a_bare_stock_backbone_or_head_is_refused_before_anything_changes(part):
+    model = stock()
+    module = getattr(model, part)
+    pristine, y = layout(model), logits(model)
+    with pytest.raises(TypeError, match=r"cannot become a PID\w+ in place.*convert the segmentor.*"
+                                        r"type='PIDVisionTransformer'"):
+        pm.convert(module, "pid")
+    assert layout(model) == pristine and torch.equal(logits(model), y)
+    assert pm.convert(module, "softmax") is module  # what it computes already: left as it is
+    assert layout(model) == pristine
 
 
 # --------------------------------------------------------------------------------------- method -> softmax
@@ -223,7 +255,8 @@ def test_refusals_come_before_any_change(monkeypatch):
     from mmseg.registry import MODELS
 
     model = stock()
-    pm.convert(model.backbone, "pid")  # a partly converted model: refusals leave it as it is, too
+    pm.convert(model, "pid")
+    pm.convert(model.decode_head, "softmax")  # a partly converted model: refusals leave it as it is, too
     pristine, keys, y = layout(model), list(model.state_dict()), logits(model)
     with pytest.raises(ValueError, match=r"unknown attention method 'nope': choose 'softmax' or one of \["):
         pm.convert(model, "nope")
@@ -239,7 +272,7 @@ def test_refusals_come_before_any_change(monkeypatch):
     fcn = build(segmentor_cfg(head="FCNHead", head_kw=None) | dict(decode_head=dict(
         type="FCNHead", in_channels=48, channels=16, num_convs=1, num_classes=5)))
     fcn_layout = layout(fcn)
-    with pytest.raises(TypeError, match=r"decode_head is FCNHead.*convert\(model.backbone, \.\.\.\)"):
+    with pytest.raises(TypeError, match=r"decode_head is FCNHead.*backbone=dict\(type='PIDVisionTransformer'"):
         pm.convert(fcn, "pid")
     assert layout(fcn) == fcn_layout
     resnet = build(segmentor_cfg() | dict(backbone=dict(type="ResNetV1c", depth=18, out_indices=(3,))))

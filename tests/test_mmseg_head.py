@@ -42,7 +42,7 @@ def test_default_is_the_stock_head():
 
 def test_zero_gains_equal_the_stock_head_bit_for_bit():
     stock = build(type="SegmenterMaskTransformerHead")
-    head = build(attention="pid", pid=dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0))
+    head = build(attention="pid", attention_cfg=dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0))
     head.load_state_dict(stock.state_dict(), strict=True)
     with torch.no_grad():
         assert torch.equal(head(features()), stock(features()))
@@ -52,7 +52,7 @@ def test_zero_gains_equal_the_stock_head_bit_for_bit():
 def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(control_first_layer):
     cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
     stock = build(type="SegmenterMaskTransformerHead").double()
-    head = build(attention="pid", pid=cfg).double()
+    head = build(attention="pid", attention_cfg=cfg).double()
     head.load_state_dict(stock.state_dict())
     x = features(torch.float64)
     with torch.no_grad():
@@ -71,12 +71,12 @@ def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(contro
 
 def test_head_arguments():
     assert build(attention="pid").attention_config == PIDConfig.preset("segmenter")
-    assert build(attention="pid", pid="deit").attention_config == PIDConfig.preset("deit")
-    assert build(attention="pid", pid=dict(lambda_p=0.1)).attention_config == PIDConfig.preset("segmenter",
+    assert build(attention="pid", attention_cfg="deit").attention_config == PIDConfig.preset("deit")
+    assert build(attention="pid", attention_cfg=dict(lambda_p=0.1)).attention_config == PIDConfig.preset("segmenter",
                                                                                              lambda_p=0.1)
     with pytest.raises(ValueError, match="PIDSegmenterMaskTransformerHead: unknown attention method 'linear'"):
         build(attention="linear")
-    assert build(pid="deit").attention_method is None  # the head's default is softmax: pid= alone is inert
+    assert build(attention_cfg="deit").attention_method is None  # the head's default is softmax: parameters are inert
 
 
 @pytest.mark.slow
@@ -90,10 +90,10 @@ def test_config_round_trip_and_a_training_step(tmp_path):
 
     cfg = Config.fromfile(str(TINY_CONFIG))
     cfg.model.decode_head.update(type="PIDSegmenterMaskTransformerHead", attention="pid",
-                                 pid=dict(preset="segmenter", lambda_p=0.3))
+                                 attention_cfg=dict(preset="segmenter", lambda_p=0.3))
     cfg.dump(str(tmp_path / "pid_head.py"))
     reloaded = Config.fromfile(str(tmp_path / "pid_head.py"))
-    assert reloaded.model.decode_head.pid == dict(preset="segmenter", lambda_p=0.3)
+    assert reloaded.model.decode_head.attention_cfg == dict(preset="segmenter", lambda_p=0.3)
     init_default_scope("mmseg")
     model = MODELS.build(reloaded.model)
     model.init_weights()

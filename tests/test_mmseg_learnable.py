@@ -190,7 +190,7 @@ def test_fixed_and_timm_learnable_checkpoints_into_a_learnable_backbone(tmp_path
 
     # a fixed-gain PID checkpoint (no gains in it): the gains start at the config's
     fixed = mm_build("PIDVisionTransformer", mm_args("backbone"), 5)
-    model = _pretrained(tmp_path, fixed.state_dict(), pid=dict(learnable=True))
+    model = _pretrained(tmp_path, fixed.state_dict(), attention_cfg=dict(learnable=True))
     for layer in model.layers:
         assert all(torch.equal(layer.attention_params.state_dict()[k], v) for k, v in initial_values(layer).items())
     # a timm PID DeiT trained with learnable gains: its trained gains reach the mmseg layers
@@ -201,13 +201,13 @@ def test_fixed_and_timm_learnable_checkpoints_into_a_learnable_backbone(tmp_path
     with torch.no_grad():
         for i, blk in enumerate(deit.blocks):
             blk.attn.attention_params.lambda_p_raw.fill_(0.1 * i - 0.5)
-    model = _pretrained(tmp_path, deit.state_dict(), pid=dict(learnable=True), patch_bias=True)
+    model = _pretrained(tmp_path, deit.state_dict(), attention_cfg=dict(learnable=True), patch_bias=True)
     assert args["num_layers"] == len(deit.blocks)
     for i, blk in enumerate(deit.blocks):
         for name, value in blk.attn.attention_params.state_dict().items():
             assert torch.equal(model.layers[i].attention_params.state_dict()[name], value), (i, name)
     # learned gains into a fixed-gain model: refused, listing them
-    learnable = mm_build("PIDVisionTransformer", mm_args("backbone"), 5, pid=dict(learnable=True))
+    learnable = mm_build("PIDVisionTransformer", mm_args("backbone"), 5, attention_cfg=dict(learnable=True))
     with pytest.raises(ValueError, match=r"unexpected keys \['layers.0.attention_params.lambda_d_raw'"):
         _pretrained(tmp_path, learnable.state_dict())
 
@@ -217,8 +217,8 @@ def _segmentor_cfg(config=TINY_CONFIG, method="pid"):
     from mmengine.config import Config
 
     cfg = Config.fromfile(str(config))
-    cfg.model.backbone.update(attention=METHODS[method]["attention"], pid=None,
-                              attention_cfg=METHODS[method]["attention_cfg"])
+    cfg.model.backbone.pop("attention_cfg")  # the shipped PID preset: replaced, not merged with another method's
+    cfg.model.backbone.update(attention=METHODS[method]["attention"], attention_cfg=METHODS[method]["attention_cfg"])
     # two decoder layers (the tiny config has one): a group's first layer has no error with beta = 1, so only the
     # second layer's gains move
     cfg.model.decode_head.update(type="PIDSegmenterMaskTransformerHead", num_layers=2, **METHODS[method])

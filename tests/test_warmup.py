@@ -1,5 +1,6 @@
 """Gain warm-up, PIDConfig(warmup_steps=N), in every zoo: the PID term scaled by min(1, t/N), t counting the whole
 model's training-mode forward passes (a buffer in its state_dict)."""
+import json
 import os
 import subprocess
 import sys
@@ -115,7 +116,7 @@ class MmsegBackbone(Zoo):
         import pid_plugins.mmseg  # noqa: F401
         from mmseg.registry import MODELS
 
-        kw = dict(attention="softmax") if pid is None else dict(pid=pid)
+        kw = dict(attention="softmax") if pid is None else dict(attention_cfg=pid)
         return MODELS.build(dict(type="PIDVisionTransformer", **self.args, **kw))
 
     def inputs(self, dtype=torch.float32):
@@ -138,7 +139,7 @@ class MmsegHead(MmsegBackbone):
         import pid_plugins.mmseg  # noqa: F401
         from mmseg.registry import MODELS
 
-        kw = dict() if pid is None else dict(attention="pid", pid=pid)
+        kw = dict() if pid is None else dict(attention="pid", attention_cfg=pid)
         head = MODELS.build(dict(type="PIDSegmenterMaskTransformerHead", **self.head, **kw))
         head.init_weights()
         return head
@@ -171,12 +172,9 @@ class Fairseq(Zoo):
         from fairseq import options, tasks
 
         if pid is None:
-            extra = ["--pid-attention", "softmax"]
+            extra = ["--attention-method", "softmax"]
         else:
-            cfg = PIDConfig.coerce(pid, default="lm")
-            extra = ["--pid-lambda-p", repr(cfg.lambda_p), "--pid-lambda-i", repr(cfg.lambda_i),
-                     "--pid-lambda-d", repr(cfg.lambda_d), "--pid-beta", repr(cfg.beta),
-                     "--pid-warmup-steps", str(cfg.warmup_steps)]
+            extra = ["--attention-cfg", json.dumps(PIDConfig.coerce(pid, default="lm").to_dict())]
         args = options.parse_args_and_arch(options.get_training_parser(), [
             str(self.data()), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir",
             pf.USER_DIR, *self.tiny, *extra])
@@ -423,12 +421,13 @@ def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path, tiny_fairseq_da
 
     train = ["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
              "transformer_lm_pid", *Fairseq.tiny, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001",
-             "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints", "--pid-warmup-steps", "10"]
+             "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints",
+             "--attention-cfg", '{"warmup_steps": 10}']
     run([*train, "--max-update", "2"])
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     # 2 updates, 2 training forwards (validation: eval)
     assert int(state["model"]["decoder.attention_warmup.step"]) == 2
-    assert state["cfg"]["model"]["pid_warmup_steps"] == 10
+    assert json.loads(state["cfg"]["model"]["attention_cfg"]) == {"warmup_steps": 10}
     run([*train, "--max-update", "3"])  # resumes from ck/checkpoint_last.pt
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert int(state["model"]["decoder.attention_warmup.step"]) == 3

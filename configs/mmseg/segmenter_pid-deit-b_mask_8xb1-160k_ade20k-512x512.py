@@ -7,9 +7,9 @@ custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]
 model = dict(
     pretrained=None,
     data_preprocessor=dict(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375]),
-    backbone=dict(type='PIDVisionTransformer', attention='pid', pid=dict(preset='segmenter'), patch_bias=True),
+    backbone=dict(type='PIDVisionTransformer', attention='pid', attention_cfg=dict(preset='segmenter'), patch_bias=True),
 )
-# Learnable method parameters (pid=dict(..., learnable=True): each layer's PID gains; value residual's lambdas) are
+# Learnable method parameters (attention_cfg=dict(..., learnable=True): each layer's PID gains; value residual's lambdas) are
 # the `attention_params` of each layer: no weight decay for them (decay would pull PID's raw gains to 0, i.e.
 # every gain to log 2, and value residual's lambdas to 0), whatever weight_decay the optimizer is given. (Before
 # the rename the key was 'pid_gains': WeightsOnlyCheckpointHook stops a run whose custom_keys still names it.)

@@ -12,15 +12,15 @@ model = dict(
     # weights they download). mmseg's `pretrained` download is dropped; point init_cfg at your checkpoint:
     #   backbone=dict(init_cfg=dict(type='Pretrained', checkpoint='/path/to/pid_deit_tiny.pth'))
     # (a timm DeiT/ViT checkpoint, softmax or PID, or an mmseg ViT checkpoint with a patch bias; strict).
-    # pid=dict(preset='segmenter', control_first_layer=False): the group's first layer only records v^1
+    # attention_cfg=dict(preset='segmenter', control_first_layer=False): the group's first layer only records v^1
     # (NeuTRENO's convention); the default True controls it too (the paper's eq. 25 summed from layer 1).
     # PID in the mask-transformer decoder too (its own PID group; off by default):
-    #   decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid', pid=dict(preset='segmenter'))
+    #   decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid', attention_cfg=dict(preset='segmenter'))
     pretrained=None,
     data_preprocessor=dict(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375]),
-    backbone=dict(type='PIDVisionTransformer', attention='pid', pid=dict(preset='segmenter'), patch_bias=True),
+    backbone=dict(type='PIDVisionTransformer', attention='pid', attention_cfg=dict(preset='segmenter'), patch_bias=True),
 )
-# Learnable method parameters (pid=dict(..., learnable=True): each layer's PID gains; value residual's lambdas) are
+# Learnable method parameters (attention_cfg=dict(..., learnable=True): each layer's PID gains; value residual's lambdas) are
 # the `attention_params` of each layer: no weight decay for them (decay would pull PID's raw gains to 0, i.e.
 # every gain to log 2, and value residual's lambdas to 0), whatever weight_decay the optimizer is given. (Before
 # the rename the key was 'pid_gains': WeightsOnlyCheckpointHook stops a run whose custom_keys still names it.)

@@ -3,16 +3,18 @@
 Use with fairseq's own CLI through ``--user-dir`` (a directory with a unique name, :data:`USER_DIR`)::
 
     fairseq-train data-bin/x --task language_modeling --user-dir "$(python -m pid_plugins.fairseq)" \\
-        --arch transformer_lm_pid --pid-lambda-p 0.4 --pid-lambda-i 0.5 --pid-lambda-d 0.1 --pid-beta 0.3 ...
+        --arch transformer_lm_pid --attention-cfg '{"lambda_p": 0.4, "lambda_i": 0.5, "lambda_d": 0.1, "beta": 0.3}' ...
 
-Another registered attention method: ``--attention-method NAME --attention-cfg '{"gamma": 0.3}'`` (the method
-registered in the process, e.g. by the user's own ``--user-dir`` module calling ``pid_plugins.register_method``).
+The method is ``--attention-method NAME`` (``pid``, the default; ``softmax``; or a method registered in the process,
+e.g. by the user's own ``--user-dir`` module calling ``pid_plugins.register_method``) and its parameters
+``--attention-cfg JSON`` (over its fairseq preset; PID's ``lm``): the one spelling of both.
 
 A loaded ``transformer_lm`` (``checkpoint_utils``, the hub interface) switches attention in place with
-:func:`convert` (``attention="softmax"`` turns it back into fairseq's own model).
+:func:`convert`, the one way to change a built model's attention (``attention="softmax"`` puts fairseq's own
+decoder classes back).
 
 Learnable method parameters (``{"learnable": true}``: PID's gains, value_residual's lambdas) are in fairseq's
-parameter group ``attention_params`` (:data:`GAIN_PARAM_GROUP`, the ``param_group`` attribute fairseq's
+parameter group ``attention_params`` (:data:`METHOD_PARAM_GROUP`, the ``param_group`` attribute fairseq's
 ``--optimizer composite`` reads): a composite config (``fairseq-hydra-train``) with ``weight_decay: 0`` for that
 group keeps them out of weight decay. fairseq's other optimizers put every parameter in one group: with
 ``--weight-decay`` > 0 they decay those too (PID's raw gains towards 0, i.e. the gains towards log 2).
@@ -74,7 +76,7 @@ from .checkpoint import UnsafeCheckpointError, install as _install_safe_loading 
 _install_safe_loading()  # fairseq's checkpoint_utils loads with weights_only=True, whatever the environment says
 
 from .model import (  # noqa: E402
-    GAIN_PARAM_GROUP,
+    METHOD_PARAM_GROUP,
     PIDMultiheadAttention,
     PIDTransformerDecoder,
     PIDTransformerDecoderLayer,
@@ -91,5 +93,5 @@ USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",
     "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm", "UnsafeCheckpointError", "USER_DIR",
-    "GAIN_PARAM_GROUP", "convert",
+    "METHOD_PARAM_GROUP", "convert",
 ]

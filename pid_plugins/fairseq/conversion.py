@@ -1,19 +1,22 @@
 """``convert(model, attention, attention_cfg)``: switch a loaded fairseq language model's attention, in place.
 
-The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the
-same module objects, hooks and train/eval mode kept) and returned, for chaining.
+The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, hooks and
+train/eval mode kept) and returned, for chaining. A module changes type by being replaced in its parent (core's
+:func:`~pid_plugins.core.layer.replace_module`: a new module holding the old one's parameters, buffers, submodules
+and hooks); no class is ever reassigned.
 
-* A stock ``transformer_lm`` (fairseq's ``TransformerLanguageModel`` with its ``TransformerDecoder``, decoder
-  layers and ``MultiheadAttention``; built by the task, loaded with ``checkpoint_utils`` or the hub interface)
-  becomes :class:`~pid_plugins.fairseq.PIDTransformerLanguageModel` with :class:`~pid_plugins.fairseq.
-  PIDTransformerDecoder`, :class:`~pid_plugins.fairseq.PIDTransformerDecoderLayer` and
-  :class:`~pid_plugins.fairseq.PIDMultiheadAttention`: each module's class is swapped (those classes add no
-  parameters of their own) and the attributes their ``__init__`` sets are set (the method, its config, learnable
-  parameters, the warm-up counter). It then computes what ``--arch transformer_lm_pid --attention-method NAME``
-  computes with the same weights.
-* ``attention="softmax"`` turns such a model back into fairseq's own classes, with every attribute, parameter,
-  buffer and submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it computes
-  exactly what the stock model computes, incremental decoding included.
+* A stock ``transformer_lm`` (fairseq's ``TransformerLanguageModel`` with its ``TransformerDecoder``, decoder layers
+  and ``MultiheadAttention``; built by the task, loaded with ``checkpoint_utils`` or the hub interface) keeps its root
+  class (:class:`~pid_plugins.fairseq.PIDTransformerLanguageModel` adds nothing but ``build_model``): its
+  ``decoder`` is replaced by :class:`~pid_plugins.fairseq.PIDTransformerDecoder`, each decoder layer (inside
+  ``decoder.layers``) by :class:`~pid_plugins.fairseq.PIDTransformerDecoderLayer` and its ``self_attn`` by
+  :class:`~pid_plugins.fairseq.PIDMultiheadAttention`, then the method, its config, learnable parameters and the
+  warm-up counter are set. It then computes what ``--arch transformer_lm_pid --attention-method NAME`` computes with
+  the same weights.
+* ``attention="softmax"`` puts fairseq's own decoder, layer and attention classes back, with every attribute,
+  parameter, buffer and submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it
+  computes exactly what the stock model computes, incremental decoding included. (A model built with ``--arch
+  transformer_lm_pid`` keeps its root class, which only builds.)
 * A model with a method is reconfigured in place (another method, other parameters, learnable parameters on or
   off, warm-up on or off).
 
@@ -31,7 +34,9 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import nn
 
 from ..core import MethodChoice, method_warmup, resolve_attention
-from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, settle_submodule, strip_attributes
+from ..core.layer import (
+    LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, replace_module, settle_submodule, strip_attributes,
+)
 from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 from .layers import (
     PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, self_attentions,
@@ -42,14 +47,6 @@ __all__ = ["convert"]
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
-#: stock class -> its class with a method, and back
-_TO_METHOD = {
-    TransformerLanguageModel: PIDTransformerLanguageModel,
-    TransformerDecoder: PIDTransformerDecoder,
-    TransformerDecoderLayerBase: PIDTransformerDecoderLayer,
-    MultiheadAttention: PIDMultiheadAttention,
-}
-_TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items()}
 
 _WHERE = "pid_plugins.fairseq.convert"
 
@@ -62,10 +59,11 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
             ``transformer_lm_pid`` model, or a hub interface holding such models (``TransformerLanguageModel.
             from_pretrained``, :func:`~pid_plugins.fairseq.load_pid_lm`): each of its models is converted.
         attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
-            ``"softmax"``: fairseq's own attention (the model goes back to fairseq's own classes).
+            ``"softmax"``: fairseq's own attention (the decoder, its layers and attention go back to fairseq's own
+            classes).
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its fairseq preset (for
             PID the ``lm`` preset), or a preset name; ``{"learnable": True}`` adds learnable parameters (in
-            fairseq's ``param_group`` ``"attention_params"``, :data:`~pid_plugins.fairseq.GAIN_PARAM_GROUP`),
+            fairseq's ``param_group`` ``"attention_params"``, :data:`~pid_plugins.fairseq.METHOD_PARAM_GROUP`),
             ``{"warmup_steps": N}`` the warm-up counter.
 
     The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); learnable
@@ -127,14 +125,12 @@ def _check(model: nn.Module, choice: Optional[MethodChoice]) -> None:
 
 
 def _to_method(model: nn.Module, choice: MethodChoice) -> None:
-    """Stock (or method) transformer_lm -> the PID classes with ``choice``: class swaps, then what their
-    ``__init__`` sets."""
-    decoder = model.decoder
-    layers = decoder_layers(decoder)
-    for module in (model, decoder, *layers, *(layer.self_attn for layer in layers)):
-        module.__class__ = _TO_METHOD.get(type(module), type(module))
-    for layer in layers:
-        attn = layer.self_attn
+    """Stock (or method) transformer_lm -> the method classes with ``choice``: the decoder, its layers and their
+    self-attention replaced in their parents (the root keeps its class), then what their ``__init__`` sets."""
+    decoder = replace_module(model, "decoder", PIDTransformerDecoder)
+    for index in range(len(decoder.layers)):
+        layer = replace_module(decoder.layers, str(index), PIDTransformerDecoderLayer)
+        attn = replace_module(layer, "self_attn", PIDMultiheadAttention)
         attn.set_attention(choice, attn.q_proj.weight)
         settle_submodule(attn, "attention_params")
     number_layers(self_attentions(decoder))
@@ -143,15 +139,13 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
 
 
 def _to_stock(model: nn.Module) -> None:
-    """(Method) transformer_lm -> fairseq's own classes, with everything pid-plugins added removed."""
+    """(Method) transformer_lm -> fairseq's own decoder, layer and attention classes, with everything pid-plugins
+    added removed."""
     decoder = model.decoder
-    for layer in decoder_layers(decoder):
-        strip_attributes(layer.self_attn, LAYER_ATTRIBUTES)
-        layer.self_attn.__class__ = _TO_STOCK.get(type(layer.self_attn), type(layer.self_attn))
-        layer.__class__ = _TO_STOCK.get(type(layer), type(layer))
-    if isinstance(decoder, PIDTransformerDecoder):
-        strip_attributes(decoder, MODEL_ATTRIBUTES)
-    decoder.__class__ = _TO_STOCK.get(type(decoder), type(decoder))
-    model.__class__ = _TO_STOCK.get(type(model), type(model))
-
-
+    for index in range(len(decoder.layers)):
+        layer = decoder.layers[index]
+        if type(layer.self_attn) is PIDMultiheadAttention:
+            strip_attributes(replace_module(layer, "self_attn", MultiheadAttention), LAYER_ATTRIBUTES)
+        replace_module(decoder.layers, str(index), TransformerDecoderLayerBase)
+    if type(decoder) is PIDTransformerDecoder:
+        strip_attributes(replace_module(model, "decoder", TransformerDecoder), MODEL_ATTRIBUTES)

@@ -14,8 +14,9 @@ def load_pid_lm(checkpoint: str, data: str, **kwargs: Any):
     (:mod:`pid_plugins.fairseq.checkpoint`): a checkpoint holding anything but tensors, containers and
     ``argparse.Namespace`` raises :class:`~pid_plugins.fairseq.checkpoint.UnsafeCheckpointError`.
 
-    ``kwargs`` are fairseq's overrides of the saved model options (e.g. ``pid_warmup_steps=0`` for a model saved
-    after :func:`pid_plugins.finish_warmup` with its warm-up options). A stock ``transformer_lm`` checkpoint loads as
+    ``kwargs`` are fairseq's overrides of the saved model options (e.g. ``attention_cfg='{"preset": "lm"}'``, the
+    saved ``--attention-cfg`` without ``warmup_steps``, for a model saved after :func:`pid_plugins.finish_warmup`
+    with its warm-up options). A stock ``transformer_lm`` checkpoint loads as
     fairseq's own model: ``pid_plugins.fairseq.convert(hub, "pid")`` switches its attention in place.
     """
     if not os.path.isfile(checkpoint):

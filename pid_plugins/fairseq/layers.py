@@ -16,6 +16,7 @@ values never exist in Python, and its decoder calls each layer with no side chan
 With softmax attention or a method that is the identity (PID with all gains zero) the layers run fairseq's own
 code, so outputs equal the stock model's.
 """
+import json
 import logging
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -31,14 +32,14 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
-from ..core.layer import MethodLayer, MethodModel, number_layers
+from ..core.layer import MethodLayer, MethodModel, finished_config, number_layers
 from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 
 #: how to run a fairseq method layer with its state, named in core's MissingLayerState
 STATE_ROUTE = ("With fairseq, run the layers through the decoder's own forward (extract_features), which threads the "
-               "state: layer(..., pid_state=state) returns it as its fourth output.")
+               "state: layer(..., method_state=state) returns it as its fourth output.")
 
-__all__ = ["GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
+__all__ = ["METHOD_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
@@ -47,9 +48,8 @@ logger = logging.getLogger(__name__)
 #: the fairseq parameter group (``param.param_group``) of a method's learnable parameters (PID's gains,
 #: value_residual's lambdas: every parameter under a layer's ``attention_params``). fairseq's ``--optimizer
 #: composite`` builds one optimizer per group, so a group ``attention_params`` with ``weight_decay: 0`` keeps them
-#: out of weight decay (before the rename the group was ``pid_gains``: a composite config naming that group is
-#: refused by fairseq, which wants one optimizer per group the parameters name)
-GAIN_PARAM_GROUP = "attention_params"
+#: out of weight decay
+METHOD_PARAM_GROUP = "attention_params"
 
 
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
@@ -68,7 +68,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
 
     def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
         """:meth:`MethodLayer.set_attention <pid_plugins.core.MethodLayer.set_attention>`, then the learnable
-        parameters are put in fairseq's parameter group :data:`GAIN_PARAM_GROUP`."""
+        parameters are put in fairseq's parameter group :data:`METHOD_PARAM_GROUP`."""
         super().set_attention(choice, like)
         self._tag_learned()
 
@@ -84,7 +84,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         if learned is not None:
             PARAM_GROUP.require()
             for parameter in learned.parameters():
-                parameter.param_group = GAIN_PARAM_GROUP
+                parameter.param_group = METHOD_PARAM_GROUP
 
     def _qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         T, B, _ = x.shape
@@ -217,23 +217,23 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         self_attn_padding_mask: Optional[Tensor] = None,
         need_attn: bool = False,
         need_head_weights: bool = False,
-        pid_state: Optional[tuple] = None,
-        pid_scale: Optional[Tensor] = None,
-        pid_restart: bool = False,
+        method_state: Optional[tuple] = None,
+        warmup_scale: Optional[Tensor] = None,
+        method_restart: bool = False,
     ):
         method = self.self_attn.attention_method
         if not self.self_attn.method_active:
             out = super().forward(x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
                                   prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights)
-            return (*out, pid_state)
+            return (*out, method_state)
         if encoder_out is not None or self.cross_self_attention or prev_self_attn_state is not None:
             raise NotImplementedError(
                 f"{method.name} decoder layers support the language-model case (no encoder attention)")
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        x, pid_state = self.self_attn.forward_method(x, pid_state, incremental_state, self_attn_mask,
-                                                     self_attn_padding_mask, pid_scale, restart=pid_restart)
+        x, method_state = self.self_attn.forward_method(x, method_state, incremental_state, self_attn_mask,
+                                                        self_attn_padding_mask, warmup_scale, restart=method_restart)
         if self.c_attn is not None:
             T, B = x.size(0), x.size(1)
             x = torch.einsum("tbhd,h->tbhd", x.view(T, B, self.nh, self.head_dim), self.c_attn).reshape(T, B, -1)
@@ -254,7 +254,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         x = self.residual_connection(x, residual)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
-        return x, None, None, pid_state
+        return x, None, None, method_state
 
 
 def decoder_layers(decoder: TransformerDecoder) -> List[Any]:
@@ -266,6 +266,12 @@ def decoder_layers(decoder: TransformerDecoder) -> List[Any]:
 def self_attentions(decoder: TransformerDecoder) -> List[MultiheadAttention]:
     """The decoder's self-attention modules in layer order: the method's group."""
     return [layer.self_attn for layer in decoder_layers(decoder)]
+
+
+def _as_json(config: Any) -> str:
+    """A method config as ``--attention-cfg`` takes it."""
+    to_dict = getattr(config, "to_dict", None)
+    return json.dumps(to_dict()) if callable(to_dict) else json.dumps(str(config))
 
 
 class PIDTransformerDecoder(MethodModel, TransformerDecoder):
@@ -293,8 +299,9 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
             logger.warning(
                 "%s: this checkpoint has no gain warm-up counter, so the warm-up (warmup_steps=%d) starts at t=0: the "
                 "stock model. Meant when fine-tuning a softmax checkpoint; a model saved after "
-                "pid_plugins.finish_warmup loads with its warm-up off: arg_overrides={'pid_warmup_steps': 0} (or "
-                "--attention-cfg without warmup_steps)", key, self.attention_warmup.warmup_steps)
+                "pid_plugins.finish_warmup loads with its warm-up off: arg_overrides={'attention_cfg': %r} (its "
+                "--attention-cfg without warmup_steps)", key, self.attention_warmup.warmup_steps,
+                _as_json(finished_config(self.attention_config)))
         return state_dict
 
     def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
@@ -362,7 +369,8 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
             x, layer_attn, _, state = layer(
                 x, enc, padding_mask, incremental_state, self_attn_mask=self_attn_mask,
                 self_attn_padding_mask=self_attn_padding_mask, need_attn=bool(idx == alignment_layer),
-                need_head_weights=bool(idx == alignment_layer), pid_state=state, pid_scale=scale, pid_restart=restart,
+                need_head_weights=bool(idx == alignment_layer), method_state=state, warmup_scale=scale,
+                method_restart=restart,
             )
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:

@@ -3,12 +3,13 @@
 
 The method is ``--attention-method NAME`` (``pid``, the default; ``softmax``; or any method registered with
 :func:`pid_plugins.register_method`, e.g. in the user's own ``--user-dir``) with its parameters as
-``--attention-cfg JSON``; PID's gains keep their ``--pid-*`` options (:mod:`pid_plugins.fairseq.options`). The
+``--attention-cfg JSON`` (:mod:`pid_plugins.fairseq.options`). The
 layers are in :mod:`pid_plugins.fairseq.layers`, loading for inference in :mod:`pid_plugins.fairseq.hub`.
 """
 # no `from __future__ import annotations`: omegaconf 2.0 reads the config dataclass field types at run time
 
 import ast
+import json
 from typing import Any
 
 from fairseq import options
@@ -20,19 +21,21 @@ from fairseq.utils import safe_getattr
 from ..catalogue import load_catalogue
 from .hub import load_pid_lm
 from .internals import MODEL, require
-from .layers import GAIN_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
-from .options import PIDTransformerLanguageModelConfig, attention_from_args
+from .layers import METHOD_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
+from .options import PIDTransformerLanguageModelConfig, attention_from_args, parse_attention_cfg
 
 __all__ = [
-    "GAIN_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder",
+    "METHOD_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder",
     "PIDTransformerLanguageModel", "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm",
 ]
 
 
 @register_model("transformer_lm_pid", dataclass=PIDTransformerLanguageModelConfig)
 class PIDTransformerLanguageModel(TransformerLanguageModel):
-    """fairseq's ``transformer_lm`` with the attention method of ``--attention-method`` (PID by default, gains from
-    ``--pid-*`` or ``--attention-cfg``, preset ``lm``), built as :class:`PIDTransformerDecoder`."""
+    """fairseq's ``transformer_lm`` with the attention method of ``--attention-method`` (PID by default, parameters
+    from ``--attention-cfg``, preset ``lm``), built as :class:`PIDTransformerDecoder`. It adds nothing to fairseq's
+    ``TransformerLanguageModel`` but :meth:`build_model`: :func:`~pid_plugins.fairseq.convert` leaves a converted
+    model's root class as it is and replaces its decoder."""
 
     @classmethod
     def build_model(cls, args: Any, task: Any) -> "PIDTransformerLanguageModel":
@@ -69,6 +72,15 @@ class PIDTransformerLanguageModel(TransformerLanguageModel):
         return cls(decoder)
 
 
+def _entry_attention_cfg(entry: Any, given: Any) -> str:
+    """``--attention-cfg`` for a catalogue architecture: the entry's preset and gains, then what the user gave
+    (a JSON object over them; a preset name, or an object with a ``preset`` key, instead of them)."""
+    params = parse_attention_cfg(given) if given not in (None, "") else {}
+    if isinstance(params, str) or "preset" in params:
+        return given if isinstance(given, str) else json.dumps(params)
+    return json.dumps({"preset": entry.preset, **entry.gains, **params})
+
+
 def _register_architectures() -> None:
     for entry in load_catalogue().values():
         if entry.zoo != "fairseq" or entry.name == "transformer_lm_pid":
@@ -78,15 +90,9 @@ def _register_architectures() -> None:
             # fairseq leaves unset options as None before applying the architecture: fill in the entry's values
             for key, value in _entry.kwargs.items():
                 setattr(args, key, safe_getattr(args, key, value))
-            # the entry's PID gains, unless another method or --attention-cfg is chosen (the --pid-* options
-            # would then conflict with it)
-            if (safe_getattr(args, "attention_method", "pid") or "pid") == "pid" and \
-                    not safe_getattr(args, "attention_cfg", None):
-                gains = _entry.pid_config()
-                for key in ("lambda_p", "lambda_i", "lambda_d", "beta"):
-                    setattr(args, f"pid_{key}", safe_getattr(args, f"pid_{key}", getattr(gains, key)))
-                args.pid_control_first_layer = safe_getattr(args, "pid_control_first_layer",
-                                                            str(gains.control_first_layer).lower())
+            # the entry's PID gains under what --attention-cfg gives (a preset it names replaces them)
+            if (safe_getattr(args, "attention_method", "pid") or "pid") == "pid":
+                args.attention_cfg = _entry_attention_cfg(_entry, safe_getattr(args, "attention_cfg", None))
             base_lm_architecture(args)
 
         register_model_architecture("transformer_lm_pid", entry.name)(arch)

@@ -1,13 +1,12 @@
 """mmsegmentation adapter: ``PIDVisionTransformer``, a Segmenter/ViT backbone with PID attention (or another method).
 
 List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=dict(type='PIDVisionTransformer',
-...)``: it takes every argument of mmseg's ``VisionTransformer`` plus ``attention='pid'|'softmax'|'<method>'``,
-the method's parameters ``attention_cfg=...`` and, for PID, the gains (``pid=dict(...)`` and/or ``lambda_p``,
-``lambda_i``, ``lambda_d``, ``beta``; preset ``segmenter``). ``decode_head=dict(type='PIDSegmenterMaskTransformerHead',
-attention='pid')`` puts the method in the decoder too. A method registered with ``pid_plugins.register_method``
+...)``: it takes every argument of mmseg's ``VisionTransformer`` plus ``attention='pid'|'softmax'|'<method>'`` and
+the method's parameters ``attention_cfg=dict(...)`` (over its ``mmseg`` preset, PID's ``segmenter``).
+``decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid')`` puts the method in the decoder too. A method registered with ``pid_plugins.register_method``
 is picked by its name (list its module in ``custom_imports`` first). ``attention_cfg=dict(learnable=True)`` (PID's
 gains, value residual's lambdas) gives every layer its own trainable ``attention_params``; the shipped configs keep
-them out of weight decay (``optim_wrapper.paramwise_cfg.custom_keys``). :func:`convert` switches a built model in place.
+them out of weight decay (``optim_wrapper.paramwise_cfg.custom_keys``). :func:`convert` switches a built segmentor in place (the one way to change a built model's attention).
 
 Import-time changes to third-party modules (all made when this package is imported, e.g. by ``custom_imports``):
 

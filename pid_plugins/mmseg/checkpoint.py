@@ -45,7 +45,7 @@ from mmengine.runner import checkpoint as mm_checkpoint
 from mmseg.registry import HOOKS
 
 from ..core.checkpoint import UnsafeCheckpointError, load_weights_only, weights_only
-from .internals import CHECKPOINT_HELPERS, CHECKPOINT_SCHEMES, CHECKPOINTS, require
+from .internals import CHECKPOINT_HELPERS, CHECKPOINT_SCHEMES, CHECKPOINTS, SCHEME_PREFIXES, require
 
 __all__ = ["load_checkpoint", "weights_only_schemes", "WeightsOnlyCheckpointHook", "install",
            "history_buffer_method", "SAFE_GLOBALS", "UnsafeCheckpointError"]
@@ -140,22 +140,17 @@ def load_from_pavi_refused(filename: str, map_location: Any = None) -> Any:
 
 
 # mmengine 0.10's schemes (mmengine/runner/checkpoint.py), longest prefix first as in CheckpointLoader.
-_SCHEMES: List[Tuple[Union[str, Tuple[str, ...]], Callable[..., Any]]] = [
-    ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), load_from_ceph_weights_only),
-    (("modelzoo://", "torchvision://"), load_from_torchvision_weights_only),
-    (("open-mmlab://", "openmmlab://"), load_from_openmmlab_weights_only),
-    ("mmcls://", load_from_mmcls_weights_only),
-    ("pavi://", load_from_pavi_refused),
-    (("http://", "https://"), load_from_http_weights_only),
-    ("", load_from_local_weights_only),
-]
+_SCHEMES: List[Tuple[Tuple[str, ...], Callable[..., Any]]] = list(zip(SCHEME_PREFIXES, (
+    load_from_ceph_weights_only, load_from_torchvision_weights_only, load_from_openmmlab_weights_only,
+    load_from_mmcls_weights_only, load_from_pavi_refused, load_from_http_weights_only, load_from_local_weights_only,
+)))
 
 
 def load_checkpoint(filename: str, map_location: Any = None) -> Any:
     """Load a checkpoint by path or URL (mmengine's schemes) with ``weights_only=True``, always."""
     require(*CHECKPOINTS)
     for prefixes, loader in _SCHEMES:
-        for prefix in (prefixes,) if isinstance(prefixes, str) else prefixes:
+        for prefix in prefixes:
             if prefix and re.match(prefix, filename):
                 return loader(filename, map_location)
     return load_from_local_weights_only(filename, map_location)

@@ -1,67 +1,68 @@
 """``convert(model, attention, attention_cfg)``: switch a built mmseg model's attention, in place.
 
-The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the same
-module objects, hooks and train/eval mode kept) and returned, for chaining.
+The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, hooks and
+train/eval mode kept) and returned, for chaining. A module changes type by being replaced in its parent (core's
+:func:`~pid_plugins.core.layer.replace_module`: a new module holding the old one's parameters, buffers, submodules
+and hooks); no class is ever reassigned.
 
 * A segmentor (mmseg's ``EncoderDecoder``, or any ``BaseSegmentor`` with one ``backbone`` and one ``decode_head``)
   whose backbone is mmseg's ``VisionTransformer`` and whose decode head is ``SegmenterMaskTransformerHead`` (Segmenter):
-  both switch, each its own group (what a config with ``PIDVisionTransformer`` and ``PIDSegmenterMaskTransformerHead``
-  of that method builds). A bare backbone or head switches alone: ``convert(segmentor.backbone, ...)`` gives the
-  shipped configs' layout (the method in the backbone, the decoder stock).
-* Each module's class is swapped (``VisionTransformer`` <-> :class:`~pid_plugins.mmseg.PIDVisionTransformer`,
-  ``SegmenterMaskTransformerHead`` <-> :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead`,
-  ``TransformerEncoderLayer`` <-> :class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer`; the PID classes add no
-  parameters of their own) and the attributes their ``__init__`` sets are set: the method, its config, learnable
-  parameters (``attention_params``), the warm-up counter (``attention_warmup``).
-* ``attention="softmax"`` turns the model back into mmseg's own classes with every attribute, parameter, buffer and
-  submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it computes exactly what
-  the stock model computes.
-* A model with a method is reconfigured in place (another method, other parameters, learnable parameters on/off).
+  its ``backbone`` and ``decode_head`` are replaced by :class:`~pid_plugins.mmseg.PIDVisionTransformer` and
+  :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` with the method, each its own group (what a config with
+  those types builds), and their ``TransformerEncoderLayer`` layers by
+  :class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer` (inside ``layers``).
+* ``attention="softmax"`` on a segmentor puts mmseg's own classes back, with every attribute, parameter, buffer and
+  submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it computes exactly what the
+  stock model computes.
+* A bare ``PIDVisionTransformer`` or ``PIDSegmenterMaskTransformerHead`` (built from a config, or a converted
+  segmentor's part) is reconfigured in place and keeps its class: another method, other parameters, or softmax
+  (mmseg's own layers and forward: the stock function, bit for bit). A bare STOCK backbone or head cannot change its
+  class in place and is refused (softmax, which it already computes, leaves it as it is): convert the segmentor
+  that holds it, or build it with ``type='PIDVisionTransformer'`` / ``type='PIDSegmenterMaskTransformerHead'``.
 
 Everything is checked before anything changes: an unknown method or bad parameters (core's message), a model that is
 not one of those, layers that are not mmseg's ``TransformerEncoderLayer``.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple, TypeVar
+from typing import Any, List, Optional, Tuple, TypeVar
 
 from torch import nn
-from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
+from mmseg.models.backbones.vit import VisionTransformer
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.models.segmentors import BaseSegmentor
 
 from ..core import MethodChoice, method_warmup
-from ..core.layer import MODEL_ATTRIBUTES, settle_submodule, strip_attributes
+from ..core.layer import MODEL_ATTRIBUTES, replace_module, strip_attributes
 from .head import PIDSegmenterMaskTransformerHead
 from .internals import BACKBONE, HEAD, require
-from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, choose_attention, method_layers
+from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers
 
 __all__ = ["convert"]
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
-#: stock class -> its class with a method, and back
+#: stock class -> its class with a method
 _TO_METHOD = {VisionTransformer: PIDVisionTransformer, SegmenterMaskTransformerHead: PIDSegmenterMaskTransformerHead}
 _TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items()}
-_BACKBONES = (VisionTransformer, PIDVisionTransformer)
-_HEADS = (SegmenterMaskTransformerHead, PIDSegmenterMaskTransformerHead)
-_LAYERS = (TransformerEncoderLayer, PIDTransformerEncoderLayer)
+_STOCK_PART_HINT = ("convert the segmentor that holds it (convert(segmentor, ...): its backbone and decode_head are "
+                    "replaced; convert(segmentor.decode_head, 'softmax') afterwards keeps the method in the backbone "
+                    "only), or build it with the method: backbone=dict(type='PIDVisionTransformer', attention=..., "
+                    "attention_cfg=dict(...)), decode_head=dict(type='PIDSegmenterMaskTransformerHead', ...)")
 
 
-
-def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *, pid: Any = None) -> ModelT:
+def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) -> ModelT:
     """Switch an mmseg model's attention to ``attention``, in place; returns ``model``.
 
     Args:
         model: a segmentor with mmseg's ``VisionTransformer`` backbone and ``SegmenterMaskTransformerHead`` (both
-            switch, each its own group), or a bare backbone or head; stock, built with pid-plugins' types or
-            converted before.
+            switch, each its own group; stock, built with pid-plugins' types or converted before), or a bare
+            ``PIDVisionTransformer`` / ``PIDSegmenterMaskTransformerHead`` (reconfigured, keeping its class).
         attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
-            ``"softmax"``: mmseg's stock attention (mmseg's own classes again).
+            ``"softmax"``: mmseg's stock attention (a segmentor's parts become mmseg's own classes again).
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its ``mmseg`` preset (for
             PID the paper's ``segmenter``), or a preset name; ``{"learnable": True}`` gives every layer its own
             trainable parameters (``attention_params``), ``warmup_steps`` the warm-up counter (``attention_warmup``).
-        pid: PID's parameters under their historical keyword (the same as ``attention_cfg``; PID only).
 
     The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); learnable
     parameters are made at their initial values on the layer's device and dtype and in its train/eval mode: build
@@ -69,43 +70,59 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
     FSDP) and before ``torch.compile``.
 
     Raises ``ValueError`` (unknown method, bad parameters) or ``TypeError`` (a model, head or layer this cannot
-    convert) before anything is changed.
+    convert; a bare stock backbone or head) before anything is changed.
     """
     where = f"convert({type(model).__name__})"
-    choice = choose_attention(attention, attention_cfg, pid, where)
-    parts = _parts(model)
-    for name, part in parts:
+    choice = _choose(attention, attention_cfg, where)
+    parts = _parts(model, choice)
+    for name, _, part in parts:
         require(*(BACKBONE if isinstance(part, VisionTransformer) else HEAD))  # what the method classes compute again
-        _check_layers(part, name)
+        _check_layers(part.layers, f"convert: {name}")
         if choice is not None:  # refused for non-additive methods with warm-up (mmseg warms up stock + term)
             method_warmup(choice, None, None, stock_plus_term=True, where=f"{where}: {name}")
-    for _, part in parts:
-        if choice is None:
-            _to_stock(part)
+    for name, parent, part in parts:
+        if parent is None:  # a bare method backbone/head (or a stock one asked for softmax): keeps its class
+            if isinstance(part, (PIDVisionTransformer, PIDSegmenterMaskTransformerHead)):
+                part._configure_attention(choice, where)
+            else:
+                _switch_layers(part.layers, None)
+        elif choice is None:
+            _switch_layers(part.layers, None)
+            if type(part) in _TO_STOCK:
+                strip_attributes(replace_module(parent, name, _TO_STOCK[type(part)]), MODEL_ATTRIBUTES)
         else:
-            _to_method(part, choice, where)
+            replace_module(parent, name, _TO_METHOD.get(type(part), type(part)))._configure_attention(choice, where)
     return model
 
 
-def _parts(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The modules holding attention layers that ``convert`` switches (each its own group); refuses anything else."""
+def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, Optional[nn.Module], nn.Module]]:
+    """``(name, parent, module)`` of the modules holding attention layers that ``convert`` switches (each its own
+    group; parent None: the model itself); refuses anything else."""
     kind = type(model)
-    if kind in _BACKBONES or kind in _HEADS:
-        return [(kind.__name__, model)]
+    if kind in _TO_STOCK:
+        return [(kind.__name__, None, model)]
+    if kind in _TO_METHOD:
+        if choice is not None:
+            raise TypeError(
+                f"convert: a bare {kind.__name__} cannot become a {_TO_METHOD[kind].__name__} in place (the model "
+                f"given is the module itself, which has no parent to replace it in): {_STOCK_PART_HINT}"
+            )
+        return [(kind.__name__, None, model)]
     if isinstance(model, BaseSegmentor):
         backbone, head = getattr(model, "backbone", None), getattr(model, "decode_head", None)
-        if type(backbone) not in _BACKBONES:
+        if type(backbone) not in (VisionTransformer, PIDVisionTransformer):
             raise TypeError(
                 f"convert: {kind.__name__}'s backbone is {type(backbone).__name__}; convert handles mmseg's "
                 "VisionTransformer (Segmenter, ViT) and PIDVisionTransformer backbones"
             )
-        if type(head) not in _HEADS:
+        if type(head) not in (SegmenterMaskTransformerHead, PIDSegmenterMaskTransformerHead):
             raise TypeError(
                 f"convert: {kind.__name__}'s decode_head is {type(head).__name__}; convert handles Segmenter's "
-                "SegmenterMaskTransformerHead (and PIDSegmenterMaskTransformerHead). To switch the backbone alone, "
-                "convert(model.backbone, ...)"
+                "SegmenterMaskTransformerHead (and PIDSegmenterMaskTransformerHead). For the method in this "
+                "segmentor's backbone, build it with backbone=dict(type='PIDVisionTransformer', attention=..., "
+                "attention_cfg=dict(...))"
             )
-        return [("backbone", backbone), ("decode_head", head)]
+        return [("backbone", model, backbone), ("decode_head", model, head)]
     if isinstance(getattr(model, "module", None), nn.Module):
         hint = "; convert the model before wrapping it (DDP, FSDP): convert(wrapper.module, ...) is too late"
     elif hasattr(model, "_orig_mod"):
@@ -113,34 +130,6 @@ def _parts(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     else:
         hint = ""
     raise TypeError(
-        f"convert: an mmseg segmentor with a VisionTransformer backbone and a SegmenterMaskTransformerHead, or such a "
-        f"backbone or head, got {kind.__name__}{hint}"
+        f"convert: an mmseg segmentor with a VisionTransformer backbone and a SegmenterMaskTransformerHead, or a "
+        f"PIDVisionTransformer or PIDSegmenterMaskTransformerHead, got {kind.__name__}{hint}"
     )
-
-
-def _check_layers(part: nn.Module, name: str) -> None:
-    for i, layer in enumerate(part.layers):
-        if type(layer) not in _LAYERS:
-            raise TypeError(
-                f"convert: {name} layer {i} is {type(layer).__name__}; convert switches mmseg's "
-                "TransformerEncoderLayer (and PIDTransformerEncoderLayer) layers only"
-            )
-
-
-def _to_method(part: nn.Module, choice: MethodChoice, where: str) -> None:
-    """Stock (or method) backbone/head -> the PID class with ``choice``: the class swap, then what its ``__init__``
-    sets (the method and warm-up counter on the part, the layers switched as :func:`method_layers` does)."""
-    part.__class__ = _TO_METHOD.get(type(part), type(part))
-    like = part.pos_embed if isinstance(part, VisionTransformer) else part.cls_emb
-    part.set_model_method(choice, like, stock_plus_term=True, where=where)
-    settle_submodule(part, "attention_warmup")
-    method_layers(part.layers, choice)
-
-
-def _to_stock(part: nn.Module) -> None:
-    """(Method) backbone/head -> mmseg's own classes, with everything pid-plugins added removed."""
-    method_layers(part.layers, None)
-    if type(part) in _TO_STOCK:
-        strip_attributes(part, MODEL_ATTRIBUTES)
-        part.__class__ = _TO_STOCK[type(part)]
-

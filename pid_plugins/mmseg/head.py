@@ -9,12 +9,10 @@ from torch import Tensor
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
-from ..core.layer import MethodModel
-from ..core import (
-    SOFTMAX,
-)
+from ..core import SOFTMAX, MethodChoice
+from ..core.layer import MethodModel, settle_submodule
 from .internals import HEAD, require
-from .vit import choose_attention, method_layers
+from .vit import _choose, _switch_layers
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
 
@@ -32,17 +30,20 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
             method's name (:func:`pid_plugins.register_method`).
         attention_cfg: the method's parameters: a preset name, its config, or a dict (``preset`` key allowed) over
             its ``mmseg`` preset (PID: the paper's ``segmenter``).
-        pid: PID's gains, the same as ``attention_cfg`` for ``attention='pid'`` (its historical spelling).
     """
 
-    def __init__(self, *args: Any, attention: str = SOFTMAX, pid: Any = None, attention_cfg: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, attention: str = SOFTMAX, attention_cfg: Any = None, **kwargs: Any) -> None:
         require(*HEAD)
         super().__init__(*args, **kwargs)
         where = "mmseg decode_head PIDSegmenterMaskTransformerHead"
-        choice = choose_attention(attention, attention_cfg, pid, where)
+        self._configure_attention(_choose(attention, attention_cfg, where), where)
+
+    def _configure_attention(self, choice: Optional[MethodChoice], where: str) -> None:
+        """Hold ``choice`` (None: softmax, mmseg's own layers and forward) and switch the layers to it, in place (what
+        ``__init__`` and :func:`~pid_plugins.mmseg.convert` do)."""
         self.set_model_method(choice, self.cls_emb, stock_plus_term=True, where=where)
-        method_layers(self.layers, choice)
+        settle_submodule(self, "attention_warmup")
+        _switch_layers(self.layers, choice)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:
         scale = self.method_scale()  # one warm-up step per forward
@@ -54,7 +55,7 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
         x = torch.cat((x, self.cls_emb.expand(x.size(0), -1, -1)), 1)
         state: Optional[tuple] = None
         for layer in self.layers:
-            x, state = layer(x, state, scale)
+            x, state = layer(x, method_state=state, warmup_scale=scale)
         x = self.decoder_norm(x)
         patches = F.normalize(self.patch_proj(x[:, :-self.num_classes]), dim=2, p=2)
         cls_seg_feat = F.normalize(self.classes_proj(x[:, -self.num_classes:]), dim=2, p=2)

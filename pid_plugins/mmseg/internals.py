@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
 from typing import Any
 
 from ..versions import Internal, parameters, reads, require, squashed
@@ -76,13 +77,6 @@ def _mmcv_attention() -> bool:
             and forward.endswith("returnidentity+self.dropout_layer(self.proj_drop(out))"))
 
 
-def _base_module() -> bool:
-    from mmengine.model import BaseModule
-
-    init = squashed(BaseModule.__init__)
-    return "self._is_init=False" in init and "self.init_cfg=copy.deepcopy(init_cfg)" in init
-
-
 #: what mmseg's ``SegmenterMaskTransformerHead.forward`` reads: the method head computes it again
 HEAD_READS = frozenset({"_transform_inputs", "classes_proj", "cls_emb", "dec_proj", "decoder_norm", "layers",
                         "mask_norm", "num_classes", "patch_proj"})
@@ -109,13 +103,19 @@ def registered_prefixes(module: Any) -> set:
     return found
 
 
+#: mmengine's checkpoint schemes (the prefixes ``mmengine.runner.checkpoint`` registers, grouped by loader, in the
+#: order :mod:`pid_plugins.mmseg.checkpoint` pairs them with its weights-only loaders)
+SCHEME_PREFIXES = ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), ("modelzoo://", "torchvision://"),
+                   ("open-mmlab://", "openmmlab://"), ("mmcls://",), ("pavi://",), ("http://", "https://"), ("",))
+#: the module name of mmcv's compiled ops (:mod:`pid_plugins.mmseg.compat` stands in for it where it is absent)
+MMCV_EXT_NAME = "mmcv._ext"
+
+
 def _checkpoint_schemes() -> bool:
     from mmengine.runner import checkpoint as mm_checkpoint
 
-    from . import checkpoint
-
     loader = mm_checkpoint.CheckpointLoader
-    ours = {p for prefixes, _ in checkpoint._SCHEMES for p in ((prefixes,) if isinstance(prefixes, str) else prefixes)}
+    ours = {p for prefixes in SCHEME_PREFIXES for p in prefixes}
     return (isinstance(vars(loader).get("_schemes"), dict)
             and parameters(loader.register_scheme)[:3] == ["prefixes", "loader", "force"]
             and "cls._schemes=OrderedDict(sorted(cls._schemes.items()" in squashed(loader._register_scheme)
@@ -166,10 +166,6 @@ MMCV_ATTENTION = Internal(
     "forward's identity + dropout_layer(proj_drop(out))",
     "the method layer's q/k/v from the packed in_proj_weight, and mmcv's own attention as the warm-up's stock path",
     "2.1.0", _mmcv_attention)
-BASE_MODULE = Internal(
-    MMENGINE, "mmengine BaseModule._is_init and init_cfg (set in BaseModule.__init__)",
-    "a PIDTransformerEncoderLayer built from one of mmseg's layers keeps its initialisation state", "0.10.7",
-    _base_module)
 SEGMENTER_HEAD = Internal(
     MMSEG, "mmseg SegmenterMaskTransformerHead.forward (the attributes it reads) and its TransformerEncoderLayer "
     "layers",
@@ -190,7 +186,7 @@ HISTORY_BUFFER = Internal(
     "allow-listing exactly what mmengine's training checkpoints pickle by reference (getattr(HistoryBuffer, name))",
     "0.10.7", _history_buffer)
 
-INTERNALS = (MMCV_EXT, MMSEG_VIT, ENCODER_LAYER, MMCV_ATTENTION, BASE_MODULE, SEGMENTER_HEAD, CHECKPOINT_SCHEMES,
+INTERNALS = (MMCV_EXT, MMSEG_VIT, ENCODER_LAYER, MMCV_ATTENTION, SEGMENTER_HEAD, CHECKPOINT_SCHEMES,
              CHECKPOINT_HELPERS, HISTORY_BUFFER)
 
 #: what the method layers rely on
@@ -204,7 +200,6 @@ CHECKPOINTS = (CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS, HISTORY_BUFFER)
 
 def require_all() -> None:
     """Check every internal now (the mmcv._ext one only where the stand-in is in use)."""
-    from .compat import STANDIN_NAME, _MissingOps
-    import sys
-
-    require(*(i for i in INTERNALS if i is not MMCV_EXT or isinstance(sys.modules.get(STANDIN_NAME), _MissingOps)))
+    ext = sys.modules.get(MMCV_EXT_NAME)
+    standin = ext is not None and getattr(getattr(ext, "__spec__", None), "loader", 0) is None  # compat's: no loader
+    require(*(i for i in INTERNALS if i is not MMCV_EXT or standin))

@@ -1,10 +1,11 @@
 """Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter).
 
 mmseg's ``TransformerEncoderLayer`` uses mmcv's ``MultiheadAttention`` around ``torch.nn.MultiheadAttention``
-(packed ``in_proj_weight``), which never exposes per-head values. :class:`PIDTransformerEncoderLayer` takes over
-a built layer's submodules (names unchanged, so checkpoints load as they are), computes q/k/v from those same
-parameters, hands the SDPA call to the method (:meth:`~pid_plugins.core.methods.AttentionMethod.forward`) and
-returns the method's state; :class:`PIDVisionTransformer` threads it through the layers. With softmax attention
+(packed ``in_proj_weight``), which never exposes per-head values. :class:`PIDTransformerEncoderLayer` replaces
+a built layer in its ``layers`` (core's :func:`~pid_plugins.core.layer.replace_module`: the same submodules and
+parameter names, so checkpoints load as they are), computes q/k/v from those same parameters, hands the SDPA call to
+the method (:meth:`~pid_plugins.core.AttentionMethod.apply`) and returns the method's state;
+:class:`PIDVisionTransformer` threads it through the layers. With softmax attention
 (or a method that computes the stock attention, e.g. PID with zero gains) the layers stay mmseg's own and the
 backbone runs mmseg's forward: the stock output, bit for bit.
 """
@@ -18,93 +19,84 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from torch import Tensor, nn
 from mmengine.logging import print_log
-from mmengine.model import BaseModule, ModuleList
+from mmengine.model import ModuleList
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
 from mmseg.registry import MODELS
 
 from ..core import (
-    SOFTMAX, AttentionContext, AttentionMethod, LayerCall, MethodChoice, PIDConfig, StockPath, check_keys,
-    resolve_attention, unwrap_state_dict,
+    AttentionContext, LayerCall, MethodChoice, StockPath, check_keys, resolve_attention, unwrap_state_dict,
 )
 from ..core.layer import (
-    LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, settle_submodule, strip_attributes,
+    LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, replace_module, settle_submodule, strip_attributes,
 )
 from .checkpoint import load_checkpoint
-from .internals import BACKBONE, BASE_MODULE, LAYERS, require
+from .internals import BACKBONE, LAYERS, require
 
-__all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "choose_attention",
-           "method_layers", "initial_learned_state"]
+__all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "initial_learned_state"]
 
 
-def choose_attention(attention: str, attention_cfg: Any, pid: Any, where: str,
-                     options: Optional[Dict[str, Any]] = None) -> Optional[MethodChoice]:
-    """:func:`~pid_plugins.core.methods.resolve_attention` for mmseg: None for softmax, else the method and its
-    parameters over its ``mmseg`` preset (learnable parameters included: each layer gets its own
-    ``attention_params``)."""
-    return resolve_attention(attention, attention_cfg, zoo="mmseg", pid=pid, where=where, options=options)
+def _choose(attention: str, attention_cfg: Any, where: str) -> Optional[MethodChoice]:
+    """:func:`~pid_plugins.core.resolve_attention` for mmseg: None for softmax, else the method and its parameters
+    over its ``mmseg`` preset (learnable parameters included: each layer gets its own ``attention_params``)."""
+    return resolve_attention(attention, attention_cfg, zoo="mmseg", where=where)
 
 
 #: how to run an mmseg method layer with its state, named in core's MissingLayerState
 STATE_ROUTE = ("With mmseg, run the layers through the backbone's (or the decode head's) own forward, which threads "
-               "the state: x, state = layer(x, state, scale), state None at the group's first layer only.")
+               "the state: x, state = layer(x, method_state=state, warmup_scale=scale), state None at the group's "
+               "first layer only.")
 
 
-def method_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
+def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     """Switch ``layers`` (mmseg's ``TransformerEncoderLayer`` or :class:`PIDTransformerEncoderLayer`) to ``choice``, in
-    place: the same module objects, their class swapped. A choice that computes the stock attention (softmax, an
-    identity config) leaves (or makes) them mmseg's own layers, without anything pid-plugins added; otherwise every
-    layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for learnable parameters,
-    a fresh ``attention_params`` module (initial values, on the layer's device, dtype and train/eval mode) and its
-    position in ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
+    place: each layer is replaced inside ``layers`` (:func:`~pid_plugins.core.layer.replace_module`, its index the
+    name: the same parameters, buffers, submodules, hooks and train/eval mode). A choice that computes the stock
+    attention (softmax, an identity config) leaves (or makes) them mmseg's own layers, without anything pid-plugins
+    added; otherwise every layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for
+    learnable parameters, a fresh ``attention_params`` module (initial values, on the layer's device, dtype and
+    train/eval mode) and its position in ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
     require(*LAYERS)
     stock = choice is None or choice.method.is_identity(choice.config)
-    for layer in layers:
+    for index in range(len(layers)):
+        name = str(index)
         if stock:
-            to_stock_layer(layer)
+            if type(layers[index]) is PIDTransformerEncoderLayer:
+                strip_attributes(replace_module(layers, name, TransformerEncoderLayer), LAYER_ATTRIBUTES)
         else:
-            to_method_layer(layer, choice)
+            layer = replace_module(layers, name, PIDTransformerEncoderLayer)
+            layer.set_attention(choice, layer.attn.attn.in_proj_weight)
+            settle_submodule(layer, "attention_params")
     if not stock:
         number_layers(layers)
 
 
-def to_method_layer(layer: TransformerEncoderLayer, choice: MethodChoice) -> None:
-    """One of mmseg's layers (or a method layer) -> :class:`PIDTransformerEncoderLayer` with ``choice``, in place."""
-    require(*LAYERS)
-    if type(layer) is TransformerEncoderLayer:
-        layer.__class__ = PIDTransformerEncoderLayer
-    layer.set_attention(choice, layer.attn.attn.in_proj_weight)
-    settle_submodule(layer, "attention_params")
-
-
-def to_stock_layer(layer: TransformerEncoderLayer) -> None:
-    """A :class:`PIDTransformerEncoderLayer` -> mmseg's ``TransformerEncoderLayer``, in place, with everything
-    pid-plugins added removed (mmseg's own layers are left as they are)."""
-    if type(layer) is PIDTransformerEncoderLayer:
-        strip_attributes(layer, LAYER_ATTRIBUTES)
-        layer.__class__ = TransformerEncoderLayer
+def _check_layers(layers: ModuleList, where: str) -> None:
+    """Refuse layers :func:`_switch_layers` cannot switch (before anything changes)."""
+    for i, layer in enumerate(layers):
+        if type(layer) not in (TransformerEncoderLayer, PIDTransformerEncoderLayer):
+            raise TypeError(
+                f"{where} layer {i} is {type(layer).__name__}; mmseg's TransformerEncoderLayer (and "
+                "PIDTransformerEncoderLayer) layers switch only"
+            )
 
 
 class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
     """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``.
 
-    Built from one of mmseg's own layers, whose submodules (``ln1``, ``attn``, ``ln2``, ``ffn``) it takes over:
-    same parameter names, devices, dtypes and train/eval mode. ``attention_config`` holds the method's config (PID's
+    Made from one of mmseg's own layers by :func:`~pid_plugins.core.layer.replace_module` (never built directly),
+    holding its submodules (``ln1``, ``attn``, ``ln2``, ``ffn``): same parameter names, devices, dtypes, hooks and
+    train/eval mode. ``attention_config`` holds the method's config (PID's
     gains for ``attention='pid'``), ``attention_method`` the method and ``attention_params`` its learnable parameters
     (a module from the method's ``make_learned``, e.g. PID's ``{"learnable": True}`` gains, value residual's lambdas), or None.
-    :class:`PIDVisionTransformer` and :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` switch their
-    layers in place instead (:func:`method_layers`, the same result).
+    :class:`PIDVisionTransformer`, :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` and
+    :func:`~pid_plugins.mmseg.convert` replace their layers with it.
     """
 
-    def __init__(self, layer: TransformerEncoderLayer, method: AttentionMethod, config: Any) -> None:
-        require(*LAYERS, BASE_MODULE)
-        # BaseModule's, not TransformerEncoderLayer's __init__: that one would build (and draw) new submodules
-        BaseModule.__init__(self, init_cfg=layer.init_cfg)
-        self._is_init = layer._is_init
-        self.norm1_name, self.norm2_name, self.with_cp = layer.norm1_name, layer.norm2_name, layer.with_cp
-        for name, module in layer.named_children():
-            self.add_module(name, module)
-        self.train(layer.training)
-        self.set_attention(MethodChoice(method, config), layer.attn.attn.in_proj_weight)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "PIDTransformerEncoderLayer is not built directly: PIDVisionTransformer and PIDSegmenterMaskTransformerHead "
+            "(type=... in a config) or pid_plugins.mmseg.convert replace mmseg's layers with it"
+        )
 
     def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
         """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected.
@@ -145,18 +137,18 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         return self.apply_method(LayerCall(attend, q, v, v, context=context, project=project, layer=self.layer_index,
                                            state_route=STATE_ROUTE), state)
 
-    def forward(self, x: Tensor, state: Optional[tuple] = None,  # type: ignore[override]
-                scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
-        """``state``: the previous layer's (None at the group's first layer); ``scale``: the gain warm-up scale of
-        this forward (None: no warm-up)."""
+    def forward(self, x: Tensor, method_state: Optional[tuple] = None,  # type: ignore[override]
+                warmup_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
+        """``method_state``: the previous layer's (None at the group's first layer); ``warmup_scale``: the gain
+        warm-up scale of this forward (None: no warm-up)."""
         method = self.attention_method
 
         def inner(x: Tensor, *state_tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-            out, new_state = self._attention(self.norm1(x), state_tensors or None, scale)
+            out, new_state = self._attention(self.norm1(x), state_tensors or None, warmup_scale)
             x = x + self.attn.dropout_layer(self.attn.proj_drop(out))
             return (self.ffn(self.norm2(x), identity=x), *new_state)
 
-        args = tuple(state) if state is not None else ()
+        args = tuple(method_state) if method_state is not None else ()
         if self.with_cp and x.requires_grad:
             outputs = cp.checkpoint(inner, x, *args, use_reentrant=False)
         else:
@@ -188,8 +180,8 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names.
 
     The same renaming mmseg's ``tools/model_converters/vit2mmseg.py`` applies; the classifier head is dropped.
-    Learnable method parameters (timm keeps them on the attention, ``blocks.<i>.attn.attention_params.*``; before the
-    rename ``blocks.<i>.attn.pid_gains.*``) go to the mmseg layer that holds them, ``layers.<i>.attention_params.*``.
+    Learnable method parameters (timm keeps them on the attention, ``blocks.<i>.attn.attention_params.*``) go to the
+    mmseg layer that holds them, ``layers.<i>.attention_params.*``.
     """
     out: Dict[str, Tensor] = {}
     for key, value in state_dict.items():
@@ -205,8 +197,7 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
             new = (new.replace(".norm1.", ".ln1.").replace(".norm2.", ".ln2.")
                    .replace(".mlp.fc1.", ".ffn.layers.0.0.").replace(".mlp.fc2.", ".ffn.layers.1.")
                    .replace(".attn.qkv.", ".attn.attn.in_proj_").replace(".attn.proj.", ".attn.attn.out_proj.")
-                   .replace(".attn.attention_params.", ".attention_params.")
-                   .replace(".attn.pid_gains.", ".attention_params."))
+                   .replace(".attn.attention_params.", ".attention_params."))
         out[new] = value
     return out
 
@@ -220,8 +211,6 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
             (:func:`pid_plugins.register_method`).
         attention_cfg: the method's parameters: a preset name, its config, or a dict (``preset`` key allowed) over
             its ``mmseg`` preset (PID: the paper's ``segmenter``).
-        pid: PID's gains, the same as ``attention_cfg`` for ``attention='pid'`` (its historical spelling).
-        lambda_p, lambda_i, lambda_d, beta: single PID gains, overriding ``pid`` (PID only).
 
     ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` accepts an mmseg ViT checkpoint or a timm
     ViT/DeiT checkpoint (e.g. trained with ``pid_plugins.timm``; converted with :func:`timm_vit_to_mmseg`),
@@ -232,24 +221,18 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     A whole segmentor checkpoint (``backbone.`` and ``decode_head.`` keys) is refused: load it with ``load_from``.
     """
 
-    def __init__(self, *args: Any, attention: str = "pid", pid: Any = None, attention_cfg: Any = None,
-                 lambda_p: Optional[float] = None, lambda_i: Optional[float] = None, lambda_d: Optional[float] = None,
-                 beta: Optional[float] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
         require(*BACKBONE)
         super().__init__(*args, **kwargs)
         where = "mmseg backbone PIDVisionTransformer"
-        single = {k: v for k, v in dict(lambda_p=lambda_p, lambda_i=lambda_i, lambda_d=lambda_d, beta=beta).items()
-                  if v is not None}
-        choice = choose_attention(attention, attention_cfg, pid, where, options=single)
-        if single and attention != SOFTMAX:
-            if choice is None or not isinstance(choice.config, PIDConfig):
-                raise ValueError(
-                    f"{where}: {sorted(single)} are PID's gains but attention={attention!r}: set attention='pid', "
-                    "or pass the method's parameters as attention_cfg=dict(...)"
-                )
-            choice = MethodChoice(choice.method, choice.config.replace(**single))
+        self._configure_attention(_choose(attention, attention_cfg, where), where)
+
+    def _configure_attention(self, choice: Optional[MethodChoice], where: str) -> None:
+        """Hold ``choice`` (None: softmax, mmseg's own layers and forward) and switch the layers to it, in place (what
+        ``__init__`` and :func:`~pid_plugins.mmseg.convert` do)."""
         self.set_model_method(choice, self.pos_embed, stock_plus_term=True, where=where)
-        method_layers(self.layers, choice)
+        settle_submodule(self, "attention_warmup")
+        _switch_layers(self.layers, choice)
 
     def init_weights(self) -> None:
         cfg = self.init_cfg
@@ -308,7 +291,7 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
             outs.append(self._output(x, hw_shape))
         state: Optional[tuple] = None
         for i, layer in enumerate(self.layers):
-            x, state = layer(x, state, scale)
+            x, state = layer(x, method_state=state, warmup_scale=scale)
             if i == len(self.layers) - 1 and self.final_norm:
                 x = self.norm1(x)
             if i in self.out_indices:
