@@ -192,13 +192,19 @@ def carries_trained_weights(model: nn.Module) -> bool:
     return False
 
 
-def warn_switch_of_trained_weights(model: nn.Module, choice: Optional[MethodChoice], where: str) -> None:
+def warn_switch_of_trained_weights(model: nn.Module, choice: Optional[MethodChoice], where: str,
+                                   current: Any = None) -> None:
     """Log one warning when trained weights (:func:`carries_trained_weights`) are switched to a method that changes
     the function at full strength at once: active parameters (not the stock attention) and no warm-up. A softmax
     checkpoint run with PID at the ``lm`` gains turns to noise (SmolLM2-135M: perplexity 58 -> 1.8e8); the model
     has to be fine-tuned into the method, with the term grown from 0 (``warmup_steps``). Not for the stock
-    attention, parameters that compute it, a warm-up, or weights as built (training from scratch)."""
+    attention, parameters that compute it, a warm-up, weights as built (training from scratch), or a model that
+    already runs ``choice`` (``current``: the module holding the method it runs now, a :class:`MethodLayer` /
+    :class:`MethodModel` or None)."""
     if choice is None or choice.method.is_identity(choice.config) or getattr(choice.config, "warmup_steps", 0):
+        return
+    if current is not None and (getattr(current, "attention_method", None), getattr(current, "attention_config", None)) \
+            == (choice.method, choice.config):
         return
     if not carries_trained_weights(model):
         return

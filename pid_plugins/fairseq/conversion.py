@@ -36,6 +36,7 @@ from torch import nn
 from ..core import MethodChoice, method_warmup, resolve_attention
 from ..core.layer import (
     LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, replace_module, settle_submodule, strip_attributes,
+    warn_switch_of_trained_weights,
 )
 from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 from .layers import (
@@ -82,6 +83,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     for lm in models:
         _check(lm, choice)
     for lm in models:
+        warn_switch_of_trained_weights(lm, choice, _WHERE, current=lm.decoder)
         if choice is None:
             _to_stock(lm)
         else:

@@ -33,7 +33,7 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.models.segmentors import BaseSegmentor
 
 from ..core import MethodChoice, method_warmup
-from ..core.layer import MODEL_ATTRIBUTES, replace_module, strip_attributes
+from ..core.layer import MODEL_ATTRIBUTES, replace_module, strip_attributes, warn_switch_of_trained_weights
 from .head import PIDSegmenterMaskTransformerHead
 from .internals import BACKBONE, HEAD, require
 from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers
@@ -80,6 +80,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
         _check_layers(part.layers, f"convert: {name}")
         if choice is not None:  # refused for non-additive methods with warm-up (mmseg warms up stock + term)
             method_warmup(choice, None, None, stock_plus_term=True, where=f"{where}: {name}")
+    warn_switch_of_trained_weights(model, choice, where, current=parts[0][2])  # one warning for the model
     for name, parent, part in parts:
         if parent is None:  # a bare method backbone/head (or a stock one asked for softmax): keeps its class
             if isinstance(part, (PIDVisionTransformer, PIDSegmenterMaskTransformerHead)):
