@@ -51,7 +51,7 @@ def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
     # the path most users take: from_config(..., attn_implementation="pid"), then compile, no eager forward first
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="pid").eval()
     expected_gains = PIDConfig.coerce(_gains(source), default="lm")
-    assert pid_plugins.hf.model_pid_config(model.config) == expected_gains
+    assert pid_plugins.hf.model_method_config(model.config) == expected_gains
     compiled = _compile(model, "inductor" if source == "unset" else "eager")
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
 
