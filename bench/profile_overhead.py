@@ -51,7 +51,7 @@ def decode_profile(out: str, threads: int) -> str:
     from transformers import DynamicCache
 
     from pid_plugins.core.control import pid_update
-    from pid_plugins.hf.attention import model_pid_config
+    from pid_plugins.hf import model_method_config
     from run_all import HF_CFG, hf_pair
 
     torch.set_num_threads(threads)
@@ -90,7 +90,7 @@ def decode_profile(out: str, threads: int) -> str:
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     layers = HF_CFG["num_hidden_layers"]
-    cfg = model_pid_config(pid.config)
+    cfg = model_method_config(pid.config)
     d = HF_CFG["hidden_size"] // HF_CFG["num_attention_heads"]
     o = torch.randn(4, 1, HF_CFG["num_attention_heads"], d).transpose(1, 2)
     v = torch.randn(4, HF_CFG["num_key_value_heads"], 1, d)

@@ -181,7 +181,7 @@ def hf_pair(cfg: Optional[Dict[str, Any]] = None, method: str = "pid", params: A
     stock.set_attn_implementation("sdpa")
     pid = LlamaForCausalLM(LlamaConfig(**cfg))
     pid.load_state_dict(stock.state_dict())
-    pid_plugins.hf.to_pid(pid, params, method=method)
+    pid_plugins.hf.convert(pid, method, params)
     return stock, pid
 
 

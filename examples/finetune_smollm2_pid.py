@@ -4,7 +4,7 @@
     python examples/finetune_smollm2_pid.py --steps 200 --warmup-steps 100 --gain-scale 0.1   # gain warm-up
     python examples/finetune_smollm2_pid.py --steps 200 --warmup-steps 100 --learnable        # learned gains
 
-For each of softmax (the stock model) and PID (preset `lm`, switched with pid_plugins.hf.to_pid), starting
+For each of softmax (the stock model) and PID (preset `lm`, switched with pid_plugins.hf.convert), starting
 from the same pretrained weights: held-out perplexity before fine-tuning, the same number of AdamW steps
 on the same batches, held-out perplexity after. PID options: ``--gain-scale`` multiplies the preset's
 lambda_p, lambda_i, lambda_d; ``--warmup-steps N`` scales the PID term by min(1, t/N), t counting the
@@ -149,9 +149,9 @@ def main() -> None:
     for label in ("softmax", "pid"):
         base.load_state_dict(state)
         if label == "pid":
-            pid_plugins.hf.to_pid(base, pid_config(args))
+            pid_plugins.hf.convert(base, "pid", pid_config(args))
         else:
-            base.set_attn_implementation("sdpa")
+            pid_plugins.hf.convert(base, "softmax")
         before = perplexity(base, valid, args.batch)
         t0 = time.time()
         losses = fine_tune(base, train, args.steps, args.batch, args.lr, args.seed, label)

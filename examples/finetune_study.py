@@ -139,10 +139,10 @@ def run_lm(args: argparse.Namespace) -> None:
         if arm is not None:
             cfg = lm_config(arm, args.warmup_steps)
             if not arm.get("learnable"):  # the target gains switched on at once (no warm-up), for reference
-                pid_plugins.hf.to_pid(model, cfg.replace(warmup_steps=0))
+                pid_plugins.hf.convert(model, "pid", cfg.replace(warmup_steps=0))
                 result["valid_ppl_switched_on_at_once"] = ppl(model)
-                model.set_attn_implementation("sdpa")
-            pid_plugins.hf.to_pid(model, cfg)
+                pid_plugins.hf.convert(model, "softmax")
+            pid_plugins.hf.convert(model, "pid", cfg)
             result["pid"] = cfg.to_dict()
         result["valid_ppl_before"] = ppl(model)
         torch.manual_seed(args.seed)

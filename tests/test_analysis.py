@@ -241,7 +241,7 @@ def tiny_llamas(tmp_path_factory):
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(root / "softmax")
-    pid_plugins.hf.to_pid(model)
+    pid_plugins.hf.convert(model, "pid")
     model.save_pretrained(root / "pid")
     return root / "softmax", root / "pid"
 

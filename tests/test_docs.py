@@ -17,7 +17,7 @@ API_NAMES = {
                  "InternalChanged", "Internal"],
     "api/methods": ["PIDMethod", "NeuTRENOConfig", "TwicingConfig", "EllipticalConfig", "ValueResidualConfig"],
     "api/timm": ["convert", "to_pid", "PIDVisionTransformer", "FAN", "checkpoint_filter_fn"],
-    "api/hf": ["to_pid", "NoGainDecayTrainerMixin", "gain_parameter_names", "decay_parameter_names", "get_config"],
+    "api/hf": ["convert", "NoGainDecayTrainerMixin", "gain_parameter_names", "decay_parameter_names", "get_config"],
     "api/mmseg": ["PIDVisionTransformer", "PIDSegmenterMaskTransformerHead", "WeightsOnlyCheckpointHook",
                   "timm_vit_to_mmseg"],
     "api/fairseq": ["load_pid_lm", "PIDTransformerLanguageModel", "PIDTransformerLanguageModelConfig", "USER_DIR"],

@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import pid_plugins.hf as ph  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
-from pid_plugins.hf.attention import PIDForwardState, pid_attention_forward  # noqa: E402
+from pid_plugins.hf.attention import MethodForwardState, method_attention_forward  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModel, AutoModelForCausalLM, BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
 )
@@ -46,7 +46,7 @@ def pair(family, pid=None, seed=0, **kw):
     stock.set_attn_implementation("sdpa")
     model = cls(make_config(**kw)).eval()
     model.load_state_dict(stock.state_dict())
-    ph.to_pid(model, pid)
+    ph.convert(model, "pid", pid)
     return stock, model
 
 
@@ -64,7 +64,7 @@ def ids_batch(n=2, length=9, seed=1):
 def test_registered_in_both_interfaces():
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    assert AttentionInterface._global_mapping["pid"] is pid_attention_forward
+    assert AttentionInterface._global_mapping["pid"] is method_attention_forward
     assert "pid" in AttentionMaskInterface._global_mapping
 
 
@@ -107,7 +107,7 @@ def test_changing_config_pid_changes_the_gains():
     model.config.pid = {"lambda_p": 0.1, "beta": 1.0}
     after = run(model, ids)
     assert not torch.allclose(before, after)
-    ph.to_pid(model, PIDConfig.preset("lm"))
+    ph.convert(model, "pid", PIDConfig.preset("lm"))
     torch.testing.assert_close(run(model, ids), before)
 
 
@@ -119,13 +119,13 @@ def test_attention_function_against_an_independent_computation():
     module = torch.nn.Module()
     module.is_causal = True
     module.num_key_value_groups = 2
-    state = PIDForwardState(cfg)
+    state = MethodForwardState(cfg)
     outs, vals = [], []
     for layer in range(2):
         module._pid_plugins_index = layer  # the layer order discovery gives each self-attention module
         q = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)
         k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        out, _ = pid_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, pid_state=state)
+        out, _ = method_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, method_state=state)
         kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
         scores = (q @ kk.transpose(-1, -2)) * 8 ** -0.5 + torch.full((5, 5), float("-inf"), dtype=torch.float64).triu(1)
         attn = scores.softmax(-1) @ vv
@@ -147,7 +147,7 @@ def test_gqa_equals_mha_with_repeated_key_value_heads():
         if name.endswith(("k_proj.weight", "v_proj.weight")):
             sd[name] = w.reshape(2, 16, 64).repeat_interleave(2, 0).reshape(64, 64)
     mha.load_state_dict(sd)
-    ph.to_pid(gqa), ph.to_pid(mha)
+    ph.convert(gqa, "pid"), ph.convert(mha, "pid")
     ids = ids_batch()
     torch.testing.assert_close(run(gqa, ids), run(mha, ids), rtol=1e-5, atol=1e-5)
 
@@ -165,7 +165,7 @@ def test_cross_attention_stays_softmax(monkeypatch):
     monkeypatch.setattr(methods, "pid_update", spy)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(add_cross_attention=True)).eval()
-    ph.to_pid(model)
+    ph.convert(model, "pid")
     with torch.no_grad():
         model(ids_batch(), encoder_hidden_states=torch.randn(2, 4, 64))
     assert len(calls) == 3  # one per self-attention layer, none for the three cross-attention calls
@@ -283,7 +283,7 @@ def test_trainer_fine_tunes_a_pid_model_on_real_text(tmp_path):
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(vocab_size=256, num_hidden_layers=2))
-    ph.to_pid(model)
+    ph.convert(model, "pid")
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=30,
                              learning_rate=3e-3, logging_steps=5, report_to=[], save_strategy="no",
                              use_cpu=True, disable_tqdm=True)
@@ -332,12 +332,12 @@ def test_registry_configs():
 def test_errors():
     _, model = pair("llama")
     with pytest.raises(ValueError, match="PIDConfig.beta"):
-        ph.to_pid(model, {"beta": 0})
+        ph.convert(model, "pid", {"beta": 0})
     module = torch.nn.Module()
     module._pid_plugins_index = 0
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(RuntimeError, match="Call pid_plugins.hf.to_pid"):
-        pid_attention_forward(module, q, q, q, None)
+    with pytest.raises(RuntimeError, match="Call pid_plugins.hf.convert"):
+        method_attention_forward(module, q, q, q, None)
 
 
 # ------------------------------------------------------------------------------- real pretrained models
@@ -369,10 +369,10 @@ def test_smollm2_loads_converts_and_generates(smollm2, tmp_path):
     batch = tok(["The capital of France is"], return_tensors="pt")
     with torch.no_grad():
         stock_logits = model(**batch).logits
-    ph.to_pid(model, ZERO)
+    ph.convert(model, "pid", ZERO)
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, stock_logits)
-    ph.to_pid(model, PIDConfig.preset("lm"))
+    ph.convert(model, "pid", PIDConfig.preset("lm"))
     out = model.generate(**batch, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
     seq, logits = greedy_by_recomputation(model, batch["input_ids"], 4)
     assert torch.equal(out.sequences, seq)

@@ -57,7 +57,7 @@ def test_stock_to_pid_to_softmax_is_the_stock_model_bit_for_bit(family, cfg, tmp
     want = out(stock, x)
     tensors = {n: p.data_ptr() for n, p in model.named_parameters()}
     assert ph.convert(model, "pid", cfg) is model
-    assert model.config._attn_implementation == "pid" and model.config.pid_stock_attention == "sdpa"
+    assert model.config._attn_implementation == "pid" and model.config.stock_attention == "sdpa"
     if cfg is None:
         assert not torch.allclose(out(model, x), want)
     else:  # warm-up at t = 0: the stock function
@@ -89,7 +89,7 @@ def test_an_eager_model_returns_to_eager_also_after_save_and_reload(tmp_path):
     ph.convert(model, "neutreno")
     model.save_pretrained(tmp_path)
     reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert reloaded.config._attn_implementation == "neutreno" and reloaded.config.pid_stock_attention == "eager"
+    assert reloaded.config._attn_implementation == "neutreno" and reloaded.config.stock_attention == "eager"
     for m in (model, reloaded):
         ph.convert(m, "softmax")
         assert m.config._attn_implementation == "eager"
@@ -141,7 +141,7 @@ def test_method_to_another_method_is_the_model_built_with_that_method():
     assert torch.equal(out(model, x), out(built, x))
     ph.convert(model, "pid")  # back: PID's preset, not the parameters it had before
     assert torch.equal(out(model, x), out(twin(stock, "llama", "pid"), x))
-    assert model.config.pid_stock_attention == "sdpa"  # still the stock implementation recorded at the start
+    assert model.config.stock_attention == "sdpa"  # still the stock implementation recorded at the start
 
 
 def test_learnable_gains_are_added_kept_as_trained_and_removed():
@@ -200,25 +200,31 @@ def test_a_family_outside_the_attention_interface_is_refused_before_anything_cha
     assert snapshot(model) == before
 
 
-def test_to_pid_is_convert_under_its_earlier_signature():
+def test_convert_with_the_models_own_method_applies_a_changed_config():
+    """The one way to apply a changed ``config.<method>`` (learnable parameters, a warm-up: they add modules) to a
+    built model: ``convert(model, method_of(model.config).name)``, which keeps the config's parameters."""
     stock = build("llama")
     model, other = twin(stock, "llama"), twin(stock, "llama")
-    assert ph.to_pid(model, {"alpha": 0.3}, "eager", method="neutreno") is model
-    ph.convert(other, "neutreno", {"alpha": 0.3}, base="eager")
+    ph.convert(model, "neutreno", base="eager")
+    model.config.neutreno = {"alpha": 0.3, "warmup_steps": 4}
+    assert ph.convert(model, ph.method_of(model.config).name) is model
+    ph.convert(other, "neutreno", {"alpha": 0.3, "warmup_steps": 4}, base="eager")
     assert model.config.to_dict() == other.config.to_dict()
+    assert model.state_dict().keys() == other.state_dict().keys()
+    assert "attention_warmup.step" in model.state_dict()
     x = hf_ids()
     assert torch.equal(out(model, x), out(other, x))
 
 
-def test_the_names_of_the_adapter_before_its_split_still_import():
-    from pid_plugins.hf import attention
-    from pid_plugins.hf.attention import (  # noqa: F401
-        BASE_ATTR, PIDForwardState, install_pid_hooks, model_pid_config, pid_attention_forward, pid_mask, to_pid,
-    )
+def test_one_name_per_thing():
+    """convert is the one switching verb; the adapter's earlier names and attention.py's re-exports are gone."""
+    from pid_plugins.hf import attention, discovery
 
-    assert PIDForwardState is ph.MethodForwardState is attention.MethodForwardState
-    assert pid_attention_forward is ph.method_attention_forward and pid_mask is ph.method_mask
-    assert to_pid is ph.to_pid and install_pid_hooks is ph.install_pid_hooks and attention.convert is ph.convert
+    for name in ("to_pid", "install_pid_hooks", "PIDForwardState", "pid_attention_forward", "pid_mask",
+                 "model_pid_config"):
+        assert not hasattr(ph, name) and not hasattr(attention, name) and not hasattr(discovery, name), name
+    for name in ("convert", "BASE_ATTR", "method_of", "model_method_config"):
+        assert not hasattr(attention, name), name
+    assert "rediscover" not in ph.__all__ and not hasattr(ph, "rediscover")
     assert T.AttentionInterface._global_mapping["pid"] is ph.method_attention_forward
-    with pytest.raises(AttributeError):
-        attention.no_such_name
+    assert T.AttentionMaskInterface._global_mapping["pid"] is ph.method_mask

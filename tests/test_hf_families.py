@@ -84,7 +84,7 @@ def build(family, pid=None, seed=0):
     stock.set_attn_implementation(base)
     model = cls(make()).eval()
     model.load_state_dict(stock.state_dict())
-    ph.to_pid(model, pid, base=base)
+    ph.convert(model, "pid", pid, base=base)
     return stock, model
 
 
@@ -215,15 +215,15 @@ def test_softcapping_defaults_to_eager_and_output_attentions_needs_eager():
     make, cls, *_ = FAMILIES["gemma2"]
     model = cls(make()).eval()
     with pytest.raises(ValueError, match=r"softcapping, which sdpa cannot compute: use .*base='eager'"):
-        ph.to_pid(model, base="sdpa")
-    ph.to_pid(model)
-    assert model.config.pid_attention_base == "eager"  # Gemma 2's logit softcapping needs eager
+        ph.convert(model, "pid", base="sdpa")
+    ph.convert(model, "pid")
+    assert model.config.attention_base == "eager"  # Gemma 2's logit softcapping needs eager
     forward(model, **inputs("gemma2"))
     _, llama = build("llama")
     with pytest.raises(ValueError, match="base='eager'"):
         llama(**inputs("llama"), output_attentions=True)
     stock, eager = build("llama")
-    ph.to_pid(eager, base="eager")
+    ph.convert(eager, "pid", base="eager")
     stock.set_attn_implementation("eager")
     x = inputs("llama")
     with torch.no_grad():
@@ -237,13 +237,13 @@ def test_softcapping_defaults_to_eager_and_output_attentions_needs_eager():
 def test_flex_attention_base():
     stock, model = build("llama")
     stock.set_attn_implementation("flex_attention")
-    ph.to_pid(model, base="flex_attention")
+    ph.convert(model, "pid", base="flex_attention")
     x = inputs("llama", n=1)
     assert not torch.allclose(forward(model, **x), forward(stock, **x), atol=1e-4)
     model.config.pid = ZERO
     assert torch.equal(forward(model, **x), forward(stock, **x))
     with pytest.raises(ValueError, match="does not support flex attention"):
-        ph.to_pid(build("gpt2")[1], base="flex_attention")
+        ph.convert(build("gpt2")[1], "pid", base="flex_attention")
 
 
 @pytest.mark.slow
@@ -292,7 +292,7 @@ def test_attention_outside_the_interface_is_refused_naming_the_module():
     _, model = build("llama")
     model.model.layers[1].extra = CustomAttention()
     with pytest.raises(ValueError, match=r"LlamaModel\.layers\.1\.extra \(CustomAttention\) computes attention"):
-        ph.to_pid(model)
+        ph.convert(model, "pid")
 
 
 def test_positional_past_key_values():
@@ -323,7 +323,7 @@ def test_switch_back_to_sdpa_reloads_as_sdpa_and_base_is_saved(tmp_path):
     _, model = build("gemma2")  # base eager
     model.save_pretrained(tmp_path / "pid")
     again = T.AutoModelForCausalLM.from_pretrained(tmp_path / "pid")
-    assert again.config._attn_implementation == "pid" and again.config.pid_attention_base == "eager"
+    assert again.config._attn_implementation == "pid" and again.config.attention_base == "eager"
     x = inputs("gemma2")
     assert torch.equal(forward(again, **x), forward(model, **x))
     model.set_attn_implementation("eager")
@@ -347,7 +347,7 @@ def test_control_first_layer_false_runs_and_is_saved(tmp_path):
     one = cls(make().__class__(**{**DEC, "num_hidden_layers": 1})).eval()
     ref = cls(make().__class__(**{**DEC, "num_hidden_layers": 1})).eval()
     ref.load_state_dict(one.state_dict())
-    ph.to_pid(one, cfg)
+    ph.convert(one, "pid", cfg)
     assert torch.equal(forward(one, **x), forward(ref, **x))
     assert not torch.allclose(forward(model, **x), forward(stock, **x))
     assert pid_update is methods.pid_update
@@ -360,12 +360,12 @@ def test_control_first_layer_false_against_the_rule_by_hand():
     g = torch.Generator().manual_seed(0)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 1
-    state = attention.PIDForwardState(cfg)
+    state = attention.MethodForwardState(cfg)
     vals = []
     for layer in range(3):
         module._pid_plugins_index = layer
         q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
-        out, _ = attention.pid_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, pid_state=state)
+        out, _ = attention.method_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, method_state=state)
         causal = torch.full((4, 4), float("-inf"), dtype=torch.float64).triu(1)
         want = ((q @ k.transpose(-1, -2)) * 8 ** -0.5 + causal).softmax(-1) @ v
         vals.append(v)
@@ -388,14 +388,14 @@ def test_a_stack_whose_forward_takes_no_kwargs_is_refused():
             return self.layers[0](hidden_states)
 
     with pytest.raises(ValueError, match=r"Stack\.forward takes no \*\*kwargs"):
-        ph.to_pid(Stack(T.LlamaConfig(**DEC)))
+        ph.convert(Stack(T.LlamaConfig(**DEC)), "pid")
 
 
 def test_set_attn_implementation_route_saves_and_reloads_as_pid(tmp_path):
     stock, _ = build("llama")
     model = FAMILIES["llama"][1](FAMILIES["llama"][0]()).eval()
     model.load_state_dict(stock.state_dict())
-    model.set_attn_implementation("pid")  # built after the import: no to_pid needed
+    model.set_attn_implementation("pid")  # built after the import: no convert needed
     model.save_pretrained(tmp_path)  # before any forward
     x = inputs("llama")
     out = forward(model, **x)
@@ -427,7 +427,7 @@ def test_an_encoder_and_a_decoder_under_one_model_are_separate_groups():
         def forward(self, hidden_states, **kwargs):
             return hidden_states
 
-    model = ph.to_pid(Both(T.LlamaConfig(**DEC)))
+    model = ph.convert(Both(T.LlamaConfig(**DEC)), "pid")
     chain = [(m._pid_plugins_index, m._pid_plugins_earlier) for m in model.modules()
              if hasattr(m, "_pid_plugins_earlier")]
     assert chain == [(0, ()), (1, (0,)), (2, ()), (3, (2,))]  # the decoder's first layer starts its own group
@@ -436,7 +436,7 @@ def test_an_encoder_and_a_decoder_under_one_model_are_separate_groups():
 def test_one_attention_module_shared_by_several_layers_is_refused():
     model = T.AlbertModel(T.AlbertConfig(vocab_size=V, embedding_size=16, hidden_size=32, num_hidden_layers=2,
                                          num_attention_heads=4, intermediate_size=64)).eval()
-    ph.to_pid(model)
+    ph.convert(model, "pid")
     with pytest.raises(RuntimeError, match="AlbertSDPAAttention ran twice|ran twice in one forward"):
         forward(model, input_ids=inputs("bert")["input_ids"])
 

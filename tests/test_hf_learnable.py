@@ -240,19 +240,19 @@ def test_a_softmax_checkpoint_loads_into_learnable_pid_with_the_configs_gains(tm
         torch.testing.assert_close(model(x).logits, fixed(x).logits, rtol=1e-5, atol=1e-6)
 
 
-def test_to_pid_adds_the_gains_to_an_existing_model_and_fixed_gains_remove_them():
+def test_convert_adds_the_gains_to_an_existing_model_and_fixed_gains_remove_them():
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(llama_config(pid=None)).to(torch.float64)
-    ph.to_pid(model, {"learnable": True, "lambda_p": 0.5})
+    ph.convert(model, "pid", {"learnable": True, "lambda_p": 0.5})
     assert len(gains_of(model)) == 9 and all(p.dtype == torch.float64 for p in gains_of(model).values())
     assert learned(model, "model.layers.1.self_attn.attention_params")[0] == pytest.approx(0.5)
     assert model.config.pid["learnable"] is True
     x = ids()
     model(x, labels=x).loss.backward()
     assert all(p.grad is not None for p in gains_of(model).values())
-    ph.to_pid(model, {"lambda_p": 0.4})  # a dict overrides the model's current config.pid: still learnable
+    ph.convert(model, "pid", {"lambda_p": 0.4})  # a dict overrides the model's current config.pid: still learnable
     assert len(gains_of(model)) == 9
-    ph.to_pid(model, {"learnable": False})  # fixed gains: the learned ones would sit unused
+    ph.convert(model, "pid", {"learnable": False})  # fixed gains: the learned ones would sit unused
     assert not gains_of(model) and model.config.pid["lambda_p"] == 0.4
 
 
@@ -303,14 +303,14 @@ def test_every_family_builds_its_gains_where_discovery_finds_self_attention_and_
 
     for family, (make, cls, _, base, _) in FAMILIES.items():
         config = make()
-        config.pid, config._attn_implementation, config.pid_attention_base = {"learnable": True}, "pid", base
+        config.pid, config._attn_implementation, config.attention_base = {"learnable": True}, "pid", base
         torch.manual_seed(0)
         model = cls(config).train()
         built = sorted({n.rsplit(".attention_params.", 1)[0] for n in gains_of(model)})
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no gains added at the first forward
             loss_of(model, family, inputs(family)).backward()
-        roles = {n: getattr(m, attention._ROLE, None) for n, m in model.named_modules()}
+        roles = {n: getattr(m, attention.ROLE, None) for n, m in model.named_modules()}
         assert built == sorted(n for n, r in roles.items() if r is not None and r >= 0) and built, family
         assert any(r == -1 for r in roles.values()) == (family in ("bart", "t5", "whisper")), family
         assert all(p.grad is not None for p in gains_of(model).values()), family

@@ -81,8 +81,10 @@ def test_names_transformers_registers_later_count_too():
 
 def test_config_attributes_cannot_name_a_method():
     """A method's parameters are saved as ``config.<name>``: a name of PretrainedConfig's would overwrite it."""
-    for name in ("to_dict", "return_dict", "pid_attention_base"):
-        assert hasattr(PretrainedConfig(), name) or name == "pid_attention_base"
+    from pid_plugins.hf.config import BASE_ATTR, STOCK_ATTR
+
+    for name in ("to_dict", "return_dict", BASE_ATTR, STOCK_ATTR):
+        assert hasattr(PretrainedConfig(), name) or name in (BASE_ATTR, STOCK_ATTR)
         with pytest.raises(ValueError, match=f"'{name}' is taken by transformers: .*config"):
             pid_plugins.register_method(method_named(name))
 

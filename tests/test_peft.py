@@ -89,7 +89,7 @@ def calls(monkeypatch):
         original = AttentionInterface._global_mapping[name]
 
         def record(module, *args, _name=name, _original=original, **kwargs):
-            run = kwargs.get("pid_state")
+            run = kwargs.get("method_state")
             assert run is not None and run.method.name == _name  # the forward's method state reached the layer
             scale = None if run.scale is None else float(run.scale)
             seen.append((_name, module.layer_idx, not run.zero, scale, args[0].shape[-2]))
@@ -211,10 +211,10 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     assert sum(not torch.equal(learned[k], initial[k]) for k in learned) == 3 * LAYERS - 1
     trained = logits(wrapped, x)
     assert calls and all(c[0] == "pid" and c[2] for c in calls)
-    # discovery run again (to_pid on the wrapped base) keeps peft's wrappers: no fresh gains replace them
+    # discovery run again (convert on the wrapped base) keeps peft's wrappers: no fresh gains replace them
     wrappers = [layer.self_attn.attention_params for layer in model.model.layers]
     assert all(type(w).__name__ == "ModulesToSaveWrapper" for w in wrappers)
-    ph.to_pid(model)
+    ph.convert(model, "pid")
     assert [layer.self_attn.attention_params for layer in model.model.layers] == wrappers
     assert torch.equal(logits(wrapped, x), trained)
 

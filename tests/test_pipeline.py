@@ -129,7 +129,7 @@ def test_pipeline_stage_refusals():
     with pytest.raises(ValueError, match="is a pipeline stage already"):
         ph.pipeline_stage(model, 0, 2)
     with pytest.raises(ValueError, match=r"LlamaModel.embed_tokens belongs to another pipeline stage .* choose the method"):
-        ph.install_pid_hooks(model)  # the layers cannot be numbered again once the other stages' are gone
+        ph.convert(model, "pid")  # the layers cannot be numbered again once the other stages' are gone
 
 
 # ============================================================================ transformers' own pipeline parallelism

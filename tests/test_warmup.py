@@ -393,7 +393,7 @@ def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model
     assert int(seq2seq.attention_warmup.step) == 1
 
 
-def test_hf_to_pid_adds_the_counter_and_refuses_a_model_without_one():
+def test_hf_convert_adds_the_counter_and_refuses_a_model_without_one():
     pytest.importorskip("transformers")
     import pid_plugins.hf as ph
 
@@ -401,11 +401,10 @@ def test_hf_to_pid_adds_the_counter_and_refuses_a_model_without_one():
     torch.manual_seed(0)
     model = zoo.build(None)
     model.config.pid = {"warmup_steps": N}
-    model.set_attn_implementation("pid")
-    ph.install_pid_hooks(model)
+    model.set_attn_implementation("pid")  # switched without convert: discovered at its first forward, no counter
     with pytest.raises(ValueError, match="has no warm-up counter"):
         zoo.out(model, zoo.inputs())
-    ph.to_pid(model)
+    ph.convert(model, "pid")
     assert int(model.attention_warmup.step) == 0 and model.attention_warmup.warmup_steps == N
 
 

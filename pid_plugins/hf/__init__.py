@@ -11,7 +11,7 @@ function: the base attention, SDPA by default, then the method on self-attention
     pid_plugins.hf.convert(model, "pid", {"learnable": True})     # a built model, in place (learnable gains)
     pid_plugins.hf.convert(model, "neutreno", base="eager")       # another method, on eager attention
     pid_plugins.hf.convert(model, "softmax")                      # back to the stock model, bit for bit
-    model.config.pid = {"lambda_p": 0.5}                          # change the gains of a PID model
+    pid_plugins.hf.convert(model, "pid", {"lambda_p": 0.5})       # other gains (saved as config.pid)
     pid_plugins.finish_warmup(model)                              # end a gain warm-up: the fixed-gain model
 
 The adapter, one job per module: :mod:`~pid_plugins.hf.attention` (the attention and mask functions),
@@ -30,13 +30,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "pid_plugins.hf needs transformers: pip install -c constraints.txt 'pid-plugins[hf]'"
     ) from exc
 
-from .attention import (
-    MethodForwardState, PIDForwardState, method_attention_forward, method_mask, pid_attention_forward, pid_mask,
-)
+from .attention import MethodForwardState, method_attention_forward, method_mask
 from .catalogue import get_config, list_models
-from .config import ATTN_IMPLEMENTATION, BASES, method_of, model_method_config, model_pid_config
-from .conversion import convert, to_pid
-from .discovery import install_pid_hooks
+from .config import ATTN_IMPLEMENTATION, BASES, method_of, model_method_config
+from .conversion import convert
 from .gains import NoGainDecayTrainerMixin, decay_parameter_names, gain_parameter_names
 from .pipeline import PipelineStageModule, pipeline_stage, stage_layer_range
 from .install import install as _install
@@ -44,9 +41,7 @@ from .install import install as _install
 _install()
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BASES", "MethodForwardState", "PIDForwardState", "method_attention_forward",
-    "pid_attention_forward", "method_mask", "pid_mask", "install_pid_hooks", "model_pid_config",
-    "model_method_config", "method_of",
-    "convert", "to_pid", "get_config", "list_models", "NoGainDecayTrainerMixin", "decay_parameter_names",
-    "gain_parameter_names", "pipeline_stage", "PipelineStageModule", "stage_layer_range",
+    "ATTN_IMPLEMENTATION", "BASES", "MethodForwardState", "method_attention_forward", "method_mask",
+    "model_method_config", "method_of", "convert", "get_config", "list_models", "NoGainDecayTrainerMixin",
+    "decay_parameter_names", "gain_parameter_names", "pipeline_stage", "PipelineStageModule", "stage_layer_range",
 ]

@@ -17,13 +17,7 @@ model's forward pre-hook (:mod:`pid_plugins.hf.discovery`) put in the forward's 
   ``layer_idx`` needed: every self-attention module discovery finds has one; it equals ``layer_idx`` where a family
   numbers its layers).
 
-:func:`method_mask` is the base attention's mask function (``config.pid_attention_base``).
-
-This module also re-exports, for code that imported them from here before the adapter was split, the names that
-now live beside it: :mod:`~pid_plugins.hf.config` (``ATTN_IMPLEMENTATION``, ``BASE_ATTR``, ``BASES``,
-``base_attention``, ``method_of``, ``model_method_config``, ``model_pid_config``), ``install_pid_hooks``
-(:mod:`~pid_plugins.hf.discovery`), ``to_pid`` and ``convert`` (:mod:`~pid_plugins.hf.conversion`); and the old names
-``PIDForwardState``, ``pid_attention_forward`` and ``pid_mask``.
+:func:`method_mask` is the base attention's mask function (``config.attention_base``).
 """
 from __future__ import annotations
 
@@ -41,15 +35,10 @@ from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, PIDS
 from . import checkpointing
 from . import gains as learned_gains
 from .cache import LayerSlot
-from .config import (
-    _PID, ATTN_IMPLEMENTATION, BASE_ATTR, BASES, base_attention, method_of, model_method_config, model_pid_config,
-)
+from .config import _PID, base_attention
 
-__all__ = [
-    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "MethodForwardState", "PIDForwardState", "base_attention",
-    "convert", "install_pid_hooks", "method_attention_forward", "method_mask", "method_of", "model_method_config",
-    "model_pid_config", "pid_attention_forward", "pid_mask", "to_pid",
-]
+__all__ = ["EARLIER", "ROLE", "STAGE_PLACEHOLDER", "STATE_KEYWORD", "MethodForwardState", "method_attention_forward",
+           "method_mask"]
 
 ROLE = "_pid_plugins_index"  # on attention modules: order among the owner's self-attention, or -1 (cross)
 #: True on the placeholder of a layer another pipeline stage owns (pid_plugins.hf.pipeline_stage)
@@ -63,7 +52,8 @@ STATE_ROUTE = (
 )
 #: on self-attention modules: the indices of the earlier layers of its stack, nearest first
 EARLIER = "_pid_plugins_earlier"
-_ROLE, _EARLIER = ROLE, EARLIER  # the names tests and earlier code read
+#: the keyword argument that carries a forward's :class:`MethodForwardState` to every attention call
+STATE_KEYWORD = "method_state"
 
 
 class MethodForwardState:
@@ -162,7 +152,7 @@ def method_attention_forward(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """The base attention (SDPA, eager or flex) with the model's attention method (PID: followed by the PID update);
     ``(B, q, H, D)`` output. Registered under every method's name."""
-    run: Optional[MethodForwardState] = kwargs.pop("pid_state", None)
+    run: Optional[MethodForwardState] = kwargs.pop(STATE_KEYWORD, None)
     index = getattr(module, ROLE, None)
     if index == -1:  # cross-attention: base attention only (its values come from another sequence)
         base = run.base if run is not None else base_attention(getattr(module, "config", None))
@@ -171,7 +161,7 @@ def method_attention_forward(
         chosen = getattr(getattr(module, "config", None), "_attn_implementation", "pid")
         raise RuntimeError(
             f"attn_implementation={chosen!r}: {type(module).__name__} got no per-forward state of attention method "
-            f"{chosen!r}. Call pid_plugins.hf.to_pid(model, method={chosen!r}) once (needed for models built before "
+            f"{chosen!r}. Call pid_plugins.hf.convert(model, {chosen!r}) once (needed for models built before "
             "`import pid_plugins.hf`); a model whose forward does not pass its keyword arguments down to the "
             f"attention layers cannot run {chosen!r}"
         )
@@ -190,7 +180,7 @@ def method_attention_forward(
         if learned is None:
             raise RuntimeError(
                 f"attn_implementation={method.name!r}: config.{method.name} is learnable but {type(module).__name__} "
-                f"has no {learned_gains.GAINS_ATTR}: call pid_plugins.hf.to_pid(model) to add them"
+                f"has no {learned_gains.GAINS_ATTR}: call pid_plugins.hf.convert(model, {method.name!r}) to add them"
             )
     q_len, length = query.shape[-2], value.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
@@ -276,7 +266,7 @@ def _visible(module: nn.Module, mask: Any, query: Tensor, key: Tensor, kwargs: d
         raise ValueError(
             f"attention method reads which keys each query attends to, but the base attention's mask is a "
             f"{type(mask).__name__} (flex attention's BlockMask?): use base 'sdpa' or 'eager' "
-            "(pid_plugins.hf.to_pid(model, base='sdpa', method=...))"
+            "(pid_plugins.hf.convert(model, <method>, base='sdpa'))"
         )
     mask = mask[..., :k_len]
     if mask.dtype == torch.bool:
@@ -308,30 +298,10 @@ def _slot(run: MethodForwardState, module: nn.Module, q_len: int, k_len: int) ->
 
 
 def method_mask(*args: Any, **kwargs: Any):
-    """The mask function of the base attention (``config.pid_attention_base``)."""
+    """The mask function of the base attention (``config.attention_base``)."""
     base = base_attention(kwargs.get("config"))
     if base == "eager":
         return eager_mask(*args, **kwargs)
     if base == "flex_attention":
         return flex_attention_mask(*args, **kwargs)
     return sdpa_mask(*args, **kwargs)
-
-
-
-#: the names this adapter had before its functions carried any method, not only PID
-PIDForwardState = MethodForwardState
-pid_attention_forward = method_attention_forward
-pid_mask = method_mask
-
-_MOVED = {"install_pid_hooks": "discovery", "to_pid": "conversion", "convert": "conversion"}
-
-
-def __getattr__(name: str) -> Any:
-    """``install_pid_hooks``, ``to_pid`` and ``convert``, importable from here as before the split (they live in
-    modules that import this one, so they are looked up when asked for)."""
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"{__package__}.{module}"), name)

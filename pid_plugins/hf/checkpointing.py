@@ -28,6 +28,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from .internals import TORCH_CHECKPOINT
+
 __all__ = ["cache_message", "reentrant_message", "require", "torch_checkpointing", "wrapper_message"]
 
 _SUPPORTED = ("use non-reentrant checkpointing: checkpoint_wrapper(module) / apply_activation_checkpointing(model, "
@@ -55,8 +57,6 @@ def require() -> None:
     """Check the torch internals :func:`torch_checkpointing` reads (once per process; none without
     torch.distributed, whose wrappers then do not exist)."""
     if _REGISTRY[0] is None and torch.distributed.is_available():
-        from .internals import TORCH_CHECKPOINT
-
         TORCH_CHECKPOINT.require()
         from torch.distributed._composable.contract import _get_registry
 

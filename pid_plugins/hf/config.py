@@ -1,9 +1,11 @@
 """What a transformers model config says about its attention method, and how that is saved.
 
-* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method);
+* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method: core's
+  registry, :func:`pid_plugins.list_methods`, is the one table; ``import pid_plugins.hf`` registers every method in it
+  with transformers' interfaces);
 * :func:`model_method_config`: its parameters, ``config.<method name>`` (``config.pid`` for PID) over the method's
   transformers preset, parsed once per value (a first forward under ``torch.compile`` only looks them up);
-* :func:`base_attention`: the attention the method is added to (``config.pid_attention_base``);
+* :func:`base_attention`: the attention the method is added to (``config.attention_base``);
 * :class:`_SavedImplementation` / :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's
   name when the model runs a method at save time (transformers itself does not save ``_attn_implementation``), and
   as null otherwise, so ``from_pretrained`` builds the model with the method again;
@@ -17,39 +19,37 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core import AttentionMethod, PIDConfig, PIDMethod, get_method
+from ..core import AttentionMethod, PIDMethod, get_method, list_methods
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "apply_method_kwargs", "base_attention",
-    "check_learnable", "method_of", "methods", "model_method_config", "model_pid_config", "persist",
-    "take_method_kwargs",
+    "check_learnable", "method_named", "method_of", "model_method_config", "persist", "take_method_kwargs",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
 """PID's ``attn_implementation`` name (every other registered method is registered under its own name)."""
 #: the config attribute naming the attention a method is added to
-BASE_ATTR = "pid_attention_base"
+BASE_ATTR = "attention_base"
 BASES = ("sdpa", "eager", "flex_attention")
-"""The base attentions a method runs on (``convert(model, ..., base=...)``, saved as ``config.pid_attention_base``)."""
+"""The base attentions a method runs on (``convert(model, ..., base=...)``, saved as ``config.attention_base``)."""
 #: the config attribute holding the stock ``attn_implementation`` a model had before ``convert`` gave it a method
 #: (``convert(model, "softmax")`` returns to it)
-STOCK_ATTR = "pid_stock_attention"
+STOCK_ATTR = "stock_attention"
 
 _PID = get_method(ATTN_IMPLEMENTATION)
-#: the attention methods registered with transformers' interfaces, by implementation name
-_METHODS: Dict[str, AttentionMethod] = {}
 _PARSED: Dict[Any, Any] = {}
 
 
-def methods() -> Dict[str, AttentionMethod]:
-    """The methods registered with transformers' interfaces so far, by ``attn_implementation`` name (live)."""
-    return _METHODS
+def method_named(name: Any) -> Optional[AttentionMethod]:
+    """The registered method called ``name`` (an ``attn_implementation`` of transformers since ``import
+    pid_plugins.hf``), or None (a stock implementation, or not a name)."""
+    return get_method(name) if isinstance(name, str) and name in list_methods() else None
 
 
 def method_of(config: Any) -> Optional[AttentionMethod]:
     """The attention method a model config runs (``config._attn_implementation`` names a registered method), or None
     (a stock implementation)."""
-    return _METHODS.get(getattr(config, "_attn_implementation", None))
+    return method_named(getattr(config, "_attn_implementation", None))
 
 
 def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
@@ -72,7 +72,8 @@ def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -
         if torch.compiler.is_compiling():  # building a config is not traceable: parse it eagerly
             raise RuntimeError(
                 f"config.{method.name} = {raw!r} was set after the model was built and first read under "
-                "torch.compile: call pid_plugins.hf.to_pid(model) (or run one eager forward) before compiling"
+                f"torch.compile: call pid_plugins.hf.convert(model, {method.name!r}) (or run one eager forward) before "
+                "compiling"
             )
         cfg = check_learnable(method, method.configure(dict(raw) if isinstance(raw, dict) else raw, "hf"))
         if key is not None:
@@ -90,13 +91,8 @@ def check_learnable(method: AttentionMethod, cfg: Any) -> Any:
     return cfg
 
 
-def model_pid_config(config: Any) -> PIDConfig:
-    """PID's gains of a model config: ``config.pid`` over the ``lm`` preset (:func:`model_method_config` for PID)."""
-    return model_method_config(config, _PID)
-
-
 def base_attention(config: Any) -> str:
-    """The attention a method is added to: ``config.pid_attention_base`` if set, else ``"eager"`` for models with
+    """The attention a method is added to: ``config.attention_base`` if set, else ``"eager"`` for models with
     attention logit softcapping (Gemma 2; SDPA cannot softcap) and ``"sdpa"`` otherwise."""
     base = getattr(config, BASE_ATTR, None)
     if base is None:
@@ -106,9 +102,14 @@ def base_attention(config: Any) -> str:
     if base != "eager" and getattr(config, "attn_logit_softcapping", None) is not None:
         raise ValueError(
             f"{getattr(config, 'model_type', 'this model')} uses attention logit softcapping, which {base} cannot "
-            "compute: use pid_plugins.hf.to_pid(model, base='eager')"
+            f"compute: use base 'eager' (pid_plugins.hf.convert(model, {_name(config)!r}, base='eager'))"
         )
     return base
+
+
+def _name(config: Any) -> str:
+    method = method_of(config)
+    return method.name if method is not None else ATTN_IMPLEMENTATION
 
 
 # ------------------------------------------------------------------------------------- saving the choice
@@ -134,7 +135,7 @@ class _SavedImplementation:
         if copied is not None:  # the config itself is being copied (a deep copy of the model): stay live
             return _SavedImplementation(copied)
         current = self._current()  # to_dict copies the attributes only: the value to save
-        return current if current in _METHODS else None
+        return current if method_named(current) is not None else None
 
     def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
         return _plain, (self.__deepcopy__({}),)
@@ -162,7 +163,7 @@ def take_method_kwargs(kwargs: dict, where: str) -> Dict[str, Any]:
     ``kwargs`` (transformers would hand them to the model's ``__init__``, which takes none), checked before anything
     is loaded: one method at most, valid parameters, and, when ``attn_implementation`` is among ``kwargs``, that
     method's name."""
-    given = {name: kwargs.pop(name) for name in list(kwargs) if name in _METHODS}
+    given = {name: kwargs.pop(name) for name in list(kwargs) if method_named(name) is not None}
     if len(given) > 1:
         raise ValueError(f"{where}: parameters given for {sorted(given)}; a model runs one attention method: give "
                          "only the keyword of the method attn_implementation names")
@@ -170,7 +171,7 @@ def take_method_kwargs(kwargs: dict, where: str) -> Dict[str, Any]:
         chosen = kwargs.get("attn_implementation")
         if chosen is not None:
             _check_chosen(name, chosen, where)
-        method = _METHODS[name]
+        method = get_method(name)
         check_learnable(method, method.configure(dict(value) if isinstance(value, dict) else value, "hf"))
     return given
 
@@ -182,7 +183,7 @@ def apply_method_kwargs(config: Any, given: Dict[str, Any], where: str, chosen: 
     chosen = getattr(config, "_attn_implementation", None) if chosen is None else chosen
     for name, value in given.items():
         _check_chosen(name, chosen, where)
-        method = _METHODS[name]
+        method = get_method(name)
         default = model_method_config(config, method) if getattr(config, name, None) is not None else None
         cfg = method.configure(dict(value) if isinstance(value, dict) else value, "hf", default=default)
         setattr(config, name, check_learnable(method, cfg).to_dict())
@@ -191,7 +192,7 @@ def apply_method_kwargs(config: Any, given: Dict[str, Any], where: str, chosen: 
 def _check_chosen(name: str, chosen: Any, where: str) -> None:
     if chosen == name:
         return
-    other = f", or {chosen}=... for the parameters of {chosen!r}" if chosen in _METHODS else ""
+    other = f", or {chosen}=... for the parameters of {chosen!r}" if method_named(chosen) is not None else ""
     raise ValueError(
         f"{where}: {name}=... sets the parameters of attention method {name!r}, but the model is built with "
         f"attn_implementation={chosen!r}: pass attn_implementation={name!r} to run {name!r}{other}"

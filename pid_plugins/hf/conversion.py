@@ -4,7 +4,7 @@ The rule shared by the four zoo adapters: the model given is changed in place (t
 same module objects, hooks and train/eval mode kept) and returned, for chaining.
 
 * A stock model (``sdpa``, ``eager``, ...) gets the method: ``config.<method>`` (its parameters), the base attention
-  (``config.pid_attention_base``), the stock implementation it had (``config.pid_stock_attention``), learnable
+  (``config.attention_base``), the stock implementation it had (``config.stock_attention``), learnable
   parameters and the warm-up counter when the parameters ask for them; ``config._attn_implementation`` names the
   method. It then computes what the model built with ``attn_implementation=<method>`` computes.
 * ``attention="softmax"`` returns it to the stock implementation it had (transformers' default when none was
@@ -27,18 +27,18 @@ from typing import Any, Iterator, Optional, TypeVar
 from torch import nn
 from transformers import PreTrainedModel, PretrainedConfig
 
-from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, resolve_attention
+from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, list_methods, resolve_attention
 from ..core.layer import warn_unfinished_warmup
 from . import gains as learned_gains
 from .attention import EARLIER, ROLE
 from .config import (
-    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, method_of, methods,
+    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, method_named, method_of,
     model_method_config,
 )
-from .discovery import GAINS_SOURCE, PLAN, check_model, install_pid_hooks, pipeline_refusal
+from .discovery import GAINS_SOURCE, PLAN, check_model, pipeline_refusal, rediscover
 from .warmup import WARMUP_ATTR, WARMUP_MISSING_KEY, WARMUP_SOURCE, attach_warmup
 
-__all__ = ["convert", "finish", "to_pid"]
+__all__ = ["convert", "finish"]
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -58,12 +58,17 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
             (PID: ``lm``); None keeps ``config.<method>`` if set, else the preset. Saved as ``config.<method>``.
         base: the attention the method is added to: ``"sdpa"`` (default; ``"eager"`` for models with logit
             softcapping), ``"eager"`` (attention weights) or ``"flex_attention"``; saved as
-            ``config.pid_attention_base``. None keeps the model's.
+            ``config.attention_base``. None keeps the model's.
 
     The parameters and buffers are the model's own tensors before and after; learnable parameters
     (``{"learnable": True}``) are added to every self-attention module, initialised on its device and dtype, and
     ``warmup_steps`` adds the warm-up counter (``attention_warmup``): build the optimizer after converting. Learnable
     parameters a model already has are kept as trained. Convert before ``torch.compile`` and before wrapping the model.
+
+    The one way to apply a change to ``config.<method>`` of a built model (learnable parameters, a warm-up, which
+    add modules) or to give a model built before ``import pid_plugins.hf`` its method:
+    ``convert(model, method_of(model.config).name)`` (``convert(model, "pid")`` for PID): None keeps the parameters
+    the config has. Fixed parameters need no call: the next forward reads them.
 
     Raises ``ValueError`` (unknown method, bad parameters, a base the model cannot run, attention this adapter cannot
     reach) or ``TypeError`` (not a transformers model) before anything is changed.
@@ -76,7 +81,7 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
     if base is not None and attention == SOFTMAX:
         raise ValueError(f"{where}: base={base!r} is the attention a method is added to; attention='softmax' takes "
                          "none: drop base=")
-    method = methods().get(attention) if isinstance(attention, str) else None
+    method = method_named(attention)
     default = None
     if method is not None and getattr(model.config, method.name, None) is not None:
         default = model_method_config(model.config, method)  # a dict overrides the model's own parameters
@@ -92,13 +97,6 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
         raise ValueError(refusal)
     _to_method(model, choice, resolved_base)
     return model
-
-
-def to_pid(model: PreTrainedModel, config: Any = None, base: Optional[str] = None, *,
-           method: str = ATTN_IMPLEMENTATION) -> PreTrainedModel:
-    """:func:`convert` under its earlier name: ``to_pid(model, config, base, method=...)`` is
-    ``convert(model, method, config, base=base)``."""
-    return convert(model, method, config, base=base)
 
 
 # --------------------------------------------------------------------------------------------- to a method
@@ -127,7 +125,7 @@ def _to_method(model: PreTrainedModel, choice: MethodChoice, base: str) -> None:
     config, name = model.config, choice.method.name
     if method_of(config) is None and isinstance(config._attn_implementation, str):
         setattr(config, STOCK_ATTR, config._attn_implementation)  # what attention="softmax" returns to
-    for other in methods():  # the parameters of a method the model leaves
+    for other in list_methods():  # the parameters of a method the model leaves
         if other != name:
             config.__dict__.pop(other, None)
     setattr(config, name, choice.config.to_dict())
@@ -137,7 +135,7 @@ def _to_method(model: PreTrainedModel, choice: MethodChoice, base: str) -> None:
     attach_warmup(model, choice.config)
     setattr(config, BASE_ATTR, base)
     model.set_attn_implementation(name)
-    install_pid_hooks(model)
+    rediscover(model)
 
 
 # ---------------------------------------------------------------------------------------------- to softmax
@@ -160,7 +158,7 @@ def _to_stock(model: PreTrainedModel) -> None:
     config = model.config
     if method_of(config) is not None:
         stock = config.__dict__.get(STOCK_ATTR)
-        model.set_attn_implementation(stock if isinstance(stock, str) and stock not in methods() else None)
+        model.set_attn_implementation(stock if isinstance(stock, str) and method_named(stock) is None else None)
     for m in model.modules():
         learned_gains.detach(m)
         for attr in (ROLE, EARLIER):
@@ -173,7 +171,7 @@ def _to_stock(model: PreTrainedModel) -> None:
             if isinstance(ignore, set):
                 ignore -= {learned_gains.MISSING_PATTERN, WARMUP_MISSING_KEY}
     for cfg in _configs(model):
-        for attr in (*methods(), BASE_ATTR, STOCK_ATTR):
+        for attr in (*list_methods(), BASE_ATTR, STOCK_ATTR):
             cfg.__dict__.pop(attr, None)
 
 
@@ -206,5 +204,5 @@ def finish(model: nn.Module) -> bool:
     outermost = [m for name, m in with_method.items()
                  if not any(name.startswith(f"{other}.") or (other == "" and name) for other in names if other != name)]
     for m in outermost:
-        install_pid_hooks(m)
+        rediscover(m)
     return True

@@ -4,7 +4,7 @@ How it fits transformers (no frame inspection, one path for every way a model ge
 
 * every :class:`~transformers.PreTrainedModel` built after ``import pid_plugins.hf`` carries a forward pre-hook (with
   kwargs) and a forward hook (:mod:`pid_plugins.hf.install` adds them when the model registers its first child;
-  :func:`install_pid_hooks` adds them to models built before the import). They do nothing unless the model's
+  :func:`rediscover` adds them to models built before the import). They do nothing unless the model's
   ``config._attn_implementation`` names a registered method, so ``from_pretrained(..., attn_implementation="pid")``,
   ``from_config``, ``Model(config)``, ``set_attn_implementation("pid")`` and ``convert`` all run the same code.
 * Discovery (:func:`discover`, once per model: after ``post_init``, or at the first forward of a model switched
@@ -45,7 +45,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import gains as learned_gains
-from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, MethodForwardState
+from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, STATE_KEYWORD, MethodForwardState
 from .cache import new_cache, static_past
 from .checkpointing import cache_message, torch_checkpointing, wrapper_message
 from .checkpointing import require as require_torch_checkpointing
@@ -54,10 +54,11 @@ from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN, cache_keywords, unknown_cache,
 )
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
+from ..core import get_method, list_methods
 from ..versions import InternalChanged
 
 __all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "drops_layers", "hook",
-           "install_pid_hooks", "is_cross", "learnable_config", "pipeline_refusal", "walk"]
+           "is_cross", "learnable_config", "pipeline_refusal", "rediscover", "walk"]
 
 HOOKED = "_pid_plugins_hooked"  # in a model's __dict__: it carries the forward hooks
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan (discovered)
@@ -104,7 +105,7 @@ def is_cross(parts: list, module: nn.Module) -> bool:
 
 
 def learnable_config(config: Any) -> Any:
-    """``config.pid`` if the model runs PID with learnable gains, else None (also when config.pid is invalid:
+    """``config.<method>`` if the model runs a method with learnable parameters, else None (also when they are invalid:
     the first forward reports that)."""
     method = method_of(config)
     if method is None or getattr(config, method.name, None) is None:
@@ -243,10 +244,11 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
         learned_gains.ignore_missing(model)
         learned_gains.extend_tp_plan(model)  # their tensor-parallel entries (applied when transformers builds it)
         if at_forward:
+            name = _chosen(model)
             warnings.warn(
-                f"attn_implementation='pid': learnable PID gains were added to {type(model).__name__} at its first "
-                f"forward ({len(added)} layers, from config.pid): an optimizer built before now does not train "
-                "them. Call pid_plugins.hf.to_pid(model) before building the optimizer",
+                f"attn_implementation={name!r}: learnable parameters were added to {type(model).__name__} at its "
+                f"first forward ({len(added)} layers, from config.{name}): an optimizer built before now does "
+                f"not train them. Call pid_plugins.hf.convert(model, {name!r}) before building the optimizer",
                 stacklevel=4,
             )
     plan = Plan(owns_layers=order > 0, cache_position=names.index(keywords[0]) if keywords else None,
@@ -285,8 +287,6 @@ def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
     pp_size = distributed.get("pp_size") if isinstance(distributed, dict) else getattr(distributed, "pp_size", None)
     if not _number(pp_size) or pp_size <= 1 or not method.state_fields or method.is_identity(params):
         return None
-    from ..core import get_method, list_methods
-
     carrying = [n for n in list_methods() if get_method(n).state_fields]
     free = [n for n in list_methods() if not get_method(n).state_fields]
     return (
@@ -378,7 +378,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
             raise RuntimeError(
                 f"attn_implementation={method.name!r}: {type(module).__name__} was switched to it after it was built, and "
-                "torch.compile reached its first forward: call pid_plugins.hf.to_pid(model) (or run one eager "
+                f"torch.compile reached its first forward: call pid_plugins.hf.convert(model, {method.name!r}) (or run one eager "
                 "forward) before compiling"
             )
         with _LOCK:
@@ -397,7 +397,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         return None
     gains_config = module.__dict__.get(GAINS_SOURCE, config)
     gains = model_method_config(gains_config, method)
-    if getattr(gains, "learnable", False) and not plan.learnable:  # config.pid became learnable after discovery
+    if getattr(gains, "learnable", False) and not plan.learnable:  # config.<method> became learnable after discovery
         with _LOCK:
             plan = discover(module, at_forward=True)
     if plan.learnable and not plan.tp_checked and not torch.compiler.is_compiling():
@@ -412,7 +412,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
         raise ValueError(
             f"output_attentions needs the eager base attention under attention method {method.name!r}: "
-            f"pid_plugins.hf.to_pid(model, base='eager', method={method.name!r})"
+            f"pid_plugins.hf.convert(model, {method.name!r}, base='eager')"
         )
     cache = next((kwargs[k] for k in plan.cache_keywords if kwargs.get(k) is not None), None)
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
@@ -448,12 +448,12 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
                             cache=slot_cache,
                             restart=bool(method.state_fields) and drops_layers(module, plan))
     state.grad = grad
-    kwargs["pid_state"] = state
+    kwargs[STATE_KEYWORD] = state
     return args, kwargs
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    run = kwargs.get("pid_state")
+    run = kwargs.get(STATE_KEYWORD)
     if run is not None:
         run.finished = True
     # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
@@ -471,8 +471,9 @@ def hook(model: PreTrainedModel) -> None:
         model.__dict__[HOOKED] = True
 
 
-def install_pid_hooks(model: PreTrainedModel) -> PreTrainedModel:
-    """Hook every PreTrainedModel in ``model`` (models built before the import) and check it now."""
+def rediscover(model: PreTrainedModel) -> PreTrainedModel:
+    """Hook every PreTrainedModel in ``model`` (once: models built before the import have no hooks) and discover each
+    afresh, outermost first (after :func:`~pid_plugins.hf.convert` changed what its config says)."""
     with _LOCK:
         for m in model.modules():
             if isinstance(m, PreTrainedModel):

@@ -43,8 +43,9 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..core import AttentionMethod, PIDConfig, PIDMethod
+from ..core import AttentionMethod, PIDConfig, PIDMethod, get_method
 from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
+from .internals import TP_PLAN, TP_STYLE
 
 __all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
            "extend_tp_plan", "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset",
@@ -157,8 +158,6 @@ def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] 
     current = layer_gains_of(attention)
     if current is not None and _method_of_learned(current) == name:
         return False
-    from ..core import get_method
-
     gains = make(method if method is not None else get_method("pid"), config)
     if gains is None:
         return False
@@ -205,8 +204,6 @@ def tp_plan_entries(model: nn.Module) -> Dict[str, str]:
     """The tensor-parallel plan entries for ``model``'s learnable method parameters: every ``attention_params``
     module made here, replicated with its gradient summed over the tensor-parallel group
     (``{"model.layers.*.self_attn.attention_params": "replicated_with_grad_allreduce"}``)."""
-    from .internals import TP_STYLE
-
     return {_wildcard(name): TP_STYLE for name, module in model.named_modules()
             if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
 
@@ -218,8 +215,6 @@ def extend_tp_plan(model: nn.Module) -> bool:
     entries = tp_plan_entries(model)
     if not entries:
         return False
-    from .internals import TP_PLAN
-
     if not TP_PLAN.holds():  # an older release: no entry; tensor parallelism with these parameters is refused at the
         return False          # first forward (discovery._pre_hook), everything else runs
     plan = model.tp_plan

@@ -39,7 +39,7 @@ from . import conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
 from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS
-from .config import _METHODS, BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
+from .config import BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
 __all__ = ["install"]
@@ -58,7 +58,7 @@ def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module
         _check_family(module)
         discovery.hook(module)
         persist(module.config)  # saved as the method's name whenever the model runs one at save time, else null
-        # the counter exists from construction on, so from_pretrained loads t (config.pid has warmup_steps > 0)
+        # the counter exists from construction on, so from_pretrained loads t (config.<method> has warmup_steps > 0)
         attach_warmup(module)
         module.__dict__["post_init"] = functools.partial(_post_init, module)
     if ANY_COUNTER[0] and submodule is not None and not isinstance(submodule, GainWarmup):
@@ -236,7 +236,6 @@ def _register(method: AttentionMethod) -> None:
     attention function (it reads the method from the forward's state) and the base attention's mask function."""
     AttentionInterface.register(method.name, method_attention_forward)
     AttentionMaskInterface.register(method.name, method_mask)
-    _METHODS[method.name] = method
 
 
 def _transformers_names() -> Dict[str, str]:

@@ -2,7 +2,7 @@
 where the adapter first uses it (:meth:`pid_plugins.versions.Internal.require`).
 
 The public extension points carry most of the adapter: ``AttentionInterface`` / ``AttentionMaskInterface`` (the
-attention and mask functions), ``model.set_attn_implementation``, ``from_pretrained(key_mapping=...)``, the cache
+attention and mask functions), ``model.set_attn_implementation``, the cache
 classes' public methods (``update``, ``crop``, ``reorder_cache``, ``reset``), and torch's module hooks. What is left
 has no extension point in transformers 5.24; if a release changes one of these, the user gets
 :class:`~pid_plugins.versions.InternalChanged` naming the version and the tested range, never a different result.

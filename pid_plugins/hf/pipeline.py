@@ -52,9 +52,9 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
-from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, MethodForwardState
+from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, STATE_KEYWORD, MethodForwardState
 from .config import method_of, model_method_config
-from .discovery import PLAN, install_pid_hooks
+from .discovery import PLAN, rediscover
 from .warmup import counter_of
 
 __all__ = ["PipelineStageModule", "pipeline_stage", "stage_layer_range"]
@@ -178,7 +178,7 @@ class PipelineStageModule(nn.Module):
             replacement = carry.hidden_in
             if isinstance(arriving, Tensor):
                 self.__dict__["_swaps"][arriving] = replacement
-            run = kwargs.get("pid_state")
+            run = kwargs.get(STATE_KEYWORD)
             carry.run = run
             if carry.state_in is not None:
                 if not isinstance(run, MethodForwardState) or self._entry is None:
@@ -198,7 +198,7 @@ class PipelineStageModule(nn.Module):
         if carry is None:
             return
         carry.hidden_out = output[0] if isinstance(output, (tuple, list)) else output
-        run = kwargs.get("pid_state")
+        run = kwargs.get(STATE_KEYWORD)
         if isinstance(run, MethodForwardState) and self._exit is not None:
             carry.state_out = run.layers.get(self._exit)
 
@@ -306,7 +306,7 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
                 "first (pid_plugins.finish_warmup(model)) or train with warmup_steps=0"
             )
         if any(isinstance(m, PreTrainedModel) and PLAN not in m.__dict__ for m in model.modules()):
-            install_pid_hooks(model)  # number the layers while they are all there
+            rediscover(model)  # number the layers while they are all there
     first, last = stage_index == 0, stage_index == num_stages - 1
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and num_stages > 1
     for index in range(n):

@@ -42,9 +42,11 @@ def warmup_scale(module: nn.Module, gains: Any) -> Optional[Tensor]:
         return None
     counter = counter_of(module)
     if counter is None:
+        name = (method_of(getattr(module, "config", None)) or _PID).name
         raise ValueError(
             f"the model's attention parameters set warmup_steps={steps} but {type(module).__name__} has no warm-up counter "
-            "(it was built before config.pid asked for warm-up): call pid_plugins.hf.to_pid(model) once to add it"
+            f"(it was built before config.{name} asked for warm-up): call pid_plugins.hf.convert(model, {name!r}) once "
+            "to add it"
         )
     if counter.warmup_steps != steps:  # config.pid changed after the model was built
         counter.warmup_steps = steps

@@ -524,8 +524,7 @@ def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
     models = {"softmax": softmax}
     for arm in spec.arms[1:]:
         choice = arm_choice(arm, spec.preset, True, spec.control_first_layer)
-        models[parse_arm(arm).label] = pid_plugins.hf.to_pid(copy.deepcopy(softmax), choice.config,
-                                                             method=choice.method.name)
+        models[parse_arm(arm).label] = pid_plugins.hf.convert(copy.deepcopy(softmax), choice.method.name, choice.config)
     return models
 
 

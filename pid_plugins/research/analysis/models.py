@@ -12,7 +12,7 @@ Accepted specs:
 ``attention`` (``"softmax"`` or any registered attention method, :func:`pid_plugins.list_methods`) with
 ``attention_cfg`` (its parameters) builds a timm or transformers model with that attention instead of the one its
 name or folder gives: a ``pid_*`` / ``fan_*`` registry name is built with ``attention=``, a stock timm ViT/DeiT
-or a transformers model is converted after its weights are loaded (``to_pid``). An mmseg config sets its own
+or a transformers model is converted after its weights are loaded (``pid_plugins.hf.convert``). An mmseg config sets its own
 attention. :func:`attention_of` reads the attention a model runs, for the records.
 """
 from __future__ import annotations
@@ -134,14 +134,13 @@ def _hf_attention(lm: LoadedModel, attention: Optional[str], attention_cfg: Any)
     if attention is None:
         return lm
     from ...core import resolve_attention
-    from pid_plugins.hf import to_pid
-    from pid_plugins.hf.attention import BASE_ATTR
+    from pid_plugins.hf import convert
 
     choice = resolve_attention(attention, attention_cfg, zoo="hf", where=lm.label)
     if choice is None:
-        lm.model.set_attn_implementation(getattr(lm.model.config, BASE_ATTR, None) or "sdpa")
+        convert(lm.model, "softmax")
     else:
-        to_pid(lm.model, choice.config, method=choice.method.name)
+        convert(lm.model, choice.method.name, choice.config)
     return lm
 
 
