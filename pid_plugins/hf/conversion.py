@@ -22,13 +22,14 @@ Also here: ``finish_warmup`` for transformers models (:func:`finish`, registered
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Iterator, Optional, TypeVar
 
 from torch import nn
 from transformers import PreTrainedModel, PretrainedConfig
 
 from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, list_methods, resolve_attention
-from ..core.layer import warn_unfinished_warmup
+from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
 from .attention import EARLIER, ROLE
 from .config import (
@@ -95,8 +96,19 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
     refusal = pipeline_refusal(model.config, choice.method, choice.config)  # transformers' own PP
     if refusal is not None:
         raise ValueError(refusal)
+    warn_trained_switch(model, choice, where, running=method_of(model.config))
     _to_method(model, choice, resolved_base)
     return model
+
+
+def warn_trained_switch(model: PreTrainedModel, choice: MethodChoice, where: str,
+                        running: Optional[Any] = None) -> None:
+    """:func:`~pid_plugins.core.layer.warn_switch_of_trained_weights` for a transformers model: ``running`` is the
+    method the weights ran before the switch (None: the stock attention), with ``config.<method>``'s parameters."""
+    current = None
+    if running is not None:
+        current = SimpleNamespace(attention_method=running, attention_config=model_method_config(model.config, running))
+    warn_switch_of_trained_weights(model, choice, where, current=current)
 
 
 # --------------------------------------------------------------------------------------------- to a method

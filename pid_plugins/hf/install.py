@@ -34,12 +34,14 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, PretrainedConfig
 
 from ..versions import check_version
-from ..core import AttentionMethod, GainWarmup, on_register, register_warmup_finisher, reserve_names
+from ..core import AttentionMethod, GainWarmup, MethodChoice, on_register, register_warmup_finisher, reserve_names
 from . import conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
 from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS
-from .config import BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, persist, take_method_kwargs
+from .config import (
+    BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, model_method_config, persist, take_method_kwargs,
+)
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
 __all__ = ["install"]
@@ -131,19 +133,42 @@ def _from_pretrained_with_method_kwargs(original: Any) -> Any:
     """``original`` (a ``from_pretrained`` function) taking a method's parameters as a keyword."""
     @functools.wraps(original)
     def from_pretrained(cls, *args: Any, **kwargs: Any):
-        if _REQUEST.get() is not None:  # an outer loader took them (the auto class, then the model class)
+        if _REQUEST.get() is not None:  # an outer loader took over (the auto class, then the model class)
             return original(cls, *args, **kwargs)
         where = f"{cls.__name__}.from_pretrained"
         given = take_method_kwargs(kwargs, where)
-        if not given:
-            return original(cls, *args, **kwargs)
+        saved = _saved_implementation(args, kwargs)
         token = _REQUEST.set((given, where))
         try:
-            return original(cls, *args, **kwargs)
+            loaded = original(cls, *args, **kwargs)
         finally:
             _REQUEST.reset(token)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        running = method_of(getattr(model, "config", None))
+        if running is not None and running.name != saved:  # a checkpoint trained without this method switched to it
+            conversion.warn_trained_switch(model, MethodChoice(running, model_method_config(model.config, running)),
+                                           where)
+        return loaded
 
     return from_pretrained
+
+
+#: the loader keywords that say where a checkpoint's config.json is (read again, locally, for the method it records)
+_CONFIG_KEYWORDS = ("subfolder", "revision", "cache_dir", "token", "gguf_file", "local_files_only")
+
+
+def _saved_implementation(args: tuple, kwargs: Dict[str, Any]) -> Optional[str]:
+    """The ``attn_implementation`` a checkpoint's ``config.json`` records (pid-plugins saves the method a model ran
+    at save time, :func:`~pid_plugins.hf.config.persist`), or None: the checkpoint was trained with the stock
+    attention (or its config cannot be read)."""
+    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if path is None:
+        return None
+    try:
+        saved, _ = PretrainedConfig.get_config_dict(path, **{k: kwargs[k] for k in _CONFIG_KEYWORDS if k in kwargs})
+    except Exception:  # noqa: BLE001 - no config to read: the checkpoint records no method
+        return None
+    return saved.get("attn_implementation")
 
 
 def _wrap_loaders() -> None:
