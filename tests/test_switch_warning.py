@@ -1,0 +1,111 @@
+"""One warning before noise: trained weights switched to a method at full strength (no warm-up) log one warning naming
+the method, in every zoo (convert; transformers' loader of a checkpoint saved without the method). None for weights
+as built (training from scratch), parameters that compute the stock attention, or a warm-up."""
+import logging
+
+import pytest
+import torch
+
+from pid_plugins.core.layer import carries_trained_weights
+
+ZERO_PID = {"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}
+WARMUP = {"warmup_steps": 10}
+
+
+def train(model):
+    """``model`` with trained-looking weights: its normalisation layers' weights vary (as after training)."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
+                module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=gen))
+    return model
+
+
+def warnings_of(caplog, switch):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pid_plugins"):
+        switch()
+    return [r.getMessage() for r in caplog.records if "trained weights switched" in r.getMessage()]
+
+
+def assert_warns_once(messages, method):
+    assert len(messages) == 1, messages
+    assert f"attention method {method!r} at full strength" in messages[0]
+    assert "warmup_steps" in messages[0] and "docs/finetuning.md" in messages[0]
+
+
+def test_trained_weights_are_told_from_weights_as_built():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert not carries_trained_weights(model)
+    assert carries_trained_weights(train(model))
+
+
+# ---------------------------------------------------------------------------------------------- transformers
+def test_transformers_convert_and_loader(caplog, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import pid_plugins.hf as ph
+
+    def config():  # a new one each time: convert writes the method into the model's config
+        return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+
+    torch.manual_seed(0)
+    assert warnings_of(caplog, lambda: ph.convert(LlamaForCausalLM(config()), "pid")) == []  # from scratch
+    stock = train(LlamaForCausalLM(config()))
+    stock.save_pretrained(tmp_path / "stock")
+    assert warnings_of(caplog, lambda: ph.convert(stock, "pid", ZERO_PID)) == []
+    assert warnings_of(caplog, lambda: ph.convert(stock, "pid", WARMUP)) == []
+    ph.convert(stock, "softmax")
+    assert_warns_once(warnings_of(caplog, lambda: ph.convert(stock, "pid")), "pid")
+    assert warnings_of(caplog, lambda: ph.convert(stock, "pid")) == []  # it runs PID already
+    assert_warns_once(warnings_of(caplog, lambda: ph.convert(stock, "neutreno")), "neutreno")
+    # the loader: a stock checkpoint with a method; a checkpoint saved with the method loads without one
+    load = AutoModelForCausalLM.from_pretrained
+    assert_warns_once(warnings_of(caplog, lambda: load(tmp_path / "stock", attn_implementation="pid")), "pid")
+    assert warnings_of(caplog, lambda: load(tmp_path / "stock", attn_implementation="pid", pid=WARMUP)) == []
+    assert warnings_of(caplog, lambda: load(tmp_path / "stock", attn_implementation="pid", pid=ZERO_PID)) == []
+    assert warnings_of(caplog, lambda: load(tmp_path / "stock")) == []
+    load(tmp_path / "stock", attn_implementation="pid").save_pretrained(tmp_path / "pid")
+    assert warnings_of(caplog, lambda: load(tmp_path / "pid")) == []
+
+
+# ---------------------------------------------------------------------------------------------------- mmseg
+def test_mmseg_convert(caplog):
+    pytest.importorskip("mmseg")
+    import pid_plugins.mmseg as pm
+    from test_mmseg_convert import stock
+
+    assert warnings_of(caplog, lambda: pm.convert(stock(), "pid")) == []
+    trained = stock()
+    fresh = stock(seed=1)
+    fresh.load_state_dict(train(trained).state_dict())  # a loaded checkpoint
+    assert warnings_of(caplog, lambda: pm.convert(fresh, "pid", ZERO_PID)) == []
+    assert warnings_of(caplog, lambda: pm.convert(fresh, "pid", WARMUP)) == []
+    pm.convert(fresh, "softmax")
+    assert_warns_once(warnings_of(caplog, lambda: pm.convert(fresh, "pid")), "pid")
+
+
+# -------------------------------------------------------------------------------------------------- fairseq
+def test_fairseq_convert(caplog, data_dir):
+    pytest.importorskip("fairseq")
+    import pid_plugins.fairseq as pf
+    from zoo_cases import fs_build
+
+    model = fs_build(data_dir, arch="transformer_lm")[0]
+    assert warnings_of(caplog, lambda: pf.convert(model, "pid")) == []
+    model = fs_build(data_dir, arch="transformer_lm")[0]
+    model.load_state_dict(train(fs_build(data_dir, arch="transformer_lm", seed=2)[0]).state_dict())
+    assert warnings_of(caplog, lambda: pf.convert(model, "pid", ZERO_PID)) == []
+    assert warnings_of(caplog, lambda: pf.convert(model, "pid", WARMUP)) == []
+    pf.convert(model, "softmax")
+    assert_warns_once(warnings_of(caplog, lambda: pf.convert(model, "pid")), "pid")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from zoo_cases import fs_dictionary
+
+    return fs_dictionary(tmp_path_factory.mktemp("dict"))
