@@ -176,7 +176,9 @@ class Method:
     ``rule(cfg, model)``: the independent float64 rule of ``cfg`` (None: the zoo's preset) on ``model``;
     ``zero``: the parameters with which the method is the stock model bit for bit, on the models ``zero_models``;
     ``defaults``: the preset each zoo starts from (unset parameters); ``models``: where the method applies;
-    ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
+    ``compile_models``: the models whose torch.compile test runs this method (each model's compile test costs
+    seconds: every method compiles on the zoos whose code paths it changes, PID's other zoos are compiled by
+    tests/test_compile.py); ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
     """
 
     name: str
@@ -187,6 +189,7 @@ class Method:
     zero: Cfg = None
     zero_models: FrozenSet[str] = frozenset()
     models: FrozenSet[str] = frozenset(MODELS)
+    compile_models: FrozenSet[str] = frozenset()
     compile_overrides: Dict[str, Tuple[str, Tuple[float, float]]] = field(default_factory=dict)
 
     def config(self, cfg: Cfg, zoo: str):
@@ -264,29 +267,35 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("pid", _pid_config, on=lambda model: [PID_ON], rule=lambda cfg, model: zc.pid_rule(
         cfg["lambda_p"], cfg["lambda_i"], cfg["lambda_d"], cfg["beta"]),
         defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
-        zero={"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, zero_models=frozenset(MODELS)),
+        zero={"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, zero_models=frozenset(MODELS),
+        compile_models=frozenset({"fairseq-lm"})),  # timm, transformers, mmseg: tests/test_compile.py
     Method("neutreno", _neutreno_config,
            on=lambda model: [{"alpha": 0.6 if model.zoo in VISION else 0.4}],
            rule=lambda cfg, model: zc.neutreno_rule(cfg["alpha"]),
            defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
-           zero={"alpha": 0.0}, zero_models=frozenset(MODELS)),
+           zero={"alpha": 0.0}, zero_models=frozenset(MODELS),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
     # no strength parameter: from_layer past the last layer computes A v in every layer (stock bit for bit where
     # the adapter's own attention is the one called: timm, transformers)
     Method("twicing", _twicing_config, on=lambda model: [{"from_layer": 1}, {"from_layer": 0}],
            rule=lambda cfg, model: zc.twiced_from(cfg["from_layer"]),
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "vision"),
-           zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"})),
+           zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"}),
+           compile_models=frozenset({"timm-deit", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
     # bidirectional by default (the sequence mean); causal models run the prefix mean (mean="prefix")
     Method("elliptical", _elliptical_config, on=_elliptical_on, rule=_elliptical_rule,
            defaults={"timm": "deit", "mmseg": "segmenter", "hf": "deit", "fairseq": "lm"},
            zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-bert"}),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-bert", "mmseg-backbone"}),
            compile_overrides={"mmseg-backbone": ("aot_eager", (1e-5, 1e-6))}),
     Method("value_residual", _value_residual_config, on=lambda model: [VR_MIXED, None], rule=_vr_rule,
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "resformer"),
-           zero={"lambda_1": 0.0, "lambda_2": 1.0}, zero_models=frozenset(MODELS)),
+           zero={"lambda_1": 0.0, "lambda_2": 1.0}, zero_models=frozenset(MODELS),
+           compile_models=frozenset({"timm-deit", "hf-llama"})),
     Method("scaled_reference", _toy_config, on=lambda model: [{"gamma": 0.7}], rule=_toy_rule,
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "default"),
-           zero={"gamma": 0.0}, zero_models=frozenset(MODELS)),
+           zero={"gamma": 0.0}, zero_models=frozenset(MODELS),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
 )}
 
 

@@ -228,7 +228,8 @@ def zc_fairseq_data():
 
 # ================================================================================================ (d) compile
 @pytest.mark.slow
-@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.compile_backend is not None))
+@pytest.mark.parametrize("method, model_case", cases(
+    pair=lambda method, model: model.compile_backend is not None and model.name in method.compile_models))
 def test_compile_fullgraph_equals_eager(method, model_case):
     backend, (rtol, atol) = method.compile_overrides.get(
         model_case.name, (model_case.compile_backend, model_case.compile_tol))
