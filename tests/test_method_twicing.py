@@ -1,43 +1,24 @@
-"""Twicing attention (``attention="twicing"``), ``A v + A (v - A v)``, in every zoo.
+"""Twicing attention (``attention="twicing"``), ``A v + A (v - A v)``.
 
 The references are written from the official rule (github.com/lazizcodes/twicing_attention: ``SharpAttention`` in
 ``twicing_attention_vision/models.py``, ``2A - A A`` in ``twicing_attention_lang/lmtool-fwms/src/mem_transformer.py``)
-with the attention matrix formed explicitly in float64, not through the method's code. Twicing has no strength
-parameter: switched off is ``attention="softmax"`` with the same weights (and ``from_layer`` past the last layer).
+with the attention matrix formed explicitly in float64, not through the method's code (zoo_cases' ``twice64``).
+Twicing has no strength parameter: switched off is ``attention="softmax"`` with the same weights (and ``from_layer``
+past the last layer). The grid (float64 references of every zoo model, switched off, checkpointing, compile,
+save/reload, cached decoding) is tests/test_method_contract.py; here: the rule, its grouped-query and cache-slot
+exactness, ``from_layer``, the refusal of attention dropout in every zoo, and BART's two self-attention stacks.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import pid_plugins
 from pid_plugins.core import AttentionContext, LayerCall, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
-from zoo_cases import TIMM as ZOO_TIMM
-from zoo_cases import (assert_equal_or_both_none, bart_config, bert_config, bert_reference,  # noqa: F401
-                       causal_lm_loss, data_dir, fairseq_reference, fs_incremental_logits, fs_method,
-                       fs_save_and_reload,
-                       fs_tokens, hf_checkpointing_grads, hf_ids, llama_config, llama_twins, mm_args,
-                       mm_build, mm_compiled, mm_pair, mmseg_reference, on_scores, set_fused,
-                       timm_attention_stack, timm_images, timm_reference)
-from zoo_cases import fs_build as zoo_fs_build
-from zoo_cases import llama_reference as zoo_llama_reference
-from zoo_cases import timm_pair as zoo_timm_pair
+from zoo_cases import (TIMM, bart_config, fs_build, fs_method, fs_tokens, hf_ids, import_timm, import_transformers,
+                       llama_twins, mm_args, mm_build, timm_images, twice64)
 
 NAME = "twicing"
-
-
-def twice64(scores, v):
-    """The official rule from the attention matrix: ``A = softmax(scores)`` (masked scores), ``A v + A (v - A v)``."""
-    a = torch.softmax(scores.double(), -1)
-    av = a @ v.double()
-    return av + a @ (v.double() - av)
-
-
-def twiced_from(from_layer):
-    """The zoo references' per-layer rule: stock ``A v`` before ``from_layer``, :func:`twice64` from it on."""
-    return on_scores(lambda index, scores, v: twice64(scores, v) if index >= from_layer else
-                     torch.softmax(scores, -1) @ v)
 
 
 # ============================================================================================== core
@@ -160,109 +141,35 @@ def test_grouped_query_heads_and_a_cache_slot_are_exact():
         twicing_rule(full, q[:, :, 2:], v)
 
 
-# ============================================================================================== timm
-TIMM = {**ZOO_TIMM, "fan": ZOO_TIMM["fan"][:2] + (dict(ZOO_TIMM["fan"][2], img_size=32, depth=2),)}
+# ============================================================================================== dropout
+def test_attention_dropout_is_refused_in_training_in_timm_mmseg_and_fairseq(tmp_path):
+    """One dropout draw cannot serve the rule's two calls: eval runs, training is refused before anything is
+    computed (transformers: test_hf_runs_grouped_query_and_refuses_attention_dropout_in_training)."""
+    timm = import_timm()
+    from zoo_cases import fs_dictionary
 
-
-def timm_pair(kind):
-    return zoo_timm_pair(kind, models=TIMM, attention=NAME)
-
-
-def images(kind, n=2):
-    return timm_images(kind, n, models=TIMM)
-
-
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("kind", sorted(TIMM))
-def test_timm_matches_a_float64_reference_and_softmax_is_stock(kind, fused):
-    """DeiT whole; FAN's token-mixing layers alone (the stack of its blocks' attentions, each fed the previous one's
-    output: FAN's whole model in float64 runs its grouped convolutions in torch's slow float64 kernel, the rest of
-    FAN's model is checked with the toy method in test_method_contract_timm.py)."""
-    timm = pytest.importorskip("timm")
-    model, stock = timm_pair(kind)
-    set_fused((model, stock), fused)
-    x = images(kind)
-    with torch.no_grad():
-        softmax = timm.create_model(TIMM[kind][0], attention="softmax", **TIMM[kind][2]).eval()
-        softmax.load_state_dict(stock.state_dict())
-        set_fused((softmax,), fused)
-        assert torch.equal(softmax(x), stock(x))  # (b): the stock attention with the same weights
-        model, stock = model.double(), stock.double()
-        if kind == "deit":
-            want = timm_reference("deit", stock, x.double(), twiced_from(0))
-            torch.testing.assert_close(model(x.double()), want, rtol=1e-10, atol=1e-10)
-            assert not torch.allclose(stock(x.double()), want)
-        else:
-            h = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-            got, state = h, None
-            for blk in model.blocks:
-                got, state = blk.attn(got, state)
-            assert state == ()  # no state: the layer's index comes with each call
-            torch.testing.assert_close(got, timm_attention_stack(stock, h, twiced_from(0)), rtol=1e-10, atol=1e-10)
-    # from_layer past the last layer (the language preset, layers >= 14): every layer computes the stock attention
-    late = timm.create_model(TIMM[kind][0], attention=NAME, attention_cfg="lm", **TIMM[kind][2]).eval()
-    late.load_state_dict(stock.state_dict())
-    set_fused((late,), fused)
-    with torch.no_grad():
-        torch.testing.assert_close(late.float()(x.float()), stock.float()(x.float()), rtol=0, atol=0)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(TIMM))
-def test_timm_checkpointing_compile_dropout_and_save(kind, tmp_path):
-    timm = pytest.importorskip("timm")
-    ref, _ = timm_pair(kind)
-    x = images(kind)
-    # (c) both checkpointing modes equal no checkpointing
-
-    def step(model):
-        model.zero_grad()
-        inp = x.clone().requires_grad_()
-        out = model(inp)
-        out.square().mean().backward()
-        return [out.detach(), inp.grad] + [p.grad for p in model.parameters()]
-
-    want = step(ref)
-    ckpt, _ = timm_pair(kind)
-    ckpt.set_grad_checkpointing(True)
-    previous = timm.layers.use_reentrant_ckpt()
-    try:
-        for reentrant in (False, True):
-            timm.layers.set_reentrant_ckpt(reentrant)
-            for a, b in zip(step(ckpt), want, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    finally:
-        timm.layers.set_reentrant_ckpt(previous)
-    # (d) compile (DeiT: FAN's layers run the same MethodLayer step, compiled in test_method_contract_timm.py)
-    if kind == "deit":
-        torch._dynamo.reset()
-        with torch.no_grad():
-            torch.testing.assert_close(torch.compile(ref, fullgraph=True, backend="aot_eager")(x), ref(x),
-                                       rtol=1e-5, atol=1e-6)
-        torch._dynamo.reset()
-    # training without attention dropout runs; with it, refused before anything is computed
-    ref.train()(x)
-    ref.eval()
-    dropping = timm.create_model(TIMM[kind][0], attention=NAME, attn_drop_rate=0.1, **TIMM[kind][2])
-    dropping.eval()(x)
+    for kind in sorted(TIMM):
+        name, _, args = TIMM[kind]
+        x = timm_images(kind)
+        timm.create_model(name, attention=NAME, **args).train()(x)  # no attention dropout: trains
+        dropping = timm.create_model(name, attention=NAME, attn_drop_rate=0.1, **args)
+        dropping.eval()(x)
+        with pytest.raises(ValueError, match="set the attention dropout to 0"):
+            dropping.train()(x)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    dropping = mm_build("PIDVisionTransformer", mm_args("backbone"), attention=NAME, attn_drop_rate=0.1)
+    dropping(x)
+    dropping.train()
     with pytest.raises(ValueError, match="set the attention dropout to 0"):
-        dropping.train()(x)
-    # (g) timm's save / load
-    path = tmp_path / "model.pth"
-    torch.save(ref.state_dict(), path)
-    name, _, cfg = TIMM[kind]
-    loaded = timm.create_model(name, attention=NAME, **cfg).eval()
-    timm.models.load_checkpoint(loaded, str(path))
-    with torch.no_grad():
-        assert torch.equal(loaded(x), ref(x))
+        dropping(x)
+    dropping, _, _ = fs_build(fs_dictionary(tmp_path), extra=[*fs_method(NAME), "--attention-dropout", "0.1"])
+    dropping.train()
+    with pytest.raises(ValueError, match="set the attention dropout to 0"):
+        dropping(fs_tokens())
 
 
 # ============================================================================================== transformers
 V = 64
-
-
-def llama_cfg(method=NAME, cfg=None, kv_heads=4, **kw):
-    return llama_config(method, cfg, kv_heads=kv_heads, vocab=V, **kw)
 
 
 def llama_pair(cfg=None, kv_heads=4, **kw):
@@ -271,82 +178,6 @@ def llama_pair(cfg=None, kv_heads=4, **kw):
 
 def ids(n=2, length=8, seed=1):
     return hf_ids(n, length, seed, vocab=V)
-
-
-def llama_reference(model, x, from_layer):
-    """The (float64) Llama by hand (stock modules for embeddings, norms, rotary, MLP), attention written out."""
-    return zoo_llama_reference(model, x, twiced_from(from_layer))
-
-
-@pytest.mark.parametrize("from_layer", [0, 1])
-def test_hf_llama_matches_a_float64_reference(from_layer):
-    model, stock = llama_pair({"from_layer": from_layer})
-    x = ids()
-    with torch.no_grad():
-        want = llama_reference(stock.double(), x, from_layer)
-        torch.testing.assert_close(model.double()(x).logits, want, rtol=1e-10, atol=1e-10)
-        assert not torch.allclose(stock(x).logits, want)
-
-
-def test_hf_switched_off_is_the_stock_model_bit_for_bit():
-    T = pytest.importorskip("transformers")
-    late, stock = llama_pair({"from_layer": 3})  # past the last layer: every layer computes A v itself
-    x = ids()
-    x[0, :2] = 0
-    mask = (x != 0).long()
-    with torch.no_grad():
-        want = stock(x, attention_mask=mask).logits
-        assert torch.equal(late(x, attention_mask=mask).logits, want)
-        softmax = T.LlamaForCausalLM(llama_cfg(method="sdpa")).eval()
-        softmax.load_state_dict(stock.state_dict())
-        assert torch.equal(softmax(x, attention_mask=mask).logits, want)
-
-
-@pytest.mark.slow
-def test_hf_checkpointing_compile_and_save(tmp_path):
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf as ph
-    model, _ = llama_pair({"from_layer": 1})  # the layer count threaded too
-    x = ids()
-    model.train()
-
-    hf_checkpointing_grads(model, causal_lm_loss(x))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    with pytest.raises(ValueError, match="use_reentrant': False"):  # the adapter's one refusal, for every method
-        model(x, labels=x)
-    model.gradient_checkpointing_disable()
-    model.eval()
-    with torch.no_grad():
-        want = model(x).logits
-        torch._dynamo.reset()
-        got = torch.compile(model, fullgraph=True, backend="aot_eager")(x).logits
-        torch._dynamo.reset()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    model.save_pretrained(tmp_path)
-    again = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert again.config._attn_implementation == NAME and ph.model_method_config(again.config) == TwicingConfig(1)
-    with torch.no_grad():
-        assert torch.equal(again(x).logits, want)
-
-
-def test_hf_cached_generation_equals_recomputation_and_stays_causal():
-    """A v of past positions is kept in the cache (tests/test_method_hf_lm.py covers GQA, static, beams, compile)."""
-    model, _ = llama_pair({"from_layer": 1})
-    x = ids(length=5)
-    with torch.no_grad():
-        got = model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0)
-        seq = x
-        for _ in range(3):
-            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], 1)
-        assert torch.equal(got, seq)
-        # (f) causal: changing a token changes no earlier position
-        full = model(x).logits
-        for j in (2, 4):
-            y = x.clone()
-            y[:, j] = (y[:, j] + 1 - 3) % (V - 3) + 3
-            other = model(y).logits
-            torch.testing.assert_close(other[:, :j], full[:, :j], rtol=0, atol=0)
-            assert not torch.allclose(other[:, j:], full[:, j:])
 
 
 def test_hf_runs_grouped_query_and_refuses_attention_dropout_in_training():
@@ -359,26 +190,18 @@ def test_hf_runs_grouped_query_and_refuses_attention_dropout_in_training():
         model.train()(ids())
 
 
-def test_hf_encoder_and_encoder_decoder():
-    T = pytest.importorskip("transformers")
+def test_hf_encoder_decoder_twices_both_self_attention_stacks_and_stays_causal():
+    T = import_transformers()
     import pid_plugins.hf as ph
 
     torch.manual_seed(0)
-    bert = T.BertModel(bert_config(V)).eval()
+    bart = T.BartModel(bart_config(V)).eval()
     x = ids()
     with torch.no_grad():
-        stock = bert(x).last_hidden_state
-        ph.to_pid(bert, method=NAME)
-        got = bert.double()(x).last_hidden_state
-        torch.testing.assert_close(got, bert_reference(bert, x, twiced_from(0)), rtol=1e-10, atol=1e-10)
-        assert not torch.allclose(got.float(), stock)
-    torch.manual_seed(0)
-    bart = T.BartModel(bart_config(V)).eval()
-    with torch.no_grad():
         want = bart(x).last_hidden_state
-        ph.to_pid(bart, {"from_layer": 2}, method=NAME)  # past each stack's last layer: the stock model
+        ph.convert(bart, NAME, {"from_layer": 2})  # past each stack's last layer: the stock model
         assert torch.equal(bart(x).last_hidden_state, want)
-        ph.to_pid(bart, "vision", method=NAME)
+        ph.convert(bart, NAME, "vision")
         full = bart(x).last_hidden_state
         assert not torch.allclose(full, want)
         # the decoder's self-attention stays causal (the encoder sees all of x; change only the decoder's input)
@@ -388,120 +211,3 @@ def test_hf_encoder_and_encoder_decoder():
         ref = bart(x, decoder_input_ids=x).last_hidden_state
         torch.testing.assert_close(other[:, :5], ref[:, :5], rtol=0, atol=0)
         assert not torch.allclose(other[:, 5:], ref[:, 5:])
-
-
-# ============================================================================================== mmseg
-BACKBONE = mm_args("backbone", layers=2)
-HEAD = mm_args("head", layers=2)
-
-
-def test_mmseg_backbone_and_head_match_float64_references_and_softmax_is_stock():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 3, 32, 32, generator=g, dtype=torch.float64)
-    feats = [torch.randn(2, 48, 4, 4, generator=g, dtype=torch.float64)]
-    model, stock = mm_pair("backbone", layers=2, attention=NAME)
-    softmax = mm_build("PIDVisionTransformer", BACKBONE, seed=1, attention="softmax")
-    softmax.load_state_dict(stock.state_dict(), strict=True)
-    head, stock_h = mm_pair("head", layers=2, attention=NAME)
-    with torch.no_grad():
-        assert torch.equal(softmax(x.float())[0], stock(x.float())[0])
-        stock, model, stock_h, head = stock.double(), model.double(), stock_h.double(), head.double()
-        want = mmseg_reference("backbone", stock, x, twiced_from(0))
-        torch.testing.assert_close(model(x)[0], want, rtol=1e-10, atol=1e-10)
-        assert (want - stock(x)[0]).abs().max() > 1e-3
-        want = mmseg_reference("head", stock_h, feats, twiced_from(0))
-        torch.testing.assert_close(head(feats), want, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.slow
-def test_mmseg_with_cp_compile_dropout_and_save(tmp_path):
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    ref = mm_build("PIDVisionTransformer", BACKBONE, attention=NAME)
-    ckpt = mm_build("PIDVisionTransformer", BACKBONE, attention=NAME, with_cp=True)
-    ckpt.load_state_dict(ref.state_dict())
-    results = []
-    for model in (ref, ckpt):
-        model.train()
-        inp = x.clone().requires_grad_()
-        y = model(inp)[0]
-        y.square().mean().backward()
-        results.append([y.detach(), inp.grad] + [p.grad for p in model.parameters()])
-    assert_equal_or_both_none(*results)
-    ref.eval()
-    compiled = mm_compiled(ref, x, "eager")
-    with torch.no_grad():
-        torch.testing.assert_close(compiled, ref(x)[0], rtol=1e-6, atol=1e-6)
-    dropping = mm_build("PIDVisionTransformer", BACKBONE, attention=NAME, attn_drop_rate=0.1)
-    dropping(x)
-    dropping.train()
-    with pytest.raises(ValueError, match="set the attention dropout to 0"):
-        dropping(x)
-    from mmengine.runner.checkpoint import load_checkpoint, save_checkpoint
-
-    path = tmp_path / "iter_1.pth"
-    save_checkpoint({"state_dict": ref.state_dict(), "meta": {}}, str(path))
-    again = mm_build("PIDVisionTransformer", BACKBONE, seed=3, attention=NAME)
-    load_checkpoint(again, str(path), map_location="cpu", strict=True)
-    with torch.no_grad():
-        assert torch.equal(again(x)[0], ref(x)[0])
-
-
-# ============================================================================================== fairseq
-def fs_build(data_dir, arch="transformer_lm_pid", extra=(), seed=0):
-    return zoo_fs_build(data_dir, arch, extra, seed, layers=2)
-
-
-def fs_twicing(cfg=None):
-    return fs_method(NAME, cfg)
-
-
-def fs_reference(stock, toks, from_layer):
-    """fairseq's transformer_lm modules run by hand in float64, the attention written out and twiced."""
-    return fairseq_reference(stock, toks, twiced_from(from_layer))
-
-@pytest.mark.slow
-def test_fairseq_lm_reference_softmax_causality_and_incremental_decoding(data_dir):
-    stock, _, _ = fs_build(data_dir, arch="transformer_lm")
-    toks = fs_tokens()
-    with torch.no_grad():
-        want_stock = stock(toks)[0]
-        softmax, _, _ = fs_build(data_dir, extra=["--attention-method", "softmax"], seed=1)
-        softmax.load_state_dict(stock.state_dict(), strict=True)
-        assert torch.equal(softmax(toks)[0], want_stock)
-        for from_layer in (0, 1):
-            model, _, _ = fs_build(data_dir, extra=fs_twicing({"from_layer": from_layer}), seed=1)
-            model.load_state_dict(stock.state_dict(), strict=True)
-            want = fs_reference(stock.double(), toks, from_layer)
-            torch.testing.assert_close(model.double()(toks)[0], want, rtol=1e-10, atol=1e-10)
-            stock.float()
-        assert not torch.allclose(want.float(), want_stock)
-        model, _, _ = fs_build(data_dir, extra=fs_twicing({"from_layer": 1}))
-        full = model(toks)[0]
-        for j in (3, 7):
-            changed = toks.clone()
-            changed[:, j] = (changed[:, j] - 4 + 7) % 40 + 4
-            other = model(changed)[0]
-            torch.testing.assert_close(other[:, :j], full[:, :j], rtol=0, atol=0)
-            assert not torch.allclose(other[:, j:], full[:, j:])
-        # A v of past positions kept in fairseq's incremental buffer: decoding token by token equals the full pass
-        torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
-        torch._dynamo.reset()
-        compiled = torch.compile(model.decoder, fullgraph=True, backend="eager")(toks)[0]
-        torch._dynamo.reset()
-        torch.testing.assert_close(compiled, full, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="--checkpoint-activations is not supported"):  # fairseq's one mode
-        fs_build(data_dir, extra=[*fs_twicing(), "--checkpoint-activations"])
-    dropping, _, _ = fs_build(data_dir, extra=[*fs_twicing(), "--attention-dropout", "0.1"])
-    dropping.train()
-    with pytest.raises(ValueError, match="set the attention dropout to 0"):
-        dropping(toks)
-
-
-@pytest.mark.slow
-def test_fairseq_save_and_reload_through_checkpoint_utils(data_dir, tmp_path):
-    model, task, args = fs_build(data_dir, extra=fs_twicing({"from_layer": 1}))
-    loaded = fs_save_and_reload(model, task, args, str(tmp_path / "checkpoint_twicing.pt"))
-    assert loaded.decoder.layers[0].self_attn.attention_config == TwicingConfig(from_layer=1)
-    toks = fs_tokens()
-    with torch.no_grad():
-        assert torch.equal(loaded(toks)[0], model(toks)[0])

@@ -91,6 +91,103 @@ def elliptical_prefix_rule(delta: float, from_layer: int = 2) -> Rule:
     return rule
 
 
+def naive_neutreno(attn_out: Tensor, values: Sequence[Tensor], alpha: float) -> Tensor:
+    """NeuTRENO's official rule, position by position in float64 (github.com/tamnguyen9520/NeuTRENO_NeurIPS2024):
+    ``attn_out`` (B, H, N, D) is this layer's ``A v``, ``values`` the group's values so far ``[v^1, ..., v^l]``
+    (B, H_kv, N, D); layers l >= 2 add ``alpha (v^1 - v^l)``; a query head reads key/value head ``h // (H / H_kv)``."""
+    B, H, N, D = attn_out.shape
+    group = H // values[0].shape[1]
+    u = attn_out.double().clone()
+    if len(values) == 1:
+        return u
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                u[b, h, i] += alpha * (values[0][b, h // group, i].double() - values[-1][b, h // group, i].double())
+    return u
+
+
+def neutreno_rule(alpha: float) -> Rule:
+    """The zoo references' NeuTRENO rule: this layer's ``A v`` plus the term from :func:`naive_neutreno`."""
+    return on_outputs(lambda attn_outs, values: naive_neutreno(attn_outs[-1], values, alpha))
+
+
+def twice64(scores: Tensor, v: Tensor) -> Tensor:
+    """Twicing's official rule from the attention matrix (github.com/lazizcodes/twicing_attention): ``A = softmax(
+    scores)`` (masked scores), ``A v + A (v - A v)`` in float64 (grouped-query: values repeated like the keys)."""
+    a = torch.softmax(scores.double(), -1)
+    v = v.double().repeat_interleave(a.shape[1] // v.shape[1], 1)
+    av = a @ v
+    return av + a @ (v - av)
+
+
+def twiced_from(from_layer: int) -> Rule:
+    """The zoo references' Twicing rule: stock ``A v`` before ``from_layer`` (0-based), :func:`twice64` from it on."""
+    def statement(index, scores, v):
+        if index >= from_layer:
+            return twice64(scores, v)
+        return torch.softmax(scores, -1) @ v.double().repeat_interleave(scores.shape[1] // v.shape[1], 1)
+    return on_scores(statement)
+
+
+def naive_elliptical_scales(v: Tensor, v_prev: Tensor, delta: float) -> Tensor:
+    """Elliptical attention's scales (stefvk/Elliptical-Attention, ``MahalaAttention.W_over_layers``), by loops:
+    ``m[b, h, d] = (1/N) sum_n |v - v_prev|[b, h, n, d] / delta``, then divided by ``max_d m[b, h, d]`` (float64)."""
+    B, H, N, D = v.shape
+    m = torch.zeros(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for d in range(D):
+                total = 0.0
+                for n in range(N):
+                    total += abs(float(v[b, h, n, d]) - float(v_prev[b, h, n, d])) / delta
+                m[b, h, d] = total / N
+            m[b, h] = m[b, h] / max(float(x) for x in m[b, h])
+    return m
+
+
+def naive_elliptical_attention(q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor] = None,
+                               mask: Optional[Tensor] = None) -> Tensor:
+    """``softmax((q diag(m)) k^T / sqrt(D) + mask) v`` in float64; the scaling of key/value head j serves query heads
+    j*r .. j*r + r - 1 (grouped-query attention)."""
+    q, k, v = q.double(), k.double(), v.double()
+    r = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    if m is not None:
+        q = q * m.repeat_interleave(r, 1)[:, :, None, :]
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, -1) @ v
+
+
+def naive_elliptical_layer(q: Tensor, k: Tensor, v: Tensor, v_prev: Tensor, layer: int, from_layer: int = 2,
+                           delta: float = 5.0) -> Tensor:
+    """One layer (1-based index ``layer``) of elliptical attention's bidirectional (``mean="sequence"``) rule."""
+    if layer < from_layer:
+        return naive_elliptical_attention(q, k, v)
+    return naive_elliptical_attention(q, k, v, naive_elliptical_scales(v, v_prev, delta))
+
+
+def elliptical_rule(from_layer: int = 2, delta: float = 5.0) -> Rule:
+    """The zoo references' bidirectional elliptical rule: the first layer plain, then :func:`naive_elliptical_layer`
+    with the previous layer's values (layers counted from 1)."""
+    def rule(qs, ks, vs, mask):
+        if len(vs) == 1:
+            return naive_elliptical_attention(qs[-1], ks[-1], vs[-1])
+        return naive_elliptical_layer(qs[-1], ks[-1], vs[-1], vs[-2], len(vs), from_layer, delta)
+    return rule
+
+
+def pid_rule(lambda_p: float, lambda_i: float, lambda_d: float, beta: float, control_first_layer: bool = True) -> Rule:
+    """The zoo references' PID rule: :func:`reference.naive_pid_stack` (PIDformer eq. 25, by loops) over the group's
+    layers so far, this layer's output."""
+    from reference import naive_pid_stack
+
+    return on_outputs(lambda attn_outs, values: naive_pid_stack(
+        attn_outs, values, lambda_p, lambda_i, lambda_d, beta, control_first_layer)[-1])
+
+
 def assert_equal_or_both_none(got: Sequence[Optional[Tensor]], want: Sequence[Optional[Tensor]]) -> None:
     """Element by element: both None, or equal bit for bit."""
     for a, b in zip(got, want):

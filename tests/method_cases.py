@@ -1,0 +1,324 @@
+"""The case table of the method contract (tests/test_method_contract.py): which method runs on which zoo model, with
+which parameters, and against which independent float64 rule.
+
+Two axes. :data:`MODELS`: one entry per zoo model the contract builds (timm DeiT and FAN, a transformers Llama with
+grouped-query attention and BERT, mmseg's ViT backbone and Segmenter's mask-transformer head, fairseq's
+transformer_lm), each a :class:`Model` that builds a (method model, stock model) pair with the same weights through
+the zoo's public path only (``timm.create_model(..., attention=, attention_cfg=)``, ``attn_implementation=`` with
+``config.<method>``, ``pid_plugins.hf.convert(model, attention, attention_cfg)``, mmseg's
+``dict(type="PID...", attention=, attention_cfg=)``, fairseq's ``--attention-method`` / ``--attention-cfg``), runs
+it, and runs the stock modules by hand (zoo_cases' ``*_reference``). :data:`METHODS`: one :class:`Method` per
+attention method (the five built-in ones and the toy ``scaled_reference``, registered as a user registers it), with
+its "on" parameters per model, its rule (zoo_cases' float64 statements, never pid_plugins' method code), its "zero"
+parameters (the stock model bit for bit) where it has them, and where each property applies. :func:`cases` lists the
+(method, model) pairs a property applies to: a pair that does not apply is not generated.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+
+import zoo_cases as zc
+
+Cfg = Optional[dict]
+
+
+# ================================================================================================ the models
+@dataclass(frozen=True)
+class Model:
+    """One zoo model of the contract. ``zoo``: the adapter (``timm``, ``hf``, ``mmseg``, ``fairseq``); ``causal``:
+    a decoder (causal mask); ``cached``: it decodes with a cache (generation / incremental state);
+    ``compile_backend``/``compile_tol``: torch.compile's backend and (rtol, atol) of its test (None: not compiled
+    here, e.g. mmseg's head, whose layers are the backbone's)."""
+
+    name: str
+    zoo: str
+    causal: bool = False
+    cached: bool = False
+    compile_backend: Optional[str] = None
+    compile_tol: Tuple[float, float] = (1e-5, 1e-6)
+
+    # ---- building
+    def pair(self, method: str, cfg: Cfg, seed: int = 0):
+        """(method model, stock model) with the same weights, eval mode."""
+        if self.zoo == "timm":
+            return zc.timm_pair(self.kind, seed, attention=method, attention_cfg=cfg)
+        if self.name == "hf-llama":
+            T = zc.import_transformers()
+            torch.manual_seed(seed)
+            model = T.LlamaForCausalLM(zc.llama_config(method, cfg, kv_heads=2)).eval()
+            stock = T.LlamaForCausalLM(zc.llama_config("sdpa", kv_heads=2)).eval()
+            stock.load_state_dict(model.state_dict())
+            return model, stock
+        if self.name == "hf-bert":
+            stock = self.stock(seed)
+            model = self.stock(seed)
+            import pid_plugins.hf as ph
+
+            return ph.convert(model, method, cfg), stock
+        if self.zoo == "mmseg":
+            return zc.mm_pair(self.kind, layers=3, seed=seed, attention=method, attention_cfg=cfg)
+        stock = self.stock(seed)
+        model, _, _ = zc.fs_build(fairseq_data(), extra=zc.fs_method(method, cfg), seed=seed + 1)
+        model.load_state_dict(stock.state_dict(), strict=True)
+        return model, stock
+
+    def stock(self, seed: int = 0):
+        """The stock model alone (BERT, fairseq: what :meth:`pair` draws the weights from)."""
+        if self.name == "hf-bert":
+            T = zc.import_transformers()
+            torch.manual_seed(seed)
+            return T.BertModel(zc.bert_config(layers=3, hidden_dropout_prob=0.0,
+                                              attention_probs_dropout_prob=0.0)).eval()
+        if self.zoo == "fairseq":
+            return zc.fs_build(fairseq_data(), arch="transformer_lm", seed=seed)[0]
+        return self.pair("softmax", None, seed)[1]
+
+    def build(self, method: str, cfg: Cfg, seed: int):
+        """A freshly built method model (other weights than :meth:`pair`'s for another seed): what a checkpoint is
+        loaded into."""
+        if self.zoo == "timm":
+            timm = zc.import_timm()
+            name, _, args = zc.TIMM[self.kind]
+            torch.manual_seed(seed)
+            return timm.create_model(name, attention=method, attention_cfg=cfg, **args).eval()
+        if self.zoo == "mmseg":
+            return zc.mm_build("PID" + zc.MM_TYPES[self.kind], zc.mm_args(self.kind, 3), seed, attention=method,
+                               attention_cfg=cfg)
+        if self.zoo == "fairseq":
+            return zc.fs_build(fairseq_data(), extra=zc.fs_method(method, cfg), seed=seed)[0]
+        return self.pair(method, cfg, seed)[0]
+
+    @property
+    def kind(self) -> str:
+        return self.name.split("-", 1)[1]
+
+    # ---- running
+    def inputs(self, dtype=torch.float32, seed: int = 1):
+        if self.zoo == "timm":
+            return zc.timm_images(self.kind, seed=seed).to(dtype)
+        if self.zoo == "hf":
+            return zc.hf_ids(seed=seed)
+        if self.zoo == "mmseg":
+            return zc.mm_inputs(self.kind, dtype, seed=seed)
+        return zc.fs_tokens(seed=seed)
+
+    def out(self, model, x) -> Tensor:
+        if self.name == "hf-llama":
+            return model(x).logits
+        if self.name == "hf-bert":
+            return model(x).last_hidden_state
+        if self.zoo == "mmseg":
+            return zc.mm_out(self.kind, model, x)
+        if self.zoo == "fairseq":
+            return model(x)[0]
+        return model(x)
+
+    def reference(self, stock, x, rule: zc.Rule) -> Tensor:
+        """The stock model's modules run by hand (float64 when ``stock`` is), attention by ``rule``."""
+        if self.zoo == "timm":
+            return zc.timm_reference(self.kind, stock, x, rule)
+        if self.name == "hf-llama":
+            return zc.llama_reference(stock, x, rule)
+        if self.name == "hf-bert":
+            return zc.bert_reference(stock, x, rule)
+        if self.zoo == "mmseg":
+            return zc.mmseg_reference(self.kind, stock, x, rule)
+        return zc.fairseq_reference(stock, x, rule)
+
+    def attention_layers(self, model) -> list:
+        """The modules that carry ``attention_method`` / ``attention_config``."""
+        if self.zoo == "timm":
+            return [blk.attn for blk in model.blocks]
+        if self.zoo == "mmseg":
+            return list(model.layers)
+        if self.zoo == "fairseq":
+            return [layer.self_attn for layer in model.decoder.layers]
+        raise ValueError(self.zoo)
+
+
+_FAIRSEQ_DATA: List[Any] = []
+
+
+def fairseq_data():
+    """A fairseq dictionary folder (zoo_cases.fs_dictionary), made once per process."""
+    if not _FAIRSEQ_DATA:
+        from pathlib import Path
+
+        _FAIRSEQ_DATA.append(zc.fs_dictionary(Path(tempfile.mkdtemp(prefix="method_contract_fairseq_"))))
+    return _FAIRSEQ_DATA[0]
+
+
+MODELS: Dict[str, Model] = {m.name: m for m in (
+    Model("timm-deit", "timm", compile_backend="aot_eager"),
+    Model("timm-fan", "timm", compile_backend="aot_eager"),
+    Model("hf-llama", "hf", causal=True, cached=True, compile_backend="aot_eager", compile_tol=(1e-5, 1e-5)),
+    Model("hf-bert", "hf", compile_backend="aot_eager", compile_tol=(1e-5, 1e-5)),
+    Model("mmseg-backbone", "mmseg", compile_backend="eager", compile_tol=(1e-6, 1e-6)),
+    Model("mmseg-head", "mmseg"),
+    Model("fairseq-lm", "fairseq", causal=True, cached=True, compile_backend="eager", compile_tol=(1e-5, 1e-5)),
+)}
+BIDIRECTIONAL = frozenset(n for n, m in MODELS.items() if not m.causal)
+CAUSAL = frozenset(n for n, m in MODELS.items() if m.causal)
+
+
+# ================================================================================================ the methods
+@dataclass(frozen=True)
+class Method:
+    """One attention method of the contract.
+
+    ``on(model)``: the parameter sets the reference test runs (the first is the one the other properties use);
+    ``rule(cfg, model)``: the independent float64 rule of ``cfg`` (None: the zoo's preset) on ``model``;
+    ``zero``: the parameters with which the method is the stock model bit for bit, on the models ``zero_models``;
+    ``defaults``: the preset each zoo starts from (unset parameters); ``models``: where the method applies;
+    ``compile_models``: the models whose torch.compile test runs this method (each model's compile test costs
+    seconds: every method compiles on the zoos whose code paths it changes, PID's other zoos are compiled by
+    tests/test_compile.py); ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
+    """
+
+    name: str
+    config_type: Callable[[], type]
+    on: Callable[[Model], Sequence[Cfg]]
+    rule: Callable[[Cfg, Model], zc.Rule]
+    defaults: Dict[str, str]
+    zero: Cfg = None
+    zero_models: FrozenSet[str] = frozenset()
+    models: FrozenSet[str] = frozenset(MODELS)
+    compile_models: FrozenSet[str] = frozenset()
+    compile_overrides: Dict[str, Tuple[str, Tuple[float, float]]] = field(default_factory=dict)
+
+    def config(self, cfg: Cfg, zoo: str):
+        """The config the models must carry for ``cfg`` (the zoo's preset with ``cfg``'s overrides)."""
+        return self.config_type().preset(self.defaults[zoo], **(cfg or {}))
+
+
+def _pid_config():
+    from pid_plugins import PIDConfig
+
+    return PIDConfig
+
+
+def _neutreno_config():
+    from pid_plugins.core.siblings.neutreno import NeuTRENOConfig
+
+    return NeuTRENOConfig
+
+
+def _twicing_config():
+    from pid_plugins.core.siblings.twicing import TwicingConfig
+
+    return TwicingConfig
+
+
+def _elliptical_config():
+    from pid_plugins.core.siblings.elliptical import EllipticalConfig
+
+    return EllipticalConfig
+
+
+def _value_residual_config():
+    from pid_plugins.core.siblings.value_residual import ValueResidualConfig
+
+    return ValueResidualConfig
+
+
+def _toy_config():
+    from toy_method import ScaledReferenceConfig
+
+    return ScaledReferenceConfig
+
+
+PID_ON = {"lambda_p": 0.5, "lambda_i": 0.3, "lambda_d": 0.2, "beta": 0.6}  # every gain apart from the presets'
+VR_MIXED = {"lambda_1": 0.3, "lambda_2": 0.9}  # not the paper's 0.5 / 0.5: a weight per term that a swap would show
+
+
+def _vr_rule(cfg: Cfg, model: Model) -> zc.Rule:
+    cfg = {"lambda_1": 0.5, "lambda_2": 0.5, **(cfg or {})}  # None: the resformer preset
+    return zc.value_residual_rule([(cfg["lambda_1"], cfg["lambda_2"])] * 16)
+
+
+def _elliptical_on(model: Model) -> Sequence[Cfg]:
+    if model.name == "fairseq-lm":
+        return [None]  # fairseq's preset for language models: the prefix mean, delta 1
+    if model.causal:
+        return [{"mean": "prefix"}]
+    return [{"from_layer": 3}, {"from_layer": 2}]
+
+
+def _elliptical_rule(cfg: Cfg, model: Model) -> zc.Rule:
+    if model.causal:
+        return zc.elliptical_prefix_rule(1.0 if model.zoo == "fairseq" else 5.0)
+    return zc.elliptical_rule(cfg["from_layer"])
+
+
+def _toy_rule(cfg: Cfg, model: Model) -> zc.Rule:
+    from toy_method import toy_rule
+
+    return toy_rule(cfg["gamma"])
+
+
+VISION = ("timm", "mmseg")
+METHODS: Dict[str, Method] = {m.name: m for m in (
+    Method("pid", _pid_config, on=lambda model: [PID_ON], rule=lambda cfg, model: zc.pid_rule(
+        cfg["lambda_p"], cfg["lambda_i"], cfg["lambda_d"], cfg["beta"]),
+        defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
+        zero={"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, zero_models=frozenset(MODELS),
+        compile_models=frozenset({"fairseq-lm"})),  # timm, transformers, mmseg: tests/test_compile.py
+    Method("neutreno", _neutreno_config,
+           on=lambda model: [{"alpha": 0.6 if model.zoo in VISION else 0.4}],
+           rule=lambda cfg, model: zc.neutreno_rule(cfg["alpha"]),
+           defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
+           zero={"alpha": 0.0}, zero_models=frozenset(MODELS),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
+    # no strength parameter: from_layer past the last layer computes A v in every layer (stock bit for bit where
+    # the adapter's own attention is the one called: timm, transformers)
+    Method("twicing", _twicing_config, on=lambda model: [{"from_layer": 1}, {"from_layer": 0}],
+           rule=lambda cfg, model: zc.twiced_from(cfg["from_layer"]),
+           defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "vision"),
+           zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"}),
+           compile_models=frozenset({"timm-deit", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
+    # bidirectional by default (the sequence mean); causal models run the prefix mean (mean="prefix")
+    Method("elliptical", _elliptical_config, on=_elliptical_on, rule=_elliptical_rule,
+           defaults={"timm": "deit", "mmseg": "segmenter", "hf": "deit", "fairseq": "lm"},
+           zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-bert"}),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-bert", "mmseg-backbone"}),
+           compile_overrides={"mmseg-backbone": ("aot_eager", (1e-5, 1e-6))}),
+    Method("value_residual", _value_residual_config, on=lambda model: [VR_MIXED, None], rule=_vr_rule,
+           defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "resformer"),
+           zero={"lambda_1": 0.0, "lambda_2": 1.0}, zero_models=frozenset(MODELS),
+           compile_models=frozenset({"timm-deit", "hf-llama"})),
+    Method("scaled_reference", _toy_config, on=lambda model: [{"gamma": 0.7}], rule=_toy_rule,
+           defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "default"),
+           zero={"gamma": 0.0}, zero_models=frozenset(MODELS),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
+)}
+
+
+def method_cfg(method: Method, model: Model) -> Cfg:
+    """The "on" parameters of the properties other than the reference (the first of ``method.on``)."""
+    return method.on(model)[0]
+
+
+def cases(models: Optional[Callable[[Model], bool]] = None, methods: Optional[Callable[[Method], bool]] = None,
+          pair: Optional[Callable[[Method, Model], bool]] = None, with_cfg: bool = False) -> list:
+    """pytest params (method, model[, cfg]) of every pair that applies, ids ``method-model[-i]``."""
+    out = []
+    for method in METHODS.values():
+        if methods is not None and not methods(method):
+            continue
+        for model in MODELS.values():
+            if model.name not in method.models or (models is not None and not models(model)):
+                continue
+            if pair is not None and not pair(method, model):
+                continue
+            if with_cfg:
+                for i, cfg in enumerate(method.on(model)):
+                    out.append(pytest.param(method, model, cfg, id=f"{method.name}-{model.name}-{i}"))
+            else:
+                out.append(pytest.param(method, model, id=f"{method.name}-{model.name}"))
+    return out
