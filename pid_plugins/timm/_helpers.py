@@ -55,8 +55,8 @@ STATE_ROUTE = (
     "class threads the state in every path (forward, attn_mask / is_causal, set_grad_checkpointing, "
     "forward_intermediates). A stock VisionTransformer converted in place (pid_plugins.timm.convert) keeps timm's own "
     "forward_features and forward_intermediates: they thread the state in the plain forward (self.blocks(x)) only, "
-    "while timm's loops over the blocks (gradient checkpointing, attn_mask / is_causal, forward_intermediates) call "
-    "each block without it. By hand (a pipeline stage): x, *state = block(x, *state, with_state=True), with "
+    "while timm's loops over the blocks (gradient checkpointing, attn_mask / is_causal, forward_intermediates, and "
+    "torch.fx tracing that leaves attn_mask an input, as timm's feature extraction does) call each block without it. By hand (a pipeline stage): x, *state = block(x, *state, with_state=True), with "
     "warmup_scale= the forward's warm-up scale under warm-up (FAN: block(x, H, W, *state)), handing the state "
     "tensors on beside x."
 )

@@ -12,7 +12,8 @@ parameters, buffers, submodules and hooks); no class is ever reassigned.
   ``forward_features`` calls (``x = self.blocks(x)``): ``forward``, ``forward_head``, torch.fx and ``torch.compile``
   run the method. A warm-up counter is the model's submodule ``attention_warmup`` (the key a model built by name
   has). timm's own loops over the blocks (``set_grad_checkpointing``, ``attn_mask`` / ``is_causal``,
-  ``forward_intermediates``) call each block without the method's state: refused with core's
+  ``forward_intermediates``, torch.fx tracing with ``attn_mask`` left an input: timm's feature extraction) call each
+  block without the method's state: refused with core's
   :class:`~pid_plugins.core.MissingLayerState`, whose message says to build the model by its ``pid_*`` name, whose
   class threads the state in every path. Checkpoints load strictly either way.
 * ``attention="softmax"`` on such a model gives back timm's own classes (``Block``, ``Attention``, ``nn.Sequential``)
