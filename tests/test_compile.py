@@ -87,7 +87,7 @@ def test_timm_forward_compiles_fullgraph_with_a_preset_name():
     import pid_plugins.timm  # noqa: F401
 
     torch.manual_seed(0)
-    model = timm.create_model("pid_deit_tiny_patch16_224", pid="lm", img_size=32, patch_size=16, embed_dim=24,
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg="lm", img_size=32, patch_size=16, embed_dim=24,
                               depth=2, num_heads=2, num_classes=5).eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -9,8 +9,8 @@ parameters, buffers, submodules and hooks); no class is ever reassigned.
   class (the root module cannot be replaced in place): ``model.blocks`` becomes a
   :class:`~pid_plugins.timm.MethodBlocks` (the same blocks under the same keys) of
   :class:`~pid_plugins.timm.PIDBlock` / :class:`~pid_plugins.timm.PIDAttention` blocks, which timm's own
-  ``forward_features`` calls (``x = self.blocks(x)``): ``forward``, ``forward_head``, torch.fx and ``torch.compile``
-  run the method. A warm-up counter is the model's submodule ``attention_warmup`` (the key a model built by name
+  ``forward_features`` calls (``x = self.blocks(x)``): ``forward``, ``forward_head``, ``torch.compile`` and torch.fx
+  with ``attn_mask`` / ``is_causal`` as constants (torchvision's ``concrete_args``) run the method. A warm-up counter is the model's submodule ``attention_warmup`` (the key a model built by name
   has). timm's own loops over the blocks (``set_grad_checkpointing``, ``attn_mask`` / ``is_causal``,
   ``forward_intermediates``, torch.fx tracing with ``attn_mask`` left an input: timm's feature extraction) call each
   block without the method's state: refused with core's
