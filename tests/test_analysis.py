@@ -66,7 +66,7 @@ def test_layer_measures_match_the_blocks_outputs(name):
         t = model._pos_embed(t)
         state = ()
         for i, blk in enumerate(model.blocks):
-            out = blk(t, *state)
+            out = blk(t, *state, with_state=True) if hasattr(blk.attn, "attention_method") else blk(t)
             t, state = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
             assert res["mean_cosine"][i] == pytest.approx(mean_pairwise_cosine(t).mean().item(), rel=1e-5)
             assert res["consensus_distance"][i] == pytest.approx(consensus_distance(t).mean().item(), rel=1e-5)

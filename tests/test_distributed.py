@@ -408,8 +408,9 @@ def _thread_jobs(tmp_path):
     jobs = []
     torch.manual_seed(0)
     deit_a = timm.create_model("pid_deit_tiny_patch16_224", **cases.TIMM_TINY).eval()
-    deit_b = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=0.9, lambda_i=0.1, lambda_d=0.3,
-                                                                     beta=0.7), **cases.TIMM_TINY).eval()
+    deit_b = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=dict(lambda_p=0.9, lambda_i=0.1,
+                                                                               lambda_d=0.3, beta=0.7),
+                               **cases.TIMM_TINY).eval()
     deit_b.load_state_dict(deit_a.state_dict())  # same weights: only the gains differ
     for name, model, n in (("deit_a", deit_a, 3), ("deit_b", deit_b, 5)):
         x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))

@@ -16,7 +16,7 @@ API_NAMES = {
                  "finish_warmup", "pid_update", "PIDSelfAttention", "LayerCall", "list_models", "check_version",
                  "InternalChanged", "Internal"],
     "api/methods": ["PIDMethod", "NeuTRENOConfig", "TwicingConfig", "EllipticalConfig", "ValueResidualConfig"],
-    "api/timm": ["convert", "to_pid", "PIDVisionTransformer", "FAN", "checkpoint_filter_fn"],
+    "api/timm": ["convert", "MethodBlocks", "PIDVisionTransformer", "FAN", "checkpoint_filter_fn"],
     "api/hf": ["convert", "NoGainDecayTrainerMixin", "gain_parameter_names", "decay_parameter_names", "get_config"],
     "api/mmseg": ["PIDVisionTransformer", "PIDSegmenterMaskTransformerHead", "WeightsOnlyCheckpointHook",
                   "timm_vit_to_mmseg"],

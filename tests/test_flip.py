@@ -31,7 +31,7 @@ TIMM_CASES = {  # PID name, stock name, small size
     "pid_fan_tiny_12_p16_224": ("fan_tiny_12_p16_224", dict(img_size=64, depth=2)),
 }
 RECIPES = {  # what a PID (or sibling) recipe carries, flipped with attention="softmax"
-    "pid": dict(pid=dict(lambda_p=0.3, learnable=True, warmup_steps=10)),
+    "pid": dict(attention_cfg=dict(lambda_p=0.3, learnable=True, warmup_steps=10)),
     "preset": dict(attention_cfg="deit"),
     "sibling": dict(attention_cfg=dict(gamma=0.6)),
 }
@@ -70,20 +70,21 @@ def test_timm_keyword_flip_is_the_stock_model(name, recipe, caplog):
 
 
 def test_timm_train_py_model_kwargs_flip(caplog):
-    """``train.py --model pid_deit_tiny_patch16_224 --model-kwargs attention=softmax pid=...``: timm's own parser."""
+    """``train.py --model pid_deit_tiny_patch16_224 --model-kwargs attention=softmax attention_cfg=...``: timm's own
+    parser."""
     import timm
     from timm.utils import ParseKwargs
     import pid_plugins.timm  # noqa: F401
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs)
-    args = parser.parse_args(["--model-kwargs", "attention=softmax", "pid={'lambda_p': 0.3, 'beta': 0.5}",
+    args = parser.parse_args(["--model-kwargs", "attention=softmax", "attention_cfg={'lambda_p': 0.3, 'beta': 0.5}",
                               "img_size=32", "depth=2"])
     torch.manual_seed(0)
     with caplog.at_level(logging.WARNING):
         flipped = timm.create_model("pid_deit_tiny_patch16_224", **args.model_kwargs).eval()
     [line] = flip_warnings(caplog)
-    assert "pid={'lambda_p', 'beta'}" in line
+    assert "attention_cfg={'lambda_p', 'beta'}" in line
     stock = timm_stock_twin(flipped, "deit_tiny_patch16_224", dict(img_size=32, depth=2))
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -94,7 +95,7 @@ def test_timm_contradictions_stay_refused():
     import timm
     import pid_plugins.timm  # noqa: F401
 
-    with pytest.raises(ValueError, match="give the parameters once, as pid= or as attention_cfg=, not both"):
+    with pytest.raises(TypeError, match="pid"):  # one spelling of the parameters: attention_cfg= (pid= is gone)
         timm.create_model("pid_deit_tiny_patch16_224", attention="softmax", pid={"lambda_p": 0.3},
                           attention_cfg={"lambda_p": 0.3}, img_size=32, depth=2)
 

@@ -84,7 +84,7 @@ def test_timm_onnx_export_with_timms_defaults(name, method, tmp_path):
 def test_timm_onnx_export_of_learnable_gains_and_warmup(pid, tmp_path):
     """Learned gains are exported as constants; under warm-up the graph holds this step's scale (eval: t fixed)."""
     torch.manual_seed(0)
-    model = timm.create_model("pid_deit_tiny_patch16_224", pid=pid, **MODELS["pid_deit_tiny_patch16_224"]).eval()
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=pid, **MODELS["pid_deit_tiny_patch16_224"]).eval()
     if model.attention_warmup is not None:
         model.attention_warmup.step.fill_(4)  # scale 0.4
     path = tmp_path / "model.onnx"

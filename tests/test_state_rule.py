@@ -66,17 +66,17 @@ def test_timm_a_block_called_alone_refuses_without_state_and_runs_with_it(name):
     x = torch.randn(2, 17, DEIT["embed_dim"])
     with torch.no_grad():
         if name == "twicing":  # no cross-layer state: a block alone is fine
-            assert len(model.blocks[1](x)) == 1
+            assert model.blocks[1](x).shape == x.shape and len(model.blocks[1](x, with_state=True)) == 1
             return
-        with pytest.raises(MissingLayerState, match=r"'pid': layer 1 of its group.*With timm, a block takes and "
-                                                    r"returns the state as tensors, x, \*state = block\(x, \*state\)"):
+        with pytest.raises(MissingLayerState, match=r"'pid': layer 1 of its group.*With timm, build the model by its "
+                                                    r"pid_\* name.*x, \*state = block\(x, \*state, with_state=True\)"):
             model.blocks[1](x)
         # the state threaded by hand (what a pipeline stage hands on) gives the model's own features
         images = torch.randn(2, 3, DEIT["img_size"], DEIT["img_size"])
         h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))
-        h, *state = model.blocks[0](h)
+        h, *state = model.blocks[0](h, with_state=True)
         for blk in model.blocks[1:]:
-            h, *state = blk(h, *state)
+            h, *state = blk(h, *state, with_state=True)
         torch.testing.assert_close(model.norm(h), model.forward_features(images), rtol=0, atol=0)
 
 

@@ -12,6 +12,7 @@ timm = pytest.importorskip("timm")
 import pid_plugins.timm as pt  # noqa: E402
 from pid_plugins import PIDConfig, list_models  # noqa: E402
 from reference import naive_pid_stack  # noqa: E402
+from timm.models.deit import VisionTransformerDistilled  # noqa: E402
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=10)
 NAMES = [n for n in list_models(zoo="timm") if not n.startswith("pid_fan")]  # FAN: test_timm_fan.py
@@ -21,7 +22,7 @@ def pair(name="pid_deit_tiny_patch16_224", seed=0, **kwargs):
     """A PID model and the stock timm model of its base architecture, with identical weights."""
     base = pid_plugins_entry(name).base
     args = {**TINY, **kwargs}
-    pid_kwargs = {k: args.pop(k) for k in ("pid", "attention") if k in args}
+    pid_kwargs = {k: args.pop(k) for k in ("attention_cfg", "attention") if k in args}
     torch.manual_seed(seed)
     stock = timm.create_model(base, **args)
     model = timm.create_model(name, **args, **pid_kwargs)
@@ -75,17 +76,17 @@ def test_real_sizes_build_and_run_with_the_stock_state_dict_layout(name):
 
 
 def test_gains_by_kwarg_and_validation():
-    m = timm.create_model("pid_deit_small_patch16_224", pid=dict(lambda_p=0.5, beta=0.3), **TINY)
+    m = timm.create_model("pid_deit_small_patch16_224", attention_cfg=dict(lambda_p=0.5, beta=0.3), **TINY)
     assert m.attention_config.gains == (0.5, 0.5, 0.05, 0.3)
     assert all(blk.attn.attention_config == m.attention_config for blk in m.blocks)
-    m = timm.create_model("pid_deit_tiny_patch16_224", pid="segmenter", **TINY)
+    m = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg="segmenter", **TINY)
     assert m.attention_config == PIDConfig.preset("segmenter")
-    m = timm.create_model("pid_deit_tiny_patch16_224", pid=PIDConfig(0.1, 0.2, 0.3, 0.4), **TINY)
+    m = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=PIDConfig(0.1, 0.2, 0.3, 0.4), **TINY)
     assert m.attention_config.gains == (0.1, 0.2, 0.3, 0.4)
     with pytest.raises(ValueError, match="PIDConfig.beta must be in"):
-        timm.create_model("pid_deit_tiny_patch16_224", pid=dict(beta=0.0), **TINY)
+        timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=dict(beta=0.0), **TINY)
     with pytest.raises(ValueError, match="PIDConfig.lambda_p must be >= 0"):
-        timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=-1), **TINY)
+        timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=dict(lambda_p=-1), **TINY)
     with pytest.raises(ValueError, match="unknown attention method 'linear'"):
         timm.create_model("pid_deit_tiny_patch16_224", attention="linear", **TINY)
     with pytest.raises(RuntimeError, match="Unknown model"):
@@ -94,7 +95,7 @@ def test_gains_by_kwarg_and_validation():
 
 # ------------------------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
-@pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
+@pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(attention_cfg=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dims", [dict(), dict(embed_dim=72, num_heads=3)], ids=["head_dim16", "head_dim24"])
 def test_softmax_or_zero_gains_give_the_stock_model_bit_for_bit(name, kwargs, fused, dims):
@@ -116,7 +117,7 @@ def test_softmax_or_zero_gains_give_the_stock_model_bit_for_bit(name, kwargs, fu
 def test_pid_forward_matches_a_hand_written_reference(control_first_layer):
     """Rebuild the forward from the stock modules with the PID rule from tests/reference.py."""
     cfg = PIDConfig(0.8, 0.5, 0.3, 0.4, control_first_layer=control_first_layer)
-    model, _ = pair(pid=cfg)
+    model, _ = pair(attention_cfg=cfg)
     model = model.double()
     x = images().double()
     with torch.no_grad():
@@ -177,7 +178,7 @@ def _flatten(obj):
 @pytest.mark.parametrize("kwargs", INTERMEDIATE_CASES)
 @pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
 def test_forward_intermediates_follows_timm_exactly(kwargs, name):
-    zero, stock = pair(name, pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))
+    zero, stock = pair(name, attention_cfg=dict(lambda_p=0, lambda_i=0, lambda_d=0))
     x = images()
     with torch.no_grad():
         got, want = zero.forward_intermediates(x, **kwargs), stock.forward_intermediates(x, **kwargs)
@@ -233,7 +234,7 @@ def test_no_weight_decay_and_learnable_gains():
     model = timm.create_model("pid_deit_tiny_patch16_224", **TINY)
     assert {"pos_embed", "cls_token"} <= model.no_weight_decay()
     assert not any("attention_params" in n for n in model.no_weight_decay())
-    learned = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(learnable=True), **TINY)
+    learned = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=dict(learnable=True), **TINY)
     gains = {n for n, _ in learned.named_parameters() if "attention_params" in n}
     assert len(gains) == 3 * 3 and gains <= learned.no_weight_decay()
     assert learned.blocks[0].attn.attention_params()[0].item() == pytest.approx(0.8)  # lambda_p = softplus(raw)
@@ -249,8 +250,8 @@ def grads_of(model, x, views=2):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_grad_checkpointing_gives_identical_gradients(reentrant):
-    ref, _ = pair(pid=dict(learnable=True))
-    ckpt, _ = pair(pid=dict(learnable=True))
+    ref, _ = pair(attention_cfg=dict(learnable=True))
+    ckpt, _ = pair(attention_cfg=dict(learnable=True))
     ckpt.load_state_dict(ref.state_dict())
     ref.train(), ckpt.train()
     ckpt.set_grad_checkpointing(True)
@@ -275,7 +276,7 @@ def test_grad_checkpointing_gives_identical_gradients(reentrant):
 
 
 def test_dynamic_img_size():
-    model, stock = pair(dynamic_img_size=True, pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))
+    model, stock = pair(dynamic_img_size=True, attention_cfg=dict(lambda_p=0, lambda_i=0, lambda_d=0))
     pid_model, _ = pair(dynamic_img_size=True)
     with torch.no_grad():
         for size in (32, 48, 64):
@@ -301,9 +302,9 @@ def test_torch_compile_fullgraph(name):
 
 @pytest.mark.slow
 def test_torch_compile_fullgraph_training_with_checkpointing():
-    model, _ = pair(pid=dict(learnable=True))
+    model, _ = pair(attention_cfg=dict(learnable=True))
     model.train().set_grad_checkpointing(True)
-    ref, _ = pair(pid=dict(learnable=True))
+    ref, _ = pair(attention_cfg=dict(learnable=True))
     ref.load_state_dict(model.state_dict())
     ref.train()
     torch._dynamo.reset()
@@ -367,7 +368,7 @@ def test_pretrained_softmax_checkpoint_loads_strictly(stock_deit_tiny, tmp_path,
 def test_pretrained_softmax_checkpoint_into_learnable_gains(stock_deit_tiny, tmp_path):
     path = tmp_path / "w.pth"
     torch.save(stock_deit_tiny.state_dict(), path)
-    model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, pid=dict(learnable=True),
+    model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, attention_cfg=dict(learnable=True),
                               pretrained_cfg_overlay=dict(file=str(path)))
     assert model.blocks[5].attn.attention_params()[1].item() == pytest.approx(0.5)  # lambda_i = softplus(raw)
     assert torch.equal(model.blocks[5].attn.qkv.weight, stock_deit_tiny.blocks[5].attn.qkv.weight)
@@ -426,7 +427,7 @@ def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
     importlib.import_module("pid_plugins.timm")  # --device-modules pid_plugins.timm
     path = tmp_path / "deit_tiny_patch16_224.pth"
     torch.save(stock_deit_tiny.state_dict(), path)
-    model_kwargs = parse_model_kwargs(["pid={'lambda_p': 0.5, 'beta': 0.3}"])
+    model_kwargs = parse_model_kwargs(["attention_cfg={'lambda_p': 0.5, 'beta': 0.3}"])
     model = timm.create_model(
         "pid_deit_tiny_patch16_224",
         pretrained=True,
@@ -453,8 +454,8 @@ def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
     assert len(opt.param_groups) == 2
 
 
-# ------------------------------------------------------------------------------------ to_pid
-def test_to_pid_converts_in_place_and_keeps_the_weights():
+# ------------------------------------------------------------------------------------ convert
+def test_convert_switches_in_place_and_keeps_the_weights():
     torch.manual_seed(0)
     stock = timm.create_model("deit_tiny_patch16_224", **TINY).eval()
     before = {k: v.clone() for k, v in stock.state_dict().items()}
@@ -462,9 +463,10 @@ def test_to_pid_converts_in_place_and_keeps_the_weights():
     x = images()
     with torch.no_grad():
         y_stock = stock(x)
-    model = pt.to_pid(stock, PIDConfig.preset("deit"))
-    # in place (pid_plugins.timm.convert): the same module and parameter tensors, now of the PID classes
-    assert model is stock and type(model) is pt.PIDVisionTransformer and type(model.blocks[0].attn) is pt.PIDAttention
+    model = pt.convert(stock, "pid", PIDConfig.preset("deit"))
+    # in place: the same root module (its class kept) and parameter tensors; the blocks of the method classes
+    assert model is stock and type(model) is timm.models.VisionTransformer
+    assert type(model.blocks) is pt.MethodBlocks and type(model.blocks[0].attn) is pt.PIDAttention
     assert all(p is q for p, q in zip(model.parameters(), params)) and not model.training
     assert list(model.state_dict()) == list(before)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
@@ -473,31 +475,39 @@ def test_to_pid_converts_in_place_and_keeps_the_weights():
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
         assert not torch.allclose(model(x), y_stock)
-        assert torch.equal(pt.to_pid(model, PIDConfig(0, 0, 0, 1.0))(x), y_stock)
-        assert torch.equal(pt.to_pid(model, attention="softmax")(x), y_stock)
+        assert torch.equal(pt.convert(model, "pid", PIDConfig(0, 0, 0, 1.0))(x), y_stock)
+        assert torch.equal(pt.convert(model, "softmax")(x), y_stock)
     assert type(model) is timm.models.VisionTransformer and type(model.blocks[0].attn) is timm.layers.Attention
-    pt.to_pid(model, dict(learnable=True))
+    pt.convert(model, "pid", dict(learnable=True))
     assert sum("attention_params" in n for n, _ in model.named_parameters()) == 9
 
 
-def test_to_pid_distilled():
+def test_convert_distilled():
     torch.manual_seed(0)
     stock = timm.create_model("deit_tiny_distilled_patch16_224", **TINY).eval()
-    model = pt.to_pid(stock)
-    assert isinstance(model, pt.PIDVisionTransformerDistilled) and model.attention_config == PIDConfig.preset("deit")
+    model = pt.convert(stock, "pid")
+    assert type(model) is VisionTransformerDistilled and type(model.blocks) is pt.MethodBlocks
+    assert all(blk.attn.attention_config == PIDConfig.preset("deit") for blk in model.blocks)
     assert model(images()).shape == (2, 10)
 
 
-def test_to_pid_refuses_what_it_cannot_convert():
+def test_convert_refuses_what_it_cannot_convert():
     with pytest.raises(TypeError, match="got ResNet"):
-        pt.to_pid(timm.create_model("resnet10t"))
+        pt.convert(timm.create_model("resnet10t"), "pid")
     from timm.models.vision_transformer import ResPostBlock
 
     post = timm.models.VisionTransformer(block_fn=ResPostBlock, **TINY)
     with pytest.raises(TypeError, match="block 0 is ResPostBlock"):
-        pt.to_pid(post)
+        pt.convert(post, "pid")
     with pytest.raises(ValueError, match="PIDConfig.lambda_d"):
-        pt.to_pid(timm.create_model("deit_tiny_patch16_224", **TINY), dict(lambda_d=-0.1))
+        pt.convert(timm.create_model("deit_tiny_patch16_224", **TINY), "pid", dict(lambda_d=-0.1))
+    # one spelling of the parameters: a method's name where the parameters go is refused (core), naming attention=
+    with pytest.raises(ValueError, match=r"attention_cfg='twicing' names an attention method.*attention='twicing'"):
+        pt.convert(timm.create_model("deit_tiny_patch16_224", **TINY), "pid", "twicing")
+    with pytest.raises(ValueError, match=r"attention_cfg='twicing' names an attention method"):
+        timm.create_model("pid_deit_tiny_patch16_224", attention_cfg="twicing", **TINY)
+    with pytest.raises(TypeError, match="pid"):  # pid= is gone: attention_cfg= is the one spelling
+        timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=0.5), **TINY)
 
 
 # --------------------------------------------------------------------------- fine-tuning on real data

@@ -1,7 +1,9 @@
 """``pid_plugins.timm.convert(model, attention, attention_cfg)``: a built timm model's attention switched IN PLACE.
 
 References: the ``pid_*`` model built by name with the same weights loaded strictly (bit for bit), and the stock
-timm model itself (softmax: timm's own classes again, its exact attributes, state_dict keys and outputs).
+timm model itself (softmax: timm's own classes again, its exact attributes, state_dict keys and outputs). A stock
+root keeps its class (its ``blocks`` become ``MethodBlocks``); timm's own loops over its blocks are refused with
+``MissingLayerState``, and the model built by name runs them.
 """
 import copy
 
@@ -11,6 +13,7 @@ import torch
 timm = pytest.importorskip("timm")
 import pid_plugins  # noqa: E402
 import pid_plugins.timm as pt  # noqa: E402
+from pid_plugins.core import MissingLayerState  # noqa: E402
 from timm.layers import Attention  # noqa: E402
 from timm.models.deit import VisionTransformerDistilled  # noqa: E402
 from timm.models.vision_transformer import Block, VisionTransformer  # noqa: E402
@@ -55,11 +58,12 @@ def test_a_stock_deit_converted_in_place_equals_the_named_model(method):
     with torch.no_grad():
         y_stock = model(x)
     assert pt.convert(model, method, METHODS[method]) is model
-    assert type(model) is pt.PIDVisionTransformer
+    assert type(model) is VisionTransformer and type(model.blocks) is pt.MethodBlocks  # the root keeps its class
     assert all(type(b) is pt.PIDBlock and type(b.attn) is pt.PIDAttention for b in model.blocks)
     assert all(p is q for p, q in zip(model.parameters(), params))  # the same tensors, nothing copied
     reference = named(method, METHODS[method], weights)
-    assert layout(model) == layout(reference)  # the attributes the PID classes' __init__ sets, nothing else
+    # below the root: the attributes the PID classes' __init__ sets, nothing else; the root: the same submodules
+    assert layout(model)[1:] == layout(reference)[1:] and layout(model)[0][3:] == layout(reference)[0][3:]
     assert list(model.state_dict()) == list(reference.state_dict())
     with torch.no_grad():
         y = model(x)
@@ -73,9 +77,9 @@ def test_distilled_deit_converts_and_goes_back():
     x = images()
     with torch.no_grad():
         y_stock = model(x)
-        pt.convert(model)
-        assert type(model) is pt.PIDVisionTransformerDistilled
-        assert model.attention_config == pid_plugins.PIDConfig.preset("deit")
+        pt.convert(model, "pid")
+        assert type(model) is VisionTransformerDistilled and type(model.blocks) is pt.MethodBlocks
+        assert all(b.attn.attention_config == pid_plugins.PIDConfig.preset("deit") for b in model.blocks)
         assert torch.equal(model(x), named(weights=weights, name="pid_deit_tiny_distilled_patch16_224")(x))
         pt.convert(model, "softmax")
         assert type(model) is VisionTransformerDistilled and torch.equal(model(x), y_stock)
@@ -105,15 +109,19 @@ def test_softmax_goes_back_to_timms_own_classes_bit_for_bit(cfg):
     assert len(handle_calls) == 3
 
 
-def test_a_model_built_by_pid_name_goes_to_the_stock_class_too():
-    model = named()
+def test_a_model_built_by_pid_name_keeps_its_class_and_computes_the_stock_model():
+    model = named("pid", {"learnable": True, "warmup_steps": 3})
     reference = stock()
-    reference.load_state_dict(model.state_dict())
+    model.load_state_dict(reference.state_dict(), strict=False)
     x = images()
     pt.convert(model, "softmax")
-    assert type(model) is VisionTransformer and layout(model)[1:] == layout(reference)[1:]
+    assert type(model) is pt.PIDVisionTransformer and model.attention_method is None
+    assert model.attention_warmup is None and model.blocks.warmup_counter is None
+    assert list(model.state_dict()) == list(reference.state_dict())  # no gains, no counter
+    mask = torch.zeros(17, 17)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x, attn_mask=mask), reference(x, attn_mask=mask))
 
 
 # ----------------------------------------------------------------------------- learnable gains and warm-up
@@ -124,7 +132,11 @@ def test_learnable_gains_are_created_on_the_models_device_dtype_and_mode():
     assert len(gains) == 3 * DEIT["depth"]
     assert all(p.dtype == torch.float64 for n, p in model.named_parameters() if ".attention_params." in n)
     assert not any(m.training for m in model.modules())  # eval model: the new gains modules are in eval too
-    assert {n for n in gains} <= model.no_weight_decay()
+    # the root keeps timm's no_weight_decay; timm's optimizer factory leaves the (0/1-dim) gains undecayed
+    from timm.optim import param_groups_weight_decay
+
+    undecayed = {id(p) for g in param_groups_weight_decay(model, 0.05) if g["weight_decay"] == 0 for p in g["params"]}
+    assert all(id(p) in undecayed for n, p in model.named_parameters() if ".attention_params." in n)
     reference = named("pid", {"learnable": True}).double()
     assert list(model.state_dict()) == list(reference.state_dict())
     pt.convert(model, "pid", {"learnable": False})
@@ -135,6 +147,7 @@ def test_warmup_counter_is_created_follows_the_mode_and_is_removed():
     model = stock()
     pt.convert(model, "pid", {"warmup_steps": 4})
     assert isinstance(model.attention_warmup, pid_plugins.GainWarmup) and not model.attention_warmup.training
+    assert model.blocks.warmup_counter is model.attention_warmup  # a plain reference: saved once, at the root
     assert "attention_warmup.step" in model.state_dict()
     x = images()
     with torch.no_grad():
@@ -147,7 +160,8 @@ def test_warmup_counter_is_created_follows_the_mode_and_is_removed():
     counter = model.attention_warmup
     assert counter.warmup_steps == 8 and int(counter.step) == 1 and counter.training
     pt.convert(model, "pid")  # no warm-up: the counter goes
-    assert model.attention_warmup is None and "attention_warmup.step" not in model.state_dict()
+    assert not hasattr(model, "attention_warmup") and "attention_warmup.step" not in model.state_dict()
+    assert model.blocks.warmup_counter is None
     pt.convert(model, "pid", {"warmup_steps": 4})
     pt.convert(model, "softmax")
     assert not hasattr(model, "attention_warmup") and "attention_warmup.step" not in model.state_dict()
@@ -173,7 +187,7 @@ def test_fan_round_trip_in_place():
         assert torch.equal(model(x), reference(x))
         pt.convert(model, "elliptical")
         assert torch.equal(model(x), named("elliptical", None, weights, "pid_fan_tiny_12_p16_224", FAN)(x))
-        assert model.set_attention("softmax") is model  # the alias
+        assert pt.convert(model, "softmax") is model
         assert type(model) is pt.FAN and layout(model) == pristine
         assert list(model.state_dict()) == list(weights)
         assert torch.equal(model(x), y_stock)
@@ -207,16 +221,18 @@ def test_refusals_come_before_any_change():
         pt.convert(mixed, "pid")
     assert layout(mixed) == mixed_layout
     with pytest.raises(TypeError, match="got ResNet"):
-        pt.convert(timm.create_model("resnet10t"))
+        pt.convert(timm.create_model("resnet10t"), "pid")
     with pytest.raises(TypeError, match="before torch.compile"):
-        pt.convert(torch.compile(stock()))
+        pt.convert(torch.compile(stock()), "pid")
     assert layout(model) == pristine and list(model.state_dict()) == keys
 
 
 # ------------------------------------------------------------------------------------- timm's model contract
 @pytest.mark.slow
 def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_path):
-    from timm.models import create_feature_extractor, get_graph_node_names
+    from timm.models import get_graph_node_names
+    from torchvision.models.feature_extraction import create_feature_extractor as tv_feature_extractor
+    from torchvision.models.feature_extraction import get_graph_node_names as tv_graph_node_names
     from pid_plugins.core.methods import _fx_update
 
     cfg = {"learnable": True}
@@ -226,30 +242,47 @@ def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_
     reference = named("pid", cfg)
     reference.load_state_dict(model.state_dict())
     x = images()
+    # timm's own loops over the blocks call each block without the state: refused, naming the pid_* route; the
+    # model built by name runs them
+    with torch.no_grad(), pytest.raises(MissingLayerState, match=r"'pid': layer 1 of its group.*build the model by "
+                                                                 r"its pid_\* name"):
+        model.forward_intermediates(x, indices=[0, 2])
+    with torch.no_grad(), pytest.raises(MissingLayerState, match="layer 1 of its group"):
+        model(x, attn_mask=torch.zeros(17, 17))
     with torch.no_grad():
-        final, inter = model.forward_intermediates(x, indices=[0, 2])
-        want_final, want_inter = reference.forward_intermediates(x, indices=[0, 2])
-        assert torch.equal(final, want_final) and all(torch.equal(a, b) for a, b in zip(inter, want_inter))
-    # torch.fx through timm's feature extraction
-    _, eval_nodes = get_graph_node_names(model)
-    assert "blocks.1.add_1" in eval_nodes
-    extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
+        final, inter = reference.forward_intermediates(x, indices=[0, 2])
+        torch.testing.assert_close(final, reference.forward_features(x), rtol=0, atol=0)
+        mask = torch.zeros(17, 17)
+        torch.testing.assert_close(reference(x, attn_mask=mask), reference(x))  # its own attn_mask path
+    # torch.fx: timm's feature extraction traces attn_mask as an input, so timm's forward_features takes its loop
+    # over the blocks: refused on the stock root (the model built by name traces); with attn_mask / is_causal given
+    # as constants (torchvision's concrete_args) the plain path, self.blocks(x), traces the method
+    with pytest.raises(MissingLayerState, match="build the model by its pid_"):
+        get_graph_node_names(model)
+    assert "blocks.1.add_1" in get_graph_node_names(reference)[1]
+    constants = {"attn_mask": None, "is_causal": False}
+    assert "blocks.1.add_1" in tv_graph_node_names(model, concrete_args=constants)[1]
+    extractor = tv_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"},
+                                     concrete_args=constants)
     assert sum(n.op == "call_function" and n.target is _fx_update for n in extractor.graph.nodes) == DEIT["depth"]
     with torch.no_grad():
         out = extractor(x)
         assert torch.equal(out["logits"], reference(x))
         one = reference.forward_intermediates(x, indices=[1], output_fmt="NLC", intermediates_only=True)[0]
         assert torch.equal(out["block"][:, reference.num_prefix_tokens:], one)
-    # gradient checkpointing (timm's switch): the same loss and gradients
+    # gradient checkpointing (timm's switch): timm's checkpoint_seq on the stock root is refused; the model built by
+    # name checkpoints each block itself, with the loss and gradients of the converted model's plain forward
     model.train(), reference.train()
     model.set_grad_checkpointing(True)
-    assert model.grad_checkpointing
+    with pytest.raises(MissingLayerState, match="build the model by its pid_"):
+        model(x)
+    model.set_grad_checkpointing(False)
+    reference.set_grad_checkpointing(True)
     model(x).sum().backward()
     reference(x).sum().backward()
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=0, atol=0)
-    model.set_grad_checkpointing(False)
     model.eval()
     # torch.compile of the converted model
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -270,3 +303,33 @@ def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_
     assert int(other.attention_warmup.step) == 7
     with torch.no_grad():
         assert torch.equal(other(x), saved(x))
+    # and the other way: a converted model's checkpoint loads strictly into the model built by name
+    back = named("pid", {"learnable": True, "warmup_steps": 10})
+    back.load_state_dict(other.state_dict(), strict=True)
+    assert int(back.attention_warmup.step) == 7
+    with torch.no_grad():
+        assert torch.equal(back(x), other(x))
+
+
+def test_warmup_on_the_stock_roots_own_loops_is_refused_and_finish_warmup_drops_the_counter():
+    """A method without cross-layer state (Twicing) runs in timm's own loops; under warm-up a block called without
+    the forward's warm-up scale would run at full scale, so it is refused (MissingLayerState), the first one too."""
+    model = pt.convert(stock(), "twicing", {"from_layer": 0})
+    x = images()
+    with torch.no_grad():
+        assert torch.equal(model.forward_intermediates(x)[0], model.forward_features(x))  # no state to thread
+        pt.convert(model, "pid")
+        y = model(x)
+        pt.convert(model, "pid", {"warmup_steps": 4})
+        with pytest.raises(MissingLayerState, match=r"layer 0 runs under gain warm-up.*warmup_scale="):
+            model.forward_intermediates(x)
+        model.attention_warmup.step.fill_(2)
+        assert not torch.equal(model(x), y)
+    pid_plugins.finish_warmup(model)  # the converted root's counter goes, with the container's reference
+    assert not hasattr(model, "attention_warmup") and model.blocks.warmup_counter is None
+    assert "attention_warmup.step" not in model.state_dict()
+    with torch.no_grad():
+        assert torch.equal(model(x), y)
+    reference = named("pid", {"warmup_steps": 4})
+    pid_plugins.finish_warmup(reference)
+    assert reference.attention_warmup is None and reference.blocks.warmup_counter is None

@@ -17,7 +17,7 @@ PAPER_PARAMS_M = {"fan_tiny_12_p16_224": 7.3, "fan_small_12_p16_224": 28.3,
 def pair(seed=0, **kwargs):
     """pid_fan (PID unless told otherwise) and fan (softmax) with identical weights, small config."""
     args = {**SMALL, **kwargs}
-    pid_kwargs = {k: args.pop(k) for k in ("pid", "attention") if k in args}
+    pid_kwargs = {k: args.pop(k) for k in ("attention_cfg", "attention") if k in args}
     torch.manual_seed(seed)
     stock = timm.create_model("fan_tiny_12_p16_224", **args)
     model = timm.create_model("pid_fan_tiny_12_p16_224", **args, **pid_kwargs)
@@ -61,7 +61,7 @@ def test_pid_controls_token_mixing_only():
     assert all(not hasattr(blk.attn, "attention_config") for blk in model.cls_attn_blocks)
 
 
-@pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(pid=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
+@pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(attention_cfg=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dims", [dict(), dict(embed_dim=72, num_heads=3)], ids=["head_dim12", "head_dim24"])
 def test_zero_gains_or_softmax_equal_the_softmax_fan_bit_for_bit(kwargs, fused, dims):
@@ -79,7 +79,7 @@ def test_zero_gains_or_softmax_equal_the_softmax_fan_bit_for_bit(kwargs, fused, 
 
 def test_pid_fan_matches_a_hand_written_reference():
     cfg = PIDConfig(0.8, 0.5, 0.3, 0.4)
-    model, _ = pair(pid=cfg)
+    model, _ = pair(attention_cfg=cfg)
     model = model.double()
     x = images().double()
     with torch.no_grad():
@@ -143,7 +143,7 @@ def test_contract_head_intermediates_features():
 
 
 def test_reset_classifier_and_no_weight_decay():
-    model, _ = pair(pid=dict(learnable=True))
+    model, _ = pair(attention_cfg=dict(learnable=True))
     model.reset_classifier(3)
     assert model(images()).shape == (2, 3)
     model.reset_classifier(0, global_pool="avg")
@@ -161,8 +161,8 @@ def test_reset_classifier_and_no_weight_decay():
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_grad_checkpointing_gives_identical_gradients(reentrant):
-    ref, _ = pair(pid=dict(learnable=True))
-    ckpt, _ = pair(pid=dict(learnable=True))
+    ref, _ = pair(attention_cfg=dict(learnable=True))
+    ckpt, _ = pair(attention_cfg=dict(learnable=True))
     ckpt.load_state_dict(ref.state_dict())
     # eval: BatchNorm statistics are not re-updated by the recomputation, so both runs see the same numbers
     ckpt.set_grad_checkpointing(True)

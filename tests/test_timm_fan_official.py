@@ -280,7 +280,7 @@ def test_fan_computes_the_official_function(fused_attn):
 def test_pid_fan_computes_the_official_function_with_pid_token_mixing(control_first_layer):
     sd = random_state_dict(official_shapes(CFG["embed_dim"], CFG["depth"], CFG["num_classes"]), seed=3)
     gains = dict(lambda_p=0.6, lambda_i=0.3, lambda_d=0.2, beta=0.4)
-    model = build("pid_fan_tiny_12_p16_224", pid=dict(gains, control_first_layer=control_first_layer))
+    model = build("pid_fan_tiny_12_p16_224", attention_cfg=dict(gains, control_first_layer=control_first_layer))
     model.load_state_dict(sd, strict=True)
     x = images(seed=4)
     with torch.no_grad():
@@ -299,7 +299,7 @@ def test_official_checkpoint_variants_load_and_compute_the_official_function(var
                                            fused_cls_qkv=fused, pos_key=pos_key), seed=5)
     path = tmp_path / "fan.pth"
     torch.save({"model": sd} if variant == "both_wrapped" else sd, path)
-    kwargs = dict(pid=dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0)) if name.startswith("pid_") else {}
+    kwargs = dict(attention_cfg=dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0)) if name.startswith("pid_") else {}
     model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path), num_classes=10),
                               **CFG, **kwargs).double().eval()
     x = images(seed=6)

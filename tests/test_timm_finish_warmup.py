@@ -61,8 +61,12 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(kind, meth
         initial = dict(build(kind, method, converted=converted).named_parameters())
         assert gains and any(not torch.equal(p, initial[n]) for n, p in gains.items())
     assert pid_plugins.finish_warmup(model) is model
-    assert model.attention_warmup is None and "attention_warmup.step" not in model.state_dict()
-    assert model.attention_config.warmup_steps == 0
+    assert "attention_warmup.step" not in model.state_dict()
+    assert getattr(model.blocks, "warmup_counter", None) is None  # the ViT container's reference goes too
+    if converted:  # a stock root keeps its class: the counter was its submodule, the layers hold the method
+        assert not hasattr(model, "attention_warmup")
+    else:
+        assert model.attention_warmup is None and model.attention_config.warmup_steps == 0
     assert all(blk.attn.attention_config.warmup_steps == 0 for blk in model.blocks)
     with torch.no_grad():
         assert torch.equal(model(x), want)

@@ -94,7 +94,7 @@ def test_fx_feature_extraction(name, cfg, learnable, control_first_layer):
 
     torch.manual_seed(0)
     pid = PIDConfig.preset("deit", learnable=learnable, control_first_layer=control_first_layer)
-    model = timm.create_model(name, pid=pid, **cfg).eval()
+    model = timm.create_model(name, attention_cfg=pid, **cfg).eval()
     assert "blocks.1.add_1" in get_graph_node_names(model)[1]  # plain torchvision, no timm tracer lists
     extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
     steps = [n for n in extractor.graph.nodes if n.op == "call_function" and n.target is _fx_update]
@@ -164,16 +164,16 @@ def test_the_readme_validate_py_command(tmp_path):
     readme = (Path(__file__).resolve().parents[1] / "docs" / "timm.md").read_text()
     program = re.search(r'python -c "(import runpy, sys, pid_plugins\.timm;[^"]*)" \\\n\s+validate\.py', readme).group(1)
     gains = {"lambda_p": 0.8, "lambda_i": 0.5, "lambda_d": 0.05, "beta": 0.1}
-    assert f'--model-kwargs pid="{gains}"' in readme
+    assert f'--model-kwargs attention_cfg="{gains}"' in readme
     torch.manual_seed(0)
-    model = timm.create_model("pid_deit_tiny_patch16_224", pid=gains, **DEIT, num_classes=2).eval()
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=gains, **DEIT, num_classes=2).eval()
     # a checkpoint as train.py's CheckpointSaver writes it (state_dict and metadata)
     torch.save({"epoch": 0, "arch": "pid_deit_tiny_patch16_224", "state_dict": model.state_dict()},
                tmp_path / "model_best.pth.tar")
     x = images()
     torch.save(x, tmp_path / "batch.pt")
     (tmp_path / "validate.py").write_text(STAND_IN_VALIDATE)
-    kwargs = [f"pid={gains}"] + [f"{k}={v}" for k, v in DEIT.items()]
+    kwargs = [f"attention_cfg={gains}"] + [f"{k}={v}" for k, v in DEIT.items()]
     proc = subprocess.run(
         [sys.executable, "-c", program, "validate.py", str(tmp_path / "batch.pt"), "--split", "validation",
          "--model", "pid_deit_tiny_patch16_224", "--model-kwargs", *kwargs,

@@ -70,7 +70,7 @@ class TimmViT(Zoo):
         timm = pytest.importorskip("timm")
         import pid_plugins.timm  # noqa: F401
 
-        kw = dict(attention="softmax") if pid is None else dict(pid=pid)
+        kw = dict(attention="softmax") if pid is None else dict(attention_cfg=pid)
         return timm.create_model(self.name, **kw, **self.arch)
 
     def inputs(self, dtype=torch.float32):
@@ -339,7 +339,7 @@ def test_timm_checkpoint_and_pretrained_softmax_file(tmp_path):
     import timm
 
     model = timm.create_model(zoo.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "softmax.pth")),
-                              pid=dict(GAINS, warmup_steps=N), **zoo.arch)
+                              attention_cfg=dict(GAINS, warmup_steps=N), **zoo.arch)
     assert int(model.attention_warmup.step) == 0
     model.train()
     stock.train()

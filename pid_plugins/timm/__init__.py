@@ -4,10 +4,13 @@
 
     import timm, pid_plugins.timm
     model = timm.create_model("pid_deit_tiny_patch16_224")                       # preset `deit`
-    model = timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=0.5))
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=dict(lambda_p=0.5))
     model = timm.create_model("pid_deit_tiny_patch16_224", attention="<name>", attention_cfg={...})  # a method
     pid_plugins.timm.convert(stock_vit, "pid", {"lambda_p": 0.5})               # in place, the same tensors
     pid_plugins.timm.convert(stock_vit, "softmax")                               # timm's own classes again
+
+``convert`` is the one way to switch a built model (ViT/DeiT, FAN); a stock ViT keeps its class, and its
+``blocks`` become a :class:`MethodBlocks` that threads the method's state (see :mod:`pid_plugins.timm.conversion`).
 
 Import-time changes to third-party modules (all through timm's and torch.fx's own extension points):
 
@@ -32,16 +35,16 @@ check_version("timm")
 from .conversion import convert
 from .fan import FAN, ChannelProcessing, FANBlock, TokenMixing
 from .vision_transformer import (
+    MethodBlocks,
     PIDAttention,
     PIDBlock,
     PIDVisionTransformer,
     PIDVisionTransformerDistilled,
     checkpoint_filter_fn,
-    to_pid,
 )
 
 __all__ = [
     "FAN", "FANBlock", "TokenMixing", "ChannelProcessing",
-    "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
-    "checkpoint_filter_fn", "convert", "to_pid",
+    "MethodBlocks", "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
+    "checkpoint_filter_fn", "convert",
 ]

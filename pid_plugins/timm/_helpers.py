@@ -19,7 +19,7 @@ from timm.models._manipulate import checkpoint  # noqa: E402
 
 from ..catalogue import ModelEntry, load_catalogue  # noqa: E402
 from ..core import (  # noqa: E402
-    AttentionContext, LayerCall, MethodChoice, check_keys, reserve_names, resolve_attention,
+    AttentionContext, LayerCall, MethodChoice, MissingLayerState, check_keys, reserve_names, resolve_attention,
 )
 from ..core.layer import MethodLayer as CoreMethodLayer  # noqa: E402
 from ..core.methods import _fx_check, _fx_update  # noqa: E402
@@ -37,23 +37,29 @@ def _timm_names() -> Dict[str, str]:
 reserve_names("timm", _timm_names)
 
 
-def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any = None, pid: Any = None,
-                default: Any = None, where: str = "this model") -> Optional[MethodChoice]:
+def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any = None, default: Any = None,
+                           where: str = "this model") -> Optional[MethodChoice]:
     """The attention a timm model is built with: ``None`` for the stock softmax attention, else the method and
-    its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy). ``default``: the
-    catalogue entry's preset for PID (other methods start from their own default preset)."""
-    return resolve_attention(attention, attention_cfg, zoo="timm", pid=pid,
+    its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy; a method's name given
+    as ``attention_cfg`` is refused there, naming ``attention=``). ``default``: the catalogue entry's preset for PID
+    (other methods start from their own default preset)."""
+    return resolve_attention(attention, attention_cfg, zoo="timm",
                              default=default if attention in ("pid", None) else None, where=where)
-
-
-resolve_pid = resolve_timm_attention  # the former name (it resolves any method, not only PID)
 
 
 # ------------------------------------------------------------------------------------------ attention layers
 #: how to run a timm block with its method's state, named in core's MissingLayerState
-STATE_ROUTE = ("With timm, a block takes and returns the state as tensors, x, *state = block(x, *state) (FAN: "
-               "block(x, H, W, *state)): the model's forward, forward_features and forward_intermediates thread it, "
-               "and a pipeline stage must hand the state tensors on beside x.")
+STATE_ROUTE = (
+    "With timm, build the model by its pid_* name (timm.create_model('pid_<name>', pretrained=True, "
+    "pretrained_cfg_overlay=dict(file=...), attention=..., attention_cfg=...); a softmax checkpoint loads as is): its "
+    "class threads the state in every path (forward, attn_mask / is_causal, set_grad_checkpointing, "
+    "forward_intermediates). A stock VisionTransformer converted in place (pid_plugins.timm.convert) keeps timm's own "
+    "forward_features and forward_intermediates: they thread the state in the plain forward (self.blocks(x)) only, "
+    "while timm's loops over the blocks (gradient checkpointing, attn_mask / is_causal, forward_intermediates, and "
+    "torch.fx tracing that leaves attn_mask an input, as timm's feature extraction does) call each block without it. By hand (a pipeline stage): x, *state = block(x, *state, with_state=True), with "
+    "warmup_scale= the forward's warm-up scale under warm-up (FAN: block(x, H, W, *state)), handing the state "
+    "tensors on beside x."
+)
 
 
 class MethodLayer(CoreMethodLayer):
@@ -73,6 +79,14 @@ class MethodLayer(CoreMethodLayer):
         """
         if not self.method_active:
             return attend(q, v), state
+        if scale is None and getattr(self.attention_config, "warmup_steps", 0):
+            # the scale is read once per forward of the model from its counter: a layer called without it would run
+            # at full scale, another function than the model's (the state rule's words and route)
+            raise MissingLayerState(
+                f"attention method {self.attention_method.name!r}: layer {self.layer_index} runs under gain warm-up "
+                f"(warmup_steps={self.attention_config.warmup_steps}) but got no warm-up scale (warmup_scale=), "
+                f"which the model reads from its counter once per forward: it would run at full scale. {STATE_ROUTE}"
+            )
         drop = getattr(self, "attn_drop", None)
         context = AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0)
         return self.apply_method(LayerCall(attend, q, v, v, context=context, scale=scale, layer=self.layer_index,
@@ -102,24 +116,24 @@ def run_blocks(
     use_checkpoint: bool,
     take_indices: Optional[Sequence[int]] = None,
     norm: Optional[nn.Module] = None,
-    pid_scale: Optional[Tensor] = None,
+    warmup_scale: Optional[Tensor] = None,
     **kwargs: Any,
 ) -> Tuple[Tensor, List[Tensor]]:
-    """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a PID group, threading the state.
+    """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a method's group, threading the state.
 
-    Optionally under timm's ``checkpoint`` (then ``kwargs`` must be empty). Returns the output and the
-    block outputs at ``take_indices`` (after ``norm`` if given). Block outputs are indexed, never
-    ``*``-unpacked, so torch.fx can trace the loop. ``pid_scale`` (the warm-up scale of this forward) reaches
-    every block as the keyword ``pid_scale``; under checkpointing it is bound to the block (a value computed
-    once per forward, so the recomputation sees the same scale).
+    Optionally each block under timm's ``checkpoint``. Returns the output and the block outputs at ``take_indices``
+    (after ``norm`` if given). Block outputs are indexed, never ``*``-unpacked, so torch.fx can trace the loop.
+    ``warmup_scale`` (the warm-up scale of this forward, read once from the model's counter) reaches every block
+    as the keyword ``warmup_scale``; under checkpointing the keywords are bound to the block (values fixed for the
+    forward, so the recomputation sees the same scale).
     """
     state: Tuple[Any, ...] = ()
     intermediates: List[Tensor] = []
-    if pid_scale is not None:
-        kwargs = dict(kwargs, pid_scale=pid_scale)
+    if warmup_scale is not None:
+        kwargs = dict(kwargs, warmup_scale=warmup_scale)
     for i, blk in enumerate(blocks):
         if use_checkpoint and not torch.jit.is_scripting():
-            out = checkpoint(blk if pid_scale is None else partial(blk, pid_scale=pid_scale), x, *args, *state)
+            out = checkpoint(partial(blk, **kwargs) if kwargs else blk, x, *args, *state)
         else:
             out = blk(x, *args, *state, **kwargs)
         x, state = out[0], tuple(out[1:])
@@ -187,10 +201,10 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
 
 def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, Any],
                  name: str) -> Optional[MethodChoice]:
-    """Pop ``attention`` / ``attention_cfg`` / ``pid`` from the ``kwargs`` of the entrypoint ``name`` and resolve
-    them (PID starts from the entry's preset)."""
+    """Pop ``attention`` / ``attention_cfg`` from the ``kwargs`` of the entrypoint ``name`` and resolve them (PID
+    starts from the entry's preset)."""
     return resolve_timm_attention(kwargs.pop("attention", default_attention), kwargs.pop("attention_cfg", None),
-                       kwargs.pop("pid", None), default=entry.pid_config(), where=f"timm model {name!r}")
+                                  default=entry.pid_config(), where=f"timm model {name!r}")
 
 
 def register_entries(

@@ -1,16 +1,24 @@
 """``convert(model, attention, attention_cfg)``: switch a built timm model's attention, in place.
 
 The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the
-same module objects, hooks and train/eval mode kept) and returned, for chaining.
+same module objects' parameters, hooks and train/eval mode kept) and returned, for chaining. A module whose type
+changes is replaced through core's :func:`~pid_plugins.core.layer.replace_module` (a new module holding the old one's
+parameters, buffers, submodules and hooks); no class is ever reassigned.
 
-* A stock timm ``VisionTransformer`` / ``VisionTransformerDistilled`` (standard ``Block`` + ``Attention``) becomes
-  :class:`~pid_plugins.timm.PIDVisionTransformer` / :class:`~pid_plugins.timm.PIDVisionTransformerDistilled` with
-  :class:`~pid_plugins.timm.PIDBlock` / :class:`~pid_plugins.timm.PIDAttention` blocks: each module's class is
-  swapped (the PID classes add no parameters of their own) and the attributes the PID classes' ``__init__`` sets
-  are set (the method, its config, learnable parameters, the warm-up counter).
-* ``attention="softmax"`` turns such a model back into timm's own classes, with every attribute, parameter, buffer
-  and submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it computes exactly
-  what the stock model computes.
+* A stock timm ``VisionTransformer`` / ``VisionTransformerDistilled`` (standard ``Block`` + ``Attention``) keeps its
+  class (the root module cannot be replaced in place): ``model.blocks`` becomes a
+  :class:`~pid_plugins.timm.MethodBlocks` (the same blocks under the same keys) of
+  :class:`~pid_plugins.timm.PIDBlock` / :class:`~pid_plugins.timm.PIDAttention` blocks, which timm's own
+  ``forward_features`` calls (``x = self.blocks(x)``): ``forward``, ``forward_head``, ``torch.compile`` and torch.fx
+  with ``attn_mask`` / ``is_causal`` as constants (torchvision's ``concrete_args``) run the method. A warm-up counter is the model's submodule ``attention_warmup`` (the key a model built by name
+  has). timm's own loops over the blocks (``set_grad_checkpointing``, ``attn_mask`` / ``is_causal``,
+  ``forward_intermediates``, torch.fx tracing with ``attn_mask`` left an input: timm's feature extraction) call each
+  block without the method's state: refused with core's
+  :class:`~pid_plugins.core.MissingLayerState`, whose message says to build the model by its ``pid_*`` name, whose
+  class threads the state in every path. Checkpoints load strictly either way.
+* ``attention="softmax"`` on such a model gives back timm's own classes (``Block``, ``Attention``, ``nn.Sequential``)
+  with nothing of pid-plugins left: its ``state_dict`` keys are the stock model's and it computes exactly what the
+  stock model computes. A model built by a ``pid_*`` name keeps its class and runs the stock attention bit for bit.
 * A model with a method is reconfigured in place (another method, other parameters, learnable gains on or off).
 * FAN (pid-plugins' own class; its softmax form is what ``timm.create_model("fan_...")`` builds) switches its
   token mixing in place and keeps its class.
@@ -27,32 +35,22 @@ from timm.layers import Attention
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 
-from ..core import MethodChoice
-from ..core.layer import LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, settle_submodule, strip_attributes
+from ..core import MethodChoice, method_warmup
+from ..core.layer import (
+    LAYER_ATTRIBUTES, MethodModel, number_layers, register_warmup_finisher, replace_module, settle_submodule,
+    strip_attributes, warn_unfinished_warmup,
+)
 from ._helpers import resolve_timm_attention
 from .fan import FAN
 from .internals import FAN as FAN_INTERNALS, VIT, require
-from .vision_transformer import (
-    PIDAttention, PIDBlock, PIDVisionTransformer, PIDVisionTransformerDistilled, _PIDViTMixin,
-)
+from .vision_transformer import MethodBlocks, PIDAttention, PIDBlock, _MethodViTMixin
 
 __all__ = ["convert"]
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
-#: stock class -> its class with a method, and back
-_TO_METHOD = {
-    VisionTransformer: PIDVisionTransformer,
-    VisionTransformerDistilled: PIDVisionTransformerDistilled,
-    Block: PIDBlock,
-    Attention: PIDAttention,
-}
-_TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items()}
-_VIT_CLASSES = (VisionTransformer, VisionTransformerDistilled, PIDVisionTransformer, PIDVisionTransformerDistilled)
 
-
-
-def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *, pid: Any = None) -> ModelT:
+def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
     """Switch a timm model's attention to ``attention``, in place; returns ``model``.
 
     Args:
@@ -60,26 +58,28 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
             ``Attention`` (DeiT, ViT), one converted before or built by a ``pid_*`` name, or a FAN
             (``fan_*`` / ``pid_fan_*``).
         attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
-            ``"softmax"``: timm's stock attention (a ViT/DeiT goes back to timm's own classes).
+            ``"softmax"``: timm's stock attention (a converted stock ViT/DeiT goes back to timm's own classes).
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its default preset (for
             PID the ``deit`` preset), or a preset name.
-        pid: PID's parameters under their historical keyword (the same as ``attention_cfg``; PID only).
 
     The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); a
     method with learnable parameters (``{"learnable": True}``) adds them, initialised on the model's device and
     dtype, and ``warmup_steps`` adds the warm-up counter (``attention_warmup``): build the optimizer after converting.
-    Convert before ``torch.compile`` (a compiled wrapper is refused) and before wrapping the model (DDP, FSDP).
+    Convert before ``torch.compile`` (a compiled wrapper is refused) and before wrapping the model (DDP, FSDP). A
+    stock ViT keeps its class: its plain forward runs the method, while timm's loops over its blocks (gradient
+    checkpointing, ``attn_mask`` / ``is_causal``, ``forward_intermediates``) are refused (``MissingLayerState``); a
+    model built by its ``pid_*`` name runs all of them.
 
     Raises ``ValueError`` (unknown method, bad parameters, blocks of different head shapes) or ``TypeError`` (a
     model or block this cannot convert) before anything is changed.
     """
     where = type(model).__name__
-    choice = resolve_timm_attention(attention, attention_cfg, pid, where=where)
+    choice = resolve_timm_attention(attention, attention_cfg, where=where)
     if isinstance(model, FAN):
         _convert_fan(model, choice)
         return model
     _check_vit(model, choice)
-    if choice is None:
+    if choice is None and not isinstance(model, _MethodViTMixin):
         _to_stock(model)
     else:
         _to_method(model, choice)
@@ -90,8 +90,9 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None, *,
 def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     """Refuse what cannot be converted, before anything changes."""
     kind = type(model)
-    if kind in _VIT_CLASSES:
-        require(*VIT)  # what the method classes compute again
+    if isinstance(model, (VisionTransformer, VisionTransformerDistilled)) and (
+            kind in (VisionTransformer, VisionTransformerDistilled) or isinstance(model, _MethodViTMixin)):
+        require(*VIT)  # what the method classes compute again, and timm's forward_features calling self.blocks(x)
     else:
         hint = ("; convert the model before torch.compile" if hasattr(model, "_orig_mod")
                 else "; for other architectures build the model by name (pid_plugins.list_models(zoo='timm'))")
@@ -99,6 +100,9 @@ def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
             f"convert: timm VisionTransformer / VisionTransformerDistilled (DeiT, ViT), a PID model built by name or "
             f"a FAN, got {kind.__name__}{hint}"
         )
+    if type(model.blocks) not in (nn.Sequential, MethodBlocks):
+        raise TypeError(f"convert: {kind.__name__}.blocks is a {type(model.blocks).__name__}, not timm's "
+                        "nn.Sequential of blocks")
     shapes = set()
     for i, blk in enumerate(model.blocks):
         attn = getattr(blk, "attn", None)
@@ -116,26 +120,42 @@ def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
         )
 
 
-def _to_method(model: nn.Module, choice: MethodChoice) -> None:
-    """Stock (or method) ViT -> the PID classes with ``choice``: class swaps, then what the PID ``__init__`` sets."""
-    for module in (model, *model.blocks, *(blk.attn for blk in model.blocks)):
-        module.__class__ = _TO_METHOD.get(type(module), type(module))
-    for blk in model.blocks:
+def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:
+    """(Stock or method) ViT -> :class:`MethodBlocks` of PID blocks with ``choice`` (None: the stock attention, on a
+    model built by name). The root keeps its class; a model built by name holds the method itself
+    (:meth:`~pid_plugins.timm.PIDVisionTransformer.set_vit_method`), a stock root only the warm-up counter."""
+    blocks = replace_module(model, "blocks", MethodBlocks)
+    for key in list(blocks._modules):
+        replace_module(blocks._modules[key], "attn", PIDAttention)
+        blk = replace_module(blocks, key, PIDBlock)
         blk.attn.set_attention(choice, blk.attn.qkv.weight)
         settle_submodule(blk.attn, "attention_params")
-    model._set_model_attention(choice)
-    settle_submodule(model, "attention_warmup")
+    if isinstance(model, MethodModel):
+        model.set_vit_method(choice)
+        settle_submodule(model, "attention_warmup")
+        return
+    number_layers(blk.attn for blk in blocks)
+    previous = model._modules.get("attention_warmup")
+    counter = method_warmup(choice, next(model.parameters()), previous, where=type(model).__name__)
+    strip_attributes(model, ("attention_warmup",))
+    if counter is not None:
+        counter.train(model.training)
+        model.add_module("attention_warmup", counter)
+    blocks.hold_warmup(counter)
 
 
 def _to_stock(model: nn.Module) -> None:
-    """(Method) ViT -> timm's own classes, with everything pid-plugins added removed."""
-    for blk in model.blocks:
+    """Converted stock ViT -> timm's own classes, with everything pid-plugins added removed."""
+    blocks = model.blocks
+    if type(blocks) is MethodBlocks:
+        strip_attributes(blocks, ("warmup_counter",))
+        blocks = replace_module(model, "blocks", nn.Sequential)
+    for key in list(blocks._modules):
+        blk = blocks._modules[key]
         strip_attributes(blk.attn, LAYER_ATTRIBUTES)
-        blk.attn.__class__ = _TO_STOCK.get(type(blk.attn), type(blk.attn))
-        blk.__class__ = _TO_STOCK.get(type(blk), type(blk))
-    if isinstance(model, _PIDViTMixin):
-        strip_attributes(model, MODEL_ATTRIBUTES)
-    model.__class__ = _TO_STOCK.get(type(model), type(model))
+        replace_module(blk, "attn", Attention)
+        replace_module(blocks, key, Block)
+    strip_attributes(model, ("attention_warmup",))
 
 
 # ------------------------------------------------------------------------------------------------------- FAN
@@ -149,3 +169,25 @@ def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     model.set_model_method(choice, next(model.parameters()), where=type(model).__name__)
     settle_submodule(model, "attention_warmup")
 
+
+# ----------------------------------------------------------------------------------------------- finish_warmup
+def _finish(model: nn.Module) -> bool:
+    """Core's :func:`~pid_plugins.core.finish_warmup` for the blocks containers: the reference to the counter goes
+    with the counter (a model built by name drops it in core); a converted stock root's counter is dropped here."""
+    found = False
+    for owner in model.modules():
+        blocks = owner._modules.get("blocks")
+        if not isinstance(blocks, MethodBlocks):
+            continue
+        found = True
+        counter = blocks.warmup_counter
+        if counter is None:
+            continue
+        if not isinstance(owner, MethodModel):  # a converted stock root: the counter is its submodule
+            warn_unfinished_warmup(counter, type(owner).__name__)
+            strip_attributes(owner, ("attention_warmup",))
+        blocks.hold_warmup(None)
+    return found
+
+
+register_warmup_finisher(_finish)

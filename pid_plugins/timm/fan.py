@@ -87,11 +87,11 @@ class TokenMixing(MethodLayer, nn.Module):
         return self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
 
     def forward(self, x: Tensor, state: Optional[Tuple[Any, ...]] = None,
-                pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
+                warmup_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
         B, N, C = x.shape
         q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        out, state = self.method_attention(partial(self._attend, k=k), q, v, state, pid_scale)
+        out, state = self.method_attention(partial(self._attend, k=k), q, v, state, warmup_scale)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C))), state
 
 
@@ -182,8 +182,9 @@ class FANBlock(nn.Module):
         self.gamma1 = nn.Parameter(eta * torch.ones(dim, **dd))
         self.gamma2 = nn.Parameter(eta * torch.ones(dim, **dd))
 
-    def forward(self, x: Tensor, H: int, W: int, *state: Tensor, pid_scale: Optional[Tensor] = None) -> Tuple[Tensor, ...]:
-        y, new_state = self.attn(self.norm1(x), state if state else None, pid_scale)
+    def forward(self, x: Tensor, H: int, W: int, *state: Tensor,
+                warmup_scale: Optional[Tensor] = None) -> Tuple[Tensor, ...]:
+        y, new_state = self.attn(self.norm1(x), state if state else None, warmup_scale)
         # indexed first: the block's last traced operation is its output x (fx feature extraction by module name)
         state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path(self.gamma1 * y)
@@ -194,10 +195,10 @@ class FANBlock(nn.Module):
 class FAN(MethodModel, nn.Module):
     """FAN-ViT: convolutional stem, Fourier positions, FAN blocks, two class-attention blocks, head.
 
-    ``attention="pid"`` puts the FAN blocks' token mixing under PID control (``pid`` or ``attention_cfg``: a
+    ``attention="pid"`` puts the FAN blocks' token mixing under PID control (``attention_cfg``: a
     :class:`PIDConfig`, a dict of overrides of ``deit``, or a preset name), ``attention="<name>"`` under another
     registered method (``attention_cfg``: its parameters); ``attention="softmax"`` (the default of the ``fan_*``
-    names) is the stock FAN.
+    names) is the stock FAN. :func:`pid_plugins.timm.convert` switches a built FAN in place (it keeps its class).
     """
 
     def __init__(
@@ -223,7 +224,6 @@ class FAN(MethodModel, nn.Module):
         use_pos_embed: bool = True,
         eta: float = 1.0,
         tokens_norm: bool = True,
-        pid: Any = None,
         attention: str = "softmax",
         attention_cfg: Any = None,
         device: Any = None,
@@ -236,7 +236,7 @@ class FAN(MethodModel, nn.Module):
             raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
         act_layer = get_act_layer(act_layer) or nn.GELU
-        choice = resolve_timm_attention(attention, attention_cfg, pid, where=type(self).__name__)
+        choice = resolve_timm_attention(attention, attention_cfg, where=type(self).__name__)
         self.set_model_method(choice, torch.empty(0, device=device), where=type(self).__name__)
         self.num_classes = num_classes
         self.global_pool = global_pool
@@ -312,14 +312,6 @@ class FAN(MethodModel, nn.Module):
                      if num_classes > 0 else nn.Identity())
         self.head.train(self.training)
 
-    def set_attention(self, attention: str = "pid", attention_cfg: Any = None, pid: Any = None) -> "FAN":
-        """``pid_plugins.timm.convert(self, attention, attention_cfg)``: every FAN block's token mixing switched to
-        ``attention`` (a method's name with its parameters, or ``"softmax"``) in place; learnable parameters are
-        (re)initialised. Returns the model."""
-        from .conversion import convert
-
-        return convert(self, attention, attention_cfg, pid=pid)
-
     def _embed(self, x: Tensor) -> Tuple[Tensor, int, int]:
         B = x.shape[0]
         x, (Hp, Wp) = self.patch_embed(x)
@@ -331,7 +323,7 @@ class FAN(MethodModel, nn.Module):
                         take_indices: Optional[List[int]] = None, norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
         # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
         return run_blocks(blocks, x, (Hp, Wp), self.grad_checkpointing, take_indices, self.norm if norm else None,
-                          pid_scale=self.method_scale())
+                          warmup_scale=self.method_scale())
 
     def forward_cls(self, x: Tensor) -> Tensor:
         """Prepend the class token and run the (softmax) class-attention blocks."""

@@ -82,6 +82,7 @@ def _vit_forward() -> bool:
     return ("block_fn" in init and "attn_layer" in init
             and parameters(VisionTransformer.forward_features) == ["self", "x", "attn_mask", "is_causal"]
             and reads(VisionTransformer.forward_features) == VIT_FEATURES_READS
+            and "else:x=self.blocks(x)" in squashed(VisionTransformer.forward_features)
             and parameters(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_PARAMETERS
             and reads(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_READS
             and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled)))
@@ -194,8 +195,10 @@ BLOCK_FORWARD = Internal(
     "PIDBlock computes timm's block again, handing the method's state from block to block", "1.0.31",
     _block_forward)
 VIT_FORWARD = Internal(
-    ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures and the attributes they read)",
-    "the method ViT computes them again with the method's state threaded through the blocks", "1.0.31",
+    ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures and the attributes they read; "
+    "forward_features' plain path x = self.blocks(x))",
+    "the method ViT computes them again with the method's state threaded through the blocks; a converted stock ViT "
+    "runs the method through timm's own forward_features calling its blocks container", "1.0.31",
     _vit_forward)
 FEATURE_TAKE_INDICES = Internal(
     ZOO, "timm.models._features.feature_take_indices(num_features, indices)",

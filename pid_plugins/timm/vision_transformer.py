@@ -1,11 +1,13 @@
 """PID Vision Transformer / DeiT for timm (PID, or any registered attention method: ``attention="<name>"``).
 
-The method's group is the stack of transformer blocks. The method's state flows between blocks as plain tensors
-(``len(method.state_fields)`` of them; PID: ``block(x, v_first, e_sum, e_prev) -> (x, v_first, e_sum, e_prev)``),
-which keeps gradient checkpointing
-(reentrant or not) and ``torch.compile(fullgraph=True)`` exact. ``forward_features`` and
-``forward_intermediates`` are overridden to thread it; every other part of timm's model contract is
-inherited from timm's ``VisionTransformer``.
+The method's group is the stack of transformer blocks, held by :class:`MethodBlocks` (an ``nn.Sequential`` with the
+same blocks under the same keys as timm's ``model.blocks``). The method's state flows between blocks as plain tensors
+(``len(method.state_fields)`` of them; PID: ``block(x, v_first, e_sum, e_prev, with_state=True) -> (x, v_first,
+e_sum, e_prev)``), which keeps gradient checkpointing (reentrant or not) and ``torch.compile(fullgraph=True)`` exact.
+``MethodBlocks.forward`` threads it, so timm's own ``forward_features`` (``x = self.blocks(x)``) runs the method; the
+models built by name (:class:`PIDVisionTransformer`) override ``forward_features`` and ``forward_intermediates`` so
+that every path (``attn_mask`` / ``is_causal``, gradient checkpointing, intermediates) goes through it; every other
+part of timm's model contract is inherited from timm's ``VisionTransformer``.
 
 Variants are declared in ``registry/timm.toml`` and registered here with ``register_model``.
 """
@@ -34,10 +36,8 @@ FEATURE_TAKE_INDICES.require()  # a private module of timm, read from here on
 from timm.models._features import feature_take_indices  # noqa: E402
 
 from ..catalogue import ModelEntry  # noqa: E402
-from ..core.layer import MethodModel, number_layers  # noqa: E402
-from ..core import (  # noqa: E402
-    MethodChoice,
-)
+from ..core import GainWarmup, MethodChoice  # noqa: E402
+from ..core.layer import MethodModel, number_layers, replace_module  # noqa: E402
 from ._helpers import (  # noqa: E402
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     register_entries, resolve_timm_attention, run_blocks, state_outputs,
@@ -45,7 +45,7 @@ from ._helpers import (  # noqa: E402
 
 __all__ = [
     "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
-    "checkpoint_filter_fn", "to_pid",
+    "MethodBlocks", "checkpoint_filter_fn",
 ]
 
 class PIDAttention(MethodLayer, Attention):
@@ -78,14 +78,15 @@ class PIDAttention(MethodLayer, Attention):
         state: Optional[Tuple[Any, ...]] = None,
         attn_mask: Optional[Tensor] = None,
         is_causal: bool = False,
-        pid_scale: Optional[Tensor] = None,
+        warmup_scale: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[tuple]]:
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         out, state = self.method_attention(
-            partial(self._attend, k=k, attn_mask=attn_mask, is_causal=is_causal), q, v, state, pid_scale, is_causal
+            partial(self._attend, k=k, attn_mask=attn_mask, is_causal=is_causal), q, v, state, warmup_scale,
+            is_causal,
         )
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
@@ -96,8 +97,12 @@ class PIDAttention(MethodLayer, Attention):
 class PIDBlock(Block):
     """timm's pre-norm ``Block`` whose attention is :class:`PIDAttention`.
 
-    ``forward(x, *state)`` returns ``(x, *new_state)``: a flat tuple of tensors, so the block can be run
-    under ``torch.utils.checkpoint`` (both modes) with the state as ordinary inputs and outputs.
+    ``forward(x, *state, with_state=True, warmup_scale=...)`` (how :class:`MethodBlocks` calls it) returns
+    ``(x, *new_state)``: a flat tuple of tensors, so the block can be run under ``torch.utils.checkpoint`` (both
+    modes) with the state as ordinary inputs and outputs. Called as timm's ``Block`` (``block(x)``, what timm's own
+    loops over ``model.blocks`` do) it returns ``x``; a block after the first then gets no state and raises core's
+    :class:`~pid_plugins.core.MissingLayerState` (as does any block under warm-up called without ``warmup_scale``),
+    never a different function.
     """
 
     attn: PIDAttention
@@ -110,17 +115,18 @@ class PIDBlock(Block):
 
     def forward(
         self, x: Tensor, *state: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
-        pid_scale: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, ...]:
+        warmup_scale: Optional[Tensor] = None, with_state: bool = False,
+    ) -> Union[Tensor, Tuple[Tensor, ...]]:
         y, new_state = self.attn(
-            self.norm1(x), state if state else None, attn_mask=attn_mask, is_causal=is_causal, pid_scale=pid_scale,
+            self.norm1(x), state if state else None, attn_mask=attn_mask, is_causal=is_causal,
+            warmup_scale=warmup_scale,
         )
         # the state is indexed before the residual branches, so that the block's last traced operation is its
         # output x (torch.fx feature extraction by module name, timm's feature_cls="fx", returns that operation)
         state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return (x,) + state
+        return (x,) + state if with_state else x
 
 
 def _flag(is_causal: Any) -> Any:
@@ -135,16 +141,70 @@ def _flag(is_causal: Any) -> Any:
     return is_causal  # a bool (or a torch.fx proxy while timm's feature extraction traces: left to the layers)
 
 
-class _PIDViTMixin(MethodModel):
-    """Overrides of ``VisionTransformer`` that thread the method's state through the blocks."""
+class MethodBlocks(nn.Sequential):
+    """``model.blocks`` of a ViT/DeiT with an attention method: timm's ``nn.Sequential`` of blocks (the same block
+    objects under the same keys, so the ``state_dict`` keys are timm's) whose forward runs the method's group.
 
-    blocks: nn.Sequential
+    ``forward(x)`` (what timm's ``VisionTransformer.forward_features`` calls, ``x = self.blocks(x)``) reads the
+    model's warm-up scale once (a training forward advances the counter), calls each :class:`PIDBlock` with the
+    previous block's state (``with_state=True``) and returns ``x``. The model's gain warm-up counter is a submodule
+    of the model (``attention_warmup``, saved as ``attention_warmup.step``); the container holds a plain reference to
+    it (:meth:`hold_warmup`, set when the model is built or converted), not a submodule of its own. ``checkpointed``:
+    each block under timm's ``checkpoint`` (the models built by name pass their ``grad_checkpointing``).
+    """
+
+    warmup_counter: Optional[GainWarmup]
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.hold_warmup(None)
+
+    def hold_warmup(self, counter: Optional[GainWarmup]) -> None:
+        """Read the warm-up scale from ``counter`` (the model's ``attention_warmup``; None: no warm-up). A plain
+        reference, so the counter is saved once, where the model holds it."""
+        self.__dict__["warmup_counter"] = counter
+
+    def __getitem__(self, idx: Union[slice, int]) -> Any:
+        out = super().__getitem__(idx)
+        if isinstance(out, MethodBlocks):  # a slice (timm's stop_early, prune_intermediate_layers): the same counter
+            out.hold_warmup(self.warmup_counter)
+        return out
+
+    def run(
+        self,
+        x: Tensor,
+        attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False,
+        checkpointed: bool = False,
+        take_indices: Optional[List[int]] = None,
+        norm: Optional[nn.Module] = None,
+    ) -> Tuple[Tensor, List[Tensor]]:
+        """The blocks with the method's state threaded: the output and the block outputs at ``take_indices`` (after
+        ``norm`` if given). Checkpointing applies without ``attn_mask`` / ``is_causal``, as in timm."""
+        is_causal = _flag(is_causal)
+        use_checkpoint = checkpointed and attn_mask is None and not is_causal
+        kwargs: Dict[str, Any] = dict(with_state=True)
+        if not use_checkpoint:
+            kwargs.update(attn_mask=attn_mask, is_causal=is_causal)
+        counter = self.warmup_counter
+        # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
+        return run_blocks(self, x, (), use_checkpoint, take_indices, norm,
+                          warmup_scale=counter() if counter is not None else None, **kwargs)
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+                checkpointed: bool = False) -> Tensor:
+        return self.run(x, attn_mask=attn_mask, is_causal=is_causal, checkpointed=checkpointed)[0]
+
+
+class _MethodViTMixin(MethodModel):
+    """Overrides of ``VisionTransformer`` that run every path through :class:`MethodBlocks`."""
+
+    blocks: MethodBlocks
     grad_checkpointing: bool
 
-    def __init__(self, *args: Any, pid: Any = None, attention: str = "pid", attention_cfg: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
         require(*VIT)
-        choice = resolve_timm_attention(attention, attention_cfg, pid, where=type(self).__name__)
+        choice = resolve_timm_attention(attention, attention_cfg, where=type(self).__name__)
         block_fn = kwargs.pop("block_fn", None)
         if block_fn not in (None, Block, PIDBlock):
             raise ValueError(
@@ -153,16 +213,20 @@ class _PIDViTMixin(MethodModel):
         attn_layer = kwargs.pop("attn_layer", None)
         if attn_layer not in (None, "attn", Attention, PIDAttention):
             raise ValueError(
-                f"PID ViT computes its attention with PIDAttention (timm's Attention plus the PID update); "
+                f"PID ViT computes its attention with PIDAttention (timm's Attention plus the method's step); "
                 f"attn_layer={attn_layer!r} is not supported. Use attention='softmax' for the stock model, or "
                 "build the stock timm model with that attn_layer"
             )
         super().__init__(*args, block_fn=partial(PIDBlock, choice=choice), **kwargs)
-        self._set_model_attention(choice)
+        replace_module(self, "blocks", MethodBlocks)  # timm's nn.Sequential of the blocks, as the method's group
+        self.set_vit_method(choice)
 
-    def _set_model_attention(self, choice: Optional[MethodChoice]) -> None:
+    def set_vit_method(self, choice: Optional[MethodChoice]) -> None:
+        """Hold ``choice`` (None: softmax) and its warm-up counter, which the blocks container reads; number the
+        blocks (the method's group)."""
         self.set_model_method(choice, next(self.parameters()), where=type(self).__name__)
-        number_layers(blk.attn for blk in self.blocks)  # the blocks are the method's group
+        self.blocks.hold_warmup(self.attention_warmup)
+        number_layers(blk.attn for blk in self.blocks)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -170,27 +234,11 @@ class _PIDViTMixin(MethodModel):
         names.update(n for n, _ in self.named_parameters() if ".attention_params." in n)
         return names
 
-    def _blocks_forward(
-        self,
-        x: Tensor,
-        blocks: nn.Module,
-        attn_mask: Optional[Tensor] = None,
-        is_causal: bool = False,
-        take_indices: Optional[List[int]] = None,
-        norm: bool = False,
-    ) -> Tuple[Tensor, List[Tensor]]:
-        is_causal = _flag(is_causal)
-        use_checkpoint = self.grad_checkpointing and attn_mask is None and not is_causal
-        kwargs = {} if use_checkpoint else dict(attn_mask=attn_mask, is_causal=is_causal)
-        # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
-        return run_blocks(blocks, x, (), use_checkpoint, take_indices, self.norm if norm else None,
-                          pid_scale=self.method_scale(), **kwargs)
-
     def forward_features(
         self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False
     ) -> Tensor:
         x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
-        x, _ = self._blocks_forward(x, self.blocks, attn_mask=attn_mask, is_causal=is_causal)
+        x = self.blocks(x, attn_mask=attn_mask, is_causal=is_causal, checkpointed=self.grad_checkpointing)
         return self.norm(x)
 
     def forward_intermediates(
@@ -206,16 +254,16 @@ class _PIDViTMixin(MethodModel):
         attn_mask: Optional[Tensor] = None,
         is_causal: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], Dict[str, Any]]:
-        """timm's ``forward_intermediates`` contract, with the PID state threaded through the blocks."""
+        """timm's ``forward_intermediates`` contract, with the method's state threaded through the blocks."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         B, _, height, width = x.shape
         x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
         blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
-        x, intermediates = self._blocks_forward(
-            x, blocks, attn_mask=attn_mask, is_causal=is_causal, take_indices=take_indices, norm=norm
-        )
+        x, intermediates = blocks.run(x, attn_mask=attn_mask, is_causal=is_causal,
+                                      checkpointed=self.grad_checkpointing, take_indices=take_indices,
+                                      norm=self.norm if norm else None)
 
         prefix_tokens: Optional[List[Tensor]] = None
         if self.num_prefix_tokens:
@@ -239,17 +287,16 @@ class _PIDViTMixin(MethodModel):
         return self.norm(x), intermediates
 
 
-class PIDVisionTransformer(_PIDViTMixin, VisionTransformer):
+class PIDVisionTransformer(_MethodViTMixin, VisionTransformer):
     """timm ``VisionTransformer`` with PID attention (or another registered method) in every block.
 
     Extra keyword arguments: ``attention`` (``"pid"``, a registered method's name, or ``"softmax"`` for the stock
-    model), ``attention_cfg`` (the method's parameters: an instance, a dict of overrides of its default preset,
-    or a preset name) and ``pid`` (PID's historical spelling of ``attention_cfg``: a :class:`PIDConfig`, a dict of
-    overrides of the ``deit`` preset, or a preset name).
+    model) and ``attention_cfg`` (the method's parameters: an instance, a dict of overrides of its default preset,
+    or a preset name).
     """
 
 
-class PIDVisionTransformerDistilled(_PIDViTMixin, VisionTransformerDistilled):
+class PIDVisionTransformerDistilled(_MethodViTMixin, VisionTransformerDistilled):
     """DeiT's distilled ``VisionTransformerDistilled`` (class + distillation token) with PID attention."""
 
 
@@ -291,23 +338,6 @@ def _create(
         attention_cfg=choice.config if choice is not None else None,
         **model_args,
     )
-
-
-# --------------------------------------------------------------------------------------- to_pid
-def to_pid(model: VisionTransformer, config: Any = None, *, attention: str = "pid") -> VisionTransformer:
-    """``convert(model, attention, config)`` (:func:`pid_plugins.timm.convert`): the model's attention switched
-    in place, the same parameter tensors; returns ``model``.
-
-    Args:
-        model: a timm ``VisionTransformer`` / ``VisionTransformerDistilled`` built with standard
-            ``Block`` + ``Attention`` blocks, a model with a method to reconfigure, or a FAN.
-        config: the method's parameters; for PID a :class:`PIDConfig`, a dict of overrides of the ``deit``
-            preset, or a preset name.
-        attention: ``"pid"``, another registered method's name, or ``"softmax"`` (timm's stock classes again).
-    """
-    from .conversion import convert
-
-    return convert(model, attention, config)
 
 
 # ------------------------------------------------------------------------------------ registration

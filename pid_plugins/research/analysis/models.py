@@ -237,7 +237,7 @@ def load_model(
         load_weights(model, checkpoint)
     if attention is not None and not built_with and (attention != "softmax" or attention_cfg is not None):
         try:
-            model = pid_plugins.timm.to_pid(model, attention_cfg, attention=attention)
+            model = pid_plugins.timm.convert(model, attention, attention_cfg)
         except TypeError as exc:
             raise ValueError(f"--attention {attention!r} needs a ViT/DeiT or a pid_*/fan_* model: {exc}") from None
     return LoadedModel(model.eval(), "image", label)
