@@ -109,3 +109,20 @@ def data_dir(tmp_path_factory):
     from zoo_cases import fs_dictionary
 
     return fs_dictionary(tmp_path_factory.mktemp("dict"))
+
+
+# ----------------------------------------------------------------------------------------------------- timm
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "fan_tiny_12_p16_224"])
+def test_timm_convert(caplog, name):
+    timm = pytest.importorskip("timm")
+    import pid_plugins.timm as pt
+
+    kw = dict(img_size=32, num_classes=10, depth=2) if name.startswith("deit") else dict(img_size=64, num_classes=10, depth=2)
+    assert warnings_of(caplog, lambda: pt.convert(timm.create_model(name, **kw), "pid")) == []  # from scratch
+    model = timm.create_model(name, **kw)
+    model.load_state_dict(train(timm.create_model(name, **kw)).state_dict())  # a loaded checkpoint
+    assert warnings_of(caplog, lambda: pt.convert(model, "pid", ZERO_PID)) == []
+    assert warnings_of(caplog, lambda: pt.convert(model, "pid", WARMUP)) == []
+    pt.convert(model, "softmax")
+    assert_warns_once(warnings_of(caplog, lambda: pt.convert(model, "pid")), "pid")
+    assert warnings_of(caplog, lambda: pt.convert(model, "pid")) == []  # it runs PID already

@@ -38,7 +38,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from ..core import MethodChoice, method_warmup
 from ..core.layer import (
     LAYER_ATTRIBUTES, MethodModel, number_layers, register_warmup_finisher, replace_module, settle_submodule,
-    strip_attributes, warn_unfinished_warmup,
+    strip_attributes, warn_switch_of_trained_weights, warn_unfinished_warmup,
 )
 from ._helpers import resolve_timm_attention
 from .fan import FAN
@@ -76,9 +76,11 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
     where = type(model).__name__
     choice = resolve_timm_attention(attention, attention_cfg, where=where)
     if isinstance(model, FAN):
+        warn_switch_of_trained_weights(model, choice, where, current=_first_attention(model))
         _convert_fan(model, choice)
         return model
     _check_vit(model, choice)
+    warn_switch_of_trained_weights(model, choice, where, current=_first_attention(model))
     if choice is None and not isinstance(model, _MethodViTMixin):
         _to_stock(model)
     else:
@@ -87,6 +89,11 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
 
 
 # ------------------------------------------------------------------------------------------------------- ViT
+def _first_attention(model: nn.Module) -> Optional[nn.Module]:
+    """The first block's attention: what method the model runs now (None: no blocks)."""
+    return model.blocks[0].attn if len(model.blocks) else None
+
+
 def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     """Refuse what cannot be converted, before anything changes."""
     kind = type(model)
