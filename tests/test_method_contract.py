@@ -380,11 +380,11 @@ def test_timm_toy_presets_stock_names_and_the_threaded_state(kind):
     if kind == "fan":  # the softmax names pid_plugins registers (fan_*) take the method too
         assert timm.create_model(zc.TIMM[kind][1], attention=NAME, **zc.FAN).attention_method is METHOD
     # the state is threaded as len(state_fields) flat tensors: a block is an ordinary module of tensors
-    args = (4, 1) if kind == "fan" else ()
+    args, kw = ((4, 1), {}) if kind == "fan" else ((), {"with_state": True})  # a ViT block as its container calls it
     x = torch.randn(2, 4, 48)
-    out = model.blocks[0](x, *args)
+    out = model.blocks[0](x, *args, **kw)
     assert isinstance(out, tuple) and len(out) == 1 + len(METHOD.state_fields)
-    out2 = model.blocks[1](out[0], *args, *out[1:])
+    out2 = model.blocks[1](out[0], *args, *out[1:], **kw)
     assert len(out2) == 2 and out2[1] is out[1]  # v^1 handed on unchanged
 
 
@@ -423,8 +423,11 @@ def test_timm_convert_switches_a_stock_model_to_the_toy_in_place():
     with torch.no_grad():
         y_stock = stock(x)
     converted = pt.convert(stock, NAME, {"gamma": 0.4})
-    assert converted is stock and type(converted) is pt.PIDVisionTransformer and not converted.training
-    assert converted.attention_method is METHOD and converted.attention_config == ScaledReferenceConfig(gamma=0.4)
+    # the model keeps its class (modules are replaced, never retyped): its blocks container threads the method
+    assert converted is stock and type(converted) is type(zc.import_timm().create_model("deit_tiny_patch16_224", **zc.DEIT)) and not converted.training
+    assert isinstance(converted.blocks, pt.MethodBlocks)
+    assert all(blk.attn.attention_method is METHOD and blk.attn.attention_config == ScaledReferenceConfig(gamma=0.4)
+               for blk in converted.blocks)
     assert list(converted.state_dict()) == list(before)
     with torch.no_grad():
         assert torch.equal(converted(x), model(x))

@@ -79,25 +79,6 @@ def test_the_index_reaches_layer_params_and_a_method_that_needs_it_is_refused_wi
     assert NeedsIndex().apply(LayerProbeConfig(), None, LayerCall(attend, q, v, v, layer=1), None)[1] == ()
 
 
-def test_a_method_written_before_the_index_keeps_working():
-    """A user's method whose ``layer_params(config, learned)`` predates ``LayerCall.layer`` registers and runs
-    unchanged: it is called without the index (which it never read)."""
-    from pid_plugins.core import LayerCall
-
-    class Old(LayerProbe):
-        name = "old_layer_params"
-
-        def layer_params(self, config, learned):  # the signature before LayerCall.layer
-            self.seen.append("old")
-            return config
-
-    old = pid_plugins.register_method(Old(), replace=True)
-    q = v = torch.randn(1, 2, 3, 4)
-    attend = lambda a, b: torch.nn.functional.scaled_dot_product_attention(a, a, b)  # noqa: E731
-    out, state = old.apply(LayerProbeConfig(), None, LayerCall(attend, q, v, v, layer=3), None)
-    assert torch.equal(out, attend(q, v)) and state == () and old.seen == ["old"]
-
-
 # ================================================================================================ timm
 @pytest.mark.parametrize("kind", ["deit", "fan"])
 def test_timm_blocks_by_name_converted_and_checkpointed(kind, probe):
@@ -199,15 +180,14 @@ def test_mmseg_backbone_and_decode_head_are_two_groups(with_cp, probe):
 def test_mmseg_convert_numbers_each_group_and_softmax_strips_it(probe):
     import pid_plugins.mmseg as pm
 
-    backbone = mm_build("VisionTransformer", MM_BACKBONE)
-    head = mm_build("SegmenterMaskTransformerHead", MM_HEAD)
-    pm.convert(backbone, NAME)
-    pm.convert(head, NAME)
+    from test_mmseg_convert import stock  # a Segmenter segmentor: its backbone and head are each a group
+
+    segmentor = pm.convert(stock(), NAME)
     with torch.no_grad():
-        head(list(backbone(mm_inputs("backbone"))))
+        segmentor.decode_head(list(segmentor.backbone(mm_inputs("backbone"))))
     assert probe.seen == [0, 1, 2, 0, 1]
-    pm.convert(backbone, "softmax")
-    assert all("layer_index" not in vars(layer) for layer in backbone.layers)
+    pm.convert(segmentor, "softmax")
+    assert all("layer_index" not in vars(layer) for layer in segmentor.backbone.layers)
 
 
 # ================================================================================================ fairseq

@@ -12,7 +12,7 @@ from pid_plugins.mmseg.compat import STANDIN_NAME  # noqa: E402
 from reference import naive_mmseg_layers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs" / "mmseg").glob("*.py"))
+CONFIGS = sorted(p for p in (REPO / "configs" / "mmseg").glob("*.py") if p.name != "__init__.py")  # the package marker
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 ARGS = dict(img_size=(64, 64), patch_size=16, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,
             final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
@@ -162,7 +162,7 @@ def test_shipped_config_takes_a_timm_pid_deit_checkpoint(tmp_path):
 
     cfg = Config.fromfile(str(REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py"))
     torch.manual_seed(0)
-    deit = timm.create_model("pid_deit_tiny_patch16_224", pid="segmenter").eval()
+    deit = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg="segmenter").eval()
     for p in deit.parameters():  # non-trivial biases and norms, so a dropped or misplaced one shows
         p.data.add_(torch.randn_like(p) * 0.02)
     data = timm.data.resolve_data_config({}, model=deit)

@@ -197,7 +197,7 @@ def test_fixed_and_timm_learnable_checkpoints_into_a_learnable_backbone(tmp_path
     args = mm_args("backbone")
     torch.manual_seed(0)
     deit = timm.create_model("pid_deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=3,
-                             num_heads=3, pid=dict(preset="segmenter", learnable=True))
+                             num_heads=3, attention_cfg=dict(preset="segmenter", learnable=True))
     with torch.no_grad():
         for i, blk in enumerate(deit.blocks):
             blk.attn.attention_params.lambda_p_raw.fill_(0.1 * i - 0.5)

@@ -85,8 +85,8 @@ def test_mmseg_a_layer_called_alone_refuses_without_state():
     pytest.importorskip("mmseg")
     import pid_plugins.mmseg as pm
 
-    backbone = mm_build("VisionTransformer", MM_BACKBONE)
-    pm.convert(backbone, "pid")
+    backbone = mm_build("PIDVisionTransformer", MM_BACKBONE, attention="pid")
+    assert isinstance(backbone, pm.PIDVisionTransformer)
     backbone.eval()
     x = torch.randn(2, 17, MM_BACKBONE["embed_dims"])
     with torch.no_grad():
