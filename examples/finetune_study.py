@@ -14,7 +14,7 @@ pairwise cosine between tokens, and the learned gains. The record is written aft
 what it finished; a rerun skips arms already recorded).
 
 ``vision``: the demo's softmax DeiT trained on Fashion-MNIST (scikit-learn's digits without it), then continued
-for the same steps as softmax and as PID with ``warmup_steps`` (timm ``pid=dict(warmup_steps=...)``): clean
+for the same steps as softmax and as PID with ``warmup_steps`` (timm ``attention_cfg=dict(warmup_steps=...)``): clean
 accuracy, FGSM/PGD, Gaussian noise, corruptions (mCE relative to the continued softmax model), last-block cosine.
 """
 from __future__ import annotations
@@ -270,7 +270,7 @@ def run_vision(args: argparse.Namespace) -> None:
             continue
         pid = vision_pid(label, args.warmup_steps)
         name = "deit_tiny_patch16_224" if pid is None else "pid_deit_tiny_patch16_224"
-        model = timm.create_model(name, **kwargs, **({} if pid is None else {"pid": pid}))
+        model = timm.create_model(name, **kwargs, **({} if pid is None else {"attention_cfg": pid}))
         model.load_state_dict(state, strict=True)  # a softmax checkpoint loads strictly into the PID model
         info = _train_classifier(PixelClassifier(model), train, cont, f"continue {label}", log)
         counter = [int(b) for n, b in model.named_buffers() if n.endswith("step")]

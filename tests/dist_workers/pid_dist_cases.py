@@ -28,7 +28,7 @@ def timm_model(seed: int = 0, warmup_steps: int = 0):
     import pid_plugins.timm  # noqa: F401  (registers the pid_* models)
 
     torch.manual_seed(seed)
-    return timm.create_model(TIMM_NAME, pid=dict(learnable=True, warmup_steps=warmup_steps), **TIMM_TINY)
+    return timm.create_model(TIMM_NAME, attention_cfg=dict(learnable=True, warmup_steps=warmup_steps), **TIMM_TINY)
 
 
 def timm_batch(step: int):
@@ -256,7 +256,7 @@ def fsdp_case(name: str, workdir):
             return model
         return build, _hf_layers, _tokens(kind == "encoder_decoder"), _hf_forward(kind), True
     if base in ("timm_deit", "timm_fan"):
-        timm_name, kw, size = (("pid_deit_tiny_patch16_224", dict(TIMM_TINY, pid=dict(learnable=True)), 32)
+        timm_name, kw, size = (("pid_deit_tiny_patch16_224", dict(TIMM_TINY, attention_cfg=dict(learnable=True)), 32)
                                if base == "timm_deit" else ("pid_fan_tiny_12_p16_224", FAN_TINY, 64))
         if method:
             kw = dict({k: v for k, v in kw.items() if k != "pid"}, **chosen)
