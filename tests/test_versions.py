@@ -180,11 +180,11 @@ def test_learnable_parameters_under_tensor_parallelism_need_the_tp_plan_style(mo
 
     T = pytest.importorskip("transformers")
     import pid_plugins.hf  # noqa: F401
-    from pid_plugins.hf import discovery, internals
+    from pid_plugins.hf import discovery, gains, internals
 
     older = dataclasses.replace(internals.TP_PLAN, check=lambda: False)
-    monkeypatch.setattr(internals, "TP_PLAN", older)
-    monkeypatch.setattr(discovery, "TP_PLAN", older)
+    for module in (internals, discovery, gains):  # every module that reads it
+        monkeypatch.setattr(module, "TP_PLAN", older)
     config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2)
     ids = torch.tensor([[3, 4, 5]])
