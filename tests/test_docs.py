@@ -64,3 +64,95 @@ def test_the_plots_and_records_are_in_the_site(site):
         assert (site / path).is_file(), path
     results = (site / "results" / "index.html").read_text()
     assert "../demo/vision_robustness.png" in results and "mCE vs softmax" in results
+
+
+# ---- docs that read well: no raw reST in the rendered pages, tables and code within the column, formatted signatures
+
+#: the longest table cell and code line (characters) the pages may hold: longer ones overflow the column
+WIDTH = 100
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+
+#: raw reStructuredText that reached a rendered page: a literal-block marker ending a paragraph, a directive, a
+#: double-backtick literal, a Sphinx role
+RAW_REST = {
+    "'::' ending a paragraph": re.compile(r"::\s*</p>"),
+    "'.. code-block' directive": re.compile(r"\.\. code-block"),
+    "``double backticks``": re.compile(r"``"),
+    "Sphinx role": re.compile(r":(class|func|meth|mod|data|attr|exc|obj|ref):`"),
+}
+
+
+def _visible_text(html):
+    """The page's text as a reader sees it (tags, scripts and the search index left out), entities kept."""
+    html = re.sub(r"<(script|style)\b.*?</\1>", "", html, flags=re.S)
+    return re.sub(r"<(?!/p>)[^>]+>", "", html)
+
+
+def test_no_raw_rest_on_the_rendered_pages(site):
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        text = _visible_text(page.read_text())
+        for what, pattern in RAW_REST.items():
+            for match in pattern.finditer(text):
+                snippet = text[max(0, match.start() - 60): match.end() + 20].replace("\n", " ")
+                found.append(f"{page.relative_to(site)}: {what}: ...{snippet}...")
+    assert not found, "raw reST on the site:\n" + "\n".join(found[:30])
+
+
+def _fenced(text):
+    """(line number, language, line) of every line inside a ``` fence."""
+    fence = None
+    for number, line in enumerate(text.splitlines(), 1):
+        opening = re.match(r"\s*(```+)(\w*)", line)
+        if opening and (fence is None or opening.group(1) == fence[0]):
+            fence = None if fence is not None else (opening.group(1), opening.group(2))
+            continue
+        if fence is not None:
+            yield number, fence[1], line
+
+
+def _table_cells(text):
+    """(line number, cell) of every cell of every markdown table outside the code blocks."""
+    in_code = {number for number, _, _ in _fenced(text)}
+    for number, line in enumerate(text.splitlines(), 1):
+        if number in in_code or not line.lstrip().startswith("|"):
+            continue
+        # a cell ends at an unescaped | outside inline code
+        cells, cell, code = [], "", False
+        for char in line.strip().strip("|"):
+            if char == "`":
+                code = not code
+            if char == "|" and not code and not cell.endswith("\\"):
+                cells.append(cell.strip())
+                cell = ""
+            else:
+                cell += char
+        cells.append(cell.strip())
+        for cell in cells:
+            yield number, cell
+
+
+def test_table_cells_are_short():
+    """A table cell holds at most a short sentence; the prose goes under the table."""
+    long = [f"{page.relative_to(ROOT)}:{number}: {len(cell)} characters: {cell[:80]}..."
+            for page in PAGES for number, cell in _table_cells(page.read_text()) if len(cell) > WIDTH]
+    assert not long, f"table cells longer than {WIDTH} characters:\n" + "\n".join(long)
+
+
+def test_code_blocks_fit_the_column():
+    long = [f"{page.relative_to(ROOT)}:{number}: ```{language} line of {len(line)} characters: {line[:70]}..."
+            for page in PAGES for number, language, line in _fenced(page.read_text()) if len(line) > WIDTH]
+    assert not long, f"code-block lines longer than {WIDTH} characters:\n" + "\n".join(long)
+
+
+def test_api_signatures_are_formatted(site):
+    """mkdocstrings formats the signatures with ruff (the docs extra); without a formatter each sits on one line."""
+    import importlib.util
+
+    assert importlib.util.find_spec("ruff") or importlib.util.find_spec("black"), "the docs extra's ruff is missing"
+    html = (site / "api" / "hf" / "index.html").read_text()
+    # convert(model, method, config, *, base, ...) is longer than the line length: one parameter per line
+    signature = re.search(r'id="pid_plugins\.hf\.convert".*?<div class="doc-signature[^"]*">(.*?)</div>', html, re.S)
+    assert signature, "no signature for pid_plugins.hf.convert"
+    lines = _visible_text(signature.group(1)).strip().splitlines()
+    assert len(lines) > 2 and lines[0].endswith("("), lines
