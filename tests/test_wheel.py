@@ -181,14 +181,22 @@ def test_the_sdist_carries_the_license(tmp_path):
 
 
 def test_a_pip_user_inherits_a_shipped_mmseg_config(installed):
-    """The documented way: ``python -m pid_plugins.mmseg`` prints the configs' folder; an absolute ``_base_``."""
+    """The documented way: ``python -m pid_plugins.mmseg`` prints the configs' folder; an absolute ``_base_``. One
+    process (the module run as ``-m`` runs it, then mmengine reads a config inheriting the printed path)."""
     _, purelib, work, _ = installed
-    folder = run(installed, "-m", "pid_plugins.mmseg").strip().splitlines()[-1]
-    assert Path(folder).resolve() == (purelib / "pid_plugins" / "mmseg" / "configs").resolve()
     mine = work / "my_segmenter.py"
-    mine.write_text(f"_base_ = '{folder}/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'\n"
-                    "model = dict(backbone=dict(attention='softmax'))\n")
-    out = run(installed, "-c", "from mmengine.config import Config; import sys\n"
-                               f"cfg = Config.fromfile({str(mine)!r})\n"
-                               "print(cfg.model.backbone.type, cfg.model.backbone.attention, cfg.custom_imports.imports)")
-    assert out.strip().splitlines()[-1] == "PIDVisionTransformer softmax ['pid_plugins.mmseg']"
+    out = run(installed, "-c", (
+        "import contextlib, io, runpy\n"
+        "from mmengine.config import Config\n"
+        "printed = io.StringIO()\n"
+        "with contextlib.redirect_stdout(printed):\n"
+        "    runpy.run_module('pid_plugins.mmseg', run_name='__main__', alter_sys=True)\n"
+        "folder = printed.getvalue().strip()\n"
+        f"open({str(mine)!r}, 'w').write(\"_base_ = '\" + folder + \"/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'\\n\"\n"
+        "                               \"model = dict(backbone=dict(attention='softmax'))\\n\")\n"
+        f"cfg = Config.fromfile({str(mine)!r})\n"
+        "print(folder)\n"
+        "print(cfg.model.backbone.type, cfg.model.backbone.attention, cfg.custom_imports.imports)\n"
+    )).strip().splitlines()
+    assert Path(out[-2]).resolve() == (purelib / "pid_plugins" / "mmseg" / "configs").resolve()
+    assert out[-1] == "PIDVisionTransformer softmax ['pid_plugins.mmseg']"
