@@ -438,29 +438,11 @@ def test_timm_convert_switches_a_stock_model_to_the_toy_in_place():
 @pytest.mark.parametrize("kind", sorted(zc.TIMM))
 def test_timm_features_only_intermediates_and_fx_feature_extraction(kind):
     timm = zc.import_timm()
-    from timm.models import create_feature_extractor
-
     from toy_method import NAME
 
     name, _, cfg = zc.TIMM[kind]
     model, _ = toy_timm_pair(kind)
-    x = zc.timm_images(kind)
-    feats = timm.create_model(name, features_only=True, out_indices=(1, 2), attention=NAME, **cfg).eval()
-    result = feats.model.load_state_dict(model.state_dict(), strict=False)  # timm's getter wraps the model
-    assert not result.missing_keys
-    extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
-    with torch.no_grad():
-        final, inter = model.forward_intermediates(x, indices=[1, 2])
-        torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
-        got = feats(x)
-        assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, inter))
-        early = model.forward_intermediates(x, indices=[1], stop_early=True, intermediates_only=True)
-        assert torch.equal(early[0], inter[0])
-        out = extractor(x)
-        torch.testing.assert_close(out["logits"], model(x), rtol=0, atol=0)
-        want = model.forward_intermediates(x, indices=[1], output_fmt="NLC", intermediates_only=True)[0]
-        prefix = model.num_prefix_tokens if kind == "deit" else 0
-        torch.testing.assert_close(out["block"][:, prefix:], want, rtol=0, atol=0)
+    x = zc.assert_timm_feature_paths(kind, model, attention=NAME)
     # timm's fx feature wrapper returns each block's output tokens (NLC, prefix tokens included)
     torch.manual_seed(5)
     fx_feats = timm.create_model(name, features_only=True, feature_cls="fx", out_indices=(1, 2), attention=NAME, **cfg)
@@ -469,6 +451,7 @@ def test_timm_features_only_intermediates_and_fx_feature_extraction(kind):
     with torch.no_grad():
         want = model.forward_intermediates(x, indices=[1, 2], output_fmt="NLC", intermediates_only=True)
         got = fx_feats.eval()(x)
+        prefix = model.num_prefix_tokens if kind == "deit" else 0
         assert len(got) == 2 and all(torch.equal(g[:, prefix:], w) for g, w in zip(got, want))
 
 

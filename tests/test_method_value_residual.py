@@ -15,7 +15,8 @@ import torch
 
 import pid_plugins
 from pid_plugins.core.siblings.value_residual import ValueResidualConfig, ValueResidualLambdas
-from zoo_cases import TIMM, import_timm, timm_checkpointing_results, timm_images, timm_load_pretrained, timm_reference
+from zoo_cases import (TIMM, assert_timm_feature_paths, import_timm, timm_checkpointing_results, timm_images,
+                       timm_load_pretrained, timm_reference)
 from zoo_cases import timm_pair as zoo_timm_pair
 from zoo_cases import value_residual_rule
 
@@ -140,26 +141,8 @@ def test_timm_save_and_reload_through_the_pretrained_path(tmp_path):
 @pytest.mark.parametrize("kind", sorted(TIMM))
 def test_timm_features_only_intermediates_and_fx_feature_extraction(kind):
     """The method's ``attend`` reaches torch.fx (timm's feature extraction traces it; the mix is one leaf)."""
-    timm = import_timm()
-    from timm.models import create_feature_extractor
-
-    name, _, args = TIMM[kind]
     model, _ = timm_pair(kind, MIXED)
-    x = timm_images(kind)
-    feats = timm.create_model(name, features_only=True, out_indices=(1, 2), attention=NAME, attention_cfg=MIXED,
-                              **args).eval()
-    assert not feats.model.load_state_dict(model.state_dict(), strict=False).missing_keys
-    extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
-    with torch.no_grad():
-        final, inter = model.forward_intermediates(x, indices=[1, 2])
-        torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
-        got = feats(x)
-        assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, inter))
-        out = extractor(x)
-        torch.testing.assert_close(out["logits"], model(x), rtol=0, atol=0)
-        want = model.forward_intermediates(x, indices=[1], output_fmt="NLC", intermediates_only=True)[0]
-        prefix = model.num_prefix_tokens if kind == "deit" else 0
-        torch.testing.assert_close(out["block"][:, prefix:], want, rtol=0, atol=0)
+    assert_timm_feature_paths(kind, model, attention=NAME, attention_cfg=MIXED)
 
 
 # learnable lambdas in mmseg (backbone and head; references, training, checkpoints, FSDP2/DDP): test_mmseg_learnable.py

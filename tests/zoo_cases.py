@@ -228,6 +228,34 @@ def timm_images(kind: str, n: int = 2, seed: int = 1, models=TIMM) -> Tensor:
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
+def assert_timm_feature_paths(kind: str, model, models=TIMM, **method) -> Tensor:
+    """A method model built by name (eval mode) through timm's feature paths, each exactly its own forward's tensors:
+    ``features_only`` (timm's getter wrapping a model built with ``method``, the same weights),
+    ``forward_intermediates`` (``stop_early`` too) and timm's fx feature extraction (``create_feature_extractor``).
+    Returns the images used."""
+    timm = import_timm()
+    from timm.models import create_feature_extractor
+
+    name, _, args = models[kind]
+    x = timm_images(kind, models=models)
+    feats = timm.create_model(name, features_only=True, out_indices=(1, 2), **method, **args).eval()
+    assert not feats.model.load_state_dict(model.state_dict(), strict=False).missing_keys  # timm's getter wraps it
+    extractor = create_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"})
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x, indices=[1, 2])
+        torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
+        got = feats(x)
+        assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, inter))
+        early = model.forward_intermediates(x, indices=[1], stop_early=True, intermediates_only=True)
+        assert torch.equal(early[0], inter[0])
+        out = extractor(x)
+        torch.testing.assert_close(out["logits"], model(x), rtol=0, atol=0)
+        want = model.forward_intermediates(x, indices=[1], output_fmt="NLC", intermediates_only=True)[0]
+        prefix = model.num_prefix_tokens if kind == "deit" else 0
+        torch.testing.assert_close(out["block"][:, prefix:], want, rtol=0, atol=0)
+    return x
+
+
 def set_fused(models, fused: bool) -> None:
     """timm's ``fused_attn`` switch on every block's attention."""
     for m in models:
