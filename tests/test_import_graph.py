@@ -2,7 +2,8 @@
 
 Read from the source (ast), without importing anything: an edge ``a -> b`` for every ``import``/``from ... import``
 of a ``pid_plugins`` module anywhere in ``a`` (module level or inside a function: a function-level import only
-defers a circle) and for every ``importlib.import_module`` of one. ``from pkg import name`` is an edge to
+defers a circle) and for every ``importlib.import_module`` / ``__import__`` of one; one whose module name is computed
+from the package's own name is refused outright (it would hide an edge). ``from pkg import name`` is an edge to
 ``pkg.name`` when that is a module, else to ``pkg``. Parent packages, which Python imports first anyway, are not
 edges unless named.
 """
@@ -56,7 +57,8 @@ def import_graph() -> Dict[str, Set[str]]:
                 for alias in node.names:
                     child = f"{source}.{alias.name}"
                     targets.append(child if child in modules else source)
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                    "import_module", "__import__"):
                 argument = node.args[0] if node.args else None
                 if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
                     name = argument.value
@@ -111,6 +113,10 @@ def circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 def test_the_analysis_finds_a_circle_and_a_hidden_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+    # a package whose __init__ imports a submodule that imports the package back: a circle
+    assert circles({"p": {"p.a"}, "p.a": {"p"}}) == [["p", "p.a"]]
+    hidden = ast.parse("import importlib\nx = importlib.import_module(f'{__package__}.discovery')")
+    assert _names_ours(next(n for n in ast.walk(hidden) if isinstance(n, ast.Call)).args[0])
 
 
 def test_pid_plugins_has_no_import_circle():
