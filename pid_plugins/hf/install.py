@@ -137,7 +137,6 @@ def _from_pretrained_with_method_kwargs(original: Any) -> Any:
             return original(cls, *args, **kwargs)
         where = f"{cls.__name__}.from_pretrained"
         given = take_method_kwargs(kwargs, where)
-        saved = _saved_implementation(args, kwargs)
         token = _REQUEST.set((given, where))
         try:
             loaded = original(cls, *args, **kwargs)
@@ -145,7 +144,9 @@ def _from_pretrained_with_method_kwargs(original: Any) -> Any:
             _REQUEST.reset(token)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         running = method_of(getattr(model, "config", None))
-        if running is not None and running.name != saved:  # a checkpoint trained without this method switched to it
+        # a checkpoint trained without this method switched to it (its config read again, from the files the load
+        # just used, only when the model runs a method)
+        if running is not None and running.name != _saved_implementation(args, kwargs):
             conversion.warn_trained_switch(model, MethodChoice(running, model_method_config(model.config, running)),
                                            where)
         return loaded

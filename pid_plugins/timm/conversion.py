@@ -75,13 +75,13 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
     """
     where = type(model).__name__
     choice = resolve_timm_attention(attention, attention_cfg, where=where)
+    if not isinstance(model, FAN):
+        _check_vit(model, choice)
+    # the method the model runs now is its first block's attention's
+    warn_switch_of_trained_weights(model, choice, where, current=model.blocks[0].attn if len(model.blocks) else None)
     if isinstance(model, FAN):
-        warn_switch_of_trained_weights(model, choice, where, current=_first_attention(model))
         _convert_fan(model, choice)
-        return model
-    _check_vit(model, choice)
-    warn_switch_of_trained_weights(model, choice, where, current=_first_attention(model))
-    if choice is None and not isinstance(model, _MethodViTMixin):
+    elif choice is None and not isinstance(model, _MethodViTMixin):
         _to_stock(model)
     else:
         _to_method(model, choice)
@@ -89,11 +89,6 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
 
 
 # ------------------------------------------------------------------------------------------------------- ViT
-def _first_attention(model: nn.Module) -> Optional[nn.Module]:
-    """The first block's attention: what method the model runs now (None: no blocks)."""
-    return model.blocks[0].attn if len(model.blocks) else None
-
-
 def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     """Refuse what cannot be converted, before anything changes."""
     kind = type(model)
