@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pid_plugins import PIDConfig, PIDGains, PIDSelfAttention, pid_update, sdpa_with_pid
+from pid_plugins import PIDConfig, PIDGains, PIDSelfAttention, sdpa_with_pid
 
 DIM, HEADS = 32, 4
 

@@ -1,7 +1,6 @@
 """fairseq adapter: transformer_lm_pid on Python 3.11, CLI and Python, incremental decoding."""
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

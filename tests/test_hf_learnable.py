@@ -8,8 +8,6 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 import pid_plugins.hf as ph  # noqa: E402
 import transformers as T  # noqa: E402
-from pid_plugins import PIDConfig  # noqa: E402
-from pid_plugins.hf.gains import LayerGains  # noqa: E402
 
 V = 96
 LEARN = {"lambda_p": 0.6, "lambda_i": 0.3, "lambda_d": 0.0, "beta": 0.4, "learnable": True}  # lambda_d 0 -> 1e-4

@@ -11,7 +11,6 @@ import inspect
 import traceback
 import warnings
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest

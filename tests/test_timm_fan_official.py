@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 timm = pytest.importorskip("timm")
 import pid_plugins.timm  # noqa: E402,F401
-from pid_plugins import PIDConfig  # noqa: E402
 
 CFG = dict(img_size=64, embed_dim=48, depth=3, num_heads=4, num_classes=10)  # head_dim 12, a 4 x 4 grid
 LN_EPS = 1e-6  # the model's LayerNorms
