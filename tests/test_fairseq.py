@@ -10,46 +10,13 @@ import torch
 
 pytest.importorskip("fairseq")
 import pid_plugins.fairseq as pf  # noqa: E402
-from fairseq import options, tasks  # noqa: E402
-from fairseq.data import Dictionary  # noqa: E402
+from fairseq import options  # noqa: E402
 from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
+from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_reordered_logits,  # noqa: E402,F401
+                       fs_tiny, fs_tokens)
 
 BIN = Path(sys.executable).parent
-TINY = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-        "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dict")
-    dictionary = Dictionary()
-    for i in range(40):
-        dictionary.add_symbol(f"w{i}")
-    dictionary.save(str(d / "dict.txt"))
-    return d
-
-
-def build(data_dir, arch="transformer_lm_pid", extra=(), seed=0):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [str(data_dir), "--task", "language_modeling", "--arch", arch,
-                                                "--user-dir", pf.USER_DIR, *TINY, *extra])
-    task = tasks.setup_task(args)
-    torch.manual_seed(seed)
-    model = task.build_model(args)
-    model.eval()
-    return model, task
-
-
-def tokens(n=2, length=10, seed=1):
-    return torch.randint(4, 44, (n, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, toks, **kw):
-    with torch.no_grad():
-        return model(toks, **kw)[0]
-
-
 def test_compat_hook_is_scoped_to_fairseq_and_hydra():
     import pid_plugins_fairseq_compat as compat
 
@@ -92,38 +59,38 @@ def test_one_spelling_of_the_method_and_its_parameters(data_dir):
     for removed in (["--pid-lambda-p", "0.2"], ["--pid-beta", "0.5"], ["--pid-control-first-layer", "false"],
                     ["--pid-warmup-steps", "4"], ["--pid-attention", "softmax"]):
         with pytest.raises(SystemExit):
-            build(data_dir, extra=removed)
+            fs_build(data_dir, extra=removed)
 
 
 def test_pid_options_reach_every_layer_and_are_validated(data_dir):
-    model, _ = build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0.2, "beta": 0.9}'])
+    model, _, _ = fs_build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0.2, "beta": 0.9}'])
     assert isinstance(model, pf.PIDTransformerLanguageModel)
     assert all(layer.self_attn.attention_config.gains == (0.2, 0.5, 0.1, 0.9) for layer in model.decoder.layers)
     with pytest.raises(ValueError, match="PIDConfig.beta"):
-        build(data_dir, extra=["--attention-cfg", '{"beta": 0}'])
-    softmax, _ = build(data_dir, extra=["--attention-method", "softmax"])
+        fs_build(data_dir, extra=["--attention-cfg", '{"beta": 0}'])
+    softmax, _, _ = fs_build(data_dir, extra=["--attention-method", "softmax"])
     assert all(layer.self_attn.attention_config is None for layer in softmax.decoder.layers)
 
 
 def test_zero_gains_equal_the_stock_transformer_lm(data_dir):
-    stock, _ = build(data_dir, arch="transformer_lm")
-    zero, _ = build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0, "lambda_i": 0, "lambda_d": 0}'])
+    stock, _, _ = fs_build(data_dir, arch="transformer_lm")
+    zero, _, _ = fs_build(data_dir, extra=["--attention-cfg", '{"lambda_p": 0, "lambda_i": 0, "lambda_d": 0}'])
     zero.load_state_dict(stock.state_dict(), strict=True)
-    toks = tokens()
-    assert torch.equal(logits(stock, toks), logits(zero, toks))
+    toks = fs_tokens()
+    assert torch.equal(fs_logits(stock, toks), fs_logits(zero, toks))
 
 
 def test_pid_attention_path_matches_fairseq_attention_at_vanishing_gains(data_dir):
     """The PID layers' own attention (q/k/v from fairseq's projections, SDPA, masks) equals fairseq's."""
-    stock, _ = build(data_dir, arch="transformer_lm")
-    tiny, _ = build(data_dir, extra=["--attention-cfg", '{"lambda_p": 1e-30, "lambda_i": 0, "lambda_d": 0}'])
+    stock, _, _ = fs_build(data_dir, arch="transformer_lm")
+    tiny, _, _ = fs_build(data_dir, extra=["--attention-cfg", '{"lambda_p": 1e-30, "lambda_i": 0, "lambda_d": 0}'])
     tiny.load_state_dict(stock.state_dict())
-    toks = tokens()
+    toks = fs_tokens()
     toks[0, -3:] = 1  # padding at the end of the first row
-    torch.testing.assert_close(logits(tiny, toks), logits(stock, toks), rtol=1e-5, atol=1e-5)
-    pid, _ = build(data_dir)
+    torch.testing.assert_close(fs_logits(tiny, toks), fs_logits(stock, toks), rtol=1e-5, atol=1e-5)
+    pid, _, _ = fs_build(data_dir)
     pid.load_state_dict(stock.state_dict())
-    assert not torch.allclose(logits(pid, toks), logits(stock, toks))
+    assert not torch.allclose(fs_logits(pid, toks), fs_logits(stock, toks))
 
 
 @pytest.mark.parametrize("control_first_layer", [True, False])
@@ -131,7 +98,7 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
     """--attention-cfg '{"control_first_layer": true|false}' against the float64 reference (per position, written independently)."""
     from reference import naive_pid_stack
 
-    model, _ = build(data_dir, extra=["--attention-cfg", json.dumps(dict(
+    model, _, _ = fs_build(data_dir, extra=["--attention-cfg", json.dumps(dict(
         lambda_p=0.7, lambda_i=0.4, lambda_d=0.2, beta=0.6, control_first_layer=control_first_layer))])
     assert all(layer.self_attn.attention_config.control_first_layer is control_first_layer
                for layer in model.decoder.layers)
@@ -148,7 +115,7 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
 
     methods.pid_update = spy
     try:
-        logits(model, tokens())
+        fs_logits(model, fs_tokens())
     finally:
         methods.pid_update = original
     attn, vals, got = zip(*seen)
@@ -160,14 +127,14 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
 
 
 def test_control_first_layer_option_default_and_validation(data_dir):
-    default, _ = build(data_dir)
+    default, _, _ = fs_build(data_dir)
     assert all(layer.self_attn.attention_config.control_first_layer is True for layer in default.decoder.layers)
     with pytest.raises(ValueError, match="control_first_layer"):
-        build(data_dir, extra=["--attention-cfg", '{"control_first_layer": "maybe"}'])
-    ref, _ = build(data_dir, extra=["--attention-cfg", '{"control_first_layer": false}'])
+        fs_build(data_dir, extra=["--attention-cfg", '{"control_first_layer": "maybe"}'])
+    ref, _, _ = fs_build(data_dir, extra=["--attention-cfg", '{"control_first_layer": false}'])
     ref.load_state_dict(default.state_dict())
-    toks = tokens()
-    assert not torch.allclose(logits(ref, toks), logits(default, toks))
+    toks = fs_tokens()
+    assert not torch.allclose(fs_logits(ref, toks), fs_logits(default, toks))
     # incremental decoding with a reference-only first layer equals the full forward
     with torch.no_grad():
         full = ref(toks)[0]
@@ -181,7 +148,7 @@ def test_control_first_layer_option_default_and_validation(data_dir):
 def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_data_bin):
     """fairseq-train --attention-cfg '{"control_first_layer": false}': the checkpoint keeps it and load_pid_lm restores it."""
     run(["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
-         "transformer_lm_pid", *TINY, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001", "--max-update",
+         "transformer_lm_pid", *fs_tiny(), "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001", "--max-update",
          "2", "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints",
          "--attention-cfg", '{"control_first_layer": false}'], tmp_path)
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
@@ -191,33 +158,22 @@ def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_d
 
 
 def test_incremental_decoding_equals_full_forward_and_survives_beam_reordering(data_dir):
-    model, _ = build(data_dir)
-    toks = tokens(n=2, length=8)
-    full = logits(model, toks)
-    state = {}
-    steps = []
-    with torch.no_grad():
-        for t in range(1, 9):
-            steps.append(model(toks[:, :t], incremental_state=state)[0][:, -1])
-    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    model, _, _ = fs_build(data_dir)
+    toks = fs_tokens(n=2, length=8)
+    full = fs_logits(model, toks)
+    torch.testing.assert_close(fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
     # beam reordering: swap the two rows mid-sequence, the cache must follow
-    state = {}
     order = torch.tensor([1, 0])
-    with torch.no_grad():
-        for t in range(1, 5):
-            model(toks[:, :t], incremental_state=state)
-        model.decoder.reorder_incremental_state_scripting(state, order)
-        swapped = toks[order]
-        out = [model(swapped[:, :t], incremental_state=state)[0][:, -1] for t in range(5, 9)]
-    torch.testing.assert_close(torch.stack(out, 1), logits(model, swapped)[:, 4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fs_reordered_logits(model, toks, order, prefix=4), fs_logits(model, toks[order])[:, 4:],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_beam_search_and_sampling_run(data_dir):
     from fairseq import search
     from fairseq.sequence_generator import SequenceGenerator
 
-    model, task = build(data_dir)
-    sample = {"net_input": {"src_tokens": tokens(n=2, length=4), "src_lengths": torch.tensor([4, 4])}}
+    model, task, _ = fs_build(data_dir)
+    sample = {"net_input": {"src_tokens": fs_tokens(n=2, length=4), "src_lengths": torch.tensor([4, 4])}}
     sampling = search.Sampling(task.target_dictionary, sampling_topk=5)
     for kwargs in (dict(beam_size=3), dict(beam_size=1, search_strategy=sampling)):
         gen = SequenceGenerator([model], task.target_dictionary, max_len_b=6, **kwargs)

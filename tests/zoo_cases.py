@@ -662,6 +662,21 @@ def fs_incremental_logits(model, toks: Tensor) -> Tensor:
     return torch.stack(steps, 1)
 
 
+def fs_reordered_logits(model, toks: Tensor, order: Tensor, prefix: int = 4) -> Tensor:
+    """Beam reordering: ``toks[:, :prefix]`` decoded one token at a time, the incremental state reordered by
+    ``order`` (fairseq's ``reorder_incremental_state_scripting``), then ``toks[order]`` decoded on from ``prefix``;
+    the last position's logits of each later step: (B, N - prefix, vocabulary), equal to
+    ``fs_logits(model, toks[order])[:, prefix:]`` when the cache follows the rows."""
+    state = {}
+    with torch.no_grad():
+        for t in range(1, prefix + 1):
+            model(toks[:, :t], incremental_state=state)
+        model.decoder.reorder_incremental_state_scripting(state, order)
+        swapped = toks[order]
+        steps = [model(swapped[:, :t], incremental_state=state)[0][:, -1] for t in range(prefix + 1, toks.size(1) + 1)]
+    return torch.stack(steps, 1)
+
+
 def fairseq_reference(stock, toks: Tensor, rule: Rule) -> Tensor:
     """A (float64) transformer_lm's modules run by hand (pre- or post-norm), attention by ``rule`` under the causal
     mask; the logits."""
