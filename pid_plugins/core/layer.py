@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .methods import AttentionMethod, LayerCall, MethodChoice, method_warmup
+from .record import RECORD, attach_record, detach_record
 from .warmup import GainWarmup
 
 __all__ = [
@@ -93,6 +94,7 @@ class MethodModel:
         if counter is not None:
             counter.train(self.training)  # a counter made on a model in eval mode must not count its forwards
         self.attention_warmup = counter
+        attach_record(self, choice, like)  # what its checkpoints say they are (pid_plugins.core.record)
 
     def method_scale(self) -> Optional[Tensor]:
         """This forward's warm-up scale for the layers, read once per forward of the model (a training forward then
@@ -125,12 +127,15 @@ def number_layers(layers: Iterable[MethodLayer]) -> None:
 LAYER_ATTRIBUTES = ("attention_method", "attention_config", "attention_params", "layer_index")
 #: what :class:`MethodModel` adds to its zoo's model (or the module that owns a group of method layers)
 MODEL_ATTRIBUTES = ("attention_method", "attention_config", "attention_warmup", "_stock_plus_term",
-                    "_warmup_finished")
+                    "_warmup_finished", RECORD)
 
 
 def strip_attributes(module: nn.Module, names: Tuple[str, ...]) -> None:
     """Remove ``names`` from ``module`` wherever ``nn.Module`` keeps them (plain attribute, submodule, parameter,
-    buffer, non-persistent buffer name): a module going back to its zoo's stock class keeps nothing of ours."""
+    buffer, non-persistent buffer name): a module going back to its zoo's stock class keeps nothing of ours (the
+    method record's ``state_dict`` hook goes with the record)."""
+    if RECORD in names:
+        detach_record(module)
     for name in names:
         for store in (module._modules, module._parameters, module._buffers):
             store.pop(name, None)

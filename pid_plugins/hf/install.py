@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 from typing import Any, Dict, Optional
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, PretrainedConfig
 
 from ..versions import check_version
-from ..core import AttentionMethod, GainWarmup, MethodChoice, on_register, register_warmup_finisher, reserve_names
+from ..core import AttentionMethod, GainWarmup, MethodChoice, list_methods, on_register, register_warmup_finisher, reserve_names
 from . import conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
@@ -44,7 +45,9 @@ from .config import (
 )
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
-__all__ = ["install"]
+__all__ = ["install", "warn_loaded_as_stock"]
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------- while a model is built
@@ -143,15 +146,38 @@ def _from_pretrained_with_method_kwargs(original: Any) -> Any:
         finally:
             _REQUEST.reset(token)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
-        running = method_of(getattr(model, "config", None))
+        config = getattr(model, "config", None)
+        running = method_of(config)
         # a checkpoint trained without this method switched to it (its config read again, from the files the load
         # just used, only when the model runs a method)
         if running is not None and running.name != _saved_implementation(args, kwargs):
-            conversion.warn_trained_switch(model, MethodChoice(running, model_method_config(model.config, running)),
+            conversion.warn_trained_switch(model, MethodChoice(running, model_method_config(config, running)),
                                            where)
+        # a method checkpoint loaded as the stock attention (attn_implementation="sdpa"/"eager"): read again only when
+        # the config carries what a method model saves (config.attention_base, config.<method>)
+        elif running is None and config is not None and (
+                vars(config).get(BASE_ATTR) is not None
+                or any(isinstance(vars(config).get(name), dict) for name in list_methods())):
+            saved = _saved_implementation(args, kwargs)
+            if saved in list_methods():
+                warn_loaded_as_stock(config, saved, args[0] if args else kwargs.get("pretrained_model_name_or_path"),
+                                     where)
         return loaded
 
     return from_pretrained
+
+
+def warn_loaded_as_stock(config: Any, saved: str, path: Any, where: str) -> None:
+    """One warning: the checkpoint at ``path`` was saved from a model running attention method ``saved``, and is
+    loaded with the stock attention ``config._attn_implementation`` (a different function than it was trained as)."""
+    requested = getattr(config, "_attn_implementation", None)
+    params = vars(config).get(saved) or "its transformers preset"
+    logger.warning(
+        "%s: %s was saved from a model running attention method %r (config.%s = %s); attn_implementation=%r loads "
+        "its weights into the stock attention, a different function than the one they were trained with. To run it "
+        "as saved: from_pretrained(%r, attn_implementation=%r) after `import pid_plugins.hf` (a tool that loads "
+        "models by name: `pid-plugins run -- <command>` with model argument attn_implementation=%s, or none).",
+        where, path, saved, saved, params, requested, str(path), saved, saved)
 
 
 #: the loader keywords that say where a checkpoint's config.json is (read again, locally, for the method it records)

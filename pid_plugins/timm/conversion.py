@@ -36,6 +36,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from ..core import MethodChoice, method_warmup
+from ..core.record import RECORD, attach_record
 from ..core.layer import (
     LAYER_ATTRIBUTES, MethodModel, number_layers, register_warmup_finisher, replace_module, settle_submodule,
     strip_attributes, warn_switch_of_trained_weights, warn_unfinished_warmup,
@@ -144,6 +145,7 @@ def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:
         counter.train(model.training)
         model.add_module("attention_warmup", counter)
     blocks.hold_warmup(counter)
+    attach_record(model, choice, next(model.parameters()))  # what its checkpoints say they are
 
 
 def _to_stock(model: nn.Module) -> None:
@@ -157,7 +159,7 @@ def _to_stock(model: nn.Module) -> None:
         strip_attributes(blk.attn, LAYER_ATTRIBUTES)
         replace_module(blk, "attn", Attention)
         replace_module(blocks, key, Block)
-    strip_attributes(model, ("attention_warmup",))
+    strip_attributes(model, ("attention_warmup", RECORD))
 
 
 # ------------------------------------------------------------------------------------------------------- FAN

@@ -1,0 +1,199 @@
+"""What a method model's checkpoint says about itself: the method record saved with its weights.
+
+A model (timm, mmseg, fairseq) that runs an attention method holds one :class:`MethodRecord` submodule,
+``<owner>.pid_plugins``, whose one buffer ``method`` is the UTF-8 JSON ::
+
+    {"format": 1, "method": "pid", "config": {"lambda_p": 0.8, ...}}
+
+as a ``uint8`` tensor. Every path that saves a ``state_dict`` saves it with the weights (``torch.save``,
+safetensors, timm's ``train.py`` and EMA, mmengine's runner, fairseq's trainer, DeepSpeed, FSDP's state-dict API),
+so a checkpoint says what it was trained as in the one place every zoo's loader reads:
+
+* **A stock model refuses it.** Its strict load (timm's ``validate.py`` / ``inference.py`` / ``train.py
+  --initial-checkpoint``, ``timm.create_model(stock_name, checkpoint_path=...)``, ``model.load_state_dict``) raises
+  ``Unexpected key(s) in state_dict: "pid_plugins.method"``; a non-strict loader (mmengine's ``load_from``) lists
+  the key as unexpected in its log. This works where pid-plugins is not even installed.
+* **A method model reads it** (:meth:`MethodRecord._load_from_state_dict`): a saved method that is not registered in
+  this process, or a record that does not parse, is refused (the load raises, nothing is taken silently); a saved
+  method or parameters other than the model's own give one warning naming both and how to build the model as saved.
+* **A softmax checkpoint has no record** and loads unchanged, strictly, into a method model (a missing record is not
+  a missing key).
+
+Why a tensor and not the file's metadata (safetensors' header, a checkpoint dict's ``meta``): the record has to travel
+through every zoo's own saver, which writes a ``state_dict`` and nothing of ours, and a stock model's strict load has
+to refuse it without our code present. transformers models record their method in ``config.json`` instead
+(``"attn_implementation": "<method>"`` and ``config.<method>``), the place transformers itself reads.
+
+The record is written from the owner's method at every ``state_dict()`` (a ``state_dict`` pre-hook: a switch of
+parameters, :func:`~pid_plugins.finish_warmup`, is recorded as it is), and it is never read into the model: the model
+computes the method it was built or converted with.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["RECORD", "RECORD_KEY", "MethodRecord", "MethodRecordWarning", "attach_record", "detach_record",
+           "decode_record", "encode_record", "is_record_key", "saved_method"]
+
+#: the submodule name of the record on its owner, and the key suffix it is saved under
+RECORD = "pid_plugins"
+RECORD_KEY = f"{RECORD}.method"
+_FORMAT = 1
+
+
+class MethodRecordWarning(UserWarning):
+    """A checkpoint saved from one attention method (or parameters) is loaded into a model that runs another."""
+
+
+def encode_record(method: str, config: Any) -> Tensor:
+    """The record of ``method`` run with ``config`` (a :class:`~pid_plugins.core.MethodConfig` or a dict), as the
+    uint8 tensor of its JSON."""
+    params = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    text = json.dumps({"format": _FORMAT, "method": method, "config": params}, sort_keys=True)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+
+
+def decode_record(value: Any, source: str = "checkpoint") -> Dict[str, Any]:
+    """``{"method": name, "config": {...}}`` from a saved record; a ``ValueError`` naming ``source`` when it is not one
+    (not a 1-D uint8 tensor of JSON with a method name and a parameter dict, or a newer format)."""
+    try:
+        if not isinstance(value, Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+            raise ValueError(f"a {type(value).__name__} {getattr(value, 'dtype', '')}, not a 1-D uint8 tensor")
+        data = json.loads(bytes(value.cpu().tolist()).decode("utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("method"), str) \
+                or not isinstance(data.get("config"), dict):
+            raise ValueError("no method name and parameter dict in it")
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"record format {data.get('format')!r}; this pid-plugins reads format {_FORMAT}: "
+                             "upgrade pid-plugins")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{source}: the method record {RECORD_KEY!r} cannot be read ({exc}); the checkpoint is "
+                         "damaged or was not written by pid-plugins") from None
+    return {"method": data["method"], "config": data["config"]}
+
+
+def is_record_key(key: str) -> bool:
+    """Whether a state_dict key is a method record (``pid_plugins.method``, at any prefix)."""
+    return key == RECORD_KEY or key.endswith("." + RECORD_KEY)
+
+
+def saved_method(state_dict: Mapping[str, Any], source: str = "checkpoint") -> Optional[Tuple[str, Dict[str, Any]]]:
+    """The method (name, parameters) a checkpoint's state_dict records, or None for a checkpoint without a record
+    (softmax). Records of several owners (an mmseg backbone and head) must agree on the name; the first is returned."""
+    found: List[Dict[str, Any]] = [decode_record(v, f"{source} ({k})") for k, v in state_dict.items()
+                                   if is_record_key(k)]
+    if not found:
+        return None
+    return found[0]["method"], found[0]["config"]
+
+
+def how_to_load(method: str, config: Mapping[str, Any]) -> str:
+    """The zoo-by-zoo line that builds a model running ``method`` with ``config``."""
+    return (f"build the model with attention={method!r}, attention_cfg={dict(config)!r} (timm: "
+            f"timm.create_model(<pid name>, attention=..., attention_cfg=...); mmseg: the same keys on "
+            f"PIDVisionTransformer / PIDSegmenterMaskTransformerHead; fairseq: --attention {method} --attention-cfg "
+            f"'<json>'), after importing the pid_plugins adapter (or under `pid-plugins run -- <command>`)")
+
+
+def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
+    """(name, config) of the method ``owner`` runs: its own (a model holding its method) or its first method layer's
+    (a converted stock root, whose layers hold the method)."""
+    for module in owner.modules():
+        method = getattr(module, "attention_method", None)
+        if method is not None and hasattr(method, "name"):
+            return method.name, module.attention_config
+    return None
+
+
+class MethodRecord(nn.Module):
+    """The record of the method its owner runs: one ``uint8`` buffer ``method`` (the JSON of :func:`encode_record`),
+    saved with the owner's weights under ``<owner prefix>pid_plugins.method``. See the module docstring."""
+
+    method: Tensor
+
+    def __init__(self, method: str, config: Any) -> None:
+        super().__init__()
+        self.register_buffer("method", encode_record(method, config))
+
+    def set(self, method: str, config: Any) -> None:
+        """Record ``method`` with ``config`` (a new buffer: its length follows the JSON)."""
+        value = encode_record(method, config)
+        if not torch.equal(self.method.cpu(), value):
+            self._buffers["method"] = value.to(self.method.device)
+
+    def recorded(self) -> Dict[str, Any]:
+        return decode_record(self.method, "this model")
+
+    def extra_repr(self) -> str:
+        saved = self.recorded()
+        return f"method={saved['method']!r}"
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        """Check the checkpoint's record against the model's: nothing of it is loaded (the model computes the method it
+        was built with). No record (a softmax checkpoint): nothing to check. An unreadable record or an unregistered
+        method: an error of the load (it raises, strict or not); another method or parameters: one warning."""
+        key = prefix + "method"
+        if key not in state_dict:
+            return
+        try:
+            saved = decode_record(state_dict[key], f"state_dict key {key!r}")
+        except ValueError as exc:
+            error_msgs.append(str(exc))
+            return
+        from .methods import list_methods  # the registry (methods imports nothing of this module)
+
+        if saved["method"] not in list_methods():
+            error_msgs.append(
+                f"{key}: the checkpoint was saved from a model running attention method {saved['method']!r}, which is "
+                f"not registered in this process (registered: {list_methods()}). Import the module that calls "
+                f"pid_plugins.register_method({saved['method']!r}, ...) before loading, or load it into a model "
+                f"built with that method"
+            )
+            return
+        own = self.recorded()
+        if own != saved:
+            warnings.warn(
+                f"{key}: the checkpoint was saved from a model running attention {saved['method']!r} with "
+                f"{saved['config']}; this model runs {own['method']!r} with {own['config']}, and the weights now "
+                f"run that. To run the checkpoint as saved, {how_to_load(saved['method'], saved['config'])}",
+                MethodRecordWarning, stacklevel=2)
+
+
+def _refresh(owner: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """``state_dict`` pre-hook of a record's owner: write the method the owner runs now into its record."""
+    record = owner._modules.get(RECORD)
+    running = _running(owner)
+    if isinstance(record, MethodRecord) and running is not None:
+        record.set(*running)
+
+
+def attach_record(owner: nn.Module, choice: Any, like: Optional[Tensor] = None) -> None:
+    """Give ``owner`` the record of ``choice`` (a :class:`~pid_plugins.core.MethodChoice`; None, the stock attention:
+    no record, as in the stock model's state_dict), on ``like``'s device."""
+    if choice is None:
+        detach_record(owner)
+        return
+    record = owner._modules.get(RECORD)
+    if isinstance(record, MethodRecord):
+        record.set(choice.method.name, choice.config)
+    else:
+        owner.add_module(RECORD, MethodRecord(choice.method.name, choice.config))
+        if like is not None and like.device.type != "meta":
+            owner._modules[RECORD].to(like.device)
+    if _refresh not in owner._state_dict_pre_hooks.values():
+        owner.register_state_dict_pre_hook(_refresh)
+
+
+def detach_record(owner: nn.Module) -> None:
+    """Remove ``owner``'s record and its hook (the stock model's state_dict again)."""
+    owner._modules.pop(RECORD, None)
+    owner.__dict__.pop(RECORD, None)
+    for handle_id, hook in list(owner._state_dict_pre_hooks.items()):
+        if hook is _refresh:
+            del owner._state_dict_pre_hooks[handle_id]
