@@ -1,7 +1,7 @@
 """What a method model's checkpoint says about itself: the method record saved with its weights.
 
-A model (timm, mmseg, fairseq) that runs an attention method holds one :class:`MethodRecord` submodule,
-``<owner>.pid_plugins``, whose one buffer ``method`` is the UTF-8 JSON ::
+A model (timm, mmseg, fairseq) that runs an attention method holds one buffer, ``<owner>.pid_plugins_method``: the
+UTF-8 JSON ::
 
     {"format": 1, "method": "pid", "config": {"lambda_p": 0.8, ...}}
 
@@ -11,9 +11,9 @@ so a checkpoint says what it was trained as in the one place every zoo's loader 
 
 * **A stock model refuses it.** Its strict load (timm's ``validate.py`` / ``inference.py`` / ``train.py
   --initial-checkpoint``, ``timm.create_model(stock_name, checkpoint_path=...)``, ``model.load_state_dict``) raises
-  ``Unexpected key(s) in state_dict: "pid_plugins.method"``; a non-strict loader (mmengine's ``load_from``) lists
+  ``Unexpected key(s) in state_dict: "pid_plugins_method"``; a non-strict loader (mmengine's ``load_from``) lists
   the key as unexpected in its log. This works where pid-plugins is not even installed.
-* **A method model reads it** (:meth:`MethodRecord._load_from_state_dict`): a saved method that is not registered in
+* **A method model reads it** before loading any of its tensors (:func:`check_saved_record`): a saved method that is not registered in
   this process, or a record that does not parse, is refused (the load raises, nothing is taken silently); a saved
   method or parameters other than the model's own give one warning naming both and how to build the model as saved.
 * **A softmax checkpoint has no record** and loads unchanged, strictly, into a method model (a missing record is not
@@ -37,12 +37,12 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RECORD", "RECORD_KEY", "MethodRecord", "MethodRecordWarning", "attach_record", "detach_record",
-           "decode_record", "encode_record", "is_record_key", "saved_method"]
+__all__ = ["RECORD", "RECORD_KEY", "MethodRecordWarning", "attach_record", "detach_record",
+           "check_saved_record", "decode_record", "encode_record", "is_record_key", "saved_method"]
 
-#: the submodule name of the record on its owner, and the key suffix it is saved under
-RECORD = "pid_plugins"
-RECORD_KEY = f"{RECORD}.method"
+#: the buffer name of the record on its owner: the key (suffix) it is saved under
+RECORD = "pid_plugins_method"
+RECORD_KEY = RECORD
 _FORMAT = 1
 
 
@@ -78,7 +78,7 @@ def decode_record(value: Any, source: str = "checkpoint") -> Dict[str, Any]:
 
 
 def is_record_key(key: str) -> bool:
-    """Whether a state_dict key is a method record (``pid_plugins.method``, at any prefix)."""
+    """Whether a state_dict key is a method record (``pid_plugins_method``, at any prefix)."""
     return key == RECORD_KEY or key.endswith("." + RECORD_KEY)
 
 
@@ -110,67 +110,50 @@ def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
     return None
 
 
-class MethodRecord(nn.Module):
-    """The record of the method its owner runs: one ``uint8`` buffer ``method`` (the JSON of :func:`encode_record`),
-    saved with the owner's weights under ``<owner prefix>pid_plugins.method``. See the module docstring."""
+def check_saved_record(owner: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                       missing_keys: List[str], *args: Any) -> None:
+    """``load_state_dict`` pre-hook of a record's owner, run before any of its tensors is loaded: the checkpoint's
+    record against the method the owner runs. No record (a softmax checkpoint): nothing to check. An unreadable
+    record or a method not registered in this process: ``ValueError``, and nothing of the owner is loaded; another
+    method or other parameters: one :class:`MethodRecordWarning` naming both and how to build the model as saved."""
+    key = prefix + RECORD_KEY
+    if key not in state_dict:  # a softmax checkpoint: the model keeps its own record, which is not missing
+        if RECORD in owner._buffers:
+            state_dict[key] = owner._buffers[RECORD]
+        return
+    saved = decode_record(state_dict[key], f"state_dict key {key!r}")
+    from .methods import list_methods  # the registry (methods imports nothing of this module)
 
-    method: Tensor
-
-    def __init__(self, method: str, config: Any) -> None:
-        super().__init__()
-        self.register_buffer("method", encode_record(method, config))
-
-    def set(self, method: str, config: Any) -> None:
-        """Record ``method`` with ``config`` (a new buffer: its length follows the JSON)."""
-        value = encode_record(method, config)
-        if not torch.equal(self.method.cpu(), value):
-            self._buffers["method"] = value.to(self.method.device)
-
-    def recorded(self) -> Dict[str, Any]:
-        return decode_record(self.method, "this model")
-
-    def extra_repr(self) -> str:
-        saved = self.recorded()
-        return f"method={saved['method']!r}"
-
-    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                              missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
-        """Check the checkpoint's record against the model's: nothing of it is loaded (the model computes the method it
-        was built with). No record (a softmax checkpoint): nothing to check. An unreadable record or an unregistered
-        method: an error of the load (it raises, strict or not); another method or parameters: one warning."""
-        key = prefix + "method"
-        if key not in state_dict:
-            return
-        try:
-            saved = decode_record(state_dict[key], f"state_dict key {key!r}")
-        except ValueError as exc:
-            error_msgs.append(str(exc))
-            return
-        from .methods import list_methods  # the registry (methods imports nothing of this module)
-
-        if saved["method"] not in list_methods():
-            error_msgs.append(
-                f"{key}: the checkpoint was saved from a model running attention method {saved['method']!r}, which is "
-                f"not registered in this process (registered: {list_methods()}). Import the module that calls "
-                f"pid_plugins.register_method({saved['method']!r}, ...) before loading, or load it into a model "
-                f"built with that method"
-            )
-            return
-        own = self.recorded()
-        if own != saved:
-            warnings.warn(
-                f"{key}: the checkpoint was saved from a model running attention {saved['method']!r} with "
-                f"{saved['config']}; this model runs {own['method']!r} with {own['config']}, and the weights now "
-                f"run that. To run the checkpoint as saved, {how_to_load(saved['method'], saved['config'])}",
-                MethodRecordWarning, stacklevel=2)
+    if saved["method"] not in list_methods():
+        raise ValueError(
+            f"{key}: the checkpoint was saved from a model running attention method {saved['method']!r}, which is not "
+            f"registered in this process (registered: {list_methods()}). Import the module that calls "
+            f"pid_plugins.register_method({saved['method']!r}, ...) before loading; nothing was loaded"
+        )
+    _refresh(owner)
+    own = decode_record(owner._buffers[RECORD], "this model") if RECORD in owner._buffers else None
+    if own != saved:
+        runs = f"runs {own['method']!r} with {own['config']}" if own else "runs the stock attention"
+        warnings.warn(
+            f"{key}: the checkpoint was saved from a model running attention {saved['method']!r} with "
+            f"{saved['config']}; this model {runs}, and the weights now run that. To run the checkpoint as saved, "
+            f"{how_to_load(saved['method'], saved['config'])}", MethodRecordWarning, stacklevel=3)
+    if RECORD in owner._buffers:  # the model keeps its own record (never read into the model)
+        state_dict[key] = owner._buffers[RECORD]
 
 
-def _refresh(owner: nn.Module, prefix: str, keep_vars: bool) -> None:
+def _refresh(owner: nn.Module, prefix: str = "", keep_vars: bool = False) -> None:
     """``state_dict`` pre-hook of a record's owner: write the method the owner runs now into its record."""
-    record = owner._modules.get(RECORD)
     running = _running(owner)
-    if isinstance(record, MethodRecord) and running is not None:
-        record.set(*running)
+    if RECORD in owner._buffers and running is not None:
+        _set(owner, *running)
+
+
+def _set(owner: nn.Module, method: str, config: Any) -> None:
+    value = encode_record(method, config)
+    old = owner._buffers.get(RECORD)
+    if old is None or not torch.equal(old.cpu(), value):
+        owner._buffers[RECORD] = value if old is None else value.to(old.device)
 
 
 def attach_record(owner: nn.Module, choice: Any, like: Optional[Tensor] = None) -> None:
@@ -179,21 +162,23 @@ def attach_record(owner: nn.Module, choice: Any, like: Optional[Tensor] = None) 
     if choice is None:
         detach_record(owner)
         return
-    record = owner._modules.get(RECORD)
-    if isinstance(record, MethodRecord):
-        record.set(choice.method.name, choice.config)
-    else:
-        owner.add_module(RECORD, MethodRecord(choice.method.name, choice.config))
-        if like is not None and like.device.type != "meta":
-            owner._modules[RECORD].to(like.device)
+    value = encode_record(choice.method.name, choice.config)
+    if like is not None and like.device.type != "meta":
+        value = value.to(like.device)
+    owner.register_buffer(RECORD, value)
     if _refresh not in owner._state_dict_pre_hooks.values():
         owner.register_state_dict_pre_hook(_refresh)
+    if not any(getattr(h, "hook", None) is check_saved_record for h in owner._load_state_dict_pre_hooks.values()):
+        owner.register_load_state_dict_pre_hook(check_saved_record)
 
 
 def detach_record(owner: nn.Module) -> None:
     """Remove ``owner``'s record and its hook (the stock model's state_dict again)."""
-    owner._modules.pop(RECORD, None)
+    owner._buffers.pop(RECORD, None)
     owner.__dict__.pop(RECORD, None)
     for handle_id, hook in list(owner._state_dict_pre_hooks.items()):
         if hook is _refresh:
             del owner._state_dict_pre_hooks[handle_id]
+    for handle_id, wrapped in list(owner._load_state_dict_pre_hooks.items()):
+        if getattr(wrapped, "hook", None) is check_saved_record:
+            del owner._load_state_dict_pre_hooks[handle_id]
