@@ -11,6 +11,8 @@ import copy
 import pytest
 import torch
 
+from zoo_cases import weights as zc_weights
+
 pytest.importorskip("mmseg")
 import pid_plugins  # noqa: E402
 import pid_plugins.mmseg as pm  # noqa: E402
@@ -195,7 +197,8 @@ def test_softmax_goes_back_to_mmsegs_own_classes_bit_for_bit(cfg):
 
 def test_a_segmentor_built_with_pid_types_goes_to_mmsegs_classes_too():
     model = built_with("pid", {"learnable": True, "warmup_steps": 3})
-    weights = {k: v for k, v in state(model).items() if ".attention_params." not in k and "attention_warmup" not in k}
+    weights = {k: v for k, v in zc_weights(state(model)).items()
+               if ".attention_params." not in k and "attention_warmup" not in k}
     pm.convert(model, "softmax")
     reference = stock()
     reference.load_state_dict(weights, strict=True)

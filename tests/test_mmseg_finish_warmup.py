@@ -9,6 +9,8 @@ import logging
 import pytest
 import torch
 
+from zoo_cases import weights as zc_weights
+
 pytest.importorskip("mmseg")
 import pid_plugins  # noqa: E402
 import pid_plugins.mmseg as pm  # noqa: E402
@@ -137,7 +139,7 @@ def test_a_finished_segmentor_converts_back_to_the_stock_one_bit_for_bit():
     from mmseg.registry import MODELS
 
     model = pid_plugins.finish_warmup(train(build("learnable_pid", converted=True), N))
-    weights = {k: v for k, v in model.state_dict().items() if ".attention_params." not in k}
+    weights = {k: v for k, v in zc_weights(model.state_dict()).items() if ".attention_params." not in k}
     pm.convert(model, "softmax")
     assert not any(hasattr(p, "_warmup_finished") or "_warmup_finished" in p._buffers for p in parts(model))
     assert all(type(layer) is TransformerEncoderLayer for p in parts(model) for layer in p.layers)

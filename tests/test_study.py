@@ -4,6 +4,8 @@ import json
 import pytest
 import torch
 
+from zoo_cases import weights as zc_weights
+
 from pid_plugins.research.experiments import ARMS, VisionSpec, arm_config, vision_models
 from pid_plugins.research.study import write_study_record
 
@@ -28,7 +30,7 @@ def test_every_arm_starts_from_the_softmax_weights_and_differs_as_its_rule_says(
     x = torch.randn(2, 1, 16, 16)
     first = {}
     for arm, model in models.items():
-        assert all(torch.equal(base[k], v) for k, v in model.state_dict().items())
+        assert all(torch.equal(base[k], v) for k, v in zc_weights(model.state_dict()).items())
         with torch.no_grad():
             first[arm] = model.forward_intermediates(x, indices=[0], intermediates_only=True)[0]
     # the first block: plain attention for softmax, pid_ref and neutreno (beta = 1: zero error); controlled for pid

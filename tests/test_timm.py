@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+
+from zoo_cases import weights as zc_weights
 import torch.nn.functional as F
 
 timm = pytest.importorskip("timm")
@@ -66,7 +68,7 @@ def test_real_sizes_build_and_run_with_the_stock_state_dict_layout(name):
     model = timm.create_model(name).eval()
     assert model.attention_config == PIDConfig.preset("deit")
     assert all(blk.attn.attention_config == model.attention_config for blk in model.blocks)
-    sd = model.state_dict()
+    sd = zc_weights(model.state_dict())
     assert list(sd) == list(stock.state_dict())
     assert all(sd[k].shape == v.shape for k, v in stock.state_dict().items())
     with torch.no_grad():
@@ -355,7 +357,7 @@ def test_pretrained_softmax_checkpoint_loads_strictly(stock_deit_tiny, tmp_path,
         torch.save({"model": sd, "epoch": 3} if fmt == "wrapped" else sd, path)
     model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True,
                               pretrained_cfg_overlay=dict(file=str(path))).eval()
-    for k, v in model.state_dict().items():
+    for k, v in zc_weights(model.state_dict()).items():
         assert torch.equal(v, sd[k]), k
     softmax = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True, attention="softmax",
                                 pretrained_cfg_overlay=dict(file=str(path))).eval()
@@ -467,7 +469,7 @@ def test_convert_switches_in_place_and_keeps_the_weights():
     assert model is stock and type(model) is timm.models.VisionTransformer
     assert type(model.blocks) is pt.MethodBlocks and type(model.blocks[0].attn) is pt.PIDAttention
     assert all(p is q for p, q in zip(model.parameters(), params)) and not model.training
-    assert list(model.state_dict()) == list(before)
+    assert list(zc_weights(model.state_dict())) == list(before)  # and the method record (pid_plugins_method)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     reference, _ = pair()
     reference.load_state_dict(before)

@@ -1,6 +1,8 @@
 """FAN in timm: softmax and PID, official checkpoint layout, timm's model contract."""
 import pytest
 import torch
+
+from zoo_cases import weights as zc_weights
 import torch.nn.functional as F
 
 timm = pytest.importorskip("timm")
@@ -49,7 +51,7 @@ def test_real_sizes_parameter_counts_and_forward(name):
     assert model.attention_config is None
     pid = timm.create_model("pid_" + name).eval()
     assert pid.attention_config == PIDConfig.preset("deit")
-    assert list(pid.state_dict()) == list(model.state_dict())
+    assert list(zc_weights(pid.state_dict())) == list(model.state_dict())
     with torch.no_grad():
         out = pid(torch.randn(1, 3, 224, 224))
     assert out.shape == (1, 1000) and torch.isfinite(out).all()
@@ -219,7 +221,7 @@ def test_official_checkpoint_layouts_load_strictly(variant, tmp_path):
     torch.save(official_layout(sd, **variant), path)
     for name in ("fan_tiny_12_p16_224", "pid_fan_tiny_12_p16_224"):
         model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SMALL)
-        for k, v in model.state_dict().items():
+        for k, v in zc_weights(model.state_dict()).items():
             assert torch.equal(v, sd[k]), k
     softmax = timm.create_model("pid_fan_tiny_12_p16_224", pretrained=True, attention="softmax",
                                 pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **SMALL).eval()

@@ -3,6 +3,8 @@ refused ``attn_layer``, fx feature extraction, and timm's ``device`` / ``dtype``
 import pytest
 import torch
 
+from zoo_cases import weights as zc_weights
+
 timm = pytest.importorskip("timm")
 import pid_plugins.timm  # noqa: E402,F401
 from pid_plugins import PIDConfig  # noqa: E402
@@ -40,7 +42,7 @@ def test_pretrained_with_a_new_head_or_none_behaves_as_stock_timm(checkpoints, n
     pid = timm.create_model("pid_deit_tiny_patch16_224", **kw).eval()
     saved = torch.load(path, weights_only=True)
     for model in (soft, pid):
-        sd = model.state_dict()
+        sd = zc_weights(model.state_dict())
         assert list(sd) == list(stock.state_dict())
         assert all(torch.equal(sd[k], v) for k, v in saved.items() if not k.startswith("head."))
         assert model.num_classes == num_classes

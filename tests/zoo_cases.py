@@ -188,6 +188,14 @@ def pid_rule(lambda_p: float, lambda_i: float, lambda_d: float, beta: float, con
         attn_outs, values, lambda_p, lambda_i, lambda_d, beta, control_first_layer)[-1])
 
 
+def weights(state_dict) -> Dict[str, Tensor]:
+    """A state_dict without the method record (``pid_plugins_method``, which a method model saves beside the stock
+    model's keys: :mod:`pid_plugins.core.record`), in its order."""
+    from pid_plugins.core.record import is_record_key
+
+    return {k: v for k, v in state_dict.items() if not is_record_key(k)}
+
+
 def assert_equal_or_both_none(got: Sequence[Optional[Tensor]], want: Sequence[Optional[Tensor]]) -> None:
     """Element by element: both None, or equal bit for bit."""
     for a, b in zip(got, want):
