@@ -55,7 +55,7 @@ def encode_record(method: str, config: Any) -> Tensor:
     uint8 tensor of its JSON."""
     params = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
     text = json.dumps({"format": _FORMAT, "method": method, "config": params}, sort_keys=True)
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8, device="cpu")
 
 
 def decode_record(value: Any, source: str = "checkpoint") -> Dict[str, Any]:
@@ -96,7 +96,7 @@ def how_to_load(method: str, config: Mapping[str, Any]) -> str:
     """The zoo-by-zoo line that builds a model running ``method`` with ``config``."""
     return (f"build the model with attention={method!r}, attention_cfg={dict(config)!r} (timm: "
             f"timm.create_model(<pid name>, attention=..., attention_cfg=...); mmseg: the same keys on "
-            f"PIDVisionTransformer / PIDSegmenterMaskTransformerHead; fairseq: --attention {method} --attention-cfg "
+            f"PIDVisionTransformer / PIDSegmenterMaskTransformerHead; fairseq: --attention-method {method} --attention-cfg "
             f"'<json>'), after importing the pid_plugins adapter (or under `pid-plugins run -- <command>`)")
 
 
@@ -150,9 +150,14 @@ def _refresh(owner: nn.Module, prefix: str = "", keep_vars: bool = False) -> Non
 
 
 def _set(owner: nn.Module, method: str, config: Any) -> None:
+    """Write the record of ``method`` with ``config`` into ``owner``'s buffer, on the buffer's device (a model on the
+    meta device keeps a meta record of the right length: ``to_empty`` then this hook give it its bytes)."""
     value = encode_record(method, config)
     old = owner._buffers.get(RECORD)
-    if old is None or not torch.equal(old.cpu(), value):
+    if old is not None and old.device.type == "meta":
+        if old.shape != value.shape:
+            owner._buffers[RECORD] = value.to("meta")
+    elif old is None or not torch.equal(old.cpu(), value):
         owner._buffers[RECORD] = value if old is None else value.to(old.device)
 
 
@@ -163,7 +168,7 @@ def attach_record(owner: nn.Module, choice: Any, like: Optional[Tensor] = None) 
         detach_record(owner)
         return
     value = encode_record(choice.method.name, choice.config)
-    if like is not None and like.device.type != "meta":
+    if like is not None:
         value = value.to(like.device)
     owner.register_buffer(RECORD, value)
     if _refresh not in owner._state_dict_pre_hooks.values():
