@@ -148,7 +148,9 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml setup.py
 	  'transformers', transformers.__version__)"
 	touch $@
 
-test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(PY) tests/vllm/make_references.py $(VLLM_REFS)
+# the python that makes the references: the main venv's (make install), or any with pid-plugins[hf] (VLLM_REF_PY=...)
+VLLM_REF_PY ?= $(PY)
+test-vllm: $(VLLM_STAMP) $(if $(filter $(PY),$(VLLM_REF_PY)),$(STAMP))
+	$(VLLM_REF_PY) tests/vllm_serving/make_references.py $(VLLM_REFS)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_core_*.py
-	PID_VLLM_REFS=$(VLLM_REFS) $(VLLM_PY) -m pytest -q -p no:cacheprovider -s tests/vllm
+	PID_VLLM_REFS=$(VLLM_REFS) $(VLLM_PY) -m pytest -q -p no:cacheprovider -s tests/vllm_serving

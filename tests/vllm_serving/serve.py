@@ -1,6 +1,6 @@
-"""Serve checkpoints with vLLM and write what it computed to JSON (run by tests/vllm/test_vllm.py in .venv-vllm).
+"""Serve checkpoints with vLLM and write what it computed to JSON (run by tests/vllm_serving/test_vllm_serving.py in .venv-vllm).
 
-``python tests/vllm/serve.py RUNS.json OUT.json``: RUNS is a list of ``{"name", "model", "engine": {LLM keywords},
+``python tests/vllm_serving/serve.py RUNS.json OUT.json``: RUNS is a list of ``{"name", "model", "engine": {LLM keywords},
 "prompts": [[token ids]], "new_tokens": n, "top": k}``; each run builds one ``vllm.LLM`` (engine core in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
 per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 import traceback
 from typing import Any, Dict, List
 
@@ -26,6 +27,7 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
     engine = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=256, seed=0,
                   max_num_seqs=8)
     engine.update(run.get("engine", {}))
+    start = time.monotonic()
     try:
         llm = LLM(model=run["model"], **engine)
     except Exception as exc:  # the refusals: the message is what the test reads
@@ -33,7 +35,7 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
     model_class = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")[0]
     params = SamplingParams(temperature=0.0, max_tokens=run["new_tokens"], min_tokens=run["new_tokens"],
                             ignore_eos=True, logprobs=run["top"], prompt_logprobs=run["top"], detokenize=False)
-    results = []
+    built, results = time.monotonic(), []
     for _ in range(run.get("repeat", 1)):  # a second pass over the same prompts reads the prefix cache
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params, use_tqdm=False)
         results.append([{
@@ -43,9 +45,11 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
             "prompt_logprobs": [_logprob_entries(entry) for entry in out.prompt_logprobs[1:]],
             "cached_tokens": getattr(out, "num_cached_tokens", None),
         } for out in outputs])
+    served = time.monotonic()
     del llm
     gc.collect()
-    return {"model_class": model_class, "passes": results}
+    seconds = {"build": built - start, "serve": served - built, "close": time.monotonic() - served}
+    return {"model_class": model_class, "passes": results, "seconds": seconds}
 
 
 def main(argv: List[str]) -> None:
