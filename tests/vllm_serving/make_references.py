@@ -22,6 +22,8 @@ import torch
 import pid_plugins.hf  # noqa: F401  (attn_implementation="<method>")
 import transformers as T
 
+T.logging.set_verbosity_error()  # (the stock reload of a method checkpoint warns that it is one: wanted here)
+
 #: token ids of the prompts (different lengths in one batch; the last two share a prefix, for prefix caching)
 PROMPTS: List[List[int]] = [
     [5, 17, 42, 99, 3, 250, 7, 64, 81, 12, 33, 190, 2, 45, 150, 77, 9, 201, 66, 31],
@@ -46,9 +48,14 @@ CASES: Dict[str, tuple] = {
 VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
-def build(case: str) -> T.PreTrainedModel:
+#: the least gap between the most and the second most likely token at every greedy step: a near tie could flip with
+#: rounding (vLLM's kernels against transformers'), so the seed of a case is moved until there is none
+MARGIN = 1e-3
+
+
+def build(case: str, attempt: int = 0) -> T.PreTrainedModel:
     config_cls, method, params, extra = CASES[case]
-    torch.manual_seed(sum(map(ord, case)))
+    torch.manual_seed(sum(map(ord, case)) + 1000 * attempt)
     config = config_cls(**SIZES, **extra)
     kwargs: Dict[str, Any] = {"attn_implementation": method} if method else {}
     if method and params is not None:
@@ -69,13 +76,15 @@ def log_probs(model: T.PreTrainedModel, ids: List[int]) -> torch.Tensor:
 
 
 def reference(model: T.PreTrainedModel, stock: Optional[T.PreTrainedModel]) -> Dict[str, Any]:
-    prompts = []
+    prompts, margin = [], float("inf")
     for prompt in PROMPTS:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
-                                 pad_token_id=0, eos_token_id=None)[0].tolist()
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)  # no end token: NEW_TOKENS tokens, as vLLM's ignore_eos[0].tolist()
         generated = out[len(prompt):]
         lp = log_probs(model, out)
+        best = lp[len(prompt) - 1: len(out) - 1].topk(2, dim=-1).values
+        margin = min(margin, (best[:, 0] - best[:, 1]).min().item())
         top = lp[: len(prompt) - 1].topk(TOP, dim=-1)
         entry = {
             "prompt": prompt,
@@ -91,7 +100,7 @@ def reference(model: T.PreTrainedModel, stock: Optional[T.PreTrainedModel]) -> D
             entry["softmax_distance"] = max(abs(slp[i - 1, prompt[i]].item() - entry["prompt_logprobs"][i - 1])
                                             for i in range(1, len(prompt)))
         prompts.append(entry)
-    return {"version": VERSION, "transformers": T.__version__, "prompts": prompts}
+    return {"version": VERSION, "transformers": T.__version__, "prompts": prompts, "greedy_margin": margin}
 
 
 def make(out: Path, case: str) -> None:
@@ -99,16 +108,21 @@ def make(out: Path, case: str) -> None:
     done = folder / "reference.json"
     if done.exists() and json.loads(done.read_text()).get("version") == VERSION:
         return
-    shutil.rmtree(folder, ignore_errors=True)
-    model = build(case)
-    model.save_pretrained(folder)
     method = CASES[case][1]
-    config = json.loads((folder / "config.json").read_text())
-    assert config.get("attn_implementation") == method, (case, config.get("attn_implementation"))
-    stock = None
-    if method is not None:  # the same weights with the stock attention
-        stock = T.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
-    ref = reference(model, stock)
+    for attempt in range(10):
+        shutil.rmtree(folder, ignore_errors=True)
+        model = build(case, attempt)
+        model.save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        assert config.get("attn_implementation") == method, (case, config.get("attn_implementation"))
+        stock = None
+        if method is not None:  # the same weights with the stock attention
+            stock = T.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+        ref = reference(model, stock)
+        if ref["greedy_margin"] > MARGIN:
+            break
+    else:
+        raise AssertionError(f"{case}: every seed tried has a near tie in its greedy continuations")
     if stock is not None:
         distance = min(p["softmax_distance"] for p in ref["prompts"])
         assert distance > 1e-2, f"{case}: the method moves the log-probs by only {distance}"

@@ -33,16 +33,19 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
     except Exception as exc:  # the refusals: the message is what the test reads
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     model_class = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")[0]
-    params = SamplingParams(temperature=0.0, max_tokens=run["new_tokens"], min_tokens=run["new_tokens"],
-                            ignore_eos=True, logprobs=run["top"], prompt_logprobs=run["top"], detokenize=False)
     built, results = time.monotonic(), []
-    for _ in range(run.get("repeat", 1)):  # a second pass over the same prompts reads the prefix cache
+    for repeat in range(run.get("repeat", 1)):
+        # a second pass over the same prompts reads the prefix cache, which vLLM does not use for a request that asks
+        # for prompt log-probabilities: the second pass asks for the generated tokens' only
+        params = SamplingParams(temperature=0.0, max_tokens=run["new_tokens"], ignore_eos=True,
+                                logprobs=run["top"], prompt_logprobs=None if repeat else run["top"],
+                                detokenize=False)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params, use_tqdm=False)
         results.append([{
             "generated": list(out.outputs[0].token_ids),
             "generated_logprobs": [entry[token].logprob for entry, token in
                                    zip(out.outputs[0].logprobs, out.outputs[0].token_ids)],
-            "prompt_logprobs": [_logprob_entries(entry) for entry in out.prompt_logprobs[1:]],
+            "prompt_logprobs": None if repeat else [_logprob_entries(entry) for entry in out.prompt_logprobs[1:]],
             "cached_tokens": getattr(out, "num_cached_tokens", None),
         } for out in outputs])
     served = time.monotonic()
