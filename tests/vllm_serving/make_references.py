@@ -24,11 +24,14 @@ import transformers as T
 
 T.logging.set_verbosity_error()  # (the stock reload of a method checkpoint warns that it is one: wanted here)
 
-#: token ids of the prompts (different lengths in one batch; the last two share a prefix, for prefix caching)
+#: token ids of the prompts (different lengths in one batch; the first and third share a prefix of 36 tokens, more
+#: than one block of 32 of vLLM's CPU prefix cache)
+_SHARED = [5, 17, 42, 99, 3, 250, 7, 64, 81, 12, 33, 190, 2, 45, 150, 77, 9, 201, 66, 31, 140, 18, 93, 205, 61, 7, 88,
+           240, 13, 56, 101, 177, 29, 4, 212, 70]
 PROMPTS: List[List[int]] = [
-    [5, 17, 42, 99, 3, 250, 7, 64, 81, 12, 33, 190, 2, 45, 150, 77, 9, 201, 66, 31],
+    _SHARED,
     [11, 200, 37],
-    [5, 17, 42, 99, 3, 250, 7, 64, 81, 12, 33, 190, 2, 45, 150, 77, 9, 201, 66, 31, 8, 120, 45, 230, 19],
+    _SHARED + [8, 120, 45, 230, 19],
     [144, 2, 91, 16, 70, 4, 222],
 ]
 NEW_TOKENS = 8
@@ -79,8 +82,9 @@ def reference(model: T.PreTrainedModel, stock: Optional[T.PreTrainedModel]) -> D
     prompts, margin = [], float("inf")
     for prompt in PROMPTS:
         with torch.no_grad():
+            # no end token: NEW_TOKENS tokens, as vLLM's ignore_eos
             out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                                 eos_token_id=None)  # no end token: NEW_TOKENS tokens, as vLLM's ignore_eos[0].tolist()
+                                 eos_token_id=None)[0].tolist()
         generated = out[len(prompt):]
         lp = log_probs(model, out)
         best = lp[len(prompt) - 1: len(out) - 1].topk(2, dim=-1).values

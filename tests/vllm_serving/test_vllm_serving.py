@@ -24,10 +24,10 @@ HERE = Path(__file__).resolve().parent
 TOL = 1e-4
 REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vllm-refs")).resolve()
 #: serving options beside the defaults of serve.py (eager, float32, max_model_len 256): chunked prefill in chunks of
-#: 8 tokens (every prompt but the shortest is split) and prefix caching in blocks of 16 tokens, whose second pass
-#: reads the cached prefixes (the 20- and 25-token prompts: one block each)
+#: 8 tokens (every prompt but the shortest is split) and prefix caching in blocks of 32 tokens (the CPU attention's
+#: smallest), whose second pass reads the cached prefixes (the 36- and 41-token prompts: one block each)
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
-           "block_size": 16}
+           "block_size": 32}
 CASES: Dict[str, Dict[str, Any]] = {
     "llama_pid": CHUNKED,
     "llama_value_residual": CHUNKED,
