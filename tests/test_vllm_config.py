@@ -1,0 +1,110 @@
+"""What the vLLM plugin reads from a checkpoint's config and what it refuses (pid_plugins.vllm.config: no vLLM needed).
+
+The serving itself is tested against real vLLM in .venv-vllm (make test-vllm, tests/vllm_serving/); here: the method
+and parameters are read as the transformers adapter reads them (its own function on the same config, where
+transformers is installed), stock checkpoints keep vLLM's model, and every refusal names the method or setting.
+"""
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from pid_plugins.core import PIDConfig, get_method
+from pid_plugins.vllm.config import check_engine, method_choice
+
+WHERE = "vLLM serving ckpt (LlamaForCausalLM)"
+PARAMS = [
+    ("pid", None), ("pid", "deit"), ("pid", {"lambda_p": 0.3, "beta": 0.4}), ("pid", {"preset": "deit", "beta": 0.5}),
+    ("neutreno", None), ("neutreno", {"alpha": 0.25}), ("value_residual", None),
+    ("value_residual", {"lambda_1": 0.3, "lambda_2": 0.9}),
+]
+
+
+def hf_config(method, params=None, **extra):
+    """What vLLM's hf_config carries of a checkpoint saved by pid_plugins.hf: ``_attn_implementation`` and
+    ``<method>`` (a dict, or absent: None)."""
+    config = SimpleNamespace(_attn_implementation=method, **extra)
+    if method is not None:
+        setattr(config, method, params)
+    return config
+
+
+@pytest.mark.parametrize("method, params", PARAMS)
+def test_the_parameters_are_read_as_the_transformers_adapter_reads_them(method, params):
+    choice = method_choice(hf_config(method, params), WHERE)
+    assert choice.method is get_method(method)
+    assert choice.config == get_method(method).configure(params, "hf")
+    try:
+        from pid_plugins.hf.config import model_method_config
+    except ImportError:  # no transformers here (the vLLM env's is older than the adapter supports)
+        return
+    assert choice.config == model_method_config(hf_config(method, params))
+
+
+def test_pid_without_parameters_is_the_lm_preset():
+    assert method_choice(hf_config("pid"), WHERE).config == PIDConfig.preset("lm")
+
+
+@pytest.mark.parametrize("name", [None, "sdpa", "eager", "flash_attention_2", "flex_attention", "softmax",
+                                  "kernels-community/flash-attn", "paged|sdpa"])
+def test_a_stock_checkpoint_keeps_vllms_own_model(name):
+    assert method_choice(hf_config(name), WHERE) is None
+
+
+@pytest.mark.parametrize("method, params", [("pid", {"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}),
+                                            ("neutreno", {"alpha": 0.0}),
+                                            ("value_residual", {"lambda_1": 0.0, "lambda_2": 1.0})])
+def test_parameters_that_compute_the_stock_attention_keep_vllms_own_model(method, params):
+    assert method_choice(hf_config(method, params), WHERE) is None
+
+
+@pytest.mark.parametrize("method, why", [("twicing", "Twicing's A v"), ("elliptical", "Elliptical's prefix mean")])
+def test_twicing_and_elliptical_are_refused_naming_the_method_and_why(method, why):
+    with pytest.raises(ValueError, match=rf"{re.escape(WHERE)}: attention method '{method}' cannot be served by vLLM") as info:
+        method_choice(hf_config(method), WHERE)
+    assert why in str(info.value)
+
+
+@pytest.mark.parametrize("method, params", [("pid", {"learnable": True}),
+                                            ("value_residual", {"learnable": True})])
+def test_learnable_parameters_are_refused(method, params):
+    with pytest.raises(ValueError, match=rf"learnable gains are not supported here \({method}, learnable=True\)"):
+        method_choice(hf_config(method, params), WHERE)
+
+
+@pytest.mark.parametrize("method", ["pid", "neutreno"])
+def test_an_unfinished_gain_warmup_is_refused(method):
+    with pytest.raises(ValueError, match=rf"config.{method} has warmup_steps=5, an unfinished gain warm-up.*"
+                                         r"pid_plugins.finish_warmup\(model\)"):
+        method_choice(hf_config(method, {"warmup_steps": 5}), WHERE)
+
+
+def test_an_unknown_attention_name_is_refused():
+    with pytest.raises(ValueError, match="attn_implementation='my_method', which is neither an attention method of "
+                                         "pid-plugins"):
+        method_choice(hf_config("my_method"), WHERE)
+
+
+def test_bad_parameters_are_refused_by_the_methods_own_validation():
+    with pytest.raises(ValueError, match="PIDConfig.beta must be in"):
+        method_choice(hf_config("pid", {"beta": 0.0}), WHERE)
+    with pytest.raises(ValueError, match="unknown PIDConfig field"):
+        method_choice(hf_config("pid", {"gain": 1.0}), WHERE)
+
+
+def engine(pp=1, tp=1, speculative=None):
+    return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                                           decode_context_parallel_size=1,
+                                                           prefill_context_parallel_size=1),
+                           speculative_config=speculative)
+
+
+def test_engine_settings_the_plugin_does_not_cover_are_refused_naming_each():
+    check_engine(engine(), WHERE)  # one process per replica: served
+    with pytest.raises(ValueError) as info:
+        check_engine(engine(pp=2, tp=2, speculative=object()), WHERE)
+    message = str(info.value)
+    for part in ("pipeline_parallel_size=2", "tensor_parallel_size=2", "speculative decoding"):
+        assert part in message
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        check_engine(engine(pp=2), WHERE)

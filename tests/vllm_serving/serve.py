@@ -1,0 +1,66 @@
+"""Serve checkpoints with vLLM and write what it computed to JSON (run by tests/vllm_serving/test_vllm_serving.py in .venv-vllm).
+
+``python tests/vllm_serving/serve.py RUNS.json OUT.json``: RUNS is a list of ``{"name", "model", "engine": {LLM keywords},
+"prompts": [[token ids]], "new_tokens": n, "top": k}``; each run builds one ``vllm.LLM`` (engine core in this process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
+per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
+each prompt position, and the class vLLM built the model from; or the error the build raised.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+from typing import Any, Dict, List
+
+
+def _logprob_entries(entry: Dict[int, Any]) -> List[List[float]]:
+    return [[int(token), float(lp.logprob)] for token, lp in entry.items()]
+
+
+def serve(run: Dict[str, Any]) -> Dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=256, seed=0,
+                  max_num_seqs=8)
+    engine.update(run.get("engine", {}))
+    start = time.monotonic()
+    try:
+        llm = LLM(model=run["model"], **engine)
+    except Exception as exc:  # the refusals: the message is what the test reads
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    model_class = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")[0]
+    built, results = time.monotonic(), []
+    for repeat in range(run.get("repeat", 1)):
+        # a second pass over the same prompts reads the prefix cache, which vLLM does not use for a request that asks
+        # for prompt log-probabilities: the second pass asks for the generated tokens' only
+        params = SamplingParams(temperature=0.0, max_tokens=run["new_tokens"], ignore_eos=True,
+                                logprobs=run["top"], prompt_logprobs=None if repeat else run["top"],
+                                detokenize=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params, use_tqdm=False)
+        results.append([{
+            "generated": list(out.outputs[0].token_ids),
+            "generated_logprobs": [entry[token].logprob for entry, token in
+                                   zip(out.outputs[0].logprobs, out.outputs[0].token_ids)],
+            "prompt_logprobs": None if repeat else [_logprob_entries(entry) for entry in out.prompt_logprobs[1:]],
+            "cached_tokens": getattr(out, "num_cached_tokens", None),
+        } for out in outputs])
+    served = time.monotonic()
+    del llm
+    gc.collect()
+    seconds = {"build": built - start, "serve": served - built, "close": time.monotonic() - served}
+    return {"model_class": model_class, "passes": results, "seconds": seconds}
+
+
+def main(argv: List[str]) -> None:
+    runs = json.loads(open(argv[0]).read())
+    out = {run["name"]: serve(run) for run in runs}
+    with open(argv[1], "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

