@@ -210,3 +210,98 @@ def test_lm_eval_simple_evaluate_after_the_import_computes_pid(checkpoint, pair,
     check(launch(["python", "evaluate.py", checkpoint, tasks, "out.json"], tmp_path, extra_path=[env_dir],
                  launcher=False))
     _assert_loglikelihoods(read_json(tmp_path / "out.json"), pair, checkpoint)
+
+
+# ======================================================================================================== TRL
+TEXTS = ["the cat sat on the mat.", "a dog ran far away.", "birds fly south, then north.", "the sun is up."]
+
+SFT = """
+import json, sys
+import torch
+from datasets import load_dataset
+from trl import SFTConfig, SFTTrainer
+
+dataset = load_dataset("json", data_files=sys.argv[3], split="train")
+args = SFTConfig(output_dir=sys.argv[2], max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+                 report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, max_length=64,
+                 model_init_kwargs={"dtype": "float32"}, bf16=False)
+trainer = SFTTrainer(model=sys.argv[1], args=args, train_dataset=dataset)
+trainer.train()
+trainer.save_model(sys.argv[2])
+model = trainer.model.eval()
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(sys.argv[4]))).logits
+json.dump({"logits": logits.tolist()}, open(sys.argv[2] + "/logits.json", "w"))
+"""
+
+
+def _write_texts(path: Path) -> None:
+    """The training texts as a local JSONL file (``datasets 5.2``'s ``Dataset.from_list`` fails to fingerprint an
+    in-memory table with the pyarrow of constraints-tools.txt; a file is what users train on anyway)."""
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+
+
+def _assert_trained_pid(out_dir: Path, checkpoint: Path, pair, logits=None):
+    """The folder TRL saved loads as PID with the plugin (config and weights), is not the untrained checkpoint,
+    and (when given) the trainer's own model computed the same logits, not softmax's."""
+    trained = hf_pair(out_dir)
+    ids = _ids(checkpoint)
+    with torch.no_grad():
+        before = pair[0](ids).logits
+        after = trained[0](ids).logits
+    assert (after - before).abs().max() > 1e-3, "training changed nothing: the test could not tell"
+    assert read_json(out_dir / "config.json")["attn_implementation"] == "pid"
+    if logits is not None:
+        _assert_pid_not_softmax(logits, trained, ids)
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_trains_pid(checkpoint, pair, tmp_path):
+    """``SFTTrainer(model=DIR)`` in a user's script run through the launcher trains the PID model: the trainer's
+    model computes PID (not softmax) and the folder it saves loads back as that model."""
+    env_dir = tools_env()
+    (tmp_path / "sft.py").write_text(SFT)
+    _write_texts(tmp_path / "train.jsonl")
+    out_dir = tmp_path / "sft_out"
+    ids = _ids(checkpoint)
+    check(launch(["python", "sft.py", checkpoint, out_dir, tmp_path / "train.jsonl", json.dumps(ids.tolist())], tmp_path,
+                 adapters="hf", extra_path=[env_dir]))
+    _assert_trained_pid(out_dir, checkpoint, pair, read_json(out_dir / "logits.json")["logits"])
+
+
+def _trl_sft(checkpoint: Path, data: Path, out_dir: Path, *extra: str):
+    return ["trl", "sft", "--model_name_or_path", checkpoint, "--dataset_name", data, "--output_dir", out_dir,
+            "--max_steps", "2", "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--report_to", "none",
+            "--save_strategy", "no", "--use_cpu", "--max_length", "64", "--dtype", "float32", *extra]
+
+
+@pytest.mark.slow
+def test_trl_sft_cli_trains_pid(checkpoint, pair, tmp_path):
+    """``pid-plugins run -- trl sft --model_name_or_path DIR --attn_implementation pid --dataset_name DATA ...``
+    (offline, a local JSONL folder): the saved model is PID and trained; without the launcher TRL's CLI is refused
+    (transformers' error)."""
+    env_dir = tools_env()
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_texts(data / "train.jsonl")
+    out_dir = tmp_path / "cli_out"
+    command = _trl_sft(checkpoint, data, out_dir, "--attn_implementation", "pid")
+    check(launch(command, tmp_path, adapters="hf", extra_path=[env_dir]))
+    _assert_trained_pid(out_dir, checkpoint, pair)
+    bare = launch(_trl_sft(checkpoint, data, tmp_path / "bare_out", "--attn_implementation", "pid"), tmp_path,
+                  extra_path=[env_dir], launcher=False)
+    assert bare.returncode != 0 and "pid" in bare.stderr, bare.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 51 part 2: TRL's CLI passes attn_implementation=None to from_pretrained, "
+                   "which builds the stock attention for a PID folder without a word (docs/after-training.md says to "
+                   "pass --attn_implementation pid); strict: passes once that loads as saved or warns")
+def test_trl_sft_cli_without_attn_implementation_is_not_silent(checkpoint, tmp_path):
+    env_dir = tools_env()
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_texts(data / "train.jsonl")
+    proc = check(launch(_trl_sft(checkpoint, data, tmp_path / "out"), tmp_path, adapters="hf", extra_path=[env_dir]))
+    saved = read_json(tmp_path / "out" / "config.json").get("attn_implementation")
+    assert saved == "pid" or "pid" in proc.stderr.lower().replace("pid-plugins", ""), (saved, proc.stderr[-2000:])

@@ -55,11 +55,14 @@ def _import_adapter(name: str) -> None:
 
 
 class AdapterLoader(importlib.abc.Loader):
-    """The zoo's own loader, then the adapter's import; the zoo's module keeps its own loader afterwards."""
+    """The zoo's own loader, then the adapter's import (once per process: the first time the zoo is executed; a
+    ``find_spec`` alone, as libraries do to ask whether a zoo is installed, imports nothing). The zoo's module keeps
+    its own loader afterwards."""
 
-    def __init__(self, loader: importlib.abc.Loader, adapter: str) -> None:
+    def __init__(self, loader: importlib.abc.Loader, finder: "AdapterFinder", zoo: str) -> None:
         self.loader = loader
-        self.adapter = adapter
+        self.finder = finder
+        self.zoo = zoo
 
     def create_module(self, spec: importlib.machinery.ModuleSpec):  # type: ignore[override]
         return self.loader.create_module(spec)
@@ -69,17 +72,20 @@ class AdapterLoader(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        adapter_module = ADAPTERS[self.adapter][0]
+        adapter = self.finder.pending.pop(self.zoo, None)
+        if adapter is None:
+            return
         try:
-            _import_adapter(self.adapter)
+            _import_adapter(adapter)
         except Exception as exc:
             raise ImportError(
-                f"pid-plugins run: the {self.adapter} adapter ({adapter_module}) failed to import in {sys.executable}: "
-                f"{type(exc).__name__}: {exc}") from exc
+                f"pid-plugins run: the {adapter} adapter ({ADAPTERS[adapter][0]}) failed to import in "
+                f"{sys.executable}: {type(exc).__name__}: {exc}") from exc
 
 
 class AdapterFinder(importlib.abc.MetaPathFinder):
-    """Finds each zoo with the other finders and hands it out with an :class:`AdapterLoader` (once per zoo)."""
+    """Finds each zoo with the other finders and hands it out with an :class:`AdapterLoader`, until the zoo has
+    been executed once."""
 
     def __init__(self, adapters: Sequence[str]) -> None:
         self.pending = {ADAPTERS[name][1]: name for name in adapters}
@@ -98,7 +104,7 @@ class AdapterFinder(importlib.abc.MetaPathFinder):
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = AdapterLoader(spec.loader, self.pending.pop(fullname))
+        spec.loader = AdapterLoader(spec.loader, self, fullname)
         return spec
 
 
