@@ -37,8 +37,9 @@ USAGE = "pid-plugins run [--adapters NAME[,NAME...]] [--] COMMAND [ARGS...]"
 
 HELP = f"""usage: {USAGE}
 
-Run COMMAND with the pid-plugins zoo adapters present in its Python interpreter and in every Python process it starts
-(accelerate launch, torchrun and lm-eval start workers). Nothing outside the command changes.
+Run a command with the zoo adapters in every Python process it starts: COMMAND's own interpreter and every Python
+process it starts (accelerate launch, torchrun and lm-eval start workers) import an adapter right after its zoo.
+Nothing outside the command changes.
 
 options:
   --adapters NAMES  comma list of {', '.join(ADAPTERS)} (default: every adapter whose zoo is installed here)
@@ -145,13 +146,13 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], List[str], boo
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``pid-plugins run ...`` (``argv`` without ``run``). Execs the command; returns 0 after ``--help`` and 2 with
-    one ``pid-plugins run: error: ...`` line for a mistake."""
+    """``pid-plugins run ...`` (``argv`` without ``run``). Execs the command; exits 0 after ``--help`` (as argparse
+    does) and returns 2 with one ``pid-plugins run: error: ...`` line for a mistake."""
     try:
         adapters, command, wants_help = parse_args(sys.argv[1:] if argv is None else argv)
         if wants_help:
             print(HELP, end="")
-            return 0
+            raise SystemExit(0)  # as argparse's --help
         run(command, adapters)
     except LaunchError as exc:
         print(f"pid-plugins run: error: {exc}", file=sys.stderr)
