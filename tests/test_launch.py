@@ -101,8 +101,8 @@ launch.main(["--adapters", "timm,hf", "--", "python", "-c", "pass"])
     (["--verbose", "--", "python"], "unknown option '--verbose'"),
 ])
 def test_bad_input_is_one_clear_error(argv, message, tmp_path):
-    for prefix in (["-m", "pid_plugins", "run"], ["-c", "from pid_plugins.research.cli import main; "
-                                                        "raise SystemExit(main())", "run"]):
+    console = ["-c", "from pid_plugins.research.cli import main; raise SystemExit(main())", "run"]
+    for prefix in [["-m", "pid_plugins", "run"], *([console] if not argv else [])]:  # the console script's, once
         proc = launch([PY, *prefix, *argv], tmp_path, launcher=False)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.startswith("pid-plugins run: error: ") and message in proc.stderr, proc.stderr
