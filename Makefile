@@ -19,7 +19,7 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test test-fast test-compat conformance timm-tests demo bench clean-venv test-vllm
+.PHONY: install data test test-fast test-compat conformance timm-tests tools-env demo bench clean-venv test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -83,13 +83,29 @@ data:
 timm-tests: $(STAMP)
 	$(PY) tests/timm_suite.py fetch
 
+# lm-evaluation-harness and TRL for the after-training tests (tests/test_tools_*.py): the packages of
+# constraints-tools.txt, exactly, --no-deps, into .cache/tools-env/ (only those tests put it on PYTHONPATH; the .venv is
+# not changed). Cached: rebuilt when the pins change. A failed install is recorded in $(TOOLS_ENV).failed, and the
+# tests that need it skip, quoting it.
+TOOLS_ENV ?= .cache/tools-env
+TOOLS_STAMP := $(TOOLS_ENV)/.installed
+$(TOOLS_STAMP): constraints-tools.txt $(STAMP)
+	@echo ">> installing lm-eval and TRL into $(TOOLS_ENV) (pins: constraints-tools.txt)"
+	rm -rf $(TOOLS_ENV) $(TOOLS_ENV).failed
+	{ $(INSTALL) --no-deps --target $(TOOLS_ENV) -r constraints-tools.txt 2>&1 | $(QUIET_PIP) \
+	  && PYTHONPATH=$(TOOLS_ENV) $(PY) -c "import lm_eval, trl" && touch $@; } > $(TOOLS_ENV).log 2>&1 \
+	  || { cp $(TOOLS_ENV).log $(TOOLS_ENV).failed; echo ">> the tools did not install (their tests skip): $(TOOLS_ENV).failed"; }
+	@cat $(TOOLS_ENV).log
+
+tools-env: $(TOOLS_STAMP)
+
 # pytest-xdist: WORKERS processes (2: this project's CI machine has 2 cores; tests/conftest.py gives each worker
 # cores/WORKERS torch threads); --dist loadgroup keeps each xdist_group (torchrun's 2-rank jobs) on one worker
 WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
 # --durations: the slowest tests of every run are in the log (where the next minutes are to be saved)
-test: $(STAMP) data timm-tests
+test: $(STAMP) data timm-tests tools-env
 	$(PYTEST) --durations=25
 
 # the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo)
@@ -99,10 +115,11 @@ test-fast: $(STAMP)
 # The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: every
 # test that runs a zoo (core, every adapter and method, every cache path, compile, distributed, mixed precision,
 # ONNX); left out are the tests of the docs site, the wheel, the CLI's demo and study runs and timm's own suite,
-# which read no zoo internals. .ci/run runs it after make test.
+# which read no zoo internals, and the tool tests (lm-eval, TRL, timm's scripts: .cache/tools-env is resolved against
+# the newest stack). .ci/run runs it after make test.
 COMPAT_VENV ?= .venv-compat
 COMPAT_SKIP := test_docs test_wheel test_packaging test_readme test_cli_demo test_study test_demo_cache \
-	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources
+	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources test_tools_hf test_tools_timm
 test-compat:
 	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \

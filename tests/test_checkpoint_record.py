@@ -188,3 +188,22 @@ def test_transformers_warns_when_a_method_folder_loads_with_a_stock_attention(tm
         AutoModelForCausalLM.from_pretrained(tmp_path / "pid")
         AutoModelForCausalLM.from_pretrained(tmp_path / "stock", attn_implementation=requested)
     assert not [r for r in caplog.records if r.name == logger]
+
+
+def test_transformers_attn_implementation_none_loads_a_method_folder_as_saved(tmp_path):
+    """``attn_implementation=None`` (what TRL's CLI passes when the user names none) is no choice: the saved method."""
+    pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**small, attn_implementation="pid")).save_pretrained(tmp_path / "pid")
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "pid").eval()(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "pid", attn_implementation=None).eval()
+        stock = AutoModelForCausalLM.from_pretrained(tmp_path / "pid", attn_implementation="sdpa").eval()(ids).logits
+        assert got.config._attn_implementation == "pid"
+        assert torch.equal(got(ids).logits, want) and not torch.allclose(stock, want, atol=1e-3)

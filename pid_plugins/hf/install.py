@@ -139,6 +139,10 @@ def _from_pretrained_with_method_kwargs(original: Any) -> Any:
         if _REQUEST.get() is not None:  # an outer loader took over (the auto class, then the model class)
             return original(cls, *args, **kwargs)
         where = f"{cls.__name__}.from_pretrained"
+        if "attn_implementation" in kwargs and kwargs["attn_implementation"] is None:
+            # None is "no choice" (what TRL's CLI and others pass when the user gave none): the checkpoint's own
+            # attention, as without the keyword (transformers would build its default attention for a method folder)
+            del kwargs["attn_implementation"]
         given = take_method_kwargs(kwargs, where)
         token = _REQUEST.set((given, where))
         try:

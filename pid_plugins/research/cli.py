@@ -572,12 +572,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_import_arg(p)
     p.add_argument("--aggregate", action="store_true", help="only aggregate the results already in --out")
     p.set_defaults(func=_cmd_study)
+    _command(sub, "run", "run a command with the zoo adapters in every Python process it starts",
+             "pid-plugins run [--adapters hf,timm,...] -- COMMAND ARGS... (see `pid-plugins run --help`)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI. A mistake the user can fix (bad option, unreadable file, mismatched model and data) prints one
-    ``pid-plugins: error: ...`` line and returns 2; the library raises those as ValueError / FileNotFoundError."""
+    ``pid-plugins: error: ...`` line and returns 2; the library raises those as ValueError / FileNotFoundError.
+    ``run`` hands the rest of the line to :func:`pid_plugins.launch.main` (the command's own options are not ours)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        from ..launch import main as run_main
+
+        return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,147 @@
+"""The start-up hook of ``pid-plugins run`` (:mod:`pid_plugins.launch`): Python imports it as ``sitecustomize``.
+
+``pid-plugins run`` puts this folder first on ``PYTHONPATH`` and the adapters' names in ``PID_PLUGINS_ADAPTERS``
+for the command it runs, so every Python process of that command (and every process those start, which inherit the
+environment) runs this file at start-up. It imports nothing heavy: it adds one finder to ``sys.meta_path`` that, when
+the process imports a zoo (``transformers``, ``timm``, ``mmseg``, ``fairseq``), imports that zoo's adapter
+(``pid_plugins.hf``, ...) right after the zoo's own ``__init__``, before any of the process's code uses it. A process
+that never imports a zoo pays nothing; an adapter that fails to import makes the zoo's import fail with an error
+naming the adapter (a tool must not go on with a model it cannot build as saved).
+
+Then it runs the ``sitecustomize`` that Python would have run without this folder (the next one on ``sys.path``), so
+an environment's own start-up hook keeps working, and takes this folder off ``sys.path`` again (it stays on
+``PYTHONPATH`` for the processes this one starts).
+
+Standard library only, and nothing runs when it is imported under another name (:mod:`pid_plugins.launch` reads
+:data:`ADAPTERS` from it).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from typing import Dict, Optional, Sequence, Tuple
+
+#: the environment variable that names the adapters to load (a comma list of :data:`ADAPTERS` keys)
+ENV_VAR = "PID_PLUGINS_ADAPTERS"
+
+#: adapter name -> (the adapter's module, the zoo's top-level module whose import triggers it)
+ADAPTERS: Dict[str, Tuple[str, str]] = {
+    "hf": ("pid_plugins.hf", "transformers"),
+    "timm": ("pid_plugins.timm", "timm"),
+    "mmseg": ("pid_plugins.mmseg", "mmseg"),
+    "fairseq": ("pid_plugins.fairseq", "fairseq"),
+}
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _import_adapter(name: str) -> None:
+    """Import one adapter by its :data:`ADAPTERS` name (module names spelled out: the package's import graph is read
+    from the source)."""
+    if name == "hf":
+        importlib.import_module("pid_plugins.hf")
+    elif name == "timm":
+        importlib.import_module("pid_plugins.timm")
+    elif name == "mmseg":
+        importlib.import_module("pid_plugins.mmseg")
+    elif name == "fairseq":
+        importlib.import_module("pid_plugins.fairseq")
+    else:  # pragma: no cover - the launcher checks the names
+        raise ImportError(f"pid-plugins run: unknown adapter {name!r} in {ENV_VAR} (known: {', '.join(ADAPTERS)})")
+
+
+class AdapterLoader(importlib.abc.Loader):
+    """The zoo's own loader, then the adapter's import (once per process: the first time the zoo is executed; a
+    ``find_spec`` alone, as libraries do to ask whether a zoo is installed, imports nothing). The zoo's module keeps
+    its own loader afterwards."""
+
+    def __init__(self, loader: importlib.abc.Loader, finder: "AdapterFinder", zoo: str) -> None:
+        self.loader = loader
+        self.finder = finder
+        self.zoo = zoo
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec):  # type: ignore[override]
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:  # type: ignore[override]
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        adapter = self.finder.pending.pop(self.zoo, None)
+        if adapter is None:
+            return
+        try:
+            _import_adapter(adapter)
+        except Exception as exc:
+            raise ImportError(
+                f"pid-plugins run: the {adapter} adapter ({ADAPTERS[adapter][0]}) failed to import in "
+                f"{sys.executable}: {type(exc).__name__}: {exc}") from exc
+
+
+class AdapterFinder(importlib.abc.MetaPathFinder):
+    """Finds each zoo with the other finders and hands it out with an :class:`AdapterLoader`, until the zoo has
+    been executed once."""
+
+    def __init__(self, adapters: Sequence[str]) -> None:
+        self.pending = {ADAPTERS[name][1]: name for name in adapters}
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,  # type: ignore[override]
+                  target=None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = AdapterLoader(spec.loader, self, fullname)
+        return spec
+
+
+def install(adapters: Sequence[str]) -> None:
+    """Import each adapter whose zoo is already imported; hook the others' zoos."""
+    later = []
+    for name in adapters:
+        if ADAPTERS[name][1] in sys.modules:
+            _import_adapter(name)
+        else:
+            later.append(name)
+    if later:
+        sys.meta_path.insert(0, AdapterFinder(later))
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` Python would have found without this folder, as ``sitecustomize``."""
+    here = os.path.normcase(HERE)
+    path = [p for p in sys.path if os.path.normcase(os.path.abspath(p or os.curdir)) != here]
+    sys.path[:] = path
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+def _main() -> None:
+    names = [n.strip() for n in os.environ.get(ENV_VAR, "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in ADAPTERS]
+    if unknown:
+        raise ImportError(f"pid-plugins run: unknown adapter(s) {', '.join(unknown)} in {ENV_VAR} "
+                          f"(known: {', '.join(ADAPTERS)})")
+    install(names)
+    _chain()
+
+
+if __name__ == "sitecustomize":
+    _main()

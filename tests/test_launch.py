@@ -1,0 +1,130 @@
+"""``pid-plugins run`` (pid_plugins.launch and its sitecustomize): what reaches the command's processes, bad input,
+and that nothing else changes. The real tools through it: tests/test_tools_*.py."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pid_plugins import launch as L
+from tool_cases import check, env, launch
+
+PY = sys.executable
+
+#: prints which zoos and adapters this process holds, then runs itself again in a child (one level)
+PROBE = """
+import json, os, subprocess, sys
+import timm
+mods = sorted(m for m in ("timm", "transformers", "pid_plugins.timm", "pid_plugins.hf") if m in sys.modules)
+report = {"mods": mods, "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None),
+          "on_path": any(p.endswith("launch_site") for p in sys.path), "names": timm.list_models("pid_deit_tiny_p*")}
+if len(sys.argv) > 1:
+    report["child"] = json.loads(subprocess.run([sys.executable, __file__], capture_output=True, text=True,
+                                                check=True).stdout.splitlines()[0])
+print(json.dumps(report))
+"""
+
+
+def test_adapters_reach_the_command_and_its_children_lazily(tmp_path):
+    """The adapter of a zoo the process imports is there (in the command and in a child it starts), the others are
+    not imported; the environment's own sitecustomize still runs, and the launcher's folder leaves sys.path."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['THEIRS'] = 'ran'\n")
+    (tmp_path / "probe.py").write_text(PROBE + "print(os.environ.get('THEIRS'))\n")
+    proc = check(launch([PY, "probe.py", "nest"], tmp_path, PYTHONPATH=f"{site}{os.pathsep}{L.SITE_DIR.rsplit(os.sep, 2)[0]}"))
+    lines = proc.stdout.splitlines()
+    report = json.loads(lines[0])
+    assert lines[-1] == "ran"
+    for level in (report, report["child"]):
+        assert level["mods"] == ["pid_plugins.timm", "timm"], level  # transformers never imported: no hf adapter
+        assert level["names"] == ["pid_deit_tiny_patch16_224"] and not level["on_path"]
+        assert Path(level["sitecustomize"]).parent == site  # the environment's own, chained
+
+
+def test_without_the_launcher_nothing_is_there(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    report = json.loads(check(launch([PY, "probe.py"], tmp_path, launcher=False, PYTHONPATH=str(tmp_path))).stdout)
+    assert report["names"] == [] and report["mods"] == ["timm"]
+
+
+def test_a_find_spec_does_not_use_up_the_hook(tmp_path):
+    code = ("import importlib.util, sys; assert importlib.util.find_spec('timm'); import timm; "
+            "print('pid_plugins.timm' in sys.modules)")
+    assert check(launch([PY, "-c", code], tmp_path, adapters="timm")).stdout.strip() == "True"
+
+
+def test_an_adapter_that_fails_to_import_is_named(tmp_path):
+    """A zoo the adapter cannot work with (here a fake ``timm`` first on the path): the zoo's import fails with
+    one error naming the adapter, never a process without it."""
+    fake = tmp_path / "fake"
+    (fake / "timm").mkdir(parents=True)
+    (fake / "timm" / "__init__.py").write_text("")
+    proc = launch([PY, "-c", "import timm"], tmp_path, adapters="timm",
+                  PYTHONPATH=f"{fake}{os.pathsep}{env()['PYTHONPATH']}")
+    assert proc.returncode == 1
+    assert "pid-plugins run: the timm adapter (pid_plugins.timm) failed to import in" in proc.stderr, proc.stderr
+
+
+def test_the_launcher_imports_no_zoo_and_sets_only_the_command_environment(monkeypatch):
+    """``main`` up to the exec, in a clean interpreter: no zoo imported, the environment handed to the command."""
+    code = f"""
+import json, os, sys
+from pid_plugins import launch
+seen = {{}}
+def fake_exec(program, argv, environ):
+    seen.update(program=program, argv=argv, path=environ["PYTHONPATH"], names=environ["{L.ENV_VAR}"],
+                zoos=[m for m in ("timm", "transformers", "mmseg", "fairseq") if m in sys.modules],
+                ours="{L.ENV_VAR}" in os.environ)
+    print(json.dumps(seen)); sys.exit(0)
+os.execve = fake_exec
+launch.main(["--adapters", "timm,hf", "--", "python", "-c", "pass"])
+"""
+    proc = check(launch([PY, "-c", code], Path.cwd(), launcher=False))
+    seen = json.loads(proc.stdout)
+    assert seen["zoos"] == [] and not seen["ours"]
+    assert seen["names"] == "timm,hf" and seen["path"].split(os.pathsep)[0] == L.SITE_DIR
+    assert seen["argv"] == ["python", "-c", "pass"] and os.path.basename(seen["program"]).startswith("python")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "no command to run"),
+    (["--"], "no command to run"),
+    (["--adapters", "hf,nope", "--", "python"], "unknown adapter 'nope' in --adapters (known: hf, timm, mmseg, fairseq)"),
+    (["--adapters"], "--adapters needs a value"),
+    (["--adapters", ","], "--adapters needs at least one of hf, timm, mmseg, fairseq"),
+    (["--", "no-such-command-here"], "command not found: no-such-command-here (not on PATH)"),
+    (["--", "./no/such/file"], "command not found: ./no/such/file (no executable file there)"),
+    (["--verbose", "--", "python"], "unknown option '--verbose'"),
+])
+def test_bad_input_is_one_clear_error(argv, message, tmp_path):
+    console = ["-c", "from pid_plugins.research.cli import main; raise SystemExit(main())", "run"]
+    for prefix in [["-m", "pid_plugins", "run"], *([console] if not argv else [])]:  # the console script's, once
+        proc = launch([PY, *prefix, *argv], tmp_path, launcher=False)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.startswith("pid-plugins run: error: ") and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_and_the_cli_listing(tmp_path):
+    proc = check(launch([PY, "-m", "pid_plugins", "run", "--help"], tmp_path, launcher=False))
+    assert proc.stdout.startswith("usage: pid-plugins run [--adapters") and "accelerate launch" in proc.stdout
+    listing = check(launch([PY, "-m", "pid_plugins", "--help"], tmp_path, launcher=False)).stdout
+    assert "run a command with the zoo adapters" in listing
+
+
+def test_exit_code_and_arguments_pass_through(tmp_path):
+    proc = launch([PY, "-c", "import sys; print(sys.argv[1:]); sys.exit(3)", "--model", "a b", "--"], tmp_path,
+                  adapters="hf")
+    assert proc.returncode == 3 and proc.stdout.strip() == "['--model', 'a b', '--']"
+
+
+def test_environment_puts_the_folder_first_once():
+    base = {"PYTHONPATH": os.pathsep.join(["/a", L.SITE_DIR, "/b"]), "PATH": "/bin"}
+    out = L.environment(["hf"], base)
+    assert out["PYTHONPATH"].split(os.pathsep) == [L.SITE_DIR, "/a", "/b"] and out[L.ENV_VAR] == "hf"
+    assert base["PYTHONPATH"].startswith("/a")  # the caller's mapping is not changed
+    assert L.default_adapters() == [n for n in L.ADAPTERS if __import__("importlib").util.find_spec(L.ADAPTERS[n][1])]
