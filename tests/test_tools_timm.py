@@ -160,9 +160,11 @@ def test_validate_py_top1_is_pid(case, tmp_path):
     check(launch(command, tmp_path, adapters="timm"))
     assert _validate_top1(tmp_path / "results.json") == 100.0 != softmax_top1
     stock = ["python", script, folder, *_model_args(checkpoint), "--batch-size", "2", "--workers", "0"]
-    stock[stock.index(NAME)] = "deit_tiny_patch16_224"  # the stock name: not PID (see docs/after-training.md)
-    bare = launch(stock, tmp_path, launcher=False)
-    assert bare.returncode != 0 or "100.000" not in bare.stdout
+    stock[stock.index(NAME)] = "deit_tiny_patch16_224"  # the stock name on a PID checkpoint: refused (the record)
+    for launcher in (False, True):
+        bare = launch(stock, tmp_path, adapters="timm" if launcher else None, launcher=launcher)
+        assert bare.returncode != 0 and 'Unexpected key(s) in state_dict: "pid_plugins_method"' in bare.stderr, \
+            bare.stderr[-2000:]
 
 
 @pytest.mark.slow
