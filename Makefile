@@ -141,6 +141,20 @@ bench: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
+# The pure-Python wheels the prepared device run (bench/device/run.sh) installs --no-deps over the device image's own
+# torch 2.11 / transformers 5.17 (Python 3.12): transformers and timm at constraints.txt's pins, into .device-wheels/
+# (ignored), carried with the device tool's run (carry: [".device-wheels"]; 64 MiB in all). docs/performance.md.
+DEVICE_WHEELS ?= .device-wheels
+DEVICE_PINS = $(shell grep -E "^(transformers|timm)==" constraints.txt | sort -u)
+.PHONY: device-wheels
+device-wheels:
+	rm -rf $(DEVICE_WHEELS)
+	$(if $(wildcard $(PY)),$(PY),python3) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(DEVICE_WHEELS) \
+	  $(DEVICE_PINS) 2>&1 | $(QUIET_PIP)
+	@ls $(DEVICE_WHEELS); du -sh $(DEVICE_WHEELS)
+
+
 # The documentation site (docs/ + mkdocs.yml, API reference from the docstrings) into site/; warnings are errors
 .PHONY: docs
 docs: $(STAMP)

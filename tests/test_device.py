@@ -14,8 +14,8 @@ On the device:
   the float32 logits as the stock model's do (its own drift, with a margin);
 - under each SDPA backend alone (``torch.nn.attention.sdpa_kernel``: flash, memory-efficient, cuDNN, math) that the
   stock model runs with on this device, the method model runs and calls the same fused kernel for ``A v`` (the aten
-  op the profiler records), and switched off is the stock model bit for bit; a backend the device lacks is skipped with torch's
-  reason;
+  op the profiler records), and switched off is the stock model bit for bit; a backend the device lacks is skipped
+  with torch's reason;
 - on the ``meta`` device, every parameter and buffer a method adds follows the model, and a forward made there
   creates no tensor on another device.
 """
