@@ -115,11 +115,12 @@ test-fast: $(STAMP)
 # The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: every
 # test that runs a zoo (core, every adapter and method, every cache path, compile, distributed, mixed precision,
 # ONNX); left out are the tests of the docs site, the wheel, the CLI's demo and study runs and timm's own suite,
-# which read no zoo internals, and the tool tests (lm-eval, TRL, timm's scripts: .cache/tools-env is resolved against
-# the newest stack). .ci/run runs it after make test.
+# which read no zoo internals, the device script's dry run (it runs the newest pins), and the tool tests (lm-eval,
+# TRL, timm's scripts: .cache/tools-env is resolved against the newest stack). .ci/run runs it after make test.
 COMPAT_VENV ?= .venv-compat
 COMPAT_SKIP := test_docs test_wheel test_packaging test_readme test_cli_demo test_study test_demo_cache \
-	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources test_tools_hf test_tools_timm
+	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources test_tools_hf test_tools_timm \
+	test_device_script
 test-compat:
 	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \

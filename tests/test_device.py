@@ -22,6 +22,7 @@ On the device:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 
 import pytest
@@ -231,3 +232,33 @@ def test_on_meta_every_added_tensor_follows_the_model(method, model_case):
     with torch.no_grad():
         out = model_case.out(model, x)
     assert out.device.type == "meta"
+
+
+@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.name in ("hf-llama", "timm-deit")))
+def test_built_or_converted_on_meta_in_bf16_every_added_tensor_is_there_too(method, model_case):
+    """A model built on ``meta`` in bf16 (timm: ``create_model`` under ``torch.device("meta")``; transformers: the
+    stock model converted there): every parameter and buffer the method adds is on meta and, floating, in bf16 (the
+    methods with learnable parameters have them on: they are what a method adds)."""
+    cfg = method_cfg(method, model_case)
+    learnable = "learnable" in {f.name for f in dataclasses.fields(method.config_type())}
+    if learnable:
+        cfg = {**(cfg or {}), "learnable": True}
+    if model_case.zoo == "timm":
+        timm = zc.import_timm()
+        name, _, args = zc.TIMM[model_case.kind]
+        with torch.device("meta"):
+            model = timm.create_model(name, attention=method.name, attention_cfg=cfg, **args).to(torch.bfloat16)
+    else:
+        T = zc.import_transformers()
+        import pid_plugins.hf as ph
+
+        with torch.device("meta"):
+            model = T.LlamaForCausalLM(zc.llama_config("sdpa")).to(torch.bfloat16)
+        before = {n for n, _ in model.named_parameters()}
+        ph.convert(model, method.name, cfg)
+        if learnable:  # it adds its parameters: the check below sees them
+            assert {n for n, _ in model.named_parameters()} - before
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    wrong = [(n, t.device, t.dtype) for n, t in tensors
+             if t.device.type != "meta" or (t.is_floating_point() and t.dtype != torch.bfloat16)]
+    assert tensors and not wrong, wrong

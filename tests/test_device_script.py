@@ -25,7 +25,8 @@ def test_the_device_run_dry_runs_on_the_cpu_with_every_row(tmp_path):
     import pid_plugins
 
     out = tmp_path / "out"
-    env = {**os.environ, "DEVICE": "cpu", "OUT": str(out), "PYTHON": sys.executable, "SITE": str(tmp_path / "site"),
+    # (without this run's pytest-xdist variables: the script's own pytest is no worker of this one)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "DEVICE": "cpu", "OUT": str(out), "PYTHON": sys.executable, "SITE": str(tmp_path / "site"),
            "WHEELS": str(tmp_path / "no-wheels"), "WORKERS": "0",
            "PYTEST_ARGS": "-k 'switched_off and pid-hf-llama'", "BENCH_ARGS": "--tiny --compile-backend eager",
            "OMP_NUM_THREADS": "1"}
