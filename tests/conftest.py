@@ -38,6 +38,9 @@ def device(request: pytest.FixtureRequest):
     dev = torch.device(request.config.getoption("device"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         pytest.fail(f"--device {dev}: torch {torch.__version__} sees no CUDA device here")
+    if dev.type == "meta":
+        pytest.fail("--device meta: meta tensors hold no values to compare; tests/test_device.py's meta tests run "
+                    "on every device")
     return dev
 
 
