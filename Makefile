@@ -115,11 +115,12 @@ test-fast: $(STAMP)
 # The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: every
 # test that runs a zoo (core, every adapter and method, every cache path, compile, distributed, mixed precision,
 # ONNX); left out are the tests of the docs site, the wheel, the CLI's demo and study runs and timm's own suite,
-# which read no zoo internals, and the tool tests (lm-eval, TRL, timm's scripts: .cache/tools-env is resolved against
-# the newest stack). .ci/run runs it after make test.
+# which read no zoo internals, the device script's dry run (it runs the newest pins), and the tool tests (lm-eval,
+# TRL, timm's scripts: .cache/tools-env is resolved against the newest stack). .ci/run runs it after make test.
 COMPAT_VENV ?= .venv-compat
 COMPAT_SKIP := test_docs test_wheel test_packaging test_readme test_cli_demo test_study test_demo_cache \
-	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources test_tools_hf test_tools_timm
+	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources test_tools_hf test_tools_timm \
+	test_device_script
 test-compat:
 	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \
@@ -140,6 +141,20 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The pure-Python wheels the prepared device run (bench/device/run.sh) installs --no-deps over the device image's own
+# torch 2.11 / transformers 5.17 (Python 3.12): transformers and timm at constraints.txt's pins, into .device-wheels/
+# (ignored), carried with the device tool's run (carry: [".device-wheels"]; 64 MiB in all). docs/performance.md.
+DEVICE_WHEELS ?= .device-wheels
+DEVICE_PINS = $(shell grep -E "^(transformers|timm)==" constraints.txt | sort -u)
+.PHONY: device-wheels
+device-wheels:
+	rm -rf $(DEVICE_WHEELS)
+	$(if $(wildcard $(PY)),$(PY),python3) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(DEVICE_WHEELS) \
+	  $(DEVICE_PINS) 2>&1 | $(QUIET_PIP)
+	@ls $(DEVICE_WHEELS); du -sh $(DEVICE_WHEELS)
+
 
 # The documentation site (docs/ + mkdocs.yml, API reference from the docstrings) into site/; warnings are errors
 .PHONY: docs

@@ -24,6 +24,26 @@ if os.environ.get("PYTEST_XDIST_WORKER") and WORKERS > 1:
     torch.set_num_threads(THREADS)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default=os.environ.get("PID_TEST_DEVICE", "cpu"),
+                     help="the device tests/test_device.py runs the zoos and methods on: cpu (default), cuda, "
+                          "cuda:1, ... (or the environment variable PID_TEST_DEVICE)")
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest):
+    """The torch.device of ``--device`` (tests/test_device.py); a device this machine lacks fails the test."""
+    import torch
+
+    dev = torch.device(request.config.getoption("device"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail(f"--device {dev}: torch {torch.__version__} sees no CUDA device here")
+    if dev.type == "meta":
+        pytest.fail("--device meta: meta tensors hold no values to compare; tests/test_device.py's meta tests run "
+                    "on every device")
+    return dev
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse ``--dist loadgroup`` under a pytest whose test ids pytest-xdist 3.8 cannot tag with a group."""
     if config.getoption("dist", "no") == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
