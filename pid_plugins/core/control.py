@@ -18,6 +18,8 @@ The state is an explicit value (:class:`PIDState`), passed in and returned, neve
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -156,6 +158,15 @@ def pid_update(
     else:
         grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
 
+    if (FUSED and attn_out.is_cuda and not traced and not tensor_gains and scale is None
+            and not isinstance(beta, Tensor) and (state is not None or control_first_layer)
+            and (lambda_p != 0.0 or lambda_i != 0.0 or lambda_d != 0.0) and _fused_ready()):
+        from .fused import fused_pid_update  # CUDA with Triton: one kernel (forward), one for the backward
+
+        out, fused_state = fused_pid_update(attn_out, value, state, (lambda_p, lambda_i, lambda_d, beta), head_dim,
+                                            _state_dtype(value.dtype))
+        return out, PIDState(*fused_state)
+
     # The reference beta v^1, formed once at the group's first layer and handed on in the state, in float32 at
     # least (float16/bfloat16 values are upcast: the error and its sum are accumulated in float32 over depth).
     wide = _state_dtype(value.dtype)
@@ -206,6 +217,25 @@ def pid_update(
     if out.dtype != attn_out.dtype:
         out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
     return (out if grouped is None else out.reshape(attn_out.shape)), new_state
+
+
+#: Run :func:`pid_update` on CUDA tensors with fixed gains as the fused Triton kernels of
+#: :mod:`pid_plugins.core.fused` (when triton imports). ``PID_PLUGINS_FUSED=0`` in the environment, or setting this to
+#: False, keeps the eager path (the reference; the device bench measures both). Not used under torch.compile.
+FUSED: bool = os.environ.get("PID_PLUGINS_FUSED", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fused_ready() -> bool:
+    return not torch.compiler.is_compiling() and _fused_importable()
 
 
 def _is_one(x: Gain) -> bool:
