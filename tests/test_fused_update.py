@@ -71,7 +71,8 @@ def test_fused_update_matches_eager_outputs_state_and_gradients(dtype, heads, kv
     ref_vals = [v.detach().double().requires_grad_() for v in want_vals]
     ref, ref_state = run("eager", ref_attn, ref_vals, gains, layout)
     weights = torch.Generator().manual_seed(1)
-    ws = [torch.randn(u.shape, generator=weights, dtype=torch.float64) for u in want]
+    # (the outputs' gradients representable in their dtype: the gradient a float16/bfloat16 output receives)
+    ws = [torch.randn(u.shape, generator=weights).to(dtype).double() for u in want]
     wstate = [torch.randn(t.shape, generator=weights, dtype=torch.float64) for t in want_state]
 
     def loss(outs, state):
