@@ -153,8 +153,9 @@ def pid_update(
     # grouped-query attention: the shape of the attention output viewed as (..., H_kv, r, ...), else None
     if traced:  # no Python branch on traced sizes: the grouped view, exact for r = 1 too (a size-1 dimension)
         dim = head_dim % attn_out.dim()
-        grouped: Optional[tuple[tuple[int, ...], int]] = (
-            (*attn_out.shape[:dim], shape[dim], -1, *attn_out.shape[dim + 1:]), dim + 1)
+        grouped: Optional[tuple[tuple[int, ...], int, tuple[int, ...]]] = (
+            (*attn_out.shape[:dim], shape[dim], -1, *attn_out.shape[dim + 1:]), dim + 1,
+            (*shape[:dim + 1], 1, *shape[dim + 1:]))
     else:
         grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
 
@@ -202,18 +203,20 @@ def pid_update(
     # attention: key/value head j serves query heads j*r .. j*r + r - 1 (as :func:`expand_heads`, i.e.
     # ``repeat_interleave``): each key/value-head tensor is broadcast over its group of r query heads of a view of
     # the attention output, instead of materialising the repeated values.
-    out = attn_out if grouped is None else attn_out.reshape(grouped[0])
-    for i, (x, gain) in enumerate(terms):
+    out, kv_shape = (attn_out, None) if grouped is None else (attn_out.reshape(grouped[0]), grouped[2])
+    fresh = True
+    for x, gain in terms:
         if scale is not None:  # warm-up with fixed gains: each error tensor scaled as it is added (exact at 1)
             x = x * scale.to(x.dtype)
-        if isinstance(gain, Tensor):  # learnable gains (any shape that broadcasts in key/value-head space)
+        tensor_gain = isinstance(gain, Tensor)
+        if tensor_gain:  # learnable gains (any shape that broadcasts in key/value-head space)
             x = x * gain
-        if grouped is not None:
-            x = x.unsqueeze(grouped[1])
-        if i == 0:  # the fresh output (float32 for float16/bfloat16 attention outputs: type promotion)
-            out = out + x if isinstance(gain, Tensor) else torch.add(out, x, alpha=gain)
+        if kv_shape is not None:  # (..., H_kv, 1, q, D): inserting a size-1 dimension is always a view
+            x = x.reshape(kv_shape)
+        if fresh:  # the fresh output (float32 for float16/bfloat16 attention outputs: type promotion)
+            out, fresh = (out + x if tensor_gain else torch.add(out, x, alpha=gain)), False
         else:
-            out = out.add_(x) if isinstance(gain, Tensor) else out.add_(x, alpha=gain)
+            out = out.add_(x) if tensor_gain else out.add_(x, alpha=gain)
     if out.dtype != attn_out.dtype:
         out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
     return (out if grouped is None else out.reshape(attn_out.shape)), new_state
@@ -243,24 +246,31 @@ def _is_one(x: Gain) -> bool:
     return not isinstance(x, Tensor) and x == 1.0
 
 
-def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int]:
+def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
     """For ``value`` with fewer heads than the attention output, dividing them (grouped-query attention) and
-    otherwise matching: the output's shape with its head dimension split into ``(H_kv, r)`` and the dimension
-    at which a key/value-head tensor broadcasts over the ``r`` query heads of its group. Raises otherwise."""
-    if -attn_out.dim() <= head_dim < attn_out.dim() and attn_out.dim() == value.dim():
-        dim = head_dim % attn_out.dim()
-        shape = attn_out.shape
-        heads, kv_heads = shape[dim], value.shape[dim]
+    otherwise matching: the output's shape with its head dimension split into ``(H_kv, r)``, the dimension
+    at which a key/value-head tensor broadcasts over the ``r`` query heads of its group, and the shape of such a
+    tensor with a size-1 dimension there. Raises otherwise."""
+    return _grouped_shapes(attn_out.shape, value.shape, head_dim)
+
+
+@functools.lru_cache(maxsize=256)  # a function of the shapes only: once per shape, not once per layer
+def _grouped_shapes(shape: torch.Size, value_shape: torch.Size,
+                    head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    if -len(shape) <= head_dim < len(shape) and len(shape) == len(value_shape):
+        dim = head_dim % len(shape)
+        heads, kv_heads = shape[dim], value_shape[dim]
         if kv_heads <= 0 or heads % kv_heads:
-            expand_heads(value, heads, dim)  # raises the explanatory error
-        if shape[:dim] + (kv_heads,) + shape[dim + 1:] == value.shape:
-            return (*shape[:dim], kv_heads, heads // kv_heads, *shape[dim + 1:]), dim + 1
-    if attn_out.dim() != value.dim():
+            expand_heads(torch.empty(value_shape, device="meta"), heads, dim)  # raises the explanatory error
+        if shape[:dim] + (kv_heads,) + shape[dim + 1:] == value_shape:
+            return ((*shape[:dim], kv_heads, heads // kv_heads, *shape[dim + 1:]), dim + 1,
+                    (*value_shape[:dim + 1], 1, *value_shape[dim + 1:]))
+    if len(shape) != len(value_shape):
         raise ValueError(
-            f"attention output {tuple(attn_out.shape)} and values {tuple(value.shape)} must have the same "
+            f"attention output {tuple(shape)} and values {tuple(value_shape)} must have the same "
             "number of dimensions (..., heads, positions, head_dim)"
         )
     raise ValueError(
-        f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
+        f"attention output {tuple(shape)} does not match values {tuple(value_shape)} "
         "(after expanding key/value heads): pass the values of the query positions only"
     )

@@ -107,7 +107,7 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     if traced:
         diff = expand_heads(diff, attn_out.shape[head_dim], head_dim)
     elif grouped is not None:
-        target, diff = attn_out.reshape(grouped[0]), diff.unsqueeze(grouped[1])
+        target, diff = attn_out.reshape(grouped[0]), diff.reshape(grouped[2])  # (a size-1 dimension: a view)
     if scale is not None:
         diff = diff * scale.to(diff.dtype)
     out = target + diff * alpha.to(diff.dtype) if isinstance(alpha, Tensor) else torch.add(target, diff, alpha=alpha)
