@@ -15,6 +15,10 @@ The derivative term is zero at the first layer (there is no e^0). With
 start at the second layer, whose derivative term is zero. Every term is per token position, so
 nothing leaks across positions and a KV cache needs only the values of the positions being computed.
 The state is an explicit value (:class:`PIDState`), passed in and returned, never stored on a module.
+
+On CUDA with fixed gains the update runs as two Triton kernels (:mod:`pid_plugins.core.fused`, forward and
+backward; imported only there); the eager code below is the reference and runs everywhere else (switch:
+``PID_PLUGINS_FUSED=0`` or :data:`FUSED`).
 """
 from __future__ import annotations
 
