@@ -6,11 +6,25 @@ import os
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (triton.jit reads it at decoration)
 triton = pytest.importorskip("triton", reason="triton is not installed: the fused CUDA update cannot be tested")
 
 from pid_plugins.core import control  # noqa: E402
-from pid_plugins.core.fused import fused_pid_update  # noqa: E402
+
+_saved = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # while the kernels are defined: triton.jit picks the interpreter then
+try:
+    from pid_plugins.core.fused import fused_pid_update  # noqa: E402
+finally:  # the rest of this test process (other modules under xdist) sees the environment it had
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    """Triton's interpreter for each test of this module only (it reads the variable at launch too)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -89,7 +103,7 @@ def test_fused_update_matches_eager_outputs_state_and_gradients(dtype, heads, kv
 def test_pid_update_uses_eager_off_cuda_and_the_switch_exists():
     assert isinstance(control.FUSED, bool)
     a, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
-    u, state = control.pid_update(a, v, None, (0.5, 0.2, 0.1, 0.6))
+    u, _ = control.pid_update(a, v, None, (0.5, 0.2, 0.1, 0.6))
     torch.testing.assert_close(u, a + 0.7 * (0.6 * v - v))
 
 

@@ -85,8 +85,8 @@ def _pid_bwd(go_ptr, gs_ptr, ge_ptr, gr_ptr, dv_ptr, dref_ptr, dsp_ptr, dep_ptr,
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     g_off = _offsets(i, Hk, Q, D, gs0, gs1, gs2, gs3)
-    g = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in range(R):  # G = the sum of dL/du over the query heads of the key/value head
+    g = tl.load(go_ptr + g_off, mask=m).to(tl.float32)
+    for j in range(1, R):  # G = the sum of dL/du over the query heads of the key/value head
         g += tl.load(go_ptr + g_off + j * gsr, mask=m).to(tl.float32)
     de = c_e * g + tl.load(ge_ptr + i, mask=m).to(tl.float32)
     if not FIRST:  # S = S_prev + e, used in u (c_s) and handed on
