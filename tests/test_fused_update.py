@@ -115,3 +115,39 @@ def test_import_pid_plugins_needs_no_triton():
     code = ("import sys; import pid_plugins; import pid_plugins.core.control; "
             "assert 'pid_plugins.core.fused' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+
+
+@pytest.mark.parametrize("control_first", [True, False])
+def test_pid_update_dispatches_to_the_fused_update_and_back(monkeypatch, control_first):
+    """pid_update itself with the fused path switched on for CPU tensors: the same outputs and state as with
+    ``FUSED = False`` (the eager reference), for a PIDConfig and GQA in the HF layout; learnable (tensor) gains and
+    the warm-up's scale stay on the eager path."""
+    from pid_plugins import PIDConfig
+
+    cfg = PIDConfig(0.4, 0.5, 0.1, 0.3, control_first_layer=control_first)
+    attn, vals = layers(torch.float32, 4, 2)
+    calls = []
+    real = __import__("pid_plugins.core.fused", fromlist=["fused_pid_update"]).fused_pid_update
+    monkeypatch.setattr("pid_plugins.core.fused.fused_pid_update", lambda *a: calls.append(1) or real(*a))
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(control, "_FUSED_ON_CPU", fused)
+        monkeypatch.setattr(control, "FUSED", fused)
+        state, outs = None, []
+        for a, v in zip(attn, vals):
+            a, v, head_dim = view("positions", a.detach(), v.detach())
+            u, state = control.pid_update(a, v, state, cfg, head_dim=head_dim)
+            assert type(state) is control.PIDState
+            outs.append(u)
+        results[fused] = outs, state
+    assert len(calls) == (3 if control_first else 2)  # every controlled layer, and only with the switch on
+    for g_, w in zip(results[True][0], results[False][0]):
+        torch.testing.assert_close(g_, w, **TOL[torch.float32])
+    for g_, w in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(g_, w, **TOL[torch.float32])
+    monkeypatch.setattr(control, "_FUSED_ON_CPU", True)
+    monkeypatch.setattr(control, "FUSED", True)
+    a, v, head_dim = view("heads", attn[0].detach(), vals[0].detach())
+    control.pid_update(a, v, None, (torch.tensor(0.4), 0.5, 0.1, 0.3), head_dim=head_dim)
+    control.pid_update(a, v, None, cfg, head_dim=head_dim, scale=torch.tensor(0.5))
+    assert len(calls) == (3 if control_first else 2)
