@@ -22,6 +22,8 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
     memory    peak memory of forward+backward, PID/stock (timm, FAN, mmseg, HF, fairseq)
     core      core PIDSelfAttention stack (pid vs pid=None): forward+backward at sequence lengths 64..4096
     compile   a small transformer of core PIDSelfAttention + MLP blocks, eager and torch.compile (inductor)
+    ops       aten ops each method adds per decoder layer in one decoding step (kernel-launching and views apart;
+              bench/op_counts.py): a table after the timings
 
 Allocator (``--malloc``). On the CPU every large tensor comes from glibc's malloc. With its default dynamic
 thresholds, large buffers are often returned to the OS and re-faulted on the next step, and which ones depends
@@ -53,7 +55,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import interleaved, machine, peak_memory_bytes  # noqa: E402
 
-SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile")
+SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile", "ops")
 MALLOC_TUNED = {  # glibc: keep freed memory for reuse instead of unmapping and re-faulting it every step
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 33),
@@ -649,10 +651,18 @@ def main() -> None:
             tqdm.write(f"peak memory {name}: PID/stock {row['ratio']:.3f}")
             bar.update()
         bar.close()
+    if "ops" in args.only:
+        from op_counts import markdown as ops_markdown, op_rows
+
+        result["op_counts"] = op_rows()
     result["elapsed_s"] = time.time() - t_start
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=2, default=str)
     text = write_markdown(os.path.join(args.out, "bench.md"), result)
+    if "op_counts" in result:
+        text += "\n" + ops_markdown(result["op_counts"])
+        with open(os.path.join(args.out, "bench.md"), "w") as f:
+            f.write(text)
     print(text)
 
 

@@ -64,7 +64,7 @@ def test_state_contents_follow_the_definition():
     _, state = run_stack(attn, vals, cfg)
     assert isinstance(state, PIDState)
     errors = [0.6 * vals[0] - v for v in vals]
-    torch.testing.assert_close(state.v_first, vals[0])
+    torch.testing.assert_close(state.v_first, 0.6 * vals[0])  # the reference beta v^1, formed once
     torch.testing.assert_close(state.e_sum, errors[0] + errors[1] + errors[2])
     torch.testing.assert_close(state.e_prev, errors[2])
 
@@ -153,8 +153,9 @@ def test_low_precision_close_to_float64(dtype, tol):
     for g_, w in zip(got, want):
         assert g_.dtype == dtype
         torch.testing.assert_close(g_.double(), w, rtol=tol, atol=tol)
-    # v^1 is kept as given; the error and its running sum are accumulated in float32
-    assert state.v_first.dtype == dtype and state.e_sum.dtype == state.e_prev.dtype == torch.float32
+    # the reference beta v^1, the error and its running sum are kept in float32
+    assert state.v_first.dtype == state.e_sum.dtype == state.e_prev.dtype == torch.float32
+    torch.testing.assert_close(state.v_first, 0.1 * vals[0].to(dtype).float(), rtol=0, atol=0)
 
 
 def test_gradcheck_values_attention_and_gains():
@@ -263,7 +264,8 @@ def test_reference_only_state_and_second_layer_by_hand():
     g = torch.Generator().manual_seed(3)
     a1, a2, a3, v1, v2, v3 = (torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64) for _ in range(6))
     u1, s1 = pid_update(a1, v1, None, cfg)
-    assert u1 is a1 and s1.v_first is v1 and s1.e_sum is None and s1.e_prev is None
+    assert u1 is a1 and s1.e_sum is None and s1.e_prev is None
+    assert torch.equal(s1.v_first, 0.1 * v1)  # the reference beta v^1, formed once
     u2, s2 = pid_update(a2, v2, s1, cfg)
     e2 = 0.1 * v1 - v2
     torch.testing.assert_close(u2, a2 + 0.8 * e2 + 0.5 * e2)  # S^2 = e^2, no D term at the second layer

@@ -5,7 +5,8 @@ tensors share one shape), every adapter calls :func:`pid_update` with that layer
 ``A^l v^l`` and values ``v^l`` (per head, query positions only) and the state returned by the previous
 layer of the group::
 
-    e^l   = beta * v^1 - v^l                                   (v^1: the group's first layer's values)
+    e^l   = beta * v^1 - v^l                                   (v^1: the group's first layer's values;
+                                                               beta * v^1 is formed once and kept in the state)
     S^l   = S^{l-1} + e^l                                      (S^0 = 0)
     u^l   = A^l v^l + lambda_p * e^l + lambda_i * S^l + lambda_d * (e^l - e^{l-1})
 
@@ -14,11 +15,16 @@ The derivative term is zero at the first layer (there is no e^0). With
 start at the second layer, whose derivative term is zero. Every term is per token position, so
 nothing leaks across positions and a KV cache needs only the values of the positions being computed.
 The state is an explicit value (:class:`PIDState`), passed in and returned, never stored on a module.
+
+On CUDA with fixed gains the update runs as two Triton kernels (:mod:`pid_plugins.core.fused`, forward and
+backward; imported only there); the eager code below is the reference and runs everywhere else (switch:
+``PID_PLUGINS_FUSED=0`` or :data:`FUSED`).
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+import os
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -31,21 +37,18 @@ Gain = Union[float, Tensor]
 GainsLike = Union[PIDConfig, Sequence[Gain]]
 
 
-_SMALL = 1 << 15  # elements: below this (e.g. a decoding step) pid_update minimises kernels, above it buffers
-
-
 class PIDState(NamedTuple):
     """What one PID layer hands to the next within a single forward pass.
 
     The tensors have the shape of the values in key/value-head space, e.g. ``(B, H_kv, q, D)``,
-    restricted to the query positions. ``e_sum`` and ``e_prev`` are kept in at least float32 (values in
-    float16/bfloat16, e.g. under autocast, are accumulated in float32 over depth). After a reference-only
+    restricted to the query positions, in at least float32 (values in float16/bfloat16, e.g. under autocast,
+    are accumulated in float32 over depth). After a reference-only
     first layer (``PIDConfig(control_first_layer=False)``) they are ``None``: no error has been formed yet.
     Being a tuple, it can be splatted into checkpointed calls (``block(x, *state)``) and traced by
     ``torch.compile``.
     """
 
-    v_first: Tensor  #: v^1, the values of the group's first layer (as given)
+    v_first: Tensor  #: beta v^1, the reference: the values of the group's first layer times beta
     e_sum: Optional[Tensor]  #: S^l = e^1 + ... + e^l (from e^2 with a reference-only first layer)
     e_prev: Optional[Tensor]  #: e^l, the error of the layer that produced this state
 
@@ -86,8 +89,14 @@ def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the error and its running sum: float32 at least (float16/bfloat16 values are upcast)."""
-    return torch.promote_types(dtype, torch.float32)
+    """The dtype of the error and its running sum: float32 at least (float16/bfloat16 values are upcast).
+    (A table first: ``torch.promote_types`` is a dispatched op, one more per layer in a profile.)"""
+    wide = _WIDER.get(dtype)
+    return wide if wide is not None else torch.promote_types(dtype, torch.float32)
+
+
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+          torch.float64: torch.float64}
 
 
 def pid_update(
@@ -100,6 +109,15 @@ def pid_update(
     scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, PIDState]:
     """Apply the PID correction to one layer's attention output.
+
+    One path for every case, in the folded form that launches the fewest kernels::
+
+        e   = beta v^1 - v                    (beta v^1 from the state: one subtraction)
+        S   = S_prev + e
+        u   = A v + (lP + lD) e + lI S - lD e_prev      (accumulated into one fresh output tensor)
+
+    i.e. five elementwise kernels per layer after the first (fewer where a fixed gain is zero), each error
+    tensor broadcast over the query heads of its key/value head through a view (no copies).
 
     Args:
         attn_out: ``A^l v^l`` per head, shape ``(..., H, q, D)`` (any leading dims).
@@ -116,8 +134,8 @@ def pid_update(
 
     Returns:
         ``(u, new_state)``: the controlled output (same shape and dtype as ``attn_out``) and the state
-        for the next layer of the group. In float16/bfloat16 the error, its sum and the PID term are
-        computed in float32 and ``u`` is rounded once.
+        for the next layer of the group. In float16/bfloat16 the reference, the error, its sum and the PID
+        term are computed in float32 and ``u`` is rounded once.
     """
     if type(gains) is PIDConfig:  # the common case, fixed gains: no unpacking, no tensor checks
         lambda_p, lambda_i, lambda_d, beta = gains.lambda_p, gains.lambda_i, gains.lambda_d, gains.beta
@@ -139,113 +157,125 @@ def pid_update(
     # grouped-query attention: the shape of the attention output viewed as (..., H_kv, r, ...), else None
     if traced:  # no Python branch on traced sizes: the grouped view, exact for r = 1 too (a size-1 dimension)
         dim = head_dim % attn_out.dim()
-        grouped = ((*attn_out.shape[:dim], shape[dim], -1, *attn_out.shape[dim + 1:]), dim + 1)
+        grouped: Optional[tuple[tuple[int, ...], int, tuple[int, ...]]] = (
+            (*attn_out.shape[:dim], shape[dim], -1, *attn_out.shape[dim + 1:]), dim + 1,
+            (*shape[:dim + 1], 1, *shape[dim + 1:]))
     else:
         grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
 
-    if state is None and not control_first_layer:
-        # Reference-only first layer: plain attention, v^1 recorded, no error yet. Learnable gains join the
-        # graph with a zero weight, so DDP sees every parameter used.
-        if tensor_gains:
-            attn_out = attn_out + 0.0 * (lambda_p + lambda_i + lambda_d)
-        return attn_out, PIDState(value, None, None)
+    if (FUSED and (attn_out.is_cuda or _FUSED_ON_CPU) and not traced and not tensor_gains and scale is None
+            and not isinstance(beta, Tensor) and (state is not None or control_first_layer)
+            and (lambda_p != 0.0 or lambda_i != 0.0 or lambda_d != 0.0) and _fused_ready()):
+        from .fused import fused_pid_update  # CUDA with Triton: one kernel (forward), one for the backward
 
-    # The error and its running sum (the state), in float32 at least. The group's first controlled layer
-    # (the first layer, or the second after a reference-only first layer) has no derivative term.
-    first = state is None or state[1] is None
-    v_first = value if state is None else state[0]
-    wide = _WIDER.get(value.dtype)
-    if wide is None and not value.dtype.is_floating_point:
-        wide = _state_dtype(value.dtype)
-    if isinstance(beta, Tensor):
-        e = v_first.to(wide or value.dtype) * beta - value
+        out, fused_state = fused_pid_update(attn_out, value, state, (lambda_p, lambda_i, lambda_d, beta), head_dim,
+                                            _state_dtype(value.dtype))
+        return out, PIDState(*fused_state)
+
+    # The reference beta v^1, formed once at the group's first layer and handed on in the state, in float32 at
+    # least (float16/bfloat16 values are upcast: the error and its sum are accumulated in float32 over depth).
+    wide = _state_dtype(value.dtype)
+    if state is None:
+        v_ref = value if wide == value.dtype else value.to(wide)
+        v_ref = v_ref if _is_one(beta) else v_ref * beta
+        if not control_first_layer:
+            # Reference-only first layer: plain attention, the reference recorded, no error yet. Learnable gains
+            # join the graph with a zero weight, so DDP sees every parameter used.
+            if tensor_gains:
+                attn_out = attn_out + 0.0 * (lambda_p + lambda_i + lambda_d)
+            return attn_out, PIDState(v_ref, None, None)
     else:
-        # e = -(v - beta v^1): a Python-scalar multiply wraps the scalar in a tensor on every call, which
-        # costs more than the arithmetic on decoding-sized tensors; alpha and neg_ do not
-        e = torch.add(value if wide is None else value.to(wide), v_first, alpha=-beta).neg_()
+        v_ref = state[0]
+    e = v_ref - value  # (the group's first controlled layer: the first, or the second after a reference-only one)
+    first = state is None or state[1] is None
     e_sum = e if first else state[1] + e
-    new_state = PIDState(v_first, e_sum, e)
-    if not tensor_gains and lambda_p == 0.0 and lambda_i == 0.0 and lambda_d == 0.0:
+    new_state = PIDState(v_ref, e_sum, e)
+    # u = A v + (lP + lD) e + lI S - lD e_prev; at the first controlled layer S = e and e_prev = 0, so
+    # u = A v + (lP + lI) e (a learnable lambda_d joins the graph there with zero gradient, so DDP sees it used).
+    terms: list[tuple[Tensor, Gain]]
+    if first:
+        terms = [(e, lambda_p + lambda_i + 0.0 * lambda_d if isinstance(lambda_d, Tensor) else lambda_p + lambda_i)]
+    else:
+        terms = [(e, lambda_p + lambda_d), (e_sum, lambda_i), (state[2], -lambda_d)]
+    terms = [(x, g) for x, g in terms if isinstance(g, Tensor) or g != 0.0]  # a zero fixed gain launches nothing
+    if not terms:  # all fixed gains zero (here): the attention output itself, the stock model bit for bit
         if scale is not None:  # the warm-up's scale joins the graph with the term (a compiled graph keeps one form)
             return attn_out + 0.0 * scale.to(attn_out.dtype), new_state
         return attn_out, new_state
 
-    # Grouped-query attention: key/value head j serves query heads j*r .. j*r + r - 1 (as
-    # :func:`expand_heads`, i.e. ``repeat_interleave``). The PID term is computed in key/value-head space
-    # (1/r of the query heads' size) and broadcast over each group of r query heads of a view of the
-    # attention output, instead of materialising the repeated values.
-    if grouped is None:
-        target, kv = attn_out, _same
-    else:
-        target, kv = attn_out.reshape(grouped[0]), functools.partial(Tensor.unsqueeze, dim=grouped[1])
-    if scale is not None:  # warm-up with fixed gains: each error tensor scaled as it is added (exact at 1)
-        kv = functools.partial(_scaled, kv, scale.to(e.dtype))
-
-    if not tensor_gains and attn_out.dtype == e.dtype:
-        # Fast path (fixed gains, full precision): u = A v + (lP + lD) e + lI S - lD e_prev.
-        if first:
-            out = target.add(kv(e), alpha=lambda_p + lambda_i)
-        elif not traced and e.numel() <= _SMALL and lambda_i != 0.0 and max(abs(lambda_p + lambda_d), abs(lambda_d)) <= 1e4 * abs(lambda_i):
-            # ((lP + lD)/lI and lD/lI are moderate numbers: no overflow, no loss in the fused form)
-            # small tensors (decoding): each kernel launch is the cost, so the fewest kernels,
-            # lI * (S + (lP + lD)/lI e - lD/lI e_prev), with one temporary in key/value-head space
-            term = torch.add(e_sum, e, alpha=(lambda_p + lambda_d) / lambda_i)
-            if lambda_d != 0.0:
-                term.sub_(state[2], alpha=lambda_d / lambda_i)
-            out = target.add(kv(term), alpha=lambda_i)
+    # Accumulated into one fresh tensor with in-place adds (autograd keeps no input of an add). Grouped-query
+    # attention: key/value head j serves query heads j*r .. j*r + r - 1 (as :func:`expand_heads`, i.e.
+    # ``repeat_interleave``): each key/value-head tensor is broadcast over its group of r query heads of a view of
+    # the attention output, instead of materialising the repeated values.
+    out, kv_shape = (attn_out, None) if grouped is None else (attn_out.reshape(grouped[0]), grouped[2])
+    fresh = True
+    for x, gain in terms:
+        if scale is not None:  # warm-up with fixed gains: each error tensor scaled as it is added (exact at 1)
+            x = x * scale.to(x.dtype)
+        tensor_gain = isinstance(gain, Tensor)
+        if tensor_gain:  # learnable gains (any shape that broadcasts in key/value-head space)
+            x = x * gain
+        if kv_shape is not None:  # (..., H_kv, 1, q, D): inserting a size-1 dimension is always a view
+            x = x.reshape(kv_shape)
+        if fresh:  # the fresh output (float32 for float16/bfloat16 attention outputs: type promotion)
+            out, fresh = (out + x if tensor_gain else torch.add(out, x, alpha=gain)), False
         else:
-            # large tensors: memory traffic and fresh buffers are the cost, so accumulate straight into a
-            # copy of the attention output, with no other temporaries
-            out = target.add(kv(e), alpha=lambda_p + lambda_d)
-            if lambda_i != 0.0:
-                out.add_(kv(e_sum), alpha=lambda_i)
-            if lambda_d != 0.0:
-                out.sub_(kv(state[2]), alpha=lambda_d)
-    else:
-        # General path: learnable (tensor) gains, or low-precision outputs (term in float32, one rounding).
-        if first:
-            first_gain = lambda_p + lambda_i
-            if isinstance(lambda_d, Tensor):
-                # keep a learnable lambda_d in the graph (zero gradient here), so DDP sees every parameter used
-                first_gain = first_gain + 0.0 * lambda_d
-            term = e * first_gain
-        elif not tensor_gains:
-            term = e.mul(lambda_p + lambda_d).add_(e_sum, alpha=lambda_i).sub_(state[2], alpha=lambda_d)
-        else:
-            term = e * (lambda_p + lambda_d) + e_sum * lambda_i - state[2] * lambda_d
-        out = (target + kv(term)).to(attn_out.dtype)
+            out = out.add_(x) if tensor_gain else out.add_(x, alpha=gain)
+    if out.dtype != attn_out.dtype:
+        out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
     return (out if grouped is None else out.reshape(attn_out.shape)), new_state
 
 
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # else the values' own (float) dtype
+#: Run :func:`pid_update` on CUDA tensors with fixed gains as the fused Triton kernels of
+#: :mod:`pid_plugins.core.fused` (when triton imports). ``PID_PLUGINS_FUSED=0`` in the environment, or setting this to
+#: False, keeps the eager path (the reference; the device bench measures both). Not used under torch.compile.
+FUSED: bool = os.environ.get("PID_PLUGINS_FUSED", "1") != "0"
+_FUSED_ON_CPU = False  # tests only: the fused path on CPU tensors (with TRITON_INTERPRET=1, Triton's interpreter)
 
 
-def _same(x: Tensor) -> Tensor:
-    return x
+@functools.lru_cache(maxsize=None)
+def _fused_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-def _scaled(kv: Callable[[Tensor], Tensor], scale: Tensor, x: Tensor) -> Tensor:
-    return kv(x) * scale
+def _fused_ready() -> bool:
+    return not torch.compiler.is_compiling() and _fused_importable()
 
 
-def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int]:
+def _is_one(x: Gain) -> bool:
+    """A fixed (Python) 1: multiplying by it is skipped (``beta = 1``, NeuTRENO's and the segmenter preset's)."""
+    return not isinstance(x, Tensor) and x == 1.0
+
+
+def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
     """For ``value`` with fewer heads than the attention output, dividing them (grouped-query attention) and
-    otherwise matching: the output's shape with its head dimension split into ``(H_kv, r)`` and the dimension
-    at which a key/value-head tensor broadcasts over the ``r`` query heads of its group. Raises otherwise."""
-    if -attn_out.dim() <= head_dim < attn_out.dim() and attn_out.dim() == value.dim():
-        dim = head_dim % attn_out.dim()
-        shape = attn_out.shape
-        heads, kv_heads = shape[dim], value.shape[dim]
+    otherwise matching: the output's shape with its head dimension split into ``(H_kv, r)``, the dimension
+    at which a key/value-head tensor broadcasts over the ``r`` query heads of its group, and the shape of such a
+    tensor with a size-1 dimension there. Raises otherwise."""
+    return _grouped_shapes(attn_out.shape, value.shape, head_dim)
+
+
+@functools.lru_cache(maxsize=256)  # a function of the shapes only: once per shape, not once per layer
+def _grouped_shapes(shape: torch.Size, value_shape: torch.Size,
+                    head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    if -len(shape) <= head_dim < len(shape) and len(shape) == len(value_shape):
+        dim = head_dim % len(shape)
+        heads, kv_heads = shape[dim], value_shape[dim]
         if kv_heads <= 0 or heads % kv_heads:
-            expand_heads(value, heads, dim)  # raises the explanatory error
-        if shape[:dim] + (kv_heads,) + shape[dim + 1:] == value.shape:
-            return (*shape[:dim], kv_heads, heads // kv_heads, *shape[dim + 1:]), dim + 1
-    if attn_out.dim() != value.dim():
+            expand_heads(torch.empty(value_shape, device="meta"), heads, dim)  # raises the explanatory error
+        if shape[:dim] + (kv_heads,) + shape[dim + 1:] == value_shape:
+            return ((*shape[:dim], kv_heads, heads // kv_heads, *shape[dim + 1:]), dim + 1,
+                    (*value_shape[:dim + 1], 1, *value_shape[dim + 1:]))
+    if len(shape) != len(value_shape):
         raise ValueError(
-            f"attention output {tuple(attn_out.shape)} and values {tuple(value.shape)} must have the same "
+            f"attention output {tuple(shape)} and values {tuple(value_shape)} must have the same "
             "number of dimensions (..., heads, positions, head_dim)"
         )
     raise ValueError(
-        f"attention output {tuple(attn_out.shape)} does not match values {tuple(value.shape)} "
+        f"attention output {tuple(shape)} does not match values {tuple(value_shape)} "
         "(after expanding key/value heads): pass the values of the query positions only"
     )

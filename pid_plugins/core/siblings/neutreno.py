@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..config import MethodConfig, registry_presets
-from ..control import expand_heads
+from ..control import _kv_head_split, expand_heads
 from ..methods import AttentionMethod, register_method
 
 __all__ = ["NeuTRENOConfig", "NeuTRENOMethod", "neutreno_update"]
@@ -97,18 +97,23 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
             f"{tuple(v_first.shape)}: every layer of a group must have values of one shape (same heads, head_dim "
             "and positions); use softmax attention for the odd layers"
         )
+    # (v^1 - v) in key/value-head space, broadcast over each group of r query heads of a view of the attention
+    # output (as expand_heads would repeat it, without the copy); float16/bfloat16: in float32, rounded once
+    traced = torch.jit.is_tracing()
+    grouped = None if traced or attn_out.shape == value.shape else _kv_head_split(attn_out, value, head_dim)
     wide = attn_out.dtype in _LOW_PRECISION
-    diff = v_first.float() - value.float() if wide else v_first - value
-    heads = attn_out.shape[head_dim]
-    if torch.jit.is_tracing() or diff.shape[head_dim] != heads:
-        diff = expand_heads(diff, heads, head_dim)
+    diff = (v_first.float() if wide else v_first) - value  # (type promotion: value is upcast exactly)
+    target = attn_out
+    if traced:
+        diff = expand_heads(diff, attn_out.shape[head_dim], head_dim)
+    elif grouped is not None:
+        target, diff = attn_out.reshape(grouped[0]), diff.reshape(grouped[2])  # (a size-1 dimension: a view)
     if scale is not None:
         diff = diff * scale.to(diff.dtype)
+    out = target + diff * alpha.to(diff.dtype) if isinstance(alpha, Tensor) else torch.add(target, diff, alpha=alpha)
     if wide:
-        return (attn_out.float() + diff * alpha).to(attn_out.dtype)
-    if isinstance(alpha, Tensor):
-        return attn_out + diff * alpha.to(diff.dtype)
-    return torch.add(attn_out, diff, alpha=alpha)
+        out = out.to(attn_out.dtype)
+    return out if grouped is None else out.reshape(attn_out.shape)
 
 
 class NeuTRENOMethod(AttentionMethod):

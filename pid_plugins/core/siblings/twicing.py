@@ -78,14 +78,21 @@ def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -
     once = attend(query, value)
     rows = once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3)  # (B, H, q, D)
     smoothed = rows if slot is None else slot(rows)  # (B, H, K, D): A v at every key position
-    values = expand_heads(value, rows.shape[-3], -3)
-    if not torch.jit.is_tracing() and smoothed.shape != values.shape:
+    heads, kv_heads = rows.shape[-3], value.shape[-3]
+    traced = torch.jit.is_tracing()
+    if not traced and kv_heads != heads and (kv_heads <= 0 or heads % kv_heads):
+        expand_heads(value, heads, -3)  # raises the explanatory error
+    if not traced and smoothed.shape != (*value.shape[:-3], heads, *value.shape[-2:]):
         raise ValueError(
             f"twicing attention: A v at the key positions has shape {tuple(smoothed.shape)} but the values (expanded "
-            f"to the query heads) {tuple(values.shape)}: with a key/value cache the adapter must keep A v of the past "
-            "positions next to it (a CacheSlot); this zoo gave none"
+            f"to the query heads) {(*value.shape[:-3], heads, *value.shape[-2:])}: with a key/value cache the adapter "
+            "must keep A v of the past positions next to it (a CacheSlot); this zoo gave none"
         )
-    return once + attend(query, values - smoothed)
+    if traced or kv_heads == heads:
+        residual = expand_heads(value, heads, -3) - smoothed
+    else:  # v - A v per query head without repeating v: A v grouped (..., H_kv, r, K, D) minus v broadcast over r
+        residual = (value.unsqueeze(-3) - smoothed.unflatten(-3, (kv_heads, heads // kv_heads))).flatten(-4, -3)
+    return once + attend(query, residual)
 
 
 class Twicing(AttentionMethod):
