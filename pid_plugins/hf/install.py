@@ -36,7 +36,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 
 from ..versions import check_version
 from ..core import AttentionMethod, GainWarmup, MethodChoice, list_methods, on_register, register_warmup_finisher, reserve_names
-from . import conversion, discovery
+from . import checkpointing, conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
 from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS
@@ -322,6 +322,9 @@ def install() -> None:
     # what the changes below rely on
     for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING, CONTINUOUS_BATCHING):
         internal.require()
+    # torch's checkpointing internals, read by the per-forward check: settled here, once, so that a compiled forward
+    # does not guard on (and recompile after) their first read
+    checkpointing.require()
     _INSTALLED[0] = True
     torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
     _wrap_initialize_weights()
