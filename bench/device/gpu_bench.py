@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -62,7 +63,7 @@ SHAPES = {
 CAUSAL_PARAMS: Dict[str, Any] = {"elliptical": {"mean": "prefix"}}
 #: where pid_plugins' fused update kernel is switched (issue 53 step 2, branch lean): a context manager
 #: ``use_fused(enabled: bool)`` in one of these modules
-FUSED_SWITCHES = ("pid_plugins.core.fused", "pid_plugins.core.kernels", "pid_plugins.kernels")
+FUSED_SWITCHES = ("pid_plugins.core.control",)
 
 
 def log(msg: str) -> None:
@@ -77,6 +78,8 @@ def fused_switch() -> Tuple[Optional[Callable[[bool], Any]], str]:
         except ImportError:
             continue
         if hasattr(module, "use_fused"):
+            if importlib.util.find_spec("triton") is None:
+                return None, "triton is not installed: the fused update kernel cannot run"
             return module.use_fused, name
     return None, f"pid_plugins has no fused update kernel switch ({' / '.join(FUSED_SWITCHES)}.use_fused)"
 
@@ -256,16 +259,15 @@ def plan(args, shape, device) -> List[Dict[str, Any]]:
                              make=llama_decode(shape, device, batch), kind="tokens/s"))
             row = dict(workload=f"llama-1b decode b{batch} dynamic eager fused", method=method, family="llama",
                        kind="tokens/s")
+            if method != "pid":
+                continue  # the fused kernel is PID's update
             if fused is None:
                 row["skip"] = fused_where
-            elif method != "pid":
-                row["skip"] = "the fused kernel is PID's update"
             else:
                 maker = llama_decode(shape, device, batch, fused)
                 row["make"] = lambda m, maker=maker: maker(m, use_fused=True)
                 row["make_stock"] = lambda m, maker=maker: maker(m, use_fused=False)
-            if method == "pid" or fused is not None:
-                rows.append(row)
+            rows.append(row)
         if method in compiled:
             rows.append(dict(workload="llama-1b decode b1 static compiled", method=method, family="llama",
                              make=llama_compiled(shape, device, args.compile_backend), kind="tokens/s",

@@ -22,9 +22,10 @@ backward; imported only there); the eager code below is the reference and runs e
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -231,6 +232,17 @@ def pid_update(
 #: False, keeps the eager path (the reference; the device bench measures both). Not used under torch.compile.
 FUSED: bool = os.environ.get("PID_PLUGINS_FUSED", "1") != "0"
 _FUSED_ON_CPU = False  # tests only: the fused path on CPU tensors (with TRITON_INTERPRET=1, Triton's interpreter)
+
+
+@contextlib.contextmanager
+def use_fused(enabled: bool) -> Iterator[None]:
+    """Within the block, :data:`FUSED` is ``enabled`` (the device bench times the fused kernels on and off)."""
+    global FUSED
+    previous, FUSED = FUSED, bool(enabled)
+    try:
+        yield
+    finally:
+        FUSED = previous
 
 
 @functools.lru_cache(maxsize=None)
