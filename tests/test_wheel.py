@@ -162,6 +162,20 @@ def test_the_wheel_carries_the_license_the_type_marker_the_mmseg_configs_and_its
     assert {"timm", "hf", "peft", "mmseg", "fairseq"} <= extras
 
 
+def test_the_wheel_carries_no_experiments(pid_plugins_wheel):
+    """``pip install pid-plugins`` installs the plugin and its measurement tools (``pid-plugins diagnose``/``attack``),
+    not the demo, reproduction and study: those live beside the package (``research/``, ``python -m research``)."""
+    names = zipfile.ZipFile(pid_plugins_wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pid_plugins", "pid_plugins_fairseq_compat.py"}, tops
+    experiments = sorted(p.relative_to(REPO / "research").as_posix() for p in (REPO / "research").glob("*.py"))
+    assert {"cli.py", "demo.py", "experiments.py", "study.py"} <= set(experiments)
+    stems = {Path(n).stem for n in names if n.endswith(".py")}
+    assert not stems & {"demo", "experiments", "study", "reproduce", "weights", "mmseg_data"}, sorted(stems)
+    assert not [n for n in names if "research" in n.split("/")], names
+    assert "pid_plugins/cli.py" in names and "pid_plugins/analysis/run.py" in names  # the product's tools stay
+
+
 def test_the_sdist_carries_the_license(tmp_path):
     src = tmp_path / "src"
     import shutil
