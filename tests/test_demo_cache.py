@@ -179,7 +179,7 @@ def test_aggregate_counts_each_seed_once(tmp_path, capsys):
     assert json.loads((tmp_path / "rec" / "reproduce.json").read_text())["seeds"] == [0, 1, 2]
     assert main(["reproduce", "--aggregate", str(a), str(c), "--out", str(tmp_path / "rec2")]) == 2
     err = capsys.readouterr().err
-    assert "pid-plugins: error: seed 1 has different results in" in err and "each seed counts once" in err
+    assert "research: error: seed 1 has different results in" in err and "each seed counts once" in err
     from research.demo import write_reproduction_record
 
     with pytest.raises(ValueError, match=r"seed\(s\) \[1\] appear more than once"):

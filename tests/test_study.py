@@ -1,5 +1,6 @@
 """The study's arms and its record: arms share the softmax model's initial weights; the paired statistics are right."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ from zoo_cases import weights as zc_weights
 
 from research.experiments import ARMS, VisionSpec, arm_config, vision_models
 from research.study import write_study_record
+
+REPO = Path(__file__).resolve().parents[1]  # python -m research runs from the repository root
 
 
 def test_arm_configs():
@@ -74,17 +77,18 @@ def test_study_command_runs_end_to_end_and_refuses_bad_arms(tmp_path):
     import sys
 
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "pid_plugins", "study", "--out", str(out), "--seeds", "0", "1", "--depths", "2",
+    cmd = [sys.executable, "-m", "research", "study", "--out", str(out), "--seeds", "0", "1", "--depths", "2",
            "--arms", "softmax,pid_ref", "--parts", "vision", "--data", "digits", "--train-limit", "64",
            "--test-limit", "16", "--pgd-steps", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((out / "study.json").read_text())
     setting = record["settings"]["vision_depth2"]
     assert setting["seeds"] == [0, 1] and setting["arms"] == ["softmax", "pid_ref"]
     assert (out / "study.png").stat().st_size > 0 and "pid_ref - softmax" in (out / "study.md").read_text()
-    bad = subprocess.run(cmd[:5] + [str(tmp_path / "bad"), "--arms", "pid,softmax"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and bad.stderr.startswith("pid-plugins: error: --arms")
+    bad = subprocess.run(cmd[:5] + [str(tmp_path / "bad"), "--arms", "pid,softmax"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.startswith("research: error: --arms")
     assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
