@@ -70,10 +70,28 @@ def test_the_installed_wheel_leaves_the_standard_library_alone(installed):
     assert out.split() == ["dataclasses", "False", "dataclasses", "False"]
 
 
+def test_without_the_opt_in_the_fairseq_adapter_patches_nothing_outside_fairseq(installed):
+    """``import pid_plugins.fairseq`` without the opt-in: an ImportError naming it; the standard library and numpy are
+    left as they were."""
+    out = run(installed, "-c", (
+        "import dataclasses, sys, numpy\n"
+        "try:\n"
+        "    import pid_plugins.fairseq\n"
+        "except ImportError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print(dataclasses._get_field.__module__, getattr(dataclasses._get_field, '_pid_plugins_compat', False), "
+        "'compat' in vars(numpy))\n"
+    )).strip().splitlines()
+    assert out[0].startswith("refused: pid_plugins.fairseq: fairseq 0.12.2 does not import on Python 3.")
+    assert "python -m pid_plugins_fairseq_compat install" in out[0] and "pid_plugins_fairseq_compat.install()" in out[0]
+    assert out[-1].split() == ["dataclasses", "False", "False"]
+
+
 def test_every_adapter_imports_from_the_wheel(installed):
     _, purelib, _, _ = installed
     out = run(installed, "-c", (
         "import sys, dataclasses, pid_plugins, pid_plugins_fairseq_compat\n"
+        "pid_plugins_fairseq_compat.install()  # the fairseq adapter's opt-in, for this process\n"
         # nothing of the repository is importable: no sys.path entry inside it but the stack's site-packages
         # (which lies inside it when the venv is the repository's .venv, as with `make test`)
         f"import os; inside = [p for p in sys.path if p and os.path.abspath(p) != {STACK!r} and "
@@ -87,7 +105,7 @@ def test_every_adapter_imports_from_the_wheel(installed):
     files = out.split()
     assert files[0] == str(purelib / "pid_plugins" / "__init__.py")
     assert files[1] == str(purelib / "pid_plugins_fairseq_compat.py")
-    assert files[2] == "True"  # import pid_plugins.fairseq installed the hook in its own process
+    assert files[2] == "True"  # the opt-in's hook, active in this process
 
 
 def test_cli_and_registry_files_from_the_wheel(installed):
