@@ -132,8 +132,9 @@ test-compat:
 conformance: $(STAMP) timm-tests
 	PID_TIMM_CONFORMANCE=1 $(PY) -m pytest -q -s tests/test_timm_models.py
 
+# the demo lives beside the package (research/, not in the wheel): run from the repository root
 demo: $(STAMP) data
-	$(VENV)/bin/pid-plugins demo --out demo_out
+	$(PY) -m research demo --out demo_out
 
 # PID/stock speed and memory ratios of every zoo (under 10 minutes): bench_out/bench.md and bench.json
 bench: $(STAMP)

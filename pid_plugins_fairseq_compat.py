@@ -7,9 +7,10 @@ default objects' classes an identity ``__hash__`` while their owner class is bei
 defaults stay shared as on Python 3.10. Only classes defined in ``fairseq``, ``fairseq_cli``, ``hydra``
 and ``pid_plugins.fairseq`` are touched; on Python < 3.11 nothing is installed.
 
-``import pid_plugins.fairseq`` installs it in its own process. fairseq's own commands (``fairseq-train``, ...) and
-pytest's hydra plugin import fairseq or hydra before any plugin code, so those need it from interpreter start:
-that is an opt-in, for the environment that has the fairseq extra, by one command::
+Nothing installs it but the user: ``install()`` in a process before fairseq is imported, or, for fairseq's own
+commands (``fairseq-train``, ...) and pytest's hydra plugin, which import fairseq or hydra before any plugin code,
+from interpreter start, by one command in the environment that has the fairseq extra (``import
+pid_plugins.fairseq`` without it stops with an ImportError naming both)::
 
     python -m pid_plugins_fairseq_compat install     # writes pid_plugins_fairseq_compat.pth into site-packages
     python -m pid_plugins_fairseq_compat uninstall   # removes it; `status` says whether it is there and active

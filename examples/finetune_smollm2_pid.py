@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from tqdm import tqdm
 
 import pid_plugins.hf
 from pid_plugins import PIDConfig
-from pid_plugins.research.weights import load_smollm2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the weights' loader lives beside the package: research/
+from research.weights import load_smollm2  # noqa: E402
 
 TRAIN_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt", "lear_gut.txt", "romeo_and_juliet_gut.txt"]
 VALID_PLAY = "julius_caesar_gut.txt"

@@ -30,7 +30,8 @@ from typing import Any, Dict, Optional
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# finetune_smollm2_pid beside this file, and the experiments' loaders and drivers beside the package (research/)
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 NOISE_RATE = 0.2
 
@@ -71,7 +72,7 @@ def lm_config(arm: Dict[str, Any], warmup_steps: int):
 
 @torch.no_grad()
 def last_layer_cosine(model, blocks: torch.Tensor, batch: int) -> float:
-    from pid_plugins.research.analysis.measures import mean_pairwise_cosine
+    from pid_plugins.analysis.measures import mean_pairwise_cosine
 
     model.eval()
     values = []
@@ -96,8 +97,8 @@ def learned_gains(model) -> Optional[Dict[str, list]]:
 
 def run_lm(args: argparse.Namespace) -> None:
     import pid_plugins.hf
-    from pid_plugins.research.analysis.robustness import lm_perplexity
-    from pid_plugins.research.weights import load_smollm2
+    from pid_plugins.analysis.robustness import lm_perplexity
+    from research.weights import load_smollm2
     from finetune_smollm2_pid import TRAIN_PLAYS, VALID_PLAY, blocks, fine_tune
 
     out = Path(args.out)
@@ -209,10 +210,10 @@ def run_vision(args: argparse.Namespace) -> None:
     import timm
 
     import pid_plugins.timm  # noqa: F401
-    from pid_plugins.research.analysis.diagnostics import collect_layer_measures
-    from pid_plugins.research.analysis.robustness import PixelClassifier, evaluate_image_robustness, relative_mce
-    from pid_plugins.research.datasets import load_images
-    from pid_plugins.research.experiments import VisionSpec, _train_classifier
+    from pid_plugins.analysis.diagnostics import collect_layer_measures
+    from pid_plugins.analysis.robustness import PixelClassifier, evaluate_image_robustness, relative_mce
+    from pid_plugins.analysis.datasets import load_images
+    from research.experiments import VisionSpec, _train_classifier
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

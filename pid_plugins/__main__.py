@@ -1,5 +1,5 @@
-"""``python -m pid_plugins``: the ``pid-plugins`` command line (:mod:`pid_plugins.research.cli`); ``run`` goes
-straight to :mod:`pid_plugins.launch`."""
+"""``python -m pid_plugins``: the ``pid-plugins`` command line (:mod:`pid_plugins.cli`); ``run`` goes straight to
+:mod:`pid_plugins.launch`."""
 import sys
 
 if sys.argv[1:2] == ["run"]:
@@ -7,6 +7,6 @@ if sys.argv[1:2] == ["run"]:
 
     raise SystemExit(run_main(sys.argv[2:]))
 
-from .research.cli import main  # noqa: E402
+from .cli import main  # noqa: E402
 
 raise SystemExit(main())

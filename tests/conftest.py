@@ -138,7 +138,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     import fcntl
 
     pytest.importorskip("transformers")
-    from pid_plugins.research.weights import load_smollm2
+    from research.weights import load_smollm2
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pid_plugins.research.analysis.diagnostics import (
+from pid_plugins.analysis.diagnostics import (
     AttentionRecorder, collect_layer_measures, find_layer_stack, masked_row_sparsity, repeated_passes,
 )
-from pid_plugins.research.analysis.measures import (
+from pid_plugins.analysis.measures import (
     consensus_distance, effective_rank, mean_pairwise_cosine, numerical_rank,
 )
-from pid_plugins.research.cli import main
+from pid_plugins.cli import main
 
 timm = pytest.importorskip("timm")
 import pid_plugins.timm  # noqa: E402,F401
@@ -136,8 +136,8 @@ def test_layer_stack_errors_are_clear():
 @pytest.fixture(scope="module")
 def trained_digits_model():
     """A small ViT trained for a few seconds on scikit-learn's real digits (train split)."""
-    from pid_plugins.research.analysis.robustness import PixelClassifier
-    from pid_plugins.research.datasets import load_images
+    from pid_plugins.analysis.robustness import PixelClassifier
+    from pid_plugins.analysis.datasets import load_images
 
     torch.manual_seed(0)
     train = load_images("digits", "train")
@@ -157,8 +157,8 @@ def trained_digits_model():
 
 @pytest.mark.slow
 def test_attacks_reduce_accuracy_and_never_increase_it(trained_digits_model):
-    from pid_plugins.research.analysis.robustness import evaluate_image_robustness
-    from pid_plugins.research.datasets import load_images
+    from pid_plugins.analysis.robustness import evaluate_image_robustness
+    from pid_plugins.analysis.datasets import load_images
 
     test = load_images("digits", "test", limit=200)
     res = evaluate_image_robustness(
@@ -183,8 +183,8 @@ def test_attacks_reduce_accuracy_and_never_increase_it(trained_digits_model):
 
 @pytest.mark.slow
 def test_spsa_runs_and_does_not_raise_accuracy(trained_digits_model):
-    from pid_plugins.research.analysis.robustness import evaluate_image_robustness
-    from pid_plugins.research.datasets import load_images
+    from pid_plugins.analysis.robustness import evaluate_image_robustness
+    from pid_plugins.analysis.datasets import load_images
 
     test = load_images("digits", "test", limit=32)
     res = evaluate_image_robustness(trained_digits_model, test.images, test.labels, attacks=("spsa",),
@@ -205,7 +205,7 @@ def test_spsa_runs_and_does_not_raise_accuracy(trained_digits_model):
 
 
 def test_corruptions_and_relative_mce():
-    from pid_plugins.research.analysis.robustness import _corrupt, relative_mce
+    from pid_plugins.analysis.robustness import _corrupt, relative_mce
 
     x = torch.rand(3, 1, 12, 12)
     y = _corrupt(x, "gaussian_noise", 3, seed=0)
@@ -217,7 +217,7 @@ def test_corruptions_and_relative_mce():
 
 
 def test_parse_eps_and_its_errors():
-    from pid_plugins.research.analysis.robustness import parse_eps
+    from pid_plugins.analysis.robustness import parse_eps
 
     assert parse_eps("3/255") == pytest.approx(3 / 255)
     assert parse_eps("0.5") == 0.5
@@ -247,7 +247,7 @@ def tiny_llamas(tmp_path_factory):
 
 
 def test_lm_perplexity_matches_the_model_loss(tiny_llamas):
-    from pid_plugins.research.analysis.robustness import lm_perplexity
+    from pid_plugins.analysis.robustness import lm_perplexity
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llamas[1])
     blocks = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
@@ -381,7 +381,7 @@ def test_image_folder_and_digits_fallback(tmp_path, monkeypatch):
     import numpy as np
     from PIL import Image
 
-    import pid_plugins.research.datasets as ds
+    import pid_plugins.analysis.datasets as ds
 
     for c, name in enumerate(["cat", "dog"]):
         (tmp_path / name).mkdir()
@@ -399,7 +399,7 @@ def test_image_folder_and_digits_fallback(tmp_path, monkeypatch):
 
 
 def test_fashion_mnist_when_installed():
-    import pid_plugins.research.datasets as ds
+    import pid_plugins.analysis.datasets as ds
 
     if not ds.fashion_mnist_available():
         pytest.skip("Debian package dataset-fashion-mnist not installed (make test installs it where apt works)")
@@ -411,7 +411,7 @@ def test_fashion_mnist_when_installed():
 
 @pytest.mark.slow
 def test_text_corpora_are_real_and_split():
-    from pid_plugins.research.datasets import load_text, split_blocks
+    from pid_plugins.analysis.datasets import load_text, split_blocks
 
     wiki = load_text("wiki")
     assert len(wiki) > 1_000_000 and "= " in wiki[:200]

@@ -1,9 +1,13 @@
 import json
+from pathlib import Path
 
 import pytest
 from pyexec import run_python_m  # python -m from a fork of an interpreter with the zoos (not pid_plugins) imported
 
-from pid_plugins.research.cli import main
+from pid_plugins.cli import main
+from research.cli import main as research_main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_cli_presets(capsys):
@@ -23,13 +27,13 @@ def test_cli_unknown_zoo_is_an_argparse_error():
 
 
 def test_cli_bad_preset_is_a_clear_error(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--parts", "core", "--preset", "nope"]) == 2
+    assert research_main(["demo", "--out", str(tmp_path), "--parts", "core", "--preset", "nope"]) == 2
     assert "unknown PID preset 'nope'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_demo_writes_report_and_shows_collapse(tmp_path):
-    proc = run_python_m("pid_plugins", "demo", "--parts", "core", "--out", str(tmp_path))
+    proc = run_python_m("research", "demo", "--parts", "core", "--out", str(tmp_path), cwd=REPO)
     proc.check_returncode()
     assert "report.md" in proc.stdout
     res = json.loads((tmp_path / "core_demo.json").read_text())
@@ -44,16 +48,16 @@ def test_demo_writes_report_and_shows_collapse(tmp_path):
 
 
 def test_demo_bad_parts_is_a_clear_error(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--parts", "vision,audio"]) == 2
+    assert research_main(["demo", "--out", str(tmp_path), "--parts", "vision,audio"]) == 2
     assert "--parts takes a comma list" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
-    """`pid-plugins demo --quick`: the main job end to end, through the timm and transformers adapters."""
+    """`python -m research demo --quick`: the main job end to end, through the timm and transformers adapters."""
     import math
 
-    proc = run_python_m("pid_plugins", "demo", "--quick", "--out", str(tmp_path), timeout=600)
+    proc = run_python_m("research", "demo", "--quick", "--out", str(tmp_path), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vision (" in proc.stdout and "language (" in proc.stdout
     res = json.loads((tmp_path / "demo.json").read_text())
@@ -76,12 +80,13 @@ def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     assert "| clean top-1 |" in report and "| validation perplexity (bytes) |" in report
     assert "nan" not in report.lower()
     # the trained models are cached: a rerun goes straight to evaluation
-    again = run_python_m("pid_plugins", "demo", "--quick", "--parts", "vision", "--out", str(tmp_path), timeout=600)
+    again = run_python_m("research", "demo", "--quick", "--parts", "vision", "--out", str(tmp_path), cwd=REPO,
+                         timeout=600)
     assert again.returncode == 0 and "loaded the cached model" in again.stderr
     res2 = json.loads((tmp_path / "demo.json").read_text())
     assert res2["vision"]["models"]["pid"]["robustness"]["clean"] == v["models"]["pid"]["robustness"]["clean"]
     # the reproduction record aggregates per-seed results of this shape (here: the same run twice -> std 0)
-    from pid_plugins.research.demo import write_reproduction_record
+    from research.demo import write_reproduction_record
 
     rec = write_reproduction_record([dict(res, seed=0), dict(res, seed=1)], tmp_path / "rep", vision_epochs=0.15,
                                     lm_steps=60, corpus="wiki")

@@ -1,5 +1,5 @@
-"""Every mistake a user can make on the command line: one `pid-plugins: error: ...` line, exit code 2, no
-traceback, nothing left in --out."""
+"""Every mistake a user can make on the command line: one `pid-plugins: error: ...` line (`research: error: ...`
+for the experiments' `python -m research`), exit code 2, no traceback, nothing left in --out."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pid_plugins.research.cli import main
+import research.cli
+from pid_plugins.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 MMSEG_TINY = "configs/mmseg/segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
@@ -143,19 +144,22 @@ def test_bad_input_is_one_clear_line(files, tmp_path, capsys, argv, expected):
 
 
 def assert_one_clear_line(files, tmp_path, capsys, argv, expected):
-    """``main(argv)`` exits with code 2 and one ``pid-plugins: error:`` line containing ``expected``, as the last line
-    of stderr, without a traceback, and leaves nothing behind."""
+    """``main(argv)`` exits with code 2 and one ``pid-plugins: error:`` line (``research: error:`` for the demo,
+    reproduce and study of ``python -m research``) containing ``expected``, as the last line of stderr, without a
+    traceback, and leaves nothing behind."""
     out = tmp_path / "out"
     argv = [a.replace("{d}", str(files)).replace("{repo}", str(REPO)) for a in argv]
     if "--out" not in argv and argv[0] != "list":
         argv += ["--out", str(out)]
+    experiment = argv[0] in ("demo", "reproduce", "study")
+    prefix = "research: error: " if experiment else "pid-plugins: error: "
     try:
-        code = main(argv)
+        code = (research.cli.main if experiment else main)(argv)
     except SystemExit as exc:  # argparse
         code = exc.code
     err = capsys.readouterr().err
     # the zoo libraries may print their own warnings while importing; the error is the one last line
-    errors = [ln for ln in err.splitlines() if ln.startswith("pid-plugins: error: ")]
+    errors = [ln for ln in err.splitlines() if ln.startswith(prefix)]
     assert code == 2, err
     assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0] and "Traceback" not in err, err
     assert expected.replace("{d}", str(files)) in errors[0]

@@ -1,32 +1,38 @@
-"""``pid-plugins --help`` and every subcommand's: plain text, a description, help and a default for every option."""
+"""``pid-plugins --help`` and every subcommand's, and the same of ``python -m research`` (the demo, reproduce and
+study beside the package): plain text, a description, help and a default for every option."""
 import argparse
 import re
 
 import pytest
 
 import pid_plugins
-from pid_plugins.research.cli import build_parser, main
+import research.cli
+from pid_plugins import cli
 
 MARKUP = re.compile(r"``|:(func|class|mod|meth|data|attr):`|::|\.\. \w+::|\*\*")
 
 
-def _commands():
-    parser = build_parser()
+CLIS = {"pid-plugins": cli, "research": research.cli}
+
+
+def _commands(module):
+    parser = module.build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return parser, sub.choices
 
 
-def _help(argv, capsys):
+def _help(module, argv, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(argv)
+        module.main(argv)
     assert exit_.value.code == 0
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", [None, *sorted(_commands()[1])])
-def test_every_help_is_plain_text_with_a_description_and_help_for_every_option(command, capsys):
-    parser, commands = _commands()
-    text = _help(["--help"] if command is None else [command, "--help"], capsys)
+@pytest.mark.parametrize("name, command", [(name, command) for name, module in CLIS.items()
+                                           for command in (None, *sorted(_commands(module)[1]))])
+def test_every_help_is_plain_text_with_a_description_and_help_for_every_option(name, command, capsys):
+    parser, commands = _commands(CLIS[name])
+    text = _help(CLIS[name], ["--help"] if command is None else [command, "--help"], capsys)
     options = text.split("\noptions:\n", 1)[1]
     assert not MARKUP.search(text), MARKUP.search(text)
     target = parser if command is None else commands[command]
@@ -45,4 +51,4 @@ def test_every_help_is_plain_text_with_a_description_and_help_for_every_option(c
 
 
 def test_version(capsys):
-    assert _help(["--version"], capsys).strip() == f"pid-plugins {pid_plugins.__version__}"
+    assert _help(cli, ["--version"], capsys).strip() == f"pid-plugins {pid_plugins.__version__}"

@@ -1,9 +1,9 @@
 """``--import MODULE`` for ``diagnose``, ``attack`` and ``study``: a method the user's module registers
 (tests/toy_method.py registers ``scaled_reference``) is selectable by ``--attention NAME`` / a study arm.
 
-The commands run as ``python -m pid_plugins.research.cli`` in a process of their own (nothing registered by this test
-process leaks in: a fork of tests/pyexec.py's zygote, which has imported the zoos but not pid_plugins), with this
-checkout on PYTHONPATH and tests/ NOT on it: the module is found in the current directory or by its file path, and
+The commands run as ``python -m pid_plugins`` (``python -m research`` for ``study``) in a process of their own
+(nothing registered by this test process leaks in: a fork of tests/pyexec.py's zygote, which has imported the zoos
+but not pid_plugins), with this checkout on PYTHONPATH and tests/ NOT on it: the module is found in the current directory or by its file path, and
 without ``--import`` the name is refused with core's message.
 """
 import json
@@ -15,7 +15,8 @@ import pytest
 from pyexec import run_python_m
 
 pytest.importorskip("timm")
-from pid_plugins.research.cli import main  # noqa: E402
+import research.cli  # noqa: E402
+from pid_plugins.cli import main  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -30,7 +31,7 @@ CORE_MESSAGE = "unknown attention method 'scaled_reference': choose 'softmax' or
 
 def cli(*argv, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = run_python_m("pid_plugins.research.cli", *argv, cwd=cwd, env=env, timeout=900)
+    proc = run_python_m("research" if argv[0] == "study" else "pid_plugins", *argv, cwd=cwd, env=env, timeout=900)
     return proc
 
 
@@ -88,7 +89,8 @@ def test_without_import_the_name_is_refused_with_cores_message(tmp_path, command
         argv = [command, *MODEL, *TOY, "--data", "digits", "--out", str(out)]
     proc = cli(*argv, cwd=TESTS)  # toy_method.py is in the current directory, but nothing imports it
     assert proc.returncode == 2
-    assert proc.stderr.startswith("pid-plugins: error: ") and CORE_MESSAGE in proc.stderr
+    assert proc.stderr.startswith(f"{'research' if command == 'study' else 'pid-plugins'}: error: ")
+    assert CORE_MESSAGE in proc.stderr
     assert "--import MODULE" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()
 
@@ -119,8 +121,8 @@ def test_a_module_that_cannot_be_imported_is_named_in_one_line(tmp_path, monkeyp
         argv = ["study", "--out", str(out), "--import", spec, *STUDY]
     else:
         argv = ["diagnose", *MODEL, "--import", spec, "--data", "digits", "--out", str(out)]
-    assert main(argv) == 2
+    assert (research.cli.main if command == "study" else main)(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"pid-plugins: error: {message}") and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"{'research' if command == 'study' else 'pid-plugins'}: error: {message}") and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
     assert "broken_methods_xyz" not in sys.modules and "needs_dep_xyz" not in sys.modules

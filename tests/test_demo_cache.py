@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-import pid_plugins.research.experiments as ex
-from pid_plugins.research.cli import main
+import research.experiments as ex
+from research.cli import main
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
@@ -145,7 +145,7 @@ def test_training_key_covers_gains_and_code(monkeypatch):
 def test_concurrent_runs_into_one_folder_are_refused(tmp_path, capsys):
     out = tmp_path / "demo"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pid_plugins.research.experiments import output_lock\n"
+        [sys.executable, "-c", "import sys, time; from research.experiments import output_lock\n"
          f"with output_lock({str(out)!r}):\n    print('locked', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -153,7 +153,7 @@ def test_concurrent_runs_into_one_folder_are_refused(tmp_path, capsys):
         code = main(["demo", "--parts", "core", "--out", str(out)])
         err = capsys.readouterr().err
         assert code == 2
-        assert f"pid-plugins: error: another pid-plugins run (pid {holder.pid}) is writing into {out}" in err
+        assert f"research: error: another pid-plugins run (pid {holder.pid}) is writing into {out}" in err
         assert not (out / "report.md").exists()
     finally:
         holder.kill()
@@ -179,15 +179,15 @@ def test_aggregate_counts_each_seed_once(tmp_path, capsys):
     assert json.loads((tmp_path / "rec" / "reproduce.json").read_text())["seeds"] == [0, 1, 2]
     assert main(["reproduce", "--aggregate", str(a), str(c), "--out", str(tmp_path / "rec2")]) == 2
     err = capsys.readouterr().err
-    assert "pid-plugins: error: seed 1 has different results in" in err and "each seed counts once" in err
-    from pid_plugins.research.demo import write_reproduction_record
+    assert "research: error: seed 1 has different results in" in err and "each seed counts once" in err
+    from research.demo import write_reproduction_record
 
     with pytest.raises(ValueError, match=r"seed\(s\) \[1\] appear more than once"):
         write_reproduction_record([{"seed": 1}, {"seed": 1}], tmp_path / "rec3")
 
 
 def test_report_says_what_the_training_times_are():
-    from pid_plugins.research.demo import TIMING_NOTE, language_rows
+    from research.demo import TIMING_NOTE, language_rows
 
     lang = {"spec": {"rates": [0.0, 0.1]}, "models": {
         k: {"valid_perplexity": 2.0, "bits_per_byte": 1.0, "robustness": {"perplexity": [2.0, 3.0]},

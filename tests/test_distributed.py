@@ -170,7 +170,7 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
 # ------------------------------------------------------------------------------ mmengine Runner + mmseg
 def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(tmp_path):
     pytest.importorskip("mmseg")
-    from pid_plugins.research.mmseg_data import make_ade20k_like
+    from research.mmseg_data import make_ade20k_like
 
     data = tmp_path / "ade_tiny"
     make_ade20k_like(data, n_train=8, n_val=2)

@@ -344,7 +344,7 @@ def test_errors():
 def test_minilm_embeddings_identical_at_zero_gains():
     from transformers import AutoTokenizer
 
-    from pid_plugins.research.weights import minilm_dir
+    from research.weights import minilm_dir
 
     path = minilm_dir()
     tok = AutoTokenizer.from_pretrained(path)

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 import pid_plugins.hf  # noqa: E402,F401
-from pid_plugins.research.weights import load_smollm2  # noqa: E402
+from research.weights import load_smollm2  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""The module graph of ``pid_plugins``: no import circle, counting imports inside functions and ``importlib`` calls.
+"""The module graph of ``pid_plugins`` and of the experiments beside it (``research/``): no import circle, counting
+imports inside functions and ``importlib`` calls, and no edge from the package into the experiments.
 
 Read from the source (ast), without importing anything: an edge ``a -> b`` for every ``import``/``from ... import``
 of a ``pid_plugins`` module anywhere in ``a`` (module level or inside a function: a function-level import only
@@ -18,7 +19,7 @@ ROOT = Path(pid_plugins.__file__).resolve().parent.parent
 
 def _modules() -> Dict[str, Path]:
     found = {}
-    for path in (ROOT / "pid_plugins").rglob("*.py"):
+    for path in [*(ROOT / "pid_plugins").rglob("*.py"), *(ROOT / "research").rglob("*.py")]:
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -123,6 +124,16 @@ def test_pid_plugins_has_no_import_circle():
     graph = import_graph()
     assert "pid_plugins.core.methods" in graph["pid_plugins.core"]  # the graph is read
     assert circles(graph) == []
+
+
+def test_the_package_never_imports_the_experiments():
+    """``pid_plugins`` (the wheel) imports nothing of ``research/`` (demo, reproduce, study), which uses the package."""
+    graph = import_graph()
+    assert "pid_plugins.analysis.models" in graph["research.experiments"]  # the experiments' edges are read
+    assert "pid_plugins.cli" in graph["research.cli"] and "research.cli" in graph["research.__main__"]
+    into = {module: sorted(t for t in targets if t.split(".")[0] == "research")
+            for module, targets in graph.items() if module.split(".")[0] == "pid_plugins"}
+    assert not {module: targets for module, targets in into.items() if targets}
 
 
 def test_core_imports_no_adapter_and_adapters_never_import_each_other():

@@ -101,7 +101,7 @@ launch.main(["--adapters", "timm,hf", "--", "python", "-c", "pass"])
     (["--verbose", "--", "python"], "unknown option '--verbose'"),
 ])
 def test_bad_input_is_one_clear_error(argv, message, tmp_path):
-    console = ["-c", "from pid_plugins.research.cli import main; raise SystemExit(main())", "run"]
+    console = ["-c", "from pid_plugins.cli import main; raise SystemExit(main())", "run"]
     for prefix in [["-m", "pid_plugins", "run"], *([console] if not argv else [])]:  # the console script's, once
         proc = launch([PY, *prefix, *argv], tmp_path, launcher=False)
         assert proc.returncode == 2 and proc.stdout == ""

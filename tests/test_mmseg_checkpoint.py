@@ -224,7 +224,7 @@ def run_tool(tool, *args, env_extra=None):
 
 @pytest.fixture(scope="module")
 def ade_tiny(tmp_path_factory):
-    from pid_plugins.research.mmseg_data import make_ade20k_like
+    from research.mmseg_data import make_ade20k_like
 
     data = tmp_path_factory.mktemp("ade_tiny")
     make_ade20k_like(data, n_train=8, n_val=2)

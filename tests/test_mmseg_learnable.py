@@ -326,7 +326,7 @@ def test_runner_trains_the_gains_and_its_checkpoint_reloads_weights_only(tmp_pat
     from mmengine.runner.checkpoint import load_checkpoint as mm_load_checkpoint
 
     from pid_plugins.mmseg.checkpoint import load_checkpoint, weights_only_schemes
-    from pid_plugins.research.mmseg_data import make_ade20k_like
+    from research.mmseg_data import make_ade20k_like
 
     data = tmp_path / "ade_tiny"
     make_ade20k_like(data, n_train=4, n_val=1)

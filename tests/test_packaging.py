@@ -1,5 +1,5 @@
-"""`import pid_plugins` needs only torch; adapters import their zoo lazily and say what to install; the product
-(core, adapters, catalogue) never imports the research tools (`pid_plugins.research`)."""
+"""`import pid_plugins` needs only torch; adapters import their zoo lazily and say what to install; the package
+never imports the experiments (the repository's top-level `research/`: demo, reproduce, study)."""
 import ast
 import subprocess
 import sys
@@ -10,7 +10,7 @@ from pyexec import run_python_c
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "pid_plugins"
-RESEARCH = "pid_plugins.research"
+RESEARCH = "research"
 
 
 def run(code):
@@ -30,7 +30,7 @@ def test_import_pid_plugins_imports_no_zoo():
         "pid_plugins.PIDConfig.preset('deit'); pid_plugins.list_models()\n"
         "zoos = [m for m in ('timm', 'transformers', 'mmseg', 'mmcv', 'mmengine', 'fairseq', 'matplotlib') if m in sys.modules]\n"
         "print(zoos)\n"
-        "print(sorted(m for m in sys.modules if m.startswith('pid_plugins.research')))\n"
+        "print(sorted(m for m in sys.modules if m == 'research' or m.startswith('research.')))\n"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["[]", "[]"], proc.stdout
@@ -54,33 +54,35 @@ def imported_modules(path: Path) -> set:
             target = ".".join(base + ([node.module] if node.module else []))
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(RESEARCH):
-            found.add(node.value)  # importlib.import_module("pid_plugins.research...") and the like
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                node.value == RESEARCH or node.value.startswith(RESEARCH + ".")):
+            found.add(node.value)  # importlib.import_module("research...") and the like
     return found
 
 
 def product_files():
-    """The product: every module of pid_plugins outside research/, and the fairseq compat hook. The one
-    exception is pid_plugins/__main__.py, the `python -m pid_plugins` forwarder to the research CLI."""
-    files = [p for p in PACKAGE.rglob("*.py") if "research" not in p.relative_to(PACKAGE).parts
-             and p != PACKAGE / "__main__.py"]
-    return files + [REPO / "pid_plugins_fairseq_compat.py"]
+    """The product: every module of pid_plugins (its command line and measurement tools included), and the fairseq
+    compat hook."""
+    return list(PACKAGE.rglob("*.py")) + [REPO / "pid_plugins_fairseq_compat.py"]
 
 
 def test_product_imports_nothing_from_research():
     files = product_files()
     names = {module_name(p) for p in files}
     assert {"pid_plugins", "pid_plugins.catalogue", "pid_plugins.core.control", "pid_plugins.timm.fan",
-            "pid_plugins.hf.attention", "pid_plugins.mmseg.vit", "pid_plugins.fairseq.model"} <= names
+            "pid_plugins.hf.attention", "pid_plugins.mmseg.vit", "pid_plugins.fairseq.model", "pid_plugins.__main__",
+            "pid_plugins.cli", "pid_plugins.analysis.run"} <= names
     offending = {module_name(p): sorted(m for m in imported_modules(p) if m == RESEARCH or m.startswith(RESEARCH + "."))
                  for p in files}
-    assert not {k: v for k, v in offending.items() if v}, "the product must not import pid_plugins.research"
+    assert not {k: v for k, v in offending.items() if v}, "the package must not import the experiments (research/)"
 
 
 def test_the_import_scan_resolves_relative_imports():
     """The scan above sees research imports however they are spelled (else it could pass vacuously)."""
-    assert "pid_plugins.research.cli" in imported_modules(PACKAGE / "__main__.py")  # from .research.cli import main
-    catalogue_users = imported_modules(PACKAGE / "research" / "analysis" / "models.py")  # from ...catalogue import
+    assert "research.experiments" in imported_modules(REPO / "research" / "cli.py")  # from .experiments import
+    assert "research.cli" in imported_modules(REPO / "research" / "__main__.py")  # from .cli import main
+    assert "pid_plugins.cli" in imported_modules(PACKAGE / "__main__.py")  # from .cli import main
+    catalogue_users = imported_modules(PACKAGE / "analysis" / "models.py")  # from ..catalogue import
     assert "pid_plugins.catalogue" in catalogue_users
     assert "pid_plugins.catalogue" in imported_modules(PACKAGE / "hf" / "catalogue.py")  # from .. import catalogue
 
@@ -90,7 +92,7 @@ def test_adapters_import_no_research_module_at_run_time():
     proc = run_forked(
         "import sys\n"
         "import pid_plugins.timm, pid_plugins.hf, pid_plugins.mmseg, pid_plugins.fairseq\n"
-        "print(sorted(m for m in sys.modules if m.startswith('pid_plugins.research')))\n"
+        "print(sorted(m for m in sys.modules if m == 'research' or m.startswith('research.')))\n"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"

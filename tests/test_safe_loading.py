@@ -59,11 +59,11 @@ PROBES = {
         "timm.models.load_checkpoint(timm.create_model('pid_deit_tiny_patch16_224'), EVIL)\n"
     ),
     "analysis load_weights": (
-        "import timm, pid_plugins.timm\nfrom pid_plugins.research.analysis.models import load_weights\n"
+        "import timm, pid_plugins.timm\nfrom pid_plugins.analysis.models import load_weights\n"
         "load_weights(timm.create_model('pid_deit_tiny_patch16_224'), EVIL)\n"
     ),
     "analysis mmseg config --checkpoint": (
-        "from pathlib import Path\nfrom pid_plugins.research.analysis.models import load_model\n"
+        "from pathlib import Path\nfrom pid_plugins.analysis.models import load_model\n"
         "load_model(str(Path(REPO) / 'configs/mmseg/segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py'), "
         "checkpoint=EVIL)\n"
     ),

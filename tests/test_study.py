@@ -1,13 +1,16 @@
 """The study's arms and its record: arms share the softmax model's initial weights; the paired statistics are right."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from zoo_cases import weights as zc_weights
 
-from pid_plugins.research.experiments import ARMS, VisionSpec, arm_config, vision_models
-from pid_plugins.research.study import write_study_record
+from research.experiments import ARMS, VisionSpec, arm_config, vision_models
+from research.study import write_study_record
+
+REPO = Path(__file__).resolve().parents[1]  # python -m research runs from the repository root
 
 
 def test_arm_configs():
@@ -74,25 +77,26 @@ def test_study_command_runs_end_to_end_and_refuses_bad_arms(tmp_path):
     import sys
 
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "pid_plugins", "study", "--out", str(out), "--seeds", "0", "1", "--depths", "2",
+    cmd = [sys.executable, "-m", "research", "study", "--out", str(out), "--seeds", "0", "1", "--depths", "2",
            "--arms", "softmax,pid_ref", "--parts", "vision", "--data", "digits", "--train-limit", "64",
            "--test-limit", "16", "--pgd-steps", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((out / "study.json").read_text())
     setting = record["settings"]["vision_depth2"]
     assert setting["seeds"] == [0, 1] and setting["arms"] == ["softmax", "pid_ref"]
     assert (out / "study.png").stat().st_size > 0 and "pid_ref - softmax" in (out / "study.md").read_text()
-    bad = subprocess.run(cmd[:5] + [str(tmp_path / "bad"), "--arms", "pid,softmax"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and bad.stderr.startswith("pid-plugins: error: --arms")
+    bad = subprocess.run(cmd[:5] + [str(tmp_path / "bad"), "--arms", "pid,softmax"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.startswith("research: error: --arms")
     assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
 def test_demo_option_gives_the_pid_models_a_reference_only_first_layer():
     from dataclasses import replace
 
-    from pid_plugins.research.cli import build_parser
-    from pid_plugins.research.demo import demo_specs
+    from research.cli import build_parser
+    from research.demo import demo_specs
 
     vision, language = demo_specs(True, control_first_layer=False)
     assert not vision.control_first_layer and not language.control_first_layer
@@ -108,7 +112,7 @@ def test_demo_option_gives_the_pid_models_a_reference_only_first_layer():
 def test_arm_specs_name_any_registered_method_with_its_parameters():
     import toy_method  # noqa: F401  (registers scaled_reference)
 
-    from pid_plugins.research.experiments import arm_choice, arm_record, parse_arm, split_arms
+    from research.experiments import arm_choice, arm_record, parse_arm, split_arms
 
     arms = split_arms('softmax,pid,scaled_reference,sr2=scaled_reference:{"gamma": 2, "x": [1, 2]},p5=pid:strong')
     assert arms == ("softmax", "pid", "scaled_reference", 'sr2=scaled_reference:{"gamma": 2, "x": [1, 2]}',
@@ -141,7 +145,7 @@ def test_study_compares_softmax_pid_and_a_registered_method(tmp_path, capsys):
     timm = pytest.importorskip("timm")  # noqa: F841
     import toy_method  # noqa: F401
 
-    from pid_plugins.research.cli import main
+    from research.cli import main
 
     out = tmp_path / "study"
     argv = ["study", "--out", str(out), "--seeds", "0", "--depths", "2", "--parts", "vision", "--data", "digits",
@@ -169,8 +173,8 @@ def test_study_arms_take_value_residual(tmp_path, capsys):
     refused before anything runs, and a tiny vision study trains and records it."""
     pytest.importorskip("timm")
     from pid_plugins.core.siblings.value_residual import ValueResidualConfig
-    from pid_plugins.research.cli import main
-    from pid_plugins.research.experiments import arm_choice, arm_record, check_arms
+    from research.cli import main
+    from research.experiments import arm_choice, arm_record, check_arms
 
     assert arm_record("value_residual", "deit") == {
         "method": "value_residual", "attention_cfg": {"lambda_1": 0.5, "lambda_2": 0.5, "learnable": False}}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pid_plugins import PIDConfig, pid_update
-from pid_plugins.research.analysis import mean_pairwise_cosine, numerical_rank
+from pid_plugins.analysis import mean_pairwise_cosine, numerical_rank
 
 N, D, DT = 24, 6, 0.05
 

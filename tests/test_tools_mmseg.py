@@ -30,7 +30,7 @@ def case(tmp_path_factory):
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
 
-    from pid_plugins.research.mmseg_data import make_ade20k_like
+    from research.mmseg_data import make_ade20k_like
 
     folder = tmp_path_factory.mktemp("mmseg_tools")
     make_ade20k_like(folder / "data", n_train=2, n_val=2)

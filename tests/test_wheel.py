@@ -70,10 +70,28 @@ def test_the_installed_wheel_leaves_the_standard_library_alone(installed):
     assert out.split() == ["dataclasses", "False", "dataclasses", "False"]
 
 
+def test_without_the_opt_in_the_fairseq_adapter_patches_nothing_outside_fairseq(installed):
+    """``import pid_plugins.fairseq`` without the opt-in: an ImportError naming it; the standard library and numpy are
+    left as they were."""
+    out = run(installed, "-c", (
+        "import dataclasses, sys, numpy\n"
+        "try:\n"
+        "    import pid_plugins.fairseq\n"
+        "except ImportError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print(dataclasses._get_field.__module__, getattr(dataclasses._get_field, '_pid_plugins_compat', False), "
+        "'compat' in vars(numpy))\n"
+    )).strip().splitlines()
+    assert out[0].startswith("refused: pid_plugins.fairseq: fairseq 0.12.2 does not import on Python 3.")
+    assert "python -m pid_plugins_fairseq_compat install" in out[0] and "pid_plugins_fairseq_compat.install()" in out[0]
+    assert out[-1].split() == ["dataclasses", "False", "False"]
+
+
 def test_every_adapter_imports_from_the_wheel(installed):
     _, purelib, _, _ = installed
     out = run(installed, "-c", (
         "import sys, dataclasses, pid_plugins, pid_plugins_fairseq_compat\n"
+        "pid_plugins_fairseq_compat.install()  # the fairseq adapter's opt-in, for this process\n"
         # nothing of the repository is importable: no sys.path entry inside it but the stack's site-packages
         # (which lies inside it when the venv is the repository's .venv, as with `make test`)
         f"import os; inside = [p for p in sys.path if p and os.path.abspath(p) != {STACK!r} and "
@@ -87,7 +105,7 @@ def test_every_adapter_imports_from_the_wheel(installed):
     files = out.split()
     assert files[0] == str(purelib / "pid_plugins" / "__init__.py")
     assert files[1] == str(purelib / "pid_plugins_fairseq_compat.py")
-    assert files[2] == "True"  # import pid_plugins.fairseq installed the hook in its own process
+    assert files[2] == "True"  # the opt-in's hook, active in this process
 
 
 def test_cli_and_registry_files_from_the_wheel(installed):
@@ -160,6 +178,20 @@ def test_the_wheel_carries_the_license_the_type_marker_the_mmseg_configs_and_its
     hf = [line for line in values["Requires-Dist"] if line.endswith('extra == "hf"')]
     assert not any(name in line for line in hf for name in ("peft", "gguf")), hf  # only what the feature needs
     assert {"timm", "hf", "peft", "mmseg", "fairseq"} <= extras
+
+
+def test_the_wheel_carries_no_experiments(pid_plugins_wheel):
+    """``pip install pid-plugins`` installs the plugin and its measurement tools (``pid-plugins diagnose``/``attack``),
+    not the demo, reproduction and study: those live beside the package (``research/``, ``python -m research``)."""
+    names = zipfile.ZipFile(pid_plugins_wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pid_plugins", "pid_plugins_fairseq_compat.py"}, tops
+    experiments = sorted(p.relative_to(REPO / "research").as_posix() for p in (REPO / "research").glob("*.py"))
+    assert {"cli.py", "demo.py", "experiments.py", "study.py"} <= set(experiments)
+    stems = {Path(n).stem for n in names if n.endswith(".py")}
+    assert not stems & {"demo", "experiments", "study", "reproduce", "weights", "mmseg_data"}, sorted(stems)
+    assert not [n for n in names if "research" in n.split("/")], names
+    assert "pid_plugins/cli.py" in names and "pid_plugins/analysis/run.py" in names  # the product's tools stay
 
 
 def test_the_sdist_carries_the_license(tmp_path):

@@ -1,6 +1,6 @@
 # A CPU-sized version of the PID Segmenter config, for smoke tests and the README: 64x64 crops, a 2-layer
 # backbone, a few iterations. Point data_root at a folder in ADE20K layout, e.g. one made by
-#   python -c "from pid_plugins.research.mmseg_data import make_ade20k_like; make_ade20k_like('data/ade_tiny')"
+#   python -c "from research.mmseg_data import make_ade20k_like; make_ade20k_like('data/ade_tiny')"
 _base_ = './segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'
 
 crop_size = (64, 64)

@@ -19,30 +19,41 @@ parameter group ``attention_params`` (:data:`METHOD_PARAM_GROUP`, the ``param_gr
 group keeps them out of weight decay. fairseq's other optimizers put every parameter in one group: with
 ``--weight-decay`` > 0 they decay those too (PID's raw gains towards 0, i.e. the gains towards log 2).
 
-Import-time changes to third-party modules (each needed for fairseq 0.12.2 to run here; nothing else is patched):
+Import-time changes: nothing outside fairseq is patched unless the user opted in. fairseq 0.12.2 and hydra 1.0.7
+declare dataclass fields with mutable defaults, which Python 3.11 refuses (fairseq issue #5012), so on 3.11 fairseq
+imports only after the opt-in, :mod:`pid_plugins_fairseq_compat`'s hook (it lets those defaults through, only in
+``fairseq``/``hydra``): ``python -m pid_plugins_fairseq_compat install`` (a ``.pth`` file: every interpreter of the
+environment, fairseq's own commands included) or ``pid_plugins_fairseq_compat.install()`` in the process before
+this import. Without it this import stops with an ImportError saying so. With it (:data:`OPTED_IN`):
 
-* ``pid_plugins_fairseq_compat.install()``: fairseq 0.12.2 and hydra 1.0.7 declare dataclass fields with mutable
-  defaults, which Python 3.11 refuses; the hook (also loaded at start-up by a ``.pth`` file installed with the
-  package) lets those defaults through, only in ``fairseq``/``hydra``. Installing it here suffices when this
-  module is imported before fairseq.
 * ``numpy.compat.long`` (gone in NumPy 2) is provided when missing: fairseq reads it when it builds "eos"-break
   datasets (``fairseq-interactive``, the hub interface's ``score``/``sample``).
+
+Inside fairseq, always:
+
 * ``fairseq.checkpoint_utils.torch.load`` becomes :func:`~pid_plugins.fairseq.checkpoint.safe_torch_load`: fairseq
   loads checkpoints with ``weights_only=True`` whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says
   (:mod:`pid_plugins.fairseq.checkpoint`).
 * fairseq's model registry gains ``transformer_lm_pid`` and the registry's architectures (its public
   ``register_model`` / ``register_model_architecture``).
 """
+import dataclasses
 import os
 import sys
 
-import pid_plugins_fairseq_compat
-
 from .internals import DATACLASS_FIELD, NUMPY_COMPAT  # (imports no zoo)
 
-if sys.version_info >= (3, 11):
+OPTED_IN = bool(getattr(dataclasses._get_field, "_pid_plugins_compat", False))
+"""Whether the user opted in to the patches outside fairseq: :mod:`pid_plugins_fairseq_compat`'s hook is active in
+this process (``python -m pid_plugins_fairseq_compat install``, or ``pid_plugins_fairseq_compat.install()``)."""
+
+OPT_IN = ("opt in to pid-plugins' hook, which relaxes Python's rule for fairseq's and hydra's dataclasses only: "
+          "`python -m pid_plugins_fairseq_compat install` once per environment (every interpreter, fairseq's own "
+          "commands included), or `import pid_plugins_fairseq_compat; pid_plugins_fairseq_compat.install()` in the "
+          "process before importing fairseq")
+
+if OPTED_IN and sys.version_info >= (3, 11):
     DATACLASS_FIELD.require()  # what the hook wraps
-pid_plugins_fairseq_compat.install()
 
 try:
     import fairseq  # noqa: F401
@@ -51,6 +62,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without fairseq
         "pid_plugins.fairseq needs fairseq: pip install -c constraints.txt 'pid-plugins[fairseq]' "
         f"({exc})"
     ) from exc
+except ValueError as exc:  # Python 3.11's rule on dataclass defaults, without the opt-in
+    if "mutable default" not in str(exc):
+        raise
+    raise ImportError(f"pid_plugins.fairseq: fairseq 0.12.2 does not import on Python "
+                      f"{sys.version_info.major}.{sys.version_info.minor} as published ({exc}; fairseq issue #5012): "
+                      f"{OPT_IN}") from None
 
 from ..versions import check_version  # noqa: E402
 
@@ -69,7 +86,8 @@ def _numpy_compat_long() -> None:
         numpy.compat = types.SimpleNamespace(long=int)
 
 
-_numpy_compat_long()
+if OPTED_IN:
+    _numpy_compat_long()
 
 from .checkpoint import UnsafeCheckpointError, install as _install_safe_loading  # noqa: E402
 

@@ -54,7 +54,7 @@ def attention_of(model: nn.Module) -> Dict[str, Any]:
     """The attention ``model`` runs, as :func:`method_record`: a transformers model's ``attn_implementation`` when
     it names a registered method, else the method of its first attention layer that has one (timm, mmseg,
     fairseq adapters), else softmax."""
-    from ...core import get_method, list_methods
+    from ..core import get_method, list_methods
 
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
@@ -74,7 +74,7 @@ def attention_of(model: nn.Module) -> Dict[str, Any]:
 
 def check_attention(attention: Optional[str]) -> None:
     """Refuse an attention name that is neither ``"softmax"`` nor a registered method, saying which exist."""
-    from ...core import SOFTMAX, list_methods
+    from ..core import SOFTMAX, list_methods
 
     if attention is not None and attention != SOFTMAX and attention not in list_methods():
         raise ValueError(f"unknown attention method {attention!r}: choose from {', '.join([SOFTMAX, *list_methods()])} "
@@ -133,7 +133,7 @@ def _hf_attention(lm: LoadedModel, attention: Optional[str], attention_cfg: Any)
     """A transformers model switched to ``attention`` (None: as built), weights untouched."""
     if attention is None:
         return lm
-    from ...core import resolve_attention
+    from ..core import resolve_attention
     from pid_plugins.hf import convert
 
     choice = resolve_attention(attention, attention_cfg, zoo="hf", where=lm.label)
@@ -182,7 +182,7 @@ def load_model(
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
 
-    from ...catalogue import get_model_entry, list_models
+    from ..catalogue import get_model_entry, list_models
 
     names = list_models("*")
     if name in names:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["plot_diagnostics", "plot_image_robustness", "plot_lm_robustness", "plot_reproduction"]
+__all__ = ["plot_diagnostics", "plot_image_robustness", "plot_lm_robustness"]
 
 _TITLES = {
     "mean_cosine": "mean pairwise cosine",
@@ -117,59 +117,3 @@ def plot_lm_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path, 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def plot_reproduction(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], path: str | Path,
-                      title: Optional[str] = None) -> Path:
-    """The reproduction record over seeds: attack accuracy vs eps (mean +- std), each seed's PID - softmax
-    difference on the headline vision measures, and the last layer's token similarity."""
-    import re
-
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    labels = [k for k in ("softmax", "pid") if any(k in by for by in summary.values())]
-    for k, label in enumerate(labels):
-        for attack, style in (("FGSM", "-"), ("PGD", "--")):
-            pts = []
-            for name, by in summary.items():
-                m = re.fullmatch(rf"vision {attack} (\d+)/255 top-1 %", name)
-                if m and label in by:
-                    pts.append((int(m.group(1)), by[label]["mean"], by[label]["std"]))
-            clean = summary.get("vision clean top-1 %", {}).get(label)
-            if clean:
-                pts.append((0, clean["mean"], clean["std"]))
-            if pts:
-                xs, ms, ss = zip(*sorted(pts))
-                axes[0].errorbar(xs, ms, yerr=ss, fmt=style, marker="o", ms=3, capsize=3, color=colours[k],
-                                 label=f"{label} {attack}")
-    axes[0].set(title="attacks (l_inf), mean +- std over seeds", xlabel="eps x 255", ylabel="top-1 accuracy (%)")
-    # each seed's paired difference (same seed, data order and initialisation for both models)
-    headline = [(n, n.replace("vision ", "").replace(" top-1 %", "")) for n in summary
-                if n.startswith("vision") and n.endswith("top-1 %")
-                and ("clean" in n or "3/255" in n or "noise" in n)]
-    if "vision mean corruption error %" in summary:
-        headline.append(("vision mean corruption error %", "corruption error (lower = better)"))
-    for i, (name, _) in enumerate(headline):
-        by = summary[name]
-        if "pid" in by and "softmax" in by:
-            diffs = [p - s for p, s in zip(by["pid"]["values"], by["softmax"]["values"])]
-            axes[1].scatter(diffs, [i] * len(diffs), color=colours[1], s=18, zorder=3)
-            axes[1].plot([sum(diffs) / len(diffs)] * 2, [i - 0.3, i + 0.3], color="black", lw=2)
-    axes[1].axvline(0, color="grey", lw=0.8)
-    axes[1].set_yticks(range(len(headline)), [s for _, s in headline], fontsize=8)
-    axes[1].set(title="PID - softmax per seed (bar: mean)", xlabel="percentage points")
-    names = [n for n in ("vision last-block mean cosine", "language last-layer mean cosine") if n in summary]
-    width = 0.38
-    for k, label in enumerate(labels):
-        ms = [summary[n][label]["mean"] for n in names]
-        ss = [summary[n][label]["std"] for n in names]
-        axes[2].bar([j + (k - 0.5) * width for j in range(len(names))], ms, width, yerr=ss, capsize=3,
-                    color=colours[k], label=label)
-    axes[2].set_xticks(range(len(names)), [n.split(" last")[0] for n in names])
-    axes[2].set(title="last layer's mean pairwise cosine", ylabel="cosine")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
-    return _finish(plt, fig, path, title)

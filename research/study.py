@@ -1,10 +1,10 @@
-"""The first-layer / NeuTRENO / depth study (``pid-plugins study``), and side-by-side attention methods.
+"""The first-layer / NeuTRENO / depth study (``python -m research study``), and side-by-side attention methods.
 
 Arms, each trained from the softmax model's initial weights and data order: the built-in ones
-(:data:`pid_plugins.research.experiments.ARMS`: softmax, PID with the preset's gains and the first layer controlled
+(:data:`research.experiments.ARMS`: softmax, PID with the preset's gains and the first layer controlled
 (eq. 25 as written), the same with a reference-only first layer (NeuTRENO's convention), and NeuTRENO as PID
 gains) and any registered attention method with its parameters (``[label=]method[:params]``,
-:func:`~pid_plugins.research.experiments.parse_arm`). Vision: the demo's DeiT on
+:func:`~research.experiments.parse_arm`). Vision: the demo's DeiT on
 Fashion-MNIST at several depths; language: the demo's byte-level Llama. Per seed, the paired difference
 arm - softmax of every measure; over seeds its mean +- std and whether a 95% paired t-interval excludes zero
 ("beyond seed noise").

@@ -63,7 +63,7 @@ class ModelInputs:
 def model_inputs(lm: LoadedModel, data: str, num_samples: int, batch_size: int, seq_len: int,
                  seed: int = 0) -> ModelInputs:
     """The batches and forward function feeding ``data`` to the model; clear errors on a mismatch."""
-    from ..datasets import load_images, load_text
+    from .datasets import load_images, load_text
 
     text_like = data in ("wiki", "shakespeare") or (Path(data).is_file() and Path(data).suffix in (".txt", ".md", ".raw", ""))
     if lm.kind in ("causal_lm", "encoder"):
@@ -172,7 +172,7 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
     """Per-layer measures (and repeated passes) of each model on ``data``; writes diagnose.json / .png.
 
     ``attention`` / ``attention_cfg``: the attention method (``"softmax"`` or a registered one) and its parameters,
-    one for every model or one per model (:func:`~pid_plugins.research.analysis.models.load_model`). Each model's
+    one for every model or one per model (:func:`~pid_plugins.analysis.models.load_model`). Each model's
     record names the ``method`` it runs and its ``attention_cfg``."""
     from tqdm.auto import tqdm
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
-from .analysis.measures import consensus_distance, mean_pairwise_cosine, numerical_rank
-from ..core import PIDConfig, PIDSelfAttention, pid_update
+from pid_plugins.analysis.measures import consensus_distance, mean_pairwise_cosine, numerical_rank
+from pid_plugins.core import PIDConfig, PIDSelfAttention, pid_update
 
 __all__ = ["fixed_attention_trajectory", "attention_stack_trajectory", "run_core_demo"]
 
@@ -167,7 +167,7 @@ def _report(results: dict[str, Any], png: Optional[Path]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The main job: softmax vs PID on real data through the zoo adapters (``pid-plugins demo``).
+# The main job: softmax vs PID on real data through the zoo adapters (``python -m research demo``).
 def demo_specs(quick: bool, seed: int = 0, data: str = "auto", corpus: str = "wiki", control_first_layer: bool = True):
     """The default (or ``--quick``) vision and language specs; ``control_first_layer=False`` gives the PID models a
     reference-only first layer."""
@@ -256,6 +256,64 @@ def language_rows(lang: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def plot_reproduction(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], path: str | Path,
+                      title: Optional[str] = None) -> Path:
+    """The reproduction record over seeds: attack accuracy vs eps (mean +- std), each seed's PID - softmax
+    difference on the headline vision measures, and the last layer's token similarity."""
+    import re
+
+    from pid_plugins.analysis.plots import _finish, _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = [k for k in ("softmax", "pid") if any(k in by for by in summary.values())]
+    for k, label in enumerate(labels):
+        for attack, style in (("FGSM", "-"), ("PGD", "--")):
+            pts = []
+            for name, by in summary.items():
+                m = re.fullmatch(rf"vision {attack} (\d+)/255 top-1 %", name)
+                if m and label in by:
+                    pts.append((int(m.group(1)), by[label]["mean"], by[label]["std"]))
+            clean = summary.get("vision clean top-1 %", {}).get(label)
+            if clean:
+                pts.append((0, clean["mean"], clean["std"]))
+            if pts:
+                xs, ms, ss = zip(*sorted(pts))
+                axes[0].errorbar(xs, ms, yerr=ss, fmt=style, marker="o", ms=3, capsize=3, color=colours[k],
+                                 label=f"{label} {attack}")
+    axes[0].set(title="attacks (l_inf), mean +- std over seeds", xlabel="eps x 255", ylabel="top-1 accuracy (%)")
+    # each seed's paired difference (same seed, data order and initialisation for both models)
+    headline = [(n, n.replace("vision ", "").replace(" top-1 %", "")) for n in summary
+                if n.startswith("vision") and n.endswith("top-1 %")
+                and ("clean" in n or "3/255" in n or "noise" in n)]
+    if "vision mean corruption error %" in summary:
+        headline.append(("vision mean corruption error %", "corruption error (lower = better)"))
+    for i, (name, _) in enumerate(headline):
+        by = summary[name]
+        if "pid" in by and "softmax" in by:
+            diffs = [p - s for p, s in zip(by["pid"]["values"], by["softmax"]["values"])]
+            axes[1].scatter(diffs, [i] * len(diffs), color=colours[1], s=18, zorder=3)
+            axes[1].plot([sum(diffs) / len(diffs)] * 2, [i - 0.3, i + 0.3], color="black", lw=2)
+    axes[1].axvline(0, color="grey", lw=0.8)
+    axes[1].set_yticks(range(len(headline)), [s for _, s in headline], fontsize=8)
+    axes[1].set(title="PID - softmax per seed (bar: mean)", xlabel="percentage points")
+    names = [n for n in ("vision last-block mean cosine", "language last-layer mean cosine") if n in summary]
+    width = 0.38
+    for k, label in enumerate(labels):
+        ms = [summary[n][label]["mean"] for n in names]
+        ss = [summary[n][label]["std"] for n in names]
+        axes[2].bar([j + (k - 0.5) * width for j in range(len(names))], ms, width, yerr=ss, capsize=3,
+                    color=colours[k], label=label)
+    axes[2].set_xticks(range(len(names)), [n.split(" last")[0] for n in names])
+    axes[2].set(title="last layer's mean pairwise cosine", ylabel="cosine")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    return _finish(plt, fig, path, title)
+
+
 def _table(rows: list[tuple[str, str, str]]) -> list[str]:
     lines = ["| measure | softmax | PID |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
@@ -263,7 +321,7 @@ def _table(rows: list[tuple[str, str, str]]) -> list[str]:
 
 
 def plot_training_curves(results: dict[str, Any], path: Path) -> Path:
-    from .analysis.plots import _pyplot
+    from pid_plugins.analysis.plots import _pyplot
 
     plt = _pyplot()
     parts = [k for k in ("vision", "language") if k in results]
@@ -288,7 +346,7 @@ def run_demo(out_dir: str | os.PathLike = "demo_out", *, quick: bool = False, pa
              control_first_layer: bool = True, log=print) -> dict[str, Any]:
     """Run the demo's parts, write ``report.md``, JSON and PNGs into ``out_dir``, return the results.
 
-    Two runs into one ``out_dir`` at once are refused (:func:`~pid_plugins.research.experiments.output_lock`).
+    Two runs into one ``out_dir`` at once are refused (:func:`~research.experiments.output_lock`).
     """
     from .experiments import output_lock
 
@@ -302,7 +360,7 @@ def _run_demo(out: Path, quick: bool, parts: tuple[str, ...], seed: int, preset:
               language_spec: Any, log) -> dict[str, Any]:
     import time
 
-    from .analysis.plots import plot_diagnostics, plot_image_robustness, plot_lm_robustness
+    from pid_plugins.analysis.plots import plot_diagnostics, plot_image_robustness, plot_lm_robustness
     from .experiments import atomic_path, run_language, run_vision, write_atomic
 
     results: dict[str, Any] = {"quick": quick}
@@ -377,7 +435,7 @@ def demo_report(results: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The reproduction record (``pid-plugins reproduce``): the same comparison, larger budget, several seeds.
+# The reproduction record (``python -m research reproduce``): the same comparison, larger budget, several seeds.
 def _metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Scalar metrics per model for aggregation over seeds."""
     out: dict[str, dict[str, float]] = {}
@@ -493,8 +551,6 @@ def write_reproduction_record(per_seed: list[dict[str, Any]], out: Path, *, visi
         spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {statistics.fmean(diffs):+.3f} +- {spread:.3f} |")
     if any(name.startswith("vision") for name in summary):
-        from .analysis.plots import plot_reproduction
-
         with atomic_path(out / "reproduce.png") as tmp:
             plot_reproduction(summary, tmp, title=f"softmax vs PID over seeds {seeds}")
         lines += ["", "![reproduction record](reproduce.png)"]

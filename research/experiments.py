@@ -2,7 +2,7 @@
 
 Vision: a small DeiT (timm adapter) trained twice from the same initial weights and data order, softmax and
 PID, on Fashion-MNIST (scikit-learn's digits when it is not installed); then clean accuracy, FGSM/PGD over an
-eps sweep, Gaussian noise, corruptions and the per-layer collapse measures (``pid_plugins.research.analysis``).
+eps sweep, Gaussian noise, corruptions and the per-layer collapse measures (``pid_plugins.analysis``).
 
 Language: a small Llama (transformers adapter, grouped-query attention) trained softmax vs PID on the real
 Wikipedia articles shipped with gensim, byte-level (vocabulary 256, so no tokenizer is needed); validation
@@ -69,7 +69,7 @@ def parse_arm(text: str) -> Arm:
     registered attention method (:func:`pid_plugins.list_methods`), ``params`` a JSON object of overrides of its
     default preset or a preset name, and ``label`` (default: the method's name) a Python identifier, e.g.
     ``scaled_reference``, ``sr2=scaled_reference:{"gamma": 2}``, ``p5=pid:{"lambda_p": 0.5}``."""
-    from ..core import SOFTMAX, get_method, list_methods
+    from pid_plugins.core import SOFTMAX, get_method, list_methods
 
     text = text.strip()
     if text in ARMS:
@@ -134,7 +134,7 @@ def arm_choice(arm: str, preset: str, language: bool = False, control_first_laye
     Built-in arms are PID gains (``control_first_layer`` applies to the ``pid`` arm; ``pid_ref`` is always
     reference-only); a method arm's parameters start from its default preset in the zoo (``timm`` for vision,
     ``hf`` for language), PID's from ``preset``."""
-    from ..core import PIDConfig, resolve_attention
+    from pid_plugins.core import PIDConfig, resolve_attention
 
     parsed = parse_arm(arm)
     if arm.strip() == "softmax":
@@ -162,7 +162,7 @@ def arm_config(arm: str, preset: str, language: bool = False, control_first_laye
 
 def arm_record(arm: str, preset: str, language: bool = False, control_first_layer: bool = True) -> Dict[str, Any]:
     """What a record says about an arm: ``{"method": name, "attention_cfg": its parameters as a dict or None}``."""
-    from .analysis.models import method_record
+    from pid_plugins.analysis.models import method_record
 
     choice = arm_choice(arm, preset, language, control_first_layer)
     return method_record(None if choice is None else choice.method.name, None if choice is None else choice.config)
@@ -459,9 +459,9 @@ def _train_classifier(clf: nn.Module, train, spec: VisionSpec, label: str, log: 
 
 def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
     """Train (or load cached) softmax and PID, then evaluate robustness and collapse; returns the results."""
-    from .analysis.diagnostics import collect_layer_measures, repeated_passes
-    from .analysis.robustness import PixelClassifier, evaluate_image_robustness
-    from .datasets import load_images
+    from pid_plugins.analysis.diagnostics import collect_layer_measures, repeated_passes
+    from pid_plugins.analysis.robustness import PixelClassifier, evaluate_image_robustness
+    from pid_plugins.analysis.datasets import load_images
 
     out.mkdir(parents=True, exist_ok=True)
     train = load_images(spec.data, "train", limit=spec.train_limit, seed=spec.seed)
@@ -496,7 +496,7 @@ def run_vision(spec: VisionSpec, out: Path, log: Log = print) -> Dict[str, Any]:
             "params": sum(p.numel() for p in model.parameters()),
         }
         log(f"vision {label}: clean top-1 {100 * robust['clean']['top1']:.1f}%")
-    from .analysis.robustness import relative_mce
+    from pid_plugins.analysis.robustness import relative_mce
 
     base = results["models"]["softmax"]["robustness"]
     for r in results["models"].values():
@@ -530,7 +530,7 @@ def language_models(spec: LanguageSpec) -> Dict[str, nn.Module]:
 
 def byte_blocks(spec: LanguageSpec) -> Tuple[torch.Tensor, torch.Tensor]:
     """(train, valid) blocks of ``seq_len`` bytes of the corpus; validation is its last 10%."""
-    from .datasets import load_text, split_blocks
+    from pid_plugins.analysis.datasets import load_text, split_blocks
 
     data = load_text(spec.corpus).encode("utf-8")
     train, valid = split_blocks(list(data), spec.seq_len, valid_fraction=0.1)
@@ -568,8 +568,8 @@ def _train_lm(model: nn.Module, train: torch.Tensor, spec: LanguageSpec, label: 
 
 def run_language(spec: LanguageSpec, out: Path, log: Log = print) -> Dict[str, Any]:
     """Train (or load cached) softmax and PID byte-level LMs; perplexity, noisy perplexity, collapse."""
-    from .analysis.diagnostics import collect_layer_measures, repeated_passes
-    from .analysis.robustness import evaluate_lm_robustness
+    from pid_plugins.analysis.diagnostics import collect_layer_measures, repeated_passes
+    from pid_plugins.analysis.robustness import evaluate_lm_robustness
 
     out.mkdir(parents=True, exist_ok=True)
     train, valid = byte_blocks(spec)
