@@ -222,7 +222,15 @@ def _wrap_loaders() -> None:
             apply_method_kwargs(config, given, where, chosen=chosen)
         return original_from_config(cls, config, **kwargs)
 
-    for owner in (PreTrainedModel, _BaseAutoModelClass):
+    # the auto classes copy _BaseAutoModelClass.from_pretrained when transformers builds them (auto_class_update): those
+    # built before this import (another library imported transformers' auto classes first) hold the copy
+    import sys
+
+    owners = [PreTrainedModel, _BaseAutoModelClass]
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("transformers.models.auto.")]:
+        owners += [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, _BaseAutoModelClass)
+                   and c is not _BaseAutoModelClass and "from_pretrained" in c.__dict__]
+    for owner in owners:
         original = owner.__dict__["from_pretrained"].__func__
         owner.from_pretrained = classmethod(_from_pretrained_with_method_kwargs(original))
     PreTrainedModel._from_config = classmethod(_from_config)
