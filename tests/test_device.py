@@ -115,22 +115,7 @@ def test_cached_generate_equals_recomputation(method, model_case, device):
     (model,) = on(device, model_case.pair(method.name, method_cfg(method, model_case))[0])
     x = zc.hf_ids(length=6).to(device)
     with torch.no_grad():
-        seq = x
-        for _ in range(6):
-            step = model(seq, use_cache=False).logits[:, -1]
-            seq = torch.cat([seq, step.argmax(-1, keepdim=True)], 1)
-        dynamic = model.generate(x, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
-        static = model.generate(x, max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0)
-        assert dynamic.device == seq.device == static.device
-        assert torch.equal(dynamic, seq) and torch.equal(static, seq)
-        full = model(seq).logits
-        out = model(seq[:, :8], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits[:, -1]]
-        for t in range(8, seq.shape[1]):
-            out = model(seq[:, t:t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1])
-        torch.testing.assert_close(torch.stack(steps, 1), full[:, 7:], rtol=1e-5, atol=1e-5)
+        zc.assert_cached_generation(model, x)
 
 
 # ================================================================================================ autocast

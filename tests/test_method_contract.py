@@ -310,22 +310,8 @@ def test_hf_cached_generation_equals_recomputation_and_is_causal(method, model_c
     model, _ = model_case.pair(method.name, method_cfg(method, model_case))
     x = zc.hf_ids(length=6)
     with torch.no_grad():
-        seq = x
-        for _ in range(6):
-            step = model(seq, use_cache=False).logits[:, -1]
-            seq = torch.cat([seq, step.argmax(-1, keepdim=True)], 1)
-        assert torch.equal(model.generate(x, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0), seq)
-        static = model.generate(x, max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0)
-        assert torch.equal(static, seq)
-        # the logits of a cached pass, position by position, against the full pass
-        full = model(seq).logits
-        out = model(seq[:, :8], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits[:, -1]]
-        for t in range(8, seq.shape[1]):
-            out = model(seq[:, t:t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1])
-        torch.testing.assert_close(torch.stack(steps, 1), full[:, 7:], rtol=1e-5, atol=1e-5)
+        # generate() with each cache and a cached pass's logits, against recomputation
+        seq, full = zc.assert_cached_generation(model, x)
         # causal: changing a token changes no earlier position's logits
         for j in (2, 7):
             y = seq.clone()

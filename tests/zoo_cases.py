@@ -390,6 +390,29 @@ def gqa_llama(name: str):
     return T.LlamaForCausalLM._from_config(config, attn_implementation=name, **params).eval()
 
 
+def assert_cached_generation(model, x: Tensor, new: int = 6, prefix: int = 8) -> Tuple[Tensor, Tensor]:
+    """Greedy decoding of ``new`` tokens after ``x`` by recomputation equals ``generate()`` with the dynamic and the
+    static cache, and a cached pass from ``prefix`` tokens gives the full pass's logits position by position. Returns
+    (the decoded sequence, the full pass's logits)."""
+    seq = x
+    for _ in range(new):
+        step = model(seq, use_cache=False).logits[:, -1]
+        seq = torch.cat([seq, step.argmax(-1, keepdim=True)], 1)
+    dynamic = model.generate(x, max_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0)
+    static = model.generate(x, max_new_tokens=new, do_sample=False, cache_implementation="static", pad_token_id=0)
+    assert dynamic.device == seq.device == static.device
+    assert torch.equal(dynamic, seq) and torch.equal(static, seq)
+    full = model(seq).logits
+    out = model(seq[:, :prefix], use_cache=True)
+    cache, steps = out.past_key_values, [out.logits[:, -1]]
+    for t in range(prefix, seq.shape[1]):
+        out = model(seq[:, t:t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        steps.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, prefix - 1:], rtol=1e-5, atol=1e-5)
+    return seq, full
+
+
 def bert_config(vocab: int = 96, layers: int = 2, **kw):
     T = import_transformers()
     return T.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
