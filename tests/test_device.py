@@ -247,3 +247,57 @@ def test_built_or_converted_on_meta_in_bf16_every_added_tensor_is_there_too(meth
     wrong = [(n, t.device, t.dtype) for n, t in tensors
              if t.device.type != "meta" or (t.is_floating_point() and t.dtype != torch.bfloat16)]
     assert tensors and not wrong, wrong
+
+
+# ================================================================================================ the fused update
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["heads", "positions"])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2)])
+def test_the_fused_update_compiled_for_the_device_matches_the_eager_update(dtype, layout, heads, kv_heads, device):
+    """On CUDA, pid_update runs the fused Triton kernels (pid_plugins.core.fused) compiled for the device: over 4
+    layers at a realistic head size, its outputs, its state and the gradients of every input match the eager update
+    (``use_fused(False)``) on the same inputs. Elsewhere the kernels never run (tests/test_fused_update.py checks them
+    through Triton's interpreter on the CPU)."""
+    if device.type != "cuda":
+        pytest.skip(f"the fused update runs on CUDA only, not on {device.type}: tests/test_fused_update.py checks it "
+                    "in Triton's interpreter")
+    pytest.importorskip("triton", reason="triton is not installed: pid_update stays eager on CUDA")
+    from pid_plugins.core import control
+
+    g = torch.Generator().manual_seed(0)
+    B, N, D, L = 2, 37, 64, 4
+    attn0 = [torch.randn(B, heads, N, D, generator=g).to(dtype) for _ in range(L)]
+    vals0 = [torch.randn(B, kv_heads, N, D, generator=g).to(dtype) for _ in range(L)]
+    weights = [torch.randn(B, heads, N, D, generator=g).to(dtype) for _ in range(L)]
+    gains = (0.7, 0.4, 0.2, 0.6, True)  # lP, lI, lD, beta, the first layer controlled
+    import pid_plugins.core.fused as fused_module
+
+    calls = []
+    real = fused_module.fused_pid_update
+
+    def go(fused: bool):
+        attn = [a.to(device).requires_grad_() for a in attn0]
+        vals = [v.to(device).requires_grad_() for v in vals0]
+        state, outs = None, []
+        with control.use_fused(fused), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused_module, "fused_pid_update", lambda *a: calls.append(fused) or real(*a))
+            for a, v in zip(attn, vals):
+                a_, v_, hd = (a, v, -3) if layout == "heads" else (a.transpose(1, 2).contiguous(), v.transpose(1, 2), -2)
+                u, state = control.pid_update(a_, v_, state, gains, head_dim=hd)
+                outs.append(u if layout == "heads" else u.transpose(1, 2))
+        loss = sum((u.float() * w.to(device).float()).sum() for u, w in zip(outs, weights))
+        loss = loss + sum(t.float().sum() for t in state if t is not None)
+        loss.backward()
+        return [u.detach().cpu() for u in outs], [t.detach().cpu() for t in state if t is not None], \
+            [x.grad.cpu() for x in attn + vals]
+
+    got, want = go(True), go(False)
+    assert calls == [True] * L  # every layer ran the kernels with the switch on, none with it off
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+           torch.float16: dict(rtol=2e-3, atol=2e-3)}[dtype]
+    for part, g_, w in zip(("outputs", "state", "gradients"), got, want):
+        assert len(g_) == len(w) > 0, part
+        for x, y in zip(g_, w):
+            assert x.dtype == y.dtype and x.shape == y.shape, part
+            assert torch.isfinite(x).all(), part
+            torch.testing.assert_close(x, y, **tol, msg=lambda m: f"{part}: {m}")

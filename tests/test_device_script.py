@@ -36,8 +36,8 @@ def test_the_device_run_dry_runs_on_the_cpu_with_every_row(tmp_path):
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["env.txt", "gpu_bench.json", "gpu_bench.log", "gpu_bench.md", "run.log", "test_device.log",
-                     "test_device.xml"]
+    assert files == ["env.txt", "gpu_bench.json", "gpu_bench.log", "gpu_bench.md", "gpu_profile.txt", "run.log",
+                     "test_device.log", "test_device.xml"]
     assert len(files) <= 8  # the device tool brings back at most 8 files
     # installed: the project, --no-deps, into SITE (first on PYTHONPATH); torch stays this environment's
     assert (tmp_path / "site" / "pid_plugins" / "__init__.py").is_file()
@@ -72,6 +72,9 @@ def test_the_device_run_dry_runs_on_the_cpu_with_every_row(tmp_path):
     triton = importlib.util.find_spec("triton") is not None
     for key in fused:
         assert ("skipped" not in rows[key]) if triton else ("triton" in rows[key]["skipped"]), rows[key]
+    # the profile of PID's decoding step, stock and PID (eager; fused where triton imports)
+    profile = (out / "gpu_profile.txt").read_text()
+    assert "## stock:" in profile and "## pid eager:" in profile and "aten::" in profile
     md = (out / "gpu_bench.md").read_text()
     assert all(f"| {w} | {m} |" in md for w, m in rows)
     last = proc.stdout.rstrip().splitlines()[-1]

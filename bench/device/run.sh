@@ -4,8 +4,8 @@
 #      the project, --no-deps, into a folder put first on PYTHONPATH (torch, Triton and the rest stay the image's),
 #   2. runs the suite on the device: pytest tests/test_device.py --device $DEVICE,
 #   3. runs the GPU bench: bench/device/gpu_bench.py (each method / stock, CUDA events, peak memory),
-# and leaves under $OUT: run.log, env.txt, test_device.log, test_device.xml, gpu_bench.log, gpu_bench.json,
-# gpu_bench.md (7 files: the device tool brings back at most 8). The last lines printed are the bench's table.
+# and leaves under $OUT: run.log, env.txt, test_device.log, test_device.xml, gpu_bench.log, gpu_bench.json, gpu_profile.txt,
+# gpu_bench.md (8 files: the device tool brings back at most 8). The last lines printed are the bench's table.
 #
 # On the device (the `device` tool's run, timeout_s 600, carry [".device-wheels"]):
 #     bash bench/device/run.sh
