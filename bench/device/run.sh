@@ -51,11 +51,13 @@ fi
 leftovers=(); for d in build pid_plugins.egg-info; do [ -e "$d" ] || leftovers+=("$d"); done
 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
   --target "$SITE" . 2>&1 | tee -a "$OUT/run.log" \
-  || log "WARNING: the project did not install (pyproject needs setuptools >= 77): the sources serve alone"
+  || { log "FAILED: the project did not install into $SITE (pyproject needs setuptools >= 77)"; exit 2; }
 [ ${#leftovers[@]} -eq 0 ] || rm -rf "${leftovers[@]}"
-# the repository's sources first (what runs is this checkout), then the wheels (over the image's packages)
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-"$PYTHON" - "$SITE" > "$OUT/env.txt" 2>&1 <<'EOF'
+# the installed project and the wheels first (over the image's packages). What runs is the project as installed,
+# this checkout's build: the sources alone lack pid_plugins.registry (registry/ at the top, mapped at install), so
+# python runs with -P (no current folder on sys.path) and pytest with -o pythonpath= (pyproject's pythonpath ["."])
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+"$PYTHON" -P - "$SITE" > "$OUT/env.txt" 2>&1 <<'EOF'
 import os, sys, importlib
 site = os.path.realpath(sys.argv[1])
 for name in ("torch", "triton", "transformers", "timm", "huggingface_hub", "tokenizers", "safetensors", "pid_plugins"):
@@ -66,6 +68,7 @@ for name in ("torch", "triton", "transformers", "timm", "huggingface_hub", "toke
         print(f"{name} MISSING {type(err).__name__}: {err}")
 import torch
 assert not os.path.realpath(torch.__file__).startswith(site), "torch must stay the image's"
+import pid_plugins, pid_plugins.hf  # the product must import (its registry/ with it): else stop
 print("cuda", torch.cuda.is_available(), torch.version.cuda,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "")
 EOF
@@ -80,7 +83,7 @@ xdist=()
 [ "$WORKERS" != 0 ] && xdist=(-n "$WORKERS")
 log "tests: pytest tests/test_device.py --device $DEVICE ${xdist[*]} $PYTEST_ARGS (timeout ${TEST_TIMEOUT}s)"
 # shellcheck disable=SC2086  # PYTEST_ARGS is split like a command line
-eval timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py --device "$DEVICE" \
+eval timeout "$TEST_TIMEOUT" "$PYTHON" -P -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_device.py --device "$DEVICE" \
   "${xdist[@]}" --junitxml "$OUT/test_device.xml" $PYTEST_ARGS > "$OUT/test_device.log" 2>&1
 rc=$?
 tail -n 15 "$OUT/test_device.log" | tee -a "$OUT/run.log"
