@@ -103,10 +103,14 @@ def test_matches_the_float64_reference_and_float32_stays_within_the_stock_drift(
     drift_method = gap(run(model_case, model32, x, device), want)
     assert drift_method <= 8 * drift_stock + 1e-5, (drift_method, drift_stock)
     if has_float64(device):
-        model64 = model32.double()
+        # float64 on the device: within 1e-9 of the reference, or of the stock model's own float64 distance to its
+        # reference there (on CUDA the zoos keep a few float32 steps in a float64 model, e.g. Llama's rotary angles,
+        # and the device's float32 rounds them differently from the CPU's), with the same margin
+        model64, stock64 = model32.double(), stock32.double()
         got = run(model_case, model64, x64, device)
         assert got.dtype == torch.float64
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        drift64_stock = gap(run(model_case, stock64, x64, device), want_stock)
+        assert gap(got, want) <= 8 * drift64_stock + 1e-9, (gap(got, want), drift64_stock)
 
 
 # ================================================================================================ cache
@@ -275,9 +279,9 @@ def test_the_fused_update_compiled_for_the_device_matches_the_eager_update(dtype
     calls = []
     real = fused_module.fused_pid_update
 
-    def go(fused: bool):
-        attn = [a.to(device).requires_grad_() for a in attn0]
-        vals = [v.to(device).requires_grad_() for v in vals0]
+    def go(fused: bool, device=device, cast=lambda t: t):
+        attn = [cast(a).to(device).detach().requires_grad_() for a in attn0]
+        vals = [cast(v).to(device).detach().requires_grad_() for v in vals0]
         state, outs = None, []
         with control.use_fused(fused), pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused_module, "fused_pid_update", lambda *a: calls.append(fused) or real(*a))
@@ -285,19 +289,23 @@ def test_the_fused_update_compiled_for_the_device_matches_the_eager_update(dtype
                 a_, v_, hd = (a, v, -3) if layout == "heads" else (a.transpose(1, 2).contiguous(), v.transpose(1, 2), -2)
                 u, state = control.pid_update(a_, v_, state, gains, head_dim=hd)
                 outs.append(u if layout == "heads" else u.transpose(1, 2))
-        loss = sum((u.float() * w.to(device).float()).sum() for u, w in zip(outs, weights))
-        loss = loss + sum(t.float().sum() for t in state if t is not None)
+        loss = sum((u.double() * w.to(device).double()).sum() for u, w in zip(outs, weights))
+        loss = loss + sum(t.double().sum() for t in state if t is not None)
         loss.backward()
         return [u.detach().cpu() for u in outs], [t.detach().cpu() for t in state if t is not None], \
             [x.grad.cpu() for x in attn + vals]
 
     got, want = go(True), go(False)
     assert calls == [True] * L  # every layer ran the kernels with the switch on, none with it off
-    tol = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-           torch.float16: dict(rtol=2e-3, atol=2e-3)}[dtype]
-    for part, g_, w in zip(("outputs", "state", "gradients"), got, want):
-        assert len(g_) == len(w) > 0, part
-        for x, y in zip(g_, w):
+    # the float64 reference: the eager update on the CPU, on the same (rounded) inputs and output weights
+    ref = go(False, torch.device("cpu"), torch.Tensor.double)
+    # each tensor no farther from the reference than twice the eager update's distance plus one rounding step of its
+    # dtype at its size (float16/bfloat16: the two round at different steps, the fused kernel once)
+    for part, g_, w, r in zip(("outputs", "state", "gradients"), got, want, ref):
+        assert len(g_) == len(w) == len(r) > 0, part
+        for x, y, z in zip(g_, w, r):
             assert x.dtype == y.dtype and x.shape == y.shape, part
             assert torch.isfinite(x).all(), part
-            torch.testing.assert_close(x, y, **tol, msg=lambda m: f"{part}: {m}")
+            err_fused, err_eager = gap(x, z), gap(y, z)
+            step = torch.finfo(x.dtype).eps * z.abs().max().item()
+            assert err_fused <= 2 * err_eager + step, (part, err_fused, err_eager, step)

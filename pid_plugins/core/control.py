@@ -164,7 +164,8 @@ def pid_update(
     else:
         grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
 
-    if (FUSED and (attn_out.is_cuda or _FUSED_ON_CPU) and not traced and not tensor_gains and scale is None
+    if (FUSED and (attn_out.is_cuda or _FUSED_ON_CPU) and value.dtype in _FUSED_DTYPES and not traced
+            and not tensor_gains and scale is None
             and not isinstance(beta, Tensor) and (state is not None or control_first_layer)
             and (lambda_p != 0.0 or lambda_i != 0.0 or lambda_d != 0.0) and _fused_ready()):
         from .fused import fused_pid_update  # CUDA with Triton: one kernel (forward), one for the backward
@@ -231,6 +232,8 @@ def pid_update(
 #: :mod:`pid_plugins.core.fused` (when triton imports). ``PID_PLUGINS_FUSED=0`` in the environment, or setting this to
 #: False, keeps the eager path (the reference; the device bench measures both). Not used under torch.compile.
 FUSED: bool = os.environ.get("PID_PLUGINS_FUSED", "1") != "0"
+#: the value dtypes the kernels take (their gains are float32 constants: float64 stays on the eager path, exact)
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_ON_CPU = False  # tests only: the fused path on CPU tensors (with TRITON_INTERPRET=1, Triton's interpreter)
 
 
