@@ -11,11 +11,14 @@ PID's eager rows):
     llama-1b train      a Llama of Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 key-value heads, MLP
                         8192, vocabulary 32000: about 1.1B parameters, random weights), bf16 weights, b4 x 1024
                         tokens forward + backward (the loss's backward; no optimiser step: the same for both)
-    llama-1b decode bN  generate() with the dynamic cache, eager, b1 and b8, a 128-token prompt, 32 new tokens
+    ... unfused         PID's training rows again with the fused update switched off (the eager update)
+    llama-1b decode bN  generate() with the dynamic cache, eager, b1 and b8, a 128-token prompt, 32 new tokens, the
+                        eager update (the fused kernel switched off)
     ... fused           the same with pid_plugins' fused update kernel (``--fused auto``: when pid_plugins has one;
                         the row says why it is skipped otherwise)
     llama-1b compiled   the static cache, each decoding step torch.compile(mode="reduce-overhead", fullgraph=True),
-                        b1 (``--compiled-methods``: PID's by default; every compile costs tens of seconds)
+                        b1, the 31 compiled decoding steps timed (the eager prefill before them is not)
+                        (``--compiled-methods``: PID's by default; every compile costs tens of seconds)
 
 Method: the stock model and the method model (the stock model's weights loaded) live in one process; after warm-up
 they run alternately (the pair's order flips every repetition), each call timed with CUDA events (``perf_counter`` on
@@ -52,12 +55,12 @@ SHAPES = {
     "full": dict(deit="deit_small_patch16_224", deit_batch=128, img=224,
                  llama=dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096),
-                 train_batch=4, train_seq=1024, prompt=128, new_tokens=32, warmup=2, reps=5),
+                 train_batch=4, train_seq=1024, prompt=128, new_tokens=32, warmup=2, reps=5, train_reps=15),
     "tiny": dict(deit="deit_tiny_patch16_224", deit_batch=2, img=32,
                  deit_args=dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=10),
                  llama=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
-                 train_batch=2, train_seq=16, prompt=8, new_tokens=3, warmup=1, reps=1),
+                 train_batch=2, train_seq=16, prompt=8, new_tokens=3, warmup=1, reps=1, train_reps=1),
 }
 #: the parameters a causal model runs a method with, where its zoo preset is not causal
 CAUSAL_PARAMS: Dict[str, Any] = {"elliptical": {"mean": "prefix"}}
@@ -92,6 +95,9 @@ class Clock:
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn: Callable[[], object]) -> float:
+        setup = getattr(fn, "setup", None)
+        if setup is not None:  # untimed preparation (the compiled row's prefill)
+            setup()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -107,7 +113,10 @@ class Clock:
 def interleaved(clock: Clock, stock: Callable[[], object], method: Callable[[], object], warmup: int,
                 reps: int) -> Dict[str, float]:
     for _ in range(warmup):
-        stock(), method()
+        for fn in (stock, method):
+            if getattr(fn, "setup", None) is not None:
+                fn.setup()
+            fn()
     ts, tm, ratios = [], [], []
     for i in range(reps):
         if i % 2:
@@ -129,6 +138,8 @@ def peak_bytes(device: torch.device, fn: Callable[[], object]) -> Optional[int]:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        if getattr(fn, "setup", None) is not None:
+            fn.setup()
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
@@ -200,6 +211,13 @@ def llama_train(shape, device):
     return make
 
 
+def _unfused(fused: Callable[[bool], Any], fn: Callable[[], object]) -> Callable[[], object]:
+    def run():
+        with fused(False):
+            fn()
+    return run
+
+
 def llama_decode(shape, device, batch: int, fused: Optional[Callable[[bool], Any]] = None):
     prompt = llama_ids(shape, batch, shape["prompt"], device)
     n = shape["new_tokens"]
@@ -228,12 +246,19 @@ def llama_compiled(shape, device, backend: str):
         else:
             step = torch.compile(m, backend=backend, fullgraph=True)
 
-        def run():
+        first = {}
+
+        def prefill():  # eager, untimed: the row times the compiled decoding steps alone
             cache.reset()
-            with torch.no_grad():  # eager prefill, then one compiled decoding step per token
-                tok = m(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            with torch.no_grad():
+                first["tok"] = m(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+        def run():
+            tok = first["tok"]
+            with torch.no_grad():  # one compiled decoding step per token
                 for _ in range(n - 1):
                     tok = step(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        run.setup = prefill
         return run
     return make
 
@@ -248,15 +273,19 @@ def plan(args, shape, device) -> List[Dict[str, Any]]:
         methods = [m for m in methods if m in args.methods.split(",")]
     compiled = args.compiled_methods.split(",") if args.compiled_methods else []
     fused, fused_where = fused_switch() if args.fused != "off" else (None, "--fused off")
-    rows = []
+    rows: List[Dict[str, Any]] = []
     for method in methods:
-        rows.append(dict(workload=f"deit-s train bf16 b{shape['deit_batch']}", method=method, family="deit",
-                         make=deit_step(shape, device), kind="time"))
-        rows.append(dict(workload=f"llama-1b train bf16 b{shape['train_batch']}x{shape['train_seq']}", method=method,
-                         family="llama", make=llama_train(shape, device), kind="time"))
+        for family, workload, maker in (
+                ("deit", f"deit-s train bf16 b{shape['deit_batch']}", deit_step(shape, device)),
+                ("llama", f"llama-1b train bf16 b{shape['train_batch']}x{shape['train_seq']}",
+                 llama_train(shape, device))):
+            rows.append(dict(workload=workload, method=method, family=family, make=maker, kind="time"))
+            if method == "pid" and fused is not None:  # the row above runs the fused update: here the eager one
+                rows.append(dict(workload=workload + " unfused", method=method, family=family, kind="time",
+                                 make=lambda m, maker=maker: _unfused(fused, maker(m))))
         for batch in (1, 8):
             rows.append(dict(workload=f"llama-1b decode b{batch} dynamic eager", method=method, family="llama",
-                             make=llama_decode(shape, device, batch), kind="tokens/s"))
+                             make=llama_decode(shape, device, batch, fused), kind="tokens/s"))
             row = dict(workload=f"llama-1b decode b{batch} dynamic eager fused", method=method, family="llama",
                        kind="tokens/s")
             if method != "pid":
@@ -331,6 +360,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="inductor (mode reduce-overhead: the device run) or another backend (eager: the dry run)")
     p.add_argument("--fused", choices=("auto", "off"), default="auto",
                    help="auto: the fused-kernel rows run when pid_plugins has the kernel, else say why not")
+    p.add_argument("--rows", default="", help="a regular expression: only the rows whose 'workload [method]' it finds")
+    p.add_argument("--no-profile", action="store_true", help="leave out the profile of PID's decoding step")
     p.add_argument("--budget-s", type=float, default=330.0, help="rows left when this is spent are skipped")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -346,9 +377,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     result: Dict[str, Any] = {"environment": environment(device), "shapes": "tiny" if args.tiny else "full",
                               "args": vars(args), "rows": []}
     rows = plan(args, shape, device)
+    if args.rows:
+        import re
+
+        rows = [r for r in rows if re.search(args.rows, f"{r['workload']} [{r['method']}]")]
     log(f"{len(rows)} rows on {device} ({result['environment']})")
     stocks: Dict[str, Any] = {}
-    profiled = False
+    profiled = args.no_profile
     for i, row in enumerate(rows, 1):
         if not profiled and row["method"] != "pid":  # PID's rows done: where its decoding step spends the time
             profiled = True
@@ -432,7 +467,7 @@ def run_row(row, shape, device, clock: Clock, stocks: Dict[str, Any]) -> Dict[st
     stocks[family] = stock
     make_stock = row.get("make_stock", row["make"])
     fs, fm = make_stock(stock), row["make"](model)
-    timing = interleaved(clock, fs, fm, shape["warmup"], shape["reps"])
+    timing = interleaved(clock, fs, fm, shape["warmup"], shape["train_reps" if row["kind"] == "time" else "reps"])
     kind = "compiled" if row.get("compiled") else row["kind"]
     figure = timing["ratio"] if row["kind"] == "time" else 1.0 / timing["ratio"]  # tokens/s: method / stock
     mem_stock, mem_method = peak_bytes(device, fs), peak_bytes(device, fm)
