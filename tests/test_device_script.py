@@ -65,8 +65,8 @@ def test_the_device_run_dry_runs_on_the_cpu_with_every_row(tmp_path):
     want = {(w, m) for w in workloads for m in methods} | {("llama-1b decode b1 static compiled", "pid")}
     fused = {(f"llama-1b decode b{b} dynamic eager fused", "pid") for b in (1, 8)}
     triton = importlib.util.find_spec("triton") is not None
-    if triton:  # PID's training rows with the fused update switched off
-        want |= {("deit-s train bf16 b2 unfused", "pid"), ("llama-1b train bf16 b2x16 unfused", "pid")}
+    if triton:  # PID's training rows with the fused update switched on
+        want |= {("deit-s train bf16 b2 fused", "pid"), ("llama-1b train bf16 b2x16 fused", "pid")}
     assert set(rows) == want | fused
     for key in want:
         r = rows[key]

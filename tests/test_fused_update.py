@@ -107,6 +107,21 @@ def test_pid_update_uses_eager_off_cuda_and_the_switch_exists():
     torch.testing.assert_close(u, a + 0.7 * (0.6 * v - v))
 
 
+@pytest.mark.parametrize("env, expected", [(None, "False"), ("0", "False"), ("1", "True")])
+def test_the_fused_update_is_opt_in(env, expected):
+    """Off unless ``PID_PLUGINS_FUSED=1``: measured on an H200, the eager update was faster in every row
+    (docs/performance.md)."""
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "PID_PLUGINS_FUSED"}
+    if env is not None:
+        environ["PID_PLUGINS_FUSED"] = env
+    out = subprocess.run([sys.executable, "-c", "import pid_plugins.core.control as c; print(c.FUSED)"],
+                         env=environ, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == expected
+
+
 def test_import_pid_plugins_needs_no_triton():
     """The kernels' module is imported lazily: on the CUDA path or by this test, never by ``import pid_plugins``."""
     import subprocess

@@ -11,9 +11,9 @@ PID's eager rows):
     llama-1b train      a Llama of Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 key-value heads, MLP
                         8192, vocabulary 32000: about 1.1B parameters, random weights), bf16 weights, b4 x 1024
                         tokens forward + backward (the loss's backward; no optimiser step: the same for both)
-    ... unfused         PID's training rows again with the fused update switched off (the eager update)
+    ... fused           PID's training rows again with the fused update switched on (opt-in; off by default)
     llama-1b decode bN  generate() with the dynamic cache, eager, b1 and b8, a 128-token prompt, 32 new tokens, the
-                        eager update (the fused kernel switched off)
+                        eager update (the default)
     ... fused           the same with pid_plugins' fused update kernel (``--fused auto``: when pid_plugins has one;
                         the row says why it is skipped otherwise)
     llama-1b compiled   the static cache, each decoding step torch.compile(mode="reduce-overhead", fullgraph=True),
@@ -211,9 +211,9 @@ def llama_train(shape, device):
     return make
 
 
-def _unfused(fused: Callable[[bool], Any], fn: Callable[[], object]) -> Callable[[], object]:
+def _switched(fused: Callable[[bool], Any], on: bool, fn: Callable[[], object]) -> Callable[[], object]:
     def run():
-        with fused(False):
+        with fused(on):
             fn()
     return run
 
@@ -280,9 +280,9 @@ def plan(args, shape, device) -> List[Dict[str, Any]]:
                 ("llama", f"llama-1b train bf16 b{shape['train_batch']}x{shape['train_seq']}",
                  llama_train(shape, device))):
             rows.append(dict(workload=workload, method=method, family=family, make=maker, kind="time"))
-            if method == "pid" and fused is not None:  # the row above runs the fused update: here the eager one
-                rows.append(dict(workload=workload + " unfused", method=method, family=family, kind="time",
-                                 make=lambda m, maker=maker: _unfused(fused, maker(m))))
+            if method == "pid" and fused is not None:  # the row above runs the eager update: here the fused one
+                rows.append(dict(workload=workload + " fused", method=method, family=family, kind="time",
+                                 make=lambda m, maker=maker: _switched(fused, True, maker(m))))
         for batch in (1, 8):
             rows.append(dict(workload=f"llama-1b decode b{batch} dynamic eager", method=method, family="llama",
                              make=llama_decode(shape, device, batch, fused), kind="tokens/s"))

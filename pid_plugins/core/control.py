@@ -16,9 +16,10 @@ start at the second layer, whose derivative term is zero. Every term is per toke
 nothing leaks across positions and a KV cache needs only the values of the positions being computed.
 The state is an explicit value (:class:`PIDState`), passed in and returned, never stored on a module.
 
-On CUDA with fixed gains the update runs as two Triton kernels (:mod:`pid_plugins.core.fused`, forward and
-backward; imported only there); the eager code below is the reference and runs everywhere else (switch:
-``PID_PLUGINS_FUSED=0`` or :data:`FUSED`).
+The eager code below is the update everywhere. On CUDA with fixed gains it can instead run as two Triton kernels
+(:mod:`pid_plugins.core.fused`, forward and backward; imported only then), opt-in: ``PID_PLUGINS_FUSED=1`` or
+:data:`FUSED`. Off by default: on an H200 (torch 2.11, Triton 3.6) the kernels cost more host time per layer than
+the five eager kernels they replace (docs/performance.md, "On an H200").
 """
 from __future__ import annotations
 
@@ -229,9 +230,10 @@ def pid_update(
 
 
 #: Run :func:`pid_update` on CUDA tensors with fixed gains as the fused Triton kernels of
-#: :mod:`pid_plugins.core.fused` (when triton imports). ``PID_PLUGINS_FUSED=0`` in the environment, or setting this to
-#: False, keeps the eager path (the reference; the device bench measures both). Not used under torch.compile.
-FUSED: bool = os.environ.get("PID_PLUGINS_FUSED", "1") != "0"
+#: :mod:`pid_plugins.core.fused` (when triton imports): opt-in, ``PID_PLUGINS_FUSED=1`` in the environment or this set
+#: to True. Off by default: measured on an H200 (bench/device/gpu_bench.py), the eager update (the reference) was
+#: faster in every row, training and decoding. Never used under torch.compile.
+FUSED: bool = os.environ.get("PID_PLUGINS_FUSED", "0") == "1"
 #: the value dtypes the kernels take (their gains are float32 constants: float64 stays on the eager path, exact)
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_ON_CPU = False  # tests only: the fused path on CPU tensors (with TRITON_INTERPRET=1, Triton's interpreter)

@@ -16,8 +16,9 @@ strides (heads first or positions first, GQA as the adapters pass it) and writin
 backward kernel forms ``G = sum_j dL/du_j`` and from it the gradients of ``v``, the reference, ``S_prev`` and
 ``e_prev`` in one pass; ``dL/dA = dL/du`` needs no kernel.
 
-Switch: ``PID_PLUGINS_FUSED=0`` in the environment (read at import of :mod:`pid_plugins.core.control`) or
-``pid_plugins.core.control.FUSED = False`` turns it off (the device bench measures both).
+Switch (off by default): ``PID_PLUGINS_FUSED=1`` in the environment (read at import of
+:mod:`pid_plugins.core.control`), ``pid_plugins.core.control.FUSED = True`` or ``with control.use_fused(True)`` turns it
+on (the device bench measures both).
 """
 from __future__ import annotations
 
