@@ -20,7 +20,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaForCausa
 
 import pid_plugins.hf as ph
 from pid_plugins.core import GainWarmup
-from pid_plugins.hf.gains import LayerGains
+from pid_plugins.core.gains import PIDGains
 from zoo_cases import hf_ids, llama_config
 
 LAYERS = 3
@@ -231,9 +231,9 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     assert all(torch.equal(v, learned[k]) for k, v in gains_named(fresh).items())
     assert torch.equal(logits(reloaded, x), trained)
 
-    # merged: plain LayerGains holding the learned values, saved and reloaded by transformers as a PID model
+    # merged: plain PIDGains holding the learned values, saved and reloaded by transformers as a PID model
     merged = reloaded.merge_and_unload()
-    assert all(isinstance(layer.self_attn.attention_params, LayerGains) for layer in merged.model.layers)
+    assert all(isinstance(layer.self_attn.attention_params, PIDGains) for layer in merged.model.layers)
     assert all(torch.equal(v, learned[k]) for k, v in gains_named(merged).items())
     assert len(ph.gain_parameter_names(merged)) == 3 * LAYERS
     torch.testing.assert_close(logits(merged, x), trained, rtol=1e-5, atol=1e-5)

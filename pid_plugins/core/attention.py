@@ -1,7 +1,10 @@
-"""A multi-head self-attention module on ``F.scaled_dot_product_attention`` with the PID update.
+"""The reference PID layer: a multi-head self-attention module on ``F.scaled_dot_product_attention`` with the PID
+update, for models of your own (README "The core alone"; parameter names as timm's ``Attention``: ``qkv``,
+``q_norm``, ``k_norm``, ``norm``, ``proj``), and :func:`sdpa_with_pid` for attention code of your own.
 
-Adapters reuse it (its parameter names follow timm's ``Attention``: ``qkv``, ``q_norm``, ``k_norm``,
-``norm``, ``proj``) or call :func:`sdpa_with_pid` directly from their own attention code.
+The zoo adapters do not use it: each keeps its zoo's own attention module and runs the registered method through
+:mod:`pid_plugins.core.methods` (one path for every method). The experiments (``research/``) use it as the plain
+PID transformer of the paper.
 """
 from __future__ import annotations
 

@@ -547,7 +547,7 @@ def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = Non
             f"{choice.method.name!r}'s term, but that method is not additive (it has no separate term): "
             "set warmup_steps=0"
         )
-    return make_warmup(config if steps else None, current, like=like)
+    return make_warmup(steps, current, like=like)
 
 
 register_method(PIDMethod())

@@ -67,12 +67,12 @@ class GainWarmup(nn.Module):
         return f"warmup_steps={self.warmup_steps}"
 
 
-def make_warmup(config: Optional[PIDConfig], current: Optional[GainWarmup] = None,
+def make_warmup(steps: int, current: Optional[GainWarmup] = None,
                 like: Optional[Tensor] = None) -> Optional[GainWarmup]:
-    """The counter a model built with ``config`` carries: None without warm-up (the model has no counter and
-    its state_dict is unchanged). ``current`` (a model's existing counter, when it is reconfigured) is kept if
-    ``N`` is unchanged, else its ``t`` carries over to the new counter. ``like``: a tensor of the model (device)."""
-    steps = getattr(config, "warmup_steps", 0) if config is not None else 0
+    """The counter of a model whose method's parameters warm up over ``steps`` forwards (any method's
+    ``warmup_steps``): None for 0 (the model has no counter and its state_dict is unchanged). ``current`` (a model's
+    existing counter, when it is reconfigured) is kept if ``N`` is unchanged, else its ``t`` carries over to the new
+    counter. ``like``: a tensor of the model (device)."""
     if not steps:
         return None
     if current is not None and current.warmup_steps == steps:

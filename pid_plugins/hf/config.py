@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core import AttentionMethod, PIDMethod, get_method, list_methods
+from ..core import AttentionMethod, get_method, list_methods
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "apply_method_kwargs", "base_attention",
@@ -85,7 +85,7 @@ def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -
 
 def check_learnable(method: AttentionMethod, cfg: Any) -> Any:
     """``cfg``, refused if it asks for learnable parameters the method does not make (``method.make_learned``)."""
-    if getattr(cfg, "learnable", False) and not isinstance(method, PIDMethod) and method.make_learned(cfg) is None:
+    if getattr(cfg, "learnable", False) and method.make_learned(cfg) is None:
         raise ValueError(f"config.{method.name}: attention method {method.name!r} makes no learnable parameters for "
                          f"{cfg!r}: set learnable=False")
     return cfg

@@ -3,7 +3,7 @@
 ``lambda_2``).
 
 Where they live: every self-attention module of a model running the method gets a submodule ``attention_params``
-(for PID a :class:`LayerGains`, a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
+(what the method's ``make_learned`` makes; for PID a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
 ``lambda_d_raw``, each of shape ``(1,)``, gain = softplus(raw)), so its parameters are named like
 ``model.layers.3.self_attn.attention_params.lambda_p_raw`` and belong to their layer: FSDP2's ``fully_shard`` per
 decoder layer shards them with the layer, ``device_map`` puts them on the layer's device, gradient
@@ -43,11 +43,10 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..core import AttentionMethod, PIDConfig, PIDMethod, get_method
-from ..core.gains import _GAINS, MIN_INITIAL_GAIN, PIDGains, _inverse_softplus
+from ..core import AttentionMethod, get_method
 from .internals import TP_PLAN, TP_STYLE
 
-__all__ = ["GAINS_ATTR", "LayerGains", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
+__all__ = ["GAINS_ATTR", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
            "extend_tp_plan", "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset",
            "tp_plan_entries"]
 
@@ -59,39 +58,16 @@ MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.[^.]+$"
 #: (``attention_params.modules_to_save.<adapter>.`` the trained copy, ``attention_params.original_module.`` the
 #: frozen original)
 _NAME = re.compile(rf"(^|\.){GAINS_ATTR}\.(modules_to_save\.[^.]+\.|original_module\.)?[^.]+$")
-#: on a learned module of another method than PID: ``(method, config)`` it was made from (its initial values)
+#: on a learned module made here: ``(method, config)`` it was made from (its initial values)
 _ORIGIN = "_pid_plugins_origin"
 
 
-class LayerGains(PIDGains):
-    """One self-attention layer's learnable gains; remembers the gains it started from, so transformers'
-    initialisation of missing weights (a softmax checkpoint loaded into a learnable model) restores those.
-
-    ``beta`` and ``control_first_layer`` are not learned: the adapter takes them from the model's
-    ``config.pid`` at every forward, and only the three gains from here.
-    """
-
-    def __init__(self, config: PIDConfig) -> None:
-        super().__init__(config)
-        self.initial = config
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Set every gain that transformers has not loaded to its initial value (the config's, at least
-        :data:`~pid_plugins.core.gains.MIN_INITIAL_GAIN`)."""
-        from transformers import initialization as init  # skips parameters flagged as loaded
-
-        for name in _GAINS:
-            raw = _inverse_softplus(max(getattr(self.initial, name), MIN_INITIAL_GAIN))
-            init.constant_(getattr(self, f"{name}_raw"), raw)
-
-
 def _is_learned(module: Any) -> bool:
-    return isinstance(module, PIDGains) or (isinstance(module, nn.Module) and _ORIGIN in module.__dict__)
+    return isinstance(module, nn.Module) and _ORIGIN in module.__dict__
 
 
 def layer_gains_of(module: nn.Module) -> "nn.Module | None":
-    """``module``'s learnable parameters: a :class:`PIDGains` or another method's ``make_learned`` module made here,
+    """``module``'s learnable parameters: the method's ``make_learned`` module made here (:func:`make`),
     or a wrapper holding one as ``original_module`` (peft's ``modules_to_save=["attention_params"]``: calling it gives
     the active adapter's copy), else None."""
     gains = module._modules.get(GAINS_ATTR)
@@ -103,15 +79,13 @@ def _method_of_learned(gains: nn.Module) -> Optional[str]:
     """The name of the method whose parameters ``gains`` (or the module a wrapper holds) are."""
     held = gains if _is_learned(gains) else getattr(gains, "original_module", None)
     origin = held.__dict__.get(_ORIGIN) if held is not None else None
-    return origin[0].name if origin is not None else "pid"
+    return origin[0].name if origin is not None else None
 
 
 def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
-    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters): PID's
-    :class:`LayerGains`, another method's ``make_learned`` module marked with what it was made from (so that
-    transformers' initialisation of missing weights restores those values, :func:`reset`)."""
-    if isinstance(method, PIDMethod):
-        return LayerGains(config) if getattr(config, "learnable", False) else None
+    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters): the method's
+    ``make_learned`` module (PID: :class:`~pid_plugins.core.gains.PIDGains`), marked with what it was made from, so
+    that transformers' initialisation of missing weights restores those values (:func:`reset`)."""
     learned = method.make_learned(config)
     if learned is not None:
         learned.__dict__[_ORIGIN] = (method, config)
@@ -122,9 +96,6 @@ def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
 def reset(module: nn.Module) -> bool:
     """Give a learned module made here the initial values of what it was made from, leaving the parameters
     transformers loaded alone (``transformers.initialization``); True if ``module`` is one."""
-    if isinstance(module, LayerGains):
-        module.reset_parameters()
-        return True
     origin = module.__dict__.get(_ORIGIN)
     if origin is None:
         return False

@@ -285,7 +285,7 @@ def _initialize_weights(self, module: nn.Module, *args, **kwargs):
 def _wrap_initialize_weights() -> None:
     """Make ``PreTrainedModel._initialize_weights`` (the one place transformers 5 initialises every module of a
     model: at construction and for the missing keys of ``from_pretrained``) initialise learnable gains
-    (:class:`~pid_plugins.hf.gains.LayerGains`) from their config, and the gain warm-up counter
+    (each method's ``make_learned`` module, :func:`~pid_plugins.hf.gains.reset`) from their config, and the gain warm-up counter
     (:class:`~pid_plugins.core.warmup.GainWarmup`) at 0. The model's own ``_init_weights`` does not know them and
     would leave ``torch.empty`` values."""
     global _ORIGINAL_INIT

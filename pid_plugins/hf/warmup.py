@@ -15,7 +15,7 @@ from typing import Any, Optional
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ..core import GainWarmup, PIDConfig, make_warmup
+from ..core import GainWarmup, make_warmup
 from .config import _PID, method_of, model_method_config
 
 __all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter", "warmup_scale"]
@@ -76,7 +76,7 @@ def attach_warmup(model: PreTrainedModel, config: Any = None) -> None:
     if not steps and current is None:
         return
     param = next(model.parameters(), None)
-    counter = make_warmup(PIDConfig(warmup_steps=steps), current, like=param)
+    counter = make_warmup(steps, current, like=param)
     if counter is None:
         del model._modules[WARMUP_ATTR]
         return
