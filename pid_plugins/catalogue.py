@@ -42,6 +42,11 @@ class ModelEntry:
         """The variant's gains: its preset with the entry's overrides."""
         return PIDConfig.preset(self.preset, **self.gains)
 
+    def configure(self, overrides: Any = None) -> PIDConfig:
+        """The variant's gains with a user's ``overrides`` (None, a config, a preset name or a dict of overrides:
+        :meth:`~pid_plugins.core.config.MethodConfig.coerce`)."""
+        return PIDConfig.coerce(overrides, default=self.pid_config())
+
 
 def _registry_files() -> Iterable[tuple[str, str]]:
     root = resources.files("pid_plugins.registry")

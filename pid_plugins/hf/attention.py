@@ -76,7 +76,7 @@ class MethodForwardState:
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
                  cached: bool = False, cache: Any = None, restart: bool = False) -> None:
         self.method = method if method is not None else _PID
-        self.config = config  # the method's parameters (PID: a PIDConfig)
+        self.config = config  # the method's parameters (its config)
         self.base = base
         self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
         # decided once per forward, not per layer call: the stock attention (zero gains), the base function (None

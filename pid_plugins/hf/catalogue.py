@@ -6,7 +6,6 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from .. import catalogue
-from ..core import PIDConfig
 from .config import ATTN_IMPLEMENTATION
 
 __all__ = ["get_config", "list_models"]
@@ -21,12 +20,13 @@ def get_config(name: str, pid: Any = None, **overrides: Any) -> PretrainedConfig
     """A transformers config for registry variant ``name`` with PID attention and its gains.
 
     ``AutoModelForCausalLM.from_config(get_config("pid_gpt2_wikitext103"))`` builds the model;
-    ``pid`` overrides the entry's gains (dict/PIDConfig/preset name); other keywords override config fields.
+    ``pid`` overrides the entry's gains (a dict of overrides, a config or a preset name); other keywords override
+    config fields.
     """
     entry = catalogue.get_model_entry(name)
     if entry.zoo != "hf":
         raise ValueError(f"{name!r} is a {entry.zoo} model; pid_plugins.hf.list_models() shows the transformers ones")
-    gains = PIDConfig.coerce(pid, default=entry.pid_config())
+    gains = entry.configure(pid)
     config = AutoConfig.for_model(entry.base, **{**entry.kwargs, **overrides}, attn_implementation=ATTN_IMPLEMENTATION)
     config.pid = gains.to_dict()
     config.attn_implementation = ATTN_IMPLEMENTATION

@@ -54,7 +54,7 @@ def method_of(config: Any) -> Optional[AttentionMethod]:
 
 def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
     """The parameters a model runs its method with: ``config.<method name>`` (``config.pid`` for PID: a dict, a
-    PIDConfig or a preset name) over the method's transformers preset (PID: ``lm``; with ``learnable``, the initial
+    config or a preset name) over the method's transformers preset (PID: ``lm``; with ``learnable``, the initial
     values of every self-attention layer's own gains). ``method``: default, the one ``config`` runs, else PID."""
     method = method or method_of(config) or _PID
     raw = getattr(config, method.name, None)

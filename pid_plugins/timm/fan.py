@@ -195,8 +195,8 @@ class FANBlock(nn.Module):
 class FAN(MethodModel, nn.Module):
     """FAN-ViT: convolutional stem, Fourier positions, FAN blocks, two class-attention blocks, head.
 
-    ``attention="pid"`` puts the FAN blocks' token mixing under PID control (``attention_cfg``: a
-    :class:`PIDConfig`, a dict of overrides of ``deit``, or a preset name), ``attention="<name>"`` under another
+    ``attention="pid"`` puts the FAN blocks' token mixing under PID control (``attention_cfg``: the method's
+    config, a dict of overrides of ``deit``, or a preset name), ``attention="<name>"`` under another
     registered method (``attention_cfg``: its parameters); ``attention="softmax"`` (the default of the ``fan_*``
     names) is the stock FAN. :func:`pid_plugins.timm.convert` switches a built FAN in place (it keeps its class).
     """
