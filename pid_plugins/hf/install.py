@@ -6,10 +6,13 @@ All through transformers' and torch's extension points except the last:
   ``AttentionInterface`` (:func:`~pid_plugins.hf.attention.method_attention_forward`) and ``AttentionMaskInterface``
   (the base attention's mask function) under its name, and the names transformers holds are reserved
   (:func:`~pid_plugins.core.reserve_names`: a method cannot take ``"sdpa"`` or a ``PretrainedConfig`` attribute);
-* a torch module-registration hook (:func:`_on_registration`) gives every ``PreTrainedModel`` its inert forward
-  hooks when it registers its first child (before any forward), refuses a family that picks its attention classes
-  from its own table, makes the warm-up counter and learnable parameters while the model is built (so
-  ``from_pretrained`` loads them), and wraps the model's ``post_init`` once (discovery before the first forward);
+* ``PreTrainedModel.__init__`` (the one class-level hook; it runs at the start of every transformers model's
+  ``__init__``, once its config is final and before its layers are built) gives the model its inert forward hooks,
+  refuses a family that picks its attention classes from its own table (it would fail with a bare ``KeyError``
+  while building its layers), and replaces the model's own ``post_init`` (an instance attribute, removed when it
+  runs) so that, once the layers exist and before transformers initialises them, the warm-up counter and learnable
+  parameters are made (``from_pretrained`` then loads them) and the model is discovered before its first forward.
+  No torch-global hook: a module that is not a transformers model is never looked at;
 * ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (behind every ``from_config``) are wrapped
   once, so that a method's parameters are a keyword of both (``attn_implementation="pid", pid={...}``): transformers
   hands a keyword that names no attribute of the config to the model's ``__init__``, which takes none, and
@@ -51,25 +54,28 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------- while a model is built
-def _on_registration(module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
-    # PreTrainedModel.__init__ runs nn.Module.__init__ first, so the model's own first child registration
-    # reaches here before any forward: every model built after the import carries the (inert) hook
-    if not isinstance(module, PreTrainedModel):
+_ORIGINAL_MODEL_INIT = None
+
+
+def _model_init(self, *args: Any, **kwargs: Any) -> None:
+    """``PreTrainedModel.__init__``, then what a model needs before its layers are built."""
+    _ORIGINAL_MODEL_INIT(self, *args, **kwargs)
+    if self.__dict__.get(discovery.HOOKED, False):
         return
-    if not module.__dict__.get(discovery.HOOKED, False):
-        request = _REQUEST.get()
-        if request is not None:  # from_pretrained(..., pid={...}): the config is final now, the layers not built yet
-            apply_method_kwargs(module.config, *request)
-        _check_family(module)
-        discovery.hook(module)
-        persist(module.config)  # saved as the method's name whenever the model runs one at save time, else null
-        # the counter exists from construction on, so from_pretrained loads t (config.<method> has warmup_steps > 0)
-        attach_warmup(module)
-        module.__dict__["post_init"] = functools.partial(_post_init, module)
-    if ANY_COUNTER[0] and submodule is not None and not isinstance(submodule, GainWarmup):
-        _adopt_counters(module, submodule)
-    if submodule is not None and not isinstance(submodule, PreTrainedModel):
-        _attach_gains_at_construction(module, name, submodule)
+    request = _REQUEST.get()
+    if request is not None:  # from_pretrained(..., pid={...}): the config is final now, the layers not built yet
+        apply_method_kwargs(self.config, *request)
+    _check_family(self)
+    discovery.hook(self)
+    persist(self.config)  # saved as the method's name whenever the model runs one at save time, else null
+    self.__dict__["post_init"] = functools.partial(_post_init, self)
+
+
+def _wrap_model_init() -> None:
+    global _ORIGINAL_MODEL_INIT
+    if _ORIGINAL_MODEL_INIT is None:
+        _ORIGINAL_MODEL_INIT = PreTrainedModel.__init__
+        PreTrainedModel.__init__ = functools.wraps(_ORIGINAL_MODEL_INIT)(_model_init)
 
 
 def _check_family(model: PreTrainedModel) -> None:
@@ -83,11 +89,11 @@ def _check_family(model: PreTrainedModel) -> None:
         discovery.check_family(type(model), config, method.name)
 
 
-def _adopt_counters(model: PreTrainedModel, submodule: nn.Module) -> None:
-    """Move the warm-up counters of models nested in ``submodule`` to ``model``: one counter, on the outermost
+def _adopt_counters(model: PreTrainedModel) -> None:
+    """Move the warm-up counters of the models nested in ``model`` to ``model``: one counter, on the outermost
     model, advanced once per forward of the whole model."""
-    for m in submodule.modules():
-        if isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
+    for m in model.modules():
+        if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
             counter = m._modules.pop(WARMUP_ATTR)
             plan = m.__dict__.get(discovery.PLAN)
             if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
@@ -96,17 +102,20 @@ def _adopt_counters(model: PreTrainedModel, submodule: nn.Module) -> None:
                 give_counter(model, counter)
 
 
-def _attach_gains_at_construction(model: PreTrainedModel, name: str, child: nn.Module) -> None:
-    """A model with learnable parameters registers ``child`` (its layers are built by then): give each self-attention
-    module below it its parameters now, so that ``from_pretrained`` loads the saved values into them."""
+def _attach_gains_at_construction(model: PreTrainedModel) -> None:
+    """A model with learnable parameters, its layers just built: give each self-attention module its parameters
+    now, so that ``from_pretrained`` loads the saved values into them."""
     cfg = discovery.learnable_config(model.__dict__.get("config"))
     if cfg is None:
         return
     added = False
-    for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in discovery.walk(child))]:
-        if not isinstance(sub, PreTrainedModel) and discovery.calls_interface(type(sub)) and \
-                not discovery.is_cross(path.split("."), sub):
-            added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
+    for name, child in model.named_children():
+        if isinstance(child, PreTrainedModel):  # a nested model gave its own layers theirs in its post_init
+            continue
+        for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in discovery.walk(child))]:
+            if not isinstance(sub, PreTrainedModel) and discovery.calls_interface(type(sub)) and \
+                    not discovery.is_cross(path.split("."), sub):
+                added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
     if added:
         learned_gains.ignore_missing(model)
 
@@ -119,6 +128,13 @@ def _post_init(model: PreTrainedModel) -> None:
     ``post_init`` has just built the model's plan from its class, config and children, and an outer model builds
     its own from this one's when its ``post_init`` runs."""
     model.__dict__.pop("post_init", None)
+    # the layers exist now, and transformers has not initialised them yet (the class's post_init does): the counter
+    # (config.<method> has warmup_steps > 0) and learnable parameters are made here, so that from_pretrained loads
+    # them and transformers' initialisation of what a checkpoint lacks reaches them
+    attach_warmup(model)
+    if ANY_COUNTER[0]:
+        _adopt_counters(model)
+    _attach_gains_at_construction(model)
     type(model).post_init(model)
     if method_of(model.config) is not None and discovery.PLAN not in model.__dict__:
         with discovery._LOCK:
@@ -334,7 +350,7 @@ def install() -> None:
     # does not guard on (and recompile after) their first read
     checkpointing.require()
     _INSTALLED[0] = True
-    torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+    _wrap_model_init()
     _wrap_initialize_weights()
     _wrap_loaders()
     _wrap_continuous_batching()
