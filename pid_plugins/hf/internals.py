@@ -97,7 +97,9 @@ def _initialize_weights() -> bool:
     from transformers import PreTrainedModel
 
     params = list(inspect.signature(PreTrainedModel._initialize_weights).parameters)
-    return params[:2] == ["self", "module"] and callable(getattr(PreTrainedModel, "post_init", None))
+    init = list(inspect.signature(PreTrainedModel.__init__).parameters)
+    return (params[:2] == ["self", "module"] and callable(getattr(PreTrainedModel, "post_init", None))
+            and init[:2] == ["self", "config"])
 
 
 def _loaders() -> bool:
@@ -165,8 +167,9 @@ TORCH_CHECKPOINT = Internal(
     "refusing torch's reentrant checkpoint_wrapper (apply_activation_checkpointing) before the forward, and a KV cache "
     "under torch's activation checkpointing before the forward", "2.14 - 2.15", _torch_checkpoint)
 INITIALIZE_WEIGHTS = Internal(
-    ZOO, "PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
-    "initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery before the first forward",
+    ZOO, "PreTrainedModel.__init__, PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
+    "the construction hook; initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery "
+    "before the first forward",
     "5.20 - 5.24", _initialize_weights)
 LOADERS = Internal(
     ZOO, "PreTrainedModel.from_pretrained/_from_config and _BaseAutoModelClass.from_pretrained (classmethods)",
