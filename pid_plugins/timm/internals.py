@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..versions import Internal, parameters, reads, require, squashed
+from ..versions import Internal, parameters, require, squashed
 
 __all__ = ["INTERNALS", "require_all"]
 
@@ -31,45 +31,117 @@ def _attn_layers() -> bool:
     return isinstance(layers, dict) and all(isinstance(k, str) for k in layers) and layers.get("attn") is Attention
 
 
+# The method ViT computes timm's Attention, Block and VisionTransformer.forward_features / forward_intermediates
+# again with the method's step in between. Whether those still compute what timm's do is checked by behaviour, not by
+# reading timm's source, with two probes, each PID at zero gains on the stock weights, compared bit for bit:
+#   - the block probe (Block vs PIDBlock: timm's Attention and Block with every option the method classes recompute,
+#     q/k norms and layer scale; with and without an attention mask);
+#   - the model probe (VisionTransformer vs the method ViT, a register token and a pre-norm too: forward, forward
+#     with a mask, every intermediate of forward_intermediates).
+# A timm release that computes any of them differently fails its probe, whatever its text; one that only rewrites the
+# text passes. The signatures are compared too (what the method classes accept).
+
+#: the probe's stock ViT: every option of timm's Attention / Block / VisionTransformer the method classes recompute
+PROBE_VIT = dict(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=3, qk_norm=True,
+                 init_values=0.5, reg_tokens=1, pre_norm=True)
+PROBE_BLOCK = dict(dim=16, num_heads=2, qk_norm=True, init_values=0.5)
+_PROBING = [False]
+
+
+def _zero_pid() -> "MethodChoice":  # noqa: F821
+    from ..core import MethodChoice, get_method
+
+    method = get_method("pid")
+    return MethodChoice(method, method.configure(dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0), "timm"))
+
+
+def _perturbed(stock):
+    """``stock`` with every parameter moved off its initial value (layer scale, norms): every step counts."""
+    import torch
+
+    for p in stock.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return stock.eval()
+
+
+def _block_probe() -> bool:
+    """timm's Block and the method's PIDBlock (PID at zero gains, the stock weights) compute the same, bit for bit."""
+    if _PROBING[0]:
+        return True
+    import torch
+    from timm.models.vision_transformer import Block
+
+    from .vision_transformer import PIDAttention, PIDBlock
+
+    _PROBING[0] = True
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            stock = _perturbed(Block(**PROBE_BLOCK))
+            block = PIDBlock(**PROBE_BLOCK, choice=_zero_pid()).eval()
+            block.load_state_dict(stock.state_dict())
+            x = torch.randn(2, 5, PROBE_BLOCK["dim"])
+            mask = torch.ones(5, 5, dtype=torch.bool).tril()
+            with torch.no_grad():
+                return (isinstance(block.attn, PIDAttention) and torch.equal(block(x), stock(x))
+                        and torch.equal(block(x, attn_mask=mask), stock(x, attn_mask=mask)))
+    finally:
+        _PROBING[0] = False
+
+
+def _vit_probe() -> bool:
+    """The stock ViT and the method ViT (PID at zero gains, the stock weights) compute the same, bit for bit. Run by
+    each internal's check (each checked once per process: :func:`pid_plugins.versions.require`)."""
+    if _PROBING[0]:  # the method ViT built below requires these internals: the probe in progress answers
+        return True
+    import torch
+    from timm.models.vision_transformer import VisionTransformer
+
+    from .vision_transformer import PIDAttention, PIDVisionTransformer
+
+    _PROBING[0] = True
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            stock = _perturbed(VisionTransformer(**PROBE_VIT))
+            zero = _zero_pid()
+            model = PIDVisionTransformer(**PROBE_VIT, attention=zero.method.name, attention_cfg=zero.config).eval()
+            model.load_state_dict(stock.state_dict(), strict=False)
+            x = torch.randn(2, 3, 16, 16)
+            tokens = 1 + 1 + (16 // 8) ** 2
+            mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+            with torch.no_grad():
+                same = (all(isinstance(b.attn, PIDAttention) for b in model.blocks)
+                        and torch.equal(model(x), stock(x))
+                        and torch.equal(model.forward_features(x, attn_mask=mask),
+                                        stock.forward_features(x, attn_mask=mask)))
+                got, want = model.forward_intermediates(x), stock.forward_intermediates(x)
+                same = same and torch.equal(got[0], want[0]) and len(got[1]) == len(want[1]) and all(
+                    torch.equal(a, b) for a, b in zip(got[1], want[1]))
+        return bool(same)
+    finally:
+        _PROBING[0] = False
+
+
 def _create_attn() -> bool:
     from timm.models.vision_transformer import Block, _create_attn
 
     return ("attn_layer" in parameters(Block.__init__)
-            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"]
-            and "self.attn=_create_attn(attn_layer," in squashed(Block.__init__)
-            and "isinstance(attn_layer,str)" in squashed(_create_attn))
-
-
-#: what timm's ``Attention.forward`` reads on the layer: :class:`~pid_plugins.timm.PIDAttention` computes it again
-ATTENTION_READS = frozenset({"attn_dim", "attn_drop", "fused_attn", "gate", "head_dim", "k_norm", "norm", "num_heads",
-                             "proj", "proj_drop", "q_norm", "qkv", "scale", "training"})
+            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"] and _block_probe())
 
 
 def _attention_forward() -> bool:
     from timm.layers import Attention
 
-    source = squashed(Attention.forward)
-    return (parameters(Attention.forward) == ["self", "x", "attn_mask", "is_causal"]
-            and reads(Attention.forward) == ATTENTION_READS
-            and all(call in source for call in ("F.scaled_dot_product_attention(", "resolve_self_attn_mask(N,attn,",
-                                                "maybe_add_mask(attn,", "self.qkv(x).reshape(B,N,3,self.num_heads,")))
-
-
-#: what timm's ``Block.forward`` reads: :class:`~pid_plugins.timm.PIDBlock` computes it again
-BLOCK_READS = frozenset({"attn", "drop_path1", "drop_path2", "ls1", "ls2", "mlp", "norm1", "norm2"})
+    return parameters(Attention.forward) == ["self", "x", "attn_mask", "is_causal"] and _block_probe()
 
 
 def _block_forward() -> bool:
     from timm.models.vision_transformer import Block
 
-    return parameters(Block.forward) == ["self", "x", "attn_mask", "is_causal"] and reads(Block.forward) == BLOCK_READS
+    return parameters(Block.forward) == ["self", "x", "attn_mask", "is_causal"] and _block_probe()
 
 
-#: what ``VisionTransformer.forward_features`` / ``forward_intermediates`` read: the method ViT computes them again
-#: with the method's state threaded through the blocks
-VIT_FEATURES_READS = frozenset({"_pos_embed", "blocks", "grad_checkpointing", "norm", "norm_pre", "patch_drop",
-                                "patch_embed"})
-VIT_INTERMEDIATES_READS = VIT_FEATURES_READS | {"num_prefix_tokens"}
 VIT_INTERMEDIATES_PARAMETERS = ["self", "x", "indices", "return_prefix_tokens", "norm", "stop_early", "output_fmt",
                                 "intermediates_only", "output_dict", "attn_mask", "is_causal"]
 
@@ -81,11 +153,9 @@ def _vit_forward() -> bool:
     init = parameters(VisionTransformer.__init__)
     return ("block_fn" in init and "attn_layer" in init
             and parameters(VisionTransformer.forward_features) == ["self", "x", "attn_mask", "is_causal"]
-            and reads(VisionTransformer.forward_features) == VIT_FEATURES_READS
-            and "else:x=self.blocks(x)" in squashed(VisionTransformer.forward_features)
             and parameters(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_PARAMETERS
-            and reads(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_READS
-            and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled)))
+            and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled))
+            and _vit_probe())
 
 
 def _feature_take_indices() -> bool:
@@ -96,7 +166,11 @@ def _feature_take_indices() -> bool:
             and feature_take_indices(3, [0, -2]) == ([0, 1], 1))
 
 
+# Source text, where no probe sees the change (each says why):
+
 def _checkpoint() -> bool:
+    # source text: that timm's checkpoint hands the call to torch.utils.checkpoint with the reentrant flag given; a
+    # probe sees the same result and gradients either way (checkpointing changes memory, not values)
     from timm.models._manipulate import checkpoint
 
     kinds = [(p.name, p.kind) for p in inspect.signature(checkpoint).parameters.values()]
@@ -116,6 +190,8 @@ def _pretrained_source() -> bool:
 
 
 def _classifier_drop() -> bool:
+    # source text: load_pretrained's classifier drop runs only with a pretrained checkpoint of another class count,
+    # which pid-plugins cannot fetch (no download) to probe with
     from timm.models._builder import load_pretrained
 
     source = squashed(load_pretrained)
@@ -125,6 +201,8 @@ def _classifier_drop() -> bool:
 
 
 def _build_model_with_cfg() -> bool:
+    # source text: the 'getter' feature class is chosen inside build_model_with_cfg from feature_cfg; probing it
+    # builds a features_only model, the work the check guards
     from timm.models import build_model_with_cfg
 
     return ({"pretrained_filter_fn", "feature_cfg"} <= set(parameters(build_model_with_cfg))
@@ -171,6 +249,7 @@ def _xcit() -> bool:
 
 
 def _default_cfgs() -> bool:
+    # source text: read before the names are registered (at import), when no registered model exists to probe
     from timm.models import _registry
 
     source = squashed(_registry.register_model)
@@ -238,7 +317,8 @@ INTERNALS = (ATTN_LAYERS, CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, VIT_FOR
              PRETRAINED_SOURCE, CLASSIFIER_DROP, BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, XCIT, DEFAULT_CFGS)
 
 #: what a method ViT (built by name, or converted) relies on
-VIT = (CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT)
+#: (the model probe of VIT_FORWARD runs forward_intermediates, which reads FEATURE_TAKE_INDICES: that one first)
+VIT = (CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT, VIT_FORWARD)
 #: what FAN relies on
 FAN = (XCIT, FEATURE_TAKE_INDICES, CHECKPOINT)
 

@@ -322,10 +322,10 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer
 def _create(
     entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any
 ) -> VisionTransformer:
+    if pretrained:  # refused before anything is built (the internals' probes build small models)
+        check_pretrained_source(name, entry.base, kwargs)
     require(BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, *VIT)
     choice = entry_choice(entry, default_attention, kwargs, name)
-    if pretrained:
-        check_pretrained_source(name, entry.base, kwargs)
     out_indices = kwargs.pop("out_indices", 3)
     model_args = {**entry.kwargs, **kwargs}
     return build_model_with_cfg(
