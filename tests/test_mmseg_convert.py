@@ -1,6 +1,7 @@
 """``pid_plugins.mmseg.convert(model, attention, attention_cfg)``: a built mmseg segmentor (ViT backbone + Segmenter's
 mask-transformer head) switched IN PLACE (issue 35): its backbone and decode head replaced (core's replace_module), a
-bare method backbone or head reconfigured keeping its class, a bare stock one refused (issue 44).
+bare method backbone or head reconfigured keeping its class, a bare stock head refused (issue 44; a bare
+stock backbone converts in place: tests/test_convert_whole_model.py).
 
 References: the segmentor built from a config with pid-plugins' types and that method, the same weights loaded
 strictly (bit for bit, and the same attributes, submodules, parameters and buffers), and the stock segmentor itself
@@ -160,10 +161,10 @@ def test_a_bare_method_backbone_to_softmax_keeps_its_class_and_computes_the_stoc
     assert torch.equal(logits(model), y_stock)
 
 
-@pytest.mark.parametrize("part", ["backbone", "decode_head"])
-def test_a_bare_stock_backbone_or_head_is_refused_before_anything_changes(part):
+def test_a_bare_stock_head_is_refused_before_anything_changes():
+    """(A bare stock backbone converts, keeping its class: tests/test_convert_whole_model.py.)"""
     model = stock()
-    module = getattr(model, part)
+    module = model.decode_head
     pristine, y = layout(model), logits(model)
     with pytest.raises(TypeError, match=r"cannot become a PID\w+ in place.*convert the segmentor.*"
                                         r"type='PIDVisionTransformer'"):

@@ -2,8 +2,9 @@
 
 References: the ``pid_*`` model built by name with the same weights loaded strictly (bit for bit), and the stock
 timm model itself (softmax: timm's own classes again, its exact attributes, state_dict keys and outputs). A stock
-root keeps its class (its ``blocks`` become ``MethodBlocks``); timm's own loops over its blocks are refused with
-``MissingLayerState``, and the model built by name runs them.
+root keeps its class (its ``blocks`` become ``MethodBlocks``, its ``forward_features`` / ``forward_intermediates``
+the method classes'): it runs every path the model built by name runs (tests/test_convert_whole_model.py, every
+method).
 """
 import copy
 
@@ -13,7 +14,6 @@ import torch
 timm = pytest.importorskip("timm")
 import pid_plugins  # noqa: E402
 import pid_plugins.timm as pt  # noqa: E402
-from pid_plugins.core import MissingLayerState  # noqa: E402
 from timm.layers import Attention  # noqa: E402
 from timm.models.deit import VisionTransformerDistilled  # noqa: E402
 from timm.models.vision_transformer import Block, VisionTransformer  # noqa: E402
@@ -242,24 +242,18 @@ def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_
     reference = named("pid", cfg)
     reference.load_state_dict(model.state_dict())
     x = images()
-    # timm's own loops over the blocks call each block without the state: refused, naming the pid_* route; the
-    # model built by name runs them
-    with torch.no_grad(), pytest.raises(MissingLayerState, match=r"'pid': layer 1 of its group.*build the model by "
-                                                                 r"its pid_\* name"):
-        model.forward_intermediates(x, indices=[0, 2])
-    with torch.no_grad(), pytest.raises(MissingLayerState, match="layer 1 of its group"):
-        model(x, attn_mask=torch.zeros(17, 17))
+    # timm's own loops over the blocks (intermediates, attn_mask, fx feature extraction, checkpointing) run the
+    # method on the converted root as on the model built by name
+    mask = torch.zeros(17, 17)
     with torch.no_grad():
-        final, inter = reference.forward_intermediates(x, indices=[0, 2])
-        torch.testing.assert_close(final, reference.forward_features(x), rtol=0, atol=0)
-        mask = torch.zeros(17, 17)
-        torch.testing.assert_close(reference(x, attn_mask=mask), reference(x))  # its own attn_mask path
-    # torch.fx: timm's feature extraction traces attn_mask as an input, so timm's forward_features takes its loop
-    # over the blocks: refused on the stock root (the model built by name traces); with attn_mask / is_causal given
-    # as constants (torchvision's concrete_args) the plain path, self.blocks(x), traces the method
-    with pytest.raises(MissingLayerState, match="build the model by its pid_"):
-        get_graph_node_names(model)
-    assert "blocks.1.add_1" in get_graph_node_names(reference)[1]
+        final, inter = model.forward_intermediates(x, indices=[0, 2])
+        want_final, want_inter = reference.forward_intermediates(x, indices=[0, 2])
+        assert torch.equal(final, want_final) and all(torch.equal(a, b) for a, b in zip(inter, want_inter))
+        torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
+        assert torch.equal(model(x, attn_mask=mask), reference(x, attn_mask=mask))
+        torch.testing.assert_close(model(x, attn_mask=mask), model(x))  # a zero mask: the plain forward
+    # torch.fx: timm's feature extraction (attn_mask traced as an input) and torchvision's (constants)
+    assert get_graph_node_names(model) == get_graph_node_names(reference)
     constants = {"attn_mask": None, "is_causal": False}
     assert "blocks.1.add_1" in tv_graph_node_names(model, concrete_args=constants)[1]
     extractor = tv_feature_extractor(model, return_nodes={"blocks.1.add_1": "block", "head": "logits"},
@@ -270,19 +264,17 @@ def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_
         assert torch.equal(out["logits"], reference(x))
         one = reference.forward_intermediates(x, indices=[1], output_fmt="NLC", intermediates_only=True)[0]
         assert torch.equal(out["block"][:, reference.num_prefix_tokens:], one)
-    # gradient checkpointing (timm's switch): timm's checkpoint_seq on the stock root is refused; the model built by
-    # name checkpoints each block itself, with the loss and gradients of the converted model's plain forward
+    # gradient checkpointing (timm's switch): each block checkpointed with its state, the gradients of the model
+    # built by name
     model.train(), reference.train()
     model.set_grad_checkpointing(True)
-    with pytest.raises(MissingLayerState, match="build the model by its pid_"):
-        model(x)
-    model.set_grad_checkpointing(False)
     reference.set_grad_checkpointing(True)
     model(x).sum().backward()
     reference(x).sum().backward()
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=0, atol=0)
+    model.set_grad_checkpointing(False)
     model.eval()
     # torch.compile of the converted model
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -311,9 +303,9 @@ def test_forward_intermediates_fx_checkpointing_compile_and_checkpoint_load(tmp_
         assert torch.equal(back(x), other(x))
 
 
-def test_warmup_on_the_stock_roots_own_loops_is_refused_and_finish_warmup_drops_the_counter():
-    """A method without cross-layer state (Twicing) runs in timm's own loops; under warm-up a block called without
-    the forward's warm-up scale would run at full scale, so it is refused (MissingLayerState), the first one too."""
+def test_warmup_on_the_stock_roots_own_loops_and_finish_warmup_drops_the_counter():
+    """Under warm-up timm's own loops on a converted root read the forward's warm-up scale once, as the model built
+    by name does; finish_warmup drops the converted root's counter."""
     model = pt.convert(stock(), "twicing", {"from_layer": 0})
     x = images()
     with torch.no_grad():
@@ -321,9 +313,8 @@ def test_warmup_on_the_stock_roots_own_loops_is_refused_and_finish_warmup_drops_
         pt.convert(model, "pid")
         y = model(x)
         pt.convert(model, "pid", {"warmup_steps": 4})
-        with pytest.raises(MissingLayerState, match=r"layer 0 runs under gain warm-up.*warmup_scale="):
-            model.forward_intermediates(x)
         model.attention_warmup.step.fill_(2)
+        assert torch.equal(model.forward_intermediates(x)[0], model.forward_features(x))
         assert not torch.equal(model(x), y)
     pid_plugins.finish_warmup(model)  # the converted root's counter goes, with the container's reference
     assert not hasattr(model, "attention_warmup") and model.blocks.warmup_counter is None

@@ -17,7 +17,7 @@ from .warmup import GainWarmup
 __all__ = [
     "MethodLayer", "MethodModel", "finish_warmup", "register_warmup_finisher", "finished_config", "LAYER_ATTRIBUTES",
     "MODEL_ATTRIBUTES", "strip_attributes", "settle_submodule", "warn_unfinished_warmup", "number_layers",
-    "rebuild", "replace_module", "carries_trained_weights", "warn_switch_of_trained_weights",
+    "rebuild", "replace_module", "carries_trained_weights", "warn_switch_of_trained_weights", "finish_model_warmup",
 ]
 
 logger = logging.getLogger(__name__)
@@ -271,17 +271,13 @@ def finish_warmup(model: nn.Module) -> nn.Module:
     """
     found = False
     for name, module in model.named_modules():
-        if isinstance(module, (MethodLayer, MethodModel)):
+        if isinstance(module, MethodModel):
+            found = True
+            finish_model_warmup(module, name or type(model).__name__)
+        elif isinstance(module, MethodLayer):
             found = True
             if module.attention_method is not None:
                 module.attention_config = finished_config(module.attention_config)
-        if isinstance(module, MethodModel) and module.attention_warmup is not None:
-            counter = module.attention_warmup
-            warn_unfinished_warmup(counter, name or type(model).__name__)
-            module.attention_warmup = None
-            if getattr(module, "_stock_plus_term", False):  # keep the warmed-up form, at scale 1 (not saved)
-                one = torch.ones((), dtype=counter.scale().dtype, device=counter.step.device)
-                module.register_buffer("_warmup_finished", one, persistent=False)
     for finisher in _FINISHERS:
         found = finisher(model) or found
     if not found:
@@ -290,6 +286,22 @@ def finish_warmup(model: nn.Module) -> nn.Module:
             "warm-up to finish); give it a model built or converted with a method"
         )
     return model
+
+
+def finish_model_warmup(module: nn.Module, where: str) -> None:
+    """:func:`finish_warmup` of one module holding a model's method (a :class:`MethodModel`, or a stock module given
+    its attributes in place by an adapter's ``convert``): its config at its final parameters, its counter dropped
+    (a stock-plus-term model keeps that form at scale 1)."""
+    if module.attention_method is not None:
+        module.attention_config = finished_config(module.attention_config)
+    counter = module.attention_warmup
+    if counter is None:
+        return
+    warn_unfinished_warmup(counter, where)
+    module.attention_warmup = None
+    if getattr(module, "_stock_plus_term", False):  # keep the warmed-up form, at scale 1 (not saved)
+        one = torch.ones((), dtype=counter.scale().dtype, device=counter.step.device)
+        module.register_buffer("_warmup_finished", one, persistent=False)
 
 
 def warn_unfinished_warmup(counter: GainWarmup, where: str) -> None:

@@ -16,15 +16,22 @@ and hooks); no class is ever reassigned.
   stock model computes.
 * A bare ``PIDVisionTransformer`` or ``PIDSegmenterMaskTransformerHead`` (built from a config, or a converted
   segmentor's part) is reconfigured in place and keeps its class: another method, other parameters, or softmax
-  (mmseg's own layers and forward: the stock function, bit for bit). A bare STOCK backbone or head cannot change its
-  class in place and is refused (softmax, which it already computes, leaves it as it is): convert the segmentor
-  that holds it, or build it with ``type='PIDVisionTransformer'`` / ``type='PIDSegmenterMaskTransformerHead'``.
+  (mmseg's own layers and forward: the stock function, bit for bit).
+* A bare STOCK ``VisionTransformer`` backbone (built alone) keeps its class (the module given has no parent to
+  replace it in): it gets the attributes of :class:`~pid_plugins.mmseg.PIDVisionTransformer` (the method, its
+  config, the warm-up counter, the method record), its layers are switched as above, and its ``forward`` becomes
+  :class:`~pid_plugins.mmseg.PIDVisionTransformer`'s (:func:`~pid_plugins.mmseg.vit.bare_forward` bound as an
+  instance attribute): the same outputs and ``state_dict`` as the backbone built with that type and the same weights.
+  ``attention="softmax"`` removes all of it. A bare stock head cannot change its class in place and is refused
+  (softmax, which it already computes, leaves it as it is): convert the segmentor that holds it, or build it with
+  ``type='PIDSegmenterMaskTransformerHead'``.
 
 Everything is checked before anything changes: an unknown method or bad parameters (core's message), a model that is
 not one of those, layers that are not mmseg's ``TransformerEncoderLayer``.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, List, Optional, Tuple, TypeVar
 
 from torch import nn
@@ -33,10 +40,13 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.models.segmentors import BaseSegmentor
 
 from ..core import MethodChoice, method_warmup
-from ..core.layer import MODEL_ATTRIBUTES, replace_module, strip_attributes, warn_switch_of_trained_weights
+from ..core.layer import (
+    MODEL_ATTRIBUTES, MethodModel, finish_model_warmup, register_warmup_finisher, replace_module, settle_submodule,
+    strip_attributes, warn_switch_of_trained_weights,
+)
 from .head import PIDSegmenterMaskTransformerHead
 from .internals import BACKBONE, HEAD, require
-from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers
+from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers, bare_forward
 
 __all__ = ["convert"]
 
@@ -57,7 +67,8 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     Args:
         model: a segmentor with mmseg's ``VisionTransformer`` backbone and ``SegmenterMaskTransformerHead`` (both
             switch, each its own group; stock, built with pid-plugins' types or converted before), or a bare
-            ``PIDVisionTransformer`` / ``PIDSegmenterMaskTransformerHead`` (reconfigured, keeping its class).
+            ``PIDVisionTransformer`` / ``PIDSegmenterMaskTransformerHead`` (reconfigured, keeping its class), or a
+            bare stock ``VisionTransformer`` (keeps its class, computes what ``PIDVisionTransformer`` computes).
         attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
             ``"softmax"``: mmseg's stock attention (a segmentor's parts become mmseg's own classes again).
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its ``mmseg`` preset (for
@@ -70,7 +81,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     FSDP) and before ``torch.compile``.
 
     Raises ``ValueError`` (unknown method, bad parameters) or ``TypeError`` (a model, head or layer this cannot
-    convert; a bare stock backbone or head) before anything is changed.
+    convert; a bare stock head) before anything is changed.
     """
     where = f"convert({type(model).__name__})"
     choice = _choose(attention, attention_cfg, where)
@@ -85,6 +96,8 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
         if parent is None:  # a bare method backbone/head (or a stock one asked for softmax): keeps its class
             if isinstance(part, (PIDVisionTransformer, PIDSegmenterMaskTransformerHead)):
                 part._configure_attention(choice, where)
+            elif type(part) is VisionTransformer:
+                _bare_backbone(part, choice, where)
             else:
                 _switch_layers(part.layers, None)
         elif choice is None:
@@ -103,7 +116,7 @@ def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, 
     if kind in _TO_STOCK:
         return [(kind.__name__, None, model)]
     if kind in _TO_METHOD:
-        if choice is not None:
+        if choice is not None and kind is not VisionTransformer:
             raise TypeError(
                 f"convert: a bare {kind.__name__} cannot become a {_TO_METHOD[kind].__name__} in place (the model "
                 f"given is the module itself, which has no parent to replace it in): {_STOCK_PART_HINT}"
@@ -134,3 +147,33 @@ def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, 
         f"convert: an mmseg segmentor with a VisionTransformer backbone and a SegmenterMaskTransformerHead, or a "
         f"PIDVisionTransformer or PIDSegmenterMaskTransformerHead, got {kind.__name__}{hint}"
     )
+
+
+# ------------------------------------------------------------------------------------------ a bare stock backbone
+def _bare_backbone(model: VisionTransformer, choice: Optional[MethodChoice], where: str) -> None:
+    """A bare stock ``VisionTransformer`` switched in place, keeping its class: what
+    :meth:`~pid_plugins.mmseg.PIDVisionTransformer._configure_attention` does (the method's attributes and record,
+    the layers) and :class:`~pid_plugins.mmseg.PIDVisionTransformer`'s forward bound to it; softmax removes all of
+    it (mmseg's own layers and forward again)."""
+    if choice is None:
+        _switch_layers(model.layers, None)
+        strip_attributes(model, MODEL_ATTRIBUTES + ("forward",))
+        return
+    MethodModel.set_model_method(model, choice, model.pos_embed, stock_plus_term=True, where=where)
+    settle_submodule(model, "attention_warmup")
+    _switch_layers(model.layers, choice)
+    model.__dict__["forward"] = partial(bare_forward, model)
+
+
+def _finish(model: nn.Module) -> bool:
+    """Core's :func:`~pid_plugins.core.finish_warmup` for bare stock backbones converted in place (core finishes
+    :class:`~pid_plugins.core.layer.MethodModel` instances itself)."""
+    found = False
+    for name, module in model.named_modules():
+        if type(module) is VisionTransformer and "attention_method" in vars(module):
+            found = True
+            finish_model_warmup(module, name or type(model).__name__)
+    return found
+
+
+register_warmup_finisher(_finish)

@@ -12,7 +12,8 @@ backbone runs mmseg's forward: the stock output, bit for bit.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -275,31 +276,49 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         self.load_state_dict(state_dict, strict=True)
 
     def forward(self, inputs: Tensor) -> Tuple[Any, ...]:
-        scale = self.method_scale()  # one warm-up step per forward (outside the checkpointed layers)
-        if not self.method_active:
-            return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
-        B = inputs.shape[0]
-        x, hw_shape = self.patch_embed(inputs)
-        x = torch.cat((self.cls_token.expand(B, -1, -1), x), dim=1)
-        x = self._pos_embeding(x, hw_shape, self.pos_embed)
-        if not self.with_cls_token:
-            x = x[:, 1:]
-        if self.pre_norm:
-            x = self.pre_ln(x)
-        outs = []
-        if self.out_origin:
-            outs.append(self._output(x, hw_shape))
-        state: Optional[tuple] = None
-        for i, layer in enumerate(self.layers):
-            x, state = layer(x, method_state=state, warmup_scale=scale)
-            if i == len(self.layers) - 1 and self.final_norm:
-                x = self.norm1(x)
-            if i in self.out_indices:
-                outs.append(self._output(x, hw_shape))
-        return tuple(outs)
+        return method_forward(self, inputs, super().forward)
 
     def _output(self, x: Tensor, hw_shape: Tuple[int, int]) -> Any:
-        out = x[:, 1:] if self.with_cls_token else x
-        B, _, C = out.shape
-        out = out.reshape(B, hw_shape[0], hw_shape[1], C).permute(0, 3, 1, 2).contiguous()
-        return [out, x[:, 0]] if self.output_cls_token else out
+        return _output(self, x, hw_shape)
+
+
+def _output(model: VisionTransformer, x: Tensor, hw_shape: Tuple[int, int]) -> Any:
+    out = x[:, 1:] if model.with_cls_token else x
+    B, _, C = out.shape
+    out = out.reshape(B, hw_shape[0], hw_shape[1], C).permute(0, 3, 1, 2).contiguous()
+    return [out, x[:, 0]] if model.output_cls_token else out
+
+
+def method_forward(model: VisionTransformer, inputs: Tensor, stock_forward: Callable[[Tensor], Tuple[Any, ...]]
+                   ) -> Tuple[Any, ...]:
+    """The forward of a backbone with a method (:class:`PIDVisionTransformer`, or a bare stock ``VisionTransformer``
+    converted in place, :func:`bare_forward`): the method's state threaded through the layers, the warm-up scale read
+    once; ``stock_forward`` (mmseg's own) when the method computes the stock attention."""
+    scale = MethodModel.method_scale(model)  # one warm-up step per forward (outside the checkpointed layers)
+    if not MethodModel.method_active.fget(model):
+        return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
+    B = inputs.shape[0]
+    x, hw_shape = model.patch_embed(inputs)
+    x = torch.cat((model.cls_token.expand(B, -1, -1), x), dim=1)
+    x = model._pos_embeding(x, hw_shape, model.pos_embed)
+    if not model.with_cls_token:
+        x = x[:, 1:]
+    if model.pre_norm:
+        x = model.pre_ln(x)
+    outs = []
+    if model.out_origin:
+        outs.append(_output(model, x, hw_shape))
+    state: Optional[tuple] = None
+    for i, layer in enumerate(model.layers):
+        x, state = layer(x, method_state=state, warmup_scale=scale)
+        if i == len(model.layers) - 1 and model.final_norm:
+            x = model.norm1(x)
+        if i in model.out_indices:
+            outs.append(_output(model, x, hw_shape))
+    return tuple(outs)
+
+
+def bare_forward(model: VisionTransformer, inputs: Tensor) -> Tuple[Any, ...]:
+    """The forward of a bare stock ``VisionTransformer`` converted in place (:func:`~pid_plugins.mmseg.convert` binds
+    it as the instance's ``forward``): :class:`PIDVisionTransformer`'s."""
+    return method_forward(model, inputs, partial(VisionTransformer.forward, model))

@@ -9,8 +9,10 @@
     pid_plugins.timm.convert(stock_vit, "pid", {"lambda_p": 0.5})               # in place, the same tensors
     pid_plugins.timm.convert(stock_vit, "softmax")                               # timm's own classes again
 
-``convert`` is the one way to switch a built model (ViT/DeiT, FAN); a stock ViT keeps its class, and its
-``blocks`` become a :class:`MethodBlocks` that threads the method's state (see :mod:`pid_plugins.timm.conversion`).
+``convert`` is the one way to switch a built model (ViT/DeiT, FAN); a stock ViT keeps its class, its ``blocks``
+become a :class:`MethodBlocks` that threads the method's state and its ``forward_features`` /
+``forward_intermediates`` the method classes' own, so it runs every path of the model built by name (see
+:mod:`pid_plugins.timm.conversion`).
 
 Import-time changes to third-party modules (all through timm's and torch.fx's own extension points):
 

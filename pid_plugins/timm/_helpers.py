@@ -53,10 +53,8 @@ STATE_ROUTE = (
     "With timm, build the model by its pid_* name (timm.create_model('pid_<name>', pretrained=True, "
     "pretrained_cfg_overlay=dict(file=...), attention=..., attention_cfg=...); a softmax checkpoint loads as is): its "
     "class threads the state in every path (forward, attn_mask / is_causal, set_grad_checkpointing, "
-    "forward_intermediates). A stock VisionTransformer converted in place (pid_plugins.timm.convert) keeps timm's own "
-    "forward_features and forward_intermediates: they thread the state in the plain forward (self.blocks(x)) only, "
-    "while timm's loops over the blocks (gradient checkpointing, attn_mask / is_causal, forward_intermediates, and "
-    "torch.fx tracing that leaves attn_mask an input, as timm's feature extraction does) call each block without it. By hand (a pipeline stage): x, *state = block(x, *state, with_state=True), with "
+    "forward_intermediates, torch.fx feature extraction), and so does a stock VisionTransformer converted with "
+    "pid_plugins.timm.convert. By hand (a pipeline stage): x, *state = block(x, *state, with_state=True), with "
     "warmup_scale= the forward's warm-up scale under warm-up (FAN: block(x, H, W, *state)), handing the state "
     "tensors on beside x."
 )

@@ -8,14 +8,14 @@ parameters, buffers, submodules and hooks); no class is ever reassigned.
 * A stock timm ``VisionTransformer`` / ``VisionTransformerDistilled`` (standard ``Block`` + ``Attention``) keeps its
   class (the root module cannot be replaced in place): ``model.blocks`` becomes a
   :class:`~pid_plugins.timm.MethodBlocks` (the same blocks under the same keys) of
-  :class:`~pid_plugins.timm.PIDBlock` / :class:`~pid_plugins.timm.PIDAttention` blocks, which timm's own
-  ``forward_features`` calls (``x = self.blocks(x)``): ``forward``, ``forward_head``, ``torch.compile`` and torch.fx
-  with ``attn_mask`` / ``is_causal`` as constants (torchvision's ``concrete_args``) run the method. A warm-up counter is the model's submodule ``attention_warmup`` (the key a model built by name
-  has). timm's own loops over the blocks (``set_grad_checkpointing``, ``attn_mask`` / ``is_causal``,
-  ``forward_intermediates``, torch.fx tracing with ``attn_mask`` left an input: timm's feature extraction) call each
-  block without the method's state: refused with core's
-  :class:`~pid_plugins.core.MissingLayerState`, whose message says to build the model by its ``pid_*`` name, whose
-  class threads the state in every path. Checkpoints load strictly either way.
+  :class:`~pid_plugins.timm.PIDBlock` / :class:`~pid_plugins.timm.PIDAttention` blocks, and the root's two methods
+  that loop over the blocks themselves, ``forward_features`` and ``forward_intermediates``, become the method
+  classes' own (instance attributes, :func:`thread_root_paths`): the converted model runs every path of the model
+  built by name with the same weights, with the same outputs and gradients (``forward``, ``attn_mask`` /
+  ``is_causal``, ``set_grad_checkpointing``, ``forward_intermediates`` / ``get_intermediate_layers``, timm's and
+  torchvision's torch.fx feature extraction, ``torch.compile``; ``copy.deepcopy`` and pickling keep them). A warm-up
+  counter is the model's submodule ``attention_warmup`` (the key a model built by name has); the ``state_dict`` keys
+  are the model built by name's. Checkpoints load strictly either way.
 * ``attention="softmax"`` on such a model gives back timm's own classes (``Block``, ``Attention``, ``nn.Sequential``)
   with nothing of pid-plugins left: its ``state_dict`` keys are the stock model's and it computes exactly what the
   stock model computes. A model built by a ``pid_*`` name keeps its class and runs the stock attention bit for bit.
@@ -28,6 +28,7 @@ that is not one of those, blocks that are not the standard ones, blocks of diffe
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional, TypeVar
 
 from torch import nn
@@ -67,9 +68,9 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
     method with learnable parameters (``{"learnable": True}``) adds them, initialised on the model's device and
     dtype, and ``warmup_steps`` adds the warm-up counter (``attention_warmup``): build the optimizer after converting.
     Convert before ``torch.compile`` (a compiled wrapper is refused) and before wrapping the model (DDP, FSDP). A
-    stock ViT keeps its class: its plain forward runs the method, while timm's loops over its blocks (gradient
-    checkpointing, ``attn_mask`` / ``is_causal``, ``forward_intermediates``) are refused (``MissingLayerState``); a
-    model built by its ``pid_*`` name runs all of them.
+    stock ViT keeps its class and runs every path the model built by its ``pid_*`` name runs, with the same outputs
+    (gradient checkpointing, ``attn_mask`` / ``is_causal``, ``forward_intermediates``, torch.fx feature extraction):
+    its ``forward_features`` and ``forward_intermediates`` are the method classes' (:func:`thread_root_paths`).
 
     Raises ``ValueError`` (unknown method, bad parameters, blocks of different head shapes) or ``TypeError`` (a
     model or block this cannot convert) before anything is changed.
@@ -146,6 +147,24 @@ def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:
         model.add_module("attention_warmup", counter)
     blocks.hold_warmup(counter)
     attach_record(model, choice, next(model.parameters()))  # what its checkpoints say they are
+    thread_root_paths(model)
+
+
+#: timm ``VisionTransformer``'s methods that loop over the blocks themselves (``attn_mask`` / ``is_causal``,
+#: gradient checkpointing, intermediates): a converted stock root runs the method classes' own versions of them
+ROOT_PATHS = ("forward_features", "forward_intermediates")
+
+
+def thread_root_paths(model: nn.Module) -> None:
+    """Give a converted stock ViT root the method classes' ``forward_features`` and ``forward_intermediates`` (the
+    functions of :class:`~pid_plugins.timm.PIDVisionTransformer`, bound to ``model`` as instance attributes, the way
+    accelerate's hooks bind a module's ``forward``): every path of timm's model contract then threads the method's
+    state as on the model built by name (timm's ``forward`` and ``get_intermediate_layers`` call them, torch.fx and
+    torch.compile trace them), while the root keeps its class and its ``state_dict``. ``functools.partial`` of the
+    class's function: ``copy.deepcopy`` binds the copy, pickling (``torch.save(model)``) saves the function by name.
+    :func:`_to_stock` removes them."""
+    for name in ROOT_PATHS:
+        model.__dict__[name] = partial(getattr(_MethodViTMixin, name), model)
 
 
 def _to_stock(model: nn.Module) -> None:
@@ -159,7 +178,7 @@ def _to_stock(model: nn.Module) -> None:
         strip_attributes(blk.attn, LAYER_ATTRIBUTES)
         replace_module(blk, "attn", Attention)
         replace_module(blocks, key, Block)
-    strip_attributes(model, ("attention_warmup", RECORD))
+    strip_attributes(model, ("attention_warmup", RECORD) + ROOT_PATHS)
 
 
 # ------------------------------------------------------------------------------------------------------- FAN

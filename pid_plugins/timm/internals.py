@@ -277,7 +277,7 @@ VIT_FORWARD = Internal(
     ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures and the attributes they read; "
     "forward_features' plain path x = self.blocks(x))",
     "the method ViT computes them again with the method's state threaded through the blocks; a converted stock ViT "
-    "runs the method through timm's own forward_features calling its blocks container", "1.0.31",
+    "runs the method classes' versions of them", "1.0.31",
     _vit_forward)
 FEATURE_TAKE_INDICES = Internal(
     ZOO, "timm.models._features.feature_take_indices(num_features, indices)",
