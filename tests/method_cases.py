@@ -179,6 +179,15 @@ class Method:
     ``compile_models``: the models whose torch.compile test runs this method (each model's compile test costs
     seconds: every method compiles on the zoos whose code paths it changes, PID's other zoos are compiled by
     tests/test_compile.py); ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
+
+    The per-zoo feature tests (conversion, finish_warmup, learnable parameters, activation checkpointing wrappers,
+    ONNX, peft) read the same table through :data:`BUILTIN` and :func:`variants`: ``builtin``: a method pid_plugins
+    ships (False: the toy, which those files do not import); ``learned``: the names of one layer's learnable
+    parameters with ``learnable=True`` (empty: the method has none, :attr:`learnable`); ``warmup``: the method takes
+    ``warmup_steps`` (gain warm-up, ``pid_plugins.finish_warmup``); ``onnx_dynamo_models``: the models whose
+    dynamo-exporter ONNX test runs this method (each export costs seconds; timm's TorchScript export runs every
+    built-in method on both timm models); ``static_compile``: tests/test_method_hf_lm.py compiles hf-llama's
+    static-cache decoding with this method (seconds each; PID's: tests/test_compile.py).
     """
 
     name: str
@@ -191,6 +200,16 @@ class Method:
     models: FrozenSet[str] = frozenset(MODELS)
     compile_models: FrozenSet[str] = frozenset()
     compile_overrides: Dict[str, Tuple[str, Tuple[float, float]]] = field(default_factory=dict)
+    builtin: bool = True
+    learned: Tuple[str, ...] = ()
+    warmup: bool = False
+    onnx_dynamo_models: FrozenSet[str] = frozenset()
+    static_compile: bool = False
+
+    @property
+    def learnable(self) -> bool:
+        """The method has per-layer learnable parameters (``learnable=True``)."""
+        return bool(self.learned)
 
     def config(self, cfg: Cfg, zoo: str):
         """The config the models must carry for ``cfg`` (the zoo's preset with ``cfg``'s overrides)."""
@@ -268,35 +287,43 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
         cfg["lambda_p"], cfg["lambda_i"], cfg["lambda_d"], cfg["beta"]),
         defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
         zero={"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, zero_models=frozenset(MODELS),
-        compile_models=frozenset({"fairseq-lm"})),  # timm, transformers, mmseg: tests/test_compile.py
+        compile_models=frozenset({"fairseq-lm"}),  # timm, transformers, mmseg: tests/test_compile.py
+        learned=("lambda_p_raw", "lambda_i_raw", "lambda_d_raw"), warmup=True,
+        onnx_dynamo_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"})),
     Method("neutreno", _neutreno_config,
            on=lambda model: [{"alpha": 0.6 if model.zoo in VISION else 0.4}],
            rule=lambda cfg, model: zc.neutreno_rule(cfg["alpha"]),
            defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
            zero={"alpha": 0.0}, zero_models=frozenset(MODELS),
-           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"}),
+           warmup=True),
     # no strength parameter: from_layer past the last layer computes A v in every layer (stock bit for bit where
     # the adapter's own attention is the one called: timm, transformers)
     Method("twicing", _twicing_config, on=lambda model: [{"from_layer": 1}, {"from_layer": 0}],
            rule=lambda cfg, model: zc.twiced_from(cfg["from_layer"]),
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "vision"),
            zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"}),
-           compile_models=frozenset({"timm-deit", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
+           compile_models=frozenset({"timm-deit", "hf-llama", "mmseg-backbone", "fairseq-lm"}),
+           onnx_dynamo_models=frozenset({"timm-deit", "hf-llama"}), static_compile=True),
     # bidirectional by default (the sequence mean); causal models run the prefix mean (mean="prefix")
     Method("elliptical", _elliptical_config, on=_elliptical_on, rule=_elliptical_rule,
            defaults={"timm": "deit", "mmseg": "segmenter", "hf": "deit", "fairseq": "lm"},
            zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-bert"}),
            compile_models=frozenset({"timm-deit", "timm-fan", "hf-bert", "mmseg-backbone"}),
-           compile_overrides={"mmseg-backbone": ("aot_eager", (1e-5, 1e-6))}),
+           compile_overrides={"mmseg-backbone": ("aot_eager", (1e-5, 1e-6))}, static_compile=True),
     Method("value_residual", _value_residual_config, on=lambda model: [VR_MIXED, None], rule=_vr_rule,
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "resformer"),
            zero={"lambda_1": 0.0, "lambda_2": 1.0}, zero_models=frozenset(MODELS),
-           compile_models=frozenset({"timm-deit", "hf-llama"})),
+           compile_models=frozenset({"timm-deit", "hf-llama"}), learned=("lambda_1", "lambda_2"),
+           onnx_dynamo_models=frozenset({"hf-llama"}), static_compile=True),
     Method("scaled_reference", _toy_config, on=lambda model: [{"gamma": 0.7}], rule=_toy_rule,
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "default"),
            zero={"gamma": 0.0}, zero_models=frozenset(MODELS),
-           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"})),
+           compile_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "mmseg-backbone", "fairseq-lm"}),
+           builtin=False),
 )}
+#: the methods pid_plugins ships (the table without the toy): what the per-zoo feature tests run
+BUILTIN: Dict[str, Method] = {n: m for n, m in METHODS.items() if m.builtin}
 
 
 def method_cfg(method: Method, model: Model) -> Cfg:
@@ -321,4 +348,23 @@ def cases(models: Optional[Callable[[Model], bool]] = None, methods: Optional[Ca
                     out.append(pytest.param(method, model, cfg, id=f"{method.name}-{model.name}-{i}"))
             else:
                 out.append(pytest.param(method, model, id=f"{method.name}-{model.name}"))
+    return out
+
+
+def variants(model: Optional[str] = None, methods: Optional[Callable[[Method], bool]] = None, learnable: bool = True,
+             warmup_steps: int = 0) -> Dict[str, Tuple[str, Cfg]]:
+    """The built-in methods as a per-zoo feature test runs them, ``{id: (method name, parameters)}``: every method of
+    :data:`BUILTIN` (``methods``: those it accepts) as ``<name>`` with its "on" parameters on ``model`` (a key of
+    :data:`MODELS`; None: the zoo's preset, parameters None); with ``learnable``, each one with learnable parameters
+    also as ``learnable_<name>`` (those parameters plus ``learnable=True``); with ``warmup_steps``, each one with
+    warm-up also as ``<name>_warmup`` (plus ``warmup_steps``)."""
+    chosen = [m for m in BUILTIN.values() if methods is None or methods(m)]
+    base = {m.name: None if model is None else method_cfg(m, MODELS[model]) for m in chosen}
+    out: Dict[str, Tuple[str, Cfg]] = {m.name: (m.name, base[m.name]) for m in chosen}
+    if learnable:
+        out.update({f"learnable_{m.name}": (m.name, {**(base[m.name] or {}), "learnable": True})
+                    for m in chosen if m.learnable})
+    if warmup_steps:
+        out.update({f"{m.name}_warmup": (m.name, {**(base[m.name] or {}), "warmup_steps": warmup_steps})
+                    for m in chosen if m.warmup})
     return out

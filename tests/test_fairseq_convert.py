@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("fairseq")
 import pid_plugins.fairseq as pf  # noqa: E402
+from method_cases import variants  # noqa: E402
 from fairseq.models.transformer import TransformerDecoder  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel  # noqa: E402
 from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
@@ -16,12 +17,8 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase  # noq
 from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_method,  # noqa: E402,F401
                        fs_save_checkpoint, fs_tokens)
 
-METHODS = {
-    "pid": ("pid", None), "neutreno": ("neutreno", None), "twicing": ("twicing", None),
-    "elliptical": ("elliptical", None), "value_residual": ("value_residual", None),
-    "learnable_pid": ("pid", {"learnable": True}), "learnable_value_residual": ("value_residual", {"learnable": True}),
-    "pid_warmup": ("pid", {"warmup_steps": 4}),
-}
+#: every built-in method (fairseq's preset), learnable and with warm-up where it has them (tests/method_cases.py)
+VARIANTS = variants(warmup_steps=4)
 
 
 def stock_model(data_dir, extra=()):
@@ -30,7 +27,7 @@ def stock_model(data_dir, extra=()):
 
 def built(data_dir, key):
     """The model --arch transformer_lm_pid --attention-method ... builds (eval mode), and its task."""
-    name, cfg = METHODS[key]
+    name, cfg = VARIANTS[key]
     return fs_build(data_dir, extra=fs_method(name, cfg), seed=1)[:2]
 
 
@@ -70,9 +67,9 @@ def assert_same_function(model, reference, task, incremental=True):
         assert generate(model, task) == generate(reference, task)
 
 
-@pytest.mark.parametrize("key", METHODS)
+@pytest.mark.parametrize("key", VARIANTS)
 def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key):
-    name, cfg = METHODS[key]
+    name, cfg = VARIANTS[key]
     stock, task = stock_model(data_dir)
     params = {n: p for n, p in stock.named_parameters()}
     buffers = {n: b for n, b in stock.named_buffers()}
@@ -98,7 +95,7 @@ def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key)
     if cfg and cfg.get("learnable"):
         assert all(p.param_group == pf.METHOD_PARAM_GROUP
                    for n, p in model.named_parameters() if ".attention_params." in n)
-    if key == "pid_warmup":
+    if (cfg or {}).get("warmup_steps"):
         assert model.decoder.attention_warmup.warmup_steps == 4 and not model.decoder.attention_warmup.training
         for m in (model, reference):  # a few training forwards, so the scale is neither 0 nor 1
             m.train()
@@ -111,13 +108,13 @@ def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key)
 
 @pytest.mark.parametrize("key", ["pid", "learnable_pid", "pid_warmup", "twicing", "learnable_value_residual"])
 def test_back_to_softmax_is_fairseqs_own_model_bit_for_bit(data_dir, key):
-    name, cfg = METHODS[key]
+    name, cfg = VARIANTS[key]
     stock, task = stock_model(data_dir)
     fresh, _ = stock_model(data_dir)  # fairseq's own model, the same weights (seed 0)
     before = snapshot(stock)
     params = [id(p) for p in stock.parameters()]
     pf.convert(stock, name, cfg)
-    if key == "pid_warmup":
+    if (cfg or {}).get("warmup_steps"):
         stock.train()
         stock(fs_tokens())
         stock.eval()
@@ -144,14 +141,14 @@ def test_method_to_other_method_in_place(data_dir, start, target):
     """A transformer_lm_pid model (built by --arch) reconfigured: the model built for the target, same weights."""
     model, task = built(data_dir, start)
     params = {n: p for n, p in model.named_parameters() if ".attention_params." not in n}
-    name, cfg = METHODS[target]
+    name, cfg = VARIANTS[target]
     assert pf.convert(model, name, cfg) is model
     reference, _ = built(data_dir, target)
     assert list(model.state_dict()) == list(reference.state_dict())
     assert all(p is params[n] for n, p in model.named_parameters() if n in params)
     if not (cfg or {}).get("learnable"):
         assert not any(".attention_params." in n for n, _ in model.named_parameters())
-    assert ("attention_warmup" in dict(model.decoder.named_children())) == (target == "pid_warmup")
+    assert ("attention_warmup" in dict(model.decoder.named_children())) == bool((cfg or {}).get("warmup_steps"))
     reference.load_state_dict(model.state_dict(), strict=True)
     assert_same_function(model, reference, task)
 

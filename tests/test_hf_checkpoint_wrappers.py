@@ -26,8 +26,10 @@ T = import_transformers()
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
 import pid_plugins.hf  # noqa: E402,F401
+from method_cases import variants  # noqa: E402
 
-METHODS = {"pid": None, "neutreno": None, "twicing": None, "elliptical": {"mean": "prefix"}, "value_residual": None}
+#: every built-in method with its parameters on the grouped-query Llama (tests/method_cases.py)
+METHOD_CFG = {key: cfg for key, (_, cfg) in variants("hf-llama", learnable=False).items()}
 X = hf_ids(2, 8)
 USE_CACHE_MESSAGE = (r"activation checkpointing.* recomputes each layer in the backward, and with a KV cache the "
                      r"recomputation appends the layer's keys and values to the cache a second time: pass "
@@ -36,7 +38,7 @@ USE_CACHE_MESSAGE = (r"activation checkpointing.* recomputes each layer in the b
 
 def llama(name):
     torch.manual_seed(0)
-    return T.LlamaForCausalLM(llama_config(name, METHODS[name], tie_word_embeddings=False)).train()
+    return T.LlamaForCausalLM(llama_config(name, METHOD_CFG[name], tie_word_embeddings=False)).train()
 
 
 def grads(model, **kwargs):
@@ -96,14 +98,14 @@ def by_hand(name, reentrant):
 
 
 @pytest.mark.parametrize("build", ["checkpoint_wrapper", "composable", "by_hand"])
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_non_reentrant_checkpointing_gives_the_uncheckpointed_gradients(name, build):
     make = {"checkpoint_wrapper": wrapped, "composable": composable,
             "by_hand": functools.partial(by_hand, reentrant=False)}[build]
     assert_same(grads(make(name), use_cache=False), grads(llama(name), use_cache=False))
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_the_reentrant_wrapper_is_refused_before_the_forward(name):
     model = wrapped(name, CheckpointImpl.REENTRANT)
     for kwargs in ({"use_cache": False}, {}):
@@ -115,7 +117,7 @@ def test_the_reentrant_wrapper_is_refused_before_the_forward(name):
         model(X, use_cache=False)
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_reentrant_checkpoint_by_hand_is_refused_in_the_forward(name):
     model = by_hand(name, reentrant=True)
     with pytest.raises(ValueError, match=rf"attention method '{name}': LlamaAttention ran without autograd inside a "
@@ -124,7 +126,7 @@ def test_reentrant_checkpoint_by_hand_is_refused_in_the_forward(name):
         model(X, labels=X, use_cache=False)
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_use_cache_left_on_gets_one_message(name):
     """Training with a wrapper: refused before the forward. Eval mode (no recomputation without a backward): the
     forward runs; a backward then, and ``torch.utils.checkpoint`` by hand in training, meet the same message at the
@@ -156,7 +158,7 @@ def test_fsdp2_fully_shard_over_checkpointed_layers(tmp_path):
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        for name in METHODS:
+        for name in METHOD_CFG:
             want = grads(llama(name), use_cache=False)
             for impl in (CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT):
                 model = wrapped(name, impl)

@@ -12,15 +12,17 @@ import transformers as T  # noqa: E402
 
 import pid_plugins  # noqa: E402
 import pid_plugins.hf  # noqa: E402,F401
+from method_cases import variants  # noqa: E402
 from zoo_cases import bert_config, hf_ids, llama_config  # noqa: E402
 
 N = 3
-METHODS = {"pid": ("pid", {}), "learnable_pid": ("pid", {"learnable": True}), "neutreno": ("neutreno", {})}
+#: every built-in method with warm-up (the preset), learnable too where it has learnable parameters
+VARIANTS = variants(methods=lambda m: m.warmup)
 
 
 def build(case, warmup_steps=N, seed=0):
-    method, cfg = METHODS[case]
-    cfg = {**cfg, "warmup_steps": warmup_steps} if warmup_steps else cfg
+    method, cfg = VARIANTS[case]
+    cfg = {**(cfg or {}), "warmup_steps": warmup_steps} if warmup_steps else cfg
     torch.manual_seed(seed)
     return T.LlamaForCausalLM(llama_config(method, cfg)).eval()
 
@@ -42,14 +44,15 @@ def warmed_up(model, steps=N + 1):
     return model.eval()
 
 
-@pytest.mark.parametrize("case", METHODS)
+@pytest.mark.parametrize("case", VARIANTS)
 def test_finished_model_is_the_warmed_up_function_without_the_counter(case, tmp_path):
-    method = METHODS[case][0]
+    method = VARIANTS[case][0]
     model = warmed_up(build(case))
     assert int(model.attention_warmup.step) == N + 1
     x = hf_ids()
     want = logits(model, x)
-    if case == "learnable_pid":  # the gains moved during warm-up and are kept as trained
+    learnable = (VARIANTS[case][1] or {}).get("learnable", False)
+    if learnable:  # the gains moved during warm-up and are kept as trained
         gains = {n: p.clone() for n, p in model.named_parameters() if ".attention_params." in n}
         initial = dict(build(case).named_parameters())
         assert gains and any(not torch.equal(p, initial[n]) for n, p in gains.items())
@@ -57,7 +60,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(case, tmp_
     assert "attention_warmup" not in model._modules and "attention_warmup.step" not in model.state_dict()
     assert getattr(model.config, method)["warmup_steps"] == 0
     assert torch.equal(logits(model, x), want)
-    if case == "learnable_pid":
+    if learnable:
         assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".attention_params." in n)
     plain = build(case, warmup_steps=0, seed=1)  # the model built without warm-up, with these weights
     plain.load_state_dict(model.state_dict(), strict=True)

@@ -1,9 +1,11 @@
-"""The language-model methods in transformers (issue 31): Twicing with grouped-query attention and the KV cache,
-Elliptical's causal prefix mean, value residual (ResFormer), and the families that cannot run a method.
+"""The language-model methods in transformers (issue 31): what the method contract (tests/test_method_contract.py,
+its hf-llama rows: the float64 rule, cached generation with beam search, causality, switched off, gradient
+checkpointing, save/reload) does not cover: left padding, the sliding-window cache (Mistral), Twicing in the other
+grouped-query families, static-cache decoding compiled without recompiles, and the refusals (Elliptical's sequence
+mean in a causal model, Twicing's attention dropout, families with their own attention tables, Gemma 3's mixed cache).
 
-The subject is a causal Llama with 4 query heads and 2 key/value heads. Each method is checked against a float64
-statement written here from the official rule (no pid_plugins method code), its cached decoding (dynamic, static,
-beam search) against recomputation, causality, compile, checkpointing and save/reload.
+The subject is a causal Llama with 4 query heads and 2 key/value heads, every built-in method of tests/method_cases.py
+with its parameters there.
 """
 from __future__ import annotations
 
@@ -11,87 +13,22 @@ import pytest
 import torch
 import torch._dynamo
 
-from zoo_cases import elliptical_prefix_rule, hf_grads, hf_ids, import_transformers, llama_config, llama_reference, \
-    llama_twins, scores64, value_residual_rule
+from method_cases import BUILTIN, variants
+from zoo_cases import hf_greedy as greedy, hf_ids, import_transformers, llama_twins
 
 T = import_transformers()
-import pid_plugins.hf as ph  # noqa: E402
 
 V = 96
-
-
-# =========================================================================== the rules, from the official code
-def twicing_rule(qs, ks, vs, mask):
-    """``A v + A (v - A v)`` per query head (values repeated for the query heads, as GQA repeats them)."""
-    a = torch.softmax(scores64(qs[-1], ks[-1], mask), -1)
-    v = vs[-1].double().repeat_interleave(qs[-1].shape[1] // vs[-1].shape[1], 1)
-    av = a @ v
-    return av + a @ (v - av)
-
-
-METHODS = {  # name: (parameters, rule)
-    "twicing": ({"from_layer": 0}, twicing_rule),
-    "elliptical": ({"mean": "prefix"}, elliptical_prefix_rule(5.0)),
-    "value_residual": (None, value_residual_rule([(0.5, 0.5)] * 3)),
-}
+#: every built-in method with its parameters on the grouped-query Llama (tests/method_cases.py)
+METHOD_CFG = {key: cfg for key, (_, cfg) in variants("hf-llama", learnable=False).items()}
 
 
 def twins(name, **kw):
-    return llama_twins(name, METHODS[name][0], **kw)
+    return llama_twins(name, METHOD_CFG[name], **kw)
 
 
-def greedy(model, x, **kw):
-    with torch.no_grad():
-        return model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=0, **kw)
-
-
-# ======================================================================================== the rule, generation
-@pytest.mark.parametrize("name", METHODS)
-def test_grouped_query_llama_matches_the_float64_rule(name):
-    model, stock = twins(name)
-    assert model.config.num_key_value_heads == 2 and model.config.num_attention_heads == 4
-    x = hf_ids(2, 8)
-    with torch.no_grad():
-        got = model(x).logits
-        want = llama_reference(stock.double(), x, METHODS[name][1])
-        # the method changes the model by more than the reference's tolerance
-        assert not torch.allclose(got, stock.float()(x).logits, rtol=0, atol=5e-5)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_cached_generation_equals_recomputation(name):
-    """Greedy with the dynamic and the static cache, beam search (the cache reordered), and decoding by hand with
-    a cache the model made itself: all equal recomputing the prefix at every step."""
-    model, _ = twins(name)
-    x = hf_ids(2, 8)
-    want = greedy(model, x, use_cache=False)
-    assert torch.equal(greedy(model, x), want)
-    assert torch.equal(greedy(model, x, cache_implementation="static"), want)
-    beams = dict(num_beams=3, num_return_sequences=3)
-    assert torch.equal(greedy(model, x, **beams), greedy(model, x, use_cache=False, **beams))
-    with torch.no_grad():
-        full = model(x).logits
-        first = model(x[:, :5], use_cache=True)
-        rest = model(x[:, 5:], past_key_values=first.past_key_values).logits
-    torch.testing.assert_close(torch.cat([first.logits, rest], 1), full, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_no_position_reads_a_later_token(name):
-    model, _ = twins(name)
-    x = hf_ids(2, 8)
-    with torch.no_grad():
-        full = model(x).logits
-        for j in (2, 5):
-            y = x.clone()
-            y[:, j] = (y[:, j] + 1 - 3) % (V - 3) + 3
-            other = model(y).logits
-            torch.testing.assert_close(other[:, :j], full[:, :j], rtol=0, atol=0)
-            assert not torch.allclose(other[:, j:], full[:, j:])
-
-
-@pytest.mark.parametrize("name", METHODS)
+# ======================================================================================== padding, caches
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_left_padding_counts_no_padded_position(name):
     """A left-padded row (positions given by the mask) equals the row alone, and its cached generation equals
     recomputation: the prefix mean, the first layer's values and A v never read a padded position."""
@@ -108,15 +45,15 @@ def test_left_padding_counts_no_padded_position(name):
                        greedy(model, padded, attention_mask=mask, use_cache=False))
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_sliding_window_cache_equals_recomputation(name):
     """Mistral with a 4-token window over 8 + 6 tokens: the dynamic sliding-window cache drops old keys (and the
     method's slot with them, in step)."""
     cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
                attn_implementation=name)
-    if METHODS[name][0] is not None:
-        cfg[name] = METHODS[name][0]
+    if METHOD_CFG[name] is not None:
+        cfg[name] = METHOD_CFG[name]
     torch.manual_seed(0)
     model = T.MistralForCausalLM(T.MistralConfig(**cfg)).eval()
     x = hf_ids(2, 8)
@@ -146,15 +83,7 @@ def test_twicing_runs_grouped_query_families_with_the_cache(family):
     assert torch.equal(greedy(model, x), greedy(model, x, use_cache=False))
 
 
-# ========================================================================================= off switch, refusals
-def test_value_residual_off_is_the_stock_model_bit_for_bit():
-    model, stock = llama_twins("value_residual", {"lambda_1": 0.0, "lambda_2": 1.0})
-    x = hf_ids(2, 8)
-    with torch.no_grad():
-        assert torch.equal(model(x).logits, stock(x).logits)
-        assert torch.equal(greedy(model, x), greedy(stock, x))
-
-
+# ========================================================================================================= refusals
 def test_elliptical_sequence_mean_is_refused_in_a_causal_model_naming_prefix():
     model, _ = llama_twins("elliptical", {"mean": "sequence"})
     with torch.no_grad(), pytest.raises(ValueError, match="'elliptical' with mean='sequence' is not causal.*mean='prefix'"):
@@ -170,7 +99,7 @@ def test_twicing_refuses_attention_dropout_in_training_only():
         model.train()(x)
 
 
-@pytest.mark.parametrize("method", ["pid", "neutreno", "twicing", "elliptical", "value_residual"])
+@pytest.mark.parametrize("method", BUILTIN)
 @pytest.mark.parametrize("family", ["gpt_neo", "falcon"])
 def test_families_with_their_own_attention_tables_are_refused_while_built(family, method):
     """GPT-Neo and Falcon pick their attention classes from their own tables (transformers 5.23 and 5.24; GPT-J did
@@ -189,9 +118,9 @@ def test_families_with_their_own_attention_tables_are_refused_while_built(family
         T.AutoModelForCausalLM.from_config(config, attn_implementation=method)
 
 
-# ============================================================================== compile, checkpointing, reload
+# ============================================================================================ compile, mixed cache
 @pytest.mark.slow
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", [name for name in METHOD_CFG if BUILTIN[name].static_compile])
 def test_static_cache_decoding_compiles_fullgraph_without_recompiles(name):
     torch._dynamo.reset()
     model, _ = twins(name, layers=2)
@@ -216,44 +145,6 @@ def test_static_cache_decoding_compiles_fullgraph_without_recompiles(name):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("use_cache", [False, True])
-@pytest.mark.parametrize("name", METHODS)
-def test_gradient_checkpointing_gives_the_same_gradients(name, use_cache):
-    """Also with ``use_cache=True`` in training: transformers' checkpointed layers drop the cache, and the method's
-    cache slot follows them (a slot filled by the recomputation too would hold every position twice)."""
-    x = hf_ids(2, 8)
-    results = []
-    for checkpointing in (False, True):
-        model, _ = twins(name)
-        model.train()
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        results.append(hf_grads(model, lambda m: (lambda out: (out.logits, out.loss))(m(x, labels=x,
-                                                                                      use_cache=use_cache))))
-    (logits0, grads0), (logits1, grads1) = results
-    torch.testing.assert_close(logits1, logits0, rtol=0, atol=0)
-    assert grads0.keys() == grads1.keys() and len(grads0) > 0
-    for key in grads0:
-        torch.testing.assert_close(grads1[key], grads0[key], rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_save_and_reload_keeps_the_method_and_its_parameters(name, tmp_path):
-    params = {"twicing": {"from_layer": 1}, "elliptical": {"mean": "prefix", "delta": 2.0},
-              "value_residual": {"lambda_1": 0.3, "lambda_2": 0.9}}[name]
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama_config(name, params)).eval()
-    x = hf_ids(2, 6)
-    with torch.no_grad():
-        want = model(x).logits
-    model.save_pretrained(tmp_path)
-    loaded = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert loaded.config._attn_implementation == name
-    assert ph.model_method_config(loaded.config).to_dict() == {**ph.model_method_config(model.config).to_dict()}
-    with torch.no_grad():
-        assert torch.equal(loaded(x).logits, want)
-
-
 @pytest.mark.parametrize("name", ["elliptical", "value_residual"])
 def test_a_cache_mixing_sliding_and_full_layers_is_refused_for_methods_reading_all_key_positions(name):
     """Gemma 3 (a sliding-window layer, then a full one): the first layer's / previous layer's values at every key
@@ -262,7 +153,7 @@ def test_a_cache_mixing_sliding_and_full_layers_is_refused_for_methods_reading_a
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
                              head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                              attn_implementation=name)
-    setattr(cfg, name, METHODS[name][0])
+    setattr(cfg, name, METHOD_CFG[name])
     model = T.Gemma3ForCausalLM(cfg).eval()
     x = hf_ids(2, 8)
     with torch.no_grad():

@@ -19,15 +19,12 @@ import pid_plugins  # noqa: E402
 import pid_plugins.mmseg as pm  # noqa: E402
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer  # noqa: E402
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead  # noqa: E402
+from method_cases import BUILTIN, variants  # noqa: E402
 from zoo_cases import mm_args  # noqa: E402
 from toy_method import register_non_additive_method  # noqa: E402
 
-METHODS = {
-    "pid": ("pid", None), "neutreno": ("neutreno", None), "twicing": ("twicing", None),
-    "elliptical": ("elliptical", None), "value_residual": ("value_residual", None),
-    "learnable_pid": ("pid", {"learnable": True}),
-    "learnable_value_residual": ("value_residual", {"learnable": True}),
-}
+#: every built-in method (mmseg's preset), learnable too where it has learnable parameters (tests/method_cases.py)
+VARIANTS = variants()
 SIZE = (32, 32)
 
 
@@ -90,9 +87,9 @@ def state(model):
 
 
 # --------------------------------------------------------------------------------------- stock -> method
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", VARIANTS)
 def test_a_stock_segmentor_converted_in_place_equals_the_one_built_with_the_method(method):
-    attention, cfg = METHODS[method]
+    attention, cfg = VARIANTS[method]
     model = stock()
     params = list(model.parameters())
     y_stock = logits(model)
@@ -108,10 +105,10 @@ def test_a_stock_segmentor_converted_in_place_equals_the_one_built_with_the_meth
     y = logits(model)
     assert torch.equal(y, logits(reference))
     assert (y - y_stock).abs().max() > 1e-4  # the method is on
-    if cfg:  # learnable: each layer's parameters at their initial values, as a built model's
+    if (cfg or {}).get("learnable"):  # each layer's parameters at their initial values, as a built model's
         fresh = built_with(attention, cfg)
         gains = {n: p for n, p in model.named_parameters() if ".attention_params." in n}
-        assert len(gains) == 5 * (3 if attention == "pid" else 2)
+        assert len(gains) == 5 * len(BUILTIN[attention].learned)
         assert all(torch.equal(p, fresh.state_dict()[n]) for n, p in gains.items())
 
 
@@ -120,10 +117,10 @@ def test_a_stock_segmentor_converted_in_place_equals_the_one_built_with_the_meth
 def test_method_to_method_equals_the_one_built_with_the_second(first, then):
     model = stock()
     weights = state(model)
-    pm.convert(model, *METHODS[first])
+    pm.convert(model, *VARIANTS[first])
     logits(model)
-    pm.convert(model, *METHODS[then])
-    attention, cfg = METHODS[then]
+    pm.convert(model, *VARIANTS[then])
+    attention, cfg = VARIANTS[then]
     reference = built_with(attention, cfg, weights=model.state_dict())
     assert layout(model) == layout(reference)
     assert torch.equal(logits(model), logits(reference))

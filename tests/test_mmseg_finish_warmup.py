@@ -15,11 +15,13 @@ pytest.importorskip("mmseg")
 import pid_plugins  # noqa: E402
 import pid_plugins.mmseg as pm  # noqa: E402
 from mmseg.models.backbones.vit import TransformerEncoderLayer  # noqa: E402
+from method_cases import variants  # noqa: E402
 from zoo_cases import mm_args  # noqa: E402
 
 N = 3
 SIZE = (32, 32)
-METHODS = {"pid": ("pid", {}), "neutreno": ("neutreno", {}), "learnable_pid": ("pid", {"learnable": True})}
+#: every built-in method with warm-up (the preset), learnable too where it has learnable parameters
+VARIANTS = variants(methods=lambda m: m.warmup)
 
 
 def segmentor_cfg(attention=None, attention_cfg=None):
@@ -39,8 +41,8 @@ def build(method, warmup_steps=N, converted=False, seed=0):
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
 
-    attention, cfg = METHODS[method]
-    cfg = dict(cfg, warmup_steps=warmup_steps) if warmup_steps else cfg
+    attention, cfg = VARIANTS[method]
+    cfg = dict(cfg or {}, warmup_steps=warmup_steps) if warmup_steps else cfg
     init_default_scope("mmseg")
     torch.manual_seed(seed)
     if converted:  # a stock segmentor switched in place
@@ -89,7 +91,7 @@ def parts(model):
     return (model.backbone, model.decode_head)
 
 
-CASES = [(method, False) for method in METHODS] + [("pid", True), ("learnable_pid", True)]
+CASES = [(method, False) for method in VARIANTS] + [("pid", True), ("learnable_pid", True)]
 
 
 @pytest.mark.parametrize("method, converted", CASES)

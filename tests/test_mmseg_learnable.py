@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
+from method_cases import BUILTIN  # noqa: E402
 from reference import naive_pid_stack  # noqa: E402
 from zoo_cases import (  # noqa: E402
     MM_TYPES, assert_equal_or_both_none, mm_args, mm_build, mm_inputs, mm_out, mm_with_cp_runs, mmseg_reference,
@@ -25,15 +26,15 @@ from zoo_cases import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "mmseg"
 TINY_CONFIG = CONFIGS / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
-METHODS = {"pid": dict(attention="pid", attention_cfg=dict(learnable=True)),
-           "value_residual": dict(attention="value_residual", attention_cfg=dict(learnable=True))}
+#: every built-in method with learnable parameters (tests/method_cases.py), as the configs select it
+LEARNABLE = {name: dict(attention=name, attention_cfg=dict(learnable=True)) for name, m in BUILTIN.items() if m.learnable}
 #: what each method's learnable module holds, per layer
-LEARNED = {"pid": ["lambda_p_raw", "lambda_i_raw", "lambda_d_raw"], "value_residual": ["lambda_1", "lambda_2"]}
+LEARNED = {name: list(BUILTIN[name].learned) for name in LEARNABLE}
 PARTS = ["backbone", "head"]
 
 
 def part_model(part, method, seed=1, **kw):
-    return mm_build("PID" + MM_TYPES[part], mm_args(part), seed, **{**METHODS[method], **kw})
+    return mm_build("PID" + MM_TYPES[part], mm_args(part), seed, **{**LEARNABLE[method], **kw})
 
 
 def stock_part(part, seed=0):
@@ -56,7 +57,7 @@ def initial_values(layer):
 
 
 # ------------------------------------------------------------------------------------------- the parameters
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", LEARNABLE)
 @pytest.mark.parametrize("part", PARTS)
 def test_each_layer_holds_its_learnable_parameters_at_their_initial_values(part, method):
     model = part_model(part, method)
@@ -87,14 +88,17 @@ def _set_per_layer_values(model, method):
                 for name, gain in zip(LEARNED[method], (0.6 - 0.1 * i, 0.2 + 0.15 * i, 0.05 + 0.1 * i)):
                     getattr(g, name).fill_(gain + math.log(-math.expm1(-gain)))  # softplus(raw) = gain
                 values.append(tuple(float(t) for t in g()[:3]))
-            else:
+            elif method == "value_residual":
                 g.lambda_1.fill_(0.3 + 0.2 * i)
                 g.lambda_2.fill_(0.9 - 0.15 * i)
                 values.append((float(g.lambda_1), float(g.lambda_2)))
+            else:
+                pytest.fail(f"{method!r} has learnable parameters (tests/method_cases.py): give it per-layer values "
+                            "and a float64 rule here")
     return values
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", LEARNABLE)
 @pytest.mark.parametrize("part", PARTS)
 def test_trained_parameters_match_a_float64_reference_from_stock_modules(part, method):
     stock = stock_part(part).double()
@@ -108,8 +112,10 @@ def test_trained_parameters_match_a_float64_reference_from_stock_modules(part, m
         beta = model.attention_config.beta
         rule = on_outputs(lambda outs, vs: naive_pid_stack(outs, vs, *values[len(outs) - 1], beta)[-1])
         assert values[0] != values[1]
-    else:
+    elif method == "value_residual":
         rule = value_residual_rule(values)
+    else:
+        pytest.fail(f"{method!r} has learnable parameters (tests/method_cases.py): write its float64 rule here")
     with torch.no_grad():
         want = mmseg_reference(part, stock, x, rule)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -152,7 +158,7 @@ def _pretrained(tmp_path, state_dict, **kw):
                     init_cfg=dict(type="Pretrained", checkpoint=str(path)), **kw)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", LEARNABLE)
 def test_softmax_checkpoint_into_a_learnable_backbone_starts_the_gains_at_their_initial_values(tmp_path, method):
     """init_cfg=dict(type='Pretrained') with a stock (softmax) checkpoint: every stock weight loaded, each layer's
     parameters at the method's initial values (whatever the layer held before), and the model computes what the
@@ -163,7 +169,7 @@ def test_softmax_checkpoint_into_a_learnable_backbone_starts_the_gains_at_their_
     path = tmp_path / "vit.pth"
     torch.save({"state_dict": stock.state_dict(), "meta": {}}, path)
     torch.manual_seed(3)
-    model = MODELS.build(dict(type="PIDVisionTransformer", **mm_args("backbone"), **METHODS[method],
+    model = MODELS.build(dict(type="PIDVisionTransformer", **mm_args("backbone"), **LEARNABLE[method],
                               init_cfg=dict(type="Pretrained", checkpoint=str(path))))
     with torch.no_grad():
         for p in gains_of(model).values():
@@ -218,10 +224,10 @@ def _segmentor_cfg(config=TINY_CONFIG, method="pid"):
 
     cfg = Config.fromfile(str(config))
     cfg.model.backbone.pop("attention_cfg")  # the shipped PID preset: replaced, not merged with another method's
-    cfg.model.backbone.update(attention=METHODS[method]["attention"], attention_cfg=METHODS[method]["attention_cfg"])
+    cfg.model.backbone.update(attention=LEARNABLE[method]["attention"], attention_cfg=LEARNABLE[method]["attention_cfg"])
     # two decoder layers (the tiny config has one): a group's first layer has no error with beta = 1, so only the
     # second layer's gains move
-    cfg.model.decode_head.update(type="PIDSegmenterMaskTransformerHead", num_layers=2, **METHODS[method])
+    cfg.model.decode_head.update(type="PIDSegmenterMaskTransformerHead", num_layers=2, **LEARNABLE[method])
     return cfg
 
 
@@ -253,7 +259,7 @@ def test_every_shipped_config_keeps_attention_params_out_of_weight_decay(config)
     assert cfg.optim_wrapper.type == "OptimWrapper" and cfg.optim_wrapper.optimizer.type == "SGD"  # mmseg's, merged
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", LEARNABLE)
 def test_the_optim_wrapper_built_from_the_shipped_config_puts_the_gains_in_no_decay_groups(method):
     from mmengine.optim import build_optim_wrapper
 
@@ -292,7 +298,7 @@ def _logits(model, x):
                                    [dict(img_shape=(64, 64))] * len(x))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", LEARNABLE)
 def test_gains_get_gradients_and_train_through_mmengines_optim_wrapper(method):
     from mmengine.optim import build_optim_wrapper
 

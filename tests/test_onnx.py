@@ -20,10 +20,25 @@ timm = pytest.importorskip("timm")
 import pid_plugins.timm  # noqa: E402,F401
 from timm.utils.onnx import onnx_export  # noqa: E402
 
+from method_cases import BUILTIN, MODELS as CONTRACT_MODELS, method_cfg, variants  # noqa: E402
+
 pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
 
 MODELS = {"pid_deit_tiny_patch16_224": dict(img_size=32, depth=3), "pid_fan_tiny_12_p16_224": dict(img_size=64, depth=3)}
-METHODS = {"pid": None, "neutreno": None, "twicing": {"from_layer": 0}, "elliptical": None, "value_residual": None}
+#: each timm name's model in the method table (tests/method_cases.py), whose parameters the methods run with here
+CONTRACT = {"pid_deit_tiny_patch16_224": "timm-deit", "pid_fan_tiny_12_p16_224": "timm-fan"}
+HF_CONTRACT = {"bert": "hf-bert", "llama": "hf-llama"}
+
+
+def cfg_of(method, model):
+    """The method's parameters on ``model`` (a key of the table's MODELS); softmax: none."""
+    return method_cfg(BUILTIN[method], CONTRACT_MODELS[model]) if method in BUILTIN else None
+
+
+def dynamo_cases(contract):
+    """(name, method) of every built-in method whose dynamo-exporter test runs on that model (``onnx_dynamo_models``)."""
+    return [(name, m.name) for m in BUILTIN.values() for name, model in contract.items()
+            if model in m.onnx_dynamo_models]
 
 
 def run_onnx(path, name, x):
@@ -34,7 +49,7 @@ def run_onnx(path, name, x):
 
 def timm_model(name, method, **kw):
     torch.manual_seed(0)
-    return timm.create_model(name, attention=method, attention_cfg=METHODS.get(method), **MODELS[name], **kw).eval()
+    return timm.create_model(name, attention=method, attention_cfg=cfg_of(method, CONTRACT[name]), **MODELS[name], **kw).eval()
 
 
 def our_tracer_warnings(records):
@@ -62,7 +77,7 @@ def export_recording_warnings(**kwargs):
     return records
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", BUILTIN)
 @pytest.mark.parametrize("name", MODELS)
 def test_timm_onnx_export_with_timms_defaults(name, method, tmp_path):
     """TorchScript exporter: exported at batch 2, run at batch 3, equal to eager; no branch of ours frozen."""
@@ -79,11 +94,14 @@ def test_timm_onnx_export_with_timms_defaults(name, method, tmp_path):
     assert not torch.allclose(want, timm_model(name, "softmax")(x), atol=1e-4)  # the method is in the graph
 
 
-@pytest.mark.parametrize("pid", [dict(learnable=True), dict(warmup_steps=10)], ids=["learnable", "warmup"])
-def test_timm_onnx_export_of_learnable_gains_and_warmup(pid, tmp_path):
-    """Learned gains are exported as constants; under warm-up the graph holds this step's scale (eval: t fixed)."""
+@pytest.mark.parametrize("variant", [key for key in variants(warmup_steps=10) if key not in BUILTIN])
+def test_timm_onnx_export_of_learnable_gains_and_warmup(variant, tmp_path):
+    """Learned parameters are exported as constants; under warm-up the graph holds this step's scale (eval: t
+    fixed): every built-in method with learnable parameters, and with warm-up."""
+    method, cfg = variants(warmup_steps=10)[variant]
     torch.manual_seed(0)
-    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=pid, **MODELS["pid_deit_tiny_patch16_224"]).eval()
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention=method, attention_cfg=cfg,
+                              **MODELS["pid_deit_tiny_patch16_224"]).eval()
     if model.attention_warmup is not None:
         model.attention_warmup.step.fill_(4)  # scale 0.4
     path = tmp_path / "model.onnx"
@@ -93,8 +111,7 @@ def test_timm_onnx_export_of_learnable_gains_and_warmup(pid, tmp_path):
         torch.testing.assert_close(run_onnx(path, "input0", x), model(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,method", [("pid_deit_tiny_patch16_224", "pid"), ("pid_fan_tiny_12_p16_224", "pid"),
-                                         ("pid_deit_tiny_patch16_224", "twicing")])
+@pytest.mark.parametrize("name,method", dynamo_cases(CONTRACT))
 def test_timm_onnx_export_with_the_dynamo_exporter(name, method, tmp_path):
     model = timm_model(name, method)
     size = MODELS[name]["img_size"]
@@ -124,8 +141,7 @@ class Outputs(torch.nn.Module):
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-@pytest.mark.parametrize("family,method", [("bert", "pid"), ("llama", "pid"), ("llama", "twicing"),
-                                           ("llama", "value_residual")])
+@pytest.mark.parametrize("family,method", dynamo_cases(HF_CONTRACT))
 def test_transformers_dynamo_export(family, method, tmp_path):
     """PID BERT (an encoder) and a causal Llama with 4 query / 2 key-value heads without a cache: exported with
     dynamic batch and sequence, run at other sizes."""
@@ -134,9 +150,9 @@ def test_transformers_dynamo_export(family, method, tmp_path):
     T = import_transformers()
     torch.manual_seed(0)
     if family == "llama":
-        model = T.LlamaForCausalLM(llama_config(method, {"from_layer": 0} if method == "twicing" else None)).eval()
+        model = T.LlamaForCausalLM(llama_config(method, cfg_of(method, "hf-llama"))).eval()
     else:
-        model = T.BertModel(bert_config(attn_implementation=method)).eval()
+        model = T.BertModel(bert_config(attn_implementation=method, **{method: cfg_of(method, "hf-bert")})).eval()
     wrapped = Outputs(model).eval()
     ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
     batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=32)

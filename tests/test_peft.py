@@ -21,16 +21,13 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaForCausa
 import pid_plugins.hf as ph
 from pid_plugins.core import GainWarmup
 from pid_plugins.core.gains import PIDGains
+from method_cases import variants
 from zoo_cases import hf_ids, llama_config
 
 LAYERS = 3
-METHODS = {  # name: its parameters (non-zero: each differs from the stock attention)
-    "pid": {"lambda_p": 0.6, "lambda_i": 0.3, "lambda_d": 0.1, "beta": 0.4},
-    "neutreno": None,
-    "twicing": {"from_layer": 0},
-    "elliptical": {"mean": "prefix"},
-    "value_residual": None,
-}
+#: every built-in method with its parameters on the grouped-query Llama (tests/method_cases.py: non-zero, each differs
+#: from the stock attention)
+METHOD_CFG = {key: cfg for key, (_, cfg) in variants("hf-llama", learnable=False).items()}
 ADAPTERS = {  # name: (config, the substring every trainable parameter's name carries)
     "lora": (lambda **kw: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                      **kw), "lora_"),
@@ -43,7 +40,7 @@ LEARN = {"lambda_p": 0.6, "lambda_i": 0.3, "lambda_d": 0.1, "beta": 0.4, "learna
 def build(name="pid", cfg=None, seed=0):
     """A tiny GQA Llama running ``name`` (``"sdpa"``: stock), weights from ``seed``, eval mode."""
     torch.manual_seed(seed)
-    cfg = METHODS.get(name) if cfg is None else cfg
+    cfg = METHOD_CFG.get(name) if cfg is None else cfg
     return LlamaForCausalLM(llama_config(name, cfg, layers=LAYERS)).eval()
 
 
@@ -85,7 +82,7 @@ def calls(monkeypatch):
     """Every call of a registered method's attention function: (method, layer_idx, active, warm-up scale, query
     length)."""
     seen = []
-    for name in METHODS:
+    for name in METHOD_CFG:
         original = AttentionInterface._global_mapping[name]
 
         def record(module, *args, _name=name, _original=original, **kwargs):
@@ -108,7 +105,7 @@ def assert_method_ran(calls, name, forwards):
 # ================================================================ LoRA and IA3 on PID and every sibling method
 @pytest.mark.slow
 @pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_adapter_wraps_trains_saves_reloads_merges_and_generates_with_the_method_on(name, adapter, calls, tmp_path):
     make, marker = ADAPTERS[adapter]
     x = hf_ids(2, 8)
@@ -325,7 +322,7 @@ def test_the_counter_swap_is_found_once_and_a_plain_warm_up_model_is_not_redisco
     import pid_plugins.hf.discovery as discovery
 
     x = hf_ids(1, 5)
-    model = build("pid", {**METHODS["pid"], "warmup_steps": N})
+    model = build("pid", {**METHOD_CFG["pid"], "warmup_steps": N})
     runs = []
     original = discovery.discover
     monkeypatch.setattr(discovery, "discover", lambda m, *a, **kw: runs.append(type(m).__name__) or

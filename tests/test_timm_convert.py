@@ -17,9 +17,11 @@ import pid_plugins.timm as pt  # noqa: E402
 from timm.layers import Attention  # noqa: E402
 from timm.models.deit import VisionTransformerDistilled  # noqa: E402
 from timm.models.vision_transformer import Block, VisionTransformer  # noqa: E402
+from method_cases import variants  # noqa: E402
 from zoo_cases import DEIT, FAN  # noqa: E402
 
-METHODS = {"pid": None, "neutreno": None, "twicing": {"from_layer": 0}, "elliptical": None, "value_residual": None}
+#: every built-in method with its parameters on the contract's DeiT (tests/method_cases.py)
+METHOD_CFG = {key: cfg for key, (_, cfg) in variants("timm-deit", learnable=False).items()}
 PID_NAME, STOCK_NAME = "pid_deit_tiny_patch16_224", "deit_tiny_patch16_224"
 
 
@@ -49,7 +51,7 @@ def layout(model, ordered=True):
 
 
 # --------------------------------------------------------------------------------------- stock -> method
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHOD_CFG)
 def test_a_stock_deit_converted_in_place_equals_the_named_model(method):
     model = stock()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -57,11 +59,11 @@ def test_a_stock_deit_converted_in_place_equals_the_named_model(method):
     x = images()
     with torch.no_grad():
         y_stock = model(x)
-    assert pt.convert(model, method, METHODS[method]) is model
+    assert pt.convert(model, method, METHOD_CFG[method]) is model
     assert type(model) is VisionTransformer and type(model.blocks) is pt.MethodBlocks  # the root keeps its class
     assert all(type(b) is pt.PIDBlock and type(b.attn) is pt.PIDAttention for b in model.blocks)
     assert all(p is q for p, q in zip(model.parameters(), params))  # the same tensors, nothing copied
-    reference = named(method, METHODS[method], weights)
+    reference = named(method, METHOD_CFG[method], weights)
     # below the root: the attributes the PID classes' __init__ sets, nothing else; the root: the same submodules
     assert layout(model)[1:] == layout(reference)[1:] and layout(model)[0][3:] == layout(reference)[0][3:]
     assert list(model.state_dict()) == list(reference.state_dict())

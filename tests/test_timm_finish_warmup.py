@@ -11,12 +11,14 @@ timm = pytest.importorskip("timm")
 import pid_plugins  # noqa: E402
 import pid_plugins.timm as pt  # noqa: E402
 from pid_plugins.core.methods import _fx_update  # noqa: E402
+from method_cases import variants  # noqa: E402
 from zoo_cases import DEIT, FAN  # noqa: E402
 
 N = 3
 MODELS = {"deit": ("pid_deit_tiny_patch16_224", "deit_tiny_patch16_224", DEIT),
           "fan": ("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", FAN)}
-METHODS = {"pid": ("pid", {}), "neutreno": ("neutreno", {}), "learnable_pid": ("pid", {"learnable": True})}
+#: every built-in method with warm-up (the preset), learnable too where it has learnable parameters
+VARIANTS = variants(methods=lambda m: m.warmup)
 
 
 def images(kind, n=4, seed=1):
@@ -26,8 +28,8 @@ def images(kind, n=4, seed=1):
 
 def build(kind, method, warmup_steps=N, converted=False):
     name, base, args = MODELS[kind]
-    attention, cfg = METHODS[method]
-    cfg = dict(cfg, warmup_steps=warmup_steps) if warmup_steps else cfg
+    attention, cfg = VARIANTS[method]
+    cfg = dict(cfg or {}, warmup_steps=warmup_steps) if warmup_steps else cfg
     torch.manual_seed(0)
     if converted:  # a stock model switched in place
         return pt.convert(timm.create_model(base, **args), attention, cfg)
@@ -47,7 +49,7 @@ def warmed_up(kind, method, converted=False):
     return model.eval()
 
 
-CASES = [(kind, method, False) for kind in MODELS for method in METHODS] + [("deit", "pid", True)]
+CASES = [(kind, method, False) for kind in MODELS for method in VARIANTS] + [("deit", "pid", True)]
 
 
 @pytest.mark.parametrize("kind, method, converted", CASES)

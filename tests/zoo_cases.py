@@ -754,9 +754,15 @@ def hf_checkpointing_grads(model, forward: Callable, every_parameter: bool = Tru
     return plain, ckpt
 
 
-def causal_lm_loss(x: Tensor) -> Callable:
-    """For :func:`hf_grads`: a causal LM's forward on ``x`` with ``labels=x``, (logits, loss)."""
+def causal_lm_loss(x: Tensor, **kwargs) -> Callable:
+    """For :func:`hf_grads`: a causal LM's forward on ``x`` with ``labels=x`` (and ``kwargs``), (logits, loss)."""
     def forward(model):
-        out = model(x, labels=x)
+        out = model(x, labels=x, **kwargs)
         return out.logits, out.loss
     return forward
+
+
+def hf_greedy(model, x: Tensor, new: int = 5, **kwargs) -> Tensor:
+    """``generate()``'s greedy (or, with ``num_beams``, beam-search) tokens after ``x``, no gradients."""
+    with torch.no_grad():
+        return model.generate(x, max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
