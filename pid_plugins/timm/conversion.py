@@ -96,7 +96,7 @@ def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     kind = type(model)
     if isinstance(model, (VisionTransformer, VisionTransformerDistilled)) and (
             kind in (VisionTransformer, VisionTransformerDistilled) or isinstance(model, _MethodViTMixin)):
-        require(*VIT)  # what the method classes compute again, and timm's forward_features calling self.blocks(x)
+        require(*VIT)  # what the method classes compute again (their probes: pid_plugins/timm/internals.py)
     else:
         hint = ("; convert the model before torch.compile" if hasattr(model, "_orig_mod")
                 else "; for other architectures build the model by name (pid_plugins.list_models(zoo='timm'))")

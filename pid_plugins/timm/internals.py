@@ -266,16 +266,16 @@ CREATE_ATTN = Internal(
     "PIDBlock: timm's Block with PIDAttention as its attention class (the same parameters, the same init order)",
     "1.0.31", _create_attn)
 ATTENTION_FORWARD = Internal(
-    ZOO, "timm.layers.Attention.forward(x, attn_mask, is_causal) and the attributes it reads",
+    ZOO, "timm.layers.Attention.forward(x, attn_mask, is_causal) and what it computes (the block probe)",
     "PIDAttention computes timm's attention again with the method's step before the output projection",
     "1.0.31", _attention_forward)
 BLOCK_FORWARD = Internal(
-    ZOO, "timm.models.vision_transformer.Block.forward(x, attn_mask, is_causal) and the attributes it reads",
+    ZOO, "timm.models.vision_transformer.Block.forward(x, attn_mask, is_causal) and what it computes (the block probe)",
     "PIDBlock computes timm's block again, handing the method's state from block to block", "1.0.31",
     _block_forward)
 VIT_FORWARD = Internal(
-    ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures and the attributes they read; "
-    "forward_features' plain path x = self.blocks(x))",
+    ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures, and what they compute: the "
+    "model probe)",
     "the method ViT computes them again with the method's state threaded through the blocks; a converted stock ViT "
     "runs the method classes' versions of them", "1.0.31",
     _vit_forward)
