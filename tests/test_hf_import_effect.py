@@ -41,10 +41,8 @@ print(json.dumps({
 
 #: docs/architecture.md, "transformers": each with its reason there
 DOCUMENTED = [
-    "ContinuousMixin.init_continuous_batching",  # refuses a method model before continuous batching swaps attention
     "PreTrainedModel.__init__",  # the one class-level construction hook (before the layers exist)
     "PreTrainedModel._from_config",  # from_config(..., <method>={...})
-    "PreTrainedModel._initialize_weights",  # learnable parameters and the warm-up counter initialised
     "PreTrainedModel.from_pretrained",  # <method>={...}, attn_implementation=None as saved, the load warnings
     "_BaseAutoModelClass.from_pretrained",  # the same for the auto classes
 ]
@@ -59,3 +57,22 @@ def test_the_import_changes_the_two_registries_and_the_documented_class_attribut
     # every registered method, in both of transformers' registries, under its own name
     assert effect["registered"]["attention"] == sorted(effect["methods"])
     assert effect["registered"]["mask"] == sorted(effect["methods"])
+
+
+def test_a_model_gets_its_own_initialisation_and_continuous_batching_refusal_and_its_class_keeps_transformers():
+    """The per-model part: a model built after the import has its own ``_initialize_weights`` and
+    ``init_continuous_batching`` (instance attributes), its class's are transformers' own."""
+    import pid_plugins.hf  # noqa: F401
+    from transformers import LlamaForCausalLM, PreTrainedModel
+    from transformers.generation.continuous_batching import ContinuousMixin
+
+    from zoo_cases import llama_config
+
+    model = LlamaForCausalLM(llama_config("pid"))
+    assert {"_initialize_weights", "init_continuous_batching"} <= set(vars(model))
+    assert vars(LlamaForCausalLM).get("_initialize_weights") is None
+    assert PreTrainedModel._initialize_weights.__module__.startswith("transformers.")
+    assert ContinuousMixin.init_continuous_batching.__module__.startswith("transformers.")
+    with pytest.raises(ValueError, match="cannot run under continuous batching"):
+        model.init_continuous_batching()
+

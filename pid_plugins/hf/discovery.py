@@ -464,10 +464,15 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Non
 
 
 def hook(model: PreTrainedModel) -> None:
-    """Give ``model`` the (inert unless its config names a method) forward pre-hook and hook, once."""
+    """Give ``model`` the (inert unless its config names a method) forward pre-hook and hook, and its own
+    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`~pid_plugins.hf.install.give_instance_methods`),
+    once."""
     if not model.__dict__.get(HOOKED, False):
+        from .install import give_instance_methods
+
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         model.register_forward_hook(_post_hook, with_kwargs=True)
+        give_instance_methods(model)
         model.__dict__[HOOKED] = True
 
 

@@ -17,14 +17,16 @@ All through transformers' and torch's extension points except the last:
   once, so that a method's parameters are a keyword of both (``attn_implementation="pid", pid={...}``): transformers
   hands a keyword that names no attribute of the config to the model's ``__init__``, which takes none, and
   ``from_config`` hands every keyword there, so no config-side extension point reaches them;
-* ``init_continuous_batching`` (behind ``generate_batch``, ``continuous_batching_context_manager`` and
-  ``generate(cache_implementation="paged")``) is wrapped once, so that a model running a method is refused before
-  continuous batching switches its attention (to flash attention where flash-attn is installed, with only a log
-  warning): continuous batching runs its own paged attention, not the model's method, and has no extension point;
-* :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`);
-* ``PreTrainedModel._initialize_weights`` is wrapped once, so that transformers' initialisation of missing weights
-  gives learnable gains their initial values and the warm-up counter ``t = 0`` (transformers has no hook for
-  modules it does not know).
+* :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`).
+
+And per model, never on a class: every model the construction hook sees (and every model ``convert`` switches) gets
+its own ``_initialize_weights`` and ``init_continuous_batching`` as instance attributes
+(:func:`give_instance_methods`; transformers reads both on the instance). The first makes transformers' initialisation
+of missing weights give learnable parameters their initial values and the warm-up counter ``t = 0`` (transformers
+has no hook for modules it does not know); the second refuses a model running a method before continuous batching
+(``generate_batch``, ``continuous_batching_context_manager``, ``generate(cache_implementation="paged")``) switches
+its attention (to flash attention where flash-attn is installed, with only a log warning): continuous batching runs
+its own paged attention, not the model's method, and has no extension point.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def _model_init(self, *args: Any, **kwargs: Any) -> None:
     if request is not None:  # from_pretrained(..., pid={...}): the config is final now, the layers not built yet
         apply_method_kwargs(self.config, *request)
     _check_family(self)
-    discovery.hook(self)
+    discovery.hook(self)  # (with the model's own _initialize_weights and init_continuous_batching)
     persist(self.config)  # saved as the method's name whenever the model runs one at save time, else null
     self.__dict__["post_init"] = functools.partial(_post_init, self)
 
@@ -263,51 +265,45 @@ def continuous_batching_message(name: str) -> str:
             "(model.set_attn_implementation('sdpa'))")
 
 
-def _wrap_continuous_batching() -> None:
-    """``init_continuous_batching`` (where ``generate_batch``, ``continuous_batching_context_manager`` and
-    ``generate(cache_implementation="paged")`` all start) refuses a model whose config names a method, before
-    transformers' ``switch_to_cb_friendly_attn`` can change its attention: transformers has no extension point there."""
-    from transformers.generation.continuous_batching import ContinuousMixin
-
-    original = ContinuousMixin.__dict__["init_continuous_batching"]
-
-    @functools.wraps(original)
-    def init_continuous_batching(self, *args: Any, **kwargs: Any):
-        method = method_of(getattr(self, "config", None))
-        if method is not None:
-            raise ValueError(continuous_batching_message(method.name))
-        return original(self, *args, **kwargs)
-
-    ContinuousMixin.init_continuous_batching = init_continuous_batching
+def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any):
+    """``model.init_continuous_batching`` (where ``generate_batch``, ``continuous_batching_context_manager`` and
+    ``generate(cache_implementation="paged")`` all start): refused while the model's config names a method, before
+    transformers' ``switch_to_cb_friendly_attn`` can change its attention (transformers has no extension point
+    there); else the class's own."""
+    method = method_of(getattr(model, "config", None))
+    if method is not None:
+        raise ValueError(continuous_batching_message(method.name))
+    return type(model).init_continuous_batching(model, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------ transformers' weight initialisation
-_ORIGINAL_INIT = None
-
-
-def _initialize_weights(self, module: nn.Module, *args, **kwargs):
-    if learned_gains.reset(module):  # learnable parameters: those transformers loaded are flagged and left alone
+def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any):
+    """``model._initialize_weights`` (the one place transformers 5 initialises every module of a model: at
+    construction and for the missing keys of ``from_pretrained``): learnable parameters get their initial values
+    (:func:`~pid_plugins.hf.gains.reset`) and the gain warm-up counter t = 0, leaving what transformers loaded alone
+    (the model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values); every other module
+    the class's own."""
+    if learned_gains.reset(module):
         module._is_hf_initialized = True
         return None
-    if isinstance(module, GainWarmup):  # the warm-up counter: t = 0 unless transformers loaded it (flagged)
+    if isinstance(module, GainWarmup):
         from transformers import initialization as init
 
         init.zeros_(module.step)
         module._is_hf_initialized = True
         return None
-    return _ORIGINAL_INIT(self, module, *args, **kwargs)
+    return type(model)._initialize_weights(model, module, *args, **kwargs)
 
 
-def _wrap_initialize_weights() -> None:
-    """Make ``PreTrainedModel._initialize_weights`` (the one place transformers 5 initialises every module of a
-    model: at construction and for the missing keys of ``from_pretrained``) initialise learnable gains
-    (each method's ``make_learned`` module, :func:`~pid_plugins.hf.gains.reset`) from their config, and the gain warm-up counter
-    (:class:`~pid_plugins.core.warmup.GainWarmup`) at 0. The model's own ``_init_weights`` does not know them and
-    would leave ``torch.empty`` values."""
-    global _ORIGINAL_INIT
-    if _ORIGINAL_INIT is None:
-        _ORIGINAL_INIT = PreTrainedModel._initialize_weights
-        PreTrainedModel._initialize_weights = _initialize_weights
+def give_instance_methods(model: PreTrainedModel) -> None:
+    """``model``'s own ``_initialize_weights`` and ``init_continuous_batching`` (instance attributes, which transformers
+    reads on the instance: this model only, never its class), once. Given to every model built after the import (the
+    construction hook) and to every model :func:`~pid_plugins.hf.convert` switches."""
+    own = model.__dict__
+    if "_initialize_weights" not in own:
+        own["_initialize_weights"] = functools.partial(_initialize_weights, model)
+    if "init_continuous_batching" not in own and hasattr(type(model), "init_continuous_batching"):
+        own["init_continuous_batching"] = functools.partial(_init_continuous_batching, model)
 
 
 # --------------------------------------------------------------------------------------- the registrations
@@ -351,9 +347,7 @@ def install() -> None:
     checkpointing.require()
     _INSTALLED[0] = True
     _wrap_model_init()
-    _wrap_initialize_weights()
     _wrap_loaders()
-    _wrap_continuous_batching()
     reserve_names("transformers", _transformers_names)
     on_register(_register)
     register_warmup_finisher(conversion.finish)

@@ -178,7 +178,8 @@ CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing sets module._gradient_checkpointing_func",
     "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing)
 CONTINUOUS_BATCHING = Internal(
-    ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (wrapped once)",
+    ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (each model's own, an "
+    "instance attribute)",
     "refusing a method model before continuous batching switches its attention (switch_to_cb_friendly_attn: to flash "
     "attention where flash-attn is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching)
 INTERFACE_SOURCE = Internal(
