@@ -37,57 +37,132 @@ def _mmcv_ext() -> bool:
             and "importlib.import_module('mmcv.'+name)" in source and "hasattr(ext,fun)" in source)
 
 
-#: what mmseg's ``VisionTransformer.forward`` reads: :class:`~pid_plugins.mmseg.PIDVisionTransformer` computes it again
-VIT_READS = frozenset({"_pos_embeding", "cls_token", "final_norm", "layers", "norm1", "out_indices", "out_origin",
-                       "output_cls_token", "patch_embed", "pos_embed", "pre_ln", "pre_norm", "with_cls_token"})
+# The method classes compute mmseg's ViT forward, its TransformerEncoderLayer, mmcv's MultiheadAttention and the
+# Segmenter head again with the method's step in between. Whether they still compute what mmseg's and mmcv's do is
+# checked by behaviour, not by reading their source: two probes build the stock part (a small backbone with a class
+# token and a final norm; a small head) and the method's part on the same perturbed weights, and compare their outputs
+# to float32 rounding (the method layer computes torch's MultiheadAttention as q, k, v, SDPA and the projection, in
+# another order: 5e-7 apart here; a changed step moves them far more). The method's part runs PID on one layer with control_first_layer=False: that layer is the group's
+# reference-only first layer, so it computes the attention through the method classes (q, k, v from the packed
+# projection, the zoo's attention, the output projection) and adds nothing. (At zero gains the adapter keeps mmseg's
+# own layers, which would test nothing.) A release that computes differently fails its probe, whatever its
+# text; one that only rewrites the text passes. Signatures are compared too, and one source-text check is left: the
+# Pretrained branch of init_weights, which runs only with a checkpoint file (the reason is in the check).
+
+#: the probes' stock parts
+PROBE_BACKBONE = dict(img_size=(16, 16), patch_size=8, embed_dims=16, num_layers=1, num_heads=2, drop_path_rate=0.0,
+                      final_norm=True, with_cls_token=True, out_indices=(0,), norm_cfg=dict(type="LN", eps=1e-6))
+PROBE_HEAD = dict(in_channels=16, channels=16, num_classes=3, num_layers=1, num_heads=2, embed_dims=16,
+                  dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
+_PROBING = [False]
+
+
+def _layer_probe() -> bool:
+    """mmseg's TransformerEncoderLayer (with mmcv's MultiheadAttention) and the method's layer switched from a copy of
+    it (PID, the reference-only first layer) compute the same, to float32 rounding."""
+    if _PROBING[0]:
+        return True
+    import copy
+
+    import torch
+
+    _PROBING[0] = True
+    try:
+        from mmseg.models.backbones.vit import TransformerEncoderLayer
+        from torch.nn import ModuleList
+
+        from ..core import MethodChoice, get_method
+        from .vit import PIDTransformerEncoderLayer, _switch_layers
+
+        method = get_method("pid")
+        choice = MethodChoice(method, method.configure(
+            dict(lambda_p=0.5, lambda_i=0.1, lambda_d=0.1, control_first_layer=False), "mmseg"))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            stock = ModuleList([TransformerEncoderLayer(embed_dims=16, num_heads=2, feedforward_channels=32,
+                                                        norm_cfg=dict(type="LN"))])
+            for p in stock.parameters():
+                p.data.add_(torch.randn_like(p) * 0.1)
+            layers = copy.deepcopy(stock)
+            _switch_layers(layers, choice)
+            stock.eval(), layers.eval()
+            x = torch.randn(2, 5, 16)
+            with torch.no_grad():
+                got, want = layers[0](x)[0], stock[0](x)
+        return isinstance(layers[0], PIDTransformerEncoderLayer) and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        _PROBING[0] = False
+
+
+def _probe(part: str) -> bool:
+    """mmseg's ``part`` ("backbone": VisionTransformer; "head": SegmenterMaskTransformerHead) and the method's
+    (PID, its one layer the reference-only first layer; the stock weights) compute the same, to float32 rounding (rtol 1e-5, atol 1e-6)."""
+    if _PROBING[0]:  # the method part built below requires these internals: the probe in progress answers
+        return True
+    import torch
+
+    _PROBING[0] = True
+    try:
+        from mmseg.models.backbones.vit import VisionTransformer
+        from mmseg.models.decode_heads import SegmenterMaskTransformerHead
+
+        from .head import PIDSegmenterMaskTransformerHead
+        from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer
+
+        plain = dict(lambda_p=0.5, lambda_i=0.1, lambda_d=0.1, control_first_layer=False)
+        stock_type, method_type, args = ((VisionTransformer, PIDVisionTransformer, PROBE_BACKBONE) if part == "backbone"
+                                         else (SegmenterMaskTransformerHead, PIDSegmenterMaskTransformerHead,
+                                               PROBE_HEAD))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            stock = stock_type(**args)
+            for p in stock.parameters():  # norms and biases away from their initial values: every step counts
+                p.data.add_(torch.randn_like(p) * 0.1)
+            model = method_type(**args, attention="pid", attention_cfg=plain)
+            model.load_state_dict(stock.state_dict())
+            stock.eval(), model.eval()
+            x = torch.randn(2, 3, 16, 16) if part == "backbone" else [torch.randn(2, 16, 2, 2)]
+            with torch.no_grad():
+                got, want = model(x), stock(x)
+        if not all(isinstance(layer, PIDTransformerEncoderLayer) for layer in model.layers):
+            return False
+        got, want = (list(got), list(want)) if part == "backbone" else ([got], [want])
+        return len(got) == len(want) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
+    finally:
+        _PROBING[0] = False
 
 
 def _mmseg_vit() -> bool:
     from mmseg.models.backbones.vit import VisionTransformer
 
     resize = inspect.getattr_static(VisionTransformer, "resize_pos_embed")
+    # source text: the Pretrained branch of init_weights (resizing a checkpoint's pos_embed) runs only with a
+    # checkpoint file on disk, which the probe does not write
     init = squashed(VisionTransformer.init_weights)
     return (parameters(VisionTransformer.forward) == ["self", "inputs"]
-            and reads(VisionTransformer.forward) == VIT_READS
-            and "x,hw_shape=self.patch_embed(inputs)" in squashed(VisionTransformer.forward)
             and parameters(VisionTransformer._pos_embeding) == ["self", "patched_img", "hw_shape", "pos_embed"]
             and isinstance(resize, staticmethod)
             and parameters(resize.__func__) == ["pos_embed", "input_shpae", "pos_shape", "mode"]
             and "self.resize_pos_embed(state_dict['pos_embed'],(h//self.patch_size,w//self.patch_size)," in init
-            and "self.layers.append(TransformerEncoderLayer(" in squashed(VisionTransformer.__init__))
+            and _probe("backbone"))
 
 
 def _encoder_layer() -> bool:
     from mmseg.models.backbones.vit import TransformerEncoderLayer
 
-    forward, init = squashed(TransformerEncoderLayer.forward), squashed(TransformerEncoderLayer.__init__)
-    return (reads(TransformerEncoderLayer.forward) == {"attn", "ffn", "norm1", "norm2", "with_cp"}
-            and "x=self.attn(self.norm1(x),identity=x)" in forward and "x=self.ffn(self.norm2(x),identity=x)" in forward
-            and all(f"self.{n}_name,{n}=build_norm_layer(" in init for n in ("norm1", "norm2"))
-            and "self.with_cp=with_cp" in init
-            and "self.attn=MultiheadAttention(**attn_cfg)" in squashed(TransformerEncoderLayer.build_attn))
+    return {"norm1", "norm2"} <= {n for n, _ in inspect.getmembers(TransformerEncoderLayer)} and _layer_probe()
 
 
 def _mmcv_attention() -> bool:
     from mmcv.cnn.bricks.transformer import MultiheadAttention
 
-    forward = squashed(MultiheadAttention.forward)
-    return (reads(MultiheadAttention.forward) == {"__class__", "attn", "batch_first", "dropout_layer", "proj_drop"}
-            and "self.attn=nn.MultiheadAttention(" in squashed(MultiheadAttention.__init__)
-            and forward.endswith("returnidentity+self.dropout_layer(self.proj_drop(out))"))
-
-
-#: what mmseg's ``SegmenterMaskTransformerHead.forward`` reads: the method head computes it again
-HEAD_READS = frozenset({"_transform_inputs", "classes_proj", "cls_emb", "dec_proj", "decoder_norm", "layers",
-                        "mask_norm", "num_classes", "patch_proj"})
+    return parameters(MultiheadAttention.forward)[:4] == ["self", "query", "key", "value"] and _layer_probe()
 
 
 def _segmenter_head() -> bool:
     from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
-    return (parameters(SegmenterMaskTransformerHead.forward) == ["self", "inputs"]
-            and reads(SegmenterMaskTransformerHead.forward) == HEAD_READS
-            and "self.layers.append(TransformerEncoderLayer(" in squashed(SegmenterMaskTransformerHead.__init__))
+    return parameters(SegmenterMaskTransformerHead.forward) == ["self", "inputs"] and _probe("head")
 
 
 def registered_prefixes(module: Any) -> set:
@@ -152,23 +227,22 @@ MMCV_EXT = Internal(
     "importing mmseg.models with mmcv-lite: a stand-in mmcv._ext whose ops exist and raise when called", "2.1.0",
     _mmcv_ext)
 MMSEG_VIT = Internal(
-    MMSEG, "mmseg VisionTransformer.forward (the attributes it reads), _pos_embeding, resize_pos_embed and the "
-    "Pretrained branch of init_weights",
+    MMSEG, "mmseg VisionTransformer.forward (what it computes: the backbone probe), _pos_embeding, resize_pos_embed "
+    "and the Pretrained branch of init_weights",
     "PIDVisionTransformer computes mmseg's ViT forward again with the method's state threaded through the layers, and "
     "loads its init_cfg checkpoint as mmseg does (position-embedding resizing)", "1.2.2", _mmseg_vit)
 ENCODER_LAYER = Internal(
-    MMSEG, "mmseg TransformerEncoderLayer: forward (attn(norm1(x), identity=x), ffn(norm2(x), identity=x)), "
-    "norm1_name / norm2_name / with_cp, attn built as mmcv's MultiheadAttention",
+    MMSEG, "mmseg TransformerEncoderLayer: what its forward computes (the layer probe), norm1 / norm2",
     "PIDTransformerEncoderLayer computes mmseg's encoder layer again with the method in its attention", "1.2.2",
     _encoder_layer)
 MMCV_ATTENTION = Internal(
-    MMCV, "mmcv.cnn.bricks.transformer.MultiheadAttention: attn (torch's), batch_first, proj_drop, dropout_layer and "
-    "forward's identity + dropout_layer(proj_drop(out))",
+    MMCV, "mmcv.cnn.bricks.transformer.MultiheadAttention: forward(query, key, value, ...) and what it computes (the "
+    "layer probe)",
     "the method layer's q/k/v from the packed in_proj_weight, and mmcv's own attention as the warm-up's stock path",
     "2.1.0", _mmcv_attention)
 SEGMENTER_HEAD = Internal(
-    MMSEG, "mmseg SegmenterMaskTransformerHead.forward (the attributes it reads) and its TransformerEncoderLayer "
-    "layers",
+    MMSEG, "mmseg SegmenterMaskTransformerHead.forward (what it computes: the head probe) and its "
+    "TransformerEncoderLayer layers",
     "PIDSegmenterMaskTransformerHead computes mmseg's head again with the method's state threaded through the layers",
     "1.2.2", _segmenter_head)
 CHECKPOINT_SCHEMES = Internal(
@@ -190,10 +264,11 @@ INTERNALS = (MMCV_EXT, MMSEG_VIT, ENCODER_LAYER, MMCV_ATTENTION, SEGMENTER_HEAD,
              CHECKPOINT_HELPERS, HISTORY_BUFFER)
 
 #: what the method layers rely on
-LAYERS = (ENCODER_LAYER, MMCV_ATTENTION)
+#: in the order the parts build on each other (a probe failure names the lowest part whose probe fails)
+LAYERS = (MMCV_ATTENTION, ENCODER_LAYER)
 #: what a method backbone / head relies on (built from a config, or converted)
-BACKBONE = (MMSEG_VIT, *LAYERS)
-HEAD = (SEGMENTER_HEAD, *LAYERS)
+BACKBONE = (*LAYERS, MMSEG_VIT)
+HEAD = (*LAYERS, SEGMENTER_HEAD)
 #: what the weights-only checkpoint loading relies on
 CHECKPOINTS = (CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS, HISTORY_BUFFER)
 
