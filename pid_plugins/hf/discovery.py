@@ -50,6 +50,7 @@ from .cache import new_cache, static_past
 from .checkpointing import cache_message, torch_checkpointing, wrapper_message
 from .checkpointing import require as require_torch_checkpointing
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
+from .instance import give_instance_methods
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN, cache_keywords, unknown_cache,
 )
@@ -465,11 +466,9 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Non
 
 def hook(model: PreTrainedModel) -> None:
     """Give ``model`` the (inert unless its config names a method) forward pre-hook and hook, and its own
-    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`~pid_plugins.hf.install.give_instance_methods`),
+    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`~pid_plugins.hf.instance.give_instance_methods`),
     once."""
     if not model.__dict__.get(HOOKED, False):
-        from .install import give_instance_methods
-
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         model.register_forward_hook(_post_hook, with_kwargs=True)
         give_instance_methods(model)

@@ -19,9 +19,9 @@ import ast
 import inspect
 import re
 import sys
-from typing import Any
+from typing import Any, Callable, Dict
 
-from ..versions import Internal, parameters, reads, require, squashed
+from ..versions import Internal, parameters, require, squashed
 
 __all__ = ["INTERNALS", "require_all"]
 
@@ -49,87 +49,13 @@ def _mmcv_ext() -> bool:
 # text; one that only rewrites the text passes. Signatures are compared too, and one source-text check is left: the
 # Pretrained branch of init_weights, which runs only with a checkpoint file (the reason is in the check).
 
-#: the probes' stock parts
-PROBE_BACKBONE = dict(img_size=(16, 16), patch_size=8, embed_dims=16, num_layers=1, num_heads=2, drop_path_rate=0.0,
-                      final_norm=True, with_cls_token=True, out_indices=(0,), norm_cfg=dict(type="LN", eps=1e-6))
-PROBE_HEAD = dict(in_channels=16, channels=16, num_classes=3, num_layers=1, num_heads=2, embed_dims=16,
-                  dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
-_PROBING = [False]
+#: the behavioural probes by name ("layer", "backbone", "head"): :mod:`pid_plugins.mmseg.probes` registers them
+#: (``import pid_plugins.mmseg`` imports it; they build the method classes, which import this module: hence a table)
+PROBES: Dict[str, Callable[[], bool]] = {}
 
 
-def _layer_probe() -> bool:
-    """mmseg's TransformerEncoderLayer (with mmcv's MultiheadAttention) and the method's layer switched from a copy of
-    it (PID, the reference-only first layer) compute the same, to float32 rounding."""
-    if _PROBING[0]:
-        return True
-    import copy
-
-    import torch
-
-    _PROBING[0] = True
-    try:
-        from mmseg.models.backbones.vit import TransformerEncoderLayer
-        from torch.nn import ModuleList
-
-        from ..core import MethodChoice, get_method
-        from .vit import PIDTransformerEncoderLayer, _switch_layers
-
-        method = get_method("pid")
-        choice = MethodChoice(method, method.configure(
-            dict(lambda_p=0.5, lambda_i=0.1, lambda_d=0.1, control_first_layer=False), "mmseg"))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            stock = ModuleList([TransformerEncoderLayer(embed_dims=16, num_heads=2, feedforward_channels=32,
-                                                        norm_cfg=dict(type="LN"))])
-            for p in stock.parameters():
-                p.data.add_(torch.randn_like(p) * 0.1)
-            layers = copy.deepcopy(stock)
-            _switch_layers(layers, choice)
-            stock.eval(), layers.eval()
-            x = torch.randn(2, 5, 16)
-            with torch.no_grad():
-                got, want = layers[0](x)[0], stock[0](x)
-        return isinstance(layers[0], PIDTransformerEncoderLayer) and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    finally:
-        _PROBING[0] = False
-
-
-def _probe(part: str) -> bool:
-    """mmseg's ``part`` ("backbone": VisionTransformer; "head": SegmenterMaskTransformerHead) and the method's
-    (PID, its one layer the reference-only first layer; the stock weights) compute the same, to float32 rounding (rtol 1e-5, atol 1e-6)."""
-    if _PROBING[0]:  # the method part built below requires these internals: the probe in progress answers
-        return True
-    import torch
-
-    _PROBING[0] = True
-    try:
-        from mmseg.models.backbones.vit import VisionTransformer
-        from mmseg.models.decode_heads import SegmenterMaskTransformerHead
-
-        from .head import PIDSegmenterMaskTransformerHead
-        from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer
-
-        plain = dict(lambda_p=0.5, lambda_i=0.1, lambda_d=0.1, control_first_layer=False)
-        stock_type, method_type, args = ((VisionTransformer, PIDVisionTransformer, PROBE_BACKBONE) if part == "backbone"
-                                         else (SegmenterMaskTransformerHead, PIDSegmenterMaskTransformerHead,
-                                               PROBE_HEAD))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            stock = stock_type(**args)
-            for p in stock.parameters():  # norms and biases away from their initial values: every step counts
-                p.data.add_(torch.randn_like(p) * 0.1)
-            model = method_type(**args, attention="pid", attention_cfg=plain)
-            model.load_state_dict(stock.state_dict())
-            stock.eval(), model.eval()
-            x = torch.randn(2, 3, 16, 16) if part == "backbone" else [torch.randn(2, 16, 2, 2)]
-            with torch.no_grad():
-                got, want = model(x), stock(x)
-        if not all(isinstance(layer, PIDTransformerEncoderLayer) for layer in model.layers):
-            return False
-        got, want = (list(got), list(want)) if part == "backbone" else ([got], [want])
-        return len(got) == len(want) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
-    finally:
-        _PROBING[0] = False
+def _probe(name: str) -> bool:
+    return PROBES[name]()
 
 
 def _mmseg_vit() -> bool:
@@ -150,13 +76,13 @@ def _mmseg_vit() -> bool:
 def _encoder_layer() -> bool:
     from mmseg.models.backbones.vit import TransformerEncoderLayer
 
-    return {"norm1", "norm2"} <= {n for n, _ in inspect.getmembers(TransformerEncoderLayer)} and _layer_probe()
+    return {"norm1", "norm2"} <= {n for n, _ in inspect.getmembers(TransformerEncoderLayer)} and _probe("layer")
 
 
 def _mmcv_attention() -> bool:
     from mmcv.cnn.bricks.transformer import MultiheadAttention
 
-    return parameters(MultiheadAttention.forward)[:4] == ["self", "query", "key", "value"] and _layer_probe()
+    return parameters(MultiheadAttention.forward)[:4] == ["self", "query", "key", "value"] and _probe("layer")
 
 
 def _segmenter_head() -> bool:

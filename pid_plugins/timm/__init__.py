@@ -44,6 +44,7 @@ from .vision_transformer import (
     PIDVisionTransformerDistilled,
     checkpoint_filter_fn,
 )
+from . import probes  # noqa: E402,F401  (the behavioural checks of the internals the method classes compute again)
 
 __all__ = [
     "FAN", "FANBlock", "TokenMixing", "ChannelProcessing",

@@ -14,6 +14,7 @@ timm is imported inside the checks only (``import pid_plugins.timm`` imports it;
 from __future__ import annotations
 
 import inspect
+from typing import Callable, Dict
 
 from ..versions import Internal, parameters, require, squashed
 
@@ -41,105 +42,32 @@ def _attn_layers() -> bool:
 # A timm release that computes any of them differently fails its probe, whatever its text; one that only rewrites the
 # text passes. The signatures are compared too (what the method classes accept).
 
-#: the probe's stock ViT: every option of timm's Attention / Block / VisionTransformer the method classes recompute
-PROBE_VIT = dict(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=3, qk_norm=True,
-                 init_values=0.5, reg_tokens=1, pre_norm=True)
-PROBE_BLOCK = dict(dim=16, num_heads=2, qk_norm=True, init_values=0.5)
-_PROBING = [False]
+#: the behavioural probes by name ("block", "vit"): :mod:`pid_plugins.timm.probes` registers them (``import
+#: pid_plugins.timm`` imports it; they build the method classes, which import this module: hence a table, not an import)
+PROBES: Dict[str, Callable[[], bool]] = {}
 
 
-def _zero_pid() -> "MethodChoice":  # noqa: F821
-    from ..core import MethodChoice, get_method
-
-    method = get_method("pid")
-    return MethodChoice(method, method.configure(dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0), "timm"))
-
-
-def _perturbed(stock):
-    """``stock`` with every parameter moved off its initial value (layer scale, norms): every step counts."""
-    import torch
-
-    for p in stock.parameters():
-        p.data.add_(torch.randn_like(p) * 0.1)
-    return stock.eval()
-
-
-def _block_probe() -> bool:
-    """timm's Block and the method's PIDBlock (PID at zero gains, the stock weights) compute the same, bit for bit."""
-    if _PROBING[0]:
-        return True
-    import torch
-    from timm.models.vision_transformer import Block
-
-    from .vision_transformer import PIDAttention, PIDBlock
-
-    _PROBING[0] = True
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            stock = _perturbed(Block(**PROBE_BLOCK))
-            block = PIDBlock(**PROBE_BLOCK, choice=_zero_pid()).eval()
-            block.load_state_dict(stock.state_dict())
-            x = torch.randn(2, 5, PROBE_BLOCK["dim"])
-            mask = torch.ones(5, 5, dtype=torch.bool).tril()
-            with torch.no_grad():
-                return (isinstance(block.attn, PIDAttention) and torch.equal(block(x), stock(x))
-                        and torch.equal(block(x, attn_mask=mask), stock(x, attn_mask=mask)))
-    finally:
-        _PROBING[0] = False
-
-
-def _vit_probe() -> bool:
-    """The stock ViT and the method ViT (PID at zero gains, the stock weights) compute the same, bit for bit. Run by
-    each internal's check (each checked once per process: :func:`pid_plugins.versions.require`)."""
-    if _PROBING[0]:  # the method ViT built below requires these internals: the probe in progress answers
-        return True
-    import torch
-    from timm.models.vision_transformer import VisionTransformer
-
-    from .vision_transformer import PIDAttention, PIDVisionTransformer
-
-    _PROBING[0] = True
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            stock = _perturbed(VisionTransformer(**PROBE_VIT))
-            zero = _zero_pid()
-            model = PIDVisionTransformer(**PROBE_VIT, attention=zero.method.name, attention_cfg=zero.config).eval()
-            model.load_state_dict(stock.state_dict(), strict=False)
-            x = torch.randn(2, 3, 16, 16)
-            tokens = 1 + 1 + (16 // 8) ** 2
-            mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-            with torch.no_grad():
-                same = (all(isinstance(b.attn, PIDAttention) for b in model.blocks)
-                        and torch.equal(model(x), stock(x))
-                        and torch.equal(model.forward_features(x, attn_mask=mask),
-                                        stock.forward_features(x, attn_mask=mask)))
-                got, want = model.forward_intermediates(x), stock.forward_intermediates(x)
-                same = same and torch.equal(got[0], want[0]) and len(got[1]) == len(want[1]) and all(
-                    torch.equal(a, b) for a, b in zip(got[1], want[1]))
-        return bool(same)
-    finally:
-        _PROBING[0] = False
+def _probe(name: str) -> bool:
+    return PROBES[name]()
 
 
 def _create_attn() -> bool:
     from timm.models.vision_transformer import Block, _create_attn
 
     return ("attn_layer" in parameters(Block.__init__)
-            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"] and _block_probe())
+            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"] and _probe("block"))
 
 
 def _attention_forward() -> bool:
     from timm.layers import Attention
 
-    return parameters(Attention.forward) == ["self", "x", "attn_mask", "is_causal"] and _block_probe()
+    return parameters(Attention.forward) == ["self", "x", "attn_mask", "is_causal"] and _probe("block")
 
 
 def _block_forward() -> bool:
     from timm.models.vision_transformer import Block
 
-    return parameters(Block.forward) == ["self", "x", "attn_mask", "is_causal"] and _block_probe()
+    return parameters(Block.forward) == ["self", "x", "attn_mask", "is_causal"] and _probe("block")
 
 
 VIT_INTERMEDIATES_PARAMETERS = ["self", "x", "indices", "return_prefix_tokens", "norm", "stop_early", "output_fmt",
@@ -155,7 +83,7 @@ def _vit_forward() -> bool:
             and parameters(VisionTransformer.forward_features) == ["self", "x", "attn_mask", "is_causal"]
             and parameters(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_PARAMETERS
             and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled))
-            and _vit_probe())
+            and _probe("vit"))
 
 
 def _feature_take_indices() -> bool:
