@@ -41,10 +41,7 @@ print(json.dumps({
 
 #: docs/architecture.md, "transformers": each with its reason there
 DOCUMENTED = [
-    "PreTrainedModel.__init__",  # the one class-level construction hook (before the layers exist)
-    "PreTrainedModel._from_config",  # from_config(..., <method>={...})
-    "PreTrainedModel.from_pretrained",  # <method>={...}, attn_implementation=None as saved, the load warnings
-    "_BaseAutoModelClass.from_pretrained",  # the same for the auto classes
+    "PreTrainedModel.__init__",  # the one class-level construction hook (before and after transformers' own)
 ]
 
 

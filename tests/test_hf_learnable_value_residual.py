@@ -46,8 +46,10 @@ def test_built_with_learnable_lambdas_from_the_config_is_the_fixed_model_and_tra
 def test_a_stock_checkpoint_loads_with_the_lambdas_at_their_config_values_and_trained_ones_reload(tmp_path):
     torch.manual_seed(0)
     T.LlamaForCausalLM(llama_config()).save_pretrained(tmp_path / "stock")
-    model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "stock", attn_implementation="value_residual",
-                                                   value_residual=LEARN)
+    config = T.AutoConfig.from_pretrained(tmp_path / "stock")
+    config.value_residual = LEARN
+    model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "stock", config=config,
+                                                   attn_implementation="value_residual")
     assert all(float(p) == pytest.approx(LEARN[n.rsplit(".", 1)[1]]) for n, p in lambdas(model).items())
     with torch.no_grad():
         for i, p in enumerate(lambdas(model).values()):

@@ -44,7 +44,7 @@ def test_trained_weights_are_told_from_weights_as_built():
 # ---------------------------------------------------------------------------------------------- transformers
 def test_transformers_convert_and_loader(caplog, tmp_path):
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     import pid_plugins.hf as ph
 
@@ -62,14 +62,30 @@ def test_transformers_convert_and_loader(caplog, tmp_path):
     assert_warns_once(warnings_of(caplog, lambda: ph.convert(stock, "pid")), "pid")
     assert warnings_of(caplog, lambda: ph.convert(stock, "pid")) == []  # it runs PID already
     assert_warns_once(warnings_of(caplog, lambda: ph.convert(stock, "neutreno")), "neutreno")
-    # the loader: a stock checkpoint with a method; a checkpoint saved with the method loads without one
-    load = AutoModelForCausalLM.from_pretrained
+    # the loader: a stock checkpoint with a method warns at the model's first forward (its weights are loaded then),
+    # once; one with a warm-up or zero parameters (config.pid, the transformers way) does not; a checkpoint saved with
+    # the method loads without one
+    x = torch.randint(0, 64, (1, 4))
+
+    def load(path, params=None, **kw):
+        config = AutoConfig.from_pretrained(path)
+        if params is not None:
+            config.pid = params
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, **kw)
+        with torch.no_grad():
+            model(x)
+            model(x)
+        return model
+
     assert_warns_once(warnings_of(caplog, lambda: load(tmp_path / "stock", attn_implementation="pid")), "pid")
-    assert warnings_of(caplog, lambda: load(tmp_path / "stock", attn_implementation="pid", pid=WARMUP)) == []
-    assert warnings_of(caplog, lambda: load(tmp_path / "stock", attn_implementation="pid", pid=ZERO_PID)) == []
+    assert warnings_of(caplog, lambda: load(tmp_path / "stock", WARMUP, attn_implementation="pid")) == []
+    assert warnings_of(caplog, lambda: load(tmp_path / "stock", ZERO_PID, attn_implementation="pid")) == []
     assert warnings_of(caplog, lambda: load(tmp_path / "stock")) == []
     load(tmp_path / "stock", attn_implementation="pid").save_pretrained(tmp_path / "pid")
     assert warnings_of(caplog, lambda: load(tmp_path / "pid")) == []
+    # built from the stock folder's config with its weights as built (from_config): nothing trained, no warning
+    assert warnings_of(caplog, lambda: AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(tmp_path / "stock"), attn_implementation="pid")(x)) == []
 
 
 # ---------------------------------------------------------------------------------------------------- mmseg

@@ -190,12 +190,13 @@ def test_learnable_parameters_under_tensor_parallelism_need_the_tp_plan_style(mo
         monkeypatch.setattr(module, "TP_PLAN", older)
     config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2)
+    config.pid = {"learnable": True}
     ids = torch.tensor([[3, 4, 5]])
-    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid", pid={"learnable": True}).eval()
+    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
     assert not any("attention_params" in k for k in (model.tp_plan or {}))
     with torch.no_grad():
         model(ids)  # not tensor-parallel: runs
-    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid", pid={"learnable": True}).eval()
+    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
     monkeypatch.setattr(discovery, "_tensor_parallel", lambda module: True)
     with pytest.raises(InternalChanged, match=r"replicated_with_grad_allreduce.*runs tensor parallelism with "
                                               r"learnable parameters"):

@@ -6,8 +6,9 @@ function: the base attention, SDPA by default, then the method on self-attention
 (the base attention's mask function). Then::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")                   # preset `lm`
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid", pid={"lambda_p": 0.3})
-    model = AutoModel.from_config(config, attn_implementation="value_residual", value_residual={...})
+    config = AutoConfig.from_pretrained(path); config.pid = {"lambda_p": 0.3}                   # its parameters
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation="pid")
+    model = AutoModel.from_config(config, attn_implementation="pid")                             # not trained
     pid_plugins.hf.convert(model, "pid", {"learnable": True})     # a built model, in place (learnable gains)
     pid_plugins.hf.convert(model, "neutreno", base="eager")       # another method, on eager attention
     pid_plugins.hf.convert(model, "softmax")                      # back to the stock model, bit for bit

@@ -9,8 +9,9 @@
 * :class:`_SavedImplementation` / :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's
   name when the model runs a method at save time (transformers itself does not save ``_attn_implementation``), and
   as null otherwise, so ``from_pretrained`` builds the model with the method again;
-* :func:`take_method_kwargs` / :func:`apply_method_kwargs`: a method's parameters as a keyword of ``from_pretrained``
-  and ``from_config`` (``attn_implementation="pid", pid={"lambda_p": 0.3}``), saved as ``config.<method>``.
+* a method's parameters are ``config.<method>``, set on the config (``AutoConfig.from_pretrained(path)``, then
+  ``config.pid = {"lambda_p": 0.3}`` and ``from_pretrained(path, config=config, attn_implementation="pid")``, the
+  transformers way: no loader keyword), saved with the model.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import torch
 from ..core import AttentionMethod, get_method, list_methods
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "apply_method_kwargs", "base_attention",
-    "check_learnable", "method_named", "method_of", "model_method_config", "persist", "take_method_kwargs",
+    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "base_attention",
+    "check_learnable", "method_named", "method_of", "model_method_config", "persist",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
@@ -157,43 +158,3 @@ def persist(config: Any) -> None:
         config.attn_implementation = _SavedImplementation(config)
 
 
-# ------------------------------------------------------------------ parameters as a keyword of the loaders
-def take_method_kwargs(kwargs: dict, where: str) -> Dict[str, Any]:
-    """Pop the keywords named after a registered method (``pid=``, ``value_residual=``, ...) from a loader's
-    ``kwargs`` (transformers would hand them to the model's ``__init__``, which takes none), checked before anything
-    is loaded: one method at most, valid parameters, and, when ``attn_implementation`` is among ``kwargs``, that
-    method's name."""
-    given = {name: kwargs.pop(name) for name in list(kwargs) if method_named(name) is not None}
-    if len(given) > 1:
-        raise ValueError(f"{where}: parameters given for {sorted(given)}; a model runs one attention method: give "
-                         "only the keyword of the method attn_implementation names")
-    for name, value in given.items():
-        chosen = kwargs.get("attn_implementation")
-        if chosen is not None:
-            _check_chosen(name, chosen, where)
-        method = get_method(name)
-        check_learnable(method, method.configure(dict(value) if isinstance(value, dict) else value, "hf"))
-    return given
-
-
-def apply_method_kwargs(config: Any, given: Dict[str, Any], where: str, chosen: Optional[str] = None) -> None:
-    """Set ``config.<method>`` from ``given`` (:func:`take_method_kwargs`), refused unless the model runs that method
-    (``chosen``, default ``config._attn_implementation``). A dict overrides the parameters ``config`` already has (a
-    saved model's), else the method's preset."""
-    chosen = getattr(config, "_attn_implementation", None) if chosen is None else chosen
-    for name, value in given.items():
-        _check_chosen(name, chosen, where)
-        method = get_method(name)
-        default = model_method_config(config, method) if getattr(config, name, None) is not None else None
-        cfg = method.configure(dict(value) if isinstance(value, dict) else value, "hf", default=default)
-        setattr(config, name, check_learnable(method, cfg).to_dict())
-
-
-def _check_chosen(name: str, chosen: Any, where: str) -> None:
-    if chosen == name:
-        return
-    other = f", or {chosen}=... for the parameters of {chosen!r}" if method_named(chosen) is not None else ""
-    raise ValueError(
-        f"{where}: {name}=... sets the parameters of attention method {name!r}, but the model is built with "
-        f"attn_implementation={chosen!r}: pass attn_implementation={name!r} to run {name!r}{other}"
-    )

@@ -55,13 +55,17 @@ from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN, cache_keywords, unknown_cache,
 )
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
-from ..core import get_method, list_methods
+from ..core import MethodChoice, get_method, list_methods
+from ..core.layer import warn_switch_of_trained_weights
 from ..versions import InternalChanged
 
 __all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "drops_layers", "hook",
            "is_cross", "learnable_config", "pipeline_refusal", "rediscover", "walk"]
 
 HOOKED = "_pid_plugins_hooked"  # in a model's __dict__: it carries the forward hooks
+#: in a model's __dict__ until its first forward: built from a folder saved without the method it runs (the loader, for
+#: the message); the first forward, its weights loaded, warns if they are trained (warn_switch_of_trained_weights)
+SWITCH_CHECK = "_pid_plugins_switch_check"
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan (discovered)
 GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
 _LOCK = threading.Lock()
@@ -384,6 +388,13 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             )
         with _LOCK:
             plan = discover(module, at_forward=True)
+    switched = module.__dict__.pop(SWITCH_CHECK, None)
+    if switched is not None and not torch.compiler.is_compiling():
+        # the first forward of a model built from a folder saved without this method: its weights are loaded now
+        # (one warning: the models nested in it, built from the same folder, are not asked again)
+        for nested in module.modules():
+            nested.__dict__.pop(SWITCH_CHECK, None)
+        warn_switch_of_trained_weights(module, MethodChoice(method, model_method_config(config, method)), switched)
     if plan.counter is not module._modules.get(WARMUP_ATTR):
         # the counter module was replaced after discovery (peft's modules_to_save=["attention_warmup"] wraps it, its
         # merge_and_unload unwraps it): the nested models' layers must read the counter this forward advances

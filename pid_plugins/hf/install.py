@@ -1,22 +1,22 @@
 """What ``import pid_plugins.hf`` changes in transformers, once, and what runs while a model is being built.
 
-All through transformers' and torch's extension points except the last:
+All through transformers' and torch's extension points except one class-level hook:
 
 * every registered method (now and later, :func:`pid_plugins.register_method`) is registered with
   ``AttentionInterface`` (:func:`~pid_plugins.hf.attention.method_attention_forward`) and ``AttentionMaskInterface``
   (the base attention's mask function) under its name, and the names transformers holds are reserved
   (:func:`~pid_plugins.core.reserve_names`: a method cannot take ``"sdpa"`` or a ``PretrainedConfig`` attribute);
 * ``PreTrainedModel.__init__`` (the one class-level hook; it runs at the start of every transformers model's
-  ``__init__``, once its config is final and before its layers are built) gives the model its inert forward hooks,
-  refuses a family that picks its attention classes from its own table (it would fail with a bare ``KeyError``
-  while building its layers), and replaces the model's own ``post_init`` (an instance attribute, removed when it
-  runs) so that, once the layers exist and before transformers initialises them, the warm-up counter and learnable
-  parameters are made (``from_pretrained`` then loads them) and the model is discovered before its first forward.
-  No torch-global hook: a module that is not a transformers model is never looked at;
-* ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (behind every ``from_config``) are wrapped
-  once, so that a method's parameters are a keyword of both (``attn_implementation="pid", pid={...}``): transformers
-  hands a keyword that names no attribute of the config to the model's ``__init__``, which takes none, and
-  ``from_config`` hands every keyword there, so no config-side extension point reaches them;
+  ``__init__``, once its config is final and before its layers are built). Before transformers' own part,
+  ``attn_implementation=None`` (TRL's CLI passes it when the user gives none) builds a folder saved with a method as
+  saved (:func:`_as_saved`). After it, the model gets its inert forward hooks; a family that picks its attention
+  classes from its own table is refused (it would fail with a bare ``KeyError`` while building its layers); a folder
+  saved with a method built with the stock attention logs one warning, and one saved without the method the model
+  runs is checked at its first forward (:func:`_check_loaded`); and the model's own ``post_init`` is replaced (an
+  instance attribute, removed when it runs) so that, once the layers exist and before transformers initialises them,
+  the warm-up counter and learnable parameters are made (``from_pretrained`` then loads them) and the model is
+  discovered before its first forward. No torch-global hook, and no wrapper around the loaders: a method's
+  parameters are ``config.<method>``, set on the config ``from_pretrained(..., config=config)`` takes;
 * :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`).
 
 And per model, never on a class: every model the construction hook sees (and every model ``convert`` switches) gets
@@ -30,21 +30,21 @@ its own paged attention, not the model's method, and has no extension point.
 """
 from __future__ import annotations
 
-import contextvars
 import functools
+import weakref
 import logging
 from typing import Any, Dict, Optional
 
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, PretrainedConfig
 
 from ..versions import check_version
-from ..core import AttentionMethod, MethodChoice, list_methods, on_register, register_warmup_finisher, reserve_names
+from ..core import AttentionMethod, list_methods, on_register, register_warmup_finisher, reserve_names
 from . import checkpointing, conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
-from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS, LOADERS
+from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS
 from .config import (
-    BASE_ATTR, STOCK_ATTR, apply_method_kwargs, method_of, model_method_config, persist, take_method_kwargs,
+    BASE_ATTR, STOCK_ATTR, method_of, persist,
 )
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
@@ -59,12 +59,11 @@ _ORIGINAL_MODEL_INIT = None
 
 def _model_init(self, *args: Any, **kwargs: Any) -> None:
     """``PreTrainedModel.__init__``, then what a model needs before its layers are built."""
+    _as_saved(args[0] if args else kwargs.get("config"))
     _ORIGINAL_MODEL_INIT(self, *args, **kwargs)
     if self.__dict__.get(discovery.HOOKED, False):
         return
-    request = _REQUEST.get()
-    if request is not None:  # from_pretrained(..., pid={...}): the config is final now, the layers not built yet
-        apply_method_kwargs(self.config, *request)
+    _check_loaded(self)
     _check_family(self)
     discovery.hook(self)  # (with the model's own _initialize_weights and init_continuous_batching)
     persist(self.config)  # saved as the method's name whenever the model runs one at save time, else null
@@ -143,50 +142,7 @@ def _post_init(model: PreTrainedModel) -> None:
         learned_gains.extend_tp_plan(model)
 
 
-# --------------------------------------------------------------- a method's parameters as a loader keyword
-#: during ``from_pretrained(..., <method>=...)``: (the parameters by method name, the call for messages)
-_REQUEST: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("pid_plugins_hf_request", default=None)
-
-
-def _from_pretrained_with_method_kwargs(original: Any) -> Any:
-    """``original`` (a ``from_pretrained`` function) taking a method's parameters as a keyword."""
-    @functools.wraps(original)
-    def from_pretrained(cls, *args: Any, **kwargs: Any):
-        if _REQUEST.get() is not None:  # an outer loader took over (the auto class, then the model class)
-            return original(cls, *args, **kwargs)
-        where = f"{cls.__name__}.from_pretrained"
-        if "attn_implementation" in kwargs and kwargs["attn_implementation"] is None:
-            # None is "no choice" (what TRL's CLI and others pass when the user gave none): the checkpoint's own
-            # attention, as without the keyword (transformers would build its default attention for a method folder)
-            del kwargs["attn_implementation"]
-        given = take_method_kwargs(kwargs, where)
-        token = _REQUEST.set((given, where))
-        try:
-            loaded = original(cls, *args, **kwargs)
-        finally:
-            _REQUEST.reset(token)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        config = getattr(model, "config", None)
-        running = method_of(config)
-        # a checkpoint trained without this method switched to it (its config read again, from the files the load
-        # just used, only when the model runs a method)
-        if running is not None and running.name != _saved_implementation(args, kwargs):
-            conversion.warn_trained_switch(model, MethodChoice(running, model_method_config(config, running)),
-                                           where)
-        # a method checkpoint loaded as the stock attention (attn_implementation="sdpa"/"eager"): read again only when
-        # the config carries what a method model saves (config.attention_base, config.<method>)
-        elif running is None and config is not None and (
-                vars(config).get(BASE_ATTR) is not None
-                or any(isinstance(vars(config).get(name), dict) for name in list_methods())):
-            saved = _saved_implementation(args, kwargs)
-            if saved in list_methods():
-                warn_loaded_as_stock(config, saved, args[0] if args else kwargs.get("pretrained_model_name_or_path"),
-                                     where)
-        return loaded
-
-    return from_pretrained
-
-
+# ------------------------------------------------------------------------------ what a saved folder records
 def warn_loaded_as_stock(config: Any, saved: str, path: Any, where: str) -> None:
     """One warning: the checkpoint at ``path`` was saved from a model running attention method ``saved``, and is
     loaded with the stock attention ``config._attn_implementation`` (a different function than it was trained as)."""
@@ -200,56 +156,66 @@ def warn_loaded_as_stock(config: Any, saved: str, path: Any, where: str) -> None
         where, path, saved, saved, params, requested, str(path), saved, saved)
 
 
-#: the loader keywords that say where a checkpoint's config.json is (read again, locally, for the method it records)
-_CONFIG_KEYWORDS = ("subfolder", "revision", "cache_dir", "token", "gguf_file", "local_files_only")
-
-
-def _saved_implementation(args: tuple, kwargs: Dict[str, Any]) -> Optional[str]:
-    """The ``attn_implementation`` a checkpoint's ``config.json`` records (pid-plugins saves the method a model ran
-    at save time, :func:`~pid_plugins.hf.config.persist`), or None: the checkpoint was trained with the stock
-    attention (or its config cannot be read)."""
-    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    if path is None:
+def _saved_implementation(config: Any) -> Optional[str]:
+    """The ``attn_implementation`` the folder ``config`` was read from records in its ``config.json`` (pid-plugins
+    saves the method a model ran at save time, :func:`~pid_plugins.hf.config.persist`), read again locally; None
+    when there is no such folder (a config built in code), no entry, or nothing readable."""
+    path = getattr(config, "_name_or_path", None)
+    if not path:
         return None
     try:
-        saved, _ = PretrainedConfig.get_config_dict(path, **{k: kwargs[k] for k in _CONFIG_KEYWORDS if k in kwargs})
+        saved, _ = PretrainedConfig.get_config_dict(path, local_files_only=True)
     except Exception:  # noqa: BLE001 - no config to read: the checkpoint records no method
         return None
     return saved.get("attn_implementation")
 
 
-def _wrap_loaders() -> None:
-    """``from_pretrained(..., <method>=params)`` (of the model classes and of the auto classes, which would otherwise
-    let ``AutoConfig`` replace a saved ``config.<method>`` with them unchecked): the parameters are checked before
-    anything is loaded and set on the config when the model is built from it (the first registration of a child,
-    before any layer exists, so learnable parameters and the warm-up counter are made and loaded from the
-    checkpoint). ``_from_config(config, ..., <method>=params)``: set on ``config`` before the model is built (as
-    transformers sets ``attn_implementation``)."""
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+def _records_method(config: Any) -> bool:
+    """Whether ``config`` carries what a method model saves (``config.attention_base``, ``config.<method>``): only
+    then is its folder's config.json read again."""
+    own = vars(config)
+    return own.get(BASE_ATTR) is not None or any(isinstance(own.get(name), dict) for name in list_methods())
 
-    original_from_config = PreTrainedModel.__dict__["_from_config"].__func__
 
-    @functools.wraps(original_from_config)
-    def _from_config(cls, config, **kwargs: Any):
-        where = f"{cls.__name__}.from_config"
-        given = take_method_kwargs(kwargs, where)
-        if given:  # checked against the implementation the model will run
-            chosen = kwargs.get("attn_implementation", getattr(config, "_attn_implementation", None))
-            apply_method_kwargs(config, given, where, chosen=chosen)
-        return original_from_config(cls, config, **kwargs)
+#: configs already warned about, by id (a model and the models nested in it share one config; configs are unhashable)
+_WARNED: Dict[int, "weakref.ref[Any]"] = {}
 
-    # the auto classes copy _BaseAutoModelClass.from_pretrained when transformers builds them (auto_class_update): those
-    # built before this import (another library imported transformers' auto classes first) hold the copy
-    import sys
 
-    owners = [PreTrainedModel, _BaseAutoModelClass]
-    for module in [m for name, m in list(sys.modules.items()) if name.startswith("transformers.models.auto.")]:
-        owners += [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, _BaseAutoModelClass)
-                   and c is not _BaseAutoModelClass and "from_pretrained" in c.__dict__]
-    for owner in owners:
-        original = owner.__dict__["from_pretrained"].__func__
-        owner.from_pretrained = classmethod(_from_pretrained_with_method_kwargs(original))
-    PreTrainedModel._from_config = classmethod(_from_config)
+def _warned(config: Any) -> bool:
+    """True if ``config`` was warned about before; else remember it (until it is garbage)."""
+    ref = _WARNED.get(id(config))
+    if ref is not None and ref() is config:
+        return True
+    _WARNED[id(config)] = weakref.ref(config, lambda _, key=id(config): _WARNED.pop(key, None))
+    return False
+
+
+def _as_saved(config: Any) -> None:
+    """Before the model is built: ``attn_implementation=None`` (what TRL's CLI and others pass when the user gave
+    none) loads a folder saved with a method as saved. transformers would build its default attention: it sets the
+    config's implementation to the None it was given, over the folder's own."""
+    if isinstance(config, PretrainedConfig) and config.__dict__.get("_attn_implementation_internal", "") is None \
+            and _records_method(config):
+        saved = _saved_implementation(config)
+        if saved in list_methods():
+            config._attn_implementation = saved
+
+
+def _check_loaded(model: PreTrainedModel) -> None:
+    """After ``PreTrainedModel.__init__``: a folder saved with a method built with the stock attention
+    (``attn_implementation="sdpa"``/``"eager"``) logs one warning; a folder saved without the method the model now
+    runs is checked at the model's first forward, once its weights are loaded (trained weights switched at full
+    strength: :func:`~pid_plugins.hf.conversion.warn_trained_switch`)."""
+    config = model.config
+    running = method_of(config)
+    if running is None:
+        if not _records_method(config):
+            return
+        saved = _saved_implementation(config)
+        if saved in list_methods() and not _warned(config):
+            warn_loaded_as_stock(config, saved, config._name_or_path, f"{type(model).__name__}.from_pretrained")
+    elif getattr(config, "_name_or_path", None) and _saved_implementation(config) != running.name:
+        model.__dict__[discovery.SWITCH_CHECK] = f"{type(model).__name__}.from_pretrained"
 
 
 # --------------------------------------------------------------------------------------- the registrations
@@ -286,14 +252,13 @@ def install() -> None:
         return
     check_version("transformers")
     # what the changes below rely on
-    for internal in (INITIALIZE_WEIGHTS, LOADERS, GLOBAL_MAPPING, CONTINUOUS_BATCHING):
+    for internal in (INITIALIZE_WEIGHTS, GLOBAL_MAPPING, CONTINUOUS_BATCHING):
         internal.require()
     # torch's checkpointing internals, read by the per-forward check: settled here, once, so that a compiled forward
     # does not guard on (and recompile after) their first read
     checkpointing.require()
     _INSTALLED[0] = True
     _wrap_model_init()
-    _wrap_loaders()
     reserve_names("transformers", _transformers_names)
     on_register(_register)
     register_warmup_finisher(conversion.finish)

@@ -102,14 +102,6 @@ def _initialize_weights() -> bool:
             and init[:2] == ["self", "config"])
 
 
-def _loaders() -> bool:
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
-    return all(isinstance(owner.__dict__.get(name), classmethod) for owner, name in (
-        (PreTrainedModel, "from_pretrained"), (PreTrainedModel, "_from_config"), (_BaseAutoModelClass, "from_pretrained")))
-
-
 def _checkpointing() -> bool:
     from transformers import PreTrainedModel
 
@@ -171,9 +163,6 @@ INITIALIZE_WEIGHTS = Internal(
     "the construction hook; initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery "
     "before the first forward",
     "5.20 - 5.24", _initialize_weights)
-LOADERS = Internal(
-    ZOO, "PreTrainedModel.from_pretrained/_from_config and _BaseAutoModelClass.from_pretrained (classmethods)",
-    "a method's parameters as a loader keyword (from_pretrained(..., pid={...}))", "5.20 - 5.24", _loaders)
 CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing sets module._gradient_checkpointing_func",
     "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing)
@@ -197,7 +186,7 @@ TP_PLAN = Internal(
     "all-reduces its own parameters' gradients over the tensor-parallel group (each rank's attention sees only its "
     "own heads)", "5.24", _tp_plan)
 
-INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, LOADERS, CHECKPOINTING, TORCH_CHECKPOINT,
+INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, CHECKPOINTING, TORCH_CHECKPOINT,
              CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, TP_PLAN)
 
 
