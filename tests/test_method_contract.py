@@ -502,15 +502,16 @@ def test_hf_a_registered_method_is_an_attn_implementation_and_convert_refuses_ba
         ph.convert(stock, "nope")
     with pytest.raises(ValueError, match="unknown ScaledReferenceConfig field.*learnable"):
         ph.convert(stock, NAME, {"learnable": True})
-    # convert(): the stock model to the toy and back; the from_config keyword
+    # convert(): the stock model to the toy and back; from_config with config.<method>
     x = zc.hf_ids()
     with torch.no_grad():
         want = stock(x).logits
         assert torch.equal(ph.convert(stock, NAME, {"gamma": 0.3})(x).logits, model(x).logits)
         assert torch.equal(ph.convert(stock, NAME, {"gamma": 0.0})(x).logits, want)
         assert torch.equal(ph.convert(stock, "softmax")(x).logits, want)
-    again = T.LlamaForCausalLM._from_config(zc.llama_config(kv_heads=2), attn_implementation=NAME,
-                                            **{NAME: {"gamma": 0.3}})
+    config = zc.llama_config(kv_heads=2)
+    setattr(config, NAME, {"gamma": 0.3})
+    again = T.LlamaForCausalLM._from_config(config, attn_implementation=NAME)
     assert ph.model_method_config(again.config) == ScaledReferenceConfig(gamma=0.3)
 
 

@@ -241,8 +241,10 @@ def test_transformers_pp_on_two_ranks_refuses_state_methods_and_runs_twicing_exa
             builtin = ["elliptical", "neutreno", "pid", "twicing", "value_residual"]  # what a worker registers
             assert [run.get("refused") for run in runs] == [_pp_message(name, builtin)] * 2
             continue
-        model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", attn_implementation=name,
-                                                       **{name: params}).eval()
+        config = T.AutoConfig.from_pretrained(tmp_path / "llama")
+        setattr(config, name, params)  # the method's parameters: config.<method>
+        model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", config=config,
+                                                       attn_implementation=name).eval()
         with torch.no_grad():
             want = model(ids, attention_mask=mask).logits
             for run in runs:

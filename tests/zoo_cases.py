@@ -386,8 +386,9 @@ def gqa_llama(name: str):
     config = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
     torch.manual_seed(0)
-    params = {} if CAUSAL_METHODS[name] is None else {name: CAUSAL_METHODS[name]}
-    return T.LlamaForCausalLM._from_config(config, attn_implementation=name, **params).eval()
+    if CAUSAL_METHODS[name] is not None:
+        setattr(config, name, CAUSAL_METHODS[name])  # the method's parameters: config.<method>
+    return T.LlamaForCausalLM._from_config(config, attn_implementation=name).eval()
 
 
 def assert_cached_generation(model, x: Tensor, new: int = 6, prefix: int = 8) -> Tuple[Tensor, Tensor]:

@@ -20,7 +20,7 @@ CASES = {**cases.PIPELINE_METHODS, "twicing_from_2": ("twicing", {"from_layer": 
 
 
 def main(model_dir: str, out: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     dist.init_process_group("gloo")
@@ -28,9 +28,10 @@ def main(model_dir: str, out: Path) -> None:
     ids, mask = cases.pipeline_batch(-1)
     runs = {}
     for case, (name, params) in CASES.items():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=name,
-                                                     distributed_config=DistributedConfig(pp_size=world),
-                                                     **{name: params}).eval()
+        config = AutoConfig.from_pretrained(model_dir)
+        setattr(config, name, params)  # the method's parameters: config.<method>
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, attn_implementation=name,
+                                                     distributed_config=DistributedConfig(pp_size=world)).eval()
         owned = sorted({n.split(".")[2] for n, _ in model.named_parameters() if n.startswith("model.layers.")})
         run = {"owned_layers": owned}
         try:

@@ -431,12 +431,15 @@ def dc_checkpoint(case: tuple, path, seed: int = 0) -> None:
 def dc_load(case: tuple, path, distributed_config=None):
     """The case's model loaded from ``path``, with transformers' ``distributed_config`` (None: one process)."""
     import pid_plugins.hf  # noqa: F401
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     name, params, _ = case
     extra = {"distributed_config": distributed_config} if distributed_config is not None else {}
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=name, dtype=torch.float32,
-                                                **({name: params} if params else {}), **extra)
+    config = AutoConfig.from_pretrained(path)
+    if params:  # the method's parameters: config.<method>, over what the checkpoint saved
+        setattr(config, name, {**(getattr(config, name, None) or {}), **params})
+    return AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation=name, dtype=torch.float32,
+                                                **extra)
 
 
 def dc_batch(step: int):
