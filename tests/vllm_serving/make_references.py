@@ -62,7 +62,7 @@ def build(case: str, attempt: int = 0) -> T.PreTrainedModel:
     config = config_cls(**SIZES, **extra)
     kwargs: Dict[str, Any] = {"attn_implementation": method} if method else {}
     if method and params is not None:
-        kwargs[method] = params
+        setattr(config, method, params)  # the method's parameters: config.<method>
     model = T.AutoModelForCausalLM.from_config(config, **kwargs).eval()
     with torch.no_grad():  # random weights large enough that the method's term moves the log-probs
         for param in model.parameters():
