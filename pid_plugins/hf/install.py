@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import weakref
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, PretrainedConfig
 
@@ -156,18 +156,33 @@ def warn_loaded_as_stock(config: Any, saved: str, path: Any, where: str) -> None
         where, path, saved, saved, params, requested, str(path), saved, saved)
 
 
+#: what was learnt about a config, by id (a model and the models nested in it share one config, each built through
+#: the hook; configs are unhashable): ``{"saved": ..., "warned": True}``, dropped with the config
+_SEEN: Dict[int, Tuple["weakref.ref[Any]", Dict[str, Any]]] = {}
+
+
+def _seen(config: Any) -> Dict[str, Any]:
+    entry = _SEEN.get(id(config))
+    if entry is None or entry[0]() is not config:
+        entry = _SEEN[id(config)] = (weakref.ref(config, lambda _, key=id(config): _SEEN.pop(key, None)), {})
+    return entry[1]
+
+
 def _saved_implementation(config: Any) -> Optional[str]:
     """The ``attn_implementation`` the folder ``config`` was read from records in its ``config.json`` (pid-plugins
-    saves the method a model ran at save time, :func:`~pid_plugins.hf.config.persist`), read again locally; None
-    when there is no such folder (a config built in code), no entry, or nothing readable."""
-    path = getattr(config, "_name_or_path", None)
-    if not path:
-        return None
-    try:
-        saved, _ = PretrainedConfig.get_config_dict(path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - no config to read: the checkpoint records no method
-        return None
-    return saved.get("attn_implementation")
+    saves the method a model ran at save time, :func:`~pid_plugins.hf.config.persist`), read again locally once per
+    config; None when there is no such folder (a config built in code), no entry, or nothing readable."""
+    seen = _seen(config)
+    if "saved" not in seen:
+        seen["saved"] = None
+        path = getattr(config, "_name_or_path", None)
+        if path:
+            try:
+                saved, _ = PretrainedConfig.get_config_dict(path, local_files_only=True)
+                seen["saved"] = saved.get("attn_implementation")
+            except Exception:  # noqa: BLE001 - no config to read: the checkpoint records no method
+                pass
+    return seen["saved"]
 
 
 def _records_method(config: Any) -> bool:
@@ -177,17 +192,6 @@ def _records_method(config: Any) -> bool:
     return own.get(BASE_ATTR) is not None or any(isinstance(own.get(name), dict) for name in list_methods())
 
 
-#: configs already warned about, by id (a model and the models nested in it share one config; configs are unhashable)
-_WARNED: Dict[int, "weakref.ref[Any]"] = {}
-
-
-def _warned(config: Any) -> bool:
-    """True if ``config`` was warned about before; else remember it (until it is garbage)."""
-    ref = _WARNED.get(id(config))
-    if ref is not None and ref() is config:
-        return True
-    _WARNED[id(config)] = weakref.ref(config, lambda _, key=id(config): _WARNED.pop(key, None))
-    return False
 
 
 def _as_saved(config: Any) -> None:
@@ -212,7 +216,8 @@ def _check_loaded(model: PreTrainedModel) -> None:
         if not _records_method(config):
             return
         saved = _saved_implementation(config)
-        if saved in list_methods() and not _warned(config):
+        if saved in list_methods() and not _seen(config).get("warned"):
+            _seen(config)["warned"] = True
             warn_loaded_as_stock(config, saved, config._name_or_path, f"{type(model).__name__}.from_pretrained")
     elif getattr(config, "_name_or_path", None) and _saved_implementation(config) != running.name:
         model.__dict__[discovery.SWITCH_CHECK] = f"{type(model).__name__}.from_pretrained"
