@@ -11,11 +11,8 @@ PID's eager rows):
     llama-1b train      a Llama of Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 key-value heads, MLP
                         8192, vocabulary 32000: about 1.1B parameters, random weights), bf16 weights, b4 x 1024
                         tokens forward + backward (the loss's backward; no optimiser step: the same for both)
-    ... fused           PID's training rows again with the fused update switched on (opt-in; off by default)
     llama-1b decode bN  generate() with the dynamic cache, eager, b1 and b8, a 128-token prompt, 32 new tokens, the
-                        eager update (the default)
-    ... fused           the same with pid_plugins' fused update kernel (``--fused auto``: when pid_plugins has one;
-                        the row says why it is skipped otherwise)
+                        eager
     llama-1b compiled   the static cache, each decoding step torch.compile(mode="reduce-overhead", fullgraph=True),
                         b1, the 31 compiled decoding steps timed (the eager prefill before them is not)
                         (``--compiled-methods``: PID's by default; every compile costs tens of seconds)
@@ -31,7 +28,6 @@ rewritten after every row (OUT/gpu_bench.json, OUT/gpu_bench.md), and a progress
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
 import importlib.util
@@ -42,7 +38,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
@@ -64,27 +60,8 @@ SHAPES = {
 }
 #: the parameters a causal model runs a method with, where its zoo preset is not causal
 CAUSAL_PARAMS: Dict[str, Any] = {"elliptical": {"mean": "prefix"}}
-#: where pid_plugins' fused update kernel is switched (issue 53 step 2, branch lean): a context manager
-#: ``use_fused(enabled: bool)`` in one of these modules
-FUSED_SWITCHES = ("pid_plugins.core.control",)
-
-
 def log(msg: str) -> None:
     print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def fused_switch() -> Tuple[Optional[Callable[[bool], Any]], str]:
-    """(pid_plugins' ``use_fused`` context manager, where it was found) or (None, why not)."""
-    for name in FUSED_SWITCHES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "use_fused"):
-            if importlib.util.find_spec("triton") is None:
-                return None, "triton is not installed: the fused update kernel cannot run"
-            return module.use_fused, name
-    return None, f"pid_plugins has no fused update kernel switch ({' / '.join(FUSED_SWITCHES)}.use_fused)"
 
 
 # ================================================================================================ timing
@@ -211,22 +188,14 @@ def llama_train(shape, device):
     return make
 
 
-def _switched(fused: Callable[[bool], Any], on: bool, fn: Callable[[], object]) -> Callable[[], object]:
-    def run():
-        with fused(on):
-            fn()
-    return run
-
-
-def llama_decode(shape, device, batch: int, fused: Optional[Callable[[bool], Any]] = None):
+def llama_decode(shape, device, batch: int):
     prompt = llama_ids(shape, batch, shape["prompt"], device)
     n = shape["new_tokens"]
 
-    def make(m, use_fused=False):
+    def make(m):
         def run():
             m.eval()
-            ctx = fused(use_fused) if fused is not None else contextlib.nullcontext()
-            with ctx, torch.no_grad():
+            with torch.no_grad():
                 m.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return run
     return make
@@ -272,7 +241,6 @@ def plan(args, shape, device) -> List[Dict[str, Any]]:
     if args.methods:
         methods = [m for m in methods if m in args.methods.split(",")]
     compiled = args.compiled_methods.split(",") if args.compiled_methods else []
-    fused, fused_where = fused_switch() if args.fused != "off" else (None, "--fused off")
     rows: List[Dict[str, Any]] = []
     for method in methods:
         for family, workload, maker in (
@@ -280,23 +248,9 @@ def plan(args, shape, device) -> List[Dict[str, Any]]:
                 ("llama", f"llama-1b train bf16 b{shape['train_batch']}x{shape['train_seq']}",
                  llama_train(shape, device))):
             rows.append(dict(workload=workload, method=method, family=family, make=maker, kind="time"))
-            if method == "pid" and fused is not None:  # the row above runs the eager update: here the fused one
-                rows.append(dict(workload=workload + " fused", method=method, family=family, kind="time",
-                                 make=lambda m, maker=maker: _switched(fused, True, maker(m))))
         for batch in (1, 8):
             rows.append(dict(workload=f"llama-1b decode b{batch} dynamic eager", method=method, family="llama",
-                             make=llama_decode(shape, device, batch, fused), kind="tokens/s"))
-            row = dict(workload=f"llama-1b decode b{batch} dynamic eager fused", method=method, family="llama",
-                       kind="tokens/s")
-            if method != "pid":
-                continue  # the fused kernel is PID's update
-            if fused is None:
-                row["skip"] = fused_where
-            else:
-                maker = llama_decode(shape, device, batch, fused)
-                row["make"] = lambda m, maker=maker: maker(m, use_fused=True)
-                row["make_stock"] = lambda m, maker=maker: maker(m, use_fused=False)
-            rows.append(row)
+                             make=llama_decode(shape, device, batch), kind="tokens/s"))
         if method in compiled:
             rows.append(dict(workload="llama-1b decode b1 static compiled", method=method, family="llama",
                              make=llama_compiled(shape, device, args.compile_backend), kind="tokens/s",
@@ -358,8 +312,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--compiled-methods", default="pid", help="the methods of the compiled static-cache row")
     p.add_argument("--compile-backend", default="inductor",
                    help="inductor (mode reduce-overhead: the device run) or another backend (eager: the dry run)")
-    p.add_argument("--fused", choices=("auto", "off"), default="auto",
-                   help="auto: the fused-kernel rows run when pid_plugins has the kernel, else say why not")
     p.add_argument("--rows", default="", help="a regular expression: only the rows whose 'workload [method]' it finds")
     p.add_argument("--no-profile", action="store_true", help="leave out the profile of PID's decoding step")
     p.add_argument("--budget-s", type=float, default=330.0, help="rows left when this is spent are skipped")
@@ -416,18 +368,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def profile_decode(shape, device, path: str, stocks: Dict[str, Any]) -> None:
     """The explanation of the decoding rows: one greedy ``generate`` (b1, dynamic cache, eager) of the stock model and
-    of PID's, with the fused update on and off, under torch's profiler: the ops launched and the device time each
+    of PID's, under torch's profiler: the ops launched and the device time each
     took, the 20 costliest per run, and the totals (written to ``path``)."""
     from torch.profiler import ProfilerActivity, profile
 
     stocks.pop("deit", None)
     stock, model = llama_pair(shape, "pid", device, stocks.get("llama"))
     stocks["llama"] = stock
-    fused, _ = fused_switch()
-    maker = llama_decode(shape, device, 1, fused)
-    runs = [("stock", maker(stock)), ("pid eager", maker(model, use_fused=False))]
-    if fused is not None:
-        runs.append(("pid fused", maker(model, use_fused=True)))
+    maker = llama_decode(shape, device, 1)
+    runs = [("stock", maker(stock)), ("pid eager", maker(model))]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     lines = [f"# One greedy generate, b1, {shape['new_tokens']} new tokens after {shape['prompt']}, dynamic cache, "
              f"eager ({device})", ""]

@@ -16,17 +16,13 @@ start at the second layer, whose derivative term is zero. Every term is per toke
 nothing leaks across positions and a KV cache needs only the values of the positions being computed.
 The state is an explicit value (:class:`PIDState`), passed in and returned, never stored on a module.
 
-The eager code below is the update everywhere. On CUDA with fixed gains it can instead run as two Triton kernels
-(:mod:`pid_plugins.core.fused`, forward and backward; imported only then), opt-in: ``PID_PLUGINS_FUSED=1`` or
-:data:`FUSED`. Off by default: on an H200 (torch 2.11, Triton 3.6) the kernels cost more host time per layer than
-the five eager kernels they replace (docs/performance.md, "On an H200").
+The code below is the update everywhere: one path (a fused Triton kernel for CUDA was measured on an H200 and was
+slower in every row, training and decoding, so it was removed: docs/performance.md, "On an H200").
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from typing import Iterator, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -165,16 +161,6 @@ def pid_update(
     else:
         grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
 
-    if (FUSED and (attn_out.is_cuda or _FUSED_ON_CPU) and value.dtype in _FUSED_DTYPES and not traced
-            and not tensor_gains and scale is None
-            and not isinstance(beta, Tensor) and (state is not None or control_first_layer)
-            and (lambda_p != 0.0 or lambda_i != 0.0 or lambda_d != 0.0) and _fused_ready()):
-        from .fused import fused_pid_update  # CUDA with Triton: one kernel (forward), one for the backward
-
-        out, fused_state = fused_pid_update(attn_out, value, state, (lambda_p, lambda_i, lambda_d, beta), head_dim,
-                                            _state_dtype(value.dtype))
-        return out, PIDState(*fused_state)
-
     # The reference beta v^1, formed once at the group's first layer and handed on in the state, in float32 at
     # least (float16/bfloat16 values are upcast: the error and its sum are accumulated in float32 over depth).
     wide = _state_dtype(value.dtype)
@@ -227,40 +213,6 @@ def pid_update(
     if out.dtype != attn_out.dtype:
         out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
     return (out if grouped is None else out.reshape(attn_out.shape)), new_state
-
-
-#: Run :func:`pid_update` on CUDA tensors with fixed gains as the fused Triton kernels of
-#: :mod:`pid_plugins.core.fused` (when triton imports): opt-in, ``PID_PLUGINS_FUSED=1`` in the environment or this set
-#: to True. Off by default: measured on an H200 (bench/device/gpu_bench.py), the eager update (the reference) was
-#: faster in every row, training and decoding. Never used under torch.compile.
-FUSED: bool = os.environ.get("PID_PLUGINS_FUSED", "0") == "1"
-#: the value dtypes the kernels take (their gains are float32 constants: float64 stays on the eager path, exact)
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FUSED_ON_CPU = False  # tests only: the fused path on CPU tensors (with TRITON_INTERPRET=1, Triton's interpreter)
-
-
-@contextlib.contextmanager
-def use_fused(enabled: bool) -> Iterator[None]:
-    """Within the block, :data:`FUSED` is ``enabled`` (the device bench times the fused kernels on and off)."""
-    global FUSED
-    previous, FUSED = FUSED, bool(enabled)
-    try:
-        yield
-    finally:
-        FUSED = previous
-
-
-@functools.lru_cache(maxsize=None)
-def _fused_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _fused_ready() -> bool:
-    return not torch.compiler.is_compiling() and _fused_importable()
 
 
 def _is_one(x: Gain) -> bool:
