@@ -136,6 +136,8 @@ class Internal:
 def _holds(internal: Internal) -> bool:
     try:
         return bool(internal.check())
+    except InternalChanged:  # a behavioural probe met another changed internal: that one is the message
+        raise
     except Exception:  # an attribute, a class or a signature that is gone: the internal changed
         return False
 
@@ -169,18 +171,22 @@ _PROBING = [False]
 def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
     """An internal's behavioural check: ``compare()`` builds the zoo's part and the method's and compares what they
     compute. It runs with torch's global random state forked and seeded (the check changes no caller's randomness and
-    sees the same weights every time), and answers True while any probe is in progress: the method part a probe builds
+    sees the same weights every time), on the CPU in float32 whatever device context or default dtype the caller builds
+    under, and answers True while any probe is in progress: the method part a probe builds
     requires the internals the probe is checking."""
     @functools.wraps(compare)
     def probe() -> bool:
         if _PROBING[0]:
             return True
         _PROBING[0] = True
-        try:
-            with torch.random.fork_rng(devices=[]):
+        dtype = torch.get_default_dtype()
+        try:  # on the CPU in float32 whatever the caller's context (a model built under torch.device("meta"))
+            torch.set_default_dtype(torch.float32)
+            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
                 torch.manual_seed(0)
                 return bool(compare())
         finally:
+            torch.set_default_dtype(dtype)
             _PROBING[0] = False
     return probe
 

@@ -202,3 +202,73 @@ def test_learnable_parameters_under_tensor_parallelism_need_the_tp_plan_style(mo
                                               r"learnable parameters"):
         with torch.no_grad():
             model(ids)
+
+
+# ---------------------------------------------------------------- transformers' behavioural guards (probes)
+def _tiny_config(T):
+    return T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_a_release_whose_checkpointing_forgets_the_reentrant_choice_is_refused(monkeypatch, fresh_checks):
+    """A release whose ``_set_gradient_checkpointing`` no longer keeps ``use_reentrant`` on the layers' function
+    (the refusal of reentrant checkpointing reads it): the probe fails and a method model is refused when it is built
+    (discovery checks what its forwards will read); a stock model still builds."""
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+    from pid_plugins.hf import internals
+    from transformers import PreTrainedModel
+
+    assert internals.CHECKPOINTING.check()
+    original = PreTrainedModel._set_gradient_checkpointing
+
+    def forgetful(self, enable=True, gradient_checkpointing_func=None, **kwargs):
+        original(self, enable=enable, **kwargs)
+        for m in self.modules():
+            if getattr(m, "gradient_checkpointing", False):
+                m._gradient_checkpointing_func = torch.utils.checkpoint.checkpoint  # the keywords dropped
+
+    monkeypatch.setattr(PreTrainedModel, "_set_gradient_checkpointing", forgetful)
+    assert not internals.CHECKPOINTING.check()
+    T.LlamaForCausalLM._from_config(_tiny_config(T))  # stock: nothing to refuse
+    with pytest.raises(InternalChanged, match=r"_set_gradient_checkpointing"):
+        T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+
+
+def test_a_continuous_batching_entry_that_skips_init_continuous_batching_is_refused(monkeypatch, fresh_checks):
+    """A release whose ``generate_batch`` no longer starts at ``init_continuous_batching`` (where a method model is
+    refused): the probe fails and building a method model stops with the message; a stock model still builds."""
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+    from pid_plugins.hf import internals
+    from transformers.generation.continuous_batching import ContinuousMixin
+
+    assert internals.CONTINUOUS_BATCHING.check()
+    monkeypatch.setattr(ContinuousMixin, "generate_batch", lambda self, inputs, *args, **kwargs: {})
+    assert not internals.CONTINUOUS_BATCHING.check()
+    T.LlamaForCausalLM._from_config(_tiny_config(T))  # stock: nothing to refuse
+    with pytest.raises(InternalChanged, match=r"init_continuous_batching"):
+        T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+
+
+def test_an_attention_class_that_names_the_interface_but_bypasses_it_is_refused(monkeypatch, fresh_checks):
+    """The discovery signal is text (the interface's name in the attention class's source, transformers' own
+    heuristic); its guard is behaviour. A release whose Llama attention keeps that text but no longer dispatches
+    through the registered function (here its module's interface always answers SDPA): the probe sees PID with
+    parameters compute the stock model and refuses the method model, where it would otherwise silently run softmax."""
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+    from pid_plugins.hf import internals
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama import modeling_llama
+
+    assert internals.INTERFACE_SOURCE.check()
+
+    class AlwaysSdpa:
+        def get_interface(self, name, default):
+            return sdpa_attention_forward
+
+    monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", AlwaysSdpa())
+    assert not internals.INTERFACE_SOURCE.check()
+    with pytest.raises(InternalChanged, match=r"ALL_ATTENTION_FUNCTIONS"):
+        T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")

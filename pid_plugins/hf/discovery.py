@@ -52,7 +52,7 @@ from .checkpointing import require as require_torch_checkpointing
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
 from .instance import give_instance_methods
 from .internals import (
-    CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN, cache_keywords, unknown_cache,
+    CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN, cache_keywords, unknown_cache,
 )
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
 from ..core import MethodChoice, get_method, list_methods
@@ -68,7 +68,7 @@ HOOKED = "_pid_plugins_hooked"  # in a model's __dict__: it carries the forward 
 SWITCH_CHECK = "_pid_plugins_switch_check"
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan (discovered)
 GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entered by the interface probe (a method model built inside discovery)
 _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
                           "encoder_decoder_attention"})
 
@@ -159,6 +159,7 @@ def check_model(model: PreTrainedModel, name: str) -> None:
     picks its attention classes from its own table, an attention module outside the attention interface, a model
     owning attention layers whose forward takes no ``**kwargs`` (what discovery refuses)."""
     INTERFACE_SOURCE.require()
+    CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
     for owner in model.modules():
         if not isinstance(owner, PreTrainedModel):
             continue

@@ -85,6 +85,7 @@ def _check_family(model: PreTrainedModel) -> None:
     config = getattr(model, "config", None)
     method = method_of(config)
     if method is not None:
+        CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
         discovery.check_family(type(model), config, method.name)
 
 
@@ -257,7 +258,7 @@ def install() -> None:
         return
     check_version("transformers")
     # what the changes below rely on
-    for internal in (INITIALIZE_WEIGHTS, GLOBAL_MAPPING, CONTINUOUS_BATCHING):
+    for internal in (INITIALIZE_WEIGHTS, GLOBAL_MAPPING):
         internal.require()
     # torch's checkpointing internals, read by the per-forward check: settled here, once, so that a compiled forward
     # does not guard on (and recompile after) their first read

@@ -6,6 +6,11 @@ attention and mask functions), ``model.set_attn_implementation``, the cache
 classes' public methods (``update``, ``crop``, ``reorder_cache``, ``reset``), and torch's module hooks. What is left
 has no extension point in transformers 5.24; if a release changes one of these, the user gets
 :class:`~pid_plugins.versions.InternalChanged` naming the version and the tested range, never a different result.
+
+How each check sees a change: by behaviour (a tiny stock Llama, :func:`~pid_plugins.versions.behaviour_probe`) for
+gradient checkpointing, continuous batching's entries and the attention interface; by what the object is (types,
+attributes, signatures: no source text) for the caches, the construction and initialisation points and the
+registries. One check reads source text, :data:`TP_PLAN`, and says why at :func:`_tp_plan`.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..versions import Internal, require
+from ..versions import Internal, behaviour_probe, require
 
 __all__ = ["INTERNALS", "cache_keywords", "require_all"]
 
@@ -45,7 +50,10 @@ def _tp_plan() -> bool:
     style = getattr(tensor_parallel, "ALL_PARALLEL_STYLES", {}).get(TP_STYLE)
     if not (isinstance(prop, property) and prop.fset is not None and style is not None):
         return False
-    source = inspect.getsource(type(style).install_forward)  # the style's hook: a gradient all-reduce per parameter
+    # The one source read: what the style's hook does (a gradient all-reduce per parameter) happens only with a
+    # process group of several ranks, which a check at first use cannot make; tests/test_distributed.py runs it
+    # (two ranks, gloo) against the newest release.
+    source = inspect.getsource(type(style).install_forward)
     return "register_post_accumulate_grad_hook" in source and "all_reduce" in source and "recurse=False" in source
 
 
@@ -102,32 +110,101 @@ def _initialize_weights() -> bool:
             and init[:2] == ["self", "config"])
 
 
+def _tiny_llama(attn_implementation: str = "sdpa", **method: Any) -> Any:
+    """A two-layer Llama of random weights (the probes' stock model), with ``method`` as its ``config.<name>``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    for name, params in method.items():
+        setattr(config, name, params)
+    return LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation).eval()
+
+
+@behaviour_probe
 def _checkpointing() -> bool:
-    from transformers import PreTrainedModel
+    """``gradient_checkpointing_enable`` gives each checkpointed layer ``gradient_checkpointing = True`` and a
+    ``_gradient_checkpointing_func`` whose ``use_reentrant`` keyword is the one asked for (what the refusal of
+    reentrant checkpointing reads)."""
+    model = _tiny_llama()
+    seen = []
+    enable = getattr(model, "activation_checkpointing_enable", None)  # from 5.24; gradient_checkpointing_enable before
+    for reentrant in (True, False):
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+        seen.append(bool(layers) and all(
+            getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
+            is reentrant for m in layers))
+    return all(seen)
 
-    source = inspect.getsource(PreTrainedModel._set_gradient_checkpointing)
-    return "_gradient_checkpointing_func" in source and "gradient_checkpointing" in source
+
+class _Entered(Exception):
+    """Raised by the continuous batching probe's ``init_continuous_batching``: the entry reached it."""
 
 
+@behaviour_probe
 def _continuous_batching() -> bool:
-    from transformers.generation.continuous_batching import ContinuousMixin
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    """Every continuous batching entry (``generate_batch``, ``continuous_batching_context_manager``,
+    ``generate(cache_implementation="paged")``) reaches the model's own ``init_continuous_batching`` (an instance
+    attribute, as the adapter gives it) before it does anything else: a stock model whose attribute raises stops there
+    from each entry."""
+    import torch
 
-    def source(function: Any) -> str:
-        return inspect.getsource(inspect.unwrap(function))
+    model = _tiny_llama()
 
-    return (callable(ContinuousMixin.__dict__.get("init_continuous_batching"))
-            and "self.init_continuous_batching(" in source(ContinuousMixin.continuous_batching_context_manager)
-            and "self.continuous_batching_context_manager(" in source(ContinuousMixin.generate_batch)
-            and "switch_to_cb_friendly_attn" in source(ContinuousBatchingManager.__init__))
+    def entered(*args: Any, **kwargs: Any) -> None:
+        raise _Entered
+
+    model.__dict__["init_continuous_batching"] = entered
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # generate's note that "paged" switches to continuous batching: not the user's call
+    try:
+        return _each_enters((
+        lambda: model.generate_batch([[1, 2, 3]]),
+        lambda: model.continuous_batching_context_manager().__enter__(),
+        lambda: model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=1)))
+    finally:
+        logging.set_verbosity(level)
 
 
+def _each_enters(entries: Tuple[Any, ...]) -> bool:
+    for entry in entries:
+        try:
+            entry()
+        except _Entered:
+            continue
+        return False
+    return True
+
+
+@behaviour_probe
 def _interface_source() -> bool:
-    from transformers import LlamaConfig
+    """Discovery finds attention modules the way transformers decides whether a model can switch its attention
+    (``PreTrainedModel._can_set_attn_implementation``): by the interface's name in the source
+    (:func:`pid_plugins.hf.discovery.calls_interface`). The probe checks that signal against behaviour: the attention
+    class it names dispatches through the registered function, a method at zero parameters computes the stock model bit
+    for bit, and the same method with parameters changes the output."""
+    import torch
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    LlamaConfig  # noqa: B018  (the family module is importable)
-    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(LlamaAttention.forward)
+    from .discovery import calls_interface
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        stock = _tiny_llama()
+        state = stock.state_dict()
+        outputs = []
+        for params in ({"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, {"lambda_p": 0.5}):
+            model = _tiny_llama("pid", pid=params)
+            model.load_state_dict(state)
+            outputs.append(model(ids).logits)
+        want = stock(ids).logits
+    return calls_interface(LlamaAttention) and torch.equal(outputs[0], want) and not torch.equal(outputs[1], want)
 
 
 def _global_mapping() -> bool:
@@ -164,7 +241,8 @@ INITIALIZE_WEIGHTS = Internal(
     "before the first forward",
     "5.20 - 5.24", _initialize_weights)
 CHECKPOINTING = Internal(
-    ZOO, "PreTrainedModel._set_gradient_checkpointing sets module._gradient_checkpointing_func",
+    ZOO, "PreTrainedModel._set_gradient_checkpointing gives each checkpointed layer its _gradient_checkpointing_func "
+    "with the use_reentrant asked for",
     "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing)
 CONTINUOUS_BATCHING = Internal(
     ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (each model's own, an "
@@ -172,7 +250,8 @@ CONTINUOUS_BATCHING = Internal(
     "refusing a method model before continuous batching switches its attention (switch_to_cb_friendly_attn: to flash "
     "attention where flash-attn is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching)
 INTERFACE_SOURCE = Internal(
-    ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic)",
+    ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic) and dispatch "
+    "through it",
     "finding a model's attention modules, and refusing attention outside the interface", "5.20 - 5.24",
     _interface_source)
 GLOBAL_MAPPING = Internal(

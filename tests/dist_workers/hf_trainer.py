@@ -53,6 +53,7 @@ def main(out: Path, fsdp: bool = False, learnable: bool = False) -> None:
     pid_attention.pid_update = counting_update
     model = cases.llama_model(layers=cases.HF_FSDP_LAYERS if fsdp else 2, learnable=learnable)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    calls.clear()  # the Trainer's calls only (building the first method model runs the adapter's probes)
     args = TrainingArguments(
         output_dir=str(out / "trainer"), per_device_train_batch_size=cases.HF_PER_RANK, max_steps=cases.HF_STEPS,
         learning_rate=cases.HF_LR,
