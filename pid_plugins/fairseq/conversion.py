@@ -40,7 +40,8 @@ from ..core.layer import (
 )
 from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 from .layers import (
-    PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, self_attentions,
+    PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, embedding_like,
+    self_attentions,
 )
 from .model import PIDTransformerLanguageModel
 
@@ -136,7 +137,7 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
         attn.set_attention(choice, attn.q_proj.weight)
         settle_submodule(attn, "attention_params")
     number_layers(self_attentions(decoder))
-    decoder.set_model_method(choice, decoder.embed_tokens.weight, stock_plus_term=True, where=_WHERE)
+    decoder.set_model_method(choice, embedding_like(decoder), stock_plus_term=True, where=_WHERE)
     settle_submodule(decoder, "attention_warmup")
 
 

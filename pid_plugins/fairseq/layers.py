@@ -257,6 +257,13 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         return x, None, None, method_state
 
 
+def embedding_like(decoder: TransformerDecoder) -> Tensor:
+    """A parameter of the decoder's token embedding, for the device and dtype of what the method adds to the decoder
+    (its embedding is an ``Embedding``, or a ``CharacterTokenEmbedder`` / ``AdaptiveInput``, which have no
+    ``weight``)."""
+    return next(decoder.embed_tokens.parameters())
+
+
 def decoder_layers(decoder: TransformerDecoder) -> List[Any]:
     """The decoder's layers in order, every one (iterating fairseq's ``LayerDropModuleList`` in training mode yields a
     random subset)."""
@@ -286,7 +293,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         self.attention_method, self.attention_config = method, config
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        self.set_model_method(choice, self.embed_tokens.weight, stock_plus_term=True, where="transformer_lm_pid")
+        self.set_model_method(choice, embedding_like(self), stock_plus_term=True, where="transformer_lm_pid")
         number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
