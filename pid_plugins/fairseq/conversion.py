@@ -80,7 +80,10 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     else:
         models = [model]
     choice = resolve_attention(attention, attention_cfg, zoo="fairseq", where=_WHERE)
-    require(DECODER, DECODER_LAYER, *ATTENTION, PARAM_GROUP)  # what the method classes compute again
+    # what the method classes compute again; and fairseq's parameter groups where the method has learnable parameters
+    # (that check builds fairseq's composite optimizer, whose first build imports torch's compiler: not for nothing)
+    learned = choice is not None and bool(getattr(choice.config, "learnable", False))
+    require(*ATTENTION, DECODER_LAYER, DECODER, *((PARAM_GROUP,) if learned else ()))
     for lm in models:
         _check(lm, choice)
     for lm in models:

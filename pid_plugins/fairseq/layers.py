@@ -188,7 +188,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
 
     def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
                  add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
-        require(DECODER_LAYER, *ATTENTION)
+        require(*ATTENTION, DECODER_LAYER)
         # read by build_self_attention, which the base __init__ calls
         self._attention_choice = (method, config)
         super().__init__(cfg, no_encoder_attn=no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
@@ -287,7 +287,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
 
     def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
-        require(DECODER, DECODER_LAYER, *ATTENTION)
+        require(*ATTENTION, DECODER_LAYER, DECODER)
         method, config = choice if choice is not None else (None, None)
         # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
         self.attention_method, self.attention_config = method, config
