@@ -43,17 +43,14 @@ def python_get_field():
     return getattr(current, "_pid_plugins_original", current)
 
 
-def target_holds(read_source: bool = True) -> bool:
-    """Whether ``dataclasses._get_field`` still looks as the hook expects (Python 3.11 - 3.13): called as
-    ``(cls, a_name, a_type, ...)`` and, with ``read_source``, refusing a default whose class is unhashable (the rule
-    the hook relaxes). ``pid_plugins.fairseq`` checks both (:data:`pid_plugins.fairseq.internals.DATACLASS_FIELD`);
-    :func:`install` (also run at interpreter start) checks the signature only, and installs nothing otherwise."""
-    original = python_get_field()
+def target_holds() -> bool:
+    """Whether ``dataclasses._get_field`` is still called as ``(cls, a_name, a_type, ...)``, as the hook calls it
+    (Python 3.11 - 3.13). :func:`install` (also run at interpreter start) checks this, and installs nothing otherwise;
+    ``pid_plugins.fairseq`` also checks, by calling Python's function, that it still refuses a default whose class is
+    unhashable, the rule the hook relaxes (:data:`pid_plugins.fairseq.internals.DATACLASS_FIELD`)."""
     try:
-        if list(inspect.signature(original).parameters)[:3] != ["cls", "a_name", "a_type"]:
-            return False
-        return not read_source or "__class__.__hash__ is None" in inspect.getsource(original)
-    except (TypeError, ValueError, OSError):  # not a Python function any more, or no source
+        return list(inspect.signature(python_get_field()).parameters)[:3] == ["cls", "a_name", "a_type"]
+    except (TypeError, ValueError):  # not a Python function any more
         return False
 
 
@@ -65,7 +62,7 @@ def install() -> bool:
     original = getattr(dataclasses, "_get_field", None)
     if getattr(original, "_pid_plugins_compat", False):
         return True
-    if not target_holds(read_source=False):
+    if not target_holds():
         return False
 
     def _get_field(cls, a_name, a_type, *args, **kwargs):

@@ -111,15 +111,18 @@ class Internal:
     def require(self) -> None:
         """Raise :class:`InternalChanged` if the internal no longer looks as expected (checked once per process).
         Inside a ``torch.compile`` trace it does nothing: adapters require every internal a forward reads when they
-        discover the model (eager), so the compiled graph holds no check."""
-        if torch.compiler.is_compiling():
+        discover the model (eager), so the compiled graph holds no check. While a behavioural probe runs it does
+        nothing either: the method part a probe builds requires the internals the probe is checking, and an answer
+        given then must not be kept as the internal's (the probe's own result is)."""
+        if torch.compiler.is_compiling() or _PROBING[0]:
             return
         if not _holds(self):
             raise InternalChanged(self.message())
 
     def holds(self) -> bool:
-        """Whether the internal looks as expected (checked once per process; True inside a compile trace)."""
-        return torch.compiler.is_compiling() or _holds(self)
+        """Whether the internal looks as expected (checked once per process; True inside a compile trace and while a
+        probe runs)."""
+        return torch.compiler.is_compiling() or _PROBING[0] or _holds(self)
 
     def message(self, detail: str = "") -> str:
         version = installed_version(self.zoo) or "?"
@@ -136,8 +139,6 @@ class Internal:
 def _holds(internal: Internal) -> bool:
     try:
         return bool(internal.check())
-    except InternalChanged:  # a behavioural probe met another changed internal: that one is the message
-        raise
     except Exception:  # an attribute, a class or a signature that is gone: the internal changed
         return False
 
@@ -172,8 +173,10 @@ def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
     """An internal's behavioural check: ``compare()`` builds the zoo's part and the method's and compares what they
     compute. It runs with torch's global random state forked and seeded (the check changes no caller's randomness and
     sees the same weights every time), on the CPU in float32 whatever device context or default dtype the caller builds
-    under, and answers True while any probe is in progress: the method part a probe builds
-    requires the internals the probe is checking."""
+    under, and with warnings ignored (what the zoo says about the probe's own calls is not the caller's to see), and
+    answers True while any probe is in progress: the method part a probe builds requires the internals the probe is
+    checking (and :meth:`Internal.require` checks nothing then, so no internal's answer is cached from inside a
+    probe)."""
     @functools.wraps(compare)
     def probe() -> bool:
         if _PROBING[0]:
@@ -182,7 +185,8 @@ def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
         dtype = torch.get_default_dtype()
         try:  # on the CPU in float32 whatever the caller's context (a model built under torch.device("meta"))
             torch.set_default_dtype(torch.float32)
-            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            with torch.random.fork_rng(devices=[]), torch.device("cpu"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the zoo's warnings about the probe's own calls are not the caller's
                 torch.manual_seed(0)
                 return bool(compare())
         finally:

@@ -157,6 +157,30 @@ def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_d
     assert all(layer.self_attn.attention_config.control_first_layer is False for layer in hub.models[0].decoder.layers)
 
 
+EMBEDDINGS = {  # build_model's other token embeddings (they have no .weight)
+    "character": ["--character-embeddings", "--character-filters", "[(1, 4), (2, 4)]", "--character-embedding-dim", "4",
+                  "--char-embedder-highway-layers", "1"],
+    "adaptive": ["--adaptive-input", "--adaptive-input-cutoff", "10,20", "--adaptive-softmax-cutoff", "10,20",
+                 "--tie-adaptive-weights"],
+}
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_character_and_adaptive_input_embeddings_build_and_convert(data_dir, embedding):
+    """transformer_lm_pid with --character-embeddings or --adaptive-input builds (the seed's stock weights) and
+    computes the stock model at vanishing gains; a stock one converts."""
+    vanishing = ["--attention-cfg", '{"lambda_p": 1e-30, "lambda_i": 0, "lambda_d": 0}']
+    stock, _, _ = fs_build(data_dir, arch="transformer_lm", extra=EMBEDDINGS[embedding], layers=2)
+    model, _, _ = fs_build(data_dir, extra=[*EMBEDDINGS[embedding], *vanishing], layers=2)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[name], p) for name, p in stock.named_parameters())
+    toks = fs_tokens()
+    torch.testing.assert_close(fs_logits(model, toks), fs_logits(stock, toks), rtol=1e-5, atol=1e-5)
+    pf.convert(stock, "pid", {"lambda_p": 1e-30, "lambda_i": 0, "lambda_d": 0})
+    assert type(stock.decoder) is pf.PIDTransformerDecoder
+    torch.testing.assert_close(fs_logits(stock, toks), fs_logits(model, toks), rtol=1e-5, atol=1e-5)
+
+
 def test_incremental_decoding_equals_full_forward_and_survives_beam_reordering(data_dir):
     model, _, _ = fs_build(data_dir)
     toks = fs_tokens(n=2, length=8)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import inspect
 import re
 import subprocess
 import sys
@@ -346,3 +348,177 @@ def test_a_changed_dataclass_internal_stops_the_import():
     assert out.returncode == 0, out.stderr
     assert "InternalChanged Python" in out.stdout and "dataclasses._get_field" in out.stdout
     assert "fairseq imported: False" in out.stdout
+
+
+# The fairseq probes (pid_plugins/fairseq/probes.py): a release whose part computes (or builds) differently, its
+# signature and source text looking as before (functools.wraps: inspect sees the original's), fails the part's probe,
+# and the method model is refused naming that part (the lowest whose check fails), as is convert.
+def _scaled_output(function):
+    @functools.wraps(function)
+    def changed(*args, **kwargs):  # a release whose part scales what it returns
+        out = function(*args, **kwargs)
+        return (out[0] * 1.01, *out[1:])
+    return changed
+
+
+def _reorders_own_entries(function):
+    @functools.wraps(function)
+    def reorder_incremental_state(self, incremental_state, new_order):  # a release reordering its own keys only
+        buffer = self._get_input_buffer(incremental_state)
+        for key in ("prev_key", "prev_value", "prev_key_padding_mask"):
+            if buffer.get(key) is not None:
+                buffer[key] = buffer[key].index_select(0, new_order)
+        return self._set_input_buffer(incremental_state, buffer)
+    return reorder_incremental_state
+
+
+def _builds_other_embeddings(method):
+    function = method.__func__
+
+    @functools.wraps(function)
+    def build_model(cls, args, task):  # a release that initialises the token embedding another way
+        model = function(cls, args, task)
+        with torch.no_grad():
+            model.decoder.embed_tokens.weight.normal_(0.0, 0.5)
+        return model
+    return classmethod(build_model)
+
+
+FAIRSEQ_CHANGES = {  # probe: (internal, the fairseq class and attribute changed, the change)
+    "attention": ("MHA", "fairseq.modules.multihead_attention.MultiheadAttention", "forward", _scaled_output),
+    "incremental": ("INPUT_BUFFER", "fairseq.modules.multihead_attention.MultiheadAttention",
+                    "reorder_incremental_state", _reorders_own_entries),
+    "layer": ("DECODER_LAYER", "fairseq.modules.transformer_layer.TransformerDecoderLayerBase", "forward",
+              _scaled_output),
+    "decoder": ("DECODER", "fairseq.models.transformer.TransformerDecoderBase", "extract_features_scriptable",
+                _scaled_output),
+    "build": ("BUILD_MODEL", "fairseq.models.transformer_lm.TransformerLanguageModel", "build_model",
+              _builds_other_embeddings),
+}
+
+
+@pytest.mark.parametrize("probe", FAIRSEQ_CHANGES)
+def test_a_fairseq_part_computing_differently_fails_its_probe_and_is_refused(probe, monkeypatch, tmp_path_factory,
+                                                                            fresh_checks):
+    pytest.importorskip("fairseq")
+    import importlib
+
+    import pid_plugins.fairseq as pf
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+    from zoo_cases import fs_build, fs_dictionary
+
+    name, where, attribute, change = FAIRSEQ_CHANGES[probe]
+    module, cls = where.rsplit(".", 1)
+    owner = getattr(importlib.import_module(module), cls)
+    internal = getattr(pf.internals, name)
+    data = fs_dictionary(tmp_path_factory.mktemp("dict"))
+    stock = fs_build(data, arch="transformer_lm", layers=2)[0]
+    before = snapshot(stock)
+    assert pf.internals.PROBES[probe]() and internal.check()
+    monkeypatch.setattr(owner, attribute, change(inspect.getattr_static(owner, attribute)
+                                                 if attribute == "build_model" else getattr(owner, attribute)))
+    assert not pf.internals.PROBES[probe]()
+    message = changed("fairseq", internal.name)
+    with pytest.raises(InternalChanged, match=message):
+        fs_build(data, layers=2)
+    if internal is not pf.internals.BUILD_MODEL:  # (convert builds nothing: it relies on the rest)
+        with pytest.raises(InternalChanged, match=message):
+            pf.convert(stock, "pid")
+        assert type(stock) is TransformerLanguageModel
+        assert_unchanged(stock, before)
+    monkeypatch.undo()
+    assert pf.internals.PROBES[probe]() and internal.check()
+
+
+def test_a_fairseq_release_loading_checkpoints_past_its_torch_global_is_refused(monkeypatch, fresh_checks):
+    """A fairseq release whose load_checkpoint_to_cpu reaches torch.load another way (``from torch import load``): the
+    checkpoint probe sees the module global not reached, and the weights-only loading refuses to install."""
+    pytest.importorskip("fairseq")
+    import pid_plugins.fairseq as pf
+    from fairseq import checkpoint_utils
+
+    load = torch.load
+
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        with open(path, "rb") as f:
+            return load(f, map_location=torch.device("cpu"))
+
+    current = checkpoint_utils.torch
+    monkeypatch.setattr(checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu)
+    with pytest.raises(InternalChanged, match=changed("fairseq", pf.internals.CHECKPOINT_TORCH.name)):
+        pf.checkpoint.install()
+    assert checkpoint_utils.torch is current
+    monkeypatch.undo()
+    assert pf.internals.CHECKPOINT_TORCH.check() and checkpoint_utils.torch is current
+
+
+def test_a_composite_optimizer_ignoring_param_group_is_refused_for_learnable_parameters(monkeypatch, tmp_path_factory,
+                                                                                        fresh_checks):
+    """A fairseq release whose ``--optimizer composite`` no longer reads ``param_group``: the optimizer probe sees every
+    parameter in ``default``; a model with learnable parameters is refused (built or converted), one without is not."""
+    pytest.importorskip("fairseq")
+    import builtins
+
+    import pid_plugins.fairseq as pf
+    from fairseq.optim import composite
+    from zoo_cases import fs_build, fs_dictionary, fs_method
+
+    def getattr_(obj, name, *default):  # composite's getattr(p, "param_group", "default"), the attribute unread
+        return default[0] if name == "param_group" and default else builtins.getattr(obj, name, *default)
+
+    data = fs_dictionary(tmp_path_factory.mktemp("dict"))
+    stock = fs_build(data, arch="transformer_lm", layers=2)[0]
+    monkeypatch.setattr(composite, "getattr", getattr_, raising=False)
+    message = changed("fairseq", pf.internals.PARAM_GROUP.name)
+    with pytest.raises(InternalChanged, match=message):
+        fs_build(data, layers=2, extra=fs_method("pid", {"learnable": True}))
+    with pytest.raises(InternalChanged, match=message):
+        pf.convert(stock, "pid", {"learnable": True})
+    assert type(stock.decoder).__name__ == "TransformerDecoder"
+    fs_build(data, layers=2)  # fixed gains: no parameter group
+    monkeypatch.undo()
+    assert pf.internals.PARAM_GROUP.check()
+
+
+def test_a_python_taking_unhashable_defaults_is_refused(monkeypatch, fresh_checks):
+    """A Python whose ``dataclasses._get_field`` (same signature) no longer refuses a default of an unhashable class:
+    the hook would relax nothing, and the probe of the rule refuses it."""
+    pytest.importorskip("fairseq")
+    import pid_plugins.fairseq as pf
+    import pid_plugins_fairseq_compat as compat
+
+    def _get_field(cls, a_name, a_type, default_kw_only=False):  # takes any default
+        return dataclasses.field(default=getattr(cls, a_name))
+
+    monkeypatch.setattr(compat, "target_holds", lambda: True)  # the signature is as expected: the rule is probed
+    monkeypatch.setattr(dataclasses._get_field, "_pid_plugins_original", _get_field, raising=False)
+    assert not pf.internals.DATACLASS_FIELD.check()
+    with pytest.raises(InternalChanged, match=r"dataclasses\._get_field"):
+        pf.internals.DATACLASS_FIELD.require()
+    monkeypatch.undo()
+    assert pf.internals.DATACLASS_FIELD.check()
+
+
+def test_a_fairseq_release_that_only_rewrites_the_text_passes(monkeypatch, fresh_checks):
+    """The attention, its buffer and the checkpoint loader written another way, computing the same: the probes pass
+    (the source-text checks they replace read these functions' text and refused any rewrite)."""
+    pytest.importorskip("fairseq")
+    import pid_plugins.fairseq as pf
+    from fairseq import checkpoint_utils
+    from fairseq.modules.multihead_attention import MultiheadAttention
+
+    def reorder_incremental_state(self, incremental_state, new_order):  # a comprehension instead of the loop
+        buffer = self._get_input_buffer(incremental_state)
+        if buffer is not None:
+            buffer = {k: None if v is None else v.index_select(0, new_order) for k, v in buffer.items()}
+            incremental_state = self._set_input_buffer(incremental_state, buffer)
+        return incremental_state
+
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):  # map_location spelled otherwise
+        with open(path, "rb") as f:
+            return checkpoint_utils.torch.load(f, map_location="cpu")
+
+    monkeypatch.setattr(MultiheadAttention, "reorder_incremental_state", reorder_incremental_state)
+    monkeypatch.setattr(checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu)
+    assert pf.internals.INPUT_BUFFER.check() and pf.internals.MHA.check()
+    assert pf.internals.CHECKPOINT_TORCH.check()

@@ -104,6 +104,7 @@ from .model import (  # noqa: E402
     load_pid_lm,
 )
 from .conversion import convert  # noqa: E402
+from . import probes  # noqa: E402,F401  (the behavioural checks of the internals the method classes compute again)
 
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 """The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""

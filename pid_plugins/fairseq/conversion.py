@@ -40,7 +40,8 @@ from ..core.layer import (
 )
 from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 from .layers import (
-    PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, self_attentions,
+    PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, embedding_like,
+    self_attentions,
 )
 from .model import PIDTransformerLanguageModel
 
@@ -79,7 +80,10 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     else:
         models = [model]
     choice = resolve_attention(attention, attention_cfg, zoo="fairseq", where=_WHERE)
-    require(DECODER, DECODER_LAYER, *ATTENTION, PARAM_GROUP)  # what the method classes compute again
+    # what the method classes compute again; and fairseq's parameter groups where the method has learnable parameters
+    # (that check builds fairseq's composite optimizer, whose first build imports torch's compiler: not for nothing)
+    learned = choice is not None and bool(getattr(choice.config, "learnable", False))
+    require(*ATTENTION, DECODER_LAYER, DECODER, *((PARAM_GROUP,) if learned else ()))
     for lm in models:
         _check(lm, choice)
     for lm in models:
@@ -136,7 +140,7 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
         attn.set_attention(choice, attn.q_proj.weight)
         settle_submodule(attn, "attention_params")
     number_layers(self_attentions(decoder))
-    decoder.set_model_method(choice, decoder.embed_tokens.weight, stock_plus_term=True, where=_WHERE)
+    decoder.set_model_method(choice, embedding_like(decoder), stock_plus_term=True, where=_WHERE)
     settle_submodule(decoder, "attention_warmup")
 
 

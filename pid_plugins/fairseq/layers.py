@@ -188,7 +188,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
 
     def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
                  add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
-        require(DECODER_LAYER, *ATTENTION)
+        require(*ATTENTION, DECODER_LAYER)
         # read by build_self_attention, which the base __init__ calls
         self._attention_choice = (method, config)
         super().__init__(cfg, no_encoder_attn=no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
@@ -257,6 +257,13 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
         return x, None, None, method_state
 
 
+def embedding_like(decoder: TransformerDecoder) -> Tensor:
+    """A parameter of the decoder's token embedding, for the device and dtype of what the method adds to the decoder
+    (its embedding is an ``Embedding``, or a ``CharacterTokenEmbedder`` / ``AdaptiveInput``, which have no
+    ``weight``)."""
+    return next(decoder.embed_tokens.parameters())
+
+
 def decoder_layers(decoder: TransformerDecoder) -> List[Any]:
     """The decoder's layers in order, every one (iterating fairseq's ``LayerDropModuleList`` in training mode yields a
     random subset)."""
@@ -280,13 +287,13 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
 
     def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
-        require(DECODER, DECODER_LAYER, *ATTENTION)
+        require(*ATTENTION, DECODER_LAYER, DECODER)
         method, config = choice if choice is not None else (None, None)
         # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
         self.attention_method, self.attention_config = method, config
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        self.set_model_method(choice, self.embed_tokens.weight, stock_plus_term=True, where="transformer_lm_pid")
+        self.set_model_method(choice, embedding_like(self), stock_plus_term=True, where="transformer_lm_pid")
         number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:

@@ -52,7 +52,8 @@ from .checkpointing import require as require_torch_checkpointing
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
 from .instance import give_instance_methods
 from .internals import (
-    CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN, cache_keywords, unknown_cache,
+    CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
+    cache_keywords, calls_interface, unknown_cache,
 )
 from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
 from ..core import MethodChoice, get_method, list_methods
@@ -74,15 +75,6 @@ _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "
 
 
 # ------------------------------------------------------------------------------------ discovery (once per model)
-@functools.lru_cache(maxsize=None)
-def calls_interface(cls: type) -> bool:
-    """Whether ``cls.forward`` dispatches through transformers' attention interface (transformers' own heuristic)."""
-    try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-
-
 @dataclass
 class Plan:
     owns_layers: bool

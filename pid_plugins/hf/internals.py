@@ -14,6 +14,7 @@ registries. One check reads source text, :data:`TP_PLAN`, and says why at :func:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Optional, Tuple
 
@@ -21,7 +22,7 @@ import torch
 
 from ..versions import Internal, behaviour_probe, require
 
-__all__ = ["INTERNALS", "cache_keywords", "require_all"]
+__all__ = ["INTERNALS", "cache_keywords", "calls_interface", "require_all"]
 
 ZOO = "transformers"
 #: the keyword a model's forward takes its KV cache under: ``cache`` from 5.24 (``past_key_values`` is its deprecated
@@ -31,6 +32,15 @@ CACHE_KEYWORDS: Tuple[str, ...] = ("cache", "past_key_values")
 
 #: transformers' tensor-parallel style for a replicated parameter whose gradient each rank computes only in part
 TP_STYLE = "replicated_with_grad_allreduce"
+
+
+@functools.lru_cache(maxsize=None)
+def calls_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` dispatches through transformers' attention interface (transformers' own heuristic)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def cache_keywords(forward: Any) -> Tuple[str, ...]:
@@ -186,13 +196,11 @@ def _each_enters(entries: Tuple[Any, ...]) -> bool:
 def _interface_source() -> bool:
     """Discovery finds attention modules the way transformers decides whether a model can switch its attention
     (``PreTrainedModel._can_set_attn_implementation``): by the interface's name in the source
-    (:func:`pid_plugins.hf.discovery.calls_interface`). The probe checks that signal against behaviour: the attention
+    (:func:`calls_interface`). The probe checks that signal against behaviour: the attention
     class it names dispatches through the registered function, a method at zero parameters computes the stock model bit
     for bit, and the same method with parameters changes the output."""
     import torch
     from transformers.models.llama.modeling_llama import LlamaAttention
-
-    from .discovery import calls_interface
 
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
