@@ -76,10 +76,18 @@ class AttentionContext(NamedTuple):
 
 
 class AttentionMethod:
-    """One layer-coupled attention method. Subclass it, set the class attributes, implement :meth:`update` (and
-    :meth:`prepare` / :meth:`attend` when the method changes the queries or calls attention more than once;
-    :meth:`layer_params` when a layer's rule depends on its learned parameters or on its index within the group,
-    which adapters pass as :attr:`LayerCall.layer`).
+    """One layer-coupled attention method. The contract, in three parts:
+
+    * **what a method must give:** ``name``, ``config_type``, ``state_fields`` and :meth:`update` (the layer's output
+      from ``A v``, the query positions' values and the previous layer's state);
+    * **what it may override** (each default is the plain case): :meth:`prepare` / :meth:`attend` (it changes the
+      queries or calls attention more than once), :meth:`check` (contexts it refuses), :meth:`make_learned` and
+      :meth:`layer_params` (learnable parameters; a rule that depends on the layer's index), :meth:`is_identity`;
+    * **what it needs from an adapter, as capabilities** (class attributes, all off by default but ``additive``):
+      ``keys_state``, ``reads_visible``, ``cache_slot``, ``additive``; and ``default_presets``.
+
+    Adapters call :meth:`apply` (and :meth:`configure`) only: they never branch on a method's type, and a method
+    registered by a user runs in every zoo with no adapter change.
 
     Class attributes:
         name: the name users pick it by (``attention="<name>"``, ``attn_implementation="<name>"``).
