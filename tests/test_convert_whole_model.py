@@ -121,9 +121,8 @@ def test_every_eval_path_equals_the_model_built_by_name(method, model_case, cfg)
 @pytest.mark.parametrize("method,model_case,cfg", cases(models=lambda m: m.name == "timm-deit", with_cfg=True))
 def test_fx_feature_extraction_equals_the_model_built_by_name(method, model_case, cfg):
     """timm's extractor traces ``attn_mask`` / ``is_causal`` as inputs (timm's loop over the blocks in
-    ``forward_features``); torchvision's takes them as constants. Where the model built by name cannot be traced with
-    its attention (twicing and elliptical: shape checks in Python control flow) the converted one is refused the same
-    way."""
+    ``forward_features``); torchvision's takes them as constants. Every method traces (their shape checks step aside
+    for fx proxies, :func:`pid_plugins.core.control.symbolic`), converted and built by name alike."""
     from timm.models import create_feature_extractor, get_graph_node_names
     from torchvision.models.feature_extraction import create_feature_extractor as tv_extractor
 
@@ -133,9 +132,7 @@ def test_fx_feature_extraction_equals_the_model_built_by_name(method, model_case
     constants = {"attn_mask": None, "is_causal": False}
     with torch.no_grad():
         want = both(model, named, lambda m: tv_extractor(m, nodes, concrete_args=constants)(x))
-        if want is None:  # twicing, elliptical: their shape checks are Python control flow on traced shapes
-            assert method.name in ("twicing", "elliptical")
-            return
+        assert want is not None, method.name
         same(want["logits"], named(x))
         inter = named.forward_intermediates(x, indices=[0, 1], output_fmt="NLC", intermediates_only=True)
         same([want["first"][:, 1:], want["block"][:, 1:]], inter)

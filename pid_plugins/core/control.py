@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .config import PIDConfig
 
-__all__ = ["PIDState", "pid_update", "expand_heads", "GainsLike"]
+__all__ = ["PIDState", "pid_update", "expand_heads", "GainsLike", "symbolic"]
 
 Gain = Union[float, Tensor]
 GainsLike = Union[PIDConfig, Sequence[Gain]]
@@ -65,6 +65,13 @@ def _unpack_gains(gains: GainsLike) -> tuple[Gain, Gain, Gain, Gain, bool]:
     )
 
 
+def symbolic(*tensors: Tensor) -> bool:
+    """Whether sizes are traced values here, so that no Python branch may read them: TorchScript tracing (torch.onnx's
+    exporter) or torch.fx symbolic tracing (timm's and torchvision's feature extraction: ``tensors`` are proxies).
+    Code under it takes the branch-free form that is exact for every size, and leaves the shape checks out."""
+    return torch.jit.is_tracing() or any(isinstance(t, torch.fx.Proxy) for t in tensors)
+
+
 def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
     """Expand key/value heads to query heads the way grouped-query attention expands the values.
 
@@ -76,6 +83,8 @@ def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
         dim = head_dim % x.dim()
         return x.unsqueeze(dim + 1).expand(*x.shape[:dim + 1], num_heads // kv_heads, *x.shape[dim + 1:]).flatten(
             dim, dim + 1)
+    if symbolic(x):  # torch.fx: sizes are proxies (no branch, no unpacking); a copy for r = 1, exact
+        return x.repeat_interleave(num_heads // kv_heads, dim=head_dim)
     if kv_heads == num_heads:
         return x
     if kv_heads <= 0 or num_heads % kv_heads != 0:

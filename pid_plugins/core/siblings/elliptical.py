@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
+from ..control import symbolic
 from ..methods import AttentionContext, AttentionMethod, register_method
 
 __all__ = ["EllipticalConfig", "EllipticalMethod", "elliptical_scales", "elliptical_prefix_scales"]
@@ -164,7 +165,7 @@ class EllipticalMethod(AttentionMethod):
         if state is None or params is None:
             return query
         value_prev = state[0]
-        if not torch.jit.is_tracing() and value_prev.shape != value.shape:
+        if not symbolic(value) and value_prev.shape != value.shape:
             raise ValueError(
                 f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} but the previous "
                 f"layer's {tuple(value_prev.shape)}: consecutive layers must see the same key positions (a model "

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
-from ..control import expand_heads
+from ..control import expand_heads, symbolic
 from ..methods import Attend, AttentionContext, AttentionMethod, CacheSlot, register_method
 
 __all__ = ["TwicingConfig", "Twicing", "twicing_rule"]
@@ -79,7 +79,7 @@ def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -
     rows = once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3)  # (B, H, q, D)
     smoothed = rows if slot is None else slot(rows)  # (B, H, K, D): A v at every key position
     heads, kv_heads = rows.shape[-3], value.shape[-3]
-    traced = torch.jit.is_tracing()
+    traced = symbolic(rows, value)
     if not traced and kv_heads != heads and (kv_heads <= 0 or heads % kv_heads):
         expand_heads(value, heads, -3)  # raises the explanatory error
     if not traced and smoothed.shape != (*value.shape[:-3], heads, *value.shape[-2:]):
