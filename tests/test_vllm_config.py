@@ -108,3 +108,27 @@ def test_engine_settings_the_plugin_does_not_cover_are_refused_naming_each():
         assert part in message
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         check_engine(engine(pp=2), WHERE)
+
+
+def test_what_vllm_serves_is_read_from_the_methods_capabilities_not_its_type():
+    """A user's method whose ``attend`` mixes each position's values with its state (as value residual does) is
+    servable when it says so (``mixes_values``), and refused, naming why, when it does not: the plugin reads the
+    capability, never the method's class."""
+    from pid_plugins.core import AttentionMethod
+    from pid_plugins.vllm.config import unservable_reason
+
+    class Mixing(AttentionMethod):
+        name = "my_mixing"
+        config_type = PIDConfig
+        state_fields = ("v_first",)
+
+        def attend(self, params, attend, query, value, state=None, head_dim=-3):
+            return attend(query, value if state is None else 0.5 * (value + state[0]))
+
+        def update(self, params, out, value_q, state, scale, head_dim):
+            return out, (value_q if state is None else state[0],)
+
+    assert "prepare/attend" in unservable_reason(Mixing())
+    Mixing.mixes_values = True
+    assert unservable_reason(Mixing()) is None
+    assert get_method("value_residual").mixes_values and unservable_reason(get_method("value_residual")) is None

@@ -214,7 +214,7 @@ def warn_switch_of_trained_weights(model: nn.Module, choice: Optional[MethodChoi
     if not carries_trained_weights(model):
         return
     has_warmup = "warmup_steps" in getattr(choice.config, "__dataclass_fields__", {})
-    how = (f"fine-tune it with a warm-up that grows the method from 0 ({{'warmup_steps': N}} in its parameters) "
+    how = ("fine-tune it with a warm-up that grows the method from 0 ({'warmup_steps': N} in its parameters) "
            if has_warmup else "fine-tune it ")
     logger.warning(
         "%s: trained weights switched to attention method %r at full strength (%s): its outputs will change a lot "

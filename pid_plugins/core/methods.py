@@ -84,7 +84,7 @@ class AttentionMethod:
       queries or calls attention more than once), :meth:`check` (contexts it refuses), :meth:`make_learned` and
       :meth:`layer_params` (learnable parameters; a rule that depends on the layer's index), :meth:`is_identity`;
     * **what it needs from an adapter, as capabilities** (class attributes, all off by default but ``additive``):
-      ``keys_state``, ``reads_visible``, ``cache_slot``, ``additive``; and ``default_presets``.
+      ``keys_state``, ``reads_visible``, ``cache_slot``, ``mixes_values``, ``additive``; and ``default_presets``.
 
     Adapters call :meth:`apply` (and :meth:`configure`) only: they never branch on a method's type, and a method
     registered by a user runs in every zoo with no adapter change.
@@ -117,6 +117,10 @@ class AttentionMethod:
     #: :meth:`attend` stores a per-position tensor next to the layer's cached keys/values (``slot=``): Twicing's
     #: ``A v`` of past positions
     cache_slot: ClassVar[bool] = False
+    #: :meth:`attend` calls the zoo's attention once, on the queries it was given, with each position's values mixed
+    #: with the same position's state (value residual): an engine that caches the values its attention is given
+    #: (vLLM's paged cache) holds them mixed, and needs the state at its new positions only
+    mixes_values: ClassVar[bool] = False
 
     # --------------------------------------------------------------------------------------- parameters
     def configure(self, value: Any = None, zoo: str = "*", default: Any = None) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from ..core import SOFTMAX, AttentionMethod, MethodChoice, list_methods, resolve_attention
-from ..core.siblings.value_residual import ValueResidualMethod
 
 __all__ = ["ARCHITECTURES", "STOCK_ATTENTIONS", "check_engine", "check_servable", "method_choice", "unservable_reason"]
 
@@ -40,7 +39,7 @@ def unservable_reason(method: AttentionMethod) -> Optional[str]:
     if method.reads_visible:
         return ("it reads which keys each query attends to, over every earlier position (Elliptical's prefix mean of "
                 "the value differences), which vLLM's paged attention neither exposes nor caches")
-    if isinstance(method, ValueResidualMethod):  # mixes the values before attention: vLLM caches the mixed values
+    if method.mixes_values:  # the values mixed before attention, position by position: vLLM caches them mixed
         return None
     kind = type(method)
     if kind.prepare is not AttentionMethod.prepare or kind.attend is not AttentionMethod.attend:

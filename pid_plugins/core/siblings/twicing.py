@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets

@@ -124,6 +124,7 @@ class ValueResidualMethod(AttentionMethod):
     default_presets = {"*": "resformer"}
     additive = False
     keys_state = True
+    mixes_values = True
 
     def is_identity(self, config: ValueResidualConfig) -> bool:
         return config.is_zero and not config.learnable
