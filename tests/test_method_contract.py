@@ -32,14 +32,7 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (float64 kernels, e.g. FAN's grouped convolutions, take the slow path, whose
-    parallel regions cost far more than they compute on a shared machine); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)
