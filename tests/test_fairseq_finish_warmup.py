@@ -1,4 +1,6 @@
-"""``pid_plugins.finish_warmup(model)`` on fairseq models (transformer_lm_pid with --attention-cfg warmup_steps; every built-in method with warm-up, learnable too where it has learnable parameters; built by --arch or converted from transformer_lm).
+"""``pid_plugins.finish_warmup(model)`` on fairseq models (transformer_lm_pid with --attention-cfg warmup_steps;
+every built-in method with warm-up, learnable too where it has learnable parameters; built by --arch or converted
+from transformer_lm).
 
 fairseq's warm-up runs fairseq's own attention plus the method's term; after training past ``warmup_steps`` the
 finished model keeps that form at scale 1: exactly (torch.equal) what the warmed-up model computed, full forward
@@ -25,7 +27,8 @@ KEY = "decoder.attention_warmup.step"
 #: (tests/method_cases.py)
 VARIANTS = variants(methods=lambda m: m.warmup)
 #: how the warm-up is asked for: --attention-cfg with warmup_steps
-SPELLINGS = {spelling: fs_method(name, {**(cfg or {}), "warmup_steps": N}) for spelling, (name, cfg) in VARIANTS.items()}
+SPELLINGS = {spelling: fs_method(name, {**(cfg or {}), "warmup_steps": N})
+             for spelling, (name, cfg) in VARIANTS.items()}
 #: the same model without warm-up
 PLAIN = {spelling: fs_method(name, cfg or {}) for spelling, (name, cfg) in VARIANTS.items()}
 
