@@ -30,6 +30,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "cuda:1, ... (or the environment variable PID_TEST_DEVICE)")
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op torch thread (float64 kernels, e.g. FAN's grouped convolutions, take the slow path,
+    whose parallel regions cost far more than they compute on a shared machine); restored afterwards. A test file
+    takes it for every test with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest):
     """The torch.device of ``--device`` (tests/test_device.py); a device this machine lacks fails the test."""

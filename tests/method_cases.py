@@ -188,6 +188,13 @@ class Method:
     dynamo-exporter ONNX test runs this method (each export costs seconds; timm's TorchScript export runs every
     built-in method on both timm models); ``static_compile``: tests/test_method_hf_lm.py compiles hf-llama's
     static-cache decoding with this method (seconds each; PID's: tests/test_compile.py).
+
+    Where the method runs outside the contract's models: ``causal_cfg``: the parameters (over the zoo's preset) a
+    causal model with a KV cache runs it with where that preset is refused there (None: the preset; tests read
+    :data:`CAUSAL_METHODS`); ``vllm_refusal``: the reason vLLM's plugin (pid_plugins.vllm) refuses to serve it, as its
+    message words it (None: served). What the method object itself declares
+    is read from it (:attr:`impl`: :attr:`cross_layer_state`, and the class attributes such as ``cache_slot``,
+    ``keys_state``), never copied here.
     """
 
     name: str
@@ -205,11 +212,30 @@ class Method:
     warmup: bool = False
     onnx_dynamo_models: FrozenSet[str] = frozenset()
     static_compile: bool = False
+    causal_cfg: Cfg = None
+    vllm_refusal: Optional[str] = None
 
     @property
     def learnable(self) -> bool:
         """The method has per-layer learnable parameters (``learnable=True``)."""
         return bool(self.learned)
+
+    @property
+    def impl(self):
+        """The method object registered under this name (pid_plugins.core.get_method; the toy is registered on import
+        of tests/toy_method.py, as a user registers it)."""
+        if not self.builtin:
+            import toy_method  # noqa: F401
+
+        from pid_plugins.core import get_method
+
+        return get_method(self.name)
+
+    @property
+    def cross_layer_state(self) -> bool:
+        """Each layer hands the next a state (the method object's ``state_fields``): what a pipeline stage carries
+        across its boundary and the state rule refuses to start afresh mid-stack."""
+        return bool(self.impl.state_fields)
 
     def config(self, cfg: Cfg, zoo: str):
         """The config the models must carry for ``cfg`` (the zoo's preset with ``cfg``'s overrides)."""
@@ -261,11 +287,14 @@ def _vr_rule(cfg: Cfg, model: Model) -> zc.Rule:
     return zc.value_residual_rule([(cfg["lambda_1"], cfg["lambda_2"])] * 16)
 
 
+ELLIPTICAL_PREFIX = {"mean": "prefix"}  # Elliptical's causal form (its sequence mean is refused in causal models)
+
+
 def _elliptical_on(model: Model) -> Sequence[Cfg]:
     if model.name == "fairseq-lm":
         return [None]  # fairseq's preset for language models: the prefix mean, delta 1
     if model.causal:
-        return [{"mean": "prefix"}]
+        return [dict(ELLIPTICAL_PREFIX)]
     return [{"from_layer": 3}, {"from_layer": 2}]
 
 
@@ -304,13 +333,15 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "vision"),
            zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"}),
            compile_models=frozenset({"timm-deit", "hf-llama", "mmseg-backbone", "fairseq-lm"}),
-           onnx_dynamo_models=frozenset({"timm-deit", "hf-llama"}), static_compile=True),
+           onnx_dynamo_models=frozenset({"timm-deit", "hf-llama"}), static_compile=True,
+           vllm_refusal="Twicing's A v"),
     # bidirectional by default (the sequence mean); causal models run the prefix mean (mean="prefix")
     Method("elliptical", _elliptical_config, on=_elliptical_on, rule=_elliptical_rule,
            defaults={"timm": "deit", "mmseg": "segmenter", "hf": "deit", "fairseq": "lm"},
            zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-bert"}),
            compile_models=frozenset({"timm-deit", "timm-fan", "hf-bert", "mmseg-backbone"}),
-           compile_overrides={"mmseg-backbone": ("aot_eager", (1e-5, 1e-6))}, static_compile=True),
+           compile_overrides={"mmseg-backbone": ("aot_eager", (1e-5, 1e-6))}, static_compile=True,
+           causal_cfg=ELLIPTICAL_PREFIX, vllm_refusal="Elliptical's prefix mean"),
     Method("value_residual", _value_residual_config, on=lambda model: [VR_MIXED, None], rule=_vr_rule,
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "resformer"),
            zero={"lambda_1": 0.0, "lambda_2": 1.0}, zero_models=frozenset(MODELS),
@@ -324,6 +355,10 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
 )}
 #: the methods pid_plugins ships (the table without the toy): what the per-zoo feature tests run
 BUILTIN: Dict[str, Method] = {n: m for n, m in METHODS.items() if m.builtin}
+#: every built-in method that runs in a causal model, with the parameters a causal model with a KV cache runs it with
+#: (``causal_cfg``; None: the zoo's preset), and stock SDPA as the control: what transformers' decoding tests run
+#: (zoo_cases.gqa_llama)
+CAUSAL_METHODS: Dict[str, Cfg] = {"sdpa": None, **{n: m.causal_cfg for n, m in BUILTIN.items() if m.models & CAUSAL}}
 
 
 def method_cfg(method: Method, model: Model) -> Cfg:

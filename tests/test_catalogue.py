@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import pid_plugins
+from method_cases import BUILTIN
 from pid_plugins.catalogue import ModelEntry, load_catalogue, load_presets, parse_catalogue
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def test_every_built_in_method_reads_its_presets_from_the_registry():
     import pid_plugins
 
     raw = tomllib.loads(resources.files("pid_plugins.registry").joinpath("presets.toml").read_text())
-    assert set(raw) == {"pid", "neutreno", "twicing", "elliptical", "value_residual"}
+    assert set(raw) == set(BUILTIN)
     for method, presets in raw.items():
         config_type = pid_plugins.get_method(method).config_type
         expected = {name: {k: v for k, v in table.items() if k not in ("description", "source")}

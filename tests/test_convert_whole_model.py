@@ -30,12 +30,7 @@ PID_NAME, STOCK_NAME, ARGS = zc.TIMM["deit"]
 TOKENS = (ARGS["img_size"] // ARGS["patch_size"]) ** 2 + 1  # patches and the class token
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import pid_plugins
+from method_cases import BUILTIN
 from pid_plugins import AttentionMethod, MethodConfig, PIDConfig, PIDGains, PIDState, pid_update
 from pid_plugins.core import resolve_attention
 from pid_plugins.core.checkpoint import check_keys, unwrap_state_dict
@@ -215,4 +216,4 @@ def test_core_never_imports_its_siblings():
             else:
                 continue
             assert not any("siblings" in name for name in names), (path.name, names)
-    assert {"neutreno", "twicing", "elliptical", "value_residual"} <= set(pid_plugins.list_methods())
+    assert set(BUILTIN) <= set(pid_plugins.list_methods())

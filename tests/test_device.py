@@ -36,18 +36,15 @@ ON_ZOOS = dict(models=lambda m: m.name in ZOOS)
 
 
 @pytest.fixture(autouse=True)
-def one_thread_and_the_toy():
-    """Tiny models: one intra-op thread; the toy method registered (as the contract does). On CUDA: no TF32, so that
-    float32 is float32 on both sides."""
+def one_thread_and_the_toy(one_thread):
+    """Tiny models: one intra-op thread (tests/conftest.py); the toy method registered (as the contract does). On
+    CUDA: no TF32, so that float32 is float32 on both sides."""
     import toy_method  # noqa: F401
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    torch.set_num_threads(threads)
 
 
 def has_float64(device: torch.device) -> bool:

@@ -106,6 +106,8 @@ def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key)
     assert_same_function(model, reference, task)
 
 
+# one variant of each kind (fixed, learnable, warm-up, a method with its own attend, a second learnable method): the
+# way back to softmax removes what the kind added, the same for every method of the kind
 @pytest.mark.parametrize("key", ["pid", "learnable_pid", "pid_warmup", "twicing", "learnable_value_residual"])
 def test_back_to_softmax_is_fairseqs_own_model_bit_for_bit(data_dir, key):
     name, cfg = VARIANTS[key]
@@ -133,6 +135,7 @@ def test_back_to_softmax_is_fairseqs_own_model_bit_for_bit(data_dir, key):
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(stock.parameters(), fresh.parameters()))
 
 
+# chosen transitions: fixed <-> learnable, warm-up on and off, to and from a method with its own attend
 @pytest.mark.parametrize("start, target", [("pid", "neutreno"), ("learnable_pid", "twicing"),
                                            ("twicing", "pid_warmup"), ("pid_warmup", "pid"),
                                            ("pid", "learnable_pid"), ("learnable_pid", "pid"),

@@ -1,4 +1,6 @@
-"""``pid_plugins.finish_warmup(model)`` on fairseq models (transformer_lm_pid with --attention-cfg warmup_steps; PID, NeuTRENO, learnable PID; built by --arch or converted from transformer_lm).
+"""``pid_plugins.finish_warmup(model)`` on fairseq models (transformer_lm_pid with --attention-cfg warmup_steps;
+every built-in method with warm-up, learnable too where it has learnable parameters; built by --arch or converted
+from transformer_lm).
 
 fairseq's warm-up runs fairseq's own attention plus the method's term; after training past ``warmup_steps`` the
 finished model keeps that form at scale 1: exactly (torch.equal) what the warmed-up model computed, full forward
@@ -14,29 +16,29 @@ import torch.nn.functional as F
 pytest.importorskip("fairseq")
 import pid_plugins  # noqa: E402
 import pid_plugins.fairseq as pf  # noqa: E402
+from method_cases import variants  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
 from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_method,  # noqa: E402,F401
                        fs_parse, fs_save_checkpoint, fs_tokens)
 
 N = 3
 KEY = "decoder.attention_warmup.step"
-#: how the warm-up is asked for: --attention-cfg, for PID, NeuTRENO and learnable PID
-SPELLINGS = {
-    "pid_cfg": fs_method("pid", {"warmup_steps": N}),
-    "neutreno": fs_method("neutreno", {"warmup_steps": N}),
-    "learnable_pid": fs_method("pid", {"learnable": True, "warmup_steps": N}),
-}
+#: every built-in method with warm-up (fairseq's preset), learnable too where it has learnable parameters
+#: (tests/method_cases.py)
+VARIANTS = variants(methods=lambda m: m.warmup)
+#: how the warm-up is asked for: --attention-cfg with warmup_steps
+SPELLINGS = {spelling: fs_method(name, {**(cfg or {}), "warmup_steps": N})
+             for spelling, (name, cfg) in VARIANTS.items()}
 #: the same model without warm-up
-PLAIN = {"pid_cfg": fs_method("pid", {}), "neutreno": fs_method("neutreno", {}),
-         "learnable_pid": fs_method("pid", {"learnable": True})}
+PLAIN = {spelling: fs_method(name, cfg or {}) for spelling, (name, cfg) in VARIANTS.items()}
 
 
 def build(data_dir, spelling, converted=False):
     """(model in training mode, task, args): built by --arch transformer_lm_pid, or a transformer_lm converted."""
     if converted:
         stock, task, args = fs_build(data_dir, arch="transformer_lm")
-        cfg = {"warmup_steps": N, "learnable": spelling == "learnable_pid"}
-        return pf.convert(stock, "neutreno" if spelling == "neutreno" else "pid", cfg).train(), task, args
+        name, cfg = VARIANTS[spelling]
+        return pf.convert(stock, name, {**(cfg or {}), "warmup_steps": N}).train(), task, args
     model, task, args = fs_build(data_dir, extra=SPELLINGS[spelling])
     return model.train(), task, args
 
@@ -59,7 +61,8 @@ def outputs(model):
     return fs_logits(model, padded), fs_incremental_logits(model, toks)
 
 
-CASES = [(spelling, False) for spelling in SPELLINGS] + [("pid_cfg", True), ("learnable_pid", True)]
+# converted: PID, fixed and learnable (conversion takes one path for every method: tests/test_fairseq_convert.py)
+CASES = [(spelling, False) for spelling in SPELLINGS] + [("pid", True), ("learnable_pid", True)]
 
 
 @pytest.mark.parametrize("spelling, converted", CASES)
@@ -87,14 +90,13 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
     # transformer_lm_pid without warm-up
     from fairseq import checkpoint_utils
 
-    plain_options = PLAIN[spelling] if not converted else fs_method(
-        "neutreno" if spelling == "neutreno" else "pid", {"learnable": spelling == "learnable_pid"})
+    plain_options = PLAIN[spelling]
     path = str(tmp_path / "checkpoint_finished.pt")
     fs_save_checkpoint(model, fs_parse(data_dir, extra=plain_options) if converted else args, path)
     if converted:
         overrides = {}
     else:
-        overrides = {"attention_cfg": '{"learnable": true}' if spelling == "learnable_pid" else "{}"}
+        overrides = {"attention_cfg": json.dumps(VARIANTS[spelling][1] or {})}
     (loaded,), _ = checkpoint_utils.load_model_ensemble([path], arg_overrides=overrides, task=task, strict=True)
     loaded.eval()
     assert loaded.decoder.attention_warmup is None and KEY not in loaded.state_dict()
@@ -105,7 +107,7 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
     assert torch.equal(reloaded[0], rebuilt[0]) and torch.equal(reloaded[1], rebuilt[1])
     torch.testing.assert_close(reloaded[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reloaded[1], want[1], rtol=1e-5, atol=1e-5)
-    if spelling == "pid_cfg":  # the hub interface takes the same overrides
+    if spelling == "pid":  # the hub interface takes the same overrides (one method: the loading path is fairseq's)
         hub = pf.load_pid_lm(path, str(data_dir), **overrides)
         assert hub.models[0].decoder.attention_warmup is None
         assert torch.equal(outputs(hub.models[0])[0], reloaded[0])
@@ -114,8 +116,8 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
 
 
 def test_finished_early_runs_at_the_final_gains_and_says_so(data_dir, caplog):
-    model = train(build(data_dir, "pid_cfg")[0], 1).eval()
-    full = train(build(data_dir, "pid_cfg")[0], 1).eval()
+    model = train(build(data_dir, "pid")[0], 1).eval()
+    full = train(build(data_dir, "pid")[0], 1).eval()
     full.decoder.attention_warmup.step.fill_(N)  # the same weights at scale 1
     with caplog.at_level(logging.WARNING, logger="pid_plugins.core.layer"):
         pid_plugins.finish_warmup(model)
@@ -155,7 +157,7 @@ def test_loading_a_finished_model_with_its_warmup_on_says_what_happens(data_dir,
     model, as when fine-tuning a softmax checkpoint) and one warning says how to load it finished."""
     from fairseq import checkpoint_utils
 
-    model, task, args = build(data_dir, "pid_cfg")
+    model, task, args = build(data_dir, "pid")
     pid_plugins.finish_warmup(train(model, N).eval())
     path = str(tmp_path / "checkpoint_stale_cfg.pt")
     fs_save_checkpoint(model, args, path)

@@ -16,13 +16,14 @@ import torch
 
 pytest.importorskip("fairseq")
 import pid_plugins.fairseq as pf  # noqa: E402
+from method_cases import BUILTIN  # noqa: E402
 from zoo_cases import data_dir, fs_build, fs_method, fs_parse, fs_tiny  # noqa: E402,F401
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 WD, LR = 0.1, 0.01
-LEARNABLE = {"pid": fs_method("pid", {"learnable": True}),
-             "value_residual": fs_method("value_residual", {"learnable": True})}
+#: every built-in method with learnable parameters (tests/method_cases.py), learnable
+LEARNABLE = {name: fs_method(name, {"learnable": True}) for name, method in BUILTIN.items() if method.learnable}
 
 
 def composite(cfg, optimizer: str, gains_weight_decay: float = 0.0):
@@ -82,8 +83,9 @@ def test_learnable_parameters_are_in_fairseqs_param_group(data_dir, method):
     assert set(gains_of(model)) == set(gains)
 
 
-@pytest.mark.parametrize("method, optimizer", [("pid", "adam"), ("pid", "sgd"), ("pid", "nag"),
-                                               ("value_residual", "adam")])
+# every learnable method with adam; fairseq's other optimizers with PID (every method's learnable parameters carry
+# the same param_group tag: the test above)
+@pytest.mark.parametrize("method, optimizer", [(name, "adam") for name in LEARNABLE] + [("pid", "sgd"), ("pid", "nag")])
 def test_fairseqs_trainer_builds_a_group_without_weight_decay_for_the_learnable_parameters(data_dir, method,
                                                                                          optimizer):
     trainer, model = fairseq_trainer(data_dir, method, optimizer)

@@ -15,13 +15,17 @@ import pickle
 import pytest
 import torch
 
-from zoo_cases import CAUSAL_METHODS, GQA_PROMPT, gqa_llama, import_transformers
+from method_cases import BUILTIN, CAUSAL_METHODS
+from zoo_cases import GQA_PROMPT, gqa_llama, import_transformers
 
 T = import_transformers()
 from pid_plugins.hf.cache import SlotLayer  # noqa: E402
 
 METHODS, PROMPT = CAUSAL_METHODS, GQA_PROMPT
 P = PROMPT.shape[1]
+#: the methods that keep a tensor of their own beside each layer's cached keys/values (the method object's
+#: ``cache_slot``: Twicing's A v)
+SLOT = [name for name, method in BUILTIN.items() if name in METHODS and method.impl.cache_slot]
 
 
 def uncached(model, ids):
@@ -113,10 +117,12 @@ def test_a_plain_forward_returns_a_cache_decoding_continues_from(name):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_twicing_keeps_one_cache_layer_per_model_layer(cache):
+@pytest.mark.parametrize("name", SLOT)
+def test_a_cache_slot_method_keeps_one_cache_layer_per_model_layer(name, cache):
     """``len(cache)`` is the model's layer count (transformers documents it so) and iteration yields one
-    (keys, values, window) per layer; A v lives inside each layer, as a subclass of the layer's own kind."""
-    model = gqa_llama("twicing")
+    (keys, values, window) per layer; the method's tensor (Twicing's A v) lives inside each layer, as a subclass of
+    the layer's own kind."""
+    model = gqa_llama(name)
     made = T.DynamicCache(config=model.config) if cache == "dynamic" else T.StaticCache(config=model.config,
                                                                                          max_cache_len=24)
     kinds = [type(layer) for layer in made.layers]
@@ -140,8 +146,8 @@ def test_a_cache_rebuilt_from_its_tensors(name):
         cache = model(PROMPT, past_key_values=T.DynamicCache(config=model.config), use_cache=True).past_key_values
         rebuilt = T.DynamicCache(ddp_cache_data=list(cache))
         assert len(rebuilt) == 4
-        if name == "twicing":
-            with pytest.raises(ValueError, match=r"'twicing'.*layer 0 of this cache holds 9 cached positions and the "
+        if name in SLOT:
+            with pytest.raises(ValueError, match=rf"'{name}'.*layer 0 of this cache holds 9 cached positions and the "
                                                  r"method's tensor of 0.*DynamicCache\(ddp_cache_data=\.\.\.\)"):
                 model(step, past_key_values=rebuilt)
             return
@@ -149,7 +155,7 @@ def test_a_cache_rebuilt_from_its_tensors(name):
     close(got, uncached(model, torch.cat([PROMPT, step], 1))[:, -1:])
 
 
-@pytest.mark.parametrize("name", ["sdpa", "twicing"])
+@pytest.mark.parametrize("name", ["sdpa", *SLOT])  # the methods with a tensor in the cache; stock SDPA: the control
 def test_crop_select_repeat_reset_copy_and_pickle_keep_the_method_tensor_in_step(name):
     """The cache operations transformers' generation modes use, called directly, then one decoding step each."""
     model = gqa_llama(name)

@@ -16,6 +16,8 @@ MESSAGE = (r"attention method '{}' cannot run under continuous batching \(genera
            r"continuous_batching_context_manager, generate\(cache_implementation='paged'\)\)")
 
 
+# two kinds (an additive method with cross-layer state; one with its own attend and a cache slot): the adapter
+# refuses whatever method the config names, the same way
 @pytest.mark.parametrize("name", ["pid", "twicing"])
 def test_every_entry_point_is_refused_before_the_attention_is_switched(name, monkeypatch):
     from transformers.generation.continuous_batching import continuous_api

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo_cases import CAUSAL_METHODS, GQA_PROMPT, gqa_llama, import_transformers
+from method_cases import CAUSAL_METHODS
+from zoo_cases import GQA_PROMPT, gqa_llama, import_transformers
 
 T = import_transformers()
 

@@ -26,20 +26,13 @@ import torch
 
 import pid_plugins
 import zoo_cases as zc
-from method_cases import CAUSAL, METHODS, MODELS, cases, method_cfg  # noqa: F401
+from method_cases import CAUSAL, METHODS, MODELS, cases, method_cfg
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (float64 kernels, e.g. FAN's grouped convolutions, take the slow path, whose
-    parallel regions cost far more than they compute on a shared machine); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +94,20 @@ def test_softmax_is_the_stock_model_bit_for_bit(model_case):
         assert model.attention_method is None
     elif model_case.zoo == "fairseq":
         assert all(layer.attention_method is None for layer in model_case.attention_layers(model))
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, id=m.name) for m in METHODS.values() if m.models & CAUSAL])
+def test_the_tables_causal_parameters_are_needed_and_accepted_in_a_causal_model_with_a_cache(method):
+    """``causal_cfg`` (what transformers' decoding tests run, method_cases.CAUSAL_METHODS): the method's own check
+    accepts it over the transformers preset in a causal call with a KV cache, and it is set only where that preset
+    alone is refused there."""
+    from pid_plugins.core import AttentionContext
+
+    impl, context = method.impl, AttentionContext(causal=True, cached=True)
+    impl.check(impl.configure(method.causal_cfg, "hf"), context)
+    if method.causal_cfg is not None:
+        with pytest.raises(ValueError, match=repr(method.name)):
+            impl.check(impl.configure(None, "hf"), context)
 
 
 # ================================================================================================ (a) reference

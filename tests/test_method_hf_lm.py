@@ -145,7 +145,7 @@ def test_static_cache_decoding_compiles_fullgraph_without_recompiles(name):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["elliptical", "value_residual"])
+@pytest.mark.parametrize("name", [name for name, method in BUILTIN.items() if method.impl.keys_state])
 def test_a_cache_mixing_sliding_and_full_layers_is_refused_for_methods_reading_all_key_positions(name):
     """Gemma 3 (a sliding-window layer, then a full one): the first layer's / previous layer's values at every key
     position are not in its cache; refused before the forward, naming the method. Without a cache it runs."""

@@ -21,14 +21,7 @@ from zoo_cases import timm_pair as zoo_timm_pair
 NAME = "neutreno"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (float64 convolutions, e.g. FAN's, take the slow kernel, whose parallel
-    regions cost far more than they compute on a shared machine); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (tests/conftest.py)
 
 
 # ================================================================================================ core

@@ -25,13 +25,7 @@ METHOD = pid_plugins.get_method(NAME)
 MIXED = {"lambda_1": 0.3, "lambda_2": 0.9}  # not the paper's 0.5 / 0.5: a weight per term that a swap would show
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (float64 kernels' parallel regions cost more than they compute here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (tests/conftest.py)
 
 
 vr_rule = value_residual_rule  # the zoo references' rule, one (lambda_1, lambda_2) per layer

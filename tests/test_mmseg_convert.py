@@ -112,6 +112,7 @@ def test_a_stock_segmentor_converted_in_place_equals_the_one_built_with_the_meth
         assert all(torch.equal(p, fresh.state_dict()[n]) for n, p in gains.items())
 
 
+# chosen transitions: fixed -> a method with its own prepare, learnable -> fixed, fixed -> learnable, same method
 @pytest.mark.parametrize("first, then", [("pid", "elliptical"), ("learnable_value_residual", "neutreno"),
                                          ("neutreno", "learnable_pid"), ("learnable_pid", "pid")])
 def test_method_to_method_equals_the_one_built_with_the_second(first, then):

@@ -91,6 +91,7 @@ def parts(model):
     return (model.backbone, model.decode_head)
 
 
+# converted: PID, fixed and learnable (conversion takes one path for every method: tests/test_mmseg_convert.py)
 CASES = [(method, False) for method in VARIANTS] + [("pid", True), ("learnable_pid", True)]
 
 

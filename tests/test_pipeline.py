@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from method_cases import BUILTIN
 from pid_plugins.core import get_method
 
 HERE = Path(__file__).resolve().parent
@@ -142,11 +143,11 @@ def _with_pp(model):
     return model
 
 
-@pytest.mark.parametrize("case", ["pid", "neutreno", "elliptical", "value_residual", "twicing"])
+@pytest.mark.parametrize("case", list(BUILTIN))
 def test_transformers_pp_is_refused_at_the_first_forward_for_methods_with_cross_layer_state(case):
     model = _with_pp(build(case))
     ids = torch.ones(1, 4, dtype=torch.long)
-    if case == "twicing":
+    if not BUILTIN[case].cross_layer_state:  # Twicing: runs
         assert model(ids).logits.shape == (1, 4, 96)
         return
     name = cases.PIPELINE_METHODS[case][0]
@@ -236,9 +237,9 @@ def test_transformers_pp_on_two_ranks_refuses_state_methods_and_runs_twicing_exa
     for case in r0["runs"]:
         runs = r0["runs"][case], r1["runs"][case]
         assert [run["owned_layers"] for run in runs] == [["0", "1"], ["2", "3"]]  # each rank holds its stage only
-        name, params = {"twicing_from_2": ("twicing", {"from_layer": 2})}.get(case, cases.PIPELINE_METHODS.get(case))
+        name, params = cases.PP_CASES[case]
         if get_method(name).state_fields:
-            builtin = ["elliptical", "neutreno", "pid", "twicing", "value_residual"]  # what a worker registers
+            builtin = sorted(BUILTIN)  # what a worker registers (list_methods: sorted)
             assert [run.get("refused") for run in runs] == [_pp_message(name, builtin)] * 2
             continue
         config = T.AutoConfig.from_pretrained(tmp_path / "llama")

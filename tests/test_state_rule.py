@@ -12,13 +12,15 @@ build, and what each stage of transformers' own pipeline parallelism runs); laye
 import pytest
 import torch
 
+from method_cases import BUILTIN, CAUSAL_METHODS
 from pid_plugins.core import LayerCall, MissingLayerState, get_method
 from pid_plugins.core.methods import missing_state_message
 from zoo_cases import (DEIT, MM_BACKBONE, bart_config, data_dir, fs_build, fs_method, fs_tokens,  # noqa: F401
                        hf_ids, import_timm, import_transformers, llama_config, mm_build, mm_inputs)
 
-STATEFUL = {"pid": None, "neutreno": None, "elliptical": {"mean": "prefix"}, "value_residual": None}
-ELLIPTICAL_CAUSAL = {"mean": "prefix"}
+#: the built-in methods with cross-layer state (the method object's state_fields), and those without (Twicing)
+STATEFUL = [name for name, method in BUILTIN.items() if method.cross_layer_state]
+STATELESS = [name for name, method in BUILTIN.items() if not method.cross_layer_state]
 
 
 def _attend(q, v):
@@ -26,7 +28,7 @@ def _attend(q, v):
 
 
 # ================================================================================================ core
-@pytest.mark.parametrize("name", ["pid", "neutreno", "elliptical", "value_residual"])
+@pytest.mark.parametrize("name", STATEFUL)
 def test_core_a_later_layer_without_state_is_refused_unless_it_restarts(name):
     method = get_method(name)
     config = method.configure(None, "timm")
@@ -49,8 +51,9 @@ def test_core_a_later_layer_without_state_is_refused_unless_it_restarts(name):
     method.apply(config, None, LayerCall(_attend, q, v, v, layer=1), first_state)
 
 
-def test_core_methods_without_cross_layer_state_are_not_affected():
-    method = get_method("twicing")
+@pytest.mark.parametrize("name", STATELESS)
+def test_core_methods_without_cross_layer_state_are_not_affected(name):
+    method = get_method(name)
     q = v = torch.randn(1, 2, 5, 4)
     out, state = method.apply(method.configure(None, "timm"), None, LayerCall(_attend, q, v, v, layer=3), None)
     assert state == () and out.shape == q.shape
@@ -58,14 +61,16 @@ def test_core_methods_without_cross_layer_state_are_not_affected():
 
 
 # ================================================================================================ timm
-@pytest.mark.parametrize("name", ["pid", "twicing"])
+# PID stands for the methods with state here (the refusal is core's, checked for each above and in transformers
+# below); every method without state runs
+@pytest.mark.parametrize("name", ["pid", *STATELESS])
 def test_timm_a_block_called_alone_refuses_without_state_and_runs_with_it(name):
     timm = import_timm()
     torch.manual_seed(0)
     model = timm.create_model("pid_deit_tiny_patch16_224", attention=name, **DEIT).eval()
     x = torch.randn(2, 17, DEIT["embed_dim"])
     with torch.no_grad():
-        if name == "twicing":  # no cross-layer state: a block alone is fine
+        if name in STATELESS:  # no cross-layer state: a block alone is fine
             assert model.blocks[1](x).shape == x.shape and len(model.blocks[1](x, with_state=True)) == 1
             return
         with pytest.raises(MissingLayerState, match=r"'pid': layer 1 of its group.*With timm, build the model by its "
@@ -133,16 +138,15 @@ def _hand_split(model, owned):
     return model
 
 
-@pytest.mark.parametrize("name", ["pid", "neutreno", "elliptical", "value_residual", "twicing"])
+@pytest.mark.parametrize("name", list(BUILTIN))
 def test_hf_a_stage_that_starts_mid_stack_without_the_state_is_refused(name):
     T = import_transformers()
     torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama_config(name, ELLIPTICAL_CAUSAL if name == "elliptical" else None,
-                                            layers=4)).eval()
+    model = T.LlamaForCausalLM(llama_config(name, CAUSAL_METHODS[name], layers=4)).eval()
     _hand_split(model, owned={2, 3})
     h = torch.randn(2, 8, 32)
     with torch.no_grad():
-        if name == "twicing":  # no cross-layer state: the stage runs
+        if name in STATELESS:  # no cross-layer state: the stage runs
             assert model(inputs_embeds=h).logits.shape == (2, 8, 96)
             return
         with pytest.raises(MissingLayerState) as info:

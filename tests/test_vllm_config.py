@@ -9,15 +9,31 @@ from types import SimpleNamespace
 
 import pytest
 
+from method_cases import BUILTIN, MODELS
 from pid_plugins.core import PIDConfig, get_method
 from pid_plugins.vllm.config import check_engine, method_choice
 
 WHERE = "vLLM serving ckpt (LlamaForCausalLM)"
-PARAMS = [
-    ("pid", None), ("pid", "deit"), ("pid", {"lambda_p": 0.3, "beta": 0.4}), ("pid", {"preset": "deit", "beta": 0.5}),
-    ("neutreno", None), ("neutreno", {"alpha": 0.25}), ("value_residual", None),
-    ("value_residual", {"lambda_1": 0.3, "lambda_2": 0.9}),
-]
+#: the built-in methods vLLM serves, and those it refuses with the reason its message gives (tests/method_cases.py)
+SERVED = {name: method for name, method in BUILTIN.items() if method.vllm_refusal is None}
+REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if method.vllm_refusal is not None}
+
+
+def _params():
+    """Every served method with no parameters (the hf preset) and with each of its parameter sets on the contract's
+    Llama; then PID's other spellings (a preset name, overrides, a preset with overrides) and a second NeuTRENO
+    strength."""
+    out = []
+    for name, method in SERVED.items():
+        for params in (None, *method.on(MODELS["hf-llama"])):
+            if (name, params) not in out:
+                out.append((name, params))
+    extra = [("pid", "deit"), ("pid", {"lambda_p": 0.3, "beta": 0.4}), ("pid", {"preset": "deit", "beta": 0.5}),
+             ("neutreno", {"alpha": 0.25})]
+    return out + [case for case in extra if case not in out]
+
+
+PARAMS = _params()
 
 
 def hf_config(method, params=None, **extra):
@@ -51,28 +67,25 @@ def test_a_stock_checkpoint_keeps_vllms_own_model(name):
     assert method_choice(hf_config(name), WHERE) is None
 
 
-@pytest.mark.parametrize("method, params", [("pid", {"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}),
-                                            ("neutreno", {"alpha": 0.0}),
-                                            ("value_residual", {"lambda_1": 0.0, "lambda_2": 1.0})])
+@pytest.mark.parametrize("method, params", [(name, m.zero) for name, m in SERVED.items() if m.zero is not None])
 def test_parameters_that_compute_the_stock_attention_keep_vllms_own_model(method, params):
     assert method_choice(hf_config(method, params), WHERE) is None
 
 
-@pytest.mark.parametrize("method, why", [("twicing", "Twicing's A v"), ("elliptical", "Elliptical's prefix mean")])
+@pytest.mark.parametrize("method, why", list(REFUSED.items()))
 def test_twicing_and_elliptical_are_refused_naming_the_method_and_why(method, why):
     with pytest.raises(ValueError, match=rf"{re.escape(WHERE)}: attention method '{method}' cannot be served by vLLM") as info:
         method_choice(hf_config(method), WHERE)
     assert why in str(info.value)
 
 
-@pytest.mark.parametrize("method, params", [("pid", {"learnable": True}),
-                                            ("value_residual", {"learnable": True})])
+@pytest.mark.parametrize("method, params", [(name, {"learnable": True}) for name, m in SERVED.items() if m.learnable])
 def test_learnable_parameters_are_refused(method, params):
     with pytest.raises(ValueError, match=rf"learnable gains are not supported here \({method}, learnable=True\)"):
         method_choice(hf_config(method, params), WHERE)
 
 
-@pytest.mark.parametrize("method", ["pid", "neutreno"])
+@pytest.mark.parametrize("method", [name for name, m in SERVED.items() if m.warmup])
 def test_an_unfinished_gain_warmup_is_refused(method):
     with pytest.raises(ValueError, match=rf"config.{method} has warmup_steps=5, an unfinished gain warm-up.*"
                                          r"pid_plugins.finish_warmup\(model\)"):

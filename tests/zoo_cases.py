@@ -371,17 +371,16 @@ def llama_twins(method: str, method_cfg=None, **kw):
     return model, stock
 
 
-#: every built-in method with the parameters a causal model runs it with (Elliptical: the causal prefix mean), and
-#: stock SDPA as the control
-CAUSAL_METHODS = {"sdpa": None, "pid": None, "neutreno": None, "twicing": None, "elliptical": {"mean": "prefix"},
-                  "value_residual": None}
 #: two prompts of 9 tokens for gqa_llama
 GQA_PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 3, 4], [9, 8, 7, 6, 5, 4, 3, 12, 13]])
 
 
 def gqa_llama(name: str):
     """The Llama a new user decodes with: 4 layers, 4 query / 2 key-value heads, vocabulary 128, running ``name``
-    (a key of :data:`CAUSAL_METHODS`) with its causal parameters; eval mode, the same weights for every method."""
+    (a key of tests/method_cases.py's ``CAUSAL_METHODS``) with its causal parameters; eval mode, the same weights for
+    every method."""
+    from method_cases import CAUSAL_METHODS  # the method table (it imports this module: not at the top)
+
     T = import_transformers()
     config = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)

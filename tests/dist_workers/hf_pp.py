@@ -1,5 +1,5 @@
 """torchrun worker: transformers' own pipeline parallelism, ``from_pretrained(..., distributed_config=
-DistributedConfig(pp_size=2))`` (gloo, CPU), with every attention method of ``pid_dist_cases.PIPELINE_METHODS``.
+DistributedConfig(pp_size=2))`` (gloo, CPU), with every attention case of ``pid_dist_cases.PP_CASES``.
 
 The methods that carry state across layers must be refused at the first forward, on every rank, before any stage
 communicates (a rank that went on would wait for the other forever); Twicing (no cross-layer state) must run: its
@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 import pid_dist_cases as cases
 import pid_plugins.hf  # noqa: F401  (registers the methods with transformers)
-
-CASES = {**cases.PIPELINE_METHODS, "twicing_from_2": ("twicing", {"from_layer": 2})}
+from pid_plugins.core import get_method
 
 
 def main(model_dir: str, out: Path) -> None:
@@ -27,7 +26,7 @@ def main(model_dir: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ids, mask = cases.pipeline_batch(-1)
     runs = {}
-    for case, (name, params) in CASES.items():
+    for case, (name, params) in cases.PP_CASES.items():
         config = AutoConfig.from_pretrained(model_dir)
         setattr(config, name, params)  # the method's parameters: config.<method>
         model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, attn_implementation=name,
@@ -37,7 +36,7 @@ def main(model_dir: str, out: Path) -> None:
         try:
             with torch.no_grad():
                 run["logits"] = model(ids, attention_mask=mask).logits.clone()
-                if name == "twicing" and not params:
+                if not get_method(name).state_fields and not params:  # Twicing at its preset: greedy generation
                     run["generated"] = model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4,
                                                       do_sample=False, pad_token_id=0).clone()
         except ValueError as exc:

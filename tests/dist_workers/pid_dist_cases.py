@@ -94,14 +94,37 @@ FSDP_MODES = {  # name: (reshard_after_forward, gradient checkpointing); "ddp": 
 TOY_GAMMA = 0.3  # the toy method's strength in the scaled_reference:* cases
 
 
-def toy_method():
-    """Register the tests' toy method (tests/toy_method.py) in this process, as a user's code would."""
+def _tests_importable() -> None:
+    """tests/ on sys.path (a worker starts with this folder only): its toy method and its method table."""
     tests = str(Path(__file__).resolve().parents[1])
     if tests not in sys.path:
         sys.path.insert(0, tests)
+
+
+def toy_method():
+    """Register the tests' toy method (tests/toy_method.py) in this process, as a user's code would."""
+    _tests_importable()
     import toy_method as toy
 
     return toy
+
+
+def method_table():
+    """tests/method_cases.py, the one method table (its ``CAUSAL_METHODS``: every built-in method with the parameters
+    a causal model runs it with)."""
+    _tests_importable()
+    import method_cases
+
+    return method_cases
+
+
+#: the suffix of a case's method that asks for its learnable parameters (``pid_learnable``: PID with learnable=True)
+LEARNABLE = "_learnable"
+
+
+def learnable_methods() -> list:
+    """The built-in methods with per-layer learnable parameters (tests/method_cases.py)."""
+    return [name for name, method in method_table().BUILTIN.items() if method.learnable]
 
 
 def _hf(kind: str, method=None):
@@ -228,15 +251,14 @@ def _method(name: str):
     if ":" not in name:
         return None, None, name
     method, base = name.split(":", 1)
-    if method == "elliptical" and base == "hf_decoder":  # a causal model: the prefix mean (the official one is refused)
-        return method, {"mean": "prefix"}, base
+    causal = method_table().CAUSAL_METHODS.get(method) if base == "hf_decoder" else None
+    if causal is not None:  # a causal model: the method's causal parameters (Elliptical's prefix mean)
+        return method, causal, base
     if method == "scaled_reference":
         toy_method()
         return method, {"gamma": TOY_GAMMA}, base
-    if method == "value_residual_learnable":  # value residual with per-layer trainable lambda_1, lambda_2
-        return "value_residual", {"learnable": True}, base
-    if method == "pid_learnable":  # PID with per-layer trainable gains
-        return "pid", {"learnable": True}, base
+    if method.endswith(LEARNABLE):  # the method with per-layer trainable parameters (PID's gains, value residual's
+        return method[:-len(LEARNABLE)], {"learnable": True}, base  # lambda_1, lambda_2)
     return method, None, base
 
 
@@ -280,6 +302,8 @@ def fsdp_case(name: str, workdir):
     raise KeyError(name)
 
 
+#: the cases below are chosen per issue (each names its own zoos), not every method in every zoo: the method table's
+#: own tests (tests/test_method_contract.py) run every method in every zoo model.
 #: PID in every zoo and family kind; the tests' toy method (a user-registered one) in every zoo; PID's siblings
 #: (issue 27) in every zoo where they apply; Twicing with grouped-query attention, Elliptical's prefix mean and value
 #: residual in a causal Llama with grouped-query attention (issue 31); value residual (fixed and learnable lambdas)
@@ -295,8 +319,7 @@ FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "ti
 
 #: learnable method parameters in mmseg (issue 34): PID's gains and value residual's lambdas, in the ViT backbone and
 #: in Segmenter's mask-transformer head, each layer's sharded with it (tests/test_distributed.py runs these alone)
-MMSEG_LEARNABLE_CASES = tuple(f"{m}:{c}" for m in ("pid_learnable", "value_residual_learnable")
-                              for c in ("mmseg", "mmseg_head"))
+MMSEG_LEARNABLE_CASES = tuple(f"{m}{LEARNABLE}:{c}" for m in learnable_methods() for c in ("mmseg", "mmseg_head"))
 
 
 def case_modes(name: str, workdir) -> list:
@@ -333,16 +356,16 @@ def fsdp_loss(out):
 
 # ---------------------------------------------------------------------------------------- pipeline parallelism
 # A Llama of 4 layers (4 query / 2 key-value heads) split into 2 stages of 2 layers: the state of layers 0-1 must
-# reach layers 2-3. Every method, and PID with learnable gains and with a reference-only first layer (its sums are
-# None after layer 0: the 3-stage split in one process checks that case crosses a boundary).
+# reach layers 2-3. Every built-in method (tests/method_cases.py, with its causal parameters: Elliptical's prefix
+# mean), and PID with learnable gains (learnable parameters once, PID's) and with a reference-only first layer (its
+# sums are None after layer 0: the 3-stage split in one process checks that case crosses a boundary).
 PIPELINE_METHODS = {
-    "pid": ("pid", {}),
+    **{name: (name, cfg or {}) for name, cfg in method_table().CAUSAL_METHODS.items() if name != "sdpa"},
     "pid_learnable": ("pid", {"learnable": True}),
-    "neutreno": ("neutreno", {}),
-    "twicing": ("twicing", {}),
-    "elliptical": ("elliptical", {"mean": "prefix"}),  # a causal model: the prefix mean
-    "value_residual": ("value_residual", {}),
 }
+#: transformers' own pipeline parallelism (hf_pp.py): every pipeline case, and Twicing from layer 2 (its rule
+#: starts in the second stage: the one method without cross-layer state whose parameter names a layer)
+PP_CASES = {**PIPELINE_METHODS, "twicing_from_2": ("twicing", {"from_layer": 2})}
 PIPELINE_BATCH = 4  # rows, split into PIPELINE_MICROBATCHES microbatches by the schedule
 PIPELINE_MICROBATCHES = 2
 PIPELINE_STEPS = 2
@@ -388,15 +411,12 @@ def pipeline_loss(logits, labels):
 # ------------------------------------------------- transformers' DistributedConfig: tensor parallelism, FSDP2
 #: case: (attn_implementation, the method's parameters, the checkpoint it loads: "same" = a model of this case,
 #: "softmax" = a stock sdpa model, so its learnable parameters are missing and initialised by transformers)
+#: every built-in method with learnable parameters (tests/method_cases.py), learnable; and PID with fixed gains
 TP_CASES = {
-    "pid_learnable": ("pid", {"learnable": True}, "same"),
-    "value_residual_learnable": ("value_residual", {"learnable": True}, "same"),
+    **{f"{m}{LEARNABLE}": (m, {"learnable": True}, "same") for m in learnable_methods()},
     "pid": ("pid", {}, "same"),
 }
-FSDP_LEARNABLE_CASES = {
-    "pid_learnable": ("pid", {"learnable": True}, "softmax"),
-    "value_residual_learnable": ("value_residual", {"learnable": True}, "softmax"),
-}
+FSDP_LEARNABLE_CASES = {f"{m}{LEARNABLE}": (m, {"learnable": True}, "softmax") for m in learnable_methods()}
 DC_STEPS = {"tp": 2, "fsdp": 1}
 DC_BATCH = 4  # rows: tensor parallelism gives every rank all of them, FSDP2 half each
 DC_LR = 0.5  # plain SGD

@@ -21,6 +21,9 @@ from typing import Any, Dict
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: the method table
+from method_cases import BUILTIN  # noqa: E402
+
 TOL = 1e-4
 REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vllm-refs")).resolve()
 #: serving options beside the defaults of serve.py (eager, float32, max_model_len 256): chunked prefill in chunks of
@@ -28,6 +31,8 @@ REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vll
 #: smallest), whose second pass reads the cached prefixes (the 36- and 41-token prompts: one block each)
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
            "block_size": 32}
+#: the checkpoints make_references.py writes, chosen by hand: each method vLLM serves on Llama with parameters and in
+#: one more family at its preset (a new served method needs a case of its own there)
 CASES: Dict[str, Dict[str, Any]] = {
     "llama_pid": CHUNKED,
     "llama_value_residual": CHUNKED,
@@ -37,8 +42,9 @@ CASES: Dict[str, Dict[str, Any]] = {
     "mistral_neutreno": {},
     "llama_stock": {},
 }
-#: methods refused by name: a copy of llama_pid's folder whose config.json names the method
-REFUSED = {"twicing": "Twicing's A v", "elliptical": "Elliptical's prefix mean"}
+#: methods refused by name (tests/method_cases.py's vllm_refusal, the reason the refusal gives): a copy of llama_pid's
+#: folder whose config.json names the method
+REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if method.vllm_refusal is not None}
 
 
 def _reference(case: str) -> Dict[str, Any]:
