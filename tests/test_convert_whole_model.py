@@ -231,44 +231,52 @@ def test_distilled_deit_and_a_model_built_by_name_converted():
     assert "forward_features" not in vars(named) and "forward_intermediates" not in vars(named)
 
 
-# ================================================================================== mmseg: a bare stock backbone
-def bare_and_typed(method: str, cfg, seed: int = 0):
-    """(mmseg's stock ``VisionTransformer`` built alone and converted in place, ``PIDVisionTransformer`` built from its
-    type with the same weights loaded strictly), eval mode."""
+# ============================================================================ mmseg: a bare stock backbone or head
+STOCK_PART = {"backbone": ("VisionTransformer", "PIDVisionTransformer"),
+              "head": ("SegmenterMaskTransformerHead", "PIDSegmenterMaskTransformerHead")}
+
+
+def bare_and_typed(method: str, cfg, seed: int = 0, part: str = "backbone"):
+    """(mmseg's stock part built alone and converted in place, the method class built from its type with the same
+    weights loaded strictly), eval mode."""
     pm = pytest.importorskip("pid_plugins.mmseg")
-    args = zc.mm_args("backbone")
-    model = zc.mm_build("VisionTransformer", args, seed)
-    assert pm.convert(model, method, cfg) is model and type(model).__name__ == "VisionTransformer"
-    typed = zc.mm_build("PIDVisionTransformer", args, seed + 1, attention=method, attention_cfg=cfg)
+    stock_type, method_type = STOCK_PART[part]
+    args = zc.mm_args(part)
+    model = zc.mm_build(stock_type, args, seed)
+    assert pm.convert(model, method, cfg) is model and type(model).__name__ == stock_type
+    typed = zc.mm_build(method_type, args, seed + 1, attention=method, attention_cfg=cfg)
     typed.load_state_dict(model.state_dict(), strict=True)
     assert list(model.state_dict()) == list(typed.state_dict())
     return model, typed
 
 
-@pytest.mark.parametrize("method,model_case", cases(models=lambda m: m.name == "mmseg-backbone"))
-def test_a_bare_stock_mmseg_backbone_equals_the_typed_one(method, model_case):
-    """Outputs, and under mmseg's layer checkpointing (``with_cp``) in training the outputs and gradients."""
+@pytest.mark.parametrize("method,model_case", cases(models=lambda m: m.name in ("mmseg-backbone", "mmseg-head")))
+def test_a_bare_stock_mmseg_part_equals_the_typed_one(method, model_case):
+    """A bare stock backbone or head: outputs, and under mmseg's layer checkpointing (``with_cp``) in training the
+    outputs and gradients."""
+    part = model_case.name.split("-")[1]
     cfg = method.on(model_case)[0]
-    model, typed = bare_and_typed(method.name, cfg)
+    model, typed = bare_and_typed(method.name, cfg, part=part)
     x = model_case.inputs()
     with torch.no_grad():
         same(model(x), typed(x))
     for m in (model, typed):
         for layer in m.layers:
             layer.with_cp = True
-    got, want = zc.mm_train_step("backbone", model), zc.mm_train_step("backbone", typed)
+    got, want = zc.mm_train_step(part, model), zc.mm_train_step(part, typed)
     same(got, want)
 
 
-def test_a_bare_stock_mmseg_backbone_with_warmup_copies_finishes_and_goes_back():
+@pytest.mark.parametrize("part", ["backbone", "head"])
+def test_a_bare_stock_mmseg_part_with_warmup_copies_finishes_and_goes_back(part):
     pm = pytest.importorskip("pid_plugins.mmseg")
     import pid_plugins
 
     cfg = {"learnable": True, "warmup_steps": 4}
-    model, typed = bare_and_typed("pid", cfg)
-    x = zc.mm_inputs("backbone")
+    model, typed = bare_and_typed("pid", cfg, part=part)
+    x = zc.mm_inputs(part)
     for _ in range(2):  # training forwards advance both counters
-        same(zc.mm_train_step("backbone", model), zc.mm_train_step("backbone", typed))
+        same(zc.mm_train_step(part, model), zc.mm_train_step(part, typed))
     assert int(model.attention_warmup.step) == int(typed.attention_warmup.step) == 2
     model.eval(), typed.eval()
     buffer = io.BytesIO()
@@ -281,7 +289,7 @@ def test_a_bare_stock_mmseg_backbone_with_warmup_copies_finishes_and_goes_back()
     assert model.attention_warmup is None and "attention_warmup.step" not in model.state_dict()
     with torch.no_grad():
         same(model(x), typed(x))
-    stock = zc.mm_build("VisionTransformer", zc.mm_args("backbone"), 0)
+    stock = zc.mm_build(STOCK_PART[part][0], zc.mm_args(part), 0)
     assert pm.convert(model, "softmax") is model
     assert sorted(vars(model)) == sorted(vars(stock)) and list(model.state_dict()) == list(stock.state_dict())
     stock.load_state_dict(model.state_dict(), strict=True)

@@ -1,7 +1,7 @@
 """``pid_plugins.mmseg.convert(model, attention, attention_cfg)``: a built mmseg segmentor (ViT backbone + Segmenter's
 mask-transformer head) switched IN PLACE (issue 35): its backbone and decode head replaced (core's replace_module), a
-bare method backbone or head reconfigured keeping its class, a bare stock head refused (issue 44; a bare
-stock backbone converts in place: tests/test_convert_whole_model.py).
+bare method backbone or head reconfigured keeping its class, a bare stock backbone or head converted in place keeping
+its class (tests/test_convert_whole_model.py compares them with their method types).
 
 References: the segmentor built from a config with pid-plugins' types and that method, the same weights loaded
 strictly (bit for bit, and the same attributes, submodules, parameters and buffers), and the stock segmentor itself
@@ -159,17 +159,19 @@ def test_a_bare_method_backbone_to_softmax_keeps_its_class_and_computes_the_stoc
     assert torch.equal(logits(model), y_stock)
 
 
-def test_a_bare_stock_head_is_refused_before_anything_changes():
-    """(A bare stock backbone converts, keeping its class: tests/test_convert_whole_model.py.)"""
+def test_a_bare_stock_head_converts_in_place_inside_its_segmentor():
+    """A stock segmentor's head converted alone (the module given, not its parent): it keeps its class and place, and
+    the segmentor computes what the one built with a stock backbone and the method's head type computes; softmax
+    gives the stock segmentor back bit for bit. (Bare parts against their types: tests/test_convert_whole_model.py.)"""
     model = stock()
     module = model.decode_head
-    pristine, y = layout(model), logits(model)
-    with pytest.raises(TypeError, match=r"cannot become a PID\w+ in place.*convert the segmentor.*"
-                                        r"type='PIDVisionTransformer'"):
-        pm.convert(module, "pid")
-    assert layout(model) == pristine and torch.equal(logits(model), y)
-    assert pm.convert(module, "softmax") is module  # what it computes already: left as it is
-    assert layout(model) == pristine
+    pristine, keys, y = layout(model), list(model.state_dict()), logits(model)
+    assert pm.convert(module, "pid") is module and model.decode_head is module
+    assert type(module) is SegmenterMaskTransformerHead
+    assert not torch.equal(logits(model), y)
+    assert pm.convert(module, "softmax") is module
+    assert layout(model) == pristine and list(model.state_dict()) == keys
+    assert torch.equal(logits(model), y)
 
 
 # --------------------------------------------------------------------------------------- method -> softmax

@@ -22,9 +22,8 @@ and hooks); no class is ever reassigned.
   config, the warm-up counter, the method record), its layers are switched as above, and its ``forward`` becomes
   :class:`~pid_plugins.mmseg.PIDVisionTransformer`'s (:func:`~pid_plugins.mmseg.vit.bare_forward` bound as an
   instance attribute): the same outputs and ``state_dict`` as the backbone built with that type and the same weights.
-  ``attention="softmax"`` removes all of it. A bare stock head cannot change its class in place and is refused
-  (softmax, which it already computes, leaves it as it is): convert the segmentor that holds it, or build it with
-  ``type='PIDSegmenterMaskTransformerHead'``.
+  ``attention="softmax"`` removes all of it. A bare stock ``SegmenterMaskTransformerHead`` the same way, with
+  :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead`'s forward (:func:`~pid_plugins.mmseg.head.bare_head_forward`).
 
 Everything is checked before anything changes: an unknown method or bad parameters (core's message), a model that is
 not one of those, layers that are not mmseg's ``TransformerEncoderLayer``.
@@ -44,7 +43,7 @@ from ..core.layer import (
     MODEL_ATTRIBUTES, MethodModel, finish_model_warmup, register_warmup_finisher, replace_module, settle_submodule,
     strip_attributes, warn_switch_of_trained_weights,
 )
-from .head import PIDSegmenterMaskTransformerHead
+from .head import PIDSegmenterMaskTransformerHead, bare_head_forward
 from .internals import BACKBONE, HEAD, require
 from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers, bare_forward
 
@@ -55,10 +54,6 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 #: stock class -> its class with a method
 _TO_METHOD = {VisionTransformer: PIDVisionTransformer, SegmenterMaskTransformerHead: PIDSegmenterMaskTransformerHead}
 _TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items()}
-_STOCK_PART_HINT = ("convert the segmentor that holds it (convert(segmentor, ...): its backbone and decode_head are "
-                    "replaced; convert(segmentor.decode_head, 'softmax') afterwards keeps the method in the backbone "
-                    "only), or build it with the method: backbone=dict(type='PIDVisionTransformer', attention=..., "
-                    "attention_cfg=dict(...)), decode_head=dict(type='PIDSegmenterMaskTransformerHead', ...)")
 
 
 def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) -> ModelT:
@@ -68,7 +63,8 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
         model: a segmentor with mmseg's ``VisionTransformer`` backbone and ``SegmenterMaskTransformerHead`` (both
             switch, each its own group; stock, built with pid-plugins' types or converted before), or a bare
             ``PIDVisionTransformer`` / ``PIDSegmenterMaskTransformerHead`` (reconfigured, keeping its class), or a
-            bare stock ``VisionTransformer`` (keeps its class, computes what ``PIDVisionTransformer`` computes).
+            bare stock ``VisionTransformer`` / ``SegmenterMaskTransformerHead`` (keeps its class, computes what the
+            method class computes).
         attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
             ``"softmax"``: mmseg's stock attention (a segmentor's parts become mmseg's own classes again).
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its ``mmseg`` preset (for
@@ -81,7 +77,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     FSDP) and before ``torch.compile``.
 
     Raises ``ValueError`` (unknown method, bad parameters) or ``TypeError`` (a model, head or layer this cannot
-    convert; a bare stock head) before anything is changed.
+    convert) before anything is changed.
     """
     where = f"convert({type(model).__name__})"
     choice = _choose(attention, attention_cfg, where)
@@ -96,10 +92,8 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
         if parent is None:  # a bare method backbone/head (or a stock one asked for softmax): keeps its class
             if isinstance(part, (PIDVisionTransformer, PIDSegmenterMaskTransformerHead)):
                 part._configure_attention(choice, where)
-            elif type(part) is VisionTransformer:
-                _bare_backbone(part, choice, where)
-            else:
-                _switch_layers(part.layers, None)
+            else:  # a bare stock backbone or head
+                _bare_part(part, choice, where)
         elif choice is None:
             _switch_layers(part.layers, None)
             if type(part) in _TO_STOCK:
@@ -116,11 +110,6 @@ def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, 
     if kind in _TO_STOCK:
         return [(kind.__name__, None, model)]
     if kind in _TO_METHOD:
-        if choice is not None and kind is not VisionTransformer:
-            raise TypeError(
-                f"convert: a bare {kind.__name__} cannot become a {_TO_METHOD[kind].__name__} in place (the model "
-                f"given is the module itself, which has no parent to replace it in): {_STOCK_PART_HINT}"
-            )
         return [(kind.__name__, None, model)]
     if isinstance(model, BaseSegmentor):
         backbone, head = getattr(model, "backbone", None), getattr(model, "decode_head", None)
@@ -149,28 +138,29 @@ def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, 
     )
 
 
-# ------------------------------------------------------------------------------------------ a bare stock backbone
-def _bare_backbone(model: VisionTransformer, choice: Optional[MethodChoice], where: str) -> None:
-    """A bare stock ``VisionTransformer`` switched in place, keeping its class: what
-    :meth:`~pid_plugins.mmseg.PIDVisionTransformer._configure_attention` does (the method's attributes and record,
-    the layers) and :class:`~pid_plugins.mmseg.PIDVisionTransformer`'s forward bound to it; softmax removes all of
-    it (mmseg's own layers and forward again)."""
+# ------------------------------------------------------------------------------------ a bare stock backbone or head
+def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> None:
+    """A bare stock ``VisionTransformer`` or ``SegmenterMaskTransformerHead`` switched in place, keeping its class:
+    what the method class's ``_configure_attention`` does (the method's attributes and record, the layers) and the
+    method class's forward bound to it; softmax removes all of it (mmseg's own layers and forward again)."""
     if choice is None:
         _switch_layers(model.layers, None)
         strip_attributes(model, MODEL_ATTRIBUTES + ("forward",))
         return
-    MethodModel.set_model_method(model, choice, model.pos_embed, stock_plus_term=True, where=where)
+    backbone = isinstance(model, VisionTransformer)
+    like = model.pos_embed if backbone else model.cls_emb  # the parameter whose device and dtype the counter takes
+    MethodModel.set_model_method(model, choice, like, stock_plus_term=True, where=where)
     settle_submodule(model, "attention_warmup")
     _switch_layers(model.layers, choice)
-    model.__dict__["forward"] = partial(bare_forward, model)
+    model.__dict__["forward"] = partial(bare_forward if backbone else bare_head_forward, model)
 
 
 def _finish(model: nn.Module) -> bool:
-    """Core's :func:`~pid_plugins.core.finish_warmup` for bare stock backbones converted in place (core finishes
+    """Core's :func:`~pid_plugins.core.finish_warmup` for bare stock backbones and heads converted in place (core finishes
     :class:`~pid_plugins.core.layer.MethodModel` instances itself)."""
     found = False
     for name, module in model.named_modules():
-        if type(module) is VisionTransformer and "attention_method" in vars(module):
+        if type(module) in _TO_METHOD and "attention_method" in vars(module):
             found = True
             finish_model_warmup(module, name or type(model).__name__)
     return found

@@ -1,7 +1,8 @@
 """Attention methods (PID, or any registered one) in Segmenter's mask-transformer decoder (off by default)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from functools import partial
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,18 +47,34 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
         _switch_layers(self.layers, choice)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:
-        scale = self.method_scale()  # one warm-up step per forward
-        if not self.method_active:
-            return super().forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
-        x = self._transform_inputs(inputs)
-        b, c, h, w = x.shape
-        x = self.dec_proj(x.permute(0, 2, 3, 1).contiguous().view(b, -1, c))
-        x = torch.cat((x, self.cls_emb.expand(x.size(0), -1, -1)), 1)
-        state: Optional[tuple] = None
-        for layer in self.layers:
-            x, state = layer(x, method_state=state, warmup_scale=scale)
-        x = self.decoder_norm(x)
-        patches = F.normalize(self.patch_proj(x[:, :-self.num_classes]), dim=2, p=2)
-        cls_seg_feat = F.normalize(self.classes_proj(x[:, -self.num_classes:]), dim=2, p=2)
-        masks = self.mask_norm(patches @ cls_seg_feat.transpose(1, 2))
-        return masks.permute(0, 2, 1).contiguous().view(b, -1, h, w)
+        return method_head_forward(self, inputs, super().forward)
+
+
+def method_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor],
+                        stock_forward: Callable[[List[Tensor]], Tensor]) -> Tensor:
+    """The forward of a head with a method (:class:`PIDSegmenterMaskTransformerHead`, or a bare stock
+    ``SegmenterMaskTransformerHead`` converted in place, :func:`bare_head_forward`): the method's state threaded
+    through the decoder's layers, the warm-up scale read once; ``stock_forward`` (mmseg's own) when the method
+    computes the stock attention."""
+    scale = MethodModel.method_scale(head)  # one warm-up step per forward
+    if not MethodModel.method_active.fget(head):
+        return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
+    x = head._transform_inputs(inputs)
+    b, c, h, w = x.shape
+    x = head.dec_proj(x.permute(0, 2, 3, 1).contiguous().view(b, -1, c))
+    x = torch.cat((x, head.cls_emb.expand(x.size(0), -1, -1)), 1)
+    state: Optional[tuple] = None
+    for layer in head.layers:
+        x, state = layer(x, method_state=state, warmup_scale=scale)
+    x = head.decoder_norm(x)
+    patches = F.normalize(head.patch_proj(x[:, :-head.num_classes]), dim=2, p=2)
+    cls_seg_feat = F.normalize(head.classes_proj(x[:, -head.num_classes:]), dim=2, p=2)
+    masks = head.mask_norm(patches @ cls_seg_feat.transpose(1, 2))
+    return masks.permute(0, 2, 1).contiguous().view(b, -1, h, w)
+
+
+def bare_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor]) -> Tensor:
+    """The forward of a bare stock ``SegmenterMaskTransformerHead`` converted in place
+    (:func:`~pid_plugins.mmseg.convert` binds it as the instance's ``forward``):
+    :class:`PIDSegmenterMaskTransformerHead`'s."""
+    return method_head_forward(head, inputs, partial(SegmenterMaskTransformerHead.forward, head))
