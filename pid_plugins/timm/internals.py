@@ -153,11 +153,17 @@ def _xcit() -> bool:
                                                   "act_layer", "norm_layer", "eta", "tokens_norm"))):
         if not set(args) | {"device", "dtype"} <= set(parameters(cls.__init__)):
             return False
-    if not ("returnx,(Hp,Wp)" in squashed(xcit.ConvPatchEmbed.forward)  # and proj[0][0] its first convolution:
-            and "self.proj=torch.nn.Sequential(conv3x3(in_chans," in squashed(xcit.ConvPatchEmbed.__init__)
-            and "returntorch.nn.Sequential(nn.Conv2d(" in squashed(xcit.conv3x3)
-            and parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
+    if not (parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
             and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]):
+        return False
+    # what FAN reads of the patch embedding, by behaviour: it returns the tokens and the grid, and proj[0][0] is its
+    # first convolution (whose weight gives the model's device and dtype)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        embed = xcit.ConvPatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
+        tokens, grid = embed(torch.zeros(1, 3, 32, 48))
+    first = embed.proj[0][0]
+    if not (isinstance(first, torch.nn.Conv2d) and first.in_channels == 3 and tuple(grid) == (4, 6)
+            and tuple(tokens.shape) == (1, 24, 16)):
         return False
 
     class Model:  # what the filter reads of the model: its position encoding, class-attention blocks, state_dict keys
