@@ -522,3 +522,44 @@ def test_a_fairseq_release_that_only_rewrites_the_text_passes(monkeypatch, fresh
     monkeypatch.setattr(checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu)
     assert pf.internals.INPUT_BUFFER.check() and pf.internals.MHA.check()
     assert pf.internals.CHECKPOINT_TORCH.check()
+
+
+def test_a_scheme_mmengine_adds_without_a_weights_only_loader_is_refused(monkeypatch, fresh_checks):
+    """mmengine's table gaining a scheme of mmengine's own that pid-plugins pairs with no weights-only loader (a path
+    of that scheme would be unpickled around the hook): refused; another library's scheme is its own, and passes."""
+    pytest.importorskip("mmseg")
+    import pid_plugins.mmseg as pm
+    from mmengine.runner import checkpoint as mm_checkpoint
+
+    loader = mm_checkpoint.CheckpointLoader
+    assert pm.internals.CHECKPOINT_SCHEMES.check()
+
+    def theirs(filename, map_location=None):
+        return {}
+
+    monkeypatch.setattr(loader, "_schemes", {**loader._schemes, "other-lib://": theirs})
+    monkeypatch.setattr(loader, "_schemes", dict(sorted(loader._schemes.items(), reverse=True)))
+    assert pm.internals.CHECKPOINT_SCHEMES.check()  # not mmengine's: the other library's own
+
+    def new_scheme(filename, map_location=None):
+        return {}
+
+    new_scheme.__module__ = mm_checkpoint.__name__  # a loader mmengine registers itself
+    monkeypatch.setattr(loader, "_schemes", dict(sorted({**loader._schemes, "hub://": new_scheme}.items(),
+                                                        reverse=True)))
+    assert not pm.internals.CHECKPOINT_SCHEMES.check()
+    with pytest.raises(InternalChanged, match=changed("mmengine", pm.internals.CHECKPOINT_SCHEMES.name)):
+        pm.checkpoint.load_checkpoint("/nonexistent/weights.pth")
+
+
+def test_a_changed_history_buffer_statistic_is_refused(monkeypatch, fresh_checks):
+    """A ``HistoryBuffer`` whose statistic table maps a name to another function (what a training checkpoint pickles
+    would no longer be what the weights-only loader allows): the check fails; the release the adapter knows passes."""
+    pytest.importorskip("mmseg")
+    import pid_plugins.mmseg as pm
+    from mmengine.logging.history_buffer import HistoryBuffer
+
+    assert pm.internals.HISTORY_BUFFER.check()
+    monkeypatch.setattr(HistoryBuffer, "_statistics_methods", {**HistoryBuffer._statistics_methods,
+                                                               "mean": HistoryBuffer.max})
+    assert not pm.internals.HISTORY_BUFFER.check()

@@ -15,11 +15,9 @@ mmseg, mmengine and mmcv are imported inside the checks only (this module is imp
 """
 from __future__ import annotations
 
-import ast
 import inspect
-import re
 import sys
-from typing import Any, Callable, Dict
+from typing import Callable, Dict
 
 from ..versions import Internal, parameters, require, squashed
 
@@ -30,11 +28,27 @@ MMSEG, MMENGINE, MMCV = "mmsegmentation", "mmengine", "mmcv-lite"
 
 # ------------------------------------------------------------------------------------------------------ checks
 def _mmcv_ext() -> bool:
+    """By behaviour: ``load_ext(name, funcs)`` imports ``mmcv.<name>`` and refuses one that lacks a function (what
+    the stand-in for mmcv's compiled ops, :mod:`pid_plugins.mmseg.compat`, answers to). Probed with a module of a
+    name of its own, in ``sys.modules`` for the call only."""
+    import types
+
     from mmcv.utils import ext_loader  # mmcv.utils imports no op: the stand-in is not needed yet
 
-    source = squashed(ext_loader.load_ext)
-    return (parameters(ext_loader.load_ext) == ["name", "funcs"]
-            and "importlib.import_module('mmcv.'+name)" in source and "hasattr(ext,fun)" in source)
+    name = "_pid_plugins_probe"
+    module = types.ModuleType(f"mmcv.{name}")
+    module.op = lambda: None
+    sys.modules[module.__name__] = module
+    try:
+        if ext_loader.load_ext(name, ["op"]) is not module:
+            return False
+        try:
+            ext_loader.load_ext(name, ["op", "missing_op"])
+        except AssertionError:
+            return True
+        return False
+    finally:
+        sys.modules.pop(module.__name__, None)
 
 
 # The method classes compute mmseg's ViT forward, its TransformerEncoderLayer, mmcv's MultiheadAttention and the
@@ -91,19 +105,6 @@ def _segmenter_head() -> bool:
     return parameters(SegmenterMaskTransformerHead.forward) == ["self", "inputs"] and _probe("head")
 
 
-def registered_prefixes(module: Any) -> set:
-    """The prefixes ``module``'s source registers with ``@CheckpointLoader.register_scheme(prefixes=...)``."""
-    found = set()
-    for node in ast.walk(ast.parse(inspect.getsource(module))):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register_scheme"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "CheckpointLoader"):
-            for keyword in node.keywords:
-                if keyword.arg == "prefixes":
-                    value = ast.literal_eval(keyword.value)
-                    found.update([value] if isinstance(value, str) else value)
-    return found
-
-
 #: mmengine's checkpoint schemes (the prefixes ``mmengine.runner.checkpoint`` registers, grouped by loader, in the
 #: order :mod:`pid_plugins.mmseg.checkpoint` pairs them with its weights-only loaders)
 SCHEME_PREFIXES = ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), ("modelzoo://", "torchvision://"),
@@ -112,16 +113,41 @@ SCHEME_PREFIXES = ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), ("modelzoo://", "to
 MMCV_EXT_NAME = "mmcv._ext"
 
 
+#: a path each scheme of :data:`SCHEME_PREFIXES` answers to
+_SCHEME_SAMPLES = {r"(\S+\:)?s3://": "s3://bucket/model.pth", r"(\S+\:)?petrel://": "cluster:petrel://b/model.pth",
+                   "modelzoo://": "modelzoo://resnet50", "torchvision://": "torchvision://resnet50",
+                   "open-mmlab://": "open-mmlab://resnet50_v1c", "openmmlab://": "openmmlab://resnet50_v1c",
+                   "mmcls://": "mmcls://resnet50", "pavi://": "pavi://model.pth", "http://": "http://host/model.pth",
+                   "https://": "https://host/model.pth", "": "work_dirs/model.pth"}
+
+
 def _checkpoint_schemes() -> bool:
+    """By behaviour: mmengine's table (prefix -> loader, a class attribute) holds, of mmengine's own loaders (and ours,
+    which replace them during a run), exactly the schemes pid-plugins pairs with weights-only loaders (a scheme
+    mmengine adds would load around them: refused; another library's schemes are its own), kept sorted as
+    ``register_scheme`` sorts it, each path is loaded by the loader of its scheme (``_get_checkpoint_loader``), and
+    ``register_scheme`` rebinds the table rather than editing it in place."""
     from mmengine.runner import checkpoint as mm_checkpoint
 
     loader = mm_checkpoint.CheckpointLoader
+    schemes = vars(loader).get("_schemes")
     ours = {p for prefixes in SCHEME_PREFIXES for p in prefixes}
-    return (isinstance(vars(loader).get("_schemes"), dict)
-            and parameters(loader.register_scheme)[:3] == ["prefixes", "loader", "force"]
-            and "cls._schemes=OrderedDict(sorted(cls._schemes.items()" in squashed(loader._register_scheme)
-            and "forpincls._schemes:" in squashed(loader._get_checkpoint_loader)
-            and registered_prefixes(mm_checkpoint) == ours)
+    if not (isinstance(schemes, dict) and set(_SCHEME_SAMPLES) == ours
+            and parameters(loader.register_scheme)[:3] == ["prefixes", "loader", "force"]):
+        return False
+    owners = (mm_checkpoint.__name__, f"{__package__}.checkpoint")
+    known = {p for p, fn in schemes.items() if getattr(fn, "__module__", None) in owners}
+    if not (known == ours and list(schemes) == sorted(schemes, reverse=True)
+            and all(loader._get_checkpoint_loader(path) is schemes[p] for p, path in _SCHEME_SAMPLES.items())):
+        return False
+    # register_scheme rebinds the table to a new sorted one (the weights-only scope restores mmengine's by rebinding
+    # its saved copy): probed on a subclass holding a copy, which mmengine's own table never sees
+    probe = type("Probe", (loader,), {"_schemes": dict(schemes)})
+    before = probe._schemes
+    probe.register_scheme("pid-plugins-probe://", loader=lambda *args, **kwargs: None)
+    return (probe._schemes is not before
+            and list(probe._schemes) == sorted(probe._schemes, reverse=True)
+            and "pid-plugins-probe://" in probe._schemes and "pid-plugins-probe://" not in loader._schemes)
 
 
 def _checkpoint_helpers() -> bool:
@@ -139,12 +165,13 @@ STATISTICS = ("min", "max", "current", "mean")
 
 
 def _history_buffer() -> bool:
+    """By behaviour: a ``HistoryBuffer`` maps each statistic's name to the class's function of that name (what a
+    training checkpoint pickles and the weights-only loader allows)."""
     from mmengine.logging.history_buffer import HistoryBuffer
 
-    source = squashed(HistoryBuffer._set_default_statistics)
-    found = set(re.findall(r"self\._statistics_methods\.setdefault\('(\w+)',HistoryBuffer\.(\w+)\)", source))
-    return (found == {(name, name) for name in STATISTICS}
-            and all(callable(getattr(HistoryBuffer, name)) for name in STATISTICS))
+    methods = HistoryBuffer()._statistics_methods
+    return (set(STATISTICS) <= set(methods)
+            and all(methods[name] is getattr(HistoryBuffer, name) for name in STATISTICS))
 
 
 # ------------------------------------------------------------------------------------------------- the internals
