@@ -47,7 +47,12 @@ _REFUSED_OPTIONS = {
 
 @functools.lru_cache(maxsize=None)
 def _changed(family: str) -> str:
-    """What of ``family``'s forwards differs from the tested release ('' when nothing)."""
+    """What of ``family``'s forwards differs from the tested release ('' when nothing).
+
+    Source text, and why: vLLM builds its layers only inside an engine's configuration context (parallel state,
+    attention backend, KV cache spec), so no probe at first use can run one beside the method's loop; the set of what
+    each forward reads is what shows a step the loop would not run. make test-vllm compares served logits with
+    transformers' on the newest release."""
     module = sys.modules[f"vllm.model_executor.models.{family}"]
     found = []
     for name, expected in FORWARD_READS[family].items():
