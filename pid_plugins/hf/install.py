@@ -193,8 +193,6 @@ def _records_method(config: Any) -> bool:
     return own.get(BASE_ATTR) is not None or any(isinstance(own.get(name), dict) for name in list_methods())
 
 
-
-
 def _as_saved(config: Any) -> None:
     """Before the model is built: ``attn_implementation=None`` (what TRL's CLI and others pass when the user gave
     none) loads a folder saved with a method as saved. transformers would build its default attention: it sets the
@@ -209,8 +207,8 @@ def _as_saved(config: Any) -> None:
 def _check_loaded(model: PreTrainedModel) -> None:
     """After ``PreTrainedModel.__init__``: a folder saved with a method built with the stock attention
     (``attn_implementation="sdpa"``/``"eager"``) logs one warning; a folder saved without the method the model now
-    runs is checked at the model's first forward, once its weights are loaded (trained weights switched at full
-    strength: :func:`~pid_plugins.hf.conversion.warn_trained_switch`)."""
+    runs is marked for a check at the model's first forward, once its weights are loaded (trained weights switched at
+    full strength: :func:`~pid_plugins.core.layer.warn_switch_of_trained_weights`, in the discovery pre-hook)."""
     config = model.config
     running = method_of(config)
     if running is None:

@@ -161,8 +161,6 @@ def _continuous_batching() -> bool:
     ``generate(cache_implementation="paged")``) reaches the model's own ``init_continuous_batching`` (an instance
     attribute, as the adapter gives it) before it does anything else: a stock model whose attribute raises stops there
     from each entry."""
-    import torch
-
     model = _tiny_llama()
 
     def entered(*args: Any, **kwargs: Any) -> None:
@@ -199,7 +197,6 @@ def _interface_source() -> bool:
     (:func:`calls_interface`). The probe checks that signal against behaviour: the attention
     class it names dispatches through the registered function, a method at zero parameters computes the stock model bit
     for bit, and the same method with parameters changes the output."""
-    import torch
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     ids = torch.tensor([[1, 2, 3, 4]])

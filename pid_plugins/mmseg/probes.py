@@ -12,7 +12,7 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from torch.nn import ModuleList
 
 from ..core import MethodChoice, get_method
-from ..versions import behaviour_probe, perturbed
+from ..versions import behaviour_probe, close_to_rounding, perturbed
 from .head import PIDSegmenterMaskTransformerHead
 from .internals import PROBES
 from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, _switch_layers
@@ -29,11 +29,6 @@ PROBE_HEAD = dict(in_channels=16, channels=16, num_classes=3, num_layers=1, num_
 PLAIN = dict(lambda_p=0.5, lambda_i=0.1, lambda_d=0.1, control_first_layer=False)
 
 
-def _close(got, want) -> bool:
-    """Equal to float32 rounding (the method layer computes torch's MultiheadAttention in another order)."""
-    return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
 @behaviour_probe
 def _layer_probe() -> bool:
     """mmseg's TransformerEncoderLayer (with mmcv's MultiheadAttention) and the method's layer switched from a copy of
@@ -47,7 +42,7 @@ def _layer_probe() -> bool:
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         got, want = layers[0](x)[0], stock[0](x)
-    return isinstance(layers[0], PIDTransformerEncoderLayer) and _close(got, want)
+    return isinstance(layers[0], PIDTransformerEncoderLayer) and close_to_rounding(got, want)
 
 
 def _part_probe(stock_type: type, method_type: type, args: dict, x) -> bool:
@@ -61,7 +56,7 @@ def _part_probe(stock_type: type, method_type: type, args: dict, x) -> bool:
     if not all(isinstance(layer, PIDTransformerEncoderLayer) for layer in model.layers):
         return False
     got, want = (got, want) if isinstance(got, (list, tuple)) else ([got], [want])
-    return len(got) == len(want) and all(_close(a, b) for a, b in zip(got, want))
+    return len(got) == len(want) and all(close_to_rounding(a, b) for a, b in zip(got, want))
 
 
 @behaviour_probe

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Dict
 
-from ..versions import Internal, parameters, require, squashed
+from ..versions import Internal, behaviour_probe, parameters, require, squashed
 
 __all__ = ["INTERNALS", "require_all"]
 
@@ -143,6 +143,7 @@ def _vit_checkpoint_filter() -> bool:
     return parameters(checkpoint_filter_fn)[:3] == ["state_dict", "model", "adapt_layer_scale"]
 
 
+@behaviour_probe  # (it builds a patch embedding: torch's random state forked, on the CPU)
 def _xcit() -> bool:
     import torch
     from timm.models import xcit
@@ -158,9 +159,8 @@ def _xcit() -> bool:
         return False
     # what FAN reads of the patch embedding, by behaviour: it returns the tokens and the grid, and proj[0][0] is its
     # first convolution (whose weight gives the model's device and dtype)
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        embed = xcit.ConvPatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
-        tokens, grid = embed(torch.zeros(1, 3, 32, 48))
+    embed = xcit.ConvPatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
+    tokens, grid = embed(torch.zeros(1, 3, 32, 48))
     first = embed.proj[0][0]
     if not (isinstance(first, torch.nn.Conv2d) and first.in_channels == 3 and tuple(grid) == (4, 6)
             and tuple(tokens.shape) == (1, 24, 16)):
