@@ -83,7 +83,7 @@ data:
 timm-tests: $(STAMP)
 	$(PY) tests/timm_suite.py fetch
 
-# lm-evaluation-harness and TRL for the after-training tests (tests/test_tools_*.py): the packages of
+# lm-evaluation-harness and TRL for the after-training tests (tests/zoos/*/test_tools_*.py): the packages of
 # constraints-tools.txt, exactly, --no-deps, into .cache/tools-env/ (only those tests put it on PYTHONPATH; the .venv is
 # not changed). Cached: rebuilt when the pins change. A failed install is recorded in $(TOOLS_ENV).failed, and the
 # tests that need it skip, quoting it.
@@ -108,9 +108,10 @@ PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 test: $(STAMP) data timm-tests tools-env
 	$(PYTEST) --durations=25
 
-# the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo)
+# the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo), leaving
+# out tests/docs and tests/research (their conftest.py marks them docs and research)
 test-fast: $(STAMP)
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not docs and not research"
 
 # The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: every
 # test that runs a zoo (core, every adapter and method, every cache path, compile, distributed, mixed precision,
@@ -118,9 +119,10 @@ test-fast: $(STAMP)
 # which read no zoo internals, the device script's dry run (it runs the newest pins), and the tool tests (lm-eval,
 # TRL, timm's scripts: .cache/tools-env is resolved against the newest stack). .ci/run runs it after make test.
 COMPAT_VENV ?= .venv-compat
-COMPAT_SKIP := test_docs test_wheel test_packaging test_readme test_cli_demo test_study test_demo_cache \
-	test_analysis test_bench_harness test_finetune_examples test_timm_models test_uv_sources test_tools_hf test_tools_timm \
-	test_device_script
+COMPAT_SKIP := docs/test_docs docs/test_wheel core/test_packaging docs/test_readme research/test_cli_demo \
+	research/test_study research/test_demo_cache research/test_analysis research/test_bench_harness \
+	docs/test_finetune_examples zoos/timm/test_timm_models docs/test_uv_sources zoos/hf/test_tools_hf \
+	zoos/timm/test_tools_timm research/test_device_script
 test-compat:
 	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \
@@ -130,7 +132,7 @@ test-compat:
 
 # timm's own model tests over every pid_* and fan_* name (every test but TorchScript; long: large models)
 conformance: $(STAMP) timm-tests
-	PID_TIMM_CONFORMANCE=1 $(PY) -m pytest -q -s tests/test_timm_models.py
+	PID_TIMM_CONFORMANCE=1 $(PY) -m pytest -q -s tests/zoos/timm/test_timm_models.py
 
 # the demo lives beside the package (research/, not in the wheel): run from the repository root
 demo: $(STAMP) data
@@ -185,5 +187,5 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml setup.py
 VLLM_REF_PY ?= $(PY)
 test-vllm: $(VLLM_STAMP) $(if $(filter $(PY),$(VLLM_REF_PY)),$(STAMP))
 	$(VLLM_REF_PY) tests/vllm_serving/make_references.py $(VLLM_REFS)
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_core_*.py
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/core/test_core_*.py
 	PID_VLLM_REFS=$(VLLM_REFS) $(VLLM_PY) -m pytest -q -p no:cacheprovider -s tests/vllm_serving

@@ -26,7 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and WORKERS > 1:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", default=os.environ.get("PID_TEST_DEVICE", "cpu"),
-                     help="the device tests/test_device.py runs the zoos and methods on: cpu (default), cuda, "
+                     help="the device tests/core/test_device.py runs the zoos and methods on: cpu (default), cuda, "
                           "cuda:1, ... (or the environment variable PID_TEST_DEVICE)")
 
 
@@ -45,14 +45,14 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest):
-    """The torch.device of ``--device`` (tests/test_device.py); a device this machine lacks fails the test."""
+    """The torch.device of ``--device`` (tests/core/test_device.py); a device this machine lacks fails the test."""
     import torch
 
     dev = torch.device(request.config.getoption("device"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         pytest.fail(f"--device {dev}: torch {torch.__version__} sees no CUDA device here")
     if dev.type == "meta":
-        pytest.fail("--device meta: meta tensors hold no values to compare; tests/test_device.py's meta tests run "
+        pytest.fail("--device meta: meta tensors hold no values to compare; tests/core/test_device.py's meta tests run "
                     "on every device")
     return dev
 

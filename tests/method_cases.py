@@ -1,5 +1,5 @@
-"""The case table of the method contract (tests/test_method_contract.py): which method runs on which zoo model, with
-which parameters, and against which independent float64 rule.
+"""The case table of the method contract (tests/core/test_method_contract.py): which method runs on which zoo model,
+with which parameters, and against which independent float64 rule.
 
 Two axes. :data:`MODELS`: one entry per zoo model the contract builds (timm DeiT and FAN, a transformers Llama with
 grouped-query attention and BERT, mmseg's ViT backbone and Segmenter's mask-transformer head, fairseq's
@@ -178,7 +178,7 @@ class Method:
     ``defaults``: the preset each zoo starts from (unset parameters); ``models``: where the method applies;
     ``compile_models``: the models whose torch.compile test runs this method (each model's compile test costs
     seconds: every method compiles on the zoos whose code paths it changes, PID's other zoos are compiled by
-    tests/test_compile.py); ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
+    tests/core/test_compile.py); ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
 
     The per-zoo feature tests (conversion, finish_warmup, learnable parameters, activation checkpointing wrappers,
     ONNX, peft) read the same table through :data:`BUILTIN` and :func:`variants`: ``builtin``: a method pid_plugins
@@ -186,8 +186,8 @@ class Method:
     parameters with ``learnable=True`` (empty: the method has none, :attr:`learnable`); ``warmup``: the method takes
     ``warmup_steps`` (gain warm-up, ``pid_plugins.finish_warmup``); ``onnx_dynamo_models``: the models whose
     dynamo-exporter ONNX test runs this method (each export costs seconds; timm's TorchScript export runs every
-    built-in method on both timm models); ``static_compile``: tests/test_method_hf_lm.py compiles hf-llama's
-    static-cache decoding with this method (seconds each; PID's: tests/test_compile.py).
+    built-in method on both timm models); ``static_compile``: tests/core/test_method_hf_lm.py compiles hf-llama's
+    static-cache decoding with this method (seconds each; PID's: tests/core/test_compile.py).
 
     Where the method runs outside the contract's models: ``causal_cfg``: the parameters (over the zoo's preset) a
     causal model with a KV cache runs it with where that preset is refused there (None: the preset; tests read
@@ -316,7 +316,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
         cfg["lambda_p"], cfg["lambda_i"], cfg["lambda_d"], cfg["beta"]),
         defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
         zero={"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, zero_models=frozenset(MODELS),
-        compile_models=frozenset({"fairseq-lm"}),  # timm, transformers, mmseg: tests/test_compile.py
+        compile_models=frozenset({"fairseq-lm"}),  # timm, transformers, mmseg: tests/core/test_compile.py
         learned=("lambda_p_raw", "lambda_i_raw", "lambda_d_raw"), warmup=True,
         onnx_dynamo_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"})),
     Method("neutreno", _neutreno_config,

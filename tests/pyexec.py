@@ -1,7 +1,7 @@
 """``python -c code`` (and ``python -m module``) for tests, from a pre-imported interpreter (a zygote), not a
 fresh one each time.
 
-Why: the docs examples (tests/test_readme.py) and a few CLI tests each start ``python -c`` only to have a clean
+Why: the docs examples (tests/docs/test_readme.py) and a few CLI tests each start ``python -c`` only to have a clean
 interpreter, and each of them paid interpreter start + ``import torch`` + the zoos (transformers, timm,
 mmengine/mmseg, fairseq, peft: about 6-8 s of CPU) again. Here one zygote per test process (per environment)
 imports those *third-party* packages once; each case then runs in a fresh ``os.fork()`` of it, which starts in
@@ -48,7 +48,7 @@ Under pytest-xdist each worker starts its own zygote on first use (about 8 s of 
 
 Fallback: ``PID_TEST_NO_FORKSERVER=1`` (or a platform without ``os.fork``) runs the plain subprocess instead. The two
 gave the same exit code on every docs example (all 31, run both ways when this was written), and
-tests/test_readme.py checks a failing example both ways.
+tests/docs/test_readme.py checks a failing example both ways.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the after-training tests (tests/test_tools_*.py): the tools run as a user runs them, through
+"""Shared by the after-training tests (tests/zoos/*/test_tools_*.py): the tools run as a user runs them, through
 ``pid-plugins run``, in a subprocess, on a PID checkpoint saved here.
 
 * :func:`launch` runs ``python -m pid_plugins run [--adapters ...] -- COMMAND`` (the console script's code) in a

@@ -1,7 +1,7 @@
 """The GPU bench of the prepared device run (bench/device/run.sh): each method against the stock model, on one device.
 
     python bench/device/gpu_bench.py --device cuda --out $OUT            # the device run (H100/H200 shapes)
-    python bench/device/gpu_bench.py --device cpu --tiny --out /tmp/o    # the dry run (tests/test_device_script.py)
+    python bench/device/gpu_bench.py --device cpu --tiny --out /tmp/o    # the dry run (test_device_script.py)
 
 Rows (PID's first, then every other built-in method's, the compiled rows last, so that a run cut short still has
 PID's eager rows):

@@ -2,14 +2,14 @@
 # The prepared device run (issue 53): on a fresh GPU machine, in at most 9 minutes,
 #   1. installs the carried pure-Python wheels (make device-wheels: transformers, timm at constraints.txt's pins) and
 #      the project, --no-deps, into a folder put first on PYTHONPATH (torch, Triton and the rest stay the image's),
-#   2. runs the suite on the device: pytest tests/test_device.py --device $DEVICE,
+#   2. runs the suite on the device: pytest tests/core/test_device.py --device $DEVICE,
 #   3. runs the GPU bench: bench/device/gpu_bench.py (each method / stock, CUDA events, peak memory),
 # and leaves under $OUT: run.log, env.txt, test_device.log, test_device.xml, gpu_bench.log, gpu_bench.json, gpu_profile.txt,
 # gpu_bench.md (8 files: the device tool brings back at most 8). The last lines printed are the bench's table.
 #
 # On the device (the `device` tool's run, timeout_s 600, carry [".device-wheels"]):
 #     bash bench/device/run.sh
-# The dry run here (tests/test_device_script.py): DEVICE=cpu BENCH_ARGS="--tiny --compile-backend eager" \
+# The dry run here (tests/research/test_device_script.py): DEVICE=cpu BENCH_ARGS="--tiny --compile-backend eager" \
 #     PYTEST_ARGS="-k ..." OUT=/tmp/o bash bench/device/run.sh
 # Knobs (environment): DEVICE (cuda), OUT (bench_device_out), WHEELS (.device-wheels), PYTHON (python3), SITE
 # (/tmp/site), WORKERS (4: pytest-xdist workers; 0: none), PYTEST_ARGS, TEST_TIMEOUT (150 s), BENCH_ARGS,
@@ -81,10 +81,10 @@ cat "$OUT/env.txt" | tee -a "$OUT/run.log"
 # ---- 2. the suite on the device
 xdist=()
 [ "$WORKERS" != 0 ] && xdist=(-n "$WORKERS")
-log "tests: pytest tests/test_device.py --device $DEVICE ${xdist[*]} $PYTEST_ARGS (timeout ${TEST_TIMEOUT}s)"
+log "tests: pytest tests/core/test_device.py --device $DEVICE ${xdist[*]} $PYTEST_ARGS (timeout ${TEST_TIMEOUT}s)"
 # shellcheck disable=SC2086  # PYTEST_ARGS is split like a command line
-eval timeout "$TEST_TIMEOUT" "$PYTHON" -P -m pytest -q -p no:cacheprovider -o pythonpath= tests/test_device.py --device "$DEVICE" \
-  "${xdist[@]}" --junitxml "$OUT/test_device.xml" $PYTEST_ARGS > "$OUT/test_device.log" 2>&1
+eval timeout "$TEST_TIMEOUT" "$PYTHON" -P -m pytest -q -p no:cacheprovider -o pythonpath= tests/core/test_device.py \
+  --device "$DEVICE" "${xdist[@]}" --junitxml "$OUT/test_device.xml" $PYTEST_ARGS > "$OUT/test_device.log" 2>&1
 rc=$?
 tail -n 15 "$OUT/test_device.log" | tee -a "$OUT/run.log"
 log "tests: exit $rc"

@@ -33,7 +33,7 @@ How they survive transformers' own paths:
 * peft: ``modules_to_save=["attention_params"]`` trains a copy of each layer's gains beside the adapter and saves it
   with the adapter (``"attention_warmup"`` likewise saves the warm-up counter); :func:`layer_gains_of` and
   :func:`is_gain_name` recognise peft's wrapper, so rediscovery keeps it and the weight-decay helpers skip its
-  gains. Tested in tests/test_peft.py.
+  gains. Tested in tests/zoos/hf/test_peft.py.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Written from the paper and the official model's description (the reference implementation's licence does
 not allow reuse of its code); with an official state_dict it computes the official function (checked against
-an independent re-implementation in ``tests/test_timm_fan_official.py``), including the official weight
+an independent re-implementation in ``tests/zoos/timm/test_timm_fan_official.py``), including the official weight
 initialisation. The stem, the Fourier positional encoding and the class-attention blocks are timm's XCiT
 components, which FAN shares; parameter names follow the official FAN checkpoints, so they load strictly
 after :func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention

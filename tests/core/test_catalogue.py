@@ -9,7 +9,7 @@ import pid_plugins
 from method_cases import BUILTIN
 from pid_plugins.catalogue import ModelEntry, load_catalogue, load_presets, parse_catalogue
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TIMM_TOML = """
 [[model]]

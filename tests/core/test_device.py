@@ -1,5 +1,6 @@
-"""The device-independent properties of every method on a chosen device: ``pytest tests/test_device.py --device cuda``
-(or ``PID_TEST_DEVICE=cuda``; the default is ``cpu``, which ``make test`` runs and which proves the option works).
+"""The device-independent properties of every method on a chosen device:
+``pytest tests/core/test_device.py --device cuda`` (or ``PID_TEST_DEVICE=cuda``; the default is ``cpu``, which
+``make test`` runs and which proves the option works).
 
 The models are the method contract's (tests/method_cases.py: timm DeiT and FAN, a transformers Llama with grouped-query
 attention and BERT), every method of its one table, built on the CPU with the same weights and moved to ``device``.

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 REPO = HERE.parent
 DIST = HERE / "dist_workers"  # not tests/dist/: .gitignore ignores every dist/ folder
 sys.path.insert(0, str(DIST))

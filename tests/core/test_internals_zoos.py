@@ -23,7 +23,7 @@ import torch
 from pid_plugins import versions
 from pid_plugins.versions import Internal, InternalChanged
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -183,7 +183,7 @@ def test_a_changed_mmseg_vit_is_refused_at_build_and_convert(monkeypatch, fresh_
     from mmseg.models.backbones.vit import VisionTransformer
     from mmseg.registry import MODELS
 
-    from test_mmseg_convert import stock as stock_segmentor
+    from zoos.mmseg.test_mmseg_convert import stock as stock_segmentor
 
     stock = stock_segmentor()  # convert switches a segmentor's backbone (a bare stock backbone is refused anyway)
     before = snapshot(stock)

@@ -1,5 +1,5 @@
 """``pid-plugins run`` (pid_plugins.launch and its sitecustomize): what reaches the command's processes, bad input,
-and that nothing else changes. The real tools through it: tests/test_tools_*.py."""
+and that nothing else changes. The real tools through it: tests/zoos/*/test_tools_*.py."""
 from __future__ import annotations
 
 import json

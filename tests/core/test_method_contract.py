@@ -28,7 +28,7 @@ import pid_plugins
 import zoo_cases as zc
 from method_cases import CAUSAL, METHODS, MODELS, cases, method_cfg
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
 

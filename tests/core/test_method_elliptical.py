@@ -4,11 +4,11 @@ The rule is restated here from the official code (stefvk/Elliptical-Attention, `
 ``MahalaAttention.W_over_layers``) without calling the method: zoo_cases' :func:`naive_elliptical_scales` loops over
 batch, heads, dimensions and positions; :func:`naive_elliptical_attention` is the softmax of the rescaled scores
 written out. The grid (float64 references of every zoo model, the prefix mean on causal models and their caches,
-switched off, checkpointing, compile, save/reload) is tests/test_method_contract.py; here: the rule against its loop
-statement, no gradient through the scales, and the refusals of the sequence mean where a model is causal. Bidirectional models (timm
-DeiT and FAN, transformers BERT, mmseg backbone and decode head) are compared with float64 references built from the
-stock modules; causal models (transformers decoders and encoder-decoders, fairseq LMs) and cached decoding are refused
-before anything is computed.
+switched off, checkpointing, compile, save/reload) is tests/core/test_method_contract.py; here: the rule against its
+loop statement, no gradient through the scales, and the refusals of the sequence mean where a model is causal.
+Bidirectional models (timm DeiT and FAN, transformers BERT, mmseg backbone and decode head) are compared with float64
+references built from the stock modules; causal models (transformers decoders and encoder-decoders, fairseq LMs) and
+cached decoding are refused before anything is computed.
 """
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The language-model methods in transformers (issue 31): what the method contract (tests/test_method_contract.py,
+"""The language-model methods in transformers (issue 31): what the method contract (tests/core/test_method_contract.py,
 its hf-llama rows: the float64 rule, cached generation with beam search, causality, switched off, gradient
 checkpointing, save/reload) does not cover: left padding, the sliding-window cache (Mistral), Twicing in the other
 grouped-query families, static-cache decoding compiled without recompiles, and the refusals (Elliptical's sequence

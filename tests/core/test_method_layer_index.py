@@ -180,7 +180,7 @@ def test_mmseg_backbone_and_decode_head_are_two_groups(with_cp, probe):
 def test_mmseg_convert_numbers_each_group_and_softmax_strips_it(probe):
     import pid_plugins.mmseg as pm
 
-    from test_mmseg_convert import stock  # a Segmenter segmentor: its backbone and head are each a group
+    from zoos.mmseg.test_mmseg_convert import stock  # a Segmenter segmentor: its backbone and head are each a group
 
     segmentor = pm.convert(stock(), NAME)
     with torch.no_grad():
@@ -218,12 +218,12 @@ def test_fairseq_decoder_built_converted_and_incremental(data_dir, probe):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "opt",
                                     "gpt_neox", "gpt2", "bert", "modernbert", "vit", "bart", "t5", "whisper"])
 def test_hf_every_family_passes_its_stack_position_equal_to_layer_idx(family, probe):
-    """The family matrix of tests/test_hf_families.py: two self-attention layers per stack, each stack from 0; the
+    """The family matrix of tests/zoos/hf/test_hf_families.py: two self-attention layers per stack, each stack from 0; the
     index is the module's position in its stack, which equals ``layer_idx`` wherever a family has one (ViT, BERT
     and others have none: the position is all there is)."""
     import pid_plugins.hf as ph
     from pid_plugins.hf.attention import EARLIER
-    from test_hf_families import FAMILIES, forward, inputs
+    from zoos.hf.test_hf_families import FAMILIES, forward, inputs
 
     make, cls, kind, base, _ = FAMILIES[family]
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 records ``v^1``; layers l >= 2 compute ``A v + alpha (v^1 - v^l)``).
 
 The grid (float64 reference, alpha = 0 is the stock model, checkpointing, compile, save/reload, cached decoding in
-timm, transformers, mmseg and fairseq) is tests/test_method_contract.py; here: the rule against its loop statement
+timm, transformers, mmseg and fairseq) is tests/core/test_method_contract.py; here: the rule against its loop statement
 and PID, parameters, warm-up, and BERT/BART against the stock model with hooks that add the term (the term from
 zoo_cases' :func:`naive_neutreno`, never pid_plugins' code).
 """

@@ -5,7 +5,7 @@ The references are written from the official rule (github.com/lazizcodes/twicing
 with the attention matrix formed explicitly in float64, not through the method's code (zoo_cases' ``twice64``).
 Twicing has no strength parameter: switched off is ``attention="softmax"`` with the same weights (and ``from_layer``
 past the last layer). The grid (float64 references of every zoo model, switched off, checkpointing, compile,
-save/reload, cached decoding) is tests/test_method_contract.py; here: the rule, its grouped-query and cache-slot
+save/reload, cached decoding) is tests/core/test_method_contract.py; here: the rule, its grouped-query and cache-slot
 exactness, ``from_layer``, the refusal of attention dropout in every zoo, and BART's two self-attention stacks.
 """
 

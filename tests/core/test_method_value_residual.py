@@ -7,7 +7,7 @@ first layer attends over its own values and records them (``v^1``); every later 
 unchanged (:func:`vr_rule`, on zoo_cases' float64 attention). ``(lambda_1, lambda_2) = (0, 1)`` is the stock model
 bit for bit; ``learnable=True`` gives every layer its own trainable lambdas (``attention_params``). The grid (float64
 references of every zoo model, the off switch, checkpointing, compile, save/reload, cached decoding) is
-tests/test_method_contract.py; here: learnable lambdas in timm, the method's attend through timm's feature
+tests/core/test_method_contract.py; here: learnable lambdas in timm, the method's attend through timm's feature
 extraction, and the presets.
 """
 import pytest

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pyexec import run_python_c
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pid_plugins"
 RESEARCH = "research"
 

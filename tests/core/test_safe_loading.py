@@ -2,8 +2,8 @@
 
 Each file carries an object whose ``__reduce__`` would create a marker file when unpickled. Every path is run in
 a fresh interpreter (torch reads the variable at each load; a fresh process is also what a user runs) and must
-refuse the file with an error that says why, and the marker must never appear. (mmseg's paths: tests/test_mmseg.py;
-transformers folders: tests/test_hf.py.)
+refuse the file with an error that says why, and the marker must never appear. (mmseg's paths:
+tests/zoos/mmseg/test_mmseg.py; transformers folders: tests/zoos/hf/test_hf.py.)
 """
 import json
 import os
@@ -84,7 +84,7 @@ def test_python_load_paths_refuse_pickled_code(tmp_path, env_extra):
     data = tmp_path / "data-bin"
     data.mkdir()
     (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(10)))
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     code = ["import json, sys", f"EVIL, DATA, REPO = {str(evil)!r}, {str(data)!r}, {str(repo)!r}", "out = {}"]
     for name, probe in PROBES.items():
         code += [

@@ -92,7 +92,7 @@ def test_transformers_convert_and_loader(caplog, tmp_path):
 def test_mmseg_convert(caplog):
     pytest.importorskip("mmseg")
     import pid_plugins.mmseg as pm
-    from test_mmseg_convert import stock
+    from zoos.mmseg.test_mmseg_convert import stock
 
     assert warnings_of(caplog, lambda: pm.convert(stock(), "pid")) == []
     trained = stock()

@@ -19,7 +19,7 @@ import torch
 from pid_plugins import versions
 from pid_plugins.versions import TESTED, InternalChanged, UntestedVersionWarning, check_version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if sys.version_info >= (3, 11):
     import tomllib
 

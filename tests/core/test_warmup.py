@@ -16,7 +16,7 @@ from pid_plugins.core import scaled_gains
 N = 4
 GAINS = dict(lambda_p=0.6, lambda_i=0.4, lambda_d=0.2, beta=0.5)
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[1]  # the checkout under test, also for fairseq-train subprocesses
+REPO = Path(__file__).resolve().parents[2]  # the checkout under test, also for fairseq-train subprocesses
 
 
 # ------------------------------------------------------------------------------------------------------- core

@@ -4,7 +4,7 @@ The standard recipe (HF accelerate's FSDP2, torchtitan): ``fully_shard`` on ever
 then on the model. For every case of ``pid_dist_cases.FSDP_CASES`` and every mode of ``FSDP_MODES``
 (``reshard_after_forward`` both ways; the zoo's gradient checkpointing on), each rank runs a grad-mode forward
 on its half of the global batch and one SGD step, and saves its output and the whole parameters after the step
-(``full_tensor()`` of each DTensor) to OUT/rank{rank}.pt; tests/test_distributed.py compares them with the
+(``full_tensor()`` of each DTensor) to OUT/rank{rank}.pt; tests/core/test_distributed.py compares them with the
 unsharded model in one process.
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/fsdp2.py OUT [CASE,CASE,...]
 (the optional second argument: these cases instead of ``FSDP_CASES``).

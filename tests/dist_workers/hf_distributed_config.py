@@ -9,7 +9,7 @@ ranks (gloo) with the methods' learnable parameters.
 ``FSDP_LEARNABLE_CASES``: a softmax checkpoint, so transformers initialises the missing learnable parameters on
 sharded parameters; ``DC_STEPS["fsdp"]`` SGD step on this rank's half of the batch.
 Every rank saves the whole parameters (``full_tensor()``) as loaded and after the steps, and the losses, to
-OUT/rank{rank}.pt; tests/test_distributed.py compares them with one process.
+OUT/rank{rank}.pt; tests/core/test_distributed.py compares them with one process.
 """
 import sys
 from pathlib import Path

@@ -5,7 +5,7 @@
 For every case of ``pid_dist_cases.PIPELINE_METHODS``: the logits of a padded batch (eval mode, forward only; the
 attention mask given to every rank's schedule), then ``PIPELINE_STEPS`` SGD steps of next-token cross-entropy (train
 mode). Every rank saves what it holds to OUT/rank{rank}.pt (the last stage: logits and losses; every rank: its
-stage's parameters after training); tests/test_pipeline.py compares them with one process.
+stage's parameters after training); tests/core/test_pipeline.py compares them with one process.
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pipeline.py OUT
 """
 import sys

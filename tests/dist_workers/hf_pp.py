@@ -4,7 +4,7 @@ DistributedConfig(pp_size=2))`` (gloo, CPU), with every attention case of ``pid_
 The methods that carry state across layers must be refused at the first forward, on every rank, before any stage
 communicates (a rank that went on would wait for the other forever); Twicing (no cross-layer state) must run: its
 logits, and greedy generation, which transformers' naive pipeline forward supports. Every rank saves what it saw to
-OUT/rank{rank}.pt; tests/test_pipeline.py compares it with one process.
+OUT/rank{rank}.pt; tests/core/test_pipeline.py compares it with one process.
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pp.py MODEL_DIR OUT
 """
 import sys

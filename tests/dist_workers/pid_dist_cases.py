@@ -1,4 +1,4 @@
-"""Models, data and training loops shared by the distributed workers in this folder and tests/test_distributed.py.
+"""Models, data and training loops shared by the distributed workers in this folder and tests/core/test_distributed.py.
 
 Everything here is deterministic given its arguments, so a worker rank and the single-process reference in
 the test build the same initial model and see the same global batches.
@@ -303,7 +303,7 @@ def fsdp_case(name: str, workdir):
 
 
 #: the cases below are chosen per issue (each names its own zoos), not every method in every zoo: the method table's
-#: own tests (tests/test_method_contract.py) run every method in every zoo model.
+#: own tests (tests/core/test_method_contract.py) run every method in every zoo model.
 #: PID in every zoo and family kind; the tests' toy method (a user-registered one) in every zoo; PID's siblings
 #: (issue 27) in every zoo where they apply; Twicing with grouped-query attention, Elliptical's prefix mean and value
 #: residual in a causal Llama with grouped-query attention (issue 31); value residual (fixed and learnable lambdas)
@@ -318,7 +318,7 @@ FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "ti
 
 
 #: learnable method parameters in mmseg (issue 34): PID's gains and value residual's lambdas, in the ViT backbone and
-#: in Segmenter's mask-transformer head, each layer's sharded with it (tests/test_distributed.py runs these alone)
+#: in Segmenter's mask-transformer head, each layer's sharded with it (tests/core/test_distributed.py runs these alone)
 MMSEG_LEARNABLE_CASES = tuple(f"{m}{LEARNABLE}:{c}" for m in learnable_methods() for c in ("mmseg", "mmseg_head"))
 
 

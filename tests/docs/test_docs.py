@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # page of the API reference -> public names it must document (as a heading of their own, with their docstring)
 API_NAMES = {

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pyexec import run_python_c, zygote_modules
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 

@@ -2,7 +2,7 @@
 import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("uv_sources", Path(__file__).resolve().parents[1] / "tools" / "uv_sources.py")
+spec = importlib.util.spec_from_file_location("uv_sources", Path(__file__).resolve().parents[2] / "tools" / "uv_sources.py")
 uv_sources = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(uv_sources)
 

@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STACK = sysconfig.get_paths()["purelib"]  # the pinned stack (torch, timm, transformers, mmseg, fairseq, ...)
 
 

@@ -339,7 +339,7 @@ def test_cli_diagnose_mmseg_config(tmp_path):
     pytest.importorskip("mmseg")
     from pathlib import Path
 
-    cfg = Path(__file__).parents[1] / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
+    cfg = Path(__file__).parents[2] / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
     rc = main(["diagnose", "--model", str(cfg), "--data", "digits", "--num-samples", "4", "--passes", "2",
                "--out", str(tmp_path)])
     assert rc == 0
@@ -513,7 +513,7 @@ def test_unknown_or_misplaced_attention_is_refused_before_anything_runs(tmp_path
          "lambda_q"),
         (["--model", "pid_deit_tiny_patch16_224", "--attention", "pid", "--model-kwargs", '{"attention": "pid"}'],
          "both choose the attention"),
-        (["--model", str(Path(__file__).parents[1] / cfg), "--attention", "pid"], "is an mmseg config: it sets the attention"),
+        (["--model", str(Path(__file__).parents[2] / cfg), "--attention", "pid"], "is an mmseg config: it sets the attention"),
     ]
     for argv, message in cases:
         rc = main(["diagnose", *argv, "--data", "digits", "--out", str(tmp_path / "out")])

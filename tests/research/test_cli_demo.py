@@ -7,7 +7,7 @@ from pyexec import run_python_m  # python -m from a fork of an interpreter with 
 from pid_plugins.cli import main
 from research.cli import main as research_main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cli_presets(capsys):

@@ -11,7 +11,7 @@ import torch
 import research.cli
 from pid_plugins.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MMSEG_TINY = "configs/mmseg/segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 TIMM = ["--model", "deit_tiny_patch16_224", "--model-kwargs",
         '{"img_size": 8, "patch_size": 2, "in_chans": 1, "num_classes": 10, "embed_dim": 12, "depth": 2, "num_heads": 2}']

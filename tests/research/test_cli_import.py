@@ -18,7 +18,7 @@ pytest.importorskip("timm")
 import research.cli  # noqa: E402
 from pid_plugins.cli import main  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 SMALL = json.dumps(dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=32, depth=3, num_heads=2))
 MODEL = ["--model", "pid_deit_tiny_patch16_224", "--model", "pid_deit_tiny_patch16_224", "--model-kwargs", SMALL]

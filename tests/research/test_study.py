@@ -10,7 +10,7 @@ from zoo_cases import weights as zc_weights
 from research.experiments import ARMS, VisionSpec, arm_config, vision_models
 from research.study import write_study_record
 
-REPO = Path(__file__).resolve().parents[1]  # python -m research runs from the repository root
+REPO = Path(__file__).resolve().parents[2]  # python -m research runs from the repository root
 
 
 def test_arm_configs():
@@ -205,7 +205,7 @@ def test_records_written_before_arms_named_their_method_still_aggregate(tmp_path
     import shutil
     from pathlib import Path
 
-    committed = Path(__file__).resolve().parents[1] / "docs" / "reproduce" / "study"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "reproduce" / "study"
     for folder in ("vision_depth6", "language"):
         shutil.copytree(committed / folder, tmp_path / folder)
     record = write_study_record(tmp_path)

@@ -61,7 +61,8 @@ def outputs(model):
     return fs_logits(model, padded), fs_incremental_logits(model, toks)
 
 
-# converted: PID, fixed and learnable (conversion takes one path for every method: tests/test_fairseq_convert.py)
+# converted: PID, fixed and learnable (conversion takes one path for every method:
+# tests/zoos/fairseq/test_fairseq_convert.py)
 CASES = [(spelling, False) for spelling in SPELLINGS] + [("pid", True), ("learnable_pid", True)]
 
 

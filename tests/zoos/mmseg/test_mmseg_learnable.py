@@ -5,7 +5,7 @@ Each layer holds its own ``attention_params`` module (the method's ``make_learne
 references written by hand from the stock modules; ``with_cp`` gives the same gradients; the gains train through
 mmengine's OptimWrapper and Runner and survive the checkpoint round trip (weights-only loading); a softmax or
 fixed-gain checkpoint given as ``init_cfg=dict(type='Pretrained')`` fills them with their initial values; the shipped
-configs keep them out of weight decay (``paramwise_cfg.custom_keys``). DDP and FSDP2: tests/test_distributed.py.
+configs keep them out of weight decay (``paramwise_cfg.custom_keys``). DDP and FSDP2: tests/core/test_distributed.py.
 """
 import math
 from pathlib import Path
@@ -23,7 +23,7 @@ from zoo_cases import (  # noqa: E402
     on_outputs, value_residual_rule,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "configs" / "mmseg"
 TINY_CONFIG = CONFIGS / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 #: every built-in method with learnable parameters (tests/method_cases.py), as the configs select it

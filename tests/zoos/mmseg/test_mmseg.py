@@ -11,7 +11,7 @@ from pid_plugins import PIDConfig  # noqa: E402
 from pid_plugins.mmseg.compat import STANDIN_NAME  # noqa: E402
 from reference import naive_mmseg_layers  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted(p for p in (REPO / "configs" / "mmseg").glob("*.py") if p.name != "__init__.py")  # the package marker
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 ARGS = dict(img_size=(64, 64), patch_size=16, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,

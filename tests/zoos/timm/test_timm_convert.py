@@ -3,7 +3,7 @@
 References: the ``pid_*`` model built by name with the same weights loaded strictly (bit for bit), and the stock
 timm model itself (softmax: timm's own classes again, its exact attributes, state_dict keys and outputs). A stock
 root keeps its class (its ``blocks`` become ``MethodBlocks``, its ``forward_features`` / ``forward_intermediates``
-the method classes'): it runs every path the model built by name runs (tests/test_convert_whole_model.py, every
+the method classes'): it runs every path the model built by name runs (tests/core/test_convert_whole_model.py, every
 method).
 """
 import copy

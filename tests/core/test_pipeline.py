@@ -17,7 +17,7 @@ import torch
 from method_cases import BUILTIN
 from pid_plugins.core import get_method
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 DIST = HERE / "dist_workers"
 sys.path.insert(0, str(DIST))
 import pid_dist_cases as cases  # noqa: E402

@@ -163,7 +163,7 @@ def test_the_readme_validate_py_command(tmp_path):
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "timm.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "docs" / "timm.md").read_text()
     program = re.search(r'python -c "(import runpy, sys, pid_plugins\.timm;[^"]*)" \\\n\s+validate\.py', readme).group(1)
     gains = {"lambda_p": 0.8, "lambda_i": 0.5, "lambda_d": 0.05, "beta": 0.1}
     assert f'--model-kwargs attention_cfg="{gains}"' in readme

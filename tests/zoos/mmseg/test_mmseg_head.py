@@ -11,7 +11,7 @@ import pid_plugins.mmseg  # noqa: E402,F401
 from pid_plugins import PIDConfig  # noqa: E402
 from reference import naive_mmseg_layers  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 HEAD = dict(in_channels=48, channels=48, num_classes=5, num_layers=2, num_heads=3, embed_dims=48,
             dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))

@@ -1,7 +1,7 @@
 """``pid_plugins.mmseg.convert(model, attention, attention_cfg)``: a built mmseg segmentor (ViT backbone + Segmenter's
 mask-transformer head) switched IN PLACE (issue 35): its backbone and decode head replaced (core's replace_module), a
 bare method backbone or head reconfigured keeping its class, a bare stock backbone or head converted in place keeping
-its class (tests/test_convert_whole_model.py compares them with their method types).
+its class (tests/core/test_convert_whole_model.py compares them with their method types).
 
 References: the segmentor built from a config with pid-plugins' types and that method, the same weights loaded
 strictly (bit for bit, and the same attributes, submodules, parameters and buffers), and the stock segmentor itself
@@ -162,7 +162,8 @@ def test_a_bare_method_backbone_to_softmax_keeps_its_class_and_computes_the_stoc
 def test_a_bare_stock_head_converts_in_place_inside_its_segmentor():
     """A stock segmentor's head converted alone (the module given, not its parent): it keeps its class and place, and
     the segmentor computes what the one built with a stock backbone and the method's head type computes; softmax
-    gives the stock segmentor back bit for bit. (Bare parts against their types: tests/test_convert_whole_model.py.)"""
+    gives the stock segmentor back bit for bit. (Bare parts against their types:
+    tests/core/test_convert_whole_model.py.)"""
     model = stock()
     module = model.decode_head
     pristine, keys, y = layout(model), list(model.state_dict()), logits(model)

@@ -20,7 +20,7 @@ from method_cases import BUILTIN  # noqa: E402
 from zoo_cases import data_dir, fs_build, fs_method, fs_parse, fs_tiny  # noqa: E402,F401
 
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 WD, LR = 0.1, 0.01
 #: every built-in method with learnable parameters (tests/method_cases.py), learnable
 LEARNABLE = {name: fs_method(name, {"learnable": True}) for name, method in BUILTIN.items() if method.learnable}

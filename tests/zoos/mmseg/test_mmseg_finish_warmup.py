@@ -91,7 +91,8 @@ def parts(model):
     return (model.backbone, model.decode_head)
 
 
-# converted: PID, fixed and learnable (conversion takes one path for every method: tests/test_mmseg_convert.py)
+# converted: PID, fixed and learnable (conversion takes one path for every method:
+# tests/zoos/mmseg/test_mmseg_convert.py)
 CASES = [(method, False) for method in VARIANTS] + [("pid", True), ("learnable_pid", True)]
 
 

@@ -11,8 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 import transformers as T  # noqa: E402
 
-import pid_plugins  # noqa: E402
 import pid_plugins.hf as ph  # noqa: E402
+import toy_method  # noqa: E402,F401  (registers the toy method a user registers, scaled_reference)
+from method_cases import METHODS  # noqa: E402
 from zoo_cases import bert_config, hf_ids, llama_config  # noqa: E402
 
 FAMILIES = {"llama": (llama_config, T.LlamaForCausalLM), "bert": (bert_config, T.BertModel)}
@@ -107,7 +108,7 @@ def test_softmax_on_a_stock_model_changes_nothing():
 CAUSAL = {"elliptical": "lm", "twicing": {"from_layer": 1}}
 
 
-@pytest.mark.parametrize("method", pid_plugins.list_methods())
+@pytest.mark.parametrize("method", sorted(METHODS))  # the method table: every built-in method and the toy
 def test_stock_to_each_method_equals_the_model_built_with_it(method):
     stock = build("llama")
     model = twin(stock, "llama")

@@ -11,7 +11,7 @@ pytest.importorskip("mmseg")
 import pid_plugins.mmseg  # noqa: E402,F401
 from pid_plugins.mmseg.checkpoint import UnsafeCheckpointError, WeightsOnlyCheckpointHook, weights_only_schemes  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 ENVS = [pytest.param({}, id="default"), pytest.param({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, id="force-no-wo")]
 

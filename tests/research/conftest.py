@@ -1,0 +1,15 @@
+"""Every test in tests/research carries the ``research`` marker: the experiments beside the package (study, demo,
+their CLI), the analysis commands and the benchmark tooling. ``make test-fast`` leaves them out; ``make test``
+runs them."""
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list) -> None:
+    for item in items:
+        if HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.research)
