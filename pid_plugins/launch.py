@@ -1,23 +1,12 @@
-"""``pid-plugins run``: run any command with the zoo adapters present in every Python process it starts.
-
-Tools that load a model by name in a process of their own (lm-eval's CLI, TRL's CLI, ``accelerate launch``,
-``torchrun``, timm's ``validate.py`` / ``inference.py`` / ``benchmark.py`` / ``train.py``, mmseg's ``tools/test.py``)
-have no option to import a plugin. The launcher gives them one, for that command only::
+"""``pid-plugins run``: run any command with the zoo adapters present in every Python process it starts::
 
     pid-plugins run -- lm_eval --model hf --model_args pretrained=DIR --tasks T
     pid-plugins run --adapters timm -- python validate.py --model pid_deit_tiny_patch16_224 ...
-    pid-plugins run -- accelerate launch train.py
 
-It puts :mod:`pid_plugins.launch_site` (a folder holding a ``sitecustomize.py``) first on ``PYTHONPATH`` and the
-adapters' names in ``PID_PLUGINS_ADAPTERS``, then replaces itself with the command (``exec``). Every Python process
-of the command, and every process those start (workers inherit the environment), runs that ``sitecustomize`` at
-start-up: when the process imports a zoo, the zoo's adapter is imported right after it (a process that imports no zoo
-pays nothing), and the environment's own ``sitecustomize``, if any, still runs. Nothing outside the command changes:
-no file is written, no ``.pth`` installed.
-
-The launcher itself imports no zoo. By default it names every adapter whose zoo is installed (found with
-``importlib.util.find_spec``, without importing it). A Python started with ``-I``, ``-E`` or ``-S`` skips
-``PYTHONPATH`` or ``sitecustomize`` and so gets no adapter.
+It puts :mod:`pid_plugins.launch_site` first on ``PYTHONPATH`` and the adapters' names in ``PID_PLUGINS_ADAPTERS``,
+then replaces itself with the command (``exec``): every Python process of the command imports a zoo's adapter right
+after the zoo. By default every adapter whose zoo is installed (found without importing it). Nothing outside the
+command changes; a Python started with ``-I``, ``-E`` or ``-S`` gets no adapter. Why: docs/architecture.md.
 """
 from __future__ import annotations
 

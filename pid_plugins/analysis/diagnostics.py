@@ -1,19 +1,11 @@
 """Per-layer collapse diagnostics for any zoo model, collected without touching model code.
 
-* Token representations: forward hooks on the model's layer stack (the longest ``nn.Sequential`` /
-  ``nn.ModuleList`` of same-type blocks: timm's ``blocks``, transformers' ``layers`` / ``encoder.layer``,
-  mmseg's ``backbone.layers``), or a stack given by its dotted path.
-* Attention rows: a :class:`torch.overrides.TorchFunctionMode` sees every
-  ``F.scaled_dot_product_attention`` (and ``F.multi_head_attention_forward``) call made inside a layer,
-  recomputes that call's attention probabilities from its own ``q``, ``k``, mask and scale, and records their
-  sparsity; the call itself runs unchanged. Layers whose attention is computed otherwise report ``None``.
-
-Measures per layer (averaged over the batch): mean pairwise cosine similarity (PIDformer A.6), consensus
-distance E (Rodriguez Abella et al., eq. 25), numerical rank and effective rank of the token matrix, and
-attention-row sparsity S(a) = E|a| / sqrt(E a^2) over the row's unmasked entries.
-
-:func:`repeated_passes` feeds the layer stack's output tokens back into its input pass after pass and
-tracks E, the "repeated passes" experiment of the same paper.
+Token representations come from forward hooks on the model's layer stack (found, or given by its dotted path);
+attention rows from a :class:`torch.overrides.TorchFunctionMode` that recomputes each
+``F.scaled_dot_product_attention`` / ``F.multi_head_attention_forward`` call's probabilities from its own inputs
+(the call runs unchanged; other attention reports ``None``). Per layer: mean pairwise cosine similarity (PIDformer
+A.6), consensus distance E (Rodriguez Abella et al., eq. 25), numerical and effective rank, and attention-row
+sparsity S(a) = E|a| / sqrt(E a^2). :func:`repeated_passes` feeds the stack's output back pass after pass.
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """Resolve a model for the analysis tools from a name, a local folder or a config file. Nothing is downloaded.
 
-Accepted specs:
-- a timm model name: a PID or FAN variant of the registry (``pid_deit_tiny_patch16_224``) or any timm name
-  (``deit_tiny_patch16_224``), built by ``timm.create_model``; ``checkpoint`` is a local state_dict of that
-  exact architecture (e.g. one you trained), loaded strictly (:func:`load_weights`). To start a PID model
-  from a softmax checkpoint, use the timm adapter's ``pretrained_cfg_overlay=dict(file=...)`` instead;
-- an HF variant of the registry (``pid_gpt2_wikitext103``): built from its config, randomly initialised;
-- a local transformers folder (``config.json`` + weights, e.g. a ``save_pretrained`` output);
-- an mmseg config file (``configs/mmseg/*.py``), built with ``mmseg.apis.init_model`` (checkpoint optional).
-
-``attention`` (``"softmax"`` or any registered attention method, :func:`pid_plugins.list_methods`) with
-``attention_cfg`` (its parameters) builds a timm or transformers model with that attention instead of the one its
-name or folder gives: a ``pid_*`` / ``fan_*`` registry name is built with ``attention=``, a stock timm ViT/DeiT
-or a transformers model is converted after its weights are loaded (``pid_plugins.hf.convert``). An mmseg config sets its own
-attention. :func:`attention_of` reads the attention a model runs, for the records.
+Specs: a timm name (a registry ``pid_*`` / ``fan_*`` variant or any timm model; ``checkpoint`` a local state_dict of
+that exact architecture, loaded strictly), an HF registry variant (randomly initialised), a local transformers
+folder, or an mmseg config file (``mmseg.apis.init_model``). ``attention`` / ``attention_cfg`` build a timm or
+transformers model with that attention instead (by name with ``attention=``, else converted after its weights
+load); an mmseg config sets its own. :func:`attention_of` reads the attention a model runs, for the records.
 """
 from __future__ import annotations
 

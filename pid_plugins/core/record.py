@@ -1,32 +1,13 @@
 """What a method model's checkpoint says about itself: the method record saved with its weights.
 
-A model (timm, mmseg, fairseq) that runs an attention method holds one buffer, ``<owner>.pid_plugins_method``: the
-UTF-8 JSON ::
-
-    {"format": 1, "method": "pid", "config": {"lambda_p": 0.8, ...}}
-
-as a ``uint8`` tensor. Every path that saves a ``state_dict`` saves it with the weights (``torch.save``,
-safetensors, timm's ``train.py`` and EMA, mmengine's runner, fairseq's trainer, DeepSpeed, FSDP's state-dict API),
-so a checkpoint says what it was trained as in the one place every zoo's loader reads:
-
-* **A stock model refuses it.** Its strict load (timm's ``validate.py`` / ``inference.py`` / ``train.py
-  --initial-checkpoint``, ``timm.create_model(stock_name, checkpoint_path=...)``, ``model.load_state_dict``) raises
-  ``Unexpected key(s) in state_dict: "pid_plugins_method"``; a non-strict loader (mmengine's ``load_from``) lists
-  the key as unexpected in its log. This works where pid-plugins is not even installed.
-* **A method model reads it** before loading any of its tensors (:func:`check_saved_record`): a saved method that is not registered in
-  this process, or a record that does not parse, is refused (the load raises, nothing is taken silently); a saved
-  method or parameters other than the model's own give one warning naming both and how to build the model as saved.
-* **A softmax checkpoint has no record** and loads unchanged, strictly, into a method model (a missing record is not
-  a missing key).
-
-Why a tensor and not the file's metadata (safetensors' header, a checkpoint dict's ``meta``): the record has to travel
-through every zoo's own saver, which writes a ``state_dict`` and nothing of ours, and a stock model's strict load has
-to refuse it without our code present. transformers models record their method in ``config.json`` instead
-(``"attn_implementation": "<method>"`` and ``config.<method>``), the place transformers itself reads.
-
-The record is written from the owner's method at every ``state_dict()`` (a ``state_dict`` pre-hook: a switch of
-parameters, :func:`~pid_plugins.finish_warmup`, is recorded as it is), and it is never read into the model: the model
-computes the method it was built or converted with.
+A timm, mmseg or fairseq model that runs a method holds one buffer, ``<owner>.pid_plugins_method``: the UTF-8 JSON
+``{"format": 1, "method": "pid", "config": {...}}`` as a ``uint8`` tensor, written at every ``state_dict()``, so
+every saver of the zoo saves it with the weights. A stock model's strict load refuses it (``Unexpected key(s) in
+state_dict``), even without pid-plugins installed; a method model reads it before loading any tensor
+(:func:`check_saved_record`): an unregistered method or an unreadable record is refused, another method or other
+parameters give one :class:`MethodRecordWarning`. A softmax checkpoint has no record and loads strictly into a
+method model. The model never reads the record into itself. transformers records the method in ``config.json``
+instead. Why a tensor: docs/checkpoints.md.
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Gain warm-up: the PID term scaled by ``min(1, t / N)`` while a model is fine-tuned into PID.
 
-``PIDConfig(warmup_steps=N)`` with ``N > 0`` gives a model one :class:`GainWarmup`: a module holding ``t``, the
-number of training-mode forward passes of the whole model so far, as a persistent int64 buffer (``step``), so it
-is saved, reloaded, resumed, broadcast by DDP and copied by EMA like any buffer. Each adapter calls the counter
-once per forward of the whole model, outside any checkpointed region (recomputation does not advance it), and
-passes the scale it returns down to the layers as a value; the layers scale the gains they hand to
-:func:`~pid_plugins.core.control.pid_update` with :func:`scaled_gains`.
-
-* At ``t = 0`` the scale is 0: the PID term is ``0 * term`` added to the attention output, i.e. the stock model.
-* A forward uses the scale of the current ``t``; a training-mode forward then advances ``t`` by one. After ``k``
-  training forwards the model is the one whose gains are scaled by ``k / N`` (and by 1 from ``k = N`` on).
-* ``t`` and the scale are tensors: a compiled model does not recompile as ``t`` advances.
-* A state_dict without the counter (a softmax checkpoint, or one saved before warm-up existed) loads strictly:
-  the counter starts at 0.
+``PIDConfig(warmup_steps=N)`` gives a model one :class:`GainWarmup` holding ``t``, its training-mode forward passes
+so far, as a persistent int64 buffer (saved, resumed, broadcast by DDP, copied by EMA). Each adapter calls it once
+per forward of the whole model, outside any checkpointed region, and the layers scale their gains by the returned
+scale (:func:`scaled_gains`): 0 at ``t = 0`` (the stock model), ``k / N`` after ``k`` training forwards, 1 from
+``N`` on. ``t`` and the scale are tensors (no recompilation); a state_dict without the counter loads strictly, t = 0.
 """
 from __future__ import annotations
 

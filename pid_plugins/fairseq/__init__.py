@@ -1,41 +1,14 @@
-"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``.
-
-Use with fairseq's own CLI through ``--user-dir`` (a directory with a unique name, :data:`USER_DIR`)::
+"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``::
 
     fairseq-train data-bin/x --task language_modeling --user-dir "$(python -m pid_plugins.fairseq)" \\
         --arch transformer_lm_pid --attention-cfg '{"lambda_p": 0.4, "lambda_i": 0.5, "lambda_d": 0.1, "beta": 0.3}' ...
 
-The method is ``--attention-method NAME`` (``pid``, the default; ``softmax``; or a method registered in the process,
-e.g. by the user's own ``--user-dir`` module calling ``pid_plugins.register_method``) and its parameters
-``--attention-cfg JSON`` (over its fairseq preset; PID's ``lm``): the one spelling of both.
-
-A loaded ``transformer_lm`` (``checkpoint_utils``, the hub interface) switches attention in place with
-:func:`convert`, the one way to change a built model's attention (``attention="softmax"`` puts fairseq's own
-decoder classes back).
-
-Learnable method parameters (``{"learnable": true}``: PID's gains, value_residual's lambdas) are in fairseq's
-parameter group ``attention_params`` (:data:`METHOD_PARAM_GROUP`, the ``param_group`` attribute fairseq's
-``--optimizer composite`` reads): a composite config (``fairseq-hydra-train``) with ``weight_decay: 0`` for that
-group keeps them out of weight decay. fairseq's other optimizers put every parameter in one group: with
-``--weight-decay`` > 0 they decay those too (PID's raw gains towards 0, i.e. the gains towards log 2).
-
-Import-time changes: nothing outside fairseq is patched unless the user opted in. fairseq 0.12.2 and hydra 1.0.7
-declare dataclass fields with mutable defaults, which Python 3.11 refuses (fairseq issue #5012), so on 3.11 fairseq
-imports only after the opt-in, :mod:`pid_plugins_fairseq_compat`'s hook (it lets those defaults through, only in
-``fairseq``/``hydra``): ``python -m pid_plugins_fairseq_compat install`` (a ``.pth`` file: every interpreter of the
-environment, fairseq's own commands included) or ``pid_plugins_fairseq_compat.install()`` in the process before
-this import. Without it this import stops with an ImportError saying so. With it (:data:`OPTED_IN`):
-
-* ``numpy.compat.long`` (gone in NumPy 2) is provided when missing: fairseq reads it when it builds "eos"-break
-  datasets (``fairseq-interactive``, the hub interface's ``score``/``sample``).
-
-Inside fairseq, always:
-
-* ``fairseq.checkpoint_utils.torch.load`` becomes :func:`~pid_plugins.fairseq.checkpoint.safe_torch_load`: fairseq
-  loads checkpoints with ``weights_only=True`` whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says
-  (:mod:`pid_plugins.fairseq.checkpoint`).
-* fairseq's model registry gains ``transformer_lm_pid`` and the registry's architectures (its public
-  ``register_model`` / ``register_model_architecture``).
+``--attention-method NAME`` picks the method (``pid``, the default; ``softmax``; or one registered in the process)
+and ``--attention-cfg JSON`` its parameters over its fairseq preset. A loaded ``transformer_lm`` switches in place
+with :func:`convert`. Learnable method parameters are in the parameter group :data:`METHOD_PARAM_GROUP`, which
+``--optimizer composite`` can keep out of weight decay. On Python 3.11 fairseq imports only after the opt-in
+``python -m pid_plugins_fairseq_compat install`` (:data:`OPTED_IN`); without it this import stops with an
+ImportError saying so. Inside fairseq, checkpoints load weights-only. Details: docs/fairseq.md.
 """
 import dataclasses
 import os

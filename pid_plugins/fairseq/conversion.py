@@ -1,28 +1,11 @@
 """``convert(model, attention, attention_cfg)``: switch a loaded fairseq language model's attention, in place.
 
-The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, hooks and
-train/eval mode kept) and returned, for chaining. A module changes type by being replaced in its parent (core's
-:func:`~pid_plugins.core.layer.replace_module`: a new module holding the old one's parameters, buffers, submodules
-and hooks); no class is ever reassigned.
-
-* A stock ``transformer_lm`` (fairseq's ``TransformerLanguageModel`` with its ``TransformerDecoder``, decoder layers
-  and ``MultiheadAttention``; built by the task, loaded with ``checkpoint_utils`` or the hub interface) keeps its root
-  class (:class:`~pid_plugins.fairseq.PIDTransformerLanguageModel` adds nothing but ``build_model``): its
-  ``decoder`` is replaced by :class:`~pid_plugins.fairseq.PIDTransformerDecoder`, each decoder layer (inside
-  ``decoder.layers``) by :class:`~pid_plugins.fairseq.PIDTransformerDecoderLayer` and its ``self_attn`` by
-  :class:`~pid_plugins.fairseq.PIDMultiheadAttention`, then the method, its config, learnable parameters and the
-  warm-up counter are set. It then computes what ``--arch transformer_lm_pid --attention-method NAME`` computes with
-  the same weights.
-* ``attention="softmax"`` puts fairseq's own decoder, layer and attention classes back, with every attribute,
-  parameter, buffer and submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it
-  computes exactly what the stock model computes, incremental decoding included. (A model built with ``--arch
-  transformer_lm_pid`` keeps its root class, which only builds.)
-* A model with a method is reconfigured in place (another method, other parameters, learnable parameters on or
-  off, warm-up on or off).
-
-Everything is checked before anything changes: an unknown method or bad parameters (core's message), a model that
-is not a fairseq ``transformer_lm``, decoder layers that are not fairseq's standard ones (encoder attention,
-activation checkpointing, FSDP wrapping, extra key/value biases), warm-up with a method that has no separate term.
+A stock ``transformer_lm`` keeps its root class: its ``decoder``, decoder layers and their ``self_attn`` are replaced
+by :class:`~pid_plugins.fairseq.PIDTransformerDecoder`, :class:`~pid_plugins.fairseq.PIDTransformerDecoderLayer` and
+:class:`~pid_plugins.fairseq.PIDMultiheadAttention`, and it then computes what ``--arch transformer_lm_pid`` computes
+with the same weights. ``attention="softmax"`` puts fairseq's classes back, bit for bit, incremental decoding
+included; a model with a method is reconfigured. Refused before anything changes: layers that are not fairseq's
+standard ones (encoder attention, activation checkpointing, FSDP wrapping, extra key/value biases).
 """
 from typing import Any, Optional, TypeVar
 
@@ -68,10 +51,9 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
             fairseq's ``param_group`` ``"attention_params"``, :data:`~pid_plugins.fairseq.METHOD_PARAM_GROUP`),
             ``{"warmup_steps": N}`` the warm-up counter.
 
-    The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); learnable
-    parameters and the warm-up counter are made on the model's device and dtype: build the optimizer after
-    converting. The model's train/eval mode is kept. Raises ``ValueError`` (unknown method, bad parameters) or
-    ``TypeError`` (a model or layer this cannot convert) before anything is changed.
+    The model keeps its parameter and buffer tensors and its train/eval mode; build the optimizer after converting.
+    Raises ``ValueError`` (unknown method, bad parameters) or ``TypeError`` (a model or layer this cannot convert)
+    before anything is changed.
     """
     if isinstance(model, GeneratorHubInterface):
         models = list(model.models)

@@ -1,20 +1,10 @@
 """The layers of ``transformer_lm_pid``: fairseq's attention, decoder layer and decoder with an attention method.
 
-fairseq's ``MultiheadAttention`` runs the fused ``F.multi_head_attention_forward`` in training, where per-head
-values never exist in Python, and its decoder calls each layer with no side channel. So the model is fairseq's own
-``transformer_lm`` built with three subclasses from the start (same parameters and names, so a softmax
-``transformer_lm`` checkpoint loads as is):
-
-* :class:`PIDMultiheadAttention` computes q/k/v with the layer's own projections and makes the method's one call
-  (:meth:`~pid_plugins.core.AttentionMethod.apply`) with an ``attend`` that runs SDPA with the layer's keys, masks
-  and dropout; it keeps fairseq's incremental cache (``prev_key``/``prev_value`` batch-first, so beam reordering
-  needs nothing more);
-* :class:`PIDTransformerDecoderLayer` builds that attention and returns the method's state as a fourth output;
-* :class:`PIDTransformerDecoder` builds those layers and threads the state through the layer loop, one fresh state
-  per forward.
-
-With softmax attention or a method that is the identity (PID with all gains zero) the layers run fairseq's own
-code, so outputs equal the stock model's.
+:class:`PIDMultiheadAttention` computes q/k/v with the layer's own projections and makes the method's one call with
+an ``attend`` running SDPA with the layer's keys, masks and dropout, keeping fairseq's incremental cache;
+:class:`PIDTransformerDecoderLayer` returns the method's state as a fourth output; :class:`PIDTransformerDecoder`
+threads one fresh state per forward through its layers. Parameters and names are fairseq's, so a softmax
+``transformer_lm`` checkpoint loads as is. With softmax, or a method that is the identity, fairseq's own code runs.
 """
 import json
 import logging

@@ -1,24 +1,10 @@
 """``convert(model, attention, attention_cfg)``: switch a built transformers model's attention, in place.
 
-The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the
-same module objects, hooks and train/eval mode kept) and returned, for chaining.
-
-* A stock model (``sdpa``, ``eager``, ...) gets the method: ``config.<method>`` (its parameters), the base attention
-  (``config.attention_base``), the stock implementation it had (``config.stock_attention``), learnable
-  parameters and the warm-up counter when the parameters ask for them; ``config._attn_implementation`` names the
-  method. It then computes what the model built with ``attn_implementation=<method>`` computes.
-* ``attention="softmax"`` returns it to the stock implementation it had (transformers' default when none was
-  recorded), with every parameter, buffer, submodule and config attribute pid-plugins added removed: its
-  ``state_dict`` keys are the stock model's and it computes exactly what the stock model computes.
-* A model with a method is reconfigured in place (another method, other parameters, learnable gains on or off);
-  the parameters of the method it leaves are removed from its config.
-
-Everything is checked before anything changes: an unknown method or bad parameters (core's message), a base
-attention that is not one of ``sdpa``, ``eager``, ``flex_attention`` or that the model cannot run, a model that is
-not a transformers model, a family whose attention does not go through transformers' attention interface.
-
-Also here: ``finish_warmup`` for transformers models (:func:`finish`, registered with
-:func:`pid_plugins.core.register_warmup_finisher`).
+A stock model gets the method (``config.<method>``, ``config.attention_base``, ``config.stock_attention``, learnable
+parameters and the warm-up counter where asked) and then computes what the model built with
+``attn_implementation=<method>`` computes; ``attention="softmax"`` removes everything pid-plugins added, giving the
+stock model back bit for bit; a model with a method is reconfigured. Also :func:`finish`, ``finish_warmup`` for
+transformers models.
 """
 from __future__ import annotations
 
@@ -61,15 +47,11 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
             softcapping), ``"eager"`` (attention weights) or ``"flex_attention"``; saved as
             ``config.attention_base``. None keeps the model's.
 
-    The parameters and buffers are the model's own tensors before and after; learnable parameters
-    (``{"learnable": True}``) are added to every self-attention module, initialised on its device and dtype, and
-    ``warmup_steps`` adds the warm-up counter (``attention_warmup``): build the optimizer after converting. Learnable
-    parameters a model already has are kept as trained. Convert before ``torch.compile`` and before wrapping the model.
-
-    The one way to apply a change to ``config.<method>`` of a built model (learnable parameters, a warm-up, which
-    add modules) or to give a model built before ``import pid_plugins.hf`` its method:
-    ``convert(model, method_of(model.config).name)`` (``convert(model, "pid")`` for PID): None keeps the parameters
-    the config has. Fixed parameters need no call: the next forward reads them.
+    The model keeps its parameter and buffer tensors; learnable parameters and the warm-up counter
+    (``attention_warmup``) are added where the parameters ask for them (build the optimizer after converting; trained
+    ones are kept). Convert before ``torch.compile`` and before wrapping the model. A changed ``config.<method>`` that
+    adds modules (learnable, warm-up), or a model built before ``import pid_plugins.hf``, takes
+    ``convert(model, method_of(model.config).name)``; fixed parameters need no call.
 
     Raises ``ValueError`` (unknown method, bad parameters, a base the model cannot run, attention this adapter cannot
     reach) or ``TypeError`` (not a transformers model) before anything is changed.

@@ -1,39 +1,12 @@
-"""Learnable parameters of a method for transformers models (``config.pid = {"learnable": True, ...}``, likewise
-``config.value_residual``): PID's gains, or what another method's ``make_learned`` makes (value residual: ``lambda_1``,
-``lambda_2``).
+"""Learnable parameters of a method in transformers models (``config.pid = {"learnable": True, ...}``, likewise
+``config.value_residual``): PID's gains or another method's ``make_learned`` module.
 
-Where they live: every self-attention module of a model running the method gets a submodule ``attention_params``
-(what the method's ``make_learned`` makes; for PID a :class:`~pid_plugins.core.gains.PIDGains`: ``lambda_p_raw``, ``lambda_i_raw``,
-``lambda_d_raw``, each of shape ``(1,)``, gain = softplus(raw)), so its parameters are named like
-``model.layers.3.self_attn.attention_params.lambda_p_raw`` and belong to their layer: FSDP2's ``fully_shard`` per
-decoder layer shards them with the layer, ``device_map`` puts them on the layer's device, gradient
-checkpointing recomputes them with the layer. Cross-attention has none (it runs the base attention).
-
-How they survive transformers' own paths:
-
-* construction: :mod:`pid_plugins.hf.install`'s module-registration hook calls :func:`attach` whenever a model
-  whose method's parameters are learnable registers a child (for every self-attention module below it), so
-  ``Model(config)``, ``from_config`` and ``from_pretrained(..., attn_implementation="pid")`` build them before any
-  weight is loaded, and the saved values load into them;
-* missing keys (a softmax or fixed-gain checkpoint loaded into a learnable model): transformers materialises
-  missing parameters with ``torch.empty`` and then runs its weight initialisation on every module it does not
-  know to be initialised. :mod:`pid_plugins.hf.install` makes that initialisation call :func:`reset`
-  (the config's gains, through ``transformers.initialization``, which leaves loaded parameters alone), and the
-  model's ``_keys_to_ignore_on_load_missing`` names the gains, so their absence is not reported;
-* sharded parameters: under FSDP2 (``DistributedConfig(fsdp_size=...)``, ``fully_shard``) the missing parameters are
-  DTensor shards when transformers initialises them; :func:`reset` gives each rank its shard of the initial values;
-* tensor parallelism (``from_pretrained(..., tp_plan="auto")``, ``DistributedConfig(tp_size=...)``): the parameters
-  are replicated on every rank, but each rank's attention sees only its own heads, so each rank's gradient is a
-  part of the whole. :func:`extend_tp_plan` (run when the model is built, :mod:`pid_plugins.hf.install`) adds
-  ``"<path>.attention_params": "replicated_with_grad_allreduce"`` to the model's ``tp_plan`` for every attention
-  module that has them, so transformers sums their gradients over the tensor-parallel group after the backward;
-* weight decay: transformers' ``Trainer`` decides by parameter name (``bias``, ``norm`` patterns) and
-  ``nn.LayerNorm`` type only, with no model hook. :class:`NoGainDecayTrainerMixin` (or
-  :func:`decay_parameter_names`) keeps the gains out; see its docstring.
-* peft: ``modules_to_save=["attention_params"]`` trains a copy of each layer's gains beside the adapter and saves it
-  with the adapter (``"attention_warmup"`` likewise saves the warm-up counter); :func:`layer_gains_of` and
-  :func:`is_gain_name` recognise peft's wrapper, so rediscovery keeps it and the weight-decay helpers skip its
-  gains. Tested in tests/zoos/hf/test_peft.py.
+Every self-attention module of a model running the method gets a submodule ``attention_params`` (so the parameters
+are named like ``model.layers.3.self_attn.attention_params.lambda_p_raw`` and belong to their layer); cross-attention
+has none. Here: making and resetting them (:func:`attach`, :func:`reset`), their tensor-parallel plan entries
+(:func:`extend_tp_plan`), and keeping them out of weight decay (:class:`NoGainDecayTrainerMixin`,
+:func:`decay_parameter_names`). How they survive transformers' loading, FSDP2, tensor parallelism and peft:
+docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -217,15 +190,10 @@ class NoGainDecayTrainerMixin:
     """Keeps the learnable PID gains out of weight decay in transformers' ``Trainer`` (and its subclasses,
     e.g. TRL's ``SFTTrainer``)::
 
-        from transformers import Trainer
-        from pid_plugins.hf import NoGainDecayTrainerMixin
-
         class PIDTrainer(NoGainDecayTrainerMixin, Trainer):
             pass
 
-    The Trainer puts every parameter it does not exclude by name (``bias``, ``norm``) or type
-    (``nn.LayerNorm``) into the weight-decay group and offers no model-side hook, so without this the gains
-    decay whenever ``weight_decay > 0`` (pulling each raw value towards 0, i.e. each gain towards log 2).
+    Without it the Trainer decays the gains whenever ``weight_decay > 0`` (each gain pulled towards log 2).
     """
 
     def get_decay_parameter_names(self, model: nn.Module) -> List[str]:

@@ -1,46 +1,13 @@
-"""Pipeline parallelism with ``torch.distributed.pipelining``: a transformers model split into stages whose forward
-carries the attention method's cross-layer state.
-
-PID, NeuTRENO, value residual and Elliptical hand a state from layer to layer within one forward (``v^1``, the
-running error, the previous layer's values). A pipeline stage runs only its own layers, in a forward of its own, so
-the state has to cross the stage boundary with the hidden states: :func:`pipeline_stage` makes the stage module
-whose forward takes and returns it as tensors, which the schedule sends to the next stage (and their gradients
-back)::
-
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+"""Pipeline parallelism with ``torch.distributed.pipelining`` for a transformers model whose attention method
+carries state across layers: :func:`pipeline_stage` builds the stage module whose forward takes and returns that
+state with the hidden states, so the schedule sends it to the next stage (and its gradients back)::
 
     stage_module = pid_plugins.hf.pipeline_stage(model, rank, world_size)   # this rank's layers, in place
     stage = PipelineStage(stage_module, rank, world_size, device)
     schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
-    if rank == 0:
-        schedule.step(input_ids)
-    elif rank == world_size - 1:
-        losses = []
-        schedule.step(target=labels, losses=losses)   # returns the logits
-    else:
-        schedule.step()
 
-A stage's forward:
-
-* first stage: ``forward(input_ids, **kwargs)``; later stages: ``forward(hidden_states, *state, **kwargs)``;
-* last stage: the logits; the others: ``(hidden_states, *state)``, where ``state`` is the method's
-  ``state_fields`` of the stage's last layer (PID: ``v_first, e_sum, e_prev``; NeuTRENO and value residual:
-  ``v_first``; Elliptical: ``v_prev``; Twicing and softmax: none), contiguous (gloo sends only contiguous tensors);
-  a field that is None (PID's sums before a reference-only first layer has formed an error) travels as an empty
-  tensor. The gradients the schedule sends back for the inputs are made contiguous too.
-* ``kwargs`` (``attention_mask``, ``position_ids``) go to the model's forward on every stage; give them to
-  ``schedule.step`` on every rank. The stages run without a KV cache (``use_cache=False``).
-
-Which layers a stage owns: ``base_model.layers[start:end)``, by default transformers' own even split
-(``DistributedConfig(pp_size=...)``: the first stages take one more layer each when the count does not divide). The
-model is changed in place, as transformers' own pipeline parallelism does: the layers of other stages, the
-embedding on later stages and the final norm and head on earlier ones are replaced by placeholders, so the stage
-module's ``parameters()`` are the stage's own (build the optimizer on them). The supported models are the
-decoder-only families whose base model keeps its layers in ``layers`` (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...),
-as for transformers' own pipeline parallelism.
-
-transformers' own ``DistributedConfig(pp_size=...)`` hands the next stage only the hidden states: methods that carry
-state across layers are refused under it, with a message naming this route.
+Decoder-only families with ``base_model.layers`` (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...). transformers' own
+``DistributedConfig(pp_size=...)`` refuses these methods, naming this route. A whole example: docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -253,23 +220,27 @@ class PipelineStageModule(nn.Module):
 def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
                    layer_range: Optional[Tuple[int, int]] = None) -> PipelineStageModule:
     """Stage ``stage_index`` of ``num_stages`` of ``model`` for ``torch.distributed.pipelining``: the module whose
-    forward carries the attention method's cross-layer state across the stage boundary as tensors (see the module
-    docstring for the forward's inputs and outputs).
+    forward carries the attention method's cross-layer state across the stage boundary as tensors.
+
+    The first stage's forward takes ``input_ids``, a later stage's ``(hidden_states, *state)``; the last stage returns
+    the logits, the others ``(hidden_states, *state)``. ``state`` is the method's ``state_fields`` after the stage's last
+    layer (PID: ``v_first, e_sum, e_prev``; NeuTRENO, value residual: ``v_first``; Elliptical: ``v_prev``; Twicing and
+    softmax: none), contiguous, with an empty tensor for a field that is None. Keyword arguments (``attention_mask``,
+    ``position_ids``) go to ``schedule.step`` on every rank; stages run without a KV cache.
 
     Args:
         model: a transformers decoder-only model (``...ForCausalLM`` for logits from the last stage, or a base
             model), with its attention method chosen (``attn_implementation=...``, :func:`pid_plugins.hf.convert`)
-            before the split; changed in place: the modules of other stages become placeholders.
+            before the split; changed in place: the modules of other stages become placeholders, so the stage
+            module's ``parameters()`` are the stage's own.
         stage_index: this stage, from 0 (usually the rank).
         num_stages: the number of stages (usually the world size).
         layer_range: the layers ``[start, end)`` of ``base_model.layers`` this stage owns (default: transformers'
             even split, :func:`stage_layer_range`). Stages must cover the layers in order without gaps.
 
     Refused (``ValueError``) before anything is changed: a model without ``base_model.layers``, an empty or
-    out-of-range stage, a model with gain warm-up (``warmup_steps``: the counter counts forwards, which a schedule
-    runs once per stage and microbatch; finish it with :func:`pid_plugins.finish_warmup` or train without).
-    Tied input and output embeddings on different stages are two copies that training updates separately (a
-    warning says so): untie them, or sum their gradients yourself.
+    out-of-range stage, a model with gain warm-up (finish it with :func:`pid_plugins.finish_warmup` first). Tied input
+    and output embeddings on different stages are two copies that training updates separately (a warning says so).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"pipeline_stage: a transformers PreTrainedModel, got {type(model).__name__}")

@@ -1,19 +1,10 @@
 """The start-up hook of ``pid-plugins run`` (:mod:`pid_plugins.launch`): Python imports it as ``sitecustomize``.
 
-``pid-plugins run`` puts this folder first on ``PYTHONPATH`` and the adapters' names in ``PID_PLUGINS_ADAPTERS``
-for the command it runs, so every Python process of that command (and every process those start, which inherit the
-environment) runs this file at start-up. It imports nothing heavy: it adds one finder to ``sys.meta_path`` that, when
-the process imports a zoo (``transformers``, ``timm``, ``mmseg``, ``fairseq``), imports that zoo's adapter
-(``pid_plugins.hf``, ...) right after the zoo's own ``__init__``, before any of the process's code uses it. A process
-that never imports a zoo pays nothing; an adapter that fails to import makes the zoo's import fail with an error
-naming the adapter (a tool must not go on with a model it cannot build as saved).
-
-Then it runs the ``sitecustomize`` that Python would have run without this folder (the next one on ``sys.path``), so
-an environment's own start-up hook keeps working, and takes this folder off ``sys.path`` again (it stays on
-``PYTHONPATH`` for the processes this one starts).
-
-Standard library only, and nothing runs when it is imported under another name (:mod:`pid_plugins.launch` reads
-:data:`ADAPTERS` from it).
+It adds one finder to ``sys.meta_path`` that imports a zoo's adapter (``pid_plugins.hf``, ...) right after the zoo's
+own ``__init__`` (``transformers``, ``timm``, ``mmseg``, ``fairseq``); an adapter that fails to import makes the
+zoo's import fail, naming it. Then it runs the ``sitecustomize`` Python would have run without this folder and takes
+this folder off ``sys.path`` (it stays on ``PYTHONPATH`` for child processes). Standard library only; nothing runs
+when it is imported under another name (:mod:`pid_plugins.launch` reads :data:`ADAPTERS` from it).
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """mmsegmentation adapter: ``PIDVisionTransformer``, a Segmenter/ViT backbone with PID attention (or another method).
 
 List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=dict(type='PIDVisionTransformer',
-...)``: it takes every argument of mmseg's ``VisionTransformer`` plus ``attention='pid'|'softmax'|'<method>'`` and
-the method's parameters ``attention_cfg=dict(...)`` (over its ``mmseg`` preset, PID's ``segmenter``).
-``decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid')`` puts the method in the decoder too. A method registered with ``pid_plugins.register_method``
-is picked by its name (list its module in ``custom_imports`` first). ``attention_cfg=dict(learnable=True)`` (PID's
-gains, value residual's lambdas) gives every layer its own trainable ``attention_params``; the shipped configs keep
-them out of weight decay (``optim_wrapper.paramwise_cfg.custom_keys``). :func:`convert` switches a built segmentor in place (the one way to change a built model's attention).
-
-Import-time changes to third-party modules (all made when this package is imported, e.g. by ``custom_imports``):
-
-* ``mmcv._ext``: a stand-in module, only when the compiled mmcv ops are absent (mmcv-lite), so ``mmseg.models``
-  imports; its ops raise a clear error when called (:mod:`pid_plugins.mmseg.compat`).
-* mmseg's ``MODELS`` registry: ``PIDVisionTransformer`` and ``PIDSegmenterMaskTransformerHead`` added (new names;
-  mmseg's own classes are untouched); ``HOOKS``: ``WeightsOnlyCheckpointHook``.
-
-mmengine's ``CheckpointLoader`` is left as mmengine made it. The plugin's own paths load weights only, whatever
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says: the backbone's ``init_cfg``, and ``load_from`` / ``resume`` / mmseg's
-tools in runs whose config lists ``WeightsOnlyCheckpointHook`` in ``custom_hooks`` (the shipped configs do:
-:mod:`pid_plugins.mmseg.checkpoint`).
+...)``: every argument of mmseg's ``VisionTransformer`` plus ``attention='pid'|'softmax'|'<method>'`` and the
+method's parameters ``attention_cfg=dict(...)`` (over its ``mmseg`` preset, PID's ``segmenter``).
+``decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid')`` puts the method in the decoder too.
+A method registered with ``pid_plugins.register_method`` is picked by its name (its module in ``custom_imports``
+first). ``attention_cfg=dict(learnable=True)`` gives every layer its own trainable ``attention_params``; the
+shipped configs keep them out of weight decay. :func:`convert` switches a built segmentor in place. The import adds
+these types and ``WeightsOnlyCheckpointHook`` to mmseg's registries, and a stand-in ``mmcv._ext`` under mmcv-lite
+(docs/architecture.md); checkpoints load weights only on the plugin's paths (:mod:`pid_plugins.mmseg.checkpoint`).
 """
 from .compat import install_mmcv_ext_standin
 

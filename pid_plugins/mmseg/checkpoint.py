@@ -1,30 +1,12 @@
-"""Checkpoint loading for mmseg/mmengine that never runs code from a checkpoint.
+"""Checkpoint loading for mmseg/mmengine that never runs code from a checkpoint, whatever
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says: :func:`load_checkpoint` passes ``weights_only=True`` for every scheme.
 
-mmengine's ``CheckpointLoader`` (behind ``init_cfg=dict(type='Pretrained')``, ``load_from``, ``resume`` and
-mmseg's ``tools/train.py`` / ``tools/test.py``) calls ``torch.load`` without ``weights_only``, so
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns it into a plain unpickler that executes any ``__reduce__``.
-An explicit ``weights_only=True`` is never overridden by that variable (torch 2.14), so
-:func:`load_checkpoint` passes it for every scheme.
-
-The scope is the plugin's own paths, never the whole process: importing ``pid_plugins.mmseg`` leaves mmengine's
-``CheckpointLoader`` as mmengine made it.
-
-* ``init_cfg=dict(type='Pretrained')`` of :class:`~pid_plugins.mmseg.PIDVisionTransformer` calls
-  :func:`load_checkpoint` itself.
-* ``load_from``, ``resume`` and mmseg's ``tools/train.py`` / ``tools/test.py``: the shipped configs add
-  :class:`WeightsOnlyCheckpointHook` to ``custom_hooks``. From the runner's ``before_run`` to its ``after_run``
-  (the runner loads ``load_from``/``resume`` in between), every mmengine scheme loads through
-  :func:`load_checkpoint` (:func:`weights_only_schemes`). Configs that inherit the shipped ones get it. Add
-  ``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]`` to a config of your own.
-* :func:`install` makes it process-wide, for a user who asks for that.
-
-mmengine's own training checkpoints hold a few objects besides tensors (the ``message_hub`` logs):
-:data:`SAFE_GLOBALS` allow-lists exactly those, only inside :func:`load_checkpoint` (``torch.serialization.
-safe_globals``, a context: other ``torch.load`` calls of the process do not see them; found by saving
-a checkpoint with mmengine's ``Runner`` and listing ``get_unsafe_globals_in_checkpoint``). One of them is
-``builtins.getattr``, which pickle uses for ``HistoryBuffer.min``-style method references; it is registered
-as :func:`history_buffer_method`, which returns only HistoryBuffer's own statistic methods and refuses
-anything else (a real ``getattr`` would let a checkpoint reach ``exec``).
+Only the plugin's own paths use it; importing ``pid_plugins.mmseg`` leaves mmengine's ``CheckpointLoader`` as it is.
+``init_cfg=dict(type='Pretrained')`` of :class:`~pid_plugins.mmseg.PIDVisionTransformer` calls it;
+:class:`WeightsOnlyCheckpointHook` (in the shipped configs' ``custom_hooks``; add
+``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]`` to your own) routes every mmengine scheme through it for
+a run, ``load_from``/``resume`` and mmseg's tools included; :func:`install` does so process-wide, on request.
+:data:`SAFE_GLOBALS` allow-lists what mmengine's training checkpoints hold besides tensors, only inside these loads.
 """
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """``convert(model, attention, attention_cfg)``: switch a built mmseg model's attention, in place.
 
-The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, hooks and
-train/eval mode kept) and returned, for chaining. A module changes type by being replaced in its parent (core's
-:func:`~pid_plugins.core.layer.replace_module`: a new module holding the old one's parameters, buffers, submodules
-and hooks); no class is ever reassigned.
-
-* A segmentor (mmseg's ``EncoderDecoder``, or any ``BaseSegmentor`` with one ``backbone`` and one ``decode_head``)
-  whose backbone is mmseg's ``VisionTransformer`` and whose decode head is ``SegmenterMaskTransformerHead`` (Segmenter):
-  its ``backbone`` and ``decode_head`` are replaced by :class:`~pid_plugins.mmseg.PIDVisionTransformer` and
-  :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` with the method, each its own group (what a config with
-  those types builds), and their ``TransformerEncoderLayer`` layers by
-  :class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer` (inside ``layers``).
-* ``attention="softmax"`` on a segmentor puts mmseg's own classes back, with every attribute, parameter, buffer and
-  submodule pid-plugins added removed: its ``state_dict`` keys are the stock model's and it computes exactly what the
-  stock model computes.
-* A bare ``PIDVisionTransformer`` or ``PIDSegmenterMaskTransformerHead`` (built from a config, or a converted
-  segmentor's part) is reconfigured in place and keeps its class: another method, other parameters, or softmax
-  (mmseg's own layers and forward: the stock function, bit for bit).
-* A bare STOCK ``VisionTransformer`` backbone (built alone) keeps its class (the module given has no parent to
-  replace it in): it gets the attributes of :class:`~pid_plugins.mmseg.PIDVisionTransformer` (the method, its
-  config, the warm-up counter, the method record), its layers are switched as above, and its ``forward`` becomes
-  :class:`~pid_plugins.mmseg.PIDVisionTransformer`'s (:func:`~pid_plugins.mmseg.vit.bare_forward` bound as an
-  instance attribute): the same outputs and ``state_dict`` as the backbone built with that type and the same weights.
-  ``attention="softmax"`` removes all of it. A bare stock ``SegmenterMaskTransformerHead`` the same way, with
-  :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead`'s forward (:func:`~pid_plugins.mmseg.head.bare_head_forward`).
-
-Everything is checked before anything changes: an unknown method or bad parameters (core's message), a model that is
-not one of those, layers that are not mmseg's ``TransformerEncoderLayer``.
+A Segmenter segmentor's ``backbone`` and ``decode_head`` are replaced by
+:class:`~pid_plugins.mmseg.PIDVisionTransformer` and :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead`
+(each its own group, as a config with those types builds), their layers by :class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer`; ``attention="softmax"`` puts mmseg's
+own classes back, bit for bit. A bare method backbone or head is reconfigured; a bare stock one keeps its class and
+gets the method class's attributes and forward (:func:`~pid_plugins.mmseg.vit.bare_forward`,
+:func:`~pid_plugins.mmseg.head.bare_head_forward`), as it has no parent to be replaced in.
 """
 from __future__ import annotations
 
@@ -71,10 +50,8 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
             PID the paper's ``segmenter``), or a preset name; ``{"learnable": True}`` gives every layer its own
             trainable parameters (``attention_params``), ``warmup_steps`` the warm-up counter (``attention_warmup``).
 
-    The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); learnable
-    parameters are made at their initial values on the layer's device and dtype and in its train/eval mode: build
-    the optimizer (mmengine's ``build_optim_wrapper``) after converting. Convert before wrapping the model (DDP,
-    FSDP) and before ``torch.compile``.
+    The model keeps its parameter and buffer tensors; learnable parameters are made on the layer's device and dtype:
+    build the optimizer after converting, and convert before wrapping the model (DDP, FSDP) or ``torch.compile``.
 
     Raises ``ValueError`` (unknown method, bad parameters) or ``TypeError`` (a model, head or layer this cannot
     convert) before anything is changed.

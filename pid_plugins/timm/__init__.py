@@ -9,19 +9,8 @@
     pid_plugins.timm.convert(stock_vit, "pid", {"lambda_p": 0.5})               # in place, the same tensors
     pid_plugins.timm.convert(stock_vit, "softmax")                               # timm's own classes again
 
-``convert`` is the one way to switch a built model (ViT/DeiT, FAN); a stock ViT keeps its class, its ``blocks``
-become a :class:`MethodBlocks` that threads the method's state and its ``forward_features`` /
-``forward_intermediates`` the method classes' own, so it runs every path of the model built by name (see
-:mod:`pid_plugins.timm.conversion`).
-
-Import-time changes to third-party modules (all through timm's and torch.fx's own extension points):
-
-* timm's model registry: ``register_model`` adds the ``pid_*`` names and the softmax ``fan_*`` names (with their
-  ``default_cfgs``), so ``timm.create_model`` and timm's scripts find them.
-* timm's fx leaf list: ``register_notrace_function`` of core's ``_fx_update`` (a method's update step, whose
-  shape checks are Python control flow fx cannot trace) and ``_fx_check`` (a method's refusals, run with the
-  concrete arguments when the traced graph runs), so timm's feature extraction records each as one call. Core marks
-  the same two with ``torch.fx.wrap`` for plain torch.fx tracers (torchvision's feature extraction).
+:func:`convert` is the one way to switch a built model (ViT/DeiT, FAN). The import adds the ``pid_*`` and ``fan_*``
+names to timm's registry and core's update step to timm's fx leaf functions; nothing else (docs/architecture.md).
 """
 try:
     import timm  # noqa: F401

@@ -1,30 +1,10 @@
 """``convert(model, attention, attention_cfg)``: switch a built timm model's attention, in place.
 
-The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the
-same module objects' parameters, hooks and train/eval mode kept) and returned, for chaining. A module whose type
-changes is replaced through core's :func:`~pid_plugins.core.layer.replace_module` (a new module holding the old one's
-parameters, buffers, submodules and hooks); no class is ever reassigned.
-
-* A stock timm ``VisionTransformer`` / ``VisionTransformerDistilled`` (standard ``Block`` + ``Attention``) keeps its
-  class (the root module cannot be replaced in place): ``model.blocks`` becomes a
-  :class:`~pid_plugins.timm.MethodBlocks` (the same blocks under the same keys) of
-  :class:`~pid_plugins.timm.PIDBlock` / :class:`~pid_plugins.timm.PIDAttention` blocks, and the root's two methods
-  that loop over the blocks themselves, ``forward_features`` and ``forward_intermediates``, become the method
-  classes' own (instance attributes, :func:`thread_root_paths`): the converted model runs every path of the model
-  built by name with the same weights, with the same outputs and gradients (``forward``, ``attn_mask`` /
-  ``is_causal``, ``set_grad_checkpointing``, ``forward_intermediates`` / ``get_intermediate_layers``, timm's and
-  torchvision's torch.fx feature extraction, ``torch.compile``; ``copy.deepcopy`` and pickling keep them). A warm-up
-  counter is the model's submodule ``attention_warmup`` (the key a model built by name has); the ``state_dict`` keys
-  are the model built by name's. Checkpoints load strictly either way.
-* ``attention="softmax"`` on such a model gives back timm's own classes (``Block``, ``Attention``, ``nn.Sequential``)
-  with nothing of pid-plugins left: its ``state_dict`` keys are the stock model's and it computes exactly what the
-  stock model computes. A model built by a ``pid_*`` name keeps its class and runs the stock attention bit for bit.
-* A model with a method is reconfigured in place (another method, other parameters, learnable gains on or off).
-* FAN (pid-plugins' own class; its softmax form is what ``timm.create_model("fan_...")`` builds) switches its
-  token mixing in place and keeps its class.
-
-Everything is checked before anything changes: an unknown method or bad parameters (core's message), a model
-that is not one of those, blocks that are not the standard ones, blocks of different head shapes.
+A stock ViT/DeiT keeps its class (a root cannot be replaced in place): ``model.blocks`` becomes a
+:class:`~pid_plugins.timm.MethodBlocks` of :class:`~pid_plugins.timm.PIDBlock` blocks, and ``forward_features`` /
+``forward_intermediates`` become the method classes' (instance attributes, :func:`thread_root_paths`), so it runs
+every path of the model built by name, with its ``state_dict`` keys. ``attention="softmax"`` gives timm's own classes
+back, bit for bit; a model with a method is reconfigured; FAN switches its token mixing and keeps its class.
 """
 from __future__ import annotations
 
@@ -64,13 +44,11 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
         attention_cfg: the method's parameters: a config instance, a dict of overrides of its default preset (for
             PID the ``deit`` preset), or a preset name.
 
-    The parameters and buffers are the model's own tensors before and after (nothing is copied or moved); a
-    method with learnable parameters (``{"learnable": True}``) adds them, initialised on the model's device and
-    dtype, and ``warmup_steps`` adds the warm-up counter (``attention_warmup``): build the optimizer after converting.
+    The model keeps its parameter and buffer tensors; learnable parameters (``{"learnable": True}``) and the warm-up
+    counter (``attention_warmup``) are added on the model's device and dtype: build the optimizer after converting.
     Convert before ``torch.compile`` (a compiled wrapper is refused) and before wrapping the model (DDP, FSDP). A
-    stock ViT keeps its class and runs every path the model built by its ``pid_*`` name runs, with the same outputs
-    (gradient checkpointing, ``attn_mask`` / ``is_causal``, ``forward_intermediates``, torch.fx feature extraction):
-    its ``forward_features`` and ``forward_intermediates`` are the method classes' (:func:`thread_root_paths`).
+    converted stock ViT keeps its class and runs every path of the model built by its ``pid_*`` name with the same
+    outputs (:func:`thread_root_paths`).
 
     Raises ``ValueError`` (unknown method, bad parameters, blocks of different head shapes) or ``TypeError`` (a
     model or block this cannot convert) before anything is changed.

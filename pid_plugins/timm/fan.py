@@ -1,19 +1,11 @@
 """FAN (Fully Attentional Networks, Zhou et al., ICML 2022), ViT variant, softmax and PID, as timm models.
 
-Written from the paper and the official model's description (the reference implementation's licence does
-not allow reuse of its code); with an official state_dict it computes the official function (checked against
-an independent re-implementation in ``tests/zoos/timm/test_timm_fan_official.py``), including the official weight
-initialisation. The stem, the Fourier positional encoding and the class-attention blocks are timm's XCiT
-components, which FAN shares; parameter names follow the official FAN checkpoints, so they load strictly
-after :func:`checkpoint_filter_fn` (unwrapping, ``pos_embeder`` -> ``pos_embed``, fused class-attention
-``qkv`` split into ``q``/``k``/``v``).
-
-The PID group (or any registered attention method's, ``attention="<name>"``) is the token-mixing self-attention
-of the FAN blocks; the class-attention blocks stay softmax. The method's state flows between blocks as plain
-tensors: ``block(x, H, W, *state) -> (x, *state)``.
-
-Names (from ``registry/timm.toml``): ``fan_{tiny_12,small_12,base_18,large_24}_p16_224`` (softmax) and
-``pid_fan_*`` (PID, preset ``deit``).
+Written from the paper and the official model's description; with an official state_dict (after
+:func:`checkpoint_filter_fn`) it computes the official function, initialisation included
+(``tests/zoos/timm/test_timm_fan_official.py``). The stem, Fourier positions and class-attention blocks are timm's
+XCiT components. The method (``attention="<name>"``) is the token-mixing self-attention of the FAN blocks, its state
+passed as tensors ``block(x, H, W, *state) -> (x, *state)``; class attention stays softmax. Names (registry/timm.toml):
+``fan_{tiny_12,small_12,base_18,large_24}_p16_224`` (softmax) and ``pid_fan_*`` (PID, preset ``deit``).
 """
 from __future__ import annotations
 
