@@ -1,7 +1,5 @@
-"""Reads the registry (``pid_plugins.registry``: presets and one TOML file of variants per zoo).
-
-Every adapter registers its PID model names from here, so a variant is declared exactly once.
-"""
+"""Reads the registry (``pid_plugins.registry``: presets and one TOML file of variants per zoo), from which every
+adapter registers its model names: a variant is declared once."""
 from __future__ import annotations
 
 import difflib
@@ -22,11 +20,8 @@ _ENTRY_KEYS = {"name", "base", "arch", "preset", "gains", "description", "paper"
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One PID variant: its name, the zoo it lives in, the stock architecture it modifies, its gains.
-
-    ``kwargs`` are the architecture's hyperparameters (what a timm ``register_model`` function would set);
-    ``paper`` holds the numbers the paper reports for this variant, where it has them.
-    """
+    """One PID variant: its name, zoo, the stock architecture it modifies and its gains; ``kwargs`` are the
+    architecture's hyperparameters, ``paper`` the numbers the paper reports for it, where it has them."""
 
     name: str
     zoo: str

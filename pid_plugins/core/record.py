@@ -93,10 +93,9 @@ def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
 
 def check_saved_record(owner: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                        missing_keys: List[str], *args: Any) -> None:
-    """``load_state_dict`` pre-hook of a record's owner, run before any of its tensors is loaded: the checkpoint's
-    record against the method the owner runs. No record (a softmax checkpoint): nothing to check. An unreadable
-    record or a method not registered in this process: ``ValueError``, and nothing of the owner is loaded; another
-    method or other parameters: one :class:`MethodRecordWarning` naming both and how to build the model as saved."""
+    """``load_state_dict`` pre-hook of a record's owner, run before any of its tensors is loaded: an unreadable record
+    or a method not registered here raises ``ValueError`` (nothing loaded); another method or other parameters give one
+    :class:`MethodRecordWarning`; no record (softmax) is fine."""
     key = prefix + RECORD_KEY
     if key not in state_dict:  # a softmax checkpoint: the model keeps its own record, which is not missing
         if RECORD in owner._buffers:

@@ -19,12 +19,9 @@ __all__ = ["GainWarmup", "make_warmup", "scaled_gains"]
 
 
 class GainWarmup(nn.Module):
-    """The warm-up counter of one model: ``step`` (t, int64 buffer) and ``warmup_steps`` (N > 0).
-
-    Calling it returns this forward's scale ``min(1, t / N)`` (a 0-dim float tensor on the buffer's device,
-    float64 except on MPS) and, in training mode, then advances ``t`` by one. :meth:`scale` and
-    :meth:`advance` are the two halves, for adapters that read the scale and advance at different places.
-    """
+    """The warm-up counter of one model: ``step`` (t, int64 buffer) and ``warmup_steps`` (N > 0). Calling it returns
+    this forward's scale ``min(1, t / N)`` (a 0-dim tensor) and, in training mode, advances ``t``; :meth:`scale` and
+    :meth:`advance` are the two halves."""
 
     def __init__(self, warmup_steps: int) -> None:
         super().__init__()
@@ -61,10 +58,8 @@ class GainWarmup(nn.Module):
 
 def make_warmup(steps: int, current: Optional[GainWarmup] = None,
                 like: Optional[Tensor] = None) -> Optional[GainWarmup]:
-    """The counter of a model whose method's parameters warm up over ``steps`` forwards (any method's
-    ``warmup_steps``): None for 0 (the model has no counter and its state_dict is unchanged). ``current`` (a model's
-    existing counter, when it is reconfigured) is kept if ``N`` is unchanged, else its ``t`` carries over to the new
-    counter. ``like``: a tensor of the model (device)."""
+    """The counter of a model whose method warms up over ``steps`` forwards, None for 0. ``current`` (the model's
+    counter when it is reconfigured) is kept if ``steps`` is unchanged, else its ``t`` carries over."""
     if not steps:
         return None
     if current is not None and current.warmup_steps == steps:
@@ -79,9 +74,8 @@ def make_warmup(steps: int, current: Optional[GainWarmup] = None,
 
 
 def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
-    """``gains`` (a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``) with
-    the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None (no warm-up: fixed gains stay
-    Python floats, so :func:`pid_update` keeps its fast path)."""
+    """``gains`` with the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None (fixed gains
+    stay Python floats, so :func:`pid_update` keeps its fast path)."""
     if scale is None:
         return gains
     if isinstance(gains, PIDConfig):

@@ -1,16 +1,8 @@
 """Safe loading of fairseq checkpoints: no pickled code runs, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says.
 
-fairseq 0.12.2 reads checkpoints with a bare ``torch.load(f, map_location=...)``. Its default is
-``weights_only=True``, but the environment variable ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns that off for
-every call that does not pass ``weights_only`` itself. :func:`safe_torch_load` always passes
-``weights_only=True`` (which the variable cannot override) and allow-lists exactly what fairseq's checkpoint
-format needs beyond tensors and plain containers: :class:`argparse.Namespace`, the ``args`` of checkpoints
-written before fairseq's hydra configs (0.12 writes ``cfg`` as a plain dict).
-
-:func:`install` makes ``fairseq.checkpoint_utils`` use it (``fairseq-train`` ``--restore-file`` /
-``--finetune-from-model``, ``fairseq-eval-lm``, ``fairseq-generate``, the hub interface and
-:func:`~pid_plugins.fairseq.load_pid_lm`): importing :mod:`pid_plugins.fairseq`, which ``--user-dir`` does,
-installs it.
+:func:`safe_torch_load` always passes ``weights_only=True`` (which the variable cannot override) and allow-lists
+only :class:`argparse.Namespace` (the ``args`` of older checkpoints) beyond tensors and containers. Importing
+:mod:`pid_plugins.fairseq` runs :func:`install`, so every load of ``fairseq.checkpoint_utils`` uses it.
 """
 import argparse
 import types

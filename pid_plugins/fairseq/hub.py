@@ -9,15 +9,11 @@ __all__ = ["load_pid_lm"]
 
 def load_pid_lm(checkpoint: str, data: str, **kwargs: Any):
     """Load a ``transformer_lm_pid`` (or ``transformer_lm``) checkpoint for inference: fairseq's hub interface
-    (``.score()``, ``.sample()``, ``.generate()``), in eval mode. ``data`` is the binarised data directory
-    (its ``dict.txt``). The file is read with ``torch.load(weights_only=True)`` whatever the environment says
-    (:mod:`pid_plugins.fairseq.checkpoint`): a checkpoint holding anything but tensors, containers and
-    ``argparse.Namespace`` raises :class:`~pid_plugins.fairseq.checkpoint.UnsafeCheckpointError`.
-
-    ``kwargs`` are fairseq's overrides of the saved model options (e.g. ``attention_cfg='{"preset": "lm"}'``, the
-    saved ``--attention-cfg`` without ``warmup_steps``, for a model saved after :func:`pid_plugins.finish_warmup`
-    with its warm-up options). A stock ``transformer_lm`` checkpoint loads as
-    fairseq's own model: ``pid_plugins.fairseq.convert(hub, "pid")`` switches its attention in place.
+    (``.score()``, ``.sample()``, ``.generate()``), in eval mode. ``data`` is the binarised data directory (its
+    ``dict.txt``). The file is read weights-only: anything but tensors, containers and ``argparse.Namespace`` raises
+    :class:`~pid_plugins.fairseq.checkpoint.UnsafeCheckpointError`. ``kwargs`` override the saved model options (e.g.
+    ``attention_cfg='{"preset": "lm"}'``). A stock ``transformer_lm`` loads as fairseq's own model; switch it with
+    ``pid_plugins.fairseq.convert(hub, "pid")``.
     """
     if not os.path.isfile(checkpoint):
         raise FileNotFoundError(f"fairseq checkpoint not found: {checkpoint!r}")

@@ -43,12 +43,9 @@ METHOD_PARAM_GROUP = "attention_params"
 
 
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
-    """fairseq self-attention (same parameters) whose output the attention method computes.
-
-    ``attention_method`` (an :class:`~pid_plugins.core.AttentionMethod`, or None for softmax) and
-    ``attention_config`` (its config) are given at construction; a method with learnable parameters keeps them as
-    ``attention_params``.
-    """
+    """fairseq self-attention (same parameters) whose output the attention method computes; ``attention_method``
+    (None: softmax) and ``attention_config`` are given at construction, learnable parameters kept as
+    ``attention_params``."""
 
     def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
                  **kwargs: Any) -> None:
@@ -93,11 +90,9 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         restart: bool = False,
     ) -> Tuple[Tensor, tuple]:
         """The layer under its method, one :meth:`~pid_plugins.core.AttentionMethod.apply`: q/k/v from the layer's
-        projections (cached keys/values prepended), ``attend`` = SDPA with the keys, masks and dropout bound, then
-        the output projection. Under gain warm-up (``scale``; additive methods) fairseq's own attention, its fused
-        kernel and cache, is the stock path, to which the method adds its scaled term through the output
-        projection's weight: a zero scale is the stock layer exactly. ``restart``: the decoder's layer dropout may
-        have skipped every earlier layer in this forward (:attr:`LayerCall.restart <pid_plugins.core.LayerCall>`)."""
+        projections (cached keys/values prepended), SDPA as ``attend``, then the output projection. Under gain warm-up
+        fairseq's own attention is the stock path, to which the method adds its scaled term (a zero scale is the stock
+        layer exactly). ``restart``: layer dropout may have skipped every earlier layer in this forward."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
         context = AttentionContext(causal=True, cached=incremental_state is not None,
@@ -248,9 +243,8 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
 
 
 def embedding_like(decoder: TransformerDecoder) -> Tensor:
-    """A parameter of the decoder's token embedding, for the device and dtype of what the method adds to the decoder
-    (its embedding is an ``Embedding``, or a ``CharacterTokenEmbedder`` / ``AdaptiveInput``, which have no
-    ``weight``)."""
+    """A parameter of the decoder's token embedding (which may have no ``weight``), for the device and dtype of
+    what the method adds to the decoder."""
     return next(decoder.embed_tokens.parameters())
 
 
@@ -287,9 +281,8 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
-        """fairseq's upgrade (run on every checkpoint load), then one warning when this decoder warms up but the checkpoint has no warm-up counter: the counter starts at
-        0, i.e. the stock model. That is meant when fine-tuning a softmax checkpoint; a model saved after
-        :func:`pid_plugins.finish_warmup` is loaded with its warm-up off instead (fairseq's ``arg_overrides``)."""
+        """fairseq's upgrade, then one warning when this decoder warms up but the checkpoint has no warm-up counter (it
+        starts at 0, the stock model: meant when fine-tuning a softmax checkpoint)."""
         state_dict = super().upgrade_state_dict_named(state_dict, name)
         key = f"{name}.attention_warmup.step" if name else "attention_warmup.step"
         if self.attention_warmup is not None and key not in state_dict:

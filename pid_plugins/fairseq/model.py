@@ -1,10 +1,7 @@
-"""``--arch transformer_lm_pid``: fairseq's ``transformer_lm`` with an attention method, registered with fairseq's
-``register_model`` and the registry's architectures (``registry/fairseq.toml``) with ``register_model_architecture``.
-
-The method is ``--attention-method NAME`` (``pid``, the default; ``softmax``; or any method registered with
-:func:`pid_plugins.register_method`, e.g. in the user's own ``--user-dir``) with its parameters as
-``--attention-cfg JSON`` (:mod:`pid_plugins.fairseq.options`). The
-layers are in :mod:`pid_plugins.fairseq.layers`, loading for inference in :mod:`pid_plugins.fairseq.hub`.
+"""``--arch transformer_lm_pid``: fairseq's ``transformer_lm`` with an attention method (``--attention-method``,
+``--attention-cfg``: :mod:`pid_plugins.fairseq.options`), registered with the registry's architectures
+(``registry/fairseq.toml``). Layers: :mod:`pid_plugins.fairseq.layers`; loading for inference:
+:mod:`pid_plugins.fairseq.hub`.
 """
 # no `from __future__ import annotations`: omegaconf 2.0 reads the config dataclass field types at run time
 
@@ -32,10 +29,8 @@ __all__ = [
 
 @register_model("transformer_lm_pid", dataclass=PIDTransformerLanguageModelConfig)
 class PIDTransformerLanguageModel(TransformerLanguageModel):
-    """fairseq's ``transformer_lm`` with the attention method of ``--attention-method`` (PID by default, parameters
-    from ``--attention-cfg``, preset ``lm``), built as :class:`PIDTransformerDecoder`. It adds nothing to fairseq's
-    ``TransformerLanguageModel`` but :meth:`build_model`: :func:`~pid_plugins.fairseq.convert` leaves a converted
-    model's root class as it is and replaces its decoder."""
+    """fairseq's ``transformer_lm`` built with :class:`PIDTransformerDecoder` and the method of
+    ``--attention-method`` (PID by default, preset ``lm``); it adds nothing but :meth:`build_model`."""
 
     @classmethod
     def build_model(cls, args: Any, task: Any) -> "PIDTransformerLanguageModel":

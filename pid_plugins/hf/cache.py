@@ -1,14 +1,7 @@
-"""A method and transformers' KV caches: where the query positions' values are, and a method's own per-position
-tensor kept inside the model's cache.
-
-* :func:`static_past`: a static cache's length before this forward, as the cache's own tensor (no ``int()``: compiled
-  decoding does not recompile per step); None for dynamic caches (the query rows end the value tensor);
-* :func:`new_cache`: the cache a model would make inside its forward, made beforehand so a method with a cache slot
-  can reach it;
-* :class:`LayerSlot`: a method's per-position tensor (Twicing's ``A v``) kept inside the layer's own cache layer
-  (a :class:`SlotLayer` subclass of its kind, as transformers' ``DynamicIndexedLayer`` keeps an extra tensor),
-  reordered, cropped and reset in step with the keys by the cache's own methods; ``len(cache)`` stays the model's
-  layer count.
+"""A method and transformers' KV caches: :func:`static_past` (a static cache's length before this forward, as a
+tensor, so compiled decoding does not recompile), :func:`new_cache` (the cache a model would make in its forward,
+made beforehand), and :class:`LayerSlot`, a method's per-position tensor (Twicing's ``A v``) kept inside the layer's
+own cache layer and moved in step with its keys by the cache's own methods.
 """
 from __future__ import annotations
 
@@ -59,13 +52,9 @@ def new_cache(config: Any) -> Any:
 
 
 class LayerSlot(CacheSlot):
-    """A method's per-position tensor kept inside layer ``layer_idx``'s own cache layer, beside its keys and values
-    (as transformers' ``DynamicIndexedLayer`` keeps its indexer keys there): the layer becomes a :class:`SlotLayer` of
-    its kind on first use, whose ``crop``, ``reset``, ``reorder_cache`` (beam search), ``offload``, ``prefetch``
-    and (dynamic layers) ``batch_select_indices`` and ``batch_repeat_interleave`` treat the tensor in step with the
-    keys. The cache keeps
-    one layer per model layer: ``len(cache)``, iteration and a rebuild from its tensors keep transformers' meaning (a
-    rebuilt cache has no method tensor: decoding from one is refused, naming the mode)."""
+    """A method's per-position tensor kept inside layer ``layer_idx``'s own cache layer, beside its keys and values:
+    the layer becomes a :class:`SlotLayer` of its kind on first use. ``len(cache)`` and iteration keep transformers'
+    meaning; a cache rebuilt from its tensors has no method tensor, and decoding from one is refused."""
 
     def __init__(self, cache: Any, layer_idx: int, name: str = "twicing") -> None:
         self.cache, self.layer_idx, self.name = cache, layer_idx, name
@@ -79,10 +68,8 @@ class LayerSlot(CacheSlot):
 
 
 class SlotLayer:
-    """The mixin of the cache layers that carry a method's per-position tensor (Twicing's ``A v``) in ``slot``: an
-    inner cache layer of the same kind (dynamic, sliding-window dynamic, static) that stores the tensor in its values'
-    place (its keys' place holds one column of it: cache layers treat empty keys as an empty layer), so every cache
-    operation treats it as the layer treats its keys and values, window and static buffer included."""
+    """The mixin of the cache layers that carry a method's per-position tensor in ``slot``: an inner cache layer of the
+    same kind storing it in its values' place, so every cache operation treats it as the layer treats its values."""
 
     slot: Any
 

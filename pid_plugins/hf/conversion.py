@@ -172,12 +172,9 @@ def _to_stock(model: PreTrainedModel) -> None:
 # ------------------------------------------------------------------------------------------- finish_warmup
 def finish(model: nn.Module) -> bool:
     """:func:`pid_plugins.finish_warmup` for the transformers models in ``model`` (also inside a wrapper, e.g. peft's):
-    every config that runs a method gets ``warmup_steps=0`` in ``config.<method>``, every model loses its warm-up
-    counter (``attention_warmup``, with peft's ``modules_to_save`` wrapper around it), and discovery runs again, so
-    no layer reads a counter. Returns whether a transformers model with a method was found.
-
-    The layers then take the fixed-parameter path. The warm-up scale multiplies the method's error tensors and is
-    exact at 1, so a model warmed up to ``t >= N`` computes the same function bit for bit."""
+    ``warmup_steps=0`` in every ``config.<method>``, the warm-up counters removed, discovery run again. The warm-up
+    scale is exact at 1, so a model warmed up to ``t >= N`` computes the same function bit for bit. Returns whether a
+    transformers model with a method was found."""
     names = {name: m for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     with_method = {name: m for name, m in names.items() if method_of(m.config) is not None}
     if not with_method:

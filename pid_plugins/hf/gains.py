@@ -40,9 +40,8 @@ def _is_learned(module: Any) -> bool:
 
 
 def layer_gains_of(module: nn.Module) -> "nn.Module | None":
-    """``module``'s learnable parameters: the method's ``make_learned`` module made here (:func:`make`),
-    or a wrapper holding one as ``original_module`` (peft's ``modules_to_save=["attention_params"]``: calling it gives
-    the active adapter's copy), else None."""
+    """``module``'s learnable parameters: the module :func:`make` made, or a wrapper holding one as
+    ``original_module`` (peft's ``modules_to_save``: the active adapter's copy), else None."""
     gains = module._modules.get(GAINS_ATTR)
     held = getattr(gains, "original_module", None) if isinstance(gains, nn.Module) else None
     return gains if _is_learned(gains) or _is_learned(held) else None
@@ -56,9 +55,8 @@ def _method_of_learned(gains: nn.Module) -> Optional[str]:
 
 
 def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
-    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters): the method's
-    ``make_learned`` module (PID: :class:`~pid_plugins.core.gains.PIDGains`), marked with what it was made from, so
-    that transformers' initialisation of missing weights restores those values (:func:`reset`)."""
+    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters), marked with what
+    they were made from so that :func:`reset` can restore those values."""
     learned = method.make_learned(config)
     if learned is not None:
         learned.__dict__[_ORIGIN] = (method, config)
@@ -81,9 +79,8 @@ def reset(module: nn.Module) -> bool:
 
 
 def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (the whole initial tensor, the same on every rank) on ``param``'s device and dtype, and, when
-    ``param`` is a DTensor (FSDP2's shard, a tensor-parallel placement), with its mesh and placements: each rank
-    takes its own part with no communication, so copying it in needs no placement change."""
+    """``value`` on ``param``'s device and dtype, and, for a DTensor ``param``, with its mesh and placements (each
+    rank takes its own part, with no communication)."""
     value = value.to(device=param.device, dtype=param.dtype)
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -94,10 +91,8 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] = None) -> bool:
     """Give ``attention`` the learnable parameters of ``method`` (default PID) with ``config`` unless it has some of
-    that method (another method's are replaced); True if it added them.
-
-    They take the device and dtype of the module's first floating-point parameter (the current default device and
-    dtype if it has none yet, e.g. transformers' meta-device construction) and the module's train/eval mode."""
+    that method; True if it added them. They take the device and dtype of the module's first floating-point parameter
+    (else the defaults, e.g. under meta-device construction) and its train/eval mode."""
     name = method.name if method is not None else "pid"
     current = layer_gains_of(attention)
     if current is not None and _method_of_learned(current) == name:
@@ -145,17 +140,15 @@ def _wildcard(name: str) -> str:
 
 
 def tp_plan_entries(model: nn.Module) -> Dict[str, str]:
-    """The tensor-parallel plan entries for ``model``'s learnable method parameters: every ``attention_params``
-    module made here, replicated with its gradient summed over the tensor-parallel group
-    (``{"model.layers.*.self_attn.attention_params": "replicated_with_grad_allreduce"}``)."""
+    """The tensor-parallel plan entries for ``model``'s learnable method parameters, each replicated with its
+    gradient summed over the group (``{"model.layers.*.self_attn.attention_params": "replicated_with_grad_allreduce"}``)."""
     return {_wildcard(name): TP_STYLE for name, module in model.named_modules()
             if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
 
 
 def extend_tp_plan(model: nn.Module) -> bool:
-    """Add :func:`tp_plan_entries` to ``model.tp_plan`` (transformers' public plan, which ``from_pretrained`` applies
-    with ``tp_plan="auto"`` / ``DistributedConfig(tp_size=...)``, and outer models collect from their children);
-    True if it added any. A model without a plan is left alone (transformers refuses tensor parallelism for it)."""
+    """Add :func:`tp_plan_entries` to ``model.tp_plan`` (the plan transformers applies under tensor parallelism);
+    True if it added any. A model without a plan is left alone."""
     entries = tp_plan_entries(model)
     if not entries:
         return False

@@ -83,13 +83,9 @@ class _Carry:
 
 
 class PipelineStageModule(nn.Module):
-    """One pipeline stage of a transformers model with an attention method: the module to give
-    ``torch.distributed.pipelining.PipelineStage``. Made by :func:`pipeline_stage` (see there and the module
-    docstring for its forward).
-
-    Attributes: ``model`` (the model, changed in place: only this stage's modules), ``stage_index``,
-    ``num_stages``, ``layer_range`` (``[start, end)`` of ``base_model.layers``), ``is_first``, ``is_last``.
-    """
+    """One pipeline stage of a transformers model with an attention method, made by :func:`pipeline_stage`: the module
+    to give ``PipelineStage``. Attributes: ``model`` (only this stage's modules), ``stage_index``, ``num_stages``,
+    ``layer_range``, ``is_first``, ``is_last``."""
 
     def __init__(self, model: PreTrainedModel, stage_index: int, num_stages: int,
                  layer_range: Tuple[int, int]) -> None:
@@ -132,9 +128,7 @@ class PipelineStageModule(nn.Module):
         return tuple(method.state_fields)
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
-        """Before this stage's first layer: its input is the previous stage's hidden states (whatever the model's
-        forward did to the placeholder input before the layers), and the forward's method state gets the previous
-        stage's."""
+        """Before this stage's first layer: its input and the forward's method state become the previous stage's."""
         arriving = args[0] if args else kwargs.get("hidden_states")
         carry: Optional[_Carry] = self.__dict__["_carry"]
         if carry is None or carry.hidden_in is None:

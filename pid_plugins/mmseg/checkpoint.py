@@ -161,9 +161,8 @@ def weights_only_schemes() -> Iterator[None]:
 
 @HOOKS.register_module()
 class WeightsOnlyCheckpointHook(Hook):
-    """``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]``: the runner's ``load_from``/``resume`` (and
-    every other mmengine checkpoint load between ``before_run`` and ``after_run``) load weights only, whatever
-    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (:func:`weights_only_schemes`). The shipped configs add it."""
+    """``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]``: every mmengine checkpoint load between
+    ``before_run`` and ``after_run`` (``load_from``, ``resume``) is weights-only. The shipped configs add it."""
 
     priority = "HIGHEST"
 
@@ -183,9 +182,8 @@ class WeightsOnlyCheckpointHook(Hook):
 
 
 def install() -> None:
-    """Opt-in, process-wide: every mmengine checkpoint scheme loads weights only from now on, and mmengine's
-    checkpoint classes are allow-listed for every ``torch.load(weights_only=True)`` of the process. Nothing calls
-    this for you (the shipped configs use :class:`WeightsOnlyCheckpointHook`)."""
+    """Opt-in, process-wide: every mmengine checkpoint scheme loads weights only from now on, with mmengine's
+    checkpoint classes allow-listed for every weights-only load of the process."""
     require(*CHECKPOINTS)
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
     for prefixes, loader in _SCHEMES:

@@ -1,9 +1,6 @@
-"""Lets mmsegmentation import with ``mmcv-lite`` (mmcv without compiled ops).
-
-``import mmseg.models`` imports ``mmcv.ops``, whose modules look up compiled functions in ``mmcv._ext``
-at import time. With full mmcv installed this module does nothing. Otherwise it registers a stand-in
-``mmcv._ext`` whose attributes exist (so the import succeeds) and raise a clear ``RuntimeError`` naming
-the op when CALLED. Segmenter (ViT backbone + mask-transformer head) never calls a compiled op.
+"""Lets mmsegmentation import with ``mmcv-lite`` (mmcv without compiled ops): without full mmcv, a stand-in
+``mmcv._ext`` whose ops exist (``mmcv.ops`` looks them up at import) and raise a ``RuntimeError`` naming the op when
+called. Segmenter never calls a compiled op.
 """
 from __future__ import annotations
 

@@ -20,11 +20,9 @@ __all__ = ["PIDSegmenterMaskTransformerHead"]
 
 @MODELS.register_module()
 class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead):
-    """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method in its transformer layers.
-
-    The decoder's layers (patch tokens + class embeddings) form their own group: the method's state starts afresh
-    at the decoder's first layer, independent of the backbone's. Parameter names are mmseg's, so stock
-    Segmenter checkpoints load unchanged.
+    """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method in its transformer layers, which
+    form their own group (the method's state starts afresh at the decoder's first layer). Parameter names are mmseg's:
+    stock Segmenter checkpoints load unchanged.
 
     Args (beyond mmseg's head):
         attention: ``'softmax'`` (default: the stock head, layers untouched), ``'pid'`` or another registered
@@ -52,10 +50,8 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
 
 def method_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor],
                         stock_forward: Callable[[List[Tensor]], Tensor]) -> Tensor:
-    """The forward of a head with a method (:class:`PIDSegmenterMaskTransformerHead`, or a bare stock
-    ``SegmenterMaskTransformerHead`` converted in place, :func:`bare_head_forward`): the method's state threaded
-    through the decoder's layers, the warm-up scale read once; ``stock_forward`` (mmseg's own) when the method
-    computes the stock attention."""
+    """The forward of a head with a method (:class:`PIDSegmenterMaskTransformerHead`, or a converted bare stock head):
+    the method's state threaded through the decoder's layers; mmseg's own when the method computes the stock attention."""
     scale = MethodModel.method_scale(head)  # one warm-up step per forward
     if not MethodModel.method_active.fget(head):
         return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
@@ -74,7 +70,6 @@ def method_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor]
 
 
 def bare_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor]) -> Tensor:
-    """The forward of a bare stock ``SegmenterMaskTransformerHead`` converted in place
-    (:func:`~pid_plugins.mmseg.convert` binds it as the instance's ``forward``):
+    """The forward :func:`~pid_plugins.mmseg.convert` binds to a bare stock head converted in place:
     :class:`PIDSegmenterMaskTransformerHead`'s."""
     return method_head_forward(head, inputs, partial(SegmenterMaskTransformerHead.forward, head))

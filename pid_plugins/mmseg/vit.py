@@ -1,13 +1,9 @@
 """Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter).
 
-mmseg's ``TransformerEncoderLayer`` uses mmcv's ``MultiheadAttention`` around ``torch.nn.MultiheadAttention``
-(packed ``in_proj_weight``), which never exposes per-head values. :class:`PIDTransformerEncoderLayer` replaces
-a built layer in its ``layers`` (core's :func:`~pid_plugins.core.layer.replace_module`: the same submodules and
-parameter names, so checkpoints load as they are), computes q/k/v from those same parameters, hands the SDPA call to
-the method (:meth:`~pid_plugins.core.AttentionMethod.apply`) and returns the method's state;
-:class:`PIDVisionTransformer` threads it through the layers. With softmax attention
-(or a method that computes the stock attention, e.g. PID with zero gains) the layers stay mmseg's own and the
-backbone runs mmseg's forward: the stock output, bit for bit.
+:class:`PIDTransformerEncoderLayer` replaces each of mmseg's encoder layers (the same submodules and parameter names,
+so checkpoints load as they are), computes q/k/v from the packed ``in_proj_weight`` and hands the SDPA call to the
+method; :class:`PIDVisionTransformer` threads the method's state through the layers. With softmax, or a method that
+computes the stock attention, the layers stay mmseg's own: the stock output, bit for bit.
 """
 from __future__ import annotations
 
@@ -49,13 +45,9 @@ STATE_ROUTE = ("With mmseg, run the layers through the backbone's (or the decode
 
 
 def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
-    """Switch ``layers`` (mmseg's ``TransformerEncoderLayer`` or :class:`PIDTransformerEncoderLayer`) to ``choice``, in
-    place: each layer is replaced inside ``layers`` (:func:`~pid_plugins.core.layer.replace_module`, its index the
-    name: the same parameters, buffers, submodules, hooks and train/eval mode). A choice that computes the stock
-    attention (softmax, an identity config) leaves (or makes) them mmseg's own layers, without anything pid-plugins
-    added; otherwise every layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for
-    learnable parameters, a fresh ``attention_params`` module (initial values, on the layer's device, dtype and
-    train/eval mode) and its position in ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
+    """Switch ``layers`` to ``choice``, in place, each layer replaced inside ``layers`` (its index the name): mmseg's
+    own layers for a choice that computes the stock attention, else :class:`PIDTransformerEncoderLayer` with the method,
+    its config, fresh learnable parameters where asked and its position in the group (``layer_index``)."""
     require(*LAYERS)
     stock = choice is None or choice.method.is_identity(choice.config)
     for index in range(len(layers)):
@@ -84,13 +76,9 @@ def _check_layers(layers: ModuleList, where: str) -> None:
 class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
     """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``.
 
-    Made from one of mmseg's own layers by :func:`~pid_plugins.core.layer.replace_module` (never built directly),
-    holding its submodules (``ln1``, ``attn``, ``ln2``, ``ffn``): same parameter names, devices, dtypes, hooks and
-    train/eval mode. ``attention_config`` holds the method's config (PID's
-    gains for ``attention='pid'``), ``attention_method`` the method and ``attention_params`` its learnable parameters
-    (a module from the method's ``make_learned``, e.g. PID's ``{"learnable": True}`` gains, value residual's lambdas), or None.
-    :class:`PIDVisionTransformer`, :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead` and
-    :func:`~pid_plugins.mmseg.convert` replace their layers with it.
+    Made from one of mmseg's own layers by :func:`~pid_plugins.core.layer.replace_module` (never built directly), with
+    its submodules and parameter names; ``attention_config``, ``attention_method`` and ``attention_params`` (learnable
+    parameters, or None) hold the method.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -101,9 +89,8 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
     def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
         """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected.
-        Under gain warm-up (``scale``) mmcv's own attention is the stock path (before its dropout and residual, as
-        mmcv computes it), to which the method adds its scaled term through the output projection's weight: a zero
-        scale is the stock layer exactly."""
+        Under gain warm-up mmcv's own attention is the stock path, to which the method adds its scaled term: a zero scale
+        is the stock layer exactly."""
         a = self.attn
         mha = a.attn  # torch.nn.MultiheadAttention
         B, N, C = x.shape
@@ -162,8 +149,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
 def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
     """The learnable method parameters of every :class:`PIDTransformerEncoderLayer` in ``model`` at their initial
-    values (the method's ``make_learned`` of the layer's config; on the layer's device and dtype), by their
-    ``model.state_dict()`` names: what a checkpoint without them (softmax, fixed parameters) loads as."""
+    values, by their ``state_dict`` names: what a checkpoint without them loads as."""
     out: Dict[str, Tensor] = {}
     for name, layer in model.named_modules():
         gains = getattr(layer, "attention_params", None)
@@ -178,12 +164,9 @@ def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
 
 
 def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names.
-
-    The same renaming mmseg's ``tools/model_converters/vit2mmseg.py`` applies; the classifier head is dropped.
-    Learnable method parameters (timm keeps them on the attention, ``blocks.<i>.attn.attention_params.*``) go to the
-    mmseg layer that holds them, ``layers.<i>.attention_params.*``.
-    """
+    """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names, as mmseg's
+    ``tools/model_converters/vit2mmseg.py`` renames them (the classifier dropped; learnable method parameters move from
+    ``blocks.<i>.attn.attention_params.*`` to ``layers.<i>.attention_params.*``)."""
     out: Dict[str, Tensor] = {}
     for key, value in state_dict.items():
         if key.startswith(("head", "fc_norm", "head_dist", "dist_token")):
@@ -213,13 +196,9 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         attention_cfg: the method's parameters: a preset name, its config, or a dict (``preset`` key allowed) over
             its ``mmseg`` preset (PID: the paper's ``segmenter``).
 
-    ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` accepts an mmseg ViT checkpoint or a timm
-    ViT/DeiT checkpoint (e.g. trained with ``pid_plugins.timm``; converted with :func:`timm_vit_to_mmseg`),
-    and loads it strictly: missing or unexpected keys raise a ``ValueError`` listing them, except learnable method
-    parameters (``attention_params``) that a softmax or fixed-parameter checkpoint does not have: they start at their
-    initial values (the method's ``make_learned`` of the layer's config). The file is read with
-    ``torch.load(weights_only=True)`` whatever the environment says (:mod:`pid_plugins.mmseg.checkpoint`).
-    A whole segmentor checkpoint (``backbone.`` and ``decode_head.`` keys) is refused: load it with ``load_from``.
+    ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` loads an mmseg ViT or a timm ViT/DeiT checkpoint
+    (:func:`timm_vit_to_mmseg`) strictly and weights-only; learnable method parameters it lacks start at their initial
+    values. A whole segmentor checkpoint is refused: load it with ``load_from``.
     """
 
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
@@ -291,9 +270,8 @@ def _output(model: VisionTransformer, x: Tensor, hw_shape: Tuple[int, int]) -> A
 
 def method_forward(model: VisionTransformer, inputs: Tensor, stock_forward: Callable[[Tensor], Tuple[Any, ...]]
                    ) -> Tuple[Any, ...]:
-    """The forward of a backbone with a method (:class:`PIDVisionTransformer`, or a bare stock ``VisionTransformer``
-    converted in place, :func:`bare_forward`): the method's state threaded through the layers, the warm-up scale read
-    once; ``stock_forward`` (mmseg's own) when the method computes the stock attention."""
+    """The forward of a backbone with a method (:class:`PIDVisionTransformer`, or a converted bare stock backbone):
+    the method's state threaded through the layers; mmseg's own when the method computes the stock attention."""
     scale = MethodModel.method_scale(model)  # one warm-up step per forward (outside the checkpointed layers)
     if not MethodModel.method_active.fget(model):
         return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward

@@ -103,9 +103,8 @@ def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
 
 
 def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:
-    """(Stock or method) ViT -> :class:`MethodBlocks` of PID blocks with ``choice`` (None: the stock attention, on a
-    model built by name). The root keeps its class; a model built by name holds the method itself
-    (:meth:`~pid_plugins.timm.PIDVisionTransformer.set_vit_method`), a stock root only the warm-up counter."""
+    """(Stock or method) ViT -> :class:`MethodBlocks` of PID blocks with ``choice``; the root keeps its class (a model
+    built by name holds the method itself, a stock root only the warm-up counter)."""
     blocks = replace_module(model, "blocks", MethodBlocks)
     for key in list(blocks._modules):
         replace_module(blocks._modules[key], "attn", PIDAttention)
@@ -134,13 +133,9 @@ ROOT_PATHS = ("forward_features", "forward_intermediates")
 
 
 def thread_root_paths(model: nn.Module) -> None:
-    """Give a converted stock ViT root the method classes' ``forward_features`` and ``forward_intermediates`` (the
-    functions of :class:`~pid_plugins.timm.PIDVisionTransformer`, bound to ``model`` as instance attributes, the way
-    accelerate's hooks bind a module's ``forward``): every path of timm's model contract then threads the method's
-    state as on the model built by name (timm's ``forward`` and ``get_intermediate_layers`` call them, torch.fx and
-    torch.compile trace them), while the root keeps its class and its ``state_dict``. ``functools.partial`` of the
-    class's function: ``copy.deepcopy`` binds the copy, pickling (``torch.save(model)``) saves the function by name.
-    :func:`_to_stock` removes them."""
+    """Give a converted stock ViT root the method classes' ``forward_features`` and ``forward_intermediates`` as
+    instance attributes (``functools.partial`` of the class's functions: ``copy.deepcopy`` and pickling keep them), so
+    every path of timm's model contract threads the method's state; :func:`_to_stock` removes them."""
     for name in ROOT_PATHS:
         model.__dict__[name] = partial(getattr(_MethodViTMixin, name), model)
 

@@ -44,12 +44,8 @@ __all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_fi
 
 
 class TokenMixing(MethodLayer, nn.Module):
-    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally with an
-    attention method (PID).
-
-    ``fused_attn`` (timm's switch, ``TIMM_FUSED_ATTN``) picks ``F.scaled_dot_product_attention`` or the
-    official order of operations, ``softmax((q * scale) @ k^T) @ v``.
-    """
+    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally with an attention
+    method; ``fused_attn`` (timm's switch) picks SDPA or the official ``softmax((q * scale) @ k^T) @ v``."""
 
     fused_attn: torch.jit.Final[bool]
 
@@ -187,10 +183,8 @@ class FANBlock(nn.Module):
 class FAN(MethodModel, nn.Module):
     """FAN-ViT: convolutional stem, Fourier positions, FAN blocks, two class-attention blocks, head.
 
-    ``attention="pid"`` puts the FAN blocks' token mixing under PID control (``attention_cfg``: the method's
-    config, a dict of overrides of ``deit``, or a preset name), ``attention="<name>"`` under another
-    registered method (``attention_cfg``: its parameters); ``attention="softmax"`` (the default of the ``fan_*``
-    names) is the stock FAN. :func:`pid_plugins.timm.convert` switches a built FAN in place (it keeps its class).
+    ``attention`` (``"softmax"``, the ``fan_*`` default; ``"pid"``; or a registered method) is the FAN blocks' token
+    mixing, ``attention_cfg`` its parameters (over ``deit``). :func:`pid_plugins.timm.convert` switches a built FAN.
     """
 
     def __init__(

@@ -1,15 +1,8 @@
 """PID Vision Transformer / DeiT for timm (PID, or any registered attention method: ``attention="<name>"``).
 
-The method's group is the stack of transformer blocks, held by :class:`MethodBlocks` (an ``nn.Sequential`` with the
-same blocks under the same keys as timm's ``model.blocks``). The method's state flows between blocks as plain tensors
-(``len(method.state_fields)`` of them; PID: ``block(x, v_first, e_sum, e_prev, with_state=True) -> (x, v_first,
-e_sum, e_prev)``), which keeps gradient checkpointing (reentrant or not) and ``torch.compile(fullgraph=True)`` exact.
-``MethodBlocks.forward`` threads it, so timm's own ``forward_features`` (``x = self.blocks(x)``) runs the method; the
-models built by name (:class:`PIDVisionTransformer`) override ``forward_features`` and ``forward_intermediates`` so
-that every path (``attn_mask`` / ``is_causal``, gradient checkpointing, intermediates) goes through it; every other
-part of timm's model contract is inherited from timm's ``VisionTransformer``.
-
-Variants are declared in ``registry/timm.toml`` and registered here with ``register_model``.
+The method's group is the stack of blocks, held by :class:`MethodBlocks` (timm's ``model.blocks`` keys), which
+threads the method's state between blocks as plain tensors; :class:`PIDVisionTransformer` routes every path of
+timm's model contract through it. Variants are declared in ``registry/timm.toml`` and registered here.
 """
 from __future__ import annotations
 
@@ -49,12 +42,8 @@ __all__ = [
 ]
 
 class PIDAttention(MethodLayer, Attention):
-    """timm's ``Attention`` (same parameters, same state_dict) with the attention method's step before ``proj``.
-
-    ``forward(x, state)`` returns ``(y, new_state)``; ``state`` is the previous layer's flat state tensors (a
-    tuple) or None. With ``choice=None`` (softmax) or a method whose config is the identity it computes exactly
-    what timm's ``Attention`` computes and passes the state through.
-    """
+    """timm's ``Attention`` (same parameters, same state_dict) with the attention method's step before ``proj``:
+    ``forward(x, state) -> (y, new_state)``; with softmax or an identity config, timm's ``Attention`` exactly."""
 
     def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
         ATTENTION_FORWARD.require()
@@ -97,12 +86,9 @@ class PIDAttention(MethodLayer, Attention):
 class PIDBlock(Block):
     """timm's pre-norm ``Block`` whose attention is :class:`PIDAttention`.
 
-    ``forward(x, *state, with_state=True, warmup_scale=...)`` (how :class:`MethodBlocks` calls it) returns
-    ``(x, *new_state)``: a flat tuple of tensors, so the block can be run under ``torch.utils.checkpoint`` (both
-    modes) with the state as ordinary inputs and outputs. Called as timm's ``Block`` (``block(x)``, what timm's own
-    loops over ``model.blocks`` do) it returns ``x``; a block after the first then gets no state and raises core's
-    :class:`~pid_plugins.core.MissingLayerState` (as does any block under warm-up called without ``warmup_scale``),
-    never a different function.
+    ``forward(x, *state, with_state=True, warmup_scale=...)`` returns ``(x, *new_state)``, a flat tuple of tensors
+    (checkpointable either way). Called as timm's ``Block`` (``block(x)``), a block after the first gets no state and
+    raises :class:`~pid_plugins.core.MissingLayerState`, never a different function.
     """
 
     attn: PIDAttention
@@ -130,10 +116,8 @@ class PIDBlock(Block):
 
 
 def _flag(is_causal: Any) -> Any:
-    """``is_causal`` as the Python bool SDPA takes. torch.onnx's TorchScript exporter (timm's ``onnx_export``) passes
-    ``forward``'s default arguments as graph inputs, so the flag arrives as a traced 0-dim tensor: its value is a
-    constant of the export (timm's own ``VisionTransformer`` specialises on it too), not data, so it is read once,
-    here, without the tracer's warning about a data-dependent branch."""
+    """``is_causal`` as the Python bool SDPA takes (a traced 0-dim tensor under torch.onnx's TorchScript exporter,
+    read once here: a constant of the export, as in timm's own ``VisionTransformer``)."""
     if isinstance(is_causal, Tensor):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -142,15 +126,12 @@ def _flag(is_causal: Any) -> Any:
 
 
 class MethodBlocks(nn.Sequential):
-    """``model.blocks`` of a ViT/DeiT with an attention method: timm's ``nn.Sequential`` of blocks (the same block
-    objects under the same keys, so the ``state_dict`` keys are timm's) whose forward runs the method's group.
+    """``model.blocks`` of a ViT/DeiT with an attention method: timm's ``nn.Sequential`` of the same blocks under the
+    same keys, whose forward runs the method's group.
 
-    ``forward(x)`` (what timm's ``VisionTransformer.forward_features`` calls, ``x = self.blocks(x)``) reads the
-    model's warm-up scale once (a training forward advances the counter), calls each :class:`PIDBlock` with the
-    previous block's state (``with_state=True``) and returns ``x``. The model's gain warm-up counter is a submodule
-    of the model (``attention_warmup``, saved as ``attention_warmup.step``); the container holds a plain reference to
-    it (:meth:`hold_warmup`, set when the model is built or converted), not a submodule of its own. ``checkpointed``:
-    each block under timm's ``checkpoint`` (the models built by name pass their ``grad_checkpointing``).
+    ``forward(x)`` reads the model's warm-up scale once and calls each :class:`PIDBlock` with the previous block's state.
+    The warm-up counter stays the model's submodule (``attention_warmup``); the container holds a plain reference
+    (:meth:`hold_warmup`). ``checkpointed``: each block under timm's ``checkpoint``.
     """
 
     warmup_counter: Optional[GainWarmup]
@@ -305,12 +286,8 @@ _MODEL_CLASSES = {"vit": PIDVisionTransformer, "vit_distilled": PIDVisionTransfo
 
 # ------------------------------------------------------------------------------------ checkpoints
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer, **kwargs: Any) -> Dict[str, Tensor]:
-    """Adapt a (softmax or PID) ViT/DeiT checkpoint to ``model``; refuse one that does not fit.
-
-    Runs timm's ViT filter (unwrapping, position-embedding resampling, ...), fills in learnable PID gains
-    the checkpoint does not have (a softmax checkpoint) from the model's initial values, and raises a
-    ``ValueError`` listing missing and unexpected keys otherwise.
-    """
+    """Adapt a (softmax or PID) ViT/DeiT checkpoint to ``model`` with timm's ViT filter, filling in learnable
+    gains a softmax checkpoint lacks from their initial values; a ``ValueError`` lists missing and unexpected keys."""
     VIT_CHECKPOINT_FILTER.require()
     out = _vit_checkpoint_filter_fn(state_dict, model, **kwargs)
     return finish_state_dict(
