@@ -197,7 +197,8 @@ def collect_layer_measures(
 ) -> Dict[str, Any]:
     """Run ``model`` on ``batches`` (eval mode; ``forward(model, batch)``, by default ``model(batch)`` or
     ``model(**batch)``) and return each measure per layer of its stack, averaged over every sequence:
-    ``{"layer_stack": path, "num_layers": L, "mean_cosine": [L floats], ...}`` (``attention_sparsity`` None where unseen).
+    ``{"layer_stack": path, "num_layers": L, "mean_cosine": [L floats], ...}`` (``attention_sparsity``: None where
+    unseen).
     """
     path, layers = find_layer_stack(model, layer_stack)
     L = len(layers)

@@ -141,7 +141,8 @@ def _wildcard(name: str) -> str:
 
 def tp_plan_entries(model: nn.Module) -> Dict[str, str]:
     """The tensor-parallel plan entries for ``model``'s learnable method parameters, each replicated with its
-    gradient summed over the group (``{"model.layers.*.self_attn.attention_params": "replicated_with_grad_allreduce"}``)."""
+    gradient summed over the group: ``{"model.layers.*.self_attn.attention_params":
+    "replicated_with_grad_allreduce"}``."""
     return {_wildcard(name): TP_STYLE for name, module in model.named_modules()
             if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
 

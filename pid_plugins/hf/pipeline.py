@@ -216,11 +216,12 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
     """Stage ``stage_index`` of ``num_stages`` of ``model`` for ``torch.distributed.pipelining``: the module whose
     forward carries the attention method's cross-layer state across the stage boundary as tensors.
 
-    The first stage's forward takes ``input_ids``, a later stage's ``(hidden_states, *state)``; the last stage returns
-    the logits, the others ``(hidden_states, *state)``. ``state`` is the method's ``state_fields`` after the stage's last
-    layer (PID: ``v_first, e_sum, e_prev``; NeuTRENO, value residual: ``v_first``; Elliptical: ``v_prev``; Twicing and
-    softmax: none), contiguous, with an empty tensor for a field that is None. Keyword arguments (``attention_mask``,
-    ``position_ids``) go to ``schedule.step`` on every rank; stages run without a KV cache.
+    The first stage's forward takes ``input_ids``, a later stage's ``(hidden_states, *state)``; the last stage
+    returns the logits, the others ``(hidden_states, *state)``. ``state`` is the method's ``state_fields`` after the
+    stage's last layer (PID: ``v_first, e_sum, e_prev``; NeuTRENO, value residual: ``v_first``; Elliptical:
+    ``v_prev``; Twicing and softmax: none), contiguous, with an empty tensor for a field that is None. Keyword
+    arguments (``attention_mask``, ``position_ids``) go to ``schedule.step`` on every rank; stages run without a KV
+    cache.
 
     Args:
         model: a transformers decoder-only model (``...ForCausalLM`` for logits from the last stage, or a base

@@ -2,8 +2,9 @@
 
 A Segmenter segmentor's ``backbone`` and ``decode_head`` are replaced by
 :class:`~pid_plugins.mmseg.PIDVisionTransformer` and :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead`
-(each its own group, as a config with those types builds), their layers by :class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer`; ``attention="softmax"`` puts mmseg's
-own classes back, bit for bit. A bare method backbone or head is reconfigured; a bare stock one keeps its class and
+(each its own group, as a config with those types builds), their layers by
+:class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer`; ``attention="softmax"`` puts mmseg's own classes back, bit
+for bit. A bare method backbone or head is reconfigured; a bare stock one keeps its class and
 gets the method class's attributes and forward (:func:`~pid_plugins.mmseg.vit.bare_forward`,
 :func:`~pid_plugins.mmseg.head.bare_head_forward`), as it has no parent to be replaced in.
 """

@@ -51,7 +51,8 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
 def method_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor],
                         stock_forward: Callable[[List[Tensor]], Tensor]) -> Tensor:
     """The forward of a head with a method (:class:`PIDSegmenterMaskTransformerHead`, or a converted bare stock head):
-    the method's state threaded through the decoder's layers; mmseg's own when the method computes the stock attention."""
+    the method's state threaded through the decoder's layers; mmseg's own when the method computes the stock
+    attention."""
     scale = MethodModel.method_scale(head)  # one warm-up step per forward
     if not MethodModel.method_active.fget(head):
         return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward

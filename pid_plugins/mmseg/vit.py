@@ -89,8 +89,8 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
     def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
         """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected.
-        Under gain warm-up mmcv's own attention is the stock path, to which the method adds its scaled term: a zero scale
-        is the stock layer exactly."""
+        Under gain warm-up mmcv's own attention is the stock path, to which the method adds its scaled term: a zero
+        scale is the stock layer exactly."""
         a = self.attn
         mha = a.attn  # torch.nn.MultiheadAttention
         B, N, C = x.shape

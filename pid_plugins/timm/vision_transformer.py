@@ -129,9 +129,9 @@ class MethodBlocks(nn.Sequential):
     """``model.blocks`` of a ViT/DeiT with an attention method: timm's ``nn.Sequential`` of the same blocks under the
     same keys, whose forward runs the method's group.
 
-    ``forward(x)`` reads the model's warm-up scale once and calls each :class:`PIDBlock` with the previous block's state.
-    The warm-up counter stays the model's submodule (``attention_warmup``); the container holds a plain reference
-    (:meth:`hold_warmup`). ``checkpointed``: each block under timm's ``checkpoint``.
+    ``forward(x)`` reads the model's warm-up scale once and calls each :class:`PIDBlock` with the previous block's
+    state. The warm-up counter stays the model's submodule (``attention_warmup``); the container holds a plain
+    reference (:meth:`hold_warmup`). ``checkpointed``: each block under timm's ``checkpoint``.
     """
 
     warmup_counter: Optional[GainWarmup]
