@@ -1,12 +1,10 @@
 """``pid-plugins run``: run any command with the zoo adapters present in every Python process it starts::
 
     pid-plugins run -- lm_eval --model hf --model_args pretrained=DIR --tasks T
-    pid-plugins run --adapters timm -- python validate.py --model pid_deit_tiny_patch16_224 ...
 
-It puts :mod:`pid_plugins.launch_site` first on ``PYTHONPATH`` and the adapters' names in ``PID_PLUGINS_ADAPTERS``,
-then replaces itself with the command (``exec``): every Python process of the command imports a zoo's adapter right
-after the zoo. By default every adapter whose zoo is installed (found without importing it). Nothing outside the
-command changes; a Python started with ``-I``, ``-E`` or ``-S`` gets no adapter. Why: docs/architecture.md.
+It puts :mod:`pid_plugins.launch_site` first on ``PYTHONPATH`` and the adapters' names (default: every installed
+zoo's) in ``PID_PLUGINS_ADAPTERS``, then ``exec``s the command: each of its Python processes imports a zoo's adapter
+right after the zoo. Nothing outside the command changes; ``python -I``, ``-E`` or ``-S`` gets no adapter.
 """
 from __future__ import annotations
 

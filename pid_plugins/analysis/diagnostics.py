@@ -1,11 +1,9 @@
 """Per-layer collapse diagnostics for any zoo model, collected without touching model code.
 
-Token representations come from forward hooks on the model's layer stack (found, or given by its dotted path);
-attention rows from a :class:`torch.overrides.TorchFunctionMode` that recomputes each
-``F.scaled_dot_product_attention`` / ``F.multi_head_attention_forward`` call's probabilities from its own inputs
-(the call runs unchanged; other attention reports ``None``). Per layer: mean pairwise cosine similarity (PIDformer
-A.6), consensus distance E (Rodriguez Abella et al., eq. 25), numerical and effective rank, and attention-row
-sparsity S(a) = E|a| / sqrt(E a^2). :func:`repeated_passes` feeds the stack's output back pass after pass.
+Forward hooks on the model's layer stack give the token representations; a :class:`torch.overrides.TorchFunctionMode`
+recomputes each SDPA call's attention probabilities from its own inputs. Per layer: mean pairwise cosine (PIDformer
+A.6), consensus distance E (Rodriguez Abella et al., eq. 25), numerical and effective rank, attention-row sparsity
+S(a) = E|a| / sqrt(E a^2). :func:`repeated_passes` feeds the stack's output back pass after pass.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """``convert(model, attention, attention_cfg)``: switch a loaded fairseq language model's attention, in place.
 
-A stock ``transformer_lm`` keeps its root class: its ``decoder``, decoder layers and their ``self_attn`` are replaced
-by :class:`~pid_plugins.fairseq.PIDTransformerDecoder`, :class:`~pid_plugins.fairseq.PIDTransformerDecoderLayer` and
-:class:`~pid_plugins.fairseq.PIDMultiheadAttention`, and it then computes what ``--arch transformer_lm_pid`` computes
-with the same weights. ``attention="softmax"`` puts fairseq's classes back, bit for bit, incremental decoding
-included; a model with a method is reconfigured. Refused before anything changes: layers that are not fairseq's
-standard ones (encoder attention, activation checkpointing, FSDP wrapping, extra key/value biases).
+A stock ``transformer_lm`` keeps its root class; its decoder, layers and attention are replaced by this adapter's
+classes, computing what ``--arch transformer_lm_pid`` computes with the same weights. ``attention="softmax"`` puts
+fairseq's classes back, bit for bit; a model with a method is reconfigured. Layers that are not fairseq's standard
+ones (encoder attention, activation checkpointing, FSDP wrapping, extra key/value biases) are refused.
 """
 from typing import Any, Optional, TypeVar
 

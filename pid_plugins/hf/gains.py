@@ -1,12 +1,9 @@
 """Learnable parameters of a method in transformers models (``config.pid = {"learnable": True, ...}``, likewise
-``config.value_residual``): PID's gains or another method's ``make_learned`` module.
+``config.value_residual``): each self-attention module's ``attention_params`` submodule (cross-attention has none).
 
-Every self-attention module of a model running the method gets a submodule ``attention_params`` (so the parameters
-are named like ``model.layers.3.self_attn.attention_params.lambda_p_raw`` and belong to their layer); cross-attention
-has none. Here: making and resetting them (:func:`attach`, :func:`reset`), their tensor-parallel plan entries
-(:func:`extend_tp_plan`), and keeping them out of weight decay (:class:`NoGainDecayTrainerMixin`,
-:func:`decay_parameter_names`). How they survive transformers' loading, FSDP2, tensor parallelism and peft:
-docs/architecture.md.
+Making and resetting them (:func:`attach`, :func:`reset`), their tensor-parallel plan entries (:func:`extend_tp_plan`)
+and weight decay (:class:`NoGainDecayTrainerMixin`, :func:`decay_parameter_names`). Why they live there and how they
+survive loading, FSDP2, tensor parallelism and peft: docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -2,9 +2,7 @@
 
 ``import pid_plugins.timm`` registers every timm variant declared in ``registry/timm.toml``::
 
-    import timm, pid_plugins.timm
     model = timm.create_model("pid_deit_tiny_patch16_224")                       # preset `deit`
-    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=dict(lambda_p=0.5))
     model = timm.create_model("pid_deit_tiny_patch16_224", attention="<name>", attention_cfg={...})  # a method
     pid_plugins.timm.convert(stock_vit, "pid", {"lambda_p": 0.5})               # in place, the same tensors
     pid_plugins.timm.convert(stock_vit, "softmax")                               # timm's own classes again
