@@ -32,8 +32,7 @@ class MethodRecordWarning(UserWarning):
 
 
 def encode_record(method: str, config: Any) -> Tensor:
-    """The record of ``method`` run with ``config`` (a :class:`~pid_plugins.core.MethodConfig` or a dict), as the
-    uint8 tensor of its JSON."""
+    """The record of ``method`` run with ``config`` as the uint8 tensor of its JSON."""
     params = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
     text = json.dumps({"format": _FORMAT, "method": method, "config": params}, sort_keys=True)
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8, device="cpu")

@@ -249,8 +249,7 @@ def embedding_like(decoder: TransformerDecoder) -> Tensor:
 
 
 def decoder_layers(decoder: TransformerDecoder) -> List[Any]:
-    """The decoder's layers in order, every one (iterating fairseq's ``LayerDropModuleList`` in training mode yields a
-    random subset)."""
+    """The decoder's layers in order, every one (``LayerDropModuleList`` yields a random subset in training)."""
     return [decoder.layers[i] for i in range(len(decoder.layers))]
 
 

@@ -17,8 +17,7 @@ __all__ = ["PIDTransformerLanguageModelConfig", "attention_from_args"]
 
 @dataclass
 class PIDTransformerLanguageModelConfig(TransformerLanguageModelConfig):
-    """``transformer_lm``'s options plus the attention method's: ``--attention-method`` and ``--attention-cfg``
-    (each option's help says what it takes)."""
+    """``transformer_lm``'s options plus ``--attention-method`` and ``--attention-cfg``."""
 
     attention_method: str = field(default="pid", metadata={
         "help": "the attention method: 'pid' (default), 'softmax' for the stock model, or the name of a method "

@@ -42,8 +42,7 @@ def static_past(cache: Any, name: str = "pid") -> Optional[Tensor]:
 
 
 def new_cache(config: Any) -> Any:
-    """The cache a transformers model makes when ``use_cache`` and no cache is passed: ``DynamicCache(config=...)``,
-    in an ``EncoderDecoderCache`` for encoder-decoder models."""
+    """The cache a transformers model makes when ``use_cache`` and no cache is passed."""
     from transformers import DynamicCache, EncoderDecoderCache
 
     if getattr(config, "is_encoder_decoder", False):
@@ -176,13 +175,11 @@ def _layer_like(layer: Any) -> Any:
 
 
 class DynamicSlotLayer(_DynamicSlotLayer, DynamicLayer):
-    """A :class:`~transformers.cache_utils.DynamicLayer` carrying a method's per-position tensor
-    (:class:`SlotLayer`)."""
+    """A :class:`~transformers.cache_utils.DynamicLayer` carrying a method's per-position tensor."""
 
 
 class DynamicSlidingWindowSlotLayer(_DynamicSlotLayer, DynamicSlidingWindowLayer):
-    """A :class:`~transformers.cache_utils.DynamicSlidingWindowLayer` carrying a method's per-position tensor, in the
-    same window (:class:`SlotLayer`)."""
+    """A :class:`~transformers.cache_utils.DynamicSlidingWindowLayer` carrying a method's per-position tensor."""
 
     def activate_past_recording(self) -> None:
         super().activate_past_recording()
@@ -190,5 +187,4 @@ class DynamicSlidingWindowSlotLayer(_DynamicSlotLayer, DynamicSlidingWindowLayer
 
 
 class StaticSlotLayer(SlotLayer, StaticLayer):
-    """A :class:`~transformers.cache_utils.StaticLayer` carrying a method's per-position tensor in a static buffer of
-    the same length (:class:`SlotLayer`)."""
+    """A :class:`~transformers.cache_utils.StaticLayer` carrying a method's per-position tensor."""

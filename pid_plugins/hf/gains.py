@@ -131,8 +131,7 @@ def ignore_missing(model: nn.Module) -> None:
 
 # ------------------------------------------------------------------------------------------ tensor parallelism
 def _wildcard(name: str) -> str:
-    """A module name with its layer numbers as ``*``, as transformers' plans name modules
-    (``model.layers.3.self_attn`` -> ``model.layers.*.self_attn``)."""
+    """A module name with its layer numbers as ``*`` (``model.layers.3.self_attn`` -> ``model.layers.*.self_attn``)."""
     return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
 
 
@@ -167,8 +166,7 @@ def is_gain_name(name: str) -> bool:
 
 
 def gain_parameter_names(model: nn.Module) -> List[str]:
-    """The names of the model's learnable method parameters (``...attention_params.lambda_p_raw`` etc., peft's names
-    included)."""
+    """The names of the model's learnable method parameters, peft's included."""
     return [n for n, _ in model.named_parameters() if is_gain_name(n)]
 
 

@@ -31,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _import_adapter(name: str) -> None:
-    """Import one adapter by its :data:`ADAPTERS` name (module names spelled out: the package's import graph is read
-    from the source)."""
+    """Import one adapter by its :data:`ADAPTERS` name."""
+    # each module name spelled out: the package's import graph is read from the source (test_import_graph.py)
     if name == "hf":
         importlib.import_module("pid_plugins.hf")
     elif name == "timm":

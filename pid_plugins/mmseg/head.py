@@ -38,8 +38,7 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
         self._configure_attention(_choose(attention, attention_cfg, where), where)
 
     def _configure_attention(self, choice: Optional[MethodChoice], where: str) -> None:
-        """Hold ``choice`` (None: softmax, mmseg's own layers and forward) and switch the layers to it, in place (what
-        ``__init__`` and :func:`~pid_plugins.mmseg.convert` do)."""
+        """Hold ``choice`` (None: softmax) and switch the layers to it, in place."""
         self.set_model_method(choice, self.cls_emb, stock_plus_term=True, where=where)
         settle_submodule(self, "attention_warmup")
         _switch_layers(self.layers, choice)
@@ -71,6 +70,5 @@ def method_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor]
 
 
 def bare_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor]) -> Tensor:
-    """The forward :func:`~pid_plugins.mmseg.convert` binds to a bare stock head converted in place:
-    :class:`PIDSegmenterMaskTransformerHead`'s."""
+    """The forward :func:`~pid_plugins.mmseg.convert` binds to a bare stock head: the method head's."""
     return method_head_forward(head, inputs, partial(SegmenterMaskTransformerHead.forward, head))

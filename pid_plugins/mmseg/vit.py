@@ -127,8 +127,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
     def forward(self, x: Tensor, method_state: Optional[tuple] = None,  # type: ignore[override]
                 warmup_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
-        """``method_state``: the previous layer's (None at the group's first layer); ``warmup_scale``: the gain
-        warm-up scale of this forward (None: no warm-up)."""
+        """``method_state``: the previous layer's (None first); ``warmup_scale``: this forward's (None: no warm-up)."""
         method = self.attention_method
 
         def inner(x: Tensor, *state_tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
@@ -208,8 +207,7 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         self._configure_attention(_choose(attention, attention_cfg, where), where)
 
     def _configure_attention(self, choice: Optional[MethodChoice], where: str) -> None:
-        """Hold ``choice`` (None: softmax, mmseg's own layers and forward) and switch the layers to it, in place (what
-        ``__init__`` and :func:`~pid_plugins.mmseg.convert` do)."""
+        """Hold ``choice`` (None: softmax) and switch the layers to it, in place."""
         self.set_model_method(choice, self.pos_embed, stock_plus_term=True, where=where)
         settle_submodule(self, "attention_warmup")
         _switch_layers(self.layers, choice)
@@ -297,6 +295,5 @@ def method_forward(model: VisionTransformer, inputs: Tensor, stock_forward: Call
 
 
 def bare_forward(model: VisionTransformer, inputs: Tensor) -> Tuple[Any, ...]:
-    """The forward of a bare stock ``VisionTransformer`` converted in place (:func:`~pid_plugins.mmseg.convert` binds
-    it as the instance's ``forward``): :class:`PIDVisionTransformer`'s."""
+    """The forward :func:`~pid_plugins.mmseg.convert` binds to a bare stock backbone: the method backbone's."""
     return method_forward(model, inputs, partial(VisionTransformer.forward, model))
