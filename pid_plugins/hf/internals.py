@@ -1,21 +1,20 @@
-"""Every transformers internal the adapter reads, in one place: what, why, which versions, and the check that runs
-where the adapter first uses it (:meth:`pid_plugins.versions.Internal.require`).
+"""Every transformers internal the adapter reads, in one place: what, why, which versions, and its check.
 
-The public extension points carry most of the adapter: ``AttentionInterface`` / ``AttentionMaskInterface`` (the
-attention and mask functions), ``model.set_attn_implementation``, the cache
-classes' public methods (``update``, ``crop``, ``reorder_cache``, ``reset``), and torch's module hooks. What is left
-has no extension point in transformers 5.24; if a release changes one of these, the user gets
-:class:`~pid_plugins.versions.InternalChanged` naming the version and the tested range, never a different result.
-
-How each check sees a change: by behaviour (a tiny stock Llama, :func:`~pid_plugins.versions.behaviour_probe`) for
-gradient checkpointing, continuous batching's entries and the attention interface; by what the object is (types,
-attributes, signatures: no source text) for the caches, the construction and initialisation points and the
-registries. One check reads source text, :data:`TP_PLAN`, and says why at :func:`_tp_plan`.
+The public extension points carry most of the adapter (``AttentionInterface`` / ``AttentionMaskInterface``,
+``set_attn_implementation``, the caches' public methods, torch's module hooks); what is left has no extension point in
+transformers 5.24. transformers still releases (capped below its next minor), so each internal is checked: by
+behaviour (a tiny stock Llama, :func:`~pid_plugins.versions.behaviour_probe`) for gradient checkpointing, continuous
+batching's entries and the attention interface; by what the object is (types, attributes, signatures) for the
+caches, the construction points and the registries. Two read source text: :func:`calls_interface` (transformers' own
+heuristic, which the interface probe checks against behaviour) and :data:`TP_PLAN` (why at :func:`_tp_plan`).
+``import pid_plugins.hf`` runs every check (:func:`~pid_plugins.versions.settle`); a refusal comes where one is used.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import threading
 from typing import Any, Optional, Tuple
 
 import torch
@@ -121,14 +120,15 @@ def _initialize_weights() -> bool:
 
 
 def _tiny_llama(attn_implementation: str = "sdpa", **method: Any) -> Any:
-    """A two-layer Llama of random weights (the probes' stock model), with ``method`` as its ``config.<name>``."""
+    """A two-layer Llama of random weights in float32 (the probes' stock model), with ``method`` as its
+    ``config.<name>``; built by its class (``_from_config`` would enter ``deepspeed.zero.Init`` under a ZeRO-3 config
+    and set torch's default dtype)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
-    for name, params in method.items():
-        setattr(config, name, params)
-    return LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation).eval()
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                         attn_implementation=attn_implementation, **method)
+    return LlamaForCausalLM(config).float().eval()
 
 
 @behaviour_probe
@@ -155,58 +155,65 @@ class _Entered(Exception):
     """Raised by the continuous batching probe's ``init_continuous_batching``: the entry reached it."""
 
 
+class _ThisThread(logging.Filter):
+    """Drops the records of the thread that made it (generate's note that "paged" switches to continuous batching,
+    about the probe's own call, is not the user's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
 @behaviour_probe
 def _continuous_batching() -> bool:
     """Every continuous batching entry (``generate_batch``, ``continuous_batching_context_manager``,
     ``generate(cache_implementation="paged")``) reaches the model's own ``init_continuous_batching`` (an instance
     attribute, as the adapter gives it) before it does anything else: a stock model whose attribute raises stops there
     from each entry."""
+    from transformers.generation import utils
+
     model = _tiny_llama()
 
     def entered(*args: Any, **kwargs: Any) -> None:
         raise _Entered
 
     model.__dict__["init_continuous_batching"] = entered
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()  # generate's note that "paged" switches to continuous batching: not the user's call
+    entries = (lambda: model.generate_batch([[1, 2, 3]]),
+               lambda: model.continuous_batching_context_manager().__enter__(),
+               lambda: model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=1))
+    quiet = _ThisThread()
+    utils.logger.addFilter(quiet)
     try:
-        return _each_enters((
-        lambda: model.generate_batch([[1, 2, 3]]),
-        lambda: model.continuous_batching_context_manager().__enter__(),
-        lambda: model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=1)))
+        for entry in entries:
+            try:
+                entry()
+            except _Entered:
+                continue
+            return False
+        return True
     finally:
-        logging.set_verbosity(level)
-
-
-def _each_enters(entries: Tuple[Any, ...]) -> bool:
-    for entry in entries:
-        try:
-            entry()
-        except _Entered:
-            continue
-        return False
-    return True
+        utils.logger.removeFilter(quiet)
 
 
 @behaviour_probe
 def _interface_source() -> bool:
     """Discovery finds attention modules the way transformers decides whether a model can switch its attention
     (``PreTrainedModel._can_set_attn_implementation``): by the interface's name in the source
-    (:func:`calls_interface`). The probe checks that signal against behaviour: the attention
-    class it names dispatches through the registered function, a method at zero parameters computes the stock model bit
-    for bit, and the same method with parameters changes the output."""
+    (:func:`calls_interface`). The probe checks that signal against behaviour: the attention class it names
+    dispatches through the registered function, a method at zero parameters computes the stock model bit for bit, and
+    the same method with parameters changes the output."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         stock = _tiny_llama()
-        state = stock.state_dict()
         outputs = []
         for params in ({"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, {"lambda_p": 0.5}):
             model = _tiny_llama("pid", pid=params)
-            model.load_state_dict(state)
+            model.load_state_dict(stock.state_dict())
             outputs.append(model(ids).logits)
         want = stock(ids).logits
     return calls_interface(LlamaAttention) and torch.equal(outputs[0], want) and not torch.equal(outputs[1], want)

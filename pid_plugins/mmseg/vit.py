@@ -31,7 +31,6 @@ from ..core.layer import (
     LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, replace_module, settle_submodule, strip_attributes,
 )
 from .checkpoint import load_checkpoint
-from .internals import BACKBONE, LAYERS, require
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "initial_learned_state"]
 
@@ -56,7 +55,6 @@ def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     added; otherwise every layer becomes a :class:`PIDTransformerEncoderLayer` with the method, its config and, for
     learnable parameters, a fresh ``attention_params`` module (initial values, on the layer's device, dtype and
     train/eval mode) and its position in ``layers`` (``layer_index``: ``layers`` is one group, numbered from 0)."""
-    require(*LAYERS)
     stock = choice is None or choice.method.is_identity(choice.config)
     for index in range(len(layers)):
         name = str(index)
@@ -223,7 +221,6 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     """
 
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
-        require(*BACKBONE)
         super().__init__(*args, **kwargs)
         where = "mmseg backbone PIDVisionTransformer"
         self._configure_attention(_choose(attention, attention_cfg, where), where)
