@@ -1,16 +1,14 @@
-"""The zoo versions pid-plugins is tested with, and the guard on the zoo internals its adapters read.
-
-* :data:`TESTED`: for torch and every zoo, the lowest and the newest release the test suite runs under (pinned in
-  ``constraints-lowest.txt`` and ``constraints.txt``); a version outside the range warns once at import.
-* :class:`Internal`: one private internal of a zoo that an adapter reads because the zoo has no extension point for
-  it. Each adapter lists its internals in ``pid_plugins/<zoo>/internals.py`` and requires one where it first uses
-  it: a changed internal gives :class:`InternalChanged` before anything is computed, never a different result.
-* :func:`behaviour_probe`: an internal's check that builds tiny models, isolated from the caller's context.
+"""The zoo versions pid-plugins is tested with (:data:`TESTED`: outside the range, the import warns once), and the
+guard on the zoo internals its adapters read: each adapter lists its :class:`Internal` s in
+``pid_plugins/<zoo>/internals.py`` and requires one where it first uses it (a changed one gives
+:class:`InternalChanged` before anything is computed); :func:`behaviour_probe` checks one by building tiny models.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import platform
 import re
 import sys
 import threading
@@ -26,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["TESTED", "Internal", "InternalChanged", "ProbeUnavailable", "UntestedVersionWarning", "behaviour_probe",
            "check_version", "installed_version", "parameters", "perturbed", "reads", "require", "settle"]
 
-#: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test). torch's lowest is
-#: the one the core and the vLLM plugin are tested with (constraints-vllm.txt); the zoo adapters from :data:`ZOO_TORCH`
+#: distribution -> (lowest, newest) release the tests run under (make test-compat / make test); torch's lowest is the
+#: core's and vLLM's (constraints-vllm.txt), the zoo adapters' is :data:`ZOO_TORCH`
 TESTED: Dict[str, Tuple[str, str]] = {
     "torch": ("2.13.0", "2.15.0"),
     "transformers": ("5.20.0", "5.24.0"),
@@ -89,9 +87,7 @@ def check_version(distribution: str, version: Optional[str] = None) -> bool:
         f"{distribution} {version} is {side} release pid-plugins is tested with ({tested_range(distribution)}). "
         f"Internals the adapter reads are checked where used and refused with an error if they changed; for results "
         f"we have verified, install {distribution}=={high} (pip install -c constraints.txt 'pid-plugins[...]').",
-        UntestedVersionWarning,
-        stacklevel=3,
-    )
+        UntestedVersionWarning, stacklevel=3)
     return False
 
 
@@ -106,9 +102,8 @@ class Internal:
     check: Callable[[], bool] = field(repr=False, compare=False)
 
     def require(self) -> None:
-        """Raise :class:`InternalChanged` if the internal no longer looks as expected. Inside a ``torch.compile``
-        trace it does nothing (adapters require what a forward reads when they discover the model, eagerly), nor
-        while this thread runs a probe (the method part a probe builds requires what the probe checks)."""
+        """Raise :class:`InternalChanged` if the internal changed. Nothing inside a ``torch.compile`` trace (discovery
+        requires what a forward reads, eagerly), nor while this thread probes (the probe's method part requires it)."""
         if not self.holds():
             raise InternalChanged(self.message())
 
@@ -117,14 +112,18 @@ class Internal:
         return torch.compiler.is_compiling() or _probing() or _holds(self)
 
     def message(self, detail: str = "") -> str:
-        version = installed_version(self.zoo) or "?"
+        """The refusal: the zoo's version (or Python's: ``zoo="python"``), the tested range, what to install."""
         extra = f" ({detail})" if detail else ""
-        return (
-            f"{self.zoo} {version} changed an internal pid-plugins reads: {self.name}{extra}, needed for {self.why}. "
-            f"pid-plugins is tested with {self.zoo} {tested_range(self.zoo)} (known to hold in {self.versions}); "
-            f"install {self.zoo}=={TESTED[self.zoo][1]} (pip install -c constraints.txt), or report it with this "
-            "message. Nothing was computed with the changed internal."
-        )
+        if self.zoo == "python":
+            head, advice = f"Python {platform.python_version()}", f"It is known to hold in Python {self.versions}; " \
+                "run under one of those, or report it with this message."
+        else:
+            head = f"{self.zoo} {installed_version(self.zoo) or '?'}"
+            advice = (f"pid-plugins is tested with {self.zoo} {tested_range(self.zoo)} (known to hold in "
+                      f"{self.versions}); install {self.zoo}=={TESTED[self.zoo][1]} (pip install -c constraints.txt), "
+                      "or report it with this message.")
+        return (f"{head} changed an internal pid-plugins reads: {self.name}{extra}, needed for {self.why}. {advice} "
+                "Nothing was computed with the changed internal.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,14 +143,11 @@ def require(*internals: Internal) -> None:
 
 
 def settle(*internals: Internal) -> None:
-    """Check ``internals`` now, where the adapter is imported, and keep the answers (a refusal still comes where one
-    is used): a model built later under ``deepspeed.zero.Init`` or accelerate's ``init_empty_weights``, where a probe
-    cannot build its tiny models, finds them answered."""
+    """Check ``internals`` now (at the adapter's import) and keep the answers for where they are used: a model built
+    later under ``deepspeed.zero.Init`` or ``init_empty_weights``, where no probe can build, finds them answered."""
     for internal in internals:
-        try:
+        with contextlib.suppress(ProbeUnavailable):
             internal.holds()
-        except ProbeUnavailable:
-            pass
 
 
 # -------------------------------------------------------------------- what an internal's check reads of the zoo's code
@@ -186,8 +182,7 @@ def _global_context() -> Optional[str]:
 
 
 class _OwnRandom(TorchFunctionMode):
-    """This thread's random draws come from the probe's own generator (torch's global one is neither read nor moved):
-    torch's random ops, and the ``nn.init`` functions (which take the generator as a keyword)."""
+    """This thread's random draws (torch's random ops, ``nn.init``) come from the probe's generator, not torch's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -196,27 +191,19 @@ class _OwnRandom(TorchFunctionMode):
                                                 "multinomial", "poisson")}
         self.ops |= {getattr(torch.Tensor, n) for n in ("uniform_", "normal_", "random_", "bernoulli_", "exponential_",
                                                         "cauchy_", "log_normal_", "geometric_")}
-        self.like = {torch.rand_like: torch.rand, torch.randn_like: torch.randn}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = dict(kwargs or {})
-        if func in self.like:  # (no generator keyword): the same draw from the probe's generator
-            like = args[0]
-            kwargs.setdefault("dtype", like.dtype)
-            kwargs.setdefault("device", like.device)
-            return self.like[func](like.shape, *args[1:], generator=self.generator, **kwargs)
         if (func in self.ops or "generator" in kwargs) and kwargs.get("generator") is None:
             kwargs["generator"] = self.generator
         return func(*args, **kwargs)
 
 
 def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
-    """An internal's behavioural check: ``compare()`` builds the zoo's part and the method's and compares what they
-    compute. It runs on the CPU whatever device context the caller is in (``torch.device``, FSDP's meta init), draws
-    from its own generator, and changes nothing another thread sees: its models are built in float32 by the probe
-    itself (never through torch's default dtype), and the flag that lets the method part it builds skip the checks
-    under probe is this thread's. Where a process-wide construction context would change what it builds
-    (``deepspeed.zero.Init``, accelerate's ``init_empty_weights``) it raises :class:`ProbeUnavailable`, saying so."""
+    """An internal's check by behaviour: ``compare()`` builds the zoo's part and the method's (in float32, by itself)
+    and compares them; on the CPU whatever the caller's device context, drawing from its own generator, with a
+    thread-local flag: nothing another thread sees changes. Under ``deepspeed.zero.Init`` or ``init_empty_weights``
+    (process-wide) it raises :class:`ProbeUnavailable`, saying so."""
     @functools.wraps(compare)
     def probe() -> bool:
         if _probing():
@@ -236,8 +223,7 @@ def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
 
 
 def perturbed(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` in float32 and eval mode with every parameter moved off its initial value (layer scale, norms,
-    biases: every step of the computation counts in a probe)."""
+    """``module`` in float32 and eval mode, every parameter moved off its initial value (every step counts)."""
     module.float().eval()
     with torch.no_grad():
         for p in module.parameters():

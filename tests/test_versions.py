@@ -372,6 +372,6 @@ def test_each_timm_probe_runs_once_per_process(monkeypatch, fresh_checks):
     for name, probe in list(internals.PROBES.items()):
         monkeypatch.setitem(internals.PROBES, name, lambda probe=probe, name=name: calls.append(name) or probe())
     monkeypatch.setattr(versions, "_holds", functools.lru_cache(maxsize=None)(versions._holds.__wrapped__))
-    internals.require_all()
-    internals.require_all()
+    versions.require(*internals.INTERNALS)
+    versions.require(*internals.INTERNALS)
     assert sorted(calls) == ["block", "vit"]

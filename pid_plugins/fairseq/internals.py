@@ -1,32 +1,16 @@
 """The one internal the fairseq adapter checks at run time: Python's ``dataclasses._get_field``.
 
-fairseq 0.12.2 has had no release since 2022 and is pinned (``constraints.txt``, ``fairseq>=0.12.2,<0.13``): the pin
-and the test suite guard the fairseq code the method classes compute again (its attention, incremental buffer,
-decoder layer, decoder and ``build_model``), its checkpoint loaders and its composite optimizer. Python still
-releases, and :mod:`pid_plugins_fairseq_compat` (which lets fairseq and hydra import on Python 3.11+) relies on a
-private function of its ``dataclasses``: :data:`DATACLASS_FIELD` checks it by calling it.
+fairseq 0.12.2 (no release since 2022) is pinned (``<0.13``): the pin and the test suite guard the fairseq code the
+method classes compute again, its checkpoint loaders and its composite optimizer. Python still releases, and
+:mod:`pid_plugins_fairseq_compat` wraps that private function: :data:`DATACLASS_FIELD` checks it by calling it.
 """
 from __future__ import annotations
 
 import inspect
-import platform
 
-from ..versions import Internal, require
+from ..versions import Internal
 
-__all__ = ["DATACLASS_FIELD", "INTERNALS", "PythonInternal", "require_all"]
-
-
-class PythonInternal(Internal):
-    """An internal of Python itself (not of a zoo): the message names Python's version and the versions the internal
-    is known to hold in (Python has no entry in :data:`~pid_plugins.versions.TESTED`)."""
-
-    def message(self, detail: str = "") -> str:
-        extra = f" ({detail})" if detail else ""
-        return (
-            f"Python {platform.python_version()} changed an internal pid-plugins reads: {self.name}{extra}, needed for "
-            f"{self.why}. It is known to hold in Python {self.versions}; run fairseq under one of those, or report it "
-            "with this message. Nothing was computed with the changed internal."
-        )
+__all__ = ["DATACLASS_FIELD", "INTERNALS"]
 
 
 def _dataclass_field() -> bool:
@@ -60,14 +44,9 @@ def _dataclass_field() -> bool:
     return isinstance(field, dataclasses.Field) and field.default is vars(Owner)["inner"]
 
 
-DATACLASS_FIELD = PythonInternal(
+DATACLASS_FIELD = Internal(
     "python", "dataclasses._get_field(cls, a_name, a_type, ...) refusing defaults whose class is unhashable",
     "importing fairseq 0.12.2 and hydra 1.0.7, whose config dataclasses have dataclass instances as defaults "
     "(pid_plugins_fairseq_compat)", "3.11 - 3.13", _dataclass_field)
 
 INTERNALS = (DATACLASS_FIELD,)
-
-
-def require_all() -> None:
-    """Check every internal now."""
-    require(*INTERNALS)

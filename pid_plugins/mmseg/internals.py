@@ -1,17 +1,15 @@
 """The mmengine internals the mmseg adapter checks at run time: what, why, which versions, and the check.
 
-mmsegmentation 1.2.2 (its last release, 2023) and mmcv-lite 2.1 are pinned (``constraints.txt``; ``<1.3`` and ``<2.2``
-in ``pyproject.toml``): the pin and the test suite guard the mmseg and mmcv code the method classes compute again (the
-ViT, its encoder layer, mmcv's attention, the Segmenter head) and mmcv's op loader under the ``mmcv._ext`` stand-in.
-mmengine is not capped (a newer release installs beside mmseg 1.2.2), and the weights-only checkpoint loading
-(:mod:`pid_plugins.mmseg.checkpoint`) replaces and restores parts of its checkpoint module: those are checked here, by
-behaviour, where the loading first runs.
+mmsegmentation 1.2.2 and mmcv-lite 2.1 (no release since 2023) are pinned (``<1.3``, ``<2.2``): the pin and the test
+suite guard the code the method classes compute again and mmcv's op loader under the ``mmcv._ext`` stand-in.
+mmengine is not capped, and the weights-only loading (:mod:`pid_plugins.mmseg.checkpoint`) replaces and restores
+parts of its checkpoint module: those are checked here, by behaviour, where the loading first runs.
 """
 from __future__ import annotations
 
 from ..versions import Internal, parameters, require
 
-__all__ = ["INTERNALS", "require_all"]
+__all__ = ["INTERNALS", "require"]
 
 MMENGINE = "mmengine"
 #: the module name of mmcv's compiled ops (:mod:`pid_plugins.mmseg.compat` stands in for it where it is absent)
@@ -31,11 +29,9 @@ _SCHEME_SAMPLES = {r"(\S+\:)?s3://": "s3://bucket/model.pth", r"(\S+\:)?petrel:/
 
 
 def _checkpoint_schemes() -> bool:
-    """By behaviour: mmengine's table (prefix -> loader, a class attribute) holds, of mmengine's own loaders (and ours,
-    which replace them during a run), exactly the schemes pid-plugins pairs with weights-only loaders (a scheme
-    mmengine adds would load around them: refused; another library's schemes are its own), kept sorted as
-    ``register_scheme`` sorts it, each path is loaded by the loader of its scheme (``_get_checkpoint_loader``), and
-    ``register_scheme`` rebinds the table rather than editing it in place."""
+    """mmengine's own schemes (prefix -> loader, a class attribute; ours replace them during a run) are exactly those
+    paired with weights-only loaders (another library's are its own), sorted, each path loaded by its scheme's
+    loader, and ``register_scheme`` rebinds the table rather than editing it in place."""
     from mmengine.runner import checkpoint as mm_checkpoint
 
     loader = mm_checkpoint.CheckpointLoader
@@ -74,8 +70,7 @@ STATISTICS = ("min", "max", "current", "mean")
 
 
 def _history_buffer() -> bool:
-    """By behaviour: a ``HistoryBuffer`` maps each statistic's name to the class's function of that name (what a
-    training checkpoint pickles and the weights-only loader allows)."""
+    """A ``HistoryBuffer`` maps each statistic's name to the class's function (what a training checkpoint pickles)."""
     from mmengine.logging.history_buffer import HistoryBuffer
 
     methods = HistoryBuffer()._statistics_methods
@@ -102,8 +97,3 @@ HISTORY_BUFFER = Internal(
 INTERNALS = (CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS, HISTORY_BUFFER)
 #: what the weights-only checkpoint loading relies on
 CHECKPOINTS = INTERNALS
-
-
-def require_all() -> None:
-    """Check every internal now."""
-    require(*INTERNALS)

@@ -1,11 +1,8 @@
-"""Every timm internal the adapter reads, in one place: what, why, which versions, and the check that runs where the
-adapter first uses it (:meth:`pid_plugins.versions.Internal.require`).
+"""Every timm internal the adapter reads, in one place: what, why, which versions, and its check.
 
-timm still releases (unbounded), so each is checked. Its public extension points carry most of the adapter
-(``register_model``, ``build_model_with_cfg``, ``timm.layers``, the classes' ``block_fn`` / ``attn_layer``); what is
-left are timm's private modules (``_builder``, ``_manipulate``, ``_features``, ``_registry``) and the parts of its
-``VisionTransformer`` / ``Block`` / ``Attention`` / XCiT code that the method classes compute again. timm is
-imported inside the checks only.
+timm still releases (unbounded), so each is checked where first used (``import pid_plugins.timm`` runs them all):
+its private modules (``_builder``, ``_manipulate``, ``_features``, ``_registry``) and the parts of its ViT, Block,
+Attention and XCiT code that the method classes compute again. timm is imported inside the checks only.
 """
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ import torch
 
 from ..versions import Internal, behaviour_probe, parameters, require
 
-__all__ = ["INTERNALS", "require_all"]
+__all__ = ["INTERNALS", "require"]
 
 ZOO = "timm"
 
@@ -38,10 +35,6 @@ def _attn_layers() -> bool:
 PROBES: Dict[str, Callable[[], bool]] = {}
 
 
-def _probe(name: str) -> bool:
-    return PROBES[name]()
-
-
 def _block() -> bool:
     from timm.layers import Attention
     from timm.models.vision_transformer import Block, _create_attn
@@ -49,11 +42,7 @@ def _block() -> bool:
     forward = ["self", "x", "attn_mask", "is_causal"]
     return ("attn_layer" in parameters(Block.__init__)
             and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"]
-            and parameters(Attention.forward) == forward and parameters(Block.forward) == forward and _probe("block"))
-
-
-VIT_INTERMEDIATES_PARAMETERS = ["self", "x", "indices", "return_prefix_tokens", "norm", "stop_early", "output_fmt",
-                                "intermediates_only", "output_dict", "attn_mask", "is_causal"]
+            and parameters(Attention.forward) == forward and parameters(Block.forward) == forward and PROBES["block"]())
 
 
 def _vit_forward() -> bool:
@@ -63,9 +52,10 @@ def _vit_forward() -> bool:
     init = parameters(VisionTransformer.__init__)
     return ("block_fn" in init and "attn_layer" in init
             and parameters(VisionTransformer.forward_features) == ["self", "x", "attn_mask", "is_causal"]
-            and parameters(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_PARAMETERS
+            and parameters(VisionTransformer.forward_intermediates)[1:] == "x indices return_prefix_tokens norm "
+            "stop_early output_fmt intermediates_only output_dict attn_mask is_causal".split()
             and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled))
-            and _probe("vit"))
+            and PROBES["vit"]())
 
 
 def _feature_take_indices() -> bool:
@@ -133,22 +123,17 @@ def _vit_checkpoint_filter() -> bool:
 def _xcit() -> bool:
     from timm.models import xcit
 
-    for cls, args in ((xcit.ConvPatchEmbed, ("img_size", "patch_size", "in_chans", "embed_dim", "act_layer")),
-                      (xcit.PositionalEncodingFourier, ("dim",)), (xcit.LPI, ("in_features", "act_layer")),
-                      (xcit.ClassAttentionBlock, ("dim", "num_heads", "mlp_ratio", "qkv_bias", "proj_drop", "attn_drop",
-                                                  "act_layer", "norm_layer", "eta", "tokens_norm"))):
-        if not set(args) | {"device", "dtype"} <= set(parameters(cls.__init__)):
-            return False
-    if not (parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
-            and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]):
-        return False
-    # what FAN reads of the patch embedding, by behaviour: it returns the tokens and the grid, and proj[0][0] is its
-    # first convolution (whose weight gives the model's device and dtype)
+    takes = {xcit.ConvPatchEmbed: "img_size patch_size in_chans embed_dim act_layer", xcit.PositionalEncodingFourier:
+             "dim", xcit.LPI: "in_features act_layer", xcit.ClassAttentionBlock: "dim num_heads mlp_ratio qkv_bias "
+             "proj_drop attn_drop act_layer norm_layer eta tokens_norm"}
+    # what FAN reads of the patch embedding: it returns the tokens and the grid, proj[0][0] is its first convolution
     embed = xcit.ConvPatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
     tokens, grid = embed(torch.zeros(1, 3, 32, 48))
-    first = embed.proj[0][0]
-    if not (isinstance(first, torch.nn.Conv2d) and first.in_channels == 3 and tuple(grid) == (4, 6)
-            and tuple(tokens.shape) == (1, 24, 16)):
+    if not (all(set(f"{args} device dtype".split()) <= set(parameters(cls.__init__)) for cls, args in takes.items())
+            and parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
+            and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]
+            and isinstance(embed.proj[0][0], torch.nn.Conv2d) and embed.proj[0][0].in_channels == 3
+            and tuple(grid) == (4, 6) and tuple(tokens.shape) == (1, 24, 16)):
         return False
 
     class Model:  # what the filter reads of the model: its position encoding, class-attention blocks, state_dict keys
@@ -178,8 +163,7 @@ def _default_cfgs() -> bool:
 # ------------------------------------------------------------------------------------------------- the internals
 ATTN_LAYERS = Internal(
     ZOO, "timm.models.vision_transformer.ATTN_LAYERS (a dict of attn_layer names)",
-    "reserving timm's own attention layer names (attention= must not shadow attn_layer='diff')", "1.0.31",
-    _attn_layers)
+    "reserving timm's own attention layer names (attention= must not shadow attn_layer='diff')", "1.0.31", _attn_layers)
 BLOCK = Internal(
     ZOO, "timm's Attention.forward and Block.forward (x, attn_mask, is_causal) and what they compute (the block "
     "probe); Block(attn_layer=...) building its attention with _create_attn",
@@ -204,8 +188,7 @@ PRETRAINED_SOURCE = Internal(
     "1.0.31", _pretrained_source)
 CLASSIFIER_DROP = Internal(
     ZOO, "timm.models._builder.load_pretrained drops pretrained_cfg['classifier'] when num_classes differs",
-    "the strict key check of a pretrained load not counting the classifier keys timm discards", "1.0.31",
-    _classifier_drop)
+    "the strict key check of a pretrained load not counting the classifier keys timm drops", "1.0.31", _classifier_drop)
 BUILD_MODEL_WITH_CFG = Internal(
     ZOO, "build_model_with_cfg(pretrained_filter_fn=..., feature_cfg=dict(feature_cls='getter'))",
     "building the pid_* and fan_* models: pretrained loading through our filter, features_only through "
@@ -230,8 +213,3 @@ INTERNALS = (ATTN_LAYERS, BLOCK, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT, 
 VIT = (BLOCK, FEATURE_TAKE_INDICES, CHECKPOINT, VIT_FORWARD)
 #: what FAN relies on
 FAN = (XCIT, FEATURE_TAKE_INDICES, CHECKPOINT)
-
-
-def require_all() -> None:
-    """Check every internal now."""
-    require(*INTERNALS)
