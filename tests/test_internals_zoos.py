@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -161,6 +162,73 @@ def test_a_changed_pretrained_source_order_is_refused_before_loading(monkeypatch
     assert not built
 
 
+# timm's other checks, each against a release that changed what it guards (the adapter's code reads each where it
+# builds a model; here the check and its refusal)
+def _load_pretrained(model, pretrained_cfg=None, num_classes=1000, in_chans=3, filter_fn=None, strict=True,
+                     cache_dir=None):  # a release that keeps every classifier key
+    model.load_state_dict(pretrained_cfg["state_dict"], strict=strict)
+
+
+def _build_model_with_cfg(model_cls, variant, pretrained, pretrained_cfg=None, pretrained_cfg_overlay=None,
+                          model_cfg=None, feature_cfg=None, pretrained_strict=True, pretrained_filter_fn=None,
+                          cache_dir=None, kwargs_filter=None, **kwargs):  # a release without the 'getter' class
+    return model_cls(**kwargs)
+
+
+def _register_model(fn):  # a release whose registry no longer reads the module's default_cfgs
+    return fn
+
+
+def _scaled(function):
+    @functools.wraps(function)
+    def changed(*args, **kwargs):  # a release whose part scales what it returns (its signature as before)
+        return function(*args, **kwargs) * 1.01
+    return changed
+
+
+def _ignores_reentrant(function):
+    @functools.wraps(function)
+    def checkpoint(fn, *args, use_reentrant=None, **kwargs):  # a release that always checkpoints non-reentrantly
+        return function(fn, *args, use_reentrant=False, **kwargs)
+    return checkpoint
+
+
+TIMM_CHANGES = {  # internal: (module, attribute, the change of the attribute's current value)
+    "ATTN_LAYERS": ("timm.models.vision_transformer", "ATTN_LAYERS",
+                    lambda layers: {k: v for k, v in layers.items() if k != "attn"}),
+    "BLOCK": ("timm.models.vision_transformer.Block", "forward", _scaled),
+    "CHECKPOINT": ("timm.models._manipulate", "checkpoint", _ignores_reentrant),
+    "CLASSIFIER_DROP": ("timm.models._builder", "load_pretrained", lambda old: _load_pretrained),
+    "BUILD_MODEL_WITH_CFG": ("timm.models", "build_model_with_cfg", lambda old: _build_model_with_cfg),
+    "VIT_CHECKPOINT_FILTER": ("timm.models.vision_transformer", "checkpoint_filter_fn",
+                              lambda old: lambda state_dict, model, interpolation="bicubic": state_dict),
+    "XCIT": ("timm.models.xcit", "checkpoint_filter_fn", lambda old: lambda state_dict, model: state_dict),
+    "DEFAULT_CFGS": ("timm.models._registry", "register_model", lambda old: _register_model),
+}
+
+
+@pytest.mark.parametrize("name", TIMM_CHANGES)
+def test_each_timm_check_refuses_a_release_that_changed_what_it_guards(name, monkeypatch, fresh_checks):
+    pytest.importorskip("timm")
+    import importlib
+
+    import pid_plugins.timm  # noqa: F401
+    from pid_plugins.timm import internals
+
+    where, attribute, change = TIMM_CHANGES[name]
+    try:
+        owner = importlib.import_module(where)
+    except ImportError:  # a class: its module, then the class
+        module, cls = where.rsplit(".", 1)
+        owner = getattr(importlib.import_module(module), cls)
+    internal = getattr(internals, name)
+    assert internal.check()
+    monkeypatch.setattr(owner, attribute, change(getattr(owner, attribute)))
+    assert not internal.check()
+    with pytest.raises(InternalChanged, match=changed("timm", internal.name)):
+        internal.require()
+
+
 # ================================================================================================= mmseg
 def test_every_mmseg_internal_holds_and_is_required():
     pytest.importorskip("mmseg")
@@ -301,3 +369,16 @@ def test_a_changed_history_buffer_statistic_is_refused(monkeypatch, fresh_checks
     monkeypatch.setattr(HistoryBuffer, "_statistics_methods", {**HistoryBuffer._statistics_methods,
                                                                "mean": HistoryBuffer.max})
     assert not pm.internals.HISTORY_BUFFER.check()
+
+
+def test_changed_mmengine_checkpoint_helpers_are_refused(monkeypatch, fresh_checks):
+    """An mmengine release whose ``_process_mmcls_checkpoint`` takes another argument (the weights-only mmcls://
+    loader calls it as mmengine 0.10.7 does): refused before the loading starts."""
+    pytest.importorskip("mmseg")
+    import pid_plugins.mmseg as pm
+    from mmengine.runner import checkpoint as mm_checkpoint
+
+    assert pm.internals.CHECKPOINT_HELPERS.check()
+    monkeypatch.setattr(mm_checkpoint, "_process_mmcls_checkpoint", lambda checkpoint, prefix="": checkpoint)
+    with pytest.raises(InternalChanged, match=changed("mmengine", pm.internals.CHECKPOINT_HELPERS.name)):
+        pm.checkpoint.load_checkpoint("/nonexistent/weights.pth")

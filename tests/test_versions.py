@@ -362,7 +362,7 @@ def test_a_probe_changes_nothing_another_thread_sees():
     assert not versions._probing() and torch.equal(torch.random.get_rng_state(), rng)
 
 
-def test_each_timm_probe_runs_once_per_process(monkeypatch, fresh_checks):
+def test_each_timm_probe_runs_once_per_process(monkeypatch):
     """Each probe belongs to one internal: checking every timm internal runs the block and the model probe once."""
     pytest.importorskip("timm")
     import pid_plugins.timm  # noqa: F401
@@ -375,3 +375,45 @@ def test_each_timm_probe_runs_once_per_process(monkeypatch, fresh_checks):
     versions.require(*internals.INTERNALS)
     versions.require(*internals.INTERNALS)
     assert sorted(calls) == ["block", "vit"]
+
+
+def _without(name):
+    def change(mapping):  # the mapping without ``name``
+        return {k: v for k, v in mapping.items() if k != name}
+    return change
+
+
+HF_CHANGES = {  # internal: (module, attribute, the change of the attribute's current value)
+    "CACHE_LAYERS": ("transformers.cache_utils", "DynamicLayer",
+                     lambda layer: type("DynamicLayer", (layer,), {"crop": None})),  # a release without crop
+    "TORCH_CHECKPOINT": ("torch.distributed._composable.contract", "_get_registry", lambda old: lambda module: None),
+    "GLOBAL_MAPPING": ("transformers.AttentionInterface", "_global_mapping", _without("sdpa")),
+    "TP_PLAN": ("transformers.distributed.tensor_parallel", "ALL_PARALLEL_STYLES",
+                _without("replicated_with_grad_allreduce")),
+}
+
+
+@pytest.mark.parametrize("name", HF_CHANGES)
+def test_each_transformers_check_refuses_a_release_that_changed_what_it_guards(name, monkeypatch, fresh_checks):
+    """transformers' (and torch's) checks that no other test changes: each refuses, with the message, a release
+    without what it guards."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    from pid_plugins.hf import internals
+
+    where, attribute, change = HF_CHANGES[name]
+    try:
+        owner = importlib.import_module(where)
+    except ImportError:
+        module, cls = where.rsplit(".", 1)
+        owner = getattr(importlib.import_module(module), cls)
+    internal = getattr(internals, name)
+    if not internal.check():
+        pytest.skip(f"{internal.name}: not in transformers {versions.installed_version('transformers')}")
+    monkeypatch.setattr(owner, attribute, change(getattr(owner, attribute)))
+    assert not internal.check()
+    zoo = "torch" if name == "TORCH_CHECKPOINT" else "transformers"
+    with pytest.raises(InternalChanged, match=rf"{zoo} .* changed an internal pid-plugins reads: "
+                                              rf"{re.escape(internal.name)}"):
+        internal.require()
