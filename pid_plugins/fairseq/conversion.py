@@ -19,7 +19,6 @@ from ..core.layer import (
     LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, replace_module, settle_submodule, strip_attributes,
     warn_switch_of_trained_weights,
 )
-from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 from .layers import (
     PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, embedding_like,
     self_attentions,
@@ -60,10 +59,6 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     else:
         models = [model]
     choice = resolve_attention(attention, attention_cfg, zoo="fairseq", where=_WHERE)
-    # what the method classes compute again; and fairseq's parameter groups where the method has learnable parameters
-    # (that check builds fairseq's composite optimizer, whose first build imports torch's compiler: not for nothing)
-    learned = choice is not None and bool(getattr(choice.config, "learnable", False))
-    require(*ATTENTION, DECODER_LAYER, DECODER, *((PARAM_GROUP,) if learned else ()))
     for lm in models:
         _check(lm, choice)
     for lm in models:

@@ -23,7 +23,6 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
 from ..core.layer import MethodLayer, MethodModel, finished_config, number_layers
-from .internals import ATTENTION, DECODER, DECODER_LAYER, PARAM_GROUP, require
 
 #: how to run a fairseq method layer with its state, named in core's MissingLayerState
 STATE_ROUTE = ("With fairseq, run the layers through the decoder's own forward (extract_features), which threads the "
@@ -49,7 +48,6 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
 
     def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
                  **kwargs: Any) -> None:
-        require(*ATTENTION)
         super().__init__(*args, **kwargs)
         self.set_attention(MethodChoice(method, config) if method is not None else None)
 
@@ -69,7 +67,6 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
     def _tag_learned(self) -> None:
         learned = self.__dict__.get("_modules", {}).get("attention_params")
         if learned is not None:
-            PARAM_GROUP.require()
             for parameter in learned.parameters():
                 parameter.param_group = METHOD_PARAM_GROUP
 
@@ -173,7 +170,6 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
 
     def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
                  add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
-        require(*ATTENTION, DECODER_LAYER)
         # read by build_self_attention, which the base __init__ calls
         self._attention_choice = (method, config)
         super().__init__(cfg, no_encoder_attn=no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
@@ -270,7 +266,6 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
 
     def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
-        require(*ATTENTION, DECODER_LAYER, DECODER)
         method, config = choice if choice is not None else (None, None)
         # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
         self.attention_method, self.attention_config = method, config

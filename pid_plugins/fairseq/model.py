@@ -17,7 +17,6 @@ from fairseq.utils import safe_getattr
 
 from ..catalogue import load_catalogue
 from .hub import load_pid_lm
-from .internals import MODEL, require
 from .layers import METHOD_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
 from .options import PIDTransformerLanguageModelConfig, attention_from_args, parse_attention_cfg
 
@@ -36,7 +35,6 @@ class PIDTransformerLanguageModel(TransformerLanguageModel):
     def build_model(cls, args: Any, task: Any) -> "PIDTransformerLanguageModel":
         """fairseq's ``TransformerLanguageModel.build_model`` (0.12.2), building :class:`PIDTransformerDecoder`:
         the same modules in the same order, so a seed gives the stock model's initial weights."""
-        require(*MODEL)
         choice = attention_from_args(args)
         if safe_getattr(args, "checkpoint_activations", False):
             raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")

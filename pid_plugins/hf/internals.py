@@ -1,28 +1,23 @@
-"""Every transformers internal the adapter reads, in one place: what, why, which versions, and the check that runs
-where the adapter first uses it (:meth:`pid_plugins.versions.Internal.require`).
+"""Every transformers internal the adapter reads (no extension point in 5.24), in one place: what, why, which versions.
 
-The public extension points carry most of the adapter: ``AttentionInterface`` / ``AttentionMaskInterface`` (the
-attention and mask functions), ``model.set_attn_implementation``, the cache
-classes' public methods (``update``, ``crop``, ``reorder_cache``, ``reset``), and torch's module hooks. What is left
-has no extension point in transformers 5.24; if a release changes one of these, the user gets
-:class:`~pid_plugins.versions.InternalChanged` naming the version and the tested range, never a different result.
-
-How each check sees a change: by behaviour (a tiny stock Llama, :func:`~pid_plugins.versions.behaviour_probe`) for
-gradient checkpointing, continuous batching's entries and the attention interface; by what the object is (types,
-attributes, signatures: no source text) for the caches, the construction and initialisation points and the
-registries. One check reads source text, :data:`TP_PLAN`, and says why at :func:`_tp_plan`.
+transformers still releases, so each is checked (``import pid_plugins.hf`` runs every check; a refusal comes where
+one is used): by behaviour for gradient checkpointing, continuous batching and the attention interface (probes on a
+tiny Llama), by types, attributes and signatures for the rest. Two read source text: :func:`calls_interface`
+(transformers' own heuristic, which the interface probe checks against behaviour) and :data:`TP_PLAN`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import threading
 from typing import Any, Optional, Tuple
 
 import torch
 
-from ..versions import Internal, behaviour_probe, require
+from ..versions import Internal, behaviour_probe, parameters
 
-__all__ = ["INTERNALS", "cache_keywords", "calls_interface", "require_all"]
+__all__ = ["INTERNALS", "cache_keywords", "calls_interface"]
 
 ZOO = "transformers"
 #: the keyword a model's forward takes its KV cache under: ``cache`` from 5.24 (``past_key_values`` is its deprecated
@@ -60,9 +55,8 @@ def _tp_plan() -> bool:
     style = getattr(tensor_parallel, "ALL_PARALLEL_STYLES", {}).get(TP_STYLE)
     if not (isinstance(prop, property) and prop.fset is not None and style is not None):
         return False
-    # The one source read: what the style's hook does (a gradient all-reduce per parameter) happens only with a
-    # process group of several ranks, which a check at first use cannot make; tests/test_distributed.py runs it
-    # (two ranks, gloo) against the newest release.
+    # source text: the style's hook (a gradient all-reduce per parameter) acts only with a process group of several
+    # ranks, which a check at first use cannot make (tests/core/test_distributed.py runs it on two ranks)
     source = inspect.getsource(type(style).install_forward)
     return "register_post_accumulate_grad_hook" in source and "all_reduce" in source and "recurse=False" in source
 
@@ -86,14 +80,13 @@ def _cache_layers() -> bool:
     )
 
     window = DynamicSlidingWindowLayer(sliding_window=4)
-    methods = ("update", "reset", "reorder_cache", "offload", "prefetch", "get_seq_length")
-    # dynamic layers only; static layers are croppable from transformers 5.24 (the slot layer crops with them)
-    dynamic = ("crop", "batch_select_indices", "batch_repeat_interleave")
+    # crop and the batch methods on dynamic layers only (static layers crop from 5.24: the slot layer crops with them)
+    methods = {kind: "update reset reorder_cache offload prefetch get_seq_length".split() for kind in
+               (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)}
+    for kind in (DynamicLayer, DynamicSlidingWindowLayer):
+        methods[kind] += ["crop", "batch_select_indices", "batch_repeat_interleave"]
     return (isinstance(DynamicCache().layers, list) and isinstance(getattr(Cache, "is_sliding", None), property)
-            and all(callable(getattr(kind, m, None)) for kind in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
-                    for m in methods)
-            and all(callable(getattr(kind, m, None))
-                    for kind in (DynamicLayer, DynamicSlidingWindowLayer) for m in dynamic)
+            and all(callable(getattr(kind, m, None)) for kind, names in methods.items() for m in names)
             and window.sliding_window == 4 and window.record_past is False
             and callable(getattr(window, "activate_past_recording", None))
             and StaticLayer(max_cache_len=4).max_cache_len == 4 and issubclass(StaticSlidingWindowLayer, StaticLayer)
@@ -114,28 +107,29 @@ def _torch_checkpoint() -> bool:
 def _initialize_weights() -> bool:
     from transformers import PreTrainedModel
 
-    params = list(inspect.signature(PreTrainedModel._initialize_weights).parameters)
-    init = list(inspect.signature(PreTrainedModel.__init__).parameters)
-    return (params[:2] == ["self", "module"] and callable(getattr(PreTrainedModel, "post_init", None))
-            and init[:2] == ["self", "config"])
+    return (parameters(PreTrainedModel._initialize_weights)[:2] == ["self", "module"]
+            and parameters(PreTrainedModel.__init__)[:2] == ["self", "config"] and callable(PreTrainedModel.post_init))
 
 
 def _tiny_llama(attn_implementation: str = "sdpa", **method: Any) -> Any:
-    """A two-layer Llama of random weights (the probes' stock model), with ``method`` as its ``config.<name>``."""
+    """The probes' two-layer Llama in float32, ``method`` its ``config.<name>`` (built by its class: ``_from_config``
+    sets torch's default dtype, and enters ``deepspeed.zero.Init`` under a ZeRO-3 config)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
-    for name, params in method.items():
-        setattr(config, name, params)
-    return LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation).eval()
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                         attn_implementation=attn_implementation, **method)
+    return LlamaForCausalLM(config).float().eval()
+
+
+def _raise(exception: type, *args: Any, **kwargs: Any) -> None:
+    raise exception
 
 
 @behaviour_probe
 def _checkpointing() -> bool:
-    """``gradient_checkpointing_enable`` gives each checkpointed layer ``gradient_checkpointing = True`` and a
-    ``_gradient_checkpointing_func`` whose ``use_reentrant`` keyword is the one asked for (what the refusal of
-    reentrant checkpointing reads)."""
+    """Enabling checkpointing gives each checkpointed layer a ``_gradient_checkpointing_func`` with the
+    ``use_reentrant`` asked for (what the refusal of reentrant checkpointing reads)."""
     model = _tiny_llama()
     seen = []
     enable = getattr(model, "activation_checkpointing_enable", None)  # from 5.24; gradient_checkpointing_enable before
@@ -151,62 +145,46 @@ def _checkpointing() -> bool:
     return all(seen)
 
 
-class _Entered(Exception):
-    """Raised by the continuous batching probe's ``init_continuous_batching``: the entry reached it."""
-
-
 @behaviour_probe
 def _continuous_batching() -> bool:
-    """Every continuous batching entry (``generate_batch``, ``continuous_batching_context_manager``,
-    ``generate(cache_implementation="paged")``) reaches the model's own ``init_continuous_batching`` (an instance
-    attribute, as the adapter gives it) before it does anything else: a stock model whose attribute raises stops there
-    from each entry."""
+    """Every continuous batching entry (``generate_batch``, ``continuous_batching_context_manager``, ``generate`` with
+    a paged cache) first reaches the model's own ``init_continuous_batching`` (an instance attribute, as ours)."""
+    from transformers.generation import utils
+
+    class Entered(Exception):
+        """The model's ``init_continuous_batching`` was reached."""
+
     model = _tiny_llama()
-
-    def entered(*args: Any, **kwargs: Any) -> None:
-        raise _Entered
-
-    model.__dict__["init_continuous_batching"] = entered
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()  # generate's note that "paged" switches to continuous batching: not the user's call
+    model.__dict__["init_continuous_batching"] = functools.partial(_raise, Entered)
+    entries = (lambda: model.generate_batch([[1, 2, 3]]),
+               lambda: model.continuous_batching_context_manager().__enter__(),
+               lambda: model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=1))
+    # generate's note that "paged" switches to continuous batching is about the probe's call: dropped for this thread
+    quiet = functools.partial(lambda thread, record: record.thread != thread, threading.get_ident())
+    utils.logger.addFilter(quiet)
     try:
-        return _each_enters((
-        lambda: model.generate_batch([[1, 2, 3]]),
-        lambda: model.continuous_batching_context_manager().__enter__(),
-        lambda: model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=1)))
+        for entry in entries:
+            with contextlib.suppress(Entered):
+                entry()
+                return False
+        return True
     finally:
-        logging.set_verbosity(level)
-
-
-def _each_enters(entries: Tuple[Any, ...]) -> bool:
-    for entry in entries:
-        try:
-            entry()
-        except _Entered:
-            continue
-        return False
-    return True
+        utils.logger.removeFilter(quiet)
 
 
 @behaviour_probe
 def _interface_source() -> bool:
-    """Discovery finds attention modules the way transformers decides whether a model can switch its attention
-    (``PreTrainedModel._can_set_attn_implementation``): by the interface's name in the source
-    (:func:`calls_interface`). The probe checks that signal against behaviour: the attention
-    class it names dispatches through the registered function, a method at zero parameters computes the stock model bit
-    for bit, and the same method with parameters changes the output."""
+    """The attention class :func:`calls_interface` names (transformers' own heuristic) dispatches through the
+    registered function: a method at zero parameters is the stock model bit for bit, with parameters it is not."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         stock = _tiny_llama()
-        state = stock.state_dict()
         outputs = []
         for params in ({"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, {"lambda_p": 0.5}):
             model = _tiny_llama("pid", pid=params)
-            model.load_state_dict(state)
+            model.load_state_dict(stock.state_dict())
             outputs.append(model(ids).logits)
         want = stock(ids).logits
     return calls_interface(LlamaAttention) and torch.equal(outputs[0], want) and not torch.equal(outputs[1], want)
@@ -230,10 +208,8 @@ STATIC_LAYER = Internal(
 CACHE_LAYERS = Internal(
     ZOO, "Cache.layers, Cache.is_sliding and the cache layer classes DynamicLayer, DynamicSlidingWindowLayer, "
     "StaticLayer (subclassed)",
-    "keeping a method's per-position tensor (Twicing's A v) inside each layer's cache object, as transformers' own "
-    "DynamicIndexedLayer / StaticIndexedLayer keep an extra tensor: a subclass of the layer's kind holding an inner "
-    "layer of the same kind, which its update, crop, reset, reorder_cache, offload, prefetch (and the dynamic layers' "
-    "batch_select_indices, batch_repeat_interleave) treat in step with the keys; len(cache) stays the layer count",
+    "keeping a method's per-position tensor (Twicing's A v) in each layer's cache object (a subclass of the layer's "
+    "kind holding an inner layer, which its update, crop, reset, reorder and offload treat in step with the keys)",
     "5.20 - 5.24", _cache_layers)
 TORCH_CHECKPOINT = Internal(
     "torch", "CheckpointWrapper.checkpoint_impl and ._checkpoint_wrapped_module, and the composable checkpoint's "
@@ -243,8 +219,7 @@ TORCH_CHECKPOINT = Internal(
 INITIALIZE_WEIGHTS = Internal(
     ZOO, "PreTrainedModel.__init__, PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
     "the construction hook; initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery "
-    "before the first forward",
-    "5.20 - 5.24", _initialize_weights)
+    "before the first forward", "5.20 - 5.24", _initialize_weights)
 CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing gives each checkpointed layer its _gradient_checkpointing_func "
     "with the use_reentrant asked for",
@@ -252,13 +227,12 @@ CHECKPOINTING = Internal(
 CONTINUOUS_BATCHING = Internal(
     ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (each model's own, an "
     "instance attribute)",
-    "refusing a method model before continuous batching switches its attention (switch_to_cb_friendly_attn: to flash "
-    "attention where flash-attn is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching)
+    "refusing a method model before continuous batching switches its attention (to flash attention where flash-attn "
+    "is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching)
 INTERFACE_SOURCE = Internal(
     ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic) and dispatch "
     "through it",
-    "finding a model's attention modules, and refusing attention outside the interface", "5.20 - 5.24",
-    _interface_source)
+    "finding a model's attention modules, refusing attention outside the interface", "5.20 - 5.24", _interface_source)
 GLOBAL_MAPPING = Internal(
     ZOO, "AttentionInterface._global_mapping / AttentionMaskInterface._global_mapping",
     "reserving the attention implementation names transformers holds (a method cannot replace 'sdpa')",
@@ -266,17 +240,11 @@ GLOBAL_MAPPING = Internal(
 TP_PLAN = Internal(
     ZOO, "PreTrainedModel.tp_plan (a settable property) and the 'replicated_with_grad_allreduce' style of "
     "ALL_PARALLEL_STYLES (transformers.distributed.tensor_parallel)",
-    "tensor parallelism with learnable parameters: each attention_params module gets a plan entry whose forward hook "
-    "all-reduces its own parameters' gradients over the tensor-parallel group (each rank's attention sees only its "
-    "own heads)", "5.24", _tp_plan)
+    "tensor parallelism with learnable parameters: a plan entry per attention_params module whose hook all-reduces "
+    "their gradients over the tensor-parallel group (each rank's attention sees only its own heads)", "5.24", _tp_plan)
 
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, CHECKPOINTING, TORCH_CHECKPOINT,
              CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, TP_PLAN)
-
-
-def require_all() -> None:
-    """Check every internal now (``import pid_plugins.hf`` checks those it changes transformers with)."""
-    require(*INTERNALS)
 
 
 def unknown_cache(args: tuple, kwargs: dict, known: Tuple[str, ...]) -> Optional[str]:

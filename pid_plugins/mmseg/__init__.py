@@ -33,7 +33,6 @@ from .head import PIDSegmenterMaskTransformerHead
 from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_mmseg
 from .checkpoint import WeightsOnlyCheckpointHook
 from .conversion import convert
-from . import probes  # noqa: E402,F401  (the behavioural checks of the internals the method classes compute again)
 
 from importlib import resources as _resources  # noqa: E402
 

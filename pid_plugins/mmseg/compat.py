@@ -9,7 +9,7 @@ import importlib.util
 import sys
 import types
 
-from .internals import MMCV_EXT, MMCV_EXT_NAME
+from .internals import MMCV_EXT_NAME
 
 __all__ = ["install_mmcv_ext_standin", "STANDIN_NAME"]
 
@@ -42,7 +42,6 @@ def install_mmcv_ext_standin() -> bool:
         return False
     if real is not None:
         return False
-    MMCV_EXT.require()  # mmcv's op loader only asks whether each op is there
     module = _MissingOps(STANDIN_NAME, "stand-in for mmcv's compiled ops (pid_plugins.mmseg.compat)")
     module.__spec__ = importlib.machinery.ModuleSpec(STANDIN_NAME, loader=None)
     sys.modules[STANDIN_NAME] = module

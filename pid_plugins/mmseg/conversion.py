@@ -24,7 +24,6 @@ from ..core.layer import (
     strip_attributes, warn_switch_of_trained_weights,
 )
 from .head import PIDSegmenterMaskTransformerHead, bare_head_forward
-from .internals import BACKBONE, HEAD, require
 from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers, bare_forward
 
 __all__ = ["convert"]
@@ -61,7 +60,6 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     choice = _choose(attention, attention_cfg, where)
     parts = _parts(model, choice)
     for name, _, part in parts:
-        require(*(BACKBONE if isinstance(part, VisionTransformer) else HEAD))  # what the method classes compute again
         _check_layers(part.layers, f"convert: {name}")
         if choice is not None:  # refused for non-additive methods with warm-up (mmseg warms up stock + term)
             method_warmup(choice, None, None, stock_plus_term=True, where=f"{where}: {name}")

@@ -12,7 +12,6 @@ from mmseg.registry import MODELS
 
 from ..core import SOFTMAX, MethodChoice
 from ..core.layer import MethodModel, settle_submodule
-from .internals import HEAD, require
 from .vit import _choose, _switch_layers
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
@@ -32,7 +31,6 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
     """
 
     def __init__(self, *args: Any, attention: str = SOFTMAX, attention_cfg: Any = None, **kwargs: Any) -> None:
-        require(*HEAD)
         super().__init__(*args, **kwargs)
         where = "mmseg decode_head PIDSegmenterMaskTransformerHead"
         self._configure_attention(_choose(attention, attention_cfg, where), where)

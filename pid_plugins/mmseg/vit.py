@@ -27,7 +27,6 @@ from ..core.layer import (
     LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, replace_module, settle_submodule, strip_attributes,
 )
 from .checkpoint import load_checkpoint
-from .internals import BACKBONE, LAYERS, require
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "initial_learned_state"]
 
@@ -48,7 +47,6 @@ def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
     """Switch ``layers`` to ``choice``, in place, each layer replaced inside ``layers`` (its index the name): mmseg's
     own layers for a choice that computes the stock attention, else :class:`PIDTransformerEncoderLayer` with the method,
     its config, fresh learnable parameters where asked and its position in the group (``layer_index``)."""
-    require(*LAYERS)
     stock = choice is None or choice.method.is_identity(choice.config)
     for index in range(len(layers)):
         name = str(index)
@@ -201,7 +199,6 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     """
 
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
-        require(*BACKBONE)
         super().__init__(*args, **kwargs)
         where = "mmseg backbone PIDVisionTransformer"
         self._configure_attention(_choose(attention, attention_cfg, where), where)

@@ -1,24 +1,20 @@
-"""Every timm internal the adapter reads, in one place: what, why, which versions, and the check that runs where the
-adapter first uses it (:meth:`pid_plugins.versions.Internal.require`).
+"""Every timm internal the adapter reads, in one place: what, why, which versions, and its check.
 
-timm's public extension points carry most of the adapter: ``register_model`` / ``generate_default_cfgs`` (the model
-names), ``build_model_with_cfg`` (building, pretrained loading, feature extraction), ``register_notrace_function``
-(fx leaves), the ``timm.layers`` building blocks, and the model classes' own hooks (``block_fn``, ``attn_layer``).
-What is left are timm's private modules (``timm.models._builder``, ``_manipulate``, ``_features``, ``_registry``) and
-the parts of timm's ``VisionTransformer`` / ``Block`` / ``Attention`` / XCiT code that the method classes compute
-again with the method's step in between: if a release changes one of these, the user gets
-:class:`~pid_plugins.versions.InternalChanged` naming the version and the tested range, never a different result.
-
-timm is imported inside the checks only (``import pid_plugins.timm`` imports it; this module alone does not).
+timm still releases (unbounded), so each is checked where first used (``import pid_plugins.timm`` runs them all):
+its private modules (``_builder``, ``_manipulate``, ``_features``, ``_registry``) and the parts of its ViT, Block,
+Attention and XCiT code that the method classes compute again. timm is imported inside the checks only.
 """
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Callable, Dict
 
-from ..versions import Internal, behaviour_probe, parameters, require, squashed
+import torch
 
-__all__ = ["INTERNALS", "require_all"]
+from ..versions import Internal, behaviour_probe, parameters, require
+
+__all__ = ["INTERNALS", "require"]
 
 ZOO = "timm"
 
@@ -32,46 +28,21 @@ def _attn_layers() -> bool:
     return isinstance(layers, dict) and all(isinstance(k, str) for k in layers) and layers.get("attn") is Attention
 
 
-# The method ViT computes timm's Attention, Block and VisionTransformer.forward_features / forward_intermediates
-# again with the method's step in between. Whether those still compute what timm's do is checked by behaviour, not by
-# reading timm's source, with two probes, each PID at zero gains on the stock weights, compared bit for bit:
-#   - the block probe (Block vs PIDBlock: timm's Attention and Block with every option the method classes recompute,
-#     q/k norms and layer scale; with and without an attention mask);
-#   - the model probe (VisionTransformer vs the method ViT, a register token and a pre-norm too: forward, forward
-#     with a mask, every intermediate of forward_intermediates).
-# A timm release that computes any of them differently fails its probe, whatever its text; one that only rewrites the
-# text passes. The signatures are compared too (what the method classes accept).
-
-#: the behavioural probes by name ("block", "vit"): :mod:`pid_plugins.timm.probes` registers them (``import
-#: pid_plugins.timm`` imports it; they build the method classes, which import this module: hence a table, not an import)
+# What the method classes compute again is checked by two probes (pid_plugins/timm/probes.py: the block probe, the
+# model probe), each belonging to one internal (so run once per process), and by the signatures the classes accept.
+#: the probes by name ("block", "vit"), registered by :mod:`pid_plugins.timm.probes` (it imports the method classes,
+#: which import this module: hence a table)
 PROBES: Dict[str, Callable[[], bool]] = {}
 
 
-def _probe(name: str) -> bool:
-    return PROBES[name]()
-
-
-def _create_attn() -> bool:
+def _block() -> bool:
+    from timm.layers import Attention
     from timm.models.vision_transformer import Block, _create_attn
 
+    forward = ["self", "x", "attn_mask", "is_causal"]
     return ("attn_layer" in parameters(Block.__init__)
-            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"] and _probe("block"))
-
-
-def _attention_forward() -> bool:
-    from timm.layers import Attention
-
-    return parameters(Attention.forward) == ["self", "x", "attn_mask", "is_causal"] and _probe("block")
-
-
-def _block_forward() -> bool:
-    from timm.models.vision_transformer import Block
-
-    return parameters(Block.forward) == ["self", "x", "attn_mask", "is_causal"] and _probe("block")
-
-
-VIT_INTERMEDIATES_PARAMETERS = ["self", "x", "indices", "return_prefix_tokens", "norm", "stop_early", "output_fmt",
-                                "intermediates_only", "output_dict", "attn_mask", "is_causal"]
+            and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"]
+            and parameters(Attention.forward) == forward and parameters(Block.forward) == forward and PROBES["block"]())
 
 
 def _vit_forward() -> bool:
@@ -81,9 +52,10 @@ def _vit_forward() -> bool:
     init = parameters(VisionTransformer.__init__)
     return ("block_fn" in init and "attn_layer" in init
             and parameters(VisionTransformer.forward_features) == ["self", "x", "attn_mask", "is_causal"]
-            and parameters(VisionTransformer.forward_intermediates) == VIT_INTERMEDIATES_PARAMETERS
+            and parameters(VisionTransformer.forward_intermediates)[1:] == "x indices return_prefix_tokens norm "
+            "stop_early output_fmt intermediates_only output_dict attn_mask is_causal".split()
             and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled))
-            and _probe("vit"))
+            and PROBES["vit"]())
 
 
 def _feature_take_indices() -> bool:
@@ -94,17 +66,21 @@ def _feature_take_indices() -> bool:
             and feature_take_indices(3, [0, -2]) == ([0, 1], 1))
 
 
-# Source text, where no probe sees the change (each says why):
-
 def _checkpoint() -> bool:
-    # source text: that timm's checkpoint hands the call to torch.utils.checkpoint with the reentrant flag given; a
-    # probe sees the same result and gradients either way (checkpointing changes memory, not values)
+    """timm's checkpoint hands the call to torch's with the reentrant flag given: seen by the output's autograd node
+    (reentrant checkpointing's own Function, or the function's op)."""
     from timm.models._manipulate import checkpoint
 
-    kinds = [(p.name, p.kind) for p in inspect.signature(checkpoint).parameters.values()]
-    return kinds == [("function", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("args", inspect.Parameter.VAR_POSITIONAL),
-                     ("use_reentrant", inspect.Parameter.KEYWORD_ONLY), ("kwargs", inspect.Parameter.VAR_KEYWORD)] \
-        and "torch.utils.checkpoint.checkpoint(function,*args," in squashed(checkpoint)
+    with torch.inference_mode(False), torch.enable_grad():  # (whatever grad mode the caller imports under)
+        x = torch.ones(2, requires_grad=True)
+        nodes = [type(checkpoint(torch.mul, x, x, use_reentrant=r).grad_fn).__name__ for r in (True, False)]
+    return nodes == ["CheckpointFunctionBackward", "MulBackward0"]
+
+
+# Source text, where no probe sees the change (each says why):
+def _squashed(obj: object) -> str:
+    """``obj``'s source without whitespace and with one kind of quote (a reformatting is not a change)."""
+    return re.sub(r"\s+", "", inspect.getsource(obj)).replace('"', "'")
 
 
 def _pretrained_source() -> bool:
@@ -122,7 +98,7 @@ def _classifier_drop() -> bool:
     # which pid-plugins cannot fetch (no download) to probe with
     from timm.models._builder import load_pretrained
 
-    source = squashed(load_pretrained)
+    source = _squashed(load_pretrained)
     return ("classifiers=pretrained_cfg.get('classifier',None)" in source
             and "ifnum_classes!=pretrained_cfg['num_classes']:" in source
             and "state_dict.pop(classifier_name+'.weight',None)" in source)
@@ -134,7 +110,7 @@ def _build_model_with_cfg() -> bool:
     from timm.models import build_model_with_cfg
 
     return ({"pretrained_filter_fn", "feature_cfg"} <= set(parameters(build_model_with_cfg))
-            and "feature_cls=='getter'" in squashed(build_model_with_cfg))
+            and "feature_cls=='getter'" in _squashed(build_model_with_cfg))
 
 
 def _vit_checkpoint_filter() -> bool:
@@ -143,27 +119,21 @@ def _vit_checkpoint_filter() -> bool:
     return parameters(checkpoint_filter_fn)[:3] == ["state_dict", "model", "adapt_layer_scale"]
 
 
-@behaviour_probe  # (it builds a patch embedding: torch's random state forked, on the CPU)
+@behaviour_probe  # (it builds a patch embedding)
 def _xcit() -> bool:
-    import torch
     from timm.models import xcit
 
-    for cls, args in ((xcit.ConvPatchEmbed, ("img_size", "patch_size", "in_chans", "embed_dim", "act_layer")),
-                      (xcit.PositionalEncodingFourier, ("dim",)), (xcit.LPI, ("in_features", "act_layer")),
-                      (xcit.ClassAttentionBlock, ("dim", "num_heads", "mlp_ratio", "qkv_bias", "proj_drop", "attn_drop",
-                                                  "act_layer", "norm_layer", "eta", "tokens_norm"))):
-        if not set(args) | {"device", "dtype"} <= set(parameters(cls.__init__)):
-            return False
-    if not (parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
-            and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]):
-        return False
-    # what FAN reads of the patch embedding, by behaviour: it returns the tokens and the grid, and proj[0][0] is its
-    # first convolution (whose weight gives the model's device and dtype)
+    takes = {xcit.ConvPatchEmbed: "img_size patch_size in_chans embed_dim act_layer", xcit.PositionalEncodingFourier:
+             "dim", xcit.LPI: "in_features act_layer", xcit.ClassAttentionBlock: "dim num_heads mlp_ratio qkv_bias "
+             "proj_drop attn_drop act_layer norm_layer eta tokens_norm"}
+    # what FAN reads of the patch embedding: it returns the tokens and the grid, proj[0][0] is its first convolution
     embed = xcit.ConvPatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
     tokens, grid = embed(torch.zeros(1, 3, 32, 48))
-    first = embed.proj[0][0]
-    if not (isinstance(first, torch.nn.Conv2d) and first.in_channels == 3 and tuple(grid) == (4, 6)
-            and tuple(tokens.shape) == (1, 24, 16)):
+    if not (all(set(f"{args} device dtype".split()) <= set(parameters(cls.__init__)) for cls, args in takes.items())
+            and parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
+            and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]
+            and isinstance(embed.proj[0][0], torch.nn.Conv2d) and embed.proj[0][0].in_channels == 3
+            and tuple(grid) == (4, 6) and tuple(tokens.shape) == (1, 24, 16)):
         return False
 
     class Model:  # what the filter reads of the model: its position encoding, class-attention blocks, state_dict keys
@@ -186,39 +156,30 @@ def _default_cfgs() -> bool:
     # source text: read before the names are registered (at import), when no registered model exists to probe
     from timm.models import _registry
 
-    source = squashed(_registry.register_model)
+    source = _squashed(_registry.register_model)
     return "mod=sys.modules[fn.__module__]" in source and "mod.default_cfgs[model_name]" in source
 
 
 # ------------------------------------------------------------------------------------------------- the internals
 ATTN_LAYERS = Internal(
     ZOO, "timm.models.vision_transformer.ATTN_LAYERS (a dict of attn_layer names)",
-    "reserving timm's own attention layer names (attention= must not shadow attn_layer='diff')", "1.0.31",
-    _attn_layers)
-CREATE_ATTN = Internal(
-    ZOO, "Block(attn_layer=...) builds its attention with timm.models.vision_transformer._create_attn",
-    "PIDBlock: timm's Block with PIDAttention as its attention class (the same parameters, the same init order)",
-    "1.0.31", _create_attn)
-ATTENTION_FORWARD = Internal(
-    ZOO, "timm.layers.Attention.forward(x, attn_mask, is_causal) and what it computes (the block probe)",
-    "PIDAttention computes timm's attention again with the method's step before the output projection",
-    "1.0.31", _attention_forward)
-BLOCK_FORWARD = Internal(
-    ZOO, "timm.models.vision_transformer.Block.forward(x, attn_mask, is_causal) and what it computes (the block probe)",
-    "PIDBlock computes timm's block again, handing the method's state from block to block", "1.0.31",
-    _block_forward)
+    "reserving timm's own attention layer names (attention= must not shadow attn_layer='diff')", "1.0.31", _attn_layers)
+BLOCK = Internal(
+    ZOO, "timm's Attention.forward and Block.forward (x, attn_mask, is_causal) and what they compute (the block "
+    "probe); Block(attn_layer=...) building its attention with _create_attn",
+    "PIDAttention and PIDBlock compute timm's attention and block again with the method's step, handing its state "
+    "from block to block (the same parameters, the same init order)", "1.0.31", _block)
 VIT_FORWARD = Internal(
     ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures, and what they compute: the "
     "model probe)",
     "the method ViT computes them again with the method's state threaded through the blocks; a converted stock ViT "
-    "runs the method classes' versions of them", "1.0.31",
-    _vit_forward)
+    "runs the method classes' versions of them", "1.0.31", _vit_forward)
 FEATURE_TAKE_INDICES = Internal(
     ZOO, "timm.models._features.feature_take_indices(num_features, indices)",
     "forward_intermediates / prune_intermediate_layers of the method ViT and FAN (timm's index rules)",
     "1.0.31", _feature_take_indices)
 CHECKPOINT = Internal(
-    ZOO, "timm.models._manipulate.checkpoint(function, *args, use_reentrant=None, **kwargs)",
+    ZOO, "timm.models._manipulate.checkpoint(function, *args, use_reentrant=...) hands the flag to torch's checkpoint",
     "gradient checkpointing of the method blocks with timm's reentrant setting (set_reentrant_ckpt)",
     "1.0.31", _checkpoint)
 PRETRAINED_SOURCE = Internal(
@@ -227,8 +188,7 @@ PRETRAINED_SOURCE = Internal(
     "1.0.31", _pretrained_source)
 CLASSIFIER_DROP = Internal(
     ZOO, "timm.models._builder.load_pretrained drops pretrained_cfg['classifier'] when num_classes differs",
-    "the strict key check of a pretrained load not counting the classifier keys timm discards", "1.0.31",
-    _classifier_drop)
+    "the strict key check of a pretrained load not counting the classifier keys timm drops", "1.0.31", _classifier_drop)
 BUILD_MODEL_WITH_CFG = Internal(
     ZOO, "build_model_with_cfg(pretrained_filter_fn=..., feature_cfg=dict(feature_cls='getter'))",
     "building the pid_* and fan_* models: pretrained loading through our filter, features_only through "
@@ -247,16 +207,9 @@ DEFAULT_CFGS = Internal(
     "the pretrained cfg (input size, normalisation, classifier names) of every registered pid_* / fan_* name",
     "1.0.31", _default_cfgs)
 
-INTERNALS = (ATTN_LAYERS, CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT,
-             PRETRAINED_SOURCE, CLASSIFIER_DROP, BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, XCIT, DEFAULT_CFGS)
-
-#: what a method ViT (built by name, or converted) relies on
-#: (the model probe of VIT_FORWARD runs forward_intermediates, which reads FEATURE_TAKE_INDICES: that one first)
-VIT = (CREATE_ATTN, ATTENTION_FORWARD, BLOCK_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT, VIT_FORWARD)
+INTERNALS = (ATTN_LAYERS, BLOCK, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT, PRETRAINED_SOURCE, CLASSIFIER_DROP,
+             BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, XCIT, DEFAULT_CFGS)
+#: what a method ViT (built by name, or converted) relies on, FEATURE_TAKE_INDICES before the model probe reads it
+VIT = (BLOCK, FEATURE_TAKE_INDICES, CHECKPOINT, VIT_FORWARD)
 #: what FAN relies on
 FAN = (XCIT, FEATURE_TAKE_INDICES, CHECKPOINT)
-
-
-def require_all() -> None:
-    """Check every internal now."""
-    require(*INTERNALS)

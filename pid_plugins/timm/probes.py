@@ -1,7 +1,5 @@
-"""The behavioural probes of :mod:`pid_plugins.timm.internals` (registered in its ``PROBES`` on import): the method
-classes compute timm's Attention, Block and VisionTransformer forwards again, and each probe builds timm's module and
-the method's on the same perturbed weights, PID at zero gains, and compares their outputs bit for bit. A timm release
-that computes differently fails its probe, whatever its source text; one that only rewrites the text passes."""
+"""The probes of :mod:`pid_plugins.timm.internals` (its ``PROBES``): timm's Block / ViT and the method's on the same
+perturbed weights, PID at zero gains, compared bit for bit (a release computing otherwise fails, whatever its text)."""
 from __future__ import annotations
 
 import torch
@@ -29,9 +27,9 @@ def _zero_pid() -> MethodChoice:
 def _block_probe() -> bool:
     """timm's Block and the method's PIDBlock (PID at zero gains, the stock weights) compute the same, bit for bit."""
     stock = perturbed(Block(**PROBE_BLOCK))
-    block = PIDBlock(**PROBE_BLOCK, choice=_zero_pid()).eval()
+    block = PIDBlock(**PROBE_BLOCK, choice=_zero_pid()).float().eval()
     block.load_state_dict(stock.state_dict())
-    x = torch.randn(2, 5, PROBE_BLOCK["dim"])
+    x = torch.randn(2, 5, PROBE_BLOCK["dim"], dtype=torch.float32)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     with torch.no_grad():
         return (isinstance(block.attn, PIDAttention) and torch.equal(block(x), stock(x))
@@ -40,22 +38,21 @@ def _block_probe() -> bool:
 
 @behaviour_probe
 def _vit_probe() -> bool:
-    """The stock ViT and the method ViT (PID at zero gains, the stock weights) compute the same, bit for bit: forward,
-    forward_features with a mask, and every intermediate of forward_intermediates."""
+    """The stock ViT and the method ViT (PID at zero gains) compute the same, bit for bit: forward, forward_features
+    with a mask, every intermediate of forward_intermediates."""
     stock = perturbed(VisionTransformer(**PROBE_VIT))
     zero = _zero_pid()
-    model = PIDVisionTransformer(**PROBE_VIT, attention=zero.method.name, attention_cfg=zero.config).eval()
+    model = PIDVisionTransformer(**PROBE_VIT, attention=zero.method.name, attention_cfg=zero.config).float().eval()
     model.load_state_dict(stock.state_dict(), strict=False)
-    x = torch.randn(2, 3, 16, 16)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float32)
     tokens = 1 + 1 + (16 // 8) ** 2  # the class token, the register token, the patches
     mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
     with torch.no_grad():
         if not (all(isinstance(b.attn, PIDAttention) for b in model.blocks) and torch.equal(model(x), stock(x))
                 and torch.equal(model.forward_features(x, attn_mask=mask), stock.forward_features(x, attn_mask=mask))):
             return False
-        got, want = model.forward_intermediates(x), stock.forward_intermediates(x)
-    return torch.equal(got[0], want[0]) and len(got[1]) == len(want[1]) and all(
-        torch.equal(a, b) for a, b in zip(got[1], want[1]))
+        (got, got_all), (want, want_all) = model.forward_intermediates(x), stock.forward_intermediates(x)
+    return torch.equal(got, want) and len(got_all) == len(want_all) and all(map(torch.equal, got_all, want_all))
 
 
 PROBES.update(block=_block_probe, vit=_vit_probe)

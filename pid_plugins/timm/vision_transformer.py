@@ -21,8 +21,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
 from .internals import (
-    ATTENTION_FORWARD, BLOCK_FORWARD, BUILD_MODEL_WITH_CFG, CREATE_ATTN, FEATURE_TAKE_INDICES, VIT,
-    VIT_CHECKPOINT_FILTER, require,
+    BLOCK, BUILD_MODEL_WITH_CFG, FEATURE_TAKE_INDICES, VIT, VIT_CHECKPOINT_FILTER, require,
 )
 
 FEATURE_TAKE_INDICES.require()  # a private module of timm, read from here on
@@ -46,7 +45,7 @@ class PIDAttention(MethodLayer, Attention):
     ``forward(x, state) -> (y, new_state)``; with softmax or an identity config, timm's ``Attention`` exactly."""
 
     def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
-        ATTENTION_FORWARD.require()
+        BLOCK.require()
         super().__init__(*args, **kwargs)
         self.set_attention(choice, self.qkv.weight)
 
@@ -94,7 +93,7 @@ class PIDBlock(Block):
     attn: PIDAttention
 
     def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
-        require(CREATE_ATTN, BLOCK_FORWARD)
+        BLOCK.require()
         kwargs["attn_layer"] = PIDAttention
         super().__init__(*args, **kwargs)
         self.attn.set_attention(choice, self.attn.qkv.weight)

@@ -601,3 +601,54 @@ def test_hf_fsdp2_learnable_parameters_from_a_softmax_checkpoint_equal_one_proce
         mean = sum(r["runs"][name]["losses"][0] for r in ranks) / 2
         torch.testing.assert_close(mean, losses[0], rtol=1e-5, atol=1e-6)
         assert max((params[n] - loaded[n]).abs().max().item() for n in gains) > 1e-5
+
+
+# ------------------------------------------------------------------- the HF Trainer with DeepSpeed ZeRO-2 and ZeRO-3
+def test_hf_trainer_deepspeed_zero2_and_zero3_train_every_method_exactly(tmp_path):
+    """The Trainer with a DeepSpeed config (CPU ranks, gloo, the Trainer's SGD: no DeepSpeed op compiled), ZeRO-2 and
+    ZeRO-3, for every method of tests/method_cases.py (learnable variants too), each loaded with ``from_pretrained``
+    after the ``TrainingArguments``: under ZeRO-3 transformers builds it inside ``deepspeed.zero.Init`` (where the
+    adapter's probes cannot build their tiny models; the import ran them). Each run's losses and trained parameters
+    equal one process over the same global batches (DeepSpeed's gradient averaging over the two ranks)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    table = cases.deepspeed_cases()
+    ckpts = tmp_path / "ckpts"
+    for name, case in table.items():
+        cases.dc_checkpoint(case, ckpts / name)
+    launch(tmp_path, "hf_deepspeed", [str(DIST / "hf_deepspeed.py"), str(ckpts), str(tmp_path)], timeout=900)
+    r0, r1 = load_ranks(tmp_path)
+    assert set(r0["runs"]) == set(r1["runs"]) == {(stage, name) for stage in (2, 3) for name in table}
+    rows = cases.hf_rows()
+    n = cases.HF_PER_RANK * cases.HF_STEPS
+    for name, case in table.items():
+        want = {}
+        for stage in (2, 3):
+            runs = [r["runs"][stage, name] for r in (r0, r1)]
+            for run in runs:
+                assert run["engine"] == "DeepSpeedEngine" and run["attn_implementation"] == case[0]
+                assert run["built_partitioned"] == (stage == 3), (name, stage)  # ZeRO-3: built in zero.Init
+            # the global batch: both ranks' rows (accelerate 1.15 counts one process under DeepSpeed on CPU ranks and
+            # gives both the same rows: then the mean over the doubled rows is the mean over one rank's)
+            seen = [run["rows"][:n] for run in runs]
+            if tuple(seen[0] + seen[1]) not in want:  # one process over the same global batches, mean loss, same SGD
+                model = cases.dc_load(case, ckpts / name)
+                model.train()
+                opt = torch.optim.SGD(model.parameters(), lr=cases.HF_LR)
+                losses = []
+                for step in range(cases.HF_STEPS):
+                    sl = slice(step * cases.HF_PER_RANK, (step + 1) * cases.HF_PER_RANK)
+                    ids = rows[seen[0][sl] + seen[1][sl]]
+                    loss = model(input_ids=ids, labels=ids).loss
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.item())
+                want[tuple(seen[0] + seen[1])] = (losses, {k: p.detach().clone() for k, p in model.named_parameters()})
+            losses, params = want[tuple(seen[0] + seen[1])]
+            assert_same_params(runs[0]["params"], runs[1]["params"])
+            torch.testing.assert_close(torch.tensor(runs[0]["losses"]), torch.tensor(losses), rtol=0, atol=1e-4,
+                                       msg=lambda m: f"{name} ZeRO-{stage} losses: {m}")
+            assert_close_params(runs[0]["params"], params)
+            loaded = cases.dc_load(case, ckpts / name)
+            assert max_change(runs[0]["params"], dict(loaded.named_parameters())) > 1e-3  # training moved them

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import warnings
@@ -272,3 +273,147 @@ def test_an_attention_class_that_names_the_interface_but_bypasses_it_is_refused(
     assert not internals.INTERFACE_SOURCE.check()
     with pytest.raises(InternalChanged, match=r"ALL_ATTENTION_FUNCTIONS"):
         T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+
+
+# ------------------------------------------------------------------- probes and the caller's context
+def _probed_internals():
+    """Every internal of the transformers and timm adapters whose check builds models (its own probe)."""
+    pytest.importorskip("timm")
+    import pid_plugins.hf  # noqa: F401
+    import pid_plugins.timm  # noqa: F401
+    from pid_plugins.hf import internals as hf
+    from pid_plugins.timm import internals as tm
+
+    return [hf.CHECKPOINTING, hf.CONTINUOUS_BATCHING, hf.INTERFACE_SOURCE, tm.BLOCK, tm.VIT_FORWARD, tm.XCIT]
+
+
+@pytest.mark.parametrize("context", ["meta_device", "float64_default", "bfloat16_default", "no_grad"])
+def test_a_probe_is_not_misled_by_the_device_or_dtype_a_caller_builds_under(context, fresh_checks):
+    """Under ``torch.device("meta")`` (FSDP's meta init), another default dtype (``from_pretrained(dtype=...)`` sets
+    one while it builds) or ``no_grad``, every probe still holds, and leaves torch's global RNG and default dtype as
+    they were."""
+    import contextlib
+
+    internals = _probed_internals()
+    dtype = {"float64_default": torch.float64, "bfloat16_default": torch.bfloat16}.get(context)
+    before_dtype, before_rng = torch.get_default_dtype(), torch.random.get_rng_state()
+    scope = torch.device("meta") if context == "meta_device" else (
+        torch.no_grad() if context == "no_grad" else contextlib.nullcontext())
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        with scope:
+            for internal in internals:
+                assert internal.check(), internal.name
+                internal.require()
+        assert torch.get_default_dtype() == (dtype or before_dtype)
+    finally:
+        torch.set_default_dtype(before_dtype)
+    assert torch.equal(torch.random.get_rng_state(), before_rng)  # the probes drew from their own generator
+
+
+def test_a_probe_under_a_process_wide_construction_context_says_so(monkeypatch, fresh_checks):
+    """Under accelerate's ``init_empty_weights`` or ``deepspeed.zero.Init`` a probe cannot build its models: it raises
+    ProbeUnavailable naming the context (never InternalChanged), caches nothing, and holds again outside; an answer
+    the import settled is used inside the context."""
+    accelerate = pytest.importorskip("accelerate")
+    from pid_plugins.hf import internals
+
+    internal = internals.INTERFACE_SOURCE
+    with accelerate.init_empty_weights():
+        with pytest.raises(versions.ProbeUnavailable, match=r"could not check transformers's attention classes .*"
+                                                            r"init_empty_weights.*nothing was found changed"):
+            internal.require()
+    assert internal.check()
+    zero = pytest.importorskip("deepspeed.runtime.zero.partition_parameters")
+    monkeypatch.setattr(zero, "zero_init_context", 1)  # what deepspeed.zero.Init's __enter__ counts
+    with pytest.raises(versions.ProbeUnavailable, match=r"deepspeed\.zero\.Init is active"):
+        internal.require()
+    monkeypatch.undo()
+    versions._holds.cache_clear()
+    versions.settle(internal)  # (what the import does)
+    monkeypatch.setattr(zero, "zero_init_context", 1)
+    internal.require()  # settled: the answer is kept
+
+
+def test_a_probe_changes_nothing_another_thread_sees():
+    """While a probe runs (and after it fails) another thread sees torch's default dtype, its global RNG and the
+    probing flag as they were."""
+    import threading
+
+    seen = {}
+
+    def other_thread():
+        seen.update(dtype=torch.get_default_dtype(), rng=torch.random.get_rng_state(), probing=versions._probing())
+
+    @versions.behaviour_probe
+    def probe():
+        torch.nn.Linear(4, 4, dtype=torch.float64)  # draws (from the probe's generator)
+        assert versions._probing()
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        raise RuntimeError("a failing probe")
+
+    rng = torch.random.get_rng_state()
+    with pytest.raises(RuntimeError, match="a failing probe"):
+        probe()
+    assert seen["dtype"] == torch.get_default_dtype() and torch.equal(seen["rng"], rng) and not seen["probing"]
+    assert not versions._probing() and torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_each_timm_probe_runs_once_per_process(monkeypatch):
+    """Each probe belongs to one internal: checking every timm internal runs the block and the model probe once."""
+    pytest.importorskip("timm")
+    import pid_plugins.timm  # noqa: F401
+    from pid_plugins.timm import internals
+
+    calls = []
+    for name, probe in list(internals.PROBES.items()):
+        monkeypatch.setitem(internals.PROBES, name, lambda probe=probe, name=name: calls.append(name) or probe())
+    monkeypatch.setattr(versions, "_holds", functools.lru_cache(maxsize=None)(versions._holds.__wrapped__))
+    versions.require(*internals.INTERNALS)
+    versions.require(*internals.INTERNALS)
+    assert sorted(calls) == ["block", "vit"]
+
+
+def _without(name):
+    def change(mapping):  # the mapping without ``name``
+        return {k: v for k, v in mapping.items() if k != name}
+    return change
+
+
+HF_CHANGES = {  # internal: (module, attribute, the change of the attribute's current value)
+    "CACHE_LAYERS": ("transformers.cache_utils", "DynamicLayer",
+                     lambda layer: type("DynamicLayer", (layer,), {"crop": None})),  # a release without crop
+    "TORCH_CHECKPOINT": ("torch.distributed._composable.contract", "_get_registry", lambda old: lambda module: None),
+    "GLOBAL_MAPPING": ("transformers.AttentionInterface", "_global_mapping", _without("sdpa")),
+    "TP_PLAN": ("transformers.distributed.tensor_parallel", "ALL_PARALLEL_STYLES",
+                _without("replicated_with_grad_allreduce")),
+}
+
+
+@pytest.mark.parametrize("name", HF_CHANGES)
+def test_each_transformers_check_refuses_a_release_that_changed_what_it_guards(name, monkeypatch, fresh_checks):
+    """transformers' (and torch's) checks that no other test changes: each refuses, with the message, a release
+    without what it guards."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    from pid_plugins.hf import internals
+
+    where, attribute, change = HF_CHANGES[name]
+    try:
+        owner = importlib.import_module(where)
+    except ImportError:
+        module, cls = where.rsplit(".", 1)
+        owner = getattr(importlib.import_module(module), cls)
+    internal = getattr(internals, name)
+    if not internal.check():
+        pytest.skip(f"{internal.name}: not in transformers {versions.installed_version('transformers')}")
+    monkeypatch.setattr(owner, attribute, change(getattr(owner, attribute)))
+    assert not internal.check()
+    zoo = "torch" if name == "TORCH_CHECKPOINT" else "transformers"
+    with pytest.raises(InternalChanged, match=rf"{zoo} .* changed an internal pid-plugins reads: "
+                                              rf"{re.escape(internal.name)}"):
+        internal.require()

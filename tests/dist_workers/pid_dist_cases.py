@@ -479,3 +479,29 @@ def dc_train(model, steps: int, rows=slice(None)) -> list:
         opt.step()
         losses.append(loss.detach().clone())
     return losses
+
+
+# --------------------------------------------------------------------------- the Trainer with DeepSpeed ZeRO-2 / ZeRO-3
+def deepspeed_config(stage: int) -> dict:
+    """A DeepSpeed config for the Trainer on CPU ranks: ZeRO ``stage``, float32, the Trainer's torch optimizer (no
+    DeepSpeed op compiled: ``zero_allow_untested_optimizer``), no clipping."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": HF_PER_RANK,
+            "gradient_accumulation_steps": 1, "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 10 ** 9}
+
+
+def deepspeed_cases() -> dict:
+    """case: (attn_implementation, parameters, "same") for the DistributedConfig Llama (:func:`dc_config`): every method
+    of tests/method_cases.py with its parameters on hf-llama (the toy registered as a user registers it), and each
+    built-in method with learnable parameters, learnable."""
+    table = method_table()
+    llama = table.MODELS["hf-llama"]
+    out = {}
+    for method in table.METHODS.values():
+        if llama.name in method.models:
+            method.impl  # noqa: B018  (registers the toy in this process)
+            params = table.method_cfg(method, llama) or {}
+            out[method.name] = (method.name, dict(params), "same")
+            if method.builtin and method.learnable:
+                out[f"{method.name}{LEARNABLE}"] = (method.name, {**params, "learnable": True}, "same")
+    return out

@@ -1,0 +1,67 @@
+"""torchrun worker: the transformers Trainer with DeepSpeed ZeRO-2 and ZeRO-3 (CPU, gloo) for every attention method.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_deepspeed.py CKPTS OUT
+
+For each stage (2, 3) and each case of ``pid_dist_cases.deepspeed_cases()`` (every method of tests/method_cases.py,
+its learnable variants too; its checkpoint in CKPTS/<case>), the model is loaded with ``from_pretrained`` after the
+``TrainingArguments`` (under ZeRO-3 transformers builds it inside ``deepspeed.zero.Init``) and trained
+``HF_STEPS`` SGD steps (a torch optimizer: no DeepSpeed op is compiled). Every rank saves, per run, the rows it was
+given, the losses and the whole parameters (gathered under ZeRO-3) to OUT/rank{rank}.pt.
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import pid_dist_cases as cases
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = cases.hf_rows()
+        self.seen = []  # row indices in the order the Trainer's sampler gave them to this rank
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        self.seen.append(int(i))
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def run(stage: int, case: tuple, ckpt: Path, out: Path) -> dict:
+    import deepspeed
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=cases.HF_PER_RANK, max_steps=cases.HF_STEPS,
+        learning_rate=cases.HF_LR, report_to="none", save_strategy="no", logging_steps=1, dataloader_num_workers=0,
+        seed=0, disable_tqdm=True, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0,
+        max_grad_norm=cases.HF_MAX_GRAD_NORM, deepspeed=cases.deepspeed_config(stage))
+    model = cases.dc_load(case, ckpt)  # after the arguments: under ZeRO-3, built inside deepspeed.zero.Init
+    built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    rows = Rows()
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params) if stage == 3 else torch.no_grad():
+        whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"rows": rows.seen, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "params": whole, "engine": type(trainer.model_wrapped).__name__, "built_partitioned": built_partitioned,
+            "attn_implementation": model.config._attn_implementation}
+
+
+def main(ckpts: Path, out: Path) -> None:
+    runs = {}
+    for stage in (2, 3):
+        for name, case in cases.deepspeed_cases().items():
+            runs[stage, name] = run(stage, case, ckpts / name, out)
+            print(f"rank {dist.get_rank()}: ZeRO-{stage} {name} done", flush=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save({"rank": rank, "world": world, "runs": runs}, out / f"rank{rank}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
