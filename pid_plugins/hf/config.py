@@ -24,7 +24,7 @@ from ..core import AttentionMethod, get_method, list_methods
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "base_attention",
-    "check_learnable", "method_named", "method_of", "model_method_config", "persist",
+    "check_learnable", "is_persisted", "method_named", "method_of", "model_method_config", "persist",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
@@ -151,10 +151,15 @@ class _SavedImplementation:
         return repr(self._current())
 
 
+def is_persisted(config: Any) -> bool:
+    """Whether :func:`persist` made ``config`` save the method it runs."""
+    return isinstance(config.__dict__.get("attn_implementation"), _SavedImplementation)
+
+
 def persist(config: Any) -> None:
     """Make ``config`` save the method it runs: transformers does not save ``_attn_implementation``; an
     ``attn_implementation`` entry in config.json is read back by the config's ``__init__``."""
-    if not isinstance(config.__dict__.get("attn_implementation"), _SavedImplementation):
+    if not is_persisted(config):
         config.attn_implementation = _SavedImplementation(config)
 
 

@@ -33,11 +33,12 @@ from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
 from .attention import EARLIER, ROLE
 from .config import (
-    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, method_named, method_of,
-    model_method_config,
+    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, is_persisted, method_named,
+    method_of, model_method_config,
 )
-from .discovery import GAINS_SOURCE, PLAN, check_model, pipeline_refusal, rediscover
-from .warmup import WARMUP_ATTR, WARMUP_MISSING_KEY, WARMUP_SOURCE, attach_warmup
+from .discovery import check_model, rediscover, unhook
+from .forward import PLAN, pipeline_refusal
+from .warmup import WARMUP_ATTR, WARMUP_MISSING_KEY, attach_warmup
 
 __all__ = ["convert", "finish"]
 
@@ -96,7 +97,9 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
     refusal = pipeline_refusal(model.config, choice.method, choice.config)  # transformers' own PP
     if refusal is not None:
         raise ValueError(refusal)
-    warn_trained_switch(model, choice, where, running=method_of(model.config))
+    # a model switched without convert (set_attn_implementation) never ran the method its config names
+    running = method_of(model.config) if PLAN in model.__dict__ else None
+    warn_trained_switch(model, choice, where, running=running)
     _to_method(model, choice, resolved_base)
     return model
 
@@ -177,14 +180,15 @@ def _to_stock(model: PreTrainedModel) -> None:
             m.__dict__.pop(attr, None)
         if isinstance(m, PreTrainedModel):
             m._modules.pop(WARMUP_ATTR, None)
-            for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE):
-                m.__dict__.pop(attr, None)
+            unhook(m)
             ignore = m.__dict__.get("_keys_to_ignore_on_load_missing")
             if isinstance(ignore, set):
                 ignore -= {learned_gains.MISSING_PATTERN, WARMUP_MISSING_KEY}
     for cfg in _configs(model):
         for attr in (*list_methods(), BASE_ATTR, STOCK_ATTR):
             cfg.__dict__.pop(attr, None)
+        if is_persisted(cfg):
+            del cfg.__dict__["attn_implementation"]
 
 
 # ------------------------------------------------------------------------------------------- finish_warmup

@@ -1,32 +1,13 @@
 """What ``import pid_plugins.hf`` changes in transformers, once, and what runs while a model is being built.
 
-All through transformers' and torch's extension points except one class-level hook:
-
-* every registered method (now and later, :func:`pid_plugins.register_method`) is registered with
-  ``AttentionInterface`` (:func:`~pid_plugins.hf.attention.method_attention_forward`) and ``AttentionMaskInterface``
-  (the base attention's mask function) under its name, and the names transformers holds are reserved
-  (:func:`~pid_plugins.core.reserve_names`: a method cannot take ``"sdpa"`` or a ``PretrainedConfig`` attribute);
-* ``PreTrainedModel.__init__`` (the one class-level hook; it runs at the start of every transformers model's
-  ``__init__``, once its config is final and before its layers are built). Before transformers' own part,
-  ``attn_implementation=None`` (TRL's CLI passes it when the user gives none) builds a folder saved with a method as
-  saved (:func:`_as_saved`). After it, the model gets its inert forward hooks; a family that picks its attention
-  classes from its own table is refused (it would fail with a bare ``KeyError`` while building its layers); a folder
-  saved with a method built with the stock attention logs one warning, and one saved without the method the model
-  runs is checked at its first forward (:func:`_check_loaded`); and the model's own ``post_init`` is replaced (an
-  instance attribute, removed when it runs) so that, once the layers exist and before transformers initialises them,
-  the warm-up counter and learnable parameters are made (``from_pretrained`` then loads them) and the model is
-  discovered before its first forward. No torch-global hook, and no wrapper around the loaders: a method's
-  parameters are ``config.<method>``, set on the config ``from_pretrained(..., config=config)`` takes;
-* :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`).
-
-And per model, never on a class: every model the construction hook sees (and every model ``convert`` switches) gets
-its own ``_initialize_weights`` and ``init_continuous_batching`` as instance attributes
-(:func:`~pid_plugins.hf.instance.give_instance_methods`; transformers reads both on the instance). The first makes transformers' initialisation
-of missing weights give learnable parameters their initial values and the warm-up counter ``t = 0`` (transformers
-has no hook for modules it does not know); the second refuses a model running a method before continuous batching
-(``generate_batch``, ``continuous_batching_context_manager``, ``generate(cache_implementation="paged")``) switches
-its attention (to flash attention where flash-attn is installed, with only a log warning): continuous batching runs
-its own paged attention, not the model's method, and has no extension point.
+* Every registered method (now and later) is registered with ``AttentionInterface`` and ``AttentionMaskInterface``
+  under its name, and the names transformers holds are reserved (:func:`~pid_plugins.core.reserve_names`).
+* ``PreTrainedModel.__init__`` (the one class-level hook): ``attn_implementation=None`` builds a folder saved with a
+  method as saved (:func:`_as_saved`); a folder saved with a method built with the stock attention logs one
+  warning (:func:`_check_loaded`). A model built with a method is then refused if its family picks attention from
+  its own table, gets its forward hooks and its own ``post_init`` (its warm-up counter, learnable parameters and
+  discovery, before transformers initialises the weights). A model built without one is left as transformers
+  built it. :func:`pid_plugins.finish_warmup` learns transformers models.
 """
 from __future__ import annotations
 
@@ -43,9 +24,8 @@ from . import checkpointing, conversion, discovery
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
 from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS
-from .config import (
-    BASE_ATTR, STOCK_ATTR, method_of, persist,
-)
+from .config import BASE_ATTR, STOCK_ATTR, method_of, persist
+from .forward import PLAN, hooked
 from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
 
 __all__ = ["install", "warn_loaded_as_stock"]
@@ -61,9 +41,11 @@ def _model_init(self, *args: Any, **kwargs: Any) -> None:
     """``PreTrainedModel.__init__``, then what a model needs before its layers are built."""
     _as_saved(args[0] if args else kwargs.get("config"))
     _ORIGINAL_MODEL_INIT(self, *args, **kwargs)
-    if self.__dict__.get(discovery.HOOKED, False):
+    if hooked(self):
         return
     _check_loaded(self)
+    if method_of(self.config) is None:  # a stock model: nothing of ours
+        return
     _check_family(self)
     discovery.hook(self)  # (with the model's own _initialize_weights and init_continuous_batching)
     persist(self.config)  # saved as the method's name whenever the model runs one at save time, else null
@@ -82,11 +64,8 @@ def _check_family(model: PreTrainedModel) -> None:
     from its own table by ``config._attn_implementation`` (GPT-J's ``GPTJ_ATTENTION_CLASSES``, Falcon's, ...) instead
     of calling transformers' attention interface: a method's name is not in that table (transformers itself would
     fail with a bare ``KeyError``), and the family's attention code never calls the method."""
-    config = getattr(model, "config", None)
-    method = method_of(config)
-    if method is not None:
-        CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
-        discovery.check_family(type(model), config, method.name)
+    CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
+    discovery.check_family(type(model), model.config, method_of(model.config).name)
 
 
 def _adopt_counters(model: PreTrainedModel) -> None:
@@ -95,7 +74,7 @@ def _adopt_counters(model: PreTrainedModel) -> None:
     for m in model.modules():
         if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
             counter = m._modules.pop(WARMUP_ATTR)
-            plan = m.__dict__.get(discovery.PLAN)
+            plan = m.__dict__.get(PLAN)
             if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
                 plan.counter = None
             if model._modules.get(WARMUP_ATTR) is None:
@@ -136,7 +115,7 @@ def _post_init(model: PreTrainedModel) -> None:
         _adopt_counters(model)
     _attach_gains_at_construction(model)
     type(model).post_init(model)
-    if method_of(model.config) is not None and discovery.PLAN not in model.__dict__:
+    if method_of(model.config) is not None and PLAN not in model.__dict__:
         with discovery._LOCK:
             discovery.discover(model)
     if discovery.learnable_config(model.config) is not None:  # after post_init's init_parallel_plans
@@ -208,7 +187,8 @@ def _check_loaded(model: PreTrainedModel) -> None:
     """After ``PreTrainedModel.__init__``: a folder saved with a method built with the stock attention
     (``attn_implementation="sdpa"``/``"eager"``) logs one warning; a folder saved without the method the model now
     runs is marked for a check at the model's first forward, once its weights are loaded (trained weights switched at
-    full strength: :func:`~pid_plugins.core.layer.warn_switch_of_trained_weights`, in the discovery pre-hook)."""
+    full strength: :func:`~pid_plugins.core.layer.warn_switch_of_trained_weights`, made by
+    :func:`~pid_plugins.hf.discovery.renew`)."""
     config = model.config
     running = method_of(config)
     if running is None:

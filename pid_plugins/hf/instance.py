@@ -1,7 +1,6 @@
-"""What each transformers model the adapter sees gets as its own (instance attributes, never on a class):
+"""What each transformers model running a method gets as its own (instance attributes, never on a class):
 ``_initialize_weights`` and ``init_continuous_batching``, which transformers reads on the instance
-(:func:`give_instance_methods`; :func:`pid_plugins.hf.discovery.hook` gives them, to every model built after
-``import pid_plugins.hf`` and to every model :func:`~pid_plugins.hf.convert` switches)."""
+(:func:`give_instance_methods`, given with the forward hooks by :func:`pid_plugins.hf.discovery.hook`)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +13,7 @@ from ..core import GainWarmup
 from . import gains as learned_gains
 from .config import method_of
 
-__all__ = ["continuous_batching_message", "give_instance_methods"]
+__all__ = ["continuous_batching_message", "give_instance_methods", "take_instance_methods"]
 
 
 # ------------------------------------------------------------------------------------------- continuous batching
@@ -60,10 +59,19 @@ def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, *
 
 def give_instance_methods(model: PreTrainedModel) -> None:
     """``model``'s own ``_initialize_weights`` and ``init_continuous_batching`` (instance attributes, which transformers
-    reads on the instance: this model only, never its class), once. Given to every model built after the import (the
-    construction hook) and to every model :func:`~pid_plugins.hf.convert` switches."""
+    reads on the instance: this model only, never its class), once. Given to every model built with a method (the
+    construction hook) and to every model :func:`~pid_plugins.hf.convert` switches to one."""
     own = model.__dict__
     if "_initialize_weights" not in own:
         own["_initialize_weights"] = functools.partial(_initialize_weights, model)
     if "init_continuous_batching" not in own and hasattr(type(model), "init_continuous_batching"):
         own["init_continuous_batching"] = functools.partial(_init_continuous_batching, model)
+
+
+def take_instance_methods(model: PreTrainedModel) -> None:
+    """Remove what :func:`give_instance_methods` gave ``model``."""
+    for name, ours in (("_initialize_weights", _initialize_weights),
+                       ("init_continuous_batching", _init_continuous_batching)):
+        given = model.__dict__.get(name)
+        if isinstance(given, functools.partial) and given.func is ours:
+            del model.__dict__[name]

@@ -54,7 +54,8 @@ from transformers import PreTrainedModel
 
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, STATE_KEYWORD, MethodForwardState
 from .config import method_of, model_method_config
-from .discovery import PLAN, rediscover
+from .discovery import rediscover, relayout
+from .forward import PLAN
 from .warmup import counter_of
 
 __all__ = ["PipelineStageModule", "pipeline_stage", "stage_layer_range"]
@@ -320,6 +321,7 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
         head = getattr(model, "lm_head", None)
         if isinstance(head, nn.Module) and model is not base:
             model.lm_head = NotInStage("lm_head")
+    relayout(model)  # the plans read the placeholders now (the layers keep their numbers)
     if tied and (first or last):
         logger.warning("pipeline_stage: %s ties its output head to the input embedding; the first and the last "
                        "stage each keep a copy, which training updates separately unless their gradients are summed",
