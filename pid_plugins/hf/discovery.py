@@ -24,7 +24,7 @@ from . import gains as learned_gains
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER
 from .checkpointing import cache_message, registry_key, torch_checkpointing, wrapper_message
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
-from .forward import GAINS_SOURCE, PLAN, WARMUP_ATTR, WARMUP_SOURCE, Plan, _post_hook, _pre_hook, hooked, layout
+from .forward import LAYERDROP_KEYS, GAINS_SOURCE, PLAN, WARMUP_ATTR, WARMUP_SOURCE, Plan, _post_hook, _pre_hook, hooked, layout
 from .instance import give_instance_methods, take_instance_methods
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
@@ -237,7 +237,8 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     plan = Plan(renew=renew, name=_chosen(model), owns_layers=order > 0,
                 cache_position=names.index(keywords[0]) if keywords else None, cache_keywords=keywords,
                 learnable=learnable is not None, causal=causal, counter=model._modules.get(WARMUP_ATTR),
-                layerdrop=tuple(droppers), first=SWITCH_CHECK in model.__dict__ or learnable is not None)
+                layerdrop=tuple(droppers), layerdrop_keys=tuple(k for k in LAYERDROP_KEYS if _number(getattr(
+                    model.config, k, None))), first=SWITCH_CHECK in model.__dict__ or learnable is not None)
     _fill_layout(model, plan, paths)
     model.__dict__[PLAN] = plan
     return plan
@@ -278,7 +279,8 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
             if found[1]:
                 plan.wrapper = plan.wrapper or wrapper_message(name, at)
             plan.wrapped = plan.wrapped or cache_message(name, f"torch's {found[0]} at {at}")
-    plan.edges = tuple(edges.values())
+    plan.parents = tuple(parent for parent, _ in edges.values())
+    plan.steps = tuple(step for _, step in edges.values())
     plan.nodes = tuple(m.__dict__ for _, m in nodes.values())
     plan.flagged = tuple(flagged)
     plan.registry = registry_key()

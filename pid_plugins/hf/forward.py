@@ -9,6 +9,7 @@ keyword arguments. When something changed, the plan's own ``renew`` (discovery's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Callable, Optional
 
 import torch
@@ -44,10 +45,12 @@ class Plan:
     causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery
     layerdrop: tuple = ()  # the owner and the modules below it with a ``layerdrop`` attribute
+    layerdrop_keys: tuple = ()  # the config's ``*layerdrop`` keys (LAYERDROP_KEYS it has)
     first: bool = True  # the first forward has checks to make (``renew`` makes them)
     #: the modules on the way from the model to each attention module: ``(parent._modules, name)`` of each step,
     #: each module's ``__dict__``, and of those the ones with transformers' ``gradient_checkpointing`` flag
-    edges: tuple = ()
+    parents: tuple = ()  # each step's parent ``_modules``
+    steps: tuple = ()  # each step's name
     nodes: tuple = ()
     flagged: tuple = ()
     registry: str = ""  # the key of torch's composable-API registry (its ``checkpoint(module)``) in a ``__dict__``
@@ -60,12 +63,13 @@ class Plan:
 
 
 def layout(plan: Plan) -> tuple:
-    """What the plan's modules look like now: the module at each step, the size of each module's composable
-    registry, and each flagged module's checkpointing flag and function (identity compares, one pass)."""
-    key = plan.registry
-    return (tuple([parent.get(name) for parent, name in plan.edges]),
-            tuple([len(d.get(key) or ()) for d in plan.nodes]),
-            tuple([(d.get("gradient_checkpointing"), d.get("_gradient_checkpointing_func")) for d in plan.flagged]))
+    """What the plan's modules look like now: the module at each step, each module's composable registry (and the
+    size of those there were), each flagged module's checkpointing flag and function. Identity compares, one pass."""
+    nodes, flagged = plan.nodes, plan.flagged
+    registries = list(map(dict.get, nodes, repeat(plan.registry, len(nodes))))
+    return (list(map(dict.get, plan.parents, plan.steps)), registries, [len(r) for r in registries if r],
+            list(map(dict.get, flagged, repeat("gradient_checkpointing", len(flagged)))),
+            list(map(dict.get, flagged, repeat("_gradient_checkpointing_func", len(flagged)))))
 
 
 def hooked(model: nn.Module) -> bool:
@@ -87,7 +91,7 @@ def drops_layers(model: nn.Module, plan: Plan) -> bool:
     if any((getattr(m, "layerdrop", 0) or 0) > 0 for m in plan.layerdrop):
         return True
     config = getattr(model, "config", None)
-    return any(_number(value := getattr(config, key, None)) and value > 0 for key in LAYERDROP_KEYS)
+    return any(_number(value := getattr(config, key, None)) and value > 0 for key in plan.layerdrop_keys)
 
 
 def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
@@ -141,6 +145,15 @@ def _renamed_cache(kwargs: dict, known: tuple) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- the hooks
+def _renew(module: nn.Module, plan: Plan, name: str, changed: bool) -> Plan:
+    if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
+        raise RuntimeError(
+            f"attn_implementation={name!r}: {type(module).__name__} changed after it was prepared for it (switched, its "
+            "modules replaced, its warm-up counter or learnable parameters), and torch.compile reached the forward: "
+            f"call pid_plugins.hf.convert(model, {name!r}) (or run one eager forward) before compiling")
+    return plan.renew(module, plan, changed)
+
+
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
     config = module.config
     method = method_of(config)
@@ -150,24 +163,20 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if plan is None:
         raise RuntimeError(f"attn_implementation={method.name!r}: {type(module).__name__} was not prepared for it: "
                            f"call pid_plugins.hf.convert(model, {method.name!r})")
-    gains = model_method_config(module.__dict__.get(GAINS_SOURCE, config), method)
-    compiling = torch.compiler.is_compiling()
+    compiling = torch.compiler.is_compiling()  # the compiled graph checks no layout (dynamo guards the modules)
     changed = plan.name != method.name or plan.counter is not module._modules.get(WARMUP_ATTR) or (
-        getattr(gains, "learnable", False) and not plan.learnable) or (not compiling and layout(plan) != plan.signature)
+        not compiling and layout(plan) != plan.signature)
     if changed or (plan.first and not compiling):
-        if compiling:  # discovery reads source code and the module tree: not traceable
-            raise RuntimeError(
-                f"attn_implementation={method.name!r}: {type(module).__name__} changed after it was prepared for it "
-                f"(switched, its modules replaced, its warm-up counter or learnable parameters), and torch.compile "
-                f"reached the forward: call pid_plugins.hf.convert(model, {method.name!r}) (or run one eager forward) "
-                "before compiling")
-        plan = plan.renew(module, plan, changed)
+        plan = _renew(module, plan, method.name, changed)
+    if not plan.owns_layers:
+        return None
+    gains = model_method_config(module.__dict__.get(GAINS_SOURCE, config), method)
+    if getattr(gains, "learnable", False) and not plan.learnable:  # config.<method> became learnable
+        plan = _renew(module, plan, method.name, True)
     if getattr(config, "distributed_config", None) is not None:  # transformers' PP: refused before anything runs
         refusal = pipeline_refusal(config, method, gains)
         if refusal is not None:
             raise ValueError(refusal)
-    if not plan.owns_layers:
-        return None
     scale = _warmup_scale(module, gains, method.name)
     base = base_attention(config)
     grad = torch.is_grad_enabled()
