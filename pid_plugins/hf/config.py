@@ -25,6 +25,7 @@ from ..core import AttentionMethod, get_method, list_methods
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "base_attention",
     "check_learnable", "is_persisted", "method_named", "method_of", "model_method_config", "persist",
+    "pipeline_refusal",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
@@ -111,6 +112,30 @@ def base_attention(config: Any) -> str:
 def _name(config: Any) -> str:
     method = method_of(config)
     return method.name if method is not None else ATTN_IMPLEMENTATION
+
+
+def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
+    """The message refusing transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``, which
+    ``from_pretrained`` records as ``config.distributed_config``) for a method that carries state across layers;
+    None when the model runs no such method or no pipeline parallelism."""
+    distributed = getattr(config, "distributed_config", None)
+    pp_size = distributed.get("pp_size") if isinstance(distributed, dict) else getattr(distributed, "pp_size", None)
+    numeric = isinstance(pp_size, (int, float)) and not isinstance(pp_size, bool)
+    if not numeric or pp_size <= 1 or not method.state_fields or method.is_identity(params):
+        return None
+    carrying = [n for n in list_methods() if get_method(n).state_fields]
+    free = [n for n in list_methods() if not get_method(n).state_fields]
+    return (
+        f"attn_implementation={method.name!r}: pipeline parallelism (transformers' DistributedConfig(pp_size="
+        f"{pp_size})) is refused for the attention methods that carry state across layers ({', '.join(carrying)}): "
+        "each stage runs a forward of its own and receives only the previous stage's hidden states, so the first "
+        f"layer of a later stage would lose the state of the layers before it ({', '.join(method.state_fields)} for "
+        f"{method.name!r}) and silently take itself for the first layer. Methods without cross-layer state "
+        f"({', '.join(free) or 'none registered'}) run under it. The supported route: split the model with "
+        "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with "
+        "torch.distributed.pipelining (PipelineStage and a schedule such as ScheduleGPipe): they carry the method's "
+        "state across the stage boundary as tensors"
+    )
 
 
 # ------------------------------------------------------------------------------------- saving the choice

@@ -31,14 +31,12 @@ from transformers import PreTrainedModel, PretrainedConfig
 from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, list_methods, resolve_attention
 from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
-from .attention import EARLIER, ROLE
 from .config import (
     ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, is_persisted, method_named,
-    method_of, model_method_config,
+    method_of, model_method_config, pipeline_refusal,
 )
-from .discovery import check_model, rediscover, unhook
-from .forward import PLAN, pipeline_refusal
-from .warmup import WARMUP_ATTR, WARMUP_MISSING_KEY, attach_warmup
+from .discovery import check_model, discovered, rediscover, undiscover
+from .warmup import WARMUP_ATTR, attach_warmup
 
 __all__ = ["convert", "finish"]
 
@@ -98,7 +96,7 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
     if refusal is not None:
         raise ValueError(refusal)
     # a model switched without convert (set_attn_implementation) never ran the method its config names
-    running = method_of(model.config) if PLAN in model.__dict__ else None
+    running = method_of(model.config) if discovered(model) else None
     warn_trained_switch(model, choice, where, running=running)
     _to_method(model, choice, resolved_base)
     return model
@@ -174,16 +172,7 @@ def _to_stock(model: PreTrainedModel) -> None:
     if method_of(config) is not None:
         stock = config.__dict__.get(STOCK_ATTR)
         model.set_attn_implementation(stock if isinstance(stock, str) and method_named(stock) is None else None)
-    for m in model.modules():
-        learned_gains.detach(m)
-        for attr in (ROLE, EARLIER):
-            m.__dict__.pop(attr, None)
-        if isinstance(m, PreTrainedModel):
-            m._modules.pop(WARMUP_ATTR, None)
-            unhook(m)
-            ignore = m.__dict__.get("_keys_to_ignore_on_load_missing")
-            if isinstance(ignore, set):
-                ignore -= {learned_gains.MISSING_PATTERN, WARMUP_MISSING_KEY}
+    undiscover(model)
     for cfg in _configs(model):
         for attr in (*list_methods(), BASE_ATTR, STOCK_ATTR):
             cfg.__dict__.pop(attr, None)

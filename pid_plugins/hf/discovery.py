@@ -16,7 +16,6 @@ import threading
 import warnings
 from typing import Any, Dict, Optional
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -24,19 +23,20 @@ from . import gains as learned_gains
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER
 from .checkpointing import cache_message, registry_key, torch_checkpointing, wrapper_message
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
-from .forward import LAYERDROP_KEYS, GAINS_SOURCE, PLAN, WARMUP_ATTR, WARMUP_SOURCE, Plan, _post_hook, _pre_hook, hooked, layout
-from .instance import give_instance_methods, take_instance_methods
+from .forward import (
+    GAINS_SOURCE, LAYERDROP_KEYS, PLAN, WARMUP_ATTR, WARMUP_SOURCE, Plan, _post_hook, _pre_hook, hooked, layout,
+)
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
     cache_keywords, calls_interface,
 )
-from .warmup import counter_of
-from ..core import MethodChoice
+from .warmup import ANY_COUNTER, WARMUP_MISSING_KEY, attach_warmup, counter_of, give_counter
+from ..core import GainWarmup, MethodChoice
 from ..core.layer import warn_switch_of_trained_weights
 from ..versions import InternalChanged
 
-__all__ = ["check_family", "check_model", "discover", "hook", "is_cross", "learnable_config", "rediscover",
-           "relayout", "renew", "unhook", "walk"]
+__all__ = ["check_family", "check_model", "continuous_batching_message", "discover", "discovered", "hook", "hooked",
+           "is_cross", "learnable_config", "post_init", "rediscover", "relayout", "renew", "undiscover", "walk"]
 
 #: in a model's __dict__ until its first forward: built from a folder saved without the method it runs (the loader, for
 #: the message); the first forward, its weights loaded, warns if they are trained (warn_switch_of_trained_weights)
@@ -127,6 +127,7 @@ def check_model(model: PreTrainedModel, name: str) -> None:
 
 def check_family(cls: type, config: object, name: str) -> None:
     """Refuse method ``name`` for a model class whose family picks its attention from its own table."""
+    CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
     for table_name, keys in _attention_tables(cls):
         if name not in keys:
             raise ValueError(
@@ -270,9 +271,9 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
                 # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
                 if keywords is None or keywords.get("use_reentrant", True) is not False:
                     plan.reentrant = (
-                        f"attention method {name!r} needs non-reentrant gradient checkpointing (reentrant checkpointing "
-                        "cuts the method state's gradient between layers): use model.gradient_checkpointing_enable("
-                        "gradient_checkpointing_kwargs={'use_reentrant': False})")
+                        f"attention method {name!r} needs non-reentrant gradient checkpointing (reentrant "
+                        "checkpointing cuts the method state's gradient between layers): use "
+                        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
         found = torch_checkpointing(m)
         if found is not None:
             at = f"{where}.{path}" if path else where
@@ -336,7 +337,7 @@ def _tensor_parallel(model: nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------- hooks on a model
 def hook(model: PreTrainedModel) -> None:
     """Give ``model`` the forward pre-hook and hook (:mod:`pid_plugins.hf.forward`) and its own
-    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`~pid_plugins.hf.instance.give_instance_methods`),
+    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`give_instance_methods`),
     once."""
     if not hooked(model):
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
@@ -344,20 +345,37 @@ def hook(model: PreTrainedModel) -> None:
     give_instance_methods(model)
 
 
-def unhook(model: PreTrainedModel) -> None:
-    """Take from ``model`` what :func:`hook` and discovery gave it (a model back to its stock attention)."""
-    for hooks, ours in ((model._forward_pre_hooks, _pre_hook), (model._forward_hooks, _post_hook)):
-        for key in [k for k, h in hooks.items() if h is ours]:
-            del hooks[key]
-            model._forward_pre_hooks_with_kwargs.pop(key, None)
-            model._forward_hooks_with_kwargs.pop(key, None)
-    take_instance_methods(model)
-    for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE, SWITCH_CHECK):
-        model.__dict__.pop(attr, None)
+def undiscover(model: nn.Module) -> None:
+    """Take from the modules of ``model`` everything discovery and :func:`hook` gave them (a model back to its stock
+    attention): the attention modules' roles and learnable parameters, the models' hooks, own methods, plans and
+    warm-up counters."""
+    for m in model.modules():
+        learned_gains.detach(m)
+        for attr in (ROLE, EARLIER):
+            m.__dict__.pop(attr, None)
+        if not isinstance(m, PreTrainedModel):
+            continue
+        m._modules.pop(WARMUP_ATTR, None)
+        for hooks, ours in ((m._forward_pre_hooks, _pre_hook), (m._forward_hooks, _post_hook)):
+            for key in [k for k, h in hooks.items() if h is ours]:
+                del hooks[key]
+                m._forward_pre_hooks_with_kwargs.pop(key, None)
+                m._forward_hooks_with_kwargs.pop(key, None)
+        take_instance_methods(m)
+        for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE, SWITCH_CHECK):
+            m.__dict__.pop(attr, None)
+        ignore = m.__dict__.get("_keys_to_ignore_on_load_missing")
+        if isinstance(ignore, set):
+            ignore -= {learned_gains.MISSING_PATTERN, WARMUP_MISSING_KEY}
+
+
+def discovered(model: nn.Module) -> bool:
+    """Whether ``model`` has a plan (it was built with a method, or converted to one)."""
+    return PLAN in model.__dict__
 
 
 def rediscover(model: PreTrainedModel) -> PreTrainedModel:
-    """Hook every PreTrainedModel in ``model`` (once: models built stock have no hooks) and discover each afresh,
+    """Hook every PreTrainedModel in ``model`` (once: models built stock have none) and discover each afresh,
     outermost first (after :func:`~pid_plugins.hf.convert` changed what its config says)."""
     with _LOCK:
         for m in model.modules():
@@ -371,3 +389,119 @@ def rediscover(model: PreTrainedModel) -> PreTrainedModel:
                 discover(m)
     persist(model.config)
     return model
+
+
+# -------------------------------------------------------------------------------- while a model is built
+def _adopt_counters(model: PreTrainedModel) -> None:
+    """Move the warm-up counters of the models nested in ``model`` to ``model``: one counter, on the outermost
+    model, advanced once per forward of the whole model."""
+    for m in model.modules():
+        if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
+            counter = m._modules.pop(WARMUP_ATTR)
+            plan = m.__dict__.get(PLAN)
+            if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
+                plan.counter = None
+            if model._modules.get(WARMUP_ATTR) is None:
+                give_counter(model, counter)
+
+
+def _attach_gains_at_construction(model: PreTrainedModel) -> None:
+    """A model with learnable parameters, its layers just built: give each self-attention module its parameters
+    now, so that ``from_pretrained`` loads the saved values into them."""
+    cfg = learnable_config(model.__dict__.get("config"))
+    if cfg is None:
+        return
+    added = False
+    for name, child in model.named_children():
+        if isinstance(child, PreTrainedModel):  # a nested model gave its own layers theirs in its post_init
+            continue
+        for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in walk(child))]:
+            if not isinstance(sub, PreTrainedModel) and calls_interface(type(sub)) and \
+                    not is_cross(path.split("."), sub):
+                added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
+    if added:
+        learned_gains.ignore_missing(model)
+
+
+def post_init(model: PreTrainedModel) -> None:
+    """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
+    built with a method is discovered now, before any forward, so that a first forward under ``torch.compile`` traces
+    no discovery. The instance attribute removes itself: later calls reach the class's ``post_init``. A model with
+    learnable parameters gets their tensor-parallel plan entries here (:func:`~pid_plugins.hf.gains.extend_tp_plan`):
+    ``post_init`` has just built the model's plan from its class, config and children, and an outer model builds
+    its own from this one's when its ``post_init`` runs."""
+    model.__dict__.pop("post_init", None)
+    # the layers exist now, and transformers has not initialised them yet (the class's post_init does): the counter
+    # (config.<method> has warmup_steps > 0) and learnable parameters are made here, so that from_pretrained loads
+    # them and transformers' initialisation of what a checkpoint lacks reaches them
+    attach_warmup(model)
+    if ANY_COUNTER[0]:
+        _adopt_counters(model)
+    _attach_gains_at_construction(model)
+    type(model).post_init(model)
+    if method_of(model.config) is not None and PLAN not in model.__dict__:
+        with _LOCK:
+            discover(model)
+    if learnable_config(model.config) is not None:  # after post_init's init_parallel_plans
+        learned_gains.extend_tp_plan(model)
+
+
+# ------------------------------------------------------------------------------------------- continuous batching
+def continuous_batching_message(name: str) -> str:
+    return (f"attention method {name!r} cannot run under continuous batching (generate_batch, "
+            "init_continuous_batching, continuous_batching_context_manager, generate(cache_implementation='paged')): "
+            "it runs transformers' paged attention ('paged|eager', 'sdpa' or a flash kernel) over packed sequences, "
+            "not the model's attention implementation, and would switch this model's attention to flash attention "
+            f"where flash-attn is installed (with only a log warning), dropping {name!r}. Generate with "
+            "model.generate() (dynamic or static cache), or switch the model back to its stock attention first "
+            "(model.set_attn_implementation('sdpa'))")
+
+
+def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any):
+    """``model.init_continuous_batching`` (where ``generate_batch``, ``continuous_batching_context_manager`` and
+    ``generate(cache_implementation="paged")`` all start): refused while the model's config names a method, before
+    transformers' ``switch_to_cb_friendly_attn`` can change its attention (transformers has no extension point
+    there); else the class's own."""
+    method = method_of(getattr(model, "config", None))
+    if method is not None:
+        raise ValueError(continuous_batching_message(method.name))
+    return type(model).init_continuous_batching(model, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------ transformers' weight initialisation
+def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any):
+    """``model._initialize_weights`` (the one place transformers 5 initialises every module of a model: at
+    construction and for the missing keys of ``from_pretrained``): learnable parameters get their initial values
+    (:func:`~pid_plugins.hf.gains.reset`) and the gain warm-up counter t = 0, leaving what transformers loaded alone
+    (the model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values); every other module
+    the class's own."""
+    if learned_gains.reset(module):
+        module._is_hf_initialized = True
+        return None
+    if isinstance(module, GainWarmup):
+        from transformers import initialization as init
+
+        init.zeros_(module.step)
+        module._is_hf_initialized = True
+        return None
+    return type(model)._initialize_weights(model, module, *args, **kwargs)
+
+
+def give_instance_methods(model: PreTrainedModel) -> None:
+    """``model``'s own ``_initialize_weights`` and ``init_continuous_batching`` (instance attributes, which transformers
+    reads on the instance: this model only, never its class), once. Given to every model built with a method (the
+    construction hook) and to every model :func:`~pid_plugins.hf.convert` switches to one."""
+    own = model.__dict__
+    if "_initialize_weights" not in own:
+        own["_initialize_weights"] = functools.partial(_initialize_weights, model)
+    if "init_continuous_batching" not in own and hasattr(type(model), "init_continuous_batching"):
+        own["init_continuous_batching"] = functools.partial(_init_continuous_batching, model)
+
+
+def take_instance_methods(model: PreTrainedModel) -> None:
+    """Remove what :func:`give_instance_methods` gave ``model``."""
+    for name, ours in (("_initialize_weights", _initialize_weights),
+                       ("init_continuous_batching", _init_continuous_batching)):
+        given = model.__dict__.get(name)
+        if isinstance(given, functools.partial) and given.func is ours:
+            del model.__dict__[name]

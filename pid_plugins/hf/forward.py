@@ -15,18 +15,17 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..core import get_method, list_methods
 from .attention import STATE_KEYWORD, MethodForwardState
 from .cache import new_cache, static_past
-from .config import base_attention, method_of, model_method_config
+from .config import base_attention, method_of, model_method_config, pipeline_refusal
 
-__all__ = ["GAINS_SOURCE", "PLAN", "Plan", "drops_layers", "hooked", "layout", "pipeline_refusal"]
+__all__ = ["GAINS_SOURCE", "PLAN", "Plan", "drops_layers", "hooked", "layout"]
 
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan
 GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
 WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule)
 WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
-#: the config keys transformers' layer dropout reads (BART, Whisper, M2M100, ...: ``*_layerdrop``; wav2vec2: ``layerdrop``)
+#: the config keys transformers' layer dropout reads (BART, Whisper, M2M100: ``*_layerdrop``; wav2vec2: ``layerdrop``)
 LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 
 
@@ -94,29 +93,6 @@ def drops_layers(model: nn.Module, plan: Plan) -> bool:
     return any(_number(value := getattr(config, key, None)) and value > 0 for key in plan.layerdrop_keys)
 
 
-def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
-    """The message refusing transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``, which
-    ``from_pretrained`` records as ``config.distributed_config``) for a method that carries state across layers;
-    None when the model runs no such method or no pipeline parallelism."""
-    distributed = getattr(config, "distributed_config", None)
-    pp_size = distributed.get("pp_size") if isinstance(distributed, dict) else getattr(distributed, "pp_size", None)
-    if not _number(pp_size) or pp_size <= 1 or not method.state_fields or method.is_identity(params):
-        return None
-    carrying = [n for n in list_methods() if get_method(n).state_fields]
-    free = [n for n in list_methods() if not get_method(n).state_fields]
-    return (
-        f"attn_implementation={method.name!r}: pipeline parallelism (transformers' DistributedConfig(pp_size="
-        f"{pp_size})) is refused for the attention methods that carry state across layers ({', '.join(carrying)}): "
-        "each stage runs a forward of its own and receives only the previous stage's hidden states, so the first "
-        f"layer of a later stage would lose the state of the layers before it ({', '.join(method.state_fields)} for "
-        f"{method.name!r}) and silently take itself for the first layer. Methods without cross-layer state "
-        f"({', '.join(free) or 'none registered'}) run under it. The supported route: split the model with "
-        "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with "
-        "torch.distributed.pipelining (PipelineStage and a schedule such as ScheduleGPipe): they carry the method's "
-        "state across the stage boundary as tensors"
-    )
-
-
 def _warmup_scale(module: nn.Module, gains: Any, name: str) -> Optional[torch.Tensor]:
     """This forward's warm-up scale (None without warm-up); refused if the parameters ask for warm-up and the
     model has no counter (its own, or the outermost model's)."""
@@ -148,8 +124,8 @@ def _renamed_cache(kwargs: dict, known: tuple) -> Optional[str]:
 def _renew(module: nn.Module, plan: Plan, name: str, changed: bool) -> Plan:
     if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
         raise RuntimeError(
-            f"attn_implementation={name!r}: {type(module).__name__} changed after it was prepared for it (switched, its "
-            "modules replaced, its warm-up counter or learnable parameters), and torch.compile reached the forward: "
+            f"attn_implementation={name!r}: {type(module).__name__} changed after it was prepared for it (switched, "
+            "its modules replaced, its warm-up counter or learnable parameters), and torch.compile reached the forward: "
             f"call pid_plugins.hf.convert(model, {name!r}) (or run one eager forward) before compiling")
     return plan.renew(module, plan, changed)
 
