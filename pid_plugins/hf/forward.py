@@ -144,15 +144,18 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         not compiling and layout(plan) != plan.signature)
     if changed or (plan.first and not compiling):
         plan = _renew(module, plan, method.name, changed)
-    if not plan.owns_layers:
+    distributed = getattr(config, "distributed_config", None)
+    if not plan.owns_layers and distributed is None:
         return None
     gains = model_method_config(module.__dict__.get(GAINS_SOURCE, config), method)
-    if getattr(gains, "learnable", False) and not plan.learnable:  # config.<method> became learnable
-        plan = _renew(module, plan, method.name, True)
-    if getattr(config, "distributed_config", None) is not None:  # transformers' PP: refused before anything runs
+    if distributed is not None:  # transformers' PP: refused before anything runs (its stages start communicating)
         refusal = pipeline_refusal(config, method, gains)
         if refusal is not None:
             raise ValueError(refusal)
+    if not plan.owns_layers:
+        return None
+    if getattr(gains, "learnable", False) and not plan.learnable:  # config.<method> became learnable
+        plan = _renew(module, plan, method.name, True)
     scale = _warmup_scale(module, gains, method.name)
     base = base_attention(config)
     grad = torch.is_grad_enabled()
