@@ -297,6 +297,24 @@ def relayout(model: nn.Module) -> None:
             _fill_layout(m, plan, [p for p, sub in walk(m) if isinstance(sub.__dict__.get(ROLE), int)])
 
 
+def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
+    """Make ``plan`` read ``model``'s modules as they are now, keeping the layers' numbers, when only the way to its
+    attention modules changed (a wrapper, a checkpointing flag, another stage's placeholder): the same method and
+    warm-up counter, the same learnable parameters, and no attention module without its number. False otherwise."""
+    source = model.__dict__.get(GAINS_SOURCE, model.config)
+    if plan.name != _chosen(model) or plan.counter is not model._modules.get(WARMUP_ATTR) or (
+            not plan.learnable and learnable_config(source) is not None):
+        return False
+    paths = []
+    for path, sub in walk(model):
+        if not isinstance(sub, PreTrainedModel) and calls_interface(type(sub)):
+            if not isinstance(sub.__dict__.get(ROLE), int):
+                return False
+            paths.append(path)
+    _fill_layout(model, plan, paths)
+    return True
+
+
 def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[str] = None) -> Plan:
     """What a forward of ``model`` calls through its plan: discover the model again if the plan no longer holds
     (``changed``), then make the first forward's checks (its weights are loaded now). ``renamed``: the forward got
@@ -304,7 +322,7 @@ def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[s
     if renamed is not None:
         raise InternalChanged(CACHE_KEYWORD.message(f"{type(model).__name__}.forward got the cache as {renamed}="))
     with _LOCK:
-        if changed:
+        if changed and not _relaid(model, plan):
             plan = discover(model, at_forward=True)
         if not plan.first:
             return plan
