@@ -1,17 +1,12 @@
 """What a transformers model config says about its attention method, and how that is saved.
 
-* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method: core's
-  registry, :func:`pid_plugins.list_methods`, is the one table; ``import pid_plugins.hf`` registers every method in it
-  with transformers' interfaces);
-* :func:`model_method_config`: its parameters, ``config.<method name>`` (``config.pid`` for PID) over the method's
-  transformers preset, parsed once per value (a first forward under ``torch.compile`` only looks them up);
+* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method);
+* :func:`model_method_config`: its parameters, ``config.<method name>`` over the method's transformers preset,
+  parsed once per value (a first forward under ``torch.compile`` only looks them up);
 * :func:`base_attention`: the attention the method is added to (``config.attention_base``);
-* :class:`_SavedImplementation` / :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's
-  name when the model runs a method at save time (transformers itself does not save ``_attn_implementation``), and
-  as null otherwise, so ``from_pretrained`` builds the model with the method again;
-* a method's parameters are ``config.<method>``, set on the config (``AutoConfig.from_pretrained(path)``, then
-  ``config.pid = {"lambda_p": 0.3}`` and ``from_pretrained(path, config=config, attn_implementation="pid")``, the
-  transformers way: no loader keyword), saved with the model.
+* :func:`pipeline_refusal`: transformers' own pipeline parallelism, refused for methods with cross-layer state;
+* :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's name when the model runs a method
+  at save time (transformers does not save ``_attn_implementation``), so ``from_pretrained`` builds it again.
 """
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """``convert(model, attention, attention_cfg)``: switch a built transformers model's attention, in place.
 
-The rule shared by the four zoo adapters: the model given is changed in place (the same parameter tensors, the
-same module objects, hooks and train/eval mode kept) and returned, for chaining.
-
-* A stock model (``sdpa``, ``eager``, ...) gets the method: ``config.<method>`` (its parameters), the base attention
-  (``config.attention_base``), the stock implementation it had (``config.stock_attention``), learnable
-  parameters and the warm-up counter when the parameters ask for them; ``config._attn_implementation`` names the
-  method. It then computes what the model built with ``attn_implementation=<method>`` computes.
-* ``attention="softmax"`` returns it to the stock implementation it had (transformers' default when none was
-  recorded), with every parameter, buffer, submodule and config attribute pid-plugins added removed: its
-  ``state_dict`` keys are the stock model's and it computes exactly what the stock model computes.
-* A model with a method is reconfigured in place (another method, other parameters, learnable gains on or off);
-  the parameters of the method it leaves are removed from its config.
-
-Everything is checked before anything changes: an unknown method or bad parameters (core's message), a base
-attention that is not one of ``sdpa``, ``eager``, ``flex_attention`` or that the model cannot run, a model that is
-not a transformers model, a family whose attention does not go through transformers' attention interface.
-
-Also here: ``finish_warmup`` for transformers models (:func:`finish`, registered with
-:func:`pid_plugins.core.register_warmup_finisher`).
+The model given is changed in place (the same parameters, modules, hooks and train/eval mode) and returned. A stock
+model gets the method (its parameters in ``config.<method>``, the base attention, the stock implementation it had,
+learnable parameters and warm-up counter when asked for); ``"softmax"`` returns it to the stock implementation with
+everything pid-plugins added removed; a model with a method is reconfigured. Everything is checked before anything
+changes. Also here: ``finish_warmup`` for transformers models (:func:`finish`).
 """
 from __future__ import annotations
 
