@@ -2,6 +2,7 @@
 transformers' model, config, auto-class and continuous-batching classes and torch's module-level hook registries
 before and after the import. The list is the one docs/architecture.md gives, each with its reason; a change that adds
 a replaced attribute or a torch-global hook fails here until it is documented there."""
+import functools
 import json
 import subprocess
 import sys
@@ -100,20 +101,24 @@ print(json.dumps({
     "config_json": open(os.path.join(folder, "config.json")).read(),
     "state_dict": digest.hexdigest(),
 }))
+if sys.argv[1] == "import":  # then a stock model switched later, in the same fresh process
+    exec(sys.argv[2])
 """
 
 
-def _stock(imported: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", STOCK, "import" if imported else "plain"], capture_output=True,
-                         text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+@functools.lru_cache(maxsize=None)
+def _stock(imported: bool) -> tuple:
+    """What the fresh process printed: the stock model's findings and (after the import) the switched models'."""
+    out = subprocess.run([sys.executable, "-c", STOCK, "import" if imported else "plain", SWITCHED],
+                         capture_output=True, text=True, check=True).stdout
+    return tuple(json.loads(line) for line in out.strip().splitlines() if line.startswith("{"))
 
 
 def test_a_stock_model_built_after_the_import_is_the_model_built_without_it():
     """In fresh processes: the same stock Llama built with and without ``import pid_plugins.hf`` has the same hooks
     (none), the same instance attributes on every module and its config, a byte-identical config.json and the same
     state_dict."""
-    plain, imported = _stock(False), _stock(True)
+    plain, imported = _stock(False)[0], _stock(True)[0]
     assert imported["hooks"] == plain["hooks"] == []
     assert imported["attributes"] == plain["attributes"]
     assert imported["config_attributes"] == plain["config_attributes"]
@@ -175,8 +180,7 @@ def test_a_stock_model_switched_later_is_refused_with_the_convert_line_that_work
     the config) is refused at its first forward, naming ``convert``, and after ``convert`` computes the model built
     with the method; a folder saved with a method loads as saved with ``attn_implementation=None`` and warns once when
     loaded with the stock attention (which then carries no hook of ours)."""
-    out = subprocess.run([sys.executable, "-c", SWITCHED], capture_output=True, text=True, check=True).stdout
-    found = json.loads(out.strip().splitlines()[-1])
+    found = _stock(True)[1]
     for how in ("set_attn_implementation", "config"):
         assert "Call pid_plugins.hf.convert(model, 'pid') once" in found[how], found[how]
         assert found[how + " converted"] is True

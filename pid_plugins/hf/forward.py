@@ -1,10 +1,11 @@
 """What runs on every forward of a transformers model with a method: its forward pre-hook and hook.
 
-The pre-hook reads the model's :class:`Plan` (made once by :mod:`pid_plugins.hf.discovery`), checks in constant
-time per layer that what the plan was made from still holds (the method, the warm-up counter, learnable parameters,
-the modules on the way to each attention module, activation checkpointing), refuses what cannot run exactly before
-anything is computed, and hands the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState` in its
-keyword arguments. When something changed, the plan's own ``renew`` (discovery's) makes a new plan. No module walk.
+The pre-hook reads the model's :class:`Plan` (made once by :mod:`pid_plugins.hf.discovery`), checks by identity
+that what the plan was made from still holds (the method, the warm-up counter, learnable parameters, the modules on
+the way to each attention module and their activation checkpointing: no module walk), refuses what cannot run
+exactly before anything is computed, and hands the forward a fresh
+:class:`~pid_plugins.hf.attention.MethodForwardState` in its keyword arguments. When something changed, the plan's
+own ``renew`` (discovery's) re-reads the model.
 """
 from __future__ import annotations
 
