@@ -18,7 +18,7 @@ import torch
 from ..core import AttentionMethod, get_method, list_methods
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "base_attention",
+    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "WARMUP_ATTR", "WARMUP_SOURCE", "base_attention",
     "check_learnable", "is_persisted", "method_named", "method_of", "model_method_config", "persist",
     "pipeline_refusal",
 ]
@@ -29,6 +29,8 @@ ATTN_IMPLEMENTATION = "pid"
 BASE_ATTR = "attention_base"
 BASES = ("sdpa", "eager", "flex_attention")
 """The base attentions a method runs on (``convert(model, ..., base=...)``, saved as ``config.attention_base``)."""
+WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule: hf/warmup.py)
+WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
 #: the config attribute holding the stock ``attn_implementation`` a model had before ``convert`` gave it a method
 #: (``convert(model, "softmax")`` returns to it)
 STOCK_ATTR = "stock_attention"

@@ -18,11 +18,11 @@ from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, list_meth
 from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
 from .config import (
-    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, is_persisted, method_named,
-    method_of, model_method_config, pipeline_refusal,
+    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, WARMUP_ATTR, base_attention, check_learnable, is_persisted,
+    method_named, method_of, model_method_config, pipeline_refusal,
 )
 from .discovery import check_model, discovered, rediscover, undiscover
-from .warmup import WARMUP_ATTR, attach_warmup
+from .warmup import attach_warmup
 
 __all__ = ["convert", "finish"]
 

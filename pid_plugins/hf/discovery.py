@@ -22,10 +22,10 @@ from transformers import PreTrainedModel
 from . import gains as learned_gains
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER
 from .checkpointing import cache_message, registry_key, torch_checkpointing, wrapper_message
-from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
-from .forward import (
-    GAINS_SOURCE, LAYERDROP_KEYS, PLAN, WARMUP_ATTR, WARMUP_SOURCE, Plan, _post_hook, _pre_hook, hooked, layout,
+from .config import (
+    BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist,
 )
+from .forward import GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, _post_hook, _pre_hook, hooked, layout
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
     cache_keywords, calls_interface,

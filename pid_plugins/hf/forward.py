@@ -18,14 +18,12 @@ from torch import nn
 
 from .attention import STATE_KEYWORD, MethodForwardState
 from .cache import new_cache, static_past
-from .config import base_attention, method_of, model_method_config, pipeline_refusal
+from .config import WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, pipeline_refusal
 
 __all__ = ["GAINS_SOURCE", "PLAN", "Plan", "drops_layers", "hooked", "layout"]
 
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan
 GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
-WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule)
-WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
 #: the config keys transformers' layer dropout reads (BART, Whisper, M2M100: ``*_layerdrop``; wav2vec2: ``layerdrop``)
 LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 
@@ -126,8 +124,8 @@ def _renew(module: nn.Module, plan: Plan, name: str, changed: bool) -> Plan:
     if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
         raise RuntimeError(
             f"attn_implementation={name!r}: {type(module).__name__} changed after it was prepared for it (switched, "
-            "its modules replaced, its warm-up counter or learnable parameters), and torch.compile reached the forward: "
-            f"call pid_plugins.hf.convert(model, {name!r}) (or run one eager forward) before compiling")
+            "its modules replaced, its warm-up counter or learnable parameters), and torch.compile reached the "
+            f"forward: call pid_plugins.hf.convert(model, {name!r}) (or run one eager forward) before compiling")
     return plan.renew(module, plan, changed)
 
 

@@ -23,8 +23,7 @@ from ..core import AttentionMethod, list_methods, on_register, register_warmup_f
 from . import conversion, discovery
 from .attention import method_attention_forward, method_mask
 from .internals import GLOBAL_MAPPING, INITIALIZE_WEIGHTS
-from .config import BASE_ATTR, STOCK_ATTR, method_of, persist
-from .warmup import WARMUP_ATTR
+from .config import BASE_ATTR, STOCK_ATTR, WARMUP_ATTR, method_of, persist
 
 __all__ = ["install", "warn_loaded_as_stock"]
 

@@ -16,8 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..core import GainWarmup, make_warmup
-from .config import _PID, method_of, model_method_config
-from .forward import WARMUP_ATTR, WARMUP_SOURCE
+from .config import _PID, WARMUP_ATTR, WARMUP_SOURCE, method_of, model_method_config
 
 __all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter"]
 
