@@ -141,7 +141,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     compiling = torch.compiler.is_compiling()  # the compiled graph checks no layout (dynamo guards the modules)
     changed = plan.name != method.name or plan.counter is not module._modules.get(WARMUP_ATTR) or (
         not compiling and layout(plan) != plan.signature)
-    if changed or (plan.first and not compiling):
+    if changed or (not compiling and plan.first):
         plan = _renew(module, plan, method.name, changed)
     distributed = getattr(config, "distributed_config", None)
     if not plan.owns_layers and distributed is None:
