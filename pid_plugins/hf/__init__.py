@@ -15,14 +15,7 @@ function: the base attention, SDPA by default, then the method on self-attention
     pid_plugins.hf.convert(model, "pid", {"lambda_p": 0.5})       # other gains (saved as config.pid)
     pid_plugins.finish_warmup(model)                              # end a gain warm-up: the fixed-gain model
 
-The adapter, one job per module: :mod:`~pid_plugins.hf.attention` (the attention and mask functions),
-:mod:`~pid_plugins.hf.discovery` (finding a model's attention modules; the forward hooks that hand each forward its
-method state), :mod:`~pid_plugins.hf.config` (what a model config says: the method, its parameters, the base
-attention; how the choice is saved), :mod:`~pid_plugins.hf.warmup` (the gain warm-up counter),
-:mod:`~pid_plugins.hf.cache` (the method and transformers' KV caches), :mod:`~pid_plugins.hf.gains` (learnable gains,
-weight decay), :mod:`~pid_plugins.hf.install` (what the import changes in transformers),
-:mod:`~pid_plugins.hf.conversion` (switching a built model in place), :mod:`~pid_plugins.hf.pipeline` (pipeline
-stages for ``torch.distributed.pipelining`` that carry the method's state across stage boundaries).
+The adapter's modules are listed in docs/transformers.md ("The adapter's modules").
 """
 try:
     import transformers  # noqa: F401

@@ -4,7 +4,7 @@ function registered in ``AttentionMaskInterface``.
 :func:`method_attention_forward` is what a model's attention module calls (``ALL_ATTENTION_FUNCTIONS[name]``) when
 ``config._attn_implementation`` names a method: the base attention (SDPA by default, eager or flex) and the method's
 rule, reading the method, its parameters and the earlier layers' state from the :class:`MethodForwardState` that the
-model's forward pre-hook (:mod:`pid_plugins.hf.discovery`) put in the forward's keyword arguments:
+model's forward pre-hook (:mod:`pid_plugins.hf.forward`) put in the forward's keyword arguments:
 
 * the method needs the values of the query positions: the last ``q_len`` rows of the value tensor for no cache and
   dynamic caches (sliding-window ones included), ``[past, past + q_len)`` of a static cache, where ``past`` is the
@@ -161,9 +161,9 @@ def method_attention_forward(
         chosen = getattr(getattr(module, "config", None), "_attn_implementation", "pid")
         raise RuntimeError(
             f"attn_implementation={chosen!r}: {type(module).__name__} got no per-forward state of attention method "
-            f"{chosen!r}. Call pid_plugins.hf.convert(model, {chosen!r}) once (needed for models built before "
-            "`import pid_plugins.hf`); a model whose forward does not pass its keyword arguments down to the "
-            f"attention layers cannot run {chosen!r}"
+            f"{chosen!r}: the model was built without it (or before `import pid_plugins.hf`) and switched later. Call "
+            f"pid_plugins.hf.convert(model, {chosen!r}) once; a model whose forward does not pass its keyword "
+            f"arguments down to the attention layers cannot run {chosen!r}"
         )
     base = run.function or _base_function(module, run.base)
     if run.zero:

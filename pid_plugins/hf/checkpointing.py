@@ -1,25 +1,10 @@
 """Activation checkpointing by torch's own wrappers, as a method's per-forward state meets it.
 
-A method's state crosses layers outside the layers' explicit inputs (in the forward's keyword arguments, see
-:class:`~pid_plugins.hf.attention.MethodForwardState`). Two ways of checkpointing break it:
-
-* **reentrant** checkpointing runs a layer's first forward without autograd (an autograd ``Function``), so the state
-  a layer hands on carries no gradient: gradients are silently wrong. transformers' own
-  ``gradient_checkpointing_enable(use_reentrant=True)`` is refused in :func:`~pid_plugins.hf.discovery` as before;
-  torch's ``checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.REENTRANT)`` (also through
-  ``apply_activation_checkpointing``, and under FSDP2's ``fully_shard``) is refused before the forward, naming the
-  wrapped module; ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` by hand is recognised in the first
-  attention call it wraps (autograd off inside a forward that began with it on) and refused there, before any
-  gradient.
-* **a KV cache under recomputation**: torch's wrappers do not know about the cache (transformers' checkpointed layers
-  drop it; torch's recompute each layer with it), so the recomputation in the backward appends the layer's keys to
-  the cache a second time. Refused with one message telling the user to pass ``use_cache=False``: before the forward
-  when a wrapper is found in a training forward, else at the recomputation (``torch.utils.checkpoint`` by hand, or a
-  wrapper in eval mode).
-
-Non-reentrant checkpointing (``checkpoint_wrapper``'s default ``CheckpointImpl.NO_REENTRANT``, torch's composable
-``checkpoint(module)``) with ``use_cache=False`` is exact for every method: the recomputed layer reads the state the
-first forward left, whose graph the non-reentrant checkpoint recomputes on demand.
+A method's state crosses layers in the forward's keyword arguments. Reentrant checkpointing (its first forward
+without autograd) cuts the state's gradient, and a KV cache under recomputation gets each layer's keys twice: both
+are refused before the forward where discovery finds the checkpointing (:func:`torch_checkpointing`), else in the
+attention call that meets it (:func:`reentrant_message`, :func:`cache_message`). Non-reentrant checkpointing with
+``use_cache=False`` is exact for every method.
 """
 from __future__ import annotations
 
@@ -28,9 +13,10 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ..versions import InternalChanged
 from .internals import TORCH_CHECKPOINT
 
-__all__ = ["cache_message", "reentrant_message", "require", "torch_checkpointing", "wrapper_message"]
+__all__ = ["cache_message", "reentrant_message", "registry_key", "require", "torch_checkpointing", "wrapper_message"]
 
 _SUPPORTED = ("use non-reentrant checkpointing: checkpoint_wrapper(module) / apply_activation_checkpointing(model, "
               "check_fn=...) with their default checkpoint_impl=CheckpointImpl.NO_REENTRANT, "
@@ -50,7 +36,9 @@ def torch_checkpointing(module: nn.Module) -> Optional[Tuple[str, bool]]:
     return None
 
 
-_REGISTRY: list = [None]  # torch's composable-API registry reader, once torch.distributed is known to have it
+#: torch's composable-API registry reader and the registry's key in a module's ``__dict__``, once torch.distributed
+#: is known to have them
+_REGISTRY: list = [None, ""]
 
 
 def require() -> None:
@@ -58,9 +46,20 @@ def require() -> None:
     torch.distributed, whose wrappers then do not exist)."""
     if _REGISTRY[0] is None and torch.distributed.is_available():
         TORCH_CHECKPOINT.require()
-        from torch.distributed._composable.contract import _get_registry
+        from torch.distributed._composable import checkpoint
+        from torch.distributed._composable.contract import REGISTRY_KEY, _get_registry
 
-        _REGISTRY[0] = _get_registry
+        marked = checkpoint(nn.Identity())  # the registry the plan reads is the one _get_registry reads
+        if not isinstance(REGISTRY_KEY, str) or marked.__dict__.get(REGISTRY_KEY) is not _get_registry(marked):
+            raise InternalChanged(TORCH_CHECKPOINT.message("the registry is not the module's __dict__[REGISTRY_KEY]"))
+        _REGISTRY[:] = [_get_registry, REGISTRY_KEY]
+
+
+def registry_key() -> str:
+    """Where torch's composable ``checkpoint(module)`` marks a module (a key of its ``__dict__``; "" without
+    torch.distributed)."""
+    require()
+    return _REGISTRY[1]
 
 
 def wrapper_message(name: str, where: str) -> str:

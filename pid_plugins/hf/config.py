@@ -1,17 +1,12 @@
 """What a transformers model config says about its attention method, and how that is saved.
 
-* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method: core's
-  registry, :func:`pid_plugins.list_methods`, is the one table; ``import pid_plugins.hf`` registers every method in it
-  with transformers' interfaces);
-* :func:`model_method_config`: its parameters, ``config.<method name>`` (``config.pid`` for PID) over the method's
-  transformers preset, parsed once per value (a first forward under ``torch.compile`` only looks them up);
+* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method);
+* :func:`model_method_config`: its parameters, ``config.<method name>`` over the method's transformers preset,
+  parsed once per value (a first forward under ``torch.compile`` only looks them up);
 * :func:`base_attention`: the attention the method is added to (``config.attention_base``);
-* :class:`_SavedImplementation` / :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's
-  name when the model runs a method at save time (transformers itself does not save ``_attn_implementation``), and
-  as null otherwise, so ``from_pretrained`` builds the model with the method again;
-* a method's parameters are ``config.<method>``, set on the config (``AutoConfig.from_pretrained(path)``, then
-  ``config.pid = {"lambda_p": 0.3}`` and ``from_pretrained(path, config=config, attn_implementation="pid")``, the
-  transformers way: no loader keyword), saved with the model.
+* :func:`pipeline_refusal`: transformers' own pipeline parallelism, refused for methods with cross-layer state;
+* :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's name when the model runs a method
+  at save time (transformers does not save ``_attn_implementation``), so ``from_pretrained`` builds it again.
 """
 from __future__ import annotations
 
@@ -23,8 +18,9 @@ import torch
 from ..core import AttentionMethod, get_method, list_methods
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "base_attention",
-    "check_learnable", "method_named", "method_of", "model_method_config", "persist",
+    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "WARMUP_ATTR", "WARMUP_SOURCE", "base_attention",
+    "check_learnable", "is_persisted", "method_named", "method_of", "model_method_config", "persist",
+    "pipeline_refusal",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
@@ -33,6 +29,8 @@ ATTN_IMPLEMENTATION = "pid"
 BASE_ATTR = "attention_base"
 BASES = ("sdpa", "eager", "flex_attention")
 """The base attentions a method runs on (``convert(model, ..., base=...)``, saved as ``config.attention_base``)."""
+WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule: hf/warmup.py)
+WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
 #: the config attribute holding the stock ``attn_implementation`` a model had before ``convert`` gave it a method
 #: (``convert(model, "softmax")`` returns to it)
 STOCK_ATTR = "stock_attention"
@@ -113,6 +111,30 @@ def _name(config: Any) -> str:
     return method.name if method is not None else ATTN_IMPLEMENTATION
 
 
+def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
+    """The message refusing transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``, which
+    ``from_pretrained`` records as ``config.distributed_config``) for a method that carries state across layers;
+    None when the model runs no such method or no pipeline parallelism."""
+    distributed = getattr(config, "distributed_config", None)
+    pp_size = distributed.get("pp_size") if isinstance(distributed, dict) else getattr(distributed, "pp_size", None)
+    numeric = isinstance(pp_size, (int, float)) and not isinstance(pp_size, bool)
+    if not numeric or pp_size <= 1 or not method.state_fields or method.is_identity(params):
+        return None
+    carrying = [n for n in list_methods() if get_method(n).state_fields]
+    free = [n for n in list_methods() if not get_method(n).state_fields]
+    return (
+        f"attn_implementation={method.name!r}: pipeline parallelism (transformers' DistributedConfig(pp_size="
+        f"{pp_size})) is refused for the attention methods that carry state across layers ({', '.join(carrying)}): "
+        "each stage runs a forward of its own and receives only the previous stage's hidden states, so the first "
+        f"layer of a later stage would lose the state of the layers before it ({', '.join(method.state_fields)} for "
+        f"{method.name!r}) and silently take itself for the first layer. Methods without cross-layer state "
+        f"({', '.join(free) or 'none registered'}) run under it. The supported route: split the model with "
+        "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with "
+        "torch.distributed.pipelining (PipelineStage and a schedule such as ScheduleGPipe): they carry the method's "
+        "state across the stage boundary as tensors"
+    )
+
+
 # ------------------------------------------------------------------------------------- saving the choice
 def _plain(value: Optional[str]) -> Optional[str]:
     return value
@@ -151,10 +173,15 @@ class _SavedImplementation:
         return repr(self._current())
 
 
+def is_persisted(config: Any) -> bool:
+    """Whether :func:`persist` made ``config`` save the method it runs."""
+    return isinstance(config.__dict__.get("attn_implementation"), _SavedImplementation)
+
+
 def persist(config: Any) -> None:
     """Make ``config`` save the method it runs: transformers does not save ``_attn_implementation``; an
     ``attn_implementation`` entry in config.json is read back by the config's ``__init__``."""
-    if not isinstance(config.__dict__.get("attn_implementation"), _SavedImplementation):
+    if not is_persisted(config):
         config.attn_implementation = _SavedImplementation(config)
 
 

@@ -17,13 +17,12 @@ from transformers import PreTrainedModel, PretrainedConfig
 from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, list_methods, resolve_attention
 from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
-from .attention import EARLIER, ROLE
 from .config import (
-    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, method_named, method_of,
-    model_method_config,
+    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, WARMUP_ATTR, base_attention, check_learnable, is_persisted,
+    method_named, method_of, model_method_config, pipeline_refusal,
 )
-from .discovery import GAINS_SOURCE, PLAN, check_model, pipeline_refusal, rediscover
-from .warmup import WARMUP_ATTR, WARMUP_MISSING_KEY, WARMUP_SOURCE, attach_warmup
+from .discovery import check_model, discovered, rediscover, undiscover
+from .warmup import attach_warmup
 
 __all__ = ["convert", "finish"]
 
@@ -78,7 +77,9 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
     refusal = pipeline_refusal(model.config, choice.method, choice.config)  # transformers' own PP
     if refusal is not None:
         raise ValueError(refusal)
-    warn_trained_switch(model, choice, where, running=method_of(model.config))
+    # a model switched without convert (set_attn_implementation) never ran the method its config names
+    running = method_of(model.config) if discovered(model) else None
+    warn_trained_switch(model, choice, where, running=running)
     _to_method(model, choice, resolved_base)
     return model
 
@@ -153,20 +154,12 @@ def _to_stock(model: PreTrainedModel) -> None:
     if method_of(config) is not None:
         stock = config.__dict__.get(STOCK_ATTR)
         model.set_attn_implementation(stock if isinstance(stock, str) and method_named(stock) is None else None)
-    for m in model.modules():
-        learned_gains.detach(m)
-        for attr in (ROLE, EARLIER):
-            m.__dict__.pop(attr, None)
-        if isinstance(m, PreTrainedModel):
-            m._modules.pop(WARMUP_ATTR, None)
-            for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE):
-                m.__dict__.pop(attr, None)
-            ignore = m.__dict__.get("_keys_to_ignore_on_load_missing")
-            if isinstance(ignore, set):
-                ignore -= {learned_gains.MISSING_PATTERN, WARMUP_MISSING_KEY}
+    undiscover(model)
     for cfg in _configs(model):
         for attr in (*list_methods(), BASE_ATTR, STOCK_ATTR):
             cfg.__dict__.pop(attr, None)
+        if is_persisted(cfg):
+            del cfg.__dict__["attn_implementation"]
 
 
 # ------------------------------------------------------------------------------------------- finish_warmup

@@ -1,34 +1,11 @@
-"""Finding a model's attention modules, and the forward hooks that hand each forward its method state.
+"""Discovering a transformers model with a method, once: its attention modules and what its forwards read.
 
-How it fits transformers (no frame inspection, one path for every way a model gets a method):
-
-* every :class:`~transformers.PreTrainedModel` built after ``import pid_plugins.hf`` carries a forward pre-hook (with
-  kwargs) and a forward hook (:mod:`pid_plugins.hf.install` adds them when the model registers its first child;
-  :func:`rediscover` adds them to models built before the import). They do nothing unless the model's
-  ``config._attn_implementation`` names a registered method, so ``from_pretrained(..., attn_implementation="pid")``,
-  ``from_config``, ``Model(config)``, ``set_attn_implementation("pid")`` and ``convert`` all run the same code.
-* Discovery (:func:`discover`, once per model: after ``post_init``, or at the first forward of a model switched
-  later): every module whose class calls the attention interface is an attention module; its role (self- or
-  cross-attention) comes from where it sits (``encoder_attn``, ``crossattention``, ``EncDecAttention``, ... or
-  ``is_cross_attention``), its position in the layer order from the module tree (no ``layer_idx`` needed). A module
-  named ``*Attention*`` that computes attention without the interface (custom code) is refused, naming it. With
-  learnable parameters, every self-attention module gets its ``attention_params`` (:mod:`pid_plugins.hf.gains`).
-* Each forward of a module that owns attention layers (a decoder, an encoder, a base model) gets a fresh
-  :class:`~pid_plugins.hf.attention.MethodForwardState` in its keyword arguments; transformers passes them down to
-  every attention call and gradient checkpointing captures them with each layer. The parameters come from the
-  outermost model's ``config.<method>`` (T5's stacks keep deep copies of the config).
-* Refused before anything is computed, with a message: reentrant gradient checkpointing (it cuts the method state's
-  gradient between layers), transformers' own and torch's ``checkpoint_wrapper`` (:mod:`pid_plugins.hf.checkpointing`),
-  a KV cache in a training forward under torch's activation checkpointing (the recomputation would append the keys a
-  second time: ``use_cache=False``), a static sliding-window cache, ``output_attentions`` without the eager base, and
-  transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``) for a method that carries state across
-  layers (:func:`pipeline_refusal`; the supported route is :func:`pid_plugins.hf.pipeline_stage`).
-* ``use_cache`` not passed (or passed on as None by an outer model) is the config's, as transformers resolves it: a
-  method with a cache slot (Twicing) gets the cache made here, so a plain ``model(prompt)`` returns a cache decoding
-  can continue from.
-* Layer dropout (BART's, Whisper's ``layerdrop`` in training) skips layers on purpose: the forward's state says so
-  (:func:`drops_layers`), and a layer whose earlier layers were all skipped starts the method's state afresh
-  (core's state rule otherwise refuses a later layer without state).
+:func:`discover` marks each attention module the model owns with its role (self- or cross-attention, from where it
+sits) and its place in the layer order, refuses attention outside transformers' attention interface, gives learnable
+parameters, and makes the model's :class:`~pid_plugins.hf.forward.Plan`: the modules on the way to each attention
+module and the activation checkpointing found on them. A forward that finds the plan no longer holds (the model
+switched, a module replaced or wrapped, checkpointing turned on or off) calls :func:`renew` through the plan, which
+discovers the model again; the first forward makes the checks that need loaded weights.
 """
 from __future__ import annotations
 
@@ -37,59 +14,39 @@ import inspect
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from . import gains as learned_gains
-from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, STATE_KEYWORD, MethodForwardState
-from .cache import new_cache, static_past
-from .checkpointing import cache_message, torch_checkpointing, wrapper_message
-from .checkpointing import require as require_torch_checkpointing
-from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
-from .instance import give_instance_methods
+from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER
+from .checkpointing import cache_message, registry_key, torch_checkpointing, wrapper_message
+from .config import (
+    BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist,
+)
+from .forward import GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, _post_hook, _pre_hook, hooked, layout
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
-    cache_keywords, calls_interface, unknown_cache,
+    cache_keywords, calls_interface,
 )
-from .warmup import WARMUP_ATTR, WARMUP_SOURCE, counter_of, warmup_scale
-from ..core import MethodChoice, get_method, list_methods
+from .warmup import ANY_COUNTER, WARMUP_MISSING_KEY, attach_warmup, counter_of, give_counter
+from ..core import GainWarmup, MethodChoice
 from ..core.layer import warn_switch_of_trained_weights
 from ..versions import InternalChanged
 
-__all__ = ["PLAN", "Plan", "calls_interface", "check_family", "check_model", "discover", "drops_layers", "hook",
-           "is_cross", "learnable_config", "pipeline_refusal", "rediscover", "walk"]
+__all__ = ["check_family", "check_model", "continuous_batching_message", "discover", "discovered", "hook", "hooked",
+           "is_cross", "learnable_config", "post_init", "rediscover", "relayout", "renew", "undiscover", "walk"]
 
-HOOKED = "_pid_plugins_hooked"  # in a model's __dict__: it carries the forward hooks
 #: in a model's __dict__ until its first forward: built from a folder saved without the method it runs (the loader, for
 #: the message); the first forward, its weights loaded, warns if they are trained (warn_switch_of_trained_weights)
 SWITCH_CHECK = "_pid_plugins_switch_check"
-PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan (discovered)
-GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
 _LOCK = threading.RLock()  # re-entered by the interface probe (a method model built inside discovery)
 _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
                           "encoder_decoder_attention"})
 
 
-# ------------------------------------------------------------------------------------ discovery (once per model)
-@dataclass
-class Plan:
-    owns_layers: bool
-    cache_position: Optional[int]  # index of the cache keyword among the positional arguments, if any
-    learnable: bool = False  # whether discovery gave the self-attention modules their gains
-    causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
-    counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery (handed to nested models)
-    #: the keywords its forward takes the KV cache under (``cache``, ``past_key_values``: internals.CACHE_KEYWORD)
-    cache_keywords: tuple = ()
-    tp_checked: bool = False  # learnable parameters: whether the first forward checked for tensor parallelism
-    #: the owner and the modules below it with a ``layerdrop`` attribute (BART's encoder/decoder, Whisper's, ...):
-    #: where transformers' layer dropout reads its probability (besides the config's ``*layerdrop`` keys)
-    layerdrop: tuple = ()
-
-
+# ------------------------------------------------------------------------------------------------ finding
 def _chosen(model: nn.Module) -> str:
     """The attention implementation a model's config names (for messages)."""
     return str(getattr(getattr(model, "config", None), "_attn_implementation", "pid"))
@@ -97,7 +54,7 @@ def _chosen(model: nn.Module) -> str:
 
 def is_cross(parts: list, module: nn.Module) -> bool:
     """Whether an attention module at module path ``parts`` is cross-attention (its values come from another
-    sequence: no PID term, no gains)."""
+    sequence: no method term, no gains)."""
     return bool(getattr(module, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
 
 
@@ -168,9 +125,37 @@ def check_model(model: PreTrainedModel, name: str) -> None:
             raise ValueError(_no_kwargs_message(name, owner))
 
 
+def check_family(cls: type, config: object, name: str) -> None:
+    """Refuse method ``name`` for a model class whose family picks its attention from its own table."""
+    CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
+    for table_name, keys in _attention_tables(cls):
+        if name not in keys:
+            raise ValueError(
+                f"attn_implementation={name!r}: {cls.__name__} ({getattr(config, 'model_type', '?')}) "
+                f"picks its attention class from its own table {table_name} ({', '.join(map(repr, keys))}) instead of "
+                f"transformers' attention interface, so attention method {name!r} cannot reach its attention. "
+                f"Use one of {list(keys)} for this family, or a family on the attention interface (Llama, Mistral, "
+                "Qwen2, GPT-NeoX, ...)"
+            )
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_tables(cls: type) -> tuple:
+    """``(name, keys)`` of the ``*_ATTENTION_CLASSES`` dicts in the module that defines ``cls``."""
+    module = sys.modules.get(cls.__module__)
+    return tuple((name, tuple(value)) for name, value in vars(module).items()
+                 if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict)) if module else ()
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------------------------------------- discovery
 def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface.
-    With learnable gains, give every self-attention module its gains if it has none (and cross-attention none)."""
+    With learnable gains, give every self-attention module its gains if it has none (and cross-attention none).
+    Returns the model's new :class:`~pid_plugins.hf.forward.Plan` (also kept in its ``__dict__``)."""
     INTERFACE_SOURCE.require()
     gains_source = model.__dict__.get(GAINS_SOURCE, model.config)
     warmup = counter_of(model)
@@ -178,7 +163,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     method = method_of(gains_source) or method_of(model.config)
     learnable: Any = model_method_config(gains_source, method)
     learnable = learnable if getattr(learnable, "learnable", False) else None
-    added = []
+    added, paths = [], []
     order = 0
     causal = False
     stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
@@ -204,6 +189,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
             continue
         cls = type(sub)
         if calls_interface(cls):
+            paths.append(path)
             parts = path.split(".")
             cross = is_cross(parts, sub)
             setattr(sub, ROLE, -1 if cross else order)
@@ -247,113 +233,114 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 f"attn_implementation={name!r}: learnable parameters were added to {type(model).__name__} at its "
                 f"first forward ({len(added)} layers, from config.{name}): an optimizer built before now does "
                 f"not train them. Call pid_plugins.hf.convert(model, {name!r}) before building the optimizer",
-                stacklevel=4,
+                stacklevel=5,
             )
-    plan = Plan(owns_layers=order > 0, cache_position=names.index(keywords[0]) if keywords else None,
-                learnable=learnable is not None, causal=causal,
-                counter=model._modules.get(WARMUP_ATTR), cache_keywords=keywords, layerdrop=tuple(droppers))
+    plan = Plan(renew=renew, name=_chosen(model), owns_layers=order > 0,
+                cache_position=names.index(keywords[0]) if keywords else None, cache_keywords=keywords,
+                learnable=learnable is not None, causal=causal, counter=model._modules.get(WARMUP_ATTR),
+                layerdrop=tuple(droppers), layerdrop_keys=tuple(k for k in LAYERDROP_KEYS if _number(getattr(
+                    model.config, k, None))), first=SWITCH_CHECK in model.__dict__ or learnable is not None)
+    _fill_layout(model, plan, paths)
     model.__dict__[PLAN] = plan
     return plan
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
+    """The plan's modules: every step from ``model`` to the attention modules at ``paths``, and the activation
+    checkpointing found on them (a checkpoint around anything else does not carry a method's state)."""
+    edges: Dict[tuple, tuple] = {}
+    nodes: Dict[int, tuple] = {id(model): ("", model)}
+    for path in paths:
+        parent, walked = model, []
+        for name in path.split("."):
+            child = parent._modules[name]
+            walked.append(name)
+            edges.setdefault((id(parent), name), (parent._modules, name))
+            nodes.setdefault(id(child), (".".join(walked), child))
+            parent = child
+    name, where = plan.name, type(model).__name__
+    plan.reentrant = plan.wrapper = plan.wrapped = None
+    plan.checkpointed = False
+    flagged = []
+    for path, m in nodes.values():
+        if hasattr(m, "gradient_checkpointing"):
+            flagged.append(m.__dict__)
+            if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
+                plan.checkpointed = True
+                keywords = getattr(m._gradient_checkpointing_func, "keywords", None)
+                # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
+                if keywords is None or keywords.get("use_reentrant", True) is not False:
+                    plan.reentrant = (
+                        f"attention method {name!r} needs non-reentrant gradient checkpointing (reentrant "
+                        "checkpointing cuts the method state's gradient between layers): use "
+                        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+        found = torch_checkpointing(m)
+        if found is not None:
+            at = f"{where}.{path}" if path else where
+            if found[1]:
+                plan.wrapper = plan.wrapper or wrapper_message(name, at)
+            plan.wrapped = plan.wrapped or cache_message(name, f"torch's {found[0]} at {at}")
+    plan.parents = tuple(parent for parent, _ in edges.values())
+    plan.steps = tuple(step for _, step in edges.values())
+    plan.nodes = tuple(m.__dict__ for _, m in nodes.values())
+    plan.flagged = tuple(flagged)
+    plan.registry = registry_key()
+    plan.signature = layout(plan)
 
 
-#: the config keys transformers' layer dropout reads (BART, Whisper, M2M100, ...: ``*_layerdrop``; wav2vec2: ``layerdrop``)
-LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+def relayout(model: nn.Module) -> None:
+    """Make the plans of the transformers models in ``model`` read its modules as they are now, keeping the layers'
+    numbers (a pipeline stage's placeholders in place of the other stages' layers)."""
+    for m in model.modules():
+        plan = m.__dict__.get(PLAN)
+        if isinstance(plan, Plan):
+            _fill_layout(m, plan, [p for p, sub in walk(m) if isinstance(sub.__dict__.get(ROLE), int)])
 
 
-def drops_layers(model: nn.Module, plan: Plan) -> bool:
-    """Whether this forward of ``model`` may skip layers on purpose: the model's own layer dropout (a ``layerdrop``
-    attribute of the owner or a module below it, or a ``*layerdrop`` config key, above 0) in training mode. A layer
-    whose earlier layers were all skipped then starts the method's state afresh (:attr:`LayerCall.restart
-    <pid_plugins.core.LayerCall>`), as the group's first layer does."""
-    if not model.training:
+def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
+    """Make ``plan`` read ``model``'s modules as they are now, keeping the layers' numbers, when only the way to its
+    attention modules changed (a wrapper, a checkpointing flag, another stage's placeholder): the same method and
+    warm-up counter, the same learnable parameters, and no attention module without its number. False otherwise."""
+    source = model.__dict__.get(GAINS_SOURCE, model.config)
+    if plan.name != _chosen(model) or plan.counter is not model._modules.get(WARMUP_ATTR) or (
+            not plan.learnable and learnable_config(source) is not None):
         return False
-    if any((getattr(m, "layerdrop", 0) or 0) > 0 for m in plan.layerdrop):
-        return True
-    config = getattr(model, "config", None)
-    return any(_number(value := getattr(config, key, None)) and value > 0 for key in LAYERDROP_KEYS)
+    paths = []
+    for path, sub in walk(model):
+        if not isinstance(sub, PreTrainedModel) and calls_interface(type(sub)):
+            if not isinstance(sub.__dict__.get(ROLE), int):
+                return False
+            paths.append(path)
+    _fill_layout(model, plan, paths)
+    return True
 
 
-def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
-    """The message refusing transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``, which
-    ``from_pretrained`` records as ``config.distributed_config``) for a method that carries state across layers;
-    None when the model runs no such method or no pipeline parallelism."""
-    distributed = getattr(config, "distributed_config", None)
-    pp_size = distributed.get("pp_size") if isinstance(distributed, dict) else getattr(distributed, "pp_size", None)
-    if not _number(pp_size) or pp_size <= 1 or not method.state_fields or method.is_identity(params):
-        return None
-    carrying = [n for n in list_methods() if get_method(n).state_fields]
-    free = [n for n in list_methods() if not get_method(n).state_fields]
-    return (
-        f"attn_implementation={method.name!r}: pipeline parallelism (transformers' DistributedConfig(pp_size="
-        f"{pp_size})) is refused for the attention methods that carry state across layers ({', '.join(carrying)}): "
-        "each stage runs a forward of its own and receives only the previous stage's hidden states, so the first "
-        f"layer of a later stage would lose the state of the layers before it ({', '.join(method.state_fields)} for "
-        f"{method.name!r}) and silently take itself for the first layer. Methods without cross-layer state "
-        f"({', '.join(free) or 'none registered'}) run under it. The supported route: split the model with "
-        "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with "
-        "torch.distributed.pipelining (PipelineStage and a schedule such as ScheduleGPipe): they carry the method's "
-        "state across the stage boundary as tensors"
-    )
-
-
-def check_family(cls: type, config: object, name: str) -> None:
-    """Refuse method ``name`` for a model class whose family picks its attention from its own table."""
-    for table_name, keys in _attention_tables(cls):
-        if name not in keys:
-            raise ValueError(
-                f"attn_implementation={name!r}: {cls.__name__} ({getattr(config, 'model_type', '?')}) "
-                f"picks its attention class from its own table {table_name} ({', '.join(map(repr, keys))}) instead of "
-                f"transformers' attention interface, so attention method {name!r} cannot reach its attention. "
-                f"Use one of {list(keys)} for this family, or a family on the attention interface (Llama, Mistral, "
-                "Qwen2, GPT-NeoX, ...)"
-            )
-
-
-@functools.lru_cache(maxsize=None)
-def _attention_tables(cls: type) -> tuple:
-    """``(name, keys)`` of the ``*_ATTENTION_CLASSES`` dicts in the module that defines ``cls``."""
-    module = sys.modules.get(cls.__module__)
-    return tuple((name, tuple(value)) for name, value in vars(module).items()
-                 if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict)) if module else ()
-
-
-# ------------------------------------------------------------------------------------------ per-forward checks
-def _checkpointing(model: nn.Module) -> bool:
-    """Whether a layer of ``model`` has gradient checkpointing on."""
-    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-
-
-def _check_checkpointing(model: nn.Module, name: str = "pid", training: bool = True) -> Optional[str]:
-    """Refuse reentrant checkpointing (it cuts the method state's graph between layers) before any gradient:
-    transformers' own (in training, where transformers checkpoints) and torch's ``checkpoint_wrapper`` (in any mode:
-    it always checkpoints). Returns where torch's activation checkpointing wraps a module of ``model`` (for the KV
-    cache check), or None."""
-    require_torch_checkpointing()
-    found = None
-    for path, m in model.named_modules():
-        if training and getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
-            CHECKPOINTING.require()
-            func = m._gradient_checkpointing_func
-            keywords = getattr(func, "keywords", None)
-            # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
-            if keywords is None or keywords.get("use_reentrant", True) is not False:
-                raise ValueError(
-                    f"attention method {name!r} needs non-reentrant gradient checkpointing (reentrant checkpointing "
-                    "cuts the method state's gradient between layers): use model.gradient_checkpointing_enable("
-                    "gradient_checkpointing_kwargs={'use_reentrant': False})"
-                )
-        wrapped = torch_checkpointing(m)
-        if wrapped is not None:
-            what, reentrant = wrapped
-            where = f"{type(model).__name__}.{path}" if path else type(model).__name__
-            if reentrant:
-                raise ValueError(wrapper_message(name, where))
-            found = found or f"torch's {what} at {where}"
-    return found
+def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[str] = None) -> Plan:
+    """What a forward of ``model`` calls through its plan: discover the model again if the plan no longer holds
+    (``changed``), then make the first forward's checks (its weights are loaded now). ``renamed``: the forward got
+    the KV cache under a keyword this adapter does not read (a transformers release renamed it): refused."""
+    if renamed is not None:
+        raise InternalChanged(CACHE_KEYWORD.message(f"{type(model).__name__}.forward got the cache as {renamed}="))
+    with _LOCK:
+        if changed and not _relaid(model, plan):
+            plan = discover(model, at_forward=True)
+        if not plan.first:
+            return plan
+        plan.first = False
+        switched = model.__dict__.pop(SWITCH_CHECK, None)
+        if switched is not None:
+            # built from a folder saved without this method: one warning if its weights are trained (the models
+            # nested in it, built from the same folder, are not asked again)
+            for nested in model.modules():
+                nested.__dict__.pop(SWITCH_CHECK, None)
+            method = method_of(model.config)
+            warn_switch_of_trained_weights(model, MethodChoice(method, model_method_config(model.config, method)),
+                                           switched)
+        if plan.learnable and not TP_PLAN.holds() and _tensor_parallel(model):
+            # the gains' gradients would not be summed over the tensor-parallel ranks
+            raise InternalChanged(TP_PLAN.message(f"{type(model).__name__} runs tensor parallelism with learnable "
+                                                  "parameters, which this release cannot synchronise"))
+    return plan
 
 
 def _tensor_parallel(model: nn.Module) -> bool:
@@ -365,123 +352,49 @@ def _tensor_parallel(model: nn.Module) -> bool:
     return False
 
 
-# ---------------------------------------------------------------------------------------------- the hooks
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-    config = module.config
-    method = method_of(config)
-    if method is None:
-        return None
-    plan = module.__dict__.get(PLAN)
-    if plan is None:
-        if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
-            raise RuntimeError(
-                f"attn_implementation={method.name!r}: {type(module).__name__} was switched to it after it was built, and "
-                f"torch.compile reached its first forward: call pid_plugins.hf.convert(model, {method.name!r}) (or run one eager "
-                "forward) before compiling"
-            )
-        with _LOCK:
-            plan = discover(module, at_forward=True)
-    switched = module.__dict__.pop(SWITCH_CHECK, None)
-    if switched is not None and not torch.compiler.is_compiling():
-        # the first forward of a model built from a folder saved without this method: its weights are loaded now
-        # (one warning: the models nested in it, built from the same folder, are not asked again)
-        for nested in module.modules():
-            nested.__dict__.pop(SWITCH_CHECK, None)
-        warn_switch_of_trained_weights(module, MethodChoice(method, model_method_config(config, method)), switched)
-    if plan.counter is not module._modules.get(WARMUP_ATTR):
-        # the counter module was replaced after discovery (peft's modules_to_save=["attention_warmup"] wraps it, its
-        # merge_and_unload unwraps it): the nested models' layers must read the counter this forward advances
-        with _LOCK:
-            plan = discover(module)
-    if getattr(config, "distributed_config", None) is not None:  # transformers' PP: refused before anything runs
-        refusal = pipeline_refusal(config, method, model_method_config(module.__dict__.get(GAINS_SOURCE, config),
-                                                                       method))
-        if refusal is not None:
-            raise ValueError(refusal)
-    if not plan.owns_layers:
-        return None
-    gains_config = module.__dict__.get(GAINS_SOURCE, config)
-    gains = model_method_config(gains_config, method)
-    if getattr(gains, "learnable", False) and not plan.learnable:  # config.<method> became learnable after discovery
-        with _LOCK:
-            plan = discover(module, at_forward=True)
-    if plan.learnable and not plan.tp_checked and not torch.compiler.is_compiling():
-        plan.tp_checked = True
-        if not TP_PLAN.holds() and _tensor_parallel(module):  # the gains' gradients would not be summed over ranks
-            raise InternalChanged(TP_PLAN.message(f"{type(module).__name__} runs tensor parallelism with learnable "
-                                                  "parameters, which this release cannot synchronise"))
-    scale = warmup_scale(module, gains)
-    base = base_attention(config)
-    grad = torch.is_grad_enabled()
-    wrapped = _check_checkpointing(module, method.name, module.training) if grad else None
-    if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
-        raise ValueError(
-            f"output_attentions needs the eager base attention under attention method {method.name!r}: "
-            f"pid_plugins.hf.convert(model, {method.name!r}, base='eager')"
-        )
-    cache = next((kwargs[k] for k in plan.cache_keywords if kwargs.get(k) is not None), None)
-    if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
-        cache = args[plan.cache_position]
-    renamed = unknown_cache(args, kwargs, plan.cache_keywords)
-    if renamed is not None:  # a release that passes the cache under a name the adapter does not read
-        raise InternalChanged(CACHE_KEYWORD.message(f"{type(module).__name__}.forward got the cache as {renamed}="))
-    active = not method.is_identity(gains)
-    use_cache = kwargs.get("use_cache")
-    if use_cache is None:  # not passed, or passed on as None by an outer model: the config's (transformers' default)
-        use_cache = getattr(config, "use_cache", False)
-    if wrapped is not None and module.training and (cache is not None or use_cache):
-        raise ValueError(cache_message(method.name, wrapped))
-    # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
-    layers_cache = not (method.cache_slot and module.training and _checkpointing(module))
-    if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
-            plan.cache_position is not None and len(args) <= plan.cache_position and use_cache:
-        # the model would make its cache inside the forward, where the method cannot reach it to keep its
-        # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
-        cache = new_cache(config)
-        kwargs[plan.cache_keywords[0]] = cache
-    own = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
-    if method.keys_state and own is not None and active:
-        sliding = getattr(own, "is_sliding", None)
-        if sliding and any(sliding) and not all(sliding):
-            raise ValueError(
-                f"attention method {method.name!r} reads earlier layers' values at every key position, but this "
-                f"{type(module).__name__}'s cache mixes sliding-window and full-attention layers, which keep different "
-                "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
-            )
-    slot_cache = own if method.cache_slot and layers_cache else None
-    state = MethodForwardState(gains, base, static_past(cache, method.name), scale, method, cached=cache is not None,
-                            cache=slot_cache,
-                            restart=bool(method.state_fields) and drops_layers(module, plan))
-    state.grad = grad
-    kwargs[STATE_KEYWORD] = state
-    return args, kwargs
-
-
-def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    run = kwargs.get(STATE_KEYWORD)
-    if run is not None:
-        run.finished = True
-    # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
-    # after the forward: checkpointed layers recompute with the scale their MethodForwardState holds
-    counter = module._modules.get(WARMUP_ATTR)
-    if counter is not None and module.training and method_of(module.config) is not None:
-        counter.advance()
-
-
+# ---------------------------------------------------------------------------------------- hooks on a model
 def hook(model: PreTrainedModel) -> None:
-    """Give ``model`` the (inert unless its config names a method) forward pre-hook and hook, and its own
-    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`~pid_plugins.hf.instance.give_instance_methods`),
+    """Give ``model`` the forward pre-hook and hook (:mod:`pid_plugins.hf.forward`) and its own
+    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`give_instance_methods`),
     once."""
-    if not model.__dict__.get(HOOKED, False):
+    if not hooked(model):
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         model.register_forward_hook(_post_hook, with_kwargs=True)
-        give_instance_methods(model)
-        model.__dict__[HOOKED] = True
+    give_instance_methods(model)
+
+
+def undiscover(model: nn.Module) -> None:
+    """Take from the modules of ``model`` everything discovery and :func:`hook` gave them (a model back to its stock
+    attention): the attention modules' roles and learnable parameters, the models' hooks, own methods, plans and
+    warm-up counters."""
+    for m in model.modules():
+        learned_gains.detach(m)
+        for attr in (ROLE, EARLIER):
+            m.__dict__.pop(attr, None)
+        if not isinstance(m, PreTrainedModel):
+            continue
+        m._modules.pop(WARMUP_ATTR, None)
+        for hooks, ours in ((m._forward_pre_hooks, _pre_hook), (m._forward_hooks, _post_hook)):
+            for key in [k for k, h in hooks.items() if h is ours]:
+                del hooks[key]
+                m._forward_pre_hooks_with_kwargs.pop(key, None)
+                m._forward_hooks_with_kwargs.pop(key, None)
+        take_instance_methods(m)
+        for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE, SWITCH_CHECK):
+            m.__dict__.pop(attr, None)
+        ignore = m.__dict__.get("_keys_to_ignore_on_load_missing")
+        if isinstance(ignore, set):
+            ignore -= {learned_gains.MISSING_PATTERN, WARMUP_MISSING_KEY}
+
+
+def discovered(model: nn.Module) -> bool:
+    """Whether ``model`` has a plan (it was built with a method, or converted to one)."""
+    return PLAN in model.__dict__
 
 
 def rediscover(model: PreTrainedModel) -> PreTrainedModel:
-    """Hook every PreTrainedModel in ``model`` (once: models built before the import have no hooks) and discover each
-    afresh, outermost first (after :func:`~pid_plugins.hf.convert` changed what its config says)."""
+    """Hook every PreTrainedModel in ``model`` (once: models built stock have none) and discover each afresh,
+    outermost first (after :func:`~pid_plugins.hf.convert` changed what its config says)."""
     with _LOCK:
         for m in model.modules():
             if isinstance(m, PreTrainedModel):
@@ -494,3 +407,119 @@ def rediscover(model: PreTrainedModel) -> PreTrainedModel:
                 discover(m)
     persist(model.config)
     return model
+
+
+# -------------------------------------------------------------------------------- while a model is built
+def _adopt_counters(model: PreTrainedModel) -> None:
+    """Move the warm-up counters of the models nested in ``model`` to ``model``: one counter, on the outermost
+    model, advanced once per forward of the whole model."""
+    for m in model.modules():
+        if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
+            counter = m._modules.pop(WARMUP_ATTR)
+            plan = m.__dict__.get(PLAN)
+            if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
+                plan.counter = None
+            if model._modules.get(WARMUP_ATTR) is None:
+                give_counter(model, counter)
+
+
+def _attach_gains_at_construction(model: PreTrainedModel) -> None:
+    """A model with learnable parameters, its layers just built: give each self-attention module its parameters
+    now, so that ``from_pretrained`` loads the saved values into them."""
+    cfg = learnable_config(model.__dict__.get("config"))
+    if cfg is None:
+        return
+    added = False
+    for name, child in model.named_children():
+        if isinstance(child, PreTrainedModel):  # a nested model gave its own layers theirs in its post_init
+            continue
+        for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in walk(child))]:
+            if not isinstance(sub, PreTrainedModel) and calls_interface(type(sub)) and \
+                    not is_cross(path.split("."), sub):
+                added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
+    if added:
+        learned_gains.ignore_missing(model)
+
+
+def post_init(model: PreTrainedModel) -> None:
+    """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
+    built with a method is discovered now, before any forward, so that a first forward under ``torch.compile`` traces
+    no discovery. The instance attribute removes itself: later calls reach the class's ``post_init``. A model with
+    learnable parameters gets their tensor-parallel plan entries here (:func:`~pid_plugins.hf.gains.extend_tp_plan`):
+    ``post_init`` has just built the model's plan from its class, config and children, and an outer model builds
+    its own from this one's when its ``post_init`` runs."""
+    model.__dict__.pop("post_init", None)
+    # the layers exist now, and transformers has not initialised them yet (the class's post_init does): the counter
+    # (config.<method> has warmup_steps > 0) and learnable parameters are made here, so that from_pretrained loads
+    # them and transformers' initialisation of what a checkpoint lacks reaches them
+    attach_warmup(model)
+    if ANY_COUNTER[0]:
+        _adopt_counters(model)
+    _attach_gains_at_construction(model)
+    type(model).post_init(model)
+    if method_of(model.config) is not None and PLAN not in model.__dict__:
+        with _LOCK:
+            discover(model)
+    if learnable_config(model.config) is not None:  # after post_init's init_parallel_plans
+        learned_gains.extend_tp_plan(model)
+
+
+# ------------------------------------------------------------------------------------------- continuous batching
+def continuous_batching_message(name: str) -> str:
+    return (f"attention method {name!r} cannot run under continuous batching (generate_batch, "
+            "init_continuous_batching, continuous_batching_context_manager, generate(cache_implementation='paged')): "
+            "it runs transformers' paged attention ('paged|eager', 'sdpa' or a flash kernel) over packed sequences, "
+            "not the model's attention implementation, and would switch this model's attention to flash attention "
+            f"where flash-attn is installed (with only a log warning), dropping {name!r}. Generate with "
+            "model.generate() (dynamic or static cache), or switch the model back to its stock attention first "
+            "(model.set_attn_implementation('sdpa'))")
+
+
+def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any):
+    """``model.init_continuous_batching`` (where ``generate_batch``, ``continuous_batching_context_manager`` and
+    ``generate(cache_implementation="paged")`` all start): refused while the model's config names a method, before
+    transformers' ``switch_to_cb_friendly_attn`` can change its attention (transformers has no extension point
+    there); else the class's own."""
+    method = method_of(getattr(model, "config", None))
+    if method is not None:
+        raise ValueError(continuous_batching_message(method.name))
+    return type(model).init_continuous_batching(model, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------ transformers' weight initialisation
+def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any):
+    """``model._initialize_weights`` (the one place transformers 5 initialises every module of a model: at
+    construction and for the missing keys of ``from_pretrained``): learnable parameters get their initial values
+    (:func:`~pid_plugins.hf.gains.reset`) and the gain warm-up counter t = 0, leaving what transformers loaded alone
+    (the model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values); every other module
+    the class's own."""
+    if learned_gains.reset(module):
+        module._is_hf_initialized = True
+        return None
+    if isinstance(module, GainWarmup):
+        from transformers import initialization as init
+
+        init.zeros_(module.step)
+        module._is_hf_initialized = True
+        return None
+    return type(model)._initialize_weights(model, module, *args, **kwargs)
+
+
+def give_instance_methods(model: PreTrainedModel) -> None:
+    """``model``'s own ``_initialize_weights`` and ``init_continuous_batching`` (instance attributes, which transformers
+    reads on the instance: this model only, never its class), once. Given to every model built with a method (the
+    construction hook) and to every model :func:`~pid_plugins.hf.convert` switches to one."""
+    own = model.__dict__
+    if "_initialize_weights" not in own:
+        own["_initialize_weights"] = functools.partial(_initialize_weights, model)
+    if "init_continuous_batching" not in own and hasattr(type(model), "init_continuous_batching"):
+        own["init_continuous_batching"] = functools.partial(_init_continuous_batching, model)
+
+
+def take_instance_methods(model: PreTrainedModel) -> None:
+    """Remove what :func:`give_instance_methods` gave ``model``."""
+    for name, ours in (("_initialize_weights", _initialize_weights),
+                       ("init_continuous_batching", _init_continuous_batching)):
+        given = model.__dict__.get(name)
+        if isinstance(given, functools.partial) and given.func is ours:
+            del model.__dict__[name]

@@ -1,32 +1,13 @@
 """What ``import pid_plugins.hf`` changes in transformers, once, and what runs while a model is being built.
 
-All through transformers' and torch's extension points except one class-level hook:
-
-* every registered method (now and later, :func:`pid_plugins.register_method`) is registered with
-  ``AttentionInterface`` (:func:`~pid_plugins.hf.attention.method_attention_forward`) and ``AttentionMaskInterface``
-  (the base attention's mask function) under its name, and the names transformers holds are reserved
-  (:func:`~pid_plugins.core.reserve_names`: a method cannot take ``"sdpa"`` or a ``PretrainedConfig`` attribute);
-* ``PreTrainedModel.__init__`` (the one class-level hook; it runs at the start of every transformers model's
-  ``__init__``, once its config is final and before its layers are built). Before transformers' own part,
-  ``attn_implementation=None`` (TRL's CLI passes it when the user gives none) builds a folder saved with a method as
-  saved (:func:`_as_saved`). After it, the model gets its inert forward hooks; a family that picks its attention
-  classes from its own table is refused (it would fail with a bare ``KeyError`` while building its layers); a folder
-  saved with a method built with the stock attention logs one warning, and one saved without the method the model
-  runs is checked at its first forward (:func:`_check_loaded`); and the model's own ``post_init`` is replaced (an
-  instance attribute, removed when it runs) so that, once the layers exist and before transformers initialises them,
-  the warm-up counter and learnable parameters are made (``from_pretrained`` then loads them) and the model is
-  discovered before its first forward. No torch-global hook, and no wrapper around the loaders: a method's
-  parameters are ``config.<method>``, set on the config ``from_pretrained(..., config=config)`` takes;
-* :func:`pid_plugins.finish_warmup` learns transformers models (:func:`pid_plugins.hf.conversion.finish`).
-
-And per model, never on a class: every model the construction hook sees (and every model ``convert`` switches) gets
-its own ``_initialize_weights`` and ``init_continuous_batching`` as instance attributes
-(:func:`~pid_plugins.hf.instance.give_instance_methods`; transformers reads both on the instance). The first makes transformers' initialisation
-of missing weights give learnable parameters their initial values and the warm-up counter ``t = 0`` (transformers
-has no hook for modules it does not know); the second refuses a model running a method before continuous batching
-(``generate_batch``, ``continuous_batching_context_manager``, ``generate(cache_implementation="paged")``) switches
-its attention (to flash attention where flash-attn is installed, with only a log warning): continuous batching runs
-its own paged attention, not the model's method, and has no extension point.
+* Every registered method (now and later) is registered with ``AttentionInterface`` and ``AttentionMaskInterface``
+  under its name, and the names transformers holds are reserved (:func:`~pid_plugins.core.reserve_names`).
+* ``PreTrainedModel.__init__`` (the one class-level hook): ``attn_implementation=None`` builds a folder saved with a
+  method as saved (:func:`_as_saved`); a folder saved with a method built with the stock attention logs one
+  warning (:func:`_check_loaded`). A model built with a method is then refused if its family picks attention from
+  its own table, gets its forward hooks and its own ``post_init`` (its warm-up counter, learnable parameters and
+  discovery, before transformers initialises the weights). A model built without one is left as transformers
+  built it. :func:`pid_plugins.finish_warmup` learns transformers models.
 """
 from __future__ import annotations
 
@@ -39,14 +20,10 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 
 from ..versions import check_version
 from ..core import AttentionMethod, list_methods, on_register, register_warmup_finisher, reserve_names
-from . import checkpointing, conversion, discovery
-from . import gains as learned_gains
+from . import conversion, discovery
 from .attention import method_attention_forward, method_mask
-from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS
-from .config import (
-    BASE_ATTR, STOCK_ATTR, method_of, persist,
-)
-from .warmup import ANY_COUNTER, WARMUP_ATTR, attach_warmup, give_counter
+from .internals import GLOBAL_MAPPING, INITIALIZE_WEIGHTS
+from .config import BASE_ATTR, STOCK_ATTR, WARMUP_ATTR, method_of, persist
 
 __all__ = ["install", "warn_loaded_as_stock"]
 
@@ -61,13 +38,15 @@ def _model_init(self, *args: Any, **kwargs: Any) -> None:
     """``PreTrainedModel.__init__``, then what a model needs before its layers are built."""
     _as_saved(args[0] if args else kwargs.get("config"))
     _ORIGINAL_MODEL_INIT(self, *args, **kwargs)
-    if self.__dict__.get(discovery.HOOKED, False):
+    if discovery.hooked(self):
         return
     _check_loaded(self)
+    if method_of(self.config) is None:  # a stock model: nothing of ours
+        return
     _check_family(self)
     discovery.hook(self)  # (with the model's own _initialize_weights and init_continuous_batching)
     persist(self.config)  # saved as the method's name whenever the model runs one at save time, else null
-    self.__dict__["post_init"] = functools.partial(_post_init, self)
+    self.__dict__["post_init"] = functools.partial(discovery.post_init, self)
 
 
 def _wrap_model_init() -> None:
@@ -82,65 +61,7 @@ def _check_family(model: PreTrainedModel) -> None:
     from its own table by ``config._attn_implementation`` (GPT-J's ``GPTJ_ATTENTION_CLASSES``, Falcon's, ...) instead
     of calling transformers' attention interface: a method's name is not in that table (transformers itself would
     fail with a bare ``KeyError``), and the family's attention code never calls the method."""
-    config = getattr(model, "config", None)
-    method = method_of(config)
-    if method is not None:
-        CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
-        discovery.check_family(type(model), config, method.name)
-
-
-def _adopt_counters(model: PreTrainedModel) -> None:
-    """Move the warm-up counters of the models nested in ``model`` to ``model``: one counter, on the outermost
-    model, advanced once per forward of the whole model."""
-    for m in model.modules():
-        if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
-            counter = m._modules.pop(WARMUP_ATTR)
-            plan = m.__dict__.get(discovery.PLAN)
-            if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
-                plan.counter = None
-            if model._modules.get(WARMUP_ATTR) is None:
-                give_counter(model, counter)
-
-
-def _attach_gains_at_construction(model: PreTrainedModel) -> None:
-    """A model with learnable parameters, its layers just built: give each self-attention module its parameters
-    now, so that ``from_pretrained`` loads the saved values into them."""
-    cfg = discovery.learnable_config(model.__dict__.get("config"))
-    if cfg is None:
-        return
-    added = False
-    for name, child in model.named_children():
-        if isinstance(child, PreTrainedModel):  # a nested model gave its own layers theirs in its post_init
-            continue
-        for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in discovery.walk(child))]:
-            if not isinstance(sub, PreTrainedModel) and discovery.calls_interface(type(sub)) and \
-                    not discovery.is_cross(path.split("."), sub):
-                added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
-    if added:
-        learned_gains.ignore_missing(model)
-
-
-def _post_init(model: PreTrainedModel) -> None:
-    """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
-    built with a method is discovered now, before any forward, so that a first forward under ``torch.compile`` traces
-    no discovery. The instance attribute removes itself: later calls reach the class's ``post_init``. A model with
-    learnable parameters gets their tensor-parallel plan entries here (:func:`~pid_plugins.hf.gains.extend_tp_plan`):
-    ``post_init`` has just built the model's plan from its class, config and children, and an outer model builds
-    its own from this one's when its ``post_init`` runs."""
-    model.__dict__.pop("post_init", None)
-    # the layers exist now, and transformers has not initialised them yet (the class's post_init does): the counter
-    # (config.<method> has warmup_steps > 0) and learnable parameters are made here, so that from_pretrained loads
-    # them and transformers' initialisation of what a checkpoint lacks reaches them
-    attach_warmup(model)
-    if ANY_COUNTER[0]:
-        _adopt_counters(model)
-    _attach_gains_at_construction(model)
-    type(model).post_init(model)
-    if method_of(model.config) is not None and discovery.PLAN not in model.__dict__:
-        with discovery._LOCK:
-            discovery.discover(model)
-    if discovery.learnable_config(model.config) is not None:  # after post_init's init_parallel_plans
-        learned_gains.extend_tp_plan(model)
+    discovery.check_family(type(model), model.config, method_of(model.config).name)
 
 
 # ------------------------------------------------------------------------------ what a saved folder records
@@ -208,7 +129,8 @@ def _check_loaded(model: PreTrainedModel) -> None:
     """After ``PreTrainedModel.__init__``: a folder saved with a method built with the stock attention
     (``attn_implementation="sdpa"``/``"eager"``) logs one warning; a folder saved without the method the model now
     runs is marked for a check at the model's first forward, once its weights are loaded (trained weights switched at
-    full strength: :func:`~pid_plugins.core.layer.warn_switch_of_trained_weights`, in the discovery pre-hook)."""
+    full strength: :func:`~pid_plugins.core.layer.warn_switch_of_trained_weights`, made by
+    :func:`~pid_plugins.hf.discovery.renew`)."""
     config = model.config
     running = method_of(config)
     if running is None:
@@ -258,9 +180,6 @@ def install() -> None:
     # what the changes below rely on
     for internal in (INITIALIZE_WEIGHTS, GLOBAL_MAPPING):
         internal.require()
-    # torch's checkpointing internals, read by the per-forward check: settled here, once, so that a compiled forward
-    # does not guard on (and recompile after) their first read
-    checkpointing.require()
     _INSTALLED[0] = True
     _wrap_model_init()
     reserve_names("transformers", _transformers_names)

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, STATE_KEYWORD, MethodForwardState
 from .config import method_of, model_method_config
-from .discovery import PLAN, rediscover
+from .discovery import discovered, rediscover, relayout
 from .warmup import counter_of
 
 __all__ = ["PipelineStageModule", "pipeline_stage", "stage_layer_range"]
@@ -271,7 +271,7 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
                 "model's forwards, which a pipeline schedule runs once per stage and microbatch: finish the warm-up "
                 "first (pid_plugins.finish_warmup(model)) or train with warmup_steps=0"
             )
-        if any(isinstance(m, PreTrainedModel) and PLAN not in m.__dict__ for m in model.modules()):
+        if any(isinstance(m, PreTrainedModel) and not discovered(m) for m in model.modules()):
             rediscover(model)  # number the layers while they are all there
     first, last = stage_index == 0, stage_index == num_stages - 1
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and num_stages > 1
@@ -286,6 +286,7 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
         head = getattr(model, "lm_head", None)
         if isinstance(head, nn.Module) and model is not base:
             model.lm_head = NotInStage("lm_head")
+    relayout(model)  # the plans read the placeholders now (the layers keep their numbers)
     if tied and (first or last):
         logger.warning("pipeline_stage: %s ties its output head to the input embedding; the first and the last "
                        "stage each keep a copy, which training updates separately unless their gradients are summed",

@@ -5,23 +5,21 @@ weights), made when ``config.<method>`` asks for ``warmup_steps > 0``.
 * :func:`attach_warmup` gives a model the counter its config asks for (keeping an existing one's ``t``), or removes it;
 * :func:`counter_of` is the counter a model's layers read: its own, or the outermost model's (nested models, e.g.
   T5's stacks or a base model inside a ``*ForCausalLM``, are given it by discovery);
-* :func:`warmup_scale` is this forward's scale ``min(1, t / N)`` (read once per forward by the pre-hook; the
-  post-hook advances ``t`` after a training forward, so checkpointed layers recompute with the same scale).
+* each forward reads its scale ``min(1, t / N)`` once (:mod:`pid_plugins.hf.forward`), and advances ``t`` after a
+  training forward, so checkpointed layers recompute with the same scale.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch import Tensor, nn
+from torch import nn
 from transformers import PreTrainedModel
 
 from ..core import GainWarmup, make_warmup
-from .config import _PID, method_of, model_method_config
+from .config import _PID, WARMUP_ATTR, WARMUP_SOURCE, method_of, model_method_config
 
-__all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter", "warmup_scale"]
+__all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter"]
 
-WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule: `attention_warmup.step`)
-WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
 #: the counter's state-dict key for transformers' ``_keys_to_ignore_on_load_missing`` (a regex)
 WARMUP_MISSING_KEY = rf"(^|\.){WARMUP_ATTR}\.step$"
 #: whether a warm-up counter was ever made (else module registrations need no scan for counters to adopt)
@@ -32,25 +30,6 @@ def counter_of(model: nn.Module) -> Optional[GainWarmup]:
     """The warm-up counter a model's layers read: its own, or the outermost model's (set at discovery)."""
     counter = model._modules.get(WARMUP_ATTR)
     return counter if counter is not None else model.__dict__.get(WARMUP_SOURCE)
-
-
-def warmup_scale(module: nn.Module, gains: Any) -> Optional[Tensor]:
-    """This forward's warm-up scale for ``module``'s layers (``gains``: its method's parameters), None without
-    warm-up (the fixed-parameter path); refused if the parameters ask for warm-up and the model has no counter."""
-    steps = getattr(gains, "warmup_steps", 0)
-    if not steps:
-        return None
-    counter = counter_of(module)
-    if counter is None:
-        name = (method_of(getattr(module, "config", None)) or _PID).name
-        raise ValueError(
-            f"the model's attention parameters set warmup_steps={steps} but {type(module).__name__} has no warm-up counter "
-            f"(it was built before config.{name} asked for warm-up): call pid_plugins.hf.convert(model, {name!r}) once "
-            "to add it"
-        )
-    if counter.warmup_steps != steps:  # config.pid changed after the model was built
-        counter.warmup_steps = steps
-    return counter.scale()
 
 
 def _warmup_steps(config: Any) -> int:

@@ -401,8 +401,8 @@ def test_hf_convert_adds_the_counter_and_refuses_a_model_without_one():
     torch.manual_seed(0)
     model = zoo.build(None)
     model.config.pid = {"warmup_steps": N}
-    model.set_attn_implementation("pid")  # switched without convert: discovered at its first forward, no counter
-    with pytest.raises(ValueError, match="has no warm-up counter"):
+    model.set_attn_implementation("pid")  # a stock model switched without convert: refused, naming convert
+    with pytest.raises(RuntimeError, match=r"Call pid_plugins\.hf\.convert\(model, 'pid'\) once"):
         zoo.out(model, zoo.inputs())
     ph.convert(model, "pid")
     assert int(model.attention_warmup.step) == 0 and model.attention_warmup.warmup_steps == N

@@ -94,9 +94,12 @@ def test_pid_changes_outputs_and_loads_by_every_route(family):
     built = auto.from_config(make_config(), attn_implementation="pid").eval()
     built.load_state_dict(model.state_dict())
     torch.testing.assert_close(run(built, ids), run(model, ids))
-    switched = cls(make_config()).eval()
-    switched.load_state_dict(model.state_dict())
+    switched = cls(make_config()).eval()  # a stock model carries nothing of ours: switched later, it is refused
+    switched.load_state_dict(model.state_dict())  # at its first forward with the call that prepares it
     switched.set_attn_implementation("pid")
+    with pytest.raises(RuntimeError, match=r"built without it .* Call pid_plugins\.hf\.convert\(model, 'pid'\) once"):
+        run(switched, ids)
+    ph.convert(switched, "pid")
     torch.testing.assert_close(run(switched, ids), run(model, ids))
 
 

@@ -384,13 +384,16 @@ def test_a_stack_whose_forward_takes_no_kwargs_is_refused():
         ph.convert(Stack(T.LlamaConfig(**DEC)), "pid")
 
 
-def test_set_attn_implementation_route_saves_and_reloads_as_pid(tmp_path):
+def test_set_attn_implementation_route_is_refused_until_convert_then_saves_and_reloads_as_pid(tmp_path):
     stock, _ = build("llama")
     model = FAMILIES["llama"][1](FAMILIES["llama"][0]()).eval()
     model.load_state_dict(stock.state_dict())
-    model.set_attn_implementation("pid")  # built after the import: no convert needed
-    model.save_pretrained(tmp_path)  # before any forward
+    model.set_attn_implementation("pid")  # a stock model carries nothing of ours: refused, naming convert
     x = inputs("llama")
+    with pytest.raises(RuntimeError, match=r"Call pid_plugins\.hf\.convert\(model, 'pid'\) once"):
+        forward(model, **x)
+    ph.convert(model, "pid")
+    model.save_pretrained(tmp_path)  # before any forward
     out = forward(model, **x)
     assert not torch.allclose(out, forward(stock, **x), atol=1e-4)
     again = T.AutoModelForCausalLM.from_pretrained(tmp_path)

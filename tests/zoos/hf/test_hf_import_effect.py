@@ -2,6 +2,7 @@
 transformers' model, config, auto-class and continuous-batching classes and torch's module-level hook registries
 before and after the import. The list is the one docs/architecture.md gives, each with its reason; a change that adds
 a replaced attribute or a torch-global hook fails here until it is documented there."""
+import functools
 import json
 import subprocess
 import sys
@@ -74,3 +75,117 @@ def test_a_model_gets_its_own_initialisation_and_continuous_batching_refusal_and
     with pytest.raises(ValueError, match="cannot run under continuous batching"):
         model.init_continuous_batching()
 
+
+
+# ------------------------------------------------------------------ a model that runs no method is untouched
+STOCK = r"""
+import hashlib, json, os, sys, tempfile, torch
+if sys.argv[1] == "import":
+    import pid_plugins.hf  # noqa: F401
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2)
+model = LlamaForCausalLM(config)
+folder = tempfile.mkdtemp()
+model.save_pretrained(folder)
+digest = hashlib.sha256()
+for key, tensor in model.state_dict().items():
+    digest.update(key.encode()), digest.update(tensor.numpy().tobytes())
+print(json.dumps({
+    "hooks": sorted(f"{name}:{getattr(h, '__module__', None)}" for name, m in model.named_modules()
+                    for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
+                                  m._state_dict_hooks, m._load_state_dict_pre_hooks) for h in hooks.values()),
+    "attributes": {name: sorted(vars(m)) for name, m in model.named_modules()},
+    "config_attributes": sorted(vars(model.config)),
+    "config_json": open(os.path.join(folder, "config.json")).read(),
+    "state_dict": digest.hexdigest(),
+}))
+if sys.argv[1] == "import":  # then a stock model switched later, in the same fresh process
+    exec(sys.argv[2])
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _stock(imported: bool) -> tuple:
+    """What the fresh process printed: the stock model's findings and (after the import) the switched models'."""
+    out = subprocess.run([sys.executable, "-c", STOCK, "import" if imported else "plain", SWITCHED],
+                         capture_output=True, text=True, check=True).stdout
+    return tuple(json.loads(line) for line in out.strip().splitlines() if line.startswith("{"))
+
+
+def test_a_stock_model_built_after_the_import_is_the_model_built_without_it():
+    """In fresh processes: the same stock Llama built with and without ``import pid_plugins.hf`` has the same hooks
+    (none), the same instance attributes on every module and its config, a byte-identical config.json and the same
+    state_dict."""
+    plain, imported = _stock(False)[0], _stock(True)[0]
+    assert imported["hooks"] == plain["hooks"] == []
+    assert imported["attributes"] == plain["attributes"]
+    assert imported["config_attributes"] == plain["config_attributes"]
+    assert "attn_implementation" not in imported["config_json"]
+    assert imported["config_json"] == plain["config_json"]
+    assert imported["state_dict"] == plain["state_dict"]
+
+
+SWITCHED = r"""
+import json, logging, tempfile, torch
+import pid_plugins.hf as ph
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def config():
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+torch.manual_seed(0)
+method = LlamaForCausalLM._from_config(config(), attn_implementation="pid").eval()
+ids = torch.tensor([[1, 2, 3, 4, 5]])
+with torch.no_grad():
+    want = method(ids).logits
+found = {}
+for how in ("set_attn_implementation", "config"):
+    stock = LlamaForCausalLM(config()).eval()
+    stock.load_state_dict(method.state_dict())
+    if how == "config":
+        stock.config._attn_implementation = "pid"
+    else:
+        stock.set_attn_implementation("pid")
+    try:
+        with torch.no_grad():
+            stock(ids)
+        found[how] = "ran"
+    except RuntimeError as exc:
+        found[how] = str(exc)
+    ph.convert(stock, "pid")
+    with torch.no_grad():
+        found[how + " converted"] = torch.equal(stock(ids).logits, want)
+folder = tempfile.mkdtemp()
+method.save_pretrained(folder)
+as_saved = LlamaForCausalLM.from_pretrained(folder, attn_implementation=None).eval()
+found["as saved"] = as_saved.config._attn_implementation
+with torch.no_grad():
+    found["as saved equal"] = torch.equal(as_saved(ids).logits, want)
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("pid_plugins.hf.install").addHandler(handler)
+stock = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+found["warned"] = [r.getMessage() for r in records]
+found["stock hooks"] = sum(len(m._forward_pre_hooks) for m in stock.modules())
+print(json.dumps(found))
+"""
+
+
+def test_a_stock_model_switched_later_is_refused_with_the_convert_line_that_works():
+    """In a fresh process: a stock model switched to a method after it was built (``set_attn_implementation`` or
+    the config) is refused at its first forward, naming ``convert``, and after ``convert`` computes the model built
+    with the method; a folder saved with a method loads as saved with ``attn_implementation=None`` and warns once when
+    loaded with the stock attention (which then carries no hook of ours)."""
+    found = _stock(True)[1]
+    for how in ("set_attn_implementation", "config"):
+        assert "Call pid_plugins.hf.convert(model, 'pid') once" in found[how], found[how]
+        assert found[how + " converted"] is True
+    assert found["as saved"] == "pid" and found["as saved equal"] is True
+    assert len(found["warned"]) == 1 and "attn_implementation='sdpa' loads its weights into the stock attention" \
+        in found["warned"][0]
+    assert found["stock hooks"] == 0

@@ -1,0 +1,66 @@
+"""Host time of the transformers adapter's forward hooks: microseconds per training forward of a 32-layer tiny Llama.
+
+Each forward hook pid-plugins registers on the model is wrapped in a timer, and their times are summed per
+forward (median over the forwards). The hooks run once per forward whatever the model's width, so the figure is
+the adapter's per-forward host cost (the attention function's per-layer cost is the ``host`` section's).
+
+    python bench/hooks.py              # prints the figure
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, List
+
+import torch
+
+#: the tiny Llama of the host-cost shapes, 32 layers
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=32, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _timed(hook: Callable, spent: List[float]) -> Callable:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+    return timed
+
+
+def hook_microseconds(method: str = "pid", forwards: int = 30, threads: int = 1) -> float:
+    """Median over ``forwards`` training forwards (forward, loss, backward) of the summed time of pid-plugins' forward
+    hooks on the model, in microseconds."""
+    import pid_plugins.hf  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation=method)).train()
+        spent: List[float] = []
+        wrapped = 0
+        for module in model.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("pid_plugins."):
+                        hooks[key] = _timed(hook, spent)
+                        wrapped += 1
+        if not wrapped:
+            return 0.0  # the model carries no hook of ours
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, 16))
+        per_forward = []
+        for i in range(forwards + 3):
+            spent.clear()
+            model(ids, labels=ids, use_cache=False).loss.backward()
+            if i >= 3:  # after warm-up
+                per_forward.append(sum(spent))
+        return statistics.median(per_forward) * 1e6
+    finally:
+        torch.set_num_threads(previous)
+
+
+if __name__ == "__main__":
+    print(f"pid-plugins' forward hooks, 32-layer tiny Llama, training forward: {hook_microseconds():.0f} us")

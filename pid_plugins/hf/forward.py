@@ -1,0 +1,217 @@
+"""What runs on every forward of a transformers model with a method: its forward pre-hook and hook.
+
+The pre-hook reads the model's :class:`Plan` (made once by :mod:`pid_plugins.hf.discovery`), checks by identity
+that what the plan was made from still holds (the method, the warm-up counter, learnable parameters, the modules on
+the way to each attention module and their activation checkpointing: no module walk), refuses what cannot run
+exactly before anything is computed, and hands the forward a fresh
+:class:`~pid_plugins.hf.attention.MethodForwardState` in its keyword arguments. When something changed, the plan's
+own ``renew`` (discovery's) re-reads the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .attention import STATE_KEYWORD, MethodForwardState
+from .cache import new_cache, static_past
+from .config import WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, pipeline_refusal
+
+__all__ = ["GAINS_SOURCE", "PLAN", "Plan", "drops_layers", "hooked", "layout"]
+
+PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan
+GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
+#: the config keys transformers' layer dropout reads (BART, Whisper, M2M100: ``*_layerdrop``; wav2vec2: ``layerdrop``)
+LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+@dataclass(eq=False)
+class Plan:
+    """What a forward of one model reads, worked out once from the model's structure (discovery)."""
+
+    #: discovery's: (model, plan, changed, renamed) -> the plan to use; ``changed``: the plan no longer holds;
+    #: ``renamed``: a forward got the KV cache under a keyword the plan does not know (refused)
+    renew: Callable[..., "Plan"]
+    name: str  # the method it was made for
+    owns_layers: bool
+    cache_position: Optional[int]  # index of the cache keyword among the positional arguments, if any
+    cache_keywords: tuple = ()  # the keywords its forward takes the KV cache under
+    learnable: bool = False  # whether discovery gave the self-attention modules their gains
+    causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
+    counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery
+    layerdrop: tuple = ()  # the owner and the modules below it with a ``layerdrop`` attribute
+    layerdrop_keys: tuple = ()  # the config's ``*layerdrop`` keys (LAYERDROP_KEYS it has)
+    first: bool = True  # the first forward has checks to make (``renew`` makes them)
+    #: the modules on the way from the model to each attention module: ``(parent._modules, name)`` of each step,
+    #: each module's ``__dict__``, and of those the ones with transformers' ``gradient_checkpointing`` flag
+    parents: tuple = ()  # each step's parent ``_modules``
+    steps: tuple = ()  # each step's name
+    nodes: tuple = ()
+    flagged: tuple = ()
+    registry: str = ""  # the key of torch's composable-API registry (its ``checkpoint(module)``) in a ``__dict__``
+    signature: tuple = ()  # layout(plan) when the plan was made
+    #: activation checkpointing found on those modules, as refusals (for the plan's method) or where it is
+    reentrant: Optional[str] = None  # transformers' reentrant gradient checkpointing (refused in training)
+    wrapper: Optional[str] = None  # torch's reentrant checkpoint_wrapper (refused whenever autograd is on)
+    wrapped: Optional[str] = None  # the KV-cache refusal where torch's (non-reentrant) checkpointing wraps a module
+    checkpointed: bool = False  # transformers' gradient checkpointing is on for a layer
+
+
+def layout(plan: Plan) -> tuple:
+    """What the plan's modules look like now: the module at each step, each module's composable registry (and the
+    size of those there were), each flagged module's checkpointing flag and function. Identity compares, one pass."""
+    nodes, flagged = plan.nodes, plan.flagged
+    registries = list(map(dict.get, nodes, repeat(plan.registry, len(nodes))))
+    return (list(map(dict.get, plan.parents, plan.steps)), registries, [len(r) for r in registries if r],
+            list(map(dict.get, flagged, repeat("gradient_checkpointing", len(flagged)))),
+            list(map(dict.get, flagged, repeat("_gradient_checkpointing_func", len(flagged)))))
+
+
+def hooked(model: nn.Module) -> bool:
+    """Whether ``model`` carries the forward hooks."""
+    return any(hook is _pre_hook for hook in model._forward_pre_hooks.values())
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def drops_layers(model: nn.Module, plan: Plan) -> bool:
+    """Whether this forward of ``model`` may skip layers on purpose: the model's own layer dropout (a ``layerdrop``
+    attribute of the owner or a module below it, or a ``*layerdrop`` config key, above 0) in training mode. A layer
+    whose earlier layers were all skipped then starts the method's state afresh (:attr:`LayerCall.restart
+    <pid_plugins.core.LayerCall>`), as the group's first layer does."""
+    if not model.training:
+        return False
+    if any((getattr(m, "layerdrop", 0) or 0) > 0 for m in plan.layerdrop):
+        return True
+    config = getattr(model, "config", None)
+    return any(_number(value := getattr(config, key, None)) and value > 0 for key in plan.layerdrop_keys)
+
+
+def _warmup_scale(module: nn.Module, gains: Any, name: str) -> Optional[torch.Tensor]:
+    """This forward's warm-up scale (None without warm-up); refused if the parameters ask for warm-up and the
+    model has no counter (its own, or the outermost model's)."""
+    steps = getattr(gains, "warmup_steps", 0)
+    if not steps:
+        return None
+    counter = module._modules.get(WARMUP_ATTR)
+    if counter is None:
+        counter = module.__dict__.get(WARMUP_SOURCE)
+    if counter is None:
+        raise ValueError(
+            f"the model's attention parameters set warmup_steps={steps} but {type(module).__name__} has no warm-up "
+            f"counter (it was built before config.{name} asked for warm-up): call pid_plugins.hf.convert(model, "
+            f"{name!r}) once to add it"
+        )
+    if counter.warmup_steps != steps:  # config.<method> changed after the model was built
+        counter.warmup_steps = steps
+    return counter.scale()
+
+
+def _renamed_cache(kwargs: dict, known: tuple) -> Optional[str]:
+    """The keyword under which a forward got a transformers ``Cache`` that is not one of ``known``, or None."""
+    from transformers.cache_utils import Cache
+
+    return next((name for name, value in kwargs.items() if isinstance(value, Cache) and name not in known), None)
+
+
+# ---------------------------------------------------------------------------------------------- the hooks
+def _renew(module: nn.Module, plan: Plan, name: str, changed: bool) -> Plan:
+    if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
+        raise RuntimeError(
+            f"attn_implementation={name!r}: {type(module).__name__} changed after it was prepared for it (switched, "
+            "its modules replaced, its warm-up counter or learnable parameters), and torch.compile reached the "
+            f"forward: call pid_plugins.hf.convert(model, {name!r}) (or run one eager forward) before compiling")
+    return plan.renew(module, plan, changed)
+
+
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    config = module.config
+    method = method_of(config)
+    if method is None:
+        return None
+    plan: Optional[Plan] = module.__dict__.get(PLAN)
+    if plan is None:
+        raise RuntimeError(f"attn_implementation={method.name!r}: {type(module).__name__} was not prepared for it: "
+                           f"call pid_plugins.hf.convert(model, {method.name!r})")
+    compiling = torch.compiler.is_compiling()  # the compiled graph checks no layout (dynamo guards the modules)
+    changed = plan.name != method.name or plan.counter is not module._modules.get(WARMUP_ATTR) or (
+        not compiling and layout(plan) != plan.signature)
+    if changed or (not compiling and plan.first):
+        plan = _renew(module, plan, method.name, changed)
+    distributed = getattr(config, "distributed_config", None)
+    if not plan.owns_layers and distributed is None:
+        return None
+    gains = model_method_config(module.__dict__.get(GAINS_SOURCE, config), method)
+    if distributed is not None:  # transformers' PP: refused before anything runs (its stages start communicating)
+        refusal = pipeline_refusal(config, method, gains)
+        if refusal is not None:
+            raise ValueError(refusal)
+    if not plan.owns_layers:
+        return None
+    if getattr(gains, "learnable", False) and not plan.learnable:  # config.<method> became learnable
+        plan = _renew(module, plan, method.name, True)
+    scale = _warmup_scale(module, gains, method.name)
+    base = base_attention(config)
+    grad = torch.is_grad_enabled()
+    training = module.training
+    if grad:
+        if plan.reentrant is not None and training:
+            raise ValueError(plan.reentrant)
+        if plan.wrapper is not None:
+            raise ValueError(plan.wrapper)
+    if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
+        raise ValueError(
+            f"output_attentions needs the eager base attention under attention method {method.name!r}: "
+            f"pid_plugins.hf.convert(model, {method.name!r}, base='eager')"
+        )
+    cache = next((kwargs[k] for k in plan.cache_keywords if kwargs.get(k) is not None), None)
+    if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
+        cache = args[plan.cache_position]
+    renamed = _renamed_cache(kwargs, plan.cache_keywords)
+    if renamed is not None:  # a release that passes the cache under a name the adapter does not read
+        plan.renew(module, plan, True, renamed)  # refused (InternalChanged), naming the keyword
+    active = not method.is_identity(gains)
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:  # not passed, or passed on as None by an outer model: the config's (transformers' default)
+        use_cache = getattr(config, "use_cache", False)
+    if grad and plan.wrapped is not None and training and (cache is not None or use_cache):
+        raise ValueError(plan.wrapped)
+    # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
+    layers_cache = not (method.cache_slot and training and plan.checkpointed)
+    if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
+            plan.cache_position is not None and len(args) <= plan.cache_position and use_cache:
+        # the model would make its cache inside the forward, where the method cannot reach it to keep its
+        # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
+        cache = new_cache(config)
+        kwargs[plan.cache_keywords[0]] = cache
+    own = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
+    if method.keys_state and own is not None and active:
+        sliding = getattr(own, "is_sliding", None)
+        if sliding and any(sliding) and not all(sliding):
+            raise ValueError(
+                f"attention method {method.name!r} reads earlier layers' values at every key position, but this "
+                f"{type(module).__name__}'s cache mixes sliding-window and full-attention layers, which keep different "
+                "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
+            )
+    slot_cache = own if method.cache_slot and layers_cache else None
+    state = MethodForwardState(gains, base, static_past(cache, method.name), scale, method, cached=cache is not None,
+                               cache=slot_cache, restart=bool(method.state_fields) and drops_layers(module, plan))
+    state.grad = grad
+    kwargs[STATE_KEYWORD] = state
+    return args, kwargs
+
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    run = kwargs.get(STATE_KEYWORD)
+    if run is not None:
+        run.finished = True
+    # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
+    # after the forward: checkpointed layers recompute with the scale their MethodForwardState holds
+    counter = module._modules.get(WARMUP_ATTR)
+    if counter is not None and module.training and method_of(module.config) is not None:
+        counter.advance()
