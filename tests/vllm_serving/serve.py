@@ -5,8 +5,8 @@
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
 per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
 each prompt position, and the class vLLM built the model from; or the error the build raised. A run's ``"env"`` is set
-in ``os.environ`` while its engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its own,
-as ``LLM(...)`` runs by default, so that an error raised here comes from the process the user launched).
+in ``os.environ`` while its engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its
+own, as ``LLM(...)`` runs by default, so that an error raised here comes from the process the user launched).
 """
 from __future__ import annotations
 
