@@ -4,12 +4,15 @@
 "prompts": [[token ids]], "new_tokens": n, "top": k}``; each run builds one ``vllm.LLM`` (engine core in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
 per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
-each prompt position, and the class vLLM built the model from; or the error the build raised.
+each prompt position, and the class vLLM built the model from; or the error the build raised. A run's ``"env"`` is set
+in ``os.environ`` while its engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its
+own, as ``LLM(...)`` runs by default, so that an error raised here comes from the process the user launched).
 """
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -28,10 +31,18 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
                   max_num_seqs=8)
     engine.update(run.get("engine", {}))
     start = time.monotonic()
+    saved = {name: os.environ.get(name) for name in run.get("env", {})}
+    os.environ.update(run.get("env", {}))
     try:
         llm = LLM(model=run["model"], **engine)
     except Exception as exc:  # the refusals: the message is what the test reads
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     model_class = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")[0]
     built, results = time.monotonic(), []
     for repeat in range(run.get("repeat", 1)):
