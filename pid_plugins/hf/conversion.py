@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PretrainedConfig
 from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, list_methods, resolve_attention
 from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
+from .record import sync_record
 from .attention import EARLIER, ROLE
 from .config import (
     ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, base_attention, check_learnable, method_named, method_of,
@@ -148,6 +149,7 @@ def _to_method(model: PreTrainedModel, choice: MethodChoice, base: str) -> None:
     setattr(config, BASE_ATTR, base)
     model.set_attn_implementation(name)
     rediscover(model)
+    sync_record(model)
 
 
 # ---------------------------------------------------------------------------------------------- to softmax
@@ -185,6 +187,7 @@ def _to_stock(model: PreTrainedModel) -> None:
     for cfg in _configs(model):
         for attr in (*list_methods(), BASE_ATTR, STOCK_ATTR):
             cfg.__dict__.pop(attr, None)
+    sync_record(model)
 
 
 # ------------------------------------------------------------------------------------------- finish_warmup

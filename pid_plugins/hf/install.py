@@ -39,7 +39,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 
 from ..versions import check_version
 from ..core import AttentionMethod, list_methods, on_register, register_warmup_finisher, reserve_names
-from . import checkpointing, conversion, discovery
+from . import checkpointing, conversion, discovery, record
 from . import gains as learned_gains
 from .attention import method_attention_forward, method_mask
 from .internals import CONTINUOUS_BATCHING, GLOBAL_MAPPING, INITIALIZE_WEIGHTS
@@ -135,6 +135,7 @@ def _post_init(model: PreTrainedModel) -> None:
     if ANY_COUNTER[0]:
         _adopt_counters(model)
     _attach_gains_at_construction(model)
+    record.sync_record(model)  # the method record in its weights (on the outermost model)
     type(model).post_init(model)
     if method_of(model.config) is not None and discovery.PLAN not in model.__dict__:
         with discovery._LOCK:

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from ..core import GainWarmup
 from . import gains as learned_gains
+from .record import refresh as refresh_record
 from .config import method_of
 
 __all__ = ["continuous_batching_message", "give_instance_methods"]
@@ -46,6 +47,7 @@ def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, *
     (:func:`~pid_plugins.hf.gains.reset`) and the gain warm-up counter t = 0, leaving what transformers loaded alone
     (the model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values); every other module
     the class's own."""
+    refresh_record(module)  # a record transformers made with torch.empty (a folder saved without one)
     if learned_gains.reset(module):
         module._is_hf_initialized = True
         return None
