@@ -121,7 +121,8 @@ def test_a_folder_saved_before_the_record_loads_with_no_missing_key(folder, save
 
 def test_other_parameters_load_and_the_record_follows_the_config(folder):
     config = AutoConfig.from_pretrained(folder)
-    config.pid = {"lambda_p": 0.7, "lambda_i": 0.1, "lambda_d": 0.05, "beta": 0.45, "warmup_steps": 4, "learnable": True}
+    config.pid = {"lambda_p": 0.7, "lambda_i": 0.1, "lambda_d": 0.05, "beta": 0.45, "warmup_steps": 4,
+                  "learnable": True}
     model = AutoModelForCausalLM.from_pretrained(folder, config=config)  # a record of another length: loaded
     assert _record(model.state_dict())["config"] == ph.model_method_config(model.config).to_dict()
     model.config.pid = {"lambda_p": 0.5}

@@ -21,8 +21,10 @@ so a checkpoint says what it was trained as in the one place every zoo's loader 
 
 Why a tensor and not the file's metadata (safetensors' header, a checkpoint dict's ``meta``): the record has to travel
 through every zoo's own saver, which writes a ``state_dict`` and nothing of ours, and a stock model's strict load has
-to refuse it without our code present. transformers models record their method in ``config.json`` instead
-(``"attn_implementation": "<method>"`` and ``config.<method>``), the place transformers itself reads.
+to refuse it without our code present. transformers models record their method in ``config.json``
+(``"attn_implementation": "<method>"`` and ``config.<method>``), the place transformers itself reads, and carry this
+record too (:mod:`pid_plugins.hf.record`: fixed-length, written from the config; transformers lists it in its load
+report when no pid-plugins is there to read it).
 
 The record is written from the owner's method at every ``state_dict()`` (a ``state_dict`` pre-hook: a switch of
 parameters, :func:`~pid_plugins.finish_warmup`, is recorded as it is), and it is never read into the model: the model

@@ -20,8 +20,8 @@ The adapter, one job per module: :mod:`~pid_plugins.hf.attention` (the attention
 method state), :mod:`~pid_plugins.hf.config` (what a model config says: the method, its parameters, the base
 attention; how the choice is saved), :mod:`~pid_plugins.hf.warmup` (the gain warm-up counter),
 :mod:`~pid_plugins.hf.cache` (the method and transformers' KV caches), :mod:`~pid_plugins.hf.gains` (learnable gains,
-weight decay), :mod:`~pid_plugins.hf.install` (what the import changes in transformers),
-:mod:`~pid_plugins.hf.conversion` (switching a built model in place), :mod:`~pid_plugins.hf.pipeline` (pipeline
+weight decay), :mod:`~pid_plugins.hf.record` (the method record in the weights), :mod:`~pid_plugins.hf.install`
+(what the import changes in transformers), :mod:`~pid_plugins.hf.conversion` (switching a built model in place), :mod:`~pid_plugins.hf.pipeline` (pipeline
 stages for ``torch.distributed.pipelining`` that carry the method's state across stage boundaries).
 """
 try:
