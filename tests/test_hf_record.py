@@ -148,6 +148,16 @@ def test_convert_adds_and_removes_it_and_a_stock_model_has_none(saved):
     assert "pid_plugins" not in str(stock._keys_to_ignore_on_load_missing)
 
 
+def test_a_model_switched_by_set_attn_implementation_gets_it_at_its_first_forward():
+    model = LlamaForCausalLM(llama_config()).eval()
+    model.set_attn_implementation("pid")
+    _logits(model)  # discovered now, as the method's parameters are
+    assert list(model.state_dict())[0] == RECORD_KEY and _record(model.state_dict())["method"] == "pid"
+    assert RECORD_KEY not in model.model.state_dict()  # one record, on the outermost model
+    model.set_attn_implementation("sdpa")
+    assert RECORD_KEY not in model.state_dict()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtype_casts_keep_the_record(folder, saved, dtype, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)

@@ -51,6 +51,7 @@ from .checkpointing import cache_message, torch_checkpointing, wrapper_message
 from .checkpointing import require as require_torch_checkpointing
 from .config import BASE_ATTR, base_attention, method_of, model_method_config, persist
 from .instance import give_instance_methods
+from .record import sync_record
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
     cache_keywords, calls_interface, unknown_cache,
@@ -234,6 +235,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     if order and not _takes_kwargs(type(model)):
         raise ValueError(_no_kwargs_message(_chosen(model), model))
     persist(model.config)
+    sync_record(model)  # the method record in its weights (a model switched by set_attn_implementation too)
     try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
         model_method_config(gains_source)
     except ValueError:

@@ -1,6 +1,7 @@
 """The method record in a transformers model's weights: ``pid_plugins_method``, the buffer the other zoos' models hold
 (:mod:`pid_plugins.core.record`: the UTF-8 JSON of the method and its parameters as ``uint8``), on the outermost model
-that runs a method, so ``save_pretrained`` writes it into the safetensors file beside the weights.
+that runs a method (given when it is built, converted, or discovered at the first forward after
+``set_attn_implementation``), so ``save_pretrained`` writes it into the safetensors file beside the weights.
 
 Without pid-plugins, transformers lists the key as ``UNEXPECTED`` in its load report (a log warning, shown by default)
 when the folder is loaded with a stock ``attn_implementation``. With it, the model holds the key and loads it (no
@@ -15,6 +16,7 @@ from typing import Any, List
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from ..core.record import RECORD, encode_record
 from .config import method_of, model_method_config
@@ -27,6 +29,8 @@ SIZE = 1024
 MISSING_KEY = rf"(^|\.){RECORD}$"
 #: whether a record was ever made (else a stock model's construction scans nothing)
 _MADE = [False]
+#: on a transformers model nested in one that holds the record (a ``*ForCausalLM``'s base model): it holds none
+_HELD_ABOVE = "_pid_plugins_record_held_above"
 
 
 def _encode(config: Any) -> Tensor:
@@ -105,11 +109,18 @@ def sync_record(model: nn.Module) -> None:
     models nested in it (one record, on the outermost model); a model that runs no method loses its own record and
     those of nested models that run none. A stock model built when no record was ever made is not even scanned."""
     runs = method_of(model.config) is not None
+    if runs and model.__dict__.get(_HELD_ABOVE):
+        return
     if runs:
         _attach(model)
     elif not _MADE[0]:
         return
-    held: List[nn.Module] = [m for m in model.modules() if RECORD in m._buffers]
-    for m in held:
-        if (m is not model) if runs else method_of(getattr(m, "config", None)) is None:
+    nested: List[nn.Module] = [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
+    for m in nested:
+        if runs:
+            m.__dict__[_HELD_ABOVE] = True
+        else:
+            m.__dict__.pop(_HELD_ABOVE, None)
+    for m in [model, *nested]:
+        if RECORD in m._buffers and ((m is not model) if runs else method_of(m.config) is None):
             _detach(m)
