@@ -182,8 +182,9 @@ def test_lm_eval_cli_computes_pid(checkpoint, pair, tmp_path):
     command = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={checkpoint},dtype=float32", "--tasks",
                "pid_tiny", "--include_path", tasks, "--device", "cpu", "--batch_size", "1", "--log_samples",
                "--output_path", tmp_path / "out"]
-    check(launch(command, tmp_path, adapters="hf", extra_path=[env_dir]))
+    proc = check(launch(command, tmp_path, adapters="hf", extra_path=[env_dir]))
     _assert_loglikelihoods(_samples(tmp_path / "out"), pair, checkpoint)
+    assert "LOAD REPORT" not in proc.stdout + proc.stderr  # loaded as saved: the method record loads, no report
     bare = launch(command, tmp_path, extra_path=[env_dir], launcher=False)
     assert bare.returncode != 0 and "pid" in bare.stderr, bare.stderr[-2000:]
 
@@ -196,8 +197,8 @@ def test_lm_eval_cli_with_a_stock_attention_names_the_record_without_the_plugin(
     env_dir = tools_env()
     tasks = _lm_eval_task(tmp_path)
     model_args = f"pretrained={checkpoint},dtype=float32,attn_implementation=sdpa"
-    command = ["lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", "pid_tiny", "--include_path", tasks, "--device", "cpu", "--batch_size", "1", "--log_samples",
-               "--output_path", tmp_path / "out"]
+    command = ["lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", "pid_tiny", "--include_path", tasks,
+               "--device", "cpu", "--batch_size", "1", "--log_samples", "--output_path", tmp_path / "out"]
     proc = check(launch(command, tmp_path, extra_path=[env_dir], launcher=False))
     lines = (proc.stdout + proc.stderr).splitlines()
     assert any("LlamaForCausalLM LOAD REPORT" in line for line in lines), proc.stderr[-3000:]

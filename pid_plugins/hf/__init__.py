@@ -21,8 +21,9 @@ method state), :mod:`~pid_plugins.hf.config` (what a model config says: the meth
 attention; how the choice is saved), :mod:`~pid_plugins.hf.warmup` (the gain warm-up counter),
 :mod:`~pid_plugins.hf.cache` (the method and transformers' KV caches), :mod:`~pid_plugins.hf.gains` (learnable gains,
 weight decay), :mod:`~pid_plugins.hf.record` (the method record in the weights), :mod:`~pid_plugins.hf.install`
-(what the import changes in transformers), :mod:`~pid_plugins.hf.conversion` (switching a built model in place), :mod:`~pid_plugins.hf.pipeline` (pipeline
-stages for ``torch.distributed.pipelining`` that carry the method's state across stage boundaries).
+(what the import changes in transformers), :mod:`~pid_plugins.hf.conversion` (switching a built model in place),
+:mod:`~pid_plugins.hf.pipeline` (pipeline stages for ``torch.distributed.pipelining`` that carry the method's state
+across stage boundaries).
 """
 try:
     import transformers  # noqa: F401
