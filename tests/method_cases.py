@@ -53,7 +53,7 @@ class Model:
             torch.manual_seed(seed)
             model = T.LlamaForCausalLM(zc.llama_config(method, cfg, kv_heads=2)).eval()
             stock = T.LlamaForCausalLM(zc.llama_config("sdpa", kv_heads=2)).eval()
-            stock.load_state_dict(model.state_dict())
+            stock.load_state_dict(zc.without_record(model.state_dict()))
             return model, stock
         if self.name == "hf-bert":
             stock = self.stock(seed)

@@ -361,13 +361,18 @@ def llama_config(attn_implementation: Optional[str] = None, method_cfg=None, lay
     return T.LlamaConfig(**{**args, **kw})
 
 
+def without_record(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """``state_dict`` without the method record (what a stock model's strict load would refuse)."""
+    return {k: v for k, v in state_dict.items() if not k.endswith("pid_plugins_method")}
+
+
 def llama_twins(method: str, method_cfg=None, **kw):
     """(method Llama, stock SDPA Llama) with the same weights (drawn for the method model), eval mode."""
     T = import_transformers()
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(llama_config(method, method_cfg, **kw)).eval()
     stock = T.LlamaForCausalLM(llama_config("sdpa", **kw)).eval()
-    stock.load_state_dict(model.state_dict())
+    stock.load_state_dict(without_record(model.state_dict()))
     return model, stock
 
 

@@ -6,8 +6,8 @@ every saver of the zoo saves it with the weights. A stock model's strict load re
 state_dict``), even without pid-plugins installed; a method model reads it before loading any tensor
 (:func:`check_saved_record`): an unregistered method or an unreadable record is refused, another method or other
 parameters give one :class:`MethodRecordWarning`. A softmax checkpoint has no record and loads strictly into a
-method model. The model never reads the record into itself. transformers records the method in ``config.json``
-instead. Why a tensor: docs/checkpoints.md.
+method model. The model never reads the record into itself. transformers models record the method in ``config.json``
+and carry this record too (:mod:`pid_plugins.hf.record`). Why a tensor: docs/checkpoints.md.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PretrainedConfig
 from ..core import SOFTMAX, GainWarmup, MethodChoice, finished_config, list_methods, resolve_attention
 from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
+from .record import sync_record
 from .config import (
     ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, WARMUP_ATTR, base_attention, check_learnable, is_persisted,
     method_named, method_of, model_method_config, pipeline_refusal,
@@ -131,6 +132,7 @@ def _to_method(model: PreTrainedModel, choice: MethodChoice, base: str) -> None:
     setattr(config, BASE_ATTR, base)
     model.set_attn_implementation(name)
     rediscover(model)
+    sync_record(model)
 
 
 # ---------------------------------------------------------------------------------------------- to softmax
@@ -160,6 +162,7 @@ def _to_stock(model: PreTrainedModel) -> None:
             cfg.__dict__.pop(attr, None)
         if is_persisted(cfg):
             del cfg.__dict__["attn_implementation"]
+    sync_record(model)
 
 
 # ------------------------------------------------------------------------------------------- finish_warmup

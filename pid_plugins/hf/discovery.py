@@ -26,6 +26,7 @@ from .config import (
     BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist,
 )
 from .forward import GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, _post_hook, _pre_hook, hooked, layout
+from .record import refresh as refresh_record, sync_record
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
     cache_keywords, calls_interface,
@@ -220,6 +221,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     if order and not _takes_kwargs(type(model)):
         raise ValueError(_no_kwargs_message(_chosen(model), model))
     persist(model.config)
+    sync_record(model)  # the method record in its weights (a model switched by set_attn_implementation too)
     try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
         model_method_config(gains_source)
     except ValueError:
@@ -456,6 +458,7 @@ def post_init(model: PreTrainedModel) -> None:
     if ANY_COUNTER[0]:
         _adopt_counters(model)
     _attach_gains_at_construction(model)
+    sync_record(model)  # the method record in its weights (on the outermost model)
     type(model).post_init(model)
     if method_of(model.config) is not None and PLAN not in model.__dict__:
         with _LOCK:
@@ -493,6 +496,7 @@ def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, *
     (:func:`~pid_plugins.hf.gains.reset`) and the gain warm-up counter t = 0, leaving what transformers loaded alone
     (the model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values); every other module
     the class's own."""
+    refresh_record(module)  # a record transformers made with torch.empty (a folder saved without one)
     if learned_gains.reset(module):
         module._is_hf_initialized = True
         return None

@@ -182,10 +182,30 @@ def test_lm_eval_cli_computes_pid(checkpoint, pair, tmp_path):
     command = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={checkpoint},dtype=float32", "--tasks",
                "pid_tiny", "--include_path", tasks, "--device", "cpu", "--batch_size", "1", "--log_samples",
                "--output_path", tmp_path / "out"]
-    check(launch(command, tmp_path, adapters="hf", extra_path=[env_dir]))
+    proc = check(launch(command, tmp_path, adapters="hf", extra_path=[env_dir]))
     _assert_loglikelihoods(_samples(tmp_path / "out"), pair, checkpoint)
+    assert "LOAD REPORT" not in proc.stdout + proc.stderr  # loaded as saved: the method record loads, no report
     bare = launch(command, tmp_path, extra_path=[env_dir], launcher=False)
     assert bare.returncode != 0 and "pid" in bare.stderr, bare.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_with_a_stock_attention_names_the_record_without_the_plugin(checkpoint, pair, tmp_path):
+    """``lm_eval --model_args pretrained=DIR,attn_implementation=sdpa`` with no pid-plugins in the process (what
+    transformers' refusal of ``pid`` suggests) evaluates softmax, and transformers' load report in its output names
+    the method record the weights carry."""
+    env_dir = tools_env()
+    tasks = _lm_eval_task(tmp_path)
+    model_args = f"pretrained={checkpoint},dtype=float32,attn_implementation=sdpa"
+    command = ["lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", "pid_tiny", "--include_path", tasks,
+               "--device", "cpu", "--batch_size", "1", "--log_samples", "--output_path", tmp_path / "out"]
+    proc = check(launch(command, tmp_path, extra_path=[env_dir], launcher=False))
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert any("LlamaForCausalLM LOAD REPORT" in line for line in lines), proc.stderr[-3000:]
+    assert any("pid_plugins_method" in line and "UNEXPECTED" in line for line in lines), proc.stderr[-3000:]
+    got = _samples(tmp_path / "out")
+    softmax = _loglikelihoods(pair[1], checkpoint)
+    assert [got[d["context"]] for d in DOCS] == pytest.approx(softmax, abs=1e-3)  # the case the report flags
 
 
 SIMPLE_EVALUATE = """
