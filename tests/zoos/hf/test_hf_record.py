@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCa
 
 from zoo_cases import hf_ids, llama_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PID = {"lambda_p": 0.3, "beta": 0.2}
 
 
