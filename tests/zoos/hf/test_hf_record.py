@@ -148,10 +148,14 @@ def test_convert_adds_and_removes_it_and_a_stock_model_has_none(saved):
     assert "pid_plugins" not in str(stock._keys_to_ignore_on_load_missing)
 
 
-def test_a_model_switched_by_set_attn_implementation_gets_it_at_its_first_forward():
+def test_a_model_switched_by_set_attn_implementation_is_refused_then_convert_gives_it_the_record():
     model = LlamaForCausalLM(llama_config()).eval()
     model.set_attn_implementation("pid")
-    _logits(model)  # discovered now, as the method's parameters are
+    with pytest.raises(RuntimeError, match=r"Call pid_plugins\.hf\.convert\(model, 'pid'\) once"):
+        _logits(model)  # a stock model carries nothing of ours: switched later, it is refused
+    assert RECORD_KEY not in model.state_dict()
+    ph.convert(model, "pid")
+    _logits(model)
     assert list(model.state_dict())[0] == RECORD_KEY and _record(model.state_dict())["method"] == "pid"
     assert RECORD_KEY not in model.model.state_dict()  # one record, on the outermost model
     model.set_attn_implementation("sdpa")
