@@ -46,7 +46,7 @@ class UntestedVersionWarning(UserWarning):
 
 
 class InternalChanged(RuntimeError):
-    """A zoo internal an adapter reads no longer looks as the adapter expects (a zoo release changed it)."""
+    """A zoo internal an adapter reads does not look as the adapter expects (a zoo release changed it)."""
 
 
 class ProbeUnavailable(RuntimeError):

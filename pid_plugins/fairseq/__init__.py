@@ -1,10 +1,6 @@
-"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``::
-
-    fairseq-train data-bin/x --task language_modeling --user-dir "$(python -m pid_plugins.fairseq)" \\
-        --arch transformer_lm_pid --attention-cfg '{"lambda_p": 0.4, "lambda_i": 0.5, "lambda_d": 0.1, "beta": 0.3}' ...
-
-``--attention-method NAME`` picks the method and ``--attention-cfg JSON`` its parameters; :func:`convert` switches a
-loaded ``transformer_lm`` in place. On Python 3.11 fairseq imports only after the opt-in
+"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``, with
+``--user-dir "$(python -m pid_plugins.fairseq)"``, ``--attention-method NAME`` and ``--attention-cfg JSON``;
+:func:`convert` switches a loaded ``transformer_lm`` in place. On Python 3.11 fairseq imports only after the opt-in
 ``python -m pid_plugins_fairseq_compat install`` (:data:`OPTED_IN`). Details: docs/fairseq.md.
 """
 import dataclasses

@@ -48,9 +48,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         self.set_attention(MethodChoice(method, config) if method is not None else None)
 
     def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
-        """:meth:`MethodLayer.set_attention <pid_plugins.core.MethodLayer.set_attention>`, learnable parameters in
-        :data:`METHOD_PARAM_GROUP`.
-        """
+        """``MethodLayer.set_attention``, then learnable parameters go to :data:`METHOD_PARAM_GROUP`."""
         super().set_attention(choice, like)
         self._tag_learned()
 

@@ -1,11 +1,8 @@
 """HuggingFace transformers adapter: ``attn_implementation="pid"`` (and every registered method, under its name)::
 
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")                   # preset `lm`
-    config = AutoConfig.from_pretrained(path); config.pid = {"lambda_p": 0.3}                   # its parameters
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation="pid")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
     pid_plugins.hf.convert(model, "pid", {"learnable": True})     # a built model, in place (learnable gains)
     pid_plugins.hf.convert(model, "softmax")                      # back to the stock model, bit for bit
-    pid_plugins.finish_warmup(model)                              # end a gain warm-up: the fixed-gain model
 
 The adapter's modules are listed in docs/transformers.md.
 """

@@ -1,9 +1,7 @@
-"""What ``import pid_plugins.hf`` changes in transformers, once, and what runs while a model is being built.
-
-* Every registered method is registered with ``AttentionInterface`` and ``AttentionMaskInterface`` under its name.
-* ``PreTrainedModel.__init__`` (the one class-level hook): a folder saved with a method is built as saved
-  (:func:`_as_saved`) or warned about (:func:`_check_loaded`); a model built with a method gets its hooks and its
-  own ``post_init``. A model built without one is left as transformers built it.
+"""What ``import pid_plugins.hf`` changes in transformers, once: every registered method becomes an
+``attn_implementation`` and a mask function, and ``PreTrainedModel.__init__`` is hooked: a folder saved with a
+method is built as saved (:func:`_as_saved`) or warned about (:func:`_check_loaded`), and a model built with a method
+gets its hooks and own ``post_init``. A model built without one is left as transformers built it.
 """
 from __future__ import annotations
 

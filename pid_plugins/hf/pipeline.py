@@ -1,12 +1,6 @@
 """Pipeline parallelism (``torch.distributed.pipelining``) for a transformers model whose attention method carries
 state across layers: :func:`pipeline_stage` builds a stage module whose forward passes that state on with the hidden
-states::
-
-    stage_module = pid_plugins.hf.pipeline_stage(model, rank, world_size)   # this rank's layers, in place
-    stage = PipelineStage(stage_module, rank, world_size, device)
-    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
-
-Decoder-only families with ``base_model.layers``. A whole example: docs/scaling.md.
+states. Decoder-only families with ``base_model.layers``; a whole example: docs/scaling.md.
 """
 from __future__ import annotations
 

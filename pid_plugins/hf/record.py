@@ -1,9 +1,6 @@
-"""The method record in a transformers model's weights: ``pid_plugins_method``, the buffer of
-:mod:`pid_plugins.core.record`, on the outermost model that runs a method, so ``save_pretrained`` writes it beside
-the weights and transformers without pid-plugins lists it as ``UNEXPECTED``.
-
-The record is rewritten from ``config`` at every ``state_dict()`` and never read into the model. Its length is a
-multiple of :data:`SIZE` bytes, so records of other parameters have the same shape.
+"""The method record in a transformers model's weights: ``pid_plugins_method`` (:mod:`pid_plugins.core.record`) on the
+outermost model that runs a method, written by ``save_pretrained`` beside the weights and rewritten from ``config``
+at every ``state_dict()``; never read into the model.
 """
 from __future__ import annotations
 

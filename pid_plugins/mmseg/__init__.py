@@ -1,11 +1,8 @@
 """mmsegmentation adapter: ``PIDVisionTransformer``, a Segmenter/ViT backbone with PID attention (or another method).
 
 List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=dict(type='PIDVisionTransformer',
-...)``: mmseg's ``VisionTransformer`` arguments plus ``attention='pid'|'softmax'|'<method>'`` and
-``attention_cfg=dict(...)`` (over its ``mmseg`` preset). ``decode_head=dict(type='PIDSegmenterMaskTransformerHead',
-attention='pid')`` puts the method in the decoder too; :func:`convert` switches a built segmentor in place. The
-import registers these types and ``WeightsOnlyCheckpointHook`` with mmseg's registries, and a stand-in ``mmcv._ext``
-under mmcv-lite.
+attention='pid', attention_cfg=dict(...))``; ``PIDSegmenterMaskTransformerHead`` puts the method in the decoder
+too, and :func:`convert` switches a built segmentor in place. Under mmcv-lite the import adds a stand-in ``mmcv._ext``.
 """
 from .compat import install_mmcv_ext_standin
 

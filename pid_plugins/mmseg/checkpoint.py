@@ -1,9 +1,6 @@
 """Checkpoint loading for mmseg/mmengine that never runs code from a checkpoint: :func:`load_checkpoint` passes
-``weights_only=True`` for every scheme, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says.
-
-Only the plugin's own paths use it: a method backbone's ``init_cfg``, a run with :class:`WeightsOnlyCheckpointHook`,
-and the process after :func:`install`. :data:`SAFE_GLOBALS` allow-lists what mmengine's training checkpoints hold
-besides tensors, only inside these loads.
+``weights_only=True``, on the plugin's own paths only (a method backbone's ``init_cfg``, a run with
+:class:`WeightsOnlyCheckpointHook`, the process after :func:`install`), allow-listing :data:`SAFE_GLOBALS`.
 """
 from __future__ import annotations
 

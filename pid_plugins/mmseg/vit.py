@@ -1,8 +1,6 @@
-"""Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter).
-
-:class:`PIDTransformerEncoderLayer` replaces each encoder layer (same submodules and parameter names) and hands its
-SDPA call to the method; :class:`PIDVisionTransformer` threads the method's state through the layers. With softmax,
-the layers stay mmseg's own.
+"""Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter):
+:class:`PIDTransformerEncoderLayer` replaces each encoder layer (same parameter names) and
+:class:`PIDVisionTransformer` threads the method's state through the layers.
 """
 from __future__ import annotations
 
@@ -176,9 +174,6 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     Args (beyond mmseg's ``VisionTransformer``):
         attention: ``'pid'`` (default), ``'softmax'`` (the stock backbone) or another registered method's name.
         attention_cfg: the method's parameters: a preset name, its config, or a dict over its ``mmseg`` preset.
-
-    ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` loads an mmseg or timm ViT/DeiT checkpoint, strictly and
-    weights-only.
     """
 
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:

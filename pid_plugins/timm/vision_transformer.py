@@ -117,9 +117,7 @@ def _flag(is_causal: Any) -> Any:
 
 
 class MethodBlocks(nn.Sequential):
-    """``model.blocks`` of a ViT/DeiT with an attention method: the same blocks under the same keys, whose forward
-    threads the method's state from block to block.
-    """
+    """``model.blocks`` of a ViT/DeiT with a method: the same blocks and keys, threading the method's state."""
 
     warmup_counter: Optional[GainWarmup]
 
