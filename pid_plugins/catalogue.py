@@ -1,4 +1,4 @@
-"""Reads the registry (``pid_plugins.registry``: presets and one TOML file of variants per zoo), declared once."""
+"""Reads the registry (``pid_plugins.registry``: presets, one TOML file of variants per zoo) for every adapter."""
 from __future__ import annotations
 
 import difflib

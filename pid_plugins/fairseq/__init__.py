@@ -41,8 +41,7 @@ check_version("fairseq")
 
 
 def _numpy_compat_long() -> None:
-    """Provide ``numpy.compat.long`` (gone in NumPy 2) when missing: fairseq 0.12.2 reads it for "eos"-break
-    datasets."""
+    """Provide ``numpy.compat.long`` (gone in NumPy 2), which fairseq 0.12.2 reads for "eos"-break datasets."""
     import types
 
     import numpy

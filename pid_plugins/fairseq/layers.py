@@ -138,8 +138,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
 
 
 class _BufferSlot(CacheSlot):
-    """A method's per-position tensor kept in the layer's incremental buffer, reordered with
-    ``prev_key``/``prev_value``."""
+    """A method's per-position tensor in the layer's incremental buffer, reordered with its keys and values."""
 
     KEY = "prev_method_slot"
 

@@ -26,8 +26,7 @@ __all__ = [
 
 @register_model("transformer_lm_pid", dataclass=PIDTransformerLanguageModelConfig)
 class PIDTransformerLanguageModel(TransformerLanguageModel):
-    """fairseq's ``transformer_lm`` built with :class:`PIDTransformerDecoder` and the method of
-    ``--attention-method``."""
+    """fairseq's ``transformer_lm`` built with :class:`PIDTransformerDecoder` and the ``--attention-method``."""
 
     @classmethod
     def build_model(cls, args: Any, task: Any) -> "PIDTransformerLanguageModel":

@@ -77,8 +77,7 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
 
 def warn_trained_switch(model: PreTrainedModel, choice: MethodChoice, where: str,
                         running: Optional[Any] = None) -> None:
-    """:func:`~pid_plugins.core.layer.warn_switch_of_trained_weights` for a transformers model (``running``: the
-    prior method)."""
+    """``warn_switch_of_trained_weights`` for a transformers model (``running``: the method before the switch)."""
     current = None
     if running is not None:
         current = SimpleNamespace(attention_method=running, attention_config=model_method_config(model.config, running))

@@ -57,8 +57,7 @@ def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
 
 @torch.no_grad()
 def reset(module: nn.Module) -> bool:
-    """Give a learned module made here its initial values, leaving loaded parameters alone; True if ``module`` is
-    one."""
+    """Give a learned module made here its initial values (loaded ones kept); True if ``module`` is one."""
     origin = module.__dict__.get(_ORIGIN)
     if origin is None:
         return False
@@ -81,8 +80,7 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] = None) -> bool:
-    """Give ``attention`` the learnable parameters of ``method`` (default PID) unless it has some; True if it added
-    them."""
+    """Give ``attention`` the learnable parameters of ``method`` (default PID) unless it has some; True if added."""
     name = method.name if method is not None else "pid"
     current = layer_gains_of(attention)
     if current is not None and _method_of_learned(current) == name:
@@ -115,8 +113,7 @@ def detach(attention: nn.Module) -> bool:
 
 
 def ignore_missing(model: nn.Module) -> None:
-    """Name the gains in ``model._keys_to_ignore_on_load_missing``, so loading a checkpoint without them reports
-    nothing."""
+    """Name the gains in ``model._keys_to_ignore_on_load_missing``: a checkpoint without them loads silently."""
     current = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     if MISSING_PATTERN not in current:
         model._keys_to_ignore_on_load_missing = {*current, MISSING_PATTERN}

@@ -111,8 +111,7 @@ def _as_saved(config: Any) -> None:
 
 
 def _check_loaded(model: PreTrainedModel) -> None:
-    """After ``PreTrainedModel.__init__``: warn about, or mark for a first-forward check, a method mismatch with the
-    folder."""
+    """After ``PreTrainedModel.__init__``: warn about (or check at the first forward) a method the folder lacks."""
     config = model.config
     running = method_of(config)
     if running is None:

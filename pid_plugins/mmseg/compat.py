@@ -1,5 +1,5 @@
-"""Lets mmsegmentation import with ``mmcv-lite``: a stand-in ``mmcv._ext`` whose ops raise a ``RuntimeError`` naming the
-op when called (Segmenter calls none).
+"""Lets mmsegmentation import with ``mmcv-lite``: a stand-in ``mmcv._ext`` whose ops raise a ``RuntimeError`` naming
+the op when called (Segmenter calls none).
 """
 from __future__ import annotations
 
