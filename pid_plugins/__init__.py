@@ -1,7 +1,7 @@
 """pid-plugins: PID-controlled attention (PIDformer, ICML 2024) for timm, transformers, mmseg and fairseq.
 
-``import pid_plugins`` needs only torch. Each zoo adapter (``pid_plugins.timm``, ``pid_plugins.hf``, ...)
-imports its zoo lazily and registers the PID variants declared in the registry.
+``import pid_plugins`` needs only torch; each zoo adapter (``pid_plugins.timm``, ``pid_plugins.hf``, ...) imports
+its zoo lazily.
 """
 from .catalogue import ModelEntry, get_model_entry, list_models
 from .core import (

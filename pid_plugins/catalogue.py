@@ -1,5 +1,4 @@
-"""Reads the registry (``pid_plugins.registry``: presets and one TOML file of variants per zoo), from which every
-adapter registers its model names: a variant is declared once."""
+"""Reads the registry (``pid_plugins.registry``: presets, one TOML file of variants per zoo) for every adapter."""
 from __future__ import annotations
 
 import difflib
@@ -20,8 +19,7 @@ _ENTRY_KEYS = {"name", "base", "arch", "preset", "gains", "description", "paper"
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One PID variant: its name, zoo, the stock architecture it modifies and its gains; ``kwargs`` are the
-    architecture's hyperparameters, ``paper`` the numbers the paper reports for it, where it has them."""
+    """One PID variant: its name, zoo, stock architecture, gains, hyperparameters (``kwargs``) and paper numbers."""
 
     name: str
     zoo: str
@@ -38,8 +36,7 @@ class ModelEntry:
         return PIDConfig.preset(self.preset, **self.gains)
 
     def configure(self, overrides: Any = None) -> PIDConfig:
-        """The variant's gains with a user's ``overrides`` (None, a config, a preset name or a dict of overrides:
-        :meth:`~pid_plugins.core.config.MethodConfig.coerce`)."""
+        """The variant's gains with a user's ``overrides`` (None, a config, a preset name or a dict)."""
         return PIDConfig.coerce(overrides, default=self.pid_config())
 
 
@@ -51,8 +48,7 @@ def _registry_files() -> Iterable[tuple[str, str]]:
 
 
 def load_presets() -> dict[str, dict[str, float]]:
-    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml`` (read once, when
-    :mod:`pid_plugins.core.config` is imported; a copy)."""
+    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml`` (a copy)."""
     return {name: dict(gains) for name, gains in PRESETS.items()}
 
 

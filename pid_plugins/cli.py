@@ -1,6 +1,6 @@
-"""``pid-plugins``: list the PID variants across zoos, show presets, measure token collapse (``diagnose``) and
-robustness (``attack``) of models, and ``run`` a command with the zoo adapters. The demo, reproduction and study
-live beside the package, in the repository's ``research/`` folder (``python -m research``)."""
+"""``pid-plugins``: list the variants across zoos, show presets, measure token collapse (``diagnose``) and robustness
+(``attack``), and ``run`` a command with the zoo adapters.
+"""
 from __future__ import annotations
 
 import argparse
@@ -93,8 +93,7 @@ def _model_kwargs(text: str) -> dict:
 
 
 def _attention_cfg(text: str) -> object:
-    """An argparse type: a method's parameters, a JSON object of overrides of its default preset (``{}``: the
-    defaults; ``null``: none, e.g. for softmax) or a preset name."""
+    """An argparse type: a method's parameters, a JSON object of overrides (``null``: none) or a preset name."""
     import json
 
     if text.isidentifier() and text not in ("null", "true", "false"):
@@ -130,8 +129,7 @@ _IMPORT_HINT = "; a method your own module registers: --import MODULE (a dotted 
 
 
 def import_user_modules(specs: Sequence[str]) -> List[str]:
-    """Import each ``--import`` module (a ``.py`` path or a dotted name), in order, so the methods it registers can be
-    chosen by name; returns their names, or raises :class:`CLIError` naming the module that fails."""
+    """Import each ``--import`` module (a ``.py`` path or a dotted name), in order; returns their names."""
     import importlib
     import os
 
@@ -401,8 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the CLI. A mistake the user can fix prints one ``pid-plugins: error: ...`` line and returns 2; ``run``
-    hands the rest of the line to :func:`pid_plugins.launch.main`."""
+    """Run the CLI; a mistake the user can fix prints one ``pid-plugins: error: ...`` line and returns 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:
         from .launch import main as run_main

@@ -1,10 +1,7 @@
-"""``pid-plugins run``: run any command with the zoo adapters present in every Python process it starts::
+"""``pid-plugins run -- COMMAND``: run any command with the zoo adapters present in every Python process it starts.
 
-    pid-plugins run -- lm_eval --model hf --model_args pretrained=DIR --tasks T
-
-It puts :mod:`pid_plugins.launch_site` first on ``PYTHONPATH`` and the adapters' names (default: every installed
-zoo's) in ``PID_PLUGINS_ADAPTERS``, then ``exec``s the command: each of its Python processes imports a zoo's adapter
-right after the zoo. Nothing outside the command changes; ``python -I``, ``-E`` or ``-S`` gets no adapter.
+It puts :mod:`pid_plugins.launch_site` first on ``PYTHONPATH``, names the adapters in ``PID_PLUGINS_ADAPTERS`` and
+``exec``s the command. Nothing outside the command changes.
 """
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ def default_adapters() -> List[str]:
 
 
 def parse_adapters(text: str) -> List[str]:
-    """``"hf,timm"`` -> ``["hf", "timm"]``; an unknown or missing name raises :class:`LaunchError`; an adapter
-    whose zoo is not installed raises too (its import would fail in every process of the command)."""
+    """``"hf,timm"`` -> ``["hf", "timm"]``; an unknown name or a zoo not installed raises :class:`LaunchError`."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise LaunchError(f"--adapters needs at least one of {', '.join(ADAPTERS)}")
@@ -66,8 +62,7 @@ def parse_adapters(text: str) -> List[str]:
 
 
 def environment(adapters: Sequence[str], base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """``base`` (default: ``os.environ``) with :data:`SITE_DIR` first on ``PYTHONPATH`` (once) and
-    ``PID_PLUGINS_ADAPTERS`` naming ``adapters``."""
+    """``base`` (default: ``os.environ``) with :data:`SITE_DIR` first on ``PYTHONPATH`` and ``adapters`` named."""
     env = dict(os.environ if base is None else base)
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != SITE_DIR]
     env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *rest])
@@ -91,9 +86,7 @@ def resolve_command(command: Sequence[str], env: Mapping[str, str]) -> str:
 
 
 def run(command: Sequence[str], adapters: Optional[Sequence[str]] = None) -> NoReturn:
-    """Replace this process with ``command``, run with ``adapters`` (default: :func:`default_adapters`).
-
-    On Windows, which has no ``exec``, the command runs as a child and its exit code is this process's."""
+    """Replace this process with ``command``, run with ``adapters`` (on Windows: a child, its exit code returned)."""
     names = list(default_adapters() if adapters is None else adapters)
     env = environment(names)
     program = resolve_command(command, env)
@@ -133,8 +126,7 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], List[str], boo
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``pid-plugins run ...`` (``argv`` without ``run``). Execs the command; exits 0 after ``--help`` (as argparse
-    does) and returns 2 with one ``pid-plugins run: error: ...`` line for a mistake."""
+    """``pid-plugins run ...`` (``argv`` without ``run``); returns 2 with one error line for a mistake."""
     try:
         adapters, command, wants_help = parse_args(sys.argv[1:] if argv is None else argv)
         if wants_help:

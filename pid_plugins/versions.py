@@ -1,7 +1,6 @@
-"""The zoo versions pid-plugins is tested with (:data:`TESTED`: outside the range, the import warns once), and the
-guard on the zoo internals its adapters read: each adapter lists its :class:`Internal` s in
-``pid_plugins/<zoo>/internals.py`` and requires one where it first uses it (a changed one gives
-:class:`InternalChanged` before anything is computed); :func:`behaviour_probe` checks one by building tiny models.
+"""The zoo versions pid-plugins is tested with (:data:`TESTED`; outside the range, the import warns once) and the guard
+on the zoo internals the adapters read: each adapter lists its :class:`Internal` s in ``<zoo>/internals.py`` and
+requires one where it first uses it (:class:`InternalChanged` before anything is computed).
 """
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ class UntestedVersionWarning(UserWarning):
 
 
 class InternalChanged(RuntimeError):
-    """A zoo internal an adapter reads no longer looks as the adapter expects (a zoo release changed it)."""
+    """A zoo internal an adapter reads does not look as the adapter expects (a zoo release changed it)."""
 
 
 class ProbeUnavailable(RuntimeError):
@@ -74,8 +73,7 @@ def tested_range(distribution: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def check_version(distribution: str, version: Optional[str] = None) -> bool:
-    """Warn once (:class:`UntestedVersionWarning`) if ``distribution`` is installed outside its tested range;
-    True when it is inside (or not installed)."""
+    """Warn once if ``distribution`` is installed outside its tested range; True when inside (or not installed)."""
     version = installed_version(distribution) if version is None else version
     if version is None or distribution not in TESTED:
         return True
@@ -102,8 +100,7 @@ class Internal:
     check: Callable[[], bool] = field(repr=False, compare=False)
 
     def require(self) -> None:
-        """Raise :class:`InternalChanged` if the internal changed. Nothing inside a ``torch.compile`` trace (discovery
-        requires what a forward reads, eagerly), nor while this thread probes (the probe's method part requires it)."""
+        """Raise :class:`InternalChanged` if the internal changed (never inside a compile trace or a probe)."""
         if not self.holds():
             raise InternalChanged(self.message())
 
@@ -143,8 +140,7 @@ def require(*internals: Internal) -> None:
 
 
 def settle(*internals: Internal) -> None:
-    """Check ``internals`` now (at the adapter's import) and keep the answers for where they are used: a model built
-    later under ``deepspeed.zero.Init`` or ``init_empty_weights``, where no probe can build, finds them answered."""
+    """Check ``internals`` now (at the adapter's import) and keep the answers for where they are used."""
     for internal in internals:
         with contextlib.suppress(ProbeUnavailable):
             internal.holds()
@@ -200,10 +196,9 @@ class _OwnRandom(TorchFunctionMode):
 
 
 def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
-    """An internal's check by behaviour: ``compare()`` builds the zoo's part and the method's (in float32, by itself)
-    and compares them; on the CPU whatever the caller's device context, drawing from its own generator, with a
-    thread-local flag: nothing another thread sees changes. Under ``deepspeed.zero.Init`` or ``init_empty_weights``
-    (process-wide) it raises :class:`ProbeUnavailable`, saying so."""
+    """An internal's check by behaviour: ``compare()`` builds the zoo's part and the method's and compares them,
+    changing nothing another thread sees; :class:`ProbeUnavailable` where a construction context stops it.
+    """
     @functools.wraps(compare)
     def probe() -> bool:
         if _probing():

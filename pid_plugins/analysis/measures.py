@@ -32,8 +32,7 @@ def numerical_rank(tokens: Tensor, rtol: float = 1e-3) -> Tensor:
 
 
 def effective_rank(tokens: Tensor) -> Tensor:
-    """exp(entropy) of the normalised singular values (Roy & Vetterli, 2007): 1 for a rank-1 matrix, N for
-    N orthogonal tokens of equal norm; a continuous rank that weighs each direction by its energy."""
+    """exp(entropy) of the normalised singular values (Roy & Vetterli, 2007): 1 for rank 1, N for N orthogonal."""
     s = torch.linalg.svdvals(tokens.double())
     p = s / s.sum(-1, keepdim=True).clamp_min(1e-300)
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
@@ -41,8 +40,7 @@ def effective_rank(tokens: Tensor) -> Tensor:
 
 
 def consensus_distance(tokens: Tensor, eps: float = 1e-12) -> Tensor:
-    """E = 1 - (1/N) sum_i |y_1 . y_i| / (|y_1| |y_i|): 0 when every token is aligned with the first (Rodriguez
-    Abella et al., "The asymptotic behavior of attention in transformers", eq. 25)."""
+    """E = 1 - (1/N) sum_i |y_1 . y_i| / (|y_1| |y_i|) (Rodriguez Abella et al., eq. 25): 0 when aligned."""
     x = _at_least_float32(tokens)
     x = x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
     cos_first = (x[..., :1, :] * x).sum(-1).abs()

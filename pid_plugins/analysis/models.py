@@ -1,10 +1,6 @@
-"""Resolve a model for the analysis tools from a name, a local folder or a config file. Nothing is downloaded.
-
-Specs: a timm name (a registry ``pid_*`` / ``fan_*`` variant or any timm model; ``checkpoint`` a local state_dict of
-that exact architecture, loaded strictly), an HF registry variant (randomly initialised), a local transformers
-folder, or an mmseg config file (``mmseg.apis.init_model``). ``attention`` / ``attention_cfg`` build a timm or
-transformers model with that attention instead (by name with ``attention=``, else converted after its weights
-load); an mmseg config sets its own. :func:`attention_of` reads the attention a model runs, for the records.
+"""Resolve a model for the analysis tools from a name, a local folder or a config file (nothing is downloaded): a timm
+name (``checkpoint``: a local state_dict, loaded strictly), an HF registry variant, a local transformers folder, or
+an mmseg config file. ``attention`` / ``attention_cfg`` pick the attention of a timm or transformers model.
 """
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ class LoadedModel:
 
 
 def method_record(method: Optional[str], config: Any = None) -> Dict[str, Any]:
-    """``{"method": name, "attention_cfg": parameters}`` for records (``"softmax"`` and None for the stock
-    attention); parameters as a plain dict when the config has ``to_dict`` (or is a dataclass)."""
+    """``{"method": name, "attention_cfg": parameters}`` for records (``"softmax"`` and None: stock)."""
     if method is None or method == "softmax":
         return {"method": "softmax", "attention_cfg": None}
     if hasattr(config, "to_dict"):
@@ -42,8 +37,7 @@ def method_record(method: Optional[str], config: Any = None) -> Dict[str, Any]:
 
 
 def attention_of(model: nn.Module) -> Dict[str, Any]:
-    """The attention ``model`` runs, as :func:`method_record`: a transformers model's registered
-    ``attn_implementation``, else its first method layer's method, else softmax."""
+    """The attention ``model`` runs, as :func:`method_record`."""
     from ..core import get_method, list_methods
 
     config = getattr(model, "config", None)
@@ -138,8 +132,7 @@ def load_model(
     name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[Dict[str, Any]] = None,
     attention: Optional[str] = None, attention_cfg: Any = None,
 ) -> LoadedModel:
-    """Build the model ``name`` (see module doc) on the CPU, in eval mode; with ``attention`` (``"softmax"`` or a
-    registered method) and ``attention_cfg`` (its parameters), with that attention."""
+    """Build the model ``name`` (see module doc) on the CPU, in eval mode, with ``attention`` and ``attention_cfg``."""
     kwargs = dict(kwargs or {})
     check_attention(attention)
     if attention is None and attention_cfg is not None:
@@ -234,8 +227,7 @@ def load_model(
 
 
 def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
-    """Load a local state_dict file into ``model`` strictly and safely (safetensors, or
-    ``torch.load(weights_only=True)``; ``{"model": ...}`` / ``{"state_dict": ...}`` unwrapped)."""
+    """Load a local state_dict file into ``model`` strictly and safely (safetensors, or weights-only ``torch.load``)."""
     import torch
 
     path = Path(checkpoint)

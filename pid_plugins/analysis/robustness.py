@@ -1,9 +1,7 @@
 """Robustness of image classifiers and language models, softmax and PID side by side.
 
-Images: clean top-1/top-5, FGSM, PGD and SPSA (torchattacks), Gaussian noise and ImageNet-C corruptions
-(corrupt-tta), on the data's own pixels in [0, 1] (:class:`PixelClassifier` resizes and normalises inside the model,
-so an eps of 3/255 is 3 grey levels of the real image). Language models: perplexity, clean and with a fraction of
-the input tokens replaced by random ones.
+Images: clean top-1/top-5, FGSM, PGD, SPSA, Gaussian noise and ImageNet-C corruptions on the data's own pixels in
+[0, 1] (:class:`PixelClassifier` normalises inside the model). Language models: perplexity, clean and with noisy tokens.
 """
 from __future__ import annotations
 
@@ -160,9 +158,7 @@ def evaluate_image_robustness(
     seed: int = 0,
     progress: bool = True,
 ) -> Dict[str, Any]:
-    """Every robustness measure of a classifier taking images in [0, 1], as fractions: ``clean`` top1/top5,
-    ``fgsm`` / ``pgd`` top-1 per eps, ``spsa``, ``noise`` per sigma, ``corruptions`` per name and severity with
-    ``mean_corruption_error``."""
+    """Every robustness measure of a classifier taking images in [0, 1], as fractions, by attack and strength."""
     unknown = sorted(set(attacks) - {"fgsm", "pgd", "spsa"})
     if unknown:
         raise ValueError(f"unknown attacks {unknown}: choose from fgsm, pgd, spsa")
@@ -231,8 +227,7 @@ def relative_mce(result: Dict[str, Any], baseline: Dict[str, Any]) -> float:
 @torch.no_grad()
 def lm_perplexity(model: nn.Module, blocks: Tensor, *, batch_size: int = 8, noise_rate: float = 0.0,
                   vocab_size: Optional[int] = None, seed: int = 0, progress: bool = False) -> float:
-    """exp(mean next-token cross-entropy) of a causal LM on ``blocks`` ``(n, T)``; with ``noise_rate > 0`` each input
-    token after the first is replaced by a random one with that probability (the targets stay clean)."""
+    """exp(mean next-token cross-entropy) of a causal LM on ``blocks`` ``(n, T)``, inputs noised at ``noise_rate``."""
     if not 0.0 <= noise_rate < 1.0:
         raise ValueError(f"noise rate must be in [0, 1), got {noise_rate}")
     if blocks.dim() != 2 or blocks.shape[1] < 2:

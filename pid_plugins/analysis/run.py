@@ -125,8 +125,7 @@ def _load_all(models: Sequence[str], checkpoints: Sequence[str], kwargs: Dict[st
 
 @contextmanager
 def staged_output(out: Path) -> Iterator[Path]:
-    """A temporary folder for a run's files, moved into ``out`` only when the block succeeds (a failed run leaves
-    nothing in ``out``)."""
+    """A temporary folder for a run's files, moved into ``out`` only when the block succeeds."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
@@ -166,8 +165,7 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
                  seq_len: int = 128, passes: int = 20, layer_stack: Optional[str] = None, seed: int = 0,
                  attention: Sequence[Optional[str]] = (), attention_cfg: Sequence[Any] = (),
                  log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Per-layer measures (and repeated passes) of each model on ``data``; writes diagnose.json / .png.
-    ``attention`` / ``attention_cfg``: one for every model or one per model; each record names its method."""
+    """Per-layer measures (and repeated passes) of each model on ``data``; writes diagnose.json / .png."""
     from tqdm.auto import tqdm
 
     from .diagnostics import collect_layer_measures, repeated_passes
@@ -207,8 +205,7 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
                image_options: Optional[Dict[str, Any]] = None, rates: Sequence[float] = (0.0, 0.05, 0.1, 0.2),
                attention: Sequence[Optional[str]] = (), attention_cfg: Sequence[Any] = (),
                log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Robustness of each model on ``data``; writes attack.json / attack.png. ``baseline``: the index of the model
-    the mCE is relative to; ``attention`` / ``attention_cfg`` as in :func:`run_diagnose`."""
+    """Robustness of each model on ``data``, mCE relative to model ``baseline``; writes attack.json / attack.png."""
     from .plots import plot_image_robustness, plot_lm_robustness
     from .robustness import PixelClassifier, evaluate_image_robustness, evaluate_lm_robustness, relative_mce
 

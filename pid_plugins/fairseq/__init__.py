@@ -1,14 +1,7 @@
-"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``::
-
-    fairseq-train data-bin/x --task language_modeling --user-dir "$(python -m pid_plugins.fairseq)" \\
-        --arch transformer_lm_pid --attention-cfg '{"lambda_p": 0.4, "lambda_i": 0.5, "lambda_d": 0.1, "beta": 0.3}' ...
-
-``--attention-method NAME`` picks the method (``pid``, the default; ``softmax``; or one registered in the process)
-and ``--attention-cfg JSON`` its parameters over its fairseq preset. A loaded ``transformer_lm`` switches in place
-with :func:`convert`. Learnable method parameters are in the parameter group :data:`METHOD_PARAM_GROUP`, which
-``--optimizer composite`` can keep out of weight decay. On Python 3.11 fairseq imports only after the opt-in
-``python -m pid_plugins_fairseq_compat install`` (:data:`OPTED_IN`); without it this import stops with an
-ImportError saying so. Inside fairseq, checkpoints load weights-only. Details: docs/fairseq.md.
+"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``, with
+``--user-dir "$(python -m pid_plugins.fairseq)"``, ``--attention-method NAME`` and ``--attention-cfg JSON``;
+:func:`convert` switches a loaded ``transformer_lm`` in place. On Python 3.11 fairseq imports only after the opt-in
+``python -m pid_plugins_fairseq_compat install`` (:data:`OPTED_IN`). Details: docs/fairseq.md.
 """
 import dataclasses
 import os
@@ -48,8 +41,7 @@ check_version("fairseq")
 
 
 def _numpy_compat_long() -> None:
-    """fairseq 0.12.2 reads ``numpy.compat.long`` (gone in NumPy 2) when it builds "eos"-break datasets
-    (fairseq-interactive, the hub interface's ``score``/``sample``). Provide that one name when missing."""
+    """Provide ``numpy.compat.long`` (gone in NumPy 2), which fairseq 0.12.2 reads for "eos"-break datasets."""
     import types
 
     import numpy

@@ -1,8 +1,5 @@
-"""Safe loading of fairseq checkpoints: no pickled code runs, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says.
-
-:func:`safe_torch_load` always passes ``weights_only=True`` (which the variable cannot override) and allow-lists
-only :class:`argparse.Namespace` (the ``args`` of older checkpoints) beyond tensors and containers. Importing
-:mod:`pid_plugins.fairseq` runs :func:`install`, so every load of ``fairseq.checkpoint_utils`` uses it.
+"""Safe loading of fairseq checkpoints: :func:`safe_torch_load` always passes ``weights_only=True`` and allow-lists only
+:class:`argparse.Namespace`; importing :mod:`pid_plugins.fairseq` makes ``fairseq.checkpoint_utils`` use it.
 """
 import argparse
 import types
@@ -19,8 +16,7 @@ FAIRSEQ_SAFE_GLOBALS: List[Any] = [argparse.Namespace]
 
 
 def safe_torch_load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
-    """``torch.load(f, weights_only=True)`` with :data:`FAIRSEQ_SAFE_GLOBALS` allowed; any ``weights_only``
-    given by the caller is ignored (fairseq passes none)."""
+    """``torch.load(f, weights_only=True)`` with :data:`FAIRSEQ_SAFE_GLOBALS` allowed, always."""
     return load_weights_only(f, map_location, allowed=FAIRSEQ_SAFE_GLOBALS,
                              allowed_text="tensors, containers and argparse.Namespace", **kwargs)
 

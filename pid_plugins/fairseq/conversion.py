@@ -1,9 +1,7 @@
 """``convert(model, attention, attention_cfg)``: switch a loaded fairseq language model's attention, in place.
 
-A stock ``transformer_lm`` keeps its root class; its decoder, layers and attention are replaced by this adapter's
-classes, computing what ``--arch transformer_lm_pid`` computes with the same weights. ``attention="softmax"`` puts
-fairseq's classes back, bit for bit; a model with a method is reconfigured. Layers that are not fairseq's standard
-ones (encoder attention, activation checkpointing, FSDP wrapping, extra key/value biases) are refused.
+A stock ``transformer_lm`` keeps its root class; its decoder, layers and attention become this adapter's classes.
+``attention="softmax"`` puts fairseq's classes back, bit for bit. Non-standard layers are refused.
 """
 from typing import Any, Optional, TypeVar
 
@@ -37,20 +35,15 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     """Switch a fairseq language model's attention to ``attention``, in place; returns ``model``.
 
     Args:
-        model: a fairseq ``TransformerLanguageModel`` (``--arch transformer_lm`` and its variants), a
-            ``transformer_lm_pid`` model, or a hub interface holding such models (``TransformerLanguageModel.
-            from_pretrained``, :func:`~pid_plugins.fairseq.load_pid_lm`): each of its models is converted.
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
-            ``"softmax"``: fairseq's own attention (the decoder, its layers and attention go back to fairseq's own
-            classes).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides of its fairseq preset (for
-            PID the ``lm`` preset), or a preset name; ``{"learnable": True}`` adds learnable parameters (in
-            fairseq's ``param_group`` ``"attention_params"``, :data:`~pid_plugins.fairseq.METHOD_PARAM_GROUP`),
-            ``{"warmup_steps": N}`` the warm-up counter.
+        model: a fairseq ``TransformerLanguageModel`` (``transformer_lm`` and its variants, or ``transformer_lm_pid``),
+            or a hub interface holding such models (each is converted).
+        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
+            (fairseq's own attention and classes).
+        attention_cfg: the method's parameters: a config instance, a dict of overrides of its fairseq preset (PID:
+            ``lm``), or a preset name; learnable parameters go to :data:`~pid_plugins.fairseq.METHOD_PARAM_GROUP`.
 
-    The model keeps its parameter and buffer tensors and its train/eval mode; build the optimizer after converting.
-    Raises ``ValueError`` (unknown method, bad parameters) or ``TypeError`` (a model or layer this cannot convert)
-    before anything is changed.
+    The model keeps its tensors and train/eval mode; build the optimizer after converting. Raises ``ValueError`` or
+    ``TypeError`` before anything is changed.
     """
     if isinstance(model, GeneratorHubInterface):
         models = list(model.models)
@@ -106,8 +99,7 @@ def _check(model: nn.Module, choice: Optional[MethodChoice]) -> None:
 
 
 def _to_method(model: nn.Module, choice: MethodChoice) -> None:
-    """Stock (or method) transformer_lm -> the method classes with ``choice``: the decoder, its layers and their
-    self-attention replaced in their parents (the root keeps its class), then what their ``__init__`` sets."""
+    """Stock (or method) transformer_lm -> the method classes with ``choice``; the root keeps its class."""
     decoder = replace_module(model, "decoder", PIDTransformerDecoder)
     for index in range(len(decoder.layers)):
         layer = replace_module(decoder.layers, str(index), PIDTransformerDecoderLayer)
@@ -120,8 +112,7 @@ def _to_method(model: nn.Module, choice: MethodChoice) -> None:
 
 
 def _to_stock(model: nn.Module) -> None:
-    """(Method) transformer_lm -> fairseq's own decoder, layer and attention classes, with everything pid-plugins
-    added removed."""
+    """(Method) transformer_lm -> fairseq's own classes, with everything pid-plugins added removed."""
     decoder = model.decoder
     for index in range(len(decoder.layers)):
         layer = decoder.layers[index]

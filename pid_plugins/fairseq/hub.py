@@ -8,13 +8,8 @@ __all__ = ["load_pid_lm"]
 
 
 def load_pid_lm(checkpoint: str, data: str, **kwargs: Any):
-    """Load a ``transformer_lm_pid`` (or ``transformer_lm``) checkpoint for inference: fairseq's hub interface
-    (``.score()``, ``.sample()``, ``.generate()``), in eval mode. ``data`` is the binarised data directory (its
-    ``dict.txt``). The file is read weights-only: anything but tensors, containers and ``argparse.Namespace`` raises
-    :class:`~pid_plugins.fairseq.checkpoint.UnsafeCheckpointError`. ``kwargs`` override the saved model options (e.g.
-    ``attention_cfg='{"preset": "lm"}'``). A stock ``transformer_lm`` loads as fairseq's own model; switch it with
-    ``pid_plugins.fairseq.convert(hub, "pid")``.
-    """
+    """Load a ``transformer_lm_pid`` (or ``transformer_lm``) checkpoint, weights-only, as fairseq's hub interface in
+    eval mode. ``data`` is the binarised data directory; ``kwargs`` override the saved model options."""
     if not os.path.isfile(checkpoint):
         raise FileNotFoundError(f"fairseq checkpoint not found: {checkpoint!r}")
     if not os.path.isfile(os.path.join(data, "dict.txt")):

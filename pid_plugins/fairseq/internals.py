@@ -1,7 +1,6 @@
 """The one internal the fairseq adapter checks at run time: Python's ``dataclasses._get_field``.
 
-fairseq 0.12.2 (no release since 2022) is pinned (``<0.13``): the pin and the test suite guard the fairseq code the
-method classes compute again, its checkpoint loaders and its composite optimizer. Python still releases, and
+fairseq is pinned (``<0.13``) and guarded by the suite; Python still releases, and
 :mod:`pid_plugins_fairseq_compat` wraps that private function: :data:`DATACLASS_FIELD` checks it by calling it.
 """
 from __future__ import annotations
@@ -14,9 +13,7 @@ __all__ = ["DATACLASS_FIELD", "INTERNALS"]
 
 
 def _dataclass_field() -> bool:
-    """Python's ``dataclasses._get_field`` (the one under the hook) is called as ``(cls, a_name, a_type, ...)``, refuses
-    a field whose default is an instance of an unhashable (``eq=True``) dataclass, and takes the same default once its
-    class has ``object.__hash__``, which is what the hook gives it: seen by calling it on a throwaway class."""
+    """``dataclasses._get_field`` refuses an unhashable dataclass default and takes one whose class has ``__hash__``."""
     import dataclasses
 
     import pid_plugins_fairseq_compat
@@ -36,7 +33,7 @@ def _dataclass_field() -> bool:
     args = (Owner, "inner", Inner, *(False for p in later if p.default is inspect.Parameter.empty))
     try:
         get_field(*args)
-        return False  # taken while unhashable: Python no longer refuses it, and the hook would relax nothing
+        return False  # taken while unhashable: this Python does not refuse it, and the hook would relax nothing
     except ValueError:
         pass
     Inner.__hash__ = object.__hash__  # type: ignore[assignment,method-assign]  (what the hook does to the class)

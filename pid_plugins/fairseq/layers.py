@@ -1,10 +1,8 @@
 """The layers of ``transformer_lm_pid``: fairseq's attention, decoder layer and decoder with an attention method.
 
-:class:`PIDMultiheadAttention` computes q/k/v with the layer's own projections and makes the method's one call with
-an ``attend`` running SDPA with the layer's keys, masks and dropout, keeping fairseq's incremental cache;
-:class:`PIDTransformerDecoderLayer` returns the method's state as a fourth output; :class:`PIDTransformerDecoder`
-threads one fresh state per forward through its layers. Parameters and names are fairseq's, so a softmax
-``transformer_lm`` checkpoint loads as is. With softmax, or a method that is the identity, fairseq's own code runs.
+:class:`PIDMultiheadAttention` makes the method's one call, keeping fairseq's incremental cache;
+:class:`PIDTransformerDecoderLayer` returns the method's state too; :class:`PIDTransformerDecoder` threads it through
+its layers. Parameter names are fairseq's, so a ``transformer_lm`` checkpoint loads as is.
 """
 import json
 import logging
@@ -42,9 +40,7 @@ METHOD_PARAM_GROUP = "attention_params"
 
 
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
-    """fairseq self-attention (same parameters) whose output the attention method computes; ``attention_method``
-    (None: softmax) and ``attention_config`` are given at construction, learnable parameters kept as
-    ``attention_params``."""
+    """fairseq self-attention (same parameters) whose output the attention method computes."""
 
     def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
                  **kwargs: Any) -> None:
@@ -52,8 +48,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         self.set_attention(MethodChoice(method, config) if method is not None else None)
 
     def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
-        """:meth:`MethodLayer.set_attention <pid_plugins.core.MethodLayer.set_attention>`, then the learnable
-        parameters are put in fairseq's parameter group :data:`METHOD_PARAM_GROUP`."""
+        """``MethodLayer.set_attention``, then learnable parameters go to :data:`METHOD_PARAM_GROUP`."""
         super().set_attention(choice, like)
         self._tag_learned()
 
@@ -86,10 +81,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         scale: Optional[Tensor] = None,
         restart: bool = False,
     ) -> Tuple[Tensor, tuple]:
-        """The layer under its method, one :meth:`~pid_plugins.core.AttentionMethod.apply`: q/k/v from the layer's
-        projections (cached keys/values prepended), SDPA as ``attend``, then the output projection. Under gain warm-up
-        fairseq's own attention is the stock path, to which the method adds its scaled term (a zero scale is the stock
-        layer exactly). ``restart``: layer dropout may have skipped every earlier layer in this forward."""
+        """The layer under its method, one :meth:`~pid_plugins.core.AttentionMethod.apply`, SDPA as ``attend``."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
         context = AttentionContext(causal=True, cached=incremental_state is not None,
@@ -146,9 +138,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
 
 
 class _BufferSlot(CacheSlot):
-    """A method's per-position tensor (Twicing's ``A v``) kept in fairseq's incremental buffer of the layer, beside
-    ``prev_key``/``prev_value`` and batch-first like them, so ``reorder_incremental_state`` (beam search) reorders
-    it with them."""
+    """A method's per-position tensor in the layer's incremental buffer, reordered with its keys and values."""
 
     KEY = "prev_method_slot"
 
@@ -165,8 +155,7 @@ class _BufferSlot(CacheSlot):
 
 
 class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
-    """fairseq's decoder layer (language-model use: no encoder attention) with :class:`PIDMultiheadAttention`,
-    returning the method's state too."""
+    """fairseq's decoder layer (no encoder attention) with :class:`PIDMultiheadAttention`, returning its state too."""
 
     def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
                  add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
@@ -239,8 +228,7 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
 
 
 def embedding_like(decoder: TransformerDecoder) -> Tensor:
-    """A parameter of the decoder's token embedding (which may have no ``weight``), for the device and dtype of
-    what the method adds to the decoder."""
+    """A parameter of the decoder's token embedding, for the device and dtype of what the method adds."""
     return next(decoder.embed_tokens.parameters())
 
 
@@ -261,8 +249,7 @@ def _as_json(config: Any) -> str:
 
 
 class PIDTransformerDecoder(MethodModel, TransformerDecoder):
-    """fairseq's decoder built with :class:`PIDTransformerDecoderLayer` layers, the method's state threaded through
-    the layer loop (one fresh state per forward). ``choice``: :func:`attention_from_args` (None: softmax)."""
+    """fairseq's decoder with :class:`PIDTransformerDecoderLayer` layers, the method's state threaded through them."""
 
     def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
@@ -275,8 +262,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
-        """fairseq's upgrade, then one warning when this decoder warms up but the checkpoint has no warm-up counter (it
-        starts at 0, the stock model: meant when fine-tuning a softmax checkpoint)."""
+        """fairseq's upgrade, then one warning if this decoder warms up and the checkpoint has no warm-up counter."""
         state_dict = super().upgrade_state_dict_named(state_dict, name)
         key = f"{name}.attention_warmup.step" if name else "attention_warmup.step"
         if self.attention_warmup is not None and key not in state_dict:

@@ -1,7 +1,5 @@
-"""``--arch transformer_lm_pid``: fairseq's ``transformer_lm`` with an attention method (``--attention-method``,
-``--attention-cfg``: :mod:`pid_plugins.fairseq.options`), registered with the registry's architectures
-(``registry/fairseq.toml``). Layers: :mod:`pid_plugins.fairseq.layers`; loading for inference:
-:mod:`pid_plugins.fairseq.hub`.
+"""``--arch transformer_lm_pid``: fairseq's ``transformer_lm`` with an attention method, registered with the
+registry's architectures (``registry/fairseq.toml``); options: :mod:`pid_plugins.fairseq.options`.
 """
 # no `from __future__ import annotations`: omegaconf 2.0 reads the config dataclass field types at run time
 
@@ -28,13 +26,11 @@ __all__ = [
 
 @register_model("transformer_lm_pid", dataclass=PIDTransformerLanguageModelConfig)
 class PIDTransformerLanguageModel(TransformerLanguageModel):
-    """fairseq's ``transformer_lm`` built with :class:`PIDTransformerDecoder` and the method of
-    ``--attention-method`` (PID by default, preset ``lm``); it adds nothing but :meth:`build_model`."""
+    """fairseq's ``transformer_lm`` built with :class:`PIDTransformerDecoder` and the ``--attention-method``."""
 
     @classmethod
     def build_model(cls, args: Any, task: Any) -> "PIDTransformerLanguageModel":
-        """fairseq's ``TransformerLanguageModel.build_model`` (0.12.2), building :class:`PIDTransformerDecoder`:
-        the same modules in the same order, so a seed gives the stock model's initial weights."""
+        """fairseq's ``build_model`` with :class:`PIDTransformerDecoder`: the same modules in the same order."""
         choice = attention_from_args(args)
         if safe_getattr(args, "checkpoint_activations", False):
             raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
@@ -66,8 +62,7 @@ class PIDTransformerLanguageModel(TransformerLanguageModel):
 
 
 def _entry_attention_cfg(entry: Any, given: Any) -> str:
-    """``--attention-cfg`` for a catalogue architecture: the entry's preset and gains, then what the user gave
-    (a JSON object over them; a preset name, or an object with a ``preset`` key, instead of them)."""
+    """``--attention-cfg`` for a catalogue architecture: the entry's preset and gains, then what the user gave."""
     params = parse_attention_cfg(given) if given not in (None, "") else {}
     if isinstance(params, str) or "preset" in params:
         return given if isinstance(given, str) else json.dumps(params)

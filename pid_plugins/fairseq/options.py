@@ -1,6 +1,4 @@
-"""The command line of ``transformer_lm_pid``: its options (:class:`PIDTransformerLanguageModelConfig`, fairseq's
-``transformer_lm`` options plus ``--attention-method`` and ``--attention-cfg``) and the attention they choose
-(:func:`attention_from_args`, through core's one policy)."""
+"""The command line of ``transformer_lm_pid`` (:class:`PIDTransformerLanguageModelConfig`) and its attention."""
 # no `from __future__ import annotations`: omegaconf 2.0 reads the config dataclass field types at run time
 
 import json
@@ -31,8 +29,7 @@ class PIDTransformerLanguageModelConfig(TransformerLanguageModelConfig):
 
 
 def attention_from_args(args: Any) -> Optional[MethodChoice]:
-    """The attention method and its parameters from fairseq's options (None: softmax, the stock model), through
-    :func:`pid_plugins.core.resolve_attention`."""
+    """The attention method and its parameters from fairseq's options (None: softmax)."""
     name = safe_getattr(args, "attention_method", "pid") or "pid"
     cfg_text = safe_getattr(args, "attention_cfg", None)
     params = parse_attention_cfg(cfg_text) if cfg_text not in (None, "") else None

@@ -1,21 +1,10 @@
-"""HuggingFace transformers adapter: ``attn_implementation="pid"`` (and every method registered with
-:func:`pid_plugins.register_method`, under its name).
+"""HuggingFace transformers adapter: ``attn_implementation="pid"`` (and every registered method, under its name)::
 
-``import pid_plugins.hf`` registers every method with transformers' ``AttentionInterface`` (the attention
-function: the base attention, SDPA by default, then the method on self-attention) and ``AttentionMaskInterface``
-(the base attention's mask function). Then::
-
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")                   # preset `lm`
-    config = AutoConfig.from_pretrained(path); config.pid = {"lambda_p": 0.3}                   # its parameters
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation="pid")
-    model = AutoModel.from_config(config, attn_implementation="pid")                             # not trained
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pid")   # preset `lm`
     pid_plugins.hf.convert(model, "pid", {"learnable": True})     # a built model, in place (learnable gains)
-    pid_plugins.hf.convert(model, "neutreno", base="eager")       # another method, on eager attention
     pid_plugins.hf.convert(model, "softmax")                      # back to the stock model, bit for bit
-    pid_plugins.hf.convert(model, "pid", {"lambda_p": 0.5})       # other gains (saved as config.pid)
-    pid_plugins.finish_warmup(model)                              # end a gain warm-up: the fixed-gain model
 
-The adapter's modules are listed in docs/transformers.md ("The adapter's modules").
+The adapter's modules are listed in docs/transformers.md.
 """
 try:
     import transformers  # noqa: F401

@@ -1,7 +1,6 @@
-"""A method and transformers' KV caches: :func:`static_past` (a static cache's length before this forward, as a
-tensor, so compiled decoding does not recompile), :func:`new_cache` (the cache a model would make in its forward,
-made beforehand), and :class:`LayerSlot`, a method's per-position tensor (Twicing's ``A v``) kept inside the layer's
-own cache layer and moved in step with its keys by the cache's own methods.
+"""A method and transformers' KV caches: :func:`static_past` (a static cache's length as a tensor), :func:`new_cache`
+(the cache a forward would make, made beforehand) and :class:`LayerSlot` (a method's per-position tensor kept inside
+the layer's own cache layer).
 """
 from __future__ import annotations
 
@@ -51,9 +50,7 @@ def new_cache(config: Any) -> Any:
 
 
 class LayerSlot(CacheSlot):
-    """A method's per-position tensor kept inside layer ``layer_idx``'s own cache layer, beside its keys and values:
-    the layer becomes a :class:`SlotLayer` of its kind on first use. ``len(cache)`` and iteration keep transformers'
-    meaning; a cache rebuilt from its tensors has no method tensor, and decoding from one is refused."""
+    """A method's per-position tensor kept in layer ``layer_idx``'s own cache layer (made a :class:`SlotLayer`)."""
 
     def __init__(self, cache: Any, layer_idx: int, name: str = "twicing") -> None:
         self.cache, self.layer_idx, self.name = cache, layer_idx, name
@@ -67,14 +64,12 @@ class LayerSlot(CacheSlot):
 
 
 class SlotLayer:
-    """The mixin of the cache layers that carry a method's per-position tensor in ``slot``: an inner cache layer of the
-    same kind storing it in its values' place, so every cache operation treats it as the layer treats its values."""
+    """Mixin of cache layers carrying a method's per-position tensor in ``slot``, an inner layer of their kind."""
 
     slot: Any
 
     def slot_update(self, rows: Tensor, layer_idx: int, name: str = "twicing") -> Tensor:
-        """Store ``rows`` (the query positions' tensor, ``(B, H, q, D)``) after the cached positions'; return it for
-        every key position the layer's update returned."""
+        """Store ``rows`` (``(B, H, q, D)``) after the cached positions'; return it for every key position."""
         slot = self.slot
         if not torch.compiler.is_compiling():
             _check_filled(self, slot, rows.shape[-2], layer_idx, name)
@@ -115,8 +110,7 @@ class _DynamicSlotLayer(SlotLayer):
 
 
 def _check_filled(layer: Any, slot: Any, q_len: int, layer_idx: int, name: str) -> None:
-    """Refuse a layer whose cached positions have no method tensor (the layer's update for this forward is done:
-    its length counts the ``q_len`` query positions)."""
+    """Refuse a layer whose cached positions have no method tensor."""
     if isinstance(layer, StaticLayer):  # a tensor length: read (one sync) only while the slot is still empty
         if slot.is_initialized:
             return
@@ -141,8 +135,7 @@ def _slot_classes() -> dict:
 
 
 def with_slot(layer: Any, name: str = "twicing") -> SlotLayer:
-    """``layer``'s state (the same tensors) in the :class:`SlotLayer` of its kind, with an empty slot. A new object
-    (not a ``__class__`` change, which torch.compile cannot trace): the cache's list gets it in ``layer``'s place."""
+    """``layer``'s state (the same tensors) in the :class:`SlotLayer` of its kind, with an empty slot: a new object."""
     CACHE_LAYERS.require()
     kind = type(layer)
     carrier = _slot_classes().get(kind)

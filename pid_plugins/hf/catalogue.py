@@ -17,9 +17,7 @@ def list_models(pattern: str = "*") -> list[str]:
 
 
 def get_config(name: str, pid: Any = None, **overrides: Any) -> PretrainedConfig:
-    """A transformers config for registry variant ``name`` with PID attention and its gains
-    (``AutoModelForCausalLM.from_config(get_config("pid_gpt2_wikitext103"))``); ``pid`` overrides the gains (a dict, a
-    config or a preset name), other keywords config fields."""
+    """A transformers config for registry variant ``name`` with PID attention; ``pid`` overrides the gains."""
     entry = catalogue.get_model_entry(name)
     if entry.zoo != "hf":
         raise ValueError(f"{name!r} is a {entry.zoo} model; pid_plugins.hf.list_models() shows the transformers ones")

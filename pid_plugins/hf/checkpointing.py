@@ -1,10 +1,6 @@
-"""Activation checkpointing by torch's own wrappers, as a method's per-forward state meets it.
-
-A method's state crosses layers in the forward's keyword arguments. Reentrant checkpointing (its first forward
-without autograd) cuts the state's gradient, and a KV cache under recomputation gets each layer's keys twice: both
-are refused before the forward where discovery finds the checkpointing (:func:`torch_checkpointing`), else in the
-attention call that meets it (:func:`reentrant_message`, :func:`cache_message`). Non-reentrant checkpointing with
-``use_cache=False`` is exact for every method.
+"""Activation checkpointing by torch's own wrappers, as a method's per-forward state meets it: reentrant checkpointing
+and a KV cache under recomputation are refused (:func:`torch_checkpointing`, :func:`reentrant_message`,
+:func:`cache_message`); non-reentrant checkpointing with ``use_cache=False`` is exact.
 """
 from __future__ import annotations
 
@@ -25,9 +21,7 @@ _SUPPORTED = ("use non-reentrant checkpointing: checkpoint_wrapper(module) / app
 
 
 def torch_checkpointing(module: nn.Module) -> Optional[Tuple[str, bool]]:
-    """``(what, reentrant)`` when torch's activation checkpointing wraps ``module``: ``what`` names the API
-    (``checkpoint_wrapper`` or the composable ``checkpoint``), ``reentrant`` whether it is reentrant; else None.
-    :func:`require` first (once per process)."""
+    """``(what, reentrant)`` when torch's activation checkpointing wraps ``module``, else None."""
     impl = getattr(module, "checkpoint_impl", None)
     if impl is not None and hasattr(module, "_checkpoint_wrapped_module"):
         return "checkpoint_wrapper", getattr(impl, "name", str(impl)) == "REENTRANT"
@@ -42,8 +36,7 @@ _REGISTRY: list = [None, ""]
 
 
 def require() -> None:
-    """Check the torch internals :func:`torch_checkpointing` reads (once per process; none without
-    torch.distributed, whose wrappers then do not exist)."""
+    """Check the torch internals :func:`torch_checkpointing` reads, once per process."""
     if _REGISTRY[0] is None and torch.distributed.is_available():
         TORCH_CHECKPOINT.require()
         from torch.distributed._composable import checkpoint
@@ -56,8 +49,7 @@ def require() -> None:
 
 
 def registry_key() -> str:
-    """Where torch's composable ``checkpoint(module)`` marks a module (a key of its ``__dict__``; "" without
-    torch.distributed)."""
+    """Where torch's composable ``checkpoint(module)`` marks a module ("" without torch.distributed)."""
     require()
     return _REGISTRY[1]
 
@@ -81,8 +73,7 @@ def reentrant_message(name: str, module: nn.Module) -> str:
 
 
 def cache_message(name: str, where: Optional[str] = None) -> str:
-    """A KV cache under activation checkpointing's recomputation (``where``: the wrapped module found, or None at
-    the recomputation itself)."""
+    """A KV cache under activation checkpointing's recomputation (``where``: the wrapped module found, or None)."""
     found = f" ({where})" if where else ""
     return (f"attention method {name!r}: activation checkpointing{found} recomputes each layer in the backward, and "
             "with a KV cache the recomputation appends the layer's keys and values to the cache a second time: pass "

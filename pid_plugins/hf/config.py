@@ -1,12 +1,6 @@
-"""What a transformers model config says about its attention method, and how that is saved.
-
-* :func:`method_of`: the method a config runs (``config._attn_implementation`` names a registered method);
-* :func:`model_method_config`: its parameters, ``config.<method name>`` over the method's transformers preset,
-  parsed once per value (a first forward under ``torch.compile`` only looks them up);
-* :func:`base_attention`: the attention the method is added to (``config.attention_base``);
-* :func:`pipeline_refusal`: transformers' own pipeline parallelism, refused for methods with cross-layer state;
-* :func:`persist`: ``config.json`` records ``attn_implementation`` as the method's name when the model runs a method
-  at save time (transformers does not save ``_attn_implementation``), so ``from_pretrained`` builds it again.
+"""What a transformers model config says about its attention method, and how that is saved: :func:`method_of`,
+:func:`model_method_config` (parsed once per value), :func:`base_attention`, :func:`pipeline_refusal` and
+:func:`persist`.
 """
 from __future__ import annotations
 
@@ -40,21 +34,17 @@ _PARSED: Dict[Any, Any] = {}
 
 
 def method_named(name: Any) -> Optional[AttentionMethod]:
-    """The registered method called ``name`` (an ``attn_implementation`` of transformers since ``import
-    pid_plugins.hf``), or None (a stock implementation, or not a name)."""
+    """The registered method called ``name``, or None (a stock implementation, or not a name)."""
     return get_method(name) if isinstance(name, str) and name in list_methods() else None
 
 
 def method_of(config: Any) -> Optional[AttentionMethod]:
-    """The attention method a model config runs (``config._attn_implementation`` names a registered method), or None
-    (a stock implementation)."""
+    """The attention method a model config runs, or None (a stock implementation)."""
     return method_named(getattr(config, "_attn_implementation", None))
 
 
 def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
-    """The parameters a model runs its method with: ``config.<method name>`` (``config.pid`` for PID: a dict, a
-    config or a preset name) over the method's transformers preset (PID: ``lm``; with ``learnable``, the initial
-    values of every self-attention layer's own gains). ``method``: default, the one ``config`` runs, else PID."""
+    """The parameters a model runs ``method`` with: ``config.<method name>`` over the method's transformers preset."""
     method = method or method_of(config) or _PID
     raw = getattr(config, method.name, None)
     if raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
@@ -91,8 +81,7 @@ def check_learnable(method: AttentionMethod, cfg: Any) -> Any:
 
 
 def base_attention(config: Any) -> str:
-    """The attention a method is added to: ``config.attention_base`` if set, else ``"eager"`` for models with
-    attention logit softcapping (Gemma 2; SDPA cannot softcap) and ``"sdpa"`` otherwise."""
+    """The attention a method is added to: ``config.attention_base``, else ``"eager"`` (softcapping) or ``"sdpa"``."""
     base = getattr(config, BASE_ATTR, None)
     if base is None:
         return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
@@ -112,9 +101,7 @@ def _name(config: Any) -> str:
 
 
 def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
-    """The message refusing transformers' own pipeline parallelism (``DistributedConfig(pp_size > 1)``, which
-    ``from_pretrained`` records as ``config.distributed_config``) for a method that carries state across layers;
-    None when the model runs no such method or no pipeline parallelism."""
+    """The message refusing transformers' own pipeline parallelism for a method with cross-layer state, else None."""
     distributed = getattr(config, "distributed_config", None)
     pp_size = distributed.get("pp_size") if isinstance(distributed, dict) else getattr(distributed, "pp_size", None)
     numeric = isinstance(pp_size, (int, float)) and not isinstance(pp_size, bool)
@@ -141,9 +128,7 @@ def _plain(value: Optional[str]) -> Optional[str]:
 
 
 class _SavedImplementation:
-    """``config.attn_implementation``: serialises (``to_dict`` deep-copies the config's attributes) as the method's
-    name when the model runs a method at save time and as null otherwise, so a model switched back with
-    ``set_attn_implementation("sdpa")`` reloads with the stock default."""
+    """``config.attn_implementation``: serialises as the method's name when the model runs a method, else null."""
 
     def __init__(self, config: Any):
         self._config = weakref.ref(config)
@@ -179,8 +164,7 @@ def is_persisted(config: Any) -> bool:
 
 
 def persist(config: Any) -> None:
-    """Make ``config`` save the method it runs: transformers does not save ``_attn_implementation``; an
-    ``attn_implementation`` entry in config.json is read back by the config's ``__init__``."""
+    """Make ``config`` save the method it runs as ``attn_implementation`` in config.json."""
     if not is_persisted(config):
         config.attn_implementation = _SavedImplementation(config)
 

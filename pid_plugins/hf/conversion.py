@@ -1,10 +1,8 @@
 """``convert(model, attention, attention_cfg)``: switch a built transformers model's attention, in place.
 
-A stock model gets the method (``config.<method>``, ``config.attention_base``, ``config.stock_attention``, learnable
-parameters and the warm-up counter where asked) and then computes what the model built with
-``attn_implementation=<method>`` computes; ``attention="softmax"`` removes everything pid-plugins added, giving the
-stock model back bit for bit; a model with a method is reconfigured. Also :func:`finish`, ``finish_warmup`` for
-transformers models.
+A stock model gets the method and computes what the model built with ``attn_implementation=<method>`` computes;
+``attention="softmax"`` gives the stock model back bit for bit; a model with a method is reconfigured. Also
+:func:`finish` (``finish_warmup`` for transformers models).
 """
 from __future__ import annotations
 
@@ -35,26 +33,18 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
     """Switch a transformers model's attention to ``attention``, in place; returns ``model``.
 
     Args:
-        model: a transformers ``PreTrainedModel`` whose attention goes through transformers' attention interface
-            (Llama, Mistral, Qwen2, GPT-2, BERT, T5, BART, ...), stock or with a method.
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``:
-            the stock attention (the ``attn_implementation`` the model had before it got a method; transformers'
-            default, ``sdpa``, if none was recorded).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides, a preset name, or None. A
-            dict overrides the model's own ``config.<method>`` when it has one, else the method's transformers preset
-            (PID: ``lm``); None keeps ``config.<method>`` if set, else the preset. Saved as ``config.<method>``.
-        base: the attention the method is added to: ``"sdpa"`` (default; ``"eager"`` for models with logit
-            softcapping), ``"eager"`` (attention weights) or ``"flex_attention"``; saved as
-            ``config.attention_base``. None keeps the model's.
+        model: a transformers ``PreTrainedModel`` whose attention goes through transformers' attention interface,
+            stock or with a method.
+        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
+            (the ``attn_implementation`` the model had before its method; ``sdpa`` if none was recorded).
+        attention_cfg: the method's parameters: a config instance, a dict of overrides (over ``config.<method>``, else
+            the method's transformers preset), a preset name, or None (keep ``config.<method>``, else the preset).
+            Saved as ``config.<method>``.
+        base: the attention the method is added to: ``"sdpa"`` (default; ``"eager"`` for logit softcapping),
+            ``"eager"`` or ``"flex_attention"``; saved as ``config.attention_base``. None keeps the model's.
 
-    The model keeps its parameter and buffer tensors; learnable parameters and the warm-up counter
-    (``attention_warmup``) are added where the parameters ask for them (build the optimizer after converting; trained
-    ones are kept). Convert before ``torch.compile`` and before wrapping the model. A changed ``config.<method>`` that
-    adds modules (learnable, warm-up), or a model built before ``import pid_plugins.hf``, takes
-    ``convert(model, method_of(model.config).name)``; fixed parameters need no call.
-
-    Raises ``ValueError`` (unknown method, bad parameters, a base the model cannot run, attention this adapter cannot
-    reach) or ``TypeError`` (not a transformers model) before anything is changed.
+    Learnable parameters and the warm-up counter are added where asked (build the optimizer after converting). Convert
+    before ``torch.compile`` and wrapping. Raises ``ValueError`` or ``TypeError`` before anything is changed.
     """
     where = type(model).__name__
     if not isinstance(model, PreTrainedModel):
@@ -87,8 +77,7 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
 
 def warn_trained_switch(model: PreTrainedModel, choice: MethodChoice, where: str,
                         running: Optional[Any] = None) -> None:
-    """:func:`~pid_plugins.core.layer.warn_switch_of_trained_weights` for a transformers model: ``running`` is the
-    method the weights ran before the switch (None: the stock attention), with ``config.<method>``'s parameters."""
+    """``warn_switch_of_trained_weights`` for a transformers model (``running``: the method before the switch)."""
     current = None
     if running is not None:
         current = SimpleNamespace(attention_method=running, attention_config=model_method_config(model.config, running))
@@ -97,8 +86,7 @@ def warn_trained_switch(model: PreTrainedModel, choice: MethodChoice, where: str
 
 # --------------------------------------------------------------------------------------------- to a method
 def _check_base(model: PreTrainedModel, base: Optional[str]) -> str:
-    """The base attention the model will run its method on (``base``, else the one its config names, else the
-    default), refused before anything changes if the model cannot run it."""
+    """The base attention the model will run its method on; refused before anything changes if it cannot run."""
     if base is not None and base not in BASES:
         raise ValueError(f"base attention {base!r} is not one of {BASES}")
     config = model.config
@@ -167,10 +155,7 @@ def _to_stock(model: PreTrainedModel) -> None:
 
 # ------------------------------------------------------------------------------------------- finish_warmup
 def finish(model: nn.Module) -> bool:
-    """:func:`pid_plugins.finish_warmup` for the transformers models in ``model`` (also inside a wrapper, e.g. peft's):
-    ``warmup_steps=0`` in every ``config.<method>``, the warm-up counters removed, discovery run again. The warm-up
-    scale is exact at 1, so a model warmed up to ``t >= N`` computes the same function bit for bit. Returns whether a
-    transformers model with a method was found."""
+    """:func:`pid_plugins.finish_warmup` for the transformers models in ``model``; True if one runs a method."""
     names = {name: m for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     with_method = {name: m for name, m in names.items() if method_of(m.config) is not None}
     if not with_method:

@@ -1,11 +1,8 @@
 """Discovering a transformers model with a method, once: its attention modules and what its forwards read.
 
-:func:`discover` marks each attention module the model owns with its role (self- or cross-attention, from where it
-sits) and its place in the layer order, refuses attention outside transformers' attention interface, gives learnable
-parameters, and makes the model's :class:`~pid_plugins.hf.forward.Plan`: the modules on the way to each attention
-module and the activation checkpointing found on them. A forward that finds the plan no longer holds (the model
-switched, a module replaced or wrapped, checkpointing turned on or off) calls :func:`renew` through the plan, which
-discovers the model again; the first forward makes the checks that need loaded weights.
+:func:`discover` marks each attention module with its role and layer order, refuses attention outside transformers'
+attention interface, gives learnable parameters and makes the model's :class:`~pid_plugins.hf.forward.Plan`. A
+forward that finds the plan stale calls :func:`renew`, which discovers the model again.
 """
 from __future__ import annotations
 
@@ -54,14 +51,12 @@ def _chosen(model: nn.Module) -> str:
 
 
 def is_cross(parts: list, module: nn.Module) -> bool:
-    """Whether an attention module at module path ``parts`` is cross-attention (its values come from another
-    sequence: no method term, no gains)."""
+    """Whether the attention module at path ``parts`` is cross-attention (no method term, no gains)."""
     return bool(getattr(module, "is_cross_attention", False)) or any(p in _CROSS_NAMES for p in parts)
 
 
 def learnable_config(config: Any) -> Any:
-    """``config.<method>`` if the model runs a method with learnable parameters, else None (also when they are invalid:
-    the first forward reports that)."""
+    """``config.<method>`` if the model runs a method with learnable parameters, else None."""
     method = method_of(config)
     if method is None or getattr(config, method.name, None) is None:
         return None
@@ -82,8 +77,7 @@ def walk(module: nn.Module, prefix: str = ""):
 
 
 def _outside_interface(module: nn.Module) -> bool:
-    """Whether ``module`` looks like attention (``*Attention*``, no attention module inside it) but does not call
-    transformers' attention interface."""
+    """Whether ``module`` looks like attention but does not call transformers' attention interface."""
     return "Attention" in type(module).__name__ and not calls_interface(type(module)) and not any(
         "Attention" in type(m).__name__ or calls_interface(type(m)) for m in module.modules() if m is not module
     )
@@ -105,9 +99,7 @@ def _no_kwargs_message(name: str, model: nn.Module) -> str:
 
 
 def check_model(model: PreTrainedModel, name: str) -> None:
-    """Refuse, changing nothing, a model whose attention method ``name`` could not reach its attention: a family that
-    picks its attention classes from its own table, an attention module outside the attention interface, a model
-    owning attention layers whose forward takes no ``**kwargs`` (what discovery refuses)."""
+    """Refuse, changing nothing, a model whose attention method ``name`` could not reach its attention."""
     INTERFACE_SOURCE.require()
     CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
     for owner in model.modules():
@@ -154,9 +146,7 @@ def _number(value: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------- discovery
 def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
-    """Mark the attention modules ``model`` owns with their role and order; refuse attention outside the interface.
-    With learnable gains, give every self-attention module its gains if it has none (and cross-attention none).
-    Returns the model's new :class:`~pid_plugins.hf.forward.Plan` (also kept in its ``__dict__``)."""
+    """Mark ``model``'s attention modules with role and order, give learnable gains; returns its new Plan."""
     INTERFACE_SOURCE.require()
     gains_source = model.__dict__.get(GAINS_SOURCE, model.config)
     warmup = counter_of(model)
@@ -248,8 +238,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
 
 
 def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
-    """The plan's modules: every step from ``model`` to the attention modules at ``paths``, and the activation
-    checkpointing found on them (a checkpoint around anything else does not carry a method's state)."""
+    """The plan's modules: every step from ``model`` to the attention modules at ``paths``, and their checkpointing."""
     edges: Dict[tuple, tuple] = {}
     nodes: Dict[int, tuple] = {id(model): ("", model)}
     for path in paths:
@@ -291,8 +280,7 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
 
 
 def relayout(model: nn.Module) -> None:
-    """Make the plans of the transformers models in ``model`` read its modules as they are now, keeping the layers'
-    numbers (a pipeline stage's placeholders in place of the other stages' layers)."""
+    """Make the plans of the transformers models in ``model`` read its modules as they are now."""
     for m in model.modules():
         plan = m.__dict__.get(PLAN)
         if isinstance(plan, Plan):
@@ -300,9 +288,7 @@ def relayout(model: nn.Module) -> None:
 
 
 def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
-    """Make ``plan`` read ``model``'s modules as they are now, keeping the layers' numbers, when only the way to its
-    attention modules changed (a wrapper, a checkpointing flag, another stage's placeholder): the same method and
-    warm-up counter, the same learnable parameters, and no attention module without its number. False otherwise."""
+    """Re-read ``model``'s modules into ``plan`` when only the way to its attention changed; False otherwise."""
     source = model.__dict__.get(GAINS_SOURCE, model.config)
     if plan.name != _chosen(model) or plan.counter is not model._modules.get(WARMUP_ATTR) or (
             not plan.learnable and learnable_config(source) is not None):
@@ -318,9 +304,7 @@ def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
 
 
 def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[str] = None) -> Plan:
-    """What a forward of ``model`` calls through its plan: discover the model again if the plan no longer holds
-    (``changed``), then make the first forward's checks (its weights are loaded now). ``renamed``: the forward got
-    the KV cache under a keyword this adapter does not read (a transformers release renamed it): refused."""
+    """What a forward calls through its plan: discover again if ``changed``, then the first forward's checks."""
     if renamed is not None:
         raise InternalChanged(CACHE_KEYWORD.message(f"{type(model).__name__}.forward got the cache as {renamed}="))
     with _LOCK:
@@ -356,9 +340,7 @@ def _tensor_parallel(model: nn.Module) -> bool:
 
 # ---------------------------------------------------------------------------------------- hooks on a model
 def hook(model: PreTrainedModel) -> None:
-    """Give ``model`` the forward pre-hook and hook (:mod:`pid_plugins.hf.forward`) and its own
-    ``_initialize_weights`` and ``init_continuous_batching`` (:func:`give_instance_methods`),
-    once."""
+    """Give ``model`` its forward hooks and own methods (:func:`give_instance_methods`), once."""
     if not hooked(model):
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         model.register_forward_hook(_post_hook, with_kwargs=True)
@@ -366,9 +348,7 @@ def hook(model: PreTrainedModel) -> None:
 
 
 def undiscover(model: nn.Module) -> None:
-    """Take from the modules of ``model`` everything discovery and :func:`hook` gave them (a model back to its stock
-    attention): the attention modules' roles and learnable parameters, the models' hooks, own methods, plans and
-    warm-up counters."""
+    """Take from ``model``'s modules everything discovery and :func:`hook` gave them."""
     for m in model.modules():
         learned_gains.detach(m)
         for attr in (ROLE, EARLIER):
@@ -395,8 +375,7 @@ def discovered(model: nn.Module) -> bool:
 
 
 def rediscover(model: PreTrainedModel) -> PreTrainedModel:
-    """Hook every PreTrainedModel in ``model`` (once: models built stock have none) and discover each afresh,
-    outermost first (after :func:`~pid_plugins.hf.convert` changed what its config says)."""
+    """Hook every PreTrainedModel in ``model`` and discover each afresh, outermost first."""
     with _LOCK:
         for m in model.modules():
             if isinstance(m, PreTrainedModel):
@@ -413,8 +392,7 @@ def rediscover(model: PreTrainedModel) -> PreTrainedModel:
 
 # -------------------------------------------------------------------------------- while a model is built
 def _adopt_counters(model: PreTrainedModel) -> None:
-    """Move the warm-up counters of the models nested in ``model`` to ``model``: one counter, on the outermost
-    model, advanced once per forward of the whole model."""
+    """Move the warm-up counters of the models nested in ``model`` to ``model`` itself."""
     for m in model.modules():
         if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
             counter = m._modules.pop(WARMUP_ATTR)
@@ -426,8 +404,7 @@ def _adopt_counters(model: PreTrainedModel) -> None:
 
 
 def _attach_gains_at_construction(model: PreTrainedModel) -> None:
-    """A model with learnable parameters, its layers just built: give each self-attention module its parameters
-    now, so that ``from_pretrained`` loads the saved values into them."""
+    """Give each self-attention module its learnable parameters as the layers are built, before weights load."""
     cfg = learnable_config(model.__dict__.get("config"))
     if cfg is None:
         return
@@ -444,12 +421,7 @@ def _attach_gains_at_construction(model: PreTrainedModel) -> None:
 
 
 def post_init(model: PreTrainedModel) -> None:
-    """Runs once, as the model's ``post_init`` (the last step of every transformers model's ``__init__``): a model
-    built with a method is discovered now, before any forward, so that a first forward under ``torch.compile`` traces
-    no discovery. The instance attribute removes itself: later calls reach the class's ``post_init``. A model with
-    learnable parameters gets their tensor-parallel plan entries here (:func:`~pid_plugins.hf.gains.extend_tp_plan`):
-    ``post_init`` has just built the model's plan from its class, config and children, and an outer model builds
-    its own from this one's when its ``post_init`` runs."""
+    """The model's ``post_init``, once: discover a method model before any forward; extend its tensor-parallel plan."""
     model.__dict__.pop("post_init", None)
     # the layers exist now, and transformers has not initialised them yet (the class's post_init does): the counter
     # (config.<method> has warmup_steps > 0) and learnable parameters are made here, so that from_pretrained loads
@@ -479,10 +451,7 @@ def continuous_batching_message(name: str) -> str:
 
 
 def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any):
-    """``model.init_continuous_batching`` (where ``generate_batch``, ``continuous_batching_context_manager`` and
-    ``generate(cache_implementation="paged")`` all start): refused while the model's config names a method, before
-    transformers' ``switch_to_cb_friendly_attn`` can change its attention (transformers has no extension point
-    there); else the class's own."""
+    """``model.init_continuous_batching``: refused while the config names a method; else the class's own."""
     method = method_of(getattr(model, "config", None))
     if method is not None:
         raise ValueError(continuous_batching_message(method.name))
@@ -491,11 +460,7 @@ def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any)
 
 # ------------------------------------------------------------------------ transformers' weight initialisation
 def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any):
-    """``model._initialize_weights`` (the one place transformers 5 initialises every module of a model: at
-    construction and for the missing keys of ``from_pretrained``): learnable parameters get their initial values
-    (:func:`~pid_plugins.hf.gains.reset`) and the gain warm-up counter t = 0, leaving what transformers loaded alone
-    (the model's own ``_init_weights`` does not know them and would leave ``torch.empty`` values); every other module
-    the class's own."""
+    """``model._initialize_weights``: initial values for learnable parameters and the warm-up counter."""
     refresh_record(module)  # a record transformers made with torch.empty (a folder saved without one)
     if learned_gains.reset(module):
         module._is_hf_initialized = True
@@ -510,9 +475,7 @@ def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, *
 
 
 def give_instance_methods(model: PreTrainedModel) -> None:
-    """``model``'s own ``_initialize_weights`` and ``init_continuous_batching`` (instance attributes, which transformers
-    reads on the instance: this model only, never its class), once. Given to every model built with a method (the
-    construction hook) and to every model :func:`~pid_plugins.hf.convert` switches to one."""
+    """Give ``model`` its own ``_initialize_weights`` and ``init_continuous_batching``, once."""
     own = model.__dict__
     if "_initialize_weights" not in own:
         own["_initialize_weights"] = functools.partial(_initialize_weights, model)

@@ -1,11 +1,8 @@
 """What runs on every forward of a transformers model with a method: its forward pre-hook and hook.
 
-The pre-hook reads the model's :class:`Plan` (made once by :mod:`pid_plugins.hf.discovery`), checks by identity
-that what the plan was made from still holds (the method, the warm-up counter, learnable parameters, the modules on
-the way to each attention module and their activation checkpointing: no module walk), refuses what cannot run
-exactly before anything is computed, and hands the forward a fresh
-:class:`~pid_plugins.hf.attention.MethodForwardState` in its keyword arguments. When something changed, the plan's
-own ``renew`` (discovery's) re-reads the model.
+The pre-hook checks by identity that the model's :class:`Plan` still holds, refuses what cannot run exactly, and
+hands the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState`; when something changed, the plan's
+``renew`` re-reads the model.
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 class Plan:
     """What a forward of one model reads, worked out once from the model's structure (discovery)."""
 
-    #: discovery's: (model, plan, changed, renamed) -> the plan to use; ``changed``: the plan no longer holds;
+    #: discovery's: (model, plan, changed, renamed) -> the plan to use; ``changed``: the plan is stale;
     #: ``renamed``: a forward got the KV cache under a keyword the plan does not know (refused)
     renew: Callable[..., "Plan"]
     name: str  # the method it was made for
@@ -61,8 +58,7 @@ class Plan:
 
 
 def layout(plan: Plan) -> tuple:
-    """What the plan's modules look like now: the module at each step, each module's composable registry (and the
-    size of those there were), each flagged module's checkpointing flag and function. Identity compares, one pass."""
+    """What the plan's modules look like now (modules, registries, checkpointing flags), compared by identity."""
     nodes, flagged = plan.nodes, plan.flagged
     registries = list(map(dict.get, nodes, repeat(plan.registry, len(nodes))))
     return (list(map(dict.get, plan.parents, plan.steps)), registries, [len(r) for r in registries if r],
@@ -80,10 +76,7 @@ def _number(value: Any) -> bool:
 
 
 def drops_layers(model: nn.Module, plan: Plan) -> bool:
-    """Whether this forward of ``model`` may skip layers on purpose: the model's own layer dropout (a ``layerdrop``
-    attribute of the owner or a module below it, or a ``*layerdrop`` config key, above 0) in training mode. A layer
-    whose earlier layers were all skipped then starts the method's state afresh (:attr:`LayerCall.restart
-    <pid_plugins.core.LayerCall>`), as the group's first layer does."""
+    """Whether this forward of ``model`` may skip layers on purpose (layer dropout in training mode)."""
     if not model.training:
         return False
     if any((getattr(m, "layerdrop", 0) or 0) > 0 for m in plan.layerdrop):
@@ -93,8 +86,7 @@ def drops_layers(model: nn.Module, plan: Plan) -> bool:
 
 
 def _warmup_scale(module: nn.Module, gains: Any, name: str) -> Optional[torch.Tensor]:
-    """This forward's warm-up scale (None without warm-up); refused if the parameters ask for warm-up and the
-    model has no counter (its own, or the outermost model's)."""
+    """This forward's warm-up scale (None without warm-up); refused if warm-up has no counter."""
     steps = getattr(gains, "warmup_steps", 0)
     if not steps:
         return None

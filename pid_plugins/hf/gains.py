@@ -1,9 +1,6 @@
-"""Learnable parameters of a method in transformers models (``config.pid = {"learnable": True, ...}``, likewise
-``config.value_residual``): each self-attention module's ``attention_params`` submodule (cross-attention has none).
-
-Making and resetting them (:func:`attach`, :func:`reset`), their tensor-parallel plan entries (:func:`extend_tp_plan`)
-and weight decay (:class:`NoGainDecayTrainerMixin`, :func:`decay_parameter_names`). Why they live there and how they
-survive loading, FSDP2, tensor parallelism and peft: docs/architecture.md.
+"""Learnable parameters of a method in transformers models (``config.pid = {"learnable": True, ...}``): each
+self-attention module's ``attention_params`` submodule. Making and resetting them, their tensor-parallel plan entries
+and weight decay; why they live there: docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ def _is_learned(module: Any) -> bool:
 
 
 def layer_gains_of(module: nn.Module) -> "nn.Module | None":
-    """``module``'s learnable parameters: the module :func:`make` made, or a wrapper holding one as
-    ``original_module`` (peft's ``modules_to_save``: the active adapter's copy), else None."""
+    """``module``'s learnable parameters (also through peft's ``original_module`` wrapper), else None."""
     gains = module._modules.get(GAINS_ATTR)
     held = getattr(gains, "original_module", None) if isinstance(gains, nn.Module) else None
     return gains if _is_learned(gains) or _is_learned(held) else None
@@ -52,8 +48,7 @@ def _method_of_learned(gains: nn.Module) -> Optional[str]:
 
 
 def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
-    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters), marked with what
-    they were made from so that :func:`reset` can restore those values."""
+    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters)."""
     learned = method.make_learned(config)
     if learned is not None:
         learned.__dict__[_ORIGIN] = (method, config)
@@ -62,8 +57,7 @@ def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
 
 @torch.no_grad()
 def reset(module: nn.Module) -> bool:
-    """Give a learned module made here the initial values of what it was made from, leaving the parameters
-    transformers loaded alone (``transformers.initialization``); True if ``module`` is one."""
+    """Give a learned module made here its initial values (loaded ones kept); True if ``module`` is one."""
     origin = module.__dict__.get(_ORIGIN)
     if origin is None:
         return False
@@ -76,8 +70,7 @@ def reset(module: nn.Module) -> bool:
 
 
 def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` on ``param``'s device and dtype, and, for a DTensor ``param``, with its mesh and placements (each
-    rank takes its own part, with no communication)."""
+    """``value`` on ``param``'s device and dtype (for a DTensor, with its mesh and placements)."""
     value = value.to(device=param.device, dtype=param.dtype)
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -87,9 +80,7 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] = None) -> bool:
-    """Give ``attention`` the learnable parameters of ``method`` (default PID) with ``config`` unless it has some of
-    that method; True if it added them. They take the device and dtype of the module's first floating-point parameter
-    (else the defaults, e.g. under meta-device construction) and its train/eval mode."""
+    """Give ``attention`` the learnable parameters of ``method`` (default PID) unless it has some; True if added."""
     name = method.name if method is not None else "pid"
     current = layer_gains_of(attention)
     if current is not None and _method_of_learned(current) == name:
@@ -122,8 +113,7 @@ def detach(attention: nn.Module) -> bool:
 
 
 def ignore_missing(model: nn.Module) -> None:
-    """Name the gains in ``model._keys_to_ignore_on_load_missing`` (instance attribute; ``post_init`` keeps it
-    and outer models collect it from their children), so loading a checkpoint without them reports nothing."""
+    """Name the gains in ``model._keys_to_ignore_on_load_missing``: a checkpoint without them loads silently."""
     current = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     if MISSING_PATTERN not in current:
         model._keys_to_ignore_on_load_missing = {*current, MISSING_PATTERN}
@@ -136,16 +126,13 @@ def _wildcard(name: str) -> str:
 
 
 def tp_plan_entries(model: nn.Module) -> Dict[str, str]:
-    """The tensor-parallel plan entries for ``model``'s learnable method parameters, each replicated with its
-    gradient summed over the group: ``{"model.layers.*.self_attn.attention_params":
-    "replicated_with_grad_allreduce"}``."""
+    """The tensor-parallel plan entries for ``model``'s learnable parameters (``"replicated_with_grad_allreduce"``)."""
     return {_wildcard(name): TP_STYLE for name, module in model.named_modules()
             if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
 
 
 def extend_tp_plan(model: nn.Module) -> bool:
-    """Add :func:`tp_plan_entries` to ``model.tp_plan`` (the plan transformers applies under tensor parallelism);
-    True if it added any. A model without a plan is left alone."""
+    """Add :func:`tp_plan_entries` to ``model.tp_plan``; True if it added any."""
     entries = tp_plan_entries(model)
     if not entries:
         return False
@@ -176,13 +163,10 @@ def decay_parameter_names(names: Iterable[str]) -> List[str]:
 
 
 class NoGainDecayTrainerMixin:
-    """Keeps the learnable PID gains out of weight decay in transformers' ``Trainer`` (and its subclasses,
-    e.g. TRL's ``SFTTrainer``)::
+    """Keeps the learnable gains out of weight decay in transformers' ``Trainer`` (and e.g. TRL's ``SFTTrainer``)::
 
         class PIDTrainer(NoGainDecayTrainerMixin, Trainer):
             pass
-
-    Without it the Trainer decays the gains whenever ``weight_decay > 0`` (each gain pulled towards log 2).
     """
 
     def get_decay_parameter_names(self, model: nn.Module) -> List[str]:

@@ -1,13 +1,7 @@
-"""What ``import pid_plugins.hf`` changes in transformers, once, and what runs while a model is being built.
-
-* Every registered method (now and later) is registered with ``AttentionInterface`` and ``AttentionMaskInterface``
-  under its name, and the names transformers holds are reserved (:func:`~pid_plugins.core.reserve_names`).
-* ``PreTrainedModel.__init__`` (the one class-level hook): ``attn_implementation=None`` builds a folder saved with a
-  method as saved (:func:`_as_saved`); a folder saved with a method built with the stock attention logs one
-  warning (:func:`_check_loaded`). A model built with a method is then refused if its family picks attention from
-  its own table, gets its forward hooks and its own ``post_init`` (its warm-up counter, learnable parameters and
-  discovery, before transformers initialises the weights). A model built without one is left as transformers
-  built it. :func:`pid_plugins.finish_warmup` learns transformers models.
+"""What ``import pid_plugins.hf`` changes in transformers, once: every registered method becomes an
+``attn_implementation`` and a mask function, and ``PreTrainedModel.__init__`` is hooked: a folder saved with a
+method is built as saved (:func:`_as_saved`) or warned about (:func:`_check_loaded`), and a model built with a method
+gets its hooks and own ``post_init``. A model built without one is left as transformers built it.
 """
 from __future__ import annotations
 
@@ -57,17 +51,13 @@ def _wrap_model_init() -> None:
 
 
 def _check_family(model: PreTrainedModel) -> None:
-    """Refuse, while the model is being built (before its layers exist), a family that picks its attention classes
-    from its own table by ``config._attn_implementation`` (GPT-J's ``GPTJ_ATTENTION_CLASSES``, Falcon's, ...) instead
-    of calling transformers' attention interface: a method's name is not in that table (transformers itself would
-    fail with a bare ``KeyError``), and the family's attention code never calls the method."""
+    """Refuse, before its layers exist, a family that picks attention classes from its own table, not the interface."""
     discovery.check_family(type(model), model.config, method_of(model.config).name)
 
 
 # ------------------------------------------------------------------------------ what a saved folder records
 def warn_loaded_as_stock(config: Any, saved: str, path: Any, where: str) -> None:
-    """One warning: the checkpoint at ``path`` was saved from a model running attention method ``saved``, and is
-    loaded with the stock attention ``config._attn_implementation`` (a different function than it was trained as)."""
+    """One warning: the checkpoint at ``path``, saved running method ``saved``, is loaded with the stock attention."""
     requested = getattr(config, "_attn_implementation", None)
     params = vars(config).get(saved) or "its transformers preset"
     logger.warning(
@@ -91,9 +81,7 @@ def _seen(config: Any) -> Dict[str, Any]:
 
 
 def _saved_implementation(config: Any) -> Optional[str]:
-    """The ``attn_implementation`` the folder ``config`` was read from records in its ``config.json`` (pid-plugins
-    saves the method a model ran at save time, :func:`~pid_plugins.hf.config.persist`), read again locally once per
-    config; None when there is no such folder (a config built in code), no entry, or nothing readable."""
+    """The ``attn_implementation`` recorded in the config.json ``config`` was read from, once per config; else None."""
     seen = _seen(config)
     if "saved" not in seen:
         seen["saved"] = None
@@ -108,16 +96,13 @@ def _saved_implementation(config: Any) -> Optional[str]:
 
 
 def _records_method(config: Any) -> bool:
-    """Whether ``config`` carries what a method model saves (``config.attention_base``, ``config.<method>``): only
-    then is its folder's config.json read again."""
+    """Whether ``config`` carries what a method model saves (only then is its config.json read again)."""
     own = vars(config)
     return own.get(BASE_ATTR) is not None or any(isinstance(own.get(name), dict) for name in list_methods())
 
 
 def _as_saved(config: Any) -> None:
-    """Before the model is built: ``attn_implementation=None`` (what TRL's CLI and others pass when the user gave
-    none) loads a folder saved with a method as saved. transformers would build its default attention: it sets the
-    config's implementation to the None it was given, over the folder's own."""
+    """Before the model is built: ``attn_implementation=None`` loads a folder saved with a method as saved."""
     if isinstance(config, PretrainedConfig) and config.__dict__.get("_attn_implementation_internal", "") is None \
             and _records_method(config):
         saved = _saved_implementation(config)
@@ -126,11 +111,7 @@ def _as_saved(config: Any) -> None:
 
 
 def _check_loaded(model: PreTrainedModel) -> None:
-    """After ``PreTrainedModel.__init__``: a folder saved with a method built with the stock attention
-    (``attn_implementation="sdpa"``/``"eager"``) logs one warning; a folder saved without the method the model now
-    runs is marked for a check at the model's first forward, once its weights are loaded (trained weights switched at
-    full strength: :func:`~pid_plugins.core.layer.warn_switch_of_trained_weights`, made by
-    :func:`~pid_plugins.hf.discovery.renew`)."""
+    """After ``PreTrainedModel.__init__``: warn about (or check at the first forward) a method the folder lacks."""
     config = model.config
     running = method_of(config)
     if running is None:
@@ -146,16 +127,13 @@ def _check_loaded(model: PreTrainedModel) -> None:
 
 # --------------------------------------------------------------------------------------- the registrations
 def _register(method: AttentionMethod) -> None:
-    """Every registered attention method is an ``attn_implementation`` of transformers, under its name: the same
-    attention function (it reads the method from the forward's state) and the base attention's mask function."""
+    """Register every attention method as an ``attn_implementation`` of transformers, with its base's mask function."""
     AttentionInterface.register(method.name, method_attention_forward)
     AttentionMaskInterface.register(method.name, method_mask)
 
 
 def _transformers_names() -> Dict[str, str]:
-    """The names transformers holds, for :func:`~pid_plugins.core.reserve_names`: its attention and mask
-    implementations (read live: kernels registered later count), ``"eager"`` (built in), and the attributes of
-    ``PretrainedConfig`` and ours (a method's parameters are saved as ``config.<name>``)."""
+    """The names transformers holds (implementations, ``"eager"``, config attributes), for ``reserve_names``."""
     names = {name: f"PretrainedConfig.{name}, which a method's parameters (saved as config.<method name>) would overwrite"
              for name in {*dir(PretrainedConfig), *vars(PretrainedConfig())} if not name.startswith("_")}
     names.update({name: f"pid_plugins' configuration attribute config.{name}"

@@ -1,9 +1,8 @@
-"""Every transformers internal the adapter reads (no extension point in 5.24), in one place: what, why, which versions.
+"""Every transformers internal the adapter reads, in one place: what, why, which versions.
 
-transformers still releases, so each is checked (``import pid_plugins.hf`` runs every check; a refusal comes where
-one is used): by behaviour for gradient checkpointing, continuous batching and the attention interface (probes on a
-tiny Llama), by types, attributes and signatures for the rest. Two read source text: :func:`calls_interface`
-(transformers' own heuristic, which the interface probe checks against behaviour) and :data:`TP_PLAN`.
+Each is checked at ``import pid_plugins.hf``: by behaviour (probes on a tiny Llama) for gradient checkpointing,
+continuous batching and the attention interface, by types and signatures for the rest. Two read source text:
+:func:`calls_interface` and :data:`TP_PLAN`.
 """
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ def _initialize_weights() -> bool:
 
 
 def _tiny_llama(attn_implementation: str = "sdpa", **method: Any) -> Any:
-    """The probes' two-layer Llama in float32, ``method`` its ``config.<name>`` (built by its class: ``_from_config``
-    sets torch's default dtype, and enters ``deepspeed.zero.Init`` under a ZeRO-3 config)."""
+    """The probes' two-layer Llama in float32, ``method`` its ``config.<name>``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -128,8 +126,7 @@ def _raise(exception: type, *args: Any, **kwargs: Any) -> None:
 
 @behaviour_probe
 def _checkpointing() -> bool:
-    """Enabling checkpointing gives each checkpointed layer a ``_gradient_checkpointing_func`` with the
-    ``use_reentrant`` asked for (what the refusal of reentrant checkpointing reads)."""
+    """Checkpointed layers get a ``_gradient_checkpointing_func`` with the ``use_reentrant`` asked for."""
     model = _tiny_llama()
     seen = []
     enable = getattr(model, "activation_checkpointing_enable", None)  # from 5.24; gradient_checkpointing_enable before
@@ -147,8 +144,7 @@ def _checkpointing() -> bool:
 
 @behaviour_probe
 def _continuous_batching() -> bool:
-    """Every continuous batching entry (``generate_batch``, ``continuous_batching_context_manager``, ``generate`` with
-    a paged cache) first reaches the model's own ``init_continuous_batching`` (an instance attribute, as ours)."""
+    """Every continuous batching entry first reaches the model's own ``init_continuous_batching``."""
     from transformers.generation import utils
 
     class Entered(Exception):
@@ -174,8 +170,7 @@ def _continuous_batching() -> bool:
 
 @behaviour_probe
 def _interface_source() -> bool:
-    """The attention class :func:`calls_interface` names (transformers' own heuristic) dispatches through the
-    registered function: a method at zero parameters is the stock model bit for bit, with parameters it is not."""
+    """The class :func:`calls_interface` names dispatches through the registered function."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -248,8 +243,7 @@ INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, CHEC
 
 
 def unknown_cache(args: tuple, kwargs: dict, known: Tuple[str, ...]) -> Optional[str]:
-    """The keyword under which a forward got a transformers ``Cache`` that is not one of ``known`` (a release that
-    renamed the cache keyword again), or None."""
+    """The keyword under which a forward got a transformers ``Cache`` not in ``known``, or None."""
     from transformers.cache_utils import Cache
 
     for name, value in kwargs.items():

@@ -1,13 +1,6 @@
-"""Pipeline parallelism with ``torch.distributed.pipelining`` for a transformers model whose attention method
-carries state across layers: :func:`pipeline_stage` builds the stage module whose forward takes and returns that
-state with the hidden states, so the schedule sends it to the next stage (and its gradients back)::
-
-    stage_module = pid_plugins.hf.pipeline_stage(model, rank, world_size)   # this rank's layers, in place
-    stage = PipelineStage(stage_module, rank, world_size, device)
-    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
-
-Decoder-only families with ``base_model.layers`` (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...). transformers' own
-``DistributedConfig(pp_size=...)`` refuses these methods, naming this route. A whole example: docs/scaling.md.
+"""Pipeline parallelism (``torch.distributed.pipelining``) for a transformers model whose attention method carries
+state across layers: :func:`pipeline_stage` builds a stage module whose forward passes that state on with the hidden
+states. Decoder-only families with ``base_model.layers``; a whole example: docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -30,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class NotInStage(nn.Module):
-    """The placeholder of a module another pipeline stage owns: returns its first input unchanged (a layer's hidden
-    states, the embedding's ``inputs_embeds`` path is not taken, a norm's input)."""
+    """The placeholder of a module another stage owns: returns its first input unchanged."""
 
     def __init__(self, replaced: str = "") -> None:
         super().__init__()
@@ -46,16 +38,14 @@ class NotInStage(nn.Module):
 
 
 def stage_layer_range(stage_index: int, num_stages: int, num_layers: int) -> Tuple[int, int]:
-    """The layers ``[start, end)`` stage ``stage_index`` of ``num_stages`` owns by default: transformers' own even
-    split (``DistributedConfig(pp_size=...)``), the remainder one layer each to the first stages."""
+    """The layers ``[start, end)`` stage ``stage_index`` of ``num_stages`` owns by default: transformers' even split."""
     per_stage, remainder = divmod(num_layers, num_stages)
     start = stage_index * per_stage + min(stage_index, remainder)
     return start, start + per_stage + (stage_index < remainder)
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """The identity whose backward makes the gradient contiguous (gloo sends only contiguous tensors, and the
-    gradient of a stage input is sent back to the previous stage)."""
+    """The identity whose backward makes the gradient contiguous (gloo sends only contiguous tensors)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor) -> Tensor:
@@ -83,9 +73,7 @@ class _Carry:
 
 
 class PipelineStageModule(nn.Module):
-    """One pipeline stage of a transformers model with an attention method, made by :func:`pipeline_stage`: the module
-    to give ``PipelineStage``. Attributes: ``model`` (only this stage's modules), ``stage_index``, ``num_stages``,
-    ``layer_range``, ``is_first``, ``is_last``."""
+    """One pipeline stage made by :func:`pipeline_stage`, the module to give ``PipelineStage``."""
 
     def __init__(self, model: PreTrainedModel, stage_index: int, num_stages: int,
                  layer_range: Tuple[int, int]) -> None:
@@ -117,8 +105,7 @@ class PipelineStageModule(nn.Module):
 
     # ------------------------------------------------------------------------------------------ the state
     def state_fields(self) -> Tuple[str, ...]:
-        """The names of the state tensors that cross this stage's boundaries (empty: the stock attention, Twicing, a
-        method whose parameters compute the stock attention)."""
+        """The names of the state tensors that cross this stage's boundaries."""
         config = self.model.config
         method = method_of(config)
         if method is None or not method.state_fields:
@@ -213,29 +200,22 @@ class PipelineStageModule(nn.Module):
 
 def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
                    layer_range: Optional[Tuple[int, int]] = None) -> PipelineStageModule:
-    """Stage ``stage_index`` of ``num_stages`` of ``model`` for ``torch.distributed.pipelining``: the module whose
-    forward carries the attention method's cross-layer state across the stage boundary as tensors.
+    """Stage ``stage_index`` of ``num_stages`` of ``model``: the module whose forward carries the method's state.
 
-    The first stage's forward takes ``input_ids``, a later stage's ``(hidden_states, *state)``; the last stage
-    returns the logits, the others ``(hidden_states, *state)``. ``state`` is the method's ``state_fields`` after the
-    stage's last layer (PID: ``v_first, e_sum, e_prev``; NeuTRENO, value residual: ``v_first``; Elliptical:
-    ``v_prev``; Twicing and softmax: none), contiguous, with an empty tensor for a field that is None. Keyword
-    arguments (``attention_mask``, ``position_ids``) go to ``schedule.step`` on every rank; stages run without a KV
-    cache.
+    The first stage takes ``input_ids``, a later one ``(hidden_states, *state)``; the last returns the logits, the
+    others ``(hidden_states, *state)``, where ``state`` is the method's ``state_fields`` (an empty tensor for None).
+    Keyword arguments go to ``schedule.step`` on every rank; stages run without a KV cache.
 
     Args:
-        model: a transformers decoder-only model (``...ForCausalLM`` for logits from the last stage, or a base
-            model), with its attention method chosen (``attn_implementation=...``, :func:`pid_plugins.hf.convert`)
-            before the split; changed in place: the modules of other stages become placeholders, so the stage
-            module's ``parameters()`` are the stage's own.
+        model: a transformers decoder-only model with its attention method chosen before the split; changed in place
+            (other stages' modules become placeholders).
         stage_index: this stage, from 0 (usually the rank).
         num_stages: the number of stages (usually the world size).
         layer_range: the layers ``[start, end)`` of ``base_model.layers`` this stage owns (default: transformers'
-            even split, :func:`stage_layer_range`). Stages must cover the layers in order without gaps.
+            even split, :func:`stage_layer_range`).
 
-    Refused (``ValueError``) before anything is changed: a model without ``base_model.layers``, an empty or
-    out-of-range stage, a model with gain warm-up (finish it with :func:`pid_plugins.finish_warmup` first). Tied input
-    and output embeddings on different stages are two copies that training updates separately (a warning says so).
+    Raises ``ValueError`` before anything changes for a model without ``base_model.layers``, a bad stage, or gain
+    warm-up (:func:`pid_plugins.finish_warmup` first).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"pipeline_stage: a transformers PreTrainedModel, got {type(model).__name__}")

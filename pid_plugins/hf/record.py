@@ -1,14 +1,6 @@
-"""The method record in a transformers model's weights: ``pid_plugins_method``, the buffer the other zoos' models hold
-(:mod:`pid_plugins.core.record`: the UTF-8 JSON of the method and its parameters as ``uint8``), on the outermost model
-that runs a method (given when it is built, converted, or discovered at the first forward after
-``set_attn_implementation``), so ``save_pretrained`` writes it into the safetensors file beside the weights.
-
-Without pid-plugins, transformers lists the key as ``UNEXPECTED`` in its load report (a log warning, shown by default)
-when the folder is loaded with a stock ``attn_implementation``. With it, the model holds the key and loads it (no
-report); a folder saved without it loads with no missing-key report, and ``load_state_dict`` keeps the model's own.
-The record is never read into the model: it is rewritten from ``config`` at every ``state_dict()`` and left out while
-the config runs no method. Its length is a multiple of :data:`SIZE` bytes (the JSON padded with spaces), so a record of
-other parameters has the shape of the model's (transformers refuses a tensor of another shape).
+"""The method record in a transformers model's weights: ``pid_plugins_method`` (:mod:`pid_plugins.core.record`) on the
+outermost model that runs a method, written by ``save_pretrained`` beside the weights and rewritten from ``config``
+at every ``state_dict()``; never read into the model.
 """
 from __future__ import annotations
 
@@ -64,15 +56,13 @@ def _before_state_dict(model: nn.Module, prefix: str = "", keep_vars: bool = Fal
 
 
 def _keep_own(model: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: the model keeps its own record (a state dict without one, or of other
-    parameters, loads strictly)."""
+    """``load_state_dict`` pre-hook: the model keeps its own record."""
     if RECORD not in model._non_persistent_buffers_set:
         state_dict[prefix + RECORD] = model._buffers[RECORD]
 
 
 def refresh(module: nn.Module) -> None:
-    """Give ``module``'s record the bytes of its method, if it holds one (after transformers made it with
-    ``torch.empty``: a folder saved without a record)."""
+    """Give ``module``'s record the bytes of its method, if it holds one."""
     if RECORD in module._buffers and method_of(getattr(module, "config", None)) is not None:
         _write(module)
 
@@ -105,9 +95,7 @@ def _detach(model: nn.Module) -> None:
 
 
 def sync_record(model: nn.Module) -> None:
-    """Give ``model`` (a transformers model) the record of the method its config runs, and take the records of the
-    models nested in it (one record, on the outermost model); a model that runs no method loses its own record and
-    those of nested models that run none. A stock model built when no record was ever made is not even scanned."""
+    """Give ``model`` the record of the method its config runs; take those of its nested models."""
     runs = method_of(model.config) is not None
     if runs and model.__dict__.get(_HELD_ABOVE):
         return

@@ -1,12 +1,6 @@
-"""The gain warm-up of a transformers model: one counter per model (``attention_warmup``, a
-:class:`~pid_plugins.core.GainWarmup` submodule of the outermost model, so its ``t`` is saved and loaded with the
-weights), made when ``config.<method>`` asks for ``warmup_steps > 0``.
-
-* :func:`attach_warmup` gives a model the counter its config asks for (keeping an existing one's ``t``), or removes it;
-* :func:`counter_of` is the counter a model's layers read: its own, or the outermost model's (nested models, e.g.
-  T5's stacks or a base model inside a ``*ForCausalLM``, are given it by discovery);
-* each forward reads its scale ``min(1, t / N)`` once (:mod:`pid_plugins.hf.forward`), and advances ``t`` after a
-  training forward, so checkpointed layers recompute with the same scale.
+"""The gain warm-up of a transformers model: one counter (``attention_warmup``, a :class:`~pid_plugins.core.GainWarmup`
+submodule of the outermost model, saved with the weights) when ``config.<method>`` asks for ``warmup_steps > 0``.
+:func:`attach_warmup` gives or removes it; :func:`counter_of` is the counter a model's layers read.
 """
 from __future__ import annotations
 
@@ -40,16 +34,14 @@ def _warmup_steps(config: Any) -> int:
 
 
 def give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
-    """Make ``counter`` ``model``'s ``attention_warmup``; a checkpoint without it loads without a missing-key report
-    (the wrapped ``_initialize_weights`` of :mod:`pid_plugins.hf.install` starts it at 0)."""
+    """Make ``counter`` ``model``'s ``attention_warmup``."""
     ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
     model._keys_to_ignore_on_load_missing = {*(ignore or ()), WARMUP_MISSING_KEY}
     setattr(model, WARMUP_ATTR, counter)
 
 
 def attach_warmup(model: PreTrainedModel, config: Any = None) -> None:
-    """Give ``model`` the counter its method's parameters ask for (``config``, else read from ``model.config``),
-    keeping an existing counter's t, or remove it."""
+    """Give ``model`` the counter its method's parameters ask for (keeping an existing ``t``), or remove it."""
     current = model._modules.get(WARMUP_ATTR)
     steps = getattr(config, "warmup_steps", 0) if config is not None else _warmup_steps(model.config)
     if not steps and current is None:

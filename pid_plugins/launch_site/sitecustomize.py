@@ -1,10 +1,8 @@
-"""The start-up hook of ``pid-plugins run`` (:mod:`pid_plugins.launch`): Python imports it as ``sitecustomize``.
+"""The start-up hook of ``pid-plugins run`` (:mod:`pid_plugins.launch`), imported by Python as ``sitecustomize``.
 
-It adds one finder to ``sys.meta_path`` that imports a zoo's adapter (``pid_plugins.hf``, ...) right after the zoo's
-own ``__init__`` (``transformers``, ``timm``, ``mmseg``, ``fairseq``); an adapter that fails to import makes the
-zoo's import fail, naming it. Then it runs the ``sitecustomize`` Python would have run without this folder and takes
-this folder off ``sys.path`` (it stays on ``PYTHONPATH`` for child processes). Standard library only; nothing runs
-when it is imported under another name (:mod:`pid_plugins.launch` reads :data:`ADAPTERS` from it).
+It adds a finder that imports a zoo's adapter right after the zoo (an adapter that fails makes the zoo's import
+fail), then runs the ``sitecustomize`` Python would have run and takes this folder off ``sys.path``. Standard
+library only; nothing runs when it is imported under another name.
 """
 from __future__ import annotations
 
@@ -46,9 +44,7 @@ def _import_adapter(name: str) -> None:
 
 
 class AdapterLoader(importlib.abc.Loader):
-    """The zoo's own loader, then the adapter's import (once per process: the first time the zoo is executed; a
-    ``find_spec`` alone, as libraries do to ask whether a zoo is installed, imports nothing). The zoo's module keeps
-    its own loader afterwards."""
+    """The zoo's own loader, then the adapter's import, once per process (a ``find_spec`` alone imports nothing)."""
 
     def __init__(self, loader: importlib.abc.Loader, finder: "AdapterFinder", zoo: str) -> None:
         self.loader = loader
@@ -75,8 +71,7 @@ class AdapterLoader(importlib.abc.Loader):
 
 
 class AdapterFinder(importlib.abc.MetaPathFinder):
-    """Finds each zoo with the other finders and hands it out with an :class:`AdapterLoader`, until the zoo has
-    been executed once."""
+    """Finds each zoo with the other finders and hands it out with an :class:`AdapterLoader`, until it has run once."""
 
     def __init__(self, adapters: Sequence[str]) -> None:
         self.pending = {ADAPTERS[name][1]: name for name in adapters}

@@ -1,14 +1,8 @@
 """mmsegmentation adapter: ``PIDVisionTransformer``, a Segmenter/ViT backbone with PID attention (or another method).
 
 List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=dict(type='PIDVisionTransformer',
-...)``: every argument of mmseg's ``VisionTransformer`` plus ``attention='pid'|'softmax'|'<method>'`` and the
-method's parameters ``attention_cfg=dict(...)`` (over its ``mmseg`` preset, PID's ``segmenter``).
-``decode_head=dict(type='PIDSegmenterMaskTransformerHead', attention='pid')`` puts the method in the decoder too.
-A method registered with ``pid_plugins.register_method`` is picked by its name (its module in ``custom_imports``
-first). ``attention_cfg=dict(learnable=True)`` gives every layer its own trainable ``attention_params``; the
-shipped configs keep them out of weight decay. :func:`convert` switches a built segmentor in place. The import adds
-these types and ``WeightsOnlyCheckpointHook`` to mmseg's registries, and a stand-in ``mmcv._ext`` under mmcv-lite
-(docs/architecture.md); checkpoints load weights only on the plugin's paths (:mod:`pid_plugins.mmseg.checkpoint`).
+attention='pid', attention_cfg=dict(...))``; ``PIDSegmenterMaskTransformerHead`` puts the method in the decoder
+too, and :func:`convert` switches a built segmentor in place. Under mmcv-lite the import adds a stand-in ``mmcv._ext``.
 """
 from .compat import install_mmcv_ext_standin
 

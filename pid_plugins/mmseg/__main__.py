@@ -1,5 +1,4 @@
-"""``python -m pid_plugins.mmseg``: prints the folder of the shipped mmseg configs (:data:`pid_plugins.mmseg.CONFIGS`),
-for an absolute ``_base_`` in a config of your own."""
+"""``python -m pid_plugins.mmseg``: prints the folder of the shipped mmseg configs, for an absolute ``_base_``."""
 from . import CONFIGS
 
 print(CONFIGS)

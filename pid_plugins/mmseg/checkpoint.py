@@ -1,12 +1,6 @@
-"""Checkpoint loading for mmseg/mmengine that never runs code from a checkpoint, whatever
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says: :func:`load_checkpoint` passes ``weights_only=True`` for every scheme.
-
-Only the plugin's own paths use it; importing ``pid_plugins.mmseg`` leaves mmengine's ``CheckpointLoader`` as it is.
-``init_cfg=dict(type='Pretrained')`` of :class:`~pid_plugins.mmseg.PIDVisionTransformer` calls it;
-:class:`WeightsOnlyCheckpointHook` (in the shipped configs' ``custom_hooks``; add
-``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]`` to your own) routes every mmengine scheme through it for
-a run, ``load_from``/``resume`` and mmseg's tools included; :func:`install` does so process-wide, on request.
-:data:`SAFE_GLOBALS` allow-lists what mmengine's training checkpoints hold besides tensors, only inside these loads.
+"""Checkpoint loading for mmseg/mmengine that never runs code from a checkpoint: :func:`load_checkpoint` passes
+``weights_only=True``, on the plugin's own paths only (a method backbone's ``init_cfg``, a run with
+:class:`WeightsOnlyCheckpointHook`, the process after :func:`install`), allow-listing :data:`SAFE_GLOBALS`.
 """
 from __future__ import annotations
 
@@ -143,8 +137,7 @@ _SCOPE_LOCK = threading.RLock()
 
 @contextlib.contextmanager
 def weights_only_schemes() -> Iterator[None]:
-    """Inside: every mmengine ``CheckpointLoader`` scheme loads with :func:`load_checkpoint` (weights only).
-    After: mmengine's table is what it was before, exactly."""
+    """Inside: every mmengine ``CheckpointLoader`` scheme loads weights only; after: mmengine's table as it was."""
     require(CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS)
     loader_class = mm_checkpoint.CheckpointLoader
     with _SCOPE_LOCK:
@@ -161,8 +154,7 @@ def weights_only_schemes() -> Iterator[None]:
 
 @HOOKS.register_module()
 class WeightsOnlyCheckpointHook(Hook):
-    """``custom_hooks = [dict(type='WeightsOnlyCheckpointHook')]``: every mmengine checkpoint load between
-    ``before_run`` and ``after_run`` (``load_from``, ``resume``) is weights-only. The shipped configs add it."""
+    """Every mmengine checkpoint load between ``before_run`` and ``after_run`` is weights-only."""
 
     priority = "HIGHEST"
 
@@ -182,8 +174,7 @@ class WeightsOnlyCheckpointHook(Hook):
 
 
 def install() -> None:
-    """Opt-in, process-wide: every mmengine checkpoint scheme loads weights only from now on, with mmengine's
-    checkpoint classes allow-listed for every weights-only load of the process."""
+    """Opt-in, process-wide: every mmengine checkpoint scheme loads weights only from now on."""
     require(*CHECKPOINTS)
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
     for prefixes, loader in _SCHEMES:

@@ -1,6 +1,5 @@
-"""Lets mmsegmentation import with ``mmcv-lite`` (mmcv without compiled ops): without full mmcv, a stand-in
-``mmcv._ext`` whose ops exist (``mmcv.ops`` looks them up at import) and raise a ``RuntimeError`` naming the op when
-called. Segmenter never calls a compiled op.
+"""Lets mmsegmentation import with ``mmcv-lite``: a stand-in ``mmcv._ext`` whose ops raise a ``RuntimeError`` naming
+the op when called (Segmenter calls none).
 """
 from __future__ import annotations
 

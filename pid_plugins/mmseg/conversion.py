@@ -1,12 +1,8 @@
 """``convert(model, attention, attention_cfg)``: switch a built mmseg model's attention, in place.
 
-A Segmenter segmentor's ``backbone`` and ``decode_head`` are replaced by
-:class:`~pid_plugins.mmseg.PIDVisionTransformer` and :class:`~pid_plugins.mmseg.PIDSegmenterMaskTransformerHead`
-(each its own group, as a config with those types builds), their layers by
-:class:`~pid_plugins.mmseg.PIDTransformerEncoderLayer`; ``attention="softmax"`` puts mmseg's own classes back, bit
-for bit. A bare method backbone or head is reconfigured; a bare stock one keeps its class and
-gets the method class's attributes and forward (:func:`~pid_plugins.mmseg.vit.bare_forward`,
-:func:`~pid_plugins.mmseg.head.bare_head_forward`), as it has no parent to be replaced in.
+A Segmenter segmentor's ``backbone`` and ``decode_head`` are replaced by the method classes (each its own group);
+``attention="softmax"`` puts mmseg's own classes back, bit for bit. A bare stock backbone or head keeps its class
+and gets the method class's attributes and forward.
 """
 from __future__ import annotations
 
@@ -39,22 +35,15 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     """Switch an mmseg model's attention to ``attention``, in place; returns ``model``.
 
     Args:
-        model: a segmentor with mmseg's ``VisionTransformer`` backbone and ``SegmenterMaskTransformerHead`` (both
-            switch, each its own group; stock, built with pid-plugins' types or converted before), or a bare
-            ``PIDVisionTransformer`` / ``PIDSegmenterMaskTransformerHead`` (reconfigured, keeping its class), or a
-            bare stock ``VisionTransformer`` / ``SegmenterMaskTransformerHead`` (keeps its class, computes what the
-            method class computes).
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
-            ``"softmax"``: mmseg's stock attention (a segmentor's parts become mmseg's own classes again).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides of its ``mmseg`` preset (for
-            PID the paper's ``segmenter``), or a preset name; ``{"learnable": True}`` gives every layer its own
-            trainable parameters (``attention_params``), ``warmup_steps`` the warm-up counter (``attention_warmup``).
+        model: a segmentor with mmseg's ``VisionTransformer`` backbone and ``SegmenterMaskTransformerHead`` (stock or
+            with a method), or a bare backbone or head of those types or their ``PID*`` classes.
+        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
+            (mmseg's stock attention).
+        attention_cfg: the method's parameters: a config instance, a dict of overrides of its ``mmseg`` preset (PID:
+            ``segmenter``), or a preset name.
 
-    The model keeps its parameter and buffer tensors; learnable parameters are made on the layer's device and dtype:
-    build the optimizer after converting, and convert before wrapping the model (DDP, FSDP) or ``torch.compile``.
-
-    Raises ``ValueError`` (unknown method, bad parameters) or ``TypeError`` (a model, head or layer this cannot
-    convert) before anything is changed.
+    The model keeps its tensors; build the optimizer after converting, and convert before wrapping or
+    ``torch.compile``. Raises ``ValueError`` or ``TypeError`` before anything is changed.
     """
     where = f"convert({type(model).__name__})"
     choice = _choose(attention, attention_cfg, where)
@@ -80,8 +69,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
 
 
 def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, Optional[nn.Module], nn.Module]]:
-    """``(name, parent, module)`` of the modules holding attention layers that ``convert`` switches (each its own
-    group; parent None: the model itself); refuses anything else."""
+    """``(name, parent, module)`` of the modules whose attention layers ``convert`` switches; refuses others."""
     kind = type(model)
     if kind in _TO_STOCK:
         return [(kind.__name__, None, model)]
@@ -116,9 +104,7 @@ def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, 
 
 # ------------------------------------------------------------------------------------ a bare stock backbone or head
 def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> None:
-    """A bare stock ``VisionTransformer`` or ``SegmenterMaskTransformerHead`` switched in place, keeping its class:
-    what the method class's ``_configure_attention`` does (the method's attributes and record, the layers) and the
-    method class's forward bound to it; softmax removes all of it (mmseg's own layers and forward again)."""
+    """Switch a bare stock backbone or head in place, keeping its class; softmax removes it all again."""
     if choice is None:
         _switch_layers(model.layers, None)
         strip_attributes(model, MODEL_ATTRIBUTES + ("forward",))
@@ -132,8 +118,7 @@ def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> 
 
 
 def _finish(model: nn.Module) -> bool:
-    """Core's :func:`~pid_plugins.core.finish_warmup` for bare stock backbones and heads converted in place (core finishes
-    :class:`~pid_plugins.core.layer.MethodModel` instances itself)."""
+    """Core's :func:`~pid_plugins.core.finish_warmup` for bare stock backbones and heads converted in place."""
     found = False
     for name, module in model.named_modules():
         if type(module) in _TO_METHOD and "attention_method" in vars(module):

@@ -19,15 +19,11 @@ __all__ = ["PIDSegmenterMaskTransformerHead"]
 
 @MODELS.register_module()
 class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead):
-    """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method in its transformer layers, which
-    form their own group (the method's state starts afresh at the decoder's first layer). Parameter names are mmseg's:
-    stock Segmenter checkpoints load unchanged.
+    """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method in its layers (their own group).
 
     Args (beyond mmseg's head):
-        attention: ``'softmax'`` (default: the stock head, layers untouched), ``'pid'`` or another registered
-            method's name (:func:`pid_plugins.register_method`).
-        attention_cfg: the method's parameters: a preset name, its config, or a dict (``preset`` key allowed) over
-            its ``mmseg`` preset (PID: the paper's ``segmenter``).
+        attention: ``'softmax'`` (default: the stock head), ``'pid'`` or another registered method's name.
+        attention_cfg: the method's parameters: a preset name, its config, or a dict over its ``mmseg`` preset.
     """
 
     def __init__(self, *args: Any, attention: str = SOFTMAX, attention_cfg: Any = None, **kwargs: Any) -> None:
@@ -47,9 +43,7 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
 
 def method_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor],
                         stock_forward: Callable[[List[Tensor]], Tensor]) -> Tensor:
-    """The forward of a head with a method (:class:`PIDSegmenterMaskTransformerHead`, or a converted bare stock head):
-    the method's state threaded through the decoder's layers; mmseg's own when the method computes the stock
-    attention."""
+    """The forward of a head with a method: the method's state threaded through the decoder's layers."""
     scale = MethodModel.method_scale(head)  # one warm-up step per forward
     if not MethodModel.method_active.fget(head):
         return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward

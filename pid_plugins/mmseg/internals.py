@@ -1,9 +1,7 @@
 """The mmengine internals the mmseg adapter checks at run time: what, why, which versions, and the check.
 
-mmsegmentation 1.2.2 and mmcv-lite 2.1 (no release since 2023) are pinned (``<1.3``, ``<2.2``): the pin and the test
-suite guard the code the method classes compute again and mmcv's op loader under the ``mmcv._ext`` stand-in.
-mmengine is not capped, and the weights-only loading (:mod:`pid_plugins.mmseg.checkpoint`) replaces and restores
-parts of its checkpoint module: those are checked here, by behaviour, where the loading first runs.
+mmsegmentation and mmcv-lite are pinned and guarded by the suite; mmengine is not capped, so the parts of its
+checkpoint module that the weights-only loading replaces and restores are checked here, by behaviour.
 """
 from __future__ import annotations
 
@@ -29,9 +27,7 @@ _SCHEME_SAMPLES = {r"(\S+\:)?s3://": "s3://bucket/model.pth", r"(\S+\:)?petrel:/
 
 
 def _checkpoint_schemes() -> bool:
-    """mmengine's own schemes (prefix -> loader, a class attribute; ours replace them during a run) are exactly those
-    paired with weights-only loaders (another library's are its own), sorted, each path loaded by its scheme's
-    loader, and ``register_scheme`` rebinds the table rather than editing it in place."""
+    """mmengine's schemes match the weights-only loaders and load by scheme; ``register_scheme`` rebinds the table."""
     from mmengine.runner import checkpoint as mm_checkpoint
 
     loader = mm_checkpoint.CheckpointLoader

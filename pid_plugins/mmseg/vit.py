@@ -1,9 +1,6 @@
-"""Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter).
-
-:class:`PIDTransformerEncoderLayer` replaces each of mmseg's encoder layers (the same submodules and parameter names,
-so checkpoints load as they are), computes q/k/v from the packed ``in_proj_weight`` and hands the SDPA call to the
-method; :class:`PIDVisionTransformer` threads the method's state through the layers. With softmax, or a method that
-computes the stock attention, the layers stay mmseg's own: the stock output, bit for bit.
+"""Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter):
+:class:`PIDTransformerEncoderLayer` replaces each encoder layer (same parameter names) and
+:class:`PIDVisionTransformer` threads the method's state through the layers.
 """
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mm
 
 
 def _choose(attention: str, attention_cfg: Any, where: str) -> Optional[MethodChoice]:
-    """:func:`~pid_plugins.core.resolve_attention` for mmseg: None for softmax, else the method and its parameters
-    over its ``mmseg`` preset (learnable parameters included: each layer gets its own ``attention_params``)."""
+    """:func:`~pid_plugins.core.resolve_attention` for mmseg: None for softmax, else the method and its parameters."""
     return resolve_attention(attention, attention_cfg, zoo="mmseg", where=where)
 
 
@@ -44,9 +40,7 @@ STATE_ROUTE = ("With mmseg, run the layers through the backbone's (or the decode
 
 
 def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
-    """Switch ``layers`` to ``choice``, in place, each layer replaced inside ``layers`` (its index the name): mmseg's
-    own layers for a choice that computes the stock attention, else :class:`PIDTransformerEncoderLayer` with the method,
-    its config, fresh learnable parameters where asked and its position in the group (``layer_index``)."""
+    """Switch ``layers`` to ``choice``, in place: mmseg's own layers or :class:`PIDTransformerEncoderLayer` ones."""
     stock = choice is None or choice.method.is_identity(choice.config)
     for index in range(len(layers)):
         name = str(index)
@@ -72,12 +66,7 @@ def _check_layers(layers: ModuleList, where: str) -> None:
 
 
 class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
-    """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``.
-
-    Made from one of mmseg's own layers by :func:`~pid_plugins.core.layer.replace_module` (never built directly), with
-    its submodules and parameter names; ``attention_config``, ``attention_method`` and ``attention_params`` (learnable
-    parameters, or None) hold the method.
-    """
+    """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(
@@ -86,9 +75,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         )
 
     def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
-        """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected.
-        Under gain warm-up mmcv's own attention is the stock path, to which the method adds its scaled term: a zero
-        scale is the stock layer exactly."""
+        """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected."""
         a = self.attn
         mha = a.attn  # torch.nn.MultiheadAttention
         B, N, C = x.shape
@@ -145,8 +132,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
 
 def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
-    """The learnable method parameters of every :class:`PIDTransformerEncoderLayer` in ``model`` at their initial
-    values, by their ``state_dict`` names: what a checkpoint without them loads as."""
+    """The learnable method parameters of ``model``'s layers at their initial values, by their ``state_dict`` names."""
     out: Dict[str, Tensor] = {}
     for name, layer in model.named_modules():
         gains = getattr(layer, "attention_params", None)
@@ -161,9 +147,7 @@ def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
 
 
 def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names, as mmseg's
-    ``tools/model_converters/vit2mmseg.py`` renames them (the classifier dropped; learnable method parameters move from
-    ``blocks.<i>.attn.attention_params.*`` to ``layers.<i>.attention_params.*``)."""
+    """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names, as mmseg's ``vit2mmseg``."""
     out: Dict[str, Tensor] = {}
     for key, value in state_dict.items():
         if key.startswith(("head", "fc_norm", "head_dist", "dist_token")):
@@ -188,14 +172,8 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     """mmseg's ``VisionTransformer`` with an attention method (PID by default) in its encoder layers (one group).
 
     Args (beyond mmseg's ``VisionTransformer``):
-        attention: ``'pid'`` (default), ``'softmax'`` (the stock backbone) or another registered method's name
-            (:func:`pid_plugins.register_method`).
-        attention_cfg: the method's parameters: a preset name, its config, or a dict (``preset`` key allowed) over
-            its ``mmseg`` preset (PID: the paper's ``segmenter``).
-
-    ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` loads an mmseg ViT or a timm ViT/DeiT checkpoint
-    (:func:`timm_vit_to_mmseg`) strictly and weights-only; learnable method parameters it lacks start at their initial
-    values. A whole segmentor checkpoint is refused: load it with ``load_from``.
+        attention: ``'pid'`` (default), ``'softmax'`` (the stock backbone) or another registered method's name.
+        attention_cfg: the method's parameters: a preset name, its config, or a dict over its ``mmseg`` preset.
     """
 
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
@@ -265,8 +243,7 @@ def _output(model: VisionTransformer, x: Tensor, hw_shape: Tuple[int, int]) -> A
 
 def method_forward(model: VisionTransformer, inputs: Tensor, stock_forward: Callable[[Tensor], Tuple[Any, ...]]
                    ) -> Tuple[Any, ...]:
-    """The forward of a backbone with a method (:class:`PIDVisionTransformer`, or a converted bare stock backbone):
-    the method's state threaded through the layers; mmseg's own when the method computes the stock attention."""
+    """The forward of a backbone with a method: the method's state threaded through the layers."""
     scale = MethodModel.method_scale(model)  # one warm-up step per forward (outside the checkpointed layers)
     if not MethodModel.method_active.fget(model):
         return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward

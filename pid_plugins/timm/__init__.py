@@ -1,14 +1,9 @@
-"""timm adapter: PID DeiT/ViT and FAN (and any registered attention method) in timm's model registry.
-
-``import pid_plugins.timm`` registers every timm variant declared in ``registry/timm.toml``::
+"""timm adapter: PID DeiT/ViT and FAN (and any registered attention method) in timm's model registry::
 
     model = timm.create_model("pid_deit_tiny_patch16_224")                       # preset `deit`
-    model = timm.create_model("pid_deit_tiny_patch16_224", attention="<name>", attention_cfg={...})  # a method
     pid_plugins.timm.convert(stock_vit, "pid", {"lambda_p": 0.5})               # in place, the same tensors
-    pid_plugins.timm.convert(stock_vit, "softmax")                               # timm's own classes again
 
-:func:`convert` is the one way to switch a built model (ViT/DeiT, FAN). The import adds the ``pid_*`` and ``fan_*``
-names to timm's registry and core's update step to timm's fx leaf functions; nothing else (docs/architecture.md).
+The variants are declared in ``registry/timm.toml``.
 """
 try:
     import timm  # noqa: F401

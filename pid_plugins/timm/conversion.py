@@ -1,10 +1,8 @@
 """``convert(model, attention, attention_cfg)``: switch a built timm model's attention, in place.
 
-A stock ViT/DeiT keeps its class (a root cannot be replaced in place): ``model.blocks`` becomes a
-:class:`~pid_plugins.timm.MethodBlocks` of :class:`~pid_plugins.timm.PIDBlock` blocks, and ``forward_features`` /
-``forward_intermediates`` become the method classes' (instance attributes, :func:`thread_root_paths`), so it runs
-every path of the model built by name, with its ``state_dict`` keys. ``attention="softmax"`` gives timm's own classes
-back, bit for bit; a model with a method is reconfigured; FAN switches its token mixing and keeps its class.
+A stock ViT/DeiT keeps its class; its blocks become a :class:`~pid_plugins.timm.MethodBlocks` and its root paths the
+method classes' (:func:`thread_root_paths`). ``attention="softmax"`` gives timm's own classes back, bit for bit; FAN
+switches its token mixing and keeps its class.
 """
 from __future__ import annotations
 
@@ -36,22 +34,16 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
     """Switch a timm model's attention to ``attention``, in place; returns ``model``.
 
     Args:
-        model: a timm ``VisionTransformer`` / ``VisionTransformerDistilled`` built with timm's standard ``Block`` +
-            ``Attention`` (DeiT, ViT), one converted before or built by a ``pid_*`` name, or a FAN
-            (``fan_*`` / ``pid_fan_*``).
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or
-            ``"softmax"``: timm's stock attention (a converted stock ViT/DeiT goes back to timm's own classes).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides of its default preset (for
-            PID the ``deit`` preset), or a preset name.
+        model: a timm ``VisionTransformer`` / ``VisionTransformerDistilled`` with timm's standard ``Block`` and
+            ``Attention`` (DeiT, ViT), one with a method, or a FAN (``fan_*`` / ``pid_fan_*``).
+        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
+            (timm's stock attention).
+        attention_cfg: the method's parameters: a config instance, a dict of overrides of its default preset (PID:
+            ``deit``), or a preset name.
 
-    The model keeps its parameter and buffer tensors; learnable parameters (``{"learnable": True}``) and the warm-up
-    counter (``attention_warmup``) are added on the model's device and dtype: build the optimizer after converting.
-    Convert before ``torch.compile`` (a compiled wrapper is refused) and before wrapping the model (DDP, FSDP). A
-    converted stock ViT keeps its class and runs every path of the model built by its ``pid_*`` name with the same
-    outputs (:func:`thread_root_paths`).
-
-    Raises ``ValueError`` (unknown method, bad parameters, blocks of different head shapes) or ``TypeError`` (a
-    model or block this cannot convert) before anything is changed.
+    The model keeps its tensors; learnable parameters and the warm-up counter are added where asked (build the
+    optimizer after converting). Convert before ``torch.compile`` and wrapping. Raises ``ValueError`` or ``TypeError``
+    before anything is changed.
     """
     where = type(model).__name__
     choice = resolve_timm_attention(attention, attention_cfg, where=where)
@@ -103,8 +95,7 @@ def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
 
 
 def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:
-    """(Stock or method) ViT -> :class:`MethodBlocks` of PID blocks with ``choice``; the root keeps its class (a model
-    built by name holds the method itself, a stock root only the warm-up counter)."""
+    """(Stock or method) ViT -> :class:`MethodBlocks` of PID blocks with ``choice``; the root keeps its class."""
     blocks = replace_module(model, "blocks", MethodBlocks)
     for key in list(blocks._modules):
         replace_module(blocks._modules[key], "attn", PIDAttention)
@@ -133,9 +124,7 @@ ROOT_PATHS = ("forward_features", "forward_intermediates")
 
 
 def thread_root_paths(model: nn.Module) -> None:
-    """Give a converted stock ViT root the method classes' ``forward_features`` and ``forward_intermediates`` as
-    instance attributes (``functools.partial`` of the class's functions: ``copy.deepcopy`` and pickling keep them), so
-    every path of timm's model contract threads the method's state; :func:`_to_stock` removes them."""
+    """Give a converted stock ViT root the method classes' ``forward_features`` and ``forward_intermediates``."""
     for name in ROOT_PATHS:
         model.__dict__[name] = partial(getattr(_MethodViTMixin, name), model)
 
@@ -168,8 +157,7 @@ def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
 
 # ----------------------------------------------------------------------------------------------- finish_warmup
 def _finish(model: nn.Module) -> bool:
-    """Core's :func:`~pid_plugins.core.finish_warmup` for the blocks containers: the reference to the counter goes
-    with the counter (a model built by name drops it in core); a converted stock root's counter is dropped here."""
+    """Core's :func:`~pid_plugins.core.finish_warmup` for the blocks containers and a converted stock root's counter."""
     found = False
     for owner in model.modules():
         blocks = owner._modules.get("blocks")

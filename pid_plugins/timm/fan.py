@@ -1,11 +1,8 @@
 """FAN (Fully Attentional Networks, Zhou et al., ICML 2022), ViT variant, softmax and PID, as timm models.
 
-Written from the paper and the official model's description; with an official state_dict (after
-:func:`checkpoint_filter_fn`) it computes the official function, initialisation included
-(``tests/zoos/timm/test_timm_fan_official.py``). The stem, Fourier positions and class-attention blocks are timm's
-XCiT components. The method (``attention="<name>"``) is the token-mixing self-attention of the FAN blocks, its state
-passed as tensors ``block(x, H, W, *state) -> (x, *state)``; class attention stays softmax. Names (registry/timm.toml):
-``fan_{tiny_12,small_12,base_18,large_24}_p16_224`` (softmax) and ``pid_fan_*`` (PID, preset ``deit``).
+With an official state_dict (after :func:`checkpoint_filter_fn`) it computes the official function. The method is
+the FAN blocks' token-mixing self-attention, its state passed as tensors ``block(x, H, W, *state) -> (x, *state)``;
+class attention stays softmax. Names: ``fan_*_p16_224`` (softmax) and ``pid_fan_*`` (registry/timm.toml).
 """
 from __future__ import annotations
 
@@ -44,8 +41,7 @@ __all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_fi
 
 
 class TokenMixing(MethodLayer, nn.Module):
-    """Multi-head self-attention over the tokens (query ``q``, joint key/value ``kv``), optionally with an attention
-    method; ``fused_attn`` (timm's switch) picks SDPA or the official ``softmax((q * scale) @ k^T) @ v``."""
+    """Multi-head self-attention over the tokens, optionally with an attention method."""
 
     fused_attn: torch.jit.Final[bool]
 
@@ -84,12 +80,7 @@ class TokenMixing(MethodLayer, nn.Module):
 
 
 class ChannelMlp(nn.Module):
-    """``fc1 -> x + gamma * DWConv(x) -> fc2``: an MLP whose hidden features get a depthwise-convolution branch.
-
-    There is no activation after the residual (the official module builds one and never calls it); the only
-    non-linearity is the GELU inside ``DWConv`` (depthwise 3x3 conv, GELU, BatchNorm, depthwise 3x3 conv,
-    timm's XCiT ``LPI``, which has the same parameter names). Dropout follows the official placement.
-    """
+    """``fc1 -> x + gamma * DWConv(x) -> fc2``: an MLP whose hidden features get a depthwise-convolution branch."""
 
     def __init__(self, in_features: int, hidden_features: int, drop: float = 0.0,
                  device: Any = None, dtype: Any = None) -> None:
@@ -108,12 +99,8 @@ class ChannelMlp(nn.Module):
 
 
 class ChannelProcessing(nn.Module):
-    """Attention over channels (FAN's channel processing).
-
-    Per head: ``a = sigmoid(softmax_N(q)^T @ mean_C(softmax_N(k))) * temperature`` gives one weight per
-    channel (``q = W_q x``, ``k = x``), and the output is ``a * LayerNorm(ChannelMlp(x))``. As in the official
-    model, ``norm_v`` is a LayerNorm with PyTorch's default eps (1e-5, not the model's 1e-6) and the MLP's
-    activation is always GELU, whatever the model's ``norm_layer`` / ``act_layer``.
+    """Attention over channels: ``a * LayerNorm(ChannelMlp(x))`` with
+    ``a = sigmoid(softmax_N(q)^T @ mean_C(softmax_N(k))) * temperature`` per head.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, attn_drop: float = 0.0,
@@ -181,11 +168,7 @@ class FANBlock(nn.Module):
 
 
 class FAN(MethodModel, nn.Module):
-    """FAN-ViT: convolutional stem, Fourier positions, FAN blocks, two class-attention blocks, head.
-
-    ``attention`` (``"softmax"``, the ``fan_*`` default; ``"pid"``; or a registered method) is the FAN blocks' token
-    mixing, ``attention_cfg`` its parameters (over ``deit``). :func:`pid_plugins.timm.convert` switches a built FAN.
-    """
+    """FAN-ViT: convolutional stem, Fourier positions, FAN blocks (token mixing: ``attention``), class attention."""
 
     def __init__(
         self,

@@ -1,8 +1,6 @@
 """Every timm internal the adapter reads, in one place: what, why, which versions, and its check.
 
-timm still releases (unbounded), so each is checked where first used (``import pid_plugins.timm`` runs them all):
-its private modules (``_builder``, ``_manipulate``, ``_features``, ``_registry``) and the parts of its ViT, Block,
-Attention and XCiT code that the method classes compute again. timm is imported inside the checks only.
+timm still releases, so each is checked where first used (``import pid_plugins.timm`` runs them all).
 """
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ def _feature_take_indices() -> bool:
 
 
 def _checkpoint() -> bool:
-    """timm's checkpoint hands the call to torch's with the reentrant flag given: seen by the output's autograd node
-    (reentrant checkpointing's own Function, or the function's op)."""
+    """timm's checkpoint hands the call to torch's with the reentrant flag given."""
     from timm.models._manipulate import checkpoint
 
     with torch.inference_mode(False), torch.enable_grad():  # (whatever grad mode the caller imports under)

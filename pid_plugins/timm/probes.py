@@ -1,5 +1,4 @@
-"""The probes of :mod:`pid_plugins.timm.internals` (its ``PROBES``): timm's Block / ViT and the method's on the same
-perturbed weights, PID at zero gains, compared bit for bit (a release computing otherwise fails, whatever its text)."""
+"""The probes of :mod:`pid_plugins.timm.internals`: timm's Block / ViT and the method's, compared bit for bit."""
 from __future__ import annotations
 
 import torch
@@ -38,8 +37,7 @@ def _block_probe() -> bool:
 
 @behaviour_probe
 def _vit_probe() -> bool:
-    """The stock ViT and the method ViT (PID at zero gains) compute the same, bit for bit: forward, forward_features
-    with a mask, every intermediate of forward_intermediates."""
+    """The stock ViT and the method ViT (PID at zero gains) compute the same, bit for bit, on every path."""
     stock = perturbed(VisionTransformer(**PROBE_VIT))
     zero = _zero_pid()
     model = PIDVisionTransformer(**PROBE_VIT, attention=zero.method.name, attention_cfg=zero.config).float().eval()

@@ -1,8 +1,7 @@
 """PID Vision Transformer / DeiT for timm (PID, or any registered attention method: ``attention="<name>"``).
 
-The method's group is the stack of blocks, held by :class:`MethodBlocks` (timm's ``model.blocks`` keys), which
-threads the method's state between blocks as plain tensors; :class:`PIDVisionTransformer` routes every path of
-timm's model contract through it. Variants are declared in ``registry/timm.toml`` and registered here.
+:class:`MethodBlocks` threads the method's state between blocks as plain tensors; :class:`PIDVisionTransformer`
+routes every path of timm's model contract through it. Variants are registered from ``registry/timm.toml``.
 """
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ __all__ = [
 ]
 
 class PIDAttention(MethodLayer, Attention):
-    """timm's ``Attention`` (same parameters, same state_dict) with the attention method's step before ``proj``:
-    ``forward(x, state) -> (y, new_state)``; with softmax or an identity config, timm's ``Attention`` exactly."""
+    """timm's ``Attention`` with the method's step before ``proj``: ``forward(x, state) -> (y, new_state)``."""
 
     def __init__(self, *args: Any, choice: Optional[MethodChoice] = None, **kwargs: Any) -> None:
         BLOCK.require()
@@ -83,12 +81,7 @@ class PIDAttention(MethodLayer, Attention):
 
 
 class PIDBlock(Block):
-    """timm's pre-norm ``Block`` whose attention is :class:`PIDAttention`.
-
-    ``forward(x, *state, with_state=True, warmup_scale=...)`` returns ``(x, *new_state)``, a flat tuple of tensors
-    (checkpointable either way). Called as timm's ``Block`` (``block(x)``), a block after the first gets no state and
-    raises :class:`~pid_plugins.core.MissingLayerState`, never a different function.
-    """
+    """timm's pre-norm ``Block`` with :class:`PIDAttention`: ``forward(x, *state, ...)`` returns ``(x, *new_state)``."""
 
     attn: PIDAttention
 
@@ -115,8 +108,7 @@ class PIDBlock(Block):
 
 
 def _flag(is_causal: Any) -> Any:
-    """``is_causal`` as the Python bool SDPA takes (a traced 0-dim tensor under torch.onnx's TorchScript exporter,
-    read once here: a constant of the export, as in timm's own ``VisionTransformer``)."""
+    """``is_causal`` as the Python bool SDPA takes (read once under torch.onnx's TorchScript exporter)."""
     if isinstance(is_causal, Tensor):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -125,13 +117,7 @@ def _flag(is_causal: Any) -> Any:
 
 
 class MethodBlocks(nn.Sequential):
-    """``model.blocks`` of a ViT/DeiT with an attention method: timm's ``nn.Sequential`` of the same blocks under the
-    same keys, whose forward runs the method's group.
-
-    ``forward(x)`` reads the model's warm-up scale once and calls each :class:`PIDBlock` with the previous block's
-    state. The warm-up counter stays the model's submodule (``attention_warmup``); the container holds a plain
-    reference (:meth:`hold_warmup`). ``checkpointed``: each block under timm's ``checkpoint``.
-    """
+    """``model.blocks`` of a ViT/DeiT with a method: the same blocks and keys, threading the method's state."""
 
     warmup_counter: Optional[GainWarmup]
 
@@ -140,8 +126,7 @@ class MethodBlocks(nn.Sequential):
         self.hold_warmup(None)
 
     def hold_warmup(self, counter: Optional[GainWarmup]) -> None:
-        """Read the warm-up scale from ``counter`` (the model's ``attention_warmup``; None: no warm-up). A plain
-        reference, so the counter is saved once, where the model holds it."""
+        """Read the warm-up scale from ``counter`` (None: no warm-up), held as a plain reference."""
         self.__dict__["warmup_counter"] = counter
 
     def __getitem__(self, idx: Union[slice, int]) -> Any:
@@ -159,8 +144,7 @@ class MethodBlocks(nn.Sequential):
         take_indices: Optional[List[int]] = None,
         norm: Optional[nn.Module] = None,
     ) -> Tuple[Tensor, List[Tensor]]:
-        """The blocks with the method's state threaded: the output and the block outputs at ``take_indices`` (after
-        ``norm`` if given). Checkpointing applies without ``attn_mask`` / ``is_causal``, as in timm."""
+        """The blocks with the method's state threaded: the output and the block outputs at ``take_indices``."""
         is_causal = _flag(is_causal)
         use_checkpoint = checkpointed and attn_mask is None and not is_causal
         kwargs: Dict[str, Any] = dict(with_state=True)
@@ -202,8 +186,7 @@ class _MethodViTMixin(MethodModel):
         self.set_vit_method(choice)
 
     def set_vit_method(self, choice: Optional[MethodChoice]) -> None:
-        """Hold ``choice`` (None: softmax) and its warm-up counter, which the blocks container reads; number the
-        blocks (the method's group)."""
+        """Hold ``choice`` (None: softmax) and its warm-up counter; number the blocks."""
         self.set_model_method(choice, next(self.parameters()), where=type(self).__name__)
         self.blocks.hold_warmup(self.attention_warmup)
         number_layers(blk.attn for blk in self.blocks)
@@ -270,9 +253,9 @@ class _MethodViTMixin(MethodModel):
 class PIDVisionTransformer(_MethodViTMixin, VisionTransformer):
     """timm ``VisionTransformer`` with PID attention (or another registered method) in every block.
 
-    Extra keyword arguments: ``attention`` (``"pid"``, a registered method's name, or ``"softmax"`` for the stock
-    model) and ``attention_cfg`` (the method's parameters: an instance, a dict of overrides of its default preset,
-    or a preset name).
+    Extra keyword arguments: ``attention`` (``"pid"``, a registered method's name, or ``"softmax"``) and
+    ``attention_cfg`` (the method's parameters: an instance, a dict of overrides of its default preset, or a preset
+    name).
     """
 
 
@@ -285,8 +268,7 @@ _MODEL_CLASSES = {"vit": PIDVisionTransformer, "vit_distilled": PIDVisionTransfo
 
 # ------------------------------------------------------------------------------------ checkpoints
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer, **kwargs: Any) -> Dict[str, Tensor]:
-    """Adapt a (softmax or PID) ViT/DeiT checkpoint to ``model`` with timm's ViT filter, filling in learnable
-    gains a softmax checkpoint lacks from their initial values; a ``ValueError`` lists missing and unexpected keys."""
+    """Adapt a (softmax or PID) ViT/DeiT checkpoint to ``model``, filling in learnable gains it lacks."""
     VIT_CHECKPOINT_FILTER.require()
     out = _vit_checkpoint_filter_fn(state_dict, model, **kwargs)
     return finish_state_dict(
