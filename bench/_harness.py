@@ -47,7 +47,8 @@ def interleaved(
     ``min_time`` (seconds): a repetition runs the function as many times as fits (at least once) so that
     very short workloads (decode of a few tokens, small N) are not dominated by timer granularity; the
     per-call time is reported. Returns the medians, the ratio PID/stock (median of the per-repetition ratios),
-    the ratio of the medians and of the minima, and the spread (IQR / median) of each side.
+    the ratio of the medians and of the minima, the median of the per-repetition differences (PID - stock, seconds)
+    and the spread (IQR / median) of each side.
     """
     for _ in range(warmup):
         stock(), pid()
@@ -80,6 +81,7 @@ def interleaved(
     return {
         "stock_s": ms, "pid_s": mp, "ratio": paired, "ratio_of_medians": mp / ms,
         "ratio_of_minima": min(tp) / min(ts), "reps": reps,
+        "median_diff_s": statistics.median(p - s for s, p in zip(ts, tp)),
         "inner": inner,
         "stock_spread": _spread(ts), "pid_spread": _spread(tp),
     }
