@@ -145,6 +145,8 @@ def pid_update(
         term are computed in float32 and ``u`` is rounded once.
     """
     if type(gains) is PIDConfig:  # the common case, fixed gains: no unpacking, no tensor checks
+        if scale is None and not torch.jit.is_tracing():
+            return _fixed_update(attn_out, value, state, _folded(gains), head_dim)
         lambda_p, lambda_i, lambda_d, beta = gains.lambda_p, gains.lambda_i, gains.lambda_d, gains.beta
         control_first_layer, tensor_gains = gains.control_first_layer, False
     else:
@@ -222,6 +224,65 @@ def pid_update(
     if out.dtype != attn_out.dtype:
         out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
     return (out if grouped is None else out.reshape(attn_out.shape)), new_state
+
+
+class _Folded(NamedTuple):
+    """A fixed-gain config's numbers as the update adds them (folded once per config, not per call)."""
+
+    first: float  #: lambda_p + lambda_i: the first controlled layer's weight of e (S = e, no D term)
+    e: float  #: lambda_p + lambda_d
+    e_sum: float  #: lambda_i
+    e_prev: float  #: -lambda_d
+    beta: float
+    beta_is_one: bool
+    control_first_layer: bool
+
+
+@functools.lru_cache(maxsize=256)
+def _folded(config: PIDConfig) -> _Folded:
+    lp, li, ld = config.lambda_p, config.lambda_i, config.lambda_d
+    return _Folded(lp + li, lp + ld, li, -ld, config.beta, config.beta == 1.0, config.control_first_layer)
+
+
+def _fixed_update(attn_out: Tensor, value: Tensor, state: Optional[PIDState], g: _Folded,
+                  head_dim: int) -> tuple[Tensor, PIDState]:
+    """:func:`pid_update` with fixed (Python float) gains and no warm-up scale: the same float operations in the same
+    order as the general path below, with the gains folded once per config and no per-call lists."""
+    shape = value.shape
+    if state is not None and state[0].shape != shape:
+        pid_update(attn_out, value, state, (0.0, 0.0, 0.0, 1.0))  # raises the explanatory error
+    out_shape = attn_out.shape
+    grouped = None if out_shape == shape else _grouped_shapes(out_shape, shape, head_dim)
+    if state is None:
+        wide = _WIDER.get(value.dtype) or _state_dtype(value.dtype)
+        v_ref = value if wide == value.dtype else value.to(wide)
+        if not g.beta_is_one:
+            v_ref = v_ref * g.beta
+        if not g.control_first_layer:
+            return attn_out, PIDState(v_ref, None, None)
+    else:
+        v_ref = state[0]
+    e = v_ref - value
+    e_prev = None if state is None else state[2]
+    if e_prev is None:  # the group's first controlled layer: S = e, no D term
+        new_state = PIDState(v_ref, e, e)
+        terms: tuple = ((e, g.first),)
+    else:
+        e_sum = state[1] + e
+        new_state = PIDState(v_ref, e_sum, e)
+        terms = ((e, g.e), (e_sum, g.e_sum), (e_prev, g.e_prev))
+    out = None
+    target = attn_out if grouped is None else attn_out.reshape(grouped[0])
+    for x, gain in terms:
+        if gain != 0.0:  # a zero fixed gain launches nothing
+            if grouped is not None:
+                x = x.reshape(grouped[2])
+            out = torch.add(target, x, alpha=gain) if out is None else out.add_(x, alpha=gain)
+    if out is None:  # all gains zero: the attention output itself, the stock model bit for bit
+        return attn_out, new_state
+    if out.dtype != attn_out.dtype:
+        out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
+    return (out if grouped is None else out.reshape(out_shape)), new_state
 
 
 def _is_one(x: Gain) -> bool:

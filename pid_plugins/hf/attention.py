@@ -197,7 +197,7 @@ def method_attention_forward(
             f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
             f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
         )
-    earlier = getattr(module, EARLIER, None)  # set by discovery; else the layers before it in index order
+    earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
     weights: Optional[Tensor] = None
 
@@ -212,19 +212,21 @@ def method_attention_forward(
             weights = probabilities
         return out
 
-    call = LayerCall(
-        attend, query, value, v_q.transpose(1, 2), head_dim=-2,  # the output's (B, q, heads, D), contiguous for o_proj
-        context=AttentionContext(causal=bool(getattr(module, "is_causal", False)),
-                                 cached=run.cached or key.shape[-2] != query.shape[-2],
-                                 dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]),
-        scale=run.scale,
-        visible=lambda: _visible(module, attention_mask, query, key, kwargs, run),
-        slot=lambda: _slot(run, module, q_len, length),
-        layer=index if earlier is None else len(earlier),  # its position in its stack (encoder, decoder: each from 0)
-        restart=run.restart, state_route=STATE_ROUTE,
-    )
+    context = _context(bool(getattr(module, "is_causal", False)), bool(run.cached or key.shape[-2] != query.shape[-2]),
+                       bool(kwargs.get("dropout", 0.0)), bool(key.shape[1] != query.shape[1]))
+    # (the output's (B, q, heads, D) layout, contiguous for o_proj: head_dim -2)
+    call = LayerCall(attend, query, value, v_q.transpose(1, 2), -2, context, run.scale,
+                     (lambda: _visible(module, attention_mask, query, key, kwargs, run))
+                     if method.reads_visible else None,
+                     (lambda: _slot(run, module, q_len, length)) if method.cache_slot else None,
+                     None, None, index if earlier is None else len(earlier), run.restart, STATE_ROUTE)
     u, layers[index] = method.apply(run.config, learned, call, previous)
     return u, weights
+
+
+@functools.lru_cache(maxsize=None)
+def _context(causal: bool, cached: bool, dropout: bool, grouped: bool) -> AttentionContext:
+    return AttentionContext(causal, cached, dropout, grouped)
 
 
 class _ExpandedHeads:
