@@ -45,13 +45,11 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Opt
 import torch
 from torch import Tensor, nn
 
-from .config import MethodConfig, PIDConfig, fx_constant
-from .control import PIDState, pid_update
-from .gains import PIDGains
+from .config import MethodConfig, fx_constant
 from .warmup import GainWarmup, make_warmup
 
 __all__ = [
-    "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod",
+    "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice",
     "MissingLayerState", "missing_state_message",
     "register_method", "get_method", "list_methods",
     "resolve_attention", "on_register", "reserve_names", "method_warmup", "SOFTMAX",
@@ -386,35 +384,6 @@ def _calls_once(kind: type) -> bool:
     return _kind(kind).once
 
 
-# ------------------------------------------------------------------------------------------------------ PID
-class PIDMethod(AttentionMethod):
-    """PID attention (PIDformer, ICML 2024, eq. 25): :func:`~pid_plugins.core.control.pid_update` with
-    :class:`PIDConfig` gains, optionally learnable per layer (:class:`PIDGains`) and warmed up."""
-
-    name = "pid"
-    config_type = PIDConfig
-    state_fields = PIDState._fields
-    default_presets = {"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm", "*": "deit"}
-
-    def make_learned(self, config: PIDConfig) -> Optional[nn.Module]:
-        return PIDGains(config) if config.learnable else None
-
-    def layer_params(self, config: PIDConfig, learned: Optional[nn.Module], layer: Optional[int] = None) -> Any:
-        """The config (fixed gains), or the layer's learned ``lambda_p, lambda_i, lambda_d`` with the config's
-        ``beta`` and first-layer rule (those are never learned)."""
-        if learned is None:
-            return config
-        lambda_p, lambda_i, lambda_d = learned()[:3]
-        return (lambda_p, lambda_i, lambda_d, config.beta, config.control_first_layer)
-
-    def make_state(self, *tensors: Optional[Tensor]) -> PIDState:
-        return PIDState(*tensors)
-
-    def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
-               head_dim: int) -> Tuple[Tensor, PIDState]:
-        return pid_update(out, value_q, state, params, head_dim=head_dim, scale=scale)
-
-
 # ------------------------------------------------------------------------------------------------ registry
 _METHODS: Dict[str, AttentionMethod] = {}
 _LISTENERS: List[Callable[[AttentionMethod], None]] = []
@@ -590,6 +559,3 @@ def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = Non
             "set warmup_steps=0"
         )
     return make_warmup(steps, current, like=like)
-
-
-register_method(PIDMethod())

@@ -1,13 +1,13 @@
-"""Gain warm-up: the PID term scaled by ``min(1, t / N)`` while a model is fine-tuned into PID.
+"""Gain warm-up: a method's term scaled by ``min(1, t / N)`` while a model is fine-tuned into the method.
 
-``PIDConfig(warmup_steps=N)`` with ``N > 0`` gives a model one :class:`GainWarmup`: a module holding ``t``, the
+A method's ``warmup_steps=N`` (``PIDConfig(warmup_steps=N)``) with ``N > 0`` gives a model one
+:class:`GainWarmup`: a module holding ``t``, the
 number of training-mode forward passes of the whole model so far, as a persistent int64 buffer (``step``), so it
 is saved, reloaded, resumed, broadcast by DDP and copied by EMA like any buffer. Each adapter calls the counter
 once per forward of the whole model, outside any checkpointed region (recomputation does not advance it), and
-passes the scale it returns down to the layers as a value; the layers scale the gains they hand to
-:func:`~pid_plugins.core.control.pid_update` with :func:`scaled_gains`.
+passes the scale it returns down to the layers as a value, which hand it to the method's update.
 
-* At ``t = 0`` the scale is 0: the PID term is ``0 * term`` added to the attention output, i.e. the stock model.
+* At ``t = 0`` the scale is 0: the method's term is ``0 * term`` added to the attention output, i.e. the stock model.
 * A forward uses the scale of the current ``t``; a training-mode forward then advances ``t`` by one. After ``k``
   training forwards the model is the one whose gains are scaled by ``k / N`` (and by 1 from ``k = N`` on).
 * ``t`` and the scale are tensors: a compiled model does not recompile as ``t`` advances.
@@ -21,9 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from .config import PIDConfig
-
-__all__ = ["GainWarmup", "make_warmup", "scaled_gains"]
+__all__ = ["GainWarmup", "make_warmup"]
 
 
 class GainWarmup(nn.Module):
@@ -84,18 +82,3 @@ def make_warmup(steps: int, current: Optional[GainWarmup] = None,
         counter.to(like.device)
     counter.train(current.training if current is not None else True)
     return counter
-
-
-def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
-    """``gains`` (a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``) with
-    the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None (no warm-up: fixed gains stay
-    Python floats, so :func:`pid_update` keeps its fast path)."""
-    if scale is None:
-        return gains
-    if isinstance(gains, PIDConfig):
-        lp, li, ld, beta, first = (*gains.gains, gains.control_first_layer)
-    else:
-        values = tuple(gains)
-        lp, li, ld, beta = values[:4]
-        first = values[4] if len(values) > 4 else True
-    return (lp * scale, li * scale, ld * scale, beta, first)

@@ -37,7 +37,6 @@ BASES = ("sdpa", "eager", "flex_attention")
 #: (``convert(model, "softmax")`` returns to it)
 STOCK_ATTR = "stock_attention"
 
-_PID = get_method(ATTN_IMPLEMENTATION)
 _PARSED: Dict[Any, Any] = {}
 
 
@@ -56,8 +55,15 @@ def method_of(config: Any) -> Optional[AttentionMethod]:
 def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
     """The parameters a model runs its method with: ``config.<method name>`` (``config.pid`` for PID: a dict, a
     config or a preset name) over the method's transformers preset (PID: ``lm``; with ``learnable``, the initial
-    values of every self-attention layer's own gains). ``method``: default, the one ``config`` runs, else PID."""
-    method = method or method_of(config) or _PID
+    values of every self-attention layer's own gains). ``method``: default, the one ``config`` runs; a config that
+    runs none (a stock ``attn_implementation``) needs it named."""
+    method = method or method_of(config)
+    if method is None:
+        raise ValueError(
+            f"model_method_config: this config runs no attention method of pid-plugins (attn_implementation="
+            f"{getattr(config, '_attn_implementation', None)!r}); name the method: model_method_config(config, "
+            f"get_method(<name>)) with one of {list_methods()}"
+        )
     raw = getattr(config, method.name, None)
     if raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
         key: Any = (method.name, raw)

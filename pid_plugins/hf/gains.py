@@ -43,7 +43,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..core import AttentionMethod, get_method
+from ..core import AttentionMethod
 from .internals import TP_PLAN, TP_STYLE
 
 __all__ = ["GAINS_ATTR", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
@@ -119,17 +119,18 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] = None) -> bool:
-    """Give ``attention`` the learnable parameters of ``method`` (default PID) with ``config`` unless it has some of
-    that method (another method's are replaced); True if it added them.
+def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod]) -> bool:
+    """Give ``attention`` the learnable parameters of ``method`` with ``config`` unless it has some of that method
+    (another method's are replaced); True if it added them (False too for no method: a stock config).
 
     They take the device and dtype of the module's first floating-point parameter (the current default device and
     dtype if it has none yet, e.g. transformers' meta-device construction) and the module's train/eval mode."""
-    name = method.name if method is not None else "pid"
-    current = layer_gains_of(attention)
-    if current is not None and _method_of_learned(current) == name:
+    if method is None:
         return False
-    gains = make(method if method is not None else get_method("pid"), config)
+    current = layer_gains_of(attention)
+    if current is not None and _method_of_learned(current) == method.name:
+        return False
+    gains = make(method, config)
     if gains is None:
         return False
     ref = next((p for p in attention.parameters() if p.is_floating_point() and not _is_gain_param(attention, p)),

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ..core import GainWarmup, make_warmup
-from .config import _PID, method_of, model_method_config
+from .config import method_of, model_method_config
 
 __all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter", "warmup_scale"]
 
@@ -42,7 +42,8 @@ def warmup_scale(module: nn.Module, gains: Any) -> Optional[Tensor]:
         return None
     counter = counter_of(module)
     if counter is None:
-        name = (method_of(getattr(module, "config", None)) or _PID).name
+        method = method_of(getattr(module, "config", None))
+        name = method.name if method is not None else "<method>"
         raise ValueError(
             f"the model's attention parameters set warmup_steps={steps} but {type(module).__name__} has no warm-up counter "
             f"(it was built before config.{name} asked for warm-up): call pid_plugins.hf.convert(model, {name!r}) once "
@@ -54,8 +55,8 @@ def warmup_scale(module: nn.Module, gains: Any) -> Optional[Tensor]:
 
 
 def _warmup_steps(config: Any) -> int:
-    method = method_of(config) or _PID
-    if getattr(config, method.name, None) is None:
+    method = method_of(config)
+    if method is None or getattr(config, method.name, None) is None:
         return 0
     return getattr(model_method_config(config, method), "warmup_steps", 0)
 
