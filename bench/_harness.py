@@ -41,12 +41,14 @@ def interleaved(
     warmup: int = 2,
     progress: Optional[Callable[[], None]] = None,
     min_time: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Dict[str, float]:
     """Median times of ``stock`` and ``pid`` run alternately ``reps`` times each after ``warmup`` pairs.
 
     ``min_time`` (seconds): a repetition runs the function as many times as fits (at least once) so that
     very short workloads (decode of a few tokens, small N) are not dominated by timer granularity; the
-    per-call time is reported. Returns the medians, the ratio PID/stock (median of the per-repetition ratios),
+    per-call time is reported. ``clock``: ``time.thread_time`` for single-threaded workloads on a loaded machine
+    (CPU time of this thread: time the thread waits for a core is not counted). Returns the medians, the ratio PID/stock (median of the per-repetition ratios),
     the ratio of the medians and of the minima, the median of the per-repetition differences (PID - stock, seconds)
     and the spread (IQR / median) of each side.
     """
@@ -60,10 +62,10 @@ def interleaved(
     tp: List[float] = []
 
     def run(fn: Callable[[], object]) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        return (time.perf_counter() - t0) / inner
+        return (clock() - t0) / inner
 
     for i in range(reps):
         if i % 2 == 0:

@@ -5,7 +5,8 @@
 
 At these widths a step is host time (Python and the dispatch of each aten op), as a GPU's eager step is: the
 ratios stand for the GPU's eager regime (docs/performance.md). Two shapes, method vs stock with the same weights,
-interleaved pairs in one process (bench/_harness.py), one thread:
+interleaved pairs in one process (bench/_harness.py), one thread, timed by the thread's CPU time
+(``time.thread_time``: on a loaded machine, the time the thread waits for a core is not counted):
 
     decode  Llama hidden 64, 8 layers, 4 / 2 kv heads, vocab 256, b1, 16-token prompt, 32 new tokens, dynamic cache,
             ``generate``: method/stock tokens/s, and the microseconds the method adds per layer per decode step
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -98,14 +100,16 @@ def measure(shape: str, method: str, params: Any = None, reps: Optional[int] = N
     try:
         if shape == "decode":
             fs, fm = decode_pair(method, params)
-            r = interleaved(fs, fm, reps=reps or DECODE_REPS, warmup=2, progress=progress, min_time=0.2)
+            r = interleaved(fs, fm, reps=reps or DECODE_REPS, warmup=2, progress=progress, min_time=0.2,
+                            clock=time.thread_time)
             steps = NEW_TOKENS * DECODE_CFG["num_hidden_layers"]
             row = dict(r, ratio=1.0 / r["ratio"], unit="tokens/s", tokens=NEW_TOKENS,
                        stock_tokens_per_s=NEW_TOKENS / r["stock_s"], pid_tokens_per_s=NEW_TOKENS / r["pid_s"],
                        us_per_layer_step=r["median_diff_s"] / steps * 1e6, config=DECODE_CFG)
         else:
             fs, fm = train_pair(method)
-            row = dict(interleaved(fs, fm, reps=reps or TRAIN_REPS, warmup=2, progress=progress, min_time=0.2),
+            row = dict(interleaved(fs, fm, reps=reps or TRAIN_REPS, warmup=2, progress=progress, min_time=0.2,
+                                   clock=time.thread_time),
                        config=dict(TRAIN_CFG, batch=TRAIN_BATCH))
     finally:
         torch.set_num_threads(threads)
