@@ -41,13 +41,16 @@ def interleaved(
     warmup: int = 2,
     progress: Optional[Callable[[], None]] = None,
     min_time: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Dict[str, float]:
     """Median times of ``stock`` and ``pid`` run alternately ``reps`` times each after ``warmup`` pairs.
 
     ``min_time`` (seconds): a repetition runs the function as many times as fits (at least once) so that
     very short workloads (decode of a few tokens, small N) are not dominated by timer granularity; the
-    per-call time is reported. Returns the medians, the ratio PID/stock (median of the per-repetition ratios),
-    the ratio of the medians and of the minima, and the spread (IQR / median) of each side.
+    per-call time is reported. ``clock``: ``time.thread_time`` for single-threaded workloads on a loaded machine
+    (CPU time of this thread: time the thread waits for a core is not counted). Returns the medians, the ratio PID/stock (median of the per-repetition ratios),
+    the ratio of the medians and of the minima, the median of the per-repetition differences (PID - stock, seconds)
+    and the spread (IQR / median) of each side.
     """
     for _ in range(warmup):
         stock(), pid()
@@ -59,10 +62,10 @@ def interleaved(
     tp: List[float] = []
 
     def run(fn: Callable[[], object]) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        return (time.perf_counter() - t0) / inner
+        return (clock() - t0) / inner
 
     for i in range(reps):
         if i % 2 == 0:
@@ -80,6 +83,7 @@ def interleaved(
     return {
         "stock_s": ms, "pid_s": mp, "ratio": paired, "ratio_of_medians": mp / ms,
         "ratio_of_minima": min(tp) / min(ts), "reps": reps,
+        "median_diff_s": statistics.median(p - s for s, p in zip(ts, tp)),
         "inner": inner,
         "stock_spread": _spread(ts), "pid_spread": _spread(tp),
     }

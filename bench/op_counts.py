@@ -51,7 +51,7 @@ def decode_step_ops(model: torch.nn.Module, prompt: torch.Tensor) -> collections
 
 
 def op_rows(methods=None) -> List[Dict[str, Any]]:
-    from run_all import HF_CFG, HF_SIBLINGS, hf_pair
+    from _models import HF_CFG, HF_SIBLINGS, hf_pair
 
     methods = methods or (("pid", None),) + HF_SIBLINGS
     layers = HF_CFG["num_hidden_layers"]

@@ -50,9 +50,9 @@ def decode_profile(out: str, threads: int) -> str:
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import DynamicCache
 
-    from pid_plugins.core.control import pid_update
+    from pid_plugins.core.pid import pid_update
     from pid_plugins.hf import model_method_config
-    from run_all import HF_CFG, hf_pair
+    from _models import HF_CFG, hf_pair
 
     torch.set_num_threads(threads)
     stock, pid = hf_pair()

@@ -24,6 +24,9 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
     compile   a small transformer of core PIDSelfAttention + MLP blocks, eager and torch.compile (inductor)
     ops       aten ops each method adds per decoder layer in one decoding step (kernel-launching and views apart;
               bench/op_counts.py): a table after the timings
+    host      every method at tiny widths on one thread, where a step is host time as on a GPU in eager mode
+              (bench/host_cost.py): tiny Llama decode tokens/s and the microseconds added per layer per decode step,
+              tiny DeiT train step time; a table after the timings
 
 Allocator (``--malloc``). On the CPU every large tensor comes from glibc's malloc. With its default dynamic
 thresholds, large buffers are often returned to the OS and re-faulted on the next step, and which ones depends
@@ -54,8 +57,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import interleaved, machine, peak_memory_bytes  # noqa: E402
+import host_cost  # noqa: E402
+from _models import HF_BASE_CFG, HF_CFG, HF_SIBLINGS, SMOLLM2_CFG, hf_pair  # noqa: E402,F401
 
-SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile", "ops")
+SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile", "ops", "host")
 MALLOC_TUNED = {  # glibc: keep freed memory for reuse instead of unmapping and re-faulting it every step
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 33),
@@ -154,37 +159,6 @@ def mmseg_pair(crop: int, batch: int):
         return run
 
     return step(stock), step(pid)
-
-
-# a 12-layer hidden-768 Llama (the width of deit_base / GPT-2 small), grouped-query: the cost-by-size row
-HF_BASE_CFG = dict(vocab_size=8000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)
-HF_CFG = dict(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
-              num_key_value_heads=2, max_position_embeddings=1024)
-# SmolLM2-135M's shape (random weights): 30 layers, hidden 576, 9 query / 3 key-value heads
-SMOLLM2_CFG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
-
-
-#: the methods besides PID with a decoding row (their transformers parameters: Twicing in every layer, Elliptical's
-#: causal prefix mean, ResFormer's 0.5/0.5)
-HF_SIBLINGS = (("neutreno", None), ("twicing", {"from_layer": 0}), ("elliptical", {"mean": "prefix"}),
-               ("value_residual", None))
-
-
-def hf_pair(cfg: Optional[Dict[str, Any]] = None, method: str = "pid", params: Any = None):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import pid_plugins.hf
-
-    cfg = cfg or HF_CFG
-    torch.manual_seed(0)
-    stock = LlamaForCausalLM(LlamaConfig(**cfg))
-    stock.set_attn_implementation("sdpa")
-    pid = LlamaForCausalLM(LlamaConfig(**cfg))
-    pid.load_state_dict(stock.state_dict())
-    pid_plugins.hf.convert(pid, method, params)
-    return stock, pid
 
 
 def hf_runs(batch: int, seq: int, new_tokens: int, cfg: Optional[Dict[str, Any]] = None, method: str = "pid",
@@ -520,6 +494,15 @@ def memory_tasks(args) -> List[Tuple[str, Callable[[], Tuple[Callable, Callable]
     return out
 
 
+def host_tasks(args) -> List[Tuple[str, str, Any, int]]:
+    """(shape, method, parameters, repetitions) of the host section: every method, both tiny shapes, one thread."""
+    rows = []
+    for shape, reps in (("decode", host_cost.DECODE_REPS), ("train", host_cost.TRAIN_REPS)):
+        for method, params in host_cost.DECODE_METHODS:
+            rows.append((shape, method, params if shape == "decode" else None, 3 if args.quick else reps))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- report
 def verdict(kind: Optional[str], ratio: float) -> Tuple[str, Optional[bool]]:
     if kind is None:
@@ -609,7 +592,8 @@ def main() -> None:
         args.tmp = tmp
         tasks = build_tasks(args)
         mem = memory_tasks(args) if "memory" in args.only else []
-        total = sum(t[4].__defaults__[-1] for t in tasks) + len(mem)
+        host = host_tasks(args) if "host" in args.only else []
+        total = sum(t[4].__defaults__[-1] for t in tasks) + len(mem) + sum(h[3] for h in host)
         bar = tqdm(total=total, desc="bench", unit="rep", dynamic_ncols=True)
         for section, name, kind, threads, build in tasks:
             bar.set_postfix_str(f"{name[:50]} [{threads} thr]")
@@ -650,6 +634,16 @@ def main() -> None:
             result["rows"].append(row)
             tqdm.write(f"peak memory {name}: PID/stock {row['ratio']:.3f}")
             bar.update()
+        for shape, method, params, n in host:
+            bar.set_postfix_str(f"host {shape} {method} [1 thr]")
+            row = host_cost.measure(shape, method, params, reps=n, progress=bar.update)
+            unit = "tokens/s" if shape == "decode" else "time"
+            row.update(section="host", workload=f"host: tiny {shape}, {method}", kind=unit,
+                       target=f"{'>=' if shape == 'decode' else '<='} {row['bound']:.2f}",
+                       met=row["ratio"] >= row["bound"] if shape == "decode" else row["ratio"] <= row["bound"])
+            result["rows"].append(row)
+            result.setdefault("host", []).append(row)
+            tqdm.write(f"host {shape} {method}: method/stock {row['ratio']:.3f} {row['target']}")
         bar.close()
     if "ops" in args.only:
         from op_counts import markdown as ops_markdown, op_rows
@@ -661,6 +655,9 @@ def main() -> None:
     text = write_markdown(os.path.join(args.out, "bench.md"), result)
     if "op_counts" in result:
         text += "\n" + ops_markdown(result["op_counts"])
+    if "host" in result:
+        text += "\n" + host_cost.markdown(result["host"])
+    if "op_counts" in result or "host" in result:
         with open(os.path.join(args.out, "bench.md"), "w") as f:
             f.write(text)
     print(text)

@@ -83,7 +83,7 @@ def last_layer_cosine(model, blocks: torch.Tensor, batch: int) -> float:
 
 
 def learned_gains(model) -> Optional[Dict[str, list]]:
-    from pid_plugins.core.gains import PIDGains
+    from pid_plugins.core.pid import PIDGains
 
     layers = [m for m in model.modules() if isinstance(m, PIDGains)]
     if not layers:

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Iterable, Optional
 
-from .core.config import PRESETS, PIDConfig
+from .core.pid import PRESETS, PIDConfig
 
 __all__ = ["ModelEntry", "load_presets", "load_catalogue", "list_models", "get_model_entry", "ZOOS"]
 
 ZOOS = ("timm", "hf", "mmseg", "fairseq")
-_ENTRY_KEYS = {"name", "base", "arch", "preset", "gains", "description", "paper", "kwargs"}
+_ENTRY_KEYS = {"name", "base", "arch", "method", "preset", "gains", "description", "paper", "kwargs"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class ModelEntry:
     base: str
     preset: str
     arch: str = ""  #: the model family inside the zoo (e.g. ``vit``, ``vit_distilled``, ``fan``)
+    method: str = "pid"  #: the attention method the variant runs (its ``preset`` and ``gains`` are that method's)
     gains: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     paper: dict[str, Any] = field(default_factory=dict)

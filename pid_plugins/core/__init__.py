@@ -1,17 +1,16 @@
 """The PID-attention core: gains, the update rule, and a reference attention module."""
-from .attention import PIDSelfAttention, sdpa_with_pid
 from .checkpoint import UnsafeCheckpointError, check_keys, load_weights_only, unwrap_state_dict
-from .config import PIDConfig
-from .control import PIDState, expand_heads, pid_update
-from .gains import PIDGains, layer_gains
+from .heads import expand_heads
 from .methods import (
     SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, MethodConfig, MissingLayerState,
-    PIDMethod, StockPath,
+    StockPath,
     get_method, list_methods, method_warmup, on_register, register_method, reserve_names,
     resolve_attention,
 )
 from .layer import MethodLayer, MethodModel, finish_warmup, finished_config, register_warmup_finisher
-from .warmup import GainWarmup, make_warmup, scaled_gains
+from .warmup import GainWarmup, make_warmup
+from .pid import PIDConfig, PIDGains, PIDMethod, PIDState, layer_gains, pid_update, scaled_gains  # registers "pid"
+from .attention import PIDSelfAttention, sdpa_with_pid  # noqa: E402  (the reference layer, on PID's module)
 
 __all__ = [
     "PIDConfig", "PIDState", "pid_update", "expand_heads", "PIDGains", "layer_gains",

@@ -13,9 +13,7 @@ from typing import Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import PIDConfig
-from .control import PIDState, pid_update
-from .gains import PIDGains, layer_gains
+from .pid import PIDConfig, PIDGains, PIDState, layer_gains, pid_update
 
 __all__ = ["PIDSelfAttention", "sdpa_with_pid"]
 

@@ -1,20 +1,16 @@
-"""Method parameters: :class:`MethodConfig` (presets, validation and the dict round trip every attention method's
-parameters share) and :class:`PIDConfig`, the four numbers of the PIDformer controller with the paper's presets.
+"""Method parameters: :class:`MethodConfig`, the presets, validation and dict round trip every attention method's
+parameters share, and :func:`registry_presets`, the built-in methods' presets from ``registry/presets.toml``.
 
-A PIDConfig is a value: frozen, hashable, and round-trips through a plain dict (configs and checkpoints
-store it as a dict). The presets are declared once, in the registry (``registry/presets.toml``).
+A config is a value: frozen, hashable, and round-trips through a plain dict (configs and checkpoints store it as a
+dict). The presets are declared once, in the registry.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping
 
-__all__ = ["MethodConfig", "PIDConfig", "PRESETS", "fx_constant", "registry_presets"]
-
-_GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
+__all__ = ["MethodConfig", "fx_constant", "registry_presets"]
 
 
 def fx_constant(value: Any, tracer: Any) -> Any:
@@ -121,112 +117,6 @@ class MethodConfig:
 
 
 
-@dataclass(frozen=True)
-class PIDConfig(MethodConfig):
-    """Gains of the PID attention update (PIDformer, eq. 25).
-
-    For layer l of a PID group, with values v^l and the attention output A^l v^l::
-
-        e^l = beta * v^1 - v^l
-        u^l = A^l v^l + lambda_p * e^l + lambda_i * sum_{k<=l} e^k + lambda_d * (e^l - e^{l-1})
-
-    (with ``control_first_layer=False`` the sums start at the second layer, see below).
-
-    Args:
-        lambda_p: proportional gain, >= 0.
-        lambda_i: integral gain, >= 0.
-        lambda_d: derivative gain, >= 0 (the D term is zero at the group's first layer).
-        beta: weight of the reference signal ``v^1``, in (0, 1].
-        learnable: if True, every PID layer gets its own trainable gains initialised from these values
-            (adds three parameters per layer). Off by default: fixed gains add no parameters, so a
-            softmax checkpoint loads unchanged. Learned gains stay non-negative by construction
-            (softplus of a raw parameter, see :class:`~pid_plugins.core.gains.PIDGains`).
-        control_first_layer: what the group's first layer does. True (the paper's eq. 25 read with sums
-            from m = 1, the default): the first layer gets the term with ``e^1 = (beta - 1) v^1``. False
-            (the convention of the group's public NeuTRENO code): the first layer computes plain attention
-            and only records the reference ``v^1``; from the second layer on ``e^l = beta v^1 - v^l``,
-            ``S^l = e^2 + ... + e^l`` and the D term is zero at the second layer.
-        warmup_steps: gain warm-up for fine-tuning a pretrained model into PID (0, the default: off). With
-            ``N > 0`` the PID term is scaled by ``min(1, t / N)``, where ``t`` counts the model's
-            training-mode forward passes (a buffer in the model's state_dict, see
-            :class:`~pid_plugins.core.warmup.GainWarmup`): at ``t = 0`` the model computes the stock model,
-            at ``t = k`` the model with every gain scaled by ``k / N``.
-
-    The defaults are the paper's ``deit`` preset.
-    """
-
-    lambda_p: float = 0.8
-    lambda_i: float = 0.5
-    lambda_d: float = 0.05
-    beta: float = 0.1
-    learnable: bool = False
-    control_first_layer: bool = True
-    warmup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        for name in (*_GAIN_FIELDS, "beta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(
-                    f"PIDConfig.{name} must be a real number, got {value!r} ({type(value).__name__})"
-                )
-            if not math.isfinite(value):
-                raise ValueError(f"PIDConfig.{name} must be finite, got {value!r}")
-            object.__setattr__(self, name, float(value))
-        for name in _GAIN_FIELDS:
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"PIDConfig.{name} must be >= 0 (a gain), got {getattr(self, name)!r}; "
-                    "the paper's study uses lambda_p in [0.2, 0.8], lambda_i in [0.3, 0.9], "
-                    "lambda_d in [0.05, 0.6]"
-                )
-        if not 0.0 < self.beta <= 1.0:
-            raise ValueError(
-                f"PIDConfig.beta must be in (0, 1] (beta = 0 drops the reference signal), got {self.beta!r}"
-            )
-        for name in ("learnable", "control_first_layer"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"PIDConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        steps = self.warmup_steps
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-            raise ValueError(
-                f"PIDConfig.warmup_steps must be a whole number of training forward passes >= 0 (0: no warm-up), "
-                f"got {steps!r} ({type(steps).__name__})"
-            )
-        object.__setattr__(self, "warmup_steps", int(steps))
-
-    # ----------------------------------------------------------------------------------------- presets
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "PIDConfig":
-        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides.
-
-        The presets are plain data loaded once, when this module is imported, so looking one up reads no file
-        (``torch.compile`` traces it inside a forward without a graph break).
-        """
-        config = _PRESET_CONFIGS.get(name) if isinstance(name, str) else None
-        if config is None:
-            raise ValueError(
-                f"unknown PID preset {name!r}; choose one of {sorted(_PRESET_CONFIGS)} "
-                "(declared in registry/presets.toml)"
-            )
-        return cls.from_dict({**PRESETS[name], **overrides}) if overrides else config
-
-    @classmethod
-    def preset_names(cls) -> list[str]:
-        """The names :meth:`preset` accepts (``registry/presets.toml``), sorted."""
-        return sorted(_PRESET_CONFIGS)
-
-    @property
-    def is_zero(self) -> bool:
-        """True when all gains are zero and fixed: the update is the identity (stock softmax attention)."""
-        return not self.learnable and self.lambda_p == 0.0 and self.lambda_i == 0.0 and self.lambda_d == 0.0
-
-    @property
-    def gains(self) -> tuple[float, float, float, float]:
-        """``(lambda_p, lambda_i, lambda_d, beta)``."""
-        return (self.lambda_p, self.lambda_i, self.lambda_d, self.beta)
-
-
 # ------------------------------------------------------------------------------------------------- presets
 _DOC_KEYS = ("description", "source")
 
@@ -256,20 +146,3 @@ def registry_presets(method: str) -> Mapping[str, Mapping[str, Any]]:
     if method not in _REGISTRY:
         raise ValueError(f"registry/presets.toml declares no presets for {method!r}; it has {sorted(_REGISTRY)}")
     return _REGISTRY[method]
-
-
-def _pid_presets() -> dict[str, dict[str, float]]:
-    presets = {}
-    for name, gains in registry_presets("pid").items():
-        missing = set(_PRESET_KEYS) - set(gains)
-        if missing:
-            raise ValueError(f"registry/presets.toml: preset [pid.{name}] lacks {sorted(missing)}")
-        presets[name] = {k: gains[k] for k in _PRESET_KEYS}
-    return presets
-
-
-_PRESET_KEYS = ("lambda_p", "lambda_i", "lambda_d", "beta")
-#: PID's presets as plain data: ``{name: {lambda_p, lambda_i, lambda_d, beta}}``
-PRESETS: Mapping[str, Mapping[str, float]] = _pid_presets()
-PIDConfig.PRESETS = PRESETS
-_PRESET_CONFIGS: dict[str, PIDConfig] = {name: PIDConfig(**gains) for name, gains in PRESETS.items()}  # validates

@@ -45,13 +45,11 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Opt
 import torch
 from torch import Tensor, nn
 
-from .config import MethodConfig, PIDConfig, fx_constant
-from .control import PIDState, pid_update
-from .gains import PIDGains
+from .config import MethodConfig, fx_constant
 from .warmup import GainWarmup, make_warmup
 
 __all__ = [
-    "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice", "PIDMethod",
+    "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice",
     "MissingLayerState", "missing_state_message",
     "register_method", "get_method", "list_methods",
     "resolve_attention", "on_register", "reserve_names", "method_warmup", "SOFTMAX",
@@ -319,21 +317,35 @@ torch.fx.wrap("_fx_update")
 
 def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], call: LayerCall,
            state: Optional[tuple]) -> Tuple[Tensor, tuple]:
+    kind = _kind(type(method))
     params = method.layer_params(config, learned, layer=call.layer)
-    previous = None if state is None else method.make_state(*state)
-    if previous is None and call.layer and method.state_fields and not call.restart:
-        # the state rule: a later layer never starts a new state silently (LayerCall)
-        raise MissingLayerState(missing_state_message(method, call.layer, call.state_route))
+    if state is None:
+        previous = None
+        if call.layer and method.state_fields and not call.restart:
+            # the state rule: a later layer never starts a new state silently (LayerCall)
+            raise MissingLayerState(missing_state_message(method, call.layer, call.state_route))
+    else:  # flat tensors (threaded through checkpointed blocks) become the method's state; its own state is kept
+        previous = method.make_state(*state) if kind.makes_state and type(state) is tuple else state
+    value_q = call.value_q
+    traced = isinstance(value_q, torch.fx.Proxy)
     if call.stock is not None and call.scale is not None and method.additive:
-        _fx_check(method, config, call.context, call.value_q)
-        term, new_state = _fx_update(method, params, torch.zeros_like(call.value_q), call.value_q, previous,
-                                        call.scale, call.head_dim)
+        _fx_check(method, config, call.context, value_q)
+        term, new_state = _fx_update(method, params, torch.zeros_like(value_q), value_q, previous, call.scale,
+                                     call.head_dim)
         return call.stock.output() + call.stock.project_term(term), new_state
     if call.attend is None or call.query is None or call.value is None:
         raise ValueError(f"attention method {method.name!r}: the adapter gave no attention to call (attend, query, "
                          "value) and no stock path for this call")
-    query = _fx_check(method, config, call.context, call.query)
-    if _calls_once(type(method)):  # the common case: the zoo's attention once, then the update
+    query = call.query
+    if traced:  # torch.fx: the refusals are a leaf of the graph (the context is known when the graph runs)
+        query = _fx_check(method, config, call.context, query)
+    elif kind.checks:
+        context = call.context
+        if not (type(context.causal) is bool and type(context.cached) is bool and type(context.dropout) is bool
+                and type(context.grouped) is bool):
+            context = AttentionContext(*(bool(flag) for flag in context))
+        method.check(config, context)
+    if kind.once:  # the common case: the zoo's attention once, then the update
         out = call.attend(query, call.value)
     else:
         if method.reads_visible:
@@ -346,43 +358,30 @@ def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], c
                                 slot=call.slot() if call.slot is not None else None)
         else:
             out = method.attend(params, call.attend, query, call.value, previous, call.head_dim)
-    state_values = call.value.movedim(-3, call.head_dim) if method.keys_state else call.value_q
-    out, new_state = _fx_update(method, params, out, state_values, previous, call.scale, call.head_dim)
+    state_values = call.value.movedim(-3, call.head_dim) if method.keys_state else value_q
+    if traced:
+        out, new_state = _fx_update(method, params, out, state_values, previous, call.scale, call.head_dim)
+    else:
+        out, new_state = method.update(params, out, state_values, previous, call.scale, call.head_dim)
     return (call.project(out) if call.project is not None else out), new_state
 
 
+class _Kind(NamedTuple):
+    """What :func:`_apply` reads of a method's class, decided once per class (not per layer call)."""
+
+    once: bool  #: the default prepare and attend: the zoo's attention once, then the update
+    checks: bool  #: overrides check (the default refuses nothing)
+    makes_state: bool  #: overrides make_state
+
+
 @functools.lru_cache(maxsize=None)
+def _kind(kind: type) -> _Kind:
+    return _Kind(kind.prepare is AttentionMethod.prepare and kind.attend is AttentionMethod.attend,
+                 kind.check is not AttentionMethod.check, kind.make_state is not AttentionMethod.make_state)
+
+
 def _calls_once(kind: type) -> bool:
-    return kind.prepare is AttentionMethod.prepare and kind.attend is AttentionMethod.attend
-
-
-# ------------------------------------------------------------------------------------------------------ PID
-class PIDMethod(AttentionMethod):
-    """PID attention (PIDformer, ICML 2024, eq. 25): :func:`~pid_plugins.core.control.pid_update` with
-    :class:`PIDConfig` gains, optionally learnable per layer (:class:`PIDGains`) and warmed up."""
-
-    name = "pid"
-    config_type = PIDConfig
-    state_fields = PIDState._fields
-    default_presets = {"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm", "*": "deit"}
-
-    def make_learned(self, config: PIDConfig) -> Optional[nn.Module]:
-        return PIDGains(config) if config.learnable else None
-
-    def layer_params(self, config: PIDConfig, learned: Optional[nn.Module], layer: Optional[int] = None) -> Any:
-        """The config (fixed gains), or the layer's learned ``lambda_p, lambda_i, lambda_d`` with the config's
-        ``beta`` and first-layer rule (those are never learned)."""
-        if learned is None:
-            return config
-        lambda_p, lambda_i, lambda_d = learned()[:3]
-        return (lambda_p, lambda_i, lambda_d, config.beta, config.control_first_layer)
-
-    def make_state(self, *tensors: Optional[Tensor]) -> PIDState:
-        return PIDState(*tensors)
-
-    def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
-               head_dim: int) -> Tuple[Tensor, PIDState]:
-        return pid_update(out, value_q, state, params, head_dim=head_dim, scale=scale)
+    return _kind(kind).once
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -560,6 +559,3 @@ def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = Non
             "set warmup_steps=0"
         )
     return make_warmup(steps, current, like=like)
-
-
-register_method(PIDMethod())

@@ -1,9 +1,9 @@
-"""Gain warm-up: the PID term scaled by ``min(1, t / N)`` while a model is fine-tuned into PID.
+"""Gain warm-up: a method's term scaled by ``min(1, t / N)`` while a model is fine-tuned into the method.
 
 ``PIDConfig(warmup_steps=N)`` gives a model one :class:`GainWarmup` holding ``t``, its training-mode forward passes
 so far, as a persistent int64 buffer (saved, resumed, broadcast by DDP, copied by EMA). Each adapter calls it once
 per forward of the whole model, outside any checkpointed region, and the layers scale their gains by the returned
-scale (:func:`scaled_gains`): 0 at ``t = 0`` (the stock model), ``k / N`` after ``k`` training forwards, 1 from
+scale (:func:`~pid_plugins.core.pid.scaled_gains`): 0 at ``t = 0`` (the stock model), ``k / N`` after ``k`` training forwards, 1 from
 ``N`` on. ``t`` and the scale are tensors (no recompilation); a state_dict without the counter loads strictly, t = 0.
 """
 from __future__ import annotations
@@ -13,9 +13,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from .config import PIDConfig
-
-__all__ = ["GainWarmup", "make_warmup", "scaled_gains"]
+__all__ = ["GainWarmup", "make_warmup"]
 
 
 class GainWarmup(nn.Module):
@@ -71,17 +69,3 @@ def make_warmup(steps: int, current: Optional[GainWarmup] = None,
         counter.to(like.device)
     counter.train(current.training if current is not None else True)
     return counter
-
-
-def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
-    """``gains`` with the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None (fixed gains
-    stay Python floats, so :func:`pid_update` keeps its fast path)."""
-    if scale is None:
-        return gains
-    if isinstance(gains, PIDConfig):
-        lp, li, ld, beta, first = (*gains.gains, gains.control_first_layer)
-    else:
-        values = tuple(gains)
-        lp, li, ld, beta = values[:4]
-        first = values[4] if len(values) > 4 else True
-    return (lp * scale, li * scale, ld * scale, beta, first)

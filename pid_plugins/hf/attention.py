@@ -31,11 +31,11 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
-from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, PIDState, expand_heads
+from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, expand_heads, get_method, list_methods
 from . import checkpointing
 from . import gains as learned_gains
 from .cache import LayerSlot
-from .config import _PID, base_attention
+from .config import base_attention
 
 __all__ = ["EARLIER", "ROLE", "STAGE_PLACEHOLDER", "STATE_KEYWORD", "MethodForwardState", "method_attention_forward",
            "method_mask"]
@@ -75,7 +75,7 @@ class MethodForwardState:
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
                  cached: bool = False, cache: Any = None, restart: bool = False) -> None:
-        self.method = method if method is not None else _PID
+        self.method = method if method is not None else _method_of_config(config)
         self.config = config  # the method's parameters (its config)
         self.base = base
         self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
@@ -86,7 +86,7 @@ class MethodForwardState:
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
-        self.layers: Dict[int, PIDState] = {}
+        self.layers: Dict[int, tuple] = {}
         self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
         # the model's own layer dropout may skip layers in this forward (training): a layer whose earlier layers were
         # all skipped starts the state afresh (LayerCall.restart); otherwise core refuses a later layer without state
@@ -100,7 +100,7 @@ class MethodForwardState:
         if past_length is not None and past_length.device.type == "cpu" and not torch.compiler.is_compiling():
             self.start = int(past_length)
 
-    def previous(self, earlier: tuple[int, ...]) -> Optional[PIDState]:
+    def previous(self, earlier: tuple[int, ...]) -> Optional[tuple]:
         """The state of the nearest earlier layer of the stack that ran in this forward (``earlier``: the
         stack's earlier layers, nearest first). A layer skipped by layer dropout (BART's ``layerdrop``,
         Whisper's, ...) leaves the hidden states unchanged, and so the method's state too; when every earlier layer
@@ -122,6 +122,16 @@ class MethodForwardState:
     def __repr__(self) -> str:
         return f"MethodForwardState(base={self.base!r}, layers={sorted(self.layers)}, finished={self.finished})"
 
+
+
+def _method_of_config(config: Any) -> AttentionMethod:
+    """The registered method whose parameters ``config`` is (its declared ``config_type``)."""
+    for name in list_methods():
+        method = get_method(name)
+        if type(config) is method.config_type:
+            return method
+    raise TypeError(f"MethodForwardState: no registered attention method takes a {type(config).__name__} as its "
+                    "parameters; pass method=")
 
 
 # ------------------------------------------------------------------------------------ the base attention
@@ -158,7 +168,7 @@ def method_attention_forward(
         base = run.base if run is not None else base_attention(getattr(module, "config", None))
         return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
     if run is None or index is None:
-        chosen = getattr(getattr(module, "config", None), "_attn_implementation", "pid")
+        chosen = getattr(getattr(module, "config", None), "_attn_implementation", None)
         raise RuntimeError(
             f"attn_implementation={chosen!r}: {type(module).__name__} got no per-forward state of attention method "
             f"{chosen!r}: the model was built without it (or before `import pid_plugins.hf`) and switched later. Call "
@@ -197,7 +207,7 @@ def method_attention_forward(
             f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
             f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
         )
-    earlier = getattr(module, EARLIER, None)  # set by discovery; else the layers before it in index order
+    earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
     weights: Optional[Tensor] = None
 
@@ -212,19 +222,21 @@ def method_attention_forward(
             weights = probabilities
         return out
 
-    call = LayerCall(
-        attend, query, value, v_q.transpose(1, 2), head_dim=-2,  # the output's (B, q, heads, D), contiguous for o_proj
-        context=AttentionContext(causal=bool(getattr(module, "is_causal", False)),
-                                 cached=run.cached or key.shape[-2] != query.shape[-2],
-                                 dropout=bool(kwargs.get("dropout", 0.0)), grouped=key.shape[1] != query.shape[1]),
-        scale=run.scale,
-        visible=lambda: _visible(module, attention_mask, query, key, kwargs, run),
-        slot=lambda: _slot(run, module, q_len, length),
-        layer=index if earlier is None else len(earlier),  # its position in its stack (encoder, decoder: each from 0)
-        restart=run.restart, state_route=STATE_ROUTE,
-    )
+    context = _context(bool(getattr(module, "is_causal", False)), bool(run.cached or key.shape[-2] != query.shape[-2]),
+                       bool(kwargs.get("dropout", 0.0)), bool(key.shape[1] != query.shape[1]))
+    # (the output's (B, q, heads, D) layout, contiguous for o_proj: head_dim -2)
+    call = LayerCall(attend, query, value, v_q.transpose(1, 2), -2, context, run.scale,
+                     (lambda: _visible(module, attention_mask, query, key, kwargs, run))
+                     if method.reads_visible else None,
+                     (lambda: _slot(run, module, q_len, length)) if method.cache_slot else None,
+                     None, None, index if earlier is None else len(earlier), run.restart, STATE_ROUTE)
     u, layers[index] = method.apply(run.config, learned, call, previous)
     return u, weights
+
+
+@functools.lru_cache(maxsize=None)
+def _context(causal: bool, cached: bool, dropout: bool, grouped: bool) -> AttentionContext:
+    return AttentionContext(causal, cached, dropout, grouped)
 
 
 class _ExpandedHeads:

@@ -18,7 +18,7 @@ __all__ = ["DynamicSlidingWindowSlotLayer", "DynamicSlotLayer", "LayerSlot", "Sl
            "new_cache", "static_past", "with_slot"]
 
 
-def static_past(cache: Any, name: str = "pid") -> Optional[Tensor]:
+def static_past(cache: Any, name: str) -> Optional[Tensor]:
     """The static cache's length before this forward (a tensor, never synced), None for dynamic caches."""
     layers = getattr(cache, "layers", None)
     if not layers:

@@ -29,7 +29,6 @@ WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's
 #: (``convert(model, "softmax")`` returns to it)
 STOCK_ATTR = "stock_attention"
 
-_PID = get_method(ATTN_IMPLEMENTATION)
 _PARSED: Dict[Any, Any] = {}
 
 
@@ -44,8 +43,14 @@ def method_of(config: Any) -> Optional[AttentionMethod]:
 
 
 def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
-    """The parameters a model runs ``method`` with: ``config.<method name>`` over the method's transformers preset."""
-    method = method or method_of(config) or _PID
+    """The parameters a model runs its method with: ``config.<method name>`` over the method's transformers preset."""
+    method = method or method_of(config)
+    if method is None:
+        raise ValueError(
+            f"model_method_config: this config runs no attention method of pid-plugins (attn_implementation="
+            f"{getattr(config, '_attn_implementation', None)!r}); name the method: model_method_config(config, "
+            f"get_method(<name>)) with one of {list_methods()}"
+        )
     raw = getattr(config, method.name, None)
     if raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
         key: Any = (method.name, raw)

@@ -47,7 +47,7 @@ _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "
 # ------------------------------------------------------------------------------------------------ finding
 def _chosen(model: nn.Module) -> str:
     """The attention implementation a model's config names (for messages)."""
-    return str(getattr(getattr(model, "config", None), "_attn_implementation", "pid"))
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "<method>"))
 
 
 def is_cross(parts: list, module: nn.Module) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..core import AttentionMethod, get_method
+from ..core import AttentionMethod
 from .internals import TP_PLAN, TP_STYLE
 
 __all__ = ["GAINS_ATTR", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
@@ -79,13 +79,15 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod] = None) -> bool:
-    """Give ``attention`` the learnable parameters of ``method`` (default PID) unless it has some; True if added."""
-    name = method.name if method is not None else "pid"
-    current = layer_gains_of(attention)
-    if current is not None and _method_of_learned(current) == name:
+def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod]) -> bool:
+    """Give ``attention`` the learnable parameters of ``method`` unless it has some of that method; True if added
+    (False for no method). They take the device, dtype and train/eval mode of the module."""
+    if method is None:
         return False
-    gains = make(method if method is not None else get_method("pid"), config)
+    current = layer_gains_of(attention)
+    if current is not None and _method_of_learned(current) == method.name:
+        return False
+    gains = make(method, config)
     if gains is None:
         return False
     ref = next((p for p in attention.parameters() if p.is_floating_point() and not _is_gain_param(attention, p)),

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..core import GainWarmup, make_warmup
-from .config import _PID, WARMUP_ATTR, WARMUP_SOURCE, method_of, model_method_config
+from .config import WARMUP_ATTR, WARMUP_SOURCE, method_of, model_method_config
 
 __all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter"]
 
@@ -27,8 +27,8 @@ def counter_of(model: nn.Module) -> Optional[GainWarmup]:
 
 
 def _warmup_steps(config: Any) -> int:
-    method = method_of(config) or _PID
-    if getattr(config, method.name, None) is None:
+    method = method_of(config)
+    if method is None or getattr(config, method.name, None) is None:
         return 0
     return getattr(model_method_config(config, method), "warmup_steps", 0)
 

@@ -19,7 +19,8 @@ from timm.models._manipulate import checkpoint  # noqa: E402
 
 from ..catalogue import ModelEntry, load_catalogue  # noqa: E402
 from ..core import (  # noqa: E402
-    AttentionContext, LayerCall, MethodChoice, MissingLayerState, check_keys, reserve_names, resolve_attention,
+    SOFTMAX, AttentionContext, LayerCall, MethodChoice, MissingLayerState, check_keys, get_method, list_methods, reserve_names,
+    resolve_attention,
 )
 from ..core.layer import MethodLayer as CoreMethodLayer  # noqa: E402
 from ..core.methods import _fx_check, _fx_update  # noqa: E402
@@ -41,10 +42,13 @@ def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any 
                            where: str = "this model") -> Optional[MethodChoice]:
     """The attention a timm model is built with: ``None`` for the stock softmax attention, else the method and
     its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy; a method's name given
-    as ``attention_cfg`` is refused there, naming ``attention=``). ``default``: the catalogue entry's preset for PID
-    (other methods start from their own default preset)."""
-    return resolve_attention(attention, attention_cfg, zoo="timm",
-                             default=default if attention in ("pid", None) else None, where=where)
+    as ``attention_cfg`` is refused there, naming ``attention=``). ``default``: the catalogue entry's parameters,
+    the start of the method they are parameters of (its declared ``config_type``); another method starts from its
+    own default preset."""
+    if default is not None and attention is not None and attention in list_methods() \
+            and not isinstance(default, get_method(attention).config_type):
+        default = None
+    return resolve_attention(attention, attention_cfg, zoo="timm", default=default, where=where)
 
 
 # ------------------------------------------------------------------------------------------ attention layers
@@ -222,7 +226,7 @@ def register_entries(
 
     DEFAULT_CFGS.require()
     entries = list(entries)
-    names = [(e, e.name, "pid") for e in entries] + ([(e, e.base, "softmax") for e in entries] if with_base else [])
+    names = [(e, e.name, e.method) for e in entries] + ([(e, e.base, SOFTMAX) for e in entries] if with_base else [])
     module = sys.modules[module_name]
     module.default_cfgs = generate_default_cfgs({name: pretrained_cfg(e) for e, name, _ in names})
     for entry, name, attention in names:
@@ -236,7 +240,7 @@ def _entrypoint(module_name: str, entry: ModelEntry, name: str, attention: str, 
 
     model_fn.__name__ = model_fn.__qualname__ = name
     model_fn.__module__ = module_name
-    kind = f"PID attention, preset `{entry.preset}`" if attention == "pid" else "softmax attention"
+    kind = f"{attention} attention, preset `{entry.preset}`" if attention != SOFTMAX else "softmax attention"
     model_fn.__doc__ = f"{entry.description} ({kind})."
     return model_fn
 

@@ -113,7 +113,7 @@ def test_wheel_ships_the_registry_and_finds_it_through_importlib_resources(tmp_p
     assert "pid_plugins/registry/presets.toml" in names
     assert "pid_plugins/registry/__init__.py" in names
     assert {f"pid_plugins/registry/{p.name}" for p in (REPO / "registry").glob("*.toml")} <= names
-    assert "pid_plugins/core/control.py" in names
+    assert "pid_plugins/core/pid.py" in names
     assert not any(n.startswith(("tests/", "registry/")) for n in names)
 
     target = tmp_path / "site"

@@ -117,7 +117,7 @@ def test_every_eval_path_equals_the_model_built_by_name(method, model_case, cfg)
 def test_fx_feature_extraction_equals_the_model_built_by_name(method, model_case, cfg):
     """timm's extractor traces ``attn_mask`` / ``is_causal`` as inputs (timm's loop over the blocks in
     ``forward_features``); torchvision's takes them as constants. Every method traces (their shape checks step aside
-    for fx proxies, :func:`pid_plugins.core.control.symbolic`), converted and built by name alike."""
+    for fx proxies, :func:`pid_plugins.core.heads.symbolic`), converted and built by name alike."""
     from timm.models import create_feature_extractor, get_graph_node_names
     from torchvision.models.feature_extraction import create_feature_extractor as tv_extractor
 

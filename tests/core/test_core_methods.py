@@ -10,7 +10,8 @@ from method_cases import BUILTIN
 from pid_plugins import AttentionMethod, MethodConfig, PIDConfig, PIDGains, PIDState, pid_update
 from pid_plugins.core import resolve_attention
 from pid_plugins.core.checkpoint import check_keys, unwrap_state_dict
-from pid_plugins.core.methods import LayerCall, PIDMethod, on_register
+from pid_plugins.core.methods import LayerCall, on_register
+from pid_plugins.core.pid import PIDMethod
 from toy_method import NAME, ScaledReferenceConfig, naive_scaled_reference
 
 

@@ -69,7 +69,7 @@ def product_files():
 def test_product_imports_nothing_from_research():
     files = product_files()
     names = {module_name(p) for p in files}
-    assert {"pid_plugins", "pid_plugins.catalogue", "pid_plugins.core.control", "pid_plugins.timm.fan",
+    assert {"pid_plugins", "pid_plugins.catalogue", "pid_plugins.core.pid", "pid_plugins.timm.fan",
             "pid_plugins.hf.attention", "pid_plugins.mmseg.vit", "pid_plugins.fairseq.model", "pid_plugins.__main__",
             "pid_plugins.cli", "pid_plugins.analysis.run"} <= names
     offending = {module_name(p): sorted(m for m in imported_modules(p) if m == RESEARCH or m.startswith(RESEARCH + "."))

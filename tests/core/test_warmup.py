@@ -281,7 +281,7 @@ def test_gradient_checkpointing_counts_one_step_per_forward(zoo):
 def test_timm_learnable_gains_are_scaled_too():
     import torch.nn.functional as F
 
-    from pid_plugins.core.gains import _inverse_softplus
+    from pid_plugins.core.pid import _inverse_softplus
 
     zoo = ZOOS["timm_vit"]
     torch.manual_seed(0)

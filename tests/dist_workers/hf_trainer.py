@@ -41,7 +41,7 @@ class Rows(torch.utils.data.Dataset):
 def main(out: Path, fsdp: bool = False, learnable: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
-    import pid_plugins.core.methods as pid_attention  # where the PID method calls the rule
+    import pid_plugins.core.pid as pid_attention  # where the PID method calls the rule
 
     calls = []
     original = pid_attention.pid_update

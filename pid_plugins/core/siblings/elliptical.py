@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
-from ..control import symbolic
+from ..heads import symbolic
 from ..methods import AttentionContext, AttentionMethod, register_method
 
 __all__ = ["EllipticalConfig", "EllipticalMethod", "elliptical_scales", "elliptical_prefix_scales"]

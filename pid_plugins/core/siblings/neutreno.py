@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..config import MethodConfig, registry_presets
-from ..control import _kv_head_split, expand_heads
+from ..heads import _kv_head_split, expand_heads
 from ..methods import AttentionMethod, register_method
 
 __all__ = ["NeuTRENOConfig", "NeuTRENOMethod", "neutreno_update"]

@@ -16,7 +16,7 @@ with the same ``A`` in both products. The official code (github.com/lazizcodes/t
 Here the second product is a second call of the zoo's own attention, ``attend(q, v - A v)``: it is the same ``A``
 (same queries, keys, mask and scale) exactly when no dropout is drawn, so :meth:`Twicing.check` refuses attention
 dropout in training (one dropout draw cannot serve two calls), and nothing else. The rule is causal: ``(A v)_j``
-reads positions ``<= j``. Two cases the official code does not have (../shared/specs/methods.md):
+reads positions ``<= j``. Two cases the official code does not have (docs/methods/siblings.md):
 
 * grouped-query attention (transformers' Llama, Mistral, Qwen, ...): ``v - A v`` has one tensor per *query* head;
   the second call gets the values expanded to the query heads (``repeat_interleave``, as the model expands them)
@@ -42,7 +42,7 @@ from typing import Optional, Tuple
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
-from ..control import expand_heads, symbolic
+from ..heads import expand_heads, symbolic
 from ..methods import Attend, AttentionContext, AttentionMethod, CacheSlot, register_method
 
 __all__ = ["TwicingConfig", "Twicing", "twicing_rule"]

@@ -104,7 +104,7 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
                for layer in model.decoder.layers)
     model = model.double()
     seen = []
-    import pid_plugins.core.methods as methods  # the layers call PID's rule through its AttentionMethod
+    import pid_plugins.core.pid as methods  # the layers call PID's rule through its AttentionMethod
 
     original = methods.pid_update
 

@@ -159,7 +159,7 @@ def test_gqa_equals_mha_with_repeated_key_value_heads():
 
 
 def test_cross_attention_stays_softmax(monkeypatch):
-    import pid_plugins.core.methods as methods  # where the PID method calls the rule
+    import pid_plugins.core.pid as methods  # where the PID method calls the rule
 
     calls = []
     original = methods.pid_update

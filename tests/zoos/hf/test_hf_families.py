@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import pid_plugins.hf as ph  # noqa: E402
 import pid_plugins.hf.attention as attention  # noqa: E402
-import pid_plugins.core.methods as methods  # noqa: E402  (where the PID method calls the rule)
+import pid_plugins.core.pid as methods  # noqa: E402  (where the PID method calls the rule)
 from pid_plugins import PIDConfig  # noqa: E402
 
 ZERO = {"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}

@@ -338,7 +338,7 @@ def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
         lp, li, ld = learned(model, f"model.layers.{i}.self_attn.attention_params")
         fixed.append((0.75 * lp, 0.75 * li, 0.75 * ld))
     # each layer's call of the core rule must see its learned gains x 3/4 (beta and the first-layer rule fixed)
-    import pid_plugins.core.methods as A  # where the PID method calls the rule
+    import pid_plugins.core.pid as A  # where the PID method calls the rule
 
     calls = []
     original = A.pid_update

@@ -20,7 +20,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaForCausa
 
 import pid_plugins.hf as ph
 from pid_plugins.core import GainWarmup
-from pid_plugins.core.gains import PIDGains
+from pid_plugins.core.pid import PIDGains
 from method_cases import variants
 from zoo_cases import hf_ids, llama_config
 

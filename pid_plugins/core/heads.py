@@ -1,0 +1,83 @@
+"""What every method's update shares about attention heads: expanding key/value heads to query heads as
+grouped-query attention does (:func:`expand_heads`), the grouped view that broadcasts a key/value-head tensor over its
+query heads without a copy, the dtype a method accumulates its state in, and whether sizes are traced values
+(:func:`symbolic`)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+__all__ = ["expand_heads", "symbolic"]
+
+
+def symbolic(*tensors: Tensor) -> bool:
+    """Whether sizes are traced values here, so that no Python branch may read them: TorchScript tracing (torch.onnx's
+    exporter) or torch.fx symbolic tracing (timm's and torchvision's feature extraction: ``tensors`` are proxies).
+    Code under it takes the branch-free form that is exact for every size, and leaves the shape checks out."""
+    return torch.jit.is_tracing() or any(isinstance(t, torch.fx.Proxy) for t in tensors)
+
+
+def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
+    """Expand key/value heads to query heads the way grouped-query attention expands the values.
+
+    Key/value head ``j`` serves query heads ``j*r .. j*r + r - 1`` with ``r = num_heads // H_kv``
+    (``repeat_interleave``, as transformers' ``repeat_kv`` and SDPA's ``enable_gqa`` do).
+    """
+    kv_heads = x.shape[head_dim]
+    if torch.jit.is_tracing():  # sizes are traced values: no Python branch on them (exact for r = 1 too)
+        dim = head_dim % x.dim()
+        return x.unsqueeze(dim + 1).expand(*x.shape[:dim + 1], num_heads // kv_heads, *x.shape[dim + 1:]).flatten(
+            dim, dim + 1)
+    if symbolic(x):  # torch.fx: sizes are proxies (no branch, no unpacking); a copy for r = 1, exact
+        return x.repeat_interleave(num_heads // kv_heads, dim=head_dim)
+    if kv_heads == num_heads:
+        return x
+    if kv_heads <= 0 or num_heads % kv_heads != 0:
+        raise ValueError(
+            f"cannot expand {kv_heads} key/value heads to {num_heads} query heads: "
+            "the number of query heads must be a multiple of the number of key/value heads"
+        )
+    return x.repeat_interleave(num_heads // kv_heads, dim=head_dim)
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the error and its running sum: float32 at least (float16/bfloat16 values are upcast).
+    (A table first: ``torch.promote_types`` is a dispatched op, one more per layer in a profile.)"""
+    wide = _WIDER.get(dtype)
+    return wide if wide is not None else torch.promote_types(dtype, torch.float32)
+
+
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+          torch.float64: torch.float64}
+
+
+def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """For ``value`` with fewer heads than the attention output, dividing them (grouped-query attention) and
+    otherwise matching: the output's shape with its head dimension split into ``(H_kv, r)``, the dimension
+    at which a key/value-head tensor broadcasts over the ``r`` query heads of its group, and the shape of such a
+    tensor with a size-1 dimension there. Raises otherwise."""
+    return _grouped_shapes(attn_out.shape, value.shape, head_dim)
+
+
+@functools.lru_cache(maxsize=256)  # a function of the shapes only: once per shape, not once per layer
+def _grouped_shapes(shape: torch.Size, value_shape: torch.Size,
+                    head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    if -len(shape) <= head_dim < len(shape) and len(shape) == len(value_shape):
+        dim = head_dim % len(shape)
+        heads, kv_heads = shape[dim], value_shape[dim]
+        if kv_heads <= 0 or heads % kv_heads:
+            expand_heads(torch.empty(value_shape, device="meta"), heads, dim)  # raises the explanatory error
+        if shape[:dim] + (kv_heads,) + shape[dim + 1:] == value_shape:
+            return ((*shape[:dim], kv_heads, heads // kv_heads, *shape[dim + 1:]), dim + 1,
+                    (*value_shape[:dim + 1], 1, *value_shape[dim + 1:]))
+    if len(shape) != len(value_shape):
+        raise ValueError(
+            f"attention output {tuple(shape)} and values {tuple(value_shape)} must have the same "
+            "number of dimensions (..., heads, positions, head_dim)"
+        )
+    raise ValueError(
+        f"attention output {tuple(shape)} does not match values {tuple(value_shape)} "
+        "(after expanding key/value heads): pass the values of the query positions only"
+    )
