@@ -1,18 +1,13 @@
-"""PID attention (Nguyen, Uribe, Nguyen and Baraniuk, "PIDformer: Transformer Meets Control Theory", ICML 2024,
-eq. 25) as the attention method ``"pid"``: its parameters (:class:`PIDConfig`, with the paper's presets from
-``registry/presets.toml``), its update (:func:`pid_update`), its learnable per-layer gains (:class:`PIDGains`) and
-its registration. For layer ``l`` of a group (an ordered stack of self-attention layers in one forward pass whose
-value tensors share one shape), with ``A^l v^l`` the layer's attention output and ``v^l`` its values (per head, query
-positions only)::
+"""PID attention (PIDformer, ICML 2024, eq. 25) as the attention method ``"pid"``: its parameters
+(:class:`PIDConfig`, presets from ``registry/presets.toml``), update (:func:`pid_update`), learnable per-layer gains
+(:class:`PIDGains`) and registration. For layer ``l`` of a group, with ``A^l v^l`` its attention output and ``v^l``
+its values (per head, query positions only)::
 
-    e^l = beta * v^1 - v^l            S^l = S^{l-1} + e^l            (S^0 = 0; beta v^1 formed once, kept in the state)
+    e^l = beta * v^1 - v^l            S^l = S^{l-1} + e^l            (S^0 = 0)
     u^l = A^l v^l + lambda_p * e^l + lambda_i * S^l + lambda_d * (e^l - e^{l-1})
 
-The derivative term is zero at the first layer (there is no e^0); with ``control_first_layer=False`` the first layer
-only records v^1 and the sums start at the second. Every term is per token position, so nothing leaks across
-positions and a KV cache needs only the values of the positions being computed. The state is an explicit value
-(:class:`PIDState`), passed in and returned, never stored on a module.
-"""
+The D term is zero at the first layer. Every term is per position, so a KV cache needs only the new positions'
+values; the state (:class:`PIDState`) is passed in and returned, never stored on a module."""
 from __future__ import annotations
 
 import functools
@@ -38,37 +33,19 @@ _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
 # ------------------------------------------------------------------------------------------------- parameters
 @dataclass(frozen=True)
 class PIDConfig(MethodConfig):
-    """Gains of the PID attention update (PIDformer, eq. 25).
-
-    For layer l of a PID group, with values v^l and the attention output A^l v^l::
-
-        e^l = beta * v^1 - v^l
-        u^l = A^l v^l + lambda_p * e^l + lambda_i * sum_{k<=l} e^k + lambda_d * (e^l - e^{l-1})
-
-    (with ``control_first_layer=False`` the sums start at the second layer, see below).
+    """Gains of the PID attention update (PIDformer, eq. 25); the defaults are the ``deit`` preset.
 
     Args:
         lambda_p: proportional gain, >= 0.
         lambda_i: integral gain, >= 0.
-        lambda_d: derivative gain, >= 0 (the D term is zero at the group's first layer).
+        lambda_d: derivative gain, >= 0 (zero D term at the group's first layer).
         beta: weight of the reference signal ``v^1``, in (0, 1].
-        learnable: if True, every PID layer gets its own trainable gains initialised from these values
-            (adds three parameters per layer). Off by default: fixed gains add no parameters, so a
-            softmax checkpoint loads unchanged. Learned gains stay non-negative by construction
-            (softplus of a raw parameter, see :class:`PIDGains`).
-        control_first_layer: what the group's first layer does. True (the paper's eq. 25 read with sums
-            from m = 1, the default): the first layer gets the term with ``e^1 = (beta - 1) v^1``. False
-            (the convention of the group's public NeuTRENO code): the first layer computes plain attention
-            and only records the reference ``v^1``; from the second layer on ``e^l = beta v^1 - v^l``,
-            ``S^l = e^2 + ... + e^l`` and the D term is zero at the second layer.
-        warmup_steps: gain warm-up for fine-tuning a pretrained model into PID (0, the default: off). With
-            ``N > 0`` the PID term is scaled by ``min(1, t / N)``, where ``t`` counts the model's
-            training-mode forward passes (a buffer in the model's state_dict, see
-            :class:`~pid_plugins.core.warmup.GainWarmup`): at ``t = 0`` the model computes the stock model,
-            at ``t = k`` the model with every gain scaled by ``k / N``.
-
-    The defaults are the paper's ``deit`` preset.
-    """
+        learnable: every layer gets its own trainable gains (softplus-positive, :class:`PIDGains`), initialised
+            from these; off by default, so a softmax checkpoint loads unchanged.
+        control_first_layer: True (the paper): the first layer gets the term with ``e^1 = (beta - 1) v^1``.
+            False (the NeuTRENO code): the first layer only records ``v^1`` and the sums start at the second.
+        warmup_steps: ``N > 0`` scales the PID term by ``min(1, t / N)``, ``t`` the model's training forwards
+            (:class:`~pid_plugins.core.warmup.GainWarmup`); 0: off."""
 
     lambda_p: float = 0.8
     lambda_i: float = 0.5
@@ -113,11 +90,8 @@ class PIDConfig(MethodConfig):
     # ----------------------------------------------------------------------------------------- presets
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "PIDConfig":
-        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides.
-
-        The presets are plain data loaded once, when this module is imported, so looking one up reads no file
-        (``torch.compile`` traces it inside a forward without a graph break).
-        """
+        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides; the
+        presets are loaded once at import, so a lookup reads no file."""
         config = _PRESET_CONFIGS.get(name) if isinstance(name, str) else None
         if config is None:
             raise ValueError(
@@ -165,15 +139,10 @@ GainsLike = Union[PIDConfig, Sequence[Gain]]
 
 
 class PIDState(NamedTuple):
-    """What one PID layer hands to the next within a single forward pass.
+    """What one PID layer hands to the next within one forward pass.
 
-    The tensors have the shape of the values in key/value-head space, e.g. ``(B, H_kv, q, D)``,
-    restricted to the query positions, in at least float32 (values in float16/bfloat16, e.g. under autocast,
-    are accumulated in float32 over depth). After a reference-only
-    first layer (``PIDConfig(control_first_layer=False)``) they are ``None``: no error has been formed yet.
-    Being a tuple, it can be splatted into checkpointed calls (``block(x, *state)``) and traced by
-    ``torch.compile``.
-    """
+    Tensors shaped like the query positions' values in key/value-head space, ``(B, H_kv, q, D)``, in at least
+    float32; ``None`` after a reference-only first layer. A tuple, so it splats into checkpointed calls."""
 
     v_first: Tensor  #: beta v^1, the reference: the values of the group's first layer times beta
     e_sum: Optional[Tensor]  #: S^l = e^1 + ... + e^l (from e^2 with a reference-only first layer)
@@ -203,35 +172,23 @@ def pid_update(
     head_dim: int = -3,
     scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, PIDState]:
-    """Apply the PID correction to one layer's attention output.
+    """Apply the PID correction to one layer's attention output, in the folded form::
 
-    One path for every case, in the folded form that launches the fewest kernels::
-
-        e   = beta v^1 - v                    (beta v^1 from the state: one subtraction)
-        S   = S_prev + e
-        u   = A v + (lP + lD) e + lI S - lD e_prev      (accumulated into one fresh output tensor)
-
-    i.e. five elementwise kernels per layer after the first (fewer where a fixed gain is zero), each error
-    tensor broadcast over the query heads of its key/value head through a view (no copies).
+        e = beta v^1 - v        S = S_prev + e        u = A v + (lP + lD) e + lI S - lD e_prev
 
     Args:
-        attn_out: ``A^l v^l`` per head, shape ``(..., H, q, D)`` (any leading dims).
-        value: this layer's values ``v^l`` for the same query positions, shape ``(..., H_kv, q, D)``
-            with ``H_kv`` dividing ``H`` (grouped-query attention) or equal to it.
-        state: the state returned by the previous layer of the group, or ``None`` at the first layer.
-        gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``
-            (floats or scalar / broadcastable tensors, e.g. learnable per-layer gains).
-        head_dim: which dimension holds the heads (only used to expand key/value heads).
-        scale: the gain warm-up's factor (a 0-dim tensor, :mod:`pid_plugins.core.warmup`), or None. It multiplies
-            the PID term: fixed gains stay Python floats and the error tensors are scaled as they are added, so at
-            ``scale = 1`` the result is bit for bit the one without a scale (a warmed-up model computes what its
-            :func:`~pid_plugins.finish_warmup` model computes). Tensor (learnable) gains are multiplied by it.
+        attn_out: ``A^l v^l`` per head, ``(..., H, q, D)``.
+        value: this layer's values ``v^l`` for the same positions, ``(..., H_kv, q, D)``, ``H_kv`` dividing ``H``.
+        state: the previous layer's state, or ``None`` at the first layer.
+        gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])`` (floats or
+            tensors).
+        head_dim: which dimension holds the heads.
+        scale: the warm-up factor (a 0-dim tensor) multiplying the PID term, or None; ``scale = 1`` gives the
+            unscaled result bit for bit.
 
     Returns:
-        ``(u, new_state)``: the controlled output (same shape and dtype as ``attn_out``) and the state
-        for the next layer of the group. In float16/bfloat16 the reference, the error, its sum and the PID
-        term are computed in float32 and ``u`` is rounded once.
-    """
+        ``(u, new_state)``: the output (shape and dtype of ``attn_out``; float16/bfloat16 computed in float32 and
+        rounded once) and the state for the next layer."""
     if type(gains) is PIDConfig:  # the common case, fixed gains: no unpacking, no tensor checks
         if scale is None and not torch.jit.is_tracing():
             return _fixed_update(attn_out, value, state, _folded(gains), head_dim)
@@ -334,8 +291,8 @@ def _folded(config: PIDConfig) -> _Folded:
 
 def _fixed_update(attn_out: Tensor, value: Tensor, state: Optional[PIDState], g: _Folded,
                   head_dim: int) -> tuple[Tensor, PIDState]:
-    """:func:`pid_update` with fixed (Python float) gains and no warm-up scale: the same float operations in the same
-    order as the general path below, with the gains folded once per config and no per-call lists."""
+    """:func:`pid_update` with fixed float gains and no scale: the same operations in the same order, gains
+    folded once per config."""
     shape = value.shape
     if state is not None and state[0].shape != shape:
         pid_update(attn_out, value, state, (0.0, 0.0, 0.0, 1.0))  # raises the explanatory error
@@ -392,16 +349,9 @@ def _inverse_softplus(gain: float) -> float:
 class PIDGains(nn.Module):
     """Trainable ``lambda_p, lambda_i, lambda_d`` of one layer, initialised from a :class:`PIDConfig`.
 
-    Each gain is ``softplus(raw)`` of an unconstrained parameter (``lambda_p_raw`` ...), so it stays
-    positive whatever the optimiser does: the stability of PID attention (PIDformer, Proposition 2)
-    needs positive gains. A gain initialised at 0 starts at :data:`MIN_INITIAL_GAIN`. ``beta`` and
-    ``control_first_layer`` stay fixed. Exclude these parameters from weight decay (weight decay would
-    pull the raw value towards 0, i.e. the gain towards log 2), as timm's ``no_weight_decay`` does.
-
-    Each raw parameter has shape ``(1,)``, not ``()``: FSDP2's ``fully_shard`` shards parameters along their
-    first dimension and refuses 0-dim ones. State dicts written before the reparametrisation (parameters
-    named ``lambda_p`` holding the gain itself) or with 0-dim raw values load: they are converted.
-    """
+    Each gain is ``softplus(raw)`` of a parameter ``lambda_*_raw`` of shape ``(1,)``, so it stays positive (stability,
+    PIDformer Prop. 2); a gain initialised at 0 starts at :data:`MIN_INITIAL_GAIN`. Exclude them from weight decay.
+    State dicts with the gains themselves or 0-dim raw values are converted on load."""
 
     def __init__(self, config: PIDConfig) -> None:
         super().__init__()
@@ -443,9 +393,7 @@ def layer_gains(config: PIDConfig, learned: "PIDGains | None"):
 
 
 def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
-    """``gains`` (a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``) with
-    the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None (no warm-up: fixed gains stay
-    Python floats, so :func:`pid_update` keeps its fast path)."""
+    """``gains`` with the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None."""
     if scale is None:
         return gains
     if isinstance(gains, PIDConfig):
@@ -459,8 +407,7 @@ def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
 
 # ------------------------------------------------------------------------------------------------- the method
 class PIDMethod(AttentionMethod):
-    """PID attention (PIDformer, ICML 2024, eq. 25): :func:`pid_update` with
-    :class:`PIDConfig` gains, optionally learnable per layer (:class:`PIDGains`) and warmed up."""
+    """PID attention: :func:`pid_update` with :class:`PIDConfig` gains, optionally learned per layer and warmed up."""
 
     name = "pid"
     config_type = PIDConfig
@@ -471,8 +418,7 @@ class PIDMethod(AttentionMethod):
         return PIDGains(config) if config.learnable else None
 
     def layer_params(self, config: PIDConfig, learned: Optional[nn.Module], layer: Optional[int] = None) -> Any:
-        """The config (fixed gains), or the layer's learned ``lambda_p, lambda_i, lambda_d`` with the config's
-        ``beta`` and first-layer rule (those are never learned)."""
+        """The config, or the layer's learned gains with the config's ``beta`` and first-layer rule."""
         if learned is None:
             return config
         lambda_p, lambda_i, lambda_d = learned()[:3]
