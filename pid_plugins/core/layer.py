@@ -1,7 +1,5 @@
-"""What a layer and a model hold for their attention method, once for every adapter: :class:`MethodLayer` (the
-layer's method, config and learnable parameters), :class:`MethodModel` (the model's method, config and gain warm-up
-counter), and :func:`replace_module`, how every adapter's ``convert`` switches a module's type (a new module holding
-the old one's parameters, buffers, submodules and hooks; no class is ever reassigned)."""
+"""What a layer and a model hold for their attention method, once for every adapter: :class:`MethodLayer`,
+:class:`MethodModel`, and :func:`replace_module`, how every adapter's ``convert`` switches a module's type."""
 from __future__ import annotations
 
 import logging
@@ -23,15 +21,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 class MethodLayer:
-    """Mixed into an adapter's attention layer (an ``nn.Module``): the layer's method and parameters.
-
-    ``attention_method`` (the :class:`~pid_plugins.core.AttentionMethod`, None for softmax),
-    ``attention_config`` (its config) and ``attention_params`` (the method's learnable per-layer parameters, from
-    ``method.make_learned``, or None; a submodule, so in the state_dict as ``<layer>.attention_params.<param>``).
-    ``layer_index``: the layer's 0-based position within its group (set by the model that owns the group with
-    :func:`number_layers`, when it is built or converted; None for a layer outside a model), which the adapter
-    passes as :attr:`LayerCall.layer <pid_plugins.core.LayerCall>`.
-    """
+    """Mixed into an adapter's attention layer: ``attention_method`` (None for softmax), ``attention_config``,
+    ``attention_params`` (the learnable per-layer parameters, a submodule, or None) and ``layer_index`` (0-based in its
+    group, set by :func:`number_layers`), which the adapter passes as ``LayerCall.layer``."""
 
     attention_method: Optional[AttentionMethod]
     attention_config: Any
@@ -52,8 +44,7 @@ class MethodLayer:
 
     @property
     def method_active(self) -> bool:
-        """Whether the layer runs its method (False: softmax, or a config that computes the stock attention: the
-        adapter runs its zoo's own code path, bit for bit)."""
+        """Whether the layer runs its method (False: softmax, or a config that computes the stock attention)."""
         method = self.attention_method
         return method is not None and not method.is_identity(self.attention_config)
 
@@ -68,13 +59,9 @@ class MethodLayer:
 
 
 class MethodModel:
-    """Mixed into an adapter's model (or the module that owns a group of method layers): the method, its config and
-    the gain warm-up counter, set in one place.
-
-    ``attention_method`` (None for softmax), ``attention_config`` (the config) and ``attention_warmup`` (the
-    :class:`~pid_plugins.core.GainWarmup` counter when the config has ``warmup_steps``, else None; a submodule, so its
-    step is saved with the model: ``<model>.attention_warmup.step``).
-    """
+    """Mixed into an adapter's model (or the module owning a group of method layers): ``attention_method``,
+    ``attention_config`` and ``attention_warmup`` (the :class:`~pid_plugins.core.GainWarmup` counter, a submodule, or
+    None)."""
 
     attention_method: Optional[AttentionMethod]
     attention_config: Any
@@ -97,10 +84,8 @@ class MethodModel:
         attach_record(self, choice, like)  # what its checkpoints say they are (pid_plugins.core.record)
 
     def method_scale(self) -> Optional[Tensor]:
-        """This forward's warm-up scale for the layers, read once per forward of the model (a training forward then
-        advances the counter): None on the fixed path (no warm-up). A model whose adapter runs warm-up as the zoo's
-        stock attention plus the method's term (mmseg, fairseq) keeps that form after :func:`finish_warmup`, at a
-        constant scale of 1: exactly the function it was warmed up to."""
+        """This forward's warm-up scale, read once per model forward (a training forward advances the counter); None
+        on the fixed path, 1 for a finished stock-plus-term model."""
         counter = self.attention_warmup
         if counter is not None:
             return counter()
@@ -114,9 +99,8 @@ class MethodModel:
 
 
 def number_layers(layers: Iterable[MethodLayer]) -> None:
-    """Give the method layers of one group, in the order the model threads its method's state through them, their
-    0-based ``layer_index`` (a plain int attribute: not saved with the model, a constant for torch.fx and
-    torch.compile). A model calls it when it builds or converts its layers; each group counts from 0."""
+    """Give one group's method layers, in the order the state is threaded, their 0-based ``layer_index`` (a plain
+    int attribute, not saved)."""
     for index, layer in enumerate(layers):
         layer.layer_index = index
 
@@ -131,9 +115,8 @@ MODEL_ATTRIBUTES = ("attention_method", "attention_config", "attention_warmup", 
 
 
 def strip_attributes(module: nn.Module, names: Tuple[str, ...]) -> None:
-    """Remove ``names`` from ``module`` wherever ``nn.Module`` keeps them (plain attribute, submodule, parameter,
-    buffer, non-persistent buffer name): a module going back to its zoo's stock class keeps nothing of ours (the
-    method record's ``state_dict`` hook goes with the record)."""
+    """Remove ``names`` from ``module`` wherever ``nn.Module`` keeps them, so a module going back to its stock
+    class keeps nothing of ours."""
     if RECORD in names:
         detach_record(module)
     for name in names:
@@ -147,12 +130,8 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def rebuild(module: nn.Module, kind: Type[ModuleT]) -> ModuleT:
-    """A new ``kind`` module holding ``module``'s own parameters, buffers and submodules (the same objects: nothing
-    is copied or moved), its hooks (the same hook dictionaries: handles taken on ``module`` still remove them) and its
-    train/eval mode, without running ``kind.__init__``. ``kind`` is the zoo's stock class of ``module`` or one of
-    pid-plugins' method classes derived from it, which add no tensors of their own: the caller then sets what the
-    method class holds (:meth:`MethodLayer.set_attention`, :meth:`MethodModel.set_model_method`) or removes it
-    (:func:`strip_attributes`, before rebuilding as the stock class). ``module`` itself is left unchanged."""
+    """A new ``kind`` module holding ``module``'s own parameters, buffers, submodules and hooks (the same objects) and
+    its train/eval mode, without running ``kind.__init__``; ``module`` is left unchanged."""
     if not isinstance(module, nn.Module) or not (isinstance(module, kind) or issubclass(kind, type(module))):
         raise TypeError(f"rebuild: a {kind.__name__} can be rebuilt from its own class or a base of it, "
                         f"got {type(module).__name__}")
@@ -166,10 +145,8 @@ def rebuild(module: nn.Module, kind: Type[ModuleT]) -> ModuleT:
 
 
 def replace_module(parent: nn.Module, name: str, kind: Type[ModuleT]) -> ModuleT:
-    """Replace ``parent``'s submodule ``name`` (an attribute name, or an index of a ``ModuleList``/``Sequential``)
-    by :func:`rebuild` of it as ``kind``, in place; returns the new module. The one way every adapter's ``convert``
-    changes a module's type (as peft and torch's module swapping do): ``parent``'s ``state_dict`` keys, the parameter
-    objects an optimizer holds, hooks and train/eval mode are unchanged. A module already of type ``kind`` is kept."""
+    """Replace ``parent``'s submodule ``name`` by :func:`rebuild` of it as ``kind``, in place, and return it;
+    ``state_dict`` keys, optimizer parameters, hooks and mode are unchanged. A module already of type ``kind`` is kept."""
     old = parent._modules[name]
     if type(old) is kind:
         return old
@@ -179,10 +156,8 @@ def replace_module(parent: nn.Module, name: str, kind: Type[ModuleT]) -> ModuleT
 
 
 def carries_trained_weights(model: nn.Module) -> bool:
-    """Whether ``model``'s weights are trained (loaded from a checkpoint, or trained in this process), not as built:
-    a normalisation layer (a module whose class name contains ``Norm``) has a weight or bias whose entries differ.
-    Every zoo initialises those constant (ones and zeros; Gemma's ``1 + w`` norms zeros); training makes them vary. A
-    model on the meta device (not materialised yet) has no weights to judge: False."""
+    """Whether ``model``'s weights are trained rather than as built: some normalisation layer's weight or bias
+    entries differ (every zoo initialises them constant). False on the meta device."""
     for module in model.modules():
         if "norm" not in type(module).__name__.lower():
             continue
@@ -199,13 +174,9 @@ def carries_trained_weights(model: nn.Module) -> bool:
 
 def warn_switch_of_trained_weights(model: nn.Module, choice: Optional[MethodChoice], where: str,
                                    current: Any = None) -> None:
-    """Log one warning when trained weights (:func:`carries_trained_weights`) are switched to a method that changes
-    the function at full strength at once: active parameters (not the stock attention) and no warm-up. A softmax
-    checkpoint run with PID at the ``lm`` gains turns to noise (SmolLM2-135M: perplexity 58 -> 1.8e8); the model
-    has to be fine-tuned into the method, with the term grown from 0 (``warmup_steps``). Not for the stock
-    attention, parameters that compute it, a warm-up, weights as built (training from scratch), or a model that
-    already runs ``choice`` (``current``: the module holding the method it runs now, a :class:`MethodLayer` /
-    :class:`MethodModel` or None)."""
+    """Log one warning when trained weights are switched to a method that changes the function at full strength
+    at once (active parameters, no warm-up): such a model must be fine-tuned into the method with ``warmup_steps``.
+    Silent when ``current`` already runs ``choice``."""
     if choice is None or choice.method.is_identity(choice.config) or getattr(choice.config, "warmup_steps", 0):
         return
     if current is not None and (getattr(current, "attention_method", None), getattr(current, "attention_config", None)) \
@@ -224,10 +195,8 @@ def warn_switch_of_trained_weights(model: nn.Module, choice: Optional[MethodChoi
 
 
 def settle_submodule(owner: nn.Module, name: str) -> None:
-    """After a method switch in place: a submodule the method just made (learnable parameters, the warm-up counter)
-    takes its owner's train/eval mode (a counter made in training mode would advance on every forward of a model in
-    eval mode); none: the plain ``name = None`` attribute of a module built without it, not a ``None`` submodule
-    entry left by the previous method."""
+    """After a switch in place: a submodule the method just made takes its owner's train/eval mode; none leaves
+    a plain ``name = None`` attribute."""
     if name in owner._modules and owner._modules[name] is None:
         del owner._modules[name]
         owner.__dict__[name] = None
@@ -241,9 +210,8 @@ _FINISHERS: List[Callable[[nn.Module], bool]] = []
 
 
 def register_warmup_finisher(finisher: Callable[[nn.Module], bool]) -> None:
-    """For adapters whose models hold the warm-up elsewhere than a :class:`MethodModel` (transformers keeps it in
-    ``config`` and a counter per model): ``finisher(model)`` finishes that model's warm-up in place and returns
-    whether it found a method there."""
+    """For adapters that keep the warm-up outside a :class:`MethodModel`: ``finisher(model)`` finishes it in place
+    and returns whether it found a method."""
     if finisher not in _FINISHERS:
         _FINISHERS.append(finisher)
 
@@ -256,19 +224,11 @@ def finished_config(config: Any) -> Any:
 def finish_warmup(model: nn.Module) -> nn.Module:
     """End a model's gain warm-up: the model, in place, at its final parameters on the fixed path.
 
-    A model fine-tuned with ``warmup_steps=N`` scales its method's term by ``min(1, t / N)``, a tensor read from
-    its counter at every forward. After ``finish_warmup`` the model has no counter (its ``state_dict`` loses the
-    ``attention_warmup.step`` key) and its config has ``warmup_steps=0``: the method runs at scale 1 with fixed gains
-    (Python floats; learnable gains as trained). In timm and transformers that is the path of a model built
-    without warm-up. In mmseg and fairseq, whose warm-up runs the zoo's fused attention plus the method's term, the
-    finished model keeps that form (the fused kernel and the method path differ in rounding, about 1e-6): a model
-    rebuilt from its saved config takes the method path. That is exactly the function of the model warmed up to ``t >= N``; a model
-    stopped earlier (``t < N``) jumps to its final parameters, which one warning says. Learnable parameters are
-    kept as trained. A model without warm-up is returned unchanged. Call it before inference or export.
+    The counter is dropped (with its ``state_dict`` key) and the config gets ``warmup_steps=0``; learnable parameters
+    are kept as trained. mmseg and fairseq models keep their stock-plus-term form at scale 1. A model stopped before
+    ``t = N`` jumps to its final parameters, with one warning. A model without warm-up is returned unchanged.
 
-    Returns ``model`` (changed in place). Raises ``TypeError`` for a model without any attention method of
-    pid-plugins (a stock model: nothing to finish).
-    """
+    Returns ``model``. Raises ``TypeError`` for a model without any attention method of pid-plugins."""
     found = False
     for name, module in model.named_modules():
         if isinstance(module, MethodModel):
@@ -289,9 +249,7 @@ def finish_warmup(model: nn.Module) -> nn.Module:
 
 
 def finish_model_warmup(module: nn.Module, where: str) -> None:
-    """:func:`finish_warmup` of one module holding a model's method (a :class:`MethodModel`, or a stock module given
-    its attributes in place by an adapter's ``convert``): its config at its final parameters, its counter dropped
-    (a stock-plus-term model keeps that form at scale 1)."""
+    """:func:`finish_warmup` of one module holding a model's method: its config final, its counter dropped."""
     if module.attention_method is not None:
         module.attention_config = finished_config(module.attention_config)
     counter = module.attention_warmup
@@ -305,8 +263,7 @@ def finish_model_warmup(module: nn.Module, where: str) -> None:
 
 
 def warn_unfinished_warmup(counter: GainWarmup, where: str) -> None:
-    """One warning when a counter is dropped before ``t`` reached ``N`` (the model jumps to scale 1); for adapters
-    whose finisher (:func:`register_warmup_finisher`) drops counters of their own."""
+    """One warning when a counter is dropped before ``t`` reached ``N``; for adapters' own finishers."""
     step = int(counter.step)
     if step < counter.warmup_steps:
         logger.warning("finish_warmup: %s had warmed up %d of %d steps (scale %.3f); it now runs at its final "
