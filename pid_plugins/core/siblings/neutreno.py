@@ -1,35 +1,13 @@
-"""NeuTRENO attention (Nguyen, Nguyen and Baraniuk, "Mitigating Over-smoothing in Transformers via Regularized
-Nonlocal Functionals", NeurIPS 2023: Advances in NeurIPS 36, which the code's readme cites as 2024), as a registered
-attention method ``"neutreno"``.
+"""NeuTRENO attention (Nguyen, Nguyen and Baraniuk, NeurIPS 2023) as the attention method ``"neutreno"``.
 
-For the layers ``l = 1 .. L`` of one group (a stack of self-attention layers in one forward pass, as for PID), with
-``A^l`` the layer's (dropped-out) attention matrix and ``v^l`` its values, per head and query position::
+For the layers ``l = 1 .. L`` of one group, with ``A^l`` the layer's attention matrix and ``v^l`` its values::
 
     u^1 = A^1 v^1                              (the first layer only records v^1)
     u^l = A^l v^l + alpha * (v^1 - v^l)        (l >= 2)
 
-It is PID with ``(lambda_p, lambda_i, lambda_d, beta) = (alpha, 0, 0, 1)`` under either first-layer convention (and
-computes the same float operations: equal bit for bit in float32/float64), but threads only ``v^1`` from layer to
-layer (PID also threads its running error and last error).
-
-As the official code computes it (github.com/tamnguyen9520/NeuTRENO_NeurIPS2024, read at its public snapshot):
-
-* ``DeiT/neutreno.py`` (``Attention.forward``): the term ``alpha * (v0 - v)`` is added to ``attn @ v`` after the
-  attention dropout, for every layer but the first (``layerth > 0``); the first block returns its values as ``v0``;
-  ``alpha = 0.6`` is fixed in ``Attention.__init__``.
-* ``segmenter/segm/model/blocks_neutreno.py`` (``Attention.forward``), ``vit_neutreno.py`` and
-  ``decoder_neutreno.py``: the same rule in the ViT encoder and in the mask-transformer decoder, each stack with its
-  own first layer (the decoder's ``v0`` is its own first block's values); ``alpha`` comes from ``--alpha``, 0.6 in
-  ``segmenter/run.sh``.
-* ``wikitext103/src/mem_transformer.py`` (``NeuTRENOMultiHeadAttn``, ``--attn_type 222`` in ``src/script.sh``): the
-  softmax language model adds ``0.4 * (head_v0 - head_v)`` to the attention output, causal mask and no memory
-  (``--mem_len 0``): every term is per position, so a causal model stays causal and a KV cache needs only the
-  values of the positions being computed (no refusal is needed: every zoo context is exact).
-
-Grouped-query attention: the term is formed in key/value-head space and expanded to the query heads as the values
-are (``repeat_interleave``). In float16/bfloat16 the term is computed in float32 and the output rounded once (as
-PID's update does); the official code adds it in the model's dtype.
-"""
+It is PID with gains ``(alpha, 0, 0, 1)`` (equal bit for bit in float32/float64) threading only ``v^1``. Every term
+is per position, so causal models and KV caches need no refusal. The term is formed in key/value-head space and, in
+float16/bfloat16, in float32. Sources: docs/methods/siblings.md."""
 from __future__ import annotations
 
 import math
@@ -55,10 +33,7 @@ class NeuTRENOConfig(MethodConfig):
 
     Args:
         alpha: weight of the fidelity term ``v^1 - v^l``, >= 0 (0: the stock attention).
-        warmup_steps: warm-up for fine-tuning a pretrained model into NeuTRENO (0, the default: off); with
-            ``N > 0`` alpha is scaled by ``min(1, t / N)`` over the model's training forwards, as PID's gains are
-            (see :mod:`pid_plugins.core.warmup`).
-    """
+        warmup_steps: ``N > 0`` scales alpha by ``min(1, t / N)`` (:mod:`pid_plugins.core.warmup`); 0: off."""
 
     alpha: float = 0.6
     warmup_steps: int = 0
@@ -82,13 +57,8 @@ class NeuTRENOConfig(MethodConfig):
 
 def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], alpha: Any,
                     head_dim: int = -3, scale: Optional[Tensor] = None) -> Tensor:
-    """One layer's output: ``attn_out`` at the group's first layer (``v_first`` None), else
-    ``attn_out + alpha * (v_first - value)``, the term in key/value-head space expanded to ``attn_out``'s heads.
-
-    ``alpha``: a float or a 0-dim tensor. ``scale``: the warm-up's factor (0-dim tensor) or None; it multiplies the
-    difference, so at 1 the result is bit for bit the one without it. ``value`` and ``v_first``: the values of the
-    query positions.
-    """
+    """One layer's output: ``attn_out`` at the first layer (``v_first`` None), else
+    ``attn_out + alpha * (v_first - value)`` expanded to the query heads. ``scale``: the warm-up factor, or None."""
     if v_first is None:
         return attn_out
     if not torch.jit.is_tracing() and v_first.shape != value.shape:

@@ -4,36 +4,11 @@ With ``A = softmax(q k^T * scale + mask)`` of one head, a twicing layer outputs:
 
     u = A v + A (v - A v)        (= (2A - A A) v)
 
-with the same ``A`` in both products. The official code (github.com/lazizcodes/twicing_attention) writes it twice:
-
-* ``twicing_attention_vision/models.py``, ``SharpAttention.forward``: ``AV = A @ v``, ``res = v - AV``,
-  ``x = AV + A @ res`` (dropout drawn once on ``A``, before both products); ``SharpVisionTransformer`` builds a
-  ``SharpBlock`` at every layer (``layer_num=i ... if True else Block``). ``self.alpha = 0.5`` is defined but unused.
-* ``twicing_attention_lang/lmtool-fwms/src/mem_transformer.py``, ``MultiHeadAttn.forward``: for
-  ``self.layer_num >= 14`` the probabilities become ``2 * A - A @ A`` (dropout after), the other layers keep ``A``;
-  ``run_sharp_small.sh`` trains it with ``--n_layer 16 --mem_len 0`` (the last two layers, no memory/cache).
-
-Here the second product is a second call of the zoo's own attention, ``attend(q, v - A v)``: it is the same ``A``
-(same queries, keys, mask and scale) exactly when no dropout is drawn, so :meth:`Twicing.check` refuses attention
-dropout in training (one dropout draw cannot serve two calls), and nothing else. The rule is causal: ``(A v)_j``
-reads positions ``<= j``. Two cases the official code does not have (docs/methods/siblings.md):
-
-* grouped-query attention (transformers' Llama, Mistral, Qwen, ...): ``v - A v`` has one tensor per *query* head;
-  the second call gets the values expanded to the query heads (``repeat_interleave``, as the model expands them)
-  minus ``A v``, and the adapter's ``attend`` expands the keys to the query heads for that call. Exact: every query
-  head sees the same keys and mask as in the first call.
-* a KV cache: the second product needs ``(A v)_j`` at every past key position ``j``. In a causal model it is fixed
-  once computed, so the adapter keeps it next to the layer's cached keys/values (:class:`CacheSlot`: transformers'
-  dynamic, static and sliding-window caches, reordered by beam search; fairseq's ``incremental_state``) and the
-  method reads it back for every key position. Decoding with the cache equals recomputing the prefix.
-
-Which layers twice: ``from_layer`` (0-based, counted over the layers of a group in order, the way the adapters
-thread a method's state): the layers with index ``>= from_layer``; the earlier ones compute the stock attention (one
-call of the zoo's attention). The index is the one the adapter passes with every call (:attr:`LayerCall.layer
-<pid_plugins.core.LayerCall>`, read in :meth:`Twicing.layer_params`): a Python int, so the choice is a constant for
-torch.fx and torch.compile, and the method hands nothing from layer to layer (no ``state_fields``). There is no
-strength parameter (no ZERO config): ``attention="softmax"`` with the same weights is the stock model.
-"""
+The second product is a second call of the zoo's attention, ``attend(q, v - A v)``: the same ``A`` exactly when no
+dropout is drawn, so attention dropout in training is refused. Layers with index ``>= from_layer`` twice, earlier
+ones compute the stock attention; nothing is handed between layers. With a KV cache, ``A v`` of past positions is
+kept in a :class:`CacheSlot`. No parameter values give the stock attention: that is ``attention="softmax"``.
+Sources and the official code's details: docs/methods/siblings.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,9 +28,7 @@ class TwicingConfig(MethodConfig):
     """Twicing attention's one parameter.
 
     Args:
-        from_layer: the first layer (0-based, within the group of layers a zoo threads the method's state through)
-            that twices; earlier layers compute the stock attention. 0: every layer (the vision code).
-    """
+        from_layer: the first layer (0-based, within the group) that twices; 0: every layer."""
 
     from_layer: int = 0
 
@@ -70,10 +43,8 @@ class TwicingConfig(MethodConfig):
 
 def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -3,
                  slot: Optional[CacheSlot] = None) -> Tensor:
-    """``A v + A (v - A v)`` from two calls of ``attend`` (``attend(q, v) = A v`` in the output layout, heads at
-    ``head_dim``; ``value`` ``(B, H_kv, K, D)`` in the layout ``attend`` takes). With fewer key/value heads than
-    query heads, the second call's values are per query head (``attend`` expands the keys). ``slot``: where a KV
-    cache keeps ``A v`` of the past key positions (None: no cache, the keys are the query positions)."""
+    """``A v + A (v - A v)`` from two calls of ``attend`` (output heads at ``head_dim``; ``value``
+    ``(B, H_kv, K, D)``). ``slot``: where a KV cache keeps ``A v`` of past positions (None: no cache)."""
     once = attend(query, value)
     rows = once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3)  # (B, H, q, D)
     smoothed = rows if slot is None else slot(rows)  # (B, H, K, D): A v at every key position
@@ -95,11 +66,7 @@ def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -
 
 
 class Twicing(AttentionMethod):
-    """Twicing attention, ``A v + A (v - A v)`` (see the module docstring): two calls of the zoo's attention.
-
-    :meth:`layer_params` decides from the layer's index whether the layer twices; :meth:`attend` reads the output
-    layout from ``head_dim``. No state: nothing is handed from layer to layer.
-    """
+    """Twicing attention, ``A v + A (v - A v)``: two calls of the zoo's attention, no state."""
 
     name = "twicing"
     config_type = TwicingConfig
@@ -118,16 +85,14 @@ class Twicing(AttentionMethod):
 
     def layer_params(self, config: TwicingConfig, learned: Optional[nn.Module],
                      layer: Optional[int] = None) -> Optional[TwicingConfig]:
-        """The config at the layers that twice (index ``>= from_layer``), None at the earlier ones (they compute the
-        stock attention). With ``from_layer=0`` every layer twices, whatever the index (None included)."""
+        """The config at layers that twice (index ``>= from_layer``; every layer when it is 0), None at earlier ones."""
         if config.from_layer and self.require_layer(layer) < config.from_layer:
             return None
         return config
 
     def attend(self, params: Optional[TwicingConfig], attend: Attend, query: Tensor, value: Tensor,
                state: Optional[tuple] = None, head_dim: int = -3, slot: Optional[CacheSlot] = None) -> Tensor:
-        """``A v + A (v - A v)`` at a layer that twices (``params``: :meth:`layer_params`), ``A v`` at one before
-        ``from_layer`` (``params`` None)."""
+        """``A v + A (v - A v)`` at a layer that twices, ``A v`` before ``from_layer`` (``params`` None)."""
         if params is not None:
             return twicing_rule(attend, query, value, head_dim, slot)
         return attend(query, value)

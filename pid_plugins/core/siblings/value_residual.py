@@ -1,34 +1,14 @@
-"""Value residual learning (ResFormer: Zhou, Wu, Jiang, Obeid and Lan, "Value Residual Learning", arXiv 2410.17897,
-ACL 2025) as the attention method ``value_residual``.
+"""Value residual learning (ResFormer: Zhou et al., "Value Residual Learning", ACL 2025) as the attention
+method ``value_residual``.
 
-For the layers ``l = 1 .. L`` of one group (a stack of self-attention layers in one forward pass, as for PID), with
-``v^l`` the layer's values per key/value head::
+For the layers ``l = 1 .. L`` of one group, with ``v^l`` the layer's values per key/value head::
 
     u^1 = softmax(q^1 k^1^T * scale + mask) v^1                                 (the first layer records v^1)
     u^l = softmax(q^l k^l^T * scale + mask) (lambda_1 * v^1 + lambda_2 * v^l)    (l >= 2)
 
-Keys and queries are unchanged; the mix is formed per key/value head, before grouped-query attention repeats the
-values for the query heads.
-
-As the official code computes it (github.com/Zcchill/Value-Residual-Learning, read at its public snapshot):
-
-* ``src/modeling/modeling_llama_resformer.py``, ``LlamaAttention.forward`` (and ``LlamaFlashAttention2``): layer 0
-  appends its ``v_proj`` output to ``formal_layer_values``, a list the decoder passes from layer to layer; every later
-  layer replaces its values by ``0.5*formal_layer_values[0] + 0.5*value_states`` before the head reshape, RoPE and
-  ``past_key_value.update`` (so the cache holds the mixed values), then ``repeat_kv`` and the attention as usual.
-* ``scripts/run_llama_resformer_82M.sh`` trains that model; ``modeling_llama_NeuTRENO_lambda04.py`` is the NeuTRENO
-  baseline of the same repository (``lambda`` 0.4, our ``neutreno`` ``lm`` preset).
-
-With a KV cache the mix is formed at attention time over every cached position, with the first layer's cached
-values as ``v^1`` (the state hands on the first layer's values at every key position, ``keys_state``): the mix is
-linear and per position, so this equals caching the mixed values as the official code does.
-
-Parameters: ``lambda_1`` (weight of ``v^1``) and ``lambda_2`` (weight of the layer's own values); the official code
-and the paper's ResFormer use 0.5 and 0.5 (preset ``resformer``). ``lambda_1 = 0, lambda_2 = 1`` is the stock
-attention (the adapters then run the stock code path, bit for bit). The paper also studies the lambdas as trained
-per-layer weights; the public code has only the fixed 0.5/0.5. ``learnable=True`` gives every layer its own
-``lambda_1`` and ``lambda_2`` (two scalars, unconstrained), starting at the config's values.
-"""
+The mix is formed per key/value head at attention time, over every cached position with a KV cache. ``resformer``
+is 0.5/0.5; ``(0, 1)`` is the stock attention; ``learnable=True`` gives each layer its own lambdas.
+Sources: docs/methods/siblings.md."""
 from __future__ import annotations
 
 import math
@@ -49,11 +29,9 @@ class ValueResidualConfig(MethodConfig):
     """Parameters of value residual learning (ResFormer).
 
     Args:
-        lambda_1: weight of the group's first layer's values ``v^1`` in every later layer (finite).
-        lambda_2: weight of the layer's own values (finite). ``(lambda_1, lambda_2) = (0, 1)``: the stock attention.
-        learnable: every layer after the first gets its own trainable ``lambda_1`` and ``lambda_2``, starting at
-            these values (two parameters per layer; off by default, so a softmax checkpoint loads unchanged).
-    """
+        lambda_1: weight of the group's first layer's values ``v^1`` (finite).
+        lambda_2: weight of the layer's own values (finite); ``(0, 1)``: the stock attention.
+        learnable: every layer after the first gets its own trainable lambdas, starting at these values."""
 
     lambda_1: float = 0.5
     lambda_2: float = 0.5
@@ -73,8 +51,7 @@ class ValueResidualConfig(MethodConfig):
 
 
 class ValueResidualLambdas(nn.Module):
-    """One layer's trainable ``lambda_1`` and ``lambda_2`` (each of shape ``(1,)``: FSDP2 shards along the first
-    dimension and refuses 0-dim parameters), initialised from a :class:`ValueResidualConfig`."""
+    """One layer's trainable ``lambda_1`` and ``lambda_2`` (shape ``(1,)``), from a :class:`ValueResidualConfig`."""
 
     def __init__(self, config: ValueResidualConfig) -> None:
         super().__init__()
@@ -86,9 +63,8 @@ class ValueResidualLambdas(nn.Module):
 
 
 def value_residual_mix(value: Tensor, v_first: Tensor, lambda_1: Any, lambda_2: Any) -> Tensor:
-    """``lambda_1 * v^1 + lambda_2 * v`` per key/value head, ``(B, H_kv, K, D)``. ``v_first`` may cover more key
-    positions than ``value`` (a sliding-window layer after a full first layer, with a cache): both end at the
-    newest position, so its last ``K`` rows are used."""
+    """``lambda_1 * v^1 + lambda_2 * v`` per key/value head, ``(B, H_kv, K, D)``; of a longer ``v_first`` (a
+    sliding-window layer) the last ``K`` rows are used."""
     length = value.shape[-2]
     if not torch.jit.is_tracing() and v_first.shape[-2] != length:  # (traced: no cache, the same positions)
         if v_first.shape[-2] < length or v_first.shape[:-2] != value.shape[:-2]:
