@@ -1,11 +1,6 @@
-"""The reference PID layer: a multi-head self-attention module on ``F.scaled_dot_product_attention`` with the PID
-update, for models of your own (README "The core alone"; parameter names as timm's ``Attention``: ``qkv``,
-``q_norm``, ``k_norm``, ``norm``, ``proj``), and :func:`sdpa_with_pid` for attention code of your own.
-
-The zoo adapters do not use it: each keeps its zoo's own attention module and runs the registered method through
-:mod:`pid_plugins.core.methods` (one path for every method). The experiments (``research/``) use it as the plain
-PID transformer of the paper.
-"""
+"""The reference PID layer: a multi-head self-attention module on ``F.scaled_dot_product_attention`` with the
+PID update, for models of your own (parameter names as timm's ``Attention``), and :func:`sdpa_with_pid` for
+attention code of your own. The zoo adapters do not use it; ``research/`` does."""
 from __future__ import annotations
 
 from typing import Optional
@@ -30,11 +25,8 @@ def sdpa_with_pid(
     is_causal: bool = False,
     scale: Optional[float] = None,
 ) -> tuple[Tensor, PIDState]:
-    """SDPA followed by :func:`pid_update`; q/k/v are ``(B, H, N, D)`` (k/v may have fewer heads).
-
-    With a KV cache (``k``/``v`` longer than ``q``) the PID term uses the last ``q.shape[-2]`` value rows,
-    i.e. the values of the query positions.
-    """
+    """SDPA followed by :func:`pid_update`; q/k/v are ``(B, H, N, D)`` (k/v may have fewer heads). With a KV
+    cache the PID term uses the last ``q.shape[-2]`` value rows."""
     enable_gqa = k.shape[-3] != q.shape[-3]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -48,11 +40,8 @@ def sdpa_with_pid(
 class PIDSelfAttention(nn.Module):
     """Multi-head self-attention, softmax (``pid=None``) or PID-controlled.
 
-    ``forward(x, state)`` returns ``(y, new_state)``; pass ``new_state`` to the next PID layer of the
-    group and ``None`` to the first. With ``pid=None`` the module is plain softmax attention and the
-    state passes through unchanged. ``attention_config`` holds ``pid`` and ``attention_params`` the layer's learnable
-    gains (:class:`PIDGains`, when ``pid.learnable``), as every adapter's method layer names them.
-    """
+    ``forward(x, state)`` returns ``(y, new_state)``; pass ``new_state`` to the next layer of the group and ``None`` to
+    the first."""
 
     def __init__(
         self,

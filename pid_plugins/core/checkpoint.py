@@ -1,8 +1,5 @@
-"""Reading a checkpoint, once for every adapter: the weights-only load and its refusal, which entry holds the
-state_dict, and the strict key check. The adapters route each zoo's file reading on the plugin's paths through
-:func:`weights_only`, which an explicit ``weights_only=True`` keeps safe whatever
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says.
-"""
+"""Reading a checkpoint, once for every adapter: the weights-only load and its refusal (:func:`weights_only`,
+safe whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says), which entry holds the state_dict, and the strict key check."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +14,7 @@ __all__ = ["STATE_DICT_KEYS", "UnsafeCheckpointError", "weights_only", "load_wei
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint holds objects outside plain weights and its zoo's allow-list (possibly code to run): it is not
-    loaded."""
+    """A checkpoint holds objects outside plain weights and its zoo's allow-list: it is not loaded."""
 
 
 def refusal_reason(exc: BaseException) -> str:
@@ -64,8 +60,8 @@ STATE_DICT_KEYS = ("state_dict", "model")
 
 
 def unwrap_state_dict(checkpoint: Any, source: str = "checkpoint") -> Dict[str, Tensor]:
-    """The parameters of a checkpoint saved bare or as ``{"state_dict": ...}`` / ``{"model": ...}`` (nested wrappers
-    are unwrapped in turn). Raises a ``ValueError`` naming ``source`` if no mapping of names to tensors is found."""
+    """The parameters of a checkpoint saved bare or wrapped in ``state_dict`` / ``model`` entries; a
+    ``ValueError`` naming ``source`` if none is found."""
     seen = 0
     while isinstance(checkpoint, Mapping) and seen < 4:
         inner = next((checkpoint[k] for k in STATE_DICT_KEYS if isinstance(checkpoint.get(k), Mapping)), None)

@@ -1,9 +1,6 @@
-"""Method parameters: :class:`MethodConfig`, the presets, validation and dict round trip every attention method's
-parameters share, and :func:`registry_presets`, the built-in methods' presets from ``registry/presets.toml``.
-
-A config is a value: frozen, hashable, and round-trips through a plain dict (configs and checkpoints store it as a
-dict). The presets are declared once, in the registry.
-"""
+"""Method parameters: :class:`MethodConfig` (presets, validation, dict round trip for every method's
+parameters) and :func:`registry_presets`, the built-in methods' presets from ``registry/presets.toml``. A config is
+a value: frozen, hashable, stored as a plain dict."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +11,8 @@ __all__ = ["MethodConfig", "fx_constant", "registry_presets"]
 
 
 def fx_constant(value: Any, tracer: Any) -> Any:
-    """torch.fx's ``__fx_create_arg__`` protocol for a constant that is neither a tensor nor a plain value (a method,
-    its frozen config): stored once per trace as an attribute of the traced root, read by a ``get_attr`` node (as fx
-    stores constant tensors), so leaf functions such as the method's update step can take it as an argument."""
+    """torch.fx's ``__fx_create_arg__`` for a constant that is neither a tensor nor a plain value (a method, its
+    config): stored once per trace on the traced root and read by a ``get_attr`` node, so leaf functions can take it."""
     stored = tracer.__dict__.setdefault("_pid_plugins_constants", {})
     name = stored.get(id(value))
     if name is None:
@@ -89,9 +85,9 @@ class MethodConfig:
 
     @classmethod
     def coerce(cls, value: Any, default: Any = None) -> "MethodConfig":
-        """A config from what a user passes: ``None`` (``default``: a config, a preset name, or the field defaults),
-        an instance, a preset name, or a dict of overrides of ``default`` (a dict with ``"preset"`` starts from that
-        preset instead). Anything else raises ``ValueError``."""
+        """A config from what a user passes: ``None`` (``default``: a config, a preset name, or the field
+        defaults), an instance, a preset name, or a dict of overrides of ``default``. Anything else raises
+        ``ValueError``."""
         base = default if isinstance(default, cls) else (cls.preset(default) if default is not None else cls())
         if value is None:
             return base
@@ -122,8 +118,8 @@ _DOC_KEYS = ("description", "source")
 
 
 def _load_registry() -> dict[str, dict[str, dict[str, Any]]]:
-    """``{method: {preset: {field: value}}}`` from ``registry/presets.toml``, the one source of every built-in
-    method's presets (``description`` and ``source`` are documentation, left out)."""
+    """``{method: {preset: {field: value}}}`` from ``registry/presets.toml`` (``description`` and ``source`` left
+    out)."""
     import tomllib
     from importlib import resources
 
@@ -141,8 +137,7 @@ _REGISTRY = _load_registry()
 
 
 def registry_presets(method: str) -> Mapping[str, Mapping[str, Any]]:
-    """A built-in method's presets from ``registry/presets.toml``: ``{preset: {field: value}}`` (read once, at
-    import: looking one up reads no file, so ``torch.compile`` traces it without a graph break)."""
+    """A built-in method's presets, ``{preset: {field: value}}``, read once at import."""
     if method not in _REGISTRY:
         raise ValueError(f"registry/presets.toml declares no presets for {method!r}; it has {sorted(_REGISTRY)}")
     return _REGISTRY[method]

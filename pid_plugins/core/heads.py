@@ -1,7 +1,5 @@
-"""What every method's update shares about attention heads: expanding key/value heads to query heads as
-grouped-query attention does (:func:`expand_heads`), the grouped view that broadcasts a key/value-head tensor over its
-query heads without a copy, the dtype a method accumulates its state in, and whether sizes are traced values
-(:func:`symbolic`)."""
+"""What every method's update shares about attention heads: expanding key/value heads to query heads
+(:func:`expand_heads`), the grouped view, the state's dtype, and whether sizes are traced (:func:`symbolic`)."""
 from __future__ import annotations
 
 import functools
@@ -13,18 +11,14 @@ __all__ = ["expand_heads", "symbolic"]
 
 
 def symbolic(*tensors: Tensor) -> bool:
-    """Whether sizes are traced values here, so that no Python branch may read them: TorchScript tracing (torch.onnx's
-    exporter) or torch.fx symbolic tracing (timm's and torchvision's feature extraction: ``tensors`` are proxies).
-    Code under it takes the branch-free form that is exact for every size, and leaves the shape checks out."""
+    """Whether sizes are traced values (TorchScript tracing or torch.fx proxies): code then takes the branch-free
+    form and leaves the shape checks out."""
     return torch.jit.is_tracing() or any(isinstance(t, torch.fx.Proxy) for t in tensors)
 
 
 def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
-    """Expand key/value heads to query heads the way grouped-query attention expands the values.
-
-    Key/value head ``j`` serves query heads ``j*r .. j*r + r - 1`` with ``r = num_heads // H_kv``
-    (``repeat_interleave``, as transformers' ``repeat_kv`` and SDPA's ``enable_gqa`` do).
-    """
+    """Expand key/value heads to query heads as grouped-query attention expands the values
+    (``repeat_interleave``: head ``j`` serves query heads ``j*r .. j*r + r - 1``)."""
     kv_heads = x.shape[head_dim]
     if torch.jit.is_tracing():  # sizes are traced values: no Python branch on them (exact for r = 1 too)
         dim = head_dim % x.dim()
@@ -43,8 +37,7 @@ def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the error and its running sum: float32 at least (float16/bfloat16 values are upcast).
-    (A table first: ``torch.promote_types`` is a dispatched op, one more per layer in a profile.)"""
+    """The dtype of the error and its running sum: float32 at least (a table, not ``torch.promote_types``)."""
     wide = _WIDER.get(dtype)
     return wide if wide is not None else torch.promote_types(dtype, torch.float32)
 
@@ -54,10 +47,8 @@ _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.flo
 
 
 def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
-    """For ``value`` with fewer heads than the attention output, dividing them (grouped-query attention) and
-    otherwise matching: the output's shape with its head dimension split into ``(H_kv, r)``, the dimension
-    at which a key/value-head tensor broadcasts over the ``r`` query heads of its group, and the shape of such a
-    tensor with a size-1 dimension there. Raises otherwise."""
+    """For ``value`` with fewer heads than the output (dividing them): the output's shape with its head dimension
+    split into ``(H_kv, r)``, the broadcast dimension, and a key/value-head tensor's shape there. Raises otherwise."""
     return _grouped_shapes(attn_out.shape, value.shape, head_dim)
 
 

@@ -146,7 +146,8 @@ def rebuild(module: nn.Module, kind: Type[ModuleT]) -> ModuleT:
 
 def replace_module(parent: nn.Module, name: str, kind: Type[ModuleT]) -> ModuleT:
     """Replace ``parent``'s submodule ``name`` by :func:`rebuild` of it as ``kind``, in place, and return it;
-    ``state_dict`` keys, optimizer parameters, hooks and mode are unchanged. A module already of type ``kind`` is kept."""
+    ``state_dict`` keys, optimizer parameters, hooks and mode are unchanged.
+    A module already of type ``kind`` is kept."""
     old = parent._modules[name]
     if type(old) is kind:
         return old

@@ -1,14 +1,9 @@
 """What a method model's checkpoint says about itself: the method record saved with its weights.
 
 A timm, mmseg or fairseq model that runs a method holds one buffer, ``<owner>.pid_plugins_method``: the UTF-8 JSON
-``{"format": 1, "method": "pid", "config": {...}}`` as a ``uint8`` tensor, written at every ``state_dict()``, so
-every saver of the zoo saves it with the weights. A stock model's strict load refuses it (``Unexpected key(s) in
-state_dict``), even without pid-plugins installed; a method model reads it before loading any tensor
-(:func:`check_saved_record`): an unregistered method or an unreadable record is refused, another method or other
-parameters give one :class:`MethodRecordWarning`. A softmax checkpoint has no record and loads strictly into a
-method model. The model never reads the record into itself. transformers models record the method in ``config.json``
-and carry this record too (:mod:`pid_plugins.hf.record`). Why a tensor: docs/checkpoints.md.
-"""
+``{"format": 1, "method": "pid", "config": {...}}`` as a ``uint8`` tensor, written at every ``state_dict()``. A stock
+model's strict load refuses it; a method model checks it before loading (:func:`check_saved_record`). Why a
+tensor: docs/checkpoints.md."""
 from __future__ import annotations
 
 import json
@@ -39,8 +34,8 @@ def encode_record(method: str, config: Any) -> Tensor:
 
 
 def decode_record(value: Any, source: str = "checkpoint") -> Dict[str, Any]:
-    """``{"method": name, "config": {...}}`` from a saved record; a ``ValueError`` naming ``source`` when it is not one
-    (not a 1-D uint8 tensor of JSON with a method name and a parameter dict, or a newer format)."""
+    """``{"method": name, "config": {...}}`` from a saved record; a ``ValueError`` naming ``source`` when it is
+    not one."""
     try:
         if not isinstance(value, Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
             raise ValueError(f"a {type(value).__name__} {getattr(value, 'dtype', '')}, not a 1-D uint8 tensor")
@@ -63,8 +58,7 @@ def is_record_key(key: str) -> bool:
 
 
 def saved_method(state_dict: Mapping[str, Any], source: str = "checkpoint") -> Optional[Tuple[str, Dict[str, Any]]]:
-    """The method (name, parameters) a checkpoint's state_dict records, or None for a checkpoint without a record
-    (softmax). Records of several owners (an mmseg backbone and head) must agree on the name; the first is returned."""
+    """The method (name, parameters) a checkpoint's state_dict records, or None without a record (softmax)."""
     found: List[Dict[str, Any]] = [decode_record(v, f"{source} ({k})") for k, v in state_dict.items()
                                    if is_record_key(k)]
     if not found:
@@ -81,8 +75,7 @@ def how_to_load(method: str, config: Mapping[str, Any]) -> str:
 
 
 def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
-    """(name, config) of the method ``owner`` runs: its own (a model holding its method) or its first method layer's
-    (a converted stock root, whose layers hold the method)."""
+    """(name, config) of the method ``owner`` runs, its own or its first method layer's."""
     for module in owner.modules():
         method = getattr(module, "attention_method", None)
         if method is not None and hasattr(method, "name"):
@@ -92,9 +85,8 @@ def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
 
 def check_saved_record(owner: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                        missing_keys: List[str], *args: Any) -> None:
-    """``load_state_dict`` pre-hook of a record's owner, run before any of its tensors is loaded: an unreadable record
-    or a method not registered here raises ``ValueError`` (nothing loaded); another method or other parameters give one
-    :class:`MethodRecordWarning`; no record (softmax) is fine."""
+    """``load_state_dict`` pre-hook of a record's owner: an unreadable record or an unregistered method raises
+    ``ValueError`` before anything loads; another method or other parameters give one :class:`MethodRecordWarning`."""
     key = prefix + RECORD_KEY
     if key not in state_dict:  # a softmax checkpoint: the model keeps its own record, which is not missing
         if RECORD in owner._buffers:
@@ -129,8 +121,7 @@ def _refresh(owner: nn.Module, prefix: str = "", keep_vars: bool = False) -> Non
 
 
 def _set(owner: nn.Module, method: str, config: Any) -> None:
-    """Write the record of ``method`` with ``config`` into ``owner``'s buffer, on the buffer's device (a model on the
-    meta device keeps a meta record of the right length: ``to_empty`` then this hook give it its bytes)."""
+    """Write the record of ``method`` with ``config`` into ``owner``'s buffer, on the buffer's device."""
     value = encode_record(method, config)
     old = owner._buffers.get(RECORD)
     if old is not None and old.device.type == "meta":
@@ -141,8 +132,7 @@ def _set(owner: nn.Module, method: str, config: Any) -> None:
 
 
 def attach_record(owner: nn.Module, choice: Any, like: Optional[Tensor] = None) -> None:
-    """Give ``owner`` the record of ``choice`` (a :class:`~pid_plugins.core.MethodChoice`; None, the stock attention:
-    no record, as in the stock model's state_dict), on ``like``'s device."""
+    """Give ``owner`` the record of ``choice`` (None: no record), on ``like``'s device."""
     if choice is None:
         detach_record(owner)
         return

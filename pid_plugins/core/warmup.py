@@ -1,11 +1,7 @@
 """Gain warm-up: a method's term scaled by ``min(1, t / N)`` while a model is fine-tuned into the method.
 
-``PIDConfig(warmup_steps=N)`` gives a model one :class:`GainWarmup` holding ``t``, its training-mode forward passes
-so far, as a persistent int64 buffer (saved, resumed, broadcast by DDP, copied by EMA). Each adapter calls it once
-per forward of the whole model, outside any checkpointed region, and the layers scale their gains by the returned
-scale (:func:`~pid_plugins.core.pid.scaled_gains`): 0 at ``t = 0`` (the stock model), ``k / N`` after ``k`` training forwards, 1 from
-``N`` on. ``t`` and the scale are tensors (no recompilation); a state_dict without the counter loads strictly, t = 0.
-"""
+A model with ``warmup_steps=N`` holds one :class:`GainWarmup`: ``t``, its training-mode forwards, as a persistent
+int64 buffer. Read once per model forward, it gives the scale: 0 at ``t = 0`` (the stock model), 1 from ``N`` on."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -17,9 +13,8 @@ __all__ = ["GainWarmup", "make_warmup"]
 
 
 class GainWarmup(nn.Module):
-    """The warm-up counter of one model: ``step`` (t, int64 buffer) and ``warmup_steps`` (N > 0). Calling it returns
-    this forward's scale ``min(1, t / N)`` (a 0-dim tensor) and, in training mode, advances ``t``; :meth:`scale` and
-    :meth:`advance` are the two halves."""
+    """The warm-up counter of one model: ``step`` (t) and ``warmup_steps`` (N > 0). Calling it returns this
+    forward's scale ``min(1, t / N)`` and, in training mode, advances ``t``."""
 
     def __init__(self, warmup_steps: int) -> None:
         super().__init__()
@@ -56,8 +51,8 @@ class GainWarmup(nn.Module):
 
 def make_warmup(steps: int, current: Optional[GainWarmup] = None,
                 like: Optional[Tensor] = None) -> Optional[GainWarmup]:
-    """The counter of a model whose method warms up over ``steps`` forwards, None for 0. ``current`` (the model's
-    counter when it is reconfigured) is kept if ``steps`` is unchanged, else its ``t`` carries over."""
+    """The counter for ``steps`` forwards, None for 0; ``current`` is kept if ``steps`` is unchanged, else its
+    ``t`` carries over."""
     if not steps:
         return None
     if current is not None and current.warmup_steps == steps:

@@ -1,24 +1,7 @@
-"""The attention function every method is registered under in transformers' ``AttentionInterface``, and the mask
-function registered in ``AttentionMaskInterface``.
-
-:func:`method_attention_forward` is what a model's attention module calls (``ALL_ATTENTION_FUNCTIONS[name]``) when
-``config._attn_implementation`` names a method: the base attention (SDPA by default, eager or flex) and the method's
-rule, reading the method, its parameters and the earlier layers' state from the :class:`MethodForwardState` that the
-model's forward pre-hook (:mod:`pid_plugins.hf.forward`) put in the forward's keyword arguments:
-
-* the method needs the values of the query positions: the last ``q_len`` rows of the value tensor for no cache and
-  dynamic caches (sliding-window ones included), ``[past, past + q_len)`` of a static cache, where ``past`` is the
-  cache's own length tensor (no ``int()``: compiled decoding does not recompile per step);
-* cross-attention (marked by discovery) runs the base attention unchanged;
-* learnable parameters: the module's own ``attention_params`` (see :mod:`pid_plugins.hf.gains`);
-* one attention module run twice in a forward (ALBERT's shared layers) is refused at the layer that meets it;
-* the layer's index in its group (:attr:`~pid_plugins.core.LayerCall.layer`) is its position among the
-  self-attention modules of its stack, from discovery (the number of earlier layers it reads its state from; no
-  ``layer_idx`` needed: every self-attention module discovery finds has one; it equals ``layer_idx`` where a family
-  numbers its layers).
-
-:func:`method_mask` is the base attention's mask function (``config.attention_base``).
-"""
+"""The attention function every method is registered under in transformers' ``AttentionInterface``
+(:func:`method_attention_forward`: the base attention, SDPA, eager or flex, plus the method's rule), and the mask
+function registered in ``AttentionMaskInterface`` (:func:`method_mask`). The method, its parameters and the earlier
+layers' state come from the :class:`MethodForwardState` the model's forward pre-hook puts in the keyword arguments."""
 from __future__ import annotations
 
 import functools
@@ -57,16 +40,9 @@ STATE_KEYWORD = "method_state"
 
 
 class MethodForwardState:
-    """The method's state of one forward pass of one layer stack: gains, base attention, static-cache offset
-    (None for no cache / dynamic caches), and each self-attention layer's outgoing state by layer order.
-
-    It travels to every attention call in the forward's keyword arguments and is filled in as the layers run,
-    so it must reach each layer as the same object. It is therefore deliberately opaque: not a dataclass, a
-    NamedTuple or a container, which wrappers rebuild when they walk a forward's arguments (FSDP2's per-layer
-    hooks rebuild dataclasses and dicts holding tensors that require grad; DDP and FSDP move and cast tensors
-    inside them). A rebuilt copy would take each layer's state away from the layers after it. An opaque
-    object is passed by reference by all of them (torch's pytree treats it as a leaf).
-    """
+    """The method's state of one forward of one layer stack: gains, base attention, static-cache offset and each
+    self-attention layer's outgoing state. Deliberately opaque (a pytree leaf), so wrappers pass it by reference
+    (docs/scaling.md)."""
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
                  "function", "start", "plain", "learnable", "cached", "checks", "cache", "grad",
@@ -101,13 +77,8 @@ class MethodForwardState:
             self.start = int(past_length)
 
     def previous(self, earlier: tuple[int, ...]) -> Optional[tuple]:
-        """The state of the nearest earlier layer of the stack that ran in this forward (``earlier``: the
-        stack's earlier layers, nearest first). A layer skipped by layer dropout (BART's ``layerdrop``,
-        Whisper's, ...) leaves the hidden states unchanged, and so the method's state too; when every earlier layer
-        was skipped there is none (None), and the first layer that runs starts the state afresh: it takes its own
-        values for ``v^1`` (PID, NeuTRENO, value residual) or keeps its queries (Elliptical), as the group's first
-        layer does (``restart``). A pipeline stage's first layer finds the state the previous stage handed on
-        (:meth:`carry_in`)."""
+        """The state of the nearest earlier layer that ran in this forward (``earlier``: nearest first); None when
+        every earlier layer was skipped by layer dropout, and the layer then restarts the state."""
         for index in earlier:
             state = self.layers.get(index)
             if state is not None:
@@ -254,11 +225,8 @@ class _ExpandedHeads:
 
 def _visible(module: nn.Module, mask: Any, query: Tensor, key: Tensor, kwargs: dict,
              run: Optional[MethodForwardState] = None) -> Optional[Tensor]:
-    """Which keys each query attends to, boolean ``(B or 1, 1 or H, q, K)``, from the mask the base attention gets
-    (boolean: SDPA's; float: eager's, where masked positions hold the dtype's minimum or -inf), or None when every
-    query sees every key. Without a mask a causal layer's query ``i`` sees keys ``<= past + i``: ``past`` is the
-    static cache's length before this forward (transformers passes no mask to a static-cache prefill, whose key
-    buffer is the whole ``max_cache_len``), else ``K - q`` (no cache, dynamic caches: the queries end the keys)."""
+    """Which keys each query attends to, boolean ``(B or 1, 1 or H, q, K)``, from the base attention's mask, or
+    None when every query sees every key; without a mask a causal query ``i`` sees keys ``<= past + i``."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     static = run is not None and run.past_length is not None
     if mask is None:
@@ -287,8 +255,7 @@ def _visible(module: nn.Module, mask: Any, query: Tensor, key: Tensor, kwargs: d
 
 
 def _slot(run: MethodForwardState, module: nn.Module, q_len: int, k_len: int) -> Optional[CacheSlot]:
-    """Where this layer keeps its method's per-position tensor beside its cached keys/values (None: no cache, the
-    keys are the query positions)."""
+    """Where this layer keeps its method's per-position tensor beside its cached keys/values (None: no cache)."""
     cache = run.cache
     if cache is None:
         if k_len != q_len:

@@ -40,11 +40,8 @@ reserve_names("timm", _timm_names)
 
 def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any = None, default: Any = None,
                            where: str = "this model") -> Optional[MethodChoice]:
-    """The attention a timm model is built with: ``None`` for the stock softmax attention, else the method and
-    its validated config (core's :func:`~pid_plugins.core.resolve_attention`, the one policy; a method's name given
-    as ``attention_cfg`` is refused there, naming ``attention=``). ``default``: the catalogue entry's parameters,
-    the start of the method they are parameters of (its declared ``config_type``); another method starts from its
-    own default preset."""
+    """The attention a timm model is built with (core's :func:`~pid_plugins.core.resolve_attention`): ``None``
+    for softmax, else the method and its config. ``default``: the catalogue entry's parameters, for their own method."""
     if default is not None and attention is not None and attention in list_methods() \
             and not isinstance(default, get_method(attention).config_type):
         default = None
@@ -72,13 +69,8 @@ class MethodLayer(CoreMethodLayer):
         self, attend: Callable[[Tensor, Tensor], Tensor], q: Tensor, v: Tensor, state: Optional[Tuple[Any, ...]],
         scale: Optional[Tensor], causal: Any = False,
     ) -> Tuple[Tensor, Optional[tuple]]:
-        """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer.
-
-        ``attend(q, v)`` is the layer's stock attention (keys, mask, dropout bound). The stock path (softmax, or
-        a method whose config is the identity) returns ``attend(q, v)`` and passes ``state`` through; otherwise
-        the method's one :meth:`~pid_plugins.core.AttentionMethod.apply` (with the layer's ``layer_index``, its
-        position among the model's blocks), whose refusals and update step are leaves for torch.fx (core's ``_fx_check`` and ``_fx_update``).
-        """
+        """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer:
+        ``attend(q, v)`` on the stock path, else the method's :meth:`~pid_plugins.core.AttentionMethod.apply`."""
         if not self.method_active:
             return attend(q, v), state
         if scale is None and getattr(self.attention_config, "warmup_steps", 0):
@@ -101,11 +93,7 @@ register_notrace_function(_fx_update)
 
 
 def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
-    """A block's method state as the flat tail of its output tuple (``()`` for the stock attention).
-
-    Indexes the state field by field (``size`` = ``len(method.state_fields)``), so it also works on a torch.fx
-    proxy of a :func:`~pid_plugins.core.methods._fx_update` result.
-    """
+    """A block's method state as the flat tail of its output tuple, indexed field by field (torch.fx proxies too)."""
     if state is None or not size:
         return ()
     return tuple(state[i] for i in range(size))
@@ -123,12 +111,8 @@ def run_blocks(
 ) -> Tuple[Tensor, List[Tensor]]:
     """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a method's group, threading the state.
 
-    Optionally each block under timm's ``checkpoint``. Returns the output and the block outputs at ``take_indices``
-    (after ``norm`` if given). Block outputs are indexed, never ``*``-unpacked, so torch.fx can trace the loop.
-    ``warmup_scale`` (the warm-up scale of this forward, read once from the model's counter) reaches every block
-    as the keyword ``warmup_scale``; under checkpointing the keywords are bound to the block (values fixed for the
-    forward, so the recomputation sees the same scale).
-    """
+    Optionally under timm's ``checkpoint``. Returns the output and the block outputs at ``take_indices`` (after
+    ``norm``). ``warmup_scale`` reaches every block as a keyword, bound for the recomputation."""
     state: Tuple[Any, ...] = ()
     intermediates: List[Tensor] = []
     if warmup_scale is not None:
@@ -168,11 +152,8 @@ def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> Non
 
 
 def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
-    """The classifier parameters timm's ``load_pretrained`` discards after the filter has run.
-
-    timm drops ``pretrained_cfg['classifier']`` (and loads non-strictly) when the model's ``num_classes``
-    differs from the pretrained cfg's: ``num_classes=0`` (features / linear probe) or a new label set.
-    """
+    """The classifier parameters timm's ``load_pretrained`` discards (``num_classes`` differs from the pretrained
+    cfg's)."""
     cfg = getattr(model, "pretrained_cfg", None) or {}
     classifiers = cfg.get("classifier")
     if not classifiers or getattr(model, "num_classes", None) == cfg.get("num_classes"):
@@ -183,12 +164,8 @@ def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
 
 
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
-    """Fill learnable method
-    parameters (PID gains) and the warm-up counter a softmax checkpoint lacks; raise listing missing/unexpected keys.
-
-    Classifier keys that timm's ``load_pretrained`` is about to drop (the model's ``num_classes`` differs
-    from the pretrained cfg's) are not counted: the new head keeps its fresh initialisation, as in timm.
-    """
+    """Fill the learnable method parameters and warm-up counter a softmax checkpoint lacks; raise listing
+    missing/unexpected keys (classifier keys timm drops are not counted)."""
     CLASSIFIER_DROP.require()
     expected = model.state_dict()
     for name, value in expected.items():
@@ -216,12 +193,8 @@ def register_entries(
     pretrained_cfg: Callable[[ModelEntry], Dict[str, Any]],
     with_base: bool = False,
 ) -> Dict[str, Any]:
-    """Register each entry's PID name (and, with ``with_base``, its softmax base name) into timm.
-
-    ``create(entry, name, default_attention, pretrained, **kwargs)`` builds the model (a user's
-    ``attention=`` kwarg overrides ``default_attention``). Returns the module's
-    ``default_cfgs`` (timm's ``register_model`` reads it from the module named ``module_name``).
-    """
+    """Register each entry's PID name (and, with ``with_base``, its softmax base name) into timm; returns the
+    module's ``default_cfgs``. ``create(entry, name, default_attention, pretrained, **kwargs)`` builds the model."""
     import sys
 
     DEFAULT_CFGS.require()
