@@ -81,3 +81,25 @@ def check_family(stock: type, hf_config: Any, where: str) -> None:
     if not getattr(hf_config, "is_causal", True):
         raise ValueError(f"{where}: config.is_causal=False (bidirectional attention, an embedding model): "
                          "pid_plugins.vllm serves causal language models only.")
+
+
+def compile_forward(model: Any, where: str) -> None:
+    """Point vLLM's ``torch.compile`` wrapper of ``model`` (``support_torch_compile`` on its stock class) at the
+    ``forward`` of ``model``'s current class: the wrapper compiles the bound ``forward`` it finds when the model is
+    built (``TorchCompileWithNoGuardsWrapper.__init__``), so it is set up again after the class changed, its
+    bytecode hook for the old ``forward`` removed first. Nothing to do when vLLM runs the model eagerly. A wrapper
+    that does not then compile this ``forward`` gets :class:`~pid_plugins.versions.InternalChanged`."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    if not isinstance(model, TorchCompileWithNoGuardsWrapper) or getattr(model, "do_not_compile", False):
+        return
+    model.cleanup()
+    TorchCompileWithNoGuardsWrapper.__init__(model, compile_prefix="", is_encoder=False)
+    compiled = getattr(getattr(model, "_compiled_callable", None), "_torchdynamo_orig_callable", None)
+    if compiled != model.forward:
+        import vllm
+
+        raise InternalChanged(
+            f"{where}: vLLM {getattr(vllm, '__version__', '?')}'s torch.compile wrapper does not compile the method "
+            f"model's forward after TorchCompileWithNoGuardsWrapper.__init__ (it compiles {compiled!r}); pid-plugins "
+            f"is tested with vLLM {TESTED_VLLM}. Serve with enforce_eager=True, or the tested vLLM.")

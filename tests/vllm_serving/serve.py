@@ -4,7 +4,8 @@
 "prompts": [[token ids]], "new_tokens": n, "top": k}``; each run builds one ``vllm.LLM`` (engine core in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
 per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
-each prompt position, and the class vLLM built the model from; or the error the build raised.
+each prompt position, the classes vLLM built the model and its inner model from and whether vLLM's torch.compile
+wrapper compiled the inner model; or the error the build raised.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
         llm = LLM(model=run["model"], **engine)
     except Exception as exc:  # the refusals: the message is what the test reads
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    model_class = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")[0]
+    model_class, inner = llm.apply_model(lambda model: (f"{type(model).__module__}.{type(model).__qualname__}",
+                                                        type(model.model).__qualname__))[0]
     built, results = time.monotonic(), []
     for repeat in range(run.get("repeat", 1)):
         # a second pass over the same prompts reads the prefix cache, which vLLM does not use for a request that asks
@@ -49,10 +51,14 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
             "cached_tokens": getattr(out, "num_cached_tokens", None),
         } for out in outputs])
     served = time.monotonic()
+    # vLLM's torch.compile wrapper of the inner model: compiled on the first forward (or loaded from its cache)
+    compiled = llm.apply_model(lambda model: bool(getattr(model.model, "compiled", False)
+                                                  or getattr(model.model, "aot_compiled_fn", None) is not None))[0]
     del llm
     gc.collect()
     seconds = {"build": built - start, "serve": served - built, "close": time.monotonic() - served}
-    return {"model_class": model_class, "passes": results, "seconds": seconds}
+    return {"model_class": model_class, "inner_class": inner, "compiled": compiled, "passes": results,
+            "seconds": seconds}
 
 
 def main(argv: List[str]) -> None:

@@ -31,12 +31,14 @@ REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vll
 #: smallest), whose second pass reads the cached prefixes (the 36- and 41-token prompts: one block each)
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
            "block_size": 32}
-#: the checkpoints make_references.py writes, chosen by hand: each method vLLM serves on Llama with parameters and in
-#: one more family at its preset (a new served method needs a case of its own there)
+#: vLLM's default mode: its torch.compile of the inner model (serve.py's default is eager, which starts faster)
+COMPILED = {"enforce_eager": False}
+#: the checkpoints make_references.py writes, chosen by hand: each method vLLM serves on Llama with parameters,
+#: compiled, and in one more family at its preset, eager (a new served method needs a case of its own there)
 CASES: Dict[str, Dict[str, Any]] = {
-    "llama_pid": CHUNKED,
-    "llama_value_residual": CHUNKED,
-    "llama_neutreno": {"enforce_eager": False},  # vLLM's default (compiled) mode: a method model runs eagerly anyway
+    "llama_pid": {**CHUNKED, **COMPILED},
+    "llama_value_residual": {**CHUNKED, **COMPILED},
+    "llama_neutreno": COMPILED,
     "qwen3_pid": {},
     "qwen2_value_residual": {},
     "mistral_neutreno": {},
@@ -101,6 +103,10 @@ def test_vllm_serves_the_checkpoint_as_transformers_computes_it(served, case):
     # a method checkpoint runs the plugin's class; a stock one vLLM's own class, unchanged
     assert result["model_class"].startswith("vllm.model_executor.models." if stock else "pid_plugins.vllm.models."), \
         result["model_class"]
+    # the inner model runs the method's loop (its class: vLLM's, subclassed), compiled by vLLM where asked to be
+    inner = result["inner_class"]
+    assert ("_" not in inner) if stock else f"Model_{case.split('_', 1)[1]}_" in inner, inner
+    assert result["compiled"] == (CASES[case].get("enforce_eager") is False), (result["compiled"], CASES[case])
     for passes, outputs in enumerate(result["passes"]):
         for want, got in zip(ref["prompts"], outputs, strict=True):
             where = f"{case}, pass {passes}, prompt of {len(want['prompt'])} tokens"
