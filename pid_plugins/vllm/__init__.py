@@ -25,9 +25,15 @@ __all__ = ["ARCHITECTURES", "register"]
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the method-serving class of every architecture in
-    :data:`ARCHITECTURES` with vLLM's model registry (lazily, by name: vLLM imports it where it builds a model).
-    Safe to call more than once (vLLM loads plugins in each process)."""
+    :data:`ARCHITECTURES` with vLLM's model registry (lazily, by name: vLLM imports it where it builds a model), and
+    the check every model config passes there (:func:`pid_plugins.vllm.routing.install`). Safe to call more than
+    once (vLLM loads plugins in each process)."""
     from vllm import ModelRegistry
 
+    from . import routing
+
+    routing.install(ModelRegistry)
     for architecture in ARCHITECTURES:
         ModelRegistry.register_model(architecture, f"pid_plugins.vllm.models:{architecture}")
+    for architecture in routing.TRANSFORMERS_CLASSES:
+        ModelRegistry.register_model(architecture, f"pid_plugins.vllm.transformers_backend:{architecture}")

