@@ -29,7 +29,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as _Qwen3
 
 from ..core import AttentionContext, LayerCall, MethodChoice
 from . import internals
-from .config import check_engine, method_choice
+from .config import TENSOR_PARALLEL, check_engine, method_choice
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "method_forward"]
 
@@ -50,9 +50,11 @@ class _MethodServing(nn.Module):
 
     def __new__(cls, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> Any:
         where = _where(vllm_config, cls.architecture)
-        if method_choice(vllm_config.model_config.hf_config, where) is None:
+        choice = method_choice(vllm_config.model_config.hf_config, where)
+        if choice is None:
             return cls.stock(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)  # not ours: __init__ is skipped
-        check_engine(vllm_config, where)
+        # tensor parallelism: vLLM's layers give the loop each rank's heads (num_heads, q_size, ... are per rank)
+        check_engine(vllm_config, where, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
         internals.check_family(cls.stock, vllm_config.model_config.hf_config, where)
         return super().__new__(cls)
 

@@ -21,6 +21,15 @@ def _logprob_entries(entry: Dict[int, Any]) -> List[List[float]]:
     return [[int(token), float(lp.logprob)] for token, lp in entry.items()]
 
 
+# (module-level: vLLM pickles them to its worker processes under tensor parallelism)
+def _classes(model: Any) -> tuple:
+    return f"{type(model).__module__}.{type(model).__qualname__}", type(model.model).__qualname__
+
+
+def _compiled(model: Any) -> bool:
+    return bool(getattr(model.model, "compiled", False) or getattr(model.model, "aot_compiled_fn", None) is not None)
+
+
 def serve(run: Dict[str, Any]) -> Dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -33,8 +42,7 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
         llm = LLM(model=run["model"], **engine)
     except Exception as exc:  # the refusals: the message is what the test reads
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    model_class, inner = llm.apply_model(lambda model: (f"{type(model).__module__}.{type(model).__qualname__}",
-                                                        type(model.model).__qualname__))[0]
+    model_class, inner = llm.apply_model(_classes)[0]
     built, results = time.monotonic(), []
     for repeat in range(run.get("repeat", 1)):
         # a second pass over the same prompts reads the prefix cache, which vLLM does not use for a request that asks
@@ -52,8 +60,7 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
         } for out in outputs])
     served = time.monotonic()
     # vLLM's torch.compile wrapper of the inner model: compiled on the first forward (or loaded from its cache)
-    compiled = llm.apply_model(lambda model: bool(getattr(model.model, "compiled", False)
-                                                  or getattr(model.model, "aot_compiled_fn", None) is not None))[0]
+    compiled = llm.apply_model(_compiled)[0]
     del llm
     gc.collect()
     seconds = {"build": built - start, "serve": served - built, "close": time.monotonic() - served}
