@@ -1,20 +1,21 @@
 """vLLM: serve a method checkpoint (PID, NeuTRENO, value residual) with vLLM's own attention backend.
 
 ``pip install pid-plugins`` beside vLLM registers the entry point ``pid_plugins.vllm:register`` in vLLM's
-``vllm.general_plugins`` group; vLLM calls it in each of its processes. It replaces vLLM's model class for the
-architectures in :data:`~pid_plugins.vllm.config.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3) by a subclass that
+``vllm.general_plugins`` group; vLLM calls it in each of its processes. It
 
-* builds vLLM's own model, unchanged, for every checkpoint whose config names no method (a stock checkpoint, or a
-  method with zero gains);
-* for a checkpoint saved by the transformers adapter (``config.json``: ``"attn_implementation": "pid"`` and the
-  parameters as ``"pid": {...}``), runs the method's one core step (:meth:`~pid_plugins.core.AttentionMethod.apply`)
-  around vLLM's paged attention in every layer, with the parameters read as the transformers adapter reads them;
-* refuses, before anything is built and with one ``ValueError`` naming the method or setting and why, what it cannot
-  serve exactly: Twicing and Elliptical, learnable parameters, an unfinished gain warm-up, pipeline and tensor
-  parallelism, speculative decoding (:mod:`pid_plugins.vllm.config`).
+* checks every model config where vLLM resolves the class that serves it (:mod:`pid_plugins.vllm.routing`, in the
+  process the user launched): a checkpoint whose ``config.json`` names a method (``"attn_implementation": "pid"``,
+  parameters as ``"pid": {...}``) is served by one of the plugin's classes below, or refused there with one
+  ``ValueError`` naming the method, the architecture and the class vLLM would have served it with;
+* replaces vLLM's class for the architectures in :data:`~pid_plugins.vllm.config.ARCHITECTURES` (Llama, Mistral,
+  Qwen2, Qwen3: :mod:`pid_plugins.vllm.models`) and for vLLM's Transformers backend, which serves other families
+  (:mod:`pid_plugins.vllm.transformers_backend`), by subclasses that build vLLM's own model, unchanged, for a
+  checkpoint that names no method, and run the method's one core step around vLLM's paged attention otherwise;
+* refuses what it cannot serve exactly (Twicing, Elliptical, learnable parameters, an unfinished warm-up, parallelism
+  it does not cover, a vLLM outside the supported releases: :mod:`pid_plugins.vllm.config`, ``internals``).
 
-Nothing else in vLLM changes, and nothing runs from a checkpoint: the method is looked up by name in pid-plugins'
-registry. This module imports no vLLM code until vLLM asks for a model class (``pid_plugins.vllm.models``).
+Nothing runs from a checkpoint: the method is looked up by name in pid-plugins' registry. This module imports no vLLM
+code until vLLM calls :func:`register`.
 """
 from __future__ import annotations
 

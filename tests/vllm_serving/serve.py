@@ -5,12 +5,15 @@
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
 per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
 each prompt position, the classes vLLM built the model and its inner model from and whether vLLM's torch.compile
-wrapper compiled the inner model; or the error the build raised.
+wrapper compiled the inner model; or the error the build raised. A run's ``"env"`` is set in ``os.environ`` while its
+engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its own, as ``LLM(...)`` runs by
+default, so that an error raised here comes from the process the user launched).
 """
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -23,11 +26,12 @@ def _logprob_entries(entry: Dict[int, Any]) -> List[List[float]]:
 
 # (module-level: vLLM pickles them to its worker processes under tensor parallelism)
 def _classes(model: Any) -> tuple:
-    return f"{type(model).__module__}.{type(model).__qualname__}", type(model.model).__qualname__
+    return f"{type(model).__module__}.{type(model).__qualname__}", type(getattr(model, "model", None)).__qualname__
 
 
 def _compiled(model: Any) -> bool:
-    return bool(getattr(model.model, "compiled", False) or getattr(model.model, "aot_compiled_fn", None) is not None)
+    inner = getattr(model, "model", None)
+    return bool(getattr(inner, "compiled", False) or getattr(inner, "aot_compiled_fn", None) is not None)
 
 
 def serve(run: Dict[str, Any]) -> Dict[str, Any]:
@@ -38,10 +42,18 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
                   max_num_seqs=8)
     engine.update(run.get("engine", {}))
     start = time.monotonic()
+    saved = {name: os.environ.get(name) for name in run.get("env", {})}
+    os.environ.update(run.get("env", {}))
     try:
         llm = LLM(model=run["model"], **engine)
     except Exception as exc:  # the refusals: the message is what the test reads
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     model_class, inner = llm.apply_model(_classes)[0]
     built, results = time.monotonic(), []
     for repeat in range(run.get("repeat", 1)):

@@ -31,22 +31,47 @@ REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vll
 #: smallest), whose second pass reads the cached prefixes (the 36- and 41-token prompts: one block each)
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
            "block_size": 32}
+NATIVE, BACKEND = "pid_plugins.vllm.models.", "pid_plugins.vllm.transformers_backend."
+TRANSFORMERS = {"model_impl": "transformers"}
 #: vLLM's default mode: its torch.compile of the inner model (serve.py's default is eager, which starts faster)
 COMPILED = {"enforce_eager": False}
-#: the checkpoints make_references.py writes, chosen by hand: each method vLLM serves on Llama with parameters,
-#: compiled, and in one more family at its preset, eager (a new served method needs a case of its own there)
-CASES: Dict[str, Dict[str, Any]] = {
-    "llama_pid": {**CHUNKED, **COMPILED},
-    "llama_value_residual": {**CHUNKED, **COMPILED},
-    "llama_neutreno": COMPILED,
-    "qwen3_pid": {},
-    "qwen2_value_residual": {},
-    "mistral_neutreno": {},
-    "llama_stock": {},
+#: run -> (the checkpoint make_references.py wrote, serving options, the class vLLM must build), chosen by hand: each
+#: method vLLM serves natively on Llama with parameters, compiled, and in one more native family at its preset, eager (a
+#: new served method needs a case of its own there); through vLLM's Transformers backend, Llama with model_impl="transformers" and six
+#: families without a native class (model_impl "auto": the plugin's fallback), one method each in rotation
+CASES: Dict[str, tuple] = {
+    "llama_pid": ("llama_pid", {**CHUNKED, **COMPILED}, NATIVE),
+    "llama_value_residual": ("llama_value_residual", {**CHUNKED, **COMPILED}, NATIVE),
+    "llama_neutreno": ("llama_neutreno", COMPILED, NATIVE),
+    "qwen3_pid": ("qwen3_pid", {}, NATIVE),
+    "qwen2_value_residual": ("qwen2_value_residual", {}, NATIVE),
+    "mistral_neutreno": ("mistral_neutreno", {}, NATIVE),
+    "llama_stock": ("llama_stock", {}, "vllm.model_executor.models."),
+    "llama_pid_transformers": ("llama_pid", {**CHUNKED, **TRANSFORMERS}, BACKEND),
+    "phi3_pid": ("phi3_pid", {}, BACKEND),
+    "granite_neutreno": ("granite_neutreno", {}, BACKEND),
+    "olmo2_value_residual": ("olmo2_value_residual", {}, BACKEND),
+    "gpt_neox_pid": ("gpt_neox_pid", {}, BACKEND),
+    "qwen3_moe_neutreno": ("qwen3_moe_neutreno", {}, BACKEND),
+    "starcoder2_value_residual": ("starcoder2_value_residual", CHUNKED, BACKEND),
+    "gemma2_neutreno": ("gemma2_neutreno", TRANSFORMERS, BACKEND),
 }
 #: methods refused by name (tests/method_cases.py's vllm_refusal, the reason the refusal gives): a copy of llama_pid's
 #: folder whose config.json names the method
 REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if method.vllm_refusal is not None}
+#: checkpoints refused for what would serve them: run -> (checkpoint, config.json changes, serving options, what the one
+#: error names beside the method)
+NOT_SERVED: Dict[str, tuple] = {
+    # vLLM's own Phi3 class (model_impl="vllm"): softmax, named
+    "phi3_pid_vllm_class": ("phi3_pid", {}, {"model_impl": "vllm"}, ["'pid'", "Phi3ForCausalLM", "vLLM's own"]),
+    # config.pid without attn_implementation naming it
+    "llama_pid_parameters_only": ("llama_pid", {"attn_implementation": None}, {}, ["'pid'", "config.pid"]),
+    # Twicing in a family of the Transformers backend
+    "phi3_twicing": ("phi3_pid", {"attn_implementation": "twicing", "pid": None}, {}, ["'twicing'", "Twicing's A v"]),
+}
+#: the refusals run with the engine core in a process of its own (vLLM's default): the error must come from the process
+#: that called LLM(...), before any engine starts
+FRONT_END = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def _reference(case: str) -> Dict[str, Any]:
@@ -56,11 +81,15 @@ def _reference(case: str) -> Dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _refused_folder(method: str, tmp: Path) -> Path:
-    folder = tmp / f"llama_{method}"
-    shutil.copytree(REFS / "llama_pid", folder)
+def _changed_folder(case: str, changes: Dict[str, Any], name: str, tmp: Path) -> Path:
+    """A copy of ``case``'s checkpoint with ``changes`` in its config.json (None: the entry removed)."""
+    folder = tmp / name
+    shutil.copytree(REFS / case, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["attn_implementation"] = method
+    for key, value in changes.items():
+        config[key] = value
+        if value is None:
+            del config[key]
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -69,16 +98,20 @@ def _refused_folder(method: str, tmp: Path) -> Path:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     """Every case served by vLLM, in one subprocess (vLLM started once per case, engine core in-process)."""
     tmp = tmp_path_factory.mktemp("vllm")
-    runs = []
-    for case, engine in CASES.items():
+    runs = []  # the refusals first: no engine has started in the process yet
+    for method in REFUSED:
+        folder = _changed_folder("llama_pid", {"attn_implementation": method}, f"llama_{method}", tmp)
+        runs.append({"name": method, "model": str(folder), "prompts": [[1, 2]], "new_tokens": 1, "top": 1,
+                     "env": FRONT_END})
+    for name, (case, changes, engine, _) in NOT_SERVED.items():
+        runs.append({"name": name, "model": str(_changed_folder(case, changes, name, tmp)), "engine": engine,
+                     "prompts": [[1, 2]], "new_tokens": 1, "top": 1, "env": FRONT_END})
+    for name, (case, engine, _) in CASES.items():
         ref = _reference(case)
         prompts = [p["prompt"] for p in ref["prompts"]]
-        runs.append({"name": case, "model": str(REFS / case), "engine": engine, "prompts": prompts,
+        runs.append({"name": name, "model": str(REFS / case), "engine": engine, "prompts": prompts,
                      "new_tokens": len(ref["prompts"][0]["generated"]), "top": 5,
                      "repeat": 2 if engine.get("enable_prefix_caching") else 1})
-    for method in REFUSED:
-        runs.append({"name": method, "model": str(_refused_folder(method, tmp)), "prompts": [[1, 2]],
-                     "new_tokens": 1, "top": 1})
     (tmp / "runs.json").write_text(json.dumps(runs))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
@@ -97,16 +130,16 @@ def _close(got: float, want: float, what: str) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_vllm_serves_the_checkpoint_as_transformers_computes_it(served, case):
-    ref, result = _reference(case), served[case]
+    checkpoint, _, built = CASES[case]
+    ref, result = _reference(checkpoint), served[case]
     assert "error" not in result, result.get("traceback", result.get("error"))
-    stock = case.endswith("_stock")
-    # a method checkpoint runs the plugin's class; a stock one vLLM's own class, unchanged
-    assert result["model_class"].startswith("vllm.model_executor.models." if stock else "pid_plugins.vllm.models."), \
-        result["model_class"]
-    # the inner model runs the method's loop (its class: vLLM's, subclassed), compiled by vLLM where asked to be
-    inner = result["inner_class"]
-    assert ("_" not in inner) if stock else f"Model_{case.split('_', 1)[1]}_" in inner, inner
-    assert result["compiled"] == (CASES[case].get("enforce_eager") is False), (result["compiled"], CASES[case])
+    # a method checkpoint runs the plugin's class (native, or vLLM's Transformers backend); a stock one vLLM's own
+    assert result["model_class"].startswith(built), result["model_class"]
+    options = CASES[case][1]
+    if built == NATIVE:  # the inner model runs the method's loop (its class: vLLM's, subclassed)
+        assert f"Model_{checkpoint.split('_', 1)[1]}_" in result["inner_class"], result["inner_class"]
+    # vLLM's torch.compile of the inner model ran where asked to (vLLM's default), and not otherwise
+    assert result["compiled"] == (options.get("enforce_eager") is False), (result["compiled"], options)
     for passes, outputs in enumerate(result["passes"]):
         for want, got in zip(ref["prompts"], outputs, strict=True):
             where = f"{case}, pass {passes}, prompt of {len(want['prompt'])} tokens"
@@ -133,3 +166,14 @@ def test_vllm_refuses_a_method_it_cannot_serve_exactly_naming_it(served, method)
     assert error is not None, f"{method} was served: {served[method].get('model_class')}"
     assert f"attention method {method!r} cannot be served by vLLM" in error, error
     assert REFUSED[method] in error, error
+    assert "Engine core" not in error, error  # raised by LLM(...) itself, before the engine core started
+
+
+@pytest.mark.parametrize("name", list(NOT_SERVED))
+def test_vllm_refuses_what_it_would_serve_as_softmax_naming_method_and_architecture(served, name):
+    error = served[name].get("error")
+    assert error is not None, f"{name} was served: {served[name].get('model_class')}"
+    assert error.count("vLLM serving") == 1, error  # one message
+    for part in NOT_SERVED[name][3]:
+        assert part in error, error
+    assert "Engine core" not in error, error
