@@ -83,10 +83,8 @@ def measure(models: List[str], out: str, prompts: int, prompt_len: int, new_toke
             assert tokens == prompts * new_tokens, tokens
             if rep:
                 rates.append(tokens / seconds)
-        results[model] = {"tokens_per_s": rates, "dtype": str(llm.llm_engine.model_config.dtype),
-                          "model_class": llm.apply_model(lambda m: type(m).__module__ + "." + type(m).__name__)[0],
-                          "compiled": llm.apply_model(lambda m: bool(getattr(m.model, "compiled", False) or getattr(
-                              m.model, "aot_compiled_fn", None) is not None))[0]}
+        config = llm.llm_engine.model_config
+        results[model] = {"tokens_per_s": rates, "dtype": str(config.dtype), "enforce_eager": config.enforce_eager}
         del llm
     Path(out).write_text(json.dumps(results))
 
@@ -100,7 +98,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer timed calls: a smoke run")
     p.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)  # (internal: one process's folders)
     args = p.parse_args()
-    prompts, prompt_len, new_tokens, reps = 8, 64, 64, (2 if args.quick else 5)
+    prompts, prompt_len, new_tokens, reps = 8, 64, 64, (2 if args.quick else 3)
     if args.measure:
         measure(args.measure, args.out, prompts, prompt_len, new_tokens, reps)
         return
@@ -134,8 +132,7 @@ def main() -> None:
                 "target": target, "met": (ratio >= TARGET) if target else None, "method": method,
                 "config": SHAPES[shape],
                 "stock_runs": stock["tokens_per_s"], "method_runs": served["tokens_per_s"], "dtype": served["dtype"],
-                "model_class": served["model_class"], "compiled": [stock["compiled"], served["compiled"]],
-                "row_s": time.time() - started})
+                "enforce_eager": [stock["enforce_eager"], served["enforce_eager"]], "row_s": time.time() - started})
     Path(args.out).write_text(json.dumps(rows, indent=2))
     for row in rows:
         print(f"{row['workload']}: {row['stock_tokens_per_s']:.0f} vs {row['pid_tokens_per_s']:.0f} tok/s, "
