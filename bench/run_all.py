@@ -607,8 +607,8 @@ def write_markdown(path: str, result: Dict[str, Any]) -> str:
               "ratio of the medians and of the fastest repetitions, are cross-checks. Peak memory: torch.profiler allocation events, "
               "running sum, maximum over one forward+backward (see bench/_harness.py)."]
     if any(r["section"] == "vllm" for r in result["rows"]):
-        lines += ["", "vLLM rows (bench/vllm_serving.py, vLLM's environment): the stock and the method checkpoint (same "
-                      "weights) each served in a process of its own, one after the other, under vLLM's defaults "
+        lines += ["", "vLLM rows (bench/vllm_serving.py, vLLM's environment): the stock and the method checkpoint "
+                      "(same weights) each served in a process of its own, one after the other, under vLLM's defaults "
                       "(torch.compile); output tokens/s of a batch of greedy requests, median of the timed calls after "
                       "a warm-up; the ratio is method/stock."]
     text = "\n".join(lines) + "\n"

@@ -36,9 +36,10 @@ TRANSFORMERS = {"model_impl": "transformers"}
 #: vLLM's default mode: its torch.compile of the inner model (serve.py's default is eager, which starts faster)
 COMPILED = {"enforce_eager": False}
 #: run -> (the checkpoint make_references.py wrote, serving options, the class vLLM must build), chosen by hand: each
-#: method vLLM serves natively on Llama with parameters, compiled, and in one more native family at its preset, eager (a
-#: new served method needs a case of its own there); through vLLM's Transformers backend, Llama with model_impl="transformers" and six
-#: families without a native class (model_impl "auto": the plugin's fallback), one method each in rotation
+#: method vLLM serves natively on Llama with parameters, compiled, and in one more native family at its preset, eager
+#: (a new served method needs a case of its own there); through vLLM's Transformers backend, Llama with
+#: model_impl="transformers" and six families without a native class (model_impl "auto": the plugin's fallback), one
+#: method each in rotation
 CASES: Dict[str, tuple] = {
     "llama_pid": ("llama_pid", {**CHUNKED, **COMPILED}, NATIVE),
     "llama_value_residual": ("llama_value_residual", {**CHUNKED, **COMPILED}, NATIVE),
