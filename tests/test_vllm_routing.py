@@ -1,6 +1,7 @@
-"""Which class serves a method checkpoint in vLLM, decided where vLLM resolves the architecture (pid_plugins.vllm.routing:
-no vLLM needed). The check itself runs against real vLLM in make test-vllm (tests/vllm_serving/: the refusals come
-from ``LLM(...)`` before any engine starts); here: every route of the decision, on configs as vLLM holds them.
+"""Which class serves a method checkpoint in vLLM, decided where vLLM resolves the architecture
+(pid_plugins.vllm.routing: no vLLM needed). The check itself runs against real vLLM in make test-vllm
+(tests/vllm_serving/: the refusals come from ``LLM(...)`` before any engine starts); here: every route of the
+decision, on configs as vLLM holds them.
 """
 from types import SimpleNamespace
 

@@ -60,8 +60,8 @@ def config_choice(model_config: Any, place: str) -> Optional[MethodChoice]:
             raise ValueError(
                 f"{place}: config.json holds the parameters of attention method {named[0]!r} (config.{named[0]}) but "
                 f"attn_implementation={attention!r}: vLLM would serve softmax attention, not the method the "
-                f"parameters belong to. Set \"attn_implementation\": {named[0]!r} in config.json to serve the method, or "
-                f"remove \"{named[0]}\" for the stock model (pid_plugins.hf.convert(model, 'softmax') does).")
+                f"parameters belong to. Set \"attn_implementation\": {named[0]!r} in config.json to serve the method, "
+                f"or remove \"{named[0]}\" for the stock model (pid_plugins.hf.convert(model, 'softmax') does).")
     return None
 
 
@@ -76,7 +76,8 @@ def plan(architectures: Sequence[str], model_config: Any) -> Optional[MethodChoi
     from . import internals
 
     internals.check_release(where(model_config, architectures))
-    if str(getattr(model_config, "model_impl", "auto")) == "auto" and not any(a in ARCHITECTURES for a in architectures):
+    native = any(architecture in ARCHITECTURES for architecture in architectures)
+    if str(getattr(model_config, "model_impl", "auto")) == "auto" and not native:
         model_config.model_impl = "transformers"
         logger.info("%s: attention method %r, served through vLLM's Transformers backend (model_impl='transformers': "
                     "pid_plugins.vllm has no native class for this architecture)", where(model_config, architectures),

@@ -12,7 +12,7 @@ The method's state goes from layer to layer through :class:`_Layers`, in the ord
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, List, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from torch import Tensor, nn
 from vllm.model_executor.layers.attention import Attention
@@ -31,12 +31,14 @@ STATE_ROUTE = ("pid_plugins.vllm runs every layer of the model in one forward, w
 
 
 class _Layers:
-    """The method's state of one model, by layer: layer ``i`` reads what layer ``i - 1`` wrote in the same forward
-    (the layers run in order; the first starts afresh)."""
+    """The method's state of one model between its layers: layer ``i`` reads what layer ``i - 1`` left in the same
+    forward (the layers run in order; the first starts afresh, the last leaves nothing), so one layer's state is held
+    at a time, as in the native classes."""
 
     def __init__(self, choice: MethodChoice, count: int) -> None:
         self.choice = choice
-        self.states: List[Optional[tuple]] = [None] * count
+        self.count = count
+        self.state: Optional[tuple] = None
 
 
 def method_attention(layers: _Layers, index: int, attention: Attention) -> Callable[..., Tensor]:
@@ -58,7 +60,8 @@ def method_attention(layers: _Layers, index: int, attention: Attention) -> Calla
         call = LayerCall(attend, query.view(tokens, heads, dim).transpose(0, 1), values, values, head_dim=-3,
                          context=AttentionContext(causal=True, cached=True, grouped=kv_heads != heads), layer=index,
                          state_route=STATE_ROUTE)
-        out, layers.states[index] = method.apply(config, None, call, layers.states[index - 1] if index else None)
+        out, state = method.apply(config, None, call, layers.state if index else None)
+        layers.state = state if index + 1 < layers.count else None
         return out.transpose(0, 1).reshape(tokens, heads * dim)
 
     return forward
@@ -77,7 +80,7 @@ class _MethodServing(nn.Module):
     attention_choice: Optional[MethodChoice]
 
     def __init__(self, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
-        where = f"vLLM serving {getattr(vllm_config.model_config, 'model', 'a checkpoint')!s} ({self.architecture})"
+        where = _where(vllm_config, self.architecture)
         choice = config_choice(vllm_config.model_config, where)  # (before vLLM sets _attn_implementation to "vllm")
         if choice is not None:
             check_engine(vllm_config, where)

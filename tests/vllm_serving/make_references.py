@@ -60,8 +60,8 @@ CASES: Dict[str, tuple] = {
     "starcoder2_value_residual": (T.Starcoder2Config, "value_residual", None, {"rms_norm_eps": None,
                                                                               "norm_epsilon": 1e-5}),
     # attention logit softcapping (the adapter's eager base), every other layer a sliding window of 16 tokens
-    "gemma2_neutreno": (T.Gemma2Config, "neutreno", {"alpha": 0.5}, {"head_dim": 32, "pad_token_id": 0,
-                                                                     "query_pre_attn_scalar": 32, "sliding_window": 16}),
+    "gemma2_neutreno": (T.Gemma2Config, "neutreno", {"alpha": 0.5},
+                        {"head_dim": 32, "pad_token_id": 0, "query_pre_attn_scalar": 32, "sliding_window": 16}),
 }
 VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 

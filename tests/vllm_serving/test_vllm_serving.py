@@ -125,8 +125,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     return out
 
 
-def _close(got: float, want: float, what: str) -> None:
+def _close(got: float, want: float, what: str) -> float:
     assert abs(got - want) <= TOL, f"{what}: vLLM {got}, transformers {want} (|diff| {abs(got - want):.2e} > {TOL})"
+    return abs(got - want)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -141,24 +142,26 @@ def test_vllm_serves_the_checkpoint_as_transformers_computes_it(served, case):
         assert f"Model_{checkpoint.split('_', 1)[1]}_" in result["inner_class"], result["inner_class"]
     # vLLM's torch.compile of the inner model ran where asked to (vLLM's default), and not otherwise
     assert result["compiled"] == (options.get("enforce_eager") is False), (result["compiled"], options)
+    worst = 0.0
     for passes, outputs in enumerate(result["passes"]):
         for want, got in zip(ref["prompts"], outputs, strict=True):
             where = f"{case}, pass {passes}, prompt of {len(want['prompt'])} tokens"
             assert got["generated"] == want["generated"], where
             for j, (g, w) in enumerate(zip(got["generated_logprobs"], want["generated_logprobs"], strict=True)):
-                _close(g, w, f"{where}: generated token {j}")
+                worst = max(worst, _close(g, w, f"{where}: generated token {j}"))
             if got["prompt_logprobs"] is None:  # the prefix-cache pass (serve.py asks for no prompt log-probs)
                 continue
             assert len(got["prompt_logprobs"]) == len(want["prompt_logprobs"]), where
             for i, (entries, w, top) in enumerate(zip(got["prompt_logprobs"], want["prompt_logprobs"],
                                                       want["prompt_top"])):
                 given = dict((int(t), v) for t, v in entries)
-                _close(given[want["prompt"][i + 1]], w, f"{where}: prompt token {i + 1}")
+                worst = max(worst, _close(given[want["prompt"][i + 1]], w, f"{where}: prompt token {i + 1}"))
                 for token, value in top:  # vLLM's top 5 (with the prompt token) are transformers' top 5
                     assert token in given, f"{where}: position {i + 1}: token {token} is not in vLLM's top 5"
-                    _close(given[token], value, f"{where}: position {i + 1}, top token {token}")
+                    worst = max(worst, _close(given[token], value, f"{where}: position {i + 1}, top token {token}"))
     if len(result["passes"]) > 1:  # the second pass read its prefixes from the prefix cache
         assert any(o["cached_tokens"] for o in result["passes"][1]), "prefix caching cached nothing"
+    print(f"vLLM {case} ({result['model_class']}): log-probabilities within {worst:.1e} of transformers'")
 
 
 @pytest.mark.parametrize("method", list(REFUSED))
