@@ -7,7 +7,7 @@ each shape (a tiny Llama and SmolLM2-135M's shape, random weights saved with tra
 checkpoint and, per method, a folder with the same weights (a link) whose config.json names the method (its
 transformers preset). Each checkpoint is served in a process of its own (``LLM(model=DIR)`` with vLLM's defaults:
 its torch.compile, no ``enforce_eager``), one after the other, stock first: the figure is the median, over timed
-``generate`` calls after a warm-up call, of the output tokens per second (a batch of prompts, greedy, a fixed number
+``generate`` calls after two warm-up calls, of the output tokens per second (a batch of prompts, greedy, a fixed number
 of new tokens each), and the row's ratio is method/stock. Writes the rows as JSON (bench/run_all.py's row keys).
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ SHAPES: Dict[str, Dict[str, Any]] = {
 LABELS = {"tiny": "Llama 6 layers hidden 256 (GQA 8/2)", "SmolLM2-135M": "SmolLM2-135M shape"}
 #: the target of the SmolLM2-shape row (method/stock output tokens/s)
 TARGET = 0.95
+#: untimed generate calls before the timed ones
+WARMUP = 2
 
 
 def prepare(root: Path, methods: List[str]) -> Dict[str, Dict[str, Path]]:
@@ -75,13 +77,13 @@ def measure(models: List[str], out: str, prompts: int, prompt_len: int, new_toke
                  for i in range(prompts)]
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
         rates = []
-        for rep in range(reps + 1):  # the first call warms up
+        for rep in range(WARMUP + reps):  # (measured: the first timed call after one warm-up was 2-4x slower)
             start = time.perf_counter()
             outputs = llm.generate(batch, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             assert tokens == prompts * new_tokens, tokens
-            if rep:
+            if rep >= WARMUP:
                 rates.append(tokens / seconds)
         config = llm.llm_engine.model_config
         results[model] = {"tokens_per_s": rates, "dtype": str(config.dtype), "enforce_eager": config.enforce_eager}
