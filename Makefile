@@ -138,9 +138,10 @@ conformance: $(STAMP) timm-tests
 demo: $(STAMP) data
 	$(PY) -m research demo --out demo_out
 
-# PID/stock speed and memory ratios of every zoo (under 10 minutes): bench_out/bench.md and bench.json
+# PID/stock speed and memory ratios of every zoo (under 10 minutes): bench_out/bench.md and bench.json; the vllm rows
+# run in $(VLLM_VENV) when it exists (make test-vllm builds it), else they say "not run"
 bench: $(STAMP)
-	$(PY) bench/run_all.py --out bench_out
+	$(PY) bench/run_all.py --out bench_out --vllm-python $(VLLM_PY)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -27,6 +27,9 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
     host      every method at tiny widths on one thread, where a step is host time as on a GPU in eager mode
               (bench/host_cost.py): tiny Llama decode tokens/s and the microseconds added per layer per decode step,
               tiny DeiT train step time; a table after the timings
+    vllm      vLLM serving PID and stock checkpoints of the same weights (a tiny Llama, SmolLM2-135M's shape):
+              output tokens/s under vLLM's defaults (torch.compile), one process after the other, through
+              .venv-vllm's python (bench/vllm_serving.py; ``--vllm-python``); not run without that environment
 
 Allocator (``--malloc``). On the CPU every large tensor comes from glibc's malloc. With its default dynamic
 thresholds, large buffers are often returned to the OS and re-faulted on the next step, and which ones depends
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -60,7 +64,9 @@ from _harness import interleaved, machine, peak_memory_bytes  # noqa: E402
 import host_cost  # noqa: E402
 from _models import HF_BASE_CFG, HF_CFG, HF_SIBLINGS, SMOLLM2_CFG, hf_pair  # noqa: E402,F401
 
-SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile", "ops", "host")
+SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile", "ops", "host", "vllm")
+#: vLLM's own environment (make test-vllm builds it): the vllm rows run there, as a subprocess
+VLLM_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-vllm", "bin", "python")
 MALLOC_TUNED = {  # glibc: keep freed memory for reuse instead of unmapping and re-faulting it every step
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 33),
@@ -503,6 +509,33 @@ def host_tasks(args) -> List[Tuple[str, str, Any, int]]:
     return rows
 
 
+def vllm_rows(args) -> List[Dict[str, Any]]:
+    """The vllm section: bench/vllm_serving.py run by vLLM's python (a subprocess), or rows saying why not."""
+    threads = max(args.threads)
+    if not os.path.exists(args.vllm_python):
+        why = "not run (make test-vllm builds .venv-vllm)"
+        return [{"section": "vllm", "workload": f"vLLM {shape}, pid, torch.compile", "threads": threads,
+                 "not_run": why, "target": target, "met": None}
+                for shape, target in (("tiny Llama", ""), ("SmolLM2-135M shape", ">= 0.95"))]
+    out = os.path.join(args.tmp, "vllm_rows.json")
+    command = [args.vllm_python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_serving.py"),
+               "--out", out, "--threads", str(threads)] + (["--quick"] if args.quick else [])
+    t_start = time.time()
+    # the project's root first on the path: vLLM loads this checkout's pid_plugins
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"bench/vllm_serving.py failed ({args.vllm_python}):\n{proc.stdout[-2000:]}"
+                         f"{proc.stderr[-4000:]}")
+    with open(out) as f:
+        rows = json.load(f)
+    for row in rows:
+        print(f"{row['workload']} [{threads} thr]: method/stock {row['ratio']:.3f} {row['target']} "
+              f"({time.time() - t_start:.0f} s for the section)")
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- report
 def verdict(kind: Optional[str], ratio: float) -> Tuple[str, Optional[bool]]:
     if kind is None:
@@ -532,6 +565,9 @@ def write_markdown(path: str, result: Dict[str, Any]) -> str:
         return f"{1.0 / value if r.get('unit') == 'tokens/s' else value:.3f}"  # throughput ratio for decoding
 
     for r in result["rows"]:
+        if r.get("not_run"):
+            lines.append(f"| {r['workload']} | {r.get('threads', '')} | {r['not_run']} | | | {r['target']} | | | |")
+            continue
         unit = r.get("unit", "s")
         if unit == "tokens/s":
             s, p = f"{r['stock_tokens_per_s']:.0f} tok/s", f"{r['pid_tokens_per_s']:.0f} tok/s"
@@ -553,6 +589,11 @@ def write_markdown(path: str, result: Dict[str, Any]) -> str:
               "repetitions of PID/stock within a repetition (for decoding: PID/stock tokens/s); the last two columns, the "
               "ratio of the medians and of the fastest repetitions, are cross-checks. Peak memory: torch.profiler allocation events, "
               "running sum, maximum over one forward+backward (see bench/_harness.py)."]
+    if any(r["section"] == "vllm" for r in result["rows"]):
+        lines += ["", "vLLM rows (bench/vllm_serving.py, vLLM's environment): the stock and the method checkpoint "
+                      "(same weights) each served in a process of its own, one after the other, under vLLM's defaults "
+                      "(torch.compile); output tokens/s of a batch of greedy requests, median of the timed calls after "
+                      "a warm-up; the ratio is method/stock."]
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
         f.write(text)
@@ -568,6 +609,8 @@ def main() -> None:
                    help="run every workload at every thread count (default: after the first thread count, only "
                         "the targeted ones: forward+backward, train steps, decoding)")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {','.join(SECTIONS)}")
+    p.add_argument("--vllm-python", default=VLLM_PYTHON,
+                   help="the python of vLLM's environment, for the vllm section (default: .venv-vllm's)")
     p.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
                    help="glibc allocator settings for both models (see the module doc); default: tuned")
     args = p.parse_args()
@@ -645,6 +688,8 @@ def main() -> None:
             result.setdefault("host", []).append(row)
             tqdm.write(f"host {shape} {method}: method/stock {row['ratio']:.3f} {row['target']}")
         bar.close()
+    if "vllm" in args.only:
+        result["rows"] += vllm_rows(args)
     if "ops" in args.only:
         from op_counts import markdown as ops_markdown, op_rows
 

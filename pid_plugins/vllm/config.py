@@ -18,7 +18,8 @@ from typing import Any, Mapping, Optional
 
 from ..core import SOFTMAX, AttentionMethod, MethodChoice, list_methods, resolve_attention
 
-__all__ = ["ARCHITECTURES", "STOCK_ATTENTIONS", "check_engine", "check_servable", "method_choice", "unservable_reason"]
+__all__ = ["ARCHITECTURES", "STOCK_ATTENTIONS", "TENSOR_PARALLEL", "check_engine", "check_servable", "method_choice",
+           "unservable_reason"]
 
 #: the architectures (config.json's ``architectures``) the plugin registers with vLLM: the decoder-only families vLLM
 #: and the transformers adapter share
@@ -90,16 +91,25 @@ def method_choice(hf_config: Any, where: str = "this checkpoint") -> Optional[Me
     return choice
 
 
-def check_engine(vllm_config: Any, where: str) -> None:
+#: the methods whose every term and state is per head and per position: tensor parallelism, which gives each rank
+#: some of the heads (vLLM's q/k/v projections, paged attention and o_proj shard them), computes on each rank exactly
+#: what one process computes for those heads; served with tensor_parallel_size > 1 by vLLM's own classes
+#: (pid_plugins.vllm.models; make test-vllm serves PID with tensor_parallel_size=2)
+TENSOR_PARALLEL = frozenset({"pid", "neutreno", "value_residual"})
+
+
+def check_engine(vllm_config: Any, where: str, tensor_parallel: bool = False) -> None:
     """Refuse (``ValueError``) the engine settings the plugin does not cover, naming each: the method's state runs
-    from the first layer to the last within one forward of one process."""
+    from the first layer to the last within one forward of one process, or of each tensor-parallel rank when
+    ``tensor_parallel`` (the caller serves a method of :data:`TENSOR_PARALLEL` with heads sharded per rank)."""
     parallel = vllm_config.parallel_config
     refused = []
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         refused.append(f"pipeline_parallel_size={parallel.pipeline_parallel_size} (the state would have to travel "
                        "between the stages)")
-    if getattr(parallel, "tensor_parallel_size", 1) > 1:
-        refused.append(f"tensor_parallel_size={parallel.tensor_parallel_size} (not tested)")
+    if getattr(parallel, "tensor_parallel_size", 1) > 1 and not tensor_parallel:
+        refused.append(f"tensor_parallel_size={parallel.tensor_parallel_size} (served only for "
+                       f"{', '.join(sorted(TENSOR_PARALLEL))} with vLLM's own model classes, not tested here)")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
             refused.append(f"{name}={getattr(parallel, name)} (not tested)")

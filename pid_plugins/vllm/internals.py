@@ -18,8 +18,8 @@ from typing import Any, Dict, FrozenSet, Optional
 
 from ..versions import InternalChanged, _key, installed_version, parameters, reads
 
-__all__ = ["TESTED_VLLM", "SUPPORTED_VLLM", "FORWARD_READS", "check_family", "check_registry", "check_release",
-           "check_transformers_backend"]
+__all__ = ["TESTED_VLLM", "SUPPORTED_VLLM", "FAMILIES", "FORWARD_READS", "check_family", "check_options",
+           "check_registry", "check_release", "check_transformers_backend", "compile_forward"]
 
 #: the vLLM release the plugin is tested with (make test-vllm, constraints-vllm.txt)
 TESTED_VLLM = "0.32.0"
@@ -157,6 +157,18 @@ def check_family(stock: type, hf_config: Any, where: str) -> None:
             f"{where}: vLLM {getattr(vllm, '__version__', '?')} changed the layers of its {family} models that "
             f"pid_plugins.vllm runs again with the method's step ({changed}); pid-plugins is tested with vLLM "
             f"{TESTED_VLLM} (constraints-vllm.txt). Nothing was computed with the changed internals.")
+    check_options(family, hf_config, where)
+
+
+#: the family module (``vllm.model_executor.models.<family>``) of each native architecture of the plugin
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}
+
+
+def check_options(family: str, hf_config: Any, where: str) -> None:
+    """Refuse (``ValueError``) a checkpoint using a family option the plugin's native layer loop does not run (no
+    vLLM needed: :func:`pid_plugins.vllm.routing.confirm` calls it where vLLM resolves the class, in the process the
+    user launched, and :func:`check_family` again where the model is built)."""
     for option, what in _REFUSED_OPTIONS.get(family, {}).items():
         if getattr(hf_config, option, None):
             raise ValueError(f"{where}: config.{option} turns on {what}, which pid_plugins.vllm does not run with an "
@@ -164,3 +176,25 @@ def check_family(stock: type, hf_config: Any, where: str) -> None:
     if not getattr(hf_config, "is_causal", True):
         raise ValueError(f"{where}: config.is_causal=False (bidirectional attention, an embedding model): "
                          "pid_plugins.vllm serves causal language models only.")
+
+
+def compile_forward(model: Any, where: str) -> None:
+    """Point vLLM's ``torch.compile`` wrapper of ``model`` (``support_torch_compile`` on its stock class) at the
+    ``forward`` of ``model``'s current class: the wrapper compiles the bound ``forward`` it finds when the model is
+    built (``TorchCompileWithNoGuardsWrapper.__init__``), so it is set up again after the class changed, its
+    bytecode hook for the old ``forward`` removed first. Nothing to do when vLLM runs the model eagerly. A wrapper
+    that does not then compile this ``forward`` gets :class:`~pid_plugins.versions.InternalChanged`."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    if not isinstance(model, TorchCompileWithNoGuardsWrapper) or getattr(model, "do_not_compile", False):
+        return
+    model.cleanup()
+    TorchCompileWithNoGuardsWrapper.__init__(model, compile_prefix="", is_encoder=False)
+    compiled = getattr(getattr(model, "_compiled_callable", None), "_torchdynamo_orig_callable", None)
+    if compiled != model.forward:
+        import vllm
+
+        raise InternalChanged(
+            f"{where}: vLLM {getattr(vllm, '__version__', '?')}'s torch.compile wrapper does not compile the method "
+            f"model's forward after TorchCompileWithNoGuardsWrapper.__init__ (it compiles {compiled!r}); pid-plugins "
+            f"is tested with vLLM {TESTED_VLLM}. Serve with enforce_eager=True, or the tested vLLM.")

@@ -10,11 +10,14 @@ method's state handed from layer to layer as a value.
 Layouts: vLLM flattens the tokens of every sequence of a step into one axis (decode tokens and chunks of prefills of
 several requests side by side). The method sees ``(heads, tokens, head_dim)`` views: every term is per token, so the
 update is exact for any mix of requests, for chunked prefill and for prefix caching (a cached prefix's values were
-mixed, for value residual, before they were cached). This loop runs eagerly (vLLM's ``torch.compile`` wrapper of
-the inner model is not entered: CUDA graphs and compiled graphs are not used for method models).
+mixed, for value residual, before they were cached). The loop is the ``forward`` of a subclass of vLLM's inner model
+(``LlamaModel``, ...), so it runs inside vLLM's ``torch.compile`` wrapper of that model as the stock forward does.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import types
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -26,7 +29,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as _Qwen3
 
 from ..core import AttentionContext, LayerCall, MethodChoice
 from . import internals
-from .config import check_engine, method_choice
+from .config import TENSOR_PARALLEL, check_engine, method_choice
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "method_forward"]
 
@@ -44,13 +47,14 @@ class _MethodServing(nn.Module):
 
     stock: ClassVar[type]  #: vLLM's own class for this architecture
     architecture: ClassVar[str]
-    attention_choice: MethodChoice
 
     def __new__(cls, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> Any:
         where = _where(vllm_config, cls.architecture)
-        if method_choice(vllm_config.model_config.hf_config, where) is None:
+        choice = method_choice(vllm_config.model_config.hf_config, where)
+        if choice is None:
             return cls.stock(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)  # not ours: __init__ is skipped
-        check_engine(vllm_config, where)
+        # tensor parallelism: vLLM's layers give the loop each rank's heads (num_heads, q_size, ... are per rank)
+        check_engine(vllm_config, where, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
         internals.check_family(cls.stock, vllm_config.model_config.hf_config, where)
         return super().__new__(cls)
 
@@ -58,14 +62,43 @@ class _MethodServing(nn.Module):
         super().__init__(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)
         choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, self.architecture))
         assert choice is not None  # (__new__ built the stock class otherwise)
-        self.attention_choice = choice
+        _serve_method(self.model, choice, _where(vllm_config, self.architecture))
 
-    def forward(self, input_ids: Optional[Tensor], positions: Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: Optional[Tensor] = None) -> Tensor:
-        if intermediate_tensors is not None:
-            raise ValueError(f"pid_plugins.vllm: {self.architecture} got intermediate tensors (pipeline parallelism), "
-                             "which a method model does not take")
-        return method_forward(self.model, self.attention_choice, input_ids, positions, inputs_embeds)
+
+def _serve_method(model: nn.Module, choice: MethodChoice, where: str) -> None:
+    """Make vLLM's inner model (``LlamaModel``, ...; built by vLLM with its weights and layers) run ``choice``'s
+    method: its class becomes a subclass whose ``forward`` is the method's loop (:func:`_method_model_forward`).
+
+    vLLM's ``support_torch_compile`` (on the stock class, inherited) compiles the bound ``forward`` it finds when the
+    model is built: its wrapper is set up again for the new one (:func:`.internals.compile_forward`). The subclass's
+    ``forward`` is a copy per method and parameters, with a qualified name naming both: vLLM keys its compiled-code
+    cache on that name and on vLLM's config, which holds ``config.<method>`` but not ``attn_implementation`` (and
+    the parameters are compiled in as constants)."""
+    model.__class__ = _method_model_class(type(model), choice.method.name, repr(choice.config))
+    model.attention_choice = choice
+    internals.compile_forward(model, where)
+
+
+def _method_model_forward(self: nn.Module, input_ids: Optional[Tensor], positions: Tensor,
+                          intermediate_tensors: Any = None, inputs_embeds: Optional[Tensor] = None) -> Tensor:
+    """The ``forward`` of a method model's inner model (vLLM's signature): :func:`method_forward` with its method."""
+    if intermediate_tensors is not None:
+        raise ValueError(f"pid_plugins.vllm: {type(self).__name__} got intermediate tensors (pipeline parallelism), "
+                         "which a method model does not take")
+    return method_forward(self, self.attention_choice, input_ids, positions, inputs_embeds)
+
+
+@functools.lru_cache(maxsize=None)
+def _method_model_class(stock: type, method: str, params: str) -> type:
+    """The subclass of vLLM's inner model class ``stock`` that runs ``method`` with parameters ``params`` (repr)."""
+    digest = hashlib.sha256(f"{method}:{params}".encode()).hexdigest()[:12]
+    name = f"{stock.__name__}_{method}_{digest}"
+    forward = types.FunctionType(_method_model_forward.__code__, _method_model_forward.__globals__, "forward",
+                                 _method_model_forward.__defaults__)
+    forward.__qualname__ = f"{name}.forward"
+    forward.__doc__ = _method_model_forward.__doc__
+    return type(name, (stock,), {"forward": forward, "__module__": __name__,
+                                 "__doc__": f"vLLM's {stock.__name__} running attention method {method!r}"})
 
 
 def method_forward(model: nn.Module, choice: MethodChoice, input_ids: Optional[Tensor], positions: Tensor,

@@ -92,6 +92,11 @@ def confirm(choice: MethodChoice, architectures: Sequence[str], model_config: An
     runner, convert = getattr(model_config, "runner_type", "generate"), getattr(model_config, "convert_type", "none")
     if resolved in TRANSFORMERS_CLASSES or (resolved in ARCHITECTURES and impl != "transformers"):
         if runner in ("generate", None) and convert in ("none", None):
+            if resolved in ARCHITECTURES:  # the family options the native layer loop does not run: refused here too
+                from . import internals
+
+                internals.check_options(internals.FAMILIES[resolved], model_config.hf_config,
+                                        where(model_config, architectures))
             return
         what = f"runner {runner!r} with convert {convert!r}"
     elif resolved.startswith("Transformers"):

@@ -84,6 +84,25 @@ def test_verdicts_and_markdown(tmp_path):
     json.dumps(result, default=str)
 
 
+def test_vllm_rows_say_not_run_without_vllms_environment(tmp_path):
+    import argparse
+
+    run_all = load("run_all")
+    args = argparse.Namespace(threads=[1, 2], quick=True, tmp=str(tmp_path), vllm_python=str(tmp_path / "none"))
+    rows = run_all.vllm_rows(args)  # no such python: nothing runs
+    assert [(r["section"], r["not_run"], r["target"]) for r in rows] == [
+        ("vllm", "not run (make test-vllm builds .venv-vllm)", ""),
+        ("vllm", "not run (make test-vllm builds .venv-vllm)", ">= 0.95")]
+    served = dict(section="vllm", workload="vLLM w", threads=2, unit="tokens/s", stock_tokens_per_s=100.0,
+                  pid_tokens_per_s=96.0, ratio=0.96, target=">= 0.95", met=True)
+    result = dict(machine=harness.machine(), started="now", elapsed_s=1.0, quick=True, malloc="tuned",
+                  rows=rows + [served])
+    text = run_all.write_markdown(str(tmp_path / "bench.md"), result)
+    assert "| vLLM SmolLM2-135M shape, pid, torch.compile | 2 | not run (make test-vllm builds .venv-vllm) |" in text
+    assert "| vLLM w | 2 | 100 tok/s | 96 tok/s | 0.960 | >= 0.95 | yes |" in text
+    assert "vLLM rows (bench/vllm_serving.py" in text
+
+
 def test_size_rows_run_once_at_the_first_thread_count():
     import argparse
 

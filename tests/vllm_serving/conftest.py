@@ -3,4 +3,4 @@ main .venv of make test) its tests are not collected at all."""
 import importlib.util
 
 if importlib.util.find_spec("vllm") is None:
-    collect_ignore = ["test_vllm_serving.py"]
+    collect_ignore = ["test_vllm_serving.py", "test_vllm_server.py", "test_vllm_tensor_parallel.py"]

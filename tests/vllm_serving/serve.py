@@ -4,9 +4,10 @@
 "prompts": [[token ids]], "new_tokens": n, "top": k}``; each run builds one ``vllm.LLM`` (engine core in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
 per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
-each prompt position, and the class vLLM built the model from; or the error the build raised. A run's ``"env"`` is set
-in ``os.environ`` while its engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its
-own, as ``LLM(...)`` runs by default, so that an error raised here comes from the process the user launched).
+each prompt position, the classes vLLM built the model and its inner model from and whether vLLM's torch.compile
+wrapper compiled the inner model; or the error the build raised. A run's ``"env"`` is set in ``os.environ`` while its
+engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its own, as ``LLM(...)`` runs by
+default, so that an error raised here comes from the process the user launched).
 """
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ from typing import Any, Dict, List
 
 def _logprob_entries(entry: Dict[int, Any]) -> List[List[float]]:
     return [[int(token), float(lp.logprob)] for token, lp in entry.items()]
+
+
+# (module-level: vLLM pickles them to its worker processes under tensor parallelism)
+def _classes(model: Any) -> tuple:
+    return f"{type(model).__module__}.{type(model).__qualname__}", type(getattr(model, "model", None)).__qualname__
+
+
+def _compiled(model: Any) -> bool:
+    inner = getattr(model, "model", None)
+    return bool(getattr(inner, "compiled", False) or getattr(inner, "aot_compiled_fn", None) is not None)
 
 
 def serve(run: Dict[str, Any]) -> Dict[str, Any]:
@@ -43,7 +54,7 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    model_class = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")[0]
+    model_class, inner = llm.apply_model(_classes)[0]
     built, results = time.monotonic(), []
     for repeat in range(run.get("repeat", 1)):
         # a second pass over the same prompts reads the prefix cache, which vLLM does not use for a request that asks
@@ -60,10 +71,13 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
             "cached_tokens": getattr(out, "num_cached_tokens", None),
         } for out in outputs])
     served = time.monotonic()
+    # vLLM's torch.compile wrapper of the inner model: compiled on the first forward (or loaded from its cache)
+    compiled = llm.apply_model(_compiled)[0]
     del llm
     gc.collect()
     seconds = {"build": built - start, "serve": served - built, "close": time.monotonic() - served}
-    return {"model_class": model_class, "passes": results, "seconds": seconds}
+    return {"model_class": model_class, "inner_class": inner, "compiled": compiled, "passes": results,
+            "seconds": seconds}
 
 
 def main(argv: List[str]) -> None:

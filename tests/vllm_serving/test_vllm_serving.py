@@ -33,15 +33,17 @@ CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_
            "block_size": 32}
 NATIVE, BACKEND = "pid_plugins.vllm.models.", "pid_plugins.vllm.transformers_backend."
 TRANSFORMERS = {"model_impl": "transformers"}
+#: vLLM's default mode: its torch.compile of the inner model (serve.py's default is eager, which starts faster)
+COMPILED = {"enforce_eager": False}
 #: run -> (the checkpoint make_references.py wrote, serving options, the class vLLM must build), chosen by hand: each
-#: method vLLM serves natively on Llama with parameters and in one more native family at its preset (a new served method
-#: needs a case of its own there); through vLLM's Transformers backend, Llama with model_impl="transformers" and six
-#: families without a native class (model_impl "auto": the plugin's fallback), one method each in rotation
+#: method vLLM serves natively on Llama with parameters, compiled, and in one more native family at its preset, eager
+#: (a new served method needs a case of its own there); through vLLM's Transformers backend, Llama with
+#: model_impl="transformers" and six families without a native class (model_impl "auto": the plugin's fallback), one
+#: method each in rotation
 CASES: Dict[str, tuple] = {
-    "llama_pid": ("llama_pid", CHUNKED, NATIVE),
-    "llama_value_residual": ("llama_value_residual", CHUNKED, NATIVE),
-    # vLLM's default (compiled) mode: a method model runs eagerly anyway
-    "llama_neutreno": ("llama_neutreno", {"enforce_eager": False}, NATIVE),
+    "llama_pid": ("llama_pid", {**CHUNKED, **COMPILED}, NATIVE),
+    "llama_value_residual": ("llama_value_residual", {**CHUNKED, **COMPILED}, NATIVE),
+    "llama_neutreno": ("llama_neutreno", COMPILED, NATIVE),
     "qwen3_pid": ("qwen3_pid", {}, NATIVE),
     "qwen2_value_residual": ("qwen2_value_residual", {}, NATIVE),
     "mistral_neutreno": ("mistral_neutreno", {}, NATIVE),
@@ -135,6 +137,11 @@ def test_vllm_serves_the_checkpoint_as_transformers_computes_it(served, case):
     assert "error" not in result, result.get("traceback", result.get("error"))
     # a method checkpoint runs the plugin's class (native, or vLLM's Transformers backend); a stock one vLLM's own
     assert result["model_class"].startswith(built), result["model_class"]
+    options = CASES[case][1]
+    if built == NATIVE:  # the inner model runs the method's loop (its class: vLLM's, subclassed)
+        assert f"Model_{checkpoint.split('_', 1)[1]}_" in result["inner_class"], result["inner_class"]
+    # vLLM's torch.compile of the inner model ran where asked to (vLLM's default), and not otherwise
+    assert result["compiled"] == (options.get("enforce_eager") is False), (result["compiled"], options)
     worst = 0.0
     for passes, outputs in enumerate(result["passes"]):
         for want, got in zip(ref["prompts"], outputs, strict=True):

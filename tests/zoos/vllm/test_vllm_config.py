@@ -121,6 +121,11 @@ def test_engine_settings_the_plugin_does_not_cover_are_refused_naming_each():
         assert part in message
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         check_engine(engine(pp=2), WHERE)
+    # tensor parallelism: for the per-head methods of vLLM's own classes only (the caller says so)
+    check_engine(engine(tp=2), WHERE, tensor_parallel=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2") as info:
+        check_engine(engine(pp=2, tp=2), WHERE, tensor_parallel=True)
+    assert "tensor_parallel_size" not in str(info.value)
 
 
 def test_what_vllm_serves_is_read_from_the_methods_capabilities_not_its_type():

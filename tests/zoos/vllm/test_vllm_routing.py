@@ -47,6 +47,21 @@ def test_a_native_architecture_keeps_the_plugins_class(architecture):
     assert config.model_impl == "auto"
 
 
+@pytest.mark.parametrize("architecture, option", [("MistralForCausalLM", "llama_4_scaling"),
+                                                  ("Qwen2ForCausalLM", "dual_chunk_attention_config"),
+                                                  ("LlamaForCausalLM", "is_causal")])
+def test_a_family_option_the_native_loop_does_not_run_is_refused_where_vllm_resolves_the_class(architecture, option):
+    """In the process the user launched (vLLM resolves the class there too), not only where the model is built."""
+    config = model_config("pid", method="pid")
+    setattr(config.hf_config, option, False if option == "is_causal" else {"on": True})
+    with pytest.raises(ValueError, match=f"config.{option}"):
+        route(architecture, config, architecture)
+    # the Transformers backend runs the family's own code: not this refusal
+    config.model_impl = "transformers"
+    if option != "is_causal":
+        route(architecture, config, "TransformersForCausalLM")
+
+
 @pytest.mark.parametrize("method", ["pid", "neutreno", "value_residual"])
 def test_another_architecture_falls_back_to_the_transformers_backend(method):
     config = model_config(method, method=method)
