@@ -1,7 +1,8 @@
 """The model classes the plugin registers with vLLM, one per architecture (imported by vLLM's model registry only).
 
 Each is a subclass of vLLM's own class. Built for a checkpoint whose config names no method (or zero gains), it
-returns vLLM's own model, unchanged (``__new__`` builds the stock class). For a method checkpoint it builds vLLM's
+keeps vLLM's own forward and inner model, unchanged (a subclass vLLM derives, such as its pooling adapters, keeps
+its own methods). For a method checkpoint it builds vLLM's
 model with the same weights and layers and runs its own loop over them (:func:`method_forward`): per layer, vLLM's
 norm, ``qkv_proj``, qk-norm where the family has one, rotary embedding, then the method's one step
 (:meth:`~pid_plugins.core.AttentionMethod.apply`) around vLLM's paged attention, ``o_proj``, norm and MLP, with the
@@ -43,26 +44,21 @@ def _where(vllm_config: Any, architecture: str) -> str:
 
 
 class _MethodServing(nn.Module):
-    """The mixin of the registered classes: vLLM's own model for a stock checkpoint, the method loop otherwise."""
+    """The mixin of the registered classes: vLLM's own forward for a stock checkpoint, the method loop otherwise."""
 
     stock: ClassVar[type]  #: vLLM's own class for this architecture
     architecture: ClassVar[str]
 
-    def __new__(cls, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> Any:
-        where = _where(vllm_config, cls.architecture)
-        choice = method_choice(vllm_config.model_config.hf_config, where)
-        if choice is None:
-            return cls.stock(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)  # not ours: __init__ is skipped
-        # tensor parallelism: vLLM's layers give the loop each rank's heads (num_heads, q_size, ... are per rank)
-        check_engine(vllm_config, where, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
-        internals.check_family(cls.stock, vllm_config.model_config.hf_config, where)
-        return super().__new__(cls)
-
     def __init__(self, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        where = _where(vllm_config, self.architecture)
+        choice = method_choice(vllm_config.model_config.hf_config, where)
+        if choice is not None:  # refused before vLLM builds anything
+            # tensor parallelism: vLLM's layers give the loop each rank's heads (num_heads, q_size, ... are per rank)
+            check_engine(vllm_config, where, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
+            internals.check_family(self.stock, vllm_config.model_config.hf_config, where)
         super().__init__(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)
-        choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, self.architecture))
-        assert choice is not None  # (__new__ built the stock class otherwise)
-        _serve_method(self.model, choice, _where(vllm_config, self.architecture))
+        if choice is not None:  # a stock checkpoint keeps vLLM's forward and inner model, unchanged
+            _serve_method(self.model, choice, where)
 
 
 def _serve_method(model: nn.Module, choice: MethodChoice, where: str) -> None:

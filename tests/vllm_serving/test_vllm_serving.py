@@ -32,6 +32,7 @@ REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vll
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
            "block_size": 32}
 NATIVE, BACKEND = "pid_plugins.vllm.models.", "pid_plugins.vllm.transformers_backend."
+STOCK = "stock"  # the plugin's native class, running vLLM's own forward and inner model
 TRANSFORMERS = {"model_impl": "transformers"}
 #: vLLM's default mode: its torch.compile of the inner model (serve.py's default is eager, which starts faster)
 COMPILED = {"enforce_eager": False}
@@ -47,7 +48,7 @@ CASES: Dict[str, tuple] = {
     "qwen3_pid": ("qwen3_pid", {}, NATIVE),
     "qwen2_value_residual": ("qwen2_value_residual", {}, NATIVE),
     "mistral_neutreno": ("mistral_neutreno", {}, NATIVE),
-    "llama_stock": ("llama_stock", {}, "vllm.model_executor.models."),
+    "llama_stock": ("llama_stock", {}, STOCK),
     "llama_pid_transformers": ("llama_pid", {**CHUNKED, **TRANSFORMERS}, BACKEND),
     "phi3_pid": ("phi3_pid", {}, BACKEND),
     "granite_neutreno": ("granite_neutreno", {}, BACKEND),
@@ -135,8 +136,13 @@ def test_vllm_serves_the_checkpoint_as_transformers_computes_it(served, case):
     checkpoint, _, built = CASES[case]
     ref, result = _reference(checkpoint), served[case]
     assert "error" not in result, result.get("traceback", result.get("error"))
-    # a method checkpoint runs the plugin's class (native, or vLLM's Transformers backend); a stock one vLLM's own
-    assert result["model_class"].startswith(built), result["model_class"]
+    # a method checkpoint runs the plugin's class (native, or vLLM's Transformers backend); a stock one the plugin's
+    # class with vLLM's own forward and inner model, unchanged (so vLLM's subclasses of it, its pooling adapters, work)
+    if built == STOCK:
+        assert result["model_class"].startswith(NATIVE), result["model_class"]
+        assert result["inner_class"] == "LlamaModel", result["inner_class"]  # vLLM's own class, not a subclass
+    else:
+        assert result["model_class"].startswith(built), result["model_class"]
     options = CASES[case][1]
     if built == NATIVE:  # the inner model runs the method's loop (its class: vLLM's, subclassed)
         assert f"Model_{checkpoint.split('_', 1)[1]}_" in result["inner_class"], result["inner_class"]
