@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # the profiler (peak-memory section) logs every start/stop to the console unless told otherwise
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")

@@ -146,7 +146,6 @@ def settle(*internals: Internal) -> None:
             internal.holds()
 
 
-# -------------------------------------------------------------------- what an internal's check reads of the zoo's code
 def reads(function: Any, name: str = "self") -> FrozenSet[str]:
     """The attributes ``function`` reads or calls on ``name`` (``<name>.<attribute>`` in its source)."""
     return frozenset(re.findall(rf"\b{name}\.(\w+)", inspect.getsource(function)))
@@ -157,7 +156,6 @@ def parameters(function: Any) -> List[str]:
     return list(inspect.signature(function).parameters)
 
 
-# --------------------------------------------------------------- what an internal's check sees of the zoo's behaviour
 _LOCAL = threading.local()
 
 

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 
@@ -240,13 +240,3 @@ TP_PLAN = Internal(
 
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, CHECKPOINTING, TORCH_CHECKPOINT,
              CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, TP_PLAN)
-
-
-def unknown_cache(args: tuple, kwargs: dict, known: Tuple[str, ...]) -> Optional[str]:
-    """The keyword under which a forward got a transformers ``Cache`` not in ``known``, or None."""
-    from transformers.cache_utils import Cache
-
-    for name, value in kwargs.items():
-        if isinstance(value, Cache) and name not in known:
-            return name
-    return None

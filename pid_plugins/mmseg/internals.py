@@ -74,7 +74,6 @@ def _history_buffer() -> bool:
             and all(methods[name] is getattr(HistoryBuffer, name) for name in STATISTICS))
 
 
-# ------------------------------------------------------------------------------------------------- the internals
 CHECKPOINT_SCHEMES = Internal(
     MMENGINE, "mmengine CheckpointLoader._schemes (a class attribute register_scheme rebinds) and the schemes "
     "mmengine.runner.checkpoint registers",

@@ -17,7 +17,6 @@ __all__ = ["INTERNALS", "require"]
 ZOO = "timm"
 
 
-# ------------------------------------------------------------------------------------------------------ checks
 def _attn_layers() -> bool:
     from timm.layers import Attention
     from timm.models import vision_transformer
@@ -157,7 +156,6 @@ def _default_cfgs() -> bool:
     return "mod=sys.modules[fn.__module__]" in source and "mod.default_cfgs[model_name]" in source
 
 
-# ------------------------------------------------------------------------------------------------- the internals
 ATTN_LAYERS = Internal(
     ZOO, "timm.models.vision_transformer.ATTN_LAYERS (a dict of attn_layer names)",
     "reserving timm's own attention layer names (attention= must not shadow attn_layer='diff')", "1.0.31", _attn_layers)

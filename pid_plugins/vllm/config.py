@@ -18,8 +18,8 @@ from typing import Any, Mapping, Optional
 
 from ..core import SOFTMAX, AttentionMethod, MethodChoice, list_methods, resolve_attention
 
-__all__ = ["ARCHITECTURES", "STOCK_ATTENTIONS", "TENSOR_PARALLEL", "check_engine", "check_servable", "method_choice",
-           "unservable_reason"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "STOCK_ATTENTIONS", "TENSOR_PARALLEL", "check_engine", "check_options",
+           "check_servable", "method_choice", "unservable_reason"]
 
 #: the architectures (config.json's ``architectures``) the plugin registers with vLLM: the decoder-only families vLLM
 #: and the transformers adapter share
@@ -118,3 +118,28 @@ def check_engine(vllm_config: Any, where: str, tensor_parallel: bool = False) ->
     if refused:
         raise ValueError(f"{where}: pid_plugins.vllm serves attention methods on one process per model replica; it "
                          f"does not cover " + "; ".join(refused) + ". Serve without them (data parallelism works).")
+
+
+#: config options of a family that change what its layers compute and that the plugin's loop does not run
+_REFUSED_OPTIONS = {
+    "mistral": {"llama_4_scaling": "Llama 4 attention scaling of the queries",
+                "ada_rms_norm_t_cond": "the time-conditioned adaptive RMS norm"},
+    "qwen2": {"dual_chunk_attention_config": "dual chunk attention"},
+    "qwen3": {"dual_chunk_attention_config": "dual chunk attention"},
+}
+
+#: the family module (``vllm.model_executor.models.<family>``) of each native architecture of the plugin
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}
+
+
+def check_options(family: str, hf_config: Any, where: str) -> None:
+    """Refuse (``ValueError``) a checkpoint using a family option the plugin's native layer loop does not run (where vLLM
+    resolves the class, in the process the user launched, and again where the model is built)."""
+    for option, what in _REFUSED_OPTIONS.get(family, {}).items():
+        if getattr(hf_config, option, None):
+            raise ValueError(f"{where}: config.{option} turns on {what}, which pid_plugins.vllm does not run with an "
+                             "attention method; serve this checkpoint with transformers and pid_plugins.hf.")
+    if not getattr(hf_config, "is_causal", True):
+        raise ValueError(f"{where}: config.is_causal=False (bidirectional attention, an embedding model): "
+                         "pid_plugins.vllm serves causal language models only.")

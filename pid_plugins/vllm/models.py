@@ -21,7 +21,6 @@ import hashlib
 import types
 from typing import Any, ClassVar, Optional
 
-import torch
 from torch import Tensor, nn
 from vllm.model_executor.models.llama import LlamaForCausalLM as _Llama
 from vllm.model_executor.models.mistral import MistralForCausalLM as _Mistral
@@ -30,6 +29,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as _Qwen3
 
 from ..core import AttentionContext, LayerCall, MethodChoice
 from . import internals
+from ..versions import InternalChanged
 from .config import TENSOR_PARALLEL, check_engine, method_choice
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "method_forward"]
@@ -66,13 +66,13 @@ def _serve_method(model: nn.Module, choice: MethodChoice, where: str) -> None:
     method: its class becomes a subclass whose ``forward`` is the method's loop (:func:`_method_model_forward`).
 
     vLLM's ``support_torch_compile`` (on the stock class, inherited) compiles the bound ``forward`` it finds when the
-    model is built: its wrapper is set up again for the new one (:func:`.internals.compile_forward`). The subclass's
+    model is built: its wrapper is set up again for the new one (:func:`_compile_forward`). The subclass's
     ``forward`` is a copy per method and parameters, with a qualified name naming both: vLLM keys its compiled-code
     cache on that name and on vLLM's config, which holds ``config.<method>`` but not ``attn_implementation`` (and
     the parameters are compiled in as constants)."""
     model.__class__ = _method_model_class(type(model), choice.method.name, repr(choice.config))
     model.attention_choice = choice
-    internals.compile_forward(model, where)
+    _compile_forward(model, where)
 
 
 def _method_model_forward(self: nn.Module, input_ids: Optional[Tensor], positions: Tensor,
@@ -152,3 +152,25 @@ LlamaForCausalLM = _registered(_Llama, "LlamaForCausalLM")
 MistralForCausalLM = _registered(_Mistral, "MistralForCausalLM")
 Qwen2ForCausalLM = _registered(_Qwen2, "Qwen2ForCausalLM")
 Qwen3ForCausalLM = _registered(_Qwen3, "Qwen3ForCausalLM")
+
+
+def _compile_forward(model: Any, where: str) -> None:
+    """Point vLLM's ``torch.compile`` wrapper of ``model`` (``support_torch_compile`` on its stock class) at the
+    ``forward`` of ``model``'s current class: the wrapper compiles the bound ``forward`` it finds when the model is
+    built (``TorchCompileWithNoGuardsWrapper.__init__``), so it is set up again after the class changed, its
+    bytecode hook for the old ``forward`` removed first. Nothing to do when vLLM runs the model eagerly. A wrapper
+    that does not then compile this ``forward`` gets :class:`~pid_plugins.versions.InternalChanged`."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    if not isinstance(model, TorchCompileWithNoGuardsWrapper) or getattr(model, "do_not_compile", False):
+        return
+    model.cleanup()
+    TorchCompileWithNoGuardsWrapper.__init__(model, compile_prefix="", is_encoder=False)
+    compiled = getattr(getattr(model, "_compiled_callable", None), "_torchdynamo_orig_callable", None)
+    if compiled != model.forward:
+        import vllm
+
+        raise InternalChanged(
+            f"{where}: vLLM {getattr(vllm, '__version__', '?')}'s torch.compile wrapper does not compile the method "
+            f"model's forward after TorchCompileWithNoGuardsWrapper.__init__ (it compiles {compiled!r}); pid-plugins "
+            f"is tested with vLLM {internals.TESTED_VLLM}. Serve with enforce_eager=True, or the tested vLLM.")

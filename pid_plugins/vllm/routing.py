@@ -20,7 +20,7 @@ import logging
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..core import MethodChoice, list_methods
-from .config import ARCHITECTURES, STOCK_ATTENTIONS, method_choice
+from .config import ARCHITECTURES, FAMILIES, STOCK_ATTENTIONS, check_options, method_choice
 
 __all__ = ["TRANSFORMERS_CLASSES", "config_choice", "install", "plan", "confirm"]
 
@@ -93,10 +93,7 @@ def confirm(choice: MethodChoice, architectures: Sequence[str], model_config: An
     if resolved in TRANSFORMERS_CLASSES or (resolved in ARCHITECTURES and impl != "transformers"):
         if runner in ("generate", None) and convert in ("none", None):
             if resolved in ARCHITECTURES:  # the family options the native layer loop does not run: refused here too
-                from . import internals
-
-                internals.check_options(internals.FAMILIES[resolved], model_config.hf_config,
-                                        where(model_config, architectures))
+                check_options(FAMILIES[resolved], model_config.hf_config, where(model_config, architectures))
             return
         what = f"runner {runner!r} with convert {convert!r}"
     elif resolved.startswith("Transformers"):
