@@ -1,7 +1,5 @@
-"""The zoo versions pid-plugins is tested with (:data:`TESTED`; outside the range, the import warns once) and the guard
-on the zoo internals the adapters read: each adapter lists its :class:`Internal` s in ``<zoo>/internals.py`` and
-requires one where it first uses it (:class:`InternalChanged` before anything is computed).
-"""
+"""The zoo versions pid-plugins is tested with (:data:`TESTED`; outside it, the import warns once) and the guard on the
+zoo internals the adapters read (``<zoo>/internals.py``; :class:`InternalChanged` before anything is computed)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,5 @@
-"""The one internal the fairseq adapter checks at run time: Python's ``dataclasses._get_field``.
-
-fairseq is pinned (``<0.13``) and guarded by the suite; Python still releases, and
-:mod:`pid_plugins_fairseq_compat` wraps that private function: :data:`DATACLASS_FIELD` checks it by calling it.
-"""
+"""The one internal the fairseq adapter checks (fairseq is pinned): Python's ``dataclasses._get_field``, which
+:mod:`pid_plugins_fairseq_compat` wraps; :data:`DATACLASS_FIELD` checks it by calling it."""
 from __future__ import annotations
 
 import inspect

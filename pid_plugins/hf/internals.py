@@ -1,9 +1,5 @@
-"""Every transformers internal the adapter reads, in one place: what, why, which versions.
-
-Each is checked at ``import pid_plugins.hf``: by behaviour (probes on a tiny Llama) for gradient checkpointing,
-continuous batching and the attention interface, by types and signatures for the rest. Two read source text:
-:func:`calls_interface` and :data:`TP_PLAN`.
-"""
+"""Every transformers internal the adapter reads, checked at ``import pid_plugins.hf``: by probes on a tiny Llama
+(checkpointing, continuous batching, the attention interface), else by types and signatures; two read source text."""
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +18,6 @@ ZOO = "transformers"
 #: the keyword a model's forward takes its KV cache under: ``cache`` from 5.24 (``past_key_values`` is its deprecated
 #: spelling until 5.40), ``past_key_values`` before
 CACHE_KEYWORDS: Tuple[str, ...] = ("cache", "past_key_values")
-
-
 #: transformers' tensor-parallel style for a replicated parameter whose gradient each rank computes only in part
 TP_STYLE = "replicated_with_grad_allreduce"
 

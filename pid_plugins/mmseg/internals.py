@@ -1,8 +1,5 @@
-"""The mmengine internals the mmseg adapter checks at run time: what, why, which versions, and the check.
-
-mmsegmentation and mmcv-lite are pinned and guarded by the suite; mmengine is not capped, so the parts of its
-checkpoint module that the weights-only loading replaces and restores are checked here, by behaviour.
-"""
+"""The mmengine internals the mmseg adapter checks by behaviour (mmsegmentation and mmcv-lite are pinned; mmengine is
+not capped): the parts of its checkpoint module that the weights-only loading replaces and restores."""
 from __future__ import annotations
 
 from ..versions import Internal, parameters, require
@@ -12,8 +9,6 @@ __all__ = ["INTERNALS", "require"]
 MMENGINE = "mmengine"
 #: the module name of mmcv's compiled ops (:mod:`pid_plugins.mmseg.compat` stands in for it where it is absent)
 MMCV_EXT_NAME = "mmcv._ext"
-
-
 #: mmengine's checkpoint schemes (the prefixes ``mmengine.runner.checkpoint`` registers, grouped by loader, in the
 #: order :mod:`pid_plugins.mmseg.checkpoint` pairs them with its weights-only loaders)
 SCHEME_PREFIXES = ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), ("modelzoo://", "torchvision://"),

@@ -1,7 +1,4 @@
-"""Every timm internal the adapter reads, in one place: what, why, which versions, and its check.
-
-timm still releases, so each is checked where first used (``import pid_plugins.timm`` runs them all).
-"""
+"""Every timm internal the adapter reads, with its check (``import pid_plugins.timm`` runs them all)."""
 from __future__ import annotations
 
 import inspect
@@ -25,10 +22,8 @@ def _attn_layers() -> bool:
     return isinstance(layers, dict) and all(isinstance(k, str) for k in layers) and layers.get("attn") is Attention
 
 
-# What the method classes compute again is checked by two probes (pid_plugins/timm/probes.py: the block probe, the
-# model probe), each belonging to one internal (so run once per process), and by the signatures the classes accept.
-#: the probes by name ("block", "vit"), registered by :mod:`pid_plugins.timm.probes` (it imports the method classes,
-#: which import this module: hence a table)
+#: the probes of what the method classes compute again, by name ("block", "vit"; one internal each, so run once per
+#: process), registered by :mod:`pid_plugins.timm.probes` (it imports the method classes, which import this module)
 PROBES: Dict[str, Callable[[], bool]] = {}
 
 
