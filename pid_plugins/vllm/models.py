@@ -28,6 +28,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM as _Qwen2
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as _Qwen3
 
 from ..core import AttentionContext, LayerCall, MethodChoice
+from ..core.record import is_record_key
 from . import internals
 from ..versions import InternalChanged
 from .config import TENSOR_PARALLEL, check_engine, method_choice
@@ -48,6 +49,10 @@ class _MethodServing(nn.Module):
 
     stock: ClassVar[type]  #: vLLM's own class for this architecture
     architecture: ClassVar[str]
+
+    def load_weights(self, weights: Any) -> Any:
+        """vLLM's loading, without the method record a transformers method model saves beside its weights."""
+        return super().load_weights((name, w) for name, w in weights if not is_record_key(name))
 
     def __init__(self, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         where = _where(vllm_config, self.architecture)

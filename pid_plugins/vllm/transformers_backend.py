@@ -20,6 +20,7 @@ from vllm.model_executor.models.transformers import TransformersForCausalLM as _
 from vllm.model_executor.models.transformers import TransformersMoEForCausalLM as _MoE
 
 from ..core import AttentionContext, LayerCall, MethodChoice
+from ..core.record import is_record_key
 from . import internals
 from .config import check_engine
 from .routing import config_choice
@@ -78,6 +79,10 @@ class _MethodServing(nn.Module):
 
     architecture: ClassVar[str]
     attention_choice: Optional[MethodChoice]
+
+    def load_weights(self, weights: Any) -> Any:
+        """vLLM's loading, without the method record a transformers method model saves beside its weights."""
+        return super().load_weights((name, w) for name, w in weights if not is_record_key(name))
 
     def __init__(self, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         where = _where(vllm_config, self.architecture)
