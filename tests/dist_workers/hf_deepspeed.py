@@ -17,19 +17,6 @@ import torch.distributed as dist
 import pid_dist_cases as cases
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = cases.hf_rows()
-        self.seen = []  # row indices in the order the Trainer's sampler gave them to this rank
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        self.seen.append(int(i))
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def run(stage: int, case: tuple, ckpt: Path, out: Path) -> dict:
     import deepspeed
     from transformers import Trainer, TrainingArguments
@@ -41,7 +28,7 @@ def run(stage: int, case: tuple, ckpt: Path, out: Path) -> dict:
         max_grad_norm=cases.HF_MAX_GRAD_NORM, deepspeed=cases.deepspeed_config(stage))
     model = cases.dc_load(case, ckpt)  # after the arguments: under ZeRO-3, built inside deepspeed.zero.Init
     built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    rows = Rows()
+    rows = cases.HFRows()
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     params = list(model.parameters())

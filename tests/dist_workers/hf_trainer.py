@@ -25,19 +25,6 @@ FSDP = dict(
 )
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = cases.hf_rows()
-        self.seen = []  # row indices in the order the Trainer's sampler gave them to this rank
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        self.seen.append(int(i))
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def main(out: Path, fsdp: bool = False, learnable: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
@@ -62,7 +49,7 @@ def main(out: Path, fsdp: bool = False, learnable: bool = False) -> None:
         weight_decay=0.0, max_grad_norm=cases.HF_MAX_GRAD_NORM,
         **(FSDP if fsdp else {}),
     )
-    rows = Rows()
+    rows = cases.HFRows()
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     result = trainer.train()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -54,6 +54,21 @@ def hf_rows():
     return token_rows(HF_ROWS, seed=5)
 
 
+class HFRows(torch.utils.data.Dataset):
+    """:func:`hf_rows` as the Trainer's dataset, recording the row indices its sampler gave this rank."""
+
+    def __init__(self) -> None:
+        self.ids = hf_rows()
+        self.seen = []  # row indices in the order the Trainer's sampler gave them to this rank
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        self.seen.append(int(i))
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def llama_config(layers: int = 2, learnable: bool = False):
     from transformers import LlamaConfig
 
