@@ -27,8 +27,8 @@ from .warmup import GainWarmup, make_warmup
 __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice",
     "MissingLayerState", "missing_state_message",
-    "register_method", "get_method", "list_methods",
-    "resolve_attention", "on_register", "reserve_names", "method_warmup", "SOFTMAX",
+    "register_method", "get_method", "find_method", "list_methods",
+    "resolve_attention", "on_register", "reserve_names", "method_warmup", "calls_once", "SOFTMAX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -306,8 +306,12 @@ def _kind(kind: type) -> _Kind:
                  kind.check is not AttentionMethod.check, kind.make_state is not AttentionMethod.make_state)
 
 
-def _calls_once(kind: type) -> bool:
-    return _kind(kind).once
+def calls_once(method: AttentionMethod) -> bool:
+    """Whether :meth:`AttentionMethod.apply` of fixed parameters without warm-up is the zoo's attention once, then
+    :meth:`~AttentionMethod.update` (default prepare and attend, no check), so that an adapter's hot path may make the
+    two calls itself (the transformers adapter does, docs/architecture.md)."""
+    kind = _kind(type(method))
+    return kind.once and not kind.checks
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -376,6 +380,11 @@ def get_method(name: str) -> AttentionMethod:
             "(pid_plugins.register_method adds one)"
         )
     return method
+
+
+def find_method(name: Any) -> Optional[AttentionMethod]:
+    """The method registered as ``name``, or None (not registered, or not a string)."""
+    return _METHODS.get(name) if isinstance(name, str) else None
 
 
 def list_methods() -> List[str]:

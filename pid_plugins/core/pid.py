@@ -201,6 +201,9 @@ def pid_update(
         lambda_p, lambda_i, lambda_d, scale = lambda_p * scale, lambda_i * scale, lambda_d * scale, None
     shape = value.shape
     traced = torch.jit.is_tracing()  # TorchScript tracing (torch.onnx's exporter): sizes are traced values
+    if state is not None and not traced and state[0].shape != shape and state[0].dim() == len(shape) + 1 and \
+            state[0].numel() == value.numel() and attn_out.shape != shape:  # the fixed-gain path's grouped layout
+        state = PIDState(*(None if t is None else t.reshape(shape) for t in state))
     if state is not None and not traced and state[0].shape != shape:
         raise ValueError(
             f"PID layer values have shape {tuple(shape)} but the group's first layer had "
@@ -290,39 +293,51 @@ def _folded(config: PIDConfig) -> _Folded:
 
 
 def _fixed_update(attn_out: Tensor, value: Tensor, state: Optional[PIDState], g: _Folded,
-                  head_dim: int) -> tuple[Tensor, PIDState]:
+                  head_dim: int, grouped_state: bool = False) -> tuple[Tensor, PIDState]:
     """:func:`pid_update` with fixed float gains and no scale: the same operations in the same order, gains
-    folded once per config."""
-    shape = value.shape
-    if state is not None and state[0].shape != shape:
-        pid_update(attn_out, value, state, (0.0, 0.0, 0.0, 1.0))  # raises the explanatory error
-    out_shape = attn_out.shape
-    grouped = None if out_shape == shape else _grouped_shapes(out_shape, shape, head_dim)
+    folded once per config. Under grouped-query attention the state is computed in the grouped layout ``(..., H_kv,
+    1, q, D)`` (heads at ``head_dim``), which broadcasts over the output viewed as ``(..., H_kv, r, q, D)``: one view
+    of the values per layer instead of one per term. ``grouped_state``: hand the state on in that layout (the
+    method's own state between layers, :meth:`PIDMethod.update`), else in key/value-head space."""
+    out_shape, kv_shape = attn_out.shape, value.shape
+    grouped = None if out_shape == kv_shape else _grouped_shapes(out_shape, kv_shape, head_dim)
+    if grouped is not None:
+        value = value.reshape(grouped[2])  # (inserting a size-1 dimension: a view)
     if state is None:
         wide = _WIDER.get(value.dtype) or _state_dtype(value.dtype)
         v_ref = value if wide == value.dtype else value.to(wide)
         if not g.beta_is_one:
             v_ref = v_ref * g.beta
-        if not g.control_first_layer:
-            return attn_out, PIDState(v_ref, None, None)
+        if not g.control_first_layer:  # a reference-only first layer
+            new_state, terms = PIDState(v_ref, None, None), ()
+        else:
+            e = v_ref - value
+            new_state = PIDState(v_ref, e, e)  # the group's first controlled layer: S = e, no D term
+            terms = ((e, g.first),)
     else:
         v_ref = state[0]
-    e = v_ref - value
-    e_prev = None if state is None else state[2]
-    if e_prev is None:  # the group's first controlled layer: S = e, no D term
-        new_state = PIDState(v_ref, e, e)
-        terms: tuple = ((e, g.first),)
-    else:
-        e_sum = state[1] + e
-        new_state = PIDState(v_ref, e_sum, e)
-        terms = ((e, g.e), (e_sum, g.e_sum), (e_prev, g.e_prev))
+        if v_ref.shape != value.shape:
+            if grouped is None or v_ref.shape != kv_shape:
+                pid_update(attn_out, value.reshape(kv_shape), state, (0.0, 0.0, 0.0, 1.0))  # the explanatory error
+            # a state in key/value-head space (from pid_update, or handed over between pipeline stages)
+            state = tuple(None if t is None else t.reshape(value.shape) for t in state)
+            v_ref = state[0]
+        e = v_ref - value
+        e_prev = state[2]
+        if e_prev is None:  # the group's first controlled layer after a reference-only one
+            new_state = PIDState(v_ref, e, e)
+            terms = ((e, g.first),)
+        else:
+            e_sum = state[1] + e
+            new_state = PIDState(v_ref, e_sum, e)
+            terms = ((e, g.e), (e_sum, g.e_sum), (e_prev, g.e_prev))
     out = None
-    target = attn_out if grouped is None else attn_out.reshape(grouped[0])
+    target = attn_out if grouped is None or not terms else attn_out.reshape(grouped[0])
     for x, gain in terms:
         if gain != 0.0:  # a zero fixed gain launches nothing
-            if grouped is not None:
-                x = x.reshape(grouped[2])
             out = torch.add(target, x, alpha=gain) if out is None else out.add_(x, alpha=gain)
+    if grouped is not None and not grouped_state:
+        new_state = PIDState(*(None if t is None else t.reshape(kv_shape) for t in new_state))
     if out is None:  # all gains zero: the attention output itself, the stock model bit for bit
         return attn_out, new_state
     if out.dtype != attn_out.dtype:
@@ -429,6 +444,8 @@ class PIDMethod(AttentionMethod):
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
                head_dim: int) -> Tuple[Tensor, PIDState]:
+        if scale is None and type(params) is PIDConfig and not torch.jit.is_tracing():  # fixed gains: the hot path
+            return _fixed_update(out, value_q, state, _folded(params), head_dim, True)
         return pid_update(out, value_q, state, params, head_dim=head_dim, scale=scale)
 
 

@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, expand_heads, get_method, list_methods
+from ..core.methods import MissingLayerState, calls_once, missing_state_message
 from . import checkpointing
 from . import gains as learned_gains
 from .cache import LayerSlot
@@ -45,8 +46,7 @@ class MethodForwardState:
     (docs/scaling.md)."""
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "plain", "learnable", "cached", "checks", "cache", "grad",
-                 "restart")
+                 "function", "start", "learnable", "cached", "cache", "grad", "restart", "direct", "make")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
@@ -59,6 +59,9 @@ class MethodForwardState:
         # for eager: each model family has its own eager_attention_forward)
         self.zero = self.method.is_identity(config)
         self.learnable = bool(getattr(config, "learnable", False))
+        # attention once, then the update, called directly (core's apply without its per-call bookkeeping)
+        self.direct = not self.zero and scale is None and not self.learnable and calls_once(self.method)
+        self.make = type(self.method).make_state is not AttentionMethod.make_state
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
@@ -174,12 +177,37 @@ def method_attention_forward(
         v_q = value.index_select(2, run.rows)
     layers = run.layers
     if index in layers and not run.finished:
-        raise RuntimeError(
-            f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
-            f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
-        )
+        _shared(method, module)
     earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
+    if run.direct and not isinstance(value, torch.fx.Proxy):  # PID, NeuTRENO: the hot path
+        layer = index if earlier is None else len(earlier)
+        if previous is None:
+            if layer and method.state_fields and not run.restart:
+                raise MissingLayerState(missing_state_message(method, layer, STATE_ROUTE))
+        elif run.make and type(previous) is tuple:  # a state handed over as flat tensors (pipeline stages)
+            previous = method.make_state(*previous)
+        out, weights = base(module, query, key, value, attention_mask, **kwargs)
+        u, layers[index] = method.update(method.layer_params(run.config, None, layer), out,
+                                         (value if method.keys_state else v_q).transpose(1, 2), previous, None, -2)
+        return u, weights
+    return _apply_call(module, query, key, value, attention_mask, kwargs, run, base, learned, index, earlier, previous,
+                       v_q, q_len, length)
+
+
+def _shared(method: AttentionMethod, module: nn.Module) -> None:
+    raise RuntimeError(
+        f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
+        f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
+    )
+
+
+def _apply_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                kwargs: dict, run: MethodForwardState, base: Callable, learned: Optional[nn.Module], index: int,
+                earlier: Optional[tuple], previous: Optional[tuple], v_q: Tensor, q_len: int,
+                length: int) -> tuple[Tensor, Optional[Tensor]]:
+    """Every other call: core's :meth:`~pid_plugins.core.AttentionMethod.apply` with the call's :class:`LayerCall`."""
+    method = run.method
     weights: Optional[Tensor] = None
 
     def attend(q: Tensor, v: Tensor) -> Tensor:
@@ -201,7 +229,7 @@ def method_attention_forward(
                      if method.reads_visible else None,
                      (lambda: _slot(run, module, q_len, length)) if method.cache_slot else None,
                      None, None, index if earlier is None else len(earlier), run.restart, STATE_ROUTE)
-    u, layers[index] = method.apply(run.config, learned, call, previous)
+    u, run.layers[index] = method.apply(run.config, learned, call, previous)
     return u, weights
 
 

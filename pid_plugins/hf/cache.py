@@ -4,6 +4,7 @@ the layer's own cache layer).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -23,21 +24,30 @@ def static_past(cache: Any, name: str) -> Optional[Tensor]:
     layers = getattr(cache, "layers", None)
     if not layers:
         return None
-    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
-
-    CACHE_LAYERS.require()
-    if any(isinstance(x, StaticSlidingWindowLayer) or ("Static" in type(x).__name__ and "Sliding" in type(x).__name__)
-           for x in layers):
-        raise NotImplementedError(
-            f"attention method {name!r} cannot use a static sliding-window cache (a rolling buffer does not keep the query "
-            "positions' values where they can be located): use the dynamic cache (the default) for this model"
-        )
     first = layers[0]
-    if not (isinstance(first, StaticLayer) or "Static" in type(first).__name__):
+    if torch.compiler.is_compiling():  # (no cached function under the trace)
+        static = _static_kinds.__wrapped__(type(first), tuple(map(type, layers)), name)
+    else:  # once per set of layer types, not once per forward
+        static = _static_kinds(type(first), frozenset(map(type, layers)), name)
+    if not static:
         return None
     STATIC_LAYER.require()
     length = first.cumulative_length if first.is_initialized else None
     return torch.zeros((), dtype=torch.long) if length is None else length.clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _static_kinds(first: type, kinds: Any, name: str) -> bool:
+    """Whether a cache whose first layer is a ``first`` and whose layers are ``kinds`` is static; refuses static
+    sliding windows."""
+    CACHE_LAYERS.require()
+    if any(issubclass(x, StaticSlidingWindowLayer) or ("Static" in x.__name__ and "Sliding" in x.__name__)
+           for x in kinds):
+        raise NotImplementedError(
+            f"attention method {name!r} cannot use a static sliding-window cache (a rolling buffer does not keep the query "
+            "positions' values where they can be located): use the dynamic cache (the default) for this model"
+        )
+    return issubclass(first, StaticLayer) or "Static" in first.__name__
 
 
 def new_cache(config: Any) -> Any:

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..core import AttentionMethod, get_method, list_methods
+from ..core.methods import find_method
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "WARMUP_ATTR", "WARMUP_SOURCE", "base_attention",
@@ -34,7 +35,7 @@ _PARSED: Dict[Any, Any] = {}
 
 def method_named(name: Any) -> Optional[AttentionMethod]:
     """The registered method called ``name``, or None (a stock implementation, or not a name)."""
-    return get_method(name) if isinstance(name, str) and name in list_methods() else None
+    return find_method(name)
 
 
 def method_of(config: Any) -> Optional[AttentionMethod]:

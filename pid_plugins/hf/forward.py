@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from transformers.cache_utils import Cache
+
 from .attention import STATE_KEYWORD, MethodForwardState
 from .cache import new_cache, static_past
 from .config import WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, pipeline_refusal
@@ -106,9 +108,10 @@ def _warmup_scale(module: nn.Module, gains: Any, name: str) -> Optional[torch.Te
 
 def _renamed_cache(kwargs: dict, known: tuple) -> Optional[str]:
     """The keyword under which a forward got a transformers ``Cache`` that is not one of ``known``, or None."""
-    from transformers.cache_utils import Cache
-
-    return next((name for name, value in kwargs.items() if isinstance(value, Cache) and name not in known), None)
+    for name, value in kwargs.items():
+        if isinstance(value, Cache) and name not in known:
+            return name
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- the hooks

@@ -159,16 +159,16 @@ def test_gqa_equals_mha_with_repeated_key_value_heads():
 
 
 def test_cross_attention_stays_softmax(monkeypatch):
-    import pid_plugins.core.pid as methods  # where the PID method calls the rule
+    from pid_plugins.core.pid import PIDMethod  # the PID method's rule, called once per layer
 
     calls = []
-    original = methods.pid_update
+    original = PIDMethod.update
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(methods, "pid_update", spy)
+    monkeypatch.setattr(PIDMethod, "update", spy)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(add_cross_attention=True)).eval()
     ph.convert(model, "pid")

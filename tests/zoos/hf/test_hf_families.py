@@ -115,8 +115,8 @@ def test_pid_differs_and_zero_gains_equal_the_base_bit_for_bit(family, monkeypat
     stock, model = build(family)
     x = inputs(family)
     calls = []
-    original = methods.pid_update
-    monkeypatch.setattr(methods, "pid_update", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = methods.PIDMethod.update  # the PID method's rule, once per self-attention layer
+    monkeypatch.setattr(methods.PIDMethod, "update", lambda *a, **k: calls.append(1) or original(*a, **k))
     base_out, pid_out = forward(stock, **x), forward(model, **x)
     assert len(calls) == FAMILIES[family][4]  # self-attention layers only: cross-attention keeps the base
     assert not torch.allclose(base_out, pid_out, atol=1e-4)
