@@ -28,7 +28,7 @@ __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice",
     "MissingLayerState", "missing_state_message",
     "register_method", "get_method", "find_method", "list_methods",
-    "resolve_attention", "on_register", "reserve_names", "method_warmup", "calls_once", "SOFTMAX",
+    "resolve_attention", "on_register", "reserve_names", "method_warmup", "calls_once", "update_once", "SOFTMAX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -290,6 +290,20 @@ def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], c
     else:
         out, new_state = method.update(params, out, state_values, previous, call.scale, call.head_dim)
     return (call.project(out) if call.project is not None else out), new_state
+
+
+def update_once(method: AttentionMethod, config: Any, out: Tensor, value_q: Tensor, state: Optional[tuple],
+                head_dim: int, layer: Optional[int] = None, restart: bool = False,
+                state_route: Optional[str] = None) -> Tuple[Tensor, tuple]:
+    """:meth:`AttentionMethod.apply` of a method that :func:`calls_once`, with fixed parameters and no warm-up, once
+    the adapter has called the attention (``out``): the state rule, then :meth:`~AttentionMethod.update`. The hot
+    path of eager adapters (no :class:`LayerCall` per call); arguments as :class:`LayerCall` names them."""
+    if state is None:
+        if layer and method.state_fields and not restart:
+            raise MissingLayerState(missing_state_message(method, layer, state_route))
+    elif type(state) is tuple and _kind(type(method)).makes_state:
+        state = method.make_state(*state)
+    return method.update(method.layer_params(config, None, layer), out, value_q, state, None, head_dim)
 
 
 class _Kind(NamedTuple):

@@ -142,7 +142,9 @@ class PIDState(NamedTuple):
     """What one PID layer hands to the next within one forward pass.
 
     Tensors shaped like the query positions' values in key/value-head space, ``(B, H_kv, q, D)``, in at least
-    float32; ``None`` after a reference-only first layer. A tuple, so it splats into checkpointed calls."""
+    float32; ``None`` after a reference-only first layer. A tuple, so it splats into checkpointed calls. Between the
+    layers of a model with grouped-query attention (:meth:`PIDMethod.update`) the tensors have a size-1 dimension
+    after the heads, ``(B, H_kv, 1, q, D)``; :func:`pid_update` takes either."""
 
     v_first: Tensor  #: beta v^1, the reference: the values of the group's first layer times beta
     e_sum: Optional[Tensor]  #: S^l = e^1 + ... + e^l (from e^2 with a reference-only first layer)

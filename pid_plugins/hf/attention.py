@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, expand_heads, get_method, list_methods
-from ..core.methods import MissingLayerState, calls_once, missing_state_message
+from ..core.methods import calls_once, update_once
 from . import checkpointing
 from . import gains as learned_gains
 from .cache import LayerSlot
@@ -46,7 +46,7 @@ class MethodForwardState:
     (docs/scaling.md)."""
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
-                 "function", "start", "learnable", "cached", "cache", "grad", "restart", "direct", "make")
+                 "function", "start", "learnable", "cached", "cache", "grad", "restart", "direct")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
@@ -61,7 +61,6 @@ class MethodForwardState:
         self.learnable = bool(getattr(config, "learnable", False))
         # attention once, then the update, called directly (core's apply without its per-call bookkeeping)
         self.direct = not self.zero and scale is None and not self.learnable and calls_once(self.method)
-        self.make = type(self.method).make_state is not AttentionMethod.make_state
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
@@ -181,15 +180,10 @@ def method_attention_forward(
     earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
     if run.direct and not isinstance(value, torch.fx.Proxy):  # PID, NeuTRENO: the hot path
-        layer = index if earlier is None else len(earlier)
-        if previous is None:
-            if layer and method.state_fields and not run.restart:
-                raise MissingLayerState(missing_state_message(method, layer, STATE_ROUTE))
-        elif run.make and type(previous) is tuple:  # a state handed over as flat tensors (pipeline stages)
-            previous = method.make_state(*previous)
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        u, layers[index] = method.update(method.layer_params(run.config, None, layer), out,
-                                         (value if method.keys_state else v_q).transpose(1, 2), previous, None, -2)
+        u, layers[index] = update_once(method, run.config, out, (value if method.keys_state else v_q).transpose(1, 2),
+                                       previous, -2, index if earlier is None else len(earlier), run.restart,
+                                       STATE_ROUTE)
         return u, weights
     return _apply_call(module, query, key, value, attention_mask, kwargs, run, base, learned, index, earlier, previous,
                        v_q, q_len, length)

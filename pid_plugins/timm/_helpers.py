@@ -23,7 +23,7 @@ from ..core import (  # noqa: E402
     resolve_attention,
 )
 from ..core.layer import MethodLayer as CoreMethodLayer  # noqa: E402
-from ..core.methods import _fx_check, _fx_update  # noqa: E402
+from ..core.methods import _fx_check, _fx_update, calls_once, update_once  # noqa: E402
 
 
 def _timm_names() -> Dict[str, str]:
@@ -81,6 +81,10 @@ class MethodLayer(CoreMethodLayer):
                 f"(warmup_steps={self.attention_config.warmup_steps}) but got no warm-up scale (warmup_scale=), "
                 f"which the model reads from its counter once per forward: it would run at full scale. {STATE_ROUTE}"
             )
+        method = self.attention_method
+        if scale is None and self.attention_params is None and calls_once(method) and type(v) is Tensor:
+            return update_once(method, self.attention_config, attend(q, v), v, state, -3, self.layer_index,
+                               state_route=STATE_ROUTE)  # PID, NeuTRENO: the hot path, no LayerCall
         drop = getattr(self, "attn_drop", None)
         context = AttentionContext(causal=causal, dropout=self.training and drop is not None and drop.p > 0)
         return self.apply_method(LayerCall(attend, q, v, v, context=context, scale=scale, layer=self.layer_index,

@@ -28,16 +28,16 @@ FSDP = dict(
 def main(out: Path, fsdp: bool = False, learnable: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
-    import pid_plugins.core.pid as pid_attention  # where the PID method calls the rule
+    from pid_plugins.core.pid import PIDMethod  # the PID method's rule, once per layer
 
     calls = []
-    original = pid_attention.pid_update
+    original = PIDMethod.update
 
-    def counting_update(*args, **kwargs):  # proves the PID rule runs inside the Trainer's DDP forward/backward
-        calls.append(args[0].shape[0])
-        return original(*args, **kwargs)
+    def counting_update(self, params, out, *args, **kwargs):  # the PID rule runs inside the Trainer's DDP forward/backward
+        calls.append(out.shape[0])
+        return original(self, params, out, *args, **kwargs)
 
-    pid_attention.pid_update = counting_update
+    PIDMethod.update = counting_update
     model = cases.llama_model(layers=cases.HF_FSDP_LAYERS if fsdp else 2, learnable=learnable)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     calls.clear()  # the Trainer's calls only (building the first method model runs the adapter's probes)

@@ -104,20 +104,20 @@ def test_pid_layer_matches_the_rule_for_either_first_layer(data_dir, control_fir
                for layer in model.decoder.layers)
     model = model.double()
     seen = []
-    import pid_plugins.core.pid as methods  # the layers call PID's rule through its AttentionMethod
+    from pid_plugins.core.pid import PIDMethod  # the layers call PID's rule through its AttentionMethod
 
-    original = methods.pid_update
+    original = PIDMethod.update
 
-    def spy(out, v, state, gains, **kw):
-        result = original(out, v, state, gains, **kw)
+    def spy(self, params, out, v, state, scale, head_dim):
+        result = original(self, params, out, v, state, scale, head_dim)
         seen.append((out.detach().clone(), v.detach().clone(), result[0].detach().clone()))
         return result
 
-    methods.pid_update = spy
+    PIDMethod.update = spy
     try:
         fs_logits(model, fs_tokens())
     finally:
-        methods.pid_update = original
+        PIDMethod.update = original
     attn, vals, got = zip(*seen)
     want = naive_pid_stack(list(attn), list(vals), 0.7, 0.4, 0.2, 0.6, control_first_layer=control_first_layer)
     for g, w in zip(got, want):
