@@ -288,10 +288,15 @@ class _Folded(NamedTuple):
     control_first_layer: bool
 
 
-@functools.lru_cache(maxsize=256)
 def _folded(config: PIDConfig) -> _Folded:
-    lp, li, ld = config.lambda_p, config.lambda_i, config.lambda_d
-    return _Folded(lp + li, lp + ld, li, -ld, config.beta, config.beta == 1.0, config.control_first_layer)
+    """The config's folded numbers, kept on the (frozen) config after the first call (not part of its fields)."""
+    folded = config.__dict__.get("_folded")
+    if folded is None:
+        lp, li, ld = config.lambda_p, config.lambda_i, config.lambda_d
+        folded = _Folded(lp + li, lp + ld, li, -ld, config.beta, config.beta == 1.0, config.control_first_layer)
+        if not torch.compiler.is_compiling():
+            object.__setattr__(config, "_folded", folded)
+    return folded
 
 
 def _fixed_update(attn_out: Tensor, value: Tensor, state: Optional[PIDState], g: _Folded,
