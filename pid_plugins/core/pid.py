@@ -10,7 +10,6 @@ The D term is zero at the first layer. Every term is per position, so a KV cache
 values; the state (:class:`PIDState`) is passed in and returned, never stored on a module."""
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from dataclasses import dataclass
