@@ -45,7 +45,7 @@ class MethodForwardState:
     self-attention layer's outgoing state. Deliberately opaque (a pytree leaf), so wrappers pass it by reference
     (docs/scaling.md)."""
 
-    __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "params", "zero",
+    __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "zero",
                  "function", "start", "learnable", "cached", "cache", "grad", "restart", "direct")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
