@@ -384,3 +384,38 @@ def test_smollm2_loads_converts_and_generates(smollm2, tmp_path):
     assert torch.equal(out.sequences, seq)
     torch.testing.assert_close(torch.stack(out.logits, 1), logits, rtol=1e-3, atol=1e-3)
     model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("method", ["pid", "neutreno"])
+def test_the_direct_path_equals_core_apply_bit_for_bit(method, monkeypatch):
+    """Methods that call attention once take update_once (no LayerCall); core's apply gives the same logits, bit for
+    bit, in a forward, in cached greedy decoding, and in a training step's gradients (grouped-query attention)."""
+    import pid_plugins.hf.attention as attention
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config()).eval()
+    ph.convert(model, method)
+    ids = ids_batch()
+
+    def everything():
+        logits = run(model, ids)
+        with torch.no_grad():
+            scores = model.generate(ids[:1], max_new_tokens=4, do_sample=False, output_scores=True,
+                                    return_dict_in_generate=True, pad_token_id=0).scores
+        model.zero_grad(set_to_none=True)
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        model.eval()
+        return [logits, *scores, *(p.grad for p in model.parameters() if p.grad is not None)]
+
+    calls = []
+    real = attention.update_once
+    monkeypatch.setattr(attention, "update_once", lambda *a, **k: calls.append(1) or real(*a, **k))
+    direct = everything()
+    assert calls  # the direct path ran
+    monkeypatch.setattr(attention, "calls_once", lambda method: False)
+    calls.clear()
+    through_apply = everything()
+    assert not calls and len(direct) == len(through_apply)
+    for a, b in zip(direct, through_apply):
+        assert torch.equal(a, b)

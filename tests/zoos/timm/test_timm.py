@@ -564,3 +564,31 @@ def test_fine_tune_a_softmax_checkpoint_into_pid_on_real_digits(tmp_path):
     assert all(math.isfinite(v) for v in losses)
     assert after < before
     assert acc > 0.4, f"the fine-tuned PID model (chance: 0.1) reached only {acc:.2f} held-out accuracy"
+
+
+@pytest.mark.parametrize("attention", ["pid", "neutreno"])
+def test_the_direct_path_equals_core_apply_bit_for_bit(attention, monkeypatch):
+    """Methods that call attention once take update_once (no LayerCall); core's apply gives the same output and
+    gradients, bit for bit."""
+    import pid_plugins.timm._helpers as helpers
+
+    model, _ = pair(attention=attention)
+    x = images()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().sum().backward()
+        return [out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
+
+    calls = []
+    real = helpers.update_once
+    monkeypatch.setattr(helpers, "update_once", lambda *a, **k: calls.append(1) or real(*a, **k))
+    direct = step()
+    assert calls
+    monkeypatch.setattr(helpers, "calls_once", lambda method: False)
+    calls.clear()
+    through_apply = step()
+    assert not calls and len(direct) == len(through_apply)
+    for a, b in zip(direct, through_apply):
+        assert torch.equal(a, b)
