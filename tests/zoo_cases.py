@@ -771,3 +771,19 @@ def hf_greedy(model, x: Tensor, new: int = 5, **kwargs) -> Tensor:
     """``generate()``'s greedy (or, with ``num_beams``, beam-search) tokens after ``x``, no gradients."""
     with torch.no_grad():
         return model.generate(x, max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def assert_direct_path_equals_apply(adapter, run: Callable[[], List[Tensor]], monkeypatch) -> None:
+    """``run()`` through ``adapter``'s direct path (the module that imported ``update_once``; asserted taken) and
+    again with ``calls_once`` off, through core's ``apply`` (asserted): the tensors equal bit for bit."""
+    calls = []
+    real = adapter.update_once
+    monkeypatch.setattr(adapter, "update_once", lambda *a, **k: calls.append(1) or real(*a, **k))
+    direct = run()
+    assert calls  # the direct path ran
+    monkeypatch.setattr(adapter, "calls_once", lambda method: False)
+    calls.clear()
+    through_apply = run()
+    assert not calls and len(direct) == len(through_apply)
+    for a, b in zip(direct, through_apply):
+        assert torch.equal(a, b)

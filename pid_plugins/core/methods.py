@@ -387,7 +387,7 @@ def register_method(method: AttentionMethod, *, replace: bool = False) -> Attent
 
 def get_method(name: str) -> AttentionMethod:
     """The method registered as ``name``."""
-    method = _METHODS.get(name) if isinstance(name, str) else None
+    method = find_method(name)
     if method is None:
         raise ValueError(
             f"unknown attention method {name!r}: choose {SOFTMAX!r} or one of {list_methods()} "

@@ -202,8 +202,8 @@ def pid_update(
         lambda_p, lambda_i, lambda_d, scale = lambda_p * scale, lambda_i * scale, lambda_d * scale, None
     shape = value.shape
     traced = torch.jit.is_tracing()  # TorchScript tracing (torch.onnx's exporter): sizes are traced values
-    if state is not None and not traced and state[0].shape != shape and state[0].dim() == len(shape) + 1 and \
-            state[0].numel() == value.numel() and attn_out.shape != shape:  # the fixed-gain path's grouped layout
+    if state is not None and not traced and state[0].shape != shape and attn_out.shape != shape and \
+            state[0].shape == _grouped_shapes(attn_out.shape, shape, head_dim)[2]:  # a model's grouped layout
         state = PIDState(*(None if t is None else t.reshape(shape) for t in state))
     if state is not None and not traced and state[0].shape != shape:
         raise ValueError(

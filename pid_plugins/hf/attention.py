@@ -176,32 +176,18 @@ def method_attention_forward(
         v_q = value.index_select(2, run.rows)
     layers = run.layers
     if index in layers and not run.finished:
-        _shared(method, module)
+        raise RuntimeError(
+            f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
+            f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
+        )
     earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
-    if run.direct and not isinstance(value, torch.fx.Proxy):  # PID, NeuTRENO: the hot path
+    if run.direct and not isinstance(value, torch.fx.Proxy):  # PID, NeuTRENO: the hot path, no LayerCall
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
         u, layers[index] = update_once(method, run.config, out, (value if method.keys_state else v_q).transpose(1, 2),
                                        previous, -2, index if earlier is None else len(earlier), run.restart,
                                        STATE_ROUTE)
         return u, weights
-    return _apply_call(module, query, key, value, attention_mask, kwargs, run, base, learned, index, earlier, previous,
-                       v_q, q_len, length)
-
-
-def _shared(method: AttentionMethod, module: nn.Module) -> None:
-    raise RuntimeError(
-        f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
-        f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
-    )
-
-
-def _apply_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                kwargs: dict, run: MethodForwardState, base: Callable, learned: Optional[nn.Module], index: int,
-                earlier: Optional[tuple], previous: Optional[tuple], v_q: Tensor, q_len: int,
-                length: int) -> tuple[Tensor, Optional[Tensor]]:
-    """Every other call: core's :meth:`~pid_plugins.core.AttentionMethod.apply` with the call's :class:`LayerCall`."""
-    method = run.method
     weights: Optional[Tensor] = None
 
     def attend(q: Tensor, v: Tensor) -> Tensor:
@@ -223,7 +209,7 @@ def _apply_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, at
                      if method.reads_visible else None,
                      (lambda: _slot(run, module, q_len, length)) if method.cache_slot else None,
                      None, None, index if earlier is None else len(earlier), run.restart, STATE_ROUTE)
-    u, run.layers[index] = method.apply(run.config, learned, call, previous)
+    u, layers[index] = method.apply(run.config, learned, call, previous)
     return u, weights
 
 

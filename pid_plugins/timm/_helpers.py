@@ -82,7 +82,7 @@ class MethodLayer(CoreMethodLayer):
                 f"which the model reads from its counter once per forward: it would run at full scale. {STATE_ROUTE}"
             )
         method = self.attention_method
-        if scale is None and self.attention_params is None and calls_once(method) and type(v) is Tensor:
+        if scale is None and self.attention_params is None and calls_once(method) and not isinstance(v, torch.fx.Proxy):
             return update_once(method, self.attention_config, attend(q, v), v, state, -3, self.layer_index,
                                state_route=STATE_ROUTE)  # PID, NeuTRENO: the hot path, no LayerCall
         drop = getattr(self, "attn_drop", None)

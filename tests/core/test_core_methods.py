@@ -135,6 +135,11 @@ def test_pid_method_is_pid_update_bit_for_bit():
         assert isinstance(state_b, PIDState) and all(
             (a is None and b is None) or (b.shape == (2, 2, 1, 6, 8) and torch.equal(a, b.reshape(a.shape)))
             for a, b in zip(state_a, state_b))
+    # pid_update takes the grouped state too (a warm-up or learnable layer after a fixed-gain one), and refuses a
+    # grouped state of other shapes
+    assert torch.equal(pid_update(out, v, state_b, cfg)[0], pid_update(out, v, state_a, cfg)[0])
+    with pytest.raises(ValueError, match="every layer of a PID group"):
+        pid_update(out, v, PIDState(*(t.reshape(2, 1, 2, 6, 8) for t in state_b)), cfg)
     # learned gains: the layer's three gains, beta and the first-layer rule from the config
     learned = PIDGains(cfg.replace(learnable=True))
     lp, li, ld = learned()[:3]

@@ -9,6 +9,7 @@ import pid_plugins.hf as ph  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
 from pid_plugins.core.record import RECORD_KEY  # noqa: E402
 from pid_plugins.hf.attention import MethodForwardState, method_attention_forward  # noqa: E402
+from zoo_cases import assert_direct_path_equals_apply  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModel, AutoModelForCausalLM, BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
 )
@@ -408,14 +409,4 @@ def test_the_direct_path_equals_core_apply_bit_for_bit(method, monkeypatch):
         model.eval()
         return [logits, *scores, *(p.grad for p in model.parameters() if p.grad is not None)]
 
-    calls = []
-    real = attention.update_once
-    monkeypatch.setattr(attention, "update_once", lambda *a, **k: calls.append(1) or real(*a, **k))
-    direct = everything()
-    assert calls  # the direct path ran
-    monkeypatch.setattr(attention, "calls_once", lambda method: False)
-    calls.clear()
-    through_apply = everything()
-    assert not calls and len(direct) == len(through_apply)
-    for a, b in zip(direct, through_apply):
-        assert torch.equal(a, b)
+    assert_direct_path_equals_apply(attention, everything, monkeypatch)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from zoo_cases import weights as zc_weights
+from zoo_cases import assert_direct_path_equals_apply, weights as zc_weights
 import torch.nn.functional as F
 
 timm = pytest.importorskip("timm")
@@ -581,14 +581,4 @@ def test_the_direct_path_equals_core_apply_bit_for_bit(attention, monkeypatch):
         out.square().sum().backward()
         return [out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
 
-    calls = []
-    real = helpers.update_once
-    monkeypatch.setattr(helpers, "update_once", lambda *a, **k: calls.append(1) or real(*a, **k))
-    direct = step()
-    assert calls
-    monkeypatch.setattr(helpers, "calls_once", lambda method: False)
-    calls.clear()
-    through_apply = step()
-    assert not calls and len(direct) == len(through_apply)
-    for a, b in zip(direct, through_apply):
-        assert torch.equal(a, b)
+    assert_direct_path_equals_apply(helpers, step, monkeypatch)
