@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import MethodConfig, registry_presets
-from .heads import _WIDER, _grouped_shapes, _kv_head_split, _state_dtype
+from .heads import _WIDER, _grouped_shapes, _state_dtype
 from .methods import AttentionMethod, register_method
 
 __all__ = ["PIDConfig", "PRESETS", "PIDState", "pid_update", "GainsLike", "PIDGains", "layer_gains", "scaled_gains",
-           "PIDMethod"]
+           "PIDMethod", "Folded", "fold"]
 
 _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
 
@@ -189,142 +189,89 @@ def pid_update(
 
     Returns:
         ``(u, new_state)``: the output (shape and dtype of ``attn_out``; float16/bfloat16 computed in float32 and
-        rounded once) and the state for the next layer."""
-    if type(gains) is PIDConfig:  # the common case, fixed gains: no unpacking, no tensor checks
-        if scale is None and not torch.jit.is_tracing():
-            return _fixed_update(attn_out, value, state, _folded(gains), head_dim)
-        lambda_p, lambda_i, lambda_d, beta = gains.lambda_p, gains.lambda_i, gains.lambda_d, gains.beta
-        control_first_layer, tensor_gains = gains.control_first_layer, False
-    else:
-        lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
-        tensor_gains = isinstance(lambda_p, Tensor) or isinstance(lambda_i, Tensor) or isinstance(lambda_d, Tensor)
-    if scale is not None and tensor_gains:
-        lambda_p, lambda_i, lambda_d, scale = lambda_p * scale, lambda_i * scale, lambda_d * scale, None
-    shape = value.shape
+        rounded once) and the state for the next layer, in key/value-head space."""
+    return _update(attn_out, value, state, fold(gains, scale), head_dim, False, scale)
+
+
+class Folded(NamedTuple):
+    """PID's gains as the update reads them (:func:`fold`). ``weights`` are the folded form's weights of its terms,
+    ``(lambda_p + lambda_i, lambda_p + lambda_d, lambda_i, -lambda_d)``, folded once for fixed gains; None for learned
+    gains, whose weights are formed in the layer that uses them (only the ones that layer adds)."""
+
+    lambda_p: Gain
+    lambda_i: Gain
+    lambda_d: Gain
+    beta: Gain
+    control_first_layer: bool
+    weights: Optional[Tuple[float, float, float, float]] = None
+
+
+def fold(gains: GainsLike, scale: Optional[Tensor] = None) -> Folded:
+    """The gains :func:`pid_update` reads. A :class:`PIDConfig` keeps its folded weights on itself after the first
+    call (not one of its fields); tensor gains are multiplied by the warm-up ``scale`` here (fixed gains scale each
+    term as it is added)."""
+    if type(gains) is PIDConfig:
+        folded = gains.__dict__.get("_folded")
+        if folded is None:
+            lp, li, ld = gains.lambda_p, gains.lambda_i, gains.lambda_d
+            folded = Folded(lp, li, ld, gains.beta, gains.control_first_layer, (lp + li, lp + ld, li, -ld))
+            if not torch.compiler.is_compiling():
+                object.__setattr__(gains, "_folded", folded)
+        return folded
+    lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
+    if scale is not None and (isinstance(lambda_p, Tensor) or isinstance(lambda_i, Tensor)
+                              or isinstance(lambda_d, Tensor)):
+        lambda_p, lambda_i, lambda_d = lambda_p * scale, lambda_i * scale, lambda_d * scale
+    return Folded(lambda_p, lambda_i, lambda_d, beta, control_first_layer)
+
+
+def _tensor_gains(g: Folded) -> bool:
+    return isinstance(g.lambda_p, Tensor) or isinstance(g.lambda_i, Tensor) or isinstance(g.lambda_d, Tensor)
+
+
+def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, head_dim: int,
+            grouped_state: bool, scale: Optional[Tensor]) -> tuple[Tensor, PIDState]:
+    """The rule, for every caller: :func:`pid_update` and :meth:`PIDMethod.update`, fixed or learned gains, with or
+    without warm-up. Under grouped-query attention the values are viewed as ``(..., H_kv, 1, q, D)`` (heads at
+    ``head_dim``), which broadcasts over the output viewed as ``(..., H_kv, r, q, D)``, so the state is computed in
+    that layout; ``grouped_state`` hands it on so (:meth:`PIDMethod.update`), else in key/value-head space."""
+    out_shape, kv_shape = attn_out.shape, value.shape
     traced = torch.jit.is_tracing()  # TorchScript tracing (torch.onnx's exporter): sizes are traced values
-    if state is not None and not traced and state[0].shape != shape and attn_out.shape != shape and \
-            state[0].shape == _grouped_shapes(attn_out.shape, shape, head_dim)[2]:  # a model's grouped layout
-        state = PIDState(*(None if t is None else t.reshape(shape) for t in state))
-    if state is not None and not traced and state[0].shape != shape:
-        raise ValueError(
-            f"PID layer values have shape {tuple(shape)} but the group's first layer had "
-            f"{tuple(state[0].shape)}: every layer of a PID group must have values of one shape "
-            "(same heads, head_dim and positions); split the model into groups of equal value shape "
-            "or use softmax attention for the odd layers"
-        )
-    # grouped-query attention: the shape of the attention output viewed as (..., H_kv, r, ...), else None
     if traced:  # no Python branch on traced sizes: the grouped view, exact for r = 1 too (a size-1 dimension)
         dim = head_dim % attn_out.dim()
-        grouped: Optional[tuple[tuple[int, ...], int, tuple[int, ...]]] = (
-            (*attn_out.shape[:dim], shape[dim], -1, *attn_out.shape[dim + 1:]), dim + 1,
-            (*shape[:dim + 1], 1, *shape[dim + 1:]))
+        grouped: Optional[tuple] = ((*out_shape[:dim], kv_shape[dim], -1, *out_shape[dim + 1:]), dim + 1,
+                                    (*kv_shape[:dim + 1], 1, *kv_shape[dim + 1:]))
     else:
-        grouped = None if attn_out.shape == shape else _kv_head_split(attn_out, value, head_dim)
-
+        grouped = None if out_shape == kv_shape else _grouped_shapes(out_shape, kv_shape, head_dim)
+    if grouped is not None:  # (inserting a size-1 dimension: a view)
+        value = value.reshape(grouped[2]) if traced else value.unsqueeze(grouped[1])
     # The reference beta v^1, formed once at the group's first layer and handed on in the state, in float32 at
     # least (float16/bfloat16 values are upcast: the error and its sum are accumulated in float32 over depth).
-    wide = _state_dtype(value.dtype)
-    if state is None:
-        v_ref = value if wide == value.dtype else value.to(wide)
-        v_ref = v_ref if _is_one(beta) else v_ref * beta
-        if not control_first_layer:
-            # Reference-only first layer: plain attention, the reference recorded, no error yet. Learnable gains
-            # join the graph with a zero weight, so DDP sees every parameter used.
-            if tensor_gains:
-                attn_out = attn_out + 0.0 * (lambda_p + lambda_i + lambda_d)
-            return attn_out, PIDState(v_ref, None, None)
-    else:
-        v_ref = state[0]
-    e = v_ref - value  # (the group's first controlled layer: the first, or the second after a reference-only one)
-    first = state is None or state[1] is None
-    e_sum = e if first else state[1] + e
-    new_state = PIDState(v_ref, e_sum, e)
-    # u = A v + (lP + lD) e + lI S - lD e_prev; at the first controlled layer S = e and e_prev = 0, so
-    # u = A v + (lP + lI) e (a learnable lambda_d joins the graph there with zero gradient, so DDP sees it used).
-    terms: list[tuple[Tensor, Gain]]
-    if first:
-        terms = [(e, lambda_p + lambda_i + 0.0 * lambda_d if isinstance(lambda_d, Tensor) else lambda_p + lambda_i)]
-    else:
-        terms = [(e, lambda_p + lambda_d), (e_sum, lambda_i), (state[2], -lambda_d)]
-    terms = [(x, g) for x, g in terms if isinstance(g, Tensor) or g != 0.0]  # a zero fixed gain launches nothing
-    if not terms:  # all fixed gains zero (here): the attention output itself, the stock model bit for bit
-        if scale is not None:  # the warm-up's scale joins the graph with the term (a compiled graph keeps one form)
-            return attn_out + 0.0 * scale.to(attn_out.dtype), new_state
-        return attn_out, new_state
-
-    # Accumulated into one fresh tensor with in-place adds (autograd keeps no input of an add). Grouped-query
-    # attention: key/value head j serves query heads j*r .. j*r + r - 1 (as :func:`expand_heads`, i.e.
-    # ``repeat_interleave``): each key/value-head tensor is broadcast over its group of r query heads of a view of
-    # the attention output, instead of materialising the repeated values.
-    out, kv_shape = (attn_out, None) if grouped is None else (attn_out.reshape(grouped[0]), grouped[2])
-    fresh = True
-    for x, gain in terms:
-        if scale is not None:  # warm-up with fixed gains: each error tensor scaled as it is added (exact at 1)
-            x = x * scale.to(x.dtype)
-        tensor_gain = isinstance(gain, Tensor)
-        if tensor_gain:  # learnable gains (any shape that broadcasts in key/value-head space)
-            x = x * gain
-        if kv_shape is not None:  # (..., H_kv, 1, q, D): inserting a size-1 dimension is always a view
-            x = x.reshape(kv_shape)
-        if fresh:  # the fresh output (float32 for float16/bfloat16 attention outputs: type promotion)
-            out, fresh = (out + x if tensor_gain else torch.add(out, x, alpha=gain)), False
-        else:
-            out = out.add_(x) if tensor_gain else out.add_(x, alpha=gain)
-    if out.dtype != attn_out.dtype:
-        out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
-    return (out if grouped is None else out.reshape(attn_out.shape)), new_state
-
-
-class _Folded(NamedTuple):
-    """A fixed-gain config's numbers as the update adds them (folded once per config, not per call)."""
-
-    first: float  #: lambda_p + lambda_i: the first controlled layer's weight of e (S = e, no D term)
-    e: float  #: lambda_p + lambda_d
-    e_sum: float  #: lambda_i
-    e_prev: float  #: -lambda_d
-    beta: float
-    beta_is_one: bool
-    control_first_layer: bool
-
-
-def _folded(config: PIDConfig) -> _Folded:
-    """The config's folded numbers, kept on the (frozen) config after the first call (not part of its fields)."""
-    folded = config.__dict__.get("_folded")
-    if folded is None:
-        lp, li, ld = config.lambda_p, config.lambda_i, config.lambda_d
-        folded = _Folded(lp + li, lp + ld, li, -ld, config.beta, config.beta == 1.0, config.control_first_layer)
-        if not torch.compiler.is_compiling():
-            object.__setattr__(config, "_folded", folded)
-    return folded
-
-
-def _fixed_update(attn_out: Tensor, value: Tensor, state: Optional[PIDState], g: _Folded,
-                  head_dim: int, grouped_state: bool = False) -> tuple[Tensor, PIDState]:
-    """:func:`pid_update` with fixed float gains and no scale: the same operations in the same order, gains
-    folded once per config. Under grouped-query attention the state is computed in the grouped layout ``(..., H_kv,
-    1, q, D)`` (heads at ``head_dim``), which broadcasts over the output viewed as ``(..., H_kv, r, q, D)``: one view
-    of the values per layer instead of one per term. ``grouped_state``: hand the state on in that layout (the
-    method's own state between layers, :meth:`PIDMethod.update`), else in key/value-head space."""
-    out_shape, kv_shape = attn_out.shape, value.shape
-    grouped = None if out_shape == kv_shape else _grouped_shapes(out_shape, kv_shape, head_dim)
-    if grouped is not None:
-        value = value.reshape(grouped[2])  # (inserting a size-1 dimension: a view)
     if state is None:
         wide = _WIDER.get(value.dtype) or _state_dtype(value.dtype)
         v_ref = value if wide == value.dtype else value.to(wide)
-        if not g.beta_is_one:
+        if not _is_one(g.beta):
             v_ref = v_ref * g.beta
-        if not g.control_first_layer:  # a reference-only first layer
-            new_state, terms = PIDState(v_ref, None, None), ()
-        else:
-            e = v_ref - value
-            new_state = PIDState(v_ref, e, e)  # the group's first controlled layer: S = e, no D term
-            terms = ((e, g.first),)
+        if not g.control_first_layer:
+            # Reference-only first layer: plain attention, the reference recorded, no error yet. Learned gains join
+            # the graph with a zero weight, so DDP sees every parameter used.
+            if _tensor_gains(g):
+                attn_out = attn_out + 0.0 * (g.lambda_p + g.lambda_i + g.lambda_d)
+            return attn_out, PIDState(v_ref if grouped is None or grouped_state else v_ref.reshape(kv_shape), None,
+                                      None)
+        e = v_ref - value
+        new_state = PIDState(v_ref, e, e)  # the group's first controlled layer: S = e, no D term
+        terms = ((e, _first_weight(g)),)
     else:
         v_ref = state[0]
-        if v_ref.shape != value.shape:
-            if grouped is None or v_ref.shape != kv_shape:
-                pid_update(attn_out, value.reshape(kv_shape), state, (0.0, 0.0, 0.0, 1.0))  # the explanatory error
+        if traced or v_ref.shape != value.shape:
+            if not traced and (grouped is None or v_ref.shape != kv_shape):
+                raise ValueError(
+                    f"PID layer values have shape {tuple(kv_shape)} but the group's first layer had "
+                    f"{tuple(v_ref.shape)}: every layer of a PID group must have values of one shape "
+                    "(same heads, head_dim and positions); split the model into groups of equal value shape "
+                    "or use softmax attention for the odd layers"
+                )
             # a state in key/value-head space (from pid_update, or handed over between pipeline stages)
             state = tuple(None if t is None else t.reshape(value.shape) for t in state)
             v_ref = state[0]
@@ -332,23 +279,51 @@ def _fixed_update(attn_out: Tensor, value: Tensor, state: Optional[PIDState], g:
         e_prev = state[2]
         if e_prev is None:  # the group's first controlled layer after a reference-only one
             new_state = PIDState(v_ref, e, e)
-            terms = ((e, g.first),)
+            terms = ((e, _first_weight(g)),)
         else:
             e_sum = state[1] + e
             new_state = PIDState(v_ref, e_sum, e)
-            terms = ((e, g.e), (e_sum, g.e_sum), (e_prev, g.e_prev))
-    out = None
-    target = attn_out if grouped is None or not terms else attn_out.reshape(grouped[0])
-    for x, gain in terms:
-        if gain != 0.0:  # a zero fixed gain launches nothing
-            out = torch.add(target, x, alpha=gain) if out is None else out.add_(x, alpha=gain)
+            w = g.weights
+            terms = ((e, w[1]), (e_sum, w[2]), (e_prev, w[3])) if w is not None else \
+                ((e, g.lambda_p + g.lambda_d), (e_sum, g.lambda_i), (e_prev, -g.lambda_d))
     if grouped is not None and not grouped_state:
         new_state = PIDState(*(None if t is None else t.reshape(kv_shape) for t in new_state))
-    if out is None:  # all gains zero: the attention output itself, the stock model bit for bit
+    # u = A v + (lP + lD) e + lI S - lD e_prev, accumulated into one fresh tensor with in-place adds (autograd keeps
+    # no input of an add); the key/value-head terms broadcast over their groups of r query heads of the output.
+    out = None
+    if grouped is None or not terms:
+        target = attn_out
+    else:  # (the heads split into (H_kv, r): a view of the fresh or contiguous output)
+        dim = grouped[1] - 1
+        target = attn_out.reshape(grouped[0]) if traced else attn_out.unflatten(dim, grouped[0][dim:dim + 2])
+    for x, gain in terms:
+        tensor_gain = isinstance(gain, Tensor)
+        if not tensor_gain and gain == 0.0:  # a zero fixed gain launches nothing
+            continue
+        if scale is not None and not tensor_gain:  # warm-up with fixed gains: each term scaled as it is added
+            x = x * scale.to(x.dtype)
+        if tensor_gain:  # learned gains (any shape that broadcasts in key/value-head space)
+            x = x * gain if grouped is None or gain.dim() < 2 else (x.reshape(kv_shape) * gain).reshape(grouped[2])
+            out = target + x if out is None else out.add_(x)
+        else:  # the fresh output (float32 for float16/bfloat16 attention outputs: type promotion)
+            out = torch.add(target, x, alpha=gain) if out is None else out.add_(x, alpha=gain)
+    if out is None:  # all fixed gains zero: the attention output itself, the stock model bit for bit
+        if scale is not None:  # the warm-up's scale joins the graph with the term (a compiled graph keeps one form)
+            return attn_out + 0.0 * scale.to(attn_out.dtype), new_state
         return attn_out, new_state
     if out.dtype != attn_out.dtype:
         out = out.to(attn_out.dtype)  # float16/bfloat16: rounded once
-    return (out if grouped is None else out.reshape(out_shape)), new_state
+    return (out if grouped is None else out.reshape(out_shape) if traced else out.flatten(dim, dim + 1)), new_state
+
+
+def _first_weight(g: Folded) -> Gain:
+    """The weight of e at the group's first controlled layer (S = e, no D term): lambda_p + lambda_i; a learned
+    lambda_d joins the graph there with zero gradient, so DDP sees it used."""
+    if g.weights is not None:
+        return g.weights[0]
+    if isinstance(g.lambda_d, Tensor):
+        return g.lambda_p + g.lambda_i + 0.0 * g.lambda_d
+    return g.lambda_p + g.lambda_i
 
 
 def _is_one(x: Gain) -> bool:
@@ -450,9 +425,8 @@ class PIDMethod(AttentionMethod):
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
                head_dim: int) -> Tuple[Tensor, PIDState]:
-        if scale is None and type(params) is PIDConfig and not torch.jit.is_tracing():  # fixed gains: the hot path
-            return _fixed_update(out, value_q, state, _folded(params), head_dim, True)
-        return pid_update(out, value_q, state, params, head_dim=head_dim, scale=scale)
+        """:func:`pid_update`, the state handed on in the grouped layout under grouped-query attention."""
+        return _update(out, value_q, state, fold(params, scale), head_dim, True, scale)
 
 
 register_method(PIDMethod())

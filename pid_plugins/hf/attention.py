@@ -46,7 +46,7 @@ class MethodForwardState:
     (docs/scaling.md)."""
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "zero",
-                 "function", "start", "learnable", "cached", "cache", "grad", "restart", "direct")
+                 "function", "start", "learnable", "cached", "cache", "grad", "restart", "call")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
@@ -59,8 +59,11 @@ class MethodForwardState:
         # for eager: each model family has its own eager_attention_forward)
         self.zero = self.method.is_identity(config)
         self.learnable = bool(getattr(config, "learnable", False))
-        # attention once, then the update, called directly (core's apply without its per-call bookkeeping)
-        self.direct = not self.zero and scale is None and not self.learnable and calls_once(self.method)
+        # the function every attention call of this forward runs, chosen once per forward: the stock attention (zero
+        # gains), the attention once then the update (core's apply without its per-call bookkeeping: a method that
+        # calls_once, fixed parameters, no warm-up), or core's apply
+        self.call: Callable[..., tuple] = _stock_call if self.zero else _direct_call if (
+            scale is None and not self.learnable and calls_once(self.method)) else _method_call
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
@@ -134,20 +137,81 @@ def method_attention_forward(
     **kwargs: Any,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """The base attention (SDPA, eager or flex) with the model's attention method (PID: followed by the PID update);
-    ``(B, q, H, D)`` output. Registered under every method's name."""
+    ``(B, q, H, D)`` output. Registered under every method's name; runs the function the forward's
+    :class:`MethodForwardState` chose."""
     run: Optional[MethodForwardState] = kwargs.pop(STATE_KEYWORD, None)
-    index = getattr(module, ROLE, None)
-    if index == -1:  # cross-attention: base attention only (its values come from another sequence)
-        base = run.base if run is not None else base_attention(getattr(module, "config", None))
+    if run is None:
+        return _without_state(module, query, key, value, attention_mask, kwargs)
+    return run.call(run, module, query, key, value, attention_mask, kwargs)
+
+
+def _without_state(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                   kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
+    """A call without a forward's state: a cross-attention of a model whose forward the hooks did not see (base
+    attention only), else refused."""
+    if module.__dict__.get(ROLE) == -1:
+        base = base_attention(getattr(module, "config", None))
         return _base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
-    if run is None or index is None:
-        chosen = getattr(getattr(module, "config", None), "_attn_implementation", None)
-        raise RuntimeError(
-            f"attn_implementation={chosen!r}: {type(module).__name__} got no per-forward state of attention method "
-            f"{chosen!r}: the model was built without it (or before `import pid_plugins.hf`) and switched later. Call "
-            f"pid_plugins.hf.convert(model, {chosen!r}) once; a model whose forward does not pass its keyword "
-            f"arguments down to the attention layers cannot run {chosen!r}"
-        )
+    chosen = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    raise RuntimeError(
+        f"attn_implementation={chosen!r}: {type(module).__name__} got no per-forward state of attention method "
+        f"{chosen!r}: the model was built without it (or before `import pid_plugins.hf`) and switched later. Call "
+        f"pid_plugins.hf.convert(model, {chosen!r}) once; a model whose forward does not pass its keyword "
+        f"arguments down to the attention layers cannot run {chosen!r}"
+    )
+
+
+def _stock_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                attention_mask: Optional[Tensor], kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
+    """Zero gains: the base attention, the stock model bit for bit."""
+    if module.__dict__.get(ROLE) is None:
+        return _without_state(module, query, key, value, attention_mask, kwargs)
+    return (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask, **kwargs)
+
+
+def _query_values(run: MethodForwardState, value: Tensor, q_len: int) -> Tensor:
+    """The values of the query positions, ``(B, H_kv, q, D)``: the last ``q_len`` rows without a cache or with a
+    dynamic one, rows ``[past, past + q_len)`` of a static cache's buffer."""
+    length = value.shape[-2]
+    if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
+        return value if length == q_len else value.narrow(2, length - q_len, q_len)
+    if run.start is not None and value.device.type == "cpu":  # a static cache, eager: rows [past, past + q_len)
+        return value.narrow(2, run.start, q_len)
+    if run.rows is None:  # a static cache: rows [past, past + q_len) of the buffer (once per forward)
+        run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
+    return value.index_select(2, run.rows)
+
+
+def _direct_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                 attention_mask: Optional[Tensor], kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
+    """The hot path of a method that calls attention once, with fixed parameters and no warm-up (PID, NeuTRENO): the
+    base attention, then core's :func:`~pid_plugins.core.methods.update_once`."""
+    index = module.__dict__.get(ROLE)
+    layers = run.layers
+    if index is None or index < 0 or run.finished or index in layers or isinstance(value, torch.fx.Proxy) or (
+            run.grad and not torch.is_grad_enabled()):  # the rare cases, with their checks and refusals
+        return _method_call(run, module, query, key, value, attention_mask, kwargs)
+    out, weights = (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask,
+                                                                      **kwargs)
+    method = run.method
+    earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
+    previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
+    u, layers[index] = update_once(
+        method, run.config, out, (value if method.keys_state else _query_values(run, value, query.shape[-2])
+                                  ).transpose(1, 2), previous, -2, index if earlier is None else len(earlier),
+        run.restart, STATE_ROUTE)
+    return u, weights
+
+
+def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                 attention_mask: Optional[Tensor], kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
+    """Every other call: core's :meth:`~pid_plugins.core.AttentionMethod.apply` with a :class:`LayerCall`, and the
+    checks of cross-attention, checkpointing's recomputation and a layer shared by several layers."""
+    index = module.__dict__.get(ROLE)
+    if index == -1:  # cross-attention: base attention only (its values come from another sequence)
+        return _base_function(module, run.base)(module, query, key, value, attention_mask, **kwargs)
+    if index is None:
+        return _without_state(module, query, key, value, attention_mask, kwargs)
     base = run.function or _base_function(module, run.base)
     if run.zero:
         return base(module, query, key, value, attention_mask, **kwargs)
@@ -166,14 +230,7 @@ def method_attention_forward(
                 f"has no {learned_gains.GAINS_ATTR}: call pid_plugins.hf.convert(model, {method.name!r}) to add them"
             )
     q_len, length = query.shape[-2], value.shape[-2]
-    if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
-        v_q = value if length == q_len else value.narrow(2, length - q_len, q_len)
-    elif run.start is not None and value.device.type == "cpu":  # a static cache, eager: rows [past, past + q_len)
-        v_q = value.narrow(2, run.start, q_len)
-    else:  # a static cache: rows [past, past + q_len) of the buffer
-        if run.rows is None:
-            run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
-        v_q = value.index_select(2, run.rows)
+    v_q = _query_values(run, value, q_len)
     layers = run.layers
     if index in layers and not run.finished:
         raise RuntimeError(
@@ -182,12 +239,6 @@ def method_attention_forward(
         )
     earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
-    if run.direct and not isinstance(value, torch.fx.Proxy):  # PID, NeuTRENO: the hot path, no LayerCall
-        out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        u, layers[index] = update_once(method, run.config, out, (value if method.keys_state else v_q).transpose(1, 2),
-                                       previous, -2, index if earlier is None else len(earlier), run.restart,
-                                       STATE_ROUTE)
-        return u, weights
     weights: Optional[Tensor] = None
 
     def attend(q: Tensor, v: Tensor) -> Tensor:
@@ -201,6 +252,12 @@ def method_attention_forward(
             weights = probabilities
         return out
 
+    if calls_once(method) and run.scale is None and learned is None and not isinstance(value, torch.fx.Proxy):
+        out = attend(query, value)  # (checkpointing's recomputation of the direct path: the same calls)
+        u, layers[index] = update_once(method, run.config, out, (value if method.keys_state else v_q).transpose(1, 2),
+                                       previous, -2, index if earlier is None else len(earlier), run.restart,
+                                       STATE_ROUTE)
+        return u, weights
     context = _context(bool(getattr(module, "is_causal", False)), bool(run.cached or key.shape[-2] != query.shape[-2]),
                        bool(kwargs.get("dropout", 0.0)), bool(key.shape[1] != query.shape[1]))
     # (the output's (B, q, heads, D) layout, contiguous for o_proj: head_dim -2)

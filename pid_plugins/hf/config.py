@@ -14,8 +14,8 @@ from ..core.methods import find_method
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "WARMUP_ATTR", "WARMUP_SOURCE", "base_attention",
-    "check_learnable", "is_persisted", "method_named", "method_of", "model_method_config", "persist",
-    "pipeline_refusal",
+    "ConfigReading", "check_learnable", "is_persisted", "method_named", "method_of", "model_method_config", "persist",
+    "pipeline_refusal", "read_config",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
@@ -175,3 +175,70 @@ def persist(config: Any) -> None:
         config.attn_implementation = _SavedImplementation(config)
 
 
+# ------------------------------------------------------------------------------------- one forward's reading
+#: the entries of a config's ``__dict__`` a forward reads (besides the method's own, ``config.<name>``); a user's
+#: change goes through the config's ``__setattr__`` into its ``__dict__``, so comparing these detects it
+_WATCHED = ("_attn_implementation_internal", BASE_ATTR, "attn_logit_softcapping", "distributed_config",
+            "_output_attentions", "use_cache")
+
+
+class ConfigReading:
+    """What a model's config says for its forwards (method, parameters, base attention, refusals), read through the
+    config's own attributes once (:func:`read_config`), and read again when a watched entry of its ``__dict__``
+    changes (:meth:`holds`)."""
+
+    __slots__ = ("config", "source", "keys", "source_keys", "seen", "contents", "method", "gains", "base", "refusal",
+                 "output_attentions", "use_cache", "gains_learnable", "warmup")
+
+    def holds(self, config: Any, source: Any) -> bool:
+        """Whether ``config`` and the parameters' ``source`` are the ones read and their watched entries unchanged
+        (by identity; a dict or list entry also by its contents, so one changed in place is read again)."""
+        if config is not self.config or source is not self.source:
+            return False
+        seen, entries = self.seen, config.__dict__
+        for i, key in enumerate(self.keys):
+            if entries.get(key) is not seen[i]:
+                return False
+        if self.source_keys:
+            entries, first = source.__dict__, len(self.keys)
+            for i, key in enumerate(self.source_keys):
+                if entries.get(key) is not seen[first + i]:
+                    return False
+        for i, contents in self.contents:
+            if _contents(seen[i]) != contents:
+                return False
+        return True
+
+
+def _contents(value: Any) -> Any:
+    return tuple(sorted(value.items(), key=repr)) if isinstance(value, dict) else tuple(value)
+
+
+def read_config(config: Any, source: Any) -> ConfigReading:
+    """Read ``config`` (a model's) and ``source`` (the config its parameters come from: the outermost model's) for its
+    forwards: the method (None: a stock implementation), its parameters, the base attention and what to refuse."""
+    reading = ConfigReading()
+    reading.config, reading.source = config, source
+    method = method_of(config)
+    reading.method = method
+    reading.gains = reading.base = reading.refusal = None
+    reading.gains_learnable = reading.warmup = False
+    reading.output_attentions = bool(getattr(config, "output_attentions", False))
+    reading.use_cache = getattr(config, "use_cache", False)
+    keys, source_keys = _WATCHED, ()
+    if method is not None:
+        keys += (method.name,)
+        if source is not config:
+            source_keys = ("_attn_implementation_internal", method.name)
+        gains = reading.gains = model_method_config(source, method)
+        reading.base = base_attention(config)
+        reading.gains_learnable = bool(getattr(gains, "learnable", False))
+        reading.warmup = bool(getattr(gains, "warmup_steps", 0))
+        if getattr(config, "distributed_config", None) is not None:
+            reading.refusal = pipeline_refusal(config, method, gains)
+    reading.keys, reading.source_keys = keys, source_keys
+    entries, source_entries = config.__dict__, source.__dict__
+    reading.seen = [entries.get(key) for key in keys] + [source_entries.get(key) for key in source_keys]
+    reading.contents = tuple((i, _contents(value)) for i, value in enumerate(reading.seen)
+                             if isinstance(value, (dict, list)))
+    return reading

@@ -13,6 +13,7 @@ import threading
 import warnings
 from typing import Any, Dict, Optional
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -20,7 +21,7 @@ from . import gains as learned_gains
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER
 from .checkpointing import cache_message, registry_key, torch_checkpointing, wrapper_message
 from .config import (
-    BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist,
+    BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist, read_config,
 )
 from .forward import GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, _post_hook, _pre_hook, hooked, layout
 from .record import refresh as refresh_record, sync_record
@@ -177,6 +178,12 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 sub.__dict__.pop(WARMUP_SOURCE, None)
             if getattr(sub, "config", None) is not None:
                 setattr(sub.config, BASE_ATTR, base)
+            nested = sub.__dict__.get(PLAN)
+            if nested is not None:  # its config and the parameters' source changed: read them now, not in a
+                try:                # (compiled) forward
+                    nested.reading = read_config(sub.config, gains_source)
+                except ValueError:
+                    nested.reading = None  # refused with its message at the first forward
             continue
         cls = type(sub)
         if calls_interface(cls):
@@ -212,10 +219,10 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
         raise ValueError(_no_kwargs_message(_chosen(model), model))
     persist(model.config)
     sync_record(model)  # the method record in its weights (a model switched by set_attn_implementation too)
-    try:  # parse the gains now (cached), so a first forward under torch.compile only looks them up
-        model_method_config(gains_source)
+    try:  # read the config now, so a first forward under torch.compile only looks it up
+        reading = read_config(model.config, gains_source)
     except ValueError:
-        pass  # refused with its message at the first forward
+        reading = None  # refused with its message at the first forward
     if added:
         learned_gains.ignore_missing(model)
         learned_gains.extend_tp_plan(model)  # their tensor-parallel entries (applied when transformers builds it)
@@ -231,7 +238,8 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 cache_position=names.index(keywords[0]) if keywords else None, cache_keywords=keywords,
                 learnable=learnable is not None, causal=causal, counter=model._modules.get(WARMUP_ATTR),
                 layerdrop=tuple(droppers), layerdrop_keys=tuple(k for k in LAYERDROP_KEYS if _number(getattr(
-                    model.config, k, None))), first=SWITCH_CHECK in model.__dict__ or learnable is not None)
+                    model.config, k, None))), first=SWITCH_CHECK in model.__dict__ or learnable is not None,
+                reading=reading)
     _fill_layout(model, plan, paths)
     model.__dict__[PLAN] = plan
     return plan
@@ -304,13 +312,21 @@ def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
 
 
 def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[str] = None) -> Plan:
-    """What a forward calls through its plan: discover again if ``changed``, then the first forward's checks."""
+    """What a forward calls through its plan: discover again if ``changed``, read the config again (it changed, or
+    the plan is new), then the first forward's checks."""
     if renamed is not None:
         raise InternalChanged(CACHE_KEYWORD.message(f"{type(model).__name__}.forward got the cache as {renamed}="))
+    if torch.compiler.is_compiling():  # the config changed between compiled calls (exporters set entries): read it
+        plan.reading = read_config(model.config, model.__dict__.get(GAINS_SOURCE, model.config))
+        return plan
     with _LOCK:
         if changed and not _relaid(model, plan):
             plan = discover(model, at_forward=True)
-        if not plan.first:
+        source = model.__dict__.get(GAINS_SOURCE, model.config)
+        if plan.reading is None or not plan.reading.holds(model.config, source):
+            plan.reading = None
+            plan.reading = read_config(model.config, source)  # (a refused config is read, and refused, again)
+        if not plan.first or plan.reading.method is None:
             return plan
         plan.first = False
         switched = model.__dict__.pop(SWITCH_CHECK, None)

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from .attention import STATE_KEYWORD, MethodForwardState
 from .cache import new_cache, static_past
-from .config import WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, pipeline_refusal
+from .config import WARMUP_ATTR, WARMUP_SOURCE, ConfigReading, method_of
 
 __all__ = ["GAINS_SOURCE", "PLAN", "Plan", "drops_layers", "hooked", "layout"]
 
@@ -57,6 +57,8 @@ class Plan:
     wrapper: Optional[str] = None  # torch's reentrant checkpoint_wrapper (refused whenever autograd is on)
     wrapped: Optional[str] = None  # the KV-cache refusal where torch's (non-reentrant) checkpointing wraps a module
     checkpointed: bool = False  # transformers' gradient checkpointing is on for a layer
+    #: what the model's config said at the last forward (re-read when a watched entry changes)
+    reading: Optional[ConfigReading] = None
 
 
 def layout(plan: Plan) -> tuple:
@@ -115,43 +117,50 @@ def _renamed_cache(kwargs: dict, known: tuple) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- the hooks
-def _renew(module: nn.Module, plan: Plan, name: str, changed: bool) -> Plan:
-    if torch.compiler.is_compiling():  # discovery reads source code and the module tree: not traceable
+def _renew(module: nn.Module, plan: Plan, changed: bool) -> Plan:
+    """Discovery's :func:`~pid_plugins.hf.discovery.renew`: the plan (discovered again if ``changed``) with the
+    config read again; a changed model is refused under torch.compile (discovery reads source code and the module
+    tree), a changed config is read again."""
+    if changed and torch.compiler.is_compiling():
+        name = getattr(module.config, "_attn_implementation", None)
         raise RuntimeError(
             f"attn_implementation={name!r}: {type(module).__name__} changed after it was prepared for it (switched, "
-            "its modules replaced, its warm-up counter or learnable parameters), and torch.compile reached the "
-            f"forward: call pid_plugins.hf.convert(model, {name!r}) (or run one eager forward) before compiling")
+            "its config or its modules replaced, its warm-up counter or learnable parameters), and torch.compile "
+            f"reached the forward: call pid_plugins.hf.convert(model, {name!r}) (or run one eager forward) before "
+            "compiling")
     return plan.renew(module, plan, changed)
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """Hand the forward its :class:`~pid_plugins.hf.attention.MethodForwardState`, after the checks that depend on
+    no tensor: the plan and the config's reading still hold (else renewed), and what cannot run exactly is refused."""
     config = module.config
-    method = method_of(config)
-    if method is None:
-        return None
     plan: Optional[Plan] = module.__dict__.get(PLAN)
     if plan is None:
-        raise RuntimeError(f"attn_implementation={method.name!r}: {type(module).__name__} was not prepared for it: "
-                           f"call pid_plugins.hf.convert(model, {method.name!r})")
+        chosen = getattr(config, "_attn_implementation", None)
+        raise RuntimeError(f"attn_implementation={chosen!r}: {type(module).__name__} was not prepared for it: call "
+                           f"pid_plugins.hf.convert(model, {chosen!r})")
+    reading = plan.reading
     compiling = torch.compiler.is_compiling()  # the compiled graph checks no layout (dynamo guards the modules)
-    changed = plan.name != method.name or plan.counter is not module._modules.get(WARMUP_ATTR) or (
-        not compiling and layout(plan) != plan.signature)
-    if changed or (not compiling and plan.first):
-        plan = _renew(module, plan, method.name, changed)
-    distributed = getattr(config, "distributed_config", None)
-    if not plan.owns_layers and distributed is None:
+    if reading is None or not reading.holds(config, module.__dict__.get(GAINS_SOURCE, config)):
+        plan = _renew(module, plan, False)  # the config changed: read again
+        reading = plan.reading
+    method = reading.method
+    if method is None:  # switched to a stock implementation
         return None
-    gains = model_method_config(module.__dict__.get(GAINS_SOURCE, config), method)
-    if distributed is not None:  # transformers' PP: refused before anything runs (its stages start communicating)
-        refusal = pipeline_refusal(config, method, gains)
-        if refusal is not None:
-            raise ValueError(refusal)
+    if plan.name != method.name or plan.counter is not module._modules.get(WARMUP_ATTR) or (
+            reading.gains_learnable and not plan.learnable) or (not compiling and layout(plan) != plan.signature):
+        plan = _renew(module, plan, True)  # the model changed (method, counter, learnable parameters, modules)
+        reading = plan.reading
+    elif not compiling and plan.first:
+        plan = _renew(module, plan, False)
+        reading = plan.reading
+    gains = reading.gains
+    if reading.refusal is not None:  # transformers' PP: refused before anything runs (its stages communicate)
+        raise ValueError(reading.refusal)
     if not plan.owns_layers:
         return None
-    if getattr(gains, "learnable", False) and not plan.learnable:  # config.<method> became learnable
-        plan = _renew(module, plan, method.name, True)
-    scale = _warmup_scale(module, gains, method.name)
-    base = base_attention(config)
+    scale = _warmup_scale(module, gains, method.name) if reading.warmup else None
     grad = torch.is_grad_enabled()
     training = module.training
     if grad:
@@ -159,23 +168,29 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             raise ValueError(plan.reentrant)
         if plan.wrapper is not None:
             raise ValueError(plan.wrapper)
-    if base != "eager" and (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)):
+    base = reading.base
+    if base != "eager" and (kwargs.get("output_attentions") or reading.output_attentions):
         raise ValueError(
             f"output_attentions needs the eager base attention under attention method {method.name!r}: "
             f"pid_plugins.hf.convert(model, {method.name!r}, base='eager')"
         )
-    cache = next((kwargs[k] for k in plan.cache_keywords if kwargs.get(k) is not None), None)
+    cache = None
+    for keyword in plan.cache_keywords:
+        cache = kwargs.get(keyword)
+        if cache is not None:
+            break
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
     renamed = _renamed_cache(kwargs, plan.cache_keywords)
     if renamed is not None:  # a release that passes the cache under a name the adapter does not read
         plan.renew(module, plan, True, renamed)  # refused (InternalChanged), naming the keyword
-    active = not method.is_identity(gains)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:  # not passed, or passed on as None by an outer model: the config's (transformers' default)
-        use_cache = getattr(config, "use_cache", False)
+        use_cache = reading.use_cache
     if grad and plan.wrapped is not None and training and (cache is not None or use_cache):
         raise ValueError(plan.wrapped)
+    active = not method.is_identity(gains)
+    restart = bool(method.state_fields) and training and drops_layers(module, plan)
     # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
     layers_cache = not (method.cache_slot and training and plan.checkpointed)
     if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
@@ -193,9 +208,9 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
                 f"{type(module).__name__}'s cache mixes sliding-window and full-attention layers, which keep different "
                 "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
             )
-    slot_cache = own if method.cache_slot and layers_cache else None
-    state = MethodForwardState(gains, base, static_past(cache, method.name), scale, method, cached=cache is not None,
-                               cache=slot_cache, restart=bool(method.state_fields) and drops_layers(module, plan))
+    past = static_past(cache, method.name) if cache is not None else None
+    state = MethodForwardState(gains, base, past, scale, method, cached=cache is not None,
+                               cache=own if method.cache_slot and layers_cache else None, restart=restart)
     state.grad = grad
     kwargs[STATE_KEYWORD] = state
     return args, kwargs

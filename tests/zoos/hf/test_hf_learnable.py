@@ -338,26 +338,26 @@ def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
         lp, li, ld = learned(model, f"model.layers.{i}.self_attn.attention_params")
         fixed.append((0.75 * lp, 0.75 * li, 0.75 * ld))
     # each layer's call of the core rule must see its learned gains x 3/4 (beta and the first-layer rule fixed)
-    import pid_plugins.core.pid as A  # where the PID method calls the rule
+    import pid_plugins.core.pid as A  # the PID method's update: the rule's entry
 
     calls = []
-    original = A.pid_update
+    original = A.PIDMethod.update
 
-    def check(out, value, state, gains, **kw):
+    def check(self, params, out, value, state, scale, head_dim):
         layer = len(calls)
         calls.append(layer)
         # the rule gets the warm-up scale (it multiplies the error tensors, exact at 1): the same function as the
         # gains x 3/4 without a scale
-        assert float(kw["scale"]) == 0.75
-        want, _ = original(out, value, state, (*fixed[layer], 0.4, True), **{**kw, "scale": None})
-        got, new = original(out, value, state, gains, **kw)
+        assert float(scale) == 0.75
+        want, _ = original(self, (*fixed[layer], 0.4, True), out, value, state, None, head_dim)
+        got, new = original(self, params, out, value, state, scale, head_dim)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         return got, new
 
-    A.pid_update = check
+    A.PIDMethod.update = check
     try:
         with torch.no_grad():
             model(x)
     finally:
-        A.pid_update = original
+        A.PIDMethod.update = original
     assert calls == [0, 1, 2]

@@ -1,0 +1,180 @@
+"""The eager floor: PID and NeuTRENO written by hand as transformers attention functions, against the plugin.
+
+    python bench/eager_reference.py                 # both methods, tiny Llama decode, interleaved medians
+    python bench/eager_reference.py --reps 8        # a quicker look
+
+Each reference is the few lines a user would write for one model: transformers' own ``sdpa_attention_forward``,
+then the method's update with its gains as constants, the state in a per-forward container (a dict reset by layer
+0), no checks and no refusals. Registered in ``AttentionInterface`` with sdpa's mask function, so transformers
+builds the same mask as for ``"sdpa"``. Its logits equal the plugin's (tests/core/test_eager_reference.py), so the
+plugin/reference ratio is what the plugin's glue costs: every check, lookup and object the hand-written lines do
+without. Measured at the host-cost decode shape (bench/host_cost.py): tokens/s over stock ``"sdpa"`` of the
+reference and of the plugin, in one process, interleaved (stock, reference, plugin), one thread, thread CPU time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: the methods with a hand-written reference: attn_implementation of the reference -> the plugin's method
+METHODS = ("pid", "neutreno")
+REPS = 16
+
+
+def _gains() -> Dict[str, Any]:
+    from pid_plugins.core import get_method
+
+    pid = get_method("pid").configure(None, "hf")
+    if not pid.control_first_layer:
+        raise ValueError("the PID reference is written for control_first_layer=True (transformers' preset)")
+    return {"pid": (pid.lambda_p, pid.lambda_i, pid.lambda_d, pid.beta),
+            "neutreno": get_method("neutreno").configure(None, "hf").alpha}
+
+
+_STATE: Dict[str, Any] = {}  # the per-forward container: layer 0 starts it afresh
+
+
+def _views(query, value, out):
+    """The query rows' values, ``(B, q, H_kv, 1, D)``, and the output viewed as ``(B, q, H_kv, r, D)``."""
+    q_len = query.shape[2]
+    v_q = value[:, :, -q_len:].transpose(1, 2).unsqueeze(3)
+    return v_q, out.view(out.shape[0], q_len, value.shape[1], -1, value.shape[3])
+
+
+def make_references() -> Dict[str, Callable]:
+    """``{name: attention function}``: the hand-written PID and NeuTRENO (transformers' preset gains)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gains = _gains()
+    kp, ki, kd, beta = gains["pid"]
+    alpha = gains["neutreno"]
+
+    def ref_pid(module, query, key, value, mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+        v_q, o = _views(query, value, out)
+        if module.layer_idx == 0:
+            b = v_q * beta
+            e = b - v_q
+            u = torch.add(o, e, alpha=kp + ki)
+            _STATE["pid"] = (b, e, e)
+            return u.view(out.shape), weights
+        b, s, e_prev = _STATE["pid"]
+        e = b - v_q
+        s = s + e
+        u = torch.add(o, e, alpha=kp + kd)
+        u.add_(s, alpha=ki)
+        u.add_(e_prev, alpha=-kd)
+        _STATE["pid"] = (b, s, e)
+        return u.view(out.shape), weights
+
+    def ref_neutreno(module, query, key, value, mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+        v_q, o = _views(query, value, out)
+        if module.layer_idx == 0:
+            _STATE["neutreno"] = v_q
+            return out, weights
+        return torch.add(o, _STATE["neutreno"] - v_q, alpha=alpha).view(out.shape), weights
+
+    return {"ref_pid": ref_pid, "ref_neutreno": ref_neutreno}
+
+
+def register() -> None:
+    """Register the references in transformers' ``AttentionInterface`` (with sdpa's mask function)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    for name, fn in make_references().items():
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def llama(attn: str, cfg: Optional[Dict[str, Any]] = None):
+    """The host-cost decode shape's tiny Llama with ``attn`` (seed 0: the same weights for every ``attn``)."""
+    from host_cost import DECODE_CFG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pid_plugins.hf  # noqa: F401
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**(cfg or DECODE_CFG), attn_implementation=attn)).eval()
+
+
+def measure(method: str, reps: int = REPS, progress: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """Tokens/s over stock ``"sdpa"`` of the hand-written ``method`` and of the plugin: interleaved (stock, reference,
+    plugin; reversed every other round), medians, one thread, thread CPU time."""
+    from host_cost import DECODE_CFG, NEW_TOKENS, PROMPT
+
+    register()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        models = {"stock": llama("sdpa"), "reference": llama(f"ref_{method}"), "plugin": llama(method)}
+        prompt = torch.randint(0, DECODE_CFG["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(0))
+
+        def decode(m) -> float:
+            start = time.thread_time()
+            with torch.no_grad():
+                m.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=0)
+            return time.thread_time() - start
+
+        with torch.no_grad():
+            err = (models["reference"](prompt).logits - models["plugin"](prompt).logits).abs().max().item()
+        for m in models.values():
+            decode(m)
+            decode(m)
+        times: Dict[str, List[float]] = {n: [] for n in models}
+        for rep in range(reps):
+            for name in (list(models) if rep % 2 == 0 else list(reversed(models))):
+                times[name].append(decode(models[name]))
+            if progress is not None:
+                progress()
+    finally:
+        torch.set_num_threads(threads)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    reference, plugin = med["stock"] / med["reference"], med["stock"] / med["plugin"]
+    return dict(method=method, reference=reference, plugin=plugin, gap=reference - plugin, logits_max_diff=err,
+                stock_s=med["stock"], reference_s=med["reference"], plugin_s=med["plugin"], reps=reps,
+                config=DECODE_CFG, bound=0.02)
+
+
+def markdown(rows: List[Dict[str, Any]]) -> str:
+    """The eager-floor table: reference and plugin tokens/s over stock, and the gap (goal: <= 0.02)."""
+    lines = ["The eager floor (host-cost decode shape, one thread): a hand-written attention function with the same "
+             "update (its logits equal the plugin's) against the plugin, both over stock `sdpa`; interleaved medians.",
+             "", "| method | hand-written / stock | plugin / stock | gap (goal <= 0.02) |", "|---|---|---|---|"]
+    for r in rows:
+        ok = "" if r["gap"] <= r["bound"] else " **no**"
+        lines.append(f"| {r['method']} | {r['reference']:.3f} | {r['plugin']:.3f} | {r['gap']:.3f}{ok} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--reps", type=int, default=REPS)
+    args = p.parse_args()
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    rows = []
+    for method in args.methods.split(","):
+        rows.append(measure(method, args.reps))
+        r = rows[-1]
+        print(f"{method}: reference {r['reference']:.3f}, plugin {r['plugin']:.3f}, gap {r['gap']:.3f} "
+              f"(logits differ by {r['logits_max_diff']:.1e})", flush=True)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
