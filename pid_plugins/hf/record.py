@@ -53,6 +53,17 @@ def _owner(model: nn.Module) -> nn.Module:
     return model.get_submodule(path) if path else model
 
 
+def _held(model: nn.Module) -> nn.Module:
+    """The record's module, given the buffer if it has none (a module replaced since, e.g. by
+    ``resize_token_embeddings``); ``model.config`` runs a method."""
+    owner = _owner(model)
+    if RECORD not in owner._buffers:
+        like = next(owner.parameters(), None)
+        value = _encode(model.config)
+        owner.register_buffer(RECORD, value if like is None else value.to(like.device))
+    return owner
+
+
 def record_key(model: nn.Module) -> Optional[str]:
     """The state-dict key of the record ``model`` holds (``model.embed_tokens.pid_plugins_method`` in a Llama), or
     None when it holds none."""
@@ -77,10 +88,12 @@ def _write(owner: nn.Module, config: Any) -> None:
 
 def _before_state_dict(model: nn.Module, prefix: str = "", keep_vars: bool = False) -> None:
     """``state_dict`` pre-hook: the record of the method the config runs now; none while it runs no method."""
-    owner = _owner(model)
     if method_of(model.config) is None:
-        owner._non_persistent_buffers_set.add(RECORD)
+        owner = _owner(model)
+        if RECORD in owner._buffers:
+            owner._non_persistent_buffers_set.add(RECORD)
         return
+    owner = _held(model)
     owner._non_persistent_buffers_set.discard(RECORD)
     _write(owner, model.config)
 
@@ -91,8 +104,9 @@ def _keep_own(model: nn.Module, state_dict: dict, prefix: str, *args: Any) -> No
     key = record_key(model)
     if key != RECORD:
         state_dict.pop(prefix + RECORD, None)
-    owner = _owner(model)
-    if RECORD not in owner._non_persistent_buffers_set:
+    if method_of(model.config) is not None:
+        owner = _held(model)
+        owner._non_persistent_buffers_set.discard(RECORD)
         state_dict[prefix + key] = owner._buffers[RECORD]
 
 
@@ -124,13 +138,11 @@ def _attach(model: nn.Module) -> None:
         _ignore(model, True)
         _MADE[0] = True
     owner = _owner(model)
-    if RECORD not in owner._buffers:
-        like = next(owner.parameters(), None)
-        value = _encode(model.config)
-        owner.register_buffer(RECORD, value if like is None else value.to(like.device))
-    else:
+    if RECORD in owner._buffers:
         owner._non_persistent_buffers_set.discard(RECORD)
         _write(owner, model.config)
+    else:
+        _held(model)
 
 
 def _detach(model: nn.Module, keep: Optional[nn.Module] = None) -> None:

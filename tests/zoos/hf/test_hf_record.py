@@ -200,6 +200,17 @@ def test_a_model_switched_by_set_attn_implementation_is_refused_then_convert_giv
     assert KEY not in model.state_dict()
 
 
+def test_a_replaced_record_module_gets_the_record_back(saved):
+    model = LlamaForCausalLM(llama_config("pid", PID)).eval()
+    want = _record(model.state_dict())
+    old = model.get_input_embeddings()
+    model.set_input_embeddings(torch.nn.Embedding(old.num_embeddings, old.embedding_dim, padding_idx=0))
+    state = model.state_dict()  # the new module is given the record
+    assert _record(state) == want and [k for k in state if "pid_plugins" in k] == [KEY]
+    model.load_state_dict(saved.state_dict(), strict=True)
+    assert _record(model.state_dict()) == want and torch.equal(_logits(model), _logits(saved))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtype_casts_keep_the_record(folder, saved, dtype, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
