@@ -5,11 +5,12 @@ import difflib
 import fnmatch
 import functools
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Iterable, Optional
 
-from .core.pid import PRESETS, PIDConfig
+from .core.methods import get_method
 
 __all__ = ["ModelEntry", "load_presets", "load_catalogue", "list_models", "get_model_entry", "ZOOS"]
 
@@ -19,26 +20,35 @@ _ENTRY_KEYS = {"name", "base", "arch", "method", "preset", "gains", "description
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One PID variant: its name, zoo, stock architecture, gains, hyperparameters (``kwargs``) and paper numbers."""
+    """One method variant: its name, zoo, stock architecture, method and its parameters, hyperparameters
+    (``kwargs``) and paper numbers."""
 
     name: str
     zoo: str
     base: str
-    preset: str
+    #: a preset of the method's config ("": the method's default preset for this zoo, its ``default_presets``)
+    preset: str = ""
     arch: str = ""  #: the model family inside the zoo (e.g. ``vit``, ``vit_distilled``, ``fan``)
     method: str = "pid"  #: the attention method the variant runs (its ``preset`` and ``gains`` are that method's)
-    gains: dict[str, Any] = field(default_factory=dict)
+    gains: dict[str, Any] = field(default_factory=dict)  #: overrides of the preset's fields (the method's parameters)
     description: str = ""
     paper: dict[str, Any] = field(default_factory=dict)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def pid_config(self) -> PIDConfig:
-        """The variant's gains: its preset with the entry's overrides."""
-        return PIDConfig.preset(self.preset, **self.gains)
+    def default_config(self) -> Any:
+        """The variant's parameters: its method's config (``get_method(method).configure``) from the entry's preset,
+        or the method's default preset for the entry's zoo, with the entry's overrides (``gains``)."""
+        return get_method(self.method).configure(dict(self.gains), self.zoo, default=self.preset or None)
 
-    def configure(self, overrides: Any = None) -> PIDConfig:
-        """The variant's gains with a user's ``overrides`` (None, a config, a preset name or a dict)."""
-        return PIDConfig.coerce(overrides, default=self.pid_config())
+    def configure(self, overrides: Any = None) -> Any:
+        """The variant's parameters with a user's ``overrides`` (None, a config, a preset name or a dict)."""
+        return get_method(self.method).configure(overrides, self.zoo, default=self.default_config())
+
+    def pid_config(self) -> Any:
+        """Deprecated: :meth:`default_config` (the entry's method's parameters, whatever the method)."""
+        warnings.warn("ModelEntry.pid_config() is deprecated: use ModelEntry.default_config() (the parameters of the "
+                      "entry's method)", DeprecationWarning, stacklevel=2)
+        return self.default_config()
 
 
 def _registry_files() -> Iterable[tuple[str, str]]:
@@ -48,15 +58,16 @@ def _registry_files() -> Iterable[tuple[str, str]]:
             yield item.name, item.read_text(encoding="utf-8")
 
 
-def load_presets() -> dict[str, dict[str, float]]:
-    """``{preset name: {lambda_p, lambda_i, lambda_d, beta}}`` from ``registry/presets.toml`` (a copy)."""
-    return {name: dict(gains) for name, gains in PRESETS.items()}
+def load_presets(method: str = "pid") -> dict[str, dict[str, Any]]:
+    """``{preset name: {field: value}}`` of ``method``'s config (the built-in methods': ``registry/presets.toml``),
+    a copy."""
+    presets = getattr(get_method(method).config_type, "PRESETS", {})
+    return {name: dict(fields) for name, fields in presets.items()}
 
 
 def parse_catalogue(files: Iterable[tuple[str, str]]) -> dict[str, ModelEntry]:
     """Parse catalogue files ``(file name, TOML text)``; each file is ``<zoo>.toml`` with ``[[model]]`` tables."""
     entries: dict[str, ModelEntry] = {}
-    presets = load_presets()
     for file_name, text in files:
         if file_name == "presets.toml":
             continue
@@ -74,16 +85,15 @@ def parse_catalogue(files: Iterable[tuple[str, str]]) -> dict[str, ModelEntry]:
                     f"registry/{file_name}: model {table.get('name')!r} has unknown keys {sorted(unknown)}; "
                     f"allowed: {sorted(_ENTRY_KEYS)}"
                 )
-            for key in ("name", "base", "preset"):
+            for key in ("name", "base"):
                 if key not in table:
                     raise ValueError(f"registry/{file_name}: a model entry lacks {key!r}: {table}")
-            if table["preset"] not in presets:
-                raise ValueError(
-                    f"registry/{file_name}: model {table['name']!r} uses unknown preset {table['preset']!r}; "
-                    f"choose one of {sorted(presets)}"
-                )
             entry = ModelEntry(zoo=zoo, **table)
-            entry.pid_config()  # validates the gains
+            try:  # the method's config validates the preset and the overrides
+                entry.default_config()
+            except ValueError as exc:
+                raise ValueError(f"registry/{file_name}: model {entry.name!r} (attention method {entry.method!r}): "
+                                 f"{exc}") from None
             if entry.name in entries:
                 raise ValueError(f"registry/{file_name}: model {entry.name!r} is declared twice")
             entries[entry.name] = entry
@@ -92,7 +102,7 @@ def parse_catalogue(files: Iterable[tuple[str, str]]) -> dict[str, ModelEntry]:
 
 @functools.lru_cache(maxsize=None)
 def load_catalogue() -> dict[str, ModelEntry]:
-    """Every PID variant declared in the registry, by name."""
+    """Every method variant declared in the registry, by name."""
     return parse_catalogue(_registry_files())
 
 

@@ -204,7 +204,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     rows = [("name", "zoo", "base", "preset")]
     for name in names:
         e = get_model_entry(name)
-        rows.append((e.name, e.zoo, e.base, e.preset + (f" {e.gains}" if e.gains else "")))
+        rows.append((e.name, e.zoo, e.base, (e.preset or "-") + (f" {e.gains}" if e.gains else "")))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -2,7 +2,7 @@
 from .checkpoint import UnsafeCheckpointError, check_keys, load_weights_only, unwrap_state_dict
 from .heads import expand_heads
 from .methods import (
-    SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, MethodConfig, MissingLayerState,
+    FX_LEAVES, SOFTMAX, AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, MethodConfig, MissingLayerState,
     StockPath,
     get_method, list_methods, method_warmup, on_register, register_method, reserve_names,
     resolve_attention,
@@ -17,6 +17,6 @@ __all__ = [
     "PIDSelfAttention", "sdpa_with_pid", "GainWarmup", "make_warmup", "scaled_gains",
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MissingLayerState", "MethodConfig", "MethodChoice", "PIDMethod", "register_method", "get_method", "list_methods",
     "on_register", "reserve_names", "resolve_attention", "method_warmup", "SOFTMAX", "unwrap_state_dict", "check_keys", "UnsafeCheckpointError",
-    "load_weights_only", "MethodLayer", "MethodModel", "finish_warmup", "finished_config", "register_warmup_finisher",
+    "load_weights_only", "FX_LEAVES", "MethodLayer", "MethodModel", "finish_warmup", "finished_config", "register_warmup_finisher",
 ]
 

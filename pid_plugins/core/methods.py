@@ -83,6 +83,11 @@ class AttentionMethod:
     #: with the same position's state (value residual): an engine that caches the values its attention is given
     #: (vLLM's paged cache) holds them mixed, and needs the state at its new positions only
     mixes_values: ClassVar[bool] = False
+    #: every tensor of the state has the heads dimension, and :meth:`update` computes each head from that head's
+    #: tensors only (gains shared by every head): tensor parallelism, which gives each rank some of the heads, can
+    #: shard the state with them and computes on each rank what one process computes for those heads (vLLM's
+    #: ``tensor_parallel_size > 1`` is served only for methods that declare it)
+    per_head_state: ClassVar[bool] = False
 
     # --------------------------------------------------------------------------------------- parameters
     def configure(self, value: Any = None, zoo: str = "*", default: Any = None) -> Any:
@@ -239,6 +244,12 @@ def _fx_update(method: AttentionMethod, params: Any, out: Tensor, value_q: Tenso
 
 torch.fx.wrap("_fx_check")
 torch.fx.wrap("_fx_update")
+
+#: the functions :meth:`AttentionMethod.apply` calls as torch.fx leaves (``call_function`` nodes that hold the method's
+#: checks and update): plain ``torch.fx`` keeps them by ``torch.fx.wrap``; a zoo with its own tracer registers each as a
+#: leaf of its own (timm: ``timm.layers.register_notrace_function(leaf)`` for every leaf)
+FX_LEAVES: Tuple[Callable[..., Any], ...] = (_fx_check, _fx_update)
+__all__ += ["FX_LEAVES"]
 
 
 def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], call: LayerCall,

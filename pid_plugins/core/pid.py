@@ -409,6 +409,7 @@ class PIDMethod(AttentionMethod):
     config_type = PIDConfig
     state_fields = PIDState._fields
     default_presets = {"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm", "*": "deit"}
+    per_head_state = True  # v^1, S^l, e^l: (B, H_kv, q, D); the gains (fixed or learned) are shared by every head
 
     def make_learned(self, config: PIDConfig) -> Optional[nn.Module]:
         return PIDGains(config) if config.learnable else None

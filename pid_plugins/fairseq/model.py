@@ -16,7 +16,7 @@ from fairseq.utils import safe_getattr
 from ..catalogue import load_catalogue
 from .hub import load_pid_lm
 from .layers import METHOD_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
-from .options import PIDTransformerLanguageModelConfig, attention_from_args, parse_attention_cfg
+from .options import PIDTransformerLanguageModelConfig, attention_from_args, method_name, parse_attention_cfg
 
 __all__ = [
     "METHOD_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder",
@@ -62,11 +62,13 @@ class PIDTransformerLanguageModel(TransformerLanguageModel):
 
 
 def _entry_attention_cfg(entry: Any, given: Any) -> str:
-    """``--attention-cfg`` for a catalogue architecture: the entry's preset and gains, then what the user gave."""
+    """``--attention-cfg`` for a catalogue architecture: the entry's parameters of its method, then what the user
+    gave."""
     params = parse_attention_cfg(given) if given not in (None, "") else {}
     if isinstance(params, str) or "preset" in params:
         return given if isinstance(given, str) else json.dumps(params)
-    return json.dumps({"preset": entry.preset, **entry.gains, **params})
+    base = {"preset": entry.preset, **entry.gains} if entry.preset else entry.default_config().to_dict()
+    return json.dumps({**base, **params})
 
 
 def _register_architectures() -> None:
@@ -78,8 +80,9 @@ def _register_architectures() -> None:
             # fairseq leaves unset options as None before applying the architecture: fill in the entry's values
             for key, value in _entry.kwargs.items():
                 setattr(args, key, safe_getattr(args, key, value))
-            # the entry's PID gains under what --attention-cfg gives (a preset it names replaces them)
-            if (safe_getattr(args, "attention_method", "pid") or "pid") == "pid":
+            # the entry's parameters of its method under what --attention-cfg gives (a preset it names replaces
+            # them); another --attention-method starts from that method's fairseq preset
+            if method_name(args) == _entry.method:
                 args.attention_cfg = _entry_attention_cfg(_entry, safe_getattr(args, "attention_cfg", None))
             base_lm_architecture(args)
 

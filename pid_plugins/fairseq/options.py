@@ -10,7 +10,7 @@ from fairseq.utils import safe_getattr
 
 from ..core import MethodChoice, resolve_attention
 
-__all__ = ["PIDTransformerLanguageModelConfig", "attention_from_args"]
+__all__ = ["PIDTransformerLanguageModelConfig", "attention_from_args", "method_name"]
 
 
 @dataclass
@@ -28,9 +28,14 @@ class PIDTransformerLanguageModelConfig(TransformerLanguageModelConfig):
                 "preset (or the --arch entry's)"})
 
 
+def method_name(args: Any) -> str:
+    """``--attention-method`` (unset: ``"pid"``, the package's default)."""
+    return safe_getattr(args, "attention_method", "pid") or "pid"
+
+
 def attention_from_args(args: Any) -> Optional[MethodChoice]:
     """The attention method and its parameters from fairseq's options (None: softmax)."""
-    name = safe_getattr(args, "attention_method", "pid") or "pid"
+    name = method_name(args)
     cfg_text = safe_getattr(args, "attention_cfg", None)
     params = parse_attention_cfg(cfg_text) if cfg_text not in (None, "") else None
     return resolve_attention(name, params, zoo="fairseq", where="transformer_lm_pid", params_name="--attention-cfg")

@@ -62,7 +62,7 @@ def new_cache(config: Any) -> Any:
 class LayerSlot(CacheSlot):
     """A method's per-position tensor kept in layer ``layer_idx``'s own cache layer (made a :class:`SlotLayer`)."""
 
-    def __init__(self, cache: Any, layer_idx: int, name: str = "twicing") -> None:
+    def __init__(self, cache: Any, layer_idx: int, name: str) -> None:
         self.cache, self.layer_idx, self.name = cache, layer_idx, name
 
     def __call__(self, rows: Tensor) -> Tensor:
@@ -78,7 +78,7 @@ class SlotLayer:
 
     slot: Any
 
-    def slot_update(self, rows: Tensor, layer_idx: int, name: str = "twicing") -> Tensor:
+    def slot_update(self, rows: Tensor, layer_idx: int, name: str) -> Tensor:
         """Store ``rows`` (``(B, H, q, D)``) after the cached positions'; return it for every key position."""
         slot = self.slot
         if not torch.compiler.is_compiling():
@@ -144,7 +144,7 @@ def _slot_classes() -> dict:
             StaticLayer: StaticSlotLayer}
 
 
-def with_slot(layer: Any, name: str = "twicing") -> SlotLayer:
+def with_slot(layer: Any, name: str) -> SlotLayer:
     """``layer``'s state (the same tensors) in the :class:`SlotLayer` of its kind, with an empty slot: a new object."""
     CACHE_LAYERS.require()
     kind = type(layer)

@@ -477,7 +477,7 @@ def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any)
 # ------------------------------------------------------------------------ transformers' weight initialisation
 def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any):
     """``model._initialize_weights``: initial values for learnable parameters and the warm-up counter."""
-    refresh_record(module)  # a record transformers made with torch.empty (a folder saved without one)
+    refresh_record(model, module)  # a record transformers made with torch.empty (a folder saved without one)
     if learned_gains.reset(module):
         module._is_hf_initialized = True
         return None

@@ -1,10 +1,12 @@
-"""The method record in a transformers model's weights: ``pid_plugins_method`` (:mod:`pid_plugins.core.record`) on the
-outermost model that runs a method, written by ``save_pretrained`` beside the weights and rewritten from ``config``
-at every ``state_dict()``; never read into the model.
+"""The method record in a transformers model's weights: ``<owner>.pid_plugins_method`` (:mod:`pid_plugins.core.record`),
+a buffer of the first module of the outermost model that holds a parameter of its own (Llama: ``model.embed_tokens``),
+written by ``save_pretrained`` beside the weights and rewritten from ``config`` at every ``state_dict()``; never read
+into the model. Why that module (every device map that places the stock weights places it): docs/checkpoints.md.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from collections import Counter
+from typing import Any, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -13,16 +15,19 @@ from transformers import PreTrainedModel
 from ..core.record import RECORD, encode_record
 from .config import method_of, model_method_config
 
-__all__ = ["MISSING_KEY", "SIZE", "refresh", "sync_record"]
+__all__ = ["MISSING_KEY", "SIZE", "record_key", "refresh", "sync_record"]
 
 #: the record's length: the JSON padded with spaces to a multiple of this
 SIZE = 1024
-#: the record's state-dict key for transformers' ``_keys_to_ignore_on_load_missing`` (a regex)
+#: the record's state-dict key for transformers' ``_keys_to_ignore_on_load_missing`` and ``..._unexpected`` (a
+#: regex): a folder saved before the record existed, or with it on the outermost model (before 0.1.0's device-map fix)
 MISSING_KEY = rf"(^|\.){RECORD}$"
 #: whether a record was ever made (else a stock model's construction scans nothing)
 _MADE = [False]
 #: on a transformers model nested in one that holds the record (a ``*ForCausalLM``'s base model): it holds none
 _HELD_ABOVE = "_pid_plugins_record_held_above"
+#: on the model that holds the record: the path of the submodule whose buffer it is ("" : the model itself)
+_OWNER = "_pid_plugins_record_owner"
 
 
 def _encode(config: Any) -> Tensor:
@@ -33,14 +38,49 @@ def _encode(config: Any) -> Tensor:
     return torch.cat([value, torch.full((pad,), ord(" "), dtype=torch.uint8, device="cpu")]) if pad else value
 
 
-def _write(model: nn.Module) -> None:
-    """Write the record of the method ``model.config`` runs into its buffer (a meta buffer keeps its shape)."""
-    old, value = model._buffers[RECORD], _encode(model.config)
+def _owner_path(model: nn.Module) -> str:
+    """The first submodule (``named_modules`` order) holding a parameter of its own and reachable under one name
+    only; "" when there is none. Any device map that places the model's parameters names it or a module above it."""
+    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    for path, module in model.named_modules():
+        if path and uses[id(module)] == 1 and any(p is not None for p in module._parameters.values()):
+            return path
+    return ""
+
+
+def _owner(model: nn.Module) -> nn.Module:
+    path = model.__dict__[_OWNER]
+    return model.get_submodule(path) if path else model
+
+
+def _held(model: nn.Module) -> nn.Module:
+    """The record's module, given the buffer if it has none (a module replaced since, e.g. by
+    ``resize_token_embeddings``); ``model.config`` runs a method."""
+    owner = _owner(model)
+    if RECORD not in owner._buffers:
+        like = next(owner.parameters(), None)
+        value = _encode(model.config)
+        owner.register_buffer(RECORD, value if like is None else value.to(like.device))
+    return owner
+
+
+def record_key(model: nn.Module) -> Optional[str]:
+    """The state-dict key of the record ``model`` holds (``model.embed_tokens.pid_plugins_method`` in a Llama), or
+    None when it holds none."""
+    path = model.__dict__.get(_OWNER)
+    if path is None:
+        return None
+    return f"{path}.{RECORD}" if path else RECORD
+
+
+def _write(owner: nn.Module, config: Any) -> None:
+    """Write the record of the method ``config`` runs into ``owner``'s buffer (a meta buffer keeps its shape)."""
+    old, value = owner._buffers[RECORD], _encode(config)
     if old.device.type == "meta":
         if old.shape != value.shape:
-            model._buffers[RECORD] = value.to("meta")
+            owner._buffers[RECORD] = value.to("meta")
     elif old.shape != value.shape:
-        model._buffers[RECORD] = value.to(old.device)
+        owner._buffers[RECORD] = value.to(old.device)
     elif not torch.equal(old.cpu(), value):
         with torch.no_grad():
             old.copy_(value)
@@ -49,49 +89,76 @@ def _write(model: nn.Module) -> None:
 def _before_state_dict(model: nn.Module, prefix: str = "", keep_vars: bool = False) -> None:
     """``state_dict`` pre-hook: the record of the method the config runs now; none while it runs no method."""
     if method_of(model.config) is None:
-        model._non_persistent_buffers_set.add(RECORD)
+        owner = _owner(model)
+        if RECORD in owner._buffers:
+            owner._non_persistent_buffers_set.add(RECORD)
         return
-    model._non_persistent_buffers_set.discard(RECORD)
-    _write(model)
+    owner = _held(model)
+    owner._non_persistent_buffers_set.discard(RECORD)
+    _write(owner, model.config)
 
 
 def _keep_own(model: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: the model keeps its own record."""
-    if RECORD not in model._non_persistent_buffers_set:
-        state_dict[prefix + RECORD] = model._buffers[RECORD]
+    """``load_state_dict`` pre-hook: the model keeps its own record (a record on the outermost model, where older
+    releases saved it, is dropped)."""
+    key = record_key(model)
+    if key != RECORD:
+        state_dict.pop(prefix + RECORD, None)
+    if method_of(model.config) is not None:
+        owner = _held(model)
+        owner._non_persistent_buffers_set.discard(RECORD)
+        state_dict[prefix + key] = owner._buffers[RECORD]
 
 
-def refresh(module: nn.Module) -> None:
-    """Give ``module``'s record the bytes of its method, if it holds one."""
-    if RECORD in module._buffers and method_of(getattr(module, "config", None)) is not None:
-        _write(module)
+def refresh(model: nn.Module, module: nn.Module) -> None:
+    """Give ``module``'s record the bytes of ``model``'s method, if ``module`` holds one (``model``: the transformers
+    model whose weights transformers initialises)."""
+    if RECORD in module._buffers and method_of(getattr(model, "config", None)) is not None:
+        _write(module, model.config)
+
+
+def _ignore(model: nn.Module, add: bool) -> None:
+    """Add (or remove) :data:`MISSING_KEY` to the model's keys transformers' loader does not report missing or
+    unexpected."""
+    for attribute in ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected"):
+        if add:
+            setattr(model, attribute, {*(getattr(model, attribute, None) or ()), MISSING_KEY})
+        else:
+            own = model.__dict__.get(attribute)
+            if isinstance(own, set):
+                own.discard(MISSING_KEY)
 
 
 def _attach(model: nn.Module) -> None:
-    if RECORD not in model._buffers:
-        like = next(model.parameters(), None)
-        value = _encode(model.config)
-        model.register_buffer(RECORD, value if like is None else value.to(like.device))
+    path = model.__dict__.get(_OWNER)
+    if path is None:
+        path = model.__dict__[_OWNER] = _owner_path(model)
         model.register_state_dict_pre_hook(_before_state_dict)
         model.register_load_state_dict_pre_hook(_keep_own)
-        model._keys_to_ignore_on_load_missing = {*(model._keys_to_ignore_on_load_missing or ()), MISSING_KEY}
+        _ignore(model, True)
         _MADE[0] = True
+    owner = _owner(model)
+    if RECORD in owner._buffers:
+        owner._non_persistent_buffers_set.discard(RECORD)
+        _write(owner, model.config)
     else:
-        model._non_persistent_buffers_set.discard(RECORD)
-        _write(model)
+        _held(model)
 
 
-def _detach(model: nn.Module) -> None:
-    model._buffers.pop(RECORD, None)
-    model._non_persistent_buffers_set.discard(RECORD)
+def _detach(model: nn.Module, keep: Optional[nn.Module] = None) -> None:
+    """Take ``model``'s record (its buffer, unless on ``keep``, the owner of the model that holds it now), hooks and
+    ignored keys."""
+    owner = _owner(model)
+    if owner is not keep:
+        owner._buffers.pop(RECORD, None)
+        owner._non_persistent_buffers_set.discard(RECORD)
+    del model.__dict__[_OWNER]
     for hooks, hook in ((model._state_dict_pre_hooks, _before_state_dict),
                         (model._load_state_dict_pre_hooks, _keep_own)):
         for handle_id, held in list(hooks.items()):
             if held is hook or getattr(held, "hook", None) is hook:
                 del hooks[handle_id]
-    ignore = model.__dict__.get("_keys_to_ignore_on_load_missing")
-    if isinstance(ignore, set):
-        ignore.discard(MISSING_KEY)
+    _ignore(model, False)
 
 
 def sync_record(model: nn.Module) -> None:
@@ -109,6 +176,7 @@ def sync_record(model: nn.Module) -> None:
             m.__dict__[_HELD_ABOVE] = True
         else:
             m.__dict__.pop(_HELD_ABOVE, None)
+    keep = _owner(model) if runs else None
     for m in [model, *nested]:
-        if RECORD in m._buffers and ((m is not model) if runs else method_of(m.config) is None):
-            _detach(m)
+        if _OWNER in m.__dict__ and ((m is not model) if runs else method_of(m.config) is None):
+            _detach(m, keep)

@@ -19,11 +19,11 @@ from timm.models._manipulate import checkpoint  # noqa: E402
 
 from ..catalogue import ModelEntry, load_catalogue  # noqa: E402
 from ..core import (  # noqa: E402
-    SOFTMAX, AttentionContext, LayerCall, MethodChoice, MissingLayerState, check_keys, get_method, list_methods, reserve_names,
+    FX_LEAVES, SOFTMAX, AttentionContext, LayerCall, MethodChoice, MissingLayerState, check_keys, reserve_names,
     resolve_attention,
 )
 from ..core.layer import MethodLayer as CoreMethodLayer  # noqa: E402
-from ..core.methods import _fx_check, _fx_update, calls_once, update_once  # noqa: E402
+from ..core.methods import calls_once, update_once  # noqa: E402
 
 
 def _timm_names() -> Dict[str, str]:
@@ -41,10 +41,8 @@ reserve_names("timm", _timm_names)
 def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any = None, default: Any = None,
                            where: str = "this model") -> Optional[MethodChoice]:
     """The attention a timm model is built with (core's :func:`~pid_plugins.core.resolve_attention`): ``None``
-    for softmax, else the method and its config. ``default``: the catalogue entry's parameters, for their own method."""
-    if default is not None and attention is not None and attention in list_methods() \
-            and not isinstance(default, get_method(attention).config_type):
-        default = None
+    for softmax, else the method and its config. ``default``: the parameters to start from instead of the method's
+    timm preset (a catalogue entry's, for the entry's own method)."""
     return resolve_attention(attention, attention_cfg, zoo="timm", default=default, where=where)
 
 
@@ -92,8 +90,8 @@ class MethodLayer(CoreMethodLayer):
 
 
 # timm's own fx leaf list (its feature extraction traces with it; plain torch.fx uses core's torch.fx.wrap)
-register_notrace_function(_fx_check)
-register_notrace_function(_fx_update)
+for _leaf in FX_LEAVES:
+    register_notrace_function(_leaf)
 
 
 def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
@@ -184,10 +182,12 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
 
 def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, Any],
                  name: str) -> Optional[MethodChoice]:
-    """Pop ``attention`` / ``attention_cfg`` from the ``kwargs`` of the entrypoint ``name`` and resolve them (PID
-    starts from the entry's preset)."""
-    return resolve_timm_attention(kwargs.pop("attention", default_attention), kwargs.pop("attention_cfg", None),
-                                  default=entry.pid_config(), where=f"timm model {name!r}")
+    """Pop ``attention`` / ``attention_cfg`` from the ``kwargs`` of the entrypoint ``name`` and resolve them (the
+    entry's method starts from the entry's parameters, another method from its own timm preset)."""
+    attention = kwargs.pop("attention", default_attention)
+    default = entry.default_config() if attention == entry.method else None
+    return resolve_timm_attention(attention, kwargs.pop("attention_cfg", None), default=default,
+                                  where=f"timm model {name!r}")
 
 
 def register_entries(

@@ -14,9 +14,10 @@ mixed values are what vLLM caches (value residual). Everything else is refused b
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from ..core import SOFTMAX, AttentionMethod, MethodChoice, list_methods, resolve_attention
+from ..core.methods import find_method
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "STOCK_ATTENTIONS", "TENSOR_PARALLEL", "check_engine", "check_options",
            "check_servable", "method_choice", "unservable_reason"]
@@ -91,11 +92,23 @@ def method_choice(hf_config: Any, where: str = "this checkpoint") -> Optional[Me
     return choice
 
 
-#: the methods whose every term and state is per head and per position: tensor parallelism, which gives each rank
-#: some of the heads (vLLM's q/k/v projections, paged attention and o_proj shard them), computes on each rank exactly
-#: what one process computes for those heads; served with tensor_parallel_size > 1 by vLLM's own classes
-#: (pid_plugins.vllm.models; make test-vllm serves PID with tensor_parallel_size=2)
-TENSOR_PARALLEL = frozenset({"pid", "neutreno", "value_residual"})
+class _TensorParallel:
+    """``name in TENSOR_PARALLEL``: the registered method ``name`` declares ``per_head_state`` (every term and state per
+    head and per position: tensor parallelism, which gives each rank some of the heads (vLLM's q/k/v projections,
+    paged attention and o_proj shard them), computes on each rank exactly what one process computes for those heads)
+    and is servable; served with tensor_parallel_size > 1 by vLLM's own classes (pid_plugins.vllm.models; make
+    test-vllm serves PID with tensor_parallel_size=2). Iterating gives those names, sorted."""
+
+    def __contains__(self, name: Any) -> bool:
+        method = find_method(name)
+        return method is not None and bool(method.per_head_state) and unservable_reason(method) is None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name in list_methods() if name in self])
+
+
+#: the methods served with tensor parallelism, read from each method's declaration (``per_head_state``) when asked
+TENSOR_PARALLEL = _TensorParallel()
 
 
 def check_engine(vllm_config: Any, where: str, tensor_parallel: bool = False) -> None:
@@ -108,8 +121,8 @@ def check_engine(vllm_config: Any, where: str, tensor_parallel: bool = False) ->
         refused.append(f"pipeline_parallel_size={parallel.pipeline_parallel_size} (the state would have to travel "
                        "between the stages)")
     if getattr(parallel, "tensor_parallel_size", 1) > 1 and not tensor_parallel:
-        refused.append(f"tensor_parallel_size={parallel.tensor_parallel_size} (served only for "
-                       f"{', '.join(sorted(TENSOR_PARALLEL))} with vLLM's own model classes, not tested here)")
+        refused.append(f"tensor_parallel_size={parallel.tensor_parallel_size} (served only for methods that declare "
+                       f"per_head_state: {', '.join(TENSOR_PARALLEL)}, with vLLM's own model classes; not tested here)")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
             refused.append(f"{name}={getattr(parallel, name)} (not tested)")

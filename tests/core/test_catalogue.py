@@ -65,15 +65,40 @@ def test_parse_catalogue_entries():
         name="pid_deit_tiny_patch16_224", zoo="timm", base="deit_tiny_patch16_224", preset="deit",
         description="DeiT-tiny with PID attention", paper={"top1": 73.13, "fgsm": 38.52},
     )
-    assert tiny.pid_config().gains == (0.8, 0.5, 0.05, 0.1)
-    assert entries["pid_deit_small_patch16_224"].pid_config().gains == (0.8, 0.5, 0.05, 0.3)
+    assert tiny.default_config().gains == (0.8, 0.5, 0.05, 0.1)
+    assert entries["pid_deit_small_patch16_224"].default_config().gains == (0.8, 0.5, 0.05, 0.3)
+    with pytest.deprecated_call(match="default_config"):
+        assert tiny.pid_config() == tiny.default_config()
+
+
+def test_an_entry_holds_its_methods_parameters():
+    """An entry's parameters are its method's config: from its preset, or the method's default preset for the
+    entry's zoo (the method's declaration), with the entry's overrides; a user's overrides go over them."""
+    neutreno = pid_plugins.get_method("neutreno")
+    entry = ModelEntry(name="n", zoo="hf", base="llama", method="neutreno", preset="deit", gains={"alpha": 0.3})
+    assert entry.default_config() == neutreno.config_type(alpha=0.3)
+    assert entry.configure({"alpha": 0.2}) == neutreno.config_type(alpha=0.2)
+    assert entry.configure("lm") == neutreno.configure("lm")
+    bare = ModelEntry(name="n", zoo="hf", base="llama", method="neutreno")  # no preset: the method's hf default
+    assert bare.default_config() == neutreno.configure(None, "hf") and bare.default_config().alpha == 0.4
+    timm_entry = ModelEntry(name="n", zoo="timm", base="deit", method="neutreno")
+    assert timm_entry.default_config().alpha == 0.6
+    entries = parse_catalogue([("timm.toml", TIMM_TOML.replace('preset = "deit"\ndescription',
+                                                               'method = "neutreno"\ndescription', 1))])
+    assert entries["pid_deit_tiny_patch16_224"].default_config() == neutreno.configure(None, "timm")
+    assert load_presets("neutreno")["lm"] == {"alpha": 0.4}
 
 
 @pytest.mark.parametrize(
     "file_name, text, message",
     [
         ("keras.toml", TIMM_TOML, "unknown zoo 'keras'"),
-        ("timm.toml", TIMM_TOML.replace('preset = "deit"', 'preset = "imagenet"', 1), "unknown preset 'imagenet'"),
+        ("timm.toml", TIMM_TOML.replace('preset = "deit"', 'preset = "imagenet"', 1),
+         "model 'pid_deit_tiny_patch16_224' (attention method 'pid'): unknown PID preset 'imagenet'"),
+        ("timm.toml", TIMM_TOML.replace('preset = "deit"\ndescription', 'method = "nope"\ndescription', 1),
+         "unknown attention method 'nope'"),
+        ("timm.toml", TIMM_TOML.replace("gains = { beta = 0.3 }", 'method = "neutreno"\ngains = { beta = 0.3 }'),
+         "unknown NeuTRENOConfig field(s) ['beta']"),
         ("timm.toml", TIMM_TOML.replace("pid_deit_small", "pid_deit_tiny"), "declared twice"),
         ("timm.toml", TIMM_TOML.replace("description", "descr", 1), "unknown keys ['descr']"),
         ("timm.toml", TIMM_TOML.replace('base = "deit_tiny_patch16_224"', ""), "lacks 'base'"),
@@ -103,7 +128,7 @@ def test_shipped_catalogue_is_valid():
     catalogue = load_catalogue()
     for name, entry in catalogue.items():
         assert entry.name == name and entry.zoo in ("timm", "hf", "mmseg", "fairseq")
-        entry.pid_config()
+        assert isinstance(entry.default_config(), pid_plugins.get_method(entry.method).config_type)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 API_NAMES = {
     "api/core": ["PIDConfig", "MethodConfig", "AttentionMethod", "register_method", "get_method", "list_methods",
                  "finish_warmup", "pid_update", "PIDSelfAttention", "LayerCall", "list_models", "check_version",
-                 "InternalChanged", "Internal"],
+                 "InternalChanged", "Internal", "FX_LEAVES"],
     "api/methods": ["PIDMethod", "NeuTRENOConfig", "TwicingConfig", "EllipticalConfig", "ValueResidualConfig"],
     "api/timm": ["convert", "MethodBlocks", "PIDVisionTransformer", "FAN", "checkpoint_filter_fn"],
     "api/hf": ["convert", "NoGainDecayTrainerMixin", "gain_parameter_names", "decay_parameter_names", "get_config"],

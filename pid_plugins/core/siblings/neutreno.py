@@ -93,6 +93,7 @@ class NeuTRENOMethod(AttentionMethod):
     config_type = NeuTRENOConfig
     state_fields = ("v_first",)
     default_presets = {"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm", "*": "deit"}
+    per_head_state = True  # v^1: (B, H_kv, q, D); alpha is one number for every head
 
     def update(self, params: NeuTRENOConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:

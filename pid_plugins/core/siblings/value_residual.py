@@ -101,6 +101,7 @@ class ValueResidualMethod(AttentionMethod):
     additive = False
     keys_state = True
     mixes_values = True
+    per_head_state = True  # v^1: (B, H_kv, K, D); lambda_1, lambda_2 are shared by every head
 
     def is_identity(self, config: ValueResidualConfig) -> bool:
         return config.is_zero and not config.learnable

@@ -51,6 +51,14 @@ def test_architectures_from_the_registry(data_dir):
                                                  "transformer_lm_pid_wikitext103", "--user-dir", pf.USER_DIR,
                                                  "--tokens-per-sample", "256", "--attention-cfg", '{"warmup_steps": 3}'])
     assert pf.attention_from_args(again).config == PIDConfig.preset("lm", warmup_steps=3)  # over the entry's
+    # another method on the entry's architecture: that method's fairseq preset (the entry's PID parameters unused)
+    other = options.parse_args_and_arch(options.get_training_parser(), [
+        str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_pid_wikitext103", "--user-dir",
+        pf.USER_DIR, "--tokens-per-sample", "256", "--attention-method", "neutreno"])
+    assert getattr(other, "attention_cfg", None) is None and (other.decoder_layers, other.decoder_attention_heads) == (16, 8)
+    from pid_plugins import get_method
+
+    assert pf.attention_from_args(other).config == get_method("neutreno").configure(None, "fairseq")
 
 
 def test_one_spelling_of_the_method_and_its_parameters(data_dir):

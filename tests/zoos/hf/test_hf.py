@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import pid_plugins.hf as ph  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
-from pid_plugins.core.record import RECORD_KEY  # noqa: E402
+from pid_plugins.hf.record import record_key  # noqa: E402
 from pid_plugins.hf.attention import MethodForwardState, method_attention_forward  # noqa: E402
 from zoo_cases import assert_direct_path_equals_apply  # noqa: E402
 from transformers import (  # noqa: E402
@@ -97,9 +97,11 @@ def test_pid_changes_outputs_and_loads_by_every_route(family):
     built.load_state_dict(model.state_dict())
     torch.testing.assert_close(run(built, ids), run(model, ids))
     switched = cls(make_config()).eval()  # a stock model carries nothing of ours: switched later, it is refused
-    with pytest.raises(RuntimeError, match=f'Unexpected key.*"{RECORD_KEY}"'):  # a stock model refuses PID's weights
+    key = record_key(model)
+    assert key.endswith(".pid_plugins_method")
+    with pytest.raises(RuntimeError, match=f'Unexpected key.*"{key}"'):  # a stock model refuses PID's weights
         switched.load_state_dict(model.state_dict())
-    assert switched.load_state_dict(model.state_dict(), strict=False).unexpected_keys == [RECORD_KEY]
+    assert switched.load_state_dict(model.state_dict(), strict=False).unexpected_keys == [key]
     switched.set_attn_implementation("pid")
     with pytest.raises(RuntimeError, match=r"built without it .* Call pid_plugins\.hf\.convert\(model, 'pid'\) once"):
         run(switched, ids)

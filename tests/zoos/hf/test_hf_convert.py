@@ -14,7 +14,8 @@ import transformers as T  # noqa: E402
 import pid_plugins.hf as ph  # noqa: E402
 import toy_method  # noqa: E402,F401  (registers the toy method a user registers, scaled_reference)
 from method_cases import METHODS  # noqa: E402
-from pid_plugins.core.record import RECORD_KEY, decode_record  # noqa: E402
+from pid_plugins.core.record import decode_record  # noqa: E402
+from pid_plugins.hf.record import record_key  # noqa: E402
 from zoo_cases import bert_config, hf_ids, llama_config  # noqa: E402
 
 FAMILIES = {"llama": (llama_config, T.LlamaForCausalLM), "bert": (bert_config, T.BertModel)}
@@ -65,8 +66,8 @@ def test_stock_to_pid_to_softmax_is_the_stock_model_bit_for_bit(family, cfg, tmp
     else:  # warm-up at t = 0: the stock function
         assert torch.equal(out(model, x), want)
     added = set(model.state_dict()) - set(stock.state_dict())
-    assert decode_record(model.state_dict()[RECORD_KEY]) == {"method": "pid", "config": model.config.pid}
-    added.remove(RECORD_KEY)  # the method record, always; learnable gains (3 per layer) and the warm-up counter
+    assert decode_record(model.state_dict()[record_key(model)]) == {"method": "pid", "config": model.config.pid}
+    added.remove(record_key(model))  # the method record, always; learnable gains (3 per layer) and the warm-up counter
     assert bool(added) == (cfg is not None)
     if cfg is not None:
         layers = stock.config.num_hidden_layers
@@ -140,8 +141,10 @@ def test_method_to_another_method_is_the_model_built_with_that_method():
     ph.convert(model, "neutreno", {"alpha": 0.4})
     assert "pid" not in vars(model.config) and model.config.neutreno["alpha"] == 0.4
     # the learnable gains and the counter went with PID; the record is NeuTRENO's
-    assert list(model.state_dict()) == [RECORD_KEY, *stock.state_dict()]
-    assert decode_record(model.state_dict()[RECORD_KEY]) == {"method": "neutreno", "config": model.config.neutreno}
+    keys = list(stock.state_dict())
+    assert keys[0] == "model.embed_tokens.weight" and record_key(model) == "model.embed_tokens.pid_plugins_method"
+    assert list(model.state_dict()) == [keys[0], record_key(model), *keys[1:]]
+    assert decode_record(model.state_dict()[record_key(model)]) == {"method": "neutreno", "config": model.config.neutreno}
     built = twin(stock, "llama", "neutreno", neutreno={"alpha": 0.4})
     x = hf_ids()
     assert torch.equal(out(model, x), out(built, x))

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 import pid_plugins.hf as ph  # noqa: E402
-from pid_plugins.core.record import RECORD_KEY  # noqa: E402
+from pid_plugins.hf.record import record_key  # noqa: E402
 import transformers as T  # noqa: E402
 
 V = 96
@@ -99,7 +99,7 @@ def test_learned_gains_follow_the_rule_in_float64_per_layer_with_grouped_query_a
     spread_gains(model)
     stock = T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")).double().eval()
     missing, unexpected = stock.load_state_dict(model.state_dict(), strict=False)
-    assert not missing and sorted(unexpected) == sorted([*gains_of(model), RECORD_KEY])  # and the method record
+    assert not missing and sorted(unexpected) == sorted([*gains_of(model), record_key(model)])  # and the method record
     per_layer = [learned(model, f"model.layers.{i}.self_attn.attention_params") for i in range(3)]
     assert len({g for g in per_layer}) == 3  # three different gain triples
     x = ids()
