@@ -202,3 +202,28 @@ def test_the_preset_is_written_where_vllm_reads_and_hashes_the_models_config():
     config = model_config("pid", dict(given), method="pid")
     routing.plan(["LlamaForCausalLM"], config)
     assert config.hf_config.pid == given  # parameters the checkpoint gives are left as they are
+
+
+def test_transformers_loads_a_folder_naming_the_plugins_architecture(tmp_path):
+    """A method checkpoint whose config.json names the plugin's vLLM class (docs/checkpoints.md): transformers'
+    AutoModelForCausalLM builds it by model_type, the same model computing the same logits."""
+    import json
+
+    import torch
+    transformers = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="pid").eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"]
+    saved["architectures"] = ["PidPluginsLlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model) and loaded.config._attn_implementation == "pid"
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
