@@ -11,7 +11,7 @@ norm, ``qkv_proj``, qk-norm where the family has one, rotary embedding, then the
 (:meth:`~pid_plugins.core.AttentionMethod.apply`) around vLLM's paged attention, ``o_proj``, norm and MLP, with the
 method's state handed from layer to layer as a value. The method and its parameters are read from the model's config
 (``hf_config``) when the model is built, as vLLM's layers read theirs; vLLM's compile cache is keyed on that config
-(:func:`pid_plugins.vllm.routing.plan` writes the resolved parameters into it).
+(:func:`pid_plugins.vllm.routing.config_choice` writes a preset's parameters into it).
 
 Layouts: vLLM flattens the tokens of every sequence of a step into one axis (decode tokens and chunks of prefills of
 several requests side by side). The method sees ``(heads, tokens, head_dim)`` views: every term is per token, so the
