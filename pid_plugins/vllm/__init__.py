@@ -7,10 +7,11 @@
   process the user launched): a checkpoint whose ``config.json`` names a method (``"attn_implementation": "pid"``,
   parameters as ``"pid": {...}``) is served by one of the plugin's classes below, or refused there with one
   ``ValueError`` naming the method, the architecture and the class vLLM would have served it with;
-* replaces vLLM's class for the architectures in :data:`~pid_plugins.vllm.config.ARCHITECTURES` (Llama, Mistral,
-  Qwen2, Qwen3: :mod:`pid_plugins.vllm.models`) and for vLLM's Transformers backend, which serves other families
-  (:mod:`pid_plugins.vllm.transformers_backend`), by subclasses that build vLLM's own model, unchanged, for a
-  checkpoint that names no method, and run the method's one core step around vLLM's paged attention otherwise;
+* registers, under architecture names of its own (``PidPlugins<Architecture>``), a class for each architecture in
+  :data:`~pid_plugins.vllm.config.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3: :mod:`pid_plugins.vllm.models`) and
+  for vLLM's Transformers backend, which serves other families (:mod:`pid_plugins.vllm.transformers_backend`): each
+  runs the method's one core step around vLLM's paged attention. vLLM's own classes are not touched: a checkpoint
+  that names no method is served by vLLM's class, as without the plugin;
 * refuses what it cannot serve exactly (Twicing, Elliptical, learnable parameters, an unfinished warm-up, parallelism
   it does not cover, a vLLM outside the supported releases: :mod:`pid_plugins.vllm.config`, ``internals``).
 
@@ -19,22 +20,23 @@ code until vLLM calls :func:`register`.
 """
 from __future__ import annotations
 
-from .config import ARCHITECTURES
+from .config import ARCHITECTURES, method_architecture
 
 __all__ = ["ARCHITECTURES", "register"]
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the method-serving class of every architecture in
-    :data:`ARCHITECTURES` with vLLM's model registry (lazily, by name: vLLM imports it where it builds a model), and
-    the check every model config passes there (:func:`pid_plugins.vllm.routing.install`). Safe to call more than
-    once (vLLM loads plugins in each process)."""
+    :data:`ARCHITECTURES` and of vLLM's Transformers backend with vLLM's model registry under its own name
+    (``PidPlugins<Architecture>``; lazily, by ``module:class``: vLLM imports it where it builds a model), and the
+    check every model config passes there (:func:`pid_plugins.vllm.routing.install`), which sends a method
+    checkpoint to them. Safe to call more than once (vLLM loads plugins in each process)."""
     from vllm import ModelRegistry
 
     from . import routing
 
     routing.install(ModelRegistry)
-    for architecture in ARCHITECTURES:
-        ModelRegistry.register_model(architecture, f"pid_plugins.vllm.models:{architecture}")
-    for architecture in routing.TRANSFORMERS_CLASSES:
-        ModelRegistry.register_model(architecture, f"pid_plugins.vllm.transformers_backend:{architecture}")
+    for module, architectures in (("models", ARCHITECTURES), ("transformers_backend", routing.TRANSFORMERS_CLASSES)):
+        for architecture in architectures:
+            name = method_architecture(architecture)
+            ModelRegistry.register_model(name, f"pid_plugins.vllm.{module}:{name}")

@@ -19,12 +19,30 @@ from typing import Any, Iterator, Mapping, Optional
 from ..core import SOFTMAX, AttentionMethod, MethodChoice, list_methods, resolve_attention
 from ..core.methods import find_method
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "STOCK_ATTENTIONS", "TENSOR_PARALLEL", "check_engine", "check_options",
-           "check_servable", "method_choice", "unservable_reason"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "METHOD_PREFIX", "STOCK_ATTENTIONS", "TENSOR_PARALLEL", "check_engine",
+           "check_options", "check_servable", "method_architecture", "method_choice", "stock_architecture",
+           "unservable_reason"]
 
-#: the architectures (config.json's ``architectures``) the plugin registers with vLLM: the decoder-only families vLLM
-#: and the transformers adapter share
+#: the architectures (config.json's ``architectures``) whose method checkpoints the plugin serves with native classes
+#: of its own (registered as ``PidPlugins<Architecture>``): the decoder-only families vLLM and the transformers adapter
+#: share
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: the prefix of the architecture names the plugin registers with vLLM: ``PidPlugins<Architecture>`` is the plugin's
+#: class serving a method checkpoint that vLLM would otherwise serve with its ``<Architecture>`` (a native family of
+#: :data:`ARCHITECTURES`, or one of vLLM's Transformers-backend classes); vLLM's own classes keep their names
+METHOD_PREFIX = "PidPlugins"
+
+
+def method_architecture(architecture: str) -> str:
+    """The architecture name of the plugin's class serving a method checkpoint of ``architecture``."""
+    return architecture if architecture.startswith(METHOD_PREFIX) else METHOD_PREFIX + architecture
+
+
+def stock_architecture(name: str) -> str:
+    """The architecture a method architecture name (``PidPlugins<Architecture>``) stands for; other names as given."""
+    return name[len(METHOD_PREFIX):] if name.startswith(METHOD_PREFIX) else name
+
+
 #: transformers' own ``attn_implementation`` names (a stock checkpoint may carry one): vLLM's own model serves them
 STOCK_ATTENTIONS = frozenset({"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", SOFTMAX})
 

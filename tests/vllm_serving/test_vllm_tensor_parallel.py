@@ -43,8 +43,8 @@ def test_vllm_serves_pid_with_tensor_parallel_size_2_as_transformers_computes_it
     result = json.loads((tmp_path / "out.json").read_text())["tp2"]
     assert "error" not in result, result.get("traceback", result.get("error"))
     print(f"vLLM llama_pid, tensor_parallel_size=2: {result['seconds']}")
-    assert result["model_class"] == "pid_plugins.vllm.models.LlamaForCausalLM", result["model_class"]
-    assert result["inner_class"].startswith("LlamaModel_pid_"), result["inner_class"]
+    assert result["model_class"] == "pid_plugins.vllm.models.PidPluginsLlamaForCausalLM", result["model_class"]
+    assert result["inner_class"] == "PidPluginsLlamaModel", result["inner_class"]
     for want, got in zip(ref["prompts"], result["passes"][0], strict=True):
         where = f"llama_pid, tensor_parallel_size=2, prompt of {len(want['prompt'])} tokens"
         assert got["generated"] == want["generated"], where

@@ -125,23 +125,105 @@ def test_the_supported_range(version):
     check_release("here", version)
 
 
-def test_install_wraps_the_registry_once():
-    calls = []
+class Registry:
+    """vLLM's ModelRegistry as the plugin uses it: resolution, and the lookup of one registered architecture."""
 
-    class Registry:
-        def inspect_model_cls(self, architectures, model_config):
-            calls.append(model_config.model_impl)
+    def __init__(self):
+        self.calls = []
+
+    def inspect_model_cls(self, architectures, model_config):
+        self.calls.append((list(architectures), model_config.model_impl))
+        if model_config.model_impl == "transformers":
             return "info", "TransformersForCausalLM"
+        return "info", architectures[0]
 
-        def resolve_model_cls(self, architectures, model_config):
-            return "class", architectures[0]
+    def resolve_model_cls(self, architectures, model_config):
+        return "class", architectures[0]
 
+    def _try_inspect_model_cls(self, model_arch):
+        return f"info of {model_arch}"
+
+    def _try_load_model_cls(self, model_arch):
+        return f"class {model_arch}"
+
+
+def test_install_wraps_the_registry_once():
     registry = Registry()
     routing.install(registry)
     routing.install(registry)
     config = model_config("pid", method="pid")
-    assert registry.inspect_model_cls(["Phi3ForCausalLM"], config) == ("info", "TransformersForCausalLM")
-    assert calls == ["transformers"]  # the fallback was set before vLLM resolved
+    # a method checkpoint: the plugin's class of what vLLM resolves (its Transformers backend, after the fallback)
+    assert registry.inspect_model_cls(["Phi3ForCausalLM"], config) == ("info of PidPluginsTransformersForCausalLM",
+                                                                      "PidPluginsTransformersForCausalLM")
+    assert registry.calls == [(["Phi3ForCausalLM"], "transformers")]  # the fallback was set before vLLM resolved
     with pytest.raises(ValueError, match="vLLM's own Phi3ForCausalLM class"):
         registry.resolve_model_cls(["Phi3ForCausalLM"], model_config("pid", method="pid", impl="vllm"))
     assert registry.resolve_model_cls(["Phi3ForCausalLM"], model_config()) == ("class", "Phi3ForCausalLM")
+
+
+@pytest.mark.parametrize("named", ["LlamaForCausalLM", "PidPluginsLlamaForCausalLM"])
+def test_a_method_checkpoint_is_served_by_the_plugins_class_under_its_own_name(named):
+    """The stock architecture name, or the plugin's (a checkpoint may name it): the plugin's native class; vLLM
+    resolves the architecture it stands for."""
+    registry = Registry()
+    routing.install(registry)
+    config = model_config("neutreno", method="neutreno")
+    assert registry.resolve_model_cls([named], config) == ("class PidPluginsLlamaForCausalLM",
+                                                           "PidPluginsLlamaForCausalLM")
+    assert registry.inspect_model_cls([named], config) == ("info of PidPluginsLlamaForCausalLM",
+                                                           "PidPluginsLlamaForCausalLM")
+    assert registry.calls == [(["LlamaForCausalLM"], "auto")]
+
+
+@pytest.mark.parametrize("attention, params", [(None, None), ("sdpa", None),
+                                               ("pid", {"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0})])
+def test_a_stock_checkpoint_resolves_to_vllms_own_class(attention, params):
+    """vLLM's own resolution, untouched (the plugin's name in a checkpoint stands for vLLM's class then)."""
+    registry = Registry()
+    routing.install(registry)
+    config = model_config(attention, params, method="pid" if params else None)
+    assert registry.resolve_model_cls(["LlamaForCausalLM"], config) == ("class", "LlamaForCausalLM")
+    assert registry.inspect_model_cls(["PidPluginsLlamaForCausalLM"], config) == ("info", "LlamaForCausalLM")
+
+
+def test_the_preset_is_written_where_vllm_reads_and_hashes_the_models_config():
+    """A checkpoint naming a method without its parameters (the preset): the resolved parameters become
+    ``config.<method>``, which vLLM's compile cache key holds (hf_config's JSON has no attn_implementation), and which
+    every later read resolves to the same method and parameters."""
+    from pid_plugins.core import PIDConfig
+    from pid_plugins.vllm.config import method_choice
+
+    config = model_config("pid", method="pid")
+    choice = routing.plan(["LlamaForCausalLM"], config)
+    assert choice.config == PIDConfig.preset("lm")
+    assert config.hf_config.pid == PIDConfig.preset("lm").to_dict()
+    assert method_choice(config.hf_config, "here") == choice
+    given = {"lambda_p": 0.3}
+    config = model_config("pid", dict(given), method="pid")
+    routing.plan(["LlamaForCausalLM"], config)
+    assert config.hf_config.pid == given  # parameters the checkpoint gives are left as they are
+
+
+def test_transformers_loads_a_folder_naming_the_plugins_architecture(tmp_path):
+    """A method checkpoint whose config.json names the plugin's vLLM class (docs/checkpoints.md): transformers'
+    AutoModelForCausalLM builds it by model_type, the same model computing the same logits."""
+    import json
+
+    import torch
+    transformers = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="pid").eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"]
+    saved["architectures"] = ["PidPluginsLlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model) and loaded.config._attn_implementation == "pid"
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
