@@ -58,11 +58,9 @@ def device(request: pytest.FixtureRequest):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse ``--dist loadgroup`` under a pytest whose test ids pytest-xdist 3.8 cannot tag with a group. On the CPU,
-    name DeepSpeed's accelerator (imported by mmengine and the Trainer wherever deepspeed is installed): its
-    auto-detection prints a line on stdout, which the tests that read a command's stdout would read."""
-    if config.getoption("--device", "cpu") == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    """Refuse ``--dist loadgroup`` under a pytest whose test ids pytest-xdist 3.8 cannot tag with a group. (No variable
+    is set here for the whole run: the tests run in the environment users have; a test that needs one sets it itself
+    and says why.)"""
     if config.getoption("dist", "no") == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         from importlib.metadata import version
 
