@@ -78,8 +78,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    """Under xdist: the ``slow`` tests first (stable: otherwise in collection order), and a check that
-    ``--dist loadgroup`` grouped what carries ``xdist_group``.
+    """Under xdist: the ``slow`` tests first, the grouped ones (``xdist_group``) first among them (stable: otherwise in
+    collection order), and a check that ``--dist loadgroup`` grouped what carries ``xdist_group``.
 
     pytest-xdist tells its scheduler a test's group by appending ``@group`` to the test's id; from pytest 9.2 that
     no longer takes (pytest-xdist issue #1386), and the groups are silently ignored: torchrun's jobs then run on
@@ -89,7 +89,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # the longest units first: slow tests, and of those the xdist groups (torchrun's chain of jobs, SmolLM2's tests),
+    # which one worker runs one after the other while the other worker takes the rest
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("xdist_group") is None))
     if config.getvalue("loadgroup"):
         # xdist's own reading of the tag: an "@" after the parameters' "]" (an "@" inside them is no tag)
         lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group")

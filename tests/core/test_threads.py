@@ -1,5 +1,5 @@
-"""Thread safety: forwards of PID models of every zoo in two threads at once equal the sequential ones, and the per-forward
-PID state is never shared between threads (in one process: the engines' multi-rank jobs are in test_distributed.py).
+"""Thread safety: forwards of PID models of every zoo in two threads at once equal the sequential ones, and the
+per-forward PID state is never shared between threads (in one process: the engines' jobs are in test_distributed.py).
 """
 import sys
 import threading
