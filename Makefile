@@ -19,7 +19,8 @@ SHELL := /bin/bash
 # pip warns about every local index directory that lacks a package: keep the log readable
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
-.PHONY: install data test test-fast test-compat conformance timm-tests tools-env demo bench clean-venv test-vllm
+.PHONY: install data test test-integration test-fast test-compat conformance timm-tests tools-env demo bench clean-venv \
+	test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -104,20 +105,30 @@ tools-env: $(TOOLS_STAMP)
 WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
-# --durations: the slowest tests of every run are in the log (where the next minutes are to be saved)
-test: $(STAMP) data timm-tests tools-env
-	$(PYTEST) --durations=25
+# Two tiers, by the marker `integration` (pyproject.toml): make test runs every test that stays in its process, the
+# contract of every zoo and every method (within 10 minutes on a fresh clone on 2 cores, the install included);
+# make test-integration runs the tests that start processes or run a tool's command line: the engines' multi-rank jobs
+# (torchrun: DDP, FSDP2, DeepSpeed, pipeline, tensor parallelism), accelerate launch, lm-eval, TRL, timm's scripts,
+# mmseg's tools, fairseq's commands, timm's own test file, the docs' examples and site, the wheel, the demo and study
+# commands, the device script's dry run. --durations: the slowest tests of every run are in the log (where the next minutes are to be saved)
+test: $(STAMP)
+	$(PYTEST) -m "not integration" --durations=25
 
-# the inner loop (under 3 minutes on 2 cores): every test not marked slow (core, and a path through each zoo), leaving
-# out tests/docs and tests/research (their conftest.py marks them docs and research)
+test-integration: $(STAMP) data timm-tests tools-env
+	$(PYTEST) -m integration --durations=25
+
+# the inner loop (under 3 minutes on 2 cores): make test without the tests marked slow and without tests/docs and
+# tests/research (their conftest.py marks them docs and research)
 test-fast: $(STAMP)
-	$(PYTEST) -m "not slow and not docs and not research"
+	$(PYTEST) -m "not slow and not docs and not research and not integration"
 
-# The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: every
-# test that runs a zoo (core, every adapter and method, every cache path, compile, distributed, mixed precision,
-# ONNX); left out are the tests of the docs site, the wheel, the CLI's demo and study runs and timm's own suite,
-# which read no zoo internals, the device script's dry run (it runs the newest pins), and the tool tests (lm-eval,
-# TRL, timm's scripts: .cache/tools-env is resolved against the newest stack). .ci/run runs it after make test.
+# The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: make
+# test's tests that run a zoo (core, every adapter and method, every cache path, compile, mixed precision, ONNX) and,
+# of the integration tier, the engines' multi-rank jobs (marker `engines`: DDP, FSDP2, DeepSpeed, pipeline, tensor
+# parallelism, fairseq on two ranks). Left out are the rest of the integration tier (the tools' commands run against
+# the newest stack: .cache/tools-env is resolved against it; the docs, the wheel, the demo, the device script's dry
+# run), and the in-process tests of the docs site, the CLI's demo and study, and timm's own suite, which read no zoo
+# internals. .ci/run runs it after make test and make test-integration.
 COMPAT_VENV ?= .venv-compat
 COMPAT_SKIP := docs/test_docs docs/test_wheel core/test_packaging docs/test_readme research/test_cli_demo \
 	research/test_study research/test_demo_cache research/test_analysis research/test_bench_harness \
@@ -127,7 +138,7 @@ test-compat:
 	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \
 	  'transformers', transformers.__version__, 'timm', timm.__version__)"
-	$(COMPAT_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 \
+	$(COMPAT_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 -m "not integration or engines" \
 	  $(foreach t,$(COMPAT_SKIP),--ignore=tests/$(t).py)
 
 # timm's own model tests over every pid_* and fan_* name (every test but TorchScript; long: large models)

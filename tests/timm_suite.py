@@ -4,7 +4,7 @@ Three roles, one file (none of timm's code is stored in this repository):
 
 * ``python tests/timm_suite.py fetch`` downloads the sdist of the installed timm version from PyPI
   (``pip download --no-binary :all:``) into ``.cache/timm-sdist/`` and extracts its ``tests/`` folder
-  (``make test`` and ``make conformance`` run it first; :func:`fetch` is also called by the test).
+  (``make test-integration`` and ``make conformance`` run it first; :func:`fetch` is also called by the test).
 * :func:`patched_test_file` writes ``test_models_pid.py`` next to timm's file: the same file with
   ``'pid_*', 'fan_*'`` added to ``NON_STD_FILTERS`` (our models are ViT-like, as timm's own ``vit_*`` /
   ``deit*`` / ``xcit_*``) and ``'fan'`` (the module of the FAN models) to ``FEAT_INTER_FILTERS`` (FAN has
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "timm-sdist"
 
-#: the tiny names ``make test`` runs timm's tests over (``make conformance``: ``pid_*,fan_*``)
+#: the tiny names ``make test-integration`` runs timm's tests over (``make conformance``: ``pid_*,fan_*``)
 #: (one per model class: PID ViT/DeiT, PID distilled DeiT, PID FAN; the softmax fan_* only in conformance)
 TINY = "pid_deit_tiny_patch16_224,pid_deit_tiny_distilled_patch16_224,pid_fan_tiny_12_p16_224"
 

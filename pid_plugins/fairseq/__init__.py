@@ -21,56 +21,71 @@ OPT_IN = ("opt in to pid-plugins' hook, which relaxes Python's rule for fairseq'
 if OPTED_IN and sys.version_info >= (3, 11):
     DATACLASS_FIELD.require()  # what the hook wraps
 
-try:
-    import fairseq  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised only without fairseq
-    raise ImportError(
-        "pid_plugins.fairseq needs fairseq: pip install -c constraints.txt 'pid-plugins[fairseq]' "
-        f"({exc})"
-    ) from exc
-except ValueError as exc:  # Python 3.11's rule on dataclass defaults, without the opt-in
-    if "mutable default" not in str(exc):
-        raise
-    raise ImportError(f"pid_plugins.fairseq: fairseq 0.12.2 does not import on Python "
-                      f"{sys.version_info.major}.{sys.version_info.minor} as published ({exc}; fairseq issue #5012): "
-                      f"{OPT_IN}") from None
-
-from ..versions import check_version  # noqa: E402
-
-check_version("fairseq")
-
-
-def _numpy_compat_long() -> None:
-    """Provide ``numpy.compat.long`` (gone in NumPy 2), which fairseq 0.12.2 reads for "eos"-break datasets."""
-    import types
-
-    import numpy
-
-    if not hasattr(numpy, "compat"):
-        numpy.compat = types.SimpleNamespace(long=int)
-
-
-if OPTED_IN:
-    _numpy_compat_long()
-
-from .checkpoint import UnsafeCheckpointError, install as _install_safe_loading  # noqa: E402
-
-_install_safe_loading()  # fairseq's checkpoint_utils loads with weights_only=True, whatever the environment says
-
-from .model import (  # noqa: E402
-    METHOD_PARAM_GROUP,
-    PIDMultiheadAttention,
-    PIDTransformerDecoder,
-    PIDTransformerDecoderLayer,
-    PIDTransformerLanguageModel,
-    PIDTransformerLanguageModelConfig,
-    attention_from_args,
-    load_pid_lm,
-)
-from .conversion import convert  # noqa: E402
-
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 """The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""
+
+
+def _finding_main() -> bool:
+    """Whether this import is ``python -m pid_plugins.fairseq`` looking for its ``__main__``: Python imports the package
+    first (``sys.argv[0]`` is still ``"-m"`` until the module to run is found). That command prints only
+    :data:`USER_DIR`, so the package then stops before importing fairseq (whose import, where deepspeed is installed,
+    prints DeepSpeed's accelerator line on stdout, into ``--user-dir "$(python -m pid_plugins.fairseq)"``)."""
+    if sys.argv[:1] != ["-m"]:
+        return False
+    argv = list(getattr(sys, "orig_argv", []))[1:]
+    for i, arg in enumerate(argv):  # the interpreter's options end at -m MODULE (or -mMODULE)
+        if arg.startswith("-m"):
+            return (arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")) == __name__
+    return False
+
+
+if not _finding_main():  # the whole adapter, unless only USER_DIR is asked for (above)
+    try:
+        import fairseq  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised only without fairseq
+        raise ImportError(
+            "pid_plugins.fairseq needs fairseq: pip install -c constraints.txt 'pid-plugins[fairseq]' "
+            f"({exc})"
+        ) from exc
+    except ValueError as exc:  # Python 3.11's rule on dataclass defaults, without the opt-in
+        if "mutable default" not in str(exc):
+            raise
+        raise ImportError(f"pid_plugins.fairseq: fairseq 0.12.2 does not import on Python "
+                          f"{sys.version_info.major}.{sys.version_info.minor} as published ({exc}; fairseq issue "
+                          f"#5012): {OPT_IN}") from None
+
+    from ..versions import check_version  # noqa: E402
+
+    check_version("fairseq")
+
+    def _numpy_compat_long() -> None:
+        """Provide ``numpy.compat.long`` (gone in NumPy 2), which fairseq 0.12.2 reads for "eos"-break datasets."""
+        import types
+
+        import numpy
+
+        if not hasattr(numpy, "compat"):
+            numpy.compat = types.SimpleNamespace(long=int)
+
+    if OPTED_IN:
+        _numpy_compat_long()
+
+    from .checkpoint import UnsafeCheckpointError, install as _install_safe_loading  # noqa: E402
+
+    _install_safe_loading()  # fairseq's checkpoint_utils loads with weights_only=True, whatever the environment says
+
+    from .model import (  # noqa: E402
+        METHOD_PARAM_GROUP,
+        PIDMultiheadAttention,
+        PIDTransformerDecoder,
+        PIDTransformerDecoderLayer,
+        PIDTransformerLanguageModel,
+        PIDTransformerLanguageModelConfig,
+        attention_from_args,
+        load_pid_lm,
+    )
+    from .conversion import convert  # noqa: E402
+
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",

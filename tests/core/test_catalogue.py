@@ -131,6 +131,7 @@ def test_shipped_catalogue_is_valid():
         assert isinstance(entry.default_config(), pid_plugins.get_method(entry.method).config_type)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_wheel_ships_the_registry_and_finds_it_through_importlib_resources(tmp_path, pid_plugins_wheel):
     wheel = pid_plugins_wheel  # the session's wheel (tests/conftest.py)

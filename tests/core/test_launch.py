@@ -90,7 +90,7 @@ launch.main(["--adapters", "timm,hf", "--", "python", "-c", "pass"])
     assert seen["argv"] == ["python", "-c", "pass"] and os.path.basename(seen["program"]).startswith("python")
 
 
-@pytest.mark.parametrize("argv, message", [
+BAD_INPUT = [
     ([], "no command to run"),
     (["--"], "no command to run"),
     (["--adapters", "hf,nope", "--", "python"], "unknown adapter 'nope' in --adapters (known: hf, timm, mmseg, fairseq)"),
@@ -99,14 +99,34 @@ launch.main(["--adapters", "timm,hf", "--", "python", "-c", "pass"])
     (["--", "no-such-command-here"], "command not found: no-such-command-here (not on PATH)"),
     (["--", "./no/such/file"], "command not found: ./no/such/file (no executable file there)"),
     (["--verbose", "--", "python"], "unknown option '--verbose'"),
-])
-def test_bad_input_is_one_clear_error(argv, message, tmp_path):
+]
+
+
+def one_error_line(returncode: int, stdout: str, stderr: str, message: str) -> None:
+    assert returncode == 2 and stdout == ""
+    assert stderr.startswith("pid-plugins run: error: ") and message in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUT)
+def test_bad_input_is_one_clear_error(argv, message, tmp_path, monkeypatch, capsys):
+    """In this process, through the function ``python -m pid_plugins`` and the console script call
+    (``pid_plugins.cli.main``); a command that would start instead fails the test (``os.execve`` is replaced)."""
+    from pid_plugins.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "execve", lambda *args: pytest.fail(f"{argv} was accepted: it would run {args[:2]}"))
+    returncode = main(["run", *argv])
+    one_error_line(returncode, *capsys.readouterr(), message)
+
+
+def test_bad_input_is_one_clear_error_in_a_process_of_its_own(tmp_path):
+    """The same as a user's shell sees it (the exit status, and nothing else on either stream): ``python -m
+    pid_plugins run`` and the console script's code, each with a case of BAD_INPUT."""
     console = ["-c", "from pid_plugins.cli import main; raise SystemExit(main())", "run"]
-    for prefix in [["-m", "pid_plugins", "run"], *([console] if not argv else [])]:  # the console script's, once
+    for prefix, (argv, message) in ((["-m", "pid_plugins", "run"], BAD_INPUT[2]), (console, BAD_INPUT[0])):
         proc = launch([PY, *prefix, *argv], tmp_path, launcher=False)
-        assert proc.returncode == 2 and proc.stdout == ""
-        assert proc.stderr.startswith("pid-plugins run: error: ") and message in proc.stderr, proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+        one_error_line(proc.returncode, proc.stdout, proc.stderr, message)
 
 
 def test_help_and_the_cli_listing(tmp_path):

@@ -745,6 +745,7 @@ def test_fairseq_learnable_attention_params_are_per_layer_parameters():
                for n, p in model.named_parameters() if "attention_params" in n)
 
 
+@pytest.mark.integration  # fairseq-train's CLI
 @pytest.mark.slow
 def test_fairseq_train_cli_with_a_method_from_the_users_user_dir(tmp_path, tiny_fairseq_data_bin):
     """fairseq-train --arch transformer_lm_pid --attention-method scaled_reference, the toy registered by the user's

@@ -182,6 +182,8 @@ def _pp_message(name: str, registered=None) -> str:
 
 
 # ====================================================================================================== 2 ranks
+@pytest.mark.integration
+@pytest.mark.engines
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_torch_pipelining_on_two_ranks_equals_one_process(tmp_path):
@@ -224,6 +226,8 @@ def test_torch_pipelining_on_two_ranks_equals_one_process(tmp_path):
                 assert gains and max((stage["params"][k] - init[k]).abs().max().item() for k in gains) > 1e-6
 
 
+@pytest.mark.integration
+@pytest.mark.engines
 @pytest.mark.slow
 @pytest.mark.xdist_group("multiprocess")
 def test_transformers_pp_on_two_ranks_refuses_state_methods_and_runs_twicing_exactly(tmp_path):

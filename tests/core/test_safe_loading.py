@@ -117,6 +117,7 @@ def data_bin(tiny_fairseq_data_bin):
     return tiny_fairseq_data_bin
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("env_extra", ENV_SETTINGS)
 def test_fairseq_train_refuses_a_pickled_checkpoint(tmp_path, env_extra, data_bin):

@@ -408,6 +408,7 @@ def test_hf_convert_adds_the_counter_and_refuses_a_model_without_one():
     assert int(model.attention_warmup.step) == 0 and model.attention_warmup.warmup_steps == N
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path, tiny_fairseq_data_bin):
     import pid_plugins.fairseq as pf

@@ -34,6 +34,7 @@ def site(tmp_path_factory):
     return out
 
 
+@pytest.mark.integration
 def test_every_page_of_the_nav_is_built(site):
     nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
     nav += re.findall(r"^\s*-\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
@@ -46,6 +47,7 @@ def test_every_page_of_the_nav_is_built(site):
         assert (ROOT / "docs" / page).is_file()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("page", sorted(API_NAMES))
 def test_api_reference_renders_the_public_names(site, page):
     html = (site / page / "index.html").read_text()
@@ -58,6 +60,7 @@ def test_api_reference_renders_the_public_names(site, page):
     assert not re.search(r":(class|func|meth|mod|data|attr):`", html)
 
 
+@pytest.mark.integration
 def test_the_plots_and_records_are_in_the_site(site):
     for path in ("demo/vision_robustness.png", "reproduce/reproduce.png", "reproduce/study/study.png",
                  "finetune/finetune.png", "analysis_diagnose.png", "core_demo.png"):
@@ -88,6 +91,7 @@ def _visible_text(html):
     return re.sub(r"<(?!/p>)[^>]+>", "", html)
 
 
+@pytest.mark.integration
 def test_no_raw_rest_on_the_rendered_pages(site):
     found = []
     for page in sorted(site.rglob("*.html")):
@@ -145,6 +149,7 @@ def test_code_blocks_fit_the_column():
     assert not long, f"code-block lines longer than {WIDTH} characters:\n" + "\n".join(long)
 
 
+@pytest.mark.integration
 def test_api_signatures_are_formatted(site):
     """mkdocstrings formats the signatures with ruff (the docs extra); without a formatter each sits on one line."""
     import importlib.util

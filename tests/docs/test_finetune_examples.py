@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("timm")
 
 # slow; on one xdist worker with test_hf's SmolLM2 test: the session reads the GGUF file once (tests/conftest.py)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT_LM = ["--batch", "1", "--block", "32", "--valid-blocks", "1", "--steps", "2"]

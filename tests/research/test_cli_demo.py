@@ -31,6 +31,7 @@ def test_cli_bad_preset_is_a_clear_error(tmp_path, capsys):
     assert "unknown PID preset 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_demo_writes_report_and_shows_collapse(tmp_path):
     proc = run_python_m("research", "demo", "--parts", "core", "--out", str(tmp_path), cwd=REPO)
@@ -52,6 +53,7 @@ def test_demo_bad_parts_is_a_clear_error(tmp_path, capsys):
     assert "--parts takes a comma list" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_quick_demo_trains_both_models_on_real_data_and_reports(tmp_path):
     """`python -m research demo --quick`: the main job end to end, through the timm and transformers adapters."""

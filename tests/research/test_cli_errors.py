@@ -168,6 +168,7 @@ def assert_one_clear_line(files, tmp_path, capsys, argv, expected):
     assert not (files / "pwned").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_console_script_prints_no_traceback(files, tmp_path):
     """The installed entry point: the same one line on stderr, exit code 2."""

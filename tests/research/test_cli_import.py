@@ -39,6 +39,7 @@ def records(out, command):
     return json.loads((out / f"{command}.json").read_text())["models"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_diagnose_imports_a_module_from_the_current_directory(tmp_path):
     out = tmp_path / "d"
@@ -51,6 +52,7 @@ def test_diagnose_imports_a_module_from_the_current_directory(tmp_path):
     assert toy["mean_cosine"] != soft["mean_cosine"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_attack_imports_a_module_by_file_path(tmp_path):
     out = tmp_path / "a"
@@ -66,6 +68,7 @@ def test_attack_imports_a_module_by_file_path(tmp_path):
     assert "(scaled_reference): clean" in proc.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_study_arm_names_an_imported_method(tmp_path):
     out = tmp_path / "s"
@@ -79,6 +82,7 @@ def test_study_arm_names_an_imported_method(tmp_path):
     assert models["sr"]["collapse"]["mean_cosine"] != models["softmax"]["collapse"]["mean_cosine"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["diagnose", "attack", "study"])
 def test_without_import_the_name_is_refused_with_cores_message(tmp_path, command):

@@ -141,6 +141,7 @@ def test_training_key_covers_gains_and_code(monkeypatch):
         assert spec.training_key() != key
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_concurrent_runs_into_one_folder_are_refused(tmp_path, capsys):
     out = tmp_path / "demo"

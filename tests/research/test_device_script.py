@@ -18,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_device_run_dry_runs_on_the_cpu_with_every_row(tmp_path):
     pytest.importorskip("transformers")

@@ -71,6 +71,7 @@ def test_record_pairs_by_seed_and_marks_only_what_is_beyond_noise(tmp_path):
     assert "**+2.000 +- 0.000**" in md and "| +1.000 +- 2.000 |" in md
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_study_command_runs_end_to_end_and_refuses_bad_arms(tmp_path):
     import subprocess

@@ -152,6 +152,7 @@ def test_control_first_layer_option_default_and_validation(data_dir):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_control_first_layer_is_saved_in_the_checkpoint(tmp_path, tiny_fairseq_data_bin):
     """fairseq-train --attention-cfg '{"control_first_layer": false}': the checkpoint keeps it and load_pid_lm restores it."""
@@ -252,6 +253,7 @@ TRAIN = ["--task", "language_modeling", "--user-dir", pf.USER_DIR, "--decoder-la
          "5", "--cpu", "--seed", "1", "--num-workers", "0"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_cli_train_eval_generate_and_python_loading(corpus):
     log = run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm_pid", "--max-update", "40",
@@ -277,6 +279,7 @@ def test_cli_train_eval_generate_and_python_loading(corpus):
     assert sampled.startswith("the king")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_softmax_checkpoint_fine_tunes_as_pid(corpus):
     # a few updates each: the softmax run only has to leave a checkpoint, the fine-tuning run one logged loss

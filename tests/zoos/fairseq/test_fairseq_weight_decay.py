@@ -153,6 +153,8 @@ checkpoint: {{save_dir: {save_dir}, no_epoch_checkpoints: true}}
 """
 
 
+@pytest.mark.integration  # fairseq-hydra-train's CLI
+@pytest.mark.slow
 def test_fairseq_hydra_train_with_a_gains_group(tmp_path, data_dir, tiny_fairseq_data_bin):
     """The real CLI: fairseq-hydra-train with the composite config above trains (on the session's tiny corpus,
     tests/conftest.py), its checkpoint's optimizer state has the gains (and only them) in a group with

@@ -16,6 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+# lm-eval, TRL, accelerate launch and transformers' pipelines in processes of their own: make test-integration
+pytestmark = pytest.mark.integration
+
 from tool_cases import check, hf_pair, launch, read_json, save_pid_llama, tools_env  # noqa: E402
 
 PROMPT = "the cat sat on the mat."

@@ -231,6 +231,7 @@ def ade_tiny(tmp_path_factory):
     return ["--cfg-options"] + [f"{s}_dataloader.dataset.data_root={data}" for s in ("train", "val", "test")]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_mmseg_tools_refuse_pickled_code_with_the_variable_set(evil, ade_tiny, tmp_path):
     """tools/test.py (load_from) and tools/train.py --resume, with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1."""
@@ -245,6 +246,7 @@ def test_mmseg_tools_refuse_pickled_code_with_the_variable_set(evil, ade_tiny, t
     assert not marker.exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_mmseg_tools_train_resume_test_with_default_torch_loading(ade_tiny, tmp_path):
     """The whole cycle on our config with torch's default loading (no variable): mmengine's classes load."""

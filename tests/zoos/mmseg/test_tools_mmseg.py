@@ -11,6 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("mmseg")
+# mmseg's tools/test.py through its launcher, in processes of their own: make test-integration
+pytestmark = pytest.mark.integration
 from tool_cases import ROOT, check, launch  # noqa: E402
 
 TINY_CONFIG = ROOT / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"

@@ -1,6 +1,6 @@
 """timm's own model tests (``tests/test_models.py`` of the installed timm's sdist) pass for our models.
 
-``make test`` runs them over the tiny names (:data:`timm_suite.TINY`) without timm's slow
+``make test-integration`` runs them over the tiny names (:data:`timm_suite.TINY`) without timm's slow
 ``test_prune_intermediate_layers_contract`` (timm's CI leaves it out too); ``make conformance``
 (``PID_TIMM_CONFORMANCE=1``) runs every test over every ``pid_*`` / ``fan_*`` name. TorchScript tests are
 left out in both (see the README). The file is fetched from PyPI into ``.cache/`` and patched as
@@ -15,7 +15,8 @@ pytest.importorskip("timm")
 pytest.importorskip("torchvision")
 import timm_suite  # noqa: E402
 
-pytestmark = pytest.mark.slow  # every test here (make test-fast leaves them out)
+# timm's own test file, run by a pytest of its own in a subprocess: make test-integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CONFORMANCE = os.environ.get("PID_TIMM_CONFORMANCE") == "1"
 

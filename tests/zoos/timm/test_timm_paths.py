@@ -153,6 +153,7 @@ print(json.dumps(dict(pid=model.attention_config.to_dict(), logits=out.tolist())
 '''
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_readme_validate_py_command(tmp_path):
     """The validate.py command of the timm docs page (docs/timm.md, as written there) imports the plugin before

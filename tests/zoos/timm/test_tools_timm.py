@@ -21,6 +21,9 @@ import torch
 
 timm = pytest.importorskip("timm")
 
+# timm's scripts (train.py, validate.py, ...) in processes of their own: make test-integration
+pytestmark = pytest.mark.integration
+
 import pid_plugins.timm  # noqa: E402,F401
 from tool_cases import ROOT, TOOLS_ENV, check, launch  # noqa: E402
 
