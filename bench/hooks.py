@@ -21,11 +21,11 @@ SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 
 def _timed(hook: Callable, spent: List[float]) -> Callable:
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = time.thread_time()
         try:
             return hook(*args, **kwargs)
         finally:
-            spent.append(time.perf_counter() - start)
+            spent.append(time.thread_time() - start)
     return timed
 
 
@@ -62,5 +62,24 @@ def hook_microseconds(method: str = "pid", forwards: int = 30, threads: int = 1)
         torch.set_num_threads(previous)
 
 
+def add_microseconds(reps: int = 20000) -> float:
+    """One tiny aten add's host time on this machine (the unit the hooks' cost is read in), one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.ones(4)
+        times = []
+        for _ in range(5):
+            start = time.thread_time()
+            for _ in range(reps):
+                x + x
+            times.append((time.thread_time() - start) / reps)
+        return statistics.median(times) * 1e6
+    finally:
+        torch.set_num_threads(previous)
+
+
 if __name__ == "__main__":
-    print(f"pid-plugins' forward hooks, 32-layer tiny Llama, training forward: {hook_microseconds():.0f} us")
+    us, add = hook_microseconds(), add_microseconds()
+    print(f"pid-plugins' forward hooks, 32-layer tiny Llama, training forward: {us:.0f} us = {us / add:.0f} tiny aten "
+          f"adds ({add:.2f} us each)")

@@ -254,7 +254,7 @@ __all__ += ["FX_LEAVES"]
 
 def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], call: LayerCall,
            state: Optional[tuple]) -> Tuple[Tensor, tuple]:
-    kind = _kind(type(method))
+    kind = _kind_of(method)
     params = method.layer_params(config, learned, layer=call.layer)
     if state is None:
         previous = None
@@ -312,7 +312,7 @@ def update_once(method: AttentionMethod, config: Any, out: Tensor, value_q: Tens
     if state is None:
         if layer and method.state_fields and not restart:
             raise MissingLayerState(missing_state_message(method, layer, state_route))
-    elif type(state) is tuple and _kind(type(method)).makes_state:
+    elif type(state) is tuple and _kind_of(method).makes_state:
         state = method.make_state(*state)
     return method.update(method.layer_params(config, None, layer), out, value_q, state, None, head_dim)
 
@@ -331,11 +331,17 @@ def _kind(kind: type) -> _Kind:
                  kind.check is not AttentionMethod.check, kind.make_state is not AttentionMethod.make_state)
 
 
+def _kind_of(method: AttentionMethod) -> _Kind:
+    """:func:`_kind` of the method's class (its cache bypassed under torch.compile, which traces the function)."""
+    cls = type(method)
+    return _kind.__wrapped__(cls) if torch.compiler.is_compiling() else _kind(cls)
+
+
 def calls_once(method: AttentionMethod) -> bool:
     """Whether :meth:`AttentionMethod.apply` of fixed parameters without warm-up is the zoo's attention once, then
     :meth:`~AttentionMethod.update` (default prepare and attend, no check), so that an adapter's hot path may make the
     two calls itself (the transformers adapter does, docs/architecture.md)."""
-    kind = _kind(type(method))
+    kind = _kind_of(method)
     return kind.once and not kind.checks
 
 

@@ -242,7 +242,9 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
         grouped: Optional[tuple] = ((*out_shape[:dim], kv_shape[dim], -1, *out_shape[dim + 1:]), dim + 1,
                                     (*kv_shape[:dim + 1], 1, *kv_shape[dim + 1:]))
     else:
-        grouped = None if out_shape == kv_shape else _grouped_shapes(out_shape, kv_shape, head_dim)
+        grouped = None if out_shape == kv_shape else (
+            _grouped_shapes.__wrapped__ if torch.compiler.is_compiling() else _grouped_shapes)(out_shape, kv_shape,
+                                                                                               head_dim)
     if grouped is not None:  # (inserting a size-1 dimension: a view)
         value = value.reshape(grouped[2]) if traced else value.unsqueeze(grouped[1])
     # The reference beta v^1, formed once at the group's first layer and handed on in the state, in float32 at

@@ -116,7 +116,9 @@ _BASE_FUNCTIONS = {"sdpa": sdpa_attention_forward, "flex_attention": flex_attent
 
 def _base_function(module: nn.Module, base: str) -> Callable:
     function = _BASE_FUNCTIONS.get(base)
-    return _eager_function(type(module)) if function is None else function
+    if function is not None:
+        return function
+    return _eager_function.__wrapped__(type(module)) if torch.compiler.is_compiling() else _eager_function(type(module))
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,8 +260,9 @@ def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
                                        previous, -2, index if earlier is None else len(earlier), run.restart,
                                        STATE_ROUTE)
         return u, weights
-    context = _context(bool(getattr(module, "is_causal", False)), bool(run.cached or key.shape[-2] != query.shape[-2]),
-                       bool(kwargs.get("dropout", 0.0)), bool(key.shape[1] != query.shape[1]))
+    context = (_context.__wrapped__ if torch.compiler.is_compiling() else _context)(
+        bool(getattr(module, "is_causal", False)), bool(run.cached or key.shape[-2] != query.shape[-2]),
+        bool(kwargs.get("dropout", 0.0)), bool(key.shape[1] != query.shape[1]))
     # (the output's (B, q, heads, D) layout, contiguous for o_proj: head_dim -2)
     call = LayerCall(attend, query, value, v_q.transpose(1, 2), -2, context, run.scale,
                      (lambda: _visible(module, attention_mask, query, key, kwargs, run))

@@ -187,7 +187,7 @@ class ConfigReading:
     config's own attributes once (:func:`read_config`), and read again when a watched entry of its ``__dict__``
     changes (:meth:`holds`)."""
 
-    __slots__ = ("config", "source", "keys", "source_keys", "seen", "contents", "method", "gains", "base", "refusal",
+    __slots__ = ("config", "source", "keys", "source_keys", "seen", "copies", "contents", "method", "gains", "base", "refusal",
                  "output_attentions", "use_cache", "gains_learnable", "warmup")
 
     def holds(self, config: Any, source: Any) -> bool:
@@ -195,6 +195,11 @@ class ConfigReading:
         (by identity; a dict or list entry also by its contents, so one changed in place is read again)."""
         if config is not self.config or source is not self.source:
             return False
+        if not torch.compiler.is_compiling():  # one C-level pass: identical or equal (a dict against its copy)
+            entries = list(map(config.__dict__.get, self.keys))
+            if self.source_keys:
+                entries += map(source.__dict__.get, self.source_keys)
+            return entries == self.copies
         seen, entries = self.seen, config.__dict__
         for i, key in enumerate(self.keys):
             if entries.get(key) is not seen[i]:
@@ -241,4 +246,5 @@ def read_config(config: Any, source: Any) -> ConfigReading:
     reading.seen = [entries.get(key) for key in keys] + [source_entries.get(key) for key in source_keys]
     reading.contents = tuple((i, _contents(value)) for i, value in enumerate(reading.seen)
                              if isinstance(value, (dict, list)))
+    reading.copies = [dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for v in reading.seen]
     return reading
