@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 
+from .._entry import finding_main
 from .internals import DATACLASS_FIELD  # (imports no zoo)
 
 OPTED_IN = bool(getattr(dataclasses._get_field, "_pid_plugins_compat", False))
@@ -25,21 +26,7 @@ USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
 """The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""
 
 
-def _finding_main() -> bool:
-    """Whether this import is ``python -m pid_plugins.fairseq`` looking for its ``__main__``: Python imports the package
-    first (``sys.argv[0]`` is still ``"-m"`` until the module to run is found). That command prints only
-    :data:`USER_DIR`, so the package then stops before importing fairseq (whose import, where deepspeed is installed,
-    prints DeepSpeed's accelerator line on stdout, into ``--user-dir "$(python -m pid_plugins.fairseq)"``)."""
-    if sys.argv[:1] != ["-m"]:
-        return False
-    argv = list(getattr(sys, "orig_argv", []))[1:]
-    for i, arg in enumerate(argv):  # the interpreter's options end at -m MODULE (or -mMODULE)
-        if arg.startswith("-m"):
-            return (arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")) == __name__
-    return False
-
-
-if not _finding_main():  # the whole adapter, unless only USER_DIR is asked for (above)
+if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugins.fairseq` only asks for USER_DIR
     try:
         import fairseq  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without fairseq

@@ -4,35 +4,37 @@ List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=d
 attention='pid', attention_cfg=dict(...))``; ``PIDSegmenterMaskTransformerHead`` puts the method in the decoder
 too, and :func:`convert` switches a built segmentor in place. Under mmcv-lite the import adds a stand-in ``mmcv._ext``.
 """
-from .compat import install_mmcv_ext_standin
+from importlib import resources as _resources
 
-install_mmcv_ext_standin()  # must run before mmseg.models (and so mmcv.ops) is imported
-
-try:
-    import mmseg  # noqa: F401
-    import mmseg.models  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised only without the mm stack
-    raise ImportError(
-        "pid_plugins.mmseg needs mmsegmentation: pip install -c constraints.txt 'pid-plugins[mmseg]' "
-        f"({exc})"
-    ) from exc
-
-from ..versions import check_version  # noqa: E402
-
-for _dist in ("mmsegmentation", "mmengine", "mmcv-lite"):
-    check_version(_dist)
-
-from . import checkpoint
-from .head import PIDSegmenterMaskTransformerHead
-from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_mmseg
-from .checkpoint import WeightsOnlyCheckpointHook
-from .conversion import convert
-
-from importlib import resources as _resources  # noqa: E402
+from .._entry import finding_main
+from .compat import install_mmcv_ext_standin  # (imports no zoo)
 
 CONFIGS = str(_resources.files("pid_plugins.mmseg.configs"))
 """The folder of the shipped Segmenter configs (``python -m pid_plugins.mmseg`` prints it), for a config's
 ``_base_``: ``_base_ = '<CONFIGS>/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'``."""
+
+if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugins.mmseg` only asks for CONFIGS
+    install_mmcv_ext_standin()  # must run before mmseg.models (and so mmcv.ops) is imported
+
+    try:
+        import mmseg  # noqa: F401
+        import mmseg.models  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised only without the mm stack
+        raise ImportError(
+            "pid_plugins.mmseg needs mmsegmentation: pip install -c constraints.txt 'pid-plugins[mmseg]' "
+            f"({exc})"
+        ) from exc
+
+    from ..versions import check_version
+
+    for _dist in ("mmsegmentation", "mmengine", "mmcv-lite"):
+        check_version(_dist)
+
+    from . import checkpoint
+    from .head import PIDSegmenterMaskTransformerHead
+    from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_mmseg
+    from .checkpoint import WeightsOnlyCheckpointHook
+    from .conversion import convert
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "PIDSegmenterMaskTransformerHead",
            "WeightsOnlyCheckpointHook", "timm_vit_to_mmseg", "install_mmcv_ext_standin", "convert", "CONFIGS"]

@@ -213,40 +213,22 @@ def test_the_sdist_carries_the_license(tmp_path):
     assert any(n.endswith("/configs/mmseg/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py") for n in names)
 
 
-def _deepspeed_prints_on_import() -> bool:
-    """Whether importing mmengine here prints DeepSpeed's "Setting accelerator to CPU" line on stdout: deepspeed
-    importable and no CUDA device, with no DS_ACCELERATOR (as users have it)."""
-    import importlib.util
-
-    import torch
-
-    return (importlib.util.find_spec("deepspeed") is not None and not torch.cuda.is_available()
-            and "DS_ACCELERATOR" not in os.environ)
-
-
-# A known defect, not a skip: `python -m pid_plugins.mmseg` imports the adapter (and mmengine, and so deepspeed)
-# before printing, so where deepspeed is installed and no GPU is seen stdout starts with DeepSpeed's line (what
-# python -m pid_plugins.fairseq did before issue 64). strict: this fails the day it prints only the folder.
-@pytest.mark.xfail(_deepspeed_prints_on_import(), strict=True,
-                   reason="python -m pid_plugins.mmseg prints DeepSpeed's accelerator line before the folder "
-                          "(deepspeed installed, no GPU): to be fixed as pid_plugins.fairseq's was (issue 64)")
 def test_a_pip_user_inherits_a_shipped_mmseg_config(installed):
-    """The documented way: ``python -m pid_plugins.mmseg`` prints the configs' folder; an absolute ``_base_``. One
-    process (the module run as ``-m`` runs it, then mmengine reads a config inheriting the printed path)."""
-    _, purelib, work, _ = installed
+    """The documented way: ``python -m pid_plugins.mmseg`` prints the configs' folder (only it, as ``"$(...)"`` needs,
+    also where deepspeed is installed, no GPU is seen and DS_ACCELERATOR is unset, as here); an absolute ``_base_``."""
+    python, purelib, work, env = installed
+    proc = subprocess.run([str(python), "-m", "pid_plugins.mmseg"], cwd=work, capture_output=True, text=True,
+                          env={k: v for k, v in env.items() if k != "DS_ACCELERATOR"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("\n") == 1 and proc.stdout.endswith("\n"), proc.stdout
+    folder = proc.stdout[:-1]
+    assert Path(folder).resolve() == (purelib / "pid_plugins" / "mmseg" / "configs").resolve()
     mine = work / "my_segmenter.py"
+    mine.write_text(f"_base_ = '{folder}/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'\n"
+                    "model = dict(backbone=dict(attention='softmax'))\n")
     out = run(installed, "-c", (
-        "import contextlib, io, runpy\n"
         "from mmengine.config import Config\n"
-        "printed = io.StringIO()\n"
-        "with contextlib.redirect_stdout(printed):\n"
-        "    runpy.run_module('pid_plugins.mmseg', run_name='__main__', alter_sys=True)\n"
-        "folder = printed.getvalue().strip()\n"
-        f"open({str(mine)!r}, 'w').write(\"_base_ = '\" + folder + \"/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'\\n\"\n"
-        "                               \"model = dict(backbone=dict(attention='softmax'))\\n\")\n"
         f"cfg = Config.fromfile({str(mine)!r})\n"
-        "print(folder)\n"
         "print(cfg.model.backbone.type, cfg.model.backbone.attention, cfg.custom_imports.imports)\n"
     )).strip().splitlines()
-    assert Path(out[-2]).resolve() == (purelib / "pid_plugins" / "mmseg" / "configs").resolve()
     assert out[-1] == "PIDVisionTransformer softmax ['pid_plugins.mmseg']"

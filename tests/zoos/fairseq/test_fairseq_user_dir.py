@@ -41,20 +41,6 @@ def test_python_m_prints_only_the_user_dir_and_imports_neither_fairseq_nor_deeps
     assert not {name for name in imported if name.split(".")[0] in ("fairseq", "deepspeed")}
 
 
-@pytest.mark.parametrize("argv0, orig, finding", [
-    ("-m", ["python", "-m", "pid_plugins.fairseq"], True),
-    ("-m", ["python", "-X", "dev", "-mpid_plugins.fairseq", "extra"], True),
-    ("-m", ["python", "-m", "pid_plugins.fairseq.user_dir"], False),  # a submodule needs the adapter
-    ("-m", ["python", "-m", "research", "demo"], False),  # another command importing the adapter
-    ("-c", ["python", "-c", "import pid_plugins.fairseq"], False),
-    ("/work/x/pid_plugins/fairseq/__main__.py", ["python", "-m", "pid_plugins.fairseq"], False),  # __main__ running
-])
-def test_only_python_m_of_the_package_itself_skips_the_adapter(monkeypatch, argv0, orig, finding):
-    monkeypatch.setattr(sys, "argv", [argv0])
-    monkeypatch.setattr(sys, "orig_argv", orig)
-    assert pf._finding_main() is finding
-
-
 def readme_fairseq_train() -> str:
     """The README's first ``fairseq-train`` command (its fairseq section's bash block), continuation lines joined."""
     section = README.read_text().split("\n## fairseq\n", 1)[1]
