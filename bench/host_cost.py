@@ -60,16 +60,21 @@ def target(shape: str, method: str, compiled: bool = False) -> float:
     return bounds.get(method, bounds["*"])
 
 
-#: the compiled stock models, one per shape, shared by every method's row (torch.compile happens once)
+#: the compiled stock models, one per shape, shared by every method's row (torch.compile happens once), and the
+#: decode rows' CompileConfig
 _COMPILED_STOCK: Dict[str, Any] = {}
 
 
 def _compile_config():
-    from transformers.generation import CompileConfig
+    """One CompileConfig for every row (transformers recompiles a model's call when handed a config unequal to the
+    last one)."""
+    if "config" not in _COMPILED_STOCK:
+        from transformers.generation import CompileConfig
 
-    config = CompileConfig(fullgraph=True, mode="default")  # inductor; "reduce-overhead" (CUDA graphs) is CUDA's
-    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    return config
+        config = CompileConfig(fullgraph=True, mode="default")  # inductor; "reduce-overhead" (CUDA graphs) is CUDA's
+        config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+        _COMPILED_STOCK["config"] = config
+    return _COMPILED_STOCK["config"]
 
 
 def decode_pair(method: str, params: Any, compiled: bool = False) -> Tuple[Callable[[], Any], Callable[[], Any]]:
