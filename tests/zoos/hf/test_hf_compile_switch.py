@@ -127,7 +127,9 @@ def test_generate_static_cache_compiled_equals_eager_without_recompiles(method, 
     backend = _backend(method, cfg, training=False)
     model = _static(method, cfg)
     want = _generate(model, 7, disable_compile=True)
-    assert not torch.allclose(want, _generate(_static("sdpa", None), 7, disable_compile=True), atol=1e-3)
+    # the method changes the logits (Elliptical's prefix mean on this tiny model: by about 3e-4), by more than the
+    # compiled run may differ from eager
+    assert not torch.allclose(want, _generate(_static("sdpa", None), 7, disable_compile=True), rtol=0, atol=1e-4)
     with Dynamo() as dynamo:
         if switch == "transformers' compile":
             # decoding steps through the compiled model call (prefill eager); fullgraph: a graph break raises
