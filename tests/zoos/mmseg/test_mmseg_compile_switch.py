@@ -101,7 +101,8 @@ def test_runner_compile_trains_like_eager(method, cfg, data, tmp_path, stock_run
         # img_path and flip objects), stock and method alike; the method's iterations compile no more than that
         assert len(graphs) == ITERS and graphs == stock_graphs, (graphs, stock_graphs)
     _, want, _ = _train(_runner(data, tmp_path / "eager", method, cfg))
-    tol = dict(rtol=1e-4, atol=1e-5) if compile_cfg is True else dict(rtol=1e-5, atol=1e-6)
+    # three SGD steps through mmseg's losses: AOT autograd's decomposed backward rounds differently (1.2e-6 seen)
+    tol = dict(rtol=1e-4, atol=1e-5) if compile_cfg is True else dict(rtol=1e-5, atol=1e-5)
     assert_close_state(got, want, moved_from=before, **tol)
     if "warmup_steps" in cfg:
         counters = [v for k, v in got.items() if k.endswith("warmup.step")]
