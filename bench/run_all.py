@@ -26,7 +26,9 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
               bench/op_counts.py): a table after the timings
     host      every method at tiny widths on one thread, where a step is host time as on a GPU in eager mode
               (bench/host_cost.py): tiny Llama decode tokens/s and the microseconds added per layer per decode step,
-              tiny DeiT train step time; a table after the timings
+              tiny DeiT train step time; then the same with both models compiled (inductor: static-cache decoding
+              with transformers' compile of the decoding step, torch.compile(model) training); a table after the
+              timings
     vllm      vLLM serving PID and stock checkpoints of the same weights (a tiny Llama, SmolLM2-135M's shape):
               output tokens/s under vLLM's defaults (torch.compile), one process after the other, through
               .venv-vllm's python (bench/vllm_serving.py; ``--vllm-python``); not run without that environment
@@ -500,12 +502,18 @@ def memory_tasks(args) -> List[Tuple[str, Callable[[], Tuple[Callable, Callable]
     return out
 
 
-def host_tasks(args) -> List[Tuple[str, str, Any, int]]:
-    """(shape, method, parameters, repetitions) of the host section: every method, both tiny shapes, one thread."""
+def host_tasks(args) -> List[Tuple[str, str, Any, int, bool]]:
+    """(shape, method, parameters, repetitions, compiled) of the host section: every method, both tiny shapes, one
+    thread; eager, then both models compiled (bench/host_cost.py)."""
     rows = []
-    for shape, reps in (("decode", host_cost.DECODE_REPS), ("train", host_cost.TRAIN_REPS)):
-        for method, params in host_cost.DECODE_METHODS:
-            rows.append((shape, method, params if shape == "decode" else None, 3 if args.quick else reps))
+    for compiled in (False, True):
+        for shape in ("decode", "train"):
+            reps = {(False, "decode"): host_cost.DECODE_REPS, (False, "train"): host_cost.TRAIN_REPS,
+                    (True, "decode"): host_cost.COMPILED_DECODE_REPS,
+                    (True, "train"): host_cost.COMPILED_TRAIN_REPS}[compiled, shape]
+            for method, params in host_cost.DECODE_METHODS:
+                rows.append((shape, method, params if shape == "decode" else None, 3 if args.quick else reps,
+                             compiled))
     return rows
 
 
@@ -677,16 +685,20 @@ def main() -> None:
             result["rows"].append(row)
             tqdm.write(f"peak memory {name}: PID/stock {row['ratio']:.3f}")
             bar.update()
-        for shape, method, params, n in host:
-            bar.set_postfix_str(f"host {shape} {method} [1 thr]")
-            row = host_cost.measure(shape, method, params, reps=n, progress=bar.update)
+        for shape, method, params, n, compiled in host:
+            label = f"{'compiled ' if compiled else ''}{shape}"
+            bar.set_postfix_str(f"host {label} {method} [1 thr]")
+            t_row = time.time()  # compiling included
+            row = host_cost.measure(shape, method, params, reps=n, progress=bar.update, compiled=compiled)
             unit = "tokens/s" if shape == "decode" else "time"
-            row.update(section="host", workload=f"host: tiny {shape}, {method}", kind=unit,
+            row.update(section="host", workload=f"host: tiny {label}, {method}", kind=unit,
                        target=f"{'>=' if shape == 'decode' else '<='} {row['bound']:.2f}",
-                       met=row["ratio"] >= row["bound"] if shape == "decode" else row["ratio"] <= row["bound"])
+                       met=row["ratio"] >= row["bound"] if shape == "decode" else row["ratio"] <= row["bound"],
+                       row_s=time.time() - t_row)
             result["rows"].append(row)
             result.setdefault("host", []).append(row)
-            tqdm.write(f"host {shape} {method}: method/stock {row['ratio']:.3f} {row['target']}")
+            tqdm.write(f"host {label} {method}: method/stock {row['ratio']:.3f} {row['target']} "
+                       f"({row['row_s']:.0f} s)")
         bar.close()
     if "vllm" in args.only:
         result["rows"] += vllm_rows(args)

@@ -26,7 +26,10 @@ class GainWarmup(nn.Module):
     def scale(self) -> Tensor:
         """``min(1, t / N)`` as a 0-dim tensor (reads ``t``; a fresh tensor, unaffected by later advances)."""
         dtype = torch.float32 if self.step.device.type == "mps" else torch.float64
-        return self.step.clamp(max=self.warmup_steps).to(dtype) / self.warmup_steps
+        # cumsum of one element is the identity: it is outside AOT autograd's recomputable ops, so a compiled
+        # training step saves the scale for its backward instead of recomputing it there from the buffer, which
+        # advance() has incremented by then (wrong gradients; pytorch PR 197039, open in torch 2.15)
+        return (self.step.clamp(max=self.warmup_steps).to(dtype) / self.warmup_steps).cumsum(0)
 
     @torch.no_grad()
     def advance(self) -> None:

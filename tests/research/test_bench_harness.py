@@ -120,3 +120,30 @@ def test_size_rows_run_once_at_the_first_thread_count():
     # the big models get fewer repetitions than deit_small
     reps = [build.__defaults__[-1] for *_, build in tasks]
     assert reps[0] > reps[2] and reps[4] <= 3 and max(reps) <= 3
+
+
+def test_host_section_has_compiled_rows_for_every_method_with_issue_66_targets():
+    """make bench's host section: every method at both tiny shapes, eager then both models compiled; the compiled
+    rows carry issue 66's bounds and the host table shows them in their own columns."""
+    run_all = load("run_all")
+    host_cost = load("host_cost")
+
+    class Args:
+        quick = True
+
+    rows = run_all.host_tasks(Args())
+    methods = [m for m, _ in host_cost.DECODE_METHODS]
+    assert {(shape, method, compiled) for shape, method, _, _, compiled in rows} == {
+        (shape, method, compiled) for shape in ("decode", "train") for method in methods for compiled in (False, True)}
+    assert host_cost.target("decode", "pid", compiled=True) == 0.97
+    assert host_cost.target("decode", "elliptical", compiled=True) == 0.90
+    assert host_cost.target("train", "twicing", compiled=True) == 1.10
+    assert host_cost.target("train", "value_residual", compiled=True) == 1.02
+    assert host_cost.target("train", "pid") == 1.07  # the eager bound is unchanged
+    fake = [dict(method="pid", shape=shape, compiled=compiled, ratio=ratio, us_per_layer_step=1.0,
+                 bound=host_cost.target(shape, "pid", compiled))
+            for shape, compiled, ratio in (("decode", False, 0.9), ("train", False, 1.1), ("decode", True, 0.98),
+                                           ("train", True, 1.05))]
+    line = [l for l in host_cost.markdown(fake).splitlines() if l.startswith("| pid ")][0]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4] == "0.980 (>= 0.97)" and cells[5] == "1.050 (<= 1.02 **no**)", cells

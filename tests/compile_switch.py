@@ -1,0 +1,74 @@
+"""What the compile-switch tests share (tests/zoos/*/test_*_compile_switch.py): each zoo's own way of turning
+torch.compile on (timm's ``torch.compile(model)`` and train.py ``--torchcompile``, transformers' ``Trainer`` with
+``torch_compile=True`` and ``generate`` on a static cache, mmengine's ``Runner(compile=True)``), for every built-in
+method with fixed gains, learnable gains and gain warm-up (:func:`variants`, read from tests/method_cases.py).
+
+:class:`Dynamo` counts what dynamo did while a switch ran: graph breaks (``counters["graph_break"]``, by reason) and
+graphs compiled (``counters["stats"]["unique_graphs"]``: a recompilation compiles one more). The model-level tests
+(fullgraph, no recompile as decoding advances) stay in tests/core/test_compile.py and test_method_contract.py.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from method_cases import BUILTIN, MODELS, method_cfg
+
+#: the warm-up length of the warm-up variants (training forwards): longer than the tests' runs, so every step has
+#: another scale (a scale baked into the graph as a constant would recompile every step)
+WARMUP_STEPS = 16
+
+
+def variants(model: str, methods=None) -> List:
+    """pytest params ``(method, cfg)`` for ``model`` (a tests/method_cases.py model name): every built-in method that
+    runs there, with its "on" parameters (fixed gains), and with ``learnable=True`` / ``warmup_steps`` where the
+    method takes them; ids ``method[-learnable|-warmup]``."""
+    out = []
+    for name, m in BUILTIN.items():
+        if model not in m.models or (methods is not None and name not in methods):
+            continue
+        on = dict(method_cfg(m, MODELS[model]) or {})
+        out.append(pytest.param(name, on, id=name))
+        if m.learnable:
+            out.append(pytest.param(name, {**on, "learnable": True}, id=f"{name}-learnable"))
+        if m.warmup:
+            out.append(pytest.param(name, {**on, "warmup_steps": WARMUP_STEPS}, id=f"{name}-warmup"))
+    return out
+
+
+class Dynamo:
+    """Dynamo's counters from a fresh start (``torch._dynamo.reset()`` and the counters cleared on entry and exit)."""
+
+    def __enter__(self) -> "Dynamo":
+        torch._dynamo.reset()
+        counters.clear()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch._dynamo.reset()
+        counters.clear()
+
+    @property
+    def graph_breaks(self) -> Dict[str, int]:
+        """{reason: count} of the graph breaks so far."""
+        return dict(counters["graph_break"])
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled so far (each recompilation adds one)."""
+        return counters["stats"]["unique_graphs"]
+
+
+def assert_close_state(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], rtol: float, atol: float,
+                       moved_from: Dict[str, torch.Tensor] = None) -> None:
+    """Two state dicts equal within tolerance, key by key; with ``moved_from`` (the weights before training), also
+    that training changed some of them (the comparison could fail)."""
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+    if moved_from is not None:
+        assert any(not torch.equal(want[k], moved_from[k]) for k in want if want[k].is_floating_point())
