@@ -29,7 +29,10 @@ class GainWarmup(nn.Module):
         # cumsum of one element is the identity: it is outside AOT autograd's recomputable ops, so a compiled
         # training step saves the scale for its backward instead of recomputing it there from the buffer, which
         # advance() has incremented by then (wrong gradients; pytorch PR 197039, open in torch 2.15)
-        return (self.step.clamp(max=self.warmup_steps).to(dtype) / self.warmup_steps).cumsum(0)
+        scale = self.step.clamp(max=self.warmup_steps).to(dtype) / self.warmup_steps
+        if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():  # an exported graph runs no backward (and
+            return scale                                               # ONNX Runtime has no CumSum of a scalar)
+        return scale.cumsum(0)
 
     @torch.no_grad()
     def advance(self) -> None:
