@@ -234,7 +234,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
                 f"not train them. Call pid_plugins.hf.convert(model, {name!r}) before building the optimizer",
                 stacklevel=5,
             )
-    plan = Plan(renew=renew, name=_chosen(model), owns_layers=order > 0,
+    plan = Plan(renew=renew, read=read, name=_chosen(model), owns_layers=order > 0,
                 cache_position=names.index(keywords[0]) if keywords else None, cache_keywords=keywords,
                 learnable=learnable is not None, causal=causal, counter=model._modules.get(WARMUP_ATTR),
                 layerdrop=tuple(droppers), layerdrop_keys=tuple(k for k in LAYERDROP_KEYS if _number(getattr(
@@ -309,6 +309,12 @@ def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
             paths.append(path)
     _fill_layout(model, plan, paths)
     return True
+
+
+def read(model: PreTrainedModel) -> Any:
+    """What ``model``'s config says for its forwards (:func:`~pid_plugins.hf.config.read_config`), its parameters
+    from the outermost model's config."""
+    return read_config(model.config, model.__dict__.get(GAINS_SOURCE, model.config))
 
 
 def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[str] = None) -> Plan:

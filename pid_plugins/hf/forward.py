@@ -59,6 +59,8 @@ class Plan:
     checkpointed: bool = False  # transformers' gradient checkpointing is on for a layer
     #: what the model's config said at the last forward (re-read when a watched entry changes)
     reading: Optional[ConfigReading] = None
+    #: discovery's: (model) -> a fresh reading of its config (under torch.compile, where it is not stored)
+    read: Optional[Callable[..., ConfigReading]] = None
 
 
 def layout(plan: Plan) -> tuple:
@@ -143,8 +145,11 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     reading = plan.reading
     compiling = torch.compiler.is_compiling()  # the compiled graph checks no layout (dynamo guards the modules)
     if reading is None or not reading.holds(config, module.__dict__.get(GAINS_SOURCE, config)):
-        plan = _renew(module, plan, False)  # the config changed: read again
-        reading = plan.reading
+        if compiling:  # read, not stored: a reading stored by a compiled call is guarded on and recompiles the next
+            reading = plan.read(module)
+        else:
+            plan = _renew(module, plan, False)  # the config changed: read again
+            reading = plan.reading
     method = reading.method
     if method is None:  # switched to a stock implementation
         return None
