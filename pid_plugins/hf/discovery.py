@@ -13,7 +13,6 @@ import threading
 import warnings
 from typing import Any, Dict, Optional
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -322,16 +321,12 @@ def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[s
     the plan is new), then the first forward's checks."""
     if renamed is not None:
         raise InternalChanged(CACHE_KEYWORD.message(f"{type(model).__name__}.forward got the cache as {renamed}="))
-    if torch.compiler.is_compiling():  # the config changed between compiled calls (exporters set entries): read it
-        plan.reading = read_config(model.config, model.__dict__.get(GAINS_SOURCE, model.config))
-        return plan
     with _LOCK:
         if changed and not _relaid(model, plan):
             plan = discover(model, at_forward=True)
-        source = model.__dict__.get(GAINS_SOURCE, model.config)
-        if plan.reading is None or not plan.reading.holds(model.config, source):
+        if plan.reading is None or not plan.reading.holds(model.config, model.__dict__.get(GAINS_SOURCE, model.config)):
             plan.reading = None
-            plan.reading = read_config(model.config, source)  # (a refused config is read, and refused, again)
+            plan.reading = read(model)  # (a refused config is read, and refused, again)
         if not plan.first or plan.reading.method is None:
             return plan
         plan.first = False
