@@ -76,10 +76,8 @@ class MethodForwardState:
         self.grad = False  # autograd was on when the forward began (set by the pre-hook): see checkpointing.py
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
         # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
-        # layer); under torch.compile the length stays a tensor, so decoding steps do not recompile
+        # layer), read by the forward's first layer (:func:`_start`); a compiled forward keeps the tensor
         self.start: Optional[int] = None
-        if past_length is not None and past_length.device.type == "cpu" and not torch.compiler.is_compiling():
-            self.start = int(past_length)
 
     def previous(self, earlier: tuple[int, ...]) -> Optional[tuple]:
         """The state of the nearest earlier layer that ran in this forward (``earlier``: nearest first); None when
@@ -177,11 +175,24 @@ def _query_values(run: MethodForwardState, value: Tensor, q_len: int) -> Tensor:
     length = value.shape[-2]
     if run.past_length is None:  # no cache, or a dynamic cache: the query rows end the value tensor
         return value if length == q_len else value.narrow(2, length - q_len, q_len)
-    if run.start is not None and value.device.type == "cpu":  # a static cache, eager: rows [past, past + q_len)
-        return value.narrow(2, run.start, q_len)
+    start = _start(run, value)
+    if start is not None:  # a static cache, eager, on the CPU: rows [past, past + q_len), a view
+        return value.narrow(2, start, q_len)
     if run.rows is None:  # a static cache: rows [past, past + q_len) of the buffer (once per forward)
         run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
     return value.index_select(2, run.rows)
+
+
+def _start(run: MethodForwardState, like: Tensor) -> Optional[int]:
+    """A static cache's length as a number, for an eager forward on the CPU (read once per forward, no sync); None
+    elsewhere: on an accelerator (a sync) and under torch.compile, where a number would be specialised on and each
+    decoding step recompile (the forward decides: its pre-hook may run eagerly outside a compiled forward)."""
+    if like.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    start = run.start
+    if start is None and run.past_length.device.type == "cpu":
+        start = run.start = int(run.past_length)
+    return start
 
 
 def _direct_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -304,10 +315,10 @@ def _visible(module: nn.Module, mask: Any, query: Tensor, key: Tensor, kwargs: d
             return None
         if not static:
             past: Any = k_len - q_len
-        elif run.start is not None and query.device.type == "cpu":
-            past = run.start
         else:
-            past = run.past_length.to(query.device)
+            past = _start(run, query)
+            if past is None:
+                past = run.past_length.to(query.device)
         rows = torch.arange(q_len, device=query.device)[:, None] + past
         return (torch.arange(k_len, device=query.device)[None, :] <= rows)[None, None]
     if not isinstance(mask, Tensor):

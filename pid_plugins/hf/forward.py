@@ -230,3 +230,24 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Non
     counter = module._modules.get(WARMUP_ATTR)
     if counter is not None and module.training and method_of(module.config) is not None:
         counter.advance()
+
+
+def _eager_as_frames(*hooks: Callable) -> None:
+    """Run ``hooks`` eagerly when torch.compile meets them as frames of their own, and inline them when it traces a
+    call that runs them.
+
+    transformers compiles ``model.__call__`` (``generate``'s compiled decoding step): dynamo does not trace
+    ``nn.Module.__call__``, so each hook would be a compiled frame of its own, whose cache lookup, guards and
+    rebuilt return value cost more per call than running the hook (a tenth of a tiny decoding step, here). A
+    ``torch.compile(model)`` inlines them into the model's graph, as before: the frame's strategy (torch's own
+    ``skip_code``, for the hook and what it calls) is read by the frame evaluation only, never when inlining.
+    A torch without it compiles the hooks as frames (slower, the same results): tests/core/test_compile.py."""
+    try:
+        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # pragma: no cover - a torch without frame strategies
+        return
+    for hook in hooks:
+        set_code_exec_strategy(hook.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+_eager_as_frames(_pre_hook, _post_hook)

@@ -75,6 +75,52 @@ def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
     assert not torch.allclose(decode(model), want, atol=1e-3)
 
 
+@pytest.mark.slow
+def test_transformers_compiled_call_compiles_the_frames_stock_compiles():
+    """transformers compiles ``model.__call__`` (generate's compiled decoding step): dynamo does not trace
+    nn.Module.__call__, so the method's forward hooks are frames of their own there. They run eagerly (a compiled
+    frame's lookup, guards and rebuilt return value cost more than the hook): the method model compiles exactly the
+    frames and graphs the stock model does, and decodes as its eager self without recompiling after the first step."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    import pid_plugins.hf  # noqa: F401
+    from pid_plugins.hf.forward import _post_hook, _pre_hook
+
+    def run(attn):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA, attn_implementation=attn)).eval()
+        call = torch.compile(model.__call__, fullgraph=True, backend="eager")  # as get_compiled_call does
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits]  # the eager prefill
+            for step in range(4):
+                with torch._dynamo.config.patch(error_on_recompile=step > 0):
+                    tok = logits[-1][:, -1:].argmax(-1)
+                    logits.append(call(input_ids=tok, past_key_values=cache, use_cache=True).logits)
+        frames = dict(counters["frames"])
+        graphs = counters["stats"]["unique_graphs"]
+        hooks_compiled = [f.__name__ for f in (_pre_hook, _post_hook)
+                          if torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)]
+        return torch.cat(logits, dim=1), frames, graphs, hooks_compiled, model
+
+    _, stock_frames, stock_graphs, _, _ = run("sdpa")
+    got, frames, graphs, hooks_compiled, model = run("pid")
+    assert hooks_compiled == []
+    assert (frames, graphs) == (stock_frames, stock_graphs), (frames, stock_frames)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits]
+        for _ in range(4):
+            want.append(model(input_ids=want[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ other zoos
 @pytest.mark.slow
 def test_timm_forward_compiles_fullgraph_with_a_preset_name():
