@@ -297,7 +297,7 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
         target = attn_out
     else:  # (the heads split into (H_kv, r): a view of the fresh or contiguous output)
         dim = grouped[1] - 1
-        target = attn_out.reshape(grouped[0]) if traced else attn_out.unflatten(dim, grouped[0][dim:dim + 2])
+        target = attn_out.reshape(grouped[0]) if traced else attn_out.view(grouped[0])  # (a split: always a view)
     for x, gain in terms:
         tensor_gain = isinstance(gain, Tensor)
         if not tensor_gain and gain == 0.0:  # a zero fixed gain launches nothing
