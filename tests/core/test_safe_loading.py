@@ -1,8 +1,8 @@
 """No checkpoint load path runs pickled code, with and without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1.
 
 Each file carries an object whose ``__reduce__`` would create a marker file when unpickled. Every path is run in
-a fresh process (torch reads the variable at each load; a fresh process is also what a user runs: a ``python -c``
-forked from tests/pyexec.py's zygote, started with that environment and no pid_plugins imported) and must
+a fresh process (torch reads the variable at each load; a fresh process is also what a user runs: without the
+variable a ``python -c`` forked from tests/pyexec.py's zygote, which has no pid_plugins imported) and must
 refuse the file with an error that says why, and the marker must never appear. (mmseg's paths:
 tests/zoos/mmseg/test_mmseg.py; transformers folders: tests/zoos/hf/test_hf.py.)
 """
@@ -39,9 +39,10 @@ def evil_checkpoint(path: Path, marker: Path, payload=None) -> Path:
 def python(code: str, env_extra: dict, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
     env.update(env_extra)
-    # python -c forked from tests/pyexec.py's zygote for this environment (started with it: the zoos imported,
-    # pid_plugins never): the probes' own imports register the plugin, as in a user's fresh interpreter
-    return run_python_c(code, cwd=cwd, env=env, timeout=600)
+    # the run's own environment: python -c forked from tests/pyexec.py's zygote (the zoos imported, pid_plugins
+    # never: the probes' own imports register the plugin, as in a user's fresh interpreter); another environment
+    # (the variable set): a fresh interpreter, as a zygote of its own would be started for this one call
+    return run_python_c(code, cwd=cwd, env=env, timeout=600, fork=None if not env_extra else False)
 
 
 def test_the_marker_works(tmp_path):
