@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg  # noqa: E402,F401
-from pyexec import run_python_c  # noqa: E402
+from pyexec import run_python_c, run_python_script  # noqa: E402
 from pid_plugins.mmseg.checkpoint import UnsafeCheckpointError, WeightsOnlyCheckpointHook, weights_only_schemes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -216,12 +216,15 @@ def test_safe_globals_are_exactly_what_a_runner_checkpoint_needs(tmp_path):
 
 
 def run_tool(tool, *args, env_extra=None):
+    """``python tools/<tool> args``: in the run's own environment forked from tests/pyexec.py's zygote (mmseg's stack
+    imported once, pid_plugins never: the config's custom_imports bring it), with ``env_extra`` a fresh interpreter
+    (a zygote of its own would be started for those calls only)."""
     import mmseg
 
     script = Path(mmseg.__file__).parent / ".mim" / "tools" / tool
     env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
-    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
-                          env={**env, **(env_extra or {})}, timeout=600)
+    return run_python_script(script, *args, env={**env, **(env_extra or {})}, timeout=600,
+                             fork=None if not env_extra else False)
 
 
 @pytest.fixture(scope="module")
