@@ -12,6 +12,7 @@ longest tests do not start last and leave one worker idle at the end.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,36 @@ if os.environ.get("PYTEST_XDIST_WORKER") and WORKERS > 1:
     import torch
 
     torch.set_num_threads(THREADS)
+
+
+def _keep_rewritten_test_modules() -> None:
+    """Keep pytest's assertion-rewritten test modules in ``__pycache__`` even where Python writes no bytecode.
+
+    pytest caches each test module's rewritten code (a pyc checked against the source's mtime and size, so an edited
+    file is rewritten) unless ``sys.dont_write_bytecode``: under ``PYTHONDONTWRITEBYTECODE=1`` (this project's CI
+    machines set it) every run, and every xdist worker, parsed and rewrote all ~190 test modules again, about 10 s of
+    each worker's collection. The rewritten code is the same either way; only pytest's own cache is written (no other
+    module's bytecode, nothing in a subprocess). pytest reads the cache whatever the variable says."""
+    from _pytest.assertion import rewrite
+
+    needed = ("_rewrite_test", "_write_pyc", "get_cache_dir", "try_makedirs", "assertstate_key", "PYC_TAIL")
+    if not all(hasattr(rewrite, name) for name in needed):  # another pytest's internals: no cache, as before
+        return
+    rewrite_test = rewrite._rewrite_test
+
+    def rewrite_and_keep(fn, config):
+        source_stat, co = rewrite_test(fn, config)
+        if sys.dont_write_bytecode:  # (otherwise pytest writes it itself)
+            cache_dir = rewrite.get_cache_dir(fn)
+            if rewrite.try_makedirs(cache_dir):
+                rewrite._write_pyc(config.stash[rewrite.assertstate_key], co, source_stat,
+                                   cache_dir / (fn.name[:-3] + rewrite.PYC_TAIL))
+        return source_stat, co
+
+    rewrite._rewrite_test = rewrite_and_keep
+
+
+_keep_rewritten_test_modules()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -20,7 +20,8 @@ text=True, timeout=timeout)`` would give it:
   started in an empty directory: ``''`` first, then PYTHONPATH and site; no tests/ folder, no pytest paths),
   cwd = ``cwd``;
   :func:`run_python_m` runs ``python -m module *args`` the same way, through runpy as the interpreter does
-  (``sys.path[0]`` the cwd, ``sys.argv[0]`` the module's file);
+  (``sys.path[0]`` the cwd, ``sys.argv[0]`` the module's file), and :func:`run_python_script` ``python file *args``
+  (``sys.path[0]`` the file's folder, ``sys.argv[0]`` the path as given, ``__file__`` and a source loader);
 - the environment is ``env`` (``os.environ`` by default) and the zygote was started with that same environment
   (but for :data:`PER_CALL`, e.g. pytest's ``PYTEST_CURRENT_TEST``): a call with another environment gets a zygote
   of its own, so nothing read at import time differs;
@@ -138,6 +139,10 @@ def _child(req):
         sys.argv[:] = ["-m", *req["args"]]
         sys.orig_argv = [sys.executable, "-m", req["module"], *req["args"]]
         sys.path[:] = [os.getcwd(), *_PATH[1:]]
+    elif req.get("script"):  # python file args: sys.path[0] is the file's folder (links resolved), argv[0] the file
+        sys.argv[:] = [req["script"], *req["args"]]
+        sys.orig_argv = [sys.executable, req["script"], *req["args"]]
+        sys.path[:] = [os.path.dirname(os.path.realpath(req["script"])), *_PATH[1:]]
     else:
         sys.argv[:] = ["-c", *req["args"]]
         sys.orig_argv = [sys.executable, "-c", req["code"], *req["args"]]
@@ -159,6 +164,12 @@ def _child(req):
     try:
         if req["module"]:
             runpy._run_module_as_main(req["module"], alter_argv=True)
+        elif req.get("script"):  # as the interpreter runs a file: __file__, its source loader, no spec
+            main.__dict__.update(__file__=req["script"], __cached__=None,
+                                 __loader__=importlib.machinery.SourceFileLoader("__main__", req["script"]))
+            with open(req["script"], "rb") as f:
+                source = f.read()
+            exec(compile(source, req["script"], "exec", dont_inherit=True), main.__dict__)
         else:
             exec(compile(req["code"], "<string>", "exec", dont_inherit=True), main.__dict__)
     except SystemExit as e:
@@ -263,15 +274,16 @@ class Zygote:
         return self.proc.poll() is None
 
     def run(self, code: str | None, cwd, env: dict[str, str], timeout: float | None, args=(),
-            module: str | None = None) -> subprocess.CompletedProcess:
-        """``python -c code *args`` (or ``python -m module *args``) in a new child."""
+            module: str | None = None, script: str | None = None) -> subprocess.CompletedProcess:
+        """``python -c code *args`` (or ``python -m module *args``, ``python script *args``) in a new child."""
         args = [str(a) for a in args]
-        cmd = [sys.executable, *(["-m", module] if module else ["-c", code]), *args]
+        cmd = [sys.executable, *(["-m", module] if module else [script] if script else ["-c", code]), *args]
         with self.lock, tempfile.TemporaryDirectory(dir=self.dir) as out:
             paths = {k: os.path.join(out, k) for k in ("stdout", "stderr")}
             for p in paths.values():
                 open(p, "wb").close()
-            self._send({"code": code, "module": module, "args": args, "cwd": os.fspath(cwd), "env": env, **paths})
+            self._send({"code": code, "module": module, "script": script, "args": args, "cwd": os.fspath(cwd),
+                        "env": env, **paths})
             pid = self._recv()["pid"]
             try:
                 reply = self._recv(timeout)
@@ -357,15 +369,23 @@ def run_python_m(module: str, *args, cwd=None, env: dict[str, str] | None = None
     return _run(None, module, args, cwd, env, timeout, fork)
 
 
-def _run(code, module, args, cwd, env, timeout, fork) -> subprocess.CompletedProcess:
+def run_python_script(script, *args, cwd=None, env: dict[str, str] | None = None, timeout: float | None = None,
+                      fork: bool | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, script, *args], ...)`` as :func:`run_python_c` (the child runs the file as
+    the interpreter does: ``sys.argv[0]`` the path as given, ``sys.path[0]`` its folder, ``__file__`` set)."""
+    return _run(None, None, args, cwd, env, timeout, fork, script=os.fspath(script))
+
+
+def _run(code, module, args, cwd, env, timeout, fork, script=None) -> subprocess.CompletedProcess:
     if fork is None:
         fork = not DISABLED
     cwd = os.getcwd() if cwd is None else cwd
     if not fork:
-        cmd = [sys.executable, *(["-m", module] if module else ["-c", code]), *map(str, args)]
+        cmd = [sys.executable, *(["-m", module] if module else [script] if script else ["-c", code]),
+               *map(str, args)]
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     env = dict(os.environ if env is None else env)
-    return zygote(env).run(code, cwd, env, timeout, args=args, module=module)
+    return zygote(env).run(code, cwd, env, timeout, args=args, module=module, script=script)
 
 
 @atexit.register

@@ -14,6 +14,12 @@ from tool_cases import check, env, launch
 
 PY = sys.executable
 
+#: the tests that run ``pid-plugins run`` (or the bare command beside it) in processes of their own: the launcher's
+#: whole job is what reaches a new interpreter and its children, so they are process tests (make test-integration,
+#: CONTRIBUTING.md's tiers); the in-process ones (main up to the exec, bad input, the environment) stay in make test
+def PROCESSES(test):
+    return pytest.mark.integration(pytest.mark.slow(test))
+
 #: prints which zoos and adapters this process holds, then runs itself again in a child (one level)
 PROBE = """
 import json, os, subprocess, sys
@@ -28,6 +34,7 @@ print(json.dumps(report))
 """
 
 
+@PROCESSES
 def test_adapters_reach_the_command_and_its_children_lazily(tmp_path):
     """The adapter of a zoo the process imports is there (in the command and in a child it starts), the others are
     not imported; the environment's own sitecustomize still runs, and the launcher's folder leaves sys.path."""
@@ -45,18 +52,21 @@ def test_adapters_reach_the_command_and_its_children_lazily(tmp_path):
         assert Path(level["sitecustomize"]).parent == site  # the environment's own, chained
 
 
+@PROCESSES
 def test_without_the_launcher_nothing_is_there(tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     report = json.loads(check(launch([PY, "probe.py"], tmp_path, launcher=False, PYTHONPATH=str(tmp_path))).stdout)
     assert report["names"] == [] and report["mods"] == ["timm"]
 
 
+@PROCESSES
 def test_a_find_spec_does_not_use_up_the_hook(tmp_path):
     code = ("import importlib.util, sys; assert importlib.util.find_spec('timm'); import timm; "
             "print('pid_plugins.timm' in sys.modules)")
     assert check(launch([PY, "-c", code], tmp_path, adapters="timm")).stdout.strip() == "True"
 
 
+@PROCESSES
 def test_an_adapter_that_fails_to_import_is_named(tmp_path):
     """A zoo the adapter cannot work with (here a fake ``timm`` first on the path): the zoo's import fails with
     one error naming the adapter, never a process without it."""
@@ -120,6 +130,7 @@ def test_bad_input_is_one_clear_error(argv, message, tmp_path, monkeypatch, caps
     one_error_line(returncode, *capsys.readouterr(), message)
 
 
+@PROCESSES
 def test_bad_input_is_one_clear_error_in_a_process_of_its_own(tmp_path):
     """The same as a user's shell sees it (the exit status, and nothing else on either stream): ``python -m
     pid_plugins run`` and the console script's code, each with a case of BAD_INPUT."""
@@ -129,6 +140,7 @@ def test_bad_input_is_one_clear_error_in_a_process_of_its_own(tmp_path):
         one_error_line(proc.returncode, proc.stdout, proc.stderr, message)
 
 
+@PROCESSES
 def test_help_and_the_cli_listing(tmp_path):
     proc = check(launch([PY, "-m", "pid_plugins", "run", "--help"], tmp_path, launcher=False))
     assert proc.stdout.startswith("usage: pid-plugins run [--adapters") and "accelerate launch" in proc.stdout
@@ -136,6 +148,7 @@ def test_help_and_the_cli_listing(tmp_path):
     assert "run a command with the zoo adapters" in listing
 
 
+@PROCESSES
 def test_exit_code_and_arguments_pass_through(tmp_path):
     proc = launch([PY, "-c", "import sys; print(sys.argv[1:]); sys.exit(3)", "--model", "a b", "--"], tmp_path,
                   adapters="hf")

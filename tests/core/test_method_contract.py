@@ -27,6 +27,7 @@ import torch
 import pid_plugins
 import zoo_cases as zc
 from method_cases import CAUSAL, METHODS, MODELS, cases, method_cfg
+from pyexec import run_python_c
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -617,7 +618,9 @@ model = {model!r}
 @pytest.mark.slow
 def test_mmseg_a_config_file_registers_the_method_and_the_plugin_with_custom_imports(tmp_path):
     """A fresh process: mmengine's ``Config.fromfile`` imports the user's method module and the plugin; mmseg's
-    ``MODELS.build`` builds the segmentor; its output and weights equal this process's build of the same file."""
+    ``MODELS.build`` builds the segmentor; its output and weights equal this process's build of the same file. (The
+    process is a ``python -c`` forked from tests/pyexec.py's zygote: mmengine and mmseg imported, pid_plugins and the
+    user's module never; the repository and tests/ (the user's toy_method) on its path where PYTHONPATH puts them.)"""
     pytest.importorskip("mmseg")
     import pid_plugins.mmseg  # noqa: F401
 
@@ -625,6 +628,8 @@ def test_mmseg_a_config_file_registers_the_method_and_the_plugin_with_custom_imp
     path.write_text(CONFIG.format(model=segmentor_cfg()))
     script = f"""
 import sys, torch
+sys.path[1:1] = [{str(REPO)!r}, {str(TESTS)!r}]  # where PYTHONPATH puts them: after -c's '', before site
+torch.set_num_threads(1)  # as one_thread
 from mmengine.config import Config
 from mmengine.registry import init_default_scope
 cfg = Config.fromfile({str(path)!r})
@@ -641,9 +646,7 @@ with torch.no_grad():
     out = model.encode_decode(x, [dict(img_shape=(32, 32))])
 torch.save(dict(state_dict=model.state_dict(), out=out), {str(tmp_path / 'out.pth')!r})
 """
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}  # as one_thread
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
-                            timeout=600)
+    result = run_python_c(script, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = torch.load(tmp_path / "out.pth", weights_only=True)
 

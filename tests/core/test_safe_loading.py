@@ -1,7 +1,8 @@
 """No checkpoint load path runs pickled code, with and without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1.
 
 Each file carries an object whose ``__reduce__`` would create a marker file when unpickled. Every path is run in
-a fresh interpreter (torch reads the variable at each load; a fresh process is also what a user runs) and must
+a fresh process (torch reads the variable at each load; a fresh process is also what a user runs: without the
+variable a ``python -c`` forked from tests/pyexec.py's zygote, which has no pid_plugins imported) and must
 refuse the file with an error that says why, and the marker must never appear. (mmseg's paths:
 tests/zoos/mmseg/test_mmseg.py; transformers folders: tests/zoos/hf/test_hf.py.)
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pyexec import run_python_c
 
 ENV_SETTINGS = [pytest.param({}, id="default"), pytest.param({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, id="forced")]
 
@@ -37,7 +39,10 @@ def evil_checkpoint(path: Path, marker: Path, payload=None) -> Path:
 def python(code: str, env_extra: dict, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    # the run's own environment: python -c forked from tests/pyexec.py's zygote (the zoos imported, pid_plugins
+    # never: the probes' own imports register the plugin, as in a user's fresh interpreter); another environment
+    # (the variable set): a fresh interpreter, as a zygote of its own would be started for this one call
+    return run_python_c(code, cwd=cwd, env=env, timeout=600, fork=None if not env_extra else False)
 
 
 def test_the_marker_works(tmp_path):

@@ -4,11 +4,10 @@ examples/finetune_smollm2_pid.py (the user's path) and examples/finetune_study.p
 command) on the real SmolLM2-135M weights; one dequantized safetensors cache serves every run of the module.
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from pyexec import run_python_script
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -27,7 +26,8 @@ def cache(smollm2_cache):
 
 
 def run(args, cwd):
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    """``python example.py args`` (forked from tests/pyexec.py's zygote: the zoos imported once, not per command)."""
+    proc = run_python_script(*args, cwd=cwd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 

@@ -1,13 +1,17 @@
 """What ``import pid_plugins.hf`` changes in transformers and torch, measured in a fresh process: the attributes of
 transformers' model, config, auto-class and continuous-batching classes and torch's module-level hook registries
 before and after the import. The list is the one docs/architecture.md gives, each with its reason; a change that adds
-a replaced attribute or a torch-global hook fails here until it is documented there."""
+a replaced attribute or a torch-global hook fails here until it is documented there.
+
+The fresh processes are ``python -c`` forks of tests/pyexec.py's zygote (the zoos imported, pid_plugins never): what
+is measured is what pid_plugins' own import does, with every zoo already imported (so an effect that depends on
+another zoo being there shows too), and the three processes cost milliseconds each instead of an interpreter start
+with torch and transformers."""
 import functools
 import json
-import subprocess
-import sys
 
 import pytest
+from pyexec import run_python_c
 
 pytest.importorskip("transformers")
 
@@ -48,8 +52,9 @@ DOCUMENTED = [
 
 
 def test_the_import_changes_the_two_registries_and_the_documented_class_attributes_only():
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout
-    effect = json.loads(out.strip().splitlines()[-1])
+    proc = run_python_c(PROBE, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    effect = json.loads(proc.stdout.strip().splitlines()[-1])
     assert effect["hook_registries"] >= 5  # the probe saw torch's global hook registries (forward, registration, ...)
     assert effect["hooks"] == {}, "import pid_plugins.hf added a torch-global hook"
     assert effect["replaced"] == DOCUMENTED
@@ -110,9 +115,9 @@ if sys.argv[1] == "import":  # then a stock model switched later, in the same fr
 @functools.lru_cache(maxsize=None)
 def _stock(imported: bool) -> tuple:
     """What the fresh process printed: the stock model's findings and (after the import) the switched models'."""
-    out = subprocess.run([sys.executable, "-c", STOCK, "import" if imported else "plain", SWITCHED],
-                         capture_output=True, text=True, check=True).stdout
-    return tuple(json.loads(line) for line in out.strip().splitlines() if line.startswith("{"))
+    proc = run_python_c(STOCK, timeout=600, args=("import" if imported else "plain", SWITCHED))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tuple(json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{"))
 
 
 def test_a_stock_model_built_after_the_import_is_the_model_built_without_it():

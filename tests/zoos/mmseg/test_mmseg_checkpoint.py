@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg  # noqa: E402,F401
+from pyexec import run_python_c, run_python_script  # noqa: E402
 from pid_plugins.mmseg.checkpoint import UnsafeCheckpointError, WeightsOnlyCheckpointHook, weights_only_schemes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -132,7 +133,8 @@ def test_http_checkpoints_are_weights_only_too(evil, env, tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_import_leaves_mmengine_and_torch_as_they_were():
-    """``import pid_plugins.mmseg`` changes neither mmengine's CheckpointLoader table nor torch's safe globals."""
+    """``import pid_plugins.mmseg`` changes neither mmengine's CheckpointLoader table nor torch's safe globals (in a
+    ``python -c`` forked from tests/pyexec.py's zygote: mmengine and mmseg imported, pid_plugins not)."""
     script = (
         "import torch\n"
         "from mmengine.runner.checkpoint import CheckpointLoader\n"
@@ -141,7 +143,7 @@ def test_import_leaves_mmengine_and_torch_as_they_were():
         "after = dict(CheckpointLoader._schemes), list(torch.serialization.get_safe_globals())\n"
         "print(before == after, sorted({f.__module__ for f in after[0].values()}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = run_python_c(script, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[-2] == "True ['mmengine.runner.checkpoint']"
 
@@ -214,12 +216,15 @@ def test_safe_globals_are_exactly_what_a_runner_checkpoint_needs(tmp_path):
 
 
 def run_tool(tool, *args, env_extra=None):
+    """``python tools/<tool> args``: in the run's own environment forked from tests/pyexec.py's zygote (mmseg's stack
+    imported once, pid_plugins never: the config's custom_imports bring it), with ``env_extra`` a fresh interpreter
+    (a zygote of its own would be started for those calls only)."""
     import mmseg
 
     script = Path(mmseg.__file__).parent / ".mim" / "tools" / tool
     env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
-    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
-                          env={**env, **(env_extra or {})}, timeout=600)
+    return run_python_script(script, *args, env={**env, **(env_extra or {})}, timeout=600,
+                             fork=None if not env_extra else False)
 
 
 @pytest.fixture(scope="module")
