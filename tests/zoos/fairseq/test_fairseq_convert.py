@@ -54,8 +54,23 @@ def snapshot(model):
             {k: v.clone() for k, v in model.state_dict().items()})
 
 
+def _same_bits(x, y):
+    """Bit for bit: fairseq's ``embed_positions._float_tensor`` is an uninitialised buffer (``torch.FloatTensor(1)``),
+    which may hold a NaN, unequal to itself under ``torch.equal``."""
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8),
+                                                                     y.reshape(-1).view(torch.uint8))
+
+
 def same_snapshot(a, b):
-    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+    """Whether two snapshots are equal; prints what differs (a module's attributes, or a tensor) when not."""
+    modules = [(x, y) for x, y in zip(a[0], b[0]) if x != y] + ([("modules", len(a[0]), len(b[0]))]
+                                                                if len(a[0]) != len(b[0]) else [])
+    tensors = [k for k in a[1] if k not in b[1] or not _same_bits(a[1][k], b[1][k])] + [k for k in b[1] if k not in a[1]]
+    for x, y in modules:
+        print("module differs:", x, y)
+    for k in tensors:
+        print("tensor differs:", k, a[1].get(k), b[1].get(k))
+    return not modules and not tensors
 
 
 def assert_same_function(model, reference, task, incremental=True):
