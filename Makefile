@@ -125,7 +125,8 @@ test-fast: $(STAMP)
 # The lowest releases we declare (pyproject's lower bounds, pinned in constraints-lowest.txt), in a second venv: make
 # test's tests that run a zoo (core, every adapter and method, every cache path, compile, mixed precision, ONNX) and,
 # of the integration tier, the engines' multi-rank jobs (marker `engines`: DDP, FSDP2, DeepSpeed, pipeline, tensor
-# parallelism, fairseq on two ranks). Left out are the rest of the integration tier (the tools' commands run against
+# parallelism, fairseq on two ranks) and inductor's compiles of what make test compiles with dynamo's eager backend
+# (marker `inductor`). Left out are the rest of the integration tier (the tools' commands run against
 # the newest stack: .cache/tools-env is resolved against it; the docs, the wheel, the demo, the device script's dry
 # run), and the in-process tests of the docs site, the CLI's demo and study, and timm's own suite, which read no zoo
 # internals. .ci/run runs it after make test and make test-integration.
@@ -138,7 +139,7 @@ test-compat:
 	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \
 	  'transformers', transformers.__version__, 'timm', timm.__version__)"
-	$(COMPAT_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 -m "not integration or engines" \
+	$(COMPAT_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 -m "not integration or engines or inductor" \
 	  $(foreach t,$(COMPAT_SKIP),--ignore=tests/$(t).py)
 
 # timm's own model tests over every pid_* and fan_* name (every test but TorchScript; long: large models)

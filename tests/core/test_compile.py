@@ -37,8 +37,12 @@ def _gains(source):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["unset", "dict", "preset name", "PIDConfig"])
-def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
+@pytest.mark.parametrize("source,backend", [
+    ("unset", "eager"), ("dict", "eager"), ("preset name", "eager"), ("PIDConfig", "eager"),
+    # the path most users take, with inductor's code generation: a minute of CPU, so in make test-integration (beside
+    # test_hf_compile_switch's inductor runs); every gains source is checked for breaks and recompiles in make test
+    pytest.param("unset", "inductor", marks=[pytest.mark.integration, pytest.mark.inductor])])
+def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source, backend):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
 
@@ -52,7 +56,7 @@ def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="pid").eval()
     expected_gains = PIDConfig.coerce(_gains(source), default="lm")
     assert pid_plugins.hf.model_method_config(model.config) == expected_gains
-    compiled = _compile(model, "inductor" if source == "unset" else "eager")
+    compiled = _compile(model, backend)
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
 
     def decode(step, steps=4):

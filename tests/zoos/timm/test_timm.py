@@ -318,6 +318,8 @@ def test_torch_compile_fullgraph_training_with_checkpointing():
 
 
 @pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.inductor  # inductor's code generation (20 s of CPU); make test compiles with dynamo's eager backend
 def test_torch_compile_inductor_matches_eager():
     model, _ = pair()
     x = images()
