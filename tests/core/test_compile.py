@@ -125,6 +125,29 @@ def test_transformers_compiled_call_compiles_the_frames_stock_compiles():
     torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_function_calling_the_model_inlines_the_hooks():
+    """Where dynamo traces a call of the model (a compiled function that calls it), the forward hooks are inlined into
+    its one graph (fullgraph: a hook run apart would be a graph break), and the graph computes the method."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pid_plugins.hf  # noqa: F401
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA, attn_implementation="pid")).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def scores(x):
+        return model(input_ids=x, use_cache=False).logits.log_softmax(-1)
+
+    with torch.no_grad():
+        got = _compile(scores)(ids)
+        want = scores(ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.set_attn_implementation("sdpa")
+        assert not torch.allclose(scores(ids), want, atol=1e-3)
+
+
 # ------------------------------------------------------------------------------------------------ other zoos
 @pytest.mark.slow
 def test_timm_forward_compiles_fullgraph_with_a_preset_name():
