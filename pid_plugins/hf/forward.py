@@ -238,10 +238,11 @@ def _eager_as_frames(*hooks: Callable) -> None:
 
     transformers compiles ``model.__call__`` (``generate``'s compiled decoding step): dynamo does not trace
     ``nn.Module.__call__``, so each hook would be a compiled frame of its own, whose cache lookup, guards and
-    rebuilt return value cost more per call than running the hook (a tenth of a tiny decoding step, here). A
-    ``torch.compile(model)`` inlines them into the model's graph, as before: the frame's strategy (torch's own
-    ``skip_code``, for the hook and what it calls) is read by the frame evaluation only, never when inlining.
-    A torch without it compiles the hooks as frames (slower, the same results): tests/core/test_compile.py."""
+    rebuilt return value cost more per call than running the hook (a tenth of a tiny decoding step, here); so does
+    ``torch.compile(model)``, whose compiled call is ``model.__call__`` too. A compiled function that calls the model
+    inlines them into its graph, as before: the frame's strategy (torch's own ``skip_code``, for the hook and what it
+    calls) is read when dynamo meets a frame, never when it inlines one. A torch without it compiles the hooks as
+    frames (slower, the same results), and tests/core/test_compile.py says so."""
     try:
         from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
     except ImportError:  # pragma: no cover - a torch without frame strategies
