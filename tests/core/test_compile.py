@@ -92,37 +92,32 @@ def test_transformers_compiled_call_compiles_the_frames_stock_compiles():
     import pid_plugins.hf  # noqa: F401
     from pid_plugins.hf.forward import _post_hook, _pre_hook
 
+    def decode(model, step):  # the eager prefill, then four decoding steps through ``step``
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits]
+            for i in range(4):
+                with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                    tok = logits[-1][:, -1:].argmax(-1)
+                    logits.append(step(input_ids=tok, past_key_values=cache, use_cache=True).logits)
+        return torch.cat(logits, dim=1)
+
     def run(attn):
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**LLAMA, attn_implementation=attn)).eval()
-        call = torch.compile(model.__call__, fullgraph=True, backend="eager")  # as get_compiled_call does
-        cache = StaticCache(config=model.config, max_cache_len=16)
-        prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            logits = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits]  # the eager prefill
-            for step in range(4):
-                with torch._dynamo.config.patch(error_on_recompile=step > 0):
-                    tok = logits[-1][:, -1:].argmax(-1)
-                    logits.append(call(input_ids=tok, past_key_values=cache, use_cache=True).logits)
-        frames = dict(counters["frames"])
-        graphs = counters["stats"]["unique_graphs"]
+        got = decode(model, torch.compile(model.__call__, fullgraph=True, backend="eager"))  # as get_compiled_call
         hooks_compiled = [f.__name__ for f in (_pre_hook, _post_hook)
                           if torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)]
-        return torch.cat(logits, dim=1), frames, graphs, hooks_compiled, model
+        return got, dict(counters["frames"]), counters["stats"]["unique_graphs"], hooks_compiled, model
 
     _, stock_frames, stock_graphs, _, _ = run("sdpa")
     got, frames, graphs, hooks_compiled, model = run("pid")
     assert hooks_compiled == []
     assert (frames, graphs) == (stock_frames, stock_graphs), (frames, stock_frames)
-    cache = StaticCache(config=model.config, max_cache_len=16)
-    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits]
-        for _ in range(4):
-            want.append(model(input_ids=want[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
-    torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, decode(model, model), rtol=1e-5, atol=1e-5)
 
 
 def test_a_compiled_function_calling_the_model_inlines_the_hooks():
