@@ -773,15 +773,19 @@ def hf_greedy(model, x: Tensor, new: int = 5, **kwargs) -> Tensor:
         return model.generate(x, max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
 
 
-def assert_direct_path_equals_apply(adapter, run: Callable[[], List[Tensor]], monkeypatch) -> None:
-    """``run()`` through ``adapter``'s direct path (the module that imported ``update_once``; asserted taken) and
-    again with ``calls_once`` off, through core's ``apply`` (asserted): the tensors equal bit for bit."""
+def assert_direct_path_equals_apply(adapter, run: Callable[[], List[Tensor]], monkeypatch,
+                                    direct: str = "update_once", forget: Callable[[], None] = lambda: None) -> None:
+    """``run()`` through ``adapter``'s direct path (the module that imported ``calls_once``; the path's function
+    ``direct``, asserted called) and again with ``calls_once`` off, through core's ``apply`` (asserted): the tensors
+    equal bit for bit. ``forget()``: the adapter forgets the path it chose (before each run)."""
     calls = []
-    real = adapter.update_once
-    monkeypatch.setattr(adapter, "update_once", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = getattr(adapter, direct)
+    monkeypatch.setattr(adapter, direct, lambda *a, **k: calls.append(1) or real(*a, **k))
+    forget()
     direct = run()
     assert calls  # the direct path ran
     monkeypatch.setattr(adapter, "calls_once", lambda method: False)
+    forget()
     calls.clear()
     through_apply = run()
     assert not calls and len(direct) == len(through_apply)

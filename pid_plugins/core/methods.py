@@ -149,6 +149,14 @@ class AttentionMethod:
         """After attention: the layer's output from the attention output and the state for the next layer."""
         raise NotImplementedError
 
+    def bind_update(self, config: Any, head_dim: int) -> Optional[Callable[..., Tuple[Tensor, tuple]]]:
+        """:meth:`update` with fixed parameters ``config`` and no warm-up, bound once for every layer of a forward:
+        ``(out, value_q, state) -> (u, state)``, what :func:`update_once` computes after the state rule; None when the
+        parameters depend on the layer (:meth:`layer_params` overridden). An adapter's hot path calls it."""
+        if type(self).layer_params is not AttentionMethod.layer_params:
+            return None
+        return functools.partial(self.update, config, scale=None, head_dim=head_dim)
+
     def apply(self, config: Any, learned: Optional[nn.Module], call: "LayerCall",
               state: Optional[tuple]) -> Tuple[Tensor, tuple]:
         """One layer: the one call every adapter makes.
@@ -312,7 +320,7 @@ def update_once(method: AttentionMethod, config: Any, out: Tensor, value_q: Tens
     if state is None:
         if layer and method.state_fields and not restart:
             raise MissingLayerState(missing_state_message(method, layer, state_route))
-    elif type(state) is tuple and _kind_of(method).makes_state:
+    elif type(state) is tuple and type(method).make_state is not AttentionMethod.make_state:  # (_Kind.makes_state)
         state = method.make_state(*state)
     return method.update(method.layer_params(config, None, layer), out, value_q, state, None, head_dim)
 

@@ -10,10 +10,11 @@ The D term is zero at the first layer. Every term is per position, so a KV cache
 values; the state (:class:`PIDState`) is passed in and returned, never stored on a module."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -236,7 +237,9 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
     ``head_dim``), which broadcasts over the output viewed as ``(..., H_kv, r, q, D)``, so the state is computed in
     that layout; ``grouped_state`` hands it on so (:meth:`PIDMethod.update`), else in key/value-head space."""
     out_shape, kv_shape = attn_out.shape, value.shape
-    traced = torch.jit.is_tracing()  # TorchScript tracing (torch.onnx's exporter): sizes are traced values
+    # TorchScript tracing (torch.onnx's exporter): sizes are traced values (torch.jit.is_tracing's own test, one C call
+    # per layer; dynamo folds it to False)
+    traced = torch._C._is_tracing()
     if traced:  # no Python branch on traced sizes: the grouped view, exact for r = 1 too (a size-1 dimension)
         dim = head_dim % attn_out.dim()
         grouped: Optional[tuple] = ((*out_shape[:dim], kv_shape[dim], -1, *out_shape[dim + 1:]), dim + 1,
@@ -298,6 +301,11 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
     else:  # (the heads split into (H_kv, r): a view of the fresh or contiguous output)
         dim = grouped[1] - 1
         target = attn_out.reshape(grouped[0]) if traced else attn_out.view(grouped[0])  # (a split: always a view)
+    if scale is None and g.weights is not None:  # fixed gains, no warm-up: each nonzero term with its folded weight
+        for x, gain in terms:
+            if gain:
+                out = torch.add(target, x, alpha=gain) if out is None else out.add_(x, alpha=gain)
+        terms = ()
     for x, gain in terms:
         tensor_gain = isinstance(gain, Tensor)
         if not tensor_gain and gain == 0.0:  # a zero fixed gain launches nothing
@@ -423,6 +431,19 @@ class PIDMethod(AttentionMethod):
         lambda_p, lambda_i, lambda_d = learned()[:3]
         return (lambda_p, lambda_i, lambda_d, config.beta, config.control_first_layer)
 
+    def bind_update(self, config: PIDConfig, head_dim: int) -> Optional[Callable[..., Tuple[Tensor, PIDState]]]:
+        """:meth:`update` of fixed gains without warm-up (:meth:`layer_params` gives every layer the config)."""
+        if type(self).layer_params is not PIDMethod.layer_params:  # a subclass's own per-layer parameters
+            return None
+        if type(self).update is not _PID_UPDATE:  # a subclass's (or a wrapped) update: called as it is
+            return functools.partial(self.update, config, scale=None, head_dim=head_dim)
+        g = fold(config)
+
+        def update(out: Tensor, value_q: Tensor, state: Optional[tuple]) -> Tuple[Tensor, PIDState]:
+            return _update(out, value_q, state, g, head_dim, True, None)  # (PIDMethod.update, the gains folded once)
+
+        return update
+
     def make_state(self, *tensors: Optional[Tensor]) -> PIDState:
         return PIDState(*tensors)
 
@@ -432,4 +453,5 @@ class PIDMethod(AttentionMethod):
         return _update(out, value_q, state, fold(params, scale), head_dim, True, scale)
 
 
+_PID_UPDATE = PIDMethod.update
 register_method(PIDMethod())

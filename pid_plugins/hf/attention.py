@@ -46,24 +46,31 @@ class MethodForwardState:
     (docs/scaling.md)."""
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "zero",
-                 "function", "start", "learnable", "cached", "cache", "grad", "restart", "call")
+                 "function", "start", "learnable", "cached", "cache", "grad", "restart", "call", "update",
+                 "makes_state")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
-                 cached: bool = False, cache: Any = None, restart: bool = False) -> None:
+                 cached: bool = False, cache: Any = None, restart: bool = False, zero: Optional[bool] = None,
+                 chosen: Optional[tuple] = None) -> None:
         self.method = method if method is not None else _method_of_config(config)
         self.config = config  # the method's parameters (its config)
         self.base = base
         self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
         # decided once per forward, not per layer call: the stock attention (zero gains), the base function (None
         # for eager: each model family has its own eager_attention_forward)
-        self.zero = self.method.is_identity(config)
+        self.zero = self.method.is_identity(config) if zero is None else zero  # (zero: the caller's is_identity)
         self.learnable = bool(getattr(config, "learnable", False))
         # the function every attention call of this forward runs, chosen once per forward: the stock attention (zero
         # gains), the attention once then the update (core's apply without its per-call bookkeeping: a method that
         # calls_once, fixed parameters, no warm-up), or core's apply
-        self.call: Callable[..., tuple] = _stock_call if self.zero else _direct_call if (
-            scale is None and not self.learnable and calls_once(self.method)) else _method_call
+        # chosen: (call, update, makes_state) as an earlier forward with these parameters and no warm-up chose them
+        # (:meth:`chosen`), else chosen here
+        if chosen is None:
+            chosen = self._choose(config, scale)
+        self.call: Callable[..., tuple] = chosen[0]
+        self.update: Optional[Callable[..., tuple]] = chosen[1]
+        self.makes_state: bool = chosen[2]
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
         self.function = _BASE_FUNCTIONS.get(base)
         self.past_length = past_length
@@ -78,6 +85,23 @@ class MethodForwardState:
         # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
         # layer), read by the forward's first layer (:func:`_start`); a compiled forward keeps the tensor
         self.start: Optional[int] = None
+
+    def _choose(self, config: Any, scale: Optional[Tensor]) -> tuple:
+        call = _stock_call if self.zero else _direct_call if (
+            scale is None and not self.learnable and calls_once(self.method)) else _method_call
+        # the direct path's update, bound once (core's update_once without its state rule, which the path checks
+        # before the attention runs); a method whose parameters depend on the layer takes core's apply
+        update = None
+        if call is _direct_call:
+            update = self.method.bind_update(config, -2)  # (the (B, q, H, D) output: heads at -2)
+            if update is None:
+                call = _method_call
+        # an earlier layer's state handed over as plain tensors (a pipeline stage's) is rebuilt by update_once
+        return call, update, type(self.method).make_state is not AttentionMethod.make_state
+
+    def chosen(self) -> tuple:
+        """``(call, update, makes_state)``: what this forward runs, for another forward of the same parameters."""
+        return self.call, self.update, self.makes_state
 
     def previous(self, earlier: tuple[int, ...]) -> Optional[tuple]:
         """The state of the nearest earlier layer that ran in this forward (``earlier``: nearest first); None when
@@ -169,6 +193,9 @@ def _stock_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: 
     return (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask, **kwargs)
 
 
+_PROXY = torch.fx.Proxy  # torch.fx's traced values (symbolic tracing of a model: the checked path)
+
+
 def _query_values(run: MethodForwardState, value: Tensor, q_len: int) -> Tensor:
     """The values of the query positions, ``(B, H_kv, q, D)``: the last ``q_len`` rows without a cache or with a
     dynamic one, rows ``[past, past + q_len)`` of a static cache's buffer."""
@@ -198,21 +225,24 @@ def _start(run: MethodForwardState, like: Tensor) -> Optional[int]:
 def _direct_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                  attention_mask: Optional[Tensor], kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
     """The hot path of a method that calls attention once, with fixed parameters and no warm-up (PID, NeuTRENO): the
-    base attention, then core's :func:`~pid_plugins.core.methods.update_once`."""
-    index = module.__dict__.get(ROLE)
+    base attention, then the method's update bound for this forward (core's
+    :meth:`~pid_plugins.core.AttentionMethod.bind_update`: :func:`~pid_plugins.core.methods.update_once` after its
+    state rule, checked here before the attention runs). Every other case (a module discovery
+    did not number, checkpointing's recomputation, a shared module, an earlier layer skipped or missing, torch.fx,
+    reentrant checkpointing) goes to :func:`_method_call`, with its checks and refusals, before anything runs."""
+    entries = module.__dict__
+    earlier = entries.get(EARLIER)  # set by discovery on self-attention: the earlier layers of its stack, nearest first
     layers = run.layers
-    if index is None or index < 0 or run.finished or index in layers or isinstance(value, torch.fx.Proxy) or (
-            run.grad and not torch.is_grad_enabled()):  # the rare cases, with their checks and refusals
+    previous = layers.get(earlier[0]) if earlier else None  # the nearest earlier layer's state (it ran)
+    index = entries.get(ROLE)
+    if earlier is None or run.finished or index in layers or (earlier and (
+            previous is None or (run.makes_state and type(previous) is tuple))) or isinstance(value, _PROXY) or (
+            run.grad and not torch.is_grad_enabled()):
         return _method_call(run, module, query, key, value, attention_mask, kwargs)
     out, weights = (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask,
                                                                       **kwargs)
-    method = run.method
-    earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
-    previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
-    u, layers[index] = update_once(
-        method, run.config, out, (value if method.keys_state else _query_values(run, value, query.shape[-2])
-                                  ).transpose(1, 2), previous, -2, index if earlier is None else len(earlier),
-        run.restart, STATE_ROUTE)
+    u, layers[index] = run.update(out, (value if run.method.keys_state else _query_values(
+        run, value, query.shape[-2])).transpose(1, 2), previous)
     return u, weights
 
 

@@ -187,8 +187,8 @@ class ConfigReading:
     config's own attributes once (:func:`read_config`), and read again when a watched entry of its ``__dict__``
     changes (:meth:`holds`)."""
 
-    __slots__ = ("config", "source", "keys", "source_keys", "seen", "copies", "contents", "method", "gains", "base", "refusal",
-                 "output_attentions", "use_cache", "gains_learnable", "warmup")
+    __slots__ = ("config", "source", "keys", "source_keys", "seen", "copies", "contents", "method", "gains", "base",
+                 "refusal", "output_attentions", "use_cache", "gains_learnable", "warmup", "zero", "chosen")
 
     def holds(self, config: Any, source: Any) -> bool:
         """Whether ``config`` and the parameters' ``source`` are the ones read and their watched entries unchanged
@@ -196,9 +196,10 @@ class ConfigReading:
         if config is not self.config or source is not self.source:
             return False
         if not torch.compiler.is_compiling():  # one C-level pass: identical or equal (a dict against its copy)
-            entries = list(map(config.__dict__.get, self.keys))
+            # (the __dict__ read past PretrainedConfig's own __getattribute__, a Python function)
+            entries = list(map(_vars(config).get, self.keys))
             if self.source_keys:
-                entries += map(source.__dict__.get, self.source_keys)
+                entries += map(_vars(source).get, self.source_keys)
             return entries == self.copies
         seen, entries = self.seen, config.__dict__
         for i, key in enumerate(self.keys):
@@ -215,6 +216,13 @@ class ConfigReading:
         return True
 
 
+def _vars(obj: Any) -> dict:
+    return _GENERIC_GETATTR(obj, "__dict__")
+
+
+_GENERIC_GETATTR = object.__getattribute__
+
+
 def _contents(value: Any) -> Any:
     return tuple(sorted(value.items(), key=repr)) if isinstance(value, dict) else tuple(value)
 
@@ -228,6 +236,8 @@ def read_config(config: Any, source: Any) -> ConfigReading:
     reading.method = method
     reading.gains = reading.base = reading.refusal = None
     reading.gains_learnable = reading.warmup = False
+    reading.zero = True  # the parameters compute the stock attention (method.is_identity)
+    reading.chosen = None  # what a forward's MethodForwardState chose without warm-up (the first eager forward's)
     reading.output_attentions = bool(getattr(config, "output_attentions", False))
     reading.use_cache = getattr(config, "use_cache", False)
     keys, source_keys = _WATCHED, ()
@@ -239,6 +249,7 @@ def read_config(config: Any, source: Any) -> ConfigReading:
         reading.base = base_attention(config)
         reading.gains_learnable = bool(getattr(gains, "learnable", False))
         reading.warmup = bool(getattr(gains, "warmup_steps", 0))
+        reading.zero = method.is_identity(gains)
         if getattr(config, "distributed_config", None) is not None:
             reading.refusal = pipeline_refusal(config, method, gains)
     reading.keys, reading.source_keys = keys, source_keys

@@ -22,7 +22,8 @@ from .checkpointing import cache_message, registry_key, torch_checkpointing, wra
 from .config import (
     BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist, read_config,
 )
-from .forward import GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, _post_hook, _pre_hook, hooked, layout
+from .forward import (GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, _post_hook, _pre_hook, checkpointing_layout, hooked,
+                      layout)
 from .record import refresh as refresh_record, sync_record
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
@@ -283,7 +284,14 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
     plan.nodes = tuple(m.__dict__ for _, m in nodes.values())
     plan.flagged = tuple(flagged)
     plan.registry = registry_key()
+    plan.watched, plan.keys = plan.parents, plan.steps
+    nodes_, flagged_ = plan.nodes, plan.flagged
+    plan.flags = (*nodes_, *flagged_, *flagged_)
+    plan.flag_keys = ((plan.registry,) * len(nodes_) + ("gradient_checkpointing",) * len(flagged_)
+                      + ("_gradient_checkpointing_func",) * len(flagged_))
+    plan.registries = len(nodes_)
     plan.signature = layout(plan)
+    plan.checkpointing = checkpointing_layout(plan)
 
 
 def relayout(model: nn.Module) -> None:

@@ -6,6 +6,7 @@ hands the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState`;
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Callable, Optional
@@ -13,13 +14,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 
 from .attention import STATE_KEYWORD, MethodForwardState
 from .cache import new_cache, static_past
 from .config import WARMUP_ATTR, WARMUP_SOURCE, ConfigReading, method_of
 
-__all__ = ["GAINS_SOURCE", "PLAN", "Plan", "drops_layers", "hooked", "layout"]
+__all__ = ["GAINS_SOURCE", "PLAN", "Plan", "checkpointing_layout", "drops_layers", "hooked", "layout"]
 
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan
 GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
@@ -51,7 +52,16 @@ class Plan:
     nodes: tuple = ()
     flagged: tuple = ()
     registry: str = ""  # the key of torch's composable-API registry (its ``checkpoint(module)``) in a ``__dict__``
-    signature: tuple = ()  # layout(plan) when the plan was made
+    #: what :func:`layout` reads, flat: each step's parent ``_modules`` and the step's name
+    watched: tuple = ()
+    keys: tuple = ()
+    #: what :func:`checkpointing_layout` reads, flat: the modules' ``__dict__`` and keys (the registries first, then
+    #: the flags), and how many registries
+    flags: tuple = ()
+    flag_keys: tuple = ()
+    registries: int = 0
+    signature: list = dataclasses.field(default_factory=list)  # layout(plan) when the plan was made
+    checkpointing: list = dataclasses.field(default_factory=list)  # checkpointing_layout(plan) then
     #: activation checkpointing found on those modules, as refusals (for the plan's method) or where it is
     reentrant: Optional[str] = None  # transformers' reentrant gradient checkpointing (refused in training)
     wrapper: Optional[str] = None  # torch's reentrant checkpoint_wrapper (refused whenever autograd is on)
@@ -63,13 +73,21 @@ class Plan:
     read: Optional[Callable[..., ConfigReading]] = None
 
 
-def layout(plan: Plan) -> tuple:
-    """What the plan's modules look like now (modules, registries, checkpointing flags), compared by identity."""
-    nodes, flagged = plan.nodes, plan.flagged
-    registries = list(map(dict.get, nodes, repeat(plan.registry, len(nodes))))
-    return (list(map(dict.get, plan.parents, plan.steps)), registries, [len(r) for r in registries if r],
-            list(map(dict.get, flagged, repeat("gradient_checkpointing", len(flagged)))),
-            list(map(dict.get, flagged, repeat("_gradient_checkpointing_func", len(flagged)))))
+def layout(plan: Plan) -> list:
+    """The way from the model to its attention modules now (each step's module), compared by identity: one
+    ``dict.get`` per step (:attr:`Plan.watched`)."""
+    return list(map(dict.get, plan.watched, plan.keys))
+
+
+def checkpointing_layout(plan: Plan) -> list:
+    """The activation checkpointing on the plan's modules now: torch's composable-API registries (and their sizes,
+    where a module has one) and transformers' ``gradient_checkpointing`` flags and functions. They matter only to a
+    forward in training or with autograd on, which alone reads them."""
+    entries = list(map(dict.get, plan.flags, plan.flag_keys))
+    stop = plan.registries
+    if any(entries[:stop]):  # torch's composable APIs on a module: how many, too
+        entries.append(list(map(len, filter(None, entries[:stop]))))
+    return entries
 
 
 def hooked(model: nn.Module) -> bool:
@@ -153,8 +171,13 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     method = reading.method
     if method is None:  # switched to a stock implementation
         return None
+    grad = torch.is_grad_enabled()
+    # (a model whose nested model owns the layers has no modules to check; checkpointing matters only to a forward in
+    # training or with autograd on)
     if plan.name != method.name or plan.counter is not module._modules.get(WARMUP_ATTR) or (
-            reading.gains_learnable and not plan.learnable) or (not compiling and layout(plan) != plan.signature):
+            reading.gains_learnable and not plan.learnable) or (
+            plan.owns_layers and not compiling and (layout(plan) != plan.signature or (
+                (grad or module.training) and checkpointing_layout(plan) != plan.checkpointing))):
         plan = _renew(module, plan, True)  # the model changed (method, counter, learnable parameters, modules)
         reading = plan.reading
     elif not compiling and plan.first:
@@ -166,7 +189,6 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if not plan.owns_layers:
         return None
     scale = _warmup_scale(module, gains, method.name) if reading.warmup else None
-    grad = torch.is_grad_enabled()
     training = module.training
     if grad:
         if plan.reentrant is not None and training:
@@ -186,7 +208,8 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
             break
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    renamed = _renamed_cache(kwargs, plan.cache_keywords)
+    # (a release that passes the cache under a new name passes none under the names the plan knows)
+    renamed = _renamed_cache(kwargs, plan.cache_keywords) if cache is None else None
     if renamed is not None:  # a release that passes the cache under a name the adapter does not read
         plan.renew(module, plan, True, renamed)  # refused (InternalChanged), naming the keyword
     use_cache = kwargs.get("use_cache")
@@ -194,7 +217,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         use_cache = reading.use_cache
     if grad and plan.wrapped is not None and training and (cache is not None or use_cache):
         raise ValueError(plan.wrapped)
-    active = not method.is_identity(gains)
+    active = not reading.zero
     restart = bool(method.state_fields) and training and drops_layers(module, plan)
     # transformers' checkpointed layers drop the cache in training (GradientCheckpointingLayer): so does the slot
     layers_cache = not (method.cache_slot and training and plan.checkpointed)
@@ -204,7 +227,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
         # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
         cache = new_cache(config)
         kwargs[plan.cache_keywords[0]] = cache
-    own = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own
+    own = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache  # the decoder's own
     if method.keys_state and own is not None and active:
         sliding = getattr(own, "is_sliding", None)
         if sliding and any(sliding) and not all(sliding):
@@ -214,8 +237,12 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
                 "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
             )
     past = static_past(cache, method.name) if cache is not None else None
+    chosen = reading.chosen if scale is None else None
     state = MethodForwardState(gains, base, past, scale, method, cached=cache is not None,
-                               cache=own if method.cache_slot and layers_cache else None, restart=restart)
+                               cache=own if method.cache_slot and layers_cache else None, restart=restart,
+                               zero=not active, chosen=chosen)
+    if chosen is None and scale is None and not compiling:  # the next forwards reuse it (the reading's lifetime)
+        reading.chosen = state.chosen()
     state.grad = grad
     kwargs[STATE_KEYWORD] = state
     return args, kwargs

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..config import MethodConfig, registry_presets
-from ..heads import _kv_head_split, expand_heads
+from ..heads import _grouped_shapes, expand_heads
 from ..methods import AttentionMethod, register_method
 
 __all__ = ["NeuTRENOConfig", "NeuTRENOMethod", "neutreno_update"]
@@ -61,7 +61,8 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     ``attn_out + alpha * (v_first - value)`` expanded to the query heads. ``scale``: the warm-up factor, or None."""
     if v_first is None:
         return attn_out
-    if not torch.jit.is_tracing() and v_first.shape != value.shape:
+    traced = torch._C._is_tracing()  # torch.jit.is_tracing's own test (one C call; dynamo folds it to False)
+    if not traced and v_first.shape != value.shape:
         raise ValueError(
             f"NeuTRENO layer values have shape {tuple(value.shape)} but the group's first layer had "
             f"{tuple(v_first.shape)}: every layer of a group must have values of one shape (same heads, head_dim "
@@ -69,8 +70,8 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
         )
     # (v^1 - v) in key/value-head space, broadcast over each group of r query heads of a view of the attention
     # output (as expand_heads would repeat it, without the copy); float16/bfloat16: in float32, rounded once
-    traced = torch.jit.is_tracing()
-    grouped = None if traced or attn_out.shape == value.shape else _kv_head_split(attn_out, value, head_dim)
+    grouped = None if traced or attn_out.shape == value.shape else _grouped_shapes(attn_out.shape, value.shape,
+                                                                                 head_dim)
     wide = attn_out.dtype in _LOW_PRECISION
     diff = (v_first.float() if wide else v_first) - value  # (type promotion: value is upcast exactly)
     target = attn_out
@@ -97,9 +98,27 @@ class NeuTRENOMethod(AttentionMethod):
 
     def update(self, params: NeuTRENOConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
-        if state is None:
-            return out, (value_q,)
-        return neutreno_update(out, value_q, state[0], params.alpha, head_dim, scale), (state[0],)
+        return _layer(out, value_q, state, params.alpha, head_dim, scale)
+
+    def bind_update(self, config: NeuTRENOConfig, head_dim: int) -> Optional[Callable[..., Tuple[Tensor, tuple]]]:
+        """:meth:`update` of a fixed ``alpha`` without warm-up."""
+        if type(self).update is not _NEUTRENO_UPDATE:  # a subclass's (or a wrapped) update: called as it is
+            return super().bind_update(config, head_dim)
+        alpha = config.alpha
+
+        def update(out: Tensor, value_q: Tensor, state: Optional[tuple]) -> Tuple[Tensor, tuple]:
+            return _layer(out, value_q, state, alpha, head_dim, None)
+
+        return update
 
 
+def _layer(out: Tensor, value_q: Tensor, state: Optional[tuple], alpha: Any, head_dim: int,
+           scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
+    """One layer's output and state: the first layer records ``v^1``; later ones add ``alpha (v^1 - v)``."""
+    if state is None:
+        return out, (value_q,)
+    return neutreno_update(out, value_q, state[0], alpha, head_dim, scale), (state[0],)
+
+
+_NEUTRENO_UPDATE = NeuTRENOMethod.update
 register_method(NeuTRENOMethod())

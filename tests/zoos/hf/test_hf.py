@@ -391,9 +391,11 @@ def test_smollm2_loads_converts_and_generates(smollm2, tmp_path):
 
 @pytest.mark.parametrize("method", ["pid", "neutreno"])
 def test_the_direct_path_equals_core_apply_bit_for_bit(method, monkeypatch):
-    """Methods that call attention once take update_once (no LayerCall); core's apply gives the same logits, bit for
-    bit, in a forward, in cached greedy decoding, and in a training step's gradients (grouped-query attention)."""
+    """Methods that call attention once take the direct path (the update bound once per forward, no LayerCall);
+    core's apply gives the same logits, bit for bit, in a forward, in cached greedy decoding, and in a training step's
+    gradients (grouped-query attention)."""
     import pid_plugins.hf.attention as attention
+    import pid_plugins.hf.forward as forward
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config()).eval()
@@ -411,4 +413,10 @@ def test_the_direct_path_equals_core_apply_bit_for_bit(method, monkeypatch):
         model.eval()
         return [logits, *scores, *(p.grad for p in model.parameters() if p.grad is not None)]
 
-    assert_direct_path_equals_apply(attention, everything, monkeypatch)
+    def forget():  # the path is chosen once per reading of the config (ConfigReading.chosen)
+        for m in model.modules():
+            plan = m.__dict__.get(forward.PLAN)
+            if plan is not None and plan.reading is not None:
+                plan.reading.chosen = None
+
+    assert_direct_path_equals_apply(attention, everything, monkeypatch, direct="_direct_call", forget=forget)
