@@ -241,8 +241,14 @@ def _direct_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
         return _method_call(run, module, query, key, value, attention_mask, kwargs)
     out, weights = (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask,
                                                                       **kwargs)
-    u, layers[index] = run.update(out, (value if run.method.keys_state else _query_values(
-        run, value, query.shape[-2])).transpose(1, 2), previous)
+    if run.method.keys_state:
+        values = value
+    elif run.past_length is None:  # no cache, or a dynamic one: the query rows end the values (_query_values)
+        q_len, length = query.shape[-2], value.shape[-2]
+        values = value if length == q_len else value.narrow(2, length - q_len, q_len)
+    else:
+        values = _query_values(run, value, query.shape[-2])
+    u, layers[index] = run.update(out, values.transpose(1, 2), previous)
     return u, weights
 
 

@@ -19,13 +19,14 @@ __all__ = ["DynamicSlidingWindowSlotLayer", "DynamicSlotLayer", "LayerSlot", "Sl
            "new_cache", "static_past", "with_slot"]
 
 
-def static_past(cache: Any, name: str) -> Optional[Tensor]:
-    """The static cache's length before this forward (a tensor, never synced), None for dynamic caches."""
+def static_past(cache: Any, name: str, compiling: Optional[bool] = None) -> Optional[Tensor]:
+    """The static cache's length before this forward (a tensor, never synced), None for dynamic caches.
+    ``compiling``: torch.compiler.is_compiling(), where the caller knows it."""
     layers = getattr(cache, "layers", None)
     if not layers:
         return None
     first = layers[0]
-    if torch.compiler.is_compiling():  # (no cached function under the trace)
+    if torch.compiler.is_compiling() if compiling is None else compiling:  # (no cached function under the trace)
         static = _static_kinds.__wrapped__(type(first), tuple(map(type, layers)), name)
     else:  # once per set of layer types, not once per forward
         static = _static_kinds(type(first), frozenset(map(type, layers)), name)

@@ -190,12 +190,15 @@ class ConfigReading:
     __slots__ = ("config", "source", "keys", "source_keys", "seen", "copies", "contents", "method", "gains", "base",
                  "refusal", "output_attentions", "use_cache", "gains_learnable", "warmup", "zero", "chosen")
 
-    def holds(self, config: Any, source: Any) -> bool:
+    def holds(self, config: Any, source: Any, compiling: Optional[bool] = None) -> bool:
         """Whether ``config`` and the parameters' ``source`` are the ones read and their watched entries unchanged
-        (by identity; a dict or list entry also by its contents, so one changed in place is read again)."""
+        (by identity; a dict or list entry also by its contents, so one changed in place is read again).
+        ``compiling``: torch.compiler.is_compiling(), where the caller knows it."""
         if config is not self.config or source is not self.source:
             return False
-        if not torch.compiler.is_compiling():  # one C-level pass: identical or equal (a dict against its copy)
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        if not compiling:  # one C-level pass: identical or equal (a dict against its copy)
             # (the __dict__ read past PretrainedConfig's own __getattribute__, a Python function)
             entries = list(map(_vars(config).get, self.keys))
             if self.source_keys:

@@ -162,7 +162,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
                            f"pid_plugins.hf.convert(model, {chosen!r})")
     reading = plan.reading
     compiling = torch.compiler.is_compiling()  # the compiled graph checks no layout (dynamo guards the modules)
-    if reading is None or not reading.holds(config, module.__dict__.get(GAINS_SOURCE, config)):
+    if reading is None or not reading.holds(config, module.__dict__.get(GAINS_SOURCE, config), compiling):
         if compiling:  # read, not stored: a reading stored by a compiled call is guarded on and recompiles the next
             reading = plan.read(module)
         else:
@@ -236,7 +236,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
                 f"{type(module).__name__}'s cache mixes sliding-window and full-attention layers, which keep different "
                 "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
             )
-    past = static_past(cache, method.name) if cache is not None else None
+    past = static_past(cache, method.name, compiling) if cache is not None else None
     chosen = reading.chosen if scale is None else None
     state = MethodForwardState(gains, base, past, scale, method, cached=cache is not None,
                                cache=own if method.cache_slot and layers_cache else None, restart=restart,

@@ -225,3 +225,42 @@ def test_core_never_imports_its_siblings():
                 continue
             assert not any("siblings" in name for name in names), (path.name, names)
     assert set(BUILTIN) <= set(pid_plugins.list_methods())
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_bind_update_is_update_once_bit_for_bit(name):
+    """``bind_update``, the update an adapter binds to fixed parameters once per forward, is ``update_once`` bit for bit
+    at every layer (grouped-query attention, heads at -2 as transformers lays them out); a subclass's own update is
+    still called, and parameters that may depend on the layer bind nothing (the adapter takes ``apply``)."""
+    from pid_plugins.core.methods import calls_once, update_once
+
+    method = pid_plugins.get_method(name)
+    cfg = method.configure(None, "hf")
+    bound = method.bind_update(cfg, -2)
+    if not calls_once(method):  # (Twicing, Elliptical, value residual: apply's path, whatever bind_update says)
+        return
+    assert bound is not None
+    torch.manual_seed(0)
+    state_a = state_b = None
+    for i in range(3):
+        out, v = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)  # (B, q, H, D) and the values (B, q, H_kv, D)
+        want, state_a = update_once(method, cfg, out, v, state_a, -2, i)
+        got, state_b = bound(out, v, state_b)
+        assert torch.equal(got, want) and all(
+            (a is None and b is None) or torch.equal(a, b) for a, b in zip(state_a, state_b))
+
+    calls = []
+
+    class Watched(type(method)):
+        def update(self, *args, **kwargs):
+            calls.append(1)
+            return super().update(*args, **kwargs)
+
+    Watched().bind_update(cfg, -2)(out, v, None)
+    assert calls == [1]
+
+    class PerLayer(type(method)):
+        def layer_params(self, config, learned, layer=None):
+            return config
+
+    assert PerLayer().bind_update(cfg, -2) is None

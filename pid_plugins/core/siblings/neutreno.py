@@ -102,8 +102,8 @@ class NeuTRENOMethod(AttentionMethod):
 
     def bind_update(self, config: NeuTRENOConfig, head_dim: int) -> Optional[Callable[..., Tuple[Tensor, tuple]]]:
         """:meth:`update` of a fixed ``alpha`` without warm-up."""
-        if type(self).update is not _NEUTRENO_UPDATE:  # a subclass's (or a wrapped) update: called as it is
-            return super().bind_update(config, head_dim)
+        if type(self).update is not _NEUTRENO_UPDATE or type(self).layer_params is not AttentionMethod.layer_params:
+            return super().bind_update(config, head_dim)  # a subclass's own update (called as it is) or parameters
         alpha = config.alpha
 
         def update(out: Tensor, value_q: Tensor, state: Optional[tuple]) -> Tuple[Tensor, tuple]:
