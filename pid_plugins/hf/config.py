@@ -200,9 +200,9 @@ class ConfigReading:
             compiling = torch.compiler.is_compiling()
         if not compiling:  # one C-level pass: identical or equal (a dict against its copy)
             # (the __dict__ read past PretrainedConfig's own __getattribute__, a Python function)
-            entries = list(map(_vars(config).get, self.keys))
+            entries = list(map(_GENERIC_GETATTR(config, "__dict__").get, self.keys))
             if self.source_keys:
-                entries += map(_vars(source).get, self.source_keys)
+                entries += map(_GENERIC_GETATTR(source, "__dict__").get, self.source_keys)
             return entries == self.copies
         seen, entries = self.seen, config.__dict__
         for i, key in enumerate(self.keys):
@@ -217,10 +217,6 @@ class ConfigReading:
             if _contents(seen[i]) != contents:
                 return False
         return True
-
-
-def _vars(obj: Any) -> dict:
-    return _GENERIC_GETATTR(obj, "__dict__")
 
 
 _GENERIC_GETATTR = object.__getattribute__

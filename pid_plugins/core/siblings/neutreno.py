@@ -78,13 +78,14 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     if traced:
         diff = expand_heads(diff, attn_out.shape[head_dim], head_dim)
     elif grouped is not None:
-        target, diff = attn_out.reshape(grouped[0]), diff.reshape(grouped[2])  # (a size-1 dimension: a view)
+        # (the heads split into (H_kv, r) and a size-1 dimension inserted: views, as in PID's update)
+        target, diff = attn_out.view(grouped[0]), diff.unsqueeze(grouped[1])
     if scale is not None:
         diff = diff * scale.to(diff.dtype)
     out = target + diff * alpha.to(diff.dtype) if isinstance(alpha, Tensor) else torch.add(target, diff, alpha=alpha)
     if wide:
         out = out.to(attn_out.dtype)
-    return out if grouped is None else out.reshape(attn_out.shape)
+    return out if grouped is None else out.flatten(grouped[1] - 1, grouped[1])
 
 
 class NeuTRENOMethod(AttentionMethod):
