@@ -20,7 +20,7 @@ SHELL := /bin/bash
 QUIET_PIP := sed -u "/^WARNING: Location/d"
 
 .PHONY: install data test test-integration test-fast test-compat conformance timm-tests tools-env demo bench clean-venv \
-	test-vllm
+	test-vllm compat-env vllm-env
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -135,8 +135,11 @@ COMPAT_SKIP := docs/test_docs docs/test_wheel core/test_packaging docs/test_read
 	research/test_study research/test_demo_cache research/test_analysis research/test_bench_harness \
 	docs/test_finetune_examples zoos/timm/test_timm_models docs/test_uv_sources zoos/hf/test_tools_hf \
 	zoos/timm/test_tools_timm research/test_device_script
-test-compat:
+# its venv alone (.ci/run builds it in the background while make test runs)
+compat-env:
 	$(MAKE) --no-print-directory install VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-lowest.txt
+
+test-compat: compat-env
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \
 	  'transformers', transformers.__version__, 'timm', timm.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 -m "not integration or engines or inductor" \
@@ -206,6 +209,9 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml setup.py $(VLLM_NEEDS)
 	$(VLLM_PY) -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, \
 	  'transformers', transformers.__version__)"
 	touch $@
+
+# its venv alone (.ci/run builds it in the background while make test runs)
+vllm-env: $(VLLM_STAMP)
 
 # the python that makes the references: the main venv's (make install), or any with pid-plugins[hf] (VLLM_REF_PY=...)
 VLLM_REF_PY ?= $(PY)

@@ -481,7 +481,8 @@ def test_hf_trainer_deepspeed_zero2_and_zero3_train_every_method_exactly(tmp_pat
     ckpts = tmp_path / "ckpts"
     for name, case in table.items():
         cases.dc_checkpoint(case, ckpts / name)
-    launch(tmp_path, "hf_deepspeed", [str(DIST / "hf_deepspeed.py"), str(ckpts), str(tmp_path)], timeout=900)
+    log = launch(tmp_path, "hf_deepspeed", [str(DIST / "hf_deepspeed.py"), str(ckpts), str(tmp_path)], timeout=900)
+    assert "shm_comm" not in log  # the worker's no_shm_comm_op: no 2-minute C++ build before the first step
     r0, r1 = load_ranks(tmp_path)
     assert set(r0["runs"]) == set(r1["runs"]) == {(stage, name) for stage in (2, 3) for name in table}
     rows = cases.hf_rows()

@@ -5,8 +5,9 @@
 For each stage (2, 3) and each case of ``pid_dist_cases.deepspeed_cases()`` (every method of tests/method_cases.py,
 its learnable variants too; its checkpoint in CKPTS/<case>), the model is loaded with ``from_pretrained`` after the
 ``TrainingArguments`` (under ZeRO-3 transformers builds it inside ``deepspeed.zero.Init``) and trained
-``HF_STEPS`` SGD steps (a torch optimizer: no DeepSpeed op is compiled). Every rank saves, per run, the rows it was
-given, the losses and the whole parameters (gathered under ZeRO-3) to OUT/rank{rank}.pt.
+``HF_STEPS`` SGD steps (a torch optimizer: no DeepSpeed op is compiled, see :func:`no_shm_comm_op`). Every rank
+saves, per run, the rows it was given, the losses and the whole parameters (gathered under ZeRO-3) to
+OUT/rank{rank}.pt.
 """
 import sys
 from pathlib import Path
@@ -15,6 +16,19 @@ import torch
 import torch.distributed as dist
 
 import pid_dist_cases as cases
+
+
+def no_shm_comm_op() -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op (``deepspeed_shm_comm``: about 125 s of
+    C++ against torch's headers on 2 cores, cached in ~/.cache/torch_extensions but built again whenever another venv
+    built it last: the cache's build.ninja names the venv's paths) as its communication backend starts, whenever the
+    op's probe says it could build. Only ``inference_all_reduce`` (DeepSpeed inference's tensor
+    parallelism) calls it; ZeRO's training reduces through torch.distributed (gloo) with or without it. Marked not
+    compatible here, DeepSpeed starts as it does where the op cannot build (no compiler, not Linux): the training
+    this test checks is the same, without the 2-minute cold start of every fresh clone."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # what comm/torch.py's build_shm_op reads
 
 
 def run(stage: int, case: tuple, ckpt: Path, out: Path) -> dict:
@@ -40,6 +54,7 @@ def run(stage: int, case: tuple, ckpt: Path, out: Path) -> dict:
 
 
 def main(ckpts: Path, out: Path) -> None:
+    no_shm_comm_op()
     runs = {}
     for stage in (2, 3):
         for name, case in cases.deepspeed_cases().items():

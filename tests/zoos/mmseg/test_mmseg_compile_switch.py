@@ -21,6 +21,10 @@ from compile_switch import WARMUP_STEPS, Dynamo, assert_close_state, variants
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg  # noqa: E402,F401
 
+# one xdist worker runs the module's tests one after the other: the stock run they all compare with (stock_run, 30-40 s,
+# most of it dynamo tracing mmengine's train_step) runs once per run instead of once on each worker
+pytestmark = pytest.mark.xdist_group("mmseg_compile_switch")
+
 TINY_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "mmseg" / \
     "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 ITERS = 3
