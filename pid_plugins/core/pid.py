@@ -237,17 +237,18 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
     ``head_dim``), which broadcasts over the output viewed as ``(..., H_kv, r, q, D)``, so the state is computed in
     that layout; ``grouped_state`` hands it on so (:meth:`PIDMethod.update`), else in key/value-head space."""
     out_shape, kv_shape = attn_out.shape, value.shape
-    # TorchScript tracing (torch.onnx's exporter): sizes are traced values (torch.jit.is_tracing's own test, one C call
-    # per layer; dynamo folds it to False)
-    traced = torch._C._is_tracing()
+    # TorchScript tracing (torch.onnx's exporter): sizes are traced values. One compile test per layer serves both
+    # questions: torch.jit.is_tracing's own C test runs only outside torch.compile (whose dynamo, before torch 2.15,
+    # does not fold that C function)
+    compiling = torch.compiler.is_compiling()
+    traced = not compiling and torch._C._is_tracing()
     if traced:  # no Python branch on traced sizes: the grouped view, exact for r = 1 too (a size-1 dimension)
         dim = head_dim % attn_out.dim()
         grouped: Optional[tuple] = ((*out_shape[:dim], kv_shape[dim], -1, *out_shape[dim + 1:]), dim + 1,
                                     (*kv_shape[:dim + 1], 1, *kv_shape[dim + 1:]))
     else:
         grouped = None if out_shape == kv_shape else (
-            _grouped_shapes.__wrapped__ if torch.compiler.is_compiling() else _grouped_shapes)(out_shape, kv_shape,
-                                                                                               head_dim)
+            _grouped_shapes.__wrapped__ if compiling else _grouped_shapes)(out_shape, kv_shape, head_dim)
     if grouped is not None:  # (inserting a size-1 dimension: a view)
         value = value.reshape(grouped[2]) if traced else value.unsqueeze(grouped[1])
     # The reference beta v^1, formed once at the group's first layer and handed on in the state, in float32 at

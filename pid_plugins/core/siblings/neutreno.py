@@ -61,7 +61,7 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     ``attn_out + alpha * (v_first - value)`` expanded to the query heads. ``scale``: the warm-up factor, or None."""
     if v_first is None:
         return attn_out
-    traced = torch._C._is_tracing()  # torch.jit.is_tracing's own test (one C call; dynamo folds it to False)
+    traced = torch.jit.is_tracing()  # (asked once per layer)
     if not traced and v_first.shape != value.shape:
         raise ValueError(
             f"NeuTRENO layer values have shape {tuple(value.shape)} but the group's first layer had "
