@@ -190,6 +190,16 @@ class ConfigReading:
     __slots__ = ("config", "source", "keys", "source_keys", "seen", "copies", "contents", "method", "gains", "base",
                  "refusal", "output_attentions", "use_cache", "gains_learnable", "warmup", "zero", "chosen")
 
+    def __getstate__(self) -> dict:
+        # a whole model pickled (torch.save(model)) or deep-copied: ``chosen`` holds functions made in this process
+        # (a method's update bound to its parameters, a closure), made again at the next forward
+        return {key: getattr(self, key) for key in self.__slots__ if key != "chosen" and hasattr(self, key)}
+
+    def __setstate__(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+        self.chosen = None
+
     def holds(self, config: Any, source: Any, compiling: Optional[bool] = None) -> bool:
         """Whether ``config`` and the parameters' ``source`` are the ones read and their watched entries unchanged
         (by identity; a dict or list entry also by its contents, so one changed in place is read again).
