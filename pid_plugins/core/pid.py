@@ -302,11 +302,6 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
     else:  # (the heads split into (H_kv, r): a view of the fresh or contiguous output)
         dim = grouped[1] - 1
         target = attn_out.reshape(grouped[0]) if traced else attn_out.view(grouped[0])  # (a split: always a view)
-    if scale is None and g.weights is not None:  # fixed gains, no warm-up: each nonzero term with its folded weight
-        for x, gain in terms:
-            if gain:
-                out = torch.add(target, x, alpha=gain) if out is None else out.add_(x, alpha=gain)
-        terms = ()
     for x, gain in terms:
         tensor_gain = isinstance(gain, Tensor)
         if not tensor_gain and gain == 0.0:  # a zero fixed gain launches nothing

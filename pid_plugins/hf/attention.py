@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, expand_heads, get_method, list_methods
-from ..core.methods import calls_once, update_once
+from ..core.methods import _kind_of, calls_once, update_once
 from . import checkpointing
 from . import gains as learned_gains
 from .cache import LayerSlot
@@ -97,7 +97,7 @@ class MethodForwardState:
             if update is None:
                 call = _method_call
         # an earlier layer's state handed over as plain tensors (a pipeline stage's) is rebuilt by update_once
-        return call, update, type(self.method).make_state is not AttentionMethod.make_state
+        return call, update, _kind_of(self.method).makes_state
 
     def chosen(self) -> tuple:
         """``(call, update, makes_state)``: what this forward runs, for another forward of the same parameters."""
@@ -241,14 +241,8 @@ def _direct_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
         return _method_call(run, module, query, key, value, attention_mask, kwargs)
     out, weights = (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask,
                                                                       **kwargs)
-    if run.method.keys_state:
-        values = value
-    elif run.past_length is None:  # no cache, or a dynamic one: the query rows end the values (_query_values)
-        q_len, length = query.shape[-2], value.shape[-2]
-        values = value if length == q_len else value.narrow(2, length - q_len, q_len)
-    else:
-        values = _query_values(run, value, query.shape[-2])
-    u, layers[index] = run.update(out, values.transpose(1, 2), previous)
+    u, layers[index] = run.update(out, (value if run.method.keys_state else _query_values(
+        run, value, query.shape[-2])).transpose(1, 2), previous)
     return u, weights
 
 
@@ -301,7 +295,7 @@ def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
             weights = probabilities
         return out
 
-    if calls_once(method) and run.scale is None and learned is None and not isinstance(value, torch.fx.Proxy):
+    if calls_once(method) and run.scale is None and learned is None and not isinstance(value, _PROXY):
         out = attend(query, value)  # (checkpointing's recomputation of the direct path: the same calls)
         u, layers[index] = update_once(method, run.config, out, (value if method.keys_state else v_q).transpose(1, 2),
                                        previous, -2, index if earlier is None else len(earlier), run.restart,

@@ -284,7 +284,6 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
     plan.nodes = tuple(m.__dict__ for _, m in nodes.values())
     plan.flagged = tuple(flagged)
     plan.registry = registry_key()
-    plan.watched, plan.keys = plan.parents, plan.steps
     nodes_, flagged_ = plan.nodes, plan.flagged
     plan.flags = (*nodes_, *flagged_, *flagged_)
     plan.flag_keys = ((plan.registry,) * len(nodes_) + ("gradient_checkpointing",) * len(flagged_)

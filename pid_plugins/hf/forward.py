@@ -52,9 +52,6 @@ class Plan:
     nodes: tuple = ()
     flagged: tuple = ()
     registry: str = ""  # the key of torch's composable-API registry (its ``checkpoint(module)``) in a ``__dict__``
-    #: what :func:`layout` reads, flat: each step's parent ``_modules`` and the step's name
-    watched: tuple = ()
-    keys: tuple = ()
     #: what :func:`checkpointing_layout` reads, flat: the modules' ``__dict__`` and keys (the registries first, then
     #: the flags), and how many registries
     flags: tuple = ()
@@ -75,8 +72,8 @@ class Plan:
 
 def layout(plan: Plan) -> list:
     """The way from the model to its attention modules now (each step's module), compared by identity: one
-    ``dict.get`` per step (:attr:`Plan.watched`)."""
-    return list(map(dict.get, plan.watched, plan.keys))
+    ``dict.get`` per step (:attr:`Plan.parents`, :attr:`Plan.steps`)."""
+    return list(map(dict.get, plan.parents, plan.steps))
 
 
 def checkpointing_layout(plan: Plan) -> list:
