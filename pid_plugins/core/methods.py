@@ -28,7 +28,8 @@ __all__ = [
     "AttentionMethod", "AttentionContext", "CacheSlot", "LayerCall", "StockPath", "MethodConfig", "MethodChoice",
     "MissingLayerState", "missing_state_message",
     "register_method", "get_method", "find_method", "list_methods",
-    "resolve_attention", "on_register", "reserve_names", "method_warmup", "calls_once", "update_once", "SOFTMAX",
+    "resolve_attention", "on_register", "reserve_names", "method_warmup", "calls_once", "makes_state", "update_once",
+    "SOFTMAX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -351,6 +352,12 @@ def calls_once(method: AttentionMethod) -> bool:
     two calls itself (the transformers adapter does, docs/architecture.md)."""
     kind = _kind_of(method)
     return kind.once and not kind.checks
+
+
+def makes_state(method: AttentionMethod) -> bool:
+    """Whether the method overrides :meth:`~AttentionMethod.make_state`: an earlier layer's state handed over as
+    plain tensors (a pipeline stage's, a checkpointed block's) is then rebuilt with it before the update."""
+    return _kind_of(method).makes_state
 
 
 # ------------------------------------------------------------------------------------------------ registry

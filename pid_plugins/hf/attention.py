@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flex_attention_mask, sdpa_mask
 
 from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, expand_heads, get_method, list_methods
-from ..core.methods import _kind_of, calls_once, update_once
+from ..core.methods import calls_once, makes_state, update_once
 from . import checkpointing
 from . import gains as learned_gains
 from .cache import LayerSlot
@@ -97,7 +97,7 @@ class MethodForwardState:
             if update is None:
                 call = _method_call
         # an earlier layer's state handed over as plain tensors (a pipeline stage's) is rebuilt by update_once
-        return call, update, _kind_of(self.method).makes_state
+        return call, update, makes_state(self.method)
 
     def chosen(self) -> tuple:
         """``(call, update, makes_state)``: what this forward runs, for another forward of the same parameters."""
