@@ -8,7 +8,7 @@ and the warm-up scale moving on must not recompile). Inductor (the switch's defa
 variant of every method; the learnable and warm-up variants run dynamo's ``aot_eager`` backend, which captures the
 same graphs (forward and AOT autograd's backward) at a fraction of inductor's CPU compile time.
 
-train.py (not shipped in timm's wheel: tests/zoos/timm/test_tools_timm.py says where it is read from) runs under
+train.py (not shipped in timm's wheel: kept in tests/third_party/timm_scripts/) runs under
 ``TORCH_LOGS=graph_breaks,recompiles``: no graph break, and the one recompilation stock timm makes too (validation
 runs the same compiled model under no_grad: ``grad_mode`` changed), and the checkpoint it writes equals an eager
 train.py run's.
@@ -126,7 +126,7 @@ def _train_py(script, folder, out, method, compile_backend=None):
 def test_train_py_torchcompile_trains_like_eager(method, image_folder, tmp_path):
     """train.py ``--torchcompile`` (inductor for PID; ``--torchcompile aot_eager`` for the other methods, the same
     graphs for a fraction of the compile time) against an eager train.py run: one epoch of three SGD steps."""
-    from test_tools_timm import _script  # the scripts' location, and the skip naming it
+    from test_tools_timm import _script  # the scripts (tests/third_party/timm_scripts)
 
     script = _script("train.py")
     backend = "inductor" if method == "pid" else "aot_eager"

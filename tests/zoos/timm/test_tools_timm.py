@@ -2,10 +2,10 @@
 (its logits), ``validate.py`` (its top-1), ``benchmark.py`` (its JSON) and ``train.py`` (its evaluation after an
 epoch that changes nothing), each by the PID model's registered name.
 
-timm's scripts are in neither its wheel nor its sdist (1.0.31): they are read from ``$PID_TIMM_SCRIPTS`` or
-``.cache/timm-scripts/`` (``inference.py``, ``validate.py``, ``benchmark.py`` and ``train.py`` of a
-pytorch-image-models checkout, never committed here); without them those tests skip, saying so. The route itself (a
-user's script that builds the model by name, in a process of its own) is tested in any case.
+timm's scripts are in neither its wheel nor its sdist (1.0.31): they are kept, unmodified, in
+tests/third_party/timm_scripts/ (its README says which commit, under timm's license), or read from
+``$PID_TIMM_SCRIPTS`` (another pytorch-image-models checkout's). The route itself (a user's script that builds the
+model by name, in a process of its own) is tested in any case.
 
 The image folder's labels are the PID model's own predictions, on images where softmax on the same weights predicts
 something else for some: PID's top-1 is 100 % and softmax's is checked here to be lower, so each test can fail."""
@@ -31,7 +31,7 @@ NAME = "pid_deit_tiny_patch16_224"
 CLASSES = 3
 #: the architecture the tiny checkpoint was saved from: img_size and patch_size, depth (model kwargs), classes (flag)
 MODEL_KWARGS = ["img_size=32", "patch_size=8", "depth=2"]
-SCRIPTS = Path(os.environ.get("PID_TIMM_SCRIPTS", ROOT / ".cache" / "timm-scripts"))
+SCRIPTS = Path(os.environ.get("PID_TIMM_SCRIPTS", ROOT / "tests" / "third_party" / "timm_scripts"))
 
 
 def _build(name: str):
@@ -90,8 +90,8 @@ def case(tmp_path_factory):
 def _script(name: str) -> Path:
     path = SCRIPTS / name
     if not path.is_file():
-        pytest.skip(f"timm's {name} is not shipped in timm's wheel or sdist: put pytorch-image-models' scripts in "
-                    f"{SCRIPTS} (or set PID_TIMM_SCRIPTS) to run this test")
+        pytest.fail(f"timm's {name} is not in {SCRIPTS}: PID_TIMM_SCRIPTS names a folder without it (unset it to use "
+                    "tests/third_party/timm_scripts)")
     return path
 
 
