@@ -61,7 +61,10 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     ``attn_out + alpha * (v_first - value)`` expanded to the query heads. ``scale``: the warm-up factor, or None."""
     if v_first is None:
         return attn_out
-    traced = torch.jit.is_tracing()  # (asked once per layer)
+    # TorchScript tracing (torch.onnx's exporter): sizes are traced values. One compile test serves both questions,
+    # as in PID's update: the shape cache is bypassed under torch.compile (dynamo traces the function instead)
+    compiling = torch.compiler.is_compiling()
+    traced = not compiling and torch._C._is_tracing()
     if not traced and v_first.shape != value.shape:
         raise ValueError(
             f"NeuTRENO layer values have shape {tuple(value.shape)} but the group's first layer had "
@@ -70,8 +73,8 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
         )
     # (v^1 - v) in key/value-head space, broadcast over each group of r query heads of a view of the attention
     # output (as expand_heads would repeat it, without the copy); float16/bfloat16: in float32, rounded once
-    grouped = None if traced or attn_out.shape == value.shape else _grouped_shapes(attn_out.shape, value.shape,
-                                                                                 head_dim)
+    grouped = None if traced or attn_out.shape == value.shape else (
+        _grouped_shapes.__wrapped__ if compiling else _grouped_shapes)(attn_out.shape, value.shape, head_dim)
     wide = attn_out.dtype in _LOW_PRECISION
     diff = (v_first.float() if wide else v_first) - value  # (type promotion: value is upcast exactly)
     target = attn_out
