@@ -62,10 +62,15 @@ class EllipticalConfig(MethodConfig):
             )
 
 
+def _detached(x: Tensor) -> Tensor:
+    """``x`` without gradient: itself when autograd does not track it (a layer's state is stored detached; eval)."""
+    return x.detach() if x.requires_grad else x
+
+
 def elliptical_scales(value: Tensor, value_prev: Tensor, delta: float) -> Tensor:
     """The scaling ``m`` ``(B, H, D)`` from this and the previous layer's values ``(B, H, N, D)``: the mean over
     positions of ``|v - v_prev| / delta``, divided by its maximum over ``D``; no gradient."""
-    diff = (value.detach() - value_prev.detach()) / delta
+    diff = (_detached(value) - _detached(value_prev)) / delta
     m = diff.abs().mean(dim=-2)
     return m / m.amax(dim=-1, keepdim=True)
 
@@ -73,7 +78,7 @@ def elliptical_scales(value: Tensor, value_prev: Tensor, delta: float) -> Tensor
 def elliptical_prefix_scales(value: Tensor, value_prev: Tensor, delta: float, visible: Optional[Tensor]) -> Tensor:
     """The causal scaling ``m`` ``(B, H, q, D)``: per query, the mean of ``|v - v_prev| / delta`` over the keys
     it attends to (``visible``; None: every key), divided by its max over ``D`` (zeros stay zero). No gradient."""
-    diff = ((value.detach() - value_prev.detach()) / delta).abs()
+    diff = ((_detached(value) - _detached(value_prev)) / delta).abs()
     if visible is None:
         m = diff.mean(dim=-2, keepdim=True)
     else:
@@ -134,13 +139,16 @@ class EllipticalMethod(AttentionMethod):
                 "mixing sliding-window and full-attention layers with a cache, or layers of different widths, "
                 "cannot run it)"
             )
-        if params.mean == "sequence":
-            m = elliptical_scales(value, value_prev, params.delta).to(query.dtype)[:, :, None, None, :]
-        else:
-            m = elliptical_prefix_scales(value, value_prev, params.delta, visible).to(query.dtype)[:, :, None]
+        sequence = params.mean == "sequence"
+        if sequence:  # (B, H_kv, D)
+            m = elliptical_scales(value, value_prev, params.delta).to(query.dtype)
+        else:  # (B, H_kv, q, D)
+            m = elliptical_prefix_scales(value, value_prev, params.delta, visible).to(query.dtype)
+        if not symbolic(query, value) and query.shape[1] == value.shape[1]:  # one query head per key/value head
+            return query * (m.unsqueeze(-2) if sequence else m)
         # key/value head j serves query heads j*r .. j*r + r - 1 (r = 1 without grouped-query attention)
         grouped = query.unflatten(1, (value.shape[1], -1))
-        return (grouped * m).flatten(1, 2)
+        return (grouped * (m[:, :, None, None, :] if sequence else m[:, :, None])).flatten(1, 2)
 
     def update(self, params: Optional[EllipticalConfig], out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
