@@ -4,7 +4,12 @@ Each forward hook pid-plugins registers on the model is wrapped in a timer, and 
 forward (median over the forwards). The hooks run once per forward whatever the model's width, so the figure is
 the adapter's per-forward host cost (the attention function's per-layer cost is the ``host`` section's).
 
-    python bench/hooks.py              # prints the figure
+A second figure times the same pre-hooks called again and again on the arguments of one forward (hot: their code
+and the module objects they read in the CPU's caches). In a training forward they run first after the previous
+step's backward and optimizer step, and on this project's VM the difference is large: most of the first figure is the
+first touch of the layers' module dicts, which the forward reads right after (docs/performance.md).
+
+    python bench/hooks.py              # prints both figures
 """
 from __future__ import annotations
 
@@ -62,6 +67,49 @@ def hook_microseconds(method: str = "pid", forwards: int = 30, threads: int = 1)
         torch.set_num_threads(previous)
 
 
+def hot_microseconds(method: str = "pid", reps: int = 2000, threads: int = 1) -> float:
+    """pid-plugins' forward pre-hooks of one training forward of the same model, called ``reps`` times in a row on that
+    forward's arguments (each call gets a copy of its keyword arguments, as torch hands them): microseconds per
+    forward, median of five rounds. The post-hooks are left out (they advance the warm-up counter)."""
+    import pid_plugins.hf  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation=method)).train()
+        calls: List[tuple] = []
+
+        def recording(hook: Callable) -> Callable:
+            def record(module: Any, args: tuple, kwargs: dict) -> Any:
+                calls.append((hook, module, args, dict(kwargs)))
+                return hook(module, args, kwargs)
+            return record
+
+        for module in model.modules():
+            hooks = module._forward_pre_hooks
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__module__", "").startswith("pid_plugins."):
+                    hooks[key] = recording(hook)
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, 16))
+        for _ in range(3):
+            calls.clear()
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        if not calls:
+            return 0.0
+        rounds = []
+        for _ in range(5):
+            start = time.thread_time()
+            for _ in range(reps):
+                for hook, module, args, kwargs in calls:
+                    hook(module, args, dict(kwargs))
+            rounds.append((time.thread_time() - start) / reps)
+        return statistics.median(rounds) * 1e6
+    finally:
+        torch.set_num_threads(previous)
+
+
 def add_microseconds(reps: int = 20000) -> float:
     """One tiny aten add's host time on this machine (the unit the hooks' cost is read in), one thread."""
     previous = torch.get_num_threads()
@@ -80,6 +128,7 @@ def add_microseconds(reps: int = 20000) -> float:
 
 
 if __name__ == "__main__":
-    us, add = hook_microseconds(), add_microseconds()
+    us, hot, add = hook_microseconds(), hot_microseconds(), add_microseconds()
     print(f"pid-plugins' forward hooks, 32-layer tiny Llama, training forward: {us:.0f} us = {us / add:.0f} tiny aten "
           f"adds ({add:.2f} us each)")
+    print(f"their pre-hooks called hot, on the same forward's arguments: {hot:.1f} us = {hot / add:.1f} tiny aten adds")
