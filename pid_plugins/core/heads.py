@@ -1,5 +1,6 @@
 """What every method's update shares about attention heads: expanding key/value heads to query heads
-(:func:`expand_heads`), the grouped view, the state's dtype, and whether sizes are traced (:func:`symbolic`)."""
+(:func:`expand_heads`), moving the head dimension (:func:`move_heads`), the grouped view, the state's dtype, and
+whether sizes are traced (:func:`symbolic`)."""
 from __future__ import annotations
 
 import functools
@@ -7,13 +8,22 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["expand_heads", "symbolic"]
+__all__ = ["expand_heads", "move_heads", "symbolic"]
 
 
 def symbolic(*tensors: Tensor) -> bool:
     """Whether sizes are traced values (TorchScript tracing or torch.fx proxies): code then takes the branch-free
     form and leaves the shape checks out."""
     return torch.jit.is_tracing() or any(isinstance(t, torch.fx.Proxy) for t in tensors)
+
+
+def move_heads(x: Tensor, source: int, destination: int) -> Tensor:
+    """``x.movedim(source, destination)``, or ``x`` itself where that moves nothing (timm's ``(B, H, N, D)`` with
+    heads at -3): an identity permute is still an op dispatched in eager mode, and a node in autograd's graph."""
+    if isinstance(x, torch.fx.Proxy):
+        return x.movedim(source, destination)
+    dims = x.dim()
+    return x if source % dims == destination % dims else x.movedim(source, destination)
 
 
 def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import MethodConfig, fx_constant
+from .heads import move_heads
 from .warmup import GainWarmup, make_warmup
 
 __all__ = [
@@ -304,7 +305,7 @@ def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], c
                                 slot=call.slot() if call.slot is not None else None)
         else:
             out = method.attend(params, call.attend, query, call.value, previous, call.head_dim)
-    state_values = call.value.movedim(-3, call.head_dim) if method.keys_state else value_q
+    state_values = move_heads(call.value, -3, call.head_dim) if method.keys_state else value_q
     if traced:
         out, new_state = _fx_update(method, params, out, state_values, previous, call.scale, call.head_dim)
     else:

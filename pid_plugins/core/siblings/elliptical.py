@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
-from ..heads import symbolic
+from ..heads import move_heads, symbolic
 from ..methods import AttentionContext, AttentionMethod, register_method
 
 __all__ = ["EllipticalConfig", "EllipticalMethod", "elliptical_scales", "elliptical_prefix_scales"]
@@ -63,8 +63,9 @@ class EllipticalConfig(MethodConfig):
 
 
 def _detached(x: Tensor) -> Tensor:
-    """``x`` without gradient: itself when autograd does not track it (a layer's state is stored detached; eval)."""
-    return x.detach() if x.requires_grad else x
+    """``x`` without gradient: itself when autograd does not track it (a layer's state is stored detached; eval);
+    traced by torch.fx as ``detach`` (a proxy's ``requires_grad`` is not known while tracing)."""
+    return x.detach() if isinstance(x, torch.fx.Proxy) or x.requires_grad else x
 
 
 def elliptical_scales(value: Tensor, value_prev: Tensor, delta: float) -> Tensor:
@@ -154,7 +155,7 @@ class EllipticalMethod(AttentionMethod):
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
         """The attention output unchanged; the state: this layer's values at every key position (``keys_state``)
         in ``(B, H_kv, K, D)``."""
-        return out, (value_q.detach().movedim(head_dim, -3),)
+        return out, (move_heads(_detached(value_q), head_dim, -3),)
 
 
 register_method(EllipticalMethod())

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
+from ..heads import move_heads
 from ..methods import Attend, AttentionMethod, register_method
 
 __all__ = ["ValueResidualConfig", "ValueResidualLambdas", "ValueResidualMethod", "value_residual_mix"]
@@ -130,7 +131,7 @@ class ValueResidualMethod(AttentionMethod):
                head_dim: int) -> Tuple[Tensor, tuple]:
         """The output unchanged; the state: the first layer's values at every key position, ``(B, H_kv, K, D)``."""
         if state is None:
-            return out, (value_q.movedim(head_dim, -3),)
+            return out, (move_heads(value_q, head_dim, -3),)
         return out, (state[0],)
 
 
