@@ -106,6 +106,32 @@ def test_non_reentrant_checkpointing_gives_the_uncheckpointed_gradients(name, bu
 
 
 @pytest.mark.parametrize("name", METHOD_CFG)
+def test_composable_checkpoint_of_a_whole_model(name):
+    """torch's composable ``checkpoint(module)`` applied to a whole model. The backward recomputes the whole forward,
+    its pre-hooks included (a fresh state), and with ``use_cache`` left on, a fresh cache made inside the recomputed
+    forward (no key appended twice):
+
+    * the outer ``LlamaForCausalLM`` (it owns no layer, and its plan reads no checkpointing): gradients equal the
+      uncheckpointed model's, cache on and off;
+    * its ``LlamaModel`` (it owns the layers, and its plan sees the checkpointing): equal with ``use_cache=False``;
+      with the cache left on, the one message of a checkpointed module under a cache, before the forward (the plan
+      cannot tell a cache made inside the checkpointed forward from one a caller passed in)."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    for kwargs in ({"use_cache": False}, {}):
+        model = llama(name)
+        assert model.config.use_cache
+        composable_checkpoint(model)
+        assert_same(grads(model, **kwargs), grads(llama(name), **kwargs))
+    model = llama(name)
+    composable_checkpoint(model.model)
+    assert_same(grads(model, use_cache=False), grads(llama(name), use_cache=False))
+    with pytest.raises(ValueError, match=r"activation checkpointing \(torch's checkpoint at LlamaModel\) recomputes "
+                                         r"each layer.*pass use_cache=False"):
+        model(X, labels=X)
+
+
+@pytest.mark.parametrize("name", METHOD_CFG)
 def test_the_reentrant_wrapper_is_refused_before_the_forward(name):
     model = wrapped(name, CheckpointImpl.REENTRANT)
     for kwargs in ({"use_cache": False}, {}):
