@@ -69,6 +69,13 @@ class Plan:
     #: discovery's: (model) -> a fresh reading of its config (under torch.compile, where it is not stored)
     read: Optional[Callable[..., ConfigReading]] = None
 
+    def __setstate__(self, state: dict) -> None:
+        """A plan copied with its model (``copy.deepcopy``, pickling a whole model): the modules' ``__dict__`` it
+        holds (``nodes``, ``flags``) are copies no module uses (``nn.Module`` fills a fresh ``__dict__``), so the
+        first forward reads the layout again, as after a module was replaced."""
+        self.__dict__.update(state)
+        self.signature = []
+
 
 def layout(plan: Plan) -> list:
     """The way from the model to its attention modules now (each step's module), compared by identity: one

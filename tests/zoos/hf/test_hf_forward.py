@@ -79,6 +79,25 @@ def test_checkpointing_turned_on_after_the_first_forward_is_read_before_the_next
     assert discoveries == []  # the plan re-read the layers' flags; their numbers stand
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_checkpointing_turned_on_in_a_copy_of_the_model_is_read_before_its_next_forward(how, tmp_path):
+    """A model copied after a forward (``copy.deepcopy``, or pickled whole by ``torch.save``): its plan's view of the
+    modules' flags is made again at the copy's first forward, so reentrant checkpointing turned on in the copy is
+    refused before the forward, as in the original, and the copy computes as the original."""
+    model = llama()
+    want = step(model, use_cache=False)
+    if how == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        torch.save(model, tmp_path / "model.pt")
+        copied = torch.load(tmp_path / "model.pt", weights_only=False)  # (the test's own file)
+    copied.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match=REENTRANT):
+        copied(X, labels=X, use_cache=False)
+    copied.gradient_checkpointing_disable()
+    torch.testing.assert_close(step(copied, use_cache=False), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("impl", [CheckpointImpl.REENTRANT, CheckpointImpl.NO_REENTRANT])
 def test_a_wrapper_applied_after_the_first_forward_is_read_before_the_next(impl, discoveries):
     model = llama()
