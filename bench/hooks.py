@@ -34,17 +34,22 @@ def _timed(hook: Callable, spent: List[float]) -> Callable:
     return timed
 
 
-def hook_microseconds(method: str = "pid", forwards: int = 30, threads: int = 1) -> float:
-    """Median over ``forwards`` training forwards (forward, loss, backward) of the summed time of pid-plugins' forward
-    hooks on the model, in microseconds."""
+def _model(method: str) -> torch.nn.Module:
+    """The 32-layer tiny Llama with ``method``, in training mode (seed 0)."""
     import pid_plugins.hf  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation=method)).train()
+
+
+def hook_microseconds(method: str = "pid", forwards: int = 30, threads: int = 1) -> float:
+    """Median over ``forwards`` training forwards (forward, loss, backward) of the summed time of pid-plugins' forward
+    hooks on the model, in microseconds."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation=method)).train()
+        model = _model(method)
         spent: List[float] = []
         wrapped = 0
         for module in model.modules():
@@ -71,14 +76,10 @@ def hot_microseconds(method: str = "pid", reps: int = 2000, threads: int = 1) ->
     """pid-plugins' forward pre-hooks of one training forward of the same model, called ``reps`` times in a row on that
     forward's arguments (each call gets a copy of its keyword arguments, as torch hands them): microseconds per
     forward, median of five rounds. The post-hooks are left out (they advance the warm-up counter)."""
-    import pid_plugins.hf  # noqa: F401
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation=method)).train()
+        model = _model(method)
         calls: List[tuple] = []
 
         def recording(hook: Callable) -> Callable:
