@@ -284,11 +284,10 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
     plan.nodes = tuple(m.__dict__ for _, m in nodes.values())
     plan.flagged = tuple(flagged)
     plan.registry = registry_key()
-    nodes_, flagged_ = plan.nodes, plan.flagged
-    plan.flags = (*nodes_, *flagged_, *flagged_)
-    plan.flag_keys = ((plan.registry,) * len(nodes_) + ("gradient_checkpointing",) * len(flagged_)
-                      + ("_gradient_checkpointing_func",) * len(flagged_))
-    plan.registries = len(nodes_)
+    plan.flags = (*plan.flagged, *plan.flagged)
+    plan.flag_keys = ("gradient_checkpointing",) * len(plan.flagged) + ("_gradient_checkpointing_func",) * len(
+        plan.flagged)
+    plan.hooks_mark = -1  # the registries are read
     plan.signature = layout(plan)
     plan.checkpointing = checkpointing_layout(plan)
 

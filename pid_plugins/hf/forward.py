@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
@@ -52,11 +53,13 @@ class Plan:
     nodes: tuple = ()
     flagged: tuple = ()
     registry: str = ""  # the key of torch's composable-API registry (its ``checkpoint(module)``) in a ``__dict__``
-    #: what :func:`checkpointing_layout` reads, flat: the modules' ``__dict__`` and keys (the registries first, then
-    #: the flags), and how many registries
+    #: what :func:`checkpointing_layout` reads of transformers' flags, flat: the flagged modules' ``__dict__`` and keys
     flags: tuple = ()
     flag_keys: tuple = ()
-    registries: int = 0
+    #: the composable-API registries on ``nodes`` as last read (:func:`checkpointing_layout`), and the number of hooks
+    #: registered in the process then (``RemovableHandle.next_id``; -1: never read)
+    registered: list = dataclasses.field(default_factory=list)
+    hooks_mark: int = -1
     signature: list = dataclasses.field(default_factory=list)  # layout(plan) when the plan was made
     checkpointing: list = dataclasses.field(default_factory=list)  # checkpointing_layout(plan) then
     #: activation checkpointing found on those modules, as refusals (for the plan's method) or where it is
@@ -75,6 +78,7 @@ class Plan:
         first forward reads the layout again, as after a module was replaced."""
         self.__dict__.update(state)
         self.signature = []
+        self.hooks_mark = -1
 
 
 def layout(plan: Plan) -> list:
@@ -84,13 +88,21 @@ def layout(plan: Plan) -> list:
 
 
 def checkpointing_layout(plan: Plan) -> list:
-    """The activation checkpointing on the plan's modules now: torch's composable-API registries (and their sizes,
-    where a module has one) and transformers' ``gradient_checkpointing`` flags and functions. They matter only to a
-    forward in training or with autograd on, which alone reads them."""
+    """The activation checkpointing on the plan's modules now: transformers' ``gradient_checkpointing`` flags and
+    functions, then torch's composable-API registries (and their sizes, where a module has one). They matter only to a
+    forward in training or with autograd on, which alone reads them.
+
+    The registries are read again only when a hook was registered in the process since they were last read: torch's
+    composable APIs (``checkpoint(module)``, ``fully_shard``) register their hooks on the module they mark, and every
+    registration takes the next ``RemovableHandle`` id (docs/architecture.md: a walk of the layers' dicts is the
+    pre-hook's main cost)."""
     entries = list(map(dict.get, plan.flags, plan.flag_keys))
-    stop = plan.registries
-    if any(entries[:stop]):  # torch's composable APIs on a module: how many, too
-        entries.append(list(map(len, filter(None, entries[:stop]))))
+    mark = RemovableHandle.next_id
+    if mark != plan.hooks_mark:
+        found = list(map(dict.get, plan.nodes, repeat(plan.registry, len(plan.nodes))))
+        plan.registered = [found, list(map(len, filter(None, found)))] if any(found) else []
+        plan.hooks_mark = mark
+    entries += plan.registered
     return entries
 
 

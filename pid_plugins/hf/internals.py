@@ -91,10 +91,15 @@ def _torch_checkpoint() -> bool:
     from torch.distributed._composable.contract import _get_registry
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
 
+    from torch.utils.hooks import RemovableHandle
+
     wrapped = CheckpointWrapper(torch.nn.Identity(), checkpoint_impl=CheckpointImpl.REENTRANT)
+    before = RemovableHandle.next_id
+    marked = checkpoint(torch.nn.Identity())
     return (wrapped.checkpoint_impl is CheckpointImpl.REENTRANT
             and isinstance(wrapped._checkpoint_wrapped_module, torch.nn.Identity)
-            and "checkpoint" in (_get_registry(checkpoint(torch.nn.Identity())) or {}))
+            and "checkpoint" in (_get_registry(marked) or {}) and isinstance(before, int)
+            and RemovableHandle.next_id > before)
 
 
 def _initialize_weights() -> bool:
@@ -201,8 +206,8 @@ CACHE_LAYERS = Internal(
     "kind holding an inner layer, which its update, crop, reset, reorder and offload treat in step with the keys)",
     "5.20 - 5.24", _cache_layers)
 TORCH_CHECKPOINT = Internal(
-    "torch", "CheckpointWrapper.checkpoint_impl and ._checkpoint_wrapped_module, and the composable checkpoint's "
-    "registry (_get_registry)",
+    "torch", "CheckpointWrapper.checkpoint_impl and ._checkpoint_wrapped_module, the composable checkpoint's "
+    "registry (_get_registry), and the hooks it registers taking RemovableHandle.next_id",
     "refusing torch's reentrant checkpoint_wrapper (apply_activation_checkpointing) before the forward, and a KV cache "
     "under torch's activation checkpointing before the forward", "2.14 - 2.15", _torch_checkpoint)
 INITIALIZE_WEIGHTS = Internal(
