@@ -23,21 +23,33 @@ from method_cases import BUILTIN, MODELS, method_cfg
 WARMUP_STEPS = 16
 
 
-def variants(model: str, methods=None) -> List:
+def variants(model: str, methods=None, layers: int = None) -> List:
     """pytest params ``(method, cfg)`` for ``model`` (a tests/method_cases.py model name): every built-in method that
     runs there, with its "on" parameters (fixed gains), and with ``learnable=True`` / ``warmup_steps`` where the
-    method takes them; ids ``method[-learnable|-warmup]``."""
+    method takes them; ids ``method[-learnable|-warmup]``. ``layers``: the depth of the switch's model, where it
+    has fewer layers than the method-cases model: the first "on" parameters that act within that depth (Elliptical's
+    ``from_layer=3`` would leave a 2-layer model stock bit for bit)."""
     out = []
     for name, m in BUILTIN.items():
         if model not in m.models or (methods is not None and name not in methods):
             continue
-        on = dict(method_cfg(m, MODELS[model]) or {})
+        on = dict(_acting(m, MODELS[model], layers) or {})
         out.append(pytest.param(name, on, id=name))
         if m.learnable:
             out.append(pytest.param(name, {**on, "learnable": True}, id=f"{name}-learnable"))
         if m.warmup:
             out.append(pytest.param(name, {**on, "warmup_steps": WARMUP_STEPS}, id=f"{name}-warmup"))
     return out
+
+
+def _acting(method, model, layers):
+    """The method's first "on" parameters for ``model`` whose ``from_layer`` (where it has one) is within ``layers``."""
+    if layers is None:
+        return method_cfg(method, model)
+    for cfg in method.on(model):
+        if (cfg or {}).get("from_layer", 1) <= layers:
+            return cfg
+    raise ValueError(f"{method.name}: no 'on' parameters act within {layers} layers of {model.name}")
 
 
 class Dynamo:

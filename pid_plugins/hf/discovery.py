@@ -284,9 +284,6 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
     plan.nodes = tuple(m.__dict__ for _, m in nodes.values())
     plan.flagged = tuple(flagged)
     plan.registry = registry_key()
-    plan.flags = (*plan.flagged, *plan.flagged)
-    plan.flag_keys = ("gradient_checkpointing",) * len(plan.flagged) + ("_gradient_checkpointing_func",) * len(
-        plan.flagged)
     plan.hooks_mark = -1  # the registries are read
     plan.signature = layout(plan)
     plan.checkpointing = checkpointing_layout(plan)

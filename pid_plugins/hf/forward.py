@@ -53,9 +53,6 @@ class Plan:
     nodes: tuple = ()
     flagged: tuple = ()
     registry: str = ""  # the key of torch's composable-API registry (its ``checkpoint(module)``) in a ``__dict__``
-    #: what :func:`checkpointing_layout` reads of transformers' flags, flat: the flagged modules' ``__dict__`` and keys
-    flags: tuple = ()
-    flag_keys: tuple = ()
     #: the composable-API registries on ``nodes`` as last read (:func:`checkpointing_layout`), and the number of hooks
     #: registered in the process then (``RemovableHandle.next_id``; -1: never read)
     registered: list = dataclasses.field(default_factory=list)
@@ -74,7 +71,7 @@ class Plan:
 
     def __setstate__(self, state: dict) -> None:
         """A plan copied with its model (``copy.deepcopy``, pickling a whole model): the modules' ``__dict__`` it
-        holds (``nodes``, ``flags``) are copies no module uses (``nn.Module`` fills a fresh ``__dict__``), so the
+        holds (``nodes``, ``flagged``) are copies no module uses (``nn.Module`` fills a fresh ``__dict__``), so the
         first forward reads the layout again, as after a module was replaced."""
         self.__dict__.update(state)
         self.signature = []
@@ -88,15 +85,18 @@ def layout(plan: Plan) -> list:
 
 
 def checkpointing_layout(plan: Plan) -> list:
-    """The activation checkpointing on the plan's modules now: transformers' ``gradient_checkpointing`` flags and
-    functions, then torch's composable-API registries (and their sizes, where a module has one). They matter only to a
-    forward in training or with autograd on, which alone reads them.
+    """The activation checkpointing on the plan's modules now: transformers' ``gradient_checkpointing`` flags (and
+    the functions of the layers checkpointed), then torch's composable-API registries (and their sizes, where a
+    module has one). They matter only to a forward in training or with autograd on, which alone reads them.
 
     The registries are read again only when a hook was registered in the process since they were last read: torch's
     composable APIs (``checkpoint(module)``, ``fully_shard``) register their hooks on the module they mark, and every
     registration takes the next ``RemovableHandle`` id (docs/architecture.md: a walk of the layers' dicts is the
     pre-hook's main cost)."""
-    entries = list(map(dict.get, plan.flags, plan.flag_keys))
+    flagged = plan.flagged
+    entries = list(map(dict.get, flagged, repeat("gradient_checkpointing", len(flagged))))
+    if any(entries):  # the function each checkpointed layer calls (reentrant or not)
+        entries.append([d.get("_gradient_checkpointing_func") for d, on in zip(flagged, entries) if on])
     mark = RemovableHandle.next_id
     if mark != plan.hooks_mark:
         found = list(map(dict.get, plan.nodes, repeat(plan.registry, len(plan.nodes))))

@@ -74,6 +74,10 @@ def test_checkpointing_turned_on_after_the_first_forward_is_read_before_the_next
     torch.testing.assert_close(step(model, use_cache=False), want, rtol=0, atol=0)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.testing.assert_close(step(model, use_cache=False), want, rtol=0, atol=0)
+    # the flags stay on and only the layers' function changes (to reentrant): read, refused
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match=REENTRANT):
+        model(X, labels=X, use_cache=False)
     model.gradient_checkpointing_enable()  # transformers' default: non-reentrant
     torch.testing.assert_close(step(model, use_cache=False), want, rtol=0, atol=0)
     assert discoveries == []  # the plan re-read the layers' flags; their numbers stand
@@ -121,6 +125,8 @@ def test_torch_composable_checkpoint_applied_after_the_first_forward_is_read_bef
 
     model = llama()
     want = step(model, use_cache=False)
+    torch.nn.Linear(1, 1).register_forward_hook(lambda *a: None)  # a hook elsewhere: the registries read again, same
+    step(model, use_cache=False)
     for layer in model.model.layers:
         checkpoint(layer)
     with pytest.raises(ValueError, match=CACHE):

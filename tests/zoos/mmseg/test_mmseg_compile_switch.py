@@ -28,6 +28,7 @@ pytestmark = pytest.mark.xdist_group("mmseg_compile_switch")
 TINY_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "mmseg" / \
     "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 ITERS = 3
+LAYERS = 2  # the tiny config's backbone depth (the variants' parameters act within it)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,7 @@ def _runner(data, work_dir, method, cfg, compile_cfg=None):
 
     config = Config.fromfile(str(TINY_CONFIG))
     config.model.backbone.pop("attention_cfg")
+    assert config.model.backbone.num_layers == LAYERS
     if method is None:  # the stock backbone: mmseg's own VisionTransformer
         config.model.backbone.pop("attention")
         config.model.backbone.type = "VisionTransformer"
@@ -93,7 +95,7 @@ def stock_run(data, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("method,cfg", variants("mmseg-backbone"))
+@pytest.mark.parametrize("method,cfg", variants("mmseg-backbone", layers=LAYERS))
 def test_runner_compile_trains_like_eager(method, cfg, data, tmp_path, stock_run):
     plain = not set(cfg) & {"learnable", "warmup_steps"}
     compile_cfg = True if method == "pid" and plain else dict(backend="aot_eager")

@@ -58,7 +58,7 @@ def _train(model, call, steps=STEPS, after_first=None):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("method,cfg", variants("timm-deit"))
+@pytest.mark.parametrize("method,cfg", variants("timm-deit", layers=TINY["depth"]))
 def test_torch_compile_trains_like_eager_without_breaks_or_recompiles(method, cfg):
     plain = "learnable" not in cfg and "warmup_steps" not in cfg
     backend = "inductor" if plain else "aot_eager"
@@ -85,7 +85,7 @@ def test_torch_compile_trains_like_eager_without_breaks_or_recompiles(method, cf
 
 
 # ------------------------------------------------------------------------------------------ train.py --torchcompile
-TRAIN_METHODS = [p.values[0] for p in variants("timm-deit") if not set(p.values[1]) & {"learnable", "warmup_steps"}]
+TRAIN_METHODS = [p.values[0] for p in variants("timm-deit", layers=TINY["depth"]) if not set(p.values[1]) & {"learnable", "warmup_steps"}]
 
 
 @pytest.fixture(scope="module")
