@@ -84,3 +84,14 @@ def assert_close_state(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tenso
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
     if moved_from is not None:
         assert any(not torch.equal(want[k], moved_from[k]) for k in want if want[k].is_floating_point())
+
+
+def assert_variant_trained(model: torch.nn.Module, cfg: dict, before: Dict[str, torch.Tensor], steps: int) -> None:
+    """What a variant's compiled training must show beyond equal weights: a warm-up counter advanced once per
+    training step (``steps`` < WARMUP_STEPS), and learnable gains that are parameters that trained."""
+    if "warmup_steps" in cfg:
+        counters = [b for n, b in model.named_buffers() if n.endswith("step")]
+        assert counters and all(int(c) == steps < WARMUP_STEPS for c in counters)
+    if "learnable" in cfg:
+        gains = [n for n, p in model.named_parameters() if "attention_params" in n or "lambda" in n]
+        assert gains and any(not torch.equal(model.state_dict()[n], before[n]) for n in gains)

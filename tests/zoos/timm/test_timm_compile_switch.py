@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_switch import WARMUP_STEPS, Dynamo, assert_close_state, variants
+from compile_switch import Dynamo, assert_close_state, assert_variant_trained, variants
 
 timm = pytest.importorskip("timm")
 import pid_plugins.timm  # noqa: E402,F401
@@ -76,12 +76,7 @@ def test_torch_compile_trains_like_eager_without_breaks_or_recompiles(method, cf
     tol = dict(rtol=1e-4, atol=1e-5) if backend == "inductor" else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, want, **tol)
     assert_close_state(model.state_dict(), twin.state_dict(), moved_from=before, **tol)
-    if "warmup_steps" in cfg:  # the counter advanced once per compiled training forward
-        counters = [b for n, b in model.named_buffers() if n.endswith("step")]
-        assert counters and all(int(c) == STEPS < WARMUP_STEPS for c in counters)
-    if "learnable" in cfg:  # the gains are parameters that trained
-        gains = [n for n, p in model.named_parameters() if "attention_params" in n or "lambda" in n]
-        assert gains and any(not torch.equal(model.state_dict()[n], before[n]) for n in gains)
+    assert_variant_trained(model, cfg, before, STEPS)
 
 
 # ------------------------------------------------------------------------------------------ train.py --torchcompile
