@@ -5,9 +5,11 @@ mmengine compiles the model's ``train_step`` (data preprocessing, losses, and th
 step), which breaks the graph wherever stock mmseg does (the optimizer step, mmseg's loss code): the method must add
 no graph break of its own (the same breaks, by reason, as the stock backbone's run) and no recompilation beyond
 stock's (mmseg's data preprocessor recompiles as the data samples change, stock too). The
-trained weights equal an eager Runner's from the same weights, data and seed. ``compile=True``
-(inductor) for PID's fixed gains; the other variants pass ``compile=dict(backend="aot_eager")`` (the same graphs for
-a fraction of inductor's CPU compile time).
+trained weights equal an eager Runner's from the same weights, data and seed. Every variant passes
+``compile=dict(backend="aot_eager")``: mmengine hands the dict to ``torch.compile`` as it hands ``compile=True``'s
+empty one, and dynamo and AOT autograd capture the same graphs (forward and backward) for either backend. Inductor's
+code for those graphs on this CPU (74 s of the 94 s a ``compile=True`` variant took) is what
+tests/zoos/timm/test_timm_compile_switch.py compiles for every method, on the same DeiT blocks.
 """
 from __future__ import annotations
 
@@ -97,10 +99,8 @@ def stock_run(data, tmp_path_factory):
 @pytest.mark.integration
 @pytest.mark.parametrize("method,cfg", variants("mmseg-backbone", layers=LAYERS))
 def test_runner_compile_trains_like_eager(method, cfg, data, tmp_path, stock_run):
-    plain = not set(cfg) & {"learnable", "warmup_steps"}
-    compile_cfg = True if method == "pid" and plain else dict(backend="aot_eager")
     with Dynamo() as dynamo:
-        before, got, graphs = _train(_runner(data, tmp_path / "compiled", method, cfg, compile_cfg))
+        before, got, graphs = _train(_runner(data, tmp_path / "compiled", method, cfg, dict(backend="aot_eager")))
         stock_breaks, stock_graphs = stock_run
         assert dynamo.graph_breaks == stock_breaks  # the method adds no break of its own
         # nor a recompilation: mmseg's data preprocessor recompiles as the data samples change (guards on their
@@ -108,8 +108,7 @@ def test_runner_compile_trains_like_eager(method, cfg, data, tmp_path, stock_run
         assert len(graphs) == ITERS and graphs == stock_graphs, (graphs, stock_graphs)
     _, want, _ = _train(_runner(data, tmp_path / "eager", method, cfg))
     # three SGD steps through mmseg's losses: AOT autograd's decomposed backward rounds differently (1.2e-6 seen)
-    tol = dict(rtol=1e-4, atol=1e-5) if compile_cfg is True else dict(rtol=1e-5, atol=1e-5)
-    assert_close_state(got, want, moved_from=before, **tol)
+    assert_close_state(got, want, moved_from=before, rtol=1e-5, atol=1e-5)
     if "warmup_steps" in cfg:
         counters = [v for k, v in got.items() if k.endswith("warmup.step")]
         assert counters and all(int(c) == ITERS < WARMUP_STEPS for c in counters)
