@@ -6,7 +6,8 @@ side (tests/vllm_serving/serve.py, every other case each) build one ``vllm.LLM``
 (prompts of different lengths in one batch), and record greedy tokens and log-probabilities; each test compares
 one case: the greedy tokens equal transformers', the log-probability of every prompt token, of the 5 most likely
 next tokens at each prompt position and of every generated token (decoding with vLLM's paged KV cache) within
-1e-4. The references were checked to differ from the stock attention on the same weights by more than 1e-2 (make_references.py), so a checkpoint served as softmax fails.
+1e-4. The references were checked to differ from the stock attention on the same weights by more than 1e-2
+(make_references.py), so a checkpoint served as softmax fails.
 """
 from __future__ import annotations
 
