@@ -138,10 +138,19 @@ def require(*internals: Internal) -> None:
 
 
 def settle(*internals: Internal) -> None:
-    """Check ``internals`` now (at the adapter's import) and keep the answers for where they are used."""
-    for internal in internals:
-        with contextlib.suppress(ProbeUnavailable):
-            internal.holds()
+    """Check ``internals`` now (at the adapter's import) and keep the answers for where they are used.
+
+    The probes run on one intra-op thread: kernels on more would start the calling thread's OpenMP thread pool, and
+    a process forked after the import (``torch.multiprocessing`` with ``start_method="fork"``) would deadlock in its
+    first parallel kernel, as it does after any computation in its parent (GNU OpenMP is not fork-safe)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for internal in internals:
+            with contextlib.suppress(ProbeUnavailable):
+                internal.holds()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def reads(function: Any, name: str = "self") -> FrozenSet[str]:

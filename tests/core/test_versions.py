@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pyexec import run_python_c
 
 from pid_plugins import versions
 from pid_plugins.versions import TESTED, InternalChanged, UntestedVersionWarning, check_version
@@ -337,14 +338,15 @@ def test_a_probe_under_a_process_wide_construction_context_says_so(monkeypatch, 
 
 
 def test_a_probe_changes_nothing_another_thread_sees():
-    """While a probe runs (and after it fails) another thread sees torch's default dtype, its global RNG and the
-    probing flag as they were."""
+    """While a probe runs (and after it fails) another thread sees torch's default dtype, its global RNG, its
+    intra-op thread count and the probing flag as they were."""
     import threading
 
     seen = {}
 
     def other_thread():
-        seen.update(dtype=torch.get_default_dtype(), rng=torch.random.get_rng_state(), probing=versions._probing())
+        seen.update(dtype=torch.get_default_dtype(), rng=torch.random.get_rng_state(), probing=versions._probing(),
+                    threads=torch.get_num_threads())
 
     @versions.behaviour_probe
     def probe():
@@ -359,7 +361,42 @@ def test_a_probe_changes_nothing_another_thread_sees():
     with pytest.raises(RuntimeError, match="a failing probe"):
         probe()
     assert seen["dtype"] == torch.get_default_dtype() and torch.equal(seen["rng"], rng) and not seen["probing"]
+    assert seen["threads"] == torch.get_num_threads(), seen["threads"]
     assert not versions._probing() and torch.equal(torch.random.get_rng_state(), rng)
+
+
+#: import each adapter (its probes run then), fork, and run intra-op parallel kernels in the child: a child of a
+#: process whose OpenMP thread pool had started deadlocks in its first parallel kernel (GNU OpenMP is not fork-safe)
+FORK_AFTER_IMPORT = """
+import os, signal, sys
+import torch
+for adapter in sys.argv[1:]:
+    __import__(adapter)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a deadlocked child ends by SIGALRM (it computes in well under a second)
+        x = torch.randn(4, 2, 64, 64)
+        torch.nn.functional.scaled_dot_product_attention(x, x, x)
+        torch.randn(512, 512) @ torch.randn(512, 512)
+        os._exit(0)
+    print("forked after", adapter, os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_importing_an_adapter_leaves_a_forked_child_able_to_compute(tmp_path):
+    """The adapters' probes build and run tiny models at import, on one intra-op thread: the import starts no
+    OpenMP thread pool, so a process forked after it (``torch.multiprocessing.start_processes(start_method="fork")``,
+    as docs/scaling.md's pipeline example does) computes instead of deadlocking. Two threads, as a user of a 2-core
+    machine has by default: the test run's workers keep one per worker (tests/conftest.py)."""
+    import os
+
+    adapters = ["pid_plugins.hf", "pid_plugins.timm", "pid_plugins.mmseg", "pid_plugins.fairseq"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    proc = run_python_c(FORK_AFTER_IMPORT, cwd=tmp_path, env=env, timeout=600, fork=False, args=adapters)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    forked = [line.split()[2:] for line in proc.stdout.splitlines() if line.startswith("forked after ")]
+    assert forked == [[a, "0"] for a in adapters], (proc.stdout, proc.stderr[-3000:])
 
 
 def test_each_timm_probe_runs_once_per_process(monkeypatch):
