@@ -383,6 +383,7 @@ for adapter in sys.argv[1:]:
 """
 
 
+@pytest.mark.integration  # a fresh interpreter that imports every zoo and forks (13 s)
 @pytest.mark.slow
 def test_importing_an_adapter_leaves_a_forked_child_able_to_compute(tmp_path):
     """The adapters' probes build and run tiny models at import, on one intra-op thread: the import starts no
