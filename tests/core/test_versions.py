@@ -365,6 +365,30 @@ def test_a_probe_changes_nothing_another_thread_sees():
     assert not versions._probing() and torch.equal(torch.random.get_rng_state(), rng)
 
 
+def test_settle_checks_on_one_intra_op_thread_and_restores_the_callers_count():
+    """The import's checks run their kernels on one thread (no OpenMP pool started for a later fork to inherit), and
+    the caller's thread count is back afterwards, also where a check fails or its probe is unavailable."""
+    seen = []
+
+    def check(answer):
+        seen.append(torch.get_num_threads())
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    internals = [versions.Internal("torch", f"settle's thread count ({label})", "this test", "-",
+                                   functools.partial(check, answer))
+                 for label, answer in (("holds", True), ("changed", False), ("fails", RuntimeError("gone")),
+                                       ("unavailable", versions.ProbeUnavailable("a context")))]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        versions.settle(*internals)
+        assert seen == [1, 1, 1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 #: import each adapter (its probes run then), fork, and run intra-op parallel kernels in the child: a child of a
 #: process whose OpenMP thread pool had started deadlocks in its first parallel kernel (GNU OpenMP is not fork-safe)
 FORK_AFTER_IMPORT = """
