@@ -311,6 +311,35 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default after its help text."""
 
 
+#: the adapters whose zoo internals ``doctor`` checks: (adapter, the distribution it needs)
+DOCTOR_ZOOS = (("hf", "transformers"), ("timm", "timm"), ("mmseg", "mmsegmentation"), ("fairseq", "fairseq"))
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import importlib
+
+    from .versions import TESTED, check_version, doctor, installed_version, tested_range
+
+    failed = 0
+    for adapter, zoo in DOCTOR_ZOOS:
+        version = installed_version(zoo)
+        if version is None:
+            print(f"{zoo}: not installed (pid_plugins.{adapter} not checked)")
+            continue
+        inside = check_version(zoo, version)
+        print(f"{zoo} {version}: {'within' if inside else 'OUTSIDE'} the tested range {tested_range(zoo)}"
+              if zoo in TESTED else f"{zoo} {version}")
+        internals = importlib.import_module(f"pid_plugins.{adapter}.internals").INTERNALS
+        for internal, problem in doctor(internals):
+            kind = "check and probe" if internal.probe is not None else "check"
+            print(f"  {'ok     ' if problem is None else 'CHANGED'} {internal.name} ({kind})")
+            if problem is not None:
+                failed += 1
+                print(f"          {internal.message(problem)}")
+    print(f"pid-plugins doctor: {failed} internal(s) changed" if failed else "pid-plugins doctor: every internal holds")
+    return 1 if failed else 0
+
+
 def _command(sub: argparse._SubParsersAction, name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
     """A subcommand with its one-line summary (``pid-plugins --help``) and description (``pid-plugins NAME --help``)."""
     description = f"{summary[0].upper()}{summary[1:]}.{' ' + details if details else ''}"
@@ -393,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token substitution rates in [0, 1] (language models)")
     p.add_argument("--out", type=_out_folder, default=Path("attack_out"), help="output folder (must not exist)")
     p.set_defaults(func=_cmd_attack)
+    p = _command(sub, "doctor", "check the installed zoos' internals the adapters read (for a new zoo release)",
+                 "Every internal of every installed zoo: its check (types, signatures, source text) and, where it has "
+                 "one, its probe (the zoo's part and the method's compared on tiny models). Exit 1 if one changed.")
+    p.set_defaults(func=_cmd_doctor)
     _command(sub, "run", "run a command with the zoo adapters in every Python process it starts",
              "pid-plugins run [--adapters hf,timm,...] -- COMMAND ARGS... (see `pid-plugins run --help`)")
     return parser

@@ -1,26 +1,26 @@
 """The zoo versions pid-plugins is tested with (:data:`TESTED`; outside it, the import warns once) and the guard on the
-zoo internals the adapters read (``<zoo>/internals.py``; :class:`InternalChanged` before anything is computed)."""
+zoo internals the adapters read (``<zoo>/internals.py``).
+
+Each :class:`Internal` has a ``check``: types, signatures or source text, run once, where the adapter first reads the
+internal (never at import, never building a module), :class:`InternalChanged` before anything is computed. Its
+``probe``, where it has one, compares the zoo's part with the method's on tiny models: ``pid-plugins doctor`` runs
+them (:func:`doctor`), as ``make test`` and ``make test-compat`` do."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import platform
 import re
-import sys
-import threading
-import types
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["TESTED", "Internal", "InternalChanged", "ProbeUnavailable", "UntestedVersionWarning", "behaviour_probe",
-           "check_version", "installed_version", "parameters", "perturbed", "reads", "require", "settle"]
-
+__all__ = ["TESTED", "Internal", "InternalChanged", "UntestedVersionWarning", "check_version", "doctor",
+           "installed_version", "parameters", "perturbed", "reads", "require"]
 #: distribution -> (lowest, newest) release the tests run under (make test-compat / make test); torch's lowest is the
 #: core's and vLLM's (constraints-vllm.txt), the zoo adapters' is :data:`ZOO_TORCH`
 TESTED: Dict[str, Tuple[str, str]] = {
@@ -45,10 +45,6 @@ class UntestedVersionWarning(UserWarning):
 
 class InternalChanged(RuntimeError):
     """A zoo internal an adapter reads does not look as the adapter expects (a zoo release changed it)."""
-
-
-class ProbeUnavailable(RuntimeError):
-    """An internal's behavioural check cannot run in the caller's construction context (nothing was found changed)."""
 
 
 def _key(version: str) -> Tuple[int, ...]:
@@ -96,15 +92,17 @@ class Internal:
     why: str  #: what the adapter needs it for
     versions: str  #: the releases it is known to hold in (``"5.0 -"``)
     check: Callable[[], bool] = field(repr=False, compare=False)
+    #: what :func:`doctor` runs besides ``check``: the zoo's part and the method's compared on tiny models
+    probe: Optional[Callable[[], bool]] = field(default=None, repr=False, compare=False)
 
     def require(self) -> None:
-        """Raise :class:`InternalChanged` if the internal changed (never inside a compile trace or a probe)."""
+        """Raise :class:`InternalChanged` if the internal changed (never inside a compile trace)."""
         if not self.holds():
             raise InternalChanged(self.message())
 
     def holds(self) -> bool:
-        """Whether the internal looks as expected (True inside a compile trace and while this thread probes)."""
-        return torch.compiler.is_compiling() or _probing() or _holds(self)
+        """Whether the internal looks as expected (``check``, once per process; True inside a compile trace)."""
+        return torch.compiler.is_compiling() or _holds(self)
 
     def message(self, detail: str = "") -> str:
         """The refusal: the zoo's version (or Python's: ``zoo="python"``), the tested range, what to install."""
@@ -125,8 +123,6 @@ class Internal:
 def _holds(internal: Internal) -> bool:
     try:
         return bool(internal.check())
-    except ProbeUnavailable as exc:  # not an answer: asked again at the next use
-        raise ProbeUnavailable(f"pid-plugins could not check {internal.zoo}'s {internal.name}: {exc}") from None
     except Exception:  # an attribute, a class or a signature that is gone: the internal changed
         return False
 
@@ -135,22 +131,6 @@ def require(*internals: Internal) -> None:
     """:meth:`Internal.require` each of ``internals``, in order."""
     for internal in internals:
         internal.require()
-
-
-def settle(*internals: Internal) -> None:
-    """Check ``internals`` now (at the adapter's import) and keep the answers for where they are used.
-
-    The probes run on one intra-op thread: kernels on more would start the calling thread's OpenMP thread pool, and
-    a process forked after the import (``torch.multiprocessing`` with ``start_method="fork"``) would deadlock in its
-    first parallel kernel, as it does after any computation in its parent (GNU OpenMP is not fork-safe)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for internal in internals:
-            with contextlib.suppress(ProbeUnavailable):
-                internal.holds()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def reads(function: Any, name: str = "self") -> FrozenSet[str]:
@@ -163,65 +143,6 @@ def parameters(function: Any) -> List[str]:
     return list(inspect.signature(function).parameters)
 
 
-_LOCAL = threading.local()
-
-
-def _probing() -> bool:
-    return getattr(_LOCAL, "probing", False)
-
-
-def _global_context() -> Optional[str]:
-    """A process-wide construction context that changes what any module built now holds, or None."""
-    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
-    if getattr(zero, "zero_init_context", 0):
-        return "deepspeed.zero.Init is active (it partitions every module built)"
-    module = torch.nn.Module
-    if any(getattr(module, n).__module__ != module.__module__ for n in ("register_parameter", "register_buffer")) \
-            or not all(isinstance(getattr(torch, n), types.BuiltinFunctionType) for n in ("empty", "zeros", "ones")):
-        return "torch's module or tensor constructors are patched (accelerate's init_empty_weights or init_on_device)"
-    return None
-
-
-class _OwnRandom(TorchFunctionMode):
-    """This thread's random draws (torch's random ops, ``nn.init``) come from the probe's generator, not torch's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.generator = torch.Generator().manual_seed(0)
-        self.ops = {getattr(torch, n) for n in ("rand", "randn", "randint", "randperm", "normal", "bernoulli",
-                                                "multinomial", "poisson")}
-        self.ops |= {getattr(torch.Tensor, n) for n in ("uniform_", "normal_", "random_", "bernoulli_", "exponential_",
-                                                        "cauchy_", "log_normal_", "geometric_")}
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if (func in self.ops or "generator" in kwargs) and kwargs.get("generator") is None:
-            kwargs["generator"] = self.generator
-        return func(*args, **kwargs)
-
-
-def behaviour_probe(compare: Callable[[], bool]) -> Callable[[], bool]:
-    """An internal's check by behaviour: ``compare()`` builds the zoo's part and the method's and compares them,
-    changing nothing another thread sees; :class:`ProbeUnavailable` where a construction context stops it.
-    """
-    @functools.wraps(compare)
-    def probe() -> bool:
-        if _probing():
-            return True
-        context = _global_context()
-        if context is not None:
-            raise ProbeUnavailable(
-                f"its check builds tiny models, and {context}. Import the adapter before entering the context (the "
-                "import runs the check), or build the model outside it; nothing was found changed.")
-        _LOCAL.probing = True
-        try:
-            with torch.device("cpu"), _OwnRandom():
-                return bool(compare())
-        finally:
-            _LOCAL.probing = False
-    return probe
-
-
 def perturbed(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` in float32 and eval mode, every parameter moved off its initial value (every step counts)."""
     module.float().eval()
@@ -229,3 +150,25 @@ def perturbed(module: torch.nn.Module) -> torch.nn.Module:
         for p in module.parameters():
             p.add_(torch.randn(p.shape, dtype=p.dtype) * 0.1)
     return module
+
+
+def doctor(internals: Iterable[Internal]) -> List[Tuple[Internal, Optional[str]]]:
+    """Run each internal's check and probe now; ``(internal, None)`` where it holds, else what failed.
+
+    The probes build and run tiny models (on the CPU, in float32) with torch's random state restored after them."""
+    results = []
+    for internal in internals:
+        failed: Optional[str] = None
+        for kind, run in (("check", internal.check), ("probe", internal.probe)):
+            if run is None or failed is not None:
+                continue
+            try:
+                with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+                    torch.manual_seed(0)
+                    ok = bool(run())
+            except Exception as exc:  # noqa: BLE001 - reported, with where it came from
+                failed = f"its {kind} raised {type(exc).__name__}: {exc} ({traceback.format_exc(limit=-1).strip()})"
+            else:
+                failed = None if ok else f"its {kind} found it changed"
+        results.append((internal, failed))
+    return results

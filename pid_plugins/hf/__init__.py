@@ -20,11 +20,8 @@ from .conversion import convert
 from .gains import NoGainDecayTrainerMixin, decay_parameter_names, gain_parameter_names
 from .pipeline import PipelineStageModule, pipeline_stage, stage_layer_range
 from .install import install as _install
-from .internals import INTERNALS as _INTERNALS
-from ..versions import settle as _settle
 
 _install()
-_settle(*_INTERNALS)  # every check now, outside any construction context (deepspeed.zero.Init builds under one)
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "BASES", "MethodForwardState", "method_attention_forward", "method_mask",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import threading
 import warnings
 from typing import Any, Dict, Optional
 
@@ -40,7 +39,6 @@ __all__ = ["check_family", "check_model", "continuous_batching_message", "discov
 #: in a model's __dict__ until its first forward: built from a folder saved without the method it runs (the loader, for
 #: the message); the first forward, its weights loaded, warns if they are trained (warn_switch_of_trained_weights)
 SWITCH_CHECK = "_pid_plugins_switch_check"
-_LOCK = threading.RLock()  # re-entered by the interface probe (a method model built inside discovery)
 _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
                           "encoder_decoder_attention"})
 
@@ -324,28 +322,27 @@ def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[s
     the plan is new), then the first forward's checks."""
     if renamed is not None:
         raise InternalChanged(CACHE_KEYWORD.message(f"{type(model).__name__}.forward got the cache as {renamed}="))
-    with _LOCK:
-        if changed and not _relaid(model, plan):
-            plan = discover(model, at_forward=True)
-        if plan.reading is None or not plan.reading.holds(model.config, model.__dict__.get(GAINS_SOURCE, model.config)):
-            plan.reading = None
-            plan.reading = read(model)  # (a refused config is read, and refused, again)
-        if not plan.first or plan.reading.method is None:
-            return plan
-        plan.first = False
-        switched = model.__dict__.pop(SWITCH_CHECK, None)
-        if switched is not None:
-            # built from a folder saved without this method: one warning if its weights are trained (the models
-            # nested in it, built from the same folder, are not asked again)
-            for nested in model.modules():
-                nested.__dict__.pop(SWITCH_CHECK, None)
-            method = method_of(model.config)
-            warn_switch_of_trained_weights(model, MethodChoice(method, model_method_config(model.config, method)),
-                                           switched)
-        if plan.learnable and not TP_PLAN.holds() and _tensor_parallel(model):
-            # the gains' gradients would not be summed over the tensor-parallel ranks
-            raise InternalChanged(TP_PLAN.message(f"{type(model).__name__} runs tensor parallelism with learnable "
-                                                  "parameters, which this release cannot synchronise"))
+    if changed and not _relaid(model, plan):
+        plan = discover(model, at_forward=True)
+    if plan.reading is None or not plan.reading.holds(model.config, model.__dict__.get(GAINS_SOURCE, model.config)):
+        plan.reading = None
+        plan.reading = read(model)  # (a refused config is read, and refused, again)
+    if not plan.first or plan.reading.method is None:
+        return plan
+    plan.first = False
+    switched = model.__dict__.pop(SWITCH_CHECK, None)
+    if switched is not None:
+        # built from a folder saved without this method: one warning if its weights are trained (the models
+        # nested in it, built from the same folder, are not asked again)
+        for nested in model.modules():
+            nested.__dict__.pop(SWITCH_CHECK, None)
+        method = method_of(model.config)
+        warn_switch_of_trained_weights(model, MethodChoice(method, model_method_config(model.config, method)),
+                                       switched)
+    if plan.learnable and not TP_PLAN.holds() and _tensor_parallel(model):
+        # the gains' gradients would not be summed over the tensor-parallel ranks
+        raise InternalChanged(TP_PLAN.message(f"{type(model).__name__} runs tensor parallelism with learnable "
+                                              "parameters, which this release cannot synchronise"))
     return plan
 
 
@@ -396,16 +393,15 @@ def discovered(model: nn.Module) -> bool:
 
 def rediscover(model: PreTrainedModel) -> PreTrainedModel:
     """Hook every PreTrainedModel in ``model`` and discover each afresh, outermost first."""
-    with _LOCK:
-        for m in model.modules():
-            if isinstance(m, PreTrainedModel):
-                hook(m)
-                m.__dict__.pop(PLAN, None)
-                m.__dict__.pop(GAINS_SOURCE, None)
-                m.__dict__.pop(WARMUP_SOURCE, None)
-        for m in model.modules():  # outermost first: it hands its config (gains, base) to the nested models
-            if isinstance(m, PreTrainedModel) and PLAN not in m.__dict__:
-                discover(m)
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            hook(m)
+            m.__dict__.pop(PLAN, None)
+            m.__dict__.pop(GAINS_SOURCE, None)
+            m.__dict__.pop(WARMUP_SOURCE, None)
+    for m in model.modules():  # outermost first: it hands its config (gains, base) to the nested models
+        if isinstance(m, PreTrainedModel) and PLAN not in m.__dict__:
+            discover(m)
     persist(model.config)
     return model
 
@@ -453,8 +449,7 @@ def post_init(model: PreTrainedModel) -> None:
     sync_record(model)  # the method record in its weights (on the outermost model)
     type(model).post_init(model)
     if method_of(model.config) is not None and PLAN not in model.__dict__:
-        with _LOCK:
-            discover(model)
+        discover(model)
     if learnable_config(model.config) is not None:  # after post_init's init_parallel_plans
         learned_gains.extend_tp_plan(model)
 

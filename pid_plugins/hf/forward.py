@@ -20,6 +20,8 @@ from transformers.cache_utils import Cache, EncoderDecoderCache
 from .attention import STATE_KEYWORD, MethodForwardState
 from .cache import new_cache, static_past
 from .config import WARMUP_ATTR, WARMUP_SOURCE, ConfigReading, method_of
+from .internals import INTERFACE_SOURCE
+from ..versions import InternalChanged
 
 __all__ = ["GAINS_SOURCE", "PLAN", "Plan", "checkpointing_layout", "drops_layers", "hooked", "layout"]
 
@@ -46,6 +48,7 @@ class Plan:
     layerdrop: tuple = ()  # the owner and the modules below it with a ``layerdrop`` attribute
     layerdrop_keys: tuple = ()  # the config's ``*layerdrop`` keys (LAYERDROP_KEYS it has)
     first: bool = True  # the first forward has checks to make (``renew`` makes them)
+    verified: bool = False  # an eager forward found its attention layers running the method (:class:`_Counted`)
     #: the modules on the way from the model to each attention module: ``(parent._modules, name)`` of each step,
     #: each module's ``__dict__``, and of those the ones with transformers' ``gradient_checkpointing`` flag
     parents: tuple = ()  # each step's parent ``_modules``
@@ -260,38 +263,44 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if chosen is None and scale is None and not compiling:  # the next forwards reuse it (the reading's lifetime)
         reading.chosen = state.chosen()
     state.grad = grad
+    if not plan.verified and not compiling:
+        state.call = _Counted(state.call)
     kwargs[STATE_KEYWORD] = state
     return args, kwargs
+
+
+class _Counted:
+    """A forward's per-call function, counting its calls: the first eager forward of a model checks that its attention
+    layers reached the method through transformers' attention interface (then no forward is counted)."""
+
+    __slots__ = ("call", "calls")
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.call, self.calls = call, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.call(*args)
+
+
+def _verify(module: nn.Module, counted: _Counted) -> None:
+    plan = module.__dict__.get(PLAN)
+    if plan is None:
+        return
+    if not counted.calls:
+        raise InternalChanged(INTERFACE_SOURCE.message(
+            f"{type(module).__name__}'s forward ran none of its attention layers through the method"))
+    plan.verified = True
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     run = kwargs.get(STATE_KEYWORD)
     if run is not None:
         run.finished = True
+        if type(run.call) is _Counted:
+            _verify(module, run.call)
     # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
     # after the forward: checkpointed layers recompute with the scale their MethodForwardState holds
     counter = module._modules.get(WARMUP_ATTR)
     if counter is not None and module.training and method_of(module.config) is not None:
         counter.advance()
-
-
-def _eager_as_frames(*hooks: Callable) -> None:
-    """Run ``hooks`` eagerly when torch.compile meets them as frames of their own, and inline them when it traces a
-    call that runs them.
-
-    transformers compiles ``model.__call__`` (``generate``'s compiled decoding step): dynamo does not trace
-    ``nn.Module.__call__``, so each hook would be a compiled frame of its own, whose cache lookup, guards and
-    rebuilt return value cost more per call than running the hook (a tenth of a tiny decoding step, here); so does
-    ``torch.compile(model)``, whose compiled call is ``model.__call__`` too. A compiled function that calls the model
-    inlines them into its graph, as before: the frame's strategy (torch's own ``skip_code``, for the hook and what it
-    calls) is read when dynamo meets a frame, never when it inlines one. A torch without it compiles the hooks as
-    frames (slower, the same results), and tests/core/test_compile.py says so."""
-    try:
-        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
-    except ImportError:  # pragma: no cover - a torch without frame strategies
-        return
-    for hook in hooks:
-        set_code_exec_strategy(hook.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-
-
-_eager_as_frames(_pre_hook, _post_hook)

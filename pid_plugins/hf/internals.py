@@ -1,16 +1,18 @@
-"""Every transformers internal the adapter reads, checked at ``import pid_plugins.hf``: by probes on a tiny Llama
-(checkpointing, continuous batching, the attention interface), else by types and signatures; two read source text."""
+"""Every transformers internal the adapter reads: checked by types, signatures and source text where it is first read;
+three have probes on a tiny Llama (checkpointing, continuous batching, the attention interface) that
+``pid-plugins doctor`` runs."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import re
 import threading
 from typing import Any, Tuple
 
 import torch
 
-from ..versions import Internal, behaviour_probe, parameters
+from ..versions import Internal, parameters, perturbed
 
 __all__ = ["INTERNALS", "cache_keywords", "calls_interface"]
 
@@ -87,10 +89,18 @@ def _cache_layers() -> bool:
 
 
 def _torch_checkpoint() -> bool:
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+    from torch.utils.hooks import RemovableHandle
+
+    return (callable(_get_registry) and hasattr(CheckpointImpl, "REENTRANT") and isinstance(RemovableHandle.next_id, int)
+            and {"mod", "checkpoint_impl"} <= set(parameters(CheckpointWrapper.__init__)))
+
+
+def _torch_checkpoint_probe() -> bool:
     from torch.distributed._composable import checkpoint
     from torch.distributed._composable.contract import _get_registry
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
-
     from torch.utils.hooks import RemovableHandle
 
     wrapped = CheckpointWrapper(torch.nn.Identity(), checkpoint_impl=CheckpointImpl.REENTRANT)
@@ -123,8 +133,20 @@ def _raise(exception: type, *args: Any, **kwargs: Any) -> None:
     raise exception
 
 
-@behaviour_probe
+def _squashed(function: Any) -> str:
+    """``function``'s source without whitespace (a reformatting is not a change)."""
+    return re.sub(r"\s+", "", inspect.getsource(function))
+
+
 def _checkpointing() -> bool:
+    from transformers import PreTrainedModel
+
+    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None) or \
+        PreTrainedModel.gradient_checkpointing_enable
+    return callable(enable) and "_gradient_checkpointing_func" in _squashed(PreTrainedModel._set_gradient_checkpointing)
+
+
+def _checkpointing_probe() -> bool:
     """Checkpointed layers get a ``_gradient_checkpointing_func`` with the ``use_reentrant`` asked for."""
     model = _tiny_llama()
     seen = []
@@ -141,8 +163,17 @@ def _checkpointing() -> bool:
     return all(seen)
 
 
-@behaviour_probe
 def _continuous_batching() -> bool:
+    # source text: each entry hands over to the next, and the last to the model's own init_continuous_batching
+    from transformers import GenerationMixin
+    from transformers.generation.continuous_batching import ContinuousMixin
+
+    return ("self.generate_batch(" in _squashed(GenerationMixin.generate)
+            and "self.continuous_batching_context_manager(" in _squashed(ContinuousMixin.generate_batch)
+            and "self.init_continuous_batching(" in _squashed(ContinuousMixin.continuous_batching_context_manager))
+
+
+def _continuous_batching_probe() -> bool:
     """Every continuous batching entry first reaches the model's own ``init_continuous_batching``."""
     from transformers.generation import utils
 
@@ -167,14 +198,19 @@ def _continuous_batching() -> bool:
         utils.logger.removeFilter(quiet)
 
 
-@behaviour_probe
 def _interface_source() -> bool:
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    return calls_interface(LlamaAttention)
+
+
+def _interface_source_probe() -> bool:
     """The class :func:`calls_interface` names dispatches through the registered function."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
-        stock = _tiny_llama()
+        stock = perturbed(_tiny_llama())
         outputs = []
         for params in ({"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, {"lambda_p": 0.5}):
             model = _tiny_llama("pid", pid=params)
@@ -217,16 +253,17 @@ INITIALIZE_WEIGHTS = Internal(
 CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing gives each checkpointed layer its _gradient_checkpointing_func "
     "with the use_reentrant asked for",
-    "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing)
+    "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing, _checkpointing_probe)
 CONTINUOUS_BATCHING = Internal(
     ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (each model's own, an "
     "instance attribute)",
     "refusing a method model before continuous batching switches its attention (to flash attention where flash-attn "
-    "is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching)
+    "is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching, _continuous_batching_probe)
 INTERFACE_SOURCE = Internal(
     ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic) and dispatch "
     "through it",
-    "finding a model's attention modules, refusing attention outside the interface", "5.20 - 5.24", _interface_source)
+    "finding a model's attention modules, refusing attention outside the interface; a model's first forward checks "
+    "that its attention layers ran the method", "5.20 - 5.24", _interface_source, _interface_source_probe)
 GLOBAL_MAPPING = Internal(
     ZOO, "AttentionInterface._global_mapping / AttentionMaskInterface._global_mapping",
     "reserving the attention implementation names transformers holds (a method cannot replace 'sdpa')",

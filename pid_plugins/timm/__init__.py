@@ -26,11 +26,6 @@ from .vision_transformer import (
     PIDVisionTransformerDistilled,
     checkpoint_filter_fn,
 )
-from . import probes  # noqa: E402,F401  (the behavioural checks of the internals the method classes compute again)
-from .internals import INTERNALS as _INTERNALS  # noqa: E402
-from ..versions import settle as _settle  # noqa: E402
-
-_settle(*_INTERNALS)  # every check now, outside any construction context (deepspeed.zero.Init builds under one)
 
 __all__ = [
     "FAN", "FANBlock", "TokenMixing", "ChannelProcessing",

@@ -1,13 +1,12 @@
-"""Every timm internal the adapter reads, with its check (``import pid_plugins.timm`` runs them all)."""
+"""Every timm internal the adapter reads, with its check (run where the internal is first read) and, for what the
+method classes compute again, its probe (``pid-plugins doctor``: timm's part and the method's, bit for bit)."""
 from __future__ import annotations
 
 import inspect
 import re
-from typing import Callable, Dict
-
 import torch
 
-from ..versions import Internal, behaviour_probe, parameters, require
+from ..versions import Internal, parameters, perturbed, require
 
 __all__ = ["INTERNALS", "require"]
 
@@ -22,11 +21,6 @@ def _attn_layers() -> bool:
     return isinstance(layers, dict) and all(isinstance(k, str) for k in layers) and layers.get("attn") is Attention
 
 
-#: the probes of what the method classes compute again, by name ("block", "vit"; one internal each, so run once per
-#: process), registered by :mod:`pid_plugins.timm.probes` (it imports the method classes, which import this module)
-PROBES: Dict[str, Callable[[], bool]] = {}
-
-
 def _block() -> bool:
     from timm.layers import Attention
     from timm.models.vision_transformer import Block, _create_attn
@@ -34,7 +28,7 @@ def _block() -> bool:
     forward = ["self", "x", "attn_mask", "is_causal"]
     return ("attn_layer" in parameters(Block.__init__)
             and parameters(_create_attn)[:3] == ["attn_layer", "dim", "num_heads"]
-            and parameters(Attention.forward) == forward and parameters(Block.forward) == forward and PROBES["block"]())
+            and parameters(Attention.forward) == forward and parameters(Block.forward) == forward)
 
 
 def _vit_forward() -> bool:
@@ -46,8 +40,57 @@ def _vit_forward() -> bool:
             and parameters(VisionTransformer.forward_features) == ["self", "x", "attn_mask", "is_causal"]
             and parameters(VisionTransformer.forward_intermediates)[1:] == "x indices return_prefix_tokens norm "
             "stop_early output_fmt intermediates_only output_dict attn_mask is_causal".split()
-            and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled))
-            and PROBES["vit"]())
+            and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled)))
+
+
+#: the probes' stock ViT: every option of timm's Attention / Block / VisionTransformer the method classes recompute
+PROBE_VIT = dict(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=3, qk_norm=True,
+                 init_values=0.5, reg_tokens=1, pre_norm=True)
+PROBE_BLOCK = dict(dim=16, num_heads=2, qk_norm=True, init_values=0.5)
+
+
+def _zero_pid():
+    from ..core import MethodChoice, get_method
+
+    method = get_method("pid")
+    return MethodChoice(method, method.configure(dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0), "timm"))
+
+
+def _block_probe() -> bool:
+    """timm's Block and the method's PIDBlock (PID at zero gains, the stock weights) compute the same, bit for bit."""
+    from timm.models.vision_transformer import Block
+
+    from .vision_transformer import PIDAttention, PIDBlock
+
+    stock = perturbed(Block(**PROBE_BLOCK))
+    block = PIDBlock(**PROBE_BLOCK, choice=_zero_pid()).float().eval()
+    block.load_state_dict(stock.state_dict())
+    x = torch.randn(2, 5, PROBE_BLOCK["dim"], dtype=torch.float32)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    with torch.no_grad():
+        return (isinstance(block.attn, PIDAttention) and torch.equal(block(x), stock(x))
+                and torch.equal(block(x, attn_mask=mask), stock(x, attn_mask=mask)))
+
+
+def _vit_probe() -> bool:
+    """The stock ViT and the method ViT (PID at zero gains) compute the same, bit for bit, on every path."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    from .vision_transformer import PIDAttention, PIDVisionTransformer
+
+    stock = perturbed(VisionTransformer(**PROBE_VIT))
+    zero = _zero_pid()
+    model = PIDVisionTransformer(**PROBE_VIT, attention=zero.method.name, attention_cfg=zero.config).float().eval()
+    model.load_state_dict(stock.state_dict(), strict=False)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float32)
+    tokens = 1 + 1 + (16 // 8) ** 2  # the class token, the register token, the patches
+    mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    with torch.no_grad():
+        if not (all(isinstance(b.attn, PIDAttention) for b in model.blocks) and torch.equal(model(x), stock(x))
+                and torch.equal(model.forward_features(x, attn_mask=mask), stock.forward_features(x, attn_mask=mask))):
+            return False
+        (got, got_all), (want, want_all) = model.forward_intermediates(x), stock.forward_intermediates(x)
+    return torch.equal(got, want) and len(got_all) == len(want_all) and all(map(torch.equal, got_all, want_all))
 
 
 def _feature_take_indices() -> bool:
@@ -59,6 +102,12 @@ def _feature_take_indices() -> bool:
 
 
 def _checkpoint() -> bool:
+    from timm.models._manipulate import checkpoint
+
+    return "use_reentrant" in parameters(checkpoint)
+
+
+def _checkpoint_probe() -> bool:
     """timm's checkpoint hands the call to torch's with the reentrant flag given."""
     from timm.models._manipulate import checkpoint
 
@@ -110,20 +159,25 @@ def _vit_checkpoint_filter() -> bool:
     return parameters(checkpoint_filter_fn)[:3] == ["state_dict", "model", "adapt_layer_scale"]
 
 
-@behaviour_probe  # (it builds a patch embedding)
 def _xcit() -> bool:
     from timm.models import xcit
 
     takes = {xcit.ConvPatchEmbed: "img_size patch_size in_chans embed_dim act_layer", xcit.PositionalEncodingFourier:
              "dim", xcit.LPI: "in_features act_layer", xcit.ClassAttentionBlock: "dim num_heads mlp_ratio qkv_bias "
              "proj_drop attn_drop act_layer norm_layer eta tokens_norm"}
+    return (all(set(f"{args} device dtype".split()) <= set(parameters(cls.__init__)) for cls, args in takes.items())
+            and parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
+            and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]
+            and parameters(xcit.checkpoint_filter_fn)[:2] == ["state_dict", "model"])
+
+
+def _xcit_probe() -> bool:
+    from timm.models import xcit
+
     # what FAN reads of the patch embedding: it returns the tokens and the grid, proj[0][0] is its first convolution
     embed = xcit.ConvPatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
     tokens, grid = embed(torch.zeros(1, 3, 32, 48))
-    if not (all(set(f"{args} device dtype".split()) <= set(parameters(cls.__init__)) for cls, args in takes.items())
-            and parameters(xcit.PositionalEncodingFourier.forward) == ["self", "B", "H", "W"]
-            and parameters(xcit.LPI.forward) == ["self", "x", "H", "W"]
-            and isinstance(embed.proj[0][0], torch.nn.Conv2d) and embed.proj[0][0].in_channels == 3
+    if not (isinstance(embed.proj[0][0], torch.nn.Conv2d) and embed.proj[0][0].in_channels == 3
             and tuple(grid) == (4, 6) and tuple(tokens.shape) == (1, 24, 16)):
         return False
 
@@ -158,12 +212,12 @@ BLOCK = Internal(
     ZOO, "timm's Attention.forward and Block.forward (x, attn_mask, is_causal) and what they compute (the block "
     "probe); Block(attn_layer=...) building its attention with _create_attn",
     "PIDAttention and PIDBlock compute timm's attention and block again with the method's step, handing its state "
-    "from block to block (the same parameters, the same init order)", "1.0.31", _block)
+    "from block to block (the same parameters, the same init order)", "1.0.31", _block, _block_probe)
 VIT_FORWARD = Internal(
     ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures, and what they compute: the "
     "model probe)",
     "the method ViT computes them again with the method's state threaded through the blocks; a converted stock ViT "
-    "runs the method classes' versions of them", "1.0.31", _vit_forward)
+    "runs the method classes' versions of them", "1.0.31", _vit_forward, _vit_probe)
 FEATURE_TAKE_INDICES = Internal(
     ZOO, "timm.models._features.feature_take_indices(num_features, indices)",
     "forward_intermediates / prune_intermediate_layers of the method ViT and FAN (timm's index rules)",
@@ -171,7 +225,7 @@ FEATURE_TAKE_INDICES = Internal(
 CHECKPOINT = Internal(
     ZOO, "timm.models._manipulate.checkpoint(function, *args, use_reentrant=...) hands the flag to torch's checkpoint",
     "gradient checkpointing of the method blocks with timm's reentrant setting (set_reentrant_ckpt)",
-    "1.0.31", _checkpoint)
+    "1.0.31", _checkpoint, _checkpoint_probe)
 PRETRAINED_SOURCE = Internal(
     ZOO, "timm.models._builder.resolve_pretrained_cfg and _resolve_pretrained_source (state_dict, then file, first)",
     "refusing pretrained=True without a local file or state_dict (pid-plugins never downloads weights)",
@@ -191,7 +245,7 @@ XCIT = Internal(
     ZOO, "timm.models.xcit's ConvPatchEmbed, PositionalEncodingFourier, LPI, ClassAttentionBlock and "
     "checkpoint_filter_fn (pos_embeder -> pos_embed, class-attention qkv split)",
     "FAN: its stem, positions, convolutional MLP and class-attention blocks, and official FAN checkpoints",
-    "1.0.31", _xcit)
+    "1.0.31", _xcit, _xcit_probe)
 DEFAULT_CFGS = Internal(
     ZOO, "timm.models._registry.register_model reads the registering module's default_cfgs",
     "the pretrained cfg (input size, normalisation, classifier names) of every registered pid_* / fan_* name",

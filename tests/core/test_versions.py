@@ -206,22 +206,28 @@ def test_learnable_parameters_under_tensor_parallelism_need_the_tp_plan_style(mo
             model(ids)
 
 
-# ---------------------------------------------------------------- transformers' behavioural guards (probes)
+# ------------------------------------------------- what the probes guard: on the real path, and by the doctor
 def _tiny_config(T):
     return T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
 
 
+def _doctor_says(internal):
+    """What :func:`pid_plugins.versions.doctor` finds of ``internal`` (None: it holds)."""
+    [(_, problem)] = versions.doctor([internal])
+    return problem
+
+
 def test_a_release_whose_checkpointing_forgets_the_reentrant_choice_is_refused(monkeypatch, fresh_checks):
-    """A release whose ``_set_gradient_checkpointing`` no longer keeps ``use_reentrant`` on the layers' function
-    (the refusal of reentrant checkpointing reads it): the probe fails and a method model is refused when it is built
-    (discovery checks what its forwards will read); a stock model still builds."""
+    """A release whose ``_set_gradient_checkpointing`` no longer keeps ``use_reentrant`` on the layers' function:
+    the doctor's probe finds it, and a method model's training forward under checkpointing is refused (the choice
+    cannot be read, so it counts as reentrant) before anything runs; a stock model still trains."""
     T = pytest.importorskip("transformers")
     import pid_plugins.hf  # noqa: F401
     from pid_plugins.hf import internals
     from transformers import PreTrainedModel
 
-    assert internals.CHECKPOINTING.check()
+    assert _doctor_says(internals.CHECKPOINTING) is None
     original = PreTrainedModel._set_gradient_checkpointing
 
     def forgetful(self, enable=True, gradient_checkpointing_func=None, **kwargs):
@@ -231,15 +237,21 @@ def test_a_release_whose_checkpointing_forgets_the_reentrant_choice_is_refused(m
                 m._gradient_checkpointing_func = torch.utils.checkpoint.checkpoint  # the keywords dropped
 
     monkeypatch.setattr(PreTrainedModel, "_set_gradient_checkpointing", forgetful)
-    assert not internals.CHECKPOINTING.check()
-    T.LlamaForCausalLM._from_config(_tiny_config(T))  # stock: nothing to refuse
-    with pytest.raises(InternalChanged, match=r"_set_gradient_checkpointing"):
-        T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+    assert "its probe found it changed" in _doctor_says(internals.CHECKPOINTING)
+    ids = torch.tensor([[3, 4, 5]])
+    for name, refused in (("sdpa", False), ("pid", True)):
+        model = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation=name).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if refused:
+            with pytest.raises(ValueError, match="needs non-reentrant gradient checkpointing"):
+                model(ids, use_cache=False)
+        else:
+            model(ids, use_cache=False).logits.sum().backward()
 
 
 def test_a_continuous_batching_entry_that_skips_init_continuous_batching_is_refused(monkeypatch, fresh_checks):
     """A release whose ``generate_batch`` no longer starts at ``init_continuous_batching`` (where a method model is
-    refused): the probe fails and building a method model stops with the message; a stock model still builds."""
+    refused): the check fails and building a method model stops with the message; a stock model still builds."""
     T = pytest.importorskip("transformers")
     import pid_plugins.hf  # noqa: F401
     from pid_plugins.hf import internals
@@ -248,6 +260,7 @@ def test_a_continuous_batching_entry_that_skips_init_continuous_batching_is_refu
     assert internals.CONTINUOUS_BATCHING.check()
     monkeypatch.setattr(ContinuousMixin, "generate_batch", lambda self, inputs, *args, **kwargs: {})
     assert not internals.CONTINUOUS_BATCHING.check()
+    assert _doctor_says(internals.CONTINUOUS_BATCHING) == "its check found it changed"
     T.LlamaForCausalLM._from_config(_tiny_config(T))  # stock: nothing to refuse
     with pytest.raises(InternalChanged, match=r"init_continuous_batching"):
         T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
@@ -256,141 +269,105 @@ def test_a_continuous_batching_entry_that_skips_init_continuous_batching_is_refu
 def test_an_attention_class_that_names_the_interface_but_bypasses_it_is_refused(monkeypatch, fresh_checks):
     """The discovery signal is text (the interface's name in the attention class's source, transformers' own
     heuristic); its guard is behaviour. A release whose Llama attention keeps that text but no longer dispatches
-    through the registered function (here its module's interface always answers SDPA): the probe sees PID with
-    parameters compute the stock model and refuses the method model, where it would otherwise silently run softmax."""
+    through the registered function (here its module's interface always answers SDPA): the model's first forward
+    finds no layer ran the method and refuses it, where it would otherwise silently run softmax; the doctor's probe
+    finds it too. A forward that reached the method is checked once: later forwards count nothing."""
     T = pytest.importorskip("transformers")
     import pid_plugins.hf  # noqa: F401
-    from pid_plugins.hf import internals
+    from pid_plugins.hf import forward, internals
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama import modeling_llama
 
-    assert internals.INTERFACE_SOURCE.check()
+    ids = torch.tensor([[3, 4, 5]])
+    checked = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid").eval()
+    with torch.no_grad():
+        checked(ids)
+    assert checked.model.__dict__[forward.PLAN].verified
 
     class AlwaysSdpa:
         def get_interface(self, name, default):
             return sdpa_attention_forward
 
     monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", AlwaysSdpa())
-    assert not internals.INTERFACE_SOURCE.check()
-    with pytest.raises(InternalChanged, match=r"ALL_ATTENTION_FUNCTIONS"):
-        T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+    assert internals.INTERFACE_SOURCE.check()  # the text is still there
+    assert "ran none of its attention layers" in _doctor_says(internals.INTERFACE_SOURCE)
+    model = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid").eval()
+    with pytest.raises(InternalChanged, match=r"ALL_ATTENTION_FUNCTIONS.*ran none of its attention layers"):
+        with torch.no_grad():
+            model(ids)
+    with torch.no_grad():
+        checked(ids)  # (checked before the change: the check is not made again)
 
 
-# ------------------------------------------------------------------- probes and the caller's context
-def _probed_internals():
-    """Every internal of the transformers and timm adapters whose check builds models (its own probe)."""
-    pytest.importorskip("timm")
-    import pid_plugins.hf  # noqa: F401
-    import pid_plugins.timm  # noqa: F401
-    from pid_plugins.hf import internals as hf
-    from pid_plugins.timm import internals as tm
-
-    return [hf.CHECKPOINTING, hf.CONTINUOUS_BATCHING, hf.INTERFACE_SOURCE, tm.BLOCK, tm.VIT_FORWARD, tm.XCIT]
-
-
-@pytest.mark.parametrize("context", ["meta_device", "float64_default", "bfloat16_default", "no_grad"])
-def test_a_probe_is_not_misled_by_the_device_or_dtype_a_caller_builds_under(context, fresh_checks):
-    """Under ``torch.device("meta")`` (FSDP's meta init), another default dtype (``from_pretrained(dtype=...)`` sets
-    one while it builds) or ``no_grad``, every probe still holds, and leaves torch's global RNG and default dtype as
-    they were."""
-    import contextlib
-
-    internals = _probed_internals()
-    dtype = {"float64_default": torch.float64, "bfloat16_default": torch.bfloat16}.get(context)
-    before_dtype, before_rng = torch.get_default_dtype(), torch.random.get_rng_state()
-    scope = torch.device("meta") if context == "meta_device" else (
-        torch.no_grad() if context == "no_grad" else contextlib.nullcontext())
-    try:
-        if dtype is not None:
-            torch.set_default_dtype(dtype)
-        with scope:
-            for internal in internals:
-                assert internal.check(), internal.name
-                internal.require()
-        assert torch.get_default_dtype() == (dtype or before_dtype)
-    finally:
-        torch.set_default_dtype(before_dtype)
-    assert torch.equal(torch.random.get_rng_state(), before_rng)  # the probes drew from their own generator
-
-
-def test_a_probe_under_a_process_wide_construction_context_says_so(monkeypatch, fresh_checks):
-    """Under accelerate's ``init_empty_weights`` or ``deepspeed.zero.Init`` a probe cannot build its models: it raises
-    ProbeUnavailable naming the context (never InternalChanged), caches nothing, and holds again outside; an answer
-    the import settled is used inside the context."""
+def test_the_real_path_checks_build_nothing_under_a_construction_context(fresh_checks):
+    """Under accelerate's ``init_empty_weights`` (and any process-wide construction context) a method model builds:
+    the checks it runs are types, signatures and source text, never a model of their own."""
     accelerate = pytest.importorskip("accelerate")
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
     from pid_plugins.hf import internals
 
-    internal = internals.INTERFACE_SOURCE
     with accelerate.init_empty_weights():
-        with pytest.raises(versions.ProbeUnavailable, match=r"could not check transformers's attention classes .*"
-                                                            r"init_empty_weights.*nothing was found changed"):
-            internal.require()
-    assert internal.check()
-    zero = pytest.importorskip("deepspeed.runtime.zero.partition_parameters")
-    monkeypatch.setattr(zero, "zero_init_context", 1)  # what deepspeed.zero.Init's __enter__ counts
-    with pytest.raises(versions.ProbeUnavailable, match=r"deepspeed\.zero\.Init is active"):
-        internal.require()
-    monkeypatch.undo()
-    versions._holds.cache_clear()
-    versions.settle(internal)  # (what the import does)
-    monkeypatch.setattr(zero, "zero_init_context", 1)
-    internal.require()  # settled: the answer is kept
+        model = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+        versions.require(*internals.INTERNALS[:-1])  # (TP_PLAN: from 5.24)
+    assert model.model.layers[0].self_attn.q_proj.weight.is_meta
 
 
-def test_a_probe_changes_nothing_another_thread_sees():
-    """While a probe runs (and after it fails) another thread sees torch's default dtype, its global RNG, its
-    intra-op thread count and the probing flag as they were."""
-    import threading
+def test_the_doctor_finds_every_internal_holding_and_leaves_torch_as_it_was():
+    """``pid-plugins doctor``: every internal of every installed zoo holds under the pinned releases (make test and
+    make test-compat run it), each probe runs once, and torch's RNG, default dtype and thread count are as before."""
+    pytest.importorskip("timm")
+    from pid_plugins import cli
+    from pid_plugins.timm import internals as tm
 
-    seen = {}
-
-    def other_thread():
-        seen.update(dtype=torch.get_default_dtype(), rng=torch.random.get_rng_state(), probing=versions._probing(),
-                    threads=torch.get_num_threads())
-
-    @versions.behaviour_probe
-    def probe():
-        torch.nn.Linear(4, 4, dtype=torch.float64)  # draws (from the probe's generator)
-        assert versions._probing()
-        thread = threading.Thread(target=other_thread)
-        thread.start()
-        thread.join()
-        raise RuntimeError("a failing probe")
-
-    rng = torch.random.get_rng_state()
-    with pytest.raises(RuntimeError, match="a failing probe"):
-        probe()
-    assert seen["dtype"] == torch.get_default_dtype() and torch.equal(seen["rng"], rng) and not seen["probing"]
-    assert seen["threads"] == torch.get_num_threads(), seen["threads"]
-    assert not versions._probing() and torch.equal(torch.random.get_rng_state(), rng)
+    calls = []
+    probes = [i for i in tm.INTERNALS if i.probe is not None]
+    counted = [functools.partial(lambda i, p: calls.append(i.name) or p(), i, i.probe) for i in probes]
+    rng, dtype, threads = torch.random.get_rng_state(), torch.get_default_dtype(), torch.get_num_threads()
+    problems = [p for _, p in versions.doctor(
+        [__import__("dataclasses").replace(i, probe=c) for i, c in zip(probes, counted)])]
+    assert problems == [None] * len(probes) and calls == [i.name for i in probes]
+    assert cli.main(["doctor"]) == 0
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert (torch.get_default_dtype(), torch.get_num_threads()) == (dtype, threads)
 
 
-def test_settle_checks_on_one_intra_op_thread_and_restores_the_callers_count():
-    """The import's checks run their kernels on one thread (no OpenMP pool started for a later fork to inherit), and
-    the caller's thread count is back afterwards, also where a check fails or its probe is unavailable."""
-    seen = []
-
-    def check(answer):
-        seen.append(torch.get_num_threads())
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    internals = [versions.Internal("torch", f"settle's thread count ({label})", "this test", "-",
-                                   functools.partial(check, answer))
-                 for label, answer in (("holds", True), ("changed", False), ("fails", RuntimeError("gone")),
-                                       ("unavailable", versions.ProbeUnavailable("a context")))]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        versions.settle(*internals)
-        assert seen == [1, 1, 1, 1] and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
+#: what importing the adapters does beyond registering names (../shared/tools/import-effects counts the same)
+IMPORT_EFFECTS = r"""
+import json, sys, threading
+import torch, transformers, timm, mmseg, mmengine  # noqa: F401  (the zoos' own import is not measured)
+from torch.overrides import _get_current_function_mode_stack
+built = [0]
+original = torch.nn.Module.__init__
+def counting(self, *args, **kwargs):
+    built[0] += 1
+    return original(self, *args, **kwargs)
+torch.nn.Module.__init__ = counting
+threads, names = torch.get_num_threads(), {t.name for t in threading.enumerate()}
+modes, rng = len(_get_current_function_mode_stack()), torch.random.get_rng_state()
+for adapter in sys.argv[1:]:
+    __import__(adapter)
+print(json.dumps({"modules": built[0], "threads": sorted({t.name for t in threading.enumerate()} - names),
+                  "intra_op": torch.get_num_threads() - threads, "modes": len(_get_current_function_mode_stack()) - modes,
+                  "rng": torch.equal(rng, torch.random.get_rng_state())}))
+"""
 
 
-#: import each adapter (its probes run then), fork, and run intra-op parallel kernels in the child: a child of a
-#: process whose OpenMP thread pool had started deadlocks in its first parallel kernel (GNU OpenMP is not fork-safe)
+def test_importing_the_adapters_registers_names_and_changes_nothing_else():
+    """Importing every adapter builds no module, starts no thread, leaves torch's intra-op thread count, function
+    modes and RNG as they were (a fresh process: the zoos imported first)."""
+    pytest.importorskip("mmseg")
+    import json
+
+    adapters = ["pid_plugins.hf", "pid_plugins.timm", "pid_plugins.mmseg", "pid_plugins.fairseq"]
+    proc = run_python_c(IMPORT_EFFECTS, timeout=600, args=adapters)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    effects = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert effects == {"modules": 0, "threads": [], "intra_op": 0, "modes": 0, "rng": True}, effects
+
+
+#: import each adapter, fork, and run intra-op parallel kernels in the child: a child of a process whose OpenMP thread
+#: pool had started deadlocks in its first parallel kernel (GNU OpenMP is not fork-safe)
 FORK_AFTER_IMPORT = """
 import os, signal, sys
 import torch
@@ -410,8 +387,7 @@ for adapter in sys.argv[1:]:
 @pytest.mark.integration  # a fresh interpreter that imports every zoo and forks (13 s)
 @pytest.mark.slow
 def test_importing_an_adapter_leaves_a_forked_child_able_to_compute(tmp_path):
-    """The adapters' probes build and run tiny models at import, on one intra-op thread: the import starts no
-    OpenMP thread pool, so a process forked after it (``torch.multiprocessing.start_processes(start_method="fork")``,
+    """The adapters' import computes nothing: it starts no OpenMP thread pool, so a process forked after it (``torch.multiprocessing.start_processes(start_method="fork")``,
     as docs/scaling.md's pipeline example does) computes instead of deadlocking. Two threads, as a user of a 2-core
     machine has by default: the test run's workers keep one per worker (tests/conftest.py)."""
     import os
@@ -424,21 +400,6 @@ def test_importing_an_adapter_leaves_a_forked_child_able_to_compute(tmp_path):
     assert forked == [[a, "0"] for a in adapters], (proc.stdout, proc.stderr[-3000:])
 
 
-def test_each_timm_probe_runs_once_per_process(monkeypatch):
-    """Each probe belongs to one internal: checking every timm internal runs the block and the model probe once."""
-    pytest.importorskip("timm")
-    import pid_plugins.timm  # noqa: F401
-    from pid_plugins.timm import internals
-
-    calls = []
-    for name, probe in list(internals.PROBES.items()):
-        monkeypatch.setitem(internals.PROBES, name, lambda probe=probe, name=name: calls.append(name) or probe())
-    monkeypatch.setattr(versions, "_holds", functools.lru_cache(maxsize=None)(versions._holds.__wrapped__))
-    versions.require(*internals.INTERNALS)
-    versions.require(*internals.INTERNALS)
-    assert sorted(calls) == ["block", "vit"]
-
-
 def _without(name):
     def change(mapping):  # the mapping without ``name``
         return {k: v for k, v in mapping.items() if k != name}
@@ -448,7 +409,8 @@ def _without(name):
 HF_CHANGES = {  # internal: (module, attribute, the change of the attribute's current value)
     "CACHE_LAYERS": ("transformers.cache_utils", "DynamicLayer",
                      lambda layer: type("DynamicLayer", (layer,), {"crop": None})),  # a release without crop
-    "TORCH_CHECKPOINT": ("torch.distributed._composable.contract", "_get_registry", lambda old: lambda module: None),
+    "TORCH_CHECKPOINT": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl",
+                         lambda old: type("CheckpointImpl", (), {})),  # a release without the reentrant choice
     "GLOBAL_MAPPING": ("transformers.AttentionInterface", "_global_mapping", _without("sdpa")),
     "TP_PLAN": ("transformers.distributed.tensor_parallel", "ALL_PARALLEL_STYLES",
                 _without("replicated_with_grad_allreduce")),
