@@ -149,7 +149,7 @@ def mmseg_pair(crop: int, batch: int):
     pid = MODELS.build(cfg.model)
     cfg.model.backbone.attention = "softmax"
     stock = MODELS.build(cfg.model)
-    stock.load_state_dict(pid.state_dict())
+    pid.load_state_dict(stock.state_dict())  # the stock weights in the method model (it keeps its own record)
     g = torch.Generator().manual_seed(0)
     inputs = torch.randn(batch, 3, crop, crop, generator=g)
     samples = []

@@ -44,12 +44,6 @@ class ModelEntry:
         """The variant's parameters with a user's ``overrides`` (None, a config, a preset name or a dict)."""
         return get_method(self.method).configure(overrides, self.zoo, default=self.default_config())
 
-    def pid_config(self) -> Any:
-        """Deprecated: :meth:`default_config` (the entry's method's parameters, whatever the method)."""
-        warnings.warn("ModelEntry.pid_config() is deprecated: use ModelEntry.default_config() (the parameters of the "
-                      "entry's method)", DeprecationWarning, stacklevel=2)
-        return self.default_config()
-
 
 def _registry_files() -> Iterable[tuple[str, str]]:
     root = resources.files("pid_plugins.registry")

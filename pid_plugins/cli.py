@@ -315,9 +315,20 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 DOCTOR_ZOOS = (("hf", "transformers"), ("timm", "timm"), ("mmseg", "mmsegmentation"), ("fairseq", "fairseq"))
 
 
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    import importlib
+def _doctor_internals(adapter: str) -> tuple:
+    """The internals ``pid_plugins.<adapter>`` reads (importing the adapter)."""
+    if adapter == "hf":
+        from .hf import internals
+    elif adapter == "timm":
+        from .timm import internals
+    elif adapter == "mmseg":
+        from .mmseg import internals
+    else:
+        from .fairseq import internals
+    return internals.INTERNALS
 
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
     from .versions import TESTED, check_version, doctor, installed_version, tested_range
 
     failed = 0
@@ -329,8 +340,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         inside = check_version(zoo, version)
         print(f"{zoo} {version}: {'within' if inside else 'OUTSIDE'} the tested range {tested_range(zoo)}"
               if zoo in TESTED else f"{zoo} {version}")
-        internals = importlib.import_module(f"pid_plugins.{adapter}.internals").INTERNALS
-        for internal, problem in doctor(internals):
+        for internal, problem in doctor(_doctor_internals(adapter)):
             kind = "check and probe" if internal.probe is not None else "check"
             print(f"  {'ok     ' if problem is None else 'CHANGED'} {internal.name} ({kind})")
             if problem is not None:

@@ -263,7 +263,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tu
     if chosen is None and scale is None and not compiling:  # the next forwards reuse it (the reading's lifetime)
         reading.chosen = state.chosen()
     state.grad = grad
-    if not plan.verified and not compiling:
+    if not plan.verified and not compiling and not drops_layers(module, plan):
         state.call = _Counted(state.call)
     kwargs[STATE_KEYWORD] = state
     return args, kwargs

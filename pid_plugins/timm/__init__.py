@@ -26,6 +26,7 @@ from .vision_transformer import (
     PIDVisionTransformerDistilled,
     checkpoint_filter_fn,
 )
+from . import probes  # noqa: E402,F401  (registers the doctor's probes of what the method classes compute again)
 
 __all__ = [
     "FAN", "FANBlock", "TokenMixing", "ChannelProcessing",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import inspect
 import re
+from typing import Callable, Dict
+
 import torch
 
-from ..versions import Internal, parameters, perturbed, require
+from ..versions import Internal, parameters, require
 
 __all__ = ["INTERNALS", "require"]
 
@@ -43,54 +45,9 @@ def _vit_forward() -> bool:
             and not {"forward_features", "forward_intermediates"} & set(vars(VisionTransformerDistilled)))
 
 
-#: the probes' stock ViT: every option of timm's Attention / Block / VisionTransformer the method classes recompute
-PROBE_VIT = dict(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=3, qk_norm=True,
-                 init_values=0.5, reg_tokens=1, pre_norm=True)
-PROBE_BLOCK = dict(dim=16, num_heads=2, qk_norm=True, init_values=0.5)
-
-
-def _zero_pid():
-    from ..core import MethodChoice, get_method
-
-    method = get_method("pid")
-    return MethodChoice(method, method.configure(dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0), "timm"))
-
-
-def _block_probe() -> bool:
-    """timm's Block and the method's PIDBlock (PID at zero gains, the stock weights) compute the same, bit for bit."""
-    from timm.models.vision_transformer import Block
-
-    from .vision_transformer import PIDAttention, PIDBlock
-
-    stock = perturbed(Block(**PROBE_BLOCK))
-    block = PIDBlock(**PROBE_BLOCK, choice=_zero_pid()).float().eval()
-    block.load_state_dict(stock.state_dict())
-    x = torch.randn(2, 5, PROBE_BLOCK["dim"], dtype=torch.float32)
-    mask = torch.ones(5, 5, dtype=torch.bool).tril()
-    with torch.no_grad():
-        return (isinstance(block.attn, PIDAttention) and torch.equal(block(x), stock(x))
-                and torch.equal(block(x, attn_mask=mask), stock(x, attn_mask=mask)))
-
-
-def _vit_probe() -> bool:
-    """The stock ViT and the method ViT (PID at zero gains) compute the same, bit for bit, on every path."""
-    from timm.models.vision_transformer import VisionTransformer
-
-    from .vision_transformer import PIDAttention, PIDVisionTransformer
-
-    stock = perturbed(VisionTransformer(**PROBE_VIT))
-    zero = _zero_pid()
-    model = PIDVisionTransformer(**PROBE_VIT, attention=zero.method.name, attention_cfg=zero.config).float().eval()
-    model.load_state_dict(stock.state_dict(), strict=False)
-    x = torch.randn(2, 3, 16, 16, dtype=torch.float32)
-    tokens = 1 + 1 + (16 // 8) ** 2  # the class token, the register token, the patches
-    mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-    with torch.no_grad():
-        if not (all(isinstance(b.attn, PIDAttention) for b in model.blocks) and torch.equal(model(x), stock(x))
-                and torch.equal(model.forward_features(x, attn_mask=mask), stock.forward_features(x, attn_mask=mask))):
-            return False
-        (got, got_all), (want, want_all) = model.forward_intermediates(x), stock.forward_intermediates(x)
-    return torch.equal(got, want) and len(got_all) == len(want_all) and all(map(torch.equal, got_all, want_all))
+#: the probes of what the method classes compute again (``pid-plugins doctor``), registered by
+#: :mod:`pid_plugins.timm.probes` (it imports the method classes, which import this module)
+PROBES: Dict[str, Callable[[], bool]] = {}
 
 
 def _feature_take_indices() -> bool:
@@ -212,12 +169,12 @@ BLOCK = Internal(
     ZOO, "timm's Attention.forward and Block.forward (x, attn_mask, is_causal) and what they compute (the block "
     "probe); Block(attn_layer=...) building its attention with _create_attn",
     "PIDAttention and PIDBlock compute timm's attention and block again with the method's step, handing its state "
-    "from block to block (the same parameters, the same init order)", "1.0.31", _block, _block_probe)
+    "from block to block (the same parameters, the same init order)", "1.0.31", _block, lambda: PROBES["block"]())
 VIT_FORWARD = Internal(
     ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures, and what they compute: the "
     "model probe)",
     "the method ViT computes them again with the method's state threaded through the blocks; a converted stock ViT "
-    "runs the method classes' versions of them", "1.0.31", _vit_forward, _vit_probe)
+    "runs the method classes' versions of them", "1.0.31", _vit_forward, lambda: PROBES["vit"]())
 FEATURE_TAKE_INDICES = Internal(
     ZOO, "timm.models._features.feature_take_indices(num_features, indices)",
     "forward_intermediates / prune_intermediate_layers of the method ViT and FAN (timm's index rules)",

@@ -67,8 +67,6 @@ def test_parse_catalogue_entries():
     )
     assert tiny.default_config().gains == (0.8, 0.5, 0.05, 0.1)
     assert entries["pid_deit_small_patch16_224"].default_config().gains == (0.8, 0.5, 0.05, 0.3)
-    with pytest.deprecated_call(match="default_config"):
-        assert tiny.pid_config() == tiny.default_config()
 
 
 def test_an_entry_holds_its_methods_parameters():

@@ -102,8 +102,9 @@ def test_every_timm_internal_holds_and_is_required():
 
 
 def test_a_changed_vit_internal_is_refused_at_build_and_convert(monkeypatch, fresh_checks):
-    """A timm release whose ``VisionTransformer.forward_features`` does one more step: the method ViT (which computes
-    it again) is refused by name and by ``convert``, and the stock model given to ``convert`` is left as it was."""
+    """A timm release whose ``VisionTransformer.forward_features`` does one more step: the doctor's model probe finds
+    it; where the step also takes an argument, the method ViT (which computes it again) is refused by name and by
+    ``convert``, and the stock model given to ``convert`` is left as it was."""
     timm = pytest.importorskip("timm")
     import pid_plugins.timm as pt
     from timm.models.vision_transformer import VisionTransformer
@@ -114,8 +115,16 @@ def test_a_changed_vit_internal_is_refused_at_build_and_convert(monkeypatch, fre
 
     def forward_features(self, x, attn_mask=None, is_causal=False):  # a release with a step the method ViT lacks
         x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
-        x = self.rope_mixer(x)
-        return self.norm(self.blocks(x))
+        return self.norm(self.blocks(x * 2))
+
+    monkeypatch.setattr(VisionTransformer, "forward_features", forward_features)
+    assert pt.internals.VIT_FORWARD.check()  # the same signature: only the probe sees the step
+    [(_, problem)] = versions.doctor([pt.internals.VIT_FORWARD])
+    assert problem == "its probe found it changed"
+
+    def forward_features(self, x, attn_mask=None, is_causal=False, rope=None):
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        return self.norm(self.blocks(self.rope_mixer(x, rope)))
 
     monkeypatch.setattr(VisionTransformer, "forward_features", forward_features)
     message = changed("timm", pt.internals.VIT_FORWARD.name)
@@ -207,6 +216,10 @@ TIMM_CHANGES = {  # internal: (module, attribute, the change of the attribute's 
 }
 
 
+#: the changes only a probe sees (the same signatures, other behaviour)
+PROBED = {"BLOCK", "CHECKPOINT", "XCIT"}
+
+
 @pytest.mark.parametrize("name", TIMM_CHANGES)
 def test_each_timm_check_refuses_a_release_that_changed_what_it_guards(name, monkeypatch, fresh_checks):
     pytest.importorskip("timm")
@@ -224,6 +237,11 @@ def test_each_timm_check_refuses_a_release_that_changed_what_it_guards(name, mon
     internal = getattr(internals, name)
     assert internal.check()
     monkeypatch.setattr(owner, attribute, change(getattr(owner, attribute)))
+    if name in PROBED:  # what the change alters is behaviour: the doctor's probe finds it
+        assert internal.check()
+        [(_, problem)] = versions.doctor([internal])
+        assert problem is not None and problem.startswith("its probe"), problem
+        return
     assert not internal.check()
     with pytest.raises(InternalChanged, match=changed("timm", internal.name)):
         internal.require()
