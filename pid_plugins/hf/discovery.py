@@ -21,8 +21,8 @@ from .checkpointing import cache_message, registry_key, torch_checkpointing, wra
 from .config import (
     BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist, read_config,
 )
-from .forward import (GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, _post_hook, _pre_hook, checkpointing_layout, hooked,
-                      layout)
+from .forward import GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, checkpointing_layout, hooked, layout, unhook
+from .forward import hook as hook_forward
 from .record import refresh as refresh_record, sync_record
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
@@ -357,10 +357,9 @@ def _tensor_parallel(model: nn.Module) -> bool:
 
 # ---------------------------------------------------------------------------------------- hooks on a model
 def hook(model: PreTrainedModel) -> None:
-    """Give ``model`` its forward hooks and own methods (:func:`give_instance_methods`), once."""
-    if not hooked(model):
-        model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-        model.register_forward_hook(_post_hook, with_kwargs=True)
+    """Give ``model`` its forward (:class:`~pid_plugins.hf.forward.MethodForward`) and own methods
+    (:func:`give_instance_methods`), once."""
+    hook_forward(model)
     give_instance_methods(model)
 
 
@@ -373,11 +372,7 @@ def undiscover(model: nn.Module) -> None:
         if not isinstance(m, PreTrainedModel):
             continue
         m._modules.pop(WARMUP_ATTR, None)
-        for hooks, ours in ((m._forward_pre_hooks, _pre_hook), (m._forward_hooks, _post_hook)):
-            for key in [k for k, h in hooks.items() if h is ours]:
-                del hooks[key]
-                m._forward_pre_hooks_with_kwargs.pop(key, None)
-                m._forward_hooks_with_kwargs.pop(key, None)
+        unhook(m)
         take_instance_methods(m)
         for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE, SWITCH_CHECK):
             m.__dict__.pop(attr, None)

@@ -1,12 +1,13 @@
-"""What runs on every forward of a transformers model with a method: its forward pre-hook and hook.
+"""What runs on every forward of a transformers model with a method: :class:`MethodForward`, its ``forward``.
 
-The pre-hook checks by identity that the model's :class:`Plan` still holds, refuses what cannot run exactly, and
-hands the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState`; when something changed, the plan's
-``renew`` re-reads the model.
+Before the class's forward it checks by identity that the model's :class:`Plan` still holds, refuses what cannot run
+exactly, and hands the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState`; when something changed,
+the plan's ``renew`` re-reads the model. After it, the gain warm-up advances.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Callable, Optional
@@ -23,9 +24,11 @@ from .config import WARMUP_ATTR, WARMUP_SOURCE, ConfigReading, method_of
 from .internals import INTERFACE_SOURCE
 from ..versions import InternalChanged
 
-__all__ = ["GAINS_SOURCE", "PLAN", "Plan", "checkpointing_layout", "drops_layers", "hooked", "layout"]
+__all__ = ["GAINS_SOURCE", "PLAN", "MethodForward", "Plan", "checkpointing_layout", "drops_layers", "hooked",
+           "layout", "unhook"]
 
 PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan
+FORWARD = "_pid_plugins_forward"  # in a model's __dict__: its MethodForward
 GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
 #: the config keys transformers' layer dropout reads (BART, Whisper, M2M100: ``*_layerdrop``; wav2vec2: ``layerdrop``)
 LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
@@ -109,9 +112,62 @@ def checkpointing_layout(plan: Plan) -> list:
     return entries
 
 
+class MethodForward:
+    """``model.forward`` of a transformers model with a method (an instance attribute, as accelerate's hooks set one):
+    the forward it replaced with the method's per-forward state handed to it.
+
+    Not a forward hook: transformers compiles ``model.__call__`` (``generate``'s compiled decoding step), where dynamo
+    does not trace ``nn.Module.__call__`` and would compile each hook as a frame of its own; this is traced with the
+    forward, in its one frame. ``inspect.signature`` reads the class's forward (``generate``, the Trainer)."""
+
+    def __init__(self, model: nn.Module, inner: Optional[Callable[..., Any]] = None) -> None:
+        self.model = model
+        self.inner = inner  # an instance forward it wraps (accelerate's), else None: the class's
+        self.active = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if not self.active:  # taken off while another wrapper held on to it
+            return self.inner(*args, **kwargs) if self.inner is not None else type(model).forward(model, *args, **kwargs)
+        prepared = _pre_hook(model, args, kwargs)
+        if prepared is not None:
+            args, kwargs = prepared
+        output = self.inner(*args, **kwargs) if self.inner is not None else type(model).forward(model, *args, **kwargs)
+        _post_hook(model, args, kwargs, output)
+        return output
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        inner = self.inner if self.inner is not None else type(self.model).forward.__get__(self.model)
+        return inspect.signature(inner)
+
+
 def hooked(model: nn.Module) -> bool:
-    """Whether ``model`` carries the forward hooks."""
-    return any(hook is _pre_hook for hook in model._forward_pre_hooks.values())
+    """Whether ``model`` runs :class:`MethodForward`."""
+    ours = model.__dict__.get(FORWARD)
+    return ours is not None and ours.active
+
+
+def hook(model: nn.Module) -> None:
+    """Make ``model.forward`` a :class:`MethodForward` (once)."""
+    if hooked(model):
+        return
+    ours = MethodForward(model, model.__dict__.get("forward"))
+    model.__dict__[FORWARD] = ours
+    model.__dict__["forward"] = ours
+
+
+def unhook(model: nn.Module) -> None:
+    """Give ``model`` back the forward it had before :func:`hook`."""
+    ours = model.__dict__.pop(FORWARD, None)
+    if ours is None:
+        return
+    ours.active = False
+    if model.__dict__.get("forward") is ours:
+        if ours.inner is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = ours.inner
 
 
 def _number(value: Any) -> bool:

@@ -46,7 +46,6 @@ print(json.dumps({
 
 #: docs/architecture.md, "transformers": each with its reason there
 DOCUMENTED = [
-    "Module.smart_apply",  # transformers' own, at its first model build (the import's probes build tiny Llamas)
     "PreTrainedModel.__init__",  # the one class-level construction hook (before and after transformers' own)
 ]
 
