@@ -1,6 +1,6 @@
 """What ``import pid_plugins.hf`` changes in transformers and torch, measured in a fresh process: the attributes of
 transformers' model, config, auto-class and continuous-batching classes and torch's module-level hook registries
-before and after the import. The list is the one docs/architecture.md gives, each with its reason; a change that adds
+before and after the import. The list is the one docs/architecture.md gives, with its reason; a change that adds
 a replaced attribute or a torch-global hook fails here until it is documented there.
 
 The fresh processes are ``python -c`` forks of tests/pyexec.py's zygote (the zoos imported, pid_plugins never): what
