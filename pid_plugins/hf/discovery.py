@@ -221,6 +221,8 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
         reading = read_config(model.config, gains_source)
     except ValueError:
         reading = None  # refused with its message at the first forward
+    if reading is not None and reading.refusal is not None:  # transformers' PP: before any stage communicates (its
+        raise ValueError(reading.refusal)                    # forward wraps the model's, which would refuse late)
     if added:
         learned_gains.ignore_missing(model)
         learned_gains.extend_tp_plan(model)  # their tensor-parallel entries (applied when transformers builds it)

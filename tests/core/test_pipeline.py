@@ -240,12 +240,13 @@ def test_transformers_pp_on_two_ranks_refuses_state_methods_and_runs_twicing_exa
     ids, mask = cases.pipeline_batch(-1)
     for case in r0["runs"]:
         runs = r0["runs"][case], r1["runs"][case]
-        assert [run["owned_layers"] for run in runs] == [["0", "1"], ["2", "3"]]  # each rank holds its stage only
         name, params = cases.PP_CASES[case]
-        if get_method(name).state_fields:
+        if get_method(name).state_fields:  # refused while built: no rank holds a model
             builtin = sorted(BUILTIN)  # what a worker registers (list_methods: sorted)
             assert [run.get("refused") for run in runs] == [_pp_message(name, builtin)] * 2
+            assert not any("owned_layers" in run for run in runs)
             continue
+        assert [run["owned_layers"] for run in runs] == [["0", "1"], ["2", "3"]]  # each rank holds its stage only
         config = T.AutoConfig.from_pretrained(tmp_path / "llama")
         setattr(config, name, params)  # the method's parameters: config.<method>
         model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", config=config,

@@ -1,7 +1,7 @@
 """torchrun worker: transformers' own pipeline parallelism, ``from_pretrained(..., distributed_config=
 DistributedConfig(pp_size=2))`` (gloo, CPU), with every attention case of ``pid_dist_cases.PP_CASES``.
 
-The methods that carry state across layers must be refused at the first forward, on every rank, before any stage
+The methods that carry state across layers must be refused while the model is built, on every rank, before any stage
 communicates (a rank that went on would wait for the other forever); Twicing (no cross-layer state) must run: its
 logits, and greedy generation, which transformers' naive pipeline forward supports. Every rank saves what it saw to
 OUT/rank{rank}.pt; tests/core/test_pipeline.py compares it with one process.
@@ -29,11 +29,12 @@ def main(model_dir: str, out: Path) -> None:
     for case, (name, params) in cases.PP_CASES.items():
         config = AutoConfig.from_pretrained(model_dir)
         setattr(config, name, params)  # the method's parameters: config.<method>
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, attn_implementation=name,
-                                                     distributed_config=DistributedConfig(pp_size=world)).eval()
-        owned = sorted({n.split(".")[2] for n, _ in model.named_parameters() if n.startswith("model.layers.")})
-        run = {"owned_layers": owned}
-        try:
+        run = {}
+        try:  # refused while the model is built, on every rank, before any stage communicates
+            model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, attn_implementation=name,
+                                                         distributed_config=DistributedConfig(pp_size=world)).eval()
+            run["owned_layers"] = sorted({n.split(".")[2] for n, _ in model.named_parameters()
+                                          if n.startswith("model.layers.")})
             with torch.no_grad():
                 run["logits"] = model(ids, attention_mask=mask).logits.clone()
                 if not get_method(name).state_fields and not params:  # Twicing at its preset: greedy generation
