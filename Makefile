@@ -105,13 +105,15 @@ tools-env: $(TOOLS_STAMP)
 WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
-# Two tiers, by the marker `integration` (pyproject.toml): make test runs every test that stays in its process, the
+# `pid-plugins doctor` first (every zoo internal's check and probe, under the releases installed). Two tiers, by the
+# marker `integration` (pyproject.toml): make test runs every test that stays in its process, the
 # contract of every zoo and every method (within 10 minutes on a fresh clone on 2 cores, the install included);
 # make test-integration runs the tests that start processes or run a tool's command line: the engines' multi-rank jobs
 # (torchrun: DDP, FSDP2, DeepSpeed, pipeline, tensor parallelism), accelerate launch, lm-eval, TRL, timm's scripts,
 # mmseg's tools, fairseq's commands, timm's own test file, the docs' examples and site, the wheel, the demo and study
 # commands, the device script's dry run. --durations: the slowest tests of every run are in the log (where the next minutes are to be saved)
 test: $(STAMP)
+	$(PY) -m pid_plugins doctor
 	$(PYTEST) -m "not integration" --durations=25
 
 test-integration: $(STAMP) data timm-tests tools-env
@@ -142,6 +144,7 @@ compat-env:
 test-compat: compat-env
 	$(COMPAT_VENV)/bin/python -c "import torch, transformers, timm; print('test-compat: torch', torch.__version__, \
 	  'transformers', transformers.__version__, 'timm', timm.__version__)"
+	$(COMPAT_VENV)/bin/python -m pid_plugins doctor
 	$(COMPAT_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup --durations=10 -m "not integration or engines or inductor" \
 	  $(foreach t,$(COMPAT_SKIP),--ignore=tests/$(t).py)
 
