@@ -1,7 +1,7 @@
 """The attention function every method is registered under in transformers' ``AttentionInterface``
 (:func:`method_attention_forward`: the base attention, SDPA, eager or flex, plus the method's rule), and the mask
 function registered in ``AttentionMaskInterface`` (:func:`method_mask`). The method, its parameters and the earlier
-layers' state come from the :class:`MethodForwardState` the model's forward pre-hook puts in the keyword arguments."""
+layers' state come from the :class:`MethodForwardState` the model's forward (:class:`~pid_plugins.hf.forward.MethodForward`) puts in the keyword arguments."""
 from __future__ import annotations
 
 import functools
@@ -80,7 +80,7 @@ class MethodForwardState:
         # all skipped starts the state afresh (LayerCall.restart); otherwise core refuses a later layer without state
         self.restart = restart
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
-        self.grad = False  # autograd was on when the forward began (set by the pre-hook): see checkpointing.py
+        self.grad = False  # autograd was on when the forward began (set before the forward): see checkpointing.py
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
         # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
         # layer), read by the forward's first layer (:func:`_start`); a compiled forward keeps the tensor
@@ -213,7 +213,7 @@ def _query_values(run: MethodForwardState, value: Tensor, q_len: int) -> Tensor:
 def _start(run: MethodForwardState, like: Tensor) -> Optional[int]:
     """A static cache's length as a number, for an eager forward on the CPU (read once per forward, no sync); None
     elsewhere: on an accelerator (a sync) and under torch.compile, where a number would be specialised on and each
-    decoding step recompile (the forward decides: its pre-hook may run eagerly outside a compiled forward)."""
+    decoding step recompile (decided in the attention call, not before the forward)."""
     if like.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     start = run.start

@@ -97,8 +97,8 @@ def checkpointing_layout(plan: Plan) -> list:
 
     The registries are read again only when a hook was registered in the process since they were last read: torch's
     composable APIs (``checkpoint(module)``, ``fully_shard``) register their hooks on the module they mark, and every
-    registration takes the next ``RemovableHandle`` id (docs/architecture.md: a walk of the layers' dicts is the
-    pre-hook's main cost)."""
+    registration takes the next ``RemovableHandle`` id (a walk of the layers' dicts was most of the per-forward
+    checks' cost)."""
     flagged = plan.flagged
     entries = list(map(dict.get, flagged, repeat("gradient_checkpointing", len(flagged))))
     if any(entries):  # the function each checkpointed layer calls (reentrant or not)
@@ -129,11 +129,11 @@ class MethodForward:
         model = self.model
         if not self.active:  # taken off while another wrapper held on to it
             return self.inner(*args, **kwargs) if self.inner is not None else type(model).forward(model, *args, **kwargs)
-        prepared = _pre_hook(model, args, kwargs)
+        prepared = _before_forward(model, args, kwargs)
         if prepared is not None:
             args, kwargs = prepared
         output = self.inner(*args, **kwargs) if self.inner is not None else type(model).forward(model, *args, **kwargs)
-        _post_hook(model, args, kwargs, output)
+        _after_forward(model, args, kwargs, output)
         return output
 
     @property
@@ -226,7 +226,7 @@ def _renew(module: nn.Module, plan: Plan, changed: bool) -> Plan:
     return plan.renew(module, plan, changed)
 
 
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
     """Hand the forward its :class:`~pid_plugins.hf.attention.MethodForwardState`, after the checks that depend on
     no tensor: the plan and the config's reading still hold (else renewed), and what cannot run exactly is refused."""
     config = module.config
@@ -349,7 +349,7 @@ def _verify(module: nn.Module, counted: _Counted) -> None:
     plan.verified = True
 
 
-def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     run = kwargs.get(STATE_KEYWORD)
     if run is not None:
         run.finished = True

@@ -139,7 +139,7 @@ def extend_tp_plan(model: nn.Module) -> bool:
     if not entries:
         return False
     if not TP_PLAN.holds():  # an older release: no entry; tensor parallelism with these parameters is refused at the
-        return False          # first forward (discovery._pre_hook), everything else runs
+        return False          # first forward (forward._before_forward), everything else runs
     plan = model.tp_plan
     missing = {k: v for k, v in entries.items() if plan.get(k) != v}
     if not plan or not missing:

@@ -82,15 +82,16 @@ def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source, 
 @pytest.mark.slow
 def test_transformers_compiled_call_compiles_the_frames_stock_compiles():
     """transformers compiles ``model.__call__`` (generate's compiled decoding step): dynamo does not trace
-    nn.Module.__call__, so the method's forward hooks are frames of their own there. They run eagerly (a compiled
-    frame's lookup, guards and rebuilt return value cost more than the hook): the method model compiles exactly the
-    frames and graphs the stock model does, and decodes as its eager self without recompiling after the first step."""
+    nn.Module.__call__, so a forward hook would be a compiled frame of its own there. The method's per-forward code is
+    the model's own forward (MethodForward), traced in the forward's one frame: the method model compiles exactly the
+    frames and graphs the stock model does, none for the code before and after its forward, and decodes as its eager
+    self without recompiling after the first step."""
     pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     import pid_plugins.hf  # noqa: F401
-    from pid_plugins.hf.forward import _post_hook, _pre_hook
+    from pid_plugins.hf.forward import _after_forward, _before_forward
 
     def decode(model, step):  # the eager prefill, then four decoding steps through ``step``
         cache = StaticCache(config=model.config, max_cache_len=16)
@@ -109,7 +110,7 @@ def test_transformers_compiled_call_compiles_the_frames_stock_compiles():
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**LLAMA, attn_implementation=attn)).eval()
         got = decode(model, torch.compile(model.__call__, fullgraph=True, backend="eager"))  # as get_compiled_call
-        hooks_compiled = [f.__name__ for f in (_pre_hook, _post_hook)
+        hooks_compiled = [f.__name__ for f in (_before_forward, _after_forward)
                           if torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)]
         return got, dict(counters["frames"]), counters["stats"]["unique_graphs"], hooks_compiled, model
 
@@ -120,9 +121,9 @@ def test_transformers_compiled_call_compiles_the_frames_stock_compiles():
     torch.testing.assert_close(got, decode(model, model), rtol=1e-5, atol=1e-5)
 
 
-def test_a_compiled_function_calling_the_model_inlines_the_hooks():
-    """Where dynamo traces a call of the model (a compiled function that calls it), the forward hooks are inlined into
-    its one graph (fullgraph: a hook run apart would be a graph break), and the graph computes the method."""
+def test_a_compiled_function_calling_the_model_inlines_the_method_forward():
+    """Where dynamo traces a call of the model (a compiled function that calls it), the method's forward is inlined into
+    its one graph (fullgraph: code run apart would be a graph break), and the graph computes the method."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
