@@ -156,7 +156,7 @@ conformance: $(STAMP) timm-tests
 demo: $(STAMP) data
 	$(PY) -m research demo --out demo_out
 
-# PID/stock speed and memory ratios of every zoo (under 10 minutes): bench_out/bench.md and bench.json; the vllm rows
+# PID/stock speed and memory ratios of every zoo (about 25 minutes on 2 cores): bench_out/bench.md and bench.json; the vllm rows
 # run in $(VLLM_VENV) when it exists (make test-vllm builds it), else they say "not run"
 bench: $(STAMP)
 	$(PY) bench/run_all.py --out bench_out --vllm-python $(VLLM_PY)

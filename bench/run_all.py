@@ -1,6 +1,6 @@
 """PID/stock overhead of every zoo, side by side: `make bench`.
 
-    python bench/run_all.py --out bench_out                  # everything, 1 and 2 threads (< 10 min)
+    python bench/run_all.py --out bench_out                  # everything, 1 and 2 threads (about 25 min)
     python bench/run_all.py --quick --only timm,core         # a fast look at some sections
 
 For each workload the PID model and the stock softmax model with the same weights run in ONE process,
