@@ -94,6 +94,8 @@ class Internal:
     check: Callable[[], bool] = field(repr=False, compare=False)
     #: what :func:`doctor` runs besides ``check``: the zoo's part and the method's compared on tiny models
     probe: Optional[Callable[[], bool]] = field(default=None, repr=False, compare=False)
+    #: where it does not hold, the adapter refuses what needs it (an older release without it): not a change
+    optional: bool = field(default=False, compare=False)
 
     def require(self) -> None:
         """Raise :class:`InternalChanged` if the internal changed (never inside a compile trace)."""

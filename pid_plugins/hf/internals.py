@@ -272,7 +272,8 @@ TP_PLAN = Internal(
     ZOO, "PreTrainedModel.tp_plan (a settable property) and the 'replicated_with_grad_allreduce' style of "
     "ALL_PARALLEL_STYLES (transformers.distributed.tensor_parallel)",
     "tensor parallelism with learnable parameters: a plan entry per attention_params module whose hook all-reduces "
-    "their gradients over the tensor-parallel group (each rank's attention sees only its own heads)", "5.24", _tp_plan)
+    "their gradients over the tensor-parallel group (each rank's attention sees only its own heads)", "5.24", _tp_plan,
+    optional=True)
 
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, CHECKPOINTING, TORCH_CHECKPOINT,
              CONTINUOUS_BATCHING, INTERFACE_SOURCE, GLOBAL_MAPPING, TP_PLAN)
