@@ -127,25 +127,24 @@ class MethodForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
+        forward = self.inner or type(model).forward.__get__(model)
         if not self.active:  # taken off while another wrapper held on to it
-            return self.inner(*args, **kwargs) if self.inner is not None else type(model).forward(model, *args, **kwargs)
+            return forward(*args, **kwargs)
         prepared = _before_forward(model, args, kwargs)
         if prepared is not None:
             args, kwargs = prepared
-        output = self.inner(*args, **kwargs) if self.inner is not None else type(model).forward(model, *args, **kwargs)
+        output = forward(*args, **kwargs)
         _after_forward(model, args, kwargs, output)
         return output
 
     @property
     def __signature__(self) -> inspect.Signature:
-        inner = self.inner if self.inner is not None else type(self.model).forward.__get__(self.model)
-        return inspect.signature(inner)
+        return inspect.signature(self.inner or type(self.model).forward.__get__(self.model))
 
 
 def hooked(model: nn.Module) -> bool:
-    """Whether ``model`` runs :class:`MethodForward`."""
-    ours = model.__dict__.get(FORWARD)
-    return ours is not None and ours.active
+    """Whether ``model`` runs :class:`MethodForward` (:func:`unhook` takes it off)."""
+    return FORWARD in model.__dict__
 
 
 def hook(model: nn.Module) -> None:
