@@ -1,15 +1,6 @@
-"""Attention methods by name: PID, and any method a user registers beside it.
-
-A method changes what one self-attention layer computes from ``q``, ``k``, ``v`` and a *state* handed on by the
-earlier layers of the same forward. Adapters know only where q/k/v and the attention call live; everything else is
-asked of the method, through one call per layer:
-
-.. code-block:: python
-
-    choice = resolve_attention("pid", {"lambda_p": 0.5}, zoo="timm")   # None for "softmax"
-    learned = choice.method.make_learned(choice.config)               # per-layer parameters, or None
-    call = LayerCall(attend, q, v, v_q, head_dim=-3, context=AttentionContext(), scale=scale, layer=index)
-    out, state = choice.method.apply(choice.config, learned, call, state)"""
+"""Attention methods by name: PID and any method a user registers. A method changes one self-attention layer's
+output from ``q``, ``k``, ``v`` and a *state* handed on by the earlier layers; an adapter makes one
+:meth:`AttentionMethod.apply` per layer."""
 from __future__ import annotations
 
 import functools
@@ -42,8 +33,7 @@ Attend = Callable[[Tensor, Tensor], Tensor]
 
 
 class AttentionContext(NamedTuple):
-    """What an adapter knows about one attention call, for :meth:`AttentionMethod.check` (all False: a
-    bidirectional, uncached self-attention without dropout or grouped heads)."""
+    """What an adapter knows about one attention call, for :meth:`AttentionMethod.check`."""
 
     causal: bool = False  #: each position attends to itself and earlier positions only
     cached: bool = False  #: the keys/values include positions that are not queries here (a KV cache)
@@ -52,46 +42,28 @@ class AttentionContext(NamedTuple):
 
 
 class AttentionMethod:
-    """One layer-coupled attention method.
-
-    A method gives ``name``, ``config_type``, ``state_fields`` and :meth:`update`; it may override :meth:`prepare`,
-    :meth:`attend`, :meth:`check`, :meth:`make_learned`, :meth:`layer_params` and :meth:`is_identity`, and declare the
-    capabilities it needs from an adapter. Adapters call only :meth:`apply` and :meth:`configure`.
-
-    Class attributes:
-        name: the name users pick it by (``attention="<name>"``, ``attn_implementation="<name>"``).
-        config_type: the parameters' type, with ``coerce(value, default=preset)``; optional fields ``learnable``,
-            ``warmup_steps``, ``is_zero``.
-        state_fields: the names of the tensors one layer hands to the next.
-        default_presets: the preset each zoo starts from (``{"timm": "deit", "*": ...}``).
-        additive: :meth:`update` is ``out + term(value_q, state)``, so an adapter may run a fused stock kernel and add
-            the term under warm-up (:class:`StockPath`)."""
+    """One layer-coupled attention method: ``name``, ``config_type`` (with ``coerce(value, default=)``),
+    ``state_fields`` and :meth:`update`, and the capabilities it needs from an adapter (docs/methods/custom.md).
+    Adapters call only :meth:`apply` and :meth:`configure`."""
 
     name: ClassVar[str]
     config_type: ClassVar[Any]
     state_fields: ClassVar[Tuple[str, ...]]
+    #: the preset each zoo starts from (``{"timm": "deit", "*": ...}``)
     default_presets: ClassVar[Mapping[str, str]] = {}
+    #: :meth:`update` is ``out + term(value_q, state)``: a fused stock layer plus the term (:class:`StockPath`)
     additive: ClassVar[bool] = True
-    #: the state is built from the values of every key position (``value_q`` in :meth:`update` is then all key
-    #: positions' values, cached ones included), not only the query rows: value residual's ``v^1``, Elliptical's
-    #: previous values. Adapters with a KV cache pass accordingly (without a cache the two are the same).
+    #: the state is built from every key position's values (cached ones included), not only the query rows
     keys_state: ClassVar[bool] = False
-    #: :meth:`prepare` reads which keys each query attends to (``visible=``): Elliptical's prefix mean
+    #: :meth:`prepare` reads which keys each query attends to (``visible=``)
     reads_visible: ClassVar[bool] = False
-    #: :meth:`attend` stores a per-position tensor next to the layer's cached keys/values (``slot=``): Twicing's
-    #: ``A v`` of past positions
+    #: :meth:`attend` stores a per-position tensor next to the layer's cached keys/values (``slot=``)
     cache_slot: ClassVar[bool] = False
-    #: :meth:`attend` calls the zoo's attention once, on the queries it was given, with each position's values mixed
-    #: with the same position's state (value residual): an engine that caches the values its attention is given
-    #: (vLLM's paged cache) holds them mixed, and needs the state at its new positions only
+    #: :meth:`attend` calls the zoo's attention once with each position's values mixed with its state
     mixes_values: ClassVar[bool] = False
-    #: every tensor of the state has the heads dimension, and :meth:`update` computes each head from that head's
-    #: tensors only (gains shared by every head): tensor parallelism, which gives each rank some of the heads, can
-    #: shard the state with them and computes on each rank what one process computes for those heads (vLLM's
-    #: ``tensor_parallel_size > 1`` is served only for methods that declare it)
+    #: :meth:`update` computes each head from that head's state only: tensor parallelism may shard the state
     per_head_state: ClassVar[bool] = False
 
-    # --------------------------------------------------------------------------------------- parameters
     def configure(self, value: Any = None, zoo: str = "*", default: Any = None) -> Any:
         """The frozen parameters for ``value`` (instance, dict of overrides, preset name or None) over ``default``
         (else this zoo's default preset)."""
@@ -100,8 +72,7 @@ class AttentionMethod:
         return self.config_type.coerce(value, default=default)
 
     def check(self, config: Any, context: AttentionContext) -> None:
-        """Refuse (``ValueError`` saying what to change) a call the method cannot compute exactly, before anything is
-        computed. Default: refuse nothing."""
+        """Refuse (``ValueError``) a call the method cannot compute exactly. Default: refuse nothing."""
 
     def is_identity(self, config: Any) -> bool:
         """Whether ``config`` computes the stock attention exactly (adapters then run the stock path)."""
@@ -114,9 +85,7 @@ class AttentionMethod:
         return None
 
     def layer_params(self, config: Any, learned: Optional[nn.Module], layer: Optional[int] = None) -> Any:
-        """What one layer's rule reads (the ``params`` of :meth:`prepare`, :meth:`attend`, :meth:`update`): by
-        default the config. ``layer`` is the 0-based index in its group (None: not given); a rule that depends on
-        it reads it through :meth:`require_layer`."""
+        """What one layer's rule reads (``params``): by default the config; ``layer``: the index in its group."""
         return config
 
     def require_layer(self, layer: Optional[int]) -> int:
@@ -129,21 +98,19 @@ class AttentionMethod:
             )
         return layer
 
-    # ----------------------------------------------------------------------------------------- the rule
     def make_state(self, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         """The state from its flat tensors (as adapters thread it through checkpointed blocks)."""
         return tuple(tensors)
 
     def prepare(self, params: Any, query: Tensor, value: Tensor, state: Optional[tuple],
                 visible: Optional[Tensor] = None) -> Tensor:
-        """Before attention: the queries the attention uses (default: unchanged). ``visible``: a boolean
-        ``(B or 1, 1, q, K)`` mask of the keys each query attends to, or None when every query sees every key."""
+        """Before attention: the queries the attention uses (default: unchanged); ``visible``: a boolean
+        ``(B or 1, 1, q, K)`` mask of the keys each query sees, or None."""
         return query
 
     def attend(self, params: Any, attend: Attend, query: Tensor, value: Tensor, state: Optional[tuple] = None,
                head_dim: int = -3, slot: Optional["CacheSlot"] = None) -> Tensor:
-        """How the method calls the zoo's attention (default: once, ``A v``); ``head_dim`` is where its output has
-        its heads, ``slot`` a :class:`CacheSlot` for methods with ``cache_slot``."""
+        """How the method calls the zoo's attention (default: once, ``A v``)."""
         return attend(query, value)
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
@@ -152,20 +119,15 @@ class AttentionMethod:
         raise NotImplementedError
 
     def bind_update(self, config: Any, head_dim: int) -> Optional[Callable[..., Tuple[Tensor, tuple]]]:
-        """:meth:`update` with fixed parameters ``config`` and no warm-up, bound once for every layer of a forward:
-        ``(out, value_q, state) -> (u, state)``, what :func:`update_once` computes after the state rule; None when the
-        parameters depend on the layer (:meth:`layer_params` overridden). An adapter's hot path calls it."""
+        """:meth:`update` bound to fixed ``config`` for every layer of a forward (an adapter's hot path); None when
+        :meth:`layer_params` is overridden."""
         if type(self).layer_params is not AttentionMethod.layer_params:
             return None
         return functools.partial(self.update, config, scale=None, head_dim=head_dim)
 
     def apply(self, config: Any, learned: Optional[nn.Module], call: "LayerCall",
               state: Optional[tuple]) -> Tuple[Tensor, tuple]:
-        """One layer: the one call every adapter makes.
-
-        Runs :meth:`check` and :meth:`layer_params`, then either the stock layer plus the method's term (a stock path
-        under warm-up) or :meth:`prepare`, :meth:`attend` and :meth:`update`. Returns the layer's attention output
-        (projected when the call has ``project``) and the state for the next layer."""
+        """One layer, the call every adapter makes: the layer's attention output and the next layer's state."""
         return _apply(self, config, learned, call, state)
 
     def __repr__(self) -> str:
@@ -176,31 +138,23 @@ class AttentionMethod:
 
 
 class CacheSlot:
-    """A per-layer store next to a layer's cached keys/values (Twicing: ``A v`` of past positions).
-    ``slot(rows)`` stores the query rows' tensor ``(B, H, q, D)`` in the zoo's cache and returns it for every key
-    position ``(B, H, K, D)``; without a cache it returns ``rows``."""
+    """A per-layer store next to a layer's cached keys/values: ``slot(rows)`` stores ``(B, H, q, D)`` and returns
+    it for every key position ``(B, H, K, D)``."""
 
     def __call__(self, rows: Tensor) -> Tensor:  # pragma: no cover - the interface
         raise NotImplementedError
 
 
 class StockPath(NamedTuple):
-    """The zoo's own fused attention layer, for the warm-up of additive methods: the output is
-    ``output() + project_term(term)``, so a zero warm-up scale gives the stock layer exactly."""
+    """The zoo's fused attention layer under warm-up of an additive method: ``output() + project_term(term)``."""
 
-    #: the stock layer's output, after its output projection (computed only when this path is taken)
     output: Callable[[], Tensor]
-    #: a per-head tensor (heads at the call's ``head_dim``) through the output projection's weight, without bias
     project_term: Callable[[Tensor], Tensor]
 
 
 class LayerCall(NamedTuple):
-    """One attention call of one layer, as its adapter knows it: what :meth:`AttentionMethod.apply` reads.
-
-    ``query`` is ``(B, H, q, D)``, ``value`` ``(B, H_kv, K, D)``; ``attend``'s output and ``value_q`` have their heads
-    at ``head_dim``. ``visible`` and ``slot`` are built on demand; ``project`` is the output projection, ``stock`` the
-    zoo's fused layer. ``layer`` is the 0-based index in the group (None: unknown). A later layer of a method with
-    state that gets none raises :class:`MissingLayerState` (ending with ``state_route``) unless ``restart`` is True."""
+    """One attention call of one layer, as its adapter knows it: ``query`` ``(B, H, q, D)``, ``value``
+    ``(B, H_kv, K, D)``, ``layer`` the index in its group; ``state_route`` ends :class:`MissingLayerState`."""
 
     attend: Optional[Attend]
     query: Optional[Tensor]
@@ -219,8 +173,7 @@ class LayerCall(NamedTuple):
 
 
 class MissingLayerState(RuntimeError):
-    """A layer after its group's first got no state from the layers before it, under a method that hands state on
-    (pipeline stages, a loop over single layers). The message names the layer, the method and the supported way."""
+    """A layer after its group's first got no state from the layers before it (a pipeline stage, a loop)."""
 
 
 #: what :class:`MissingLayerState` says when the adapter gave no ``state_route``
@@ -240,24 +193,21 @@ def missing_state_message(method: "AttentionMethod", layer: int, route: Optional
 
 
 def _fx_check(method: AttentionMethod, config: Any, context: AttentionContext, query: Tensor) -> Tensor:
-    """``method.check(config, context)``, returning ``query``: a torch.fx leaf (the context is known when the graph
-    runs)."""
+    """``method.check(config, context)``, returning ``query``: a torch.fx leaf."""
     method.check(config, AttentionContext(*(bool(flag) for flag in context)))
     return query
 
 
 def _fx_update(method: AttentionMethod, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple],
                   scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
-    """``method.update(...)``: a torch.fx leaf (the tracer cannot follow an update's shape checks); returns a tuple."""
+    """``method.update(...)``: a torch.fx leaf."""
     return method.update(params, out, value_q, state, scale, head_dim)
 
 
 torch.fx.wrap("_fx_check")
 torch.fx.wrap("_fx_update")
 
-#: the functions :meth:`AttentionMethod.apply` calls as torch.fx leaves (``call_function`` nodes that hold the method's
-#: checks and update): plain ``torch.fx`` keeps them by ``torch.fx.wrap``; a zoo with its own tracer registers each as a
-#: leaf of its own (timm: ``timm.layers.register_notrace_function(leaf)`` for every leaf)
+#: the torch.fx leaves of :meth:`AttentionMethod.apply`; a zoo with its own tracer registers each (timm)
 FX_LEAVES: Tuple[Callable[..., Any], ...] = (_fx_check, _fx_update)
 __all__ += ["FX_LEAVES"]
 
@@ -316,9 +266,8 @@ def _apply(method: AttentionMethod, config: Any, learned: Optional[nn.Module], c
 def update_once(method: AttentionMethod, config: Any, out: Tensor, value_q: Tensor, state: Optional[tuple],
                 head_dim: int, layer: Optional[int] = None, restart: bool = False,
                 state_route: Optional[str] = None) -> Tuple[Tensor, tuple]:
-    """:meth:`AttentionMethod.apply` of a method that :func:`calls_once`, with fixed parameters and no warm-up, once
-    the adapter has called the attention (``out``): the state rule, then :meth:`~AttentionMethod.update`. The hot
-    path of eager adapters (no :class:`LayerCall` per call); arguments as :class:`LayerCall` names them."""
+    """:meth:`AttentionMethod.apply` of a method that :func:`calls_once`, fixed parameters, no warm-up, after the
+    attention (``out``): the eager adapters' hot path."""
     if state is None:
         if layer and method.state_fields and not restart:
             raise MissingLayerState(missing_state_message(method, layer, state_route))
@@ -328,10 +277,10 @@ def update_once(method: AttentionMethod, config: Any, out: Tensor, value_q: Tens
 
 
 class _Kind(NamedTuple):
-    """What :func:`_apply` reads of a method's class, decided once per class (not per layer call)."""
+    """What :func:`_apply` reads of a method's class, decided once per class."""
 
-    once: bool  #: the default prepare and attend: the zoo's attention once, then the update
-    checks: bool  #: overrides check (the default refuses nothing)
+    once: bool  #: the default prepare and attend
+    checks: bool  #: overrides check
     makes_state: bool  #: overrides make_state
 
 
@@ -342,38 +291,35 @@ def _kind(kind: type) -> _Kind:
 
 
 def _kind_of(method: AttentionMethod) -> _Kind:
-    """:func:`_kind` of the method's class (its cache bypassed under torch.compile, which traces the function)."""
+    """:func:`_kind` of the method's class (uncached under torch.compile)."""
     cls = type(method)
     return _kind.__wrapped__(cls) if torch.compiler.is_compiling() else _kind(cls)
 
 
 def calls_once(method: AttentionMethod) -> bool:
-    """Whether :meth:`AttentionMethod.apply` of fixed parameters without warm-up is the zoo's attention once, then
-    :meth:`~AttentionMethod.update` (default prepare and attend, no check), so that an adapter's hot path may make the
-    two calls itself (the transformers adapter does, docs/architecture.md)."""
+    """Whether :meth:`AttentionMethod.apply` (fixed parameters, no warm-up) is the zoo's attention once, then
+    :meth:`~AttentionMethod.update`: an adapter's hot path may make the two calls itself."""
     kind = _kind_of(method)
     return kind.once and not kind.checks
 
 
 def makes_state(method: AttentionMethod) -> bool:
-    """Whether the method overrides :meth:`~AttentionMethod.make_state`: an earlier layer's state handed over as
-    plain tensors (a pipeline stage's, a checkpointed block's) is then rebuilt with it before the update."""
+    """Whether the method overrides :meth:`~AttentionMethod.make_state` (state handed over as plain tensors)."""
     return _kind_of(method).makes_state
 
 
-# ------------------------------------------------------------------------------------------------ registry
 _METHODS: Dict[str, AttentionMethod] = {}
 _LISTENERS: List[Callable[[AttentionMethod], None]] = []
 _LOCK = threading.RLock()
-#: per zoo, a function returning the names that zoo holds for something that is not ours, each with what it is
+#: per zoo, the names it holds for something that is not ours, each with what it is
 _RESERVED: Dict[str, Callable[[], Mapping[str, str]]] = {
     "pid_plugins": lambda: {SOFTMAX: "the stock attention of every zoo (attention='softmax')"},
 }
 
 
 def reserve_names(zoo: str, reserved: Callable[[], Mapping[str, str]]) -> None:
-    """Declare the names ``zoo`` holds for something that is not ours (``reserved()`` maps each to what it is);
-    :func:`register_method` refuses them from now on, and a method already registered under one makes this fail."""
+    """Declare the names ``zoo`` holds (``reserved()`` maps each to what it is); :func:`register_method` refuses
+    them."""
     with _LOCK:
         names = reserved()
         clash = sorted(name for name in _METHODS if name in names)
@@ -394,9 +340,7 @@ def _reserved_message(name: str, zoo: str, what: str) -> str:
 
 
 def register_method(method: AttentionMethod, *, replace: bool = False) -> AttentionMethod:
-    """Register ``method`` under ``method.name``, a Python identifier no zoo reserves (:func:`reserve_names`).
-    Imported adapters learn of it at once. ``replace=True`` replaces a method registered here under that name.
-    Returns ``method``."""
+    """Register ``method`` under ``method.name`` (adapters learn of it at once); returns ``method``."""
     if not isinstance(method, AttentionMethod):
         raise TypeError(f"register_method takes an AttentionMethod instance, got {type(method).__name__}")
     name = getattr(method, "name", None)
@@ -440,7 +384,7 @@ def list_methods() -> List[str]:
 
 
 def on_register(listener: Callable[[AttentionMethod], None]) -> None:
-    """Call ``listener(method)`` for every method registered so far and later (adapters expose methods this way)."""
+    """Call ``listener(method)`` for every method registered so far and later."""
     with _LOCK:
         _LISTENERS.append(listener)
         current = list(_METHODS.values())
@@ -465,18 +409,9 @@ def resolve_attention(
     where: str = "this model",
     params_name: str = "attention_cfg",
 ) -> Optional[MethodChoice]:
-    """The policy every adapter applies: ``None`` for ``"softmax"``, else the method and its parameters.
-
-    Args:
-        attention: ``"softmax"`` (its parameters, if given, are not used: one warning) or a method's name (None:
-            ``"pid"``).
-        params: the method's parameters (instance, dict of overrides, preset name; None: the zoo's default).
-        zoo: which adapter asks; picks the default preset.
-        default: the preset or config to start from instead of the zoo's default.
-        learnable: whether this adapter supports learnable parameters.
-        where: names the model or layer in messages.
-        params_name: how the user spells the parameters in this zoo, for messages."""
-    if attention == SOFTMAX:  # the A/B flip: the recipe keeps the method's parameters, the stock attention ignores them
+    """The policy every adapter applies: ``None`` for ``"softmax"`` (parameters given: one warning), else the
+    method (None: ``"pid"``) and its parameters over ``default`` or ``zoo``'s preset."""
+    if attention == SOFTMAX:
         if params is not None:
             logger.warning("%s: attention='softmax', the stock attention: the method parameters also given (%s) are "
                            "not used", where, _describe_params(params_name, params))
@@ -518,9 +453,8 @@ def _describe_params(keyword: str, params: Any) -> str:
 def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = None,
                   current: Optional[GainWarmup] = None, *, stock_plus_term: bool = False,
                   where: str = "this model") -> Optional[GainWarmup]:
-    """The gain warm-up counter a model built with ``choice`` carries (None: none), see
-    :func:`~pid_plugins.core.warmup.make_warmup`. ``stock_plus_term``: the adapter runs warm-up as the stock layer
-    plus the method's term, refused for methods that are not additive."""
+    """The gain warm-up counter a model built with ``choice`` carries (None: none); ``stock_plus_term`` refuses a
+    method that is not additive."""
     config = choice.config if choice is not None else None
     steps = getattr(config, "warmup_steps", 0) or 0
     if steps and stock_plus_term and not choice.method.additive:

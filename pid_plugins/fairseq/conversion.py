@@ -1,8 +1,4 @@
-"""``convert(model, attention, attention_cfg)``: switch a loaded fairseq language model's attention, in place.
-
-A stock ``transformer_lm`` keeps its root class; its decoder, layers and attention become this adapter's classes.
-``attention="softmax"`` puts fairseq's classes back, bit for bit. Non-standard layers are refused.
-"""
+"""``convert(model, attention, attention_cfg)``: switch a loaded fairseq language model's attention, in place."""
 from typing import Any, Optional, TypeVar
 
 from fairseq.hub_utils import GeneratorHubInterface
@@ -32,19 +28,9 @@ _WHERE = "pid_plugins.fairseq.convert"
 
 
 def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) -> ModelT:
-    """Switch a fairseq language model's attention to ``attention``, in place; returns ``model``.
-
-    Args:
-        model: a fairseq ``TransformerLanguageModel`` (``transformer_lm`` and its variants, or ``transformer_lm_pid``),
-            or a hub interface holding such models (each is converted).
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
-            (fairseq's own attention and classes).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides of its fairseq preset (PID:
-            ``lm``), or a preset name; learnable parameters go to :data:`~pid_plugins.fairseq.METHOD_PARAM_GROUP`.
-
-    The model keeps its tensors and train/eval mode; build the optimizer after converting. Raises ``ValueError`` or
-    ``TypeError`` before anything is changed.
-    """
+    """Switch a ``TransformerLanguageModel`` (or each model of a hub interface) to ``attention`` with
+    ``attention_cfg``, in place; returns ``model``. The root keeps its class; its decoder, layers and attention
+    become this adapter's."""
     if isinstance(model, GeneratorHubInterface):
         models = list(model.models)
         if not models:

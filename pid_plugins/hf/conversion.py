@@ -1,9 +1,5 @@
-"""``convert(model, attention, attention_cfg)``: switch a built transformers model's attention, in place.
-
-A stock model gets the method and computes what the model built with ``attn_implementation=<method>`` computes;
-``attention="softmax"`` gives the stock model back bit for bit; a model with a method is reconfigured. Also
-:func:`finish` (``finish_warmup`` for transformers models).
-"""
+"""``convert(model, attention, attention_cfg)``: switch a built transformers model's attention, in place; and
+:func:`finish` (``finish_warmup`` for transformers models)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -30,22 +26,9 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 
 def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: Any = None, *,
             base: Optional[str] = None) -> ModelT:
-    """Switch a transformers model's attention to ``attention``, in place; returns ``model``.
-
-    Args:
-        model: a transformers ``PreTrainedModel`` whose attention goes through transformers' attention interface,
-            stock or with a method.
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
-            (the ``attn_implementation`` the model had before its method; ``sdpa`` if none was recorded).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides (over ``config.<method>``, else
-            the method's transformers preset), a preset name, or None (keep ``config.<method>``, else the preset).
-            Saved as ``config.<method>``.
-        base: the attention the method is added to: ``"sdpa"`` (default; ``"eager"`` for logit softcapping),
-            ``"eager"`` or ``"flex_attention"``; saved as ``config.attention_base``. None keeps the model's.
-
-    Learnable parameters and the warm-up counter are added where asked (build the optimizer after converting). Convert
-    before ``torch.compile`` and wrapping. Raises ``ValueError`` or ``TypeError`` before anything is changed.
-    """
+    """Switch a ``PreTrainedModel`` to ``attention`` with ``attention_cfg`` (over ``config.<method>``; saved
+    there) on ``base`` (``sdpa``, ``eager`` or ``flex_attention``; None keeps the model's), in place; returns
+    ``model``. ``"softmax"`` returns to the ``attn_implementation`` the model had before."""
     where = type(model).__name__
     if not isinstance(model, PreTrainedModel):
         hint = "; convert the model before torch.compile" if hasattr(model, "_orig_mod") else (
@@ -84,7 +67,6 @@ def warn_trained_switch(model: PreTrainedModel, choice: MethodChoice, where: str
     warn_switch_of_trained_weights(model, choice, where, current=current)
 
 
-# --------------------------------------------------------------------------------------------- to a method
 def _check_base(model: PreTrainedModel, base: Optional[str]) -> str:
     """The base attention the model will run its method on; refused before anything changes if it cannot run."""
     if base is not None and base not in BASES:
@@ -123,7 +105,6 @@ def _to_method(model: PreTrainedModel, choice: MethodChoice, base: str) -> None:
     sync_record(model)
 
 
-# ---------------------------------------------------------------------------------------------- to softmax
 def _configs(model: nn.Module) -> Iterator[PretrainedConfig]:
     """Every config of every transformers model in ``model`` and their sub-configs, once each."""
     seen = set()
@@ -153,7 +134,6 @@ def _to_stock(model: PreTrainedModel) -> None:
     sync_record(model)
 
 
-# ------------------------------------------------------------------------------------------- finish_warmup
 def finish(model: nn.Module) -> bool:
     """:func:`pid_plugins.finish_warmup` for the transformers models in ``model``; True if one runs a method."""
     names = {name: m for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}

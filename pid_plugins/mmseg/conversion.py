@@ -1,9 +1,4 @@
-"""``convert(model, attention, attention_cfg)``: switch a built mmseg model's attention, in place.
-
-A Segmenter segmentor's ``backbone`` and ``decode_head`` are replaced by the method classes (each its own group);
-``attention="softmax"`` puts mmseg's own classes back, bit for bit. A bare stock backbone or head keeps its class
-and gets the method class's attributes and forward.
-"""
+"""``convert(model, attention, attention_cfg)``: switch a built mmseg Segmenter's attention, in place."""
 from __future__ import annotations
 
 from functools import partial
@@ -32,19 +27,9 @@ _TO_STOCK = {method_cls: stock_cls for stock_cls, method_cls in _TO_METHOD.items
 
 
 def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) -> ModelT:
-    """Switch an mmseg model's attention to ``attention``, in place; returns ``model``.
-
-    Args:
-        model: a segmentor with mmseg's ``VisionTransformer`` backbone and ``SegmenterMaskTransformerHead`` (stock or
-            with a method), or a bare backbone or head of those types or their ``PID*`` classes.
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
-            (mmseg's stock attention).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides of its ``mmseg`` preset (PID:
-            ``segmenter``), or a preset name.
-
-    The model keeps its tensors; build the optimizer after converting, and convert before wrapping or
-    ``torch.compile``. Raises ``ValueError`` or ``TypeError`` before anything is changed.
-    """
+    """Switch a segmentor with a ``VisionTransformer`` backbone and ``SegmenterMaskTransformerHead`` (or a bare
+    one of them, stock or ``PID*``) to ``attention`` with ``attention_cfg``, in place; returns ``model``. The
+    backbone and head are each a group; a bare stock part keeps its class."""
     where = f"convert({type(model).__name__})"
     choice = _choose(attention, attention_cfg, where)
     parts = _parts(model, choice)
@@ -102,7 +87,6 @@ def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, 
     )
 
 
-# ------------------------------------------------------------------------------------ a bare stock backbone or head
 def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> None:
     """Switch a bare stock backbone or head in place, keeping its class; softmax removes it all again."""
     if choice is None:
@@ -118,7 +102,7 @@ def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> 
 
 
 def _finish(model: nn.Module) -> bool:
-    """Core's :func:`~pid_plugins.core.finish_warmup` for bare stock backbones and heads converted in place."""
+    """:func:`~pid_plugins.core.finish_warmup` for bare stock backbones and heads converted in place."""
     found = False
     for name, module in model.named_modules():
         if type(module) in _TO_METHOD and "attention_method" in vars(module):

@@ -1,9 +1,4 @@
-"""``convert(model, attention, attention_cfg)``: switch a built timm model's attention, in place.
-
-A stock ViT/DeiT keeps its class; its blocks become a :class:`~pid_plugins.timm.MethodBlocks` and its root paths the
-method classes' (:func:`thread_root_paths`). ``attention="softmax"`` gives timm's own classes back, bit for bit; FAN
-switches its token mixing and keeps its class.
-"""
+"""``convert(model, attention, attention_cfg)``: switch a built timm ViT/DeiT or FAN's attention, in place."""
 from __future__ import annotations
 
 from functools import partial
@@ -31,25 +26,13 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 
 
 def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
-    """Switch a timm model's attention to ``attention``, in place; returns ``model``.
-
-    Args:
-        model: a timm ``VisionTransformer`` / ``VisionTransformerDistilled`` with timm's standard ``Block`` and
-            ``Attention`` (DeiT, ViT), one with a method, or a FAN (``fan_*`` / ``pid_fan_*``).
-        attention: ``"pid"``, another registered method's name (:func:`pid_plugins.list_methods`), or ``"softmax"``
-            (timm's stock attention).
-        attention_cfg: the method's parameters: a config instance, a dict of overrides of its default preset (PID:
-            ``deit``), or a preset name.
-
-    The model keeps its tensors; learnable parameters and the warm-up counter are added where asked (build the
-    optimizer after converting). Convert before ``torch.compile`` and wrapping. Raises ``ValueError`` or ``TypeError``
-    before anything is changed.
-    """
+    """Switch a timm ViT/DeiT (standard ``Block`` and ``Attention``) or FAN to ``attention`` (a method's name or
+    ``"softmax"``, timm's own classes back) with ``attention_cfg``, in place; returns ``model``. Convert before
+    ``torch.compile`` and wrapping; refusals come before anything changes."""
     where = type(model).__name__
     choice = resolve_timm_attention(attention, attention_cfg, where=where)
     if not isinstance(model, FAN):
         _check_vit(model, choice)
-    # the method the model runs now is its first block's attention's
     warn_switch_of_trained_weights(model, choice, where, current=model.blocks[0].attn if len(model.blocks) else None)
     if isinstance(model, FAN):
         _convert_fan(model, choice)
@@ -60,13 +43,12 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
     return model
 
 
-# ------------------------------------------------------------------------------------------------------- ViT
 def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     """Refuse what cannot be converted, before anything changes."""
     kind = type(model)
     if isinstance(model, (VisionTransformer, VisionTransformerDistilled)) and (
             kind in (VisionTransformer, VisionTransformerDistilled) or isinstance(model, _MethodViTMixin)):
-        require(*VIT)  # what the method classes compute again (their probes: pid_plugins/timm/internals.py)
+        require(*VIT)
     else:
         hint = ("; convert the model before torch.compile" if hasattr(model, "_orig_mod")
                 else "; for other architectures build the model by name (pid_plugins.list_models(zoo='timm'))")
@@ -118,8 +100,7 @@ def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     thread_root_paths(model)
 
 
-#: timm ``VisionTransformer``'s methods that loop over the blocks themselves (``attn_mask`` / ``is_causal``,
-#: gradient checkpointing, intermediates): a converted stock root runs the method classes' own versions of them
+#: timm ``VisionTransformer``'s methods that loop over the blocks: a converted root runs the method classes' ones
 ROOT_PATHS = ("forward_features", "forward_intermediates")
 
 
@@ -143,7 +124,6 @@ def _to_stock(model: nn.Module) -> None:
     strip_attributes(model, ("attention_warmup", RECORD) + ROOT_PATHS)
 
 
-# ------------------------------------------------------------------------------------------------------- FAN
 def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     """FAN keeps its class: every FAN block's token mixing and the model switch to ``choice`` (None: softmax)."""
     require(*FAN_INTERNALS)
@@ -155,9 +135,8 @@ def _convert_fan(model: FAN, choice: Optional[MethodChoice]) -> None:
     settle_submodule(model, "attention_warmup")
 
 
-# ----------------------------------------------------------------------------------------------- finish_warmup
 def _finish(model: nn.Module) -> bool:
-    """Core's :func:`~pid_plugins.core.finish_warmup` for the blocks containers and a converted stock root's counter."""
+    """:func:`~pid_plugins.core.finish_warmup` for the blocks containers and a converted stock root."""
     found = False
     for owner in model.modules():
         blocks = owner._modules.get("blocks")
