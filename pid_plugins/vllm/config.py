@@ -8,8 +8,9 @@ parameters as ``"<method>": {...}`` (:mod:`pid_plugins.hf.config`). vLLM reads `
 absent), without importing :mod:`pid_plugins.hf` (vLLM pins a transformers release that adapter does not support).
 
 What the plugin serves exactly: a method whose rule is per token, computed around vLLM's own attention call: the
-zoo's attention once plus an update of its output (PID, NeuTRENO), or the values mixed before attention, so that the
-mixed values are what vLLM caches (value residual). Everything else is refused before anything is built, by
+zoo's attention once plus an update of its output (PID, NeuTRENO), the values mixed before attention, so that the
+mixed values are what vLLM caches (value residual), or further calls of the attention with values of their own, each
+cached beside the layer's (Twicing's ``v - A v``). Everything else is refused before anything is built, by
 :func:`check_servable` and :func:`check_engine`, with one ``ValueError`` naming the method or the setting and why.
 """
 from __future__ import annotations
@@ -50,21 +51,13 @@ STOCK_ATTENTIONS = frozenset({"eager", "sdpa", "flash_attention_2", "flash_atten
 def unservable_reason(method: AttentionMethod) -> Optional[str]:
     """Why vLLM cannot serve ``method`` exactly through this plugin, or None when it can.
 
-    The plugin calls vLLM's paged attention once per layer, with the layer's queries and the values it caches, for
-    the tokens of this step only (the earlier tokens' keys and values are in the cache, and nothing else is)."""
-    if method.cache_slot:
-        return ("it stores a tensor of its own at every past key position beside the layer's keys and values "
-                "(Twicing's A v, for its second attention product), which vLLM's paged KV cache has no place for; "
-                "a second attention call would also overwrite the cached values")
+    The plugin runs the method's own step with vLLM's paged attention, for the tokens of this step only (the earlier
+    tokens' keys and values are in the cache): each call of the attention with values of its own gets a paged cache
+    of its own (:mod:`pid_plugins.vllm.layer`), but nothing else of the earlier tokens is kept."""
     if method.reads_visible:
         return ("it reads which keys each query attends to, over every earlier position (Elliptical's prefix mean of "
                 "the value differences), which vLLM's paged attention neither exposes nor caches")
-    if method.mixes_values:  # the values mixed before attention, position by position: vLLM caches them mixed
-        return None
-    kind = type(method)
-    if kind.prepare is not AttentionMethod.prepare or kind.attend is not AttentionMethod.attend:
-        return "it changes the queries or calls attention its own way (prepare/attend), which the plugin does not run"
-    if method.keys_state:
+    if method.keys_state and not method.mixes_values:  # (value residual mixes the values vLLM then caches)
         return "its state holds the values of every key position, of which vLLM keeps only the cached ones"
     return None
 

@@ -35,40 +35,34 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
 from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
 
-from ..core import AttentionContext, LayerCall, MethodChoice
+from ..core import MethodChoice
 from ..core.record import is_record_key
 from . import internals
 from .config import TENSOR_PARALLEL, check_engine, method_choice
+from .layer import add_calls, method_step, where
 
 __all__ = ["PidPluginsLlamaForCausalLM", "PidPluginsMistralForCausalLM", "PidPluginsQwen2ForCausalLM",
            "PidPluginsQwen3ForCausalLM", "PidPluginsLlamaModel", "PidPluginsMistralModel", "PidPluginsQwen2Model",
            "PidPluginsQwen3Model", "method_forward"]
 
-#: how the method's state reaches every layer here (core's MissingLayerState names it)
-STATE_ROUTE = ("pid_plugins.vllm runs every layer of the model in one forward, which hands the state from layer to "
-               "layer; pipeline parallelism is refused.")
 #: the dynamic dimensions vLLM's torch.compile marks (as on vLLM's LlamaModel and Qwen2Model)
 _LLAMA_DIMS = {"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
 _QWEN_DIMS = {"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
 
 
-def _where(vllm_config: Any, architecture: str) -> str:
-    return f"vLLM serving {getattr(vllm_config.model_config, 'model', 'a checkpoint')!s} ({architecture})"
-
-
 def _served_choice(vllm_config: Any, architecture: str, stock: type) -> MethodChoice:
     """The method and parameters the model's config names, after every check that comes before vLLM builds anything
     (the engine settings, the family's layers in this vLLM release, the family options the loop does not run)."""
-    where = _where(vllm_config, architecture)
+    place = where(vllm_config, architecture)
     hf_config = vllm_config.model_config.hf_config
-    choice = method_choice(hf_config, where)
+    choice = method_choice(hf_config, place)
     if choice is None:
-        raise ValueError(f"{where}: config.json names no attention method (or parameters that compute the stock "
+        raise ValueError(f"{place}: config.json names no attention method (or parameters that compute the stock "
                          f"attention), so vLLM's own {stock.__name__} serves it; {architecture} is pid_plugins.vllm's "
                          f"class for method checkpoints. Name {stock.__name__} in config.json's architectures.")
     # tensor parallelism: vLLM's layers give the loop each rank's heads (num_heads, q_size, ... are per rank)
-    check_engine(vllm_config, where, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
-    internals.check_family(stock, hf_config, where)
+    check_engine(vllm_config, place, tensor_parallel=choice.method.name in TENSOR_PARALLEL)
+    internals.check_family(stock, hf_config, place)
     return choice
 
 
@@ -77,6 +71,12 @@ class _MethodLoop:
     method and parameters of the model's config (``attention_choice``, read when the model is built)."""
 
     attention_choice: MethodChoice
+
+    def _set_method(self, vllm_config: Any) -> None:
+        """Read the method from the config, and give each layer's paged attention the further calls it makes."""
+        place = where(vllm_config, type(self).__name__)
+        self.attention_choice = method_choice(vllm_config.model_config.hf_config, place)
+        add_calls(self.attention_choice, [layer.self_attn.attn for layer in self.layers], place)
 
     def forward(self, input_ids: Optional[Tensor], positions: Tensor, intermediate_tensors: Any = None,
                 inputs_embeds: Optional[Tensor] = None) -> Tensor:
@@ -92,7 +92,7 @@ class PidPluginsLlamaModel(_MethodLoop, LlamaModel):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = LlamaDecoderLayer) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "LlamaModel"))
+        self._set_method(vllm_config)
 
 
 @support_torch_compile(dynamic_arg_dims=_LLAMA_DIMS)
@@ -101,7 +101,7 @@ class PidPluginsMistralModel(_MethodLoop, MistralModel):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = MistralDecoderLayer) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "MistralModel"))
+        self._set_method(vllm_config)
 
 
 @support_torch_compile(dynamic_arg_dims=_QWEN_DIMS)
@@ -110,7 +110,7 @@ class PidPluginsQwen2Model(_MethodLoop, Qwen2Model):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "Qwen2Model"))
+        self._set_method(vllm_config)
 
 
 @support_torch_compile(dynamic_arg_dims=_QWEN_DIMS)
@@ -119,7 +119,7 @@ class PidPluginsQwen3Model(_MethodLoop, Qwen3Model):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.attention_choice = method_choice(vllm_config.model_config.hf_config, _where(vllm_config, "Qwen3Model"))
+        self._set_method(vllm_config)
 
 
 class _Serving:
@@ -233,16 +233,6 @@ def _attention(attn: nn.Module, positions: Tensor, hidden: Tensor, choice: Metho
         q = attn.q_norm(q.view(tokens, heads, dim)).view(tokens, attn.q_size)
         k = attn.k_norm(k.view(tokens, kv_heads, dim)).view(tokens, attn.kv_size)
     q, k = attn.rotary_emb(positions, q, k)
-
-    def attend(query: Tensor, value: Tensor) -> Tensor:  # (H, T, D), (H_kv, T, D) -> A v as (H, T, D)
-        out = attn.attn(query.transpose(0, 1).reshape(tokens, heads * dim), k,
-                        value.transpose(0, 1).reshape(tokens, kv_heads * dim))
-        return out.view(tokens, heads, dim).transpose(0, 1)
-
-    values = v.view(tokens, kv_heads, dim).transpose(0, 1)
-    call = LayerCall(attend, q.view(tokens, heads, dim).transpose(0, 1), values, values, head_dim=-3,
-                     context=AttentionContext(causal=True, cached=True, grouped=kv_heads != heads), layer=index,
-                     state_route=STATE_ROUTE)
-    out, state = choice.method.apply(choice.config, None, call, state)
-    output, _ = attn.o_proj(out.transpose(0, 1).reshape(tokens, heads * dim))
+    out, state = method_step(choice, index, state, q, k, v, attn.attn)
+    output, _ = attn.o_proj(out)
     return output, state

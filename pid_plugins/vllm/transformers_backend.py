@@ -20,16 +20,14 @@ from torch import Tensor
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers import TransformersForCausalLM, TransformersMoEForCausalLM
 
-from ..core import AttentionContext, LayerCall, MethodChoice
+from ..core import MethodChoice
 from ..core.record import is_record_key
 from . import internals
 from .config import check_engine
+from .layer import add_calls, method_step, where
 from .routing import config_choice
 
 __all__ = ["MethodAttention", "PidPluginsTransformersForCausalLM", "PidPluginsTransformersMoEForCausalLM"]
-
-STATE_ROUTE = ("pid_plugins.vllm runs every layer of the model in one forward, which hands the state from layer to "
-               "layer; pipeline parallelism is refused.")
 
 
 class _Layers:
@@ -53,26 +51,10 @@ class MethodAttention(Attention):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> Tensor:
         layers, index = self.method_layers, self.method_index
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_size
-        tokens = query.shape[0]
-
-        def attend(q: Tensor, v: Tensor) -> Tensor:  # (H, T, D), (H_kv, T, D) -> A v as (H, T, D)
-            out = super(MethodAttention, self).forward(q.transpose(0, 1).reshape(tokens, heads * dim), key,
-                                                       v.transpose(0, 1).reshape(tokens, kv_heads * dim), **kwargs)
-            return out.view(tokens, heads, dim).transpose(0, 1)
-
-        values = value.view(tokens, kv_heads, dim).transpose(0, 1)
-        call = LayerCall(attend, query.view(tokens, heads, dim).transpose(0, 1), values, values, head_dim=-3,
-                         context=AttentionContext(causal=True, cached=True, grouped=kv_heads != heads), layer=index,
-                         state_route=STATE_ROUTE)
-        choice = layers.choice
-        out, state = choice.method.apply(choice.config, None, call, layers.state if index else None)
+        own = lambda q, k, v: super(MethodAttention, self).forward(q, k, v, **kwargs)  # noqa: E731
+        out, state = method_step(layers.choice, index, layers.state if index else None, query, key, value, self, own)
         layers.state = state if index + 1 < layers.count else None
-        return out.transpose(0, 1).reshape(tokens, heads * dim)
-
-
-def _where(vllm_config: Any, architecture: str) -> str:
-    return f"vLLM serving {getattr(vllm_config.model_config, 'model', 'a checkpoint')!s} ({architecture})"
+        return out
 
 
 class _MethodServing:
@@ -87,15 +69,15 @@ class _MethodServing:
         return super().load_weights((name, w) for name, w in weights if not is_record_key(name))  # type: ignore[misc]
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        where = _where(vllm_config, self.architecture)
-        choice = config_choice(vllm_config.model_config, where)  # (before vLLM sets _attn_implementation to "vllm")
+        place = where(vllm_config, self.architecture)
+        choice = config_choice(vllm_config.model_config, place)  # (before vLLM sets _attn_implementation to "vllm")
         if choice is None:
-            raise ValueError(f"{where}: config.json names no attention method, so vLLM's own Transformers backend "
+            raise ValueError(f"{place}: config.json names no attention method, so vLLM's own Transformers backend "
                              f"serves it; {self.architecture} is pid_plugins.vllm's class for method checkpoints.")
-        check_engine(vllm_config, where)
-        internals.check_transformers_backend(where)
+        check_engine(vllm_config, place)
+        internals.check_transformers_backend(place)
         self.attention_choice = choice
-        self._where = where
+        self._where = place
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         self._thread_state()
 
@@ -129,6 +111,7 @@ class _MethodServing:
                                  "through it; serve this checkpoint with transformers and pid_plugins.hf.")
             attention.method_layers = state
             attention.method_index = index
+        add_calls(self.attention_choice, [attention for _, attention in found], self._where)
 
 
 class PidPluginsTransformersForCausalLM(_MethodServing, TransformersForCausalLM):

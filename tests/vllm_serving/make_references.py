@@ -39,13 +39,14 @@ TOP = 5
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 #: case -> (config class, method or None, its parameters (None: absent, the preset), config fields beside SIZES (None:
-#: the field left out)); the first seven are served by the plugin's native classes, the rest through vLLM's Transformers
+#: the field left out)); the first eight are served by the plugin's native classes, the rest through vLLM's Transformers
 #: backend (one method per family, in rotation)
 CASES: Dict[str, tuple] = {
     "llama_pid": (T.LlamaConfig, "pid", {"lambda_p": 0.3, "lambda_i": 0.2, "lambda_d": 0.15, "beta": 0.4}, {}),
     "llama_neutreno": (T.LlamaConfig, "neutreno", {"alpha": 0.5}, {}),
     "llama_value_residual": (T.LlamaConfig, "value_residual", {"lambda_1": 0.3, "lambda_2": 0.9}, {}),
     "llama_stock": (T.LlamaConfig, None, None, {}),
+    "llama_twicing": (T.LlamaConfig, "twicing", {"from_layer": 1}, {}),  # layer 0 once, then twice (GQA 4/2)
     "qwen3_pid": (T.Qwen3Config, "pid", None, {"head_dim": 32}),  # config.pid absent: the lm preset
     "qwen2_value_residual": (T.Qwen2Config, "value_residual", None, {}),  # the resformer preset; q/k/v biases
     "mistral_neutreno": (T.MistralConfig, "neutreno", None, {"head_dim": 32, "sliding_window": None}),

@@ -30,6 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the method table
 from method_cases import BUILTIN  # noqa: E402
 
+from pid_plugins import get_method  # noqa: E402
+from pid_plugins.vllm.config import unservable_reason  # noqa: E402
+
 TOL = 1e-4
 #: seconds for one serve.py process: about 20 engines, each a few seconds to start on a quiet machine, and minutes on
 #: a loaded one (measured: 15 minutes were not enough on 2 cores shared with other jobs)
@@ -54,6 +57,9 @@ CASES: Dict[str, tuple] = {
     "llama_pid": ("llama_pid", {**CHUNKED, **COMPILED}, NATIVE),
     "llama_value_residual": ("llama_value_residual", {**CHUNKED, **COMPILED}, NATIVE),
     "llama_neutreno": ("llama_neutreno", COMPILED, NATIVE),
+    # a second paged attention per layer for A (v - A v): compiled natively, eager through the Transformers backend
+    "llama_twicing": ("llama_twicing", {**CHUNKED, **COMPILED}, NATIVE),
+    "llama_twicing_transformers": ("llama_twicing", {**CHUNKED, **TRANSFORMERS}, BACKEND),
     "qwen3_pid": ("qwen3_pid", {}, NATIVE),
     "qwen2_value_residual": ("qwen2_value_residual", {}, NATIVE),
     "mistral_neutreno": ("mistral_neutreno", {}, NATIVE),
@@ -69,7 +75,8 @@ CASES: Dict[str, tuple] = {
 }
 #: methods refused by name (tests/method_cases.py's vllm_refusal, the reason the refusal gives): a copy of llama_pid's
 #: folder whose config.json names the method
-REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if method.vllm_refusal is not None}
+REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items()
+           if method.vllm_refusal is not None and unservable_reason(get_method(name)) is not None}
 #: checkpoints refused for what would serve them: run -> (checkpoint, config.json changes, serving options, what the one
 #: error names beside the method)
 NOT_SERVED: Dict[str, tuple] = {
@@ -77,8 +84,9 @@ NOT_SERVED: Dict[str, tuple] = {
     "phi3_pid_vllm_class": ("phi3_pid", {}, {"model_impl": "vllm"}, ["'pid'", "Phi3ForCausalLM", "vLLM's own"]),
     # config.pid without attn_implementation naming it
     "llama_pid_parameters_only": ("llama_pid", {"attn_implementation": None}, {}, ["'pid'", "config.pid"]),
-    # Twicing in a family of the Transformers backend
-    "phi3_twicing": ("phi3_pid", {"attn_implementation": "twicing", "pid": None}, {}, ["'twicing'", "Twicing's A v"]),
+    # Elliptical in a family of the Transformers backend
+    "phi3_elliptical": ("phi3_pid", {"attn_implementation": "elliptical", "pid": None}, {},
+                        ["'elliptical'", "Elliptical's prefix mean"]),
 }
 #: a method checkpoint whose config.json names the plugin's class (what pid_plugins.vllm registers it as): run ->
 #: (checkpoint, config.json changes); served exactly with the plugin, refused by vLLM without it

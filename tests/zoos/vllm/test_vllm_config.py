@@ -11,12 +11,12 @@ import pytest
 
 from method_cases import BUILTIN, MODELS
 from pid_plugins.core import PIDConfig, get_method
-from pid_plugins.vllm.config import check_engine, method_choice
+from pid_plugins.vllm.config import check_engine, method_choice, unservable_reason
 
 WHERE = "vLLM serving ckpt (LlamaForCausalLM)"
 #: the built-in methods vLLM serves, and those it refuses with the reason its message gives (tests/method_cases.py)
-SERVED = {name: method for name, method in BUILTIN.items() if method.vllm_refusal is None}
-REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if method.vllm_refusal is not None}
+SERVED = {name: method for name, method in BUILTIN.items() if unservable_reason(get_method(name)) is None}
+REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if name not in SERVED}
 
 
 def _params():
@@ -67,13 +67,14 @@ def test_a_stock_checkpoint_keeps_vllms_own_model(name):
     assert method_choice(hf_config(name), WHERE) is None
 
 
-@pytest.mark.parametrize("method, params", [(name, m.zero) for name, m in SERVED.items() if m.zero is not None])
+@pytest.mark.parametrize("method, params", [(name, m.zero) for name, m in SERVED.items() if m.zero is not None
+                                            and get_method(name).is_identity(get_method(name).configure(m.zero))])
 def test_parameters_that_compute_the_stock_attention_keep_vllms_own_model(method, params):
     assert method_choice(hf_config(method, params), WHERE) is None
 
 
 @pytest.mark.parametrize("method, why", list(REFUSED.items()))
-def test_twicing_and_elliptical_are_refused_naming_the_method_and_why(method, why):
+def test_elliptical_is_refused_naming_the_method_and_why(method, why):
     with pytest.raises(ValueError, match=rf"{re.escape(WHERE)}: attention method '{method}' cannot be served by vLLM") as info:
         method_choice(hf_config(method), WHERE)
     assert why in str(info.value)
@@ -129,11 +130,11 @@ def test_engine_settings_the_plugin_does_not_cover_are_refused_naming_each():
 
 
 def test_what_vllm_serves_is_read_from_the_methods_capabilities_not_its_type():
-    """A user's method whose ``attend`` mixes each position's values with its state (as value residual does) is
-    servable when it says so (``mixes_values``), and refused, naming why, when it does not: the plugin reads the
-    capability, never the method's class."""
+    """A user's method whose ``attend`` mixes each position's values with a state of every key position's values
+    (``keys_state``, as value residual) is servable when it says the mixed values are what is cached
+    (``mixes_values``), and refused, naming why, when it does not: the plugin reads the capability, never the
+    method's class. Its own ``attend`` (one call, or several: each gets a paged cache of its own) is served."""
     from pid_plugins.core import AttentionMethod
-    from pid_plugins.vllm.config import unservable_reason
 
     class Mixing(AttentionMethod):
         name = "my_mixing"
@@ -146,7 +147,9 @@ def test_what_vllm_serves_is_read_from_the_methods_capabilities_not_its_type():
         def update(self, params, out, value_q, state, scale, head_dim):
             return out, (value_q if state is None else state[0],)
 
-    assert "prepare/attend" in unservable_reason(Mixing())
+    assert unservable_reason(Mixing()) is None
+    Mixing.keys_state = True
+    assert "every key position" in unservable_reason(Mixing())
     Mixing.mixes_values = True
     assert unservable_reason(Mixing()) is None
     assert get_method("value_residual").mixes_values and unservable_reason(get_method("value_residual")) is None

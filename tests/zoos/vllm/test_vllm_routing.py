@@ -100,7 +100,7 @@ def test_parameters_without_their_method_are_refused(attention):
         route("LlamaForCausalLM", config, "LlamaForCausalLM")
 
 
-@pytest.mark.parametrize("method, reason", [("twicing", "Twicing's A v"), ("elliptical", "Elliptical's prefix mean")])
+@pytest.mark.parametrize("method, reason", [("elliptical", "Elliptical's prefix mean")])
 def test_an_unservable_method_is_refused_before_vllm_resolves_anything(method, reason):
     config = model_config(method, method=method)
     with pytest.raises(ValueError, match=f"attention method '{method}' cannot be served by vLLM"):
