@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from pid_plugins import GainWarmup, PIDConfig
 from pid_plugins.core import scaled_gains
+import zoo_cases as zc
 
 N = 4
 GAINS = dict(lambda_p=0.6, lambda_i=0.4, lambda_d=0.2, beta=0.5)
@@ -46,152 +46,48 @@ def test_counter_schedule_eval_and_missing_key():
 
 
 # --------------------------------------------------------------------------------------------------- the zoos
+#: the contract's tiny models (tests/method_cases.py): each zoo's builder, inputs and output (FAN at 32 pixels)
+ZOOS = {"timm_vit": "timm-deit", "timm_fan": "timm-fan", "hf": "hf-llama", "mmseg_backbone": "mmseg-backbone",
+        "mmseg_head": "mmseg-head", "fairseq": "fairseq-lm"}
+CHECKPOINTING = [z for z in ZOOS if z != "fairseq"]  # transformer_lm_pid refuses --checkpoint-activations
+FAN32 = {"fan": ("pid_fan_tiny_12_p16_224", "fan_tiny_12_p16_224", dict(zc.FAN, img_size=32, num_heads=3))}
+
+
 class Zoo:
-    """One zoo's tiny model: ``build(pid)`` (None: the stock softmax model), inputs, output, the counter."""
+    def __init__(self, zoo):
+        from method_cases import MODELS
 
-    key = "attention_warmup.step"
-    checkpointing = True
+        self.zoo, self.case = zoo, MODELS[ZOOS[zoo]]
+
+    def build(self, pid, seed=0, attention="pid"):
+        torch.manual_seed(seed)
+        if self.zoo == "hf":  # (the contract's pair loads the method model's weights into the stock one)
+            return zc.import_transformers().LlamaForCausalLM(zc.llama_config(attention, pid)).eval()
+        if self.zoo == "timm_fan":
+            return zc.import_timm().create_model(FAN32["fan"][0], attention=attention, attention_cfg=pid,
+                                                 **FAN32["fan"][2]).eval()
+        return self.case.build(attention, pid, seed)
+
+    def stock(self):
+        return self.build(None, attention="sdpa" if self.zoo == "hf" else "softmax")
+
+    def inputs(self, dtype=torch.float32):
+        return zc.timm_images("fan", models=FAN32).to(dtype) if self.zoo == "timm_fan" else self.case.inputs(dtype)
+
+    def out(self, model, x):
+        return self.case.out(model, x)
 
     def counter(self, model):
-        return model.attention_warmup
-
-    def out(self, model, x):
-        return model(x)
-
-    def images(self, dtype):
-        return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
-
-
-class TimmViT(Zoo):
-    name, arch = "pid_deit_tiny_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3,
-                                                    num_classes=5)
-
-    def build(self, pid):
-        timm = pytest.importorskip("timm")
-        import pid_plugins.timm  # noqa: F401
-
-        kw = dict(attention="softmax") if pid is None else dict(attention_cfg=pid)
-        return timm.create_model(self.name, **kw, **self.arch)
-
-    def inputs(self, dtype=torch.float32):
-        return self.images(dtype)
+        return (model.decoder if self.zoo == "fairseq" else model).attention_warmup
 
     def enable_checkpointing(self, model):
-        model.set_grad_checkpointing(True)
-
-
-class TimmFAN(TimmViT):
-    name, arch = "pid_fan_tiny_12_p16_224", dict(img_size=32, embed_dim=48, depth=3, num_heads=3, num_classes=5)
-
-
-class HF(Zoo):
-    def build(self, pid):
-        pytest.importorskip("transformers")
-        import pid_plugins.hf  # noqa: F401
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-        if pid is not None:
-            cfg.pid = pid
-            cfg._attn_implementation = "pid"
-        return LlamaForCausalLM(cfg)
-
-    def inputs(self, dtype=torch.float32):
-        return torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))
-
-    def out(self, model, x):
-        return model(x).logits
-
-    def enable_checkpointing(self, model):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-class MmsegBackbone(Zoo):
-    args = dict(img_size=(32, 32), patch_size=8, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,
-                final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
-
-    def build(self, pid):
-        pytest.importorskip("mmseg")
-        import pid_plugins.mmseg  # noqa: F401
-        from mmseg.registry import MODELS
-
-        kw = dict(attention="softmax") if pid is None else dict(attention_cfg=pid)
-        return MODELS.build(dict(type="PIDVisionTransformer", **self.args, **kw))
-
-    def inputs(self, dtype=torch.float32):
-        return self.images(dtype)
-
-    def out(self, model, x):
-        return model(x)[0]
-
-    def enable_checkpointing(self, model):
-        for layer in model.layers:
-            layer.with_cp = True
-
-
-class MmsegHead(MmsegBackbone):
-    head = dict(in_channels=48, channels=48, num_classes=5, num_layers=2, num_heads=3, embed_dims=48,
-                dropout_ratio=0.0, drop_path_rate=0.0, norm_cfg=dict(type="LN"))
-
-    def build(self, pid):
-        pytest.importorskip("mmseg")
-        import pid_plugins.mmseg  # noqa: F401
-        from mmseg.registry import MODELS
-
-        kw = dict() if pid is None else dict(attention="pid", attention_cfg=pid)
-        head = MODELS.build(dict(type="PIDSegmenterMaskTransformerHead", **self.head, **kw))
-        head.init_weights()
-        return head
-
-    def inputs(self, dtype=torch.float32):
-        return [torch.randn(2, 48, 4, 4, generator=torch.Generator().manual_seed(1), dtype=dtype)]
-
-
-class Fairseq(Zoo):
-    key = "decoder.attention_warmup.step"
-    checkpointing = False  # transformer_lm_pid refuses --checkpoint-activations (nothing to count twice)
-    tiny = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-            "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
-    _data = None
-
-    def data(self):
-        from fairseq.data import Dictionary
-
-        if Fairseq._data is None:
-            Fairseq._data = Path(tempfile.mkdtemp())
-            dictionary = Dictionary()
-            for i in range(40):
-                dictionary.add_symbol(f"w{i}")
-            dictionary.save(str(Fairseq._data / "dict.txt"))
-        return Fairseq._data
-
-    def build(self, pid):
-        pytest.importorskip("fairseq")
-        import pid_plugins.fairseq as pf
-        from fairseq import options, tasks
-
-        if pid is None:
-            extra = ["--attention-method", "softmax"]
+        if self.case.zoo == "timm":
+            model.set_grad_checkpointing(True)
+        elif self.zoo == "hf":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            extra = ["--attention-cfg", json.dumps(PIDConfig.coerce(pid, default="lm").to_dict())]
-        args = options.parse_args_and_arch(options.get_training_parser(), [
-            str(self.data()), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir",
-            pf.USER_DIR, *self.tiny, *extra])
-        return tasks.setup_task(args).build_model(args)
-
-    def counter(self, model):
-        return model.decoder.attention_warmup
-
-    def inputs(self, dtype=torch.float32):
-        return torch.randint(4, 44, (2, 9), generator=torch.Generator().manual_seed(1))
-
-    def out(self, model, x):
-        return model(x)[0]
-
-
-ZOOS = {"timm_vit": TimmViT(), "timm_fan": TimmFAN(), "hf": HF(), "mmseg_backbone": MmsegBackbone(),
-        "mmseg_head": MmsegHead(), "fairseq": Fairseq()}
+            for layer in model.layers:
+                layer.with_cp = True
 
 
 def without_counter(state_dict):
@@ -200,9 +96,7 @@ def without_counter(state_dict):
 
 def warm_and_stock(zoo, dtype=torch.float32):
     """A warm-up model and the stock model with the same weights (the stock state_dict loads strictly: t = 0)."""
-    torch.manual_seed(0)
-    stock = zoo.build(None).to(dtype)
-    warm = zoo.build(dict(GAINS, warmup_steps=N)).to(dtype)
+    warm, stock = zoo.build(dict(GAINS, warmup_steps=N)).to(dtype), zoo.stock().to(dtype)
     zoo.counter(warm).step.fill_(3)
     warm.load_state_dict(stock.state_dict(), strict=True)  # a softmax checkpoint: no counter in it
     assert int(zoo.counter(warm).step) == 0
@@ -211,9 +105,10 @@ def warm_and_stock(zoo, dtype=torch.float32):
 
 @pytest.mark.parametrize("zoo", ZOOS)
 def test_t0_is_the_stock_model_and_each_training_forward_counts_once(zoo):
-    zoo = ZOOS[zoo]
+    zoo = Zoo(zoo)
     warm, stock = warm_and_stock(zoo)
-    assert zoo.key in warm.state_dict() and zoo.key in dict(warm.named_buffers())  # DDP broadcasts buffers
+    key = ("decoder." if zoo.zoo == "fairseq" else "") + "attention_warmup.step"
+    assert key in warm.state_dict() and key in dict(warm.named_buffers())  # DDP broadcasts buffers
     assert not any("attention_warmup" in k for k in zoo.build(GAINS).state_dict())  # no warm-up: state_dict unchanged
     x = zoo.inputs()
     warm.train()
@@ -229,7 +124,7 @@ def test_t0_is_the_stock_model_and_each_training_forward_counts_once(zoo):
 
 @pytest.mark.parametrize("zoo", ZOOS)
 def test_t_k_is_the_model_with_gains_scaled_by_k_over_n(zoo):
-    zoo = ZOOS[zoo]
+    zoo = Zoo(zoo)
     warm, _ = warm_and_stock(zoo, torch.float64)
     warm.eval()
     x = zoo.inputs(torch.float64)
@@ -245,7 +140,7 @@ def test_t_k_is_the_model_with_gains_scaled_by_k_over_n(zoo):
 
 @pytest.mark.parametrize("zoo", ZOOS)
 def test_state_dict_round_trip_resumes_the_schedule(zoo):
-    zoo = ZOOS[zoo]
+    zoo = Zoo(zoo)
     warm, _ = warm_and_stock(zoo)
     warm.train()
     x = zoo.inputs()
@@ -259,9 +154,9 @@ def test_state_dict_round_trip_resumes_the_schedule(zoo):
     assert int(zoo.counter(resumed).step) == int(zoo.counter(warm).step) == 3
 
 
-@pytest.mark.parametrize("zoo", [z for z in ZOOS if ZOOS[z].checkpointing])
+@pytest.mark.parametrize("zoo", CHECKPOINTING)
 def test_gradient_checkpointing_counts_one_step_per_forward(zoo):
-    zoo = ZOOS[zoo]
+    zoo = Zoo(zoo)
     warm, _ = warm_and_stock(zoo)
     plain = zoo.build(dict(GAINS, warmup_steps=N))
     plain.load_state_dict(warm.state_dict(), strict=True)
@@ -283,7 +178,7 @@ def test_timm_learnable_gains_are_scaled_too():
 
     from pid_plugins.core.pid import _inverse_softplus
 
-    zoo = ZOOS["timm_vit"]
+    zoo = Zoo("timm_vit")
     torch.manual_seed(0)
     warm = zoo.build(dict(GAINS, learnable=True, warmup_steps=N)).double().eval()
     x = zoo.inputs(torch.float64)
@@ -303,13 +198,13 @@ def test_timm_learnable_gains_are_scaled_too():
 def test_compiled_model_does_not_recompile_as_t_advances(zoo):
     import torch._dynamo
 
-    zoo = ZOOS[zoo]
+    zoo = Zoo(zoo)
     warm, _ = warm_and_stock(zoo)
     eager = zoo.build(dict(GAINS, warmup_steps=N))
     eager.load_state_dict(warm.state_dict(), strict=True)
     warm.train()
     eager.train()
-    compiled = torch.compile(warm, backend="aot_eager", fullgraph=zoo is ZOOS["timm_vit"])
+    compiled = torch.compile(warm, backend="aot_eager", fullgraph=zoo.zoo == "timm_vit")
     x = zoo.inputs()
     torch._dynamo.reset()
     try:
@@ -325,7 +220,7 @@ def test_compiled_model_does_not_recompile_as_t_advances(zoo):
 def test_timm_checkpoint_and_pretrained_softmax_file(tmp_path):
     from timm.models import load_checkpoint, resume_checkpoint
 
-    zoo = ZOOS["timm_vit"]
+    zoo = Zoo("timm_vit")
     warm, stock = warm_and_stock(zoo)
     warm.train()
     zoo.out(warm, zoo.inputs())
@@ -336,10 +231,8 @@ def test_timm_checkpoint_and_pretrained_softmax_file(tmp_path):
     load_checkpoint(resumed, str(tmp_path / "last.pth.tar"), strict=True)
     assert int(resumed.attention_warmup.step) == 1
     torch.save(stock.state_dict(), tmp_path / "softmax.pth")  # a softmax checkpoint as pretrained weights
-    import timm
-
-    model = timm.create_model(zoo.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "softmax.pth")),
-                              attention_cfg=dict(GAINS, warmup_steps=N), **zoo.arch)
+    name, _, args = zc.TIMM["deit"]
+    model = zc.timm_load_pretrained(name, tmp_path / "softmax.pth", attention_cfg=dict(GAINS, warmup_steps=N), **args)
     assert int(model.attention_warmup.step) == 0
     model.train()
     stock.train()
@@ -351,7 +244,7 @@ def test_hf_save_pretrained_round_trip_old_checkpoints_and_one_counter_per_model
     import pid_plugins.hf  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
-    zoo = ZOOS["hf"]
+    zoo = Zoo("hf")
     warm, stock = warm_and_stock(zoo)
     # on the outermost model
     assert [k for k in warm.state_dict() if "attention_warmup" in k] == ["attention_warmup.step"]
@@ -397,9 +290,8 @@ def test_hf_convert_adds_the_counter_and_refuses_a_model_without_one():
     pytest.importorskip("transformers")
     import pid_plugins.hf as ph
 
-    zoo = ZOOS["hf"]
-    torch.manual_seed(0)
-    model = zoo.build(None)
+    zoo = Zoo("hf")
+    model = zoo.stock()
     model.config.pid = {"warmup_steps": N}
     model.set_attn_implementation("pid")  # a stock model switched without convert: refused, naming convert
     with pytest.raises(RuntimeError, match=r"Call pid_plugins\.hf\.convert\(model, 'pid'\) once"):
@@ -420,7 +312,7 @@ def test_fairseq_train_checkpoint_resumes_the_schedule(tmp_path, tiny_fairseq_da
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     train = ["fairseq-train", tiny_fairseq_data_bin, "--task", "language_modeling", "--user-dir", pf.USER_DIR, "--arch",
-             "transformer_lm_pid", *Fairseq.tiny, "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001",
+             "transformer_lm_pid", *zc.fs_tiny(), "--max-tokens", "128", "--optimizer", "adam", "--lr", "0.001",
              "--cpu", "--num-workers", "0", "--save-dir", "ck", "--no-epoch-checkpoints",
              "--attention-cfg", '{"warmup_steps": 10}']
     run([*train, "--max-update", "2"])
