@@ -1,18 +1,47 @@
-"""Reads the registry (``pid_plugins.registry``: presets, one TOML file of variants per zoo) for every adapter."""
+"""Reads the registry (``pid_plugins.registry``: presets, one TOML file of variants per zoo) for every adapter, and
+loads the attention methods other installed packages declare (entry-point group ``pid_plugins.methods``)."""
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import functools
+import logging
 import tomllib
 import warnings
 from dataclasses import dataclass, field
-from importlib import resources
+from importlib import metadata, resources
 from typing import Any, Iterable, Optional
 
-from .core.methods import get_method
+from .core.methods import AttentionMethod, find_method, get_method, register_method
 
-__all__ = ["ModelEntry", "load_presets", "load_catalogue", "list_models", "get_model_entry", "ZOOS"]
+__all__ = ["ModelEntry", "load_presets", "load_catalogue", "list_models", "get_model_entry", "ZOOS",
+           "METHODS_GROUP", "load_installed_methods"]
+
+#: the entry-point group of attention methods from other packages: ``name = "module"`` (registers on import) or
+#: ``name = "module:attribute"`` (an :class:`~pid_plugins.core.AttentionMethod` instance, registered if it is not)
+METHODS_GROUP = "pid_plugins.methods"
+_LOADED: set[str] = set()
+
+
+def load_installed_methods() -> list[str]:
+    """Load every ``pid_plugins.methods`` entry point not loaded yet in this process (each adapter calls this where it
+    registers with its zoo); one that fails is skipped with a warning naming it. Returns the entry points loaded."""
+    loaded = []
+    for point in metadata.entry_points(group=METHODS_GROUP):
+        key = f"{point.name} = {point.value}"
+        if key in _LOADED:
+            continue
+        _LOADED.add(key)
+        try:
+            found = point.load()
+            if isinstance(found, AttentionMethod) and find_method(found.name) is not found:
+                register_method(found)
+        except Exception as exc:  # a broken package must not stop the zoo: its method is then unknown by name
+            logging.getLogger(__name__).warning("pid-plugins: the attention method entry point %r of group %s "
+                                                "failed to load: %s: %s", key, METHODS_GROUP, type(exc).__name__, exc)
+            continue
+        loaded.append(point.name)
+    return loaded
 
 ZOOS = ("timm", "hf", "mmseg", "fairseq")
 _ENTRY_KEYS = {"name", "base", "arch", "method", "preset", "gains", "description", "paper", "kwargs"}

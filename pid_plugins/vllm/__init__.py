@@ -1,4 +1,4 @@
-"""vLLM: serve a method checkpoint (PID, NeuTRENO, value residual) with vLLM's own attention backend.
+"""vLLM: serve a method checkpoint (PID, NeuTRENO, value residual, Twicing) with vLLM's own attention backend.
 
 ``pip install pid-plugins`` beside vLLM registers the entry point ``pid_plugins.vllm:register`` in vLLM's
 ``vllm.general_plugins`` group; vLLM calls it in each of its processes. It
@@ -12,10 +12,11 @@
   for vLLM's Transformers backend, which serves other families (:mod:`pid_plugins.vllm.transformers_backend`): each
   runs the method's one core step around vLLM's paged attention. vLLM's own classes are not touched: a checkpoint
   that names no method is served by vLLM's class, as without the plugin;
-* refuses what it cannot serve exactly (Twicing, Elliptical, learnable parameters, an unfinished warm-up, parallelism
+* refuses, by what the method declares, what it cannot serve exactly (Elliptical, learnable parameters, an unfinished warm-up, parallelism
   it does not cover, a vLLM outside the supported releases: :mod:`pid_plugins.vllm.config`, ``internals``).
 
-Nothing runs from a checkpoint: the method is looked up by name in pid-plugins' registry. This module imports no vLLM
+Nothing runs from a checkpoint: the method is looked up by name in pid-plugins' registry, which holds the built-in
+methods and those of installed packages (entry-point group ``pid_plugins.methods``, loaded by :func:`register`). This module imports no vLLM
 code until vLLM calls :func:`register`.
 """
 from __future__ import annotations
@@ -30,10 +31,14 @@ def register() -> None:
     :data:`ARCHITECTURES` and of vLLM's Transformers backend with vLLM's model registry under its own name
     (``PidPlugins<Architecture>``; lazily, by ``module:class``: vLLM imports it where it builds a model), and the
     check every model config passes there (:func:`pid_plugins.vllm.routing.install`), which sends a method
-    checkpoint to them. Safe to call more than once (vLLM loads plugins in each process)."""
+    checkpoint to them; first, the methods other installed packages declare (``pid_plugins.methods``). Safe to call
+    more than once (vLLM loads plugins in each process)."""
     from vllm import ModelRegistry
 
+    from ..catalogue import load_installed_methods
     from . import routing
+
+    load_installed_methods()
 
     routing.install(ModelRegistry)
     for module, architectures in (("models", ARCHITECTURES), ("transformers_backend", routing.TRANSFORMERS_CLASSES)):

@@ -91,8 +91,9 @@ def method_choice(hf_config: Any, where: str = "this checkpoint") -> Optional[Me
     if name not in list_methods():
         raise ValueError(
             f"{where}: config.json names attn_implementation={name!r}, which is neither an attention method of "
-            f"pid-plugins ({', '.join(list_methods())}) nor a stock attention of transformers: a method registered by "
-            "another package cannot be served by vLLM (pid_plugins.vllm); serve it with transformers.")
+            f"pid-plugins ({', '.join(list_methods())}) nor a stock attention of transformers. A method of another "
+            "package is known here when that package is installed in vLLM's environment and declares it in the "
+            "entry-point group pid_plugins.methods.")
     raw = getattr(hf_config, name, None)
     choice = resolve_attention(name, dict(raw) if isinstance(raw, Mapping) else raw, zoo="hf", learnable=False,
                                where=where, params_name=f"config.{name}")
