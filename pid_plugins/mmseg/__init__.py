@@ -35,6 +35,9 @@ if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugi
     from .vit import PIDTransformerEncoderLayer, PIDVisionTransformer, timm_vit_to_mmseg
     from .checkpoint import WeightsOnlyCheckpointHook
     from .conversion import convert
+    from ..catalogue import load_installed_methods
+
+    load_installed_methods()  # the methods of installed packages (entry-point group pid_plugins.methods)
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "PIDSegmenterMaskTransformerHead",
            "WeightsOnlyCheckpointHook", "timm_vit_to_mmseg", "install_mmcv_ext_standin", "convert", "CONFIGS"]
