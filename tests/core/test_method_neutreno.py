@@ -1,11 +1,7 @@
-"""NeuTRENO (``attention="neutreno"``), written from the official rule (github.com/tamnguyen9520/NeuTRENO_NeurIPS2024: ``DeiT/neutreno.py``,
-``segmenter/segm/model/blocks_neutreno.py``, ``wikitext103/src/mem_transformer.py``: layer 1 computes ``A v`` and
-records ``v^1``; layers l >= 2 compute ``A v + alpha (v^1 - v^l)``).
-
-The grid (float64 reference, alpha = 0 is the stock model, checkpointing, compile, save/reload, cached decoding in
-timm, transformers, mmseg and fairseq) is tests/core/test_method_contract.py; here: the rule against its loop statement
-and PID, parameters, warm-up, and BERT/BART against the stock model with hooks that add the term (the term from
-zoo_cases' :func:`naive_neutreno`, never pid_plugins' code).
+"""NeuTRENO (``attention="neutreno"``; github.com/tamnguyen9520/NeuTRENO_NeurIPS2024): layer 1 computes ``A v`` and
+records ``v^1``, layers l >= 2 ``A v + alpha (v^1 - v^l)``. The zoo grid is tests/core/test_method_contract.py; here:
+the rule against its loop statement and PID, parameters, warm-up, and BART against hooks adding zoo_cases'
+:func:`naive_neutreno` to the stock model.
 """
 import pytest
 import torch
@@ -14,7 +10,7 @@ import pid_plugins
 from pid_plugins import pid_update
 from pid_plugins.core import AttentionContext
 from pid_plugins.core.siblings.neutreno import NeuTRENOConfig, NeuTRENOMethod
-from zoo_cases import bart_config, bert_config, hf_ids, import_transformers, mm_inputs, naive_neutreno, timm_images
+from zoo_cases import bart_config, hf_ids, import_transformers, mm_inputs, naive_neutreno, timm_images
 from zoo_cases import mm_pair as zoo_mm_pair
 from zoo_cases import timm_pair as zoo_timm_pair
 
@@ -24,7 +20,6 @@ NAME = "neutreno"
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (tests/conftest.py)
 
 
-# ================================================================================================ core
 def test_method_is_registered_with_the_official_presets():
     method = pid_plugins.get_method(NAME)
     assert isinstance(method, NeuTRENOMethod) and NAME in pid_plugins.list_methods()
@@ -91,128 +86,74 @@ def test_warmup_scale_term_and_half_precision():
         method.update(cfg, a, v2[..., :2, :], state, None, -3)
 
 
-# ================================================================================================ timm
-def timm_pair(kind, alpha=0.6, seed=0, **method):
-    """(NeuTRENO model, stock model) with the same weights; ``method``: more NeuTRENO parameters."""
-    return zoo_timm_pair(kind, seed, attention=NAME, attention_cfg={"alpha": alpha, **method})
-
-
-def test_timm_warmup_starts_at_the_stock_model_and_reaches_the_method():
-    model, stock = timm_pair("deit", alpha=0.6, warmup_steps=2)
-    full, _ = timm_pair("deit", alpha=0.6)
-    x = timm_images("deit")
-    assert model.attention_warmup is not None and model.attention_warmup.warmup_steps == 2
-    model.train()
+@pytest.mark.parametrize("zoo", ["timm", "mmseg"])
+def test_warmup_starts_at_the_stock_model_and_reaches_the_method(zoo):
+    """t = 0 is the stock model bit for bit, t = N the method (timm's DeiT, mmseg's fused backbone)."""
+    if zoo == "timm":
+        pair, x, tol = (lambda cfg: zoo_timm_pair("deit", 0, attention=NAME, attention_cfg=cfg)), timm_images("deit"), 1e-6
+    else:
+        pair, x, tol = (lambda cfg: zoo_mm_pair("backbone", attention=NAME, attention_cfg=cfg)), mm_inputs("backbone"), 1e-5
+    full, stock = pair({"alpha": 0.6})
+    warm, _ = pair({"alpha": 0.6, "warmup_steps": 2})
+    assert warm.attention_warmup.warmup_steps == 2
+    out = (lambda m: m(x)) if zoo == "timm" else (lambda m: m(x)[0])
+    warm.train()
     with torch.no_grad():
-        assert torch.equal(model(x), stock(x))  # t = 0
-        model(x)
-        model.eval()
-        torch.testing.assert_close(model(x), full(x), rtol=1e-6, atol=1e-6)  # t = 2: full alpha
+        assert torch.equal(out(warm), out(stock))  # t = 0
+        warm(x)
+        warm.eval()
+        torch.testing.assert_close(out(warm), out(full), rtol=tol, atol=1e-6)  # t = 2: full alpha
 
 
 # ================================================================================================ transformers
-V = 96
-
-
-def token_ids(n=2, length=8, seed=1):
-    return hf_ids(n, length, seed, vocab=V)
-
-
-def hooked_reference(stock, groups, alpha, heads, **inputs):
-    """The stock model (float64, eager) with the rule added by hooks: ``groups`` lists, per group of self-attention
-    layers, ``(value projection, output projection)`` pairs; the term is added to the output projection's input
-    (the heads' outputs concatenated, the layout of the value projection's output, no grouped-query)."""
-    handles, values = [], {}
-
-    def record(key):
-        def hook(module, args, out):
-            values[key] = out
-        return hook
-
-    def add_term(group, index):
-        def hook(module, args):
-            (x,) = args
-            B, N, C = x.shape
-            per_head = [values[(group, i)].view(B, N, heads, -1).transpose(1, 2) for i in range(index + 1)]
-            a = x.view(B, N, heads, -1).transpose(1, 2)
-            return (naive_neutreno(a, per_head, alpha).transpose(1, 2).reshape(B, N, C),)
-        return hook
-
-    for g, group in enumerate(groups):
-        for i, (v_proj, out_proj) in enumerate(group):
-            handles.append(v_proj.register_forward_hook(record((g, i))))
-            handles.append(out_proj.register_forward_pre_hook(add_term(g, i)))
-    try:
-        with torch.no_grad():
-            return stock(**inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@pytest.mark.parametrize("family", ["bert", "bart"])
-def test_hf_encoder_and_encoder_decoder_match_a_float64_reference(family):
-    """BERT (an encoder: one group) and BART (the encoder's and the decoder's self-attention stacks are two groups,
-    cross-attention untouched), against the hooked stock model; alpha = 0 is the stock model bit for bit; the
-    encoder-decoder's cached decoding equals recomputation."""
+def test_hf_encoder_decoder_matches_a_float64_reference_and_decodes_with_its_cache():
+    """BART: the encoder's and the decoder's self-attention stacks are two groups (cross-attention untouched),
+    against the stock model (float64, eager) with the term added by hooks on each out_proj's input; alpha = 0 is
+    the stock model bit for bit; cached decoding equals recomputation (BERT: the contract's reference)."""
     T = import_transformers()
     import pid_plugins.hf as ph
 
-    if family == "bert":
-        cfg, cls = bert_config(V), T.BertModel
-    else:
-        cfg = bart_config(V, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-                          forced_eos_token_id=None)
-        cls = T.BartForConditionalGeneration
+    cfg = bart_config(96, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                      forced_eos_token_id=None)
     torch.manual_seed(0)
-    stock = cls(cfg).eval()
-    model = cls(cfg).eval()
+    stock = T.BartForConditionalGeneration(cfg).eval()
+    model = T.BartForConditionalGeneration(cfg).eval()
     model.load_state_dict(stock.state_dict())
-    x = dict(input_ids=token_ids(length=7))
-    if family == "bart":
-        x["decoder_input_ids"] = token_ids(length=5, seed=2)
-
-    def main(out):
-        return out.logits if family == "bart" else out.last_hidden_state
-
+    x = dict(input_ids=hf_ids(length=7), decoder_input_ids=hf_ids(length=5, seed=2))
     with torch.no_grad():
-        want = main(stock(**x))
+        want = stock(**x).logits
         ph.convert(model, NAME, {"alpha": 0.0})
-        assert torch.equal(main(model(**x)), want)
+        assert torch.equal(model(**x).logits, want)
         ph.convert(model, NAME, {"alpha": 0.6})
-        got = main(model.double()(**x))
+        got = model.double()(**x).logits
     stock.double().set_attn_implementation("eager")
-    if family == "bert":
-        groups = [[(layer.attention.self.value, layer.attention.output.dense) for layer in stock.encoder.layer]]
-    else:
-        groups = [[(layer.self_attn.v_proj, layer.self_attn.out_proj) for layer in stock.model.encoder.layers],
-                  [(layer.self_attn.v_proj, layer.self_attn.out_proj) for layer in stock.model.decoder.layers]]
-    reference = main(hooked_reference(stock, groups, 0.6, 4, **x, **({"use_cache": False} if family == "bart" else {})))
-    torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-10)
-    with torch.no_grad():
-        assert (main(stock(**x)) - reference).abs().max() > 1e-3
-    if family == "bart":  # cached decoding equals recomputation
-        model.float()
-        dec, cache = x["decoder_input_ids"][:, :2], None
-        for _ in range(3):
-            with torch.no_grad():
-                full = model(input_ids=x["input_ids"], decoder_input_ids=dec, use_cache=False).logits[:, -1]
-                out = model(input_ids=x["input_ids"], decoder_input_ids=dec if cache is None else dec[:, -1:],
-                            past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            torch.testing.assert_close(out.logits[:, -1], full, rtol=1e-4, atol=1e-5)
-            dec = torch.cat([dec, full.argmax(-1, keepdim=True)], 1)
+    handles, values = [], {}
+    for g, stack in enumerate((stock.model.encoder.layers, stock.model.decoder.layers)):
+        for i, layer in enumerate(stack):
+            def record(module, args, out, key=(g, i)):
+                values[key] = out
 
+            def add_term(module, args, g=g, i=i):
+                B, N, C = args[0].shape
+                heads = [values[(g, j)].view(B, N, 4, -1).transpose(1, 2) for j in range(i + 1)]
+                a = args[0].view(B, N, 4, -1).transpose(1, 2)
+                return (naive_neutreno(a, heads, 0.6).transpose(1, 2).reshape(B, N, C),)
 
-# ================================================================================================ mmseg
-def test_mmseg_warmup_starts_at_the_stock_backbone_and_reaches_the_method():
-    """mmseg's fused attention plus the method's term, scaled by t / N."""
-    model, stock = zoo_mm_pair("backbone", attention=NAME)
-    x = mm_inputs("backbone")
-    warm, _ = zoo_mm_pair("backbone", attention=NAME, attention_cfg={"warmup_steps": 2})
-    warm.train()
+            handles += [layer.self_attn.v_proj.register_forward_hook(record),
+                        layer.self_attn.out_proj.register_forward_pre_hook(add_term)]
     with torch.no_grad():
-        assert torch.equal(warm(x)[0], stock(x)[0])  # t = 0: the stock backbone
-        warm(x)
-        warm.eval()
-        torch.testing.assert_close(warm(x)[0], model(x)[0], rtol=1e-5, atol=1e-6)
+        reference = stock(**x, use_cache=False).logits
+        for handle in handles:
+            handle.remove()
+        torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-10)
+        assert (stock(**x).logits - reference).abs().max() > 1e-3
+    model.float()  # cached decoding equals recomputation
+    dec, cache = x["decoder_input_ids"][:, :2], None
+    for _ in range(3):
+        with torch.no_grad():
+            full = model(input_ids=x["input_ids"], decoder_input_ids=dec, use_cache=False).logits[:, -1]
+            out = model(input_ids=x["input_ids"], decoder_input_ids=dec if cache is None else dec[:, -1:],
+                        past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        torch.testing.assert_close(out.logits[:, -1], full, rtol=1e-4, atol=1e-5)
+        dec = torch.cat([dec, full.argmax(-1, keepdim=True)], 1)
