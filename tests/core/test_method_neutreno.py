@@ -3,6 +3,8 @@ records ``v^1``, layers l >= 2 ``A v + alpha (v^1 - v^l)``. The zoo grid is test
 the rule against its loop statement and PID, parameters, warm-up, and BART against hooks adding zoo_cases'
 :func:`naive_neutreno` to the stock model.
 """
+from functools import partial
+
 import pytest
 import torch
 
@@ -89,12 +91,10 @@ def test_warmup_scale_term_and_half_precision():
 @pytest.mark.parametrize("zoo", ["timm", "mmseg"])
 def test_warmup_starts_at_the_stock_model_and_reaches_the_method(zoo):
     """t = 0 is the stock model bit for bit, t = N the method (timm's DeiT, mmseg's fused backbone)."""
-    if zoo == "timm":
-        pair, x, tol = (lambda cfg: zoo_timm_pair("deit", 0, attention=NAME, attention_cfg=cfg)), timm_images("deit"), 1e-6
-    else:
-        pair, x, tol = (lambda cfg: zoo_mm_pair("backbone", attention=NAME, attention_cfg=cfg)), mm_inputs("backbone"), 1e-5
-    full, stock = pair({"alpha": 0.6})
-    warm, _ = pair({"alpha": 0.6, "warmup_steps": 2})
+    pair = partial(zoo_timm_pair, "deit", 0) if zoo == "timm" else partial(zoo_mm_pair, "backbone")
+    x, tol = (timm_images("deit"), 1e-6) if zoo == "timm" else (mm_inputs("backbone"), 1e-5)
+    full, stock = pair(attention=NAME, attention_cfg={"alpha": 0.6})
+    warm, _ = pair(attention=NAME, attention_cfg={"alpha": 0.6, "warmup_steps": 2})
     assert warm.attention_warmup.warmup_steps == 2
     out = (lambda m: m(x)) if zoo == "timm" else (lambda m: m(x)[0])
     warm.train()
