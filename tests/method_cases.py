@@ -15,154 +15,16 @@ parameters (the stock model bit for bit) where it has them, and where each prope
 """
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import pytest
 import torch
-from torch import Tensor
 
 import zoo_cases as zc
 
-Cfg = Optional[dict]
+from pid_plugins.testing.models import MODELS, Cfg, Model, fairseq_data  # noqa: F401  (the kit's models)
 
-
-# ================================================================================================ the models
-@dataclass(frozen=True)
-class Model:
-    """One zoo model of the contract. ``zoo``: the adapter (``timm``, ``hf``, ``mmseg``, ``fairseq``); ``causal``:
-    a decoder (causal mask); ``cached``: it decodes with a cache (generation / incremental state);
-    ``compile_backend``/``compile_tol``: torch.compile's backend and (rtol, atol) of its test (None: not compiled
-    here, e.g. mmseg's head, whose layers are the backbone's)."""
-
-    name: str
-    zoo: str
-    causal: bool = False
-    cached: bool = False
-    compile_backend: Optional[str] = None
-    compile_tol: Tuple[float, float] = (1e-5, 1e-6)
-
-    # ---- building
-    def pair(self, method: str, cfg: Cfg, seed: int = 0):
-        """(method model, stock model) with the same weights, eval mode."""
-        if self.zoo == "timm":
-            return zc.timm_pair(self.kind, seed, attention=method, attention_cfg=cfg)
-        if self.name == "hf-llama":
-            T = zc.import_transformers()
-            torch.manual_seed(seed)
-            model = T.LlamaForCausalLM(zc.llama_config(method, cfg, kv_heads=2)).eval()
-            stock = T.LlamaForCausalLM(zc.llama_config("sdpa", kv_heads=2)).eval()
-            stock.load_state_dict(zc.without_record(model.state_dict()))
-            return model, stock
-        if self.name == "hf-bert":
-            stock = self.stock(seed)
-            model = self.stock(seed)
-            import pid_plugins.hf as ph
-
-            return ph.convert(model, method, cfg), stock
-        if self.zoo == "mmseg":
-            return zc.mm_pair(self.kind, layers=3, seed=seed, attention=method, attention_cfg=cfg)
-        stock = self.stock(seed)
-        model, _, _ = zc.fs_build(fairseq_data(), extra=zc.fs_method(method, cfg), seed=seed + 1)
-        model.load_state_dict(stock.state_dict(), strict=True)
-        return model, stock
-
-    def stock(self, seed: int = 0):
-        """The stock model alone (BERT, fairseq: what :meth:`pair` draws the weights from)."""
-        if self.name == "hf-bert":
-            T = zc.import_transformers()
-            torch.manual_seed(seed)
-            return T.BertModel(zc.bert_config(layers=3, hidden_dropout_prob=0.0,
-                                              attention_probs_dropout_prob=0.0)).eval()
-        if self.zoo == "fairseq":
-            return zc.fs_build(fairseq_data(), arch="transformer_lm", seed=seed)[0]
-        return self.pair("softmax", None, seed)[1]
-
-    def build(self, method: str, cfg: Cfg, seed: int):
-        """A freshly built method model (other weights than :meth:`pair`'s for another seed): what a checkpoint is
-        loaded into."""
-        if self.zoo == "timm":
-            timm = zc.import_timm()
-            name, _, args = zc.TIMM[self.kind]
-            torch.manual_seed(seed)
-            return timm.create_model(name, attention=method, attention_cfg=cfg, **args).eval()
-        if self.zoo == "mmseg":
-            return zc.mm_build("PID" + zc.MM_TYPES[self.kind], zc.mm_args(self.kind, 3), seed, attention=method,
-                               attention_cfg=cfg)
-        if self.zoo == "fairseq":
-            return zc.fs_build(fairseq_data(), extra=zc.fs_method(method, cfg), seed=seed)[0]
-        return self.pair(method, cfg, seed)[0]
-
-    @property
-    def kind(self) -> str:
-        return self.name.split("-", 1)[1]
-
-    # ---- running
-    def inputs(self, dtype=torch.float32, seed: int = 1):
-        if self.zoo == "timm":
-            return zc.timm_images(self.kind, seed=seed).to(dtype)
-        if self.zoo == "hf":
-            return zc.hf_ids(seed=seed)
-        if self.zoo == "mmseg":
-            return zc.mm_inputs(self.kind, dtype, seed=seed)
-        return zc.fs_tokens(seed=seed)
-
-    def out(self, model, x) -> Tensor:
-        if self.name == "hf-llama":
-            return model(x).logits
-        if self.name == "hf-bert":
-            return model(x).last_hidden_state
-        if self.zoo == "mmseg":
-            return zc.mm_out(self.kind, model, x)
-        if self.zoo == "fairseq":
-            return model(x)[0]
-        return model(x)
-
-    def reference(self, stock, x, rule: zc.Rule) -> Tensor:
-        """The stock model's modules run by hand (float64 when ``stock`` is), attention by ``rule``."""
-        if self.zoo == "timm":
-            return zc.timm_reference(self.kind, stock, x, rule)
-        if self.name == "hf-llama":
-            return zc.llama_reference(stock, x, rule)
-        if self.name == "hf-bert":
-            return zc.bert_reference(stock, x, rule)
-        if self.zoo == "mmseg":
-            return zc.mmseg_reference(self.kind, stock, x, rule)
-        return zc.fairseq_reference(stock, x, rule)
-
-    def attention_layers(self, model) -> list:
-        """The modules that carry ``attention_method`` / ``attention_config``."""
-        if self.zoo == "timm":
-            return [blk.attn for blk in model.blocks]
-        if self.zoo == "mmseg":
-            return list(model.layers)
-        if self.zoo == "fairseq":
-            return [layer.self_attn for layer in model.decoder.layers]
-        raise ValueError(self.zoo)
-
-
-_FAIRSEQ_DATA: List[Any] = []
-
-
-def fairseq_data():
-    """A fairseq dictionary folder (zoo_cases.fs_dictionary), made once per process."""
-    if not _FAIRSEQ_DATA:
-        from pathlib import Path
-
-        _FAIRSEQ_DATA.append(zc.fs_dictionary(Path(tempfile.mkdtemp(prefix="method_contract_fairseq_"))))
-    return _FAIRSEQ_DATA[0]
-
-
-MODELS: Dict[str, Model] = {m.name: m for m in (
-    Model("timm-deit", "timm", compile_backend="aot_eager"),
-    Model("timm-fan", "timm", compile_backend="aot_eager"),
-    Model("hf-llama", "hf", causal=True, cached=True, compile_backend="aot_eager", compile_tol=(1e-5, 1e-5)),
-    Model("hf-bert", "hf", compile_backend="aot_eager", compile_tol=(1e-5, 1e-5)),
-    Model("mmseg-backbone", "mmseg", compile_backend="eager", compile_tol=(1e-6, 1e-6)),
-    Model("mmseg-head", "mmseg"),
-    Model("fairseq-lm", "fairseq", causal=True, cached=True, compile_backend="eager", compile_tol=(1e-5, 1e-5)),
-)}
 BIDIRECTIONAL = frozenset(n for n, m in MODELS.items() if not m.causal)
 CAUSAL = frozenset(n for n, m in MODELS.items() if m.causal)
 

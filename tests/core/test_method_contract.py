@@ -15,6 +15,7 @@ fairseq-train CLI) follow at the end.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -27,6 +28,8 @@ import torch
 import pid_plugins
 import zoo_cases as zc
 from method_cases import CAUSAL, METHODS, MODELS, cases, method_cfg
+from pid_plugins import testing
+from pid_plugins.testing import APPLIES, CASES
 from pyexec import run_python_c
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -48,20 +51,6 @@ def method_of(name):
     return pid_plugins.get_method(name)
 
 
-def configs_of(model_case, model):
-    """The (attention_method, attention_config) of every attention layer of ``model`` (hf: of its config)."""
-    if model_case.zoo == "hf":
-        import pid_plugins.hf as ph
-
-        return [(ph.method_of(model.config), ph.model_method_config(model.config))]
-    layers = model_case.attention_layers(model)
-    assert layers
-    top = [] if model_case.zoo == "fairseq" else [(model.attention_method, model.attention_config)]
-    return top + [
-        (layer.attention_method if hasattr(layer, "attention_method") else model.attention_method,
-         layer.attention_config) for layer in layers]
-
-
 # ================================================================================================ selection
 @pytest.mark.parametrize("method, model_case", cases())
 def test_selected_by_name_with_its_parameters_or_the_zoo_preset(method, model_case):
@@ -73,7 +62,7 @@ def test_selected_by_name_with_its_parameters_or_the_zoo_preset(method, model_ca
             assert model.config._attn_implementation == method.name
         want = method.config(given, model_case.zoo)
         assert isinstance(want, method.config_type())
-        for got_method, got_config in configs_of(model_case, model):
+        for got_method, got_config in model_case.configs(model):
             assert got_method is expected and got_config == want
 
 
@@ -111,258 +100,54 @@ def test_the_tables_causal_parameters_are_needed_and_accepted_in_a_causal_model_
             impl.check(impl.configure(None, "hf"), context)
 
 
-# ================================================================================================ (a) reference
-@pytest.mark.parametrize("method, model_case, cfg", cases(with_cfg=True))
-def test_matches_an_independent_float64_reference(method, model_case, cfg):
-    """The whole model in float64 against the stock model's modules run by hand with the method's rule (written
-    from the official code in tests/zoo_cases.py), and the method does change the output."""
-    model, stock = model_case.pair(method.name, cfg)
-    model, stock = model.double(), stock.double()
-    x = model_case.inputs(torch.float64)
-    rule = method.rule(cfg, model_case)
-    with torch.no_grad():
-        got = model_case.out(model, x)
-        want = model_case.reference(stock, x, rule)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-        assert not torch.allclose(model_case.out(stock, x), want)  # the method changes the output
-        if model_case.name == "hf-llama":  # ... by more than the float32 comparisons' tolerances there (5e-5)
-            assert (model_case.out(stock, x) - want).abs().max() > 5e-5
-        if model_case.zoo == "timm":  # the normed features too
-            features = zc.timm_reference(model_case.kind, stock, x, rule, features=True)
-            torch.testing.assert_close(model.forward_features(x), features, rtol=1e-10, atol=1e-10)
-            assert (stock.forward_features(x) - features).abs().max() > 1e-4
+# ================================================================================================ the kit's cases
+def kit_cases():
+    """(method, model, case, cfg) of every case of pid_plugins.testing that applies: the reference for each of the
+    method's parameter sets, the zero parameters where the method has them, and the others with its first set."""
+    out = []
+    for method, model in (p.values for p in cases()):
+        cfgs = {f"reference-{i}": cfg for i, cfg in enumerate(method.on(model))}
+        if model.name in method.zero_models:
+            cfgs["zero"] = method.zero
+        for case in ("checkpointing", "save_load", "compile", "generate", "padding"):
+            if APPLIES.get(case, lambda m: True)(model) and (case != "compile" or model.name in method.compile_models):
+                cfgs[case] = method_cfg(method, model)
+        out += [pytest.param(method, model, key.split("-")[0], cfg, id=f"{key}-{method.name}-{model.name}",
+                             marks=[pytest.mark.slow] if key == "compile" else []) for key, cfg in cfgs.items()]
+    return out
 
 
-# ================================================================================================ (b) zero
-@pytest.mark.parametrize("method, model_case", cases(pair=lambda method, model: model.name in method.zero_models))
-def test_switched_off_is_the_stock_model_bit_for_bit(method, model_case):
-    model, stock = model_case.pair(method.name, method.zero)
-    x = model_case.inputs()
-    identity = method_of(method.name).is_identity(method.config(method.zero, model_case.zoo))
-    with torch.no_grad():
-        assert torch.equal(model_case.out(model, x), model_case.out(stock, x))
-    if model_case.zoo == "timm":
-        for fused in (True, False):
-            zc.set_fused((model, stock), fused)
-            with torch.no_grad():
-                assert torch.equal(model(x), stock(x))
-                got = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
-                want = stock.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
-                assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
-        if identity:
-            assert model.blocks[0].attn.state_size == 0  # the stock code path: nothing threaded
-    elif model_case.name == "hf-llama":  # cached greedy generation, and left padding
-        with torch.no_grad():
-            assert torch.equal(zc.hf_greedy(model, x), zc.hf_greedy(stock, x))
-        x[0, :2] = 0
-        mask = (x != 0).long()
-        with torch.no_grad():
-            assert torch.equal(model(x, attention_mask=mask).logits, stock(x, attention_mask=mask).logits)
-    elif model_case.zoo == "mmseg" and identity:
-        from mmseg.models.backbones.vit import TransformerEncoderLayer
-
-        assert all(type(layer) is TransformerEncoderLayer for layer in model.layers)  # mmseg's own layers
-    elif model_case.zoo == "fairseq":
-        x[0, -3:] = 1  # padding
-        with torch.no_grad():
-            assert torch.equal(model(x)[0], stock(x)[0])
-        for m in (stock, model):  # training mode, with dropout: the same draws, outputs and gradients
-            m.train()
-            m.decoder.dropout_module.p = 0.1
-        torch.manual_seed(5)
-        a = stock(x)[0]
-        torch.manual_seed(5)
-        b = model(x)[0]
-        assert torch.equal(a, b)
-        a.sum().backward()
-        b.sum().backward()
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(stock.parameters(), model.parameters()))
-
-
-# ================================================================================================ (c) checkpointing
-@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.zoo == "timm"))
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_timm_gradient_checkpointing_equals_no_checkpointing(method, model_case, reentrant):
-    timm = zc.import_timm()
-    cfg = method_cfg(method, model_case)
-    ref, _ = model_case.pair(method.name, cfg)
-    ckpt, _ = model_case.pair(method.name, cfg)
-    ckpt.set_grad_checkpointing(True)
-    results = zc.timm_checkpointing_results(timm, (ref, ckpt), lambda: model_case.inputs(), reentrant)
-    assert len(results[0]) == len(results[1]) == 2 + len(list(ref.parameters()))
-    assert all(r is not None for r in results[0])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.zoo == "hf"))
-def test_hf_gradient_checkpointing_equals_no_checkpointing(method, model_case):
-    """The causal LM with ``use_cache=False`` and ``True`` in training (transformers' checkpointed layers drop the
-    cache, and the method's cache slot follows them: a slot filled by the recomputation too would hold every position
-    twice)."""
-    x = model_case.inputs()
-    if model_case.name == "hf-llama":
-        forwards, every = [zc.causal_lm_loss(x, use_cache=False), zc.causal_lm_loss(x, use_cache=True)], True
+@pytest.mark.parametrize("method, model_case, case, cfg", kit_cases())
+def test_the_kits_case(method, model_case, case, cfg):
+    """pid_plugins.testing's case (its docstring says what it checks) for every method on every model: the float64
+    reference (written from the official code, tests/zoo_cases.py), zero parameters = the stock model bit for bit,
+    activation checkpointing equals none, torch.compile(fullgraph=True) equals eager, save/load gives the same
+    outputs, cached decoding equals recomputation and is causal, left padding generates what the prompt alone does."""
+    kw = {}
+    if case == "compile":
+        kw["backend"], kw["tol"] = method.compile_overrides.get(model_case.name, (None, None))
+    rule = method.rule(cfg, model_case) if case == "reference" else None
+    run = functools.partial(CASES[case], model_case, method.name, cfg, rule, method.zero, **kw)
+    if case == "checkpointing" and model_case.zoo == "fairseq":
+        with pytest.raises(ValueError, match="--checkpoint-activations is not supported by transformer_lm_pid"):
+            run()
     else:
-        def forward(m):
-            out = m(x).last_hidden_state
-            return out, out.square().mean()
-        forwards, every = [forward], False  # BERT's pooler takes no part
-    for forward in forwards:
-        model, _ = model_case.pair(method.name, method_cfg(method, model_case))
-        model.train()
-        plain, ckpt = zc.hf_checkpointing_grads(model, forward, every_parameter=every)
-        assert plain.keys() == ckpt.keys() and len(plain) > 10
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    with pytest.raises(ValueError, match="use_reentrant': False"):  # the adapter's one refusal, for every method
-        forward(model)
+        run()
 
 
-@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.zoo == "mmseg"))
-def test_mmseg_with_cp_equals_no_checkpointing(method, model_case):
-    """mmseg's one checkpointing mode (every layer's ``with_cp``): outputs and gradients equal bit for bit."""
-    part = model_case.kind
-    cfg = method_cfg(method, model_case)
-    _, results = zc.mm_with_cp_runs(part, lambda: model_case.pair(method.name, cfg)[0])
-    assert sum(g is not None for g in results[0]) > 10
-    zc.assert_equal_or_both_none(*results)
+def test_the_kit_reports_exact_refused_and_wrong():
+    """check() as an author runs it: the toy with its own rule is exact; a rule that is not the method's is wrong
+    (with the error); fairseq's refusal of activation checkpointing is reported with its message."""
+    from toy_method import toy_rule
 
-
-@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.zoo == "fairseq"))
-def test_fairseq_checkpoint_activations_is_refused(method, model_case):
-    """fairseq's checkpointing (--checkpoint-activations) is not supported by transformer_lm_pid: refused at build."""
-    with pytest.raises(ValueError, match="--checkpoint-activations is not supported by transformer_lm_pid"):
-        zc.fs_build(zc_fairseq_data(), extra=[*zc.fs_method(method.name, method_cfg(method, model_case)),
-                                              "--checkpoint-activations"])
-
-
-def zc_fairseq_data():
-    from method_cases import fairseq_data
-
-    return fairseq_data()
-
-
-# ================================================================================================ (d) compile
-@pytest.mark.slow
-@pytest.mark.parametrize("method, model_case", cases(
-    pair=lambda method, model: model.compile_backend is not None and model.name in method.compile_models))
-def test_compile_fullgraph_equals_eager(method, model_case):
-    backend, (rtol, atol) = method.compile_overrides.get(
-        model_case.name, (model_case.compile_backend, model_case.compile_tol))
-    model, _ = model_case.pair(method.name, method_cfg(method, model_case))
-    x = model_case.inputs()
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            want = model_case.out(model, x)
-            if model_case.zoo == "mmseg":
-                got = zc.mm_compiled(model, x, backend)  # mmengine modules: the bound forward compiled
-            elif model_case.zoo == "fairseq":
-                got = torch.compile(model.decoder, fullgraph=True, backend=backend)(x)[0]
-            else:
-                got = model_case.out(torch.compile(model, fullgraph=True, backend=backend), x)
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-
-
-# ================================================================================================ (e) save / load
-@pytest.mark.parametrize("method, model_case", cases())
-def test_save_and_load_give_the_same_outputs(method, model_case, tmp_path):
-    cfg = method_cfg(method, model_case)
-    model, _ = model_case.pair(method.name, cfg, seed=3)
-    x = model_case.inputs()
-    loaded = []
-    if model_case.zoo == "timm":
-        timm = zc.import_timm()
-        name, _, args = zc.TIMM[model_case.kind]
-        path = tmp_path / "model.pth"
-        torch.save(model.state_dict(), path)
-        loaded.append(zc.timm_load_pretrained(name, path, attention=method.name, attention_cfg=cfg, **args))
-        other = model_case.build(method.name, cfg, seed=4)
-        timm.models.load_checkpoint(other, str(path))  # validate.py's path (weights-only)
-        loaded.append(other)
-    elif model_case.zoo == "hf":
-        T = zc.import_transformers()
-        import pid_plugins.hf as ph
-
-        model.save_pretrained(tmp_path)
-        cls = T.AutoModelForCausalLM if model_case.name == "hf-llama" else T.BertModel
-        again = cls.from_pretrained(tmp_path).eval()
-        assert again.config._attn_implementation == method.name
-        assert ph.model_method_config(again.config) == method.config(cfg, "hf")
-        loaded.append(again)
-    elif model_case.zoo == "mmseg":
-        from mmengine.runner.checkpoint import load_checkpoint, save_checkpoint
-
-        path = tmp_path / "iter_1.pth"
-        save_checkpoint({"state_dict": model.state_dict(), "meta": {}}, str(path))
-        again = model_case.build(method.name, cfg, seed=7)
-        load_checkpoint(again, str(path), map_location="cpu", strict=True)  # weights-only
-        loaded.append(again)
-    else:
-        from method_cases import fairseq_data
-
-        model, task, args = zc.fs_build(fairseq_data(), extra=zc.fs_method(method.name, cfg), seed=3)
-        path = str(tmp_path / "checkpoint.pt")
-        again = zc.fs_save_and_reload(model, task, args, path)
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        assert saved["cfg"]["model"]["attention_method"] == method.name
-        assert all(layer.attention_method is method_of(method.name)
-                   and layer.attention_config == method.config(cfg, "fairseq")
-                   for layer in model_case.attention_layers(again))
-        loaded.append(again)
-    with torch.no_grad():
-        want = model_case.out(model, x)
-        fresh = model_case.out(model_case.build(method.name, cfg, seed=11), x)
-        assert (fresh - want).abs().max() > 1e-6  # loading mattered
-        for again in loaded:
-            assert torch.equal(model_case.out(again, x), want)
-
-
-# ================================================================================================ (f) cache
-@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.name == "hf-llama"))
-def test_hf_cached_generation_equals_recomputation_and_is_causal(method, model_case):
-    """generate() with the dynamic and the static cache and beam search, cached passes of one token and of a chunk,
-    against recomputation; no position reads a later token."""
-    model, _ = model_case.pair(method.name, method_cfg(method, model_case))
-    x = zc.hf_ids(length=6)
-    with torch.no_grad():
-        # generate() with each cache and a cached pass's logits, against recomputation
-        seq, full = zc.assert_cached_generation(model, x)
-        # beam search (the cache reordered) as without a cache
-        beams = dict(num_beams=3, num_return_sequences=3)
-        assert torch.equal(zc.hf_greedy(model, x, **beams), zc.hf_greedy(model, x, use_cache=False, **beams))
-        # a chunk of several tokens after a cached prefix
-        first = model(seq[:, :5], use_cache=True)
-        rest = model(seq[:, 5:9], past_key_values=first.past_key_values).logits
-        torch.testing.assert_close(torch.cat([first.logits, rest], 1), full[:, :9], rtol=1e-5, atol=1e-5)
-        # causal: changing a token changes no earlier position's logits
-        for j in (2, 7):
-            y = seq.clone()
-            y[:, j] = (y[:, j] + 1 - 3) % (96 - 3) + 3
-            other = model(y).logits
-            torch.testing.assert_close(other[:, :j], full[:, :j], rtol=0, atol=0)
-            assert not torch.allclose(other[:, j:], full[:, j:])
-
-
-@pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.zoo == "fairseq"))
-def test_fairseq_incremental_decoding_equals_recomputation_and_is_causal(method, model_case):
-    model, _ = model_case.pair(method.name, method_cfg(method, model_case))
-    toks = zc.fs_tokens(length=9)
-    full = zc.fs_logits(model, toks)
-    torch.testing.assert_close(zc.fs_incremental_logits(model, toks), full, rtol=1e-5, atol=1e-5)
-    # beam reordering: the cache follows the rows
-    order = torch.tensor([1, 0])
-    torch.testing.assert_close(zc.fs_reordered_logits(model, toks, order, prefix=4),
-                               zc.fs_logits(model, toks[order])[:, 4:], rtol=1e-5, atol=1e-5)
-    # no position depends on a later token
-    for j in (3, 6):
-        changed = toks.clone()
-        changed[:, j] = (changed[:, j] - 4 + 7) % 40 + 4
-        other = zc.fs_logits(model, changed)
-        torch.testing.assert_close(other[:, :j], full[:, :j], rtol=0, atol=0)
-        assert not torch.allclose(other[:, j:], full[:, j:])
+    report = testing.check("scaled_reference", toy_rule(0.7), {"gamma": 0.7}, zero={"gamma": 0.0},
+                           models=["timm-deit", "fairseq-lm"], cases=["reference", "zero", "checkpointing"])
+    got = {(r.model, r.case): r for r in report}
+    assert [r.status for r in report] == ["exact", "exact", "exact", "exact", "exact", "refused"], str(report)
+    assert "--checkpoint-activations is not supported" in got["fairseq-lm", "checkpointing"].message
+    wrong = testing.check("scaled_reference", toy_rule(0.5), {"gamma": 0.7}, models=["timm-deit"], cases=["reference"])
+    assert not wrong.ok and wrong[0].status == "wrong" and "Tensor-likes are not close" in wrong[0].message
+    assert str(wrong).startswith("timm-deit        reference      wrong: AssertionError")
 
 
 # ================================================================================================ the toy's paths
