@@ -1,14 +1,7 @@
-"""Elliptical attention (``attention="elliptical"``, pid_plugins/core/siblings/elliptical.py) in every zoo.
-
-The rule is restated here from the official code (stefvk/Elliptical-Attention, ``ImageNet/models.py``
-``MahalaAttention.W_over_layers``) without calling the method: zoo_cases' :func:`naive_elliptical_scales` loops over
-batch, heads, dimensions and positions; :func:`naive_elliptical_attention` is the softmax of the rescaled scores
-written out. The grid (float64 references of every zoo model, the prefix mean on causal models and their caches,
-switched off, checkpointing, compile, save/reload) is tests/core/test_method_contract.py; here: the rule against its
-loop statement, no gradient through the scales, and the refusals of the sequence mean where a model is causal.
-Bidirectional models (timm DeiT and FAN, transformers BERT, mmseg backbone and decode head) are compared with float64
-references built from the stock modules; causal models (transformers decoders and encoder-decoders, fairseq LMs) and
-cached decoding are refused before anything is computed.
+"""Elliptical attention (``attention="elliptical"``; stefvk/Elliptical-Attention, ``MahalaAttention``), restated
+by loops in zoo_cases (:func:`naive_elliptical_scales`, :func:`naive_elliptical_attention`). The zoo grid is
+tests/core/test_method_contract.py; here: the rule against its loop statement, no gradient through the scales, and
+the sequence mean refused where a model is causal or cached, before anything is computed.
 """
 import pytest
 import torch
@@ -27,10 +20,6 @@ NAME = "elliptical"
 METHOD = pid_plugins.get_method(NAME)
 
 
-# ----------------------------------------------------------------------------------- the rule, by loops
-
-
-# ----------------------------------------------------------------------------------------- core level
 def test_config_presets_and_validation():
     assert METHOD.configure(None, "timm") == EllipticalConfig(from_layer=2, delta=5.0)
     for preset in ("deit", "fan", "segmenter"):
@@ -102,28 +91,15 @@ def test_scales_take_no_gradient_and_follow_the_layout_of_the_update():
     torch.testing.assert_close(q.grad, m[:, :, None, :].expand_as(q))
 
 
-# ---------------------------------------------------------------------------------------------- timm
-
-
-# ------------------------------------------------------------------------------------------ transformers
-V = 96
-
-
-def ids(n=2, length=8, seed=1):
-    return hf_ids(n, length, seed, vocab=V)
-
-
 def test_transformers_causal_models_are_refused_with_the_message():
     """Llama (decoder: forward and cached generation) and BART (its decoder's causal self-attention)."""
     T = import_transformers()
     import pid_plugins.hf as ph
 
     torch.manual_seed(0)
-    llama = T.LlamaForCausalLM(llama_config(layers=2, vocab=V)).eval()
-    ph.convert(llama, NAME)
-    bart = T.BartModel(bart_config(V)).eval()
-    ph.convert(bart, NAME)
-    x = ids()
+    llama = ph.convert(T.LlamaForCausalLM(llama_config(layers=2)).eval(), NAME)
+    bart = ph.convert(T.BartModel(bart_config()).eval(), NAME)
+    x = hf_ids()
     with torch.no_grad():
         for run in (lambda: llama(x), lambda: llama.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0),
                     lambda: bart(x)):
@@ -131,22 +107,16 @@ def test_transformers_causal_models_are_refused_with_the_message():
                 run()
 
 
-# ---------------------------------------------------------------------------------------------- mmseg
-def mm_pair(part, cfg=None, **kw):
-    return zoo_mm_pair(part, layers=3, attention=NAME, attention_cfg=cfg, **kw)
-
-
 @pytest.mark.parametrize("part", ["backbone", "head"])
 def test_mmseg_without_elliptical_layers_is_the_stock_attention_up_to_rounding(part):
     """``from_layer`` past the depth: the method's path (SDPA, not mmseg's own layers) computes the stock attention up
     to rounding (``attention='softmax'``, bit for bit, is in the contract suite)."""
-    unscaled, stock = mm_pair(part, {"from_layer": 99})
+    unscaled, stock = zoo_mm_pair(part, layers=3, attention=NAME, attention_cfg={"from_layer": 99})
     x = mm_inputs(part)
     with torch.no_grad():
         torch.testing.assert_close(mm_out(part, unscaled, x), mm_out(part, stock, x), rtol=1e-5, atol=1e-5)
 
 
-# ---------------------------------------------------------------------------------------------- fairseq
 def test_fairseq_language_models_refuse_the_sequence_mean(tmp_path):
     """fairseq's causal LM with ``mean="sequence"``: refused naming ``mean='prefix'`` (the preset's prefix mean is
     in the contract suite: reference, incremental decoding, causality)."""

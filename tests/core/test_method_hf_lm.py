@@ -84,12 +84,6 @@ def test_twicing_runs_grouped_query_families_with_the_cache(family):
 
 
 # ========================================================================================================= refusals
-def test_elliptical_sequence_mean_is_refused_in_a_causal_model_naming_prefix():
-    model, _ = llama_twins("elliptical", {"mean": "sequence"})
-    with torch.no_grad(), pytest.raises(ValueError, match="'elliptical' with mean='sequence' is not causal.*mean='prefix'"):
-        model(hf_ids(1, 4))
-
-
 def test_twicing_refuses_attention_dropout_in_training_only():
     model, _ = llama_twins("twicing", {"from_layer": 0}, attention_dropout=0.1)
     x = hf_ids(1, 4)

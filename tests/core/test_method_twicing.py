@@ -1,12 +1,7 @@
-"""Twicing attention (``attention="twicing"``), ``A v + A (v - A v)``.
-
-The references are written from the official rule (github.com/lazizcodes/twicing_attention: ``SharpAttention`` in
-``twicing_attention_vision/models.py``, ``2A - A A`` in ``twicing_attention_lang/lmtool-fwms/src/mem_transformer.py``)
-with the attention matrix formed explicitly in float64, not through the method's code (zoo_cases' ``twice64``).
-Twicing has no strength parameter: switched off is ``attention="softmax"`` with the same weights (and ``from_layer``
-past the last layer). The grid (float64 references of every zoo model, switched off, checkpointing, compile,
-save/reload, cached decoding) is tests/core/test_method_contract.py; here: the rule, its grouped-query and cache-slot
-exactness, ``from_layer``, the refusal of attention dropout in every zoo, and BART's two self-attention stacks.
+"""Twicing attention (``attention="twicing"``), ``A v + A (v - A v)``, against references written from the official
+rule (github.com/lazizcodes/twicing_attention) with the attention matrix formed in float64 (zoo_cases' ``twice64``).
+The zoo grid is tests/core/test_method_contract.py; here: the rule, its grouped-query and cache-slot exactness,
+``from_layer``, the refusal of attention dropout in every zoo, and BART's two self-attention stacks.
 """
 
 import pytest
@@ -16,7 +11,7 @@ import torch.nn.functional as F
 from pid_plugins.core import AttentionContext, LayerCall, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
 from zoo_cases import (TIMM, bart_config, fs_build, fs_method, fs_tokens, hf_ids, import_timm, import_transformers,
-                       llama_twins, mm_args, mm_build, timm_images, twice64)
+                       mm_args, mm_build, timm_images, twice64)
 
 NAME = "twicing"
 
@@ -144,7 +139,7 @@ def test_grouped_query_heads_and_a_cache_slot_are_exact():
 # ============================================================================================== dropout
 def test_attention_dropout_is_refused_in_training_in_timm_mmseg_and_fairseq(tmp_path):
     """One dropout draw cannot serve the rule's two calls: eval runs, training is refused before anything is
-    computed (transformers: test_hf_runs_grouped_query_and_refuses_attention_dropout_in_training)."""
+    computed (transformers: test_method_hf_lm.py)."""
     timm = import_timm()
     from zoo_cases import fs_dictionary
 
@@ -172,31 +167,13 @@ def test_attention_dropout_is_refused_in_training_in_timm_mmseg_and_fairseq(tmp_
 V = 64
 
 
-def llama_pair(cfg=None, kv_heads=4, **kw):
-    return llama_twins(NAME, cfg, kv_heads=kv_heads, vocab=V, **kw)
-
-
-def ids(n=2, length=8, seed=1):
-    return hf_ids(n, length, seed, vocab=V)
-
-
-def test_hf_runs_grouped_query_and_refuses_attention_dropout_in_training():
-    model, _ = llama_pair(kv_heads=2)
-    with torch.no_grad():
-        model(ids())
-    model, _ = llama_pair(attention_dropout=0.1)
-    model(ids())  # eval: no dropout drawn
-    with pytest.raises(ValueError, match="set the attention dropout to 0"):
-        model.train()(ids())
-
-
 def test_hf_encoder_decoder_twices_both_self_attention_stacks_and_stays_causal():
     T = import_transformers()
     import pid_plugins.hf as ph
 
     torch.manual_seed(0)
     bart = T.BartModel(bart_config(V)).eval()
-    x = ids()
+    x = hf_ids(vocab=V)
     with torch.no_grad():
         want = bart(x).last_hidden_state
         ph.convert(bart, NAME, {"from_layer": 2})  # past each stack's last layer: the stock model
