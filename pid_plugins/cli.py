@@ -1,6 +1,4 @@
-"""``pid-plugins``: list the variants across zoos, show presets, measure token collapse (``diagnose``) and robustness
-(``attack``), and ``run`` a command with the zoo adapters.
-"""
+"""``pid-plugins``: ``list``, ``presets``, ``diagnose``, ``attack``, ``doctor`` and ``run``."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +13,7 @@ class CLIError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line in the same form as every other error of the CLI (``NAME: error:``)."""
+    """argparse, with its errors as one ``NAME: error: ...`` line."""
 
     NAME = "pid-plugins"
 
@@ -38,7 +36,8 @@ def _int(lo: int) -> Callable[[str], int]:
     return parse
 
 
-def _number_list(lo: float, hi: float, what: str, parse: Callable[[str], float] = float) -> Callable[[str], List[float]]:
+def _number_list(lo: float, hi: float, what: str,
+                 parse: Callable[[str], float] = float) -> Callable[[str], List[float]]:
     """An argparse type: a comma list of finite numbers in [lo, hi] ("none" or "" = empty list)."""
 
     def parse_list(text: str) -> List[float]:
@@ -80,37 +79,32 @@ def _severities(text: str) -> List[int]:
     return [int(v) for v in values]
 
 
-def _model_kwargs(text: str) -> dict:
+def _json_object(text: str, expected: str, null: bool = False) -> Optional[dict]:
+    """``text`` as a JSON object (``null``: None allowed too), else an argparse error saying ``expected``."""
     import json
 
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"num_classes\": 10}}' ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"num_classes\": 10}}', got {text}")
+        raise argparse.ArgumentTypeError(f"expected {expected} ({exc})") from None
+    if not isinstance(value, dict) and not (null and value is None):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
+
+
+def _model_kwargs(text: str) -> dict:
+    return _json_object(text, "a JSON object, e.g. '{\"num_classes\": 10}'")
 
 
 def _attention_cfg(text: str) -> object:
     """An argparse type: a method's parameters, a JSON object of overrides (``null``: none) or a preset name."""
-    import json
-
     if text.isidentifier() and text not in ("null", "true", "false"):
         return text
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object or a preset name, e.g. '{{\"lambda_p\": 0.5}}' "
-                                         f"({exc})") from None
-    if value is not None and not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object or a preset name, e.g. '{{\"lambda_p\": 0.5}}', "
-                                         f"got {text}")
-    return value
+    return _json_object(text, "a JSON object or a preset name, e.g. '{\"lambda_p\": 0.5}'", null=True)
 
 
 def _attention_names(args: argparse.Namespace) -> List[str]:
-    """The --attention names, each checked against the methods registered now (core's message otherwise)."""
+    """The --attention names, each checked against the methods registered now."""
     from .core import SOFTMAX, get_method
 
     names = args.attention or []
@@ -274,28 +268,25 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         corruptions = sorted(corruption_dict) if corruptions is None else corruptions
         unknown = sorted(set(corruptions) - set(corruption_dict))
         if unknown:
-            raise CLIError(f"--corruptions: unknown {', '.join(unknown)}; choose from {', '.join(sorted(corruption_dict))}")
+            raise CLIError(f"--corruptions: unknown {', '.join(unknown)}; choose from "
+                           f"{', '.join(sorted(corruption_dict))}")
     baseline = None
     if args.baseline is not None:
         if args.baseline not in args.model:
             raise CLIError(f"--baseline {args.baseline!r} must be one of the --model names {args.model}")
         baseline = args.model.index(args.baseline)
-    image_options = dict(
-        attacks=attacks, eps=args.eps, eps_sweep=args.eps_sweep or None, pgd_steps=args.pgd_steps,
-        spsa_iters=args.spsa_iters, noise_sigmas=args.noise, corruptions=corruptions, severities=args.severities,
-    )
+    image_options = dict(attacks=attacks, eps=args.eps, eps_sweep=args.eps_sweep or None, pgd_steps=args.pgd_steps,
+                         spsa_iters=args.spsa_iters, noise_sigmas=args.noise, corruptions=corruptions,
+                         severities=args.severities)
     report = run_attack(
         args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
         baseline=baseline, num_samples=args.num_samples, batch_size=args.batch_size, seq_len=args.seq_len,
         seed=args.seed, image_options=image_options, rates=args.rates, attention=attention,
-        attention_cfg=args.attention_cfg or (), log=lambda m: print(m, file=sys.stderr),
-    )
+        attention_cfg=args.attention_cfg or (), log=lambda m: print(m, file=sys.stderr))
     for label, r in report["models"].items():
         if report["kind"] == "image":
             parts = [f"clean {100 * r['clean']['top1']:.1f}%"]
-            for a in ("fgsm", "pgd", "spsa"):
-                if a in r:
-                    parts.append(f"{a.upper()} {100 * r[a]['top1'][-1]:.1f}%")
+            parts += [f"{a.upper()} {100 * r[a]['top1'][-1]:.1f}%" for a in ("fgsm", "pgd", "spsa") if a in r]
             if "corruptions" in r:
                 parts.append(f"mean corruption error {100 * r['corruptions']['mean_corruption_error']:.1f}%")
                 if "mce_vs_baseline" in r["corruptions"]:
@@ -342,7 +333,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
               if zoo in TESTED else f"{zoo} {version}")
         for internal, problem in doctor(_doctor_internals(adapter)):
             kind = "check and probe" if internal.probe is not None else "check"
-            if problem is not None and internal.optional:  # its absence is refused where it is needed
+            if problem is not None and internal.optional:  # refused where it is needed
                 print(f"  absent  {internal.name} ({kind}; known to hold in {internal.versions}: what needs it is "
                       f"refused under {zoo} {version})")
                 continue
@@ -355,7 +346,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _command(sub: argparse._SubParsersAction, name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
-    """A subcommand with its one-line summary (``pid-plugins --help``) and description (``pid-plugins NAME --help``)."""
+    """A subcommand with its one-line summary and its description."""
     description = f"{summary[0].upper()}{summary[1:]}.{' ' + details if details else ''}"
     return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
 
@@ -377,8 +368,8 @@ def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> Non
                    help="the method's parameters for each --attention, in order: a JSON object of overrides of its "
                         "default preset (e.g. '{\"lambda_p\": 0.5}'), a preset name, or null (softmax)")
     _add_import_arg(p)
-    p.add_argument("--data", required=True,
-                   help="images: fashion-mnist, digits, auto or a <class>/<image> folder; text: wiki, shakespeare or a .txt file")
+    p.add_argument("--data", required=True, help="images: fashion-mnist, digits, auto or a <class>/<image> folder; "
+                                                 "text: wiki, shakespeare or a .txt file")
     p.add_argument("--num-samples", type=_int(1), default=samples, help="images, or token blocks of text (>= 1)")
     p.add_argument("--batch-size", type=_int(1), default=batch, help="inputs per forward pass")
     p.add_argument("--seq-len", type=_int(2), default=128, help="tokens per text block (>= 2)")
@@ -424,16 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attacks", default="fgsm,pgd", help="comma list of fgsm, pgd, spsa (or none)")
     p.add_argument("--eps", type=_eps, default=3 / 255,
                    help="l_inf budget in [0, 1] pixels (PGD/FGSM without a sweep, SPSA), e.g. 3/255")
-    p.add_argument("--eps-sweep", type=_number_list(0.0, 1.0, "an eps (e.g. 3/255 or 0.0118)", _fraction), default=[],
-                   help="comma list of eps in [0, 1] for FGSM/PGD, e.g. 1/255,2/255,3/255,4/255")
+    p.add_argument("--eps-sweep", type=_number_list(0.0, 1.0, "an eps (e.g. 3/255 or 0.0118)", _fraction),
+                   default=[], help="comma list of eps in [0, 1] for FGSM/PGD, e.g. 1/255,2/255,3/255,4/255")
     p.add_argument("--pgd-steps", type=_int(1), default=20, help="PGD iterations")
     p.add_argument("--spsa-iters", type=_int(1), default=5, help="SPSA iterations")
-    p.add_argument("--noise", type=_number_list(0.0, math.inf, "a noise sigma (>= 0)"), default=[0.02, 0.05, 0.1, 0.2],
-                   help="Gaussian noise sigmas >= 0 (or none)")
+    p.add_argument("--noise", type=_number_list(0.0, math.inf, "a noise sigma (>= 0)"),
+                   default=[0.02, 0.05, 0.1, 0.2], help="Gaussian noise sigmas >= 0 (or none)")
     p.add_argument("--corruptions", default="default", help="default, all, none or a comma list of corrupt-tta names")
     p.add_argument("--severities", type=_severities, default=[1, 2, 3, 4, 5], help="comma list of 1..5")
-    p.add_argument("--rates", type=_number_list(0.0, 1.0, "a substitution rate (0..1)"), default=[0.0, 0.05, 0.1, 0.2],
-                   help="token substitution rates in [0, 1] (language models)")
+    p.add_argument("--rates", type=_number_list(0.0, 1.0, "a substitution rate (0..1)"),
+                   default=[0.0, 0.05, 0.1, 0.2], help="token substitution rates in [0, 1] (language models)")
     p.add_argument("--out", type=_out_folder, default=Path("attack_out"), help="output folder (must not exist)")
     p.set_defaults(func=_cmd_attack)
     p = _command(sub, "doctor", "check the installed zoos' internals the adapters read (for a new zoo release)",
@@ -456,7 +447,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_command(args: argparse.Namespace, name: str = _Parser.NAME) -> int:
-    """Run a parsed command (its ``func``); a mistake the user can fix is one ``NAME: error: ...`` line and 2."""
+    """Run a parsed command; a mistake the user can fix is one ``NAME: error: ...`` line and 2."""
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:

@@ -1,10 +1,6 @@
-"""The zoo versions pid-plugins is tested with (:data:`TESTED`; outside it, the import warns once) and the guard on the
-zoo internals the adapters read (``<zoo>/internals.py``).
-
-Each :class:`Internal` has a ``check``: types, signatures or source text, run once, where the adapter first reads the
-internal (never at import, never building a module), :class:`InternalChanged` before anything is computed. Its
-``probe``, where it has one, compares the zoo's part with the method's on tiny models: ``pid-plugins doctor`` runs
-them (:func:`doctor`), as ``make test`` and ``make test-compat`` do."""
+"""The zoo versions pid-plugins is tested with (:data:`TESTED`; outside it, the import warns once) and the guard on
+the zoo internals the adapters read: each :class:`Internal`'s ``check`` runs where the adapter first reads it; its
+``probe`` (the zoo's part and the method's on tiny models) runs under ``pid-plugins doctor``."""
 from __future__ import annotations
 
 import functools
@@ -48,7 +44,7 @@ class InternalChanged(RuntimeError):
 
 
 def _key(version: str) -> Tuple[int, ...]:
-    """``"5.24.0"`` -> (5, 24, 0); local and pre-release parts ignored (``2.15.0+cu132``, ``1.0.0rc1``)."""
+    """``"5.24.0"`` -> (5, 24, 0); local and pre-release parts ignored."""
     return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
@@ -103,11 +99,11 @@ class Internal:
             raise InternalChanged(self.message())
 
     def holds(self) -> bool:
-        """Whether the internal looks as expected (``check``, once per process; True inside a compile trace)."""
+        """Whether the internal looks as expected (``check``, once per process)."""
         return torch.compiler.is_compiling() or _holds(self)
 
     def message(self, detail: str = "") -> str:
-        """The refusal: the zoo's version (or Python's: ``zoo="python"``), the tested range, what to install."""
+        """The refusal: the zoo's version, the tested range, what to install."""
         extra = f" ({detail})" if detail else ""
         if self.zoo == "python":
             head, advice = f"Python {platform.python_version()}", f"It is known to hold in Python {self.versions}; " \
@@ -155,9 +151,8 @@ def perturbed(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def doctor(internals: Iterable[Internal]) -> List[Tuple[Internal, Optional[str]]]:
-    """Run each internal's check and probe now; ``(internal, None)`` where it holds, else what failed.
-
-    The probes build and run tiny models (on the CPU, in float32) with torch's random state restored after them."""
+    """Run each internal's check and probe now (on the CPU, torch's random state restored): ``(internal, None)``
+    where it holds, else what failed."""
     results = []
     for internal in internals:
         failed: Optional[str] = None

@@ -1,6 +1,5 @@
-"""Real data that works offline, for the analysis tools and the demo (nothing is downloaded): images (``fashion-mnist``,
-``digits``, ``auto`` or an ``ImageFolder`` folder) and text (``wiki``, ``shakespeare`` or a UTF-8 text file).
-"""
+"""Real data that works offline (nothing is downloaded): images (``fashion-mnist``, ``digits``, ``auto`` or an
+``ImageFolder`` folder) and text (``wiki``, ``shakespeare`` or a UTF-8 text file)."""
 from __future__ import annotations
 
 import gzip
@@ -11,15 +10,12 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = [
-    "ImageSet", "FASHION_MNIST_DIR", "FASHION_MNIST_CLASSES", "load_images", "load_text", "IMAGE_SOURCES",
-    "TEXT_SOURCES",
-]
+__all__ = ["ImageSet", "FASHION_MNIST_DIR", "FASHION_MNIST_CLASSES", "load_images", "load_text", "IMAGE_SOURCES",
+           "TEXT_SOURCES"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-FASHION_MNIST_CLASSES = [
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
-]
+FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                         "Ankle boot"]
 IMAGE_SOURCES = ("fashion-mnist", "digits", "auto")
 TEXT_SOURCES = ("wiki", "shakespeare")
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -41,12 +37,6 @@ class ImageSet:
     def num_classes(self) -> int:
         return len(self.classes)
 
-    def subset(self, n: Optional[int]) -> "ImageSet":
-        """The first ``n`` samples (all when ``n`` is None)."""
-        if n is None or n >= len(self):
-            return self
-        return ImageSet(self.images[:n], self.labels[:n], self.classes, self.source)
-
 
 def _read_idx(path: Path, offset: int) -> "numpy.ndarray":  # noqa: F821
     import numpy as np
@@ -65,10 +55,8 @@ def _fashion_mnist(split: str) -> ImageSet:
     labels_file = FASHION_MNIST_DIR / f"{prefix}-labels-idx1-ubyte.gz"
     for f in (images_file, labels_file):
         if not f.is_file():
-            raise FileNotFoundError(
-                f"Fashion-MNIST file {f} not found: install the Debian package "
-                "(apt-get install -y dataset-fashion-mnist) or use --data digits"
-            )
+            raise FileNotFoundError(f"Fashion-MNIST file {f} not found: install the Debian package "
+                                    "(apt-get install -y dataset-fashion-mnist) or use --data digits")
     images = torch.from_numpy(_read_idx(images_file, 16).reshape(-1, 1, 28, 28).copy())
     labels = torch.from_numpy(_read_idx(labels_file, 8).astype("int64"))
     return ImageSet(images.float().div_(255.0), labels, list(FASHION_MNIST_CLASSES), "Fashion-MNIST")
@@ -126,14 +114,11 @@ def load_images(name: str, split: str = "test", limit: Optional[int] = None, see
     else:
         path = Path(name)
         if not path.is_dir():
-            raise ValueError(
-                f"unknown image dataset {name!r}: use one of {', '.join(IMAGE_SOURCES)} or a folder of "
-                "<class>/<image> files"
-            )
+            raise ValueError(f"unknown image dataset {name!r}: use one of {', '.join(IMAGE_SOURCES)} or a folder of "
+                             "<class>/<image> files")
         data = _image_folder(path, split)
     if limit is not None and limit < len(data):
-        g = torch.Generator().manual_seed(seed)
-        idx = torch.randperm(len(data), generator=g)[:limit]
+        idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:limit]
         data = ImageSet(data.images[idx], data.labels[idx], data.classes, data.source)
     return data
 

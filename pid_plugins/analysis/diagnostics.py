@@ -1,9 +1,5 @@
-"""Per-layer collapse diagnostics for any zoo model, collected without touching model code.
-
-Forward hooks on the layer stack give the token representations; a :class:`torch.overrides.TorchFunctionMode`
-recomputes each SDPA call's attention rows. Per layer: mean pairwise cosine, consensus distance E, numerical and
-effective rank, attention-row sparsity; :func:`repeated_passes` feeds the stack's output back pass after pass.
-"""
+"""Per-layer collapse diagnostics for any zoo model, without touching model code: forward hooks give the tokens,
+a ``TorchFunctionMode`` recomputes each SDPA call's attention rows."""
 from __future__ import annotations
 
 import math
@@ -17,10 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 from .measures import consensus_distance, effective_rank, mean_pairwise_cosine, numerical_rank
 
-__all__ = [
-    "MEASURES", "find_layer_stack", "collect_layer_measures", "repeated_passes", "masked_row_sparsity",
-    "AttentionRecorder",
-]
+__all__ = ["MEASURES", "find_layer_stack", "collect_layer_measures", "repeated_passes", "masked_row_sparsity",
+           "AttentionRecorder"]
 
 #: the per-layer measures, in report order
 MEASURES = ("mean_cosine", "consensus_distance", "numerical_rank", "effective_rank", "attention_sparsity")
@@ -40,14 +34,12 @@ def find_layer_stack(model: nn.Module, path: Optional[str] = None) -> Tuple[str,
     for name, module in model.named_modules():
         if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module) >= 2:
             children = list(module)
-            if len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters()):
-                if len(children) > best[0]:
-                    best = (len(children), name, children)
+            if (len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters())
+                    and len(children) > best[0]):
+                best = (len(children), name, children)
     if not best[0]:
-        raise ValueError(
-            f"found no stack of same-type blocks in {type(model).__name__}: pass the stack's dotted path "
-            "(e.g. 'blocks', 'model.layers')"
-        )
+        raise ValueError(f"found no stack of same-type blocks in {type(model).__name__}: pass the stack's dotted "
+                         "path (e.g. 'blocks', 'model.layers')")
     return best[1], best[2]
 
 
@@ -111,19 +103,15 @@ class AttentionRecorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and self.layer is not None:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            bound = dict(zip(names, args))
-            bound.update(kwargs)
+            bound = {**dict(zip(names, args)), **kwargs}
             with torch.no_grad():
-                probs, allowed = _sdpa_probs(
-                    bound["query"], bound["key"], bound.get("attn_mask"), bool(bound.get("is_causal", False)),
-                    bound.get("scale"), bool(bound.get("enable_gqa", False)),
-                )
-                self._record(probs, allowed)
+                self._record(*_sdpa_probs(bound["query"], bound["key"], bound.get("attn_mask"),
+                                          bool(bound.get("is_causal", False)), bound.get("scale"),
+                                          bool(bound.get("enable_gqa", False))))
         elif func is F.multi_head_attention_forward and self.layer is not None:
             out = func(*args, **kwargs)
             with torch.no_grad():
-                kw = dict(kwargs, need_weights=True, average_attn_weights=False)
-                weights = func(*args, **kw)[1]
+                weights = func(*args, **dict(kwargs, need_weights=True, average_attn_weights=False))[1]
             if weights is not None:
                 self._record(weights, None)
             return out
@@ -153,7 +141,8 @@ def _as_tokens(x: Tensor) -> Tensor:
 
 
 @contextmanager
-def _hooked(layers: Sequence[nn.Module], recorder: AttentionRecorder, outputs: List[Optional[Tensor]]) -> Iterator[None]:
+def _hooked(layers: Sequence[nn.Module], recorder: AttentionRecorder,
+            outputs: List[Optional[Tensor]]) -> Iterator[None]:
     handles = []
     for i, layer in enumerate(layers):
         def pre(_m, _args, i=i):
@@ -173,20 +162,12 @@ def _hooked(layers: Sequence[nn.Module], recorder: AttentionRecorder, outputs: L
 
 
 def _run(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(batch)
+    return model(**batch) if isinstance(batch, dict) else model(batch)
 
 
 @torch.no_grad()
-def collect_layer_measures(
-    model: nn.Module,
-    batches: Sequence[Any],
-    *,
-    layer_stack: Optional[str] = None,
-    forward: Callable[[nn.Module, Any], Any] = _run,
-    rank_rtol: float = 1e-3,
-) -> Dict[str, Any]:
+def collect_layer_measures(model: nn.Module, batches: Sequence[Any], *, layer_stack: Optional[str] = None,
+                           forward: Callable[[nn.Module, Any], Any] = _run, rank_rtol: float = 1e-3) -> Dict[str, Any]:
     """Run ``model`` on ``batches`` (eval mode); each measure per layer of its stack, averaged over sequences."""
     path, layers = find_layer_stack(model, layer_stack)
     L = len(layers)
@@ -215,21 +196,14 @@ def collect_layer_measures(
     if count == 0:
         raise ValueError("no batches: give at least one input batch")
     result: Dict[str, Any] = {"layer_stack": path, "num_layers": L, "num_sequences": count}
-    for m, vals in totals.items():
-        result[m] = [v / count for v in vals]
+    result.update({m: [v / count for v in vals] for m, vals in totals.items()})
     result["attention_sparsity"] = recorder.per_layer(L)
     return result
 
 
 @torch.no_grad()
-def repeated_passes(
-    model: nn.Module,
-    batch: Any,
-    passes: int = 20,
-    *,
-    layer_stack: Optional[str] = None,
-    forward: Callable[[nn.Module, Any], Any] = _run,
-) -> List[float]:
+def repeated_passes(model: nn.Module, batch: Any, passes: int = 20, *, layer_stack: Optional[str] = None,
+                    forward: Callable[[nn.Module, Any], Any] = _run) -> List[float]:
     """Consensus distance E of the stack's output after each of ``passes`` passes, each fed the last output."""
     if passes < 1:
         raise ValueError("passes must be at least 1")
@@ -244,10 +218,8 @@ def repeated_passes(
             return None
         if args and isinstance(args[0], Tensor):
             if args[0].shape != prev.shape:
-                raise ValueError(
-                    f"cannot feed the stack's output {tuple(prev.shape)} back as its input {tuple(args[0].shape)}: "
-                    "input and output widths differ"
-                )
+                raise ValueError(f"cannot feed the stack's output {tuple(prev.shape)} back as its input "
+                                 f"{tuple(args[0].shape)}: input and output widths differ")
             return (prev,) + tuple(args[1:]), kwargs
         if "hidden_states" in kwargs:
             return args, dict(kwargs, hidden_states=prev)

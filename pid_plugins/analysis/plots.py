@@ -6,13 +6,9 @@ from typing import Any, Dict, Mapping, Optional
 
 __all__ = ["plot_diagnostics", "plot_image_robustness", "plot_lm_robustness"]
 
-_TITLES = {
-    "mean_cosine": "mean pairwise cosine",
-    "consensus_distance": "consensus distance E",
-    "numerical_rank": "numerical rank",
-    "effective_rank": "effective rank",
-    "attention_sparsity": "attention sparsity S(a)",
-}
+_TITLES = {"mean_cosine": "mean pairwise cosine", "consensus_distance": "consensus distance E",
+           "numerical_rank": "numerical rank", "effective_rank": "effective rank",
+           "attention_sparsity": "attention sparsity S(a)"}
 
 
 def _pyplot():
@@ -34,15 +30,15 @@ def _finish(plt, fig, path: str | Path, title: Optional[str]) -> Path:
     return path
 
 
-def plot_diagnostics(results: Mapping[str, Dict[str, Any]], path: str | Path, title: Optional[str] = None) -> Path:
+def plot_diagnostics(results: Mapping[str, Dict[str, Any]], path: str | Path,
+                     title: Optional[str] = None) -> Path:
     """Each measure vs depth (and E vs pass when present), one line per model label."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
     with_passes = any("repeated_passes" in r for r in results.values())
     panels = list(_TITLES) + (["repeated_passes"] if with_passes else [])
-    cols = 3
-    rows = (len(panels) + cols - 1) // cols
+    cols, rows = 3, (len(panels) + 2) // 3
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
     for ax, key in zip(axes.flat, panels):
         for label, r in results.items():
@@ -51,17 +47,12 @@ def plot_diagnostics(results: Mapping[str, Dict[str, Any]], path: str | Path, ti
                 if ys:
                     ax.plot(range(1, len(ys) + 1), ys, marker=".", label=label)
                 continue
-            ys = r.get(key) or []
-            xs = [i + 1 for i, y in enumerate(ys) if y is not None]
-            vals = [y for y in ys if y is not None]
-            if vals:
-                ax.plot(xs, vals, marker="o", ms=3, label=label)
-        if key == "repeated_passes":
-            ax.set_title("E after repeated passes")
-            ax.set_xlabel("pass")
-        else:
-            ax.set_title(_TITLES[key])
-            ax.set_xlabel("layer")
+            points = [(i + 1, y) for i, y in enumerate(r.get(key) or []) if y is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", ms=3, label=label)
+        passes = key == "repeated_passes"
+        ax.set_title("E after repeated passes" if passes else _TITLES[key])
+        ax.set_xlabel("pass" if passes else "layer")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in list(axes.flat)[len(panels):]:
@@ -70,7 +61,8 @@ def plot_diagnostics(results: Mapping[str, Dict[str, Any]], path: str | Path, ti
     return _finish(plt, fig, path, title)
 
 
-def plot_image_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path, title: Optional[str] = None) -> Path:
+def plot_image_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path,
+                          title: Optional[str] = None) -> Path:
     """Accuracy vs eps (FGSM, PGD), vs noise sigma, and vs corruption severity, one colour per model."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
@@ -86,8 +78,7 @@ def plot_image_robustness(results: Mapping[str, Dict[str, Any]], path: str | Pat
             axes[1].plot(r["noise"]["sigma"], [100 * a for a in r["noise"]["top1"]], color=c, marker="o", ms=3,
                          label=label)
         if "corruptions" in r:
-            sev = r["corruptions"]["severities"]
-            per = r["corruptions"]["top1"]
+            sev, per = r["corruptions"]["severities"], r["corruptions"]["top1"]
             mean = [100 * sum(v[i] for v in per.values()) / len(per) for i in range(len(sev))]
             axes[2].plot(sev, mean, color=c, marker="o", ms=3, label=label)
         axes[0].axhline(100 * r["clean"]["top1"], color=c, lw=0.8, alpha=0.5)
@@ -101,7 +92,8 @@ def plot_image_robustness(results: Mapping[str, Dict[str, Any]], path: str | Pat
     return _finish(plt, fig, path, title)
 
 
-def plot_lm_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path, title: Optional[str] = None) -> Path:
+def plot_lm_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path,
+                       title: Optional[str] = None) -> Path:
     """Perplexity vs token substitution rate, one line per model."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.6))
@@ -112,8 +104,4 @@ def plot_lm_robustness(results: Mapping[str, Dict[str, Any]], path: str | Path, 
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, path, None)

@@ -1,8 +1,5 @@
-"""Robustness of image classifiers and language models, softmax and PID side by side.
-
-Images: clean top-1/top-5, FGSM, PGD, SPSA, Gaussian noise and ImageNet-C corruptions on the data's own pixels in
-[0, 1] (:class:`PixelClassifier` normalises inside the model). Language models: perplexity, clean and with noisy tokens.
-"""
+"""Robustness of image classifiers (clean, FGSM, PGD, SPSA, noise and ImageNet-C corruptions on pixels in [0, 1])
+and language models (perplexity, clean and with noisy tokens)."""
 from __future__ import annotations
 
 import math
@@ -12,16 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = [
-    "PixelClassifier", "DEFAULT_CORRUPTIONS", "accuracy", "evaluate_image_robustness", "relative_mce",
-    "lm_perplexity", "evaluate_lm_robustness", "parse_eps",
-]
+__all__ = ["PixelClassifier", "DEFAULT_CORRUPTIONS", "accuracy", "evaluate_image_robustness", "relative_mce",
+           "lm_perplexity", "evaluate_lm_robustness", "parse_eps"]
 
 #: a fast, representative subset of the 19 ImageNet-C corruptions (noise, blur, weather, digital)
-DEFAULT_CORRUPTIONS = (
-    "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "motion_blur", "fog", "contrast",
-    "brightness", "jpeg_compression", "pixelate", "elastic_transform",
-)
+DEFAULT_CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "motion_blur", "fog",
+                       "contrast", "brightness", "jpeg_compression", "pixelate", "elastic_transform")
 
 
 def parse_eps(text: str) -> float:
@@ -68,8 +61,7 @@ class PixelClassifier(nn.Module):
         super().__init__()
         self.model = model
         self.channels, self.size, mean, std = _model_input(model)
-        m = torch.tensor(mean, dtype=torch.float32)
-        s = torch.tensor(std, dtype=torch.float32)
+        m, s = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
         if len(m) != self.channels:  # e.g. ImageNet statistics on a 1-channel model: use their average
             m, s = m.mean().repeat(self.channels), s.mean().repeat(self.channels)
         self.register_buffer("mean", m.view(1, -1, 1, 1), persistent=False)
@@ -98,7 +90,8 @@ def _progress(iterable, progress: bool, desc: str, total: Optional[int] = None):
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 64, topk: Sequence[int] = (1,)) -> List[float]:
+def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 64,
+             topk: Sequence[int] = (1,)) -> List[float]:
     """Top-k accuracies (fractions) of ``model`` on ``images`` in [0, 1]."""
     correct = [0] * len(topk)
     for i in range(0, len(labels), batch_size):
@@ -141,22 +134,11 @@ def _corrupt(images: Tensor, name: str, severity: int, seed: int) -> Tensor:
 
 
 def evaluate_image_robustness(
-    model: nn.Module,
-    images: Tensor,
-    labels: Tensor,
-    *,
-    batch_size: int = 64,
-    attacks: Sequence[str] = ("fgsm", "pgd"),
-    eps: float = 3 / 255,
-    eps_sweep: Optional[Sequence[float]] = None,
-    pgd_steps: int = 20,
-    spsa_iters: int = 5,
-    spsa_samples: int = 64,
-    noise_sigmas: Sequence[float] = (0.02, 0.05, 0.1, 0.2),
-    corruptions: Sequence[str] = DEFAULT_CORRUPTIONS,
-    severities: Sequence[int] = (1, 2, 3, 4, 5),
-    seed: int = 0,
-    progress: bool = True,
+    model: nn.Module, images: Tensor, labels: Tensor, *, batch_size: int = 64,
+    attacks: Sequence[str] = ("fgsm", "pgd"), eps: float = 3 / 255, eps_sweep: Optional[Sequence[float]] = None,
+    pgd_steps: int = 20, spsa_iters: int = 5, spsa_samples: int = 64,
+    noise_sigmas: Sequence[float] = (0.02, 0.05, 0.1, 0.2), corruptions: Sequence[str] = DEFAULT_CORRUPTIONS,
+    severities: Sequence[int] = (1, 2, 3, 4, 5), seed: int = 0, progress: bool = True,
 ) -> Dict[str, Any]:
     """Every robustness measure of a classifier taking images in [0, 1], as fractions, by attack and strength."""
     unknown = sorted(set(attacks) - {"fgsm", "pgd", "spsa"})
@@ -183,10 +165,8 @@ def evaluate_image_robustness(
                 if e == 0:
                     accs.append(top1)
                     continue
-                if name == "fgsm":
-                    atk = torchattacks.FGSM(model, eps=e)
-                else:
-                    atk = torchattacks.PGD(model, eps=e, alpha=2.5 * e / pgd_steps, steps=pgd_steps, random_start=True)
+                atk = (torchattacks.FGSM(model, eps=e) if name == "fgsm" else torchattacks.PGD(
+                    model, eps=e, alpha=2.5 * e / pgd_steps, steps=pgd_steps, random_start=True))
                 accs.append(_attack_accuracy(atk, model, images, labels, batch_size, progress,
                                              f"{name.upper()} eps={e:.4f}"))
             result[name] = {"eps": sweep, "top1": accs}
@@ -194,10 +174,8 @@ def evaluate_image_robustness(
                 result[name]["steps"] = pgd_steps
     if noise_sigmas:
         g = torch.Generator().manual_seed(seed)
-        accs = []
-        for sigma in noise_sigmas:
-            noisy = (images + sigma * torch.randn(images.shape, generator=g)).clamp_(0, 1)
-            accs.append(accuracy(model, noisy, labels, batch_size)[0])
+        accs = [accuracy(model, (images + sigma * torch.randn(images.shape, generator=g)).clamp_(0, 1), labels,
+                         batch_size)[0] for sigma in noise_sigmas]
         result["noise"] = {"sigma": list(noise_sigmas), "top1": accs}
     if corruptions:
         per: Dict[str, List[float]] = {}
@@ -218,8 +196,7 @@ def relative_mce(result: Dict[str, Any], baseline: Dict[str, Any]) -> float:
         raise ValueError("the model and the baseline were measured on different corruptions")
     ratios = []
     for c in ours:
-        e_model = sum(1.0 - a for a in ours[c])
-        e_base = sum(1.0 - a for a in base[c])
+        e_model, e_base = sum(1.0 - a for a in ours[c]), sum(1.0 - a for a in base[c])
         ratios.append(e_model / e_base if e_base > 0 else (1.0 if e_model == 0 else math.inf))
     return 100.0 * sum(ratios) / len(ratios)
 

@@ -19,7 +19,8 @@ from .models import LoadedModel, attention_of, check_attention, load_model
 __all__ = ["ModelInputs", "model_inputs", "run_diagnose", "run_attack", "text_blocks", "staged_output"]
 
 
-def text_blocks(text: str, tokenizer: Any, seq_len: int, max_blocks: Optional[int], vocab_size: int) -> Tuple[Tensor, str]:
+def text_blocks(text: str, tokenizer: Any, seq_len: int, max_blocks: Optional[int],
+                vocab_size: int) -> Tuple[Tensor, str]:
     """Token blocks ``(n, seq_len)`` of ``text``: the model's tokenizer, or UTF-8 bytes when it has none."""
     if tokenizer is not None:
         ids = tokenizer(text[: 400 * seq_len * (max_blocks or 64)])["input_ids"]
@@ -29,9 +30,7 @@ def text_blocks(text: str, tokenizer: Any, seq_len: int, max_blocks: Optional[in
             raise ValueError(f"the model has no tokenizer and a vocabulary of {vocab_size} < 256 byte ids")
         ids = list(text.encode("utf-8")[: seq_len * (max_blocks or 10_000)])
         how = "UTF-8 bytes as token ids (the model has no tokenizer)"
-    n = len(ids) // seq_len
-    if max_blocks:
-        n = min(n, max_blocks)
+    n = min(len(ids) // seq_len, max_blocks or len(ids))
     if n < 1:
         raise ValueError(f"the text is shorter than one block of {seq_len} tokens")
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len), how
@@ -65,16 +64,19 @@ def model_inputs(lm: LoadedModel, data: str, num_samples: int, batch_size: int, 
     """The batches and forward function feeding ``data`` to the model; clear errors on a mismatch."""
     from .datasets import load_images, load_text
 
-    text_like = data in ("wiki", "shakespeare") or (Path(data).is_file() and Path(data).suffix in (".txt", ".md", ".raw", ""))
+    text_like = data in ("wiki", "shakespeare") or (Path(data).is_file()
+                                                    and Path(data).suffix in (".txt", ".md", ".raw", ""))
     if lm.kind in ("causal_lm", "encoder"):
         if not text_like:
-            raise ValueError(f"{lm.label} is a language model: give text (wiki, shakespeare or a .txt file), not {data!r}")
+            raise ValueError(f"{lm.label} is a language model: give text (wiki, shakespeare or a .txt file), "
+                             f"not {data!r}")
         vocab = int(getattr(lm.model.config, "vocab_size", 0))
         blocks, how = text_blocks(load_text(data), lm.tokenizer, seq_len, max(1, num_samples), vocab)
         batches = [{"input_ids": blocks[i:i + batch_size]} for i in range(0, len(blocks), batch_size)]
         return ModelInputs(batches, lambda m, b: m(**b), f"{len(blocks)} blocks of {seq_len} tokens of {data} ({how})")
     if text_like:
-        raise ValueError(f"{lm.label} is an image model: give images (fashion-mnist, digits, auto or a folder), not {data!r}")
+        raise ValueError(f"{lm.label} is an image model: give images (fashion-mnist, digits, auto or a folder), "
+                         f"not {data!r}")
     images = load_images(data, "test", limit=num_samples, seed=seed)
     if lm.kind == "segmentation":
         fwd, size = _mmseg_forward(lm.model)
@@ -84,11 +86,10 @@ def model_inputs(lm: LoadedModel, data: str, num_samples: int, batch_size: int, 
 
         pc = PixelClassifier(lm.model)
         num_classes = getattr(lm.model, "num_classes", None)
-        if num_classes is not None and num_classes and images.num_classes > num_classes:
-            raise ValueError(
-                f"{images.source} has {images.num_classes} classes but {lm.label} predicts {num_classes}: "
-                "build the model with num_classes (e.g. --model-kwargs '{\"num_classes\": 10}')"
-            )
+        if num_classes and images.num_classes > num_classes:
+            raise ValueError(f"{images.source} has {images.num_classes} classes but {lm.label} predicts "
+                             f"{num_classes}: build the model with num_classes (e.g. --model-kwargs "
+                             "'{\"num_classes\": 10}')")
         fwd = lambda m, x: pc(x)  # noqa: E731  (pc wraps lm.model, which the hooks see)
         desc = f"{len(images)} {images.source} test images"
     batches = [images.images[i:i + batch_size] for i in range(0, len(images), batch_size)]
@@ -113,9 +114,8 @@ def _load_all(models: Sequence[str], checkpoints: Sequence[str], kwargs: Dict[st
     cfgs = _per_model(attention_cfg, models, "--attention-cfg") if attention_cfg else [None] * len(models)
     for method in methods:  # every name is checked before any model is built
         check_attention(method)
-    loaded = [load_model(m, checkpoint=checkpoints[i] if checkpoints else None, kwargs=kwargs,
-                         attention=methods[i], attention_cfg=cfgs[i])
-              for i, m in enumerate(models)]
+    loaded = [load_model(m, checkpoint=checkpoints[i] if checkpoints else None, kwargs=kwargs, attention=methods[i],
+                         attention_cfg=cfgs[i]) for i, m in enumerate(models)]
     labels = [lm.label for lm in loaded]
     for i, lm in enumerate(loaded):
         if labels.count(lm.label) > 1:
@@ -143,10 +143,16 @@ def staged_output(out: Path) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _check_sizes(**sizes: int) -> None:
+def _start(out: str | Path, seed: int, **sizes: Tuple[int, int]) -> Path:
+    """Check the sizes (each ``(value, lowest)``) and the output folder, and seed torch; the folder."""
     for name, (value, lo) in sizes.items():
         if int(value) != value or value < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {value}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
+    torch.manual_seed(seed)
+    return out
 
 
 def _finite(obj: Any) -> Any:
@@ -171,11 +177,8 @@ def run_diagnose(models: Sequence[str], data: str, out: str | Path, *, checkpoin
     from .diagnostics import collect_layer_measures, repeated_passes
     from .plots import plot_diagnostics
 
-    _check_sizes(num_samples=(num_samples, 1), batch_size=(batch_size, 1), seq_len=(seq_len, 2), passes=(passes, 0))
-    torch.manual_seed(seed)
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
+    out = _start(out, seed, num_samples=(num_samples, 1), batch_size=(batch_size, 1), seq_len=(seq_len, 2),
+                 passes=(passes, 0))
     results: Dict[str, Any] = {}
     # every model and its data first: mistakes are reported before any work
     prepared = [(lm, model_inputs(lm, data, num_samples, batch_size, seq_len, seed))
@@ -209,18 +212,15 @@ def run_attack(models: Sequence[str], data: str, out: str | Path, *, checkpoints
     from .plots import plot_image_robustness, plot_lm_robustness
     from .robustness import PixelClassifier, evaluate_image_robustness, evaluate_lm_robustness, relative_mce
 
-    _check_sizes(num_samples=(num_samples, 1), batch_size=(batch_size, 1), seq_len=(seq_len, 2))
     options = dict(image_options or {})
-    _check_sizes(**{k: (options[k], 1) for k in ("pgd_steps", "spsa_iters") if k in options})
+    out = _start(out, seed, num_samples=(num_samples, 1), batch_size=(batch_size, 1), seq_len=(seq_len, 2),
+                 **{k: (options[k], 1) for k in ("pgd_steps", "spsa_iters") if k in options})
     for name, values, hi in (("noise_sigmas", options.get("noise_sigmas", ()), math.inf), ("rates", rates, 1.0),
-                             ("eps_sweep", options.get("eps_sweep") or (), 1.0), ("eps", [options.get("eps", 0.0)], 1.0)):
+                             ("eps_sweep", options.get("eps_sweep") or (), 1.0),
+                             ("eps", [options.get("eps", 0.0)], 1.0)):
         bad = [v for v in values if not (math.isfinite(v) and 0.0 <= v <= hi)]
         if bad:
             raise ValueError(f"{name} must be finite and in [0, {hi:g}], got {bad}")
-    torch.manual_seed(seed)
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a folder: give --out a new or existing folder")
     loaded = _load_all(models, checkpoints, model_kwargs or {}, attention, attention_cfg)
     kinds = {lm.kind for lm in loaded}
     if len(kinds) > 1:

@@ -1,6 +1,5 @@
-"""What every method's update shares about attention heads: expanding key/value heads to query heads
-(:func:`expand_heads`), moving the head dimension (:func:`move_heads`), the grouped view, the state's dtype, and
-whether sizes are traced (:func:`symbolic`)."""
+"""What every method's update shares about attention heads: expanding key/value heads, moving the head
+dimension, the grouped view, the state's dtype, and whether sizes are traced."""
 from __future__ import annotations
 
 import functools
@@ -12,14 +11,12 @@ __all__ = ["expand_heads", "move_heads", "symbolic"]
 
 
 def symbolic(*tensors: Tensor) -> bool:
-    """Whether sizes are traced values (TorchScript tracing or torch.fx proxies): code then takes the branch-free
-    form and leaves the shape checks out."""
+    """Whether sizes are traced values (TorchScript tracing or torch.fx proxies): no branch, no shape checks."""
     return torch.jit.is_tracing() or any(isinstance(t, torch.fx.Proxy) for t in tensors)
 
 
 def move_heads(x: Tensor, source: int, destination: int) -> Tensor:
-    """``x.movedim(source, destination)``, or ``x`` itself where that moves nothing (timm's ``(B, H, N, D)`` with
-    heads at -3): an identity permute is still an op dispatched in eager mode, and a node in autograd's graph."""
+    """``x.movedim(source, destination)``, or ``x`` itself where that moves nothing (no op, no autograd node)."""
     if isinstance(x, torch.fx.Proxy):
         return x.movedim(source, destination)
     dims = x.dim()
@@ -39,10 +36,8 @@ def expand_heads(x: Tensor, num_heads: int, head_dim: int = -3) -> Tensor:
     if kv_heads == num_heads:
         return x
     if kv_heads <= 0 or num_heads % kv_heads != 0:
-        raise ValueError(
-            f"cannot expand {kv_heads} key/value heads to {num_heads} query heads: "
-            "the number of query heads must be a multiple of the number of key/value heads"
-        )
+        raise ValueError(f"cannot expand {kv_heads} key/value heads to {num_heads} query heads: the number of query "
+                         "heads must be a multiple of the number of key/value heads")
     return x.repeat_interleave(num_heads // kv_heads, dim=head_dim)
 
 
@@ -56,15 +51,11 @@ _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.flo
           torch.float64: torch.float64}
 
 
-def _kv_head_split(attn_out: Tensor, value: Tensor, head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
-    """For ``value`` with fewer heads than the output (dividing them): the output's shape with its head dimension
-    split into ``(H_kv, r)``, the broadcast dimension, and a key/value-head tensor's shape there. Raises otherwise."""
-    return _grouped_shapes(attn_out.shape, value.shape, head_dim)
-
-
 @functools.lru_cache(maxsize=256)  # a function of the shapes only: once per shape, not once per layer
 def _grouped_shapes(shape: torch.Size, value_shape: torch.Size,
                     head_dim: int) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """The output's shape with its head dimension split into ``(H_kv, r)``, the broadcast dimension, and a
+    key/value-head tensor's shape there; raises when the values do not divide the output's heads."""
     if -len(shape) <= head_dim < len(shape) and len(shape) == len(value_shape):
         dim = head_dim % len(shape)
         heads, kv_heads = shape[dim], value_shape[dim]
@@ -74,11 +65,7 @@ def _grouped_shapes(shape: torch.Size, value_shape: torch.Size,
             return ((*shape[:dim], kv_heads, heads // kv_heads, *shape[dim + 1:]), dim + 1,
                     (*value_shape[:dim + 1], 1, *value_shape[dim + 1:]))
     if len(shape) != len(value_shape):
-        raise ValueError(
-            f"attention output {tuple(shape)} and values {tuple(value_shape)} must have the same "
-            "number of dimensions (..., heads, positions, head_dim)"
-        )
-    raise ValueError(
-        f"attention output {tuple(shape)} does not match values {tuple(value_shape)} "
-        "(after expanding key/value heads): pass the values of the query positions only"
-    )
+        raise ValueError(f"attention output {tuple(shape)} and values {tuple(value_shape)} must have the same "
+                         "number of dimensions (..., heads, positions, head_dim)")
+    raise ValueError(f"attention output {tuple(shape)} does not match values {tuple(value_shape)} (after expanding "
+                     "key/value heads): pass the values of the query positions only")

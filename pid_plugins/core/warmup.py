@@ -1,7 +1,5 @@
-"""Gain warm-up: a method's term scaled by ``min(1, t / N)`` while a model is fine-tuned into the method.
-
-A model with ``warmup_steps=N`` holds one :class:`GainWarmup`: ``t``, its training-mode forwards, as a persistent
-int64 buffer. Read once per model forward, it gives the scale: 0 at ``t = 0`` (the stock model), 1 from ``N`` on."""
+"""Gain warm-up: a method's term scaled by ``min(1, t / N)``, ``t`` the model's training-mode forwards (a
+persistent int64 buffer), while a model is fine-tuned into the method."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -13,8 +11,7 @@ __all__ = ["GainWarmup", "make_warmup"]
 
 
 class GainWarmup(nn.Module):
-    """The warm-up counter of one model: ``step`` (t) and ``warmup_steps`` (N > 0). Calling it returns this
-    forward's scale ``min(1, t / N)`` and, in training mode, advances ``t``."""
+    """One model's warm-up counter: calling it returns ``min(1, t / N)`` and, in training mode, advances ``t``."""
 
     def __init__(self, warmup_steps: int) -> None:
         super().__init__()
@@ -26,9 +23,8 @@ class GainWarmup(nn.Module):
     def scale(self) -> Tensor:
         """``min(1, t / N)`` as a 0-dim tensor (reads ``t``; a fresh tensor, unaffected by later advances)."""
         dtype = torch.float32 if self.step.device.type == "mps" else torch.float64
-        # cumsum of one element is the identity: it is outside AOT autograd's recomputable ops, so a compiled
-        # training step saves the scale for its backward instead of recomputing it there from the buffer, which
-        # advance() has incremented by then (wrong gradients; pytorch PR 197039, open in torch 2.15)
+        # cumsum of one element: outside AOT autograd's recomputable ops, so a compiled step saves the scale for
+        # its backward instead of recomputing it from the advanced buffer (pytorch PR 197039)
         scale = self.step.clamp(max=self.warmup_steps).to(dtype) / self.warmup_steps
         if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():  # an exported graph runs no backward (and
             return scale                                               # ONNX Runtime has no CumSum of a scalar)
@@ -57,8 +53,7 @@ class GainWarmup(nn.Module):
 
 def make_warmup(steps: int, current: Optional[GainWarmup] = None,
                 like: Optional[Tensor] = None) -> Optional[GainWarmup]:
-    """The counter for ``steps`` forwards, None for 0; ``current`` is kept if ``steps`` is unchanged, else its
-    ``t`` carries over."""
+    """The counter for ``steps`` forwards (None for 0); ``current`` is kept, or its ``t`` carries over."""
     if not steps:
         return None
     if current is not None and current.warmup_steps == steps:

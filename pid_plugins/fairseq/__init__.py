@@ -1,8 +1,5 @@
-"""fairseq adapter: ``--arch transformer_lm_pid`` (and the registry's variants) for ``fairseq-train``, with
-``--user-dir "$(python -m pid_plugins.fairseq)"``, ``--attention-method NAME`` and ``--attention-cfg JSON``;
-:func:`convert` switches a loaded ``transformer_lm`` in place. On Python 3.11 fairseq imports only after the opt-in
-``python -m pid_plugins_fairseq_compat install`` (:data:`OPTED_IN`). Details: docs/fairseq.md.
-"""
+"""fairseq adapter: ``--arch transformer_lm_pid`` (``--user-dir "$(python -m pid_plugins.fairseq)"``) and
+:func:`convert`. On Python 3.11 fairseq imports only after the opt-in (:data:`OPTED_IN`, docs/fairseq.md)."""
 import dataclasses
 import os
 import sys
@@ -10,9 +7,8 @@ import sys
 from .._entry import finding_main
 from .internals import DATACLASS_FIELD  # (imports no zoo)
 
+#: whether :mod:`pid_plugins_fairseq_compat`'s hook (the user's opt-in) is active in this process
 OPTED_IN = bool(getattr(dataclasses._get_field, "_pid_plugins_compat", False))
-"""Whether the user opted in to the patches outside fairseq: :mod:`pid_plugins_fairseq_compat`'s hook is active in
-this process (``python -m pid_plugins_fairseq_compat install``, or ``pid_plugins_fairseq_compat.install()``)."""
 
 OPT_IN = ("opt in to pid-plugins' hook, which relaxes Python's rule for fairseq's and hydra's dataclasses only: "
           "`python -m pid_plugins_fairseq_compat install` once per environment (every interpreter, fairseq's own "
@@ -22,18 +18,15 @@ OPT_IN = ("opt in to pid-plugins' hook, which relaxes Python's rule for fairseq'
 if OPTED_IN and sys.version_info >= (3, 11):
     DATACLASS_FIELD.require()  # what the hook wraps
 
+#: the folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
-"""The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""
-
 
 if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugins.fairseq` only asks for USER_DIR
     try:
         import fairseq  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without fairseq
-        raise ImportError(
-            "pid_plugins.fairseq needs fairseq: pip install -c constraints.txt 'pid-plugins[fairseq]' "
-            f"({exc})"
-        ) from exc
+        raise ImportError("pid_plugins.fairseq needs fairseq: pip install -c constraints.txt "
+                          f"'pid-plugins[fairseq]' ({exc})") from exc
     except ValueError as exc:  # Python 3.11's rule on dataclass defaults, without the opt-in
         if "mutable default" not in str(exc):
             raise
@@ -62,17 +55,10 @@ if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugi
     _install_safe_loading()  # fairseq's checkpoint_utils loads with weights_only=True, whatever the environment says
 
     from .model import (  # noqa: E402
-        METHOD_PARAM_GROUP,
-        PIDMultiheadAttention,
-        PIDTransformerDecoder,
-        PIDTransformerDecoderLayer,
-        PIDTransformerLanguageModel,
-        PIDTransformerLanguageModelConfig,
-        attention_from_args,
-        load_pid_lm,
+        METHOD_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer,
+        PIDTransformerLanguageModel, PIDTransformerLanguageModelConfig, attention_from_args, load_pid_lm,
     )
     from .conversion import convert  # noqa: E402
-
 
 __all__ = [
     "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder", "PIDTransformerLanguageModel",

@@ -1,6 +1,5 @@
-"""Safe loading of fairseq checkpoints: :func:`safe_torch_load` always passes ``weights_only=True`` and allow-lists only
-:class:`argparse.Namespace`; importing :mod:`pid_plugins.fairseq` makes ``fairseq.checkpoint_utils`` use it.
-"""
+"""Weights-only loading of fairseq checkpoints (:class:`argparse.Namespace` allowed), installed into
+``fairseq.checkpoint_utils`` by importing :mod:`pid_plugins.fairseq`."""
 import argparse
 import types
 from typing import Any, List

@@ -1,9 +1,5 @@
-"""The layers of ``transformer_lm_pid``: fairseq's attention, decoder layer and decoder with an attention method.
-
-:class:`PIDMultiheadAttention` makes the method's one call, keeping fairseq's incremental cache;
-:class:`PIDTransformerDecoderLayer` returns the method's state too; :class:`PIDTransformerDecoder` threads it through
-its layers. Parameter names are fairseq's, so a ``transformer_lm`` checkpoint loads as is.
-"""
+"""The layers of ``transformer_lm_pid``: fairseq's attention, decoder layer and decoder with an attention method,
+the state threaded through the layers; fairseq's parameter names (a ``transformer_lm`` checkpoint loads as is)."""
 import json
 import logging
 from functools import partial
@@ -32,10 +28,7 @@ IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
 logger = logging.getLogger(__name__)
 
-#: the fairseq parameter group (``param.param_group``) of a method's learnable parameters (PID's gains,
-#: value_residual's lambdas: every parameter under a layer's ``attention_params``). fairseq's ``--optimizer
-#: composite`` builds one optimizer per group, so a group ``attention_params`` with ``weight_decay: 0`` keeps them
-#: out of weight decay
+#: the fairseq parameter group (``param.param_group``, ``--optimizer composite``) of every ``attention_params``
 METHOD_PARAM_GROUP = "attention_params"
 
 
@@ -53,8 +46,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         self._tag_learned()
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "PIDMultiheadAttention":
-        # a conversion that makes new Parameter objects (``.to()`` with overwrite_module_params_on_conversion)
-        # drops their attributes: tag them again
+        # a conversion that makes new Parameter objects drops their attributes: tag them again
         result = super()._apply(fn, *args, **kwargs)
         self._tag_learned()
         return result
@@ -71,16 +63,9 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         q, k, v = (proj(x).view(T, B, H, D).permute(1, 2, 0, 3) for proj in (self.q_proj, self.k_proj, self.v_proj))
         return q, k, v
 
-    def forward_method(
-        self,
-        x: Tensor,
-        state: Optional[tuple],
-        incremental_state: IncrementalState = None,
-        attn_mask: Optional[Tensor] = None,
-        key_padding_mask: Optional[Tensor] = None,
-        scale: Optional[Tensor] = None,
-        restart: bool = False,
-    ) -> Tuple[Tensor, tuple]:
+    def forward_method(self, x: Tensor, state: Optional[tuple], incremental_state: IncrementalState = None,
+                       attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
+                       scale: Optional[Tensor] = None, restart: bool = False) -> Tuple[Tensor, tuple]:
         """The layer under its method, one :meth:`~pid_plugins.core.AttentionMethod.apply`, SDPA as ``attend``."""
         T, B, C = x.shape
         H, D = self.num_heads, self.head_dim
@@ -172,24 +157,14 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
             embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, add_bias_kv=add_bias_kv,
             add_zero_attn=add_zero_attn, self_attention=not cfg.cross_self_attention, q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size, xformers_att_config=cfg.decoder.xformers_att_config,
-            method=method, config=config,
-        )
+            method=method, config=config)
 
     def forward(  # type: ignore[override]
-        self,
-        x: Tensor,
-        encoder_out: Optional[Tensor] = None,
-        encoder_padding_mask: Optional[Tensor] = None,
-        incremental_state: IncrementalState = None,
-        prev_self_attn_state: Optional[List[Tensor]] = None,
-        prev_attn_state: Optional[List[Tensor]] = None,
-        self_attn_mask: Optional[Tensor] = None,
-        self_attn_padding_mask: Optional[Tensor] = None,
-        need_attn: bool = False,
-        need_head_weights: bool = False,
-        method_state: Optional[tuple] = None,
-        warmup_scale: Optional[Tensor] = None,
-        method_restart: bool = False,
+        self, x: Tensor, encoder_out: Optional[Tensor] = None, encoder_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None, prev_self_attn_state: Optional[List[Tensor]] = None,
+        prev_attn_state: Optional[List[Tensor]] = None, self_attn_mask: Optional[Tensor] = None,
+        self_attn_padding_mask: Optional[Tensor] = None, need_attn: bool = False, need_head_weights: bool = False,
+        method_state: Optional[tuple] = None, warmup_scale: Optional[Tensor] = None, method_restart: bool = False,
     ):
         method = self.self_attn.attention_method
         if not self.self_attn.method_active:
@@ -283,21 +258,15 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
                                            config=self.attention_config)
         wrapped = fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
         if wrapped is not layer:  # fairscale's FullyShardedDataParallel (--ddp-backend fully_sharded): untested here
-            raise ValueError(
-                "transformer_lm_pid: fairseq's --ddp-backend fully_sharded (fairscale) wraps the decoder layers, which "
-                "PID's layer loop is not tested with; use --ddp-backend legacy_ddp / pytorch_ddp, or torch's FSDP2 "
-                "fully_shard per layer (README, Scaling out)"
-            )
+            raise ValueError("transformer_lm_pid: fairseq's --ddp-backend fully_sharded (fairscale) wraps the decoder "
+                             "layers, which PID's layer loop is not tested with; use --ddp-backend legacy_ddp / "
+                             "pytorch_ddp, or torch's FSDP2 fully_shard per layer (README, Scaling out)")
         return layer
 
     def extract_features_scriptable(  # type: ignore[override]
-        self,
-        prev_output_tokens: Tensor,
-        encoder_out: Optional[Dict[str, List[Tensor]]],
-        incremental_state: IncrementalState = None,
-        full_context_alignment: bool = False,
-        alignment_layer: Optional[int] = None,
-        alignment_heads: Optional[int] = None,
+        self, prev_output_tokens: Tensor, encoder_out: Optional[Dict[str, List[Tensor]]],
+        incremental_state: IncrementalState = None, full_context_alignment: bool = False,
+        alignment_layer: Optional[int] = None, alignment_heads: Optional[int] = None,
     ):
         if alignment_layer is None:
             alignment_layer = self.num_layers - 1
@@ -329,9 +298,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
         inner_states: List[Optional[Tensor]] = [x]
         state: Optional[tuple] = None
         scale = self.method_scale()  # one warm-up step per forward of the decoder
-        # fairseq's layer dropout (--decoder-layerdrop: a LayerDropModuleList yields a random subset in training) skips
-        # layers on purpose: a layer whose earlier layers were all skipped starts the method's state afresh, as the
-        # group's first layer does (LayerCall.restart); a later layer after a kept one gets that layer's state
+        # --decoder-layerdrop skips layers on purpose: a layer after only skipped ones starts the state afresh
         restart = self.training and isinstance(self.layers, LayerDropModuleList)
         for idx, layer in enumerate(self.layers):
             self_attn_mask = (self.buffered_future_mask(x)
@@ -340,8 +307,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
                 x, enc, padding_mask, incremental_state, self_attn_mask=self_attn_mask,
                 self_attn_padding_mask=self_attn_padding_mask, need_attn=bool(idx == alignment_layer),
                 need_head_weights=bool(idx == alignment_layer), method_state=state, warmup_scale=scale,
-                method_restart=restart,
-            )
+                method_restart=restart)
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)

@@ -1,6 +1,4 @@
-"""``--arch transformer_lm_pid``: fairseq's ``transformer_lm`` with an attention method, registered with the
-registry's architectures (``registry/fairseq.toml``); options: :mod:`pid_plugins.fairseq.options`.
-"""
+"""``--arch transformer_lm_pid`` (and ``registry/fairseq.toml``'s architectures): ``transformer_lm`` with a method."""
 # no `from __future__ import annotations`: omegaconf 2.0 reads the config dataclass field types at run time
 
 import ast
@@ -18,10 +16,8 @@ from .hub import load_pid_lm
 from .layers import METHOD_PARAM_GROUP, PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer
 from .options import PIDTransformerLanguageModelConfig, attention_from_args, method_name, parse_attention_cfg
 
-__all__ = [
-    "METHOD_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder",
-    "PIDTransformerLanguageModel", "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm",
-]
+__all__ = ["METHOD_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder",
+           "PIDTransformerLanguageModel", "PIDTransformerLanguageModelConfig", "attention_from_args", "load_pid_lm"]
 
 
 @register_model("transformer_lm_pid", dataclass=PIDTransformerLanguageModelConfig)
@@ -62,8 +58,7 @@ class PIDTransformerLanguageModel(TransformerLanguageModel):
 
 
 def _entry_attention_cfg(entry: Any, given: Any) -> str:
-    """``--attention-cfg`` for a catalogue architecture: the entry's parameters of its method, then what the user
-    gave."""
+    """``--attention-cfg`` for a catalogue architecture: the entry's parameters, then what the user gave."""
     params = parse_attention_cfg(given) if given not in (None, "") else {}
     if isinstance(params, str) or "preset" in params:
         return given if isinstance(given, str) else json.dumps(params)
@@ -80,8 +75,6 @@ def _register_architectures() -> None:
             # fairseq leaves unset options as None before applying the architecture: fill in the entry's values
             for key, value in _entry.kwargs.items():
                 setattr(args, key, safe_getattr(args, key, value))
-            # the entry's parameters of its method under what --attention-cfg gives (a preset it names replaces
-            # them); another --attention-method starts from that method's fairseq preset
             if method_name(args) == _entry.method:
                 args.attention_cfg = _entry_attention_cfg(_entry, safe_getattr(args, "attention_cfg", None))
             base_lm_architecture(args)

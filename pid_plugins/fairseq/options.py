@@ -48,7 +48,8 @@ def parse_attention_cfg(text: Any) -> Any:
     try:
         value = json.loads(text)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"--attention-cfg must be a JSON object, e.g. '{{\"gamma\": 0.3}}', got {text!r} ({exc})") from exc
+        raise ValueError(f"--attention-cfg must be a JSON object, e.g. '{{\"gamma\": 0.3}}', got {text!r} "
+                         f"({exc})") from exc
     if not isinstance(value, (dict, str)):
         raise ValueError(f"--attention-cfg must be a JSON object (or a JSON string naming a preset), got {text!r}")
     return value

@@ -1,6 +1,5 @@
-"""Every transformers internal the adapter reads: checked by types, signatures and source text where it is first read;
-three have probes on a tiny Llama (checkpointing, continuous batching, the attention interface) that
-``pid-plugins doctor`` runs."""
+"""Every transformers internal the adapter reads: checked where it is first read; three have probes on a tiny
+Llama that ``pid-plugins doctor`` runs."""
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +49,7 @@ def _tp_plan() -> bool:
     style = getattr(tensor_parallel, "ALL_PARALLEL_STYLES", {}).get(TP_STYLE)
     if not (isinstance(prop, property) and prop.fset is not None and style is not None):
         return False
-    # source text: the style's hook (a gradient all-reduce per parameter) acts only with a process group of several
-    # ranks, which a check at first use cannot make (tests/core/test_distributed.py runs it on two ranks)
+    # source text: the hook acts only with a process group of several ranks (tests/core/test_distributed.py)
     source = inspect.getsource(type(style).install_forward)
     return "register_post_accumulate_grad_hook" in source and "all_reduce" in source and "recurse=False" in source
 
@@ -93,23 +91,9 @@ def _torch_checkpoint() -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
     from torch.utils.hooks import RemovableHandle
 
-    return (callable(_get_registry) and hasattr(CheckpointImpl, "REENTRANT") and isinstance(RemovableHandle.next_id, int)
+    return (callable(_get_registry) and hasattr(CheckpointImpl, "REENTRANT")
+            and isinstance(RemovableHandle.next_id, int)
             and {"mod", "checkpoint_impl"} <= set(parameters(CheckpointWrapper.__init__)))
-
-
-def _torch_checkpoint_probe() -> bool:
-    from torch.distributed._composable import checkpoint
-    from torch.distributed._composable.contract import _get_registry
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
-    from torch.utils.hooks import RemovableHandle
-
-    wrapped = CheckpointWrapper(torch.nn.Identity(), checkpoint_impl=CheckpointImpl.REENTRANT)
-    before = RemovableHandle.next_id
-    marked = checkpoint(torch.nn.Identity())
-    return (wrapped.checkpoint_impl is CheckpointImpl.REENTRANT
-            and isinstance(wrapped._checkpoint_wrapped_module, torch.nn.Identity)
-            and "checkpoint" in (_get_registry(marked) or {}) and isinstance(before, int)
-            and RemovableHandle.next_id > before)
 
 
 def _initialize_weights() -> bool:
@@ -185,7 +169,7 @@ def _continuous_batching_probe() -> bool:
     entries = (lambda: model.generate_batch([[1, 2, 3]]),
                lambda: model.continuous_batching_context_manager().__enter__(),
                lambda: model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=1))
-    # generate's note that "paged" switches to continuous batching is about the probe's call: dropped for this thread
+    # generate's note that "paged" switches to continuous batching: dropped for this thread
     quiet = functools.partial(lambda thread, record: record.thread != thread, threading.get_ident())
     utils.logger.addFilter(quiet)
     try:
@@ -253,7 +237,8 @@ INITIALIZE_WEIGHTS = Internal(
 CHECKPOINTING = Internal(
     ZOO, "PreTrainedModel._set_gradient_checkpointing gives each checkpointed layer its _gradient_checkpointing_func "
     "with the use_reentrant asked for",
-    "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing, _checkpointing_probe)
+    "refusing reentrant gradient checkpointing before any gradient", "5.20 - 5.24", _checkpointing,
+    _checkpointing_probe)
 CONTINUOUS_BATCHING = Internal(
     ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (each model's own, an "
     "instance attribute)",

@@ -1,17 +1,12 @@
-"""mmsegmentation adapter: ``PIDVisionTransformer``, a Segmenter/ViT backbone with PID attention (or another method).
-
-List ``pid_plugins.mmseg`` in a config's ``custom_imports`` and set ``backbone=dict(type='PIDVisionTransformer',
-attention='pid', attention_cfg=dict(...))``; ``PIDSegmenterMaskTransformerHead`` puts the method in the decoder
-too, and :func:`convert` switches a built segmentor in place. Under mmcv-lite the import adds a stand-in ``mmcv._ext``.
-"""
+"""mmsegmentation adapter (``custom_imports``): ``PIDVisionTransformer`` and ``PIDSegmenterMaskTransformerHead``
+with an attention method, and :func:`convert`. Under mmcv-lite the import adds a stand-in ``mmcv._ext``."""
 from importlib import resources as _resources
 
 from .._entry import finding_main
 from .compat import install_mmcv_ext_standin  # (imports no zoo)
 
+#: the folder of the shipped Segmenter configs (``python -m pid_plugins.mmseg`` prints it), for a config's ``_base_``
 CONFIGS = str(_resources.files("pid_plugins.mmseg.configs"))
-"""The folder of the shipped Segmenter configs (``python -m pid_plugins.mmseg`` prints it), for a config's
-``_base_``: ``_base_ = '<CONFIGS>/segmenter_pid-deit-t_mask_8xb1-160k_ade20k-512x512.py'``."""
 
 if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugins.mmseg` only asks for CONFIGS
     install_mmcv_ext_standin()  # must run before mmseg.models (and so mmcv.ops) is imported
@@ -20,10 +15,8 @@ if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugi
         import mmseg  # noqa: F401
         import mmseg.models  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without the mm stack
-        raise ImportError(
-            "pid_plugins.mmseg needs mmsegmentation: pip install -c constraints.txt 'pid-plugins[mmseg]' "
-            f"({exc})"
-        ) from exc
+        raise ImportError("pid_plugins.mmseg needs mmsegmentation: pip install -c constraints.txt "
+                          f"'pid-plugins[mmseg]' ({exc})") from exc
 
     from ..versions import check_version
 

@@ -1,7 +1,5 @@
-"""Checkpoint loading for mmseg/mmengine that never runs code from a checkpoint: :func:`load_checkpoint` passes
-``weights_only=True``, on the plugin's own paths only (a method backbone's ``init_cfg``, a run with
-:class:`WeightsOnlyCheckpointHook`, the process after :func:`install`), allow-listing :data:`SAFE_GLOBALS`.
-"""
+"""mmengine checkpoint loading that never runs code from a checkpoint (``weights_only=True`` with
+:data:`SAFE_GLOBALS`), on the plugin's paths, under :class:`WeightsOnlyCheckpointHook` or after :func:`install`."""
 from __future__ import annotations
 
 import contextlib
@@ -33,10 +31,8 @@ def history_buffer_method(owner: Any, name: str) -> Callable:
     """``getattr`` restricted to what mmengine checkpoints pickle: ``HistoryBuffer.<statistic>``."""
     if owner is HistoryBuffer and name in _STATISTICS:
         return getattr(HistoryBuffer, name)
-    raise pickle.UnpicklingError(
-        f"checkpoint asks for getattr({owner!r}, {name!r}); only HistoryBuffer's statistic methods "
-        f"{list(_STATISTICS)} are allowed"
-    )
+    raise pickle.UnpicklingError(f"checkpoint asks for getattr({owner!r}, {name!r}); only HistoryBuffer's "
+                                 f"statistic methods {list(_STATISTICS)} are allowed")
 
 
 def _numpy_globals() -> List[Any]:
@@ -46,14 +42,9 @@ def _numpy_globals() -> List[Any]:
     return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype, *dtypes]
 
 
+#: the classes mmengine's training checkpoints need beyond tensors, allow-listed only inside these loads
 SAFE_GLOBALS: List[Union[Any, Tuple[Callable, str]]] = [
-    HistoryBuffer,
-    (history_buffer_method, "builtins.getattr"),
-    *_numpy_globals(),
-]
-"""The classes mmengine's training checkpoints need beyond tensors, allow-listed only inside these loads."""
-
-
+    HistoryBuffer, (history_buffer_method, "builtins.getattr"), *_numpy_globals()]
 _ALLOWED = "weights and mmengine's checkpoint classes"
 
 
@@ -109,10 +100,8 @@ def load_from_mmcls_weights_only(filename: str, map_location: Any = None) -> Any
 
 
 def load_from_pavi_refused(filename: str, map_location: Any = None) -> Any:
-    raise UnsafeCheckpointError(
-        f"pid_plugins.mmseg does not load pavi:// checkpoints ({filename!r}): mmengine's pavi loader cannot be "
-        "made weights-only; download the file and give its local path"
-    )
+    raise UnsafeCheckpointError(f"pid_plugins.mmseg does not load pavi:// checkpoints ({filename!r}): mmengine's "
+                                "pavi loader cannot be made weights-only; download the file and give its local path")
 
 
 # mmengine 0.10's schemes (mmengine/runner/checkpoint.py), longest prefix first as in CheckpointLoader.
@@ -141,8 +130,7 @@ def weights_only_schemes() -> Iterator[None]:
     require(CHECKPOINT_SCHEMES, CHECKPOINT_HELPERS)
     loader_class = mm_checkpoint.CheckpointLoader
     with _SCOPE_LOCK:
-        # mmengine's table (prefix -> loader, a class attribute): register_scheme mutates it and then rebinds a
-        # sorted copy, so a copy of the table, rebound afterwards, restores it exactly
+        # register_scheme mutates mmengine's table and rebinds a sorted copy: a copy rebound afterwards restores it
         saved: Dict[str, Callable[..., Any]] = loader_class._schemes.copy()
         try:
             for prefixes, loader in _SCHEMES:

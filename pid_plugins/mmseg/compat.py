@@ -1,6 +1,4 @@
-"""Lets mmsegmentation import with ``mmcv-lite``: a stand-in ``mmcv._ext`` whose ops raise a ``RuntimeError`` naming
-the op when called (Segmenter calls none).
-"""
+"""A stand-in ``mmcv._ext`` under ``mmcv-lite`` whose ops raise a ``RuntimeError`` naming the op when called."""
 from __future__ import annotations
 
 import importlib.machinery
@@ -21,11 +19,9 @@ class _MissingOps(types.ModuleType):
             raise AttributeError(name)
 
         def missing(*args, **kwargs):
-            raise RuntimeError(
-                f"mmcv op '{name}' needs the compiled mmcv (mmcv._ext), but only mmcv-lite is installed; "
-                "models built from pid-plugins' Segmenter configs never call it. Install full mmcv "
-                "(built from source) for models that do."
-            )
+            raise RuntimeError(f"mmcv op '{name}' needs the compiled mmcv (mmcv._ext), but only mmcv-lite is "
+                               "installed; models built from pid-plugins' Segmenter configs never call it. Install "
+                               "full mmcv (built from source) for models that do.")
 
         missing.__name__ = name
         return missing

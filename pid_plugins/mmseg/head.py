@@ -11,20 +11,16 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
 from ..core import SOFTMAX, MethodChoice
-from ..core.layer import MethodModel, settle_submodule
-from .vit import _choose, _switch_layers
+from ..core.layer import MethodModel
+from .vit import _choose, configure_attention
 
 __all__ = ["PIDSegmenterMaskTransformerHead"]
 
 
 @MODELS.register_module()
 class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead):
-    """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method in its layers (their own group).
-
-    Args (beyond mmseg's head):
-        attention: ``'softmax'`` (default: the stock head), ``'pid'`` or another registered method's name.
-        attention_cfg: the method's parameters: a preset name, its config, or a dict over its ``mmseg`` preset.
-    """
+    """mmseg's ``SegmenterMaskTransformerHead`` with an optional attention method (``attention='softmax'``,
+    ``attention_cfg=``) in its layers (their own group)."""
 
     def __init__(self, *args: Any, attention: str = SOFTMAX, attention_cfg: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -32,10 +28,7 @@ class PIDSegmenterMaskTransformerHead(MethodModel, SegmenterMaskTransformerHead)
         self._configure_attention(_choose(attention, attention_cfg, where), where)
 
     def _configure_attention(self, choice: Optional[MethodChoice], where: str) -> None:
-        """Hold ``choice`` (None: softmax) and switch the layers to it, in place."""
-        self.set_model_method(choice, self.cls_emb, stock_plus_term=True, where=where)
-        settle_submodule(self, "attention_warmup")
-        _switch_layers(self.layers, choice)
+        configure_attention(self, choice, self.cls_emb, where)
 
     def forward(self, inputs: List[Tensor]) -> Tensor:
         return method_head_forward(self, inputs, super().forward)
@@ -46,7 +39,7 @@ def method_head_forward(head: SegmenterMaskTransformerHead, inputs: List[Tensor]
     """The forward of a head with a method: the method's state threaded through the decoder's layers."""
     scale = MethodModel.method_scale(head)  # one warm-up step per forward
     if not MethodModel.method_active.fget(head):
-        return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
+        return stock_forward(inputs)
     x = head._transform_inputs(inputs)
     b, c, h, w = x.shape
     x = head.dec_proj(x.permute(0, 2, 3, 1).contiguous().view(b, -1, c))

@@ -1,7 +1,5 @@
-"""Attention methods (PID, or any registered one) in mmseg's ViT backbone (Segmenter):
-:class:`PIDTransformerEncoderLayer` replaces each encoder layer (same parameter names) and
-:class:`PIDVisionTransformer` threads the method's state through the layers.
-"""
+"""Attention methods in mmseg's ViT backbone (Segmenter): :class:`PIDTransformerEncoderLayer` replaces each
+encoder layer (same parameter names); :class:`PIDVisionTransformer` threads the method's state through them."""
 from __future__ import annotations
 
 import math
@@ -17,9 +15,8 @@ from mmengine.model import ModuleList
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
 from mmseg.registry import MODELS
 
-from ..core import (
-    AttentionContext, LayerCall, MethodChoice, StockPath, check_keys, resolve_attention, unwrap_state_dict,
-)
+from ..core import (AttentionContext, LayerCall, MethodChoice, StockPath, check_keys, resolve_attention,
+                   unwrap_state_dict)
 from ..core.layer import (
     LAYER_ATTRIBUTES, MethodLayer, MethodModel, number_layers, replace_module, settle_submodule, strip_attributes,
 )
@@ -29,7 +26,7 @@ __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mm
 
 
 def _choose(attention: str, attention_cfg: Any, where: str) -> Optional[MethodChoice]:
-    """:func:`~pid_plugins.core.resolve_attention` for mmseg: None for softmax, else the method and its parameters."""
+    """:func:`~pid_plugins.core.resolve_attention` for mmseg."""
     return resolve_attention(attention, attention_cfg, zoo="mmseg", where=where)
 
 
@@ -40,7 +37,7 @@ STATE_ROUTE = ("With mmseg, run the layers through the backbone's (or the decode
 
 
 def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
-    """Switch ``layers`` to ``choice``, in place: mmseg's own layers or :class:`PIDTransformerEncoderLayer` ones."""
+    """Switch ``layers`` to ``choice`` in place (mmseg's own layers for softmax)."""
     stock = choice is None or choice.method.is_identity(choice.config)
     for index in range(len(layers)):
         name = str(index)
@@ -59,27 +56,22 @@ def _check_layers(layers: ModuleList, where: str) -> None:
     """Refuse layers :func:`_switch_layers` cannot switch (before anything changes)."""
     for i, layer in enumerate(layers):
         if type(layer) not in (TransformerEncoderLayer, PIDTransformerEncoderLayer):
-            raise TypeError(
-                f"{where} layer {i} is {type(layer).__name__}; mmseg's TransformerEncoderLayer (and "
-                "PIDTransformerEncoderLayer) layers switch only"
-            )
+            raise TypeError(f"{where} layer {i} is {type(layer).__name__}; mmseg's TransformerEncoderLayer (and "
+                            "PIDTransformerEncoderLayer) layers switch only")
 
 
 class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
     """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(
-            "PIDTransformerEncoderLayer is not built directly: PIDVisionTransformer and PIDSegmenterMaskTransformerHead "
-            "(type=... in a config) or pid_plugins.mmseg.convert replace mmseg's layers with it"
-        )
+        raise TypeError("PIDTransformerEncoderLayer is not built directly: PIDVisionTransformer and "
+                        "PIDSegmenterMaskTransformerHead (type=... in a config) or pid_plugins.mmseg.convert replace "
+                        "mmseg's layers with it")
 
     def _attention(self, x: Tensor, state: Optional[tuple], scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
-        """The layer's attention under its method (one :meth:`~pid_plugins.core.AttentionMethod.apply`), projected."""
-        a = self.attn
-        mha = a.attn  # torch.nn.MultiheadAttention
-        B, N, C = x.shape
-        heads = mha.num_heads
+        """The layer's attention under its method, projected."""
+        a, (B, N, C) = self.attn, x.shape
+        mha, heads = a.attn, a.attn.num_heads  # torch.nn.MultiheadAttention
         dropout_p = mha.dropout if self.training else 0.0
         context = AttentionContext(dropout=dropout_p > 0)
 
@@ -132,7 +124,7 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
 
 
 def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
-    """The learnable method parameters of ``model``'s layers at their initial values, by their ``state_dict`` names."""
+    """The learnable method parameters of ``model``'s layers at their initial values, by ``state_dict`` name."""
     out: Dict[str, Tensor] = {}
     for name, layer in model.named_modules():
         gains = getattr(layer, "attention_params", None)
@@ -147,7 +139,7 @@ def initial_learned_state(model: nn.Module) -> Dict[str, Tensor]:
 
 
 def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    """timm ViT/DeiT (softmax or PID) parameter names -> mmseg ``VisionTransformer`` names, as mmseg's ``vit2mmseg``."""
+    """timm ViT/DeiT parameter names -> mmseg ``VisionTransformer`` names, as mmseg's ``vit2mmseg``."""
     out: Dict[str, Tensor] = {}
     for key, value in state_dict.items():
         if key.startswith(("head", "fc_norm", "head_dist", "dist_token")):
@@ -169,12 +161,8 @@ def timm_vit_to_mmseg(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
 
 @MODELS.register_module()
 class PIDVisionTransformer(MethodModel, VisionTransformer):
-    """mmseg's ``VisionTransformer`` with an attention method (PID by default) in its encoder layers (one group).
-
-    Args (beyond mmseg's ``VisionTransformer``):
-        attention: ``'pid'`` (default), ``'softmax'`` (the stock backbone) or another registered method's name.
-        attention_cfg: the method's parameters: a preset name, its config, or a dict over its ``mmseg`` preset.
-    """
+    """mmseg's ``VisionTransformer`` with an attention method (``attention='pid'``, ``attention_cfg=``) in its
+    encoder layers (one group)."""
 
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -182,10 +170,7 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         self._configure_attention(_choose(attention, attention_cfg, where), where)
 
     def _configure_attention(self, choice: Optional[MethodChoice], where: str) -> None:
-        """Hold ``choice`` (None: softmax) and switch the layers to it, in place."""
-        self.set_model_method(choice, self.pos_embed, stock_plus_term=True, where=where)
-        settle_submodule(self, "attention_warmup")
-        _switch_layers(self.layers, choice)
+        configure_attention(self, choice, self.pos_embed, where)
 
     def init_weights(self) -> None:
         cfg = self.init_cfg
@@ -195,11 +180,9 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         state_dict = unwrap_state_dict(load_checkpoint(cfg["checkpoint"], map_location="cpu"), source)
         heads = sorted({k.split(".", 1)[0] for k in state_dict if k.startswith(("decode_head.", "auxiliary_head."))})
         if heads:
-            raise ValueError(
-                f"{source} is a whole segmentor (backbone. and {', '.join(heads)}. keys), "
-                "not a backbone: load it with load_from=PATH (or tools/test.py PATH); backbone init_cfg takes a "
-                "backbone, mmseg ViT or timm ViT/DeiT checkpoint"
-            )
+            raise ValueError(f"{source} is a whole segmentor (backbone. and {', '.join(heads)}. keys), not a backbone: "
+                             "load it with load_from=PATH (or tools/test.py PATH); backbone init_cfg takes a "
+                             "backbone, mmseg ViT or timm ViT/DeiT checkpoint")
         state_dict = {k[len("backbone."):] if k.startswith("backbone.") else k: v for k, v in state_dict.items()}
         if any(k.startswith("blocks.") for k in state_dict):
             state_dict = timm_vit_to_mmseg(state_dict)
@@ -234,6 +217,13 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         return _output(self, x, hw_shape)
 
 
+def configure_attention(model: MethodModel, choice: Optional[MethodChoice], like: Tensor, where: str) -> None:
+    """Hold ``choice`` (None: softmax) on a backbone or head and switch its layers to it, in place."""
+    model.set_model_method(choice, like, stock_plus_term=True, where=where)
+    settle_submodule(model, "attention_warmup")
+    _switch_layers(model.layers, choice)
+
+
 def _output(model: VisionTransformer, x: Tensor, hw_shape: Tuple[int, int]) -> Any:
     out = x[:, 1:] if model.with_cls_token else x
     B, _, C = out.shape
@@ -246,7 +236,7 @@ def method_forward(model: VisionTransformer, inputs: Tensor, stock_forward: Call
     """The forward of a backbone with a method: the method's state threaded through the layers."""
     scale = MethodModel.method_scale(model)  # one warm-up step per forward (outside the checkpointed layers)
     if not MethodModel.method_active.fget(model):
-        return stock_forward(inputs)  # softmax, or a method that computes it: mmseg's layers and forward
+        return stock_forward(inputs)
     B = inputs.shape[0]
     x, hw_shape = model.patch_embed(inputs)
     x = torch.cat((model.cls_token.expand(B, -1, -1), x), dim=1)

@@ -1,16 +1,9 @@
-"""timm adapter: PID DeiT/ViT and FAN (and any registered attention method) in timm's model registry::
-
-    model = timm.create_model("pid_deit_tiny_patch16_224")                       # preset `deit`
-    pid_plugins.timm.convert(stock_vit, "pid", {"lambda_p": 0.5})               # in place, the same tensors
-
-The variants are declared in ``registry/timm.toml``.
-"""
+"""timm adapter: PID DeiT/ViT and FAN (any registered method) in timm's registry (``registry/timm.toml``) and
+:func:`convert`."""
 try:
     import timm  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without timm
-    raise ImportError(
-        "pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'"
-    ) from exc
+    raise ImportError("pid_plugins.timm needs timm: pip install -c constraints.txt 'pid-plugins[timm]'") from exc
 
 from ..versions import check_version
 
@@ -19,12 +12,7 @@ check_version("timm")
 from .conversion import convert
 from .fan import FAN, ChannelProcessing, FANBlock, TokenMixing
 from .vision_transformer import (
-    MethodBlocks,
-    PIDAttention,
-    PIDBlock,
-    PIDVisionTransformer,
-    PIDVisionTransformerDistilled,
-    checkpoint_filter_fn,
+    MethodBlocks, PIDAttention, PIDBlock, PIDVisionTransformer, PIDVisionTransformerDistilled, checkpoint_filter_fn,
 )
 from . import probes  # noqa: E402,F401  (registers the doctor's probes of what the method classes compute again)
 

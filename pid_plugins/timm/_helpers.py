@@ -1,6 +1,5 @@
-"""What every timm family shares: the attention choice from kwargs, the method's step and the block loop,
-local-only pretrained sources, strict key checks, and registration of the catalogue's entries with timm's
-``register_model``."""
+"""What every timm family shares: the attention choice, the method's step and the block loop, local-only
+pretrained sources, strict key checks, and registering the catalogue's entries with timm."""
 from __future__ import annotations
 
 import os
@@ -40,13 +39,10 @@ reserve_names("timm", _timm_names)
 
 def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any = None, default: Any = None,
                            where: str = "this model") -> Optional[MethodChoice]:
-    """The attention a timm model is built with (core's :func:`~pid_plugins.core.resolve_attention`): ``None``
-    for softmax, else the method and its config. ``default``: the parameters to start from instead of the method's
-    timm preset (a catalogue entry's, for the entry's own method)."""
+    """:func:`~pid_plugins.core.resolve_attention` for timm (``default``: a catalogue entry's parameters)."""
     return resolve_attention(attention, attention_cfg, zoo="timm", default=default, where=where)
 
 
-# ------------------------------------------------------------------------------------------ attention layers
 #: how to run a timm block with its method's state, named in core's MissingLayerState
 STATE_ROUTE = (
     "With timm, build the model by its pid_* name (timm.create_model('pid_<name>', pretrained=True, "
@@ -60,20 +56,16 @@ STATE_ROUTE = (
 
 
 class MethodLayer(CoreMethodLayer):
-    """What an attention layer of a timm family holds for its method (mixed into the layer's ``nn.Module``): core's
-    :class:`~pid_plugins.core.layer.MethodLayer` and the timm attention call."""
+    """Core's :class:`~pid_plugins.core.layer.MethodLayer` with the timm attention call."""
 
     def method_attention(
         self, attend: Callable[[Tensor, Tensor], Tensor], q: Tensor, v: Tensor, state: Optional[Tuple[Any, ...]],
         scale: Optional[Tensor], causal: Any = False,
     ) -> Tuple[Tensor, Optional[tuple]]:
-        """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer:
-        ``attend(q, v)`` on the stock path, else the method's :meth:`~pid_plugins.core.AttentionMethod.apply`."""
+        """The layer's attention output ``(B, H, N, D)`` under its method and the state for the next layer."""
         if not self.method_active:
             return attend(q, v), state
         if scale is None and getattr(self.attention_config, "warmup_steps", 0):
-            # the scale is read once per forward of the model from its counter: a layer called without it would run
-            # at full scale, another function than the model's (the state rule's words and route)
             raise MissingLayerState(
                 f"attention method {self.attention_method.name!r}: layer {self.layer_index} runs under gain warm-up "
                 f"(warmup_steps={self.attention_config.warmup_steps}) but got no warm-up scale (warmup_scale=), "
@@ -101,20 +93,11 @@ def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
     return tuple(state[i] for i in range(size))
 
 
-def run_blocks(
-    blocks: Iterable[nn.Module],
-    x: Tensor,
-    args: Sequence[Any],
-    use_checkpoint: bool,
-    take_indices: Optional[Sequence[int]] = None,
-    norm: Optional[nn.Module] = None,
-    warmup_scale: Optional[Tensor] = None,
-    **kwargs: Any,
-) -> Tuple[Tensor, List[Tensor]]:
-    """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a method's group, threading the state.
-
-    Optionally under timm's ``checkpoint``. Returns the output and the block outputs at ``take_indices`` (after
-    ``norm``). ``warmup_scale`` reaches every block as a keyword, bound for the recomputation."""
+def run_blocks(blocks: Iterable[nn.Module], x: Tensor, args: Sequence[Any], use_checkpoint: bool,
+               take_indices: Optional[Sequence[int]] = None, norm: Optional[nn.Module] = None,
+               warmup_scale: Optional[Tensor] = None, **kwargs: Any) -> Tuple[Tensor, List[Tensor]]:
+    """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a method's group (optionally under timm's
+    ``checkpoint``): the output and the block outputs at ``take_indices`` (after ``norm``)."""
     state: Tuple[Any, ...] = ()
     intermediates: List[Tensor] = []
     if warmup_scale is not None:
@@ -136,9 +119,8 @@ def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> Non
     CLASSIFIER_DROP.require()  # read when the checkpoint's keys are checked (finish_state_dict)
     from timm.models._builder import resolve_pretrained_cfg
 
-    cfg = resolve_pretrained_cfg(
-        name, pretrained_cfg=kwargs.get("pretrained_cfg"), pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
-    )
+    cfg = resolve_pretrained_cfg(name, pretrained_cfg=kwargs.get("pretrained_cfg"),
+                                 pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
     hint = (
         f"pid-plugins never downloads weights: point {name} at a local checkpoint with "
         "create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file='/path/to/weights.pth')) "
@@ -154,8 +136,7 @@ def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> Non
 
 
 def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
-    """The classifier parameters timm's ``load_pretrained`` discards (``num_classes`` differs from the pretrained
-    cfg's)."""
+    """The classifier parameters timm's ``load_pretrained`` discards (another ``num_classes``)."""
     cfg = getattr(model, "pretrained_cfg", None) or {}
     classifiers = cfg.get("classifier")
     if not classifiers or getattr(model, "num_classes", None) == cfg.get("num_classes"):
@@ -166,8 +147,7 @@ def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
 
 
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
-    """Fill the learnable method parameters and warm-up counter a softmax checkpoint lacks; raise listing
-    missing/unexpected keys (classifier keys timm drops are not counted)."""
+    """Fill the learnable parameters and warm-up counter a softmax checkpoint lacks; check the keys strictly."""
     CLASSIFIER_DROP.require()
     expected = model.state_dict()
     for name, value in expected.items():
@@ -182,23 +162,16 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
 
 def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, Any],
                  name: str) -> Optional[MethodChoice]:
-    """Pop ``attention`` / ``attention_cfg`` from the ``kwargs`` of the entrypoint ``name`` and resolve them (the
-    entry's method starts from the entry's parameters, another method from its own timm preset)."""
+    """Pop and resolve ``attention`` / ``attention_cfg`` (the entry's method starts from the entry's parameters)."""
     attention = kwargs.pop("attention", default_attention)
     default = entry.default_config() if attention == entry.method else None
     return resolve_timm_attention(attention, kwargs.pop("attention_cfg", None), default=default,
                                   where=f"timm model {name!r}")
 
 
-def register_entries(
-    module_name: str,
-    entries: Iterable[ModelEntry],
-    create: Callable[..., nn.Module],
-    pretrained_cfg: Callable[[ModelEntry], Dict[str, Any]],
-    with_base: bool = False,
-) -> Dict[str, Any]:
-    """Register each entry's PID name (and, with ``with_base``, its softmax base name) into timm; returns the
-    module's ``default_cfgs``. ``create(entry, name, default_attention, pretrained, **kwargs)`` builds the model."""
+def register_entries(module_name: str, entries: Iterable[ModelEntry], create: Callable[..., nn.Module],
+                     pretrained_cfg: Callable[[ModelEntry], Dict[str, Any]], with_base: bool = False) -> Dict[str, Any]:
+    """Register each entry's name (``with_base``: its softmax base name too) into timm; the ``default_cfgs``."""
     import sys
 
     DEFAULT_CFGS.require()

@@ -1,15 +1,10 @@
-"""FAN (Fully Attentional Networks, Zhou et al., ICML 2022), ViT variant, softmax and PID, as timm models.
-
-With an official state_dict (after :func:`checkpoint_filter_fn`) it computes the official function. The method is
-the FAN blocks' token-mixing self-attention, its state passed as tensors ``block(x, H, W, *state) -> (x, *state)``;
-class attention stays softmax. Names: ``fan_*_p16_224`` (softmax) and ``pid_fan_*`` (registry/timm.toml).
-"""
+"""FAN (Fully Attentional Networks, Zhou et al., ICML 2022), ViT variant, as timm models (``fan_*`` softmax,
+``pid_fan_*``): the method is the FAN blocks' token mixing; class attention stays softmax."""
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Dict, List, Optional, Set, Tuple, Type, Union
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +24,7 @@ from timm.models._manipulate import checkpoint  # noqa: E402
 
 from ..catalogue import ModelEntry  # noqa: E402
 from ..core.layer import MethodModel, number_layers  # noqa: E402
-from ..core import (  # noqa: E402
-    MethodChoice, unwrap_state_dict,
-)
+from ..core import MethodChoice, unwrap_state_dict  # noqa: E402
 from ._helpers import (  # noqa: E402
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
     register_entries, resolve_timm_attention, run_blocks, state_outputs,
@@ -148,8 +141,7 @@ class FANBlock(nn.Module):
         dd = dict(device=device, dtype=dtype)
         self.norm1 = norm_layer(dim, **dd)
         self.attn = TokenMixing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop,
-                                choice=choice,
-                                **dd)
+                                choice=choice, **dd)
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim, **dd)
         self.mlp = ChannelProcessing(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop,
@@ -171,32 +163,14 @@ class FAN(MethodModel, nn.Module):
     """FAN-ViT: convolutional stem, Fourier positions, FAN blocks (token mixing: ``attention``), class attention."""
 
     def __init__(
-        self,
-        img_size: Union[int, Tuple[int, int]] = 224,
-        patch_size: int = 16,
-        in_chans: int = 3,
-        num_classes: int = 1000,
-        global_pool: str = "token",
-        embed_dim: int = 192,
-        depth: int = 12,
-        num_heads: int = 4,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        drop_rate: float = 0.0,
-        pos_drop_rate: float = 0.0,
-        proj_drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.0,
-        act_layer: Optional[Type[nn.Module]] = None,
-        norm_layer: Optional[Type[nn.Module]] = None,
-        cls_attn_layers: int = 2,
-        use_pos_embed: bool = True,
-        eta: float = 1.0,
-        tokens_norm: bool = True,
-        attention: str = "softmax",
-        attention_cfg: Any = None,
-        device: Any = None,
-        dtype: Any = None,
+        self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: int = 16, in_chans: int = 3,
+        num_classes: int = 1000, global_pool: str = "token", embed_dim: int = 192, depth: int = 12,
+        num_heads: int = 4, mlp_ratio: float = 4.0, qkv_bias: bool = True, drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0, proj_drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0, act_layer: Optional[Type[nn.Module]] = None,
+        norm_layer: Optional[Type[nn.Module]] = None, cls_attn_layers: int = 2, use_pos_embed: bool = True,
+        eta: float = 1.0, tokens_norm: bool = True, attention: str = "softmax", attention_cfg: Any = None,
+        device: Any = None, dtype: Any = None,
     ) -> None:
         require(*FAN_INTERNALS)
         super().__init__()
@@ -212,7 +186,6 @@ class FAN(MethodModel, nn.Module):
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
         self.grad_checkpointing = False
-
         self.in_chans = in_chans
         self.patch_embed = ConvPatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
                                           embed_dim=embed_dim, act_layer=act_layer, **dd)
@@ -249,18 +222,14 @@ class FAN(MethodModel, nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
-    # ------------------------------------------------------------------------------ timm contract
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
         return {"cls_token", "pos_embed.*", "*.temperature", "*.attention_params.*"}
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(
-            stem=r"^cls_token|pos_embed|patch_embed",
-            blocks=r"^blocks\.(\d+)",
-            cls_attn_blocks=[(r"^cls_attn_blocks\.(\d+)", None), (r"^norm", (99999,))],
-        )
+        return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=r"^blocks\.(\d+)",
+                    cls_attn_blocks=[(r"^cls_attn_blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -290,7 +259,6 @@ class FAN(MethodModel, nn.Module):
 
     def _blocks_forward(self, x: Tensor, Hp: int, Wp: int, blocks: nn.Module,
                         take_indices: Optional[List[int]] = None, norm: bool = False) -> Tuple[Tensor, List[Tensor]]:
-        # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
         return run_blocks(blocks, x, (Hp, Wp), self.grad_checkpointing, take_indices, self.norm if norm else None,
                           warmup_scale=self.method_scale())
 
@@ -309,13 +277,8 @@ class FAN(MethodModel, nn.Module):
         return self.norm(x)
 
     def forward_intermediates(
-        self,
-        x: Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
+        self, x: Tensor, indices: Optional[Union[int, List[int]]] = None, norm: bool = False,
+        stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]]]:
         """Patch-token outputs of the FAN blocks at ``indices`` (NCHW or NLC), and the final features."""
         if output_fmt not in ("NCHW", "NLC"):
@@ -374,8 +337,7 @@ def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bo
         check_pretrained_source(name, entry.base, kwargs)
     out_indices = kwargs.pop("out_indices", 3)
     return build_model_with_cfg(
-        FAN, name, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
+        FAN, name, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
         attention=choice.method.name if choice is not None else "softmax",
         attention_cfg=choice.config if choice is not None else None,

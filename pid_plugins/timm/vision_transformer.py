@@ -1,8 +1,5 @@
-"""PID Vision Transformer / DeiT for timm (PID, or any registered attention method: ``attention="<name>"``).
-
-:class:`MethodBlocks` threads the method's state between blocks as plain tensors; :class:`PIDVisionTransformer`
-routes every path of timm's model contract through it. Variants are registered from ``registry/timm.toml``.
-"""
+"""PID Vision Transformer / DeiT for timm (any registered method): :class:`MethodBlocks` threads the method's
+state between blocks as plain tensors; every path of timm's model contract runs through it."""
 from __future__ import annotations
 
 import warnings
@@ -19,9 +16,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_checkpoint_filter_fn
 
-from .internals import (
-    BLOCK, BUILD_MODEL_WITH_CFG, FEATURE_TAKE_INDICES, VIT, VIT_CHECKPOINT_FILTER, require,
-)
+from .internals import BLOCK, BUILD_MODEL_WITH_CFG, FEATURE_TAKE_INDICES, VIT, VIT_CHECKPOINT_FILTER, require
 
 FEATURE_TAKE_INDICES.require()  # a private module of timm, read from here on
 from timm.models._features import feature_take_indices  # noqa: E402
@@ -34,10 +29,8 @@ from ._helpers import (  # noqa: E402
     register_entries, resolve_timm_attention, run_blocks, state_outputs,
 )
 
-__all__ = [
-    "PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled",
-    "MethodBlocks", "checkpoint_filter_fn",
-]
+__all__ = ["PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled", "MethodBlocks",
+           "checkpoint_filter_fn"]
 
 class PIDAttention(MethodLayer, Attention):
     """timm's ``Attention`` with the method's step before ``proj``: ``forward(x, state) -> (y, new_state)``."""
@@ -50,22 +43,14 @@ class PIDAttention(MethodLayer, Attention):
     def _attend(self, q: Tensor, v: Tensor, *, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
         """timm's ``Attention``: ``softmax(q k^T * scale) v`` per head, fused or in timm's order of operations."""
         if self.fused_attn:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0,
-                is_causal=is_causal,
-            )
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                                  dropout_p=self.attn_drop.p if self.training else 0.0)
         scores = (q * self.scale) @ k.transpose(-2, -1)
         scores = maybe_add_mask(scores, resolve_self_attn_mask(q.shape[-2], scores, attn_mask, is_causal))
         return self.attn_drop(scores.softmax(dim=-1)) @ v
 
-    def forward(
-        self,
-        x: Tensor,
-        state: Optional[Tuple[Any, ...]] = None,
-        attn_mask: Optional[Tensor] = None,
-        is_causal: bool = False,
-        warmup_scale: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, Optional[tuple]]:
+    def forward(self, x: Tensor, state: Optional[Tuple[Any, ...]] = None, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False, warmup_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
@@ -95,12 +80,9 @@ class PIDBlock(Block):
         self, x: Tensor, *state: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
         warmup_scale: Optional[Tensor] = None, with_state: bool = False,
     ) -> Union[Tensor, Tuple[Tensor, ...]]:
-        y, new_state = self.attn(
-            self.norm1(x), state if state else None, attn_mask=attn_mask, is_causal=is_causal,
-            warmup_scale=warmup_scale,
-        )
-        # the state is indexed before the residual branches, so that the block's last traced operation is its
-        # output x (torch.fx feature extraction by module name, timm's feature_cls="fx", returns that operation)
+        y, new_state = self.attn(self.norm1(x), state if state else None, attn_mask=attn_mask, is_causal=is_causal,
+                                 warmup_scale=warmup_scale)
+        # indexed first: the block's last traced operation is its output x (fx feature extraction by module name)
         state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -135,23 +117,15 @@ class MethodBlocks(nn.Sequential):
             out.hold_warmup(self.warmup_counter)
         return out
 
-    def run(
-        self,
-        x: Tensor,
-        attn_mask: Optional[Tensor] = None,
-        is_causal: bool = False,
-        checkpointed: bool = False,
-        take_indices: Optional[List[int]] = None,
-        norm: Optional[nn.Module] = None,
-    ) -> Tuple[Tensor, List[Tensor]]:
+    def run(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False, checkpointed: bool = False,
+            take_indices: Optional[List[int]] = None, norm: Optional[nn.Module] = None) -> Tuple[Tensor, List[Tensor]]:
         """The blocks with the method's state threaded: the output and the block outputs at ``take_indices``."""
         is_causal = _flag(is_causal)
         use_checkpoint = checkpointed and attn_mask is None and not is_causal
         kwargs: Dict[str, Any] = dict(with_state=True)
         if not use_checkpoint:
             kwargs.update(attn_mask=attn_mask, is_causal=is_causal)
-        counter = self.warmup_counter
-        # one warm-up step per forward of the whole model, taken here (outside any checkpointed block)
+        counter = self.warmup_counter  # one warm-up step per forward of the model, outside any checkpointed block
         return run_blocks(self, x, (), use_checkpoint, take_indices, norm,
                           warmup_scale=counter() if counter is not None else None, **kwargs)
 
@@ -171,9 +145,7 @@ class _MethodViTMixin(MethodModel):
         choice = resolve_timm_attention(attention, attention_cfg, where=type(self).__name__)
         block_fn = kwargs.pop("block_fn", None)
         if block_fn not in (None, Block, PIDBlock):
-            raise ValueError(
-                f"PID ViT builds its own blocks (PIDBlock); block_fn={block_fn!r} is not supported"
-            )
+            raise ValueError(f"PID ViT builds its own blocks (PIDBlock); block_fn={block_fn!r} is not supported")
         attn_layer = kwargs.pop("attn_layer", None)
         if attn_layer not in (None, "attn", Attention, PIDAttention):
             raise ValueError(
@@ -197,25 +169,15 @@ class _MethodViTMixin(MethodModel):
         names.update(n for n, _ in self.named_parameters() if ".attention_params." in n)
         return names
 
-    def forward_features(
-        self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False
-    ) -> Tensor:
+    def forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
         x = self.blocks(x, attn_mask=attn_mask, is_causal=is_causal, checkpointed=self.grad_checkpointing)
         return self.norm(x)
 
     def forward_intermediates(
-        self,
-        x: Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
-        return_prefix_tokens: bool = False,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-        output_dict: bool = False,
-        attn_mask: Optional[Tensor] = None,
-        is_causal: bool = False,
+        self, x: Tensor, indices: Optional[Union[int, List[int]]] = None, return_prefix_tokens: bool = False,
+        norm: bool = False, stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
+        output_dict: bool = False, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], Dict[str, Any]]:
         """timm's ``forward_intermediates`` contract, with the method's state threaded through the blocks."""
         if output_fmt not in ("NCHW", "NLC"):
@@ -227,7 +189,6 @@ class _MethodViTMixin(MethodModel):
         x, intermediates = blocks.run(x, attn_mask=attn_mask, is_causal=is_causal,
                                       checkpointed=self.grad_checkpointing, take_indices=take_indices,
                                       norm=self.norm if norm else None)
-
         prefix_tokens: Optional[List[Tensor]] = None
         if self.num_prefix_tokens:
             prefix_tokens = [y[:, : self.num_prefix_tokens] for y in intermediates]
@@ -235,7 +196,6 @@ class _MethodViTMixin(MethodModel):
         if output_fmt == "NCHW":
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
-
         if output_dict:
             result: Dict[str, Any] = {"image_intermediates": intermediates}
             if prefix_tokens is not None and return_prefix_tokens:
@@ -251,12 +211,7 @@ class _MethodViTMixin(MethodModel):
 
 
 class PIDVisionTransformer(_MethodViTMixin, VisionTransformer):
-    """timm ``VisionTransformer`` with PID attention (or another registered method) in every block.
-
-    Extra keyword arguments: ``attention`` (``"pid"``, a registered method's name, or ``"softmax"``) and
-    ``attention_cfg`` (the method's parameters: an instance, a dict of overrides of its default preset, or a preset
-    name).
-    """
+    """timm ``VisionTransformer`` with a method in every block (``attention=``, ``attention_cfg=``)."""
 
 
 class PIDVisionTransformerDistilled(_MethodViTMixin, VisionTransformerDistilled):
@@ -266,7 +221,6 @@ class PIDVisionTransformerDistilled(_MethodViTMixin, VisionTransformerDistilled)
 _MODEL_CLASSES = {"vit": PIDVisionTransformer, "vit_distilled": PIDVisionTransformerDistilled}
 
 
-# ------------------------------------------------------------------------------------ checkpoints
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer, **kwargs: Any) -> Dict[str, Tensor]:
     """Adapt a (softmax or PID) ViT/DeiT checkpoint to ``model``, filling in learnable gains it lacks."""
     VIT_CHECKPOINT_FILTER.require()
@@ -277,19 +231,16 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: VisionTransformer
     )
 
 
-def _create(
-    entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False, **kwargs: Any
-) -> VisionTransformer:
-    if pretrained:  # refused before anything is built (the internals' probes build small models)
+def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bool = False,
+            **kwargs: Any) -> VisionTransformer:
+    if pretrained:  # refused before anything is built
         check_pretrained_source(name, entry.base, kwargs)
     require(BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, *VIT)
     choice = entry_choice(entry, default_attention, kwargs, name)
     out_indices = kwargs.pop("out_indices", 3)
     model_args = {**entry.kwargs, **kwargs}
     return build_model_with_cfg(
-        _MODEL_CLASSES[entry.arch],
-        name,
-        pretrained,
+        _MODEL_CLASSES[entry.arch], name, pretrained,
         pretrained_filter_fn=partial(checkpoint_filter_fn, adapt_layer_scale=True),
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
         attention=choice.method.name if choice is not None else "softmax",
@@ -298,7 +249,6 @@ def _create(
     )
 
 
-# ------------------------------------------------------------------------------------ registration
 def _pretrained_cfg(entry: ModelEntry) -> Dict[str, Any]:
     """The base model's pretrained cfg (input size, normalisation, classifier names) without any source."""
     base = get_pretrained_cfg(entry.base)

@@ -32,14 +32,8 @@ MEANS = ("sequence", "prefix")
 
 @dataclass(frozen=True)
 class EllipticalConfig(MethodConfig):
-    """Parameters of elliptical attention.
-
-    Args:
-        from_layer: the first layer of the group (1-based, at least 2) whose queries are rescaled; earlier layers
-            compute the stock attention and hand their values on.
-        delta: the divisor of the value difference (official: 5 for vision, 1 for language); cancels up to rounding.
-        mean: ``"sequence"`` (official, the default; refused in causal models and with a KV cache) or ``"prefix"``
-            (each query over the keys it attends to)."""
+    """Parameters of elliptical attention: the first layer (1-based, >= 2) whose queries are rescaled, the divisor
+    ``delta`` of the value difference, and ``mean`` (``"sequence"``, official, or ``"prefix"``, causal)."""
 
     from_layer: int = 2
     delta: float = 5.0
@@ -49,22 +43,17 @@ class EllipticalConfig(MethodConfig):
 
     def validate(self) -> None:
         if self.from_layer < 2:
-            raise ValueError(
-                f"EllipticalConfig.from_layer must be >= 2 (the first layer has no previous layer's values), got "
-                f"{self.from_layer!r}; use attention='softmax' for the stock attention"
-            )
+            raise ValueError(f"EllipticalConfig.from_layer must be >= 2 (the first layer has no previous layer's "
+                             f"values), got {self.from_layer!r}; use attention='softmax' for the stock attention")
         if not (math.isfinite(self.delta) and self.delta > 0):
             raise ValueError(f"EllipticalConfig.delta must be a finite number > 0, got {self.delta!r}")
         if self.mean not in MEANS:
-            raise ValueError(
-                f"EllipticalConfig.mean must be one of {MEANS} ('sequence': the official whole-sequence mean; "
-                f"'prefix': the causal form), got {self.mean!r}"
-            )
+            raise ValueError(f"EllipticalConfig.mean must be one of {MEANS} ('sequence': the official whole-sequence "
+                             f"mean; 'prefix': the causal form), got {self.mean!r}")
 
 
 def _detached(x: Tensor) -> Tensor:
-    """``x`` without gradient: itself when autograd does not track it (a layer's state is stored detached; eval);
-    traced by torch.fx as ``detach`` (a proxy's ``requires_grad`` is not known while tracing)."""
+    """``x`` without gradient (itself when autograd does not track it; ``detach`` under torch.fx)."""
     return x.detach() if isinstance(x, torch.fx.Proxy) or x.requires_grad else x
 
 
@@ -91,8 +80,7 @@ def elliptical_prefix_scales(value: Tensor, value_prev: Tensor, delta: float, vi
 
 
 class EllipticalMethod(AttentionMethod):
-    """Elliptical attention: queries scaled per dimension (:meth:`prepare`), one call of the zoo's attention, the
-    values handed on (:meth:`update`). State: ``(v_prev,)``, detached."""
+    """Elliptical attention: queries scaled per dimension, one call of the zoo's attention, the values handed on."""
 
     name = "elliptical"
     config_type = EllipticalConfig
@@ -106,18 +94,14 @@ class EllipticalMethod(AttentionMethod):
         if config.mean != "sequence":
             return
         if context.causal:
-            raise ValueError(
-                "attention method 'elliptical' with mean='sequence' is not causal: its query scaling averages "
-                f"|v^l - v^{{l-1}}| over the whole sequence ({_OFFICIAL}), so earlier positions would read later "
-                "tokens. For a causal model set mean='prefix' (each position averages over the positions it attends "
-                "to), e.g. the 'lm' preset"
-            )
+            raise ValueError("attention method 'elliptical' with mean='sequence' is not causal: its query scaling "
+                             f"averages |v^l - v^{{l-1}}| over the whole sequence ({_OFFICIAL}), so earlier positions "
+                             "would read later tokens. For a causal model set mean='prefix' (each position averages "
+                             "over the positions it attends to), e.g. the 'lm' preset")
         if context.cached:
-            raise ValueError(
-                "attention method 'elliptical' with mean='sequence' cannot decode with a KV cache: its query scaling "
-                f"averages over the whole sequence ({_OFFICIAL}). Set mean='prefix', or run without a cache "
-                "(use_cache=False / no incremental state)"
-            )
+            raise ValueError("attention method 'elliptical' with mean='sequence' cannot decode with a KV cache: its "
+                             f"query scaling averages over the whole sequence ({_OFFICIAL}). Set mean='prefix', or "
+                             "run without a cache (use_cache=False / no incremental state)")
 
     def layer_params(self, config: EllipticalConfig, learned: Optional[nn.Module],
                      layer: Optional[int] = None) -> Optional[EllipticalConfig]:
@@ -128,18 +112,15 @@ class EllipticalMethod(AttentionMethod):
 
     def prepare(self, params: Optional[EllipticalConfig], query: Tensor, value: Tensor, state: Optional[tuple],
                 visible: Optional[Tensor] = None) -> Tensor:
-        """``q diag(m)`` at a layer that rescales; the queries unchanged before ``from_layer`` or at the group's first
-        layer."""
+        """``q diag(m)`` at a layer that rescales; the queries unchanged elsewhere."""
         if state is None or params is None:
             return query
         value_prev = state[0]
         if not symbolic(value) and value_prev.shape != value.shape:
-            raise ValueError(
-                f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} but the previous "
-                f"layer's {tuple(value_prev.shape)}: consecutive layers must see the same key positions (a model "
-                "mixing sliding-window and full-attention layers with a cache, or layers of different widths, "
-                "cannot run it)"
-            )
+            raise ValueError(f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} but "
+                             f"the previous layer's {tuple(value_prev.shape)}: consecutive layers must see the same key "
+                             "positions (a model mixing sliding-window and full-attention layers with a cache, or "
+                             "layers of different widths, cannot run it)")
         sequence = params.mean == "sequence"
         if sequence:  # (B, H_kv, D)
             m = elliptical_scales(value, value_prev, params.delta).to(query.dtype)
@@ -153,8 +134,7 @@ class EllipticalMethod(AttentionMethod):
 
     def update(self, params: Optional[EllipticalConfig], out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
-        """The attention output unchanged; the state: this layer's values at every key position (``keys_state``)
-        in ``(B, H_kv, K, D)``."""
+        """The attention output unchanged; the state: this layer's values at every key position."""
         return out, (move_heads(_detached(value_q), head_dim, -3),)
 
 

@@ -27,12 +27,8 @@ __all__ = ["ValueResidualConfig", "ValueResidualLambdas", "ValueResidualMethod",
 
 @dataclass(frozen=True)
 class ValueResidualConfig(MethodConfig):
-    """Parameters of value residual learning (ResFormer).
-
-    Args:
-        lambda_1: weight of the group's first layer's values ``v^1`` (finite).
-        lambda_2: weight of the layer's own values (finite); ``(0, 1)``: the stock attention.
-        learnable: every layer after the first gets its own trainable lambdas, starting at these values."""
+    """Parameters of value residual learning: the weights of ``v^1`` and of the layer's own values; ``learnable``
+    gives every layer after the first its own lambdas."""
 
     lambda_1: float = 0.5
     lambda_2: float = 0.5
@@ -45,10 +41,8 @@ class ValueResidualConfig(MethodConfig):
         for name in ("lambda_1", "lambda_2"):
             value = getattr(self, name)
             if not math.isfinite(value):
-                raise ValueError(
-                    f"ValueResidualConfig.{name} must be a finite number (ResFormer: lambda_1 = lambda_2 = 0.5; "
-                    f"lambda_1 = 0, lambda_2 = 1: the stock attention), got {value!r}"
-                )
+                raise ValueError(f"ValueResidualConfig.{name} must be a finite number (ResFormer: lambda_1 = lambda_2 "
+                                 f"= 0.5; lambda_1 = 0, lambda_2 = 1: the stock attention), got {value!r}")
 
 
 class ValueResidualLambdas(nn.Module):
@@ -69,31 +63,27 @@ def value_residual_mix(value: Tensor, v_first: Tensor, lambda_1: Any, lambda_2: 
     length = value.shape[-2]
     if not torch.jit.is_tracing() and v_first.shape[-2] != length:  # (traced: no cache, the same positions)
         if v_first.shape[-2] < length or v_first.shape[:-2] != value.shape[:-2]:
-            raise ValueError(
-                f"attention method 'value_residual': this layer's values have shape {tuple(value.shape)} but the "
-                f"group's first layer had {tuple(v_first.shape)}: every layer must have the first layer's key/value "
-                "heads and head_dim, and the first layer must see every key position a later layer sees (a "
-                "sliding-window first layer under full-attention layers, with a cache, cannot run it)"
-            )
+            raise ValueError(f"attention method 'value_residual': this layer's values have shape "
+                             f"{tuple(value.shape)} but the group's first layer had {tuple(v_first.shape)}: every "
+                             "layer must have the first layer's key/value heads and head_dim, and the first layer "
+                             "must see every key position a later layer sees (a sliding-window first layer under "
+                             "full-attention layers, with a cache, cannot run it)")
         v_first = v_first.narrow(-2, v_first.shape[-2] - length, length)
     if not torch.jit.is_tracing() and v_first.shape != value.shape:
-        raise ValueError(
-            f"attention method 'value_residual': this layer's values have shape {tuple(value.shape)} but the group's "
-            f"first layer had {tuple(v_first.shape)}: every layer of a group must have values of one shape"
-        )
+        raise ValueError(f"attention method 'value_residual': this layer's values have shape {tuple(value.shape)} but "
+                         f"the group's first layer had {tuple(v_first.shape)}: every layer of a group must have values "
+                         "of one shape")
     if isinstance(lambda_1, Tensor) or isinstance(lambda_2, Tensor):
         return v_first * lambda_1.to(value.dtype) + value * lambda_2.to(value.dtype)
     return v_first * lambda_1 + value * lambda_2
 
 
-# a leaf for every torch.fx tracer (timm's feature extraction traces the method's ``attend``): the shape checks
-# above are Python control flow on the values' shapes, which a symbolic trace cannot follow
+# a leaf for every torch.fx tracer: the shape checks above are Python control flow a symbolic trace cannot follow
 torch.fx.wrap("value_residual_mix")
 
 
 class ValueResidualMethod(AttentionMethod):
-    """ResFormer: every layer after the group's first attends over ``lambda_1 v^1 + lambda_2 v^l`` (:meth:`attend`);
-    the state is ``v^1`` at every key position (``keys_state``)."""
+    """ResFormer: every layer after the group's first attends over ``lambda_1 v^1 + lambda_2 v^l``."""
 
     name = "value_residual"
     config_type = ValueResidualConfig
@@ -129,7 +119,7 @@ class ValueResidualMethod(AttentionMethod):
 
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
                head_dim: int) -> Tuple[Tensor, tuple]:
-        """The output unchanged; the state: the first layer's values at every key position, ``(B, H_kv, K, D)``."""
+        """The output unchanged; the state: the first layer's values at every key position."""
         if state is None:
             return out, (move_heads(value_q, head_dim, -3),)
         return out, (state[0],)
