@@ -1,12 +1,8 @@
-"""The module graph of ``pid_plugins`` and of the experiments beside it (``research/``): no import circle, counting
-imports inside functions and ``importlib`` calls, and no edge from the package into the experiments.
-
-Read from the source (ast), without importing anything: an edge ``a -> b`` for every ``import``/``from ... import``
-of a ``pid_plugins`` module anywhere in ``a`` (module level or inside a function: a function-level import only
-defers a circle) and for every ``importlib.import_module`` / ``__import__`` of one; one whose module name is computed
-from the package's own name is refused outright (it would hide an edge). ``from pkg import name`` is an edge to
-``pkg.name`` when that is a module, else to ``pkg``. Parent packages, which Python imports first anyway, are not
-edges unless named.
+"""The module graph of ``pid_plugins`` (with the fairseq compat hook) and of the experiments beside it
+(``research/``), read from the source (ast) without importing anything: no import circle, counting imports inside
+functions and ``importlib`` calls (a module name computed from the package's own name is refused: it would hide an
+edge), no edge from the package into the experiments, core free of the adapters and of the methods (siblings).
+``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
 """
 import ast
 from pathlib import Path
@@ -19,7 +15,8 @@ ROOT = Path(pid_plugins.__file__).resolve().parent.parent
 
 def _modules() -> Dict[str, Path]:
     found = {}
-    for path in [*(ROOT / "pid_plugins").rglob("*.py"), *(ROOT / "research").rglob("*.py")]:
+    for path in [*(ROOT / "pid_plugins").rglob("*.py"), *(ROOT / "research").rglob("*.py"),
+                 ROOT / "pid_plugins_fairseq_compat.py"]:
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -127,13 +124,19 @@ def test_pid_plugins_has_no_import_circle():
 
 
 def test_the_package_never_imports_the_experiments():
-    """``pid_plugins`` (the wheel) imports nothing of ``research/`` (demo, reproduce, study), which uses the package."""
+    """``pid_plugins`` (the wheel) and the compat hook import nothing of ``research/`` (demo, reproduce, study),
+    which uses the package, nor name it in a string (``importlib.import_module("research...")``, runpy)."""
     graph = import_graph()
     assert "pid_plugins.analysis.models" in graph["research.experiments"]  # the experiments' edges are read
     assert "pid_plugins.cli" in graph["research.cli"] and "research.cli" in graph["research.__main__"]
+    assert "pid_plugins.catalogue" in graph["pid_plugins.hf.catalogue"]  # from .. import catalogue
     into = {module: sorted(t for t in targets if t.split(".")[0] == "research")
-            for module, targets in graph.items() if module.split(".")[0] == "pid_plugins"}
+            for module, targets in graph.items() if module.split(".")[0].startswith("pid_plugins")}
     assert not {module: targets for module, targets in into.items() if targets}
+    for module, path in _modules().items():
+        strings = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(getattr(n, "value", 0), str)]
+        if module.startswith("pid_plugins"):
+            assert not [v for v in strings if v == "research" or v.startswith("research.")], module
 
 
 def test_core_imports_no_adapter_and_adapters_never_import_each_other():
@@ -145,5 +148,7 @@ def test_core_imports_no_adapter_and_adapters_never_import_each_other():
             other = target.split(".")[1] if target.count(".") else None
             if module.startswith("pid_plugins.core"):
                 assert other not in adapters, f"{module} imports {target}"
+            if module.startswith("pid_plugins.core") and ".siblings" not in module:  # the methods import core
+                assert ".siblings" not in target, f"{module} imports {target}"
             if zoo in adapters and other in adapters:
                 assert other == zoo, f"{module} imports {target}"
