@@ -50,7 +50,7 @@ class Model:
             return self.convert(self.stock(seed), method, cfg), self.stock(seed)
         stock = self.stock(seed)
         model = self.build(method, cfg, seed + 1)
-        model.load_state_dict(stock.state_dict(), strict=True)
+        zc.load_stock(model, stock.state_dict())
         return model, stock
 
     def stock(self, seed: int = 0):

@@ -99,7 +99,7 @@ def timm_pair(kind: str, seed: int = 0, models=TIMM, **kwargs):
     torch.manual_seed(seed)
     stock = timm.create_model(base, **args)
     model = timm.create_model(name, **kwargs, **args)
-    model.load_state_dict(stock.state_dict())  # strict: the method adds no parameters
+    load_stock(model, stock.state_dict())
     return model.eval(), stock.eval()
 
 
@@ -235,8 +235,15 @@ def llama_config(attn_implementation: Optional[str] = None, method_cfg=None, lay
 
 
 def without_record(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    """``state_dict`` without the method record (what a stock model's strict load would refuse)."""
-    return {k: v for k, v in state_dict.items() if not k.endswith("pid_plugins_method")}
+    """``state_dict`` without the method record and learnable parameters (what a stock model's strict load would
+    refuse)."""
+    return {k: v for k, v in state_dict.items() if not k.endswith("pid_plugins_method") and ".attention_params." not in k}
+
+
+def load_stock(model, state_dict: Dict[str, Tensor]) -> None:
+    """A stock model's weights into a method model: only the method's learnable parameters are left out."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    assert not unexpected and all(".attention_params." in k for k in missing), (missing, unexpected)
 
 
 def llama_twins(method: str, method_cfg=None, **kw):

@@ -112,8 +112,10 @@ def kit_cases():
         for case in ("checkpointing", "save_load", "compile", "generate", "padding"):
             if APPLIES.get(case, lambda m: True)(model) and (case != "compile" or model.name in method.compile_models):
                 cfgs[case] = method_cfg(method, model)
+            if method.learnable and case in ("checkpointing", "save_load") + ("compile",) * (model.zoo == "hf"):
+                cfgs[f"{case}-learnable"] = {**(method_cfg(method, model) or {}), "learnable": True}
         out += [pytest.param(method, model, key.split("-")[0], cfg, id=f"{key}-{method.name}-{model.name}",
-                             marks=[pytest.mark.slow] if key == "compile" else []) for key, cfg in cfgs.items()]
+                             marks=[pytest.mark.slow] if key.startswith("compile") else []) for key, cfg in cfgs.items()]
     return out
 
 

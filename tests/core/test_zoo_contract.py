@@ -97,9 +97,9 @@ def train(zoo, model, steps):
 @pytest.mark.parametrize("zoo, key, method, cfg", grid(warmup_steps=4))
 def test_a_stock_model_converted_in_place_is_the_model_built_with_the_method(zoo, key, method, cfg):
     model = zoo.stock()
-    params = dict(model.named_parameters())
+    params, root = dict(model.named_parameters()), type(model)
     y_stock = out(zoo, model)
-    assert zoo.convert(model, method, cfg) is model
+    assert zoo.convert(model, method, cfg) is model and type(model) is root  # the root keeps its class
     assert all(p is params[n] for n, p in model.named_parameters() if n in params)  # the same tensors
     assert not any(m.training for m in model.modules())  # new modules follow the model's mode
     built = zoo.build(method, cfg, seed=7)
@@ -118,6 +118,10 @@ def test_a_stock_model_converted_in_place_is_the_model_built_with_the_method(zoo
         assert set(counters(model).values()) == {2}
         built.load_state_dict(model.state_dict(), strict=True)
         assert torch.equal(out(zoo, model), out(zoo, built))
+        zoo.convert(model, method, {**cfg, "warmup_steps": 8})  # another N: t carries over
+        assert set(counters(model).values()) == {2}
+        zoo.convert(model, method, {**cfg, "warmup_steps": 0})  # no warm-up: the counter goes
+        assert not counters(model)
     else:
         assert not torch.equal(y, y_stock)  # the method is on
 
