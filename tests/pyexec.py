@@ -1,55 +1,15 @@
-"""``python -c code`` (and ``python -m module``) for tests, from a pre-imported interpreter (a zygote), not a
-fresh one each time.
-
-Why: the docs examples (tests/docs/test_readme.py) and a few CLI tests each start ``python -c`` only to have a clean
-interpreter, and each of them paid interpreter start + ``import torch`` + the zoos (transformers, timm,
-mmengine/mmseg, fairseq, peft: about 6-8 s of CPU) again. Here one zygote per test process (per environment)
-imports those *third-party* packages once; each case then runs in a fresh ``os.fork()`` of it, which starts in
-milliseconds with the imports already done.
-
-What the child preserves, as ``subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
-text=True, timeout=timeout)`` would give it:
-
-- ``pid_plugins`` is never imported by the zygote (nor anything that imports it; :func:`zygote_modules` lets a test
-  check): its registration side effects (``attn_implementation="pid"``, timm's ``pid_*`` models, mmseg's and
-  fairseq's registries) come only from the block's own imports, so a block that forgets ``import pid_plugins.hf``
-  fails as it does for a user;
-- ``__main__`` is a new module as ``-c`` makes it (``__name__ == "__main__"``, ``__loader__`` BuiltinImporter, no
-  ``__file__``); the code is compiled as ``"<string>"`` without inheriting any ``__future__`` flag;
-- ``sys.argv == ["-c", *args]``, ``sys.path`` is the zygote's own at its start (it is itself a ``python -c``
-  started in an empty directory: ``''`` first, then PYTHONPATH and site; no tests/ folder, no pytest paths),
-  cwd = ``cwd``;
-  :func:`run_python_m` runs ``python -m module *args`` the same way, through runpy as the interpreter does
-  (``sys.path[0]`` the cwd, ``sys.argv[0]`` the module's file), and :func:`run_python_script` ``python file *args``
-  (``sys.path[0]`` the file's folder, ``sys.argv[0]`` the path as given, ``__file__`` and a source loader);
-- the environment is ``env`` (``os.environ`` by default) and the zygote was started with that same environment
-  (but for :data:`PER_CALL`, e.g. pytest's ``PYTEST_CURRENT_TEST``): a call with another environment gets a zygote
-  of its own, so nothing read at import time differs;
-- warnings filters, ``warnings.showwarning`` and the root logger are reset to the interpreter's defaults as they
-  were before any import (and the warnings registries invalidated, so ``default``/``once`` warnings show again);
-  stdout/stderr are new text streams on pipes-like files (stdout block buffered, stderr line buffered, same
-  encodings), stdin is ``/dev/null``;
-- Python's, numpy's and torch's global random generators are reseeded from the OS, as a fresh interpreter's are;
-- the exit status follows the interpreter: 0; 1 with the traceback through ``sys.excepthook`` on stderr for an
-  uncaught exception; ``SystemExit``'s code (``None`` -> 0, an int, or anything else printed and 1); then
-  non-daemon threads are joined, ``atexit`` functions run and the streams flushed (120 if that fails), as at
-  interpreter exit; a KeyboardInterrupt ends it by SIGINT;
-- ``timeout`` kills the child (SIGKILL, as ``subprocess.run`` does) and raises ``subprocess.TimeoutExpired``;
-  a child killed by a signal returns ``-signal``.
-
-torch's thread pools: the zygote only imports, it runs no operator, so the intra-op (OpenMP) and inter-op pools are
-not started before a fork (the child starts its own on first use; BLAS libraries' own pools are shut down and
-re-created by their fork handlers, as in a DataLoader worker). Blocks that start processes of their own (torchrun,
-``subprocess``) do so from the child as they would from ``python -c``.
-
-What it cannot give: modules the zoos import at import time are already imported (their import-time output was the
-zygote's, and a module the block does not import may be in ``sys.modules``); the hash seed is the zygote's.
-
-Under pytest-xdist each worker starts its own zygote on first use (about 8 s of CPU, paid back by the second case).
-
-Fallback: ``PID_TEST_NO_FORKSERVER=1`` (or a platform without ``os.fork``) runs the plain subprocess instead. The two
-gave the same exit code on every docs example (all 31, run both ways when this was written), and
-tests/docs/test_readme.py checks a failing example both ways.
+"""``python -c code`` (``-m module``, ``script``) for tests, forked from a pre-imported interpreter (a zygote): the
+docs examples and CLI tests need a clean interpreter, and each fresh one paid ``import torch`` and the zoos (6-8 s of
+CPU) again. One zygote per test process (and environment) imports the third-party packages of :data:`PRELOAD`, never
+pid_plugins (a block that forgets ``import pid_plugins.hf`` fails as it does for a user); each call runs in a fresh
+``os.fork()`` of it with what ``subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
+text=True, timeout=timeout)`` gives: a new ``__main__`` (code compiled as ``"<string>"``), ``sys.argv`` and
+``sys.path`` as the interpreter sets them for ``-c``/``-m``/a file, the cwd and environment (a zygote per
+environment, :data:`PER_CALL` aside), warnings filters and logging as at start, the random generators reseeded, stdin
+``/dev/null``, the interpreter's exit status (exceptions, ``SystemExit``, atexit, flushing), and ``timeout`` killing
+the child. The zygote runs no operator, so torch's thread pools start in the child. What differs: modules the zoos
+import are already imported, and the hash seed is the zygote's. ``PID_TEST_NO_FORKSERVER=1`` (or no ``os.fork``) runs
+the plain subprocess.
 """
 from __future__ import annotations
 
@@ -347,11 +307,6 @@ def zygote(env: dict[str, str] | None = None) -> Zygote:
                 _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
             z = _ZYGOTES[key] = Zygote(env)
         return z
-
-
-def zygote_modules(env: dict[str, str] | None = None) -> list[str]:
-    """The names in the zygote's ``sys.modules`` after its imports (what every child starts with)."""
-    return list(zygote(env).info["modules"])
 
 
 def run_python_c(code: str, cwd=None, env: dict[str, str] | None = None, timeout: float | None = None,

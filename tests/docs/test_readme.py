@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from pyexec import run_python_c, run_python_script, zygote_modules
+from pyexec import run_python_c
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -62,14 +62,6 @@ def test_forked_example_without_the_plugin_import_fails_as_in_a_subprocess(tmp_p
     assert fixed.returncode == 0 and fixed.stdout == "built\n", fixed.stderr[-3000:]
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_zygote_has_imported_the_zoos_but_not_pid_plugins():
-    modules = zygote_modules()
-    assert not [m for m in modules if m == "pid_plugins" or m.startswith("pid_plugins.")], modules
-    assert {"torch", "transformers", "timm"} <= set(modules)
-
-
 def test_readme_has_an_example_per_zoo():
     ids = [p.id for p in python_blocks([README])]
     for zoo in ("timm", "transformers", "mmsegmentation", "fairseq", "The core alone"):
@@ -96,30 +88,3 @@ def test_readme_is_short_and_talks_to_users_first():
     assert "make demo" in text and "make test" in text
     for internal in ("fresh-ci", "../shared", "landed", ".ci/run"):
         assert internal not in text, f"README.md mentions {internal!r}: CI internals go to CONTRIBUTING.md"
-
-
-#: what a script sees of how it was started (tests/pyexec.py's run_python_script, which the examples' tests use)
-SCRIPT = """
-import json, os, sys
-print(json.dumps({"file": __file__, "argv": sys.argv, "path0": sys.path[0], "name": __name__,
-                  "loader": type(__loader__).__name__, "spec": repr(__spec__), "cached": repr(__cached__),
-                  "globals": sorted(globals()), "cwd": os.getcwd()}))
-raise SystemExit(3)
-"""
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_a_forked_script_sees_what_python_file_gives_it(tmp_path):
-    """``python folder/file.py args`` forked from the zygote and run by the interpreter: the same argv, sys.path[0]
-    (the file's folder, links resolved), __file__, loader, globals, working directory and exit status."""
-    folder = tmp_path / "real"
-    folder.mkdir()
-    (folder / "probe.py").write_text(SCRIPT)
-    (tmp_path / "link.py").symlink_to(folder / "probe.py")
-    for script in (folder / "probe.py", tmp_path / "link.py"):
-        forked, fresh = (run_python_script(script, "a b", "--x", cwd=tmp_path, timeout=600, fork=fork)
-                         for fork in (True, False))
-        assert forked.returncode == fresh.returncode == 3, forked.stderr[-3000:] + fresh.stderr[-3000:]
-        assert forked.stdout == fresh.stdout and forked.stderr == fresh.stderr == ""
-        assert f'"path0": "{folder}"' in fresh.stdout and '"loader": "SourceFileLoader"' in fresh.stdout
