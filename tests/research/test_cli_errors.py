@@ -48,6 +48,7 @@ def files(tmp_path_factory):
         data = (d / f"good.{ext}").read_bytes()
         (d / f"truncated.{ext}").write_bytes(data[: len(data) // 2])
     torch.save({"state_dict": state, "x": Evil(d / "pwned")}, d / "evil.pth")
+    torch.save({"head.weight": torch.zeros(10, 12)}, d / "other.pth")
     (d / "not_a_folder").write_text("a file")
     images = d / "images" / "cat"
     images.mkdir(parents=True)
@@ -120,7 +121,14 @@ CASES = [
     ("unknown corruption", ["attack", *TIMM, "--data", "digits", "--corruptions", "fog,nope"],
      "--corruptions: unknown nope"),
     ("--baseline not a model", ["attack", *TIMM, "--data", "digits", "--baseline", "x"], "--baseline 'x' must be one"),
+    ("wrong checkpoint", ["diagnose", *TIMM, "--checkpoint", "{d}/other.pth", "--data", "digits"], "missing keys"),
     ("unknown model", ["diagnose", "--model", "no_such_model_xyz", "--data", "digits"], "unknown model 'no_such_model_xyz'"),
+    ("misspelt model", ["diagnose", "--model", "pid_deit_tinyy_patch16_224", "--data", "digits"],
+     "did you mean pid_deit_tiny_patch16_224"),
+    ("unknown image dataset", ["diagnose", *TIMM, "--data", "cifar"], "unknown image dataset 'cifar'"),
+    ("classes do not fit", ["diagnose", "--model", "deit_tiny_patch16_224", "--model-kwargs",
+                            '{"num_classes": 3, "img_size": 32}', "--data", "digits"], "has 10 classes but"),
+    ("language model on images", ["diagnose", "--model", "pid_fairseq_lm", "--data", "digits"], ""),
     ("image model on text", ["diagnose", *TIMM, "--data", "wiki"], "is an image model: give images"),
     ("demo --seed -1", ["demo", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
     ("demo --out names a file", ["demo", "--out", "{d}/not_a_folder"], "argument --out: {d}/not_a_folder exists"),
@@ -135,6 +143,33 @@ CASES = [
     ("reproduce bad --parts", ["reproduce", "--parts", "vision,core"], "--parts takes a comma list of vision, language"),
     ("reproduce --aggregate of no runs", ["reproduce", "--aggregate", "{d}/empty_runs"],
      "no seed*/results.json under {d}/empty_runs"),
+]
+
+
+# attention methods for diagnose/attack and the study's arms
+CASES += [
+    ("unknown --attention", ["diagnose", *TIMM, "--attention", "no_such_method", "--data", "digits"],
+     "--attention: unknown attention method 'no_such_method': choose 'softmax' or one of ['"),
+    ("attack unknown --attention", ["attack", *TIMM, "--attention", "no_such_method", "--data", "digits"],
+     "--attention: unknown attention method 'no_such_method'"),
+    ("--attention-cfg without --attention", ["diagnose", *TIMM, "--attention-cfg", "{}", "--data", "digits"],
+     "--attention-cfg gives a method's parameters: name the method with --attention"),
+    ("--attention-cfg not JSON", ["diagnose", *TIMM, "--attention", "pid", "--attention-cfg", "{lambda_p: 1}",
+                                  "--data", "digits"], "argument --attention-cfg: expected a JSON object or a preset"),
+    ("--attention for fewer models", ["diagnose", "--model", "pid_deit_tiny_patch16_224", "--model",
+                                      "deit_tiny_patch16_224", "--attention", "pid", "--attention", "pid",
+                                      "--attention", "pid", "--data", "digits"], "3 --attention for 2 models"),
+    ("bad --attention-cfg field", ["diagnose", *TIMM, "--attention", "pid", "--attention-cfg", '{"lambda_q": 1}',
+                                   "--data", "digits"], "lambda_q"),
+    ("--attention and --model-kwargs", ["diagnose", "--model", "pid_deit_tiny_patch16_224", "--attention", "pid",
+                                        "--model-kwargs", '{"attention": "pid"}', "--data", "digits"],
+     "both choose the attention"),
+    ("--attention for an mmseg config", ["diagnose", "--model", "{repo}/" + MMSEG_TINY, "--attention", "pid",
+                                         "--data", "digits"], "is an mmseg config: it sets the attention"),
+    ("study unknown arm", ["study", "--arms", "softmax,pid,no_such_method"], "--arms: unknown arm 'no_such_method'"),
+    ("study bad arm parameters", ["study", "--arms", 'softmax,p5=pid:{"lambda_q": 0.5}'],
+     "--arms: arm 'p5=pid:{\"lambda_q\": 0.5}': unknown PIDConfig field"),
+    ("study arm label repeated", ["study", "--arms", "softmax,pid,pid=pid"], "--arms: arm 'pid=pid': 'pid' is a built-in arm"),
 ]
 
 
@@ -192,25 +227,3 @@ def test_good_checkpoints_still_load(files, tmp_path, capsys):
                      "--num-samples", "8", "--batch-size", "8", "--passes", "0", "--out", str(out)])
         assert code == 0
         assert sorted(p.name for p in out.iterdir()) == ["diagnose.json", "diagnose.png"]
-
-
-# an attention method that is not registered, for diagnose/attack and the study's arms (one line, exit code 2)
-METHOD_CASES = [
-    ("unknown --attention", ["diagnose", *TIMM, "--attention", "no_such_method", "--data", "digits"],
-     "--attention: unknown attention method 'no_such_method': choose 'softmax' or one of ['"),
-    ("attack unknown --attention", ["attack", *TIMM, "--attention", "no_such_method", "--data", "digits"],
-     "--attention: unknown attention method 'no_such_method'"),
-    ("--attention-cfg without --attention", ["diagnose", *TIMM, "--attention-cfg", "{}", "--data", "digits"],
-     "--attention-cfg gives a method's parameters: name the method with --attention"),
-    ("--attention-cfg not JSON", ["diagnose", *TIMM, "--attention", "pid", "--attention-cfg", "{lambda_p: 1}",
-                                  "--data", "digits"], "argument --attention-cfg: expected a JSON object or a preset"),
-    ("study unknown arm", ["study", "--arms", "softmax,pid,no_such_method"], "--arms: unknown arm 'no_such_method'"),
-    ("study bad arm parameters", ["study", "--arms", 'softmax,p5=pid:{"lambda_q": 0.5}'],
-     "--arms: arm 'p5=pid:{\"lambda_q\": 0.5}': unknown PIDConfig field"),
-    ("study arm label repeated", ["study", "--arms", "softmax,pid,pid=pid"], "--arms: arm 'pid=pid': 'pid' is a built-in arm"),
-]
-
-
-@pytest.mark.parametrize("argv, expected", [pytest.param(a, e, id=i) for i, a, e in METHOD_CASES])
-def test_unknown_attention_method_is_one_clear_line(files, tmp_path, capsys, argv, expected):
-    assert_one_clear_line(files, tmp_path, capsys, argv, expected)
