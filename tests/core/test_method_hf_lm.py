@@ -1,11 +1,8 @@
-"""The language-model methods in transformers (issue 31): what the method contract (tests/core/test_method_contract.py,
-its hf-llama rows: the float64 rule, cached generation with beam search, causality, switched off, gradient
-checkpointing, save/reload) does not cover: left padding, the sliding-window cache (Mistral), Twicing in the other
-grouped-query families, static-cache decoding compiled without recompiles, and the refusals (Elliptical's sequence
-mean in a causal model, Twicing's attention dropout, families with their own attention tables, Gemma 3's mixed cache).
-
-The subject is a causal Llama with 4 query heads and 2 key/value heads, every built-in method of tests/method_cases.py
-with its parameters there.
+"""The language-model methods in transformers beyond the contract's hf-llama rows (tests/core/test_method_contract.py:
+the float64 rule, cached and beam generation, causality, left padding, switched off, checkpointing, save/reload): the
+sliding-window cache (Mistral), Twicing in other grouped-query families, static-cache decoding compiled without
+recompiles, and the refusals (Twicing's attention dropout, families with their own attention tables, Gemma 3's mixed
+cache). Every built-in method of tests/method_cases.py with its parameters there.
 """
 from __future__ import annotations
 
@@ -27,24 +24,7 @@ def twins(name, **kw):
     return llama_twins(name, METHOD_CFG[name], **kw)
 
 
-# ======================================================================================== padding, caches
-@pytest.mark.parametrize("name", METHOD_CFG)
-def test_left_padding_counts_no_padded_position(name):
-    """A left-padded row (positions given by the mask) equals the row alone, and its cached generation equals
-    recomputation: the prefix mean, the first layer's values and A v never read a padded position."""
-    model, _ = twins(name)
-    x = hf_ids(2, 8)
-    padded, mask = x.clone(), torch.ones_like(x)
-    padded[1, :3], mask[1, :3] = 0, 0
-    positions = (mask.cumsum(1) - 1).clamp_min(0)
-    with torch.no_grad():
-        got = model(padded, attention_mask=mask, position_ids=positions).logits[1, 3:]
-        alone = model(x[1:, 3:]).logits[0]
-    torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
-    assert torch.equal(greedy(model, padded, attention_mask=mask),
-                       greedy(model, padded, attention_mask=mask, use_cache=False))
-
-
+# ======================================================================================== caches
 @pytest.mark.parametrize("name", METHOD_CFG)
 def test_sliding_window_cache_equals_recomputation(name):
     """Mistral with a 4-token window over 8 + 6 tokens: the dynamic sliding-window cache drops old keys (and the
