@@ -1,12 +1,6 @@
-"""What the compile-switch tests share (tests/zoos/*/test_*_compile_switch.py): each zoo's own way of turning
-torch.compile on (timm's ``torch.compile(model)`` and train.py ``--torchcompile``, transformers' ``Trainer`` with
-``torch_compile=True`` and ``generate`` on a static cache, mmengine's ``Runner(compile=True)``), for every built-in
-method with fixed gains, learnable gains and gain warm-up (:func:`variants`, read from tests/method_cases.py).
-
-:class:`Dynamo` counts what dynamo did while a switch ran: graph breaks (``counters["graph_break"]``, by reason) and
-graphs compiled (``counters["stats"]["unique_graphs"]``: a recompilation compiles one more). The model-level tests
-(fullgraph, no recompile as decoding advances) stay in tests/core/test_compile.py and test_method_contract.py.
-"""
+"""What the compile-switch tests (tests/zoos/*/test_*_compile_switch.py) share: each zoo's own compile switch for every
+built-in method with fixed gains, learnable gains and warm-up (:func:`variants`), and :class:`Dynamo`, which counts the
+graph breaks (by reason) and graphs compiled while a switch ran."""
 from __future__ import annotations
 
 from typing import Dict, List

@@ -1,14 +1,6 @@
-"""Suite-wide set-up: torch threads per pytest-xdist worker, and the slow tests scheduled first.
-
-``make test`` (``-m "not integration"``) and ``make test-integration`` (``-m integration``: the tests that start
-processes or run a tool's command line) run ``pytest -n 2 --dist loadgroup`` (pytest-xdist): two worker processes
-share the machine's cores, so each worker (and every subprocess it starts, through ``OMP_NUM_THREADS``) gets
-``cores // workers`` torch threads instead of all of them. Tests that start process groups of their own
-(torchrun's two ranks, in the integration tier) and the two-thread tests carry
-``pytest.mark.xdist_group("multiprocess")``: one worker runs them one after the other. Tests marked ``slow`` are
-left out by ``make test-fast`` (``-m "not slow"``); under xdist they are handed out first, in either tier, so the
-longest tests do not start last and leave one worker idle at the end.
-"""
+"""Suite-wide set-up. Under ``pytest -n 2 --dist loadgroup`` (make test, make test-integration) each worker, and every
+subprocess it starts, gets ``cores // workers`` torch threads; tests carrying ``xdist_group`` (torchrun's two ranks,
+the two-thread tests, SmolLM2) run on one worker one after the other; ``slow`` tests are handed out first."""
 from __future__ import annotations
 
 import os

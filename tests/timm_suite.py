@@ -1,19 +1,9 @@
-"""timm's own model tests (``tests/test_models.py`` of the installed timm's sdist) run over our timm names.
-
-Three roles, one file (none of timm's code is stored in this repository):
-
-* ``python tests/timm_suite.py fetch`` downloads the sdist of the installed timm version from PyPI
-  (``pip download --no-binary :all:``) into ``.cache/timm-sdist/`` and extracts its ``tests/`` folder
-  (``make test-integration`` and ``make conformance`` run it first; :func:`fetch` is also called by the test).
-* :func:`patched_test_file` writes ``test_models_pid.py`` next to timm's file: the same file with
-  ``'pid_*', 'fan_*'`` added to ``NON_STD_FILTERS`` (our models are ViT-like, as timm's own ``vit_*`` /
-  ``deit*`` / ``xcit_*``) and ``'fan'`` (the module of the FAN models) to ``FEAT_INTER_FILTERS`` (FAN has
-  ``forward_intermediates``); each change is checked to apply exactly once.
-* As a pytest plugin (``-p timm_suite``): imports ``pid_plugins.timm``, restricts timm's ``list_models``
-  (which parametrises timm's tests) to the names in ``PID_TIMM_MODELS`` (comma-separated fnmatch
-  patterns), and deselects every test that is not about one of those names plus every TorchScript test
-  (``torch.jit.script`` is deprecated and the PID blocks' variadic state cannot be typed by it).
-"""
+"""timm's own model tests (``tests/test_models.py`` of the installed timm's sdist) over our timm names; none of timm's
+code is stored here. ``python tests/timm_suite.py fetch`` downloads and extracts the sdist into ``.cache/timm-sdist/``
+(``make timm-tests``); :func:`patched_test_file` writes ``test_models_pid.py`` beside timm's file with ``'pid_*',
+'fan_*'`` in ``NON_STD_FILTERS`` and ``'fan'`` in ``FEAT_INTER_FILTERS`` (each change applied exactly once); as a pytest
+plugin (``-p timm_suite``) it imports ``pid_plugins.timm``, restricts ``list_models`` to ``PID_TIMM_MODELS`` (fnmatch
+patterns) and deselects the other names' tests and every TorchScript test (the blocks' variadic state is untypable)."""
 from __future__ import annotations
 
 import fnmatch

@@ -1,12 +1,6 @@
-"""Shared by the after-training tests (tests/zoos/*/test_tools_*.py): the tools run as a user runs them, through
-``pid-plugins run``, in a subprocess, on a PID checkpoint saved here.
-
-* :func:`launch` runs ``python -m pid_plugins run [--adapters ...] -- COMMAND`` (the console script's code) in a
-  fresh process whose ``PYTHONPATH`` starts with this checkout (so the launcher, its ``sitecustomize`` and the
-  adapters of this tree are the ones used), offline.
-* :func:`tools_env` is ``.cache/tools-env`` (``make tools-env``: lm-eval and TRL, constraints-tools.txt); the tests
-  that need it skip, quoting the failed install, when it is not there.
-"""
+"""Shared by the after-training tests (tests/zoos/*/test_tools_*.py): :func:`launch` runs ``python -m pid_plugins run
+[--adapters ...] -- COMMAND`` in a fresh offline process with this checkout first on ``PYTHONPATH``; :func:`tools_env`
+is ``.cache/tools-env`` (``make tools-env``: lm-eval and TRL), whose absence skips, quoting the failed install."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,6 @@
-"""A toy attention method, registered by the tests the way a user registers one: the contract's test subject.
-
-``scaled_reference``: every layer of a group adds ``gamma`` times the group's first layer's values at the same
-position, ``u^l = A^l v^l + gamma * v^1`` (state: ``v^1``). Nothing in pid_plugins knows it: it reaches every zoo
-through :func:`pid_plugins.register_method` only. :func:`naive_scaled_reference` is its independent statement
-(float64, loops over layers and positions), for the references.
-"""
+"""The toy method the contract registers as a user would: ``scaled_reference``, ``u^l = A^l v^l + gamma * v^1`` (state
+``v^1``), known to pid_plugins only through :func:`pid_plugins.register_method`; :func:`naive_scaled_reference` is its
+independent float64 statement."""
 from __future__ import annotations
 
 import math

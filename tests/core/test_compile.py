@@ -1,11 +1,5 @@
-"""torch.compile(fullgraph=True) of every PID path, whatever the gains source (issue 25).
-
-Presets are plain data loaded when pid_plugins.core is imported, and a transformers model built as PID is
-discovered when it is built, so the first forward may already be a compiled one. fullgraph=True fails on any
-graph break; ``error_on_recompile`` fails if a decoding step recompiles after the first one. Each compiled run is
-checked against the eager model (same weights), so the compiled graph computes PID, not something else.
-Tiny models: compiling on the CPU is the cost of these tests.
-"""
+"""torch.compile(fullgraph=True) of every PID path against the eager model (issue 25): a graph break fails, and
+``error_on_recompile`` fails a decoding step that recompiles after the first."""
 import pytest
 import torch
 import torch._dynamo

@@ -1,15 +1,9 @@
-"""``pid_plugins.timm.convert`` gives a whole model: a STOCK timm DeiT converted in place runs every path of timm's
-model contract exactly as the model built by its ``pid_*`` name with the same weights, for every method of the
-contract's table (tests/method_cases.py: the five built-in methods and the toy a user registers, each with its "on"
-parameters for the timm DeiT).
-
-Paths: the plain forward, ``attn_mask`` / ``is_causal`` (``VisionTransformer.forward`` and ``forward_features`` take
-both in timm 1.0.31), ``forward_intermediates`` (every return form, ``stop_early``) and ``get_intermediate_layers``,
-timm's and torchvision's torch.fx feature extraction, ``set_grad_checkpointing(True)`` in training (outputs, the
-input's and every parameter's gradients, timm's reentrant and non-reentrant checkpointing), the warm-up counter
-across training forwards, ``copy.deepcopy`` and pickling, and ``convert(model, "softmax")`` removing it all. Every
-comparison is ``torch.equal``: the converted model runs the same code in the same order.
-"""
+"""``pid_plugins.timm.convert`` gives a whole model: a stock timm DeiT converted in place runs every path of timm's model
+exactly (``torch.equal``) as the model built by its ``pid_*`` name with the same weights, for every method of
+tests/method_cases.py: the forward with ``attn_mask`` / ``is_causal``, ``forward_intermediates`` (every form) and
+``get_intermediate_layers``, timm's and torchvision's fx feature extraction, checkpointing in training (outputs and
+gradients, both modes), the warm-up counter, ``deepcopy`` and pickling, and ``convert(model, "softmax")``; mmseg's bare
+stock backbone and head likewise."""
 from __future__ import annotations
 
 import copy

@@ -1,25 +1,10 @@
-"""The device-independent properties of every method on a chosen device:
-``pytest tests/core/test_device.py --device cuda`` (or ``PID_TEST_DEVICE=cuda``; the default is ``cpu``, which
-``make test`` runs and which proves the option works).
-
-The models are the method contract's (tests/method_cases.py: timm DeiT and FAN, a transformers Llama with grouped-query
-attention and BERT), every method of its one table, built on the CPU with the same weights and moved to ``device``.
-On the device:
-
-- switched off (the method's zero parameters), the method model is the stock model bit for bit;
-- in float64 where the device has it, the model matches the float64 reference (the stock modules run by hand on the
-  CPU, attention by the method's independent rule: tests/zoo_cases.py); in float32 its distance to that reference
-  stays within the stock model's own float32 distance to its reference;
-- cached ``generate()`` (dynamic and static cache) is greedy recomputation, token for token;
-- a bf16 and an fp16 autocast training step has a finite loss and finite gradients, and its logits stay as close to
-  the float32 logits as the stock model's do (its own drift, with a margin);
-- under each SDPA backend alone (``torch.nn.attention.sdpa_kernel``: flash, memory-efficient, cuDNN, math) that the
-  stock model runs with on this device (in bf16 on CUDA, where flash and cuDNN take no float32), the method model runs and calls the same fused kernel for ``A v`` (the aten
-  op the profiler records), and switched off is the stock model bit for bit; a backend the device lacks is skipped
-  with torch's reason;
-- on the ``meta`` device, every parameter and buffer a method adds follows the model, and a forward made there
-  creates no tensor on another device.
-"""
+"""Every method's device-independent properties on a chosen device: ``pytest tests/core/test_device.py --device cuda``
+(or ``PID_TEST_DEVICE``; the default ``cpu`` is what ``make test`` runs). The contract's models and methods
+(tests/method_cases.py), built on the CPU and moved: switched off is the stock model bit for bit; float64 matches the
+reference and float32 stays within the stock model's own drift; cached ``generate()`` is greedy recomputation;
+a bf16/fp16 autocast training step is finite and within the stock drift; each SDPA backend the stock model runs with
+(``sdpa_kernel``) runs the method on the same fused kernel, and a backend the device lacks is skipped with torch's
+reason; on ``meta`` every added tensor follows the model."""
 from __future__ import annotations
 
 import contextlib

@@ -1,10 +1,5 @@
-"""Scale-out: PID models under each zoo's own distributed engine (CPU, gloo, 2 processes on loopback). The threads'
-tests (one process) are in test_threads.py.
-
-The workers live in tests/dist_workers/ and are launched like torchrun does (``python -m torch.distributed.run
---nproc-per-node 2 ...``) on a free local port; every launch has a time limit and its whole process tree is
-killed when it runs over.
-"""
+"""Scale-out: method models under each zoo's own distributed engine (gloo, 2 ranks on loopback), workers in
+tests/dist_workers/ launched as torchrun, each launch time-limited and its process tree killed when over."""
 import os
 import re
 import signal

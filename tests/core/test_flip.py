@@ -1,11 +1,6 @@
-"""The one-flag A/B flips both ways (issue 32): ``attention='softmax'`` builds the stock model, bit for bit, whatever
-method parameters the recipe also carries. They are not used and named in one warning.
-
-Each zoo is flipped the way its users flip a recipe: timm's keyword arguments and ``train.py --model-kwargs``,
-mmseg's ``--cfg-options`` on the shipped config and a user config inheriting it with ``_base_``, fairseq's
-``--attention-method softmax`` next to the ``--attention-cfg`` option. The flipped model is compared
-with the zoo's own stock model holding the same weights.
-"""
+"""The one-flag A/B flip (issue 32): ``attention='softmax'`` builds the zoo's stock model bit for bit whatever method
+parameters the recipe still carries, naming them in one warning, flipped as each zoo's users flip a recipe (timm's
+keywords and ``train.py --model-kwargs``, mmseg's ``--cfg-options`` and ``_base_`` inheritance, fairseq's options)."""
 from __future__ import annotations
 
 import argparse

@@ -1,11 +1,6 @@
-"""The guard on the internals of the timm, mmseg and fairseq adapters (transformers': tests/test_versions.py).
-
-For each adapter: every internal it lists (``pid_plugins/<zoo>/internals.py``) holds under the installed release and
-is required somewhere in the adapter; and a faked change of one (monkeypatch) is refused where a user meets it
-(building a model, converting one, the import-time changes) with one clear error naming the version and the tested
-range, before anything is computed or changed. mmseg's and fairseq's own code is pinned (no release since 2023 and
-2022): what they check is mmengine's (uncapped) and Python's.
-"""
+"""The guard on the internals the timm, mmseg and fairseq adapters read (transformers': test_versions.py): each listed
+internal holds and is required, and a faked change of one is refused where a user meets it (building, converting,
+importing) with one error naming the version and the tested range, before anything changes."""
 from __future__ import annotations
 
 import ast

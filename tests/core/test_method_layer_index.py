@@ -1,11 +1,6 @@
-"""``LayerCall.layer``: the index every adapter passes with the one call is the layer's position within its group.
-
-The subject is a probe registered the way a user registers a method: it computes the stock attention plus nothing
-(``A v``, an empty state, but not the identity, so the method path runs) and records the ``layer`` its
-``layer_params`` receives at every call. Each zoo's groups are checked by name and after ``convert``, forward
-and (where the zoo has them) checkpointed and cached runs: timm's blocks (DeiT, FAN), transformers' stacks (Llama,
-BERT, BART's encoder and decoder, each from 0), mmseg's backbone and decode head (two groups), fairseq's decoder.
-"""
+"""``LayerCall.layer`` is the layer's position within its group, in every zoo: a probe registered as a user registers a
+method (``A v``, not the identity) records the index ``layer_params`` receives, built by name and converted, forward,
+checkpointed and cached (timm's blocks; transformers' stacks, each from 0; mmseg's two groups; fairseq's decoder)."""
 from dataclasses import dataclass
 from typing import List, Optional
 

@@ -1,10 +1,6 @@
-"""ONNX export (issue 32): both torch exporters on timm's PID models and every method, the dynamo exporter on
-transformers models on the attention interface; onnxruntime's output equals eager at ANOTHER batch size (and
-sequence length) than the one exported, so a Python branch frozen by the trace for the export's shapes would show.
-
-timm's models go through timm's own ``timm.utils.onnx.onnx_export`` with its defaults (the TorchScript exporter,
-a dynamic batch axis, ``onnx.checker``); the dynamo exporter through the same function with ``use_dynamo=True``.
-"""
+"""ONNX export (issue 32): timm's ``onnx_export`` with its defaults (TorchScript exporter) and with ``use_dynamo=True``
+for every method, and the dynamo exporter on transformers models; onnxruntime equals eager at another batch size and
+sequence length than exported."""
 from __future__ import annotations
 
 import inspect

@@ -1,13 +1,8 @@
-"""Pipeline parallelism with every attention method (transformers).
-
-* ``pid_plugins.hf.pipeline_stage``: stages whose forward carries the method's cross-layer state as tensors. In one
-  process (the stages called one after the other): logits and gradients equal the whole model, for every method,
-  splits of 2 and 3 stages, PID with a reference-only first layer (a None field crossing a boundary), gradient
-  checkpointing. On 2 ranks under ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``, gloo):
-  logits of a padded batch, and 2 SGD steps (losses and parameters), equal one process.
-* transformers' own ``DistributedConfig(pp_size=2)``: refused at the first forward, on every rank, before any stage
-  communicates, for the methods that carry state across layers; Twicing runs, exact (logits, greedy generation).
-"""
+"""Pipeline parallelism with every attention method (transformers): ``pid_plugins.hf.pipeline_stage`` carries the
+method's state across stage boundaries as tensors: in one process (splits of 2 and 3, a reference-only first layer's
+None field, checkpointing) logits and gradients equal the whole model; on 2 ranks under ``torch.distributed.pipelining``
+(GPipe) logits and 2 SGD steps equal one process. transformers' own ``pp_size=2`` refuses the methods with cross-layer
+state on every rank before any stage communicates; Twicing runs exactly."""
 import sys
 from pathlib import Path
 

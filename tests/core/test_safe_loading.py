@@ -1,11 +1,6 @@
-"""No checkpoint load path runs pickled code, with and without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1.
-
-Each file carries an object whose ``__reduce__`` would create a marker file when unpickled. Every path is run in
-a fresh process (torch reads the variable at each load; a fresh process is also what a user runs: without the
-variable a ``python -c`` forked from tests/pyexec.py's zygote, which has no pid_plugins imported) and must
-refuse the file with an error that says why, and the marker must never appear. (mmseg's paths:
-tests/zoos/mmseg/test_mmseg.py; transformers folders: tests/zoos/hf/test_hf.py.)
-"""
+"""No checkpoint load path runs pickled code, with and without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1: a file whose object
+would create a marker when unpickled is refused, saying why, in a fresh process (mmseg's paths: test_mmseg.py;
+transformers folders: test_hf.py)."""
 import json
 import os
 import subprocess

@@ -1,14 +1,8 @@
-"""The state rule (core, one place for every adapter): a layer that is not its group's first never starts a new
-method state silently.
-
-It gets the previous layer's state; or the adapter knows the earlier layers were skipped on purpose (the model's own
-layer dropout in training: the first layer that runs starts the state afresh); or it raises ``MissingLayerState``,
-naming the layer, the method, pipeline parallelism and the adapter's supported way. Methods without cross-layer state
-(Twicing) are not affected, nor calls without a layer index. Checked in core, and where each adapter's layers could
-be called without their state: a timm block, an mmseg layer and a fairseq decoder layer called alone; a transformers
-model split by hand into a stage (its first layers replaced by an identity: what torch.distributed.pipelining users
-build, and what each stage of transformers' own pipeline parallelism runs); layer dropout in BART and fairseq.
-"""
+"""The state rule (core, for every adapter): a layer that is not its group's first never starts a method state silently.
+It gets the previous layer's state, or restarts it where the adapter knows layers were skipped (layer dropout in
+training), or raises ``MissingLayerState`` naming the layer, the method and the supported way. Checked in core and on
+each adapter's layers called alone (timm block, mmseg layer, fairseq decoder layer, a transformers stage that starts
+mid-stack), and with layer dropout in BART and fairseq; methods without cross-layer state are not affected."""
 import pytest
 import torch
 

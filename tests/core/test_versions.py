@@ -1,11 +1,6 @@
-"""The versions pid-plugins declares and the guard on the zoo internals its adapters read.
-
-* pyproject's bounds, constraints.txt (make test) and constraints-lowest.txt (make test-compat) agree with
-  :data:`pid_plugins.versions.TESTED`, and the installed zoos are inside the tested range;
-* a version outside the range warns at import, once, naming the range;
-* every internal the transformers adapter lists holds under the installed transformers, and a faked change of one
-  (monkeypatch) is refused with one clear error naming the version and the tested range, before anything runs.
-"""
+"""The versions pid-plugins declares (pyproject, the pin files and the docs agree with ``versions.TESTED``; outside the
+range warns once) and the guard on the transformers internals (each holds; a faked change is refused with one error
+naming the version and the range, before anything runs); importing the adapters changes nothing else."""
 from __future__ import annotations
 
 import functools

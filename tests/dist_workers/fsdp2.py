@@ -1,14 +1,8 @@
-"""torchrun worker: FSDP2 per-layer sharding of a PID model of every zoo (gloo, CPU).
+"""torchrun worker: FSDP2 per-layer sharding (``fully_shard`` on every layer, then the model) of a method model of every
+zoo, on gloo. For every ``FSDP_CASES`` case (or those given) and every ``FSDP_MODES`` mode, each rank runs a forward on
+its half of the batch and one SGD step, and saves its output and the whole parameters to OUT/rank{rank}.pt.
 
-The standard recipe (HF accelerate's FSDP2, torchtitan): ``fully_shard`` on every layer of the model's stacks,
-then on the model. For every case of ``pid_dist_cases.FSDP_CASES`` and every mode of ``FSDP_MODES``
-(``reshard_after_forward`` both ways; the zoo's gradient checkpointing on), each rank runs a grad-mode forward
-on its half of the global batch and one SGD step, and saves its output and the whole parameters after the step
-(``full_tensor()`` of each DTensor) to OUT/rank{rank}.pt; tests/core/test_distributed.py compares them with the
-unsharded model in one process.
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/fsdp2.py OUT [CASE,CASE,...]
-(the optional second argument: these cases instead of ``FSDP_CASES``).
-"""
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/fsdp2.py OUT [CASE,CASE,...]"""
 import sys
 from pathlib import Path
 

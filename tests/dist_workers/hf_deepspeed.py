@@ -2,13 +2,9 @@
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_deepspeed.py CKPTS OUT
 
-For each stage (2, 3) and each case of ``pid_dist_cases.deepspeed_cases()`` (every method of tests/method_cases.py,
-its learnable variants too; its checkpoint in CKPTS/<case>), the model is loaded with ``from_pretrained`` after the
-``TrainingArguments`` (under ZeRO-3 transformers builds it inside ``deepspeed.zero.Init``) and trained
-``HF_STEPS`` SGD steps (a torch optimizer: no DeepSpeed op is compiled, see :func:`no_shm_comm_op`). Every rank
-saves, per run, the rows it was given, the losses and the whole parameters (gathered under ZeRO-3) to
-OUT/rank{rank}.pt.
-"""
+Per stage and ``deepspeed_cases()`` case (learnable variants too), the model is loaded after the ``TrainingArguments``
+(ZeRO-3 builds it inside ``deepspeed.zero.Init``) and trained ``HF_STEPS`` SGD steps with a torch optimizer; each rank
+saves the rows it got, the losses and the whole parameters to OUT/rank{rank}.pt."""
 import sys
 from pathlib import Path
 

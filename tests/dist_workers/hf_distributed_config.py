@@ -1,16 +1,12 @@
-"""torchrun worker: transformers' own ``from_pretrained(..., distributed_config=DistributedConfig(...))`` on 2 CPU
-ranks (gloo) with the methods' learnable parameters.
+"""torchrun worker: transformers' ``from_pretrained(..., distributed_config=DistributedConfig(...))`` on 2 CPU ranks
+with the methods' learnable parameters.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_distributed_config.py tp|fsdp CKPTS OUT
 
-``tp``: ``DistributedConfig(tp_size=2)``, every case of ``pid_dist_cases.TP_CASES`` (its checkpoint in CKPTS/<case>),
-``DC_STEPS["tp"]`` SGD steps on the whole batch (tensor parallelism: every rank sees every row).
-``fsdp``: ``DistributedConfig(fsdp_size=2)`` (FSDP2, every parameter a DTensor shard), every case of
-``FSDP_LEARNABLE_CASES``: a softmax checkpoint, so transformers initialises the missing learnable parameters on
-sharded parameters; ``DC_STEPS["fsdp"]`` SGD step on this rank's half of the batch.
-Every rank saves the whole parameters (``full_tensor()``) as loaded and after the steps, and the losses, to
-OUT/rank{rank}.pt; tests/core/test_distributed.py compares them with one process.
-"""
+``tp``: ``tp_size=2``, every ``TP_CASES`` checkpoint, ``DC_STEPS["tp"]`` SGD steps on the whole batch; ``fsdp``:
+``fsdp_size=2``, every ``FSDP_LEARNABLE_CASES`` softmax checkpoint (the learnable parameters initialised sharded),
+``DC_STEPS["fsdp"]`` on this rank's half. Each rank saves the whole parameters as loaded and after the steps, and the
+losses, to OUT/rank{rank}.pt."""
 import sys
 from pathlib import Path
 

@@ -1,13 +1,8 @@
-"""torchrun worker: a transformers Llama with every attention method, split in 2 pipeline stages with
-``pid_plugins.hf.pipeline_stage`` and run by ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``,
-2 microbatches; gloo, CPU).
+"""torchrun worker: a transformers Llama per ``PIPELINE_METHODS`` case split in 2 stages (``pipeline_stage``) under
+``torch.distributed.pipelining`` (GPipe, 2 microbatches, gloo): the logits of a padded batch, then ``PIPELINE_STEPS``
+SGD steps. Each rank saves what it holds (logits, losses, its stage's parameters) to OUT/rank{rank}.pt.
 
-For every case of ``pid_dist_cases.PIPELINE_METHODS``: the logits of a padded batch (eval mode, forward only; the
-attention mask given to every rank's schedule), then ``PIPELINE_STEPS`` SGD steps of next-token cross-entropy (train
-mode). Every rank saves what it holds to OUT/rank{rank}.pt (the last stage: logits and losses; every rank: its
-stage's parameters after training); tests/core/test_pipeline.py compares them with one process.
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pipeline.py OUT
-"""
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pipeline.py OUT"""
 import sys
 import time
 from pathlib import Path

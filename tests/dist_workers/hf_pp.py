@@ -1,12 +1,8 @@
-"""torchrun worker: transformers' own pipeline parallelism, ``from_pretrained(..., distributed_config=
-DistributedConfig(pp_size=2))`` (gloo, CPU), with every attention case of ``pid_dist_cases.PP_CASES``.
+"""torchrun worker: transformers' own pipeline parallelism (``DistributedConfig(pp_size=2)``, gloo) for every
+``PP_CASES`` case: the methods with cross-layer state are refused while built, on every rank, before any stage
+communicates; Twicing runs (logits, greedy generation). Each rank saves what it saw to OUT/rank{rank}.pt.
 
-The methods that carry state across layers must be refused while the model is built, on every rank, before any stage
-communicates (a rank that went on would wait for the other forever); Twicing (no cross-layer state) must run: its
-logits, and greedy generation, which transformers' naive pipeline forward supports. Every rank saves what it saw to
-OUT/rank{rank}.pt; tests/core/test_pipeline.py compares it with one process.
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pp.py MODEL_DIR OUT
-"""
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pp.py MODEL_DIR OUT"""
 import sys
 from pathlib import Path
 

@@ -1,13 +1,8 @@
-"""torchrun / accelerate worker: a few transformers Trainer steps of a tiny Llama with attn_implementation="pid".
+"""torchrun / accelerate worker: a few transformers Trainer steps of a tiny PID Llama (CPU, gloo, offline); each rank
+saves its final parameters and what it saw to OUT/rank{rank}.pt. ``fsdp``: accelerate's FSDP2, one unit per decoder
+layer, non-reentrant checkpointing; ``learnable``: learnable gains (DDP keeps them in step).
 
-CPU, gloo, no downloads, no reporting. Every rank saves its final parameters and what it saw to OUT/rank{rank}.pt.
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_trainer.py OUT [fsdp] [learnable]
-
-With ``fsdp``, the Trainer shards the model with accelerate's FSDP plugin, FSDP2 (``fsdp_version: 2``), one unit per
-decoder layer (``transformer_layer_cls_to_wrap``), with non-reentrant gradient checkpointing. With ``learnable``,
-the model has learnable gains (``config.pid = {"learnable": True}``), which DDP keeps in step like every other
-parameter.
-"""
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_trainer.py OUT [fsdp] [learnable]"""
 import sys
 from pathlib import Path
 

@@ -1,9 +1,6 @@
-"""torchrun worker: the cpu-tiny PID Segmenter config through mmengine's Runner with launcher='pytorch'.
+"""torchrun worker: the cpu-tiny PID Segmenter config through mmengine's Runner with launcher='pytorch' on CPU: the gloo
+group is made here first (the launcher calls torch.cuda.set_device) and ``model_wrapper_cfg`` sets device_ids=None.
 
-On a CPU-only machine two settings differ from mmseg's tools/train.py (see the README's "Scaling out"):
-mmengine's pytorch launcher calls torch.cuda.set_device(LOCAL_RANK), so the gloo process group is created
-here first (the Runner then reuses it), and its default DDP wrapper passes device_ids=[LOCAL_RANK], which
-torch's DDP refuses for a CPU module, so model_wrapper_cfg sets device_ids=None.
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/mmseg_runner.py CONFIG DATA_ROOT WORK_DIR OUT
 """
 import sys

@@ -1,12 +1,8 @@
-"""torchrun worker: a tiny timm PID DeiT trained with torch DistributedDataParallel (gloo, CPU).
+"""torchrun worker: a tiny timm PID DeiT under DistributedDataParallel (gloo), each rank on half of every global batch,
+run without and with timm's gradient checkpointing and once more with warm-up (the counter a buffer); each rank saves
+the runs' final parameters and losses to OUT/rank{rank}.pt.
 
-Each rank takes its half of every global batch; DDP averages the gradients, which equals the gradient of the
-mean loss over the global batch. The run is made twice from the same init, without and with timm's gradient
-checkpointing (the PID state then crosses checkpoint boundaries as block inputs), and once more with
-checkpointing and gain warm-up (``warmup_steps``: the counter is a buffer). Every rank saves both
-runs' final parameters and losses to OUT/rank{rank}.pt.
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/timm_ddp.py OUT
-"""
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/timm_ddp.py OUT"""
 import sys
 from pathlib import Path
 

@@ -1,12 +1,6 @@
-"""The built wheel, installed the way a user installs it (not editable), works for every zoo.
-
-The wheel goes into a fresh virtual environment whose only other entry on ``sys.path`` is the pinned stack's
-site-packages, added as a plain path (so that folder's own ``.pth`` files, among them the editable install of
-this repository, are not run). Everything runs from a folder outside the repository, and the test checks that
-``pid_plugins`` comes from the wheel. The wheel writes nothing that runs at interpreter start: the fairseq Python
-3.11 hook is started in every interpreter only after the opt-in ``python -m pid_plugins_fairseq_compat install``,
-which the fairseq test runs as a user would.
-"""
+"""The built wheel, installed as a user installs it (not editable, into a fresh venv that sees the pinned stack's
+site-packages as a plain path, run from outside the repository), works for every zoo, and writes nothing that runs at
+interpreter start (fairseq's hook only after the opt-in ``python -m pid_plugins_fairseq_compat install``)."""
 import os
 import subprocess
 import sys

@@ -1,11 +1,6 @@
-"""``--import MODULE`` for ``diagnose``, ``attack`` and ``study``: a method the user's module registers
-(tests/toy_method.py registers ``scaled_reference``) is selectable by ``--attention NAME`` / a study arm.
-
-The commands run as ``python -m pid_plugins`` (``python -m research`` for ``study``) in a process of their own
-(nothing registered by this test process leaks in: a fork of tests/pyexec.py's zygote, which has imported the zoos
-but not pid_plugins), with this checkout on PYTHONPATH and tests/ NOT on it: the module is found in the current directory or by its file path, and
-without ``--import`` the name is refused with core's message.
-"""
+"""``--import MODULE`` for ``diagnose``, ``attack`` and ``study``: a method the user's module registers is selectable by
+``--attention NAME`` / a study arm, the module found in the cwd or by its path, in a process of its own (tests/ not on
+its path); without ``--import`` the name is refused with core's message."""
 import json
 import os
 import sys
