@@ -458,50 +458,29 @@ def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ convert
-def test_convert_switches_in_place_and_keeps_the_weights():
-    torch.manual_seed(0)
-    stock = timm.create_model("deit_tiny_patch16_224", **TINY).eval()
-    before = {k: v.clone() for k, v in stock.state_dict().items()}
-    params = list(stock.parameters())
-    x = images()
-    with torch.no_grad():
-        y_stock = stock(x)
-    model = pt.convert(stock, "pid", PIDConfig.preset("deit"))
-    # in place: the same root module (its class kept) and parameter tensors; the blocks of the method classes
-    assert model is stock and type(model) is timm.models.VisionTransformer
-    assert type(model.blocks) is pt.MethodBlocks and type(model.blocks[0].attn) is pt.PIDAttention
-    assert all(p is q for p, q in zip(model.parameters(), params)) and not model.training
-    assert list(zc_weights(model.state_dict())) == list(before)  # and the method record (pid_plugins_method)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    reference, _ = pair()
-    reference.load_state_dict(before)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), reference(x))
-        assert not torch.allclose(model(x), y_stock)
-        assert torch.equal(pt.convert(model, "pid", PIDConfig(0, 0, 0, 1.0))(x), y_stock)
-        assert torch.equal(pt.convert(model, "softmax")(x), y_stock)
-    assert type(model) is timm.models.VisionTransformer and type(model.blocks[0].attn) is timm.layers.Attention
-    pt.convert(model, "pid", dict(learnable=True))
-    assert sum("attention_params" in n for n, _ in model.named_parameters()) == 9
+def test_convert_refuses_what_it_cannot_convert_before_any_change():
+    """timm's own refusals (the zoo contract, tests/core/test_zoo_contract.py, runs the common ones): another model,
+    a non-standard block anywhere (nothing converted, not even the blocks before it), mixed head shapes."""
+    import copy
 
+    from timm.models.vision_transformer import Block, ResPostBlock
 
-def test_convert_distilled():
-    torch.manual_seed(0)
-    stock = timm.create_model("deit_tiny_distilled_patch16_224", **TINY).eval()
-    model = pt.convert(stock, "pid")
-    assert type(model) is VisionTransformerDistilled and type(model.blocks) is pt.MethodBlocks
-    assert all(blk.attn.attention_config == PIDConfig.preset("deit") for blk in model.blocks)
-    assert model(images()).shape == (2, 10)
-
-
-def test_convert_refuses_what_it_cannot_convert():
     with pytest.raises(TypeError, match="got ResNet"):
         pt.convert(timm.create_model("resnet10t"), "pid")
-    from timm.models.vision_transformer import ResPostBlock
-
     post = timm.models.VisionTransformer(block_fn=ResPostBlock, **TINY)
     with pytest.raises(TypeError, match="block 0 is ResPostBlock"):
         pt.convert(post, "pid")
+    model = timm.create_model("deit_tiny_patch16_224", **TINY)
+    mixed, odd = copy.deepcopy(model), copy.deepcopy(model)
+    mixed.blocks[2] = post.blocks[0]
+    odd.blocks[2] = Block(48, num_heads=4)  # another number of heads: a model timm builds only by hand
+    for bad, error, match in [(mixed, TypeError, "block 2 is ResPostBlock with Attention attention"),
+                              (odd, ValueError, r"one \(num_heads, head_dim\).*\[\(3, 16\), \(4, 12\)\]")]:
+        before = [(n, type(m)) for n, m in bad.named_modules()]
+        with pytest.raises(error, match=match):
+            pt.convert(bad, "pid")
+        assert [(n, type(m)) for n, m in bad.named_modules()] == before and "pid_plugins_method" not in str(
+            list(bad.state_dict()))
     with pytest.raises(ValueError, match="PIDConfig.lambda_d"):
         pt.convert(timm.create_model("deit_tiny_patch16_224", **TINY), "pid", dict(lambda_d=-0.1))
     # one spelling of the parameters: a method's name where the parameters go is refused (core), naming attention=
@@ -584,3 +563,54 @@ def test_the_direct_path_equals_core_apply_bit_for_bit(attention, monkeypatch):
         return [out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
 
     assert_direct_path_equals_apply(helpers, step, monkeypatch)
+
+
+def test_convert_keeps_a_users_hooks_and_timms_weight_decay_groups():
+    """A forward hook on a block survives the blocks' replacement both ways; a converted root keeps timm's
+    ``no_weight_decay``: timm's optimizer factory leaves the learnable gains undecayed."""
+    from timm.optim import param_groups_weight_decay
+
+    model = timm.create_model("deit_tiny_patch16_224", **TINY).eval()
+    calls = []
+    model.blocks[1].register_forward_hook(lambda *args: calls.append(1))
+    pt.convert(model, "pid", {"learnable": True})
+    undecayed = {id(p) for g in param_groups_weight_decay(model, 0.05) if g["weight_decay"] == 0 for p in g["params"]}
+    assert all(id(p) in undecayed for n, p in model.named_parameters() if ".attention_params." in n)
+    with torch.no_grad():
+        model(images())
+        pt.convert(model, "softmax")(images())
+    assert len(calls) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["deit", "fan"])
+def test_a_finished_model_traces_with_fx_and_exports_with_timms_onnx_export(kind, tmp_path):
+    """After finish_warmup: no counter in timm's fx graph, and timm's onnx_export runs it in onnxruntime."""
+    import numpy as np
+    from timm.models import create_feature_extractor
+    from timm.utils.onnx import onnx_export
+
+    import pid_plugins
+    from pid_plugins.core.methods import _fx_update
+    from zoo_cases import TIMM
+
+    onnxruntime = pytest.importorskip("onnxruntime")
+    name, _, args = TIMM[kind]
+    model = timm.create_model(name, attention_cfg={"learnable": True, "warmup_steps": 3}, **args).train()
+    x = images(n=3, size=args["img_size"])
+    for _ in range(4):
+        model(x).sum().backward()
+    model = pid_plugins.finish_warmup(model.eval())
+    with torch.no_grad():
+        want = model(x)
+    extractor = create_feature_extractor(model, return_nodes={"head": "logits"})
+    nodes = list(extractor.graph.nodes)
+    assert sum(n.op == "call_function" and n.target is _fx_update for n in nodes) == len(model.blocks)
+    assert not any("attention_warmup" in str(n.target) for n in nodes)
+    with torch.no_grad():
+        assert torch.equal(extractor(x)["logits"], want)
+    path = tmp_path / "model.onnx"
+    onnx_export(model, str(path), input_size=(3, args["img_size"], args["img_size"]), batch_size=2, check=True)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {"input0": x.numpy().astype(np.float32)})[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
