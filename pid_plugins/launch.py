@@ -1,8 +1,5 @@
-"""``pid-plugins run -- COMMAND``: run any command with the zoo adapters present in every Python process it starts.
-
-It puts :mod:`pid_plugins.launch_site` first on ``PYTHONPATH``, names the adapters in ``PID_PLUGINS_ADAPTERS`` and
-``exec``s the command. Nothing outside the command changes.
-"""
+"""``pid-plugins run -- COMMAND``: the command ``exec``'d with :mod:`pid_plugins.launch_site` first on
+``PYTHONPATH`` and the adapters named in ``PID_PLUGINS_ADAPTERS``."""
 from __future__ import annotations
 
 import importlib.util
@@ -46,7 +43,7 @@ def default_adapters() -> List[str]:
 
 
 def parse_adapters(text: str) -> List[str]:
-    """``"hf,timm"`` -> ``["hf", "timm"]``; an unknown name or a zoo not installed raises :class:`LaunchError`."""
+    """``"hf,timm"`` -> ``["hf", "timm"]``, each known and its zoo installed."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise LaunchError(f"--adapters needs at least one of {', '.join(ADAPTERS)}")
@@ -109,15 +106,10 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], List[str], boo
         if arg in ("-h", "--help"):
             return adapters, [], True
         if arg == "--adapters" or arg.startswith("--adapters="):
-            if "=" in arg:
-                value = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                i += 1
-                value = argv[i]
-            else:
+            if "=" not in arg and i + 1 >= len(argv):
                 raise LaunchError("--adapters needs a value, e.g. --adapters hf,timm")
-            adapters = parse_adapters(value)
-            i += 1
+            adapters = parse_adapters(arg.split("=", 1)[1] if "=" in arg else argv[i + 1])
+            i += 1 if "=" in arg else 2
             continue
         if arg.startswith("-"):
             raise LaunchError(f"unknown option {arg!r}; put the command after `--`: {USAGE}")

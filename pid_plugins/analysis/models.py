@@ -1,7 +1,5 @@
-"""Resolve a model for the analysis tools from a name, a local folder or a config file (nothing is downloaded): a timm
-name (``checkpoint``: a local state_dict, loaded strictly), an HF registry variant, a local transformers folder, or
-an mmseg config file. ``attention`` / ``attention_cfg`` pick the attention of a timm or transformers model.
-"""
+"""A model for the analysis tools (nothing is downloaded): a timm name (with a local checkpoint, loaded strictly), a
+transformers registry variant, a local transformers folder, or an mmseg config file."""
 from __future__ import annotations
 
 import dataclasses
@@ -89,18 +87,17 @@ def _hf_folder(path: Path, label: str) -> LoadedModel:
 
 def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedModel:
     import pid_plugins.mmseg  # noqa: F401  (registers the PID backbone, the mmcv stand-in)
+    from mmengine.config import Config
     from mmseg.apis import init_model
+
+    from pid_plugins.mmseg.checkpoint import weights_only_schemes
 
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    from mmengine.config import Config
-
     try:  # mmengine executes the config file as Python
         cfg = Config.fromfile(str(path))
     except Exception as exc:  # noqa: BLE001  (any error raised by running the user's config file)
         raise ValueError(f"cannot read the mmseg config {path}: {type(exc).__name__}: {exc}") from None
-    from pid_plugins.mmseg.checkpoint import weights_only_schemes
-
     try:
         with weights_only_schemes():  # mmseg's init_model loads through mmengine's CheckpointLoader
             model = init_model(cfg, checkpoint, device="cpu")
@@ -121,17 +118,12 @@ def _hf_attention(lm: LoadedModel, attention: Optional[str], attention_cfg: Any)
     from pid_plugins.hf import convert
 
     choice = resolve_attention(attention, attention_cfg, zoo="hf", where=lm.label)
-    if choice is None:
-        convert(lm.model, "softmax")
-    else:
-        convert(lm.model, choice.method.name, choice.config)
+    convert(lm.model, *(("softmax",) if choice is None else (choice.method.name, choice.config)))
     return lm
 
 
-def load_model(
-    name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[Dict[str, Any]] = None,
-    attention: Optional[str] = None, attention_cfg: Any = None,
-) -> LoadedModel:
+def load_model(name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[Dict[str, Any]] = None,
+               attention: Optional[str] = None, attention_cfg: Any = None) -> LoadedModel:
     """Build the model ``name`` (see module doc) on the CPU, in eval mode, with ``attention`` and ``attention_cfg``."""
     kwargs = dict(kwargs or {})
     check_attention(attention)
@@ -176,10 +168,8 @@ def load_model(
             import pid_plugins.hf
 
             if checkpoint:
-                raise ValueError(
-                    f"{name} is built from its registry config; to analyse trained weights, give the model's "
-                    "save_pretrained folder instead of a name"
-                )
+                raise ValueError(f"{name} is built from its registry config; to analyse trained weights, give the "
+                                 "model's save_pretrained folder instead of a name")
             config = pid_plugins.hf.get_config(name)
             unknown = sorted(set(kwargs) - set(config.to_dict()))
             if unknown:
@@ -191,10 +181,8 @@ def load_model(
             lm = LoadedModel(auto.from_config(config).eval(), "causal_lm" if causal else "encoder", label)
             return _hf_attention(lm, attention, attention_cfg)
         if entry.zoo != "timm":
-            raise ValueError(
-                f"{name} is a {entry.zoo} model: the analysis tools take timm and transformers models by name "
-                "and mmseg models by config file"
-            )
+            raise ValueError(f"{name} is a {entry.zoo} model: the analysis tools take timm and transformers models by "
+                             "name and mmseg models by config file")
     try:
         import timm
     except ImportError as exc:
@@ -203,10 +191,8 @@ def load_model(
 
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, names + timm.list_models(), n=5)
-        raise ValueError(
-            f"unknown model {name!r}: not a registry name, a timm model, a transformers folder or an mmseg "
-            f"config file" + (f"; did you mean {', '.join(close)}?" if close else "")
-        )
+        raise ValueError(f"unknown model {name!r}: not a registry name, a timm model, a transformers folder or an "
+                         "mmseg config file" + (f"; did you mean {', '.join(close)}?" if close else ""))
     # pid_plugins' own names (pid_*, fan_*) are built with the attention; a stock model is converted after loading
     built_with = attention is not None and timm.models.model_entrypoint(name).__module__.startswith("pid_plugins.")
     choice = dict(attention=attention, attention_cfg=attention_cfg) if built_with else {}
@@ -227,7 +213,7 @@ def load_model(
 
 
 def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
-    """Load a local state_dict file into ``model`` strictly and safely (safetensors, or weights-only ``torch.load``)."""
+    """Load a local state_dict file (safetensors, or weights-only ``torch.load``) into ``model`` strictly."""
     import torch
 
     path = Path(checkpoint)
@@ -243,8 +229,7 @@ def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
             raise ValueError(f"cannot read {path} as safetensors ({exc}): the file is damaged or not a "
                              "safetensors file; save the weights again") from None
     else:
-        try:
-            # explicit weights_only=True: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it off
+        try:  # explicit weights_only=True: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it off
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
@@ -263,24 +248,19 @@ def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a state_dict (a dict of tensors)")
     for key in ("model", "state_dict"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
+        if isinstance(state.get(key), dict):
             state = state[key]
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(
-            f"{path.name} does not fit {type(model).__name__}: missing keys {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}; unexpected keys {unexpected[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''}. Build the model with the architecture and --model-kwargs "
-            "the checkpoint was trained with"
-        )
+        raise ValueError(f"{path.name} does not fit {type(model).__name__}: missing keys {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}; unexpected keys {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}. Build the model with the architecture and "
+                         "--model-kwargs the checkpoint was trained with")
     shapes = [k for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
     if shapes:
         k = shapes[0]
-        raise ValueError(
-            f"{path.name} does not fit {type(model).__name__}: {len(shapes)} tensors differ in shape, e.g. {k} "
-            f"{tuple(state[k].shape)} vs {tuple(expected[k].shape)}; check --model-kwargs"
-        )
+        raise ValueError(f"{path.name} does not fit {type(model).__name__}: {len(shapes)} tensors differ in shape, "
+                         f"e.g. {k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}; check --model-kwargs")
     model.load_state_dict(state, strict=True)
     return model

@@ -1,5 +1,5 @@
-"""Reading a checkpoint, once for every adapter: the weights-only load and its refusal (:func:`weights_only`,
-safe whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says), which entry holds the state_dict, and the strict key check."""
+"""Reading a checkpoint, once for every adapter: the weights-only load and its refusal, which entry holds the
+state_dict, and the strict key check."""
 from __future__ import annotations
 
 import contextlib
@@ -29,33 +29,30 @@ def refusal_reason(exc: BaseException) -> str:
 @contextlib.contextmanager
 def weights_only(name: Any, allowed: Sequence[Any] = (), allowed_text: str = "tensors and containers"
                  ) -> Iterator[None]:
-    """Around a ``torch.load(..., weights_only=True)``: ``allowed`` globals allow-listed for this load only, and a
-    refusal turned into one :class:`UnsafeCheckpointError` naming the file, what was refused and what to do."""
+    """Around a ``torch.load(..., weights_only=True)``: ``allowed`` globals for this load only, a refusal turned
+    into one :class:`UnsafeCheckpointError` naming the file, what was refused and what to do."""
     with torch.serialization.safe_globals(list(allowed)):
         try:
             yield
         except pickle.UnpicklingError as exc:
             if isinstance(exc, UnsafeCheckpointError):
                 raise
-            raise UnsafeCheckpointError(
-                f"refused to load checkpoint {str(name)!r}: it holds objects other than {allowed_text} "
-                f"({refusal_reason(exc)}). pid-plugins loads checkpoints with torch.load(weights_only=True) "
-                "whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, so no code in a checkpoint runs; save the weights "
-                "as a plain state_dict of tensors instead"
-            ) from None
+            raise UnsafeCheckpointError(f"refused to load checkpoint {str(name)!r}: it holds objects other than "
+                                        f"{allowed_text} ({refusal_reason(exc)}). pid-plugins loads checkpoints with "
+                                        "torch.load(weights_only=True) whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD "
+                                        "says, so no code in a checkpoint runs; save the weights as a plain "
+                                        "state_dict of tensors instead") from None
 
 
 def load_weights_only(source: Any, map_location: Any = None, *, name: Optional[Any] = None,
                       allowed: Sequence[Any] = (), allowed_text: str = "tensors and containers",
                       **kwargs: Any) -> Any:
-    """``torch.load(source, weights_only=True)`` under :func:`weights_only` (a ``weights_only`` given in ``kwargs``
-    is ignored: it is always True)."""
+    """``torch.load(source, weights_only=True)`` under :func:`weights_only` (always weights-only)."""
     kwargs.pop("weights_only", None)
     with weights_only(name if name is not None else getattr(source, "name", source), allowed, allowed_text):
         return torch.load(source, map_location=map_location, weights_only=True, **kwargs)
 
-#: the entries a training checkpoint keeps its weights under, in the order they are looked for (timm's
-#: ``load_state_dict`` order: ``state_dict`` before ``model``; mmengine writes ``state_dict``, DeiT ``model``)
+#: the entries a checkpoint keeps its weights under, in timm's order (mmengine: ``state_dict``, DeiT: ``model``)
 STATE_DICT_KEYS = ("state_dict", "model")
 
 
@@ -75,15 +72,13 @@ def unwrap_state_dict(checkpoint: Any, source: str = "checkpoint") -> Dict[str, 
 
 def check_keys(expected: Iterable[str], given: Iterable[str], owner: str, hint: str = "",
                ignore: Iterable[str] = ()) -> None:
-    """Raise one ``ValueError`` listing the missing and unexpected keys of a strict load (``ignore``: keys the caller
-    drops on purpose; a method record the checkpoint lacks is not missing)."""
+    """Raise one ``ValueError`` listing the missing and unexpected keys of a strict load (``ignore``: dropped on
+    purpose)."""
     from .record import is_record_key  # a softmax checkpoint has no method record: never a missing key
 
     expected, given, ignore = set(expected), set(given), set(ignore)
     missing = sorted(k for k in expected - given - ignore if not is_record_key(k))
     unexpected = sorted(given - expected - ignore)
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint does not fit {owner}: missing keys {missing}; unexpected keys {unexpected}."
-            + (f" {hint}" if hint else "")
-        )
+        raise ValueError(f"checkpoint does not fit {owner}: missing keys {missing}; unexpected keys {unexpected}."
+                         + (f" {hint}" if hint else ""))

@@ -1,6 +1,5 @@
-"""Method parameters: :class:`MethodConfig` (presets, validation, dict round trip for every method's
-parameters) and :func:`registry_presets`, the built-in methods' presets from ``registry/presets.toml``. A config is
-a value: frozen, hashable, stored as a plain dict."""
+"""Method parameters: :class:`MethodConfig` (a frozen value with presets, validation and a dict round trip) and
+:func:`registry_presets`, the built-in methods' presets from ``registry/presets.toml``."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +10,8 @@ __all__ = ["MethodConfig", "fx_constant", "registry_presets"]
 
 
 def fx_constant(value: Any, tracer: Any) -> Any:
-    """torch.fx's ``__fx_create_arg__`` for a constant that is neither a tensor nor a plain value (a method, its
-    config): stored once per trace on the traced root and read by a ``get_attr`` node, so leaf functions can take it."""
+    """torch.fx's ``__fx_create_arg__`` for a method or its config: stored once on the traced root, read by a
+    ``get_attr`` node."""
     stored = tracer.__dict__.setdefault("_pid_plugins_constants", {})
     name = stored.get(id(value))
     if name is None:
@@ -24,11 +23,8 @@ def fx_constant(value: Any, tracer: Any) -> Any:
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Base for a method's parameters: subclass it as a frozen dataclass of float/int/bool/str fields and list presets.
-
-    ``PRESETS``: ``{name: {field: value}}``. ``validate()`` (override) raises ``ValueError`` for bad values.
-    ``ZERO``: the field values (a dict) with which the method computes the stock attention (``is_zero``).
-    """
+    """Base for a method's parameters, a frozen dataclass of float/int/bool/str fields: ``PRESETS`` (``{name:
+    {field: value}}``), ``validate()`` and ``ZERO`` (the fields with which it computes the stock attention)."""
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     ZERO: ClassVar[Mapping[str, Any]] = {}
@@ -39,7 +35,7 @@ class MethodConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool, "str": str}.get(str(f.type))
+            kind = f.type if isinstance(f.type, type) else _KINDS.get(str(f.type))
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, f.name, float(value))
             elif kind is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
@@ -51,8 +47,7 @@ class MethodConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "MethodConfig":
-        """The preset ``name`` (a key of ``PRESETS``) with ``overrides`` applied, validated; ``ValueError`` names
-        the presets there are."""
+        """The preset ``name`` with ``overrides`` applied, validated."""
         if not isinstance(name, str) or name not in cls.PRESETS:
             raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of {sorted(cls.PRESETS)}")
         return cls.from_dict({**cls.PRESETS[name], **overrides})
@@ -68,12 +63,12 @@ class MethodConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MethodConfig":
-        """A config from a dict of fields (an instance is returned as is). A ``"preset"`` key starts from that
-        preset and the other keys override it; unknown keys raise ``ValueError`` listing the allowed ones."""
+        """A config from a dict of fields (a ``"preset"`` key starts from that preset); an instance as is."""
         if isinstance(data, cls):
             return data
         if not isinstance(data, Mapping):
-            raise ValueError(f"{cls.__name__}: parameters must be given as a dict or {cls.__name__}, got {type(data).__name__}")
+            raise ValueError(f"{cls.__name__}: parameters must be given as a dict or {cls.__name__}, got "
+                             f"{type(data).__name__}")
         data = dict(data)
         if "preset" in data:
             return cls.preset(data.pop("preset"), **data)
@@ -85,9 +80,8 @@ class MethodConfig:
 
     @classmethod
     def coerce(cls, value: Any, default: Any = None) -> "MethodConfig":
-        """A config from what a user passes: ``None`` (``default``: a config, a preset name, or the field
-        defaults), an instance, a preset name, or a dict of overrides of ``default``. Anything else raises
-        ``ValueError``."""
+        """A config from what a user passes: ``None`` (``default``), an instance, a preset name, or a dict of
+        overrides of ``default``."""
         base = default if isinstance(default, cls) else (cls.preset(default) if default is not None else cls())
         if value is None:
             return base
@@ -98,9 +92,8 @@ class MethodConfig:
         if isinstance(value, Mapping):
             data = dict(value)
             return cls.from_dict(data) if "preset" in data else cls.from_dict({**base.to_dict(), **data})
-        raise ValueError(
-            f"{cls.__name__}: parameters must be a {cls.__name__}, a dict, a preset name or None, got {type(value).__name__}"
-        )
+        raise ValueError(f"{cls.__name__}: parameters must be a {cls.__name__}, a dict, a preset name or None, got "
+                         f"{type(value).__name__}")
 
     def replace(self, **changes: Any) -> "MethodConfig":
         """A copy with ``changes`` applied (validated like a new config)."""
@@ -112,14 +105,12 @@ class MethodConfig:
         return bool(self.ZERO) and all(getattr(self, k) == v for k, v in self.ZERO.items())
 
 
-
-# ------------------------------------------------------------------------------------------------- presets
+_KINDS = {"float": float, "int": int, "bool": bool, "str": str}
 _DOC_KEYS = ("description", "source")
 
 
 def _load_registry() -> dict[str, dict[str, dict[str, Any]]]:
-    """``{method: {preset: {field: value}}}`` from ``registry/presets.toml`` (``description`` and ``source`` left
-    out)."""
+    """``{method: {preset: {field: value}}}`` from ``registry/presets.toml``."""
     import tomllib
     from importlib import resources
 

@@ -91,11 +91,10 @@ class AttentionMethod:
     def require_layer(self, layer: Optional[int]) -> int:
         """``layer``, or a ``ValueError`` naming this method when the adapter passed none."""
         if layer is None:
-            raise ValueError(
-                f"attention method {self.name!r} reads the layer's index within its group of layers, but the adapter "
-                "passed none: an adapter must call it with LayerCall(..., layer=i), i the 0-based position of the layer "
-                "among the layers it threads the method's state through (a layer called outside its model has none)"
-            )
+            raise ValueError(f"attention method {self.name!r} reads the layer's index within its group of layers, but "
+                             "the adapter passed none: an adapter must call it with LayerCall(..., layer=i), i the "
+                             "0-based position of the layer among the layers it threads the method's state through (a "
+                             "layer called outside its model has none)")
         return layer
 
     def make_state(self, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
@@ -366,10 +365,8 @@ def get_method(name: str) -> AttentionMethod:
     """The method registered as ``name``."""
     method = find_method(name)
     if method is None:
-        raise ValueError(
-            f"unknown attention method {name!r}: choose {SOFTMAX!r} or one of {list_methods()} "
-            "(pid_plugins.register_method adds one)"
-        )
+        raise ValueError(f"unknown attention method {name!r}: choose {SOFTMAX!r} or one of {list_methods()} "
+                         "(pid_plugins.register_method adds one)")
     return method
 
 
@@ -423,15 +420,13 @@ def resolve_attention(
                          f"{list_methods()} (pid_plugins.register_method adds one)")
     method = _METHODS[attention]
     if isinstance(params, str) and (params in _METHODS or params == SOFTMAX) and params not in _presets(method):
-        raise ValueError(
-            f"{where}: {params_name}={params!r} names an attention method, not parameters of {attention!r}: pass the "
-            f"method as attention={params!r} (and its parameters, if any, as {params_name})"
-        )
+        raise ValueError(f"{where}: {params_name}={params!r} names an attention method, not parameters of "
+                         f"{attention!r}: pass the method as attention={params!r} (and its parameters, if any, as "
+                         f"{params_name})")
     config = method.configure(params, zoo, default)
     if getattr(config, "learnable", False) and not learnable:
-        raise ValueError(
-            f"{where}: learnable gains are not supported here ({method.name}, learnable=True); use fixed ones"
-        )
+        raise ValueError(f"{where}: learnable gains are not supported here ({method.name}, learnable=True); use "
+                         "fixed ones")
     return MethodChoice(method, config)
 
 
@@ -458,9 +453,7 @@ def method_warmup(choice: Optional["MethodChoice"], like: Optional[Tensor] = Non
     config = choice.config if choice is not None else None
     steps = getattr(config, "warmup_steps", 0) or 0
     if steps and stock_plus_term and not choice.method.additive:
-        raise ValueError(
-            f"{where}: warmup_steps={steps} runs the zoo's own attention plus attention method "
-            f"{choice.method.name!r}'s term, but that method is not additive (it has no separate term): "
-            "set warmup_steps=0"
-        )
+        raise ValueError(f"{where}: warmup_steps={steps} runs the zoo's own attention plus attention method "
+                         f"{choice.method.name!r}'s term, but that method is not additive (it has no separate term): "
+                         "set warmup_steps=0")
     return make_warmup(steps, current, like=like)

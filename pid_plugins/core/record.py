@@ -1,9 +1,6 @@
-"""What a method model's checkpoint says about itself: the method record saved with its weights.
-
-A timm, mmseg or fairseq model that runs a method holds one buffer, ``<owner>.pid_plugins_method``: the UTF-8 JSON
-``{"format": 1, "method": "pid", "config": {...}}`` as a ``uint8`` tensor, written at every ``state_dict()``. A stock
-model's strict load refuses it; a method model checks it before loading (:func:`check_saved_record`). Why a
-tensor: docs/checkpoints.md."""
+"""The method record a timm, mmseg or fairseq method model saves with its weights: one ``uint8`` buffer
+``<owner>.pid_plugins_method`` holding the UTF-8 JSON ``{"format": 1, "method": ..., "config": {...}}``, checked
+before a load (:func:`check_saved_record`). Why a tensor: docs/checkpoints.md."""
 from __future__ import annotations
 
 import json
@@ -34,8 +31,7 @@ def encode_record(method: str, config: Any) -> Tensor:
 
 
 def decode_record(value: Any, source: str = "checkpoint") -> Dict[str, Any]:
-    """``{"method": name, "config": {...}}`` from a saved record; a ``ValueError`` naming ``source`` when it is
-    not one."""
+    """``{"method": name, "config": {...}}`` from a saved record (a ``ValueError`` naming ``source`` otherwise)."""
     try:
         if not isinstance(value, Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
             raise ValueError(f"a {type(value).__name__} {getattr(value, 'dtype', '')}, not a 1-D uint8 tensor")
@@ -59,19 +55,17 @@ def is_record_key(key: str) -> bool:
 
 def saved_method(state_dict: Mapping[str, Any], source: str = "checkpoint") -> Optional[Tuple[str, Dict[str, Any]]]:
     """The method (name, parameters) a checkpoint's state_dict records, or None without a record (softmax)."""
-    found: List[Dict[str, Any]] = [decode_record(v, f"{source} ({k})") for k, v in state_dict.items()
-                                   if is_record_key(k)]
-    if not found:
-        return None
-    return found[0]["method"], found[0]["config"]
+    found = [decode_record(v, f"{source} ({k})") for k, v in state_dict.items() if is_record_key(k)]
+    return (found[0]["method"], found[0]["config"]) if found else None
 
 
 def how_to_load(method: str, config: Mapping[str, Any]) -> str:
     """The zoo-by-zoo line that builds a model running ``method`` with ``config``."""
     return (f"build the model with attention={method!r}, attention_cfg={dict(config)!r} (timm: "
             f"timm.create_model(<pid name>, attention=..., attention_cfg=...); mmseg: the same keys on "
-            f"PIDVisionTransformer / PIDSegmenterMaskTransformerHead; fairseq: --attention-method {method} --attention-cfg "
-            f"'<json>'), after importing the pid_plugins adapter (or under `pid-plugins run -- <command>`)")
+            f"PIDVisionTransformer / PIDSegmenterMaskTransformerHead; fairseq: --attention-method {method} "
+            f"--attention-cfg '<json>'), after importing the pid_plugins adapter (or under `pid-plugins run -- "
+            "<command>`)")
 
 
 def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
@@ -85,8 +79,8 @@ def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
 
 def check_saved_record(owner: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                        missing_keys: List[str], *args: Any) -> None:
-    """``load_state_dict`` pre-hook of a record's owner: an unreadable record or an unregistered method raises
-    ``ValueError`` before anything loads; another method or other parameters give one :class:`MethodRecordWarning`."""
+    """``load_state_dict`` pre-hook of a record's owner: ``ValueError`` for an unreadable record or an unregistered
+    method; one :class:`MethodRecordWarning` for another method or other parameters."""
     key = prefix + RECORD_KEY
     if key not in state_dict:  # a softmax checkpoint: the model keeps its own record, which is not missing
         if RECORD in owner._buffers:
@@ -96,11 +90,10 @@ def check_saved_record(owner: nn.Module, state_dict: Dict[str, Any], prefix: str
     from .methods import list_methods  # the registry (methods imports nothing of this module)
 
     if saved["method"] not in list_methods():
-        raise ValueError(
-            f"{key}: the checkpoint was saved from a model running attention method {saved['method']!r}, which is not "
-            f"registered in this process (registered: {list_methods()}). Import the module that calls "
-            f"pid_plugins.register_method({saved['method']!r}, ...) before loading; nothing was loaded"
-        )
+        raise ValueError(f"{key}: the checkpoint was saved from a model running attention method {saved['method']!r}, "
+                         f"which is not registered in this process (registered: {list_methods()}). Import the module "
+                         f"that calls pid_plugins.register_method({saved['method']!r}, ...) before loading; nothing "
+                         "was loaded")
     _refresh(owner)
     own = decode_record(owner._buffers[RECORD], "this model") if RECORD in owner._buffers else None
     if own != saved:

@@ -67,10 +67,10 @@ def _check(model: nn.Module, choice: Optional[MethodChoice]) -> None:
         attn = getattr(layer, "self_attn", None)
         if (type(layer), type(attn)) not in ((TransformerDecoderLayerBase, MultiheadAttention),
                                             (PIDTransformerDecoderLayer, PIDMultiheadAttention)):
-            raise TypeError(
-                f"{_WHERE}: decoder layer {i} is {type(layer).__name__} with {type(attn).__name__} self-attention; "
-                "transformer_lm_pid needs fairseq's TransformerDecoderLayerBase + MultiheadAttention (a model "
-                "built with --ddp-backend fully_sharded wraps them: convert before wrapping)")
+            raise TypeError(f"{_WHERE}: decoder layer {i} is {type(layer).__name__} with {type(attn).__name__} "
+                            "self-attention; transformer_lm_pid needs fairseq's TransformerDecoderLayerBase + "
+                            "MultiheadAttention (a model built with --ddp-backend fully_sharded wraps them: convert "
+                            "before wrapping)")
         if "forward" in layer.__dict__ or "forward" in attn.__dict__:
             raise TypeError(f"{_WHERE}: decoder layer {i} has its forward replaced (--checkpoint-activations); "
                             "transformer_lm_pid does not support activation checkpointing: build the model without it")

@@ -172,8 +172,8 @@ class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
                                   prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights)
             return (*out, method_state)
         if encoder_out is not None or self.cross_self_attention or prev_self_attn_state is not None:
-            raise NotImplementedError(
-                f"{method.name} decoder layers support the language-model case (no encoder attention)")
+            raise NotImplementedError(f"{method.name} decoder layers support the language-model case (no encoder "
+                                      "attention)")
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)

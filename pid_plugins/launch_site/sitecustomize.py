@@ -1,9 +1,5 @@
-"""The start-up hook of ``pid-plugins run`` (:mod:`pid_plugins.launch`), imported by Python as ``sitecustomize``.
-
-It adds a finder that imports a zoo's adapter right after the zoo (an adapter that fails makes the zoo's import
-fail), then runs the ``sitecustomize`` Python would have run and takes this folder off ``sys.path``. Standard
-library only; nothing runs when it is imported under another name.
-"""
+"""The start-up hook of ``pid-plugins run``, imported by Python as ``sitecustomize`` (standard library only): a
+finder that imports a zoo's adapter right after the zoo, then the ``sitecustomize`` Python would have run."""
 from __future__ import annotations
 
 import importlib
@@ -18,12 +14,9 @@ from typing import Dict, Optional, Sequence, Tuple
 ENV_VAR = "PID_PLUGINS_ADAPTERS"
 
 #: adapter name -> (the adapter's module, the zoo's top-level module whose import triggers it)
-ADAPTERS: Dict[str, Tuple[str, str]] = {
-    "hf": ("pid_plugins.hf", "transformers"),
-    "timm": ("pid_plugins.timm", "timm"),
-    "mmseg": ("pid_plugins.mmseg", "mmseg"),
-    "fairseq": ("pid_plugins.fairseq", "fairseq"),
-}
+ADAPTERS: Dict[str, Tuple[str, str]] = {"hf": ("pid_plugins.hf", "transformers"), "timm": ("pid_plugins.timm", "timm"),
+                                        "mmseg": ("pid_plugins.mmseg", "mmseg"),
+                                        "fairseq": ("pid_plugins.fairseq", "fairseq")}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -48,9 +41,7 @@ class AdapterLoader(importlib.abc.Loader):
     """The zoo's own loader, then the adapter's import, once per process (a ``find_spec`` alone imports nothing)."""
 
     def __init__(self, loader: importlib.abc.Loader, finder: "AdapterFinder", zoo: str) -> None:
-        self.loader = loader
-        self.finder = finder
-        self.zoo = zoo
+        self.loader, self.finder, self.zoo = loader, finder, zoo
 
     def create_module(self, spec: importlib.machinery.ModuleSpec):  # type: ignore[override]
         return self.loader.create_module(spec)
@@ -66,9 +57,8 @@ class AdapterLoader(importlib.abc.Loader):
         try:
             _import_adapter(adapter)
         except Exception as exc:
-            raise ImportError(
-                f"pid-plugins run: the {adapter} adapter ({ADAPTERS[adapter][0]}) failed to import in "
-                f"{sys.executable}: {type(exc).__name__}: {exc}") from exc
+            raise ImportError(f"pid-plugins run: the {adapter} adapter ({ADAPTERS[adapter][0]}) failed to import in "
+                              f"{sys.executable}: {type(exc).__name__}: {exc}") from exc
 
 
 class AdapterFinder(importlib.abc.MetaPathFinder):

@@ -11,11 +11,11 @@ from mmseg.models.segmentors import BaseSegmentor
 
 from ..core import MethodChoice, method_warmup
 from ..core.layer import (
-    MODEL_ATTRIBUTES, MethodModel, finish_model_warmup, register_warmup_finisher, replace_module, settle_submodule,
-    strip_attributes, warn_switch_of_trained_weights,
+    MODEL_ATTRIBUTES, finish_model_warmup, register_warmup_finisher, replace_module, strip_attributes,
+    warn_switch_of_trained_weights,
 )
 from .head import PIDSegmenterMaskTransformerHead, bare_head_forward
-from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers, bare_forward
+from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers, bare_forward, configure_attention
 
 __all__ = ["convert"]
 
@@ -56,24 +56,18 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
 def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, Optional[nn.Module], nn.Module]]:
     """``(name, parent, module)`` of the modules whose attention layers ``convert`` switches; refuses others."""
     kind = type(model)
-    if kind in _TO_STOCK:
-        return [(kind.__name__, None, model)]
-    if kind in _TO_METHOD:
+    if kind in _TO_STOCK or kind in _TO_METHOD:
         return [(kind.__name__, None, model)]
     if isinstance(model, BaseSegmentor):
         backbone, head = getattr(model, "backbone", None), getattr(model, "decode_head", None)
         if type(backbone) not in (VisionTransformer, PIDVisionTransformer):
-            raise TypeError(
-                f"convert: {kind.__name__}'s backbone is {type(backbone).__name__}; convert handles mmseg's "
-                "VisionTransformer (Segmenter, ViT) and PIDVisionTransformer backbones"
-            )
+            raise TypeError(f"convert: {kind.__name__}'s backbone is {type(backbone).__name__}; convert handles "
+                            "mmseg's VisionTransformer (Segmenter, ViT) and PIDVisionTransformer backbones")
         if type(head) not in (SegmenterMaskTransformerHead, PIDSegmenterMaskTransformerHead):
-            raise TypeError(
-                f"convert: {kind.__name__}'s decode_head is {type(head).__name__}; convert handles Segmenter's "
-                "SegmenterMaskTransformerHead (and PIDSegmenterMaskTransformerHead). For the method in this "
-                "segmentor's backbone, build it with backbone=dict(type='PIDVisionTransformer', attention=..., "
-                "attention_cfg=dict(...))"
-            )
+            raise TypeError(f"convert: {kind.__name__}'s decode_head is {type(head).__name__}; convert handles "
+                            "Segmenter's SegmenterMaskTransformerHead (and PIDSegmenterMaskTransformerHead). For the "
+                            "method in this segmentor's backbone, build it with backbone=dict("
+                            "type='PIDVisionTransformer', attention=..., attention_cfg=dict(...))")
         return [("backbone", model, backbone), ("decode_head", model, head)]
     if isinstance(getattr(model, "module", None), nn.Module):
         hint = "; convert the model before wrapping it (DDP, FSDP): convert(wrapper.module, ...) is too late"
@@ -81,10 +75,9 @@ def _parts(model: nn.Module, choice: Optional[MethodChoice]) -> List[Tuple[str, 
         hint = "; convert the model before torch.compile"
     else:
         hint = ""
-    raise TypeError(
-        f"convert: an mmseg segmentor with a VisionTransformer backbone and a SegmenterMaskTransformerHead, or a "
-        f"PIDVisionTransformer or PIDSegmenterMaskTransformerHead, got {kind.__name__}{hint}"
-    )
+    raise TypeError(f"convert: an mmseg segmentor with a VisionTransformer backbone and a "
+                    f"SegmenterMaskTransformerHead, or a PIDVisionTransformer or PIDSegmenterMaskTransformerHead, got "
+                    f"{kind.__name__}{hint}")
 
 
 def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> None:
@@ -94,10 +87,7 @@ def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> 
         strip_attributes(model, MODEL_ATTRIBUTES + ("forward",))
         return
     backbone = isinstance(model, VisionTransformer)
-    like = model.pos_embed if backbone else model.cls_emb  # the parameter whose device and dtype the counter takes
-    MethodModel.set_model_method(model, choice, like, stock_plus_term=True, where=where)
-    settle_submodule(model, "attention_warmup")
-    _switch_layers(model.layers, choice)
+    configure_attention(model, choice, model.pos_embed if backbone else model.cls_emb, where)
     model.__dict__["forward"] = partial(bare_forward if backbone else bare_head_forward, model)
 
 

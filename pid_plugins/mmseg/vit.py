@@ -217,9 +217,9 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         return _output(self, x, hw_shape)
 
 
-def configure_attention(model: MethodModel, choice: Optional[MethodChoice], like: Tensor, where: str) -> None:
-    """Hold ``choice`` (None: softmax) on a backbone or head and switch its layers to it, in place."""
-    model.set_model_method(choice, like, stock_plus_term=True, where=where)
+def configure_attention(model: nn.Module, choice: Optional[MethodChoice], like: Tensor, where: str) -> None:
+    """Hold ``choice`` (None: softmax) on a backbone or head (a stock one too) and switch its layers, in place."""
+    MethodModel.set_model_method(model, choice, like, stock_plus_term=True, where=where)
     settle_submodule(model, "attention_warmup")
     _switch_layers(model.layers, choice)
 

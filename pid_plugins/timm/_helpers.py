@@ -66,11 +66,11 @@ class MethodLayer(CoreMethodLayer):
         if not self.method_active:
             return attend(q, v), state
         if scale is None and getattr(self.attention_config, "warmup_steps", 0):
-            raise MissingLayerState(
-                f"attention method {self.attention_method.name!r}: layer {self.layer_index} runs under gain warm-up "
-                f"(warmup_steps={self.attention_config.warmup_steps}) but got no warm-up scale (warmup_scale=), "
-                f"which the model reads from its counter once per forward: it would run at full scale. {STATE_ROUTE}"
-            )
+            raise MissingLayerState(f"attention method {self.attention_method.name!r}: layer {self.layer_index} runs "
+                                    "under gain warm-up (warmup_steps="
+                                    f"{self.attention_config.warmup_steps}) but got no warm-up scale "
+                                    "(warmup_scale=), which the model reads from its counter once per forward: it "
+                                    f"would run at full scale. {STATE_ROUTE}")
         method = self.attention_method
         if scale is None and self.attention_params is None and calls_once(method) and not isinstance(v, torch.fx.Proxy):
             return update_once(method, self.attention_config, attend(q, v), v, state, -3, self.layer_index,

@@ -52,10 +52,8 @@ def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     else:
         hint = ("; convert the model before torch.compile" if hasattr(model, "_orig_mod")
                 else "; for other architectures build the model by name (pid_plugins.list_models(zoo='timm'))")
-        raise TypeError(
-            f"convert: timm VisionTransformer / VisionTransformerDistilled (DeiT, ViT), a PID model built by name or "
-            f"a FAN, got {kind.__name__}{hint}"
-        )
+        raise TypeError(f"convert: timm VisionTransformer / VisionTransformerDistilled (DeiT, ViT), a PID model "
+                        f"built by name or a FAN, got {kind.__name__}{hint}")
     if type(model.blocks) not in (nn.Sequential, MethodBlocks):
         raise TypeError(f"convert: {kind.__name__}.blocks is a {type(model.blocks).__name__}, not timm's "
                         "nn.Sequential of blocks")
@@ -63,17 +61,13 @@ def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
     for i, blk in enumerate(model.blocks):
         attn = getattr(blk, "attn", None)
         if (type(blk), type(attn)) not in ((Block, Attention), (PIDBlock, PIDAttention)):
-            raise TypeError(
-                f"convert: {kind.__name__} needs timm's standard Block + Attention blocks; block {i} is "
-                f"{type(blk).__name__} with {type(attn).__name__} attention. Build the model with the default "
-                "block_fn and attn_layer"
-            )
+            raise TypeError(f"convert: {kind.__name__} needs timm's standard Block + Attention blocks; block {i} is "
+                            f"{type(blk).__name__} with {type(attn).__name__} attention. Build the model with the "
+                            "default block_fn and attn_layer")
         shapes.add((attn.num_heads, attn.head_dim))
     if choice is not None and len(shapes) > 1:
-        raise ValueError(
-            f"convert: attention {choice.method.name!r} hands each layer's values to the next, so all blocks need "
-            f"one (num_heads, head_dim); this {kind.__name__}'s blocks have {sorted(shapes)}"
-        )
+        raise ValueError(f"convert: attention {choice.method.name!r} hands each layer's values to the next, so all "
+                         f"blocks need one (num_heads, head_dim); this {kind.__name__}'s blocks have {sorted(shapes)}")
 
 
 def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:

@@ -148,11 +148,9 @@ class _MethodViTMixin(MethodModel):
             raise ValueError(f"PID ViT builds its own blocks (PIDBlock); block_fn={block_fn!r} is not supported")
         attn_layer = kwargs.pop("attn_layer", None)
         if attn_layer not in (None, "attn", Attention, PIDAttention):
-            raise ValueError(
-                f"PID ViT computes its attention with PIDAttention (timm's Attention plus the method's step); "
-                f"attn_layer={attn_layer!r} is not supported. Use attention='softmax' for the stock model, or "
-                "build the stock timm model with that attn_layer"
-            )
+            raise ValueError(f"PID ViT computes its attention with PIDAttention (timm's Attention plus the method's "
+                             f"step); attn_layer={attn_layer!r} is not supported. Use attention='softmax' for the "
+                             "stock model, or build the stock timm model with that attn_layer")
         super().__init__(*args, block_fn=partial(PIDBlock, choice=choice), **kwargs)
         replace_module(self, "blocks", MethodBlocks)  # timm's nn.Sequential of the blocks, as the method's group
         self.set_vit_method(choice)

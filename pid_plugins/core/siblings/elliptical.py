@@ -117,10 +117,10 @@ class EllipticalMethod(AttentionMethod):
             return query
         value_prev = state[0]
         if not symbolic(value) and value_prev.shape != value.shape:
-            raise ValueError(f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} but "
-                             f"the previous layer's {tuple(value_prev.shape)}: consecutive layers must see the same key "
-                             "positions (a model mixing sliding-window and full-attention layers with a cache, or "
-                             "layers of different widths, cannot run it)")
+            raise ValueError(f"attention method 'elliptical': this layer's values have shape {tuple(value.shape)} "
+                             f"but the previous layer's {tuple(value_prev.shape)}: consecutive layers must see the "
+                             "same key positions (a model mixing sliding-window and full-attention layers with a "
+                             "cache, or layers of different widths, cannot run it)")
         sequence = params.mean == "sequence"
         if sequence:  # (B, H_kv, D)
             m = elliptical_scales(value, value_prev, params.delta).to(query.dtype)
