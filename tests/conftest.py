@@ -69,6 +69,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_checks(monkeypatch):
+    """Every zoo internal's ``require`` checks again (once per process otherwise), as in a process started under a
+    release the test fakes (tests/core/test_versions.py, test_internals_zoos.py)."""
+    from pid_plugins import versions
+
+    monkeypatch.setattr(versions, "_holds", versions._holds.__wrapped__)
+
+
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest):
     """The torch.device of ``--device`` (tests/core/test_device.py); a device this machine lacks fails the test."""

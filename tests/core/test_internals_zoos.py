@@ -21,13 +21,6 @@ from pid_plugins.versions import Internal, InternalChanged
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def fresh_checks(monkeypatch):
-    """Each internal is checked once per process; here every require checks again, as in a process started under
-    the changed release (whatever this process imported and checked before the test changed the internal)."""
-    monkeypatch.setattr(versions, "_holds", versions._holds.__wrapped__)
-
-
 def changed(zoo: str, name: str) -> str:
     """The message of :class:`InternalChanged` for ``zoo``'s internal ``name``, as a regex."""
     return (rf"{re.escape(zoo)} {re.escape(versions.installed_version(zoo))} changed an internal pid-plugins reads: "

@@ -72,25 +72,6 @@ def test_a_version_outside_the_range_warns_once_naming_the_range(version, side):
     assert check_version("torch", "2.15.0+cu132")  # a local build tag is the release it was built from
 
 
-def test_every_transformers_internal_holds_under_the_installed_release():
-    pytest.importorskip("transformers")
-    from pid_plugins.hf import internals
-
-    older = versions._key(versions.installed_version("transformers")) < (5, 24)
-    for internal in internals.INTERNALS:
-        if internal is internals.TP_PLAN and older:  # from 5.24; below it TP with learnable parameters is refused
-            assert not internal.check()
-            continue
-        assert internal.check(), internal.name
-
-
-@pytest.fixture
-def fresh_checks(monkeypatch):
-    """Each internal is checked once per process; here every require checks again, as in a process started under
-    the changed release (whatever this process imported and checked before the test changed the internal)."""
-    monkeypatch.setattr(versions, "_holds", versions._holds.__wrapped__)
-
-
 def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeypatch, fresh_checks):
     """A release whose StaticLayer no longer keeps ``cumulative_length`` as a tensor: a method decoder is refused when
     it is built (discovery checks what its forwards will read), where it would otherwise read the wrong rows of the
