@@ -1,9 +1,5 @@
-"""``pid_plugins.finish_warmup(model)`` on transformers models (issue 34, part 4): a tiny GQA Llama with PID, learnable
-PID and NeuTRENO, ``warmup_steps=N``, trained past N steps; after ``finish_warmup`` it computes exactly (torch.equal)
-what the warmed-up model computed, has no ``attention_warmup.step``, has ``warmup_steps=0`` in ``config.<method>``
-(also after save_pretrained + from_pretrained), is the model built without warm-up with the same weights; also under peft."""
-import json
-
+"""``pid_plugins.finish_warmup(model)`` where transformers' models nest (T5's stacks) or are wrapped (peft); the zoo
+contract (tests/core/test_zoo_contract.py) runs it on a Llama and BERT with every method that warms up."""
 import pytest
 import torch
 
@@ -44,50 +40,6 @@ def warmed_up(model, steps=N + 1):
     return model.eval()
 
 
-@pytest.mark.parametrize("case", VARIANTS)
-def test_finished_model_is_the_warmed_up_function_without_the_counter(case, tmp_path):
-    method = VARIANTS[case][0]
-    model = warmed_up(build(case))
-    assert int(model.attention_warmup.step) == N + 1
-    x = hf_ids()
-    want = logits(model, x)
-    learnable = (VARIANTS[case][1] or {}).get("learnable", False)
-    if learnable:  # the gains moved during warm-up and are kept as trained
-        gains = {n: p.clone() for n, p in model.named_parameters() if ".attention_params." in n}
-        initial = dict(build(case).named_parameters())
-        assert gains and any(not torch.equal(p, initial[n]) for n, p in gains.items())
-    assert pid_plugins.finish_warmup(model) is model
-    assert "attention_warmup" not in model._modules and "attention_warmup.step" not in model.state_dict()
-    assert getattr(model.config, method)["warmup_steps"] == 0
-    assert torch.equal(logits(model, x), want)
-    if learnable:
-        assert all(torch.equal(p, gains[n]) for n, p in model.named_parameters() if ".attention_params." in n)
-    plain = build(case, warmup_steps=0, seed=1)  # the model built without warm-up, with these weights
-    plain.load_state_dict(model.state_dict(), strict=True)
-    assert torch.equal(logits(plain, x), want)
-    model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())[method]["warmup_steps"] == 0
-    reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert getattr(reloaded.config, method)["warmup_steps"] == 0 and "attention_warmup" not in reloaded._modules
-    assert torch.equal(logits(reloaded, x), want)
-    model.train()
-    model(input_ids=x)  # a training forward counts nothing any more
-    assert "attention_warmup.step" not in model.state_dict()
-
-
-def test_a_model_stopped_early_jumps_to_its_final_parameters_with_one_warning(caplog):
-    model = warmed_up(build("pid"), steps=1)
-    x = hf_ids()
-    before = logits(model, x)
-    with caplog.at_level("WARNING"):
-        pid_plugins.finish_warmup(model)
-    assert any("had warmed up 1 of 3 steps" in r.getMessage() for r in caplog.records)
-    assert not torch.allclose(logits(model, x), before)
-    plain = build("pid", warmup_steps=0, seed=1)
-    plain.load_state_dict(model.state_dict())
-    assert torch.equal(logits(model, x), logits(plain, x))
-
-
 def test_nested_models_read_no_counter_after_finishing():
     """T5's stacks keep deep copies of the config and read the outer model's counter: after finish_warmup every
     config says warmup_steps=0 and the model is the one built without warm-up."""
@@ -108,18 +60,6 @@ def test_nested_models_read_no_counter_after_finishing():
     assert all(m.config.pid["warmup_steps"] == 0 for m in model.modules() if isinstance(m, T.PreTrainedModel))
     with torch.no_grad():
         assert torch.equal(model(input_ids=x, labels=x).logits, want)
-
-
-def test_a_stock_model_is_refused_and_a_model_without_warm_up_is_unchanged():
-    stock = T.BertModel(bert_config()).eval()
-    with pytest.raises(TypeError, match="no attention method of pid-plugins"):
-        pid_plugins.finish_warmup(stock)
-    model = build("pid", warmup_steps=0)
-    x = hf_ids()
-    want = logits(model, x)
-    keys = list(model.state_dict())
-    assert pid_plugins.finish_warmup(model) is model
-    assert list(model.state_dict()) == keys and torch.equal(logits(model, x), want)
 
 
 def test_under_peft_with_the_counter_in_the_adapter():

@@ -1,4 +1,7 @@
-"""transformers adapter: learnable gains (``config.pid = {"learnable": True, ...}``)."""
+"""transformers adapter: learnable gains (``config.pid = {"learnable": True, ...}``) where transformers' own paths
+meet them (construction, loading a stock checkpoint, the Trainer, every family, compile, warm-up); the zoo and method
+contracts (tests/core/test_zoo_contract.py, tests/core/test_method_contract.py) train, checkpoint, save and convert
+them."""
 import warnings
 
 import pytest
@@ -112,43 +115,6 @@ def test_learned_gains_follow_the_rule_in_float64_per_layer_with_grouped_query_a
 
 
 # --------------------------------------------------------------------------------------------- training
-def test_gains_get_gradients_and_change_after_an_optimizer_step():
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama_config()).train()
-    before = {n: p.detach().clone() for n, p in gains_of(model).items()}
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x = ids()
-    model(x, labels=x).loss.backward()
-    grads = {n: p.grad for n, p in gains_of(model).items()}
-    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())  # DDP: every gain is used
-    # lambda_d has no term at the first layer (no e^0): its gradient there is exactly 0, elsewhere not
-    first_d = "model.layers.0.self_attn.attention_params.lambda_d_raw"
-    assert grads[first_d].item() == 0.0
-    assert all(g.abs().item() > 0 for n, g in grads.items() if n != first_d)
-    opt.step()
-    changed = {n for n, p in gains_of(model).items() if not torch.equal(p, before[n])}
-    assert changed == set(before) - {first_d}
-
-
-def test_gradient_checkpointing_equals_no_checkpointing():
-    x = ids()
-    results = []
-    for ckpt in (False, True):
-        torch.manual_seed(0)
-        model = T.LlamaForCausalLM(llama_config()).train()
-        spread_gains(model)
-        if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        out = model(x, labels=x)
-        out.loss.backward()
-        results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
-    assert results[0][1].keys() == results[1][1].keys()
-    assert sum(".attention_params." in n for n in results[0][1]) == 9
-    for name, grad in results[0][1].items():
-        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
-
-
 @pytest.mark.slow
 def test_torch_compile_fullgraph_trains_the_gains_like_eager():
     torch.manual_seed(0)
@@ -166,55 +132,6 @@ def test_torch_compile_fullgraph_trains_the_gains_like_eager():
     torch.testing.assert_close(out_c.logits, out.logits, rtol=1e-5, atol=1e-5)
     for name, grad in eager.items():
         torch.testing.assert_close(gains_of(model)[name].grad, grad, rtol=1e-4, atol=1e-7, msg=name)
-
-
-@pytest.mark.parametrize("family", ["bert", "bart"])
-def test_an_encoder_and_an_encoder_decoder_train_their_gains(family):
-    torch.manual_seed(0)
-    if family == "bert":
-        config = T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                              intermediate_size=64, max_position_embeddings=32, attn_implementation="pid", pid=LEARN)
-        model = T.BertForMaskedLM(config)
-        x = {"input_ids": ids(), "labels": ids(seed=2)}
-        self_attn = [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]
-    else:
-        config = T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
-                              decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
-                              max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                              decoder_start_token_id=2, attn_implementation="pid", pid=LEARN)
-        model = T.BartForConditionalGeneration(config)
-        x = {"input_ids": ids(), "labels": ids(n=2, length=5, seed=2)}
-        self_attn = [f"model.{s}.layers.{i}.self_attn" for s in ("encoder", "decoder") for i in range(2)]
-    assert sorted({n.rsplit(".attention_params.", 1)[0] for n in gains_of(model)}) == sorted(self_attn)  # none on cross
-    model.train()
-    before = {n: p.detach().clone() for n, p in gains_of(model).items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model(**x).loss.backward()
-    assert all(p.grad is not None for p in gains_of(model).values())
-    opt.step()
-    moved = [n for n, p in gains_of(model).items() if "lambda_p" in n and (p - before[n]).abs().item() > 1e-7]
-    assert len(moved) == len(self_attn)
-
-
-# ------------------------------------------------------------------------------------------ save and load
-def test_save_pretrained_from_pretrained_round_trips_the_learned_gains_exactly(tmp_path):
-    from safetensors import safe_open
-
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama_config()).eval()
-    spread_gains(model)
-    assert len(gains_of(model)) == 9
-    model.save_pretrained(tmp_path)
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert {k for k in f.keys() if ".attention_params." in k} == set(gains_of(model))
-    again, info = T.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert again.config._attn_implementation == "pid" and again.config.pid["learnable"] is True
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    sd, sd2 = model.state_dict(), again.state_dict()
-    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
-    x = ids()
-    with torch.no_grad():
-        assert torch.equal(again(x).logits, model(x).logits)
 
 
 def test_a_softmax_checkpoint_loads_into_learnable_pid_with_the_configs_gains(tmp_path):
@@ -237,22 +154,6 @@ def test_a_softmax_checkpoint_loads_into_learnable_pid_with_the_configs_gains(tm
     x = ids()
     with torch.no_grad():  # at init, learnable gains compute what the fixed ones do
         torch.testing.assert_close(model(x).logits, fixed(x).logits, rtol=1e-5, atol=1e-6)
-
-
-def test_convert_adds_the_gains_to_an_existing_model_and_fixed_gains_remove_them():
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama_config(pid=None)).to(torch.float64)
-    ph.convert(model, "pid", {"learnable": True, "lambda_p": 0.5})
-    assert len(gains_of(model)) == 9 and all(p.dtype == torch.float64 for p in gains_of(model).values())
-    assert learned(model, "model.layers.1.self_attn.attention_params")[0] == pytest.approx(0.5)
-    assert model.config.pid["learnable"] is True
-    x = ids()
-    model(x, labels=x).loss.backward()
-    assert all(p.grad is not None for p in gains_of(model).values())
-    ph.convert(model, "pid", {"lambda_p": 0.4})  # a dict overrides the model's current config.pid: still learnable
-    assert len(gains_of(model)) == 9
-    ph.convert(model, "pid", {"learnable": False})  # fixed gains: the learned ones would sit unused
-    assert not gains_of(model) and model.config.pid["lambda_p"] == 0.4
 
 
 def test_config_pid_made_learnable_after_the_first_forward_adds_the_gains_with_a_warning():
