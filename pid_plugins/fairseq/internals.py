@@ -1,5 +1,5 @@
-"""The one internal the fairseq adapter checks (fairseq is pinned): Python's ``dataclasses._get_field``, which
-:mod:`pid_plugins_fairseq_compat` wraps; :data:`DATACLASS_FIELD` checks it by calling it."""
+"""The one internal the fairseq adapter checks: Python's ``dataclasses._get_field``, which
+:mod:`pid_plugins_fairseq_compat` wraps."""
 from __future__ import annotations
 
 import inspect

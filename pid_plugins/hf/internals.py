@@ -221,15 +221,13 @@ STATIC_LAYER = Internal(
     "5.20 - 5.24", _static_layer)
 CACHE_LAYERS = Internal(
     ZOO, "Cache.layers, Cache.is_sliding and the cache layer classes DynamicLayer, DynamicSlidingWindowLayer, "
-    "StaticLayer (subclassed)",
-    "keeping a method's per-position tensor (Twicing's A v) in each layer's cache object (a subclass of the layer's "
-    "kind holding an inner layer, which its update, crop, reset, reorder and offload treat in step with the keys)",
+    "StaticLayer (subclassed)", "keeping a method's per-position tensor (Twicing's A v) in each layer's cache object",
     "5.20 - 5.24", _cache_layers)
 TORCH_CHECKPOINT = Internal(
     "torch", "CheckpointWrapper.checkpoint_impl and ._checkpoint_wrapped_module, the composable checkpoint's "
     "registry (_get_registry), and the hooks it registers taking RemovableHandle.next_id",
-    "refusing torch's reentrant checkpoint_wrapper (apply_activation_checkpointing) before the forward, and a KV cache "
-    "under torch's activation checkpointing before the forward", "2.14 - 2.15", _torch_checkpoint)
+    "refusing torch's reentrant checkpoint_wrapper, and a KV cache under activation checkpointing, before the forward",
+    "2.14 - 2.15", _torch_checkpoint)
 INITIALIZE_WEIGHTS = Internal(
     ZOO, "PreTrainedModel.__init__, PreTrainedModel._initialize_weights(self, module) and PreTrainedModel.post_init",
     "the construction hook; initialising learnable gains and the warm-up counter that a checkpoint lacks; discovery "
@@ -241,14 +239,12 @@ CHECKPOINTING = Internal(
     _checkpointing_probe)
 CONTINUOUS_BATCHING = Internal(
     ZOO, "ContinuousMixin.init_continuous_batching, where every continuous batching entry starts (each model's own, an "
-    "instance attribute)",
-    "refusing a method model before continuous batching switches its attention (to flash attention where flash-attn "
-    "is installed, with only a log warning)", "5.20 - 5.24", _continuous_batching, _continuous_batching_probe)
+    "instance attribute)", "refusing a method model before continuous batching switches its attention",
+    "5.20 - 5.24", _continuous_batching, _continuous_batching_probe)
 INTERFACE_SOURCE = Internal(
     ZOO, "attention classes name ALL_ATTENTION_FUNCTIONS in their forward (transformers' own heuristic) and dispatch "
-    "through it",
-    "finding a model's attention modules, refusing attention outside the interface; a model's first forward checks "
-    "that its attention layers ran the method", "5.20 - 5.24", _interface_source, _interface_source_probe)
+    "through it", "finding a model's attention modules and checking that they ran the method", "5.20 - 5.24",
+    _interface_source, _interface_source_probe)
 GLOBAL_MAPPING = Internal(
     ZOO, "AttentionInterface._global_mapping / AttentionMaskInterface._global_mapping",
     "reserving the attention implementation names transformers holds (a method cannot replace 'sdpa')",
@@ -256,8 +252,7 @@ GLOBAL_MAPPING = Internal(
 TP_PLAN = Internal(
     ZOO, "PreTrainedModel.tp_plan (a settable property) and the 'replicated_with_grad_allreduce' style of "
     "ALL_PARALLEL_STYLES (transformers.distributed.tensor_parallel)",
-    "tensor parallelism with learnable parameters: a plan entry per attention_params module whose hook all-reduces "
-    "their gradients over the tensor-parallel group (each rank's attention sees only its own heads)", "5.24", _tp_plan,
+    "tensor parallelism with learnable parameters (their gradients all-reduced over the group)", "5.24", _tp_plan,
     optional=True)
 
 INTERNALS = (CACHE_KEYWORD, STATIC_LAYER, CACHE_LAYERS, INITIALIZE_WEIGHTS, CHECKPOINTING, TORCH_CHECKPOINT,

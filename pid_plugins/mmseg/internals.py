@@ -1,5 +1,5 @@
-"""The mmengine internals the mmseg adapter checks by behaviour (mmsegmentation and mmcv-lite are pinned; mmengine is
-not capped): the parts of its checkpoint module that the weights-only loading replaces and restores."""
+"""The mmengine internals the mmseg adapter checks by behaviour: the parts of its checkpoint module that the
+weights-only loading replaces and restores."""
 from __future__ import annotations
 
 from ..versions import Internal, parameters, require
@@ -9,8 +9,7 @@ __all__ = ["INTERNALS", "require"]
 MMENGINE = "mmengine"
 #: the module name of mmcv's compiled ops (:mod:`pid_plugins.mmseg.compat` stands in for it where it is absent)
 MMCV_EXT_NAME = "mmcv._ext"
-#: mmengine's checkpoint schemes (the prefixes ``mmengine.runner.checkpoint`` registers, grouped by loader, in the
-#: order :mod:`pid_plugins.mmseg.checkpoint` pairs them with its weights-only loaders)
+#: mmengine's checkpoint schemes grouped by loader, in the order :mod:`pid_plugins.mmseg.checkpoint` pairs them
 SCHEME_PREFIXES = ((r"(\S+\:)?s3://", r"(\S+\:)?petrel://"), ("modelzoo://", "torchvision://"),
                    ("open-mmlab://", "openmmlab://"), ("mmcls://",), ("pavi://",), ("http://", "https://"), ("",))
 #: a path each scheme of :data:`SCHEME_PREFIXES` answers to
@@ -36,8 +35,7 @@ def _checkpoint_schemes() -> bool:
     if not (known == ours and list(schemes) == sorted(schemes, reverse=True)
             and all(loader._get_checkpoint_loader(path) is schemes[p] for p, path in _SCHEME_SAMPLES.items())):
         return False
-    # register_scheme rebinds the table to a new sorted one (the weights-only scope restores mmengine's by rebinding
-    # its saved copy): probed on a subclass holding a copy, which mmengine's own table never sees
+    # register_scheme rebinds the table to a new sorted one: probed on a subclass holding a copy
     probe = type("Probe", (loader,), {"_schemes": dict(schemes)})
     before = probe._schemes
     probe.register_scheme("pid-plugins-probe://", loader=lambda *args, **kwargs: None)
@@ -71,9 +69,8 @@ def _history_buffer() -> bool:
 
 CHECKPOINT_SCHEMES = Internal(
     MMENGINE, "mmengine CheckpointLoader._schemes (a class attribute register_scheme rebinds) and the schemes "
-    "mmengine.runner.checkpoint registers",
-    "loading every mmengine checkpoint scheme weights-only inside WeightsOnlyCheckpointHook's run, and restoring "
-    "mmengine's table exactly afterwards", "0.10.7", _checkpoint_schemes)
+    "mmengine.runner.checkpoint registers", "loading every scheme weights-only, and restoring mmengine's table after",
+    "0.10.7", _checkpoint_schemes)
 CHECKPOINT_HELPERS = Internal(
     MMENGINE, "mmengine.runner.checkpoint._get_mmengine_home, _process_mmcls_checkpoint, get_*_models, "
     "get_file_backend",

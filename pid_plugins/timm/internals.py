@@ -168,13 +168,12 @@ ATTN_LAYERS = Internal(
 BLOCK = Internal(
     ZOO, "timm's Attention.forward and Block.forward (x, attn_mask, is_causal) and what they compute (the block "
     "probe); Block(attn_layer=...) building its attention with _create_attn",
-    "PIDAttention and PIDBlock compute timm's attention and block again with the method's step, handing its state "
-    "from block to block (the same parameters, the same init order)", "1.0.31", _block, lambda: PROBES["block"]())
+    "PIDAttention and PIDBlock, which compute them again with the method's step", "1.0.31", _block,
+    lambda: PROBES["block"]())
 VIT_FORWARD = Internal(
     ZOO, "VisionTransformer.forward_features / forward_intermediates (their signatures, and what they compute: the "
-    "model probe)",
-    "the method ViT computes them again with the method's state threaded through the blocks; a converted stock ViT "
-    "runs the method classes' versions of them", "1.0.31", _vit_forward, lambda: PROBES["vit"]())
+    "model probe)", "the method ViT's (and a converted ViT's) versions of them, threading the method's state",
+    "1.0.31", _vit_forward, lambda: PROBES["vit"]())
 FEATURE_TAKE_INDICES = Internal(
     ZOO, "timm.models._features.feature_take_indices(num_features, indices)",
     "forward_intermediates / prune_intermediate_layers of the method ViT and FAN (timm's index rules)",
@@ -192,8 +191,7 @@ CLASSIFIER_DROP = Internal(
     "the strict key check of a pretrained load not counting the classifier keys timm drops", "1.0.31", _classifier_drop)
 BUILD_MODEL_WITH_CFG = Internal(
     ZOO, "build_model_with_cfg(pretrained_filter_fn=..., feature_cfg=dict(feature_cls='getter'))",
-    "building the pid_* and fan_* models: pretrained loading through our filter, features_only through "
-    "forward_intermediates", "1.0.31", _build_model_with_cfg)
+    "building the pid_* and fan_* models (pretrained loading, features_only)", "1.0.31", _build_model_with_cfg)
 VIT_CHECKPOINT_FILTER = Internal(
     ZOO, "timm.models.vision_transformer.checkpoint_filter_fn(state_dict, model, adapt_layer_scale)",
     "loading ViT/DeiT checkpoints into the method ViT (timm's unwrapping and position-embedding resampling)",
@@ -201,12 +199,10 @@ VIT_CHECKPOINT_FILTER = Internal(
 XCIT = Internal(
     ZOO, "timm.models.xcit's ConvPatchEmbed, PositionalEncodingFourier, LPI, ClassAttentionBlock and "
     "checkpoint_filter_fn (pos_embeder -> pos_embed, class-attention qkv split)",
-    "FAN: its stem, positions, convolutional MLP and class-attention blocks, and official FAN checkpoints",
-    "1.0.31", _xcit, _xcit_probe)
+    "FAN's stem, positions, MLP and class attention, and official FAN checkpoints", "1.0.31", _xcit, _xcit_probe)
 DEFAULT_CFGS = Internal(
     ZOO, "timm.models._registry.register_model reads the registering module's default_cfgs",
-    "the pretrained cfg (input size, normalisation, classifier names) of every registered pid_* / fan_* name",
-    "1.0.31", _default_cfgs)
+    "the pretrained cfg of every registered pid_* / fan_* name", "1.0.31", _default_cfgs)
 
 INTERNALS = (ATTN_LAYERS, BLOCK, VIT_FORWARD, FEATURE_TAKE_INDICES, CHECKPOINT, PRETRAINED_SOURCE, CLASSIFIER_DROP,
              BUILD_MODEL_WITH_CFG, VIT_CHECKPOINT_FILTER, XCIT, DEFAULT_CFGS)
