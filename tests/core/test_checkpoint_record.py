@@ -166,32 +166,9 @@ def test_fairseq_checkpoint_records_the_method(data_dir, tmp_path):  # noqa: F81
 
 
 # ------------------------------------------------------------------------------------------------------ transformers
-@pytest.mark.parametrize("requested", ["sdpa", "eager"])
-def test_transformers_warns_when_a_method_folder_loads_with_a_stock_attention(tmp_path, caplog, requested):
-    pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1)
-    LlamaForCausalLM(LlamaConfig(**small, attn_implementation="pid")).save_pretrained(tmp_path / "pid")
-    LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "stock")
-    logger = "pid_plugins.hf.install"
-    with caplog.at_level(logging.WARNING, logger=logger):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "pid", attn_implementation=requested)
-    ours = [r.getMessage() for r in caplog.records if r.name == logger]
-    assert len(ours) == 1
-    assert "saved from a model running attention method 'pid'" in ours[0]
-    assert f"attn_implementation={requested!r}" in ours[0] and "attn_implementation='pid'" in ours[0]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger=logger):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "pid")
-        AutoModelForCausalLM.from_pretrained(tmp_path / "stock", attn_implementation=requested)
-    assert not [r for r in caplog.records if r.name == logger]
-
-
-def test_transformers_attn_implementation_none_loads_a_method_folder_as_saved(tmp_path):
-    """``attn_implementation=None`` (what TRL's CLI passes when the user names none) is no choice: the saved method."""
+def test_transformers_warns_when_a_method_folder_loads_with_a_stock_attention(tmp_path, caplog):
+    """Once, naming the saved method and how to load it, for ``sdpa`` and ``eager``; not for the saved method or a
+    stock folder; ``attn_implementation=None`` (what TRL's CLI passes when the user names none) is the saved method."""
     pytest.importorskip("transformers")
     import pid_plugins.hf  # noqa: F401
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -200,10 +177,24 @@ def test_transformers_attn_implementation_none_loads_a_method_folder_as_saved(tm
                  num_key_value_heads=1)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**small, attn_implementation="pid")).save_pretrained(tmp_path / "pid")
+    LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "stock")
+    logger = "pid_plugins.hf.install"
+    for requested in ("sdpa", "eager"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=logger):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "pid", attn_implementation=requested)
+        ours = [r.getMessage() for r in caplog.records if r.name == logger]
+        assert len(ours) == 1 and "saved from a model running attention method 'pid'" in ours[0]
+        assert f"attn_implementation={requested!r}" in ours[0] and "attn_implementation='pid'" in ours[0]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=logger):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "stock", attn_implementation=requested)
+        assert not [r for r in caplog.records if r.name == logger]
     ids = torch.tensor([[1, 5, 9, 3, 7]])
-    with torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger=logger), torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(tmp_path / "pid").eval()(ids).logits
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "pid", attn_implementation=None).eval()
         stock = AutoModelForCausalLM.from_pretrained(tmp_path / "pid", attn_implementation="sdpa").eval()(ids).logits
-        assert got.config._attn_implementation == "pid"
-        assert torch.equal(got(ids).logits, want) and not torch.allclose(stock, want, atol=1e-3)
+    assert got.config._attn_implementation == "pid"
+    assert len([r for r in caplog.records if r.name == logger]) == 1  # the sdpa load's warning only
+    assert torch.equal(got(ids).logits, want) and not torch.allclose(stock, want, atol=1e-3)

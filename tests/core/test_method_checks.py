@@ -1,7 +1,6 @@
 """``AttentionMethod.check``: every adapter tells the method, before each layer computes, what it knows about the
 attention call (causal, cached, attention dropout, grouped-query), so a method that cannot be exact somewhere
 refuses there with its own message. A probe method records what each zoo reports."""
-import json
 from dataclasses import dataclass
 
 import pytest
@@ -107,23 +106,10 @@ def test_mmseg_reports_dropout_in_training():
 
 def test_fairseq_reports_causal_and_cached_decoding(tmp_path):
     pytest.importorskip("fairseq")
-    from fairseq import options, tasks
-    from fairseq.data import Dictionary
-
-    from pid_plugins.fairseq import USER_DIR
-
-    d = Dictionary()
-    for i in range(20):
-        d.add_symbol(f"w{i}")
-    d.save(str(tmp_path / "dict.txt"))
+    from zoo_cases import fs_build, fs_dictionary, fs_method
 
     def build(cfg):
-        args = options.parse_args_and_arch(options.get_training_parser(), [
-            str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm_pid", "--user-dir", USER_DIR,
-            "--decoder-layers", "2", "--decoder-embed-dim", "16", "--decoder-attention-heads", "2",
-            "--decoder-ffn-embed-dim", "32", "--tokens-per-sample", "16", "--dropout", "0",
-            "--attention-method", "context_probe", "--attention-cfg", json.dumps(cfg)])
-        return tasks.setup_task(args).build_model(args).eval()
+        return fs_build(fs_dictionary(tmp_path), extra=fs_method("context_probe", cfg), layers=2)[0]
 
     model = build({})
     tokens = torch.randint(4, 24, (1, 4))

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from pid_plugins.core import AttentionContext, LayerCall, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
-from zoo_cases import (TIMM, bart_config, fs_build, fs_method, fs_tokens, hf_ids, import_timm, import_transformers,
-                       mm_args, mm_build, timm_images, twice64)
+from zoo_cases import bart_config, fs_build, fs_method, fs_tokens, hf_ids, import_transformers, twice64
 
 NAME = "twicing"
 
@@ -137,27 +136,14 @@ def test_grouped_query_heads_and_a_cache_slot_are_exact():
 
 
 # ============================================================================================== dropout
-def test_attention_dropout_is_refused_in_training_in_timm_mmseg_and_fairseq(tmp_path):
-    """One dropout draw cannot serve the rule's two calls: eval runs, training is refused before anything is
-    computed (transformers: test_method_hf_lm.py)."""
-    timm = import_timm()
+def test_attention_dropout_is_refused_in_training(tmp_path):
+    """One dropout draw cannot serve the rule's two calls: fairseq's decoder in training is refused before anything
+    is computed (timm and mmseg report dropout in training only: test_method_checks.py; transformers:
+    test_method_hf_lm.py)."""
     from zoo_cases import fs_dictionary
 
-    for kind in sorted(TIMM):
-        name, _, args = TIMM[kind]
-        x = timm_images(kind)
-        timm.create_model(name, attention=NAME, **args).train()(x)  # no attention dropout: trains
-        dropping = timm.create_model(name, attention=NAME, attn_drop_rate=0.1, **args)
-        dropping.eval()(x)
-        with pytest.raises(ValueError, match="set the attention dropout to 0"):
-            dropping.train()(x)
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    dropping = mm_build("PIDVisionTransformer", mm_args("backbone"), attention=NAME, attn_drop_rate=0.1)
-    dropping(x)
-    dropping.train()
-    with pytest.raises(ValueError, match="set the attention dropout to 0"):
-        dropping(x)
     dropping, _, _ = fs_build(fs_dictionary(tmp_path), extra=[*fs_method(NAME), "--attention-dropout", "0.1"])
+    dropping(fs_tokens())  # eval
     dropping.train()
     with pytest.raises(ValueError, match="set the attention dropout to 0"):
         dropping(fs_tokens())
