@@ -72,8 +72,9 @@ class _MethodLoop:
 
     attention_choice: MethodChoice
 
-    def _set_method(self, vllm_config: Any) -> None:
-        """Read the method from the config, and give each layer's paged attention the further calls it makes."""
+    def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        """vLLM's inner model, then the method from the config, and each layer's further paged attentions."""
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
         place = where(vllm_config, type(self).__name__)
         self.attention_choice = method_choice(vllm_config.model_config.hf_config, place)
         add_calls(self.attention_choice, [layer.self_attn.attn for layer in self.layers], place)
@@ -90,36 +91,20 @@ class _MethodLoop:
 class PidPluginsLlamaModel(_MethodLoop, LlamaModel):
     """vLLM's ``LlamaModel`` (its layers, weights and names) running the method's layer loop."""
 
-    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = LlamaDecoderLayer) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-        self._set_method(vllm_config)
-
 
 @support_torch_compile(dynamic_arg_dims=_LLAMA_DIMS)
 class PidPluginsMistralModel(_MethodLoop, MistralModel):
     """vLLM's ``MistralModel`` running the method's layer loop."""
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = MistralDecoderLayer) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-        self._set_method(vllm_config)
 
 
 @support_torch_compile(dynamic_arg_dims=_QWEN_DIMS)
 class PidPluginsQwen2Model(_MethodLoop, Qwen2Model):
     """vLLM's ``Qwen2Model`` running the method's layer loop."""
 
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._set_method(vllm_config)
-
 
 @support_torch_compile(dynamic_arg_dims=_QWEN_DIMS)
 class PidPluginsQwen3Model(_MethodLoop, Qwen3Model):
     """vLLM's ``Qwen3Model`` running the method's layer loop."""
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._set_method(vllm_config)
 
 
 class _Serving:

@@ -57,9 +57,8 @@ CASES: Dict[str, tuple] = {
     "llama_pid": ("llama_pid", {**CHUNKED, **COMPILED}, NATIVE),
     "llama_value_residual": ("llama_value_residual", {**CHUNKED, **COMPILED}, NATIVE),
     "llama_neutreno": ("llama_neutreno", COMPILED, NATIVE),
-    # a second paged attention per layer for A (v - A v): compiled natively, eager through the Transformers backend
+    # a second paged attention per layer for A (v - A v), compiled (through the Transformers backend: INSTALLED)
     "llama_twicing": ("llama_twicing", {**CHUNKED, **COMPILED}, NATIVE),
-    "llama_twicing_transformers": ("llama_twicing", {**CHUNKED, **TRANSFORMERS}, BACKEND),
     "qwen3_pid": ("qwen3_pid", {}, NATIVE),
     "qwen2_value_residual": ("qwen2_value_residual", {}, NATIVE),
     "mistral_neutreno": ("mistral_neutreno", {}, NATIVE),
@@ -92,6 +91,22 @@ NOT_SERVED: Dict[str, tuple] = {
 #: (checkpoint, config.json changes); served exactly with the plugin, refused by vLLM without it
 NAMED: Dict[str, tuple] = {
     "llama_pid_named": ("llama_pid", {"architectures": ["PidPluginsLlamaForCausalLM"]}),
+}
+#: a method of a package installed beside vLLM (entry-point group pid_plugins.methods; no import by the user): Twicing's
+#: rule under a name of its own, served through the Transformers backend (eager) against llama_twicing's reference
+EXTERNAL = """from pid_plugins.core.siblings.twicing import Twicing
+
+
+class ExternalTwicing(Twicing):
+    name = "external_twicing"
+
+
+METHOD = ExternalTwicing()
+"""
+INSTALLED: Dict[str, tuple] = {
+    "llama_external_twicing_transformers": ("llama_twicing", {"attn_implementation": "external_twicing",
+                                                              "twicing": None, "external_twicing": {"from_layer": 1}},
+                                            {**CHUNKED, **TRANSFORMERS}, BACKEND),
 }
 #: the refusals run with the engine core in a process of its own (vLLM's default): the error must come from the process
 #: that called LLM(...), before any engine starts
@@ -137,7 +152,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
         runs.append(_run(name, REFS / case, case, engine))
     for name, (case, changes) in NAMED.items():
         runs.append(_run(name, _changed_folder(case, changes, name, tmp), case, {}))
-    return _serve([(runs[:first] + runs[first::2], tmp / "a"), (runs[first + 1::2], tmp / "b")])
+    for name, (case, changes, engine, _) in INSTALLED.items():
+        runs.append(_run(name, _changed_folder(case, changes, name, tmp), case, engine))
+    site = tmp / "site"  # the package's files and its .dist-info, as pip installs them
+    (site / "external_twicing_pkg").mkdir(parents=True)
+    (site / "external_twicing_pkg" / "__init__.py").write_text(EXTERNAL)
+    (site / "external_twicing_pkg-0.1.dist-info").mkdir()
+    (site / "external_twicing_pkg-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: external-twicing-pkg\nVersion: 0.1\n")
+    (site / "external_twicing_pkg-0.1.dist-info" / "entry_points.txt").write_text(
+        "[pid_plugins.methods]\nexternal_twicing = external_twicing_pkg:METHOD\n")
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return _serve([(runs[:first] + runs[first::2], tmp / "a"), (runs[first + 1::2], tmp / "b")], PYTHONPATH=path)
 
 
 def _run(name: str, model: Path, case: str, engine: Dict[str, Any]) -> Dict[str, Any]:
@@ -223,6 +249,12 @@ def test_a_stock_checkpoint_is_served_as_without_the_plugin(served, unplugged):
 def test_a_checkpoint_naming_the_plugins_class_is_served_with_the_method(served, name):
     checkpoint = NAMED[name][0]
     _check(name, checkpoint, {}, NATIVE, served[name])
+
+
+@pytest.mark.parametrize("name", list(INSTALLED))
+def test_a_method_of_an_installed_package_is_served_by_its_declarations(served, name):
+    checkpoint, _, options, built = INSTALLED[name]
+    _check(name, checkpoint, options, built, served[name])
 
 
 @pytest.mark.integration
