@@ -3,6 +3,8 @@ pid-plugins registers with a zoo: :func:`pid_plugins.catalogue.load_installed_me
 import sys
 import textwrap
 
+import pytest
+
 from pid_plugins import list_methods
 from pid_plugins.catalogue import METHODS_GROUP, load_installed_methods
 from pid_plugins.core.methods import _METHODS
@@ -53,3 +55,30 @@ def test_an_installed_packages_method_is_registered_once(tmp_path, monkeypatch, 
             _METHODS.pop(name, None)
         for module in ("toy_module", "toy_object", "toy_broken"):
             sys.modules.pop(module, None)
+
+
+#: where pid-plugins registers with a zoo, in a fresh process: what the user runs, with no import of the method
+ZOO_ENTRIES = {
+    "mmseg custom_imports": "import pid_plugins.mmseg",
+    "fairseq --user-dir": "import sys; sys.path.insert(0, {user_dir!r}); import pid_fairseq",
+    "pid-plugins run": "from pid_plugins.launch_site.sitecustomize import _import_adapter; _import_adapter('timm')",
+}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("where", list(ZOO_ENTRIES))
+def test_each_zoos_registration_loads_the_installed_methods(where, tmp_path):
+    import os
+    import subprocess
+
+    import pid_plugins
+
+    _install(tmp_path, "toy_module", "toy_module", "toy_on_import", "register_method(TOY)")
+    user_dir = os.path.join(os.path.dirname(pid_plugins.__file__), "fairseq", "user_dir")
+    code = ZOO_ENTRIES[where].format(user_dir=user_dir)
+    code += "; from pid_plugins import list_methods; print('toy_on_import' in list_methods())"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "True", out.stderr[-3000:]
