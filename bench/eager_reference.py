@@ -2,6 +2,7 @@
 
     python bench/eager_reference.py                 # both methods, tiny Llama decode, interleaved medians
     python bench/eager_reference.py --reps 8        # a quicker look
+    python bench/eager_reference.py --train         # PID's training step, tiny DeiT (timm)
 
 Each reference is the few lines a user would write for one model: transformers' own ``sdpa_attention_forward``,
 then the method's update with its gains as constants, the state in a per-forward container (a dict reset by layer
@@ -10,14 +11,20 @@ builds the same mask as for ``"sdpa"``. Its logits equal the plugin's (tests/cor
 plugin/reference ratio is what the plugin's glue costs: every check, lookup and object the hand-written lines do
 without. Measured at the host-cost decode shape (bench/host_cost.py): tokens/s over stock ``"sdpa"`` of the
 reference and of the plugin, in one process, interleaved (stock, reference, plugin), one thread, thread CPU time.
+
+Training (``--train``): timm's stock DeiT whose attention is written by hand (SDPA, then PID's update in five ops,
+the state in a dict) against the plugin's PID DeiT, at the host-bound training shape (a step: cross-entropy,
+backward, SGD); step time over stock's, three runs of interleaved rounds, the run of the median gap.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
+import types
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -157,16 +164,121 @@ def markdown(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------- training (timm DeiT)
+#: the host-bound training shape: a tiny DeiT, batch 2
+TRAIN_CFG = dict(img_size=32, patch_size=8, embed_dim=64, depth=6, num_heads=2, num_classes=10)
+
+
+def _ref_attention(self, x, attn_mask=None, is_causal=False, *, layer: int, gains: tuple, state: dict):
+    """timm's ``Attention.forward`` written by hand with PID's update (timm's preset, the paper's first layer)."""
+    import torch.nn.functional as F
+
+    kp, ki, kd, beta = gains
+    b_, n, c = x.shape
+    q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    o = F.scaled_dot_product_attention(q, k, v)
+    if layer == 0:
+        b = v * beta
+        e = b - v
+        u = torch.add(o, e, alpha=kp + ki)
+        state["pid"] = (b, e, e)
+    else:
+        b, s, e_prev = state["pid"]
+        e = b - v
+        s = s + e
+        u = torch.add(o, e, alpha=kp + kd)
+        u.add_(s, alpha=ki)
+        u.add_(e_prev, alpha=-kd)
+        state["pid"] = (b, s, e)
+    return self.proj(u.transpose(1, 2).reshape(b_, n, c))
+
+
+def deit(kind: str, cfg: Optional[Dict[str, Any]] = None):
+    """The training shape's tiny DeiT: ``"stock"``, ``"reference"`` (stock, its attention by hand) or ``"plugin"``
+    (``pid_deit``), each with the stock weights of seed 0."""
+    import timm
+
+    import pid_plugins.timm  # noqa: F401
+    from pid_plugins.core import get_method
+
+    cfg = cfg or TRAIN_CFG
+    torch.manual_seed(0)
+    stock = timm.create_model("deit_tiny_patch16_224", **cfg)
+    if kind == "stock":
+        return stock
+    if kind == "plugin":
+        model = timm.create_model("pid_deit_tiny_patch16_224", **cfg)
+        model.load_state_dict(stock.state_dict(), strict=False)
+        return model
+    pid = get_method("pid").configure(None, "timm")
+    if not pid.control_first_layer:
+        raise ValueError("the PID reference is written for control_first_layer=True (timm's preset)")
+    gains, state = (pid.lambda_p, pid.lambda_i, pid.lambda_d, pid.beta), {}
+    for i, block in enumerate(stock.blocks):
+        block.attn.forward = types.MethodType(functools.partial(_ref_attention, layer=i, gains=gains, state=state),
+                                              block.attn)
+    return stock
+
+
+def measure_train(reps: int = 120, runs: int = 3, cfg: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Training-step time over stock's of the hand-written PID DeiT and of the plugin's (lower is faster): ``runs``
+    runs of ``reps`` interleaved rounds, one thread, thread CPU time; the run with the median gap."""
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        models = {k: deit(k, cfg) for k in ("stock", "reference", "plugin")}
+        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        y = torch.tensor([1, 7])
+        with torch.no_grad():
+            logits = {n: m.eval()(x) for n, m in models.items()}
+        err = ((logits["reference"] - logits["plugin"]).abs().max() / logits["reference"].abs().max()).item()
+        opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
+
+        def step(n: str) -> float:
+            start = time.thread_time()
+            opts[n].zero_grad(set_to_none=True)
+            F.cross_entropy(models[n].train()(x), y).backward()
+            opts[n].step()
+            return time.thread_time() - start
+
+        for n in models:
+            for _ in range(3):
+                step(n)
+        measured = []
+        for _ in range(runs):
+            times: Dict[str, List[float]] = {n: [] for n in models}
+            for rep in range(reps):
+                for n in (list(models) if rep % 2 == 0 else list(reversed(models))):
+                    times[n].append(step(n))
+            med = {n: statistics.median(t) for n, t in times.items()}
+            measured.append((med["reference"] / med["stock"], med["plugin"] / med["stock"]))
+    finally:
+        torch.set_num_threads(threads)
+    reference, plugin = sorted(measured, key=lambda r: r[1] - r[0])[len(measured) // 2]
+    return dict(method="pid (training)", reference=reference, plugin=plugin, gap=plugin - reference,
+                logits_rel_diff=err, equals_stock=bool(torch.allclose(logits["plugin"], logits["stock"])),
+                runs=measured, reps=reps, config=cfg or TRAIN_CFG, bound=0.02)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--reps", type=int, default=REPS)
+    p.add_argument("--train", action="store_true", help="PID's training step (tiny DeiT) instead of decoding")
     args = p.parse_args()
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.train:
+        r = measure_train()
+        print(f"training step over stock's: hand-written {r['reference']:.3f}, plugin {r['plugin']:.3f}, gap "
+              f"{r['gap']:.3f} (goal <= 0.02; logits differ by {r['logits_rel_diff']:.1e} relative; runs: "
+              + ", ".join(f"{p:.3f}/{q:.3f}" for q, p in r["runs"]) + ")")
+        return
     rows = []
     for method in args.methods.split(","):
         rows.append(measure(method, args.reps))

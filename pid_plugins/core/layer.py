@@ -180,8 +180,8 @@ def warn_switch_of_trained_weights(model: nn.Module, choice: Optional[MethodChoi
     Silent when ``current`` already runs ``choice``."""
     if choice is None or choice.method.is_identity(choice.config) or getattr(choice.config, "warmup_steps", 0):
         return
-    if current is not None and (getattr(current, "attention_method", None), getattr(current, "attention_config", None)) \
-            == (choice.method, choice.config):
+    if current is not None and (getattr(current, "attention_method", None),
+                                getattr(current, "attention_config", None)) == (choice.method, choice.config):
         return
     if not carries_trained_weights(model):
         return

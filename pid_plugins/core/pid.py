@@ -433,12 +433,7 @@ class PIDMethod(AttentionMethod):
             return None
         if type(self).update is not _PID_UPDATE:  # a subclass's (or a wrapped) update: called as it is
             return functools.partial(self.update, config, scale=None, head_dim=head_dim)
-        g = fold(config)
-
-        def update(out: Tensor, value_q: Tensor, state: Optional[tuple]) -> Tuple[Tensor, PIDState]:
-            return _update(out, value_q, state, g, head_dim, True, None)  # (PIDMethod.update, the gains folded once)
-
-        return update
+        return _bound(fold(config), head_dim)
 
     def make_state(self, *tensors: Optional[Tensor]) -> PIDState:
         return PIDState(*tensors)
@@ -450,4 +445,46 @@ class PIDMethod(AttentionMethod):
 
 
 _PID_UPDATE = PIDMethod.update
+_LEAN_DTYPES = (torch.float32, torch.float64)  # values whose state keeps their dtype (no upcast)
+
+
+def _bound(g: Folded, head_dim: int) -> Callable[..., Tuple[Tensor, PIDState]]:
+    """:meth:`PIDMethod.update` of fixed gains, eager or compiled (not TorchScript-traced): with heads at -2 and
+    float32/float64 values, the ops a hand-written function makes (bit for bit :func:`_update`'s); else
+    :func:`_update`."""
+    w_first, w_e, w_sum, w_prev = g.weights
+    beta = None if _is_one(g.beta) else g.beta
+    make = tuple.__new__  # a PIDState without its Python __new__
+    lean = head_dim == -2 and g.control_first_layer
+
+    def update(out: Tensor, value_q: Tensor, state: Optional[tuple]) -> Tuple[Tensor, PIDState]:
+        grouped = out.shape != value_q.shape
+        # key/value heads (..., H_kv, 1, D) broadcast over the output viewed as (..., H_kv, r, D)
+        value = value_q.unsqueeze(-2) if grouped else value_q
+        if not lean or value.dtype not in _LEAN_DTYPES or (
+                state is not None and (state[2] is None or state[0].shape != value.shape)):
+            return _update(out, value_q, state, g, head_dim, True, None)
+        if state is None:
+            v_ref = value if beta is None else value * beta
+            e = v_ref - value
+            new = make(PIDState, (v_ref, e, e))
+            terms = ((e, w_first),)
+        else:
+            v_ref, e_sum, e_prev = state
+            e = v_ref - value
+            e_sum = e_sum + e
+            new = make(PIDState, (v_ref, e_sum, e))
+            terms = ((e, w_e), (e_sum, w_sum), (e_prev, w_prev))
+        shape = out.shape
+        u = out.view(*shape[:-2], value.shape[-3], -1, shape[-1]) if grouped else out
+        fresh = False
+        for x, w in terms:
+            if w != 0.0:  # (a zero gain launches nothing)
+                u = u.add_(x, alpha=w) if fresh else torch.add(u, x, alpha=w)
+                fresh = True
+        if not fresh:
+            return out, new
+        return (u.flatten(-3, -2) if grouped else u), new
+
+    return update
 register_method(PIDMethod())

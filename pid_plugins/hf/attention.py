@@ -1,7 +1,7 @@
 """The attention function every method is registered under in transformers' ``AttentionInterface``
-(:func:`method_attention_forward`: the base attention, SDPA, eager or flex, plus the method's rule), and the mask
-function registered in ``AttentionMaskInterface`` (:func:`method_mask`). The method, its parameters and the earlier
-layers' state come from the :class:`MethodForwardState` the model's forward (:class:`~pid_plugins.hf.forward.MethodForward`) puts in the keyword arguments."""
+(:func:`method_attention_forward`: the base attention, SDPA, eager or flex, plus the method's rule) and the mask
+function (:func:`method_mask`). The method, its parameters and the earlier layers' state come from the
+:class:`MethodForwardState` the model's forward (:class:`~pid_plugins.hf.forward.MethodForward`) passes down."""
 from __future__ import annotations
 
 import functools
@@ -30,9 +30,10 @@ STAGE_PLACEHOLDER = "_pid_plugins_stage_placeholder"
 #: how to run a transformers layer with its state, named in core's MissingLayerState
 STATE_ROUTE = (
     "With transformers, run the layers in the model's forward; for pipeline parallelism split the model with "
-    "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with torch.distributed.pipelining "
-    "(PipelineStage and a schedule such as ScheduleGPipe): each stage hands the method's state to the next as tensors "
-    "beside the hidden states (transformers' own DistributedConfig(pp_size=...) is refused for such methods)."
+    "pid_plugins.hf.pipeline_stage(model, stage_index, num_stages) and run the stages with "
+    "torch.distributed.pipelining (PipelineStage and a schedule such as ScheduleGPipe): each stage hands the "
+    "method's state to the next as tensors beside the hidden states (transformers' own "
+    "DistributedConfig(pp_size=...) is refused for such methods)."
 )
 #: on self-attention modules: the indices of the earlier layers of its stack, nearest first
 EARLIER = "_pid_plugins_earlier"
@@ -41,71 +42,50 @@ STATE_KEYWORD = "method_state"
 
 
 class MethodForwardState:
-    """The method's state of one forward of one layer stack: gains, base attention, static-cache offset and each
-    self-attention layer's outgoing state. Deliberately opaque (a pytree leaf), so wrappers pass it by reference
-    (docs/scaling.md)."""
+    """The method's state of one forward of one layer stack: its parameters, base attention, static-cache offset and
+    each self-attention layer's outgoing state. Opaque (a pytree leaf), so wrappers pass it by reference."""
 
     __slots__ = ("method", "config", "base", "past_length", "layers", "finished", "rows", "scale", "zero",
                  "function", "start", "learnable", "cached", "cache", "grad", "restart", "call", "update",
-                 "makes_state")
+                 "makes_state", "calls", "verify")
 
     def __init__(self, config: Any, base: str = "sdpa", past_length: Optional[Tensor] = None,
                  scale: Optional[Tensor] = None, method: Optional[AttentionMethod] = None,
                  cached: bool = False, cache: Any = None, restart: bool = False, zero: Optional[bool] = None,
                  chosen: Optional[tuple] = None) -> None:
         self.method = method if method is not None else _method_of_config(config)
-        self.config = config  # the method's parameters (its config)
+        self.config = config
         self.base = base
-        self.scale = scale  # the gain warm-up scale of this forward (None: no warm-up)
-        # decided once per forward, not per layer call: the stock attention (zero gains), the base function (None
-        # for eager: each model family has its own eager_attention_forward)
-        self.zero = self.method.is_identity(config) if zero is None else zero  # (zero: the caller's is_identity)
+        self.scale = scale  # the gain warm-up's scale (None: no warm-up)
+        self.zero = self.method.is_identity(config) if zero is None else zero  # the stock attention
         self.learnable = bool(getattr(config, "learnable", False))
-        # the function every attention call of this forward runs, chosen once per forward: the stock attention (zero
-        # gains), the attention once then the update (core's apply without its per-call bookkeeping: a method that
-        # calls_once, fixed parameters, no warm-up), or core's apply
-        # chosen: (call, update, makes_state) as an earlier forward with these parameters and no warm-up chose them
-        # (:meth:`chosen`), else chosen here
-        if chosen is None:
-            chosen = self._choose(config, scale)
-        self.call: Callable[..., tuple] = chosen[0]
-        self.update: Optional[Callable[..., tuple]] = chosen[1]
-        self.makes_state: bool = chosen[2]
+        # chosen once per forward (or reused from an earlier one, :meth:`chosen`): the function every call runs,
+        # the direct path's bound update (None: no direct path) and whether the method rebuilds plain-tuple states
+        self.call, self.update, self.makes_state = chosen if chosen is not None else self._choose(config, scale)
+        self.calls = 0  # the attention calls that reached the method (the first eager forward checks there were some)
+        self.verify = False
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
-        self.function = _BASE_FUNCTIONS.get(base)
+        self.function = _BASE_FUNCTIONS.get(base)  # None for eager: each family has its own eager_attention_forward
         self.past_length = past_length
         self.layers: Dict[int, tuple] = {}
         self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
-        # the model's own layer dropout may skip layers in this forward (training): a layer whose earlier layers were
-        # all skipped starts the state afresh (LayerCall.restart); otherwise core refuses a later layer without state
-        self.restart = restart
+        self.restart = restart  # layer dropout may skip layers: one whose earlier layers all skipped starts afresh
         self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
-        self.grad = False  # autograd was on when the forward began (set before the forward): see checkpointing.py
+        self.grad = False  # autograd was on when the forward began (checkpointing.py)
         self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
-        # static cache, eager, on the CPU: the first query row as a number (a view of the rows, no gather per
-        # layer), read by the forward's first layer (:func:`_start`); a compiled forward keeps the tensor
-        self.start: Optional[int] = None
+        self.start: Optional[int] = None  # static cache, eager, on the CPU: the first query row as a number
 
     def _choose(self, config: Any, scale: Optional[Tensor]) -> tuple:
-        call = _stock_call if self.zero else _direct_call if (
-            scale is None and not self.learnable and calls_once(self.method)) else _method_call
-        # the direct path's update, bound once (core's update_once without its state rule, which the path checks
-        # before the attention runs); a method whose parameters depend on the layer takes core's apply
-        update = None
-        if call is _direct_call:
-            update = self.method.bind_update(config, -2)  # (the (B, q, H, D) output: heads at -2)
-            if update is None:
-                call = _method_call
-        # an earlier layer's state handed over as plain tensors (a pipeline stage's) is rebuilt by update_once
-        return call, update, makes_state(self.method)
+        direct = not self.zero and scale is None and not self.learnable and calls_once(self.method)
+        update = _bind(self.method, config) if direct else None
+        return _stock_call if self.zero else _method_call, update, makes_state(self.method)
 
     def chosen(self) -> tuple:
         """``(call, update, makes_state)``: what this forward runs, for another forward of the same parameters."""
         return self.call, self.update, self.makes_state
 
     def previous(self, earlier: tuple[int, ...]) -> Optional[tuple]:
-        """The state of the nearest earlier layer that ran in this forward (``earlier``: nearest first); None when
-        every earlier layer was skipped by layer dropout, and the layer then restarts the state."""
+        """The state of the nearest earlier layer that ran (``earlier``: nearest first), or None."""
         for index in earlier:
             state = self.layers.get(index)
             if state is not None:
@@ -113,13 +93,11 @@ class MethodForwardState:
         return None
 
     def carry_in(self, index: int, state: tuple) -> None:
-        """Hand this forward the state layer ``index`` of the stack computed in another forward (the previous
-        pipeline stage's last layer: :func:`pid_plugins.hf.pipeline_stage`), as if that layer had run here."""
+        """The state layer ``index`` computed in another forward (the previous pipeline stage's last layer)."""
         self.layers[index] = state
 
     def __repr__(self) -> str:
         return f"MethodForwardState(base={self.base!r}, layers={sorted(self.layers)}, finished={self.finished})"
-
 
 
 def _method_of_config(config: Any) -> AttentionMethod:
@@ -152,6 +130,12 @@ def _eager_function(cls: type) -> Callable:
 
 
 
+def _bind(method: AttentionMethod, config: Any) -> Optional[Callable[..., tuple]]:
+    """The direct path's update: the method's :meth:`~pid_plugins.core.AttentionMethod.bind_update` for a
+    ``(B, q, H, D)`` output (heads at -2), or None (its parameters depend on the layer: core's apply)."""
+    return method.bind_update(config, -2)
+
+
 def method_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -166,7 +150,33 @@ def method_attention_forward(
     run: Optional[MethodForwardState] = kwargs.pop(STATE_KEYWORD, None)
     if run is None:
         return _without_state(module, query, key, value, attention_mask, kwargs)
-    return run.call(run, module, query, key, value, attention_mask, kwargs)
+    run.calls += 1
+    update = run.update
+    if update is None:  # zero gains (the stock attention), or core's apply
+        return run.call(run, module, query, key, value, attention_mask, kwargs)
+    # The direct path (PID, NeuTRENO): the base attention, then the update bound for this forward. Every other case (a
+    # module discovery did not number, checkpointing's recomputation, a shared module, an earlier layer skipped or
+    # handed over as plain tensors, torch.fx, reentrant checkpointing) goes to _method_call, with its checks and
+    # refusals, before anything runs.
+    entries = module.__dict__
+    earlier = entries.get(EARLIER)  # set by discovery on self-attention: the earlier layers of its stack, nearest first
+    layers = run.layers
+    previous = layers.get(earlier[0]) if earlier else None  # the nearest earlier layer's state (it ran)
+    index = entries.get(ROLE)
+    if earlier is None or run.finished or index in layers or (earlier and (
+            previous is None or (run.makes_state and type(previous) is tuple))) or isinstance(value, _PROXY) or (
+            run.grad and not torch.is_grad_enabled()):
+        return _method_call(run, module, query, key, value, attention_mask, kwargs)
+    out, weights = (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask,
+                                                                      **kwargs)
+    if not run.method.keys_state:  # the query positions' values
+        q_len, length = query.shape[-2], value.shape[-2]
+        if run.past_length is not None:
+            value = _query_values(run, value, q_len)
+        elif length != q_len:
+            value = value.narrow(2, length - q_len, q_len)
+    u, layers[index] = update(out, value.transpose(1, 2), previous)
+    return u, weights
 
 
 def _without_state(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -222,30 +232,6 @@ def _start(run: MethodForwardState, like: Tensor) -> Optional[int]:
     return start
 
 
-def _direct_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                 attention_mask: Optional[Tensor], kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
-    """The hot path of a method that calls attention once, with fixed parameters and no warm-up (PID, NeuTRENO): the
-    base attention, then the method's update bound for this forward (core's
-    :meth:`~pid_plugins.core.AttentionMethod.bind_update`: :func:`~pid_plugins.core.methods.update_once` after its
-    state rule, checked here before the attention runs). Every other case (a module discovery
-    did not number, checkpointing's recomputation, a shared module, an earlier layer skipped or missing, torch.fx,
-    reentrant checkpointing) goes to :func:`_method_call`, with its checks and refusals, before anything runs."""
-    entries = module.__dict__
-    earlier = entries.get(EARLIER)  # set by discovery on self-attention: the earlier layers of its stack, nearest first
-    layers = run.layers
-    previous = layers.get(earlier[0]) if earlier else None  # the nearest earlier layer's state (it ran)
-    index = entries.get(ROLE)
-    if earlier is None or run.finished or index in layers or (earlier and (
-            previous is None or (run.makes_state and type(previous) is tuple))) or isinstance(value, _PROXY) or (
-            run.grad and not torch.is_grad_enabled()):
-        return _method_call(run, module, query, key, value, attention_mask, kwargs)
-    out, weights = (run.function or _base_function(module, run.base))(module, query, key, value, attention_mask,
-                                                                      **kwargs)
-    u, layers[index] = run.update(out, (value if run.method.keys_state else _query_values(
-        run, value, query.shape[-2])).transpose(1, 2), previous)
-    return u, weights
-
-
 def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                  attention_mask: Optional[Tensor], kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
     """Every other call: core's :meth:`~pid_plugins.core.AttentionMethod.apply` with a :class:`LayerCall`, and the
@@ -296,7 +282,7 @@ def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
         return out
 
     if calls_once(method) and run.scale is None and learned is None and not isinstance(value, _PROXY):
-        out = attend(query, value)  # (checkpointing's recomputation of the direct path: the same calls)
+        out = attend(query, value)  # (the direct path's fallback and checkpointing's recomputation: the same calls)
         u, layers[index] = update_once(method, run.config, out, (value if method.keys_state else v_q).transpose(1, 2),
                                        previous, -2, index if earlier is None else len(earlier), run.restart,
                                        STATE_ROUTE)

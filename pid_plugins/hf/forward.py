@@ -1,9 +1,6 @@
 """What runs on every forward of a transformers model with a method: :class:`MethodForward`, its ``forward``.
-
-Before the class's forward it checks by identity that the model's :class:`Plan` still holds, refuses what cannot run
-exactly, and hands the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState`; when something changed,
-the plan's ``renew`` re-reads the model. After it, the gain warm-up advances.
-"""
+It checks by identity that the model's :class:`Plan` holds (else renews it), refuses what cannot run exactly, hands
+the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState` and advances the gain warm-up after it."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,7 +48,7 @@ class Plan:
     layerdrop: tuple = ()  # the owner and the modules below it with a ``layerdrop`` attribute
     layerdrop_keys: tuple = ()  # the config's ``*layerdrop`` keys (LAYERDROP_KEYS it has)
     first: bool = True  # the first forward has checks to make (``renew`` makes them)
-    verified: bool = False  # an eager forward found its attention layers running the method (:class:`_Counted`)
+    verified: bool = False  # an eager forward found its attention layers running the method (:func:`_verify`)
     #: the modules on the way from the model to each attention module: ``(parent._modules, name)`` of each step,
     #: each module's ``__dict__``, and of those the ones with transformers' ``gradient_checkpointing`` flag
     parents: tuple = ()  # each step's parent ``_modules``
@@ -76,9 +73,7 @@ class Plan:
     read: Optional[Callable[..., ConfigReading]] = None
 
     def __setstate__(self, state: dict) -> None:
-        """A plan copied with its model (``copy.deepcopy``, pickling a whole model): the modules' ``__dict__`` it
-        holds (``nodes``, ``flagged``) are copies no module uses (``nn.Module`` fills a fresh ``__dict__``), so the
-        first forward reads the layout again, as after a module was replaced."""
+        """A plan copied with its model (deepcopy, pickle) holds ``__dict__`` copies no module uses: read again."""
         self.__dict__.update(state)
         self.signature = []
         self.hooks_mark = -1
@@ -92,13 +87,8 @@ def layout(plan: Plan) -> list:
 
 def checkpointing_layout(plan: Plan) -> list:
     """The activation checkpointing on the plan's modules now: transformers' ``gradient_checkpointing`` flags (and
-    the functions of the layers checkpointed), then torch's composable-API registries (and their sizes, where a
-    module has one). They matter only to a forward in training or with autograd on, which alone reads them.
-
-    The registries are read again only when a hook was registered in the process since they were last read: torch's
-    composable APIs (``checkpoint(module)``, ``fully_shard``) register their hooks on the module they mark, and every
-    registration takes the next ``RemovableHandle`` id (a walk of the layers' dicts was most of the per-forward
-    checks' cost)."""
+    the checkpointed layers' functions), then torch's composable-API registries, read again only when a hook was
+    registered in the process since (``checkpoint(module)`` and ``fully_shard`` register hooks on what they mark)."""
     flagged = plan.flagged
     entries = list(map(dict.get, flagged, repeat("gradient_checkpointing", len(flagged))))
     if any(entries):  # the function each checkpointed layer calls (reentrant or not)
@@ -114,11 +104,8 @@ def checkpointing_layout(plan: Plan) -> list:
 
 class MethodForward:
     """``model.forward`` of a transformers model with a method (an instance attribute, as accelerate's hooks set one):
-    the forward it replaced with the method's per-forward state handed to it.
-
-    Not a forward hook: transformers compiles ``model.__call__`` (``generate``'s compiled decoding step), where dynamo
-    does not trace ``nn.Module.__call__`` and would compile each hook as a frame of its own; this is traced with the
-    forward, in its one frame. ``inspect.signature`` reads the class's forward (``generate``, the Trainer)."""
+    the forward it replaced, handed the method's per-forward state. Not a forward hook, so that dynamo traces it with
+    the forward in one frame (docs/architecture.md); ``inspect.signature`` reads the class's forward."""
 
     def __init__(self, model: nn.Module, inner: Optional[Callable[..., Any]] = None) -> None:
         self.model = model
@@ -311,38 +298,29 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
                 "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
             )
     past = static_past(cache, method.name, compiling) if cache is not None else None
-    chosen = reading.chosen if scale is None else None
+    # TorchScript tracing (torch.onnx's older exporter) takes core's apply, whose update traces sizes
+    traced = not compiling and torch._C._is_tracing()
+    chosen = reading.chosen if scale is None and not traced else None
     state = MethodForwardState(gains, base, past, scale, method, cached=cache is not None,
                                cache=own if method.cache_slot and layers_cache else None, restart=restart,
                                zero=not active, chosen=chosen)
-    if chosen is None and scale is None and not compiling:  # the next forwards reuse it (the reading's lifetime)
+    if chosen is None and scale is None and not compiling and not traced:  # the next forwards reuse it
         reading.chosen = state.chosen()
+    if traced:
+        state.update = None
     state.grad = grad
-    if not plan.verified and not compiling and not drops_layers(module, plan):
-        state.call = _Counted(state.call)
+    state.verify = not plan.verified and not compiling and not drops_layers(module, plan)
     kwargs[STATE_KEYWORD] = state
     return args, kwargs
 
 
-class _Counted:
-    """A forward's per-call function, counting its calls: the first eager forward of a model checks that its attention
-    layers reached the method through transformers' attention interface (then no forward is counted)."""
-
-    __slots__ = ("call", "calls")
-
-    def __init__(self, call: Callable[..., Any]) -> None:
-        self.call, self.calls = call, 0
-
-    def __call__(self, *args: Any) -> Any:
-        self.calls += 1
-        return self.call(*args)
-
-
-def _verify(module: nn.Module, counted: _Counted) -> None:
+def _verify(module: nn.Module, run: MethodForwardState) -> None:
+    """A model's first eager forward: its attention layers reached the method through transformers' attention
+    interface (else that interface changed), then no forward is checked."""
     plan = module.__dict__.get(PLAN)
     if plan is None:
         return
-    if not counted.calls:
+    if not run.calls:
         raise InternalChanged(INTERFACE_SOURCE.message(
             f"{type(module).__name__}'s forward ran none of its attention layers through the method"))
     plan.verified = True
@@ -352,8 +330,8 @@ def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
     run = kwargs.get(STATE_KEYWORD)
     if run is not None:
         run.finished = True
-        if type(run.call) is _Counted:
-            _verify(module, run.call)
+        if run.verify:
+            _verify(module, run)
     # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
     # after the forward: checkpointed layers recompute with the scale their MethodForwardState holds
     counter = module._modules.get(WARMUP_ATTR)

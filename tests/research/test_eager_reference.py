@@ -44,3 +44,20 @@ def test_hand_written_reference_equals_the_plugin(reference, method):
                                                                                            ("plugin", plugin))}
     assert torch.equal(out["ref"].sequences, out["plugin"].sequences)
     torch.testing.assert_close(torch.stack(out["ref"].logits), torch.stack(out["plugin"].logits), rtol=0, atol=1e-6)
+
+
+def test_hand_written_training_reference_equals_the_plugin(reference):
+    """The training floor's reference (bench/eager_reference.py --train): the DeiT with PID written by hand gives the
+    plugin's logits and gradients, and differs from stock."""
+    pytest.importorskip("timm")
+    import torch.nn.functional as F
+
+    models = {k: reference.deit(k) for k in ("stock", "reference", "plugin")}
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    out = {n: m.train()(x) for n, m in models.items()}
+    assert (out["plugin"] - out["stock"]).abs().max() > 1e-3
+    torch.testing.assert_close(out["reference"], out["plugin"], rtol=1e-5, atol=1e-6)
+    for n in ("reference", "plugin"):
+        F.cross_entropy(out[n], torch.tensor([1, 7])).backward()
+    qkv = {n: models[n].blocks[0].attn.qkv.weight.grad for n in ("reference", "plugin")}
+    torch.testing.assert_close(qkv["reference"], qkv["plugin"], rtol=1e-4, atol=1e-6)
