@@ -174,8 +174,9 @@ def _toy_rule(cfg: Cfg, model: Model) -> zc.Rule:
 
 VISION = ("timm", "mmseg")
 METHODS: Dict[str, Method] = {m.name: m for m in (
-    Method("pid", _pid_config, on=lambda model: [PID_ON], rule=lambda cfg, model: zc.pid_rule(
-        cfg["lambda_p"], cfg["lambda_i"], cfg["lambda_d"], cfg["beta"]),
+    Method("pid", _pid_config, on=lambda model: [PID_ON, {**PID_ON, "control_first_layer": False}],
+           rule=lambda cfg, model: zc.pid_rule(cfg["lambda_p"], cfg["lambda_i"], cfg["lambda_d"], cfg["beta"],
+                                               cfg.get("control_first_layer", True)),
         defaults={"timm": "deit", "mmseg": "segmenter", "hf": "lm", "fairseq": "lm"},
         zero={"lambda_p": 0.0, "lambda_i": 0.0, "lambda_d": 0.0}, zero_models=frozenset(MODELS),
         compile_models=frozenset({"fairseq-lm"}),  # timm, transformers, mmseg: tests/core/test_compile.py

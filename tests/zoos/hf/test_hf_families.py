@@ -348,26 +348,6 @@ def test_control_first_layer_false_runs_and_is_saved(tmp_path):
     assert not torch.allclose(forward(model, **x), forward(stock, **x))
 
 
-def test_control_first_layer_false_against_the_rule_by_hand():
-    cfg = PIDConfig(0.7, 0.4, 0.2, 0.6, control_first_layer=False)
-    g = torch.Generator().manual_seed(0)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 1
-    state = attention.MethodForwardState(cfg)
-    vals = []
-    for layer in range(3):
-        module._pid_plugins_index = layer
-        q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
-        out, _ = attention.method_attention_forward(module, q, k, v, None, scaling=8 ** -0.5, method_state=state)
-        causal = torch.full((4, 4), float("-inf"), dtype=torch.float64).triu(1)
-        want = ((q @ k.transpose(-1, -2)) * 8 ** -0.5 + causal).softmax(-1) @ v
-        vals.append(v)
-        if layer:  # the first layer is plain; from layer 2: e = beta v1 - v, S from layer 2, no D at layer 2
-            e = [0.6 * vals[0] - x for x in vals[1:]]
-            want = want + 0.7 * e[-1] + 0.4 * sum(e) + (0.2 * (e[-1] - e[-2]) if layer > 1 else 0)
-        torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-10, atol=1e-10)
-
-
 def test_a_stack_whose_forward_takes_no_kwargs_is_refused():
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 

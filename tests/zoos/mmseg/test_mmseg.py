@@ -9,14 +9,12 @@ pytest.importorskip("mmseg")
 import pid_plugins.mmseg as pm  # noqa: E402
 from pid_plugins import PIDConfig  # noqa: E402
 from pid_plugins.mmseg.compat import STANDIN_NAME  # noqa: E402
-from reference import naive_mmseg_layers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted(p for p in (REPO / "configs" / "mmseg").glob("*.py") if p.name != "__init__.py")  # the package marker
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 ARGS = dict(img_size=(64, 64), patch_size=16, embed_dims=48, num_layers=3, num_heads=3, drop_path_rate=0.0,
             final_norm=True, with_cls_token=True, norm_cfg=dict(type="LN", eps=1e-6))
-ZERO = dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0)
 
 
 def build(**kw):
@@ -52,16 +50,6 @@ def test_mmcv_ext_standin_raises_a_clear_error_when_called():
     assert mmcv.__version__ == "2.1.0"
 
 
-@pytest.mark.parametrize("kw", [dict(attention_cfg=ZERO), dict(attention="softmax")])
-def test_zero_gains_or_softmax_equal_the_stock_backbone(kw):
-    stock = stock_backbone()
-    model = build(**kw)
-    model.load_state_dict(stock.state_dict(), strict=True)
-    x = images()
-    with torch.no_grad():
-        assert torch.equal(model(x)[0], stock(x)[0])
-
-
 def test_gains_from_config_arguments():
     from mmengine.config import ConfigDict
 
@@ -87,40 +75,6 @@ def test_gains_from_config_arguments():
         build(attention="linear")
     with pytest.raises(ValueError, match="PIDConfig.beta"):
         build(attention_cfg=dict(beta=0.0))
-
-
-@pytest.mark.parametrize("control_first_layer", [True, False])
-def test_pid_backbone_matches_a_hand_written_reference(control_first_layer):
-    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
-    stock = stock_backbone()
-    model = build(attention_cfg=cfg.to_dict())
-    model.load_state_dict(stock.state_dict())
-    model = model.double()
-    x = images().double()
-    with torch.no_grad():
-        h, hw = model.patch_embed(x)
-        h = model._pos_embeding(torch.cat([model.cls_token.expand(2, -1, -1), h], 1), hw, model.pos_embed)
-        h = naive_mmseg_layers(model.layers, h, 3, cfg.gains, control_first_layer)
-        C = h.shape[-1]
-        want = model.norm1(h)[:, 1:].reshape(2, 4, 4, C).permute(0, 3, 1, 2)
-        torch.testing.assert_close(model(x)[0], want, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("control_first_layer", [True, False])
-def test_with_cp_gives_identical_gradients(control_first_layer):
-    pid = dict(preset="segmenter", control_first_layer=control_first_layer)
-    ref = build(attention_cfg=pid)
-    ckpt = build(attention_cfg=pid, with_cp=True)
-    ckpt.load_state_dict(ref.state_dict())
-    grads = []
-    for model in (ref, ckpt):
-        model.train()
-        x = images().requires_grad_()
-        (model(x)[0].square().mean() + model(x * 0.5)[0].mean()).backward()
-        grads.append([x.grad] + [p.grad for p in model.parameters() if p.grad is not None])
-    assert len(grads[0]) == len(grads[1]) > 10
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_stock_mmseg_checkpoint_loads_strictly(tmp_path):
