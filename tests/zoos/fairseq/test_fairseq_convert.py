@@ -1,9 +1,7 @@
-"""``pid_plugins.fairseq.convert``: a loaded fairseq ``transformer_lm`` switched to a method in place, and back.
-
-stock -> method is the model ``--arch transformer_lm_pid --attention-method NAME`` builds with the same weights
-(full forward, incremental decoding, beam search), bit for bit; -> softmax is fairseq's own model again (classes,
-attributes, state_dict keys, outputs bit for bit); method -> other method and learnable on/off reconfigure in
-place; the parameter tensors stay the model's own; a refusal changes nothing."""
+"""``pid_plugins.fairseq.convert`` where fairseq's own paths meet it: the hub interface (converted as a whole, then
+incremental decoding and beam search as the model ``--arch transformer_lm_pid`` builds), the training mode, and
+fairseq's refusals. The zoo contract (tests/core/test_zoo_contract.py) runs convert both ways, method -> method,
+learnable parameters, warm-up and the common refusals."""
 import pytest
 import torch
 
@@ -12,8 +10,6 @@ import pid_plugins.fairseq as pf  # noqa: E402
 from method_cases import variants  # noqa: E402
 from fairseq.models.transformer import TransformerDecoder  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel  # noqa: E402
-from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase  # noqa: E402
 from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_method,  # noqa: E402,F401
                        fs_save_checkpoint, fs_tokens)
 
@@ -82,95 +78,6 @@ def assert_same_function(model, reference, task, incremental=True):
         assert generate(model, task) == generate(reference, task)
 
 
-@pytest.mark.parametrize("key", VARIANTS)
-def test_stock_to_method_is_the_built_model_with_the_same_weights(data_dir, key):
-    name, cfg = VARIANTS[key]
-    stock, task = stock_model(data_dir)
-    params = {n: p for n, p in stock.named_parameters()}
-    buffers = {n: b for n, b in stock.named_buffers()}
-    assert pf.convert(stock, name, cfg) is stock
-    model = stock
-    # the root keeps its class (transformer_lm_pid's adds nothing but build_model); the decoder, its layers and their
-    # self-attention are replaced in their parents (no class is reassigned)
-    assert type(model) is TransformerLanguageModel and type(model.decoder) is pf.PIDTransformerDecoder
-    assert all(type(layer) is pf.PIDTransformerDecoderLayer and type(layer.self_attn) is pf.PIDMultiheadAttention
-               for layer in model.decoder.layers)
-    assert not model.training  # the mode is kept (eval here)
-    # the same tensors; only the method's own parameters and counter are new
-    assert all(p is params[n] for n, p in model.named_parameters() if n in params)
-    assert all(b is buffers[n] for n, b in model.named_buffers() if n in buffers)
-    reference, _ = built(data_dir, key)
-    assert list(model.state_dict()) == list(reference.state_dict())  # the built model's keys, in its order
-    assert {n for n, _ in model.named_parameters()} - set(params) == {
-        n for n, _ in reference.named_parameters() if ".attention_params." in n}
-    reference.load_state_dict(model.state_dict(), strict=True)
-    for layer, ref_layer in zip(model.decoder.layers, reference.decoder.layers):
-        assert layer.self_attn.attention_method is ref_layer.self_attn.attention_method
-        assert layer.self_attn.attention_config == ref_layer.self_attn.attention_config
-    if cfg and cfg.get("learnable"):
-        assert all(p.param_group == pf.METHOD_PARAM_GROUP
-                   for n, p in model.named_parameters() if ".attention_params." in n)
-    if (cfg or {}).get("warmup_steps"):
-        assert model.decoder.attention_warmup.warmup_steps == 4 and not model.decoder.attention_warmup.training
-        for m in (model, reference):  # a few training forwards, so the scale is neither 0 nor 1
-            m.train()
-            for _ in range(2):
-                m(fs_tokens())
-            m.eval()
-        assert int(model.decoder.attention_warmup.step) == int(reference.decoder.attention_warmup.step) == 2
-    assert_same_function(model, reference, task)
-
-
-# one variant of each kind (fixed, learnable, warm-up, a method with its own attend, a second learnable method): the
-# way back to softmax removes what the kind added, the same for every method of the kind
-@pytest.mark.parametrize("key", ["pid", "learnable_pid", "pid_warmup", "twicing", "learnable_value_residual"])
-def test_back_to_softmax_is_fairseqs_own_model_bit_for_bit(data_dir, key):
-    name, cfg = VARIANTS[key]
-    stock, task = stock_model(data_dir)
-    fresh, _ = stock_model(data_dir)  # fairseq's own model, the same weights (seed 0)
-    before = snapshot(stock)
-    params = [id(p) for p in stock.parameters()]
-    pf.convert(stock, name, cfg)
-    if (cfg or {}).get("warmup_steps"):
-        stock.train()
-        stock(fs_tokens())
-        stock.eval()
-    assert pf.convert(stock, "softmax") is stock
-    assert type(stock) is TransformerLanguageModel and type(stock.decoder) is TransformerDecoder
-    assert all(type(layer) is TransformerDecoderLayerBase and type(layer.self_attn) is MultiheadAttention
-               for layer in stock.decoder.layers)
-    assert same_snapshot(snapshot(stock), before)  # no attribute, parameter, buffer or submodule left over
-    assert [id(p) for p in stock.parameters()] == params
-    assert list(stock.state_dict()) == list(fresh.state_dict())
-    assert_same_function(stock, fresh, task)
-    # fairseq's model trains as before: gradients bit for bit
-    for m in (stock, fresh):
-        m.train()
-        m(fs_tokens())[0].sum().backward()
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(stock.parameters(), fresh.parameters()))
-
-
-# chosen transitions: fixed <-> learnable, warm-up on and off, to and from a method with its own attend
-@pytest.mark.parametrize("start, target", [("pid", "neutreno"), ("learnable_pid", "twicing"),
-                                           ("twicing", "pid_warmup"), ("pid_warmup", "pid"),
-                                           ("pid", "learnable_pid"), ("learnable_pid", "pid"),
-                                           ("value_residual", "learnable_value_residual")])
-def test_method_to_other_method_in_place(data_dir, start, target):
-    """A transformer_lm_pid model (built by --arch) reconfigured: the model built for the target, same weights."""
-    model, task = built(data_dir, start)
-    params = {n: p for n, p in model.named_parameters() if ".attention_params." not in n}
-    name, cfg = VARIANTS[target]
-    assert pf.convert(model, name, cfg) is model
-    reference, _ = built(data_dir, target)
-    assert list(model.state_dict()) == list(reference.state_dict())
-    assert all(p is params[n] for n, p in model.named_parameters() if n in params)
-    if not (cfg or {}).get("learnable"):
-        assert not any(".attention_params." in n for n, _ in model.named_parameters())
-    assert ("attention_warmup" in dict(model.decoder.named_children())) == bool((cfg or {}).get("warmup_steps"))
-    reference.load_state_dict(model.state_dict(), strict=True)
-    assert_same_function(model, reference, task)
-
-
 def test_training_mode_is_kept_and_new_modules_follow_it(data_dir):
     stock, _ = stock_model(data_dir)
     stock.train()
@@ -198,7 +105,7 @@ def test_hub_interface_converts_its_models(data_dir, tmp_path):
     assert type(hub.models[0]) is TransformerLanguageModel and type(hub.models[0].decoder) is pf.PIDTransformerDecoder
     reference, _ = built(data_dir, "neutreno")
     reference.load_state_dict(hub.models[0].state_dict(), strict=True)
-    assert_same_function(hub.models[0], reference, task, incremental=False)
+    assert_same_function(hub.models[0], reference, task)  # incremental decoding and beam search too
     scored = hub.score("w1 w2 w3 w4")
     assert torch.isfinite(scored["positional_scores"]).all()
     pf.convert(hub, "softmax")
@@ -207,23 +114,13 @@ def test_hub_interface_converts_its_models(data_dir, tmp_path):
 
 
 def test_refusals_change_nothing(data_dir):
+    """fairseq's own refusals (the zoo contract runs the common ones): a decoder given alone, layers whose forward
+    activation checkpointing replaced, fairseq's cross_self_attention."""
     stock, _ = stock_model(data_dir)
-    pid, _ = built(data_dir, "learnable_pid")
-    for model in (stock, pid):
-        compiled = torch.compile(model)  # (which marks the model itself: before the snapshot)
-        before = snapshot(model)
-        with pytest.raises(ValueError, match=r"unknown attention method 'nope'"):
-            pf.convert(model, "nope")
-        with pytest.raises(ValueError, match=r"PIDConfig.beta"):
-            pf.convert(model, "pid", {"beta": 0})
-        with pytest.raises(ValueError, match=r"unknown PIDConfig field"):
-            pf.convert(model, "pid", {"gamma": 0.3})
-        with pytest.raises(TypeError, match=r"TransformerLanguageModel.*got PIDTransformerDecoder|"
-                                            r"TransformerLanguageModel.*got TransformerDecoder"):
-            pf.convert(model.decoder, "pid")
-        with pytest.raises(TypeError, match="convert the model before torch.compile"):
-            pf.convert(compiled, "pid")
-        assert same_snapshot(snapshot(model), before)
+    before = snapshot(stock)
+    with pytest.raises(TypeError, match=r"TransformerLanguageModel.*got TransformerDecoder"):
+        pf.convert(stock.decoder, "pid")
+    assert same_snapshot(snapshot(stock), before)
     # activation checkpointing replaces the layers' forward: refused, even when only the last layer has it
     ckpt, _ = stock_model(data_dir, extra=["--checkpoint-activations"])
     before = snapshot(ckpt)
