@@ -25,6 +25,15 @@ def pins(path: Path) -> dict:
     return {m.group(1).lower(): m.group(2) for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", path.read_text(), re.M)}
 
 
+def hf():
+    """transformers with the adapter imported, and a tiny grouped-query Llama config."""
+    T = pytest.importorskip("transformers")
+    import pid_plugins.hf  # noqa: F401
+
+    return T, T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2)
+
+
 def test_the_pin_files_are_the_tested_range():
     newest, lowest = pins(ROOT / "constraints.txt"), pins(ROOT / "constraints-lowest.txt")
     # torch's lowest is vLLM's (the core and the vLLM plugin: constraints-vllm.txt), the zoos' is ZOO_TORCH
@@ -76,12 +85,9 @@ def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeyp
     """A release whose StaticLayer no longer keeps ``cumulative_length`` as a tensor: a method decoder is refused when
     it is built (discovery checks what its forwards will read), where it would otherwise read the wrong rows of the
     value buffer; and a model built before the change stops at its first static-cache forward."""
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
+    T, config = hf()
     from transformers import cache_utils
 
-    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)
     built = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
     original = cache_utils.StaticLayer.__init__
 
@@ -105,12 +111,9 @@ def test_a_changed_static_cache_internal_is_refused_before_anything_runs(monkeyp
 def test_a_cache_under_an_unknown_keyword_is_refused(monkeypatch, fresh_checks):
     """A release that passes the cache under a new keyword (as 5.24 did with ``cache``): refused, never run without
     the method seeing the cache."""
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
+    T, config = hf()
     from pid_plugins.hf import internals
 
-    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)
     model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
     with pytest.raises(InternalChanged, match=r"the forward keyword carrying the KV cache .*got the cache as kv_cache="):
         model.model(torch.tensor([[3, 4, 5]]), kv_cache=T.DynamicCache(config=config))
@@ -149,15 +152,12 @@ def test_learnable_parameters_under_tensor_parallelism_need_the_tp_plan_style(mo
     refused (the gains would drift apart on the ranks), before anything is computed."""
     import dataclasses
 
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
+    T, config = hf()
     from pid_plugins.hf import discovery, gains, internals
 
     older = dataclasses.replace(internals.TP_PLAN, check=lambda: False)
     for module in (internals, discovery, gains):  # every module that reads it
         monkeypatch.setattr(module, "TP_PLAN", older)
-    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)
     config.pid = {"learnable": True}
     ids = torch.tensor([[3, 4, 5]])
     model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
@@ -173,11 +173,6 @@ def test_learnable_parameters_under_tensor_parallelism_need_the_tp_plan_style(mo
 
 
 # ------------------------------------------------- what the probes guard: on the real path, and by the doctor
-def _tiny_config(T):
-    return T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-
-
 def _doctor_says(internal):
     """What :func:`pid_plugins.versions.doctor` finds of ``internal`` (None: it holds)."""
     [(_, problem)] = versions.doctor([internal])
@@ -188,8 +183,7 @@ def test_a_release_whose_checkpointing_forgets_the_reentrant_choice_is_refused(m
     """A release whose ``_set_gradient_checkpointing`` no longer keeps ``use_reentrant`` on the layers' function:
     the doctor's probe finds it, and a method model's training forward under checkpointing is refused (the choice
     cannot be read, so it counts as reentrant) before anything runs; a stock model still trains."""
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
+    T, config = hf()
     from pid_plugins.hf import internals
     from transformers import PreTrainedModel
 
@@ -206,7 +200,7 @@ def test_a_release_whose_checkpointing_forgets_the_reentrant_choice_is_refused(m
     assert "its probe found it changed" in _doctor_says(internals.CHECKPOINTING)
     ids = torch.tensor([[3, 4, 5]])
     for name, refused in (("sdpa", False), ("pid", True)):
-        model = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation=name).train()
+        model = T.LlamaForCausalLM._from_config(config, attn_implementation=name).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if refused:
             with pytest.raises(ValueError, match="needs non-reentrant gradient checkpointing"):
@@ -218,8 +212,7 @@ def test_a_release_whose_checkpointing_forgets_the_reentrant_choice_is_refused(m
 def test_a_continuous_batching_entry_that_skips_init_continuous_batching_is_refused(monkeypatch, fresh_checks):
     """A release whose ``generate_batch`` no longer starts at ``init_continuous_batching`` (where a method model is
     refused): the check fails and building a method model stops with the message; a stock model still builds."""
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
+    T, config = hf()
     from pid_plugins.hf import internals
     from transformers.generation.continuous_batching import ContinuousMixin
 
@@ -227,9 +220,9 @@ def test_a_continuous_batching_entry_that_skips_init_continuous_batching_is_refu
     monkeypatch.setattr(ContinuousMixin, "generate_batch", lambda self, inputs, *args, **kwargs: {})
     assert not internals.CONTINUOUS_BATCHING.check()
     assert _doctor_says(internals.CONTINUOUS_BATCHING) == "its check found it changed"
-    T.LlamaForCausalLM._from_config(_tiny_config(T))  # stock: nothing to refuse
+    T.LlamaForCausalLM._from_config(config)  # stock: nothing to refuse
     with pytest.raises(InternalChanged, match=r"init_continuous_batching"):
-        T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+        T.LlamaForCausalLM._from_config(config, attn_implementation="pid")
 
 
 def test_an_attention_class_that_names_the_interface_but_bypasses_it_is_refused(monkeypatch, fresh_checks):
@@ -238,14 +231,13 @@ def test_an_attention_class_that_names_the_interface_but_bypasses_it_is_refused(
     through the registered function (here its module's interface always answers SDPA): the model's first forward
     finds no layer ran the method and refuses it, where it would otherwise silently run softmax; the doctor's probe
     finds it too. A forward that reached the method is checked once: later forwards count nothing."""
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
+    T, config = hf()
     from pid_plugins.hf import forward, internals
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama import modeling_llama
 
     ids = torch.tensor([[3, 4, 5]])
-    checked = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid").eval()
+    checked = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
     with torch.no_grad():
         checked(ids)
     assert checked.model.__dict__[forward.PLAN].verified
@@ -257,7 +249,7 @@ def test_an_attention_class_that_names_the_interface_but_bypasses_it_is_refused(
     monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", AlwaysSdpa())
     assert internals.INTERFACE_SOURCE.check()  # the text is still there
     assert "ran none of its attention layers" in _doctor_says(internals.INTERFACE_SOURCE)
-    model = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid").eval()
+    model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid").eval()
     with pytest.raises(InternalChanged, match=r"ALL_ATTENTION_FUNCTIONS.*ran none of its attention layers"):
         with torch.no_grad():
             model(ids)
@@ -269,12 +261,11 @@ def test_the_real_path_checks_build_nothing_under_a_construction_context(fresh_c
     """Under accelerate's ``init_empty_weights`` (and any process-wide construction context) a method model builds:
     the checks it runs are types, signatures and source text, never a model of their own."""
     accelerate = pytest.importorskip("accelerate")
-    T = pytest.importorskip("transformers")
-    import pid_plugins.hf  # noqa: F401
+    T, config = hf()
     from pid_plugins.hf import internals
 
     with accelerate.init_empty_weights():
-        model = T.LlamaForCausalLM._from_config(_tiny_config(T), attn_implementation="pid")
+        model = T.LlamaForCausalLM._from_config(config, attn_implementation="pid")
         versions.require(*internals.INTERNALS[:-1])  # (TP_PLAN: from 5.24)
     assert model.model.layers[0].self_attn.q_proj.weight.is_meta
 
