@@ -94,10 +94,8 @@ def token_rows(n: int, length: int = 16, seed: int = 0):
 
 
 # ------------------------------------------------------------------------------------------- FSDP2 cases
-# One tiny PID model per zoo and family kind. Each case gives: the model (seeded), the modules FSDP2's standard
-# recipe shards one by one before the root (the layer stacks), a deterministic global batch (batch dim 0 of every
-# tensor), the forward whose output the loss reads, and how the zoo switches gradient checkpointing on (None: the
-# zoo's PID model refuses it).
+# One tiny model per zoo and family kind: the model (seeded), the layers fully_shard takes before the root, a global
+# batch (dim 0), the forward the loss reads, and the zoo's checkpointing switch (None: refused).
 FSDP_GLOBAL_BATCH = 4
 FSDP_LR = 0.5  # plain SGD: linear in the gradient, so FSDP's averaged gradient is comparable with one process
 FSDP_MODES = {  # name: (reshard_after_forward, gradient checkpointing); "ddp": DistributedDataParallel instead
@@ -317,12 +315,8 @@ def fsdp_case(name: str, workdir):
     raise KeyError(name)
 
 
-#: the cases below are chosen per issue (each names its own zoos), not every method in every zoo: the method table's
-#: own tests (tests/core/test_method_contract.py) run every method in every zoo model.
-#: PID in every zoo and family kind; the tests' toy method (a user-registered one) in every zoo; PID's siblings
-#: (issue 27) in every zoo where they apply; Twicing with grouped-query attention, Elliptical's prefix mean and value
-#: residual in a causal Llama with grouped-query attention (issue 31); value residual (fixed and learnable lambdas)
-#: in timm and mmseg, under FSDP2 and DDP like the toy
+#: PID in every zoo and family kind, the toy in every zoo, the siblings where they apply (a causal grouped-query
+#: Llama included), value residual with fixed and learnable lambdas (every method in every zoo: the contract)
 FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "timm_fan", "mmseg", "fairseq",
               *(f"scaled_reference:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
               *(f"neutreno:{c}" for c in ("hf_decoder", "timm_deit", "mmseg", "fairseq")),
@@ -332,8 +326,7 @@ FSDP_CASES = ("hf_decoder", "hf_encoder", "hf_encoder_decoder", "timm_deit", "ti
               *(f"value_residual:{c}" for c in ("timm_deit", "mmseg")), "value_residual_learnable:timm_deit")
 
 
-#: learnable method parameters in mmseg (issue 34): PID's gains and value residual's lambdas, in the ViT backbone and
-#: in Segmenter's mask-transformer head, each layer's sharded with it (tests/core/test_distributed.py runs these alone)
+#: learnable parameters in mmseg's backbone and head (issue 34), each layer's sharded with it
 MMSEG_LEARNABLE_CASES = tuple(f"{m}{LEARNABLE}:{c}" for m in learnable_methods() for c in ("mmseg", "mmseg_head"))
 
 
@@ -370,16 +363,13 @@ def fsdp_loss(out):
 
 
 # ---------------------------------------------------------------------------------------- pipeline parallelism
-# A Llama of 4 layers (4 query / 2 key-value heads) split into 2 stages of 2 layers: the state of layers 0-1 must
-# reach layers 2-3. Every built-in method (tests/method_cases.py, with its causal parameters: Elliptical's prefix
-# mean), and PID with learnable gains (learnable parameters once, PID's) and with a reference-only first layer (its
-# sums are None after layer 0: the 3-stage split in one process checks that case crosses a boundary).
+# A 4-layer grouped-query Llama in 2 stages: layers 0-1's state must reach layers 2-3. Every built-in method (with
+# its causal parameters) and PID with learnable gains.
 PIPELINE_METHODS = {
     **{name: (name, cfg or {}) for name, cfg in method_table().CAUSAL_METHODS.items() if name != "sdpa"},
     "pid_learnable": ("pid", {"learnable": True}),
 }
-#: transformers' own pipeline parallelism (hf_pp.py): every pipeline case, and Twicing from layer 2 (its rule
-#: starts in the second stage: the one method without cross-layer state whose parameter names a layer)
+#: transformers' own pipeline parallelism (hf_pp.py): every pipeline case, and Twicing starting in the second stage
 PP_CASES = {**PIPELINE_METHODS, "twicing_from_2": ("twicing", {"from_layer": 2})}
 PIPELINE_BATCH = 4  # rows, split into PIPELINE_MICROBATCHES microbatches by the schedule
 PIPELINE_MICROBATCHES = 2
@@ -424,9 +414,8 @@ def pipeline_loss(logits, labels):
 
 
 # ------------------------------------------------- transformers' DistributedConfig: tensor parallelism, FSDP2
-#: case: (attn_implementation, the method's parameters, the checkpoint it loads: "same" = a model of this case,
-#: "softmax" = a stock sdpa model, so its learnable parameters are missing and initialised by transformers)
-#: every built-in method with learnable parameters (tests/method_cases.py), learnable; and PID with fixed gains
+#: case: (attn_implementation, parameters, the checkpoint it loads: "same" this case's, "softmax" a stock one whose
+#: missing learnable parameters transformers initialises); every learnable method, and PID with fixed gains
 TP_CASES = {
     **{f"{m}{LEARNABLE}": (m, {"learnable": True}, "same") for m in learnable_methods()},
     "pid": ("pid", {}, "same"),
