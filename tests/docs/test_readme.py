@@ -37,31 +37,6 @@ def test_docs_example_runs(code, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-#: a transformers example that forgot ``import pid_plugins.hf``: "pid" is not a known attention implementation
-FORGOT_IMPORT = """
-from transformers import LlamaConfig, LlamaForCausalLM
-model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, attn_implementation="pid"))
-print("built")
-"""
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_forked_example_without_the_plugin_import_fails_as_in_a_subprocess(tmp_path):
-    """The registration comes only from the block's own imports: the zygote holds no pid_plugins, so the forked
-    child fails exactly as a fresh ``python -c`` (same exit code, same error), and the import makes both pass."""
-    forked = run_python_c(FORGOT_IMPORT, cwd=tmp_path, timeout=600, fork=True)
-    fresh = run_python_c(FORGOT_IMPORT, cwd=tmp_path, timeout=600, fork=False)
-    assert fresh.returncode == 1 and "built" not in fresh.stdout, fresh.stderr[-3000:]
-    assert forked.returncode == fresh.returncode and forked.stdout == fresh.stdout
-    last = [p.stderr.strip().splitlines()[-1] for p in (forked, fresh)]
-    assert last[0] == last[1] and "pid" in last[0], last
-    assert forked.stderr.splitlines()[0] == "Traceback (most recent call last):", forked.stderr[-3000:]
-    fixed = run_python_c("import pid_plugins.hf" + FORGOT_IMPORT, cwd=tmp_path, timeout=600, fork=True)
-    assert fixed.returncode == 0 and fixed.stdout == "built\n", fixed.stderr[-3000:]
-
-
 def test_readme_has_an_example_per_zoo():
     ids = [p.id for p in python_blocks([README])]
     for zoo in ("timm", "transformers", "mmsegmentation", "fairseq", "The core alone"):
