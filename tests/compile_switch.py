@@ -18,11 +18,9 @@ WARMUP_STEPS = 16
 
 
 def variants(model: str, methods=None, layers: int = None) -> List:
-    """pytest params ``(method, cfg)`` for ``model`` (a tests/method_cases.py model name): every built-in method that
-    runs there, with its "on" parameters (fixed gains), and with ``learnable=True`` / ``warmup_steps`` where the
-    method takes them; ids ``method[-learnable|-warmup]``. ``layers``: the depth of the switch's model, where it
-    has fewer layers than the method-cases model: the first "on" parameters that act within that depth (Elliptical's
-    ``from_layer=3`` would leave a 2-layer model stock bit for bit)."""
+    """pytest params ``(method, cfg)`` for ``model``: every built-in method there with its "on" parameters, and with
+    ``learnable=True`` / ``warmup_steps`` where it takes them; ``layers``: the switch model's depth, where it is shallower
+    (the first "on" parameters that act within it)."""
     out = []
     for name, m in BUILTIN.items():
         if model not in m.models or (methods is not None and name not in methods):

@@ -1,17 +1,11 @@
-"""An independent, deliberately naive statement of the PID rule (PIDformer eq. 25), token by token.
-
-Written from the equation, not from pid_plugins.core: plain Python loops over layers, batch, heads and
-positions, float64 throughout.
-"""
+"""An independent, deliberately naive statement of the PID rule (PIDformer eq. 25): loops over layers, batch, heads and
+positions in float64, written from the equation, not from pid_plugins.core."""
 import torch
 
 
 def naive_pid_stack(attn_outs, values, lp, li, ld, beta, control_first_layer=True):
-    """attn_outs[l]: (B, H, N, D); values[l]: (B, Hkv, N, D). Returns the controlled outputs per layer.
-
-    ``control_first_layer=False``: the first layer outputs its attention unchanged and only provides v^1;
-    the errors, their sum and the derivative start at the second layer (NeuTRENO's convention).
-    """
+    """attn_outs[l]: (B, H, N, D); values[l]: (B, Hkv, N, D) -> the controlled outputs per layer (``control_first_layer=
+    False``: the first layer only provides v^1, the errors start at the second, NeuTRENO's convention)."""
     B, H, N, D = attn_outs[0].shape
     Hkv = values[0].shape[1]
     group = H // Hkv
@@ -37,10 +31,8 @@ def naive_pid_stack(attn_outs, values, lp, li, ld, beta, control_first_layer=Tru
 
 
 def naive_mmseg_layers(layers, h, heads, gains=None, control_first_layer=True, rule=None):
-    """mmseg ``TransformerEncoderLayer``s (pre-norm, ``nn.MultiheadAttention`` + FFN) run as one group of a
-    layer-coupled rule, attention by hand from the weights (:func:`zoo_cases.mmseg_layers`); returns the tokens. The
-    rule: PID's (:func:`naive_pid_stack` with ``gains``), or ``rule(attn_outs, values)`` -> the outputs of every
-    layer so far. ``heads``: the layers' head count."""
+    """mmseg ``TransformerEncoderLayer``s run as one group by hand (:func:`zoo_cases.mmseg_layers`) with PID's rule
+    (``gains``) or ``rule(attn_outs, values)``; returns the tokens."""
     from zoo_cases import mmseg_layers, on_outputs
 
     if rule is None:

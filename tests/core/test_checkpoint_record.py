@@ -1,7 +1,6 @@
-"""A method model's checkpoint says what it is (pid_plugins.core.record), in every zoo, through the zoo's own savers
-and loaders: a stock model refuses it (strict) or lists it (non-strict), a method model checks it before loading
-anything, a softmax checkpoint still loads strictly into a method model; transformers warns when a method folder is
-loaded with a stock attn_implementation."""
+"""A method model's checkpoint says what it is (the record), through each zoo's own savers and loaders: a stock model
+refuses it (strict) or lists it, a method model checks it before loading anything, and a softmax checkpoint still
+loads strictly into a method model."""
 from __future__ import annotations
 
 import logging

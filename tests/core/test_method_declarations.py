@@ -1,7 +1,6 @@
-"""Methods declare, adapters read declarations: a user's method declares what the adapters used to decide by the
-built-in methods' names (its state per head, for tensor parallelism; its default preset per zoo, for the catalogue and
-each zoo) and runs in timm, transformers and vLLM's tensor-parallel check by those declarations alone; no built-in
-method's name decides anything in the adapters or the catalogue (read from their source)."""
+"""Methods declare, adapters read declarations (state per head, default preset per zoo): a user's method runs in timm,
+transformers and vLLM's tensor-parallel check by its declarations alone, and no built-in method's name decides anything
+in the adapters or the catalogue."""
 from __future__ import annotations
 
 import ast

@@ -1,9 +1,6 @@
-"""Method names that a zoo already holds are refused (issue 32): a method registered as ``sdpa`` would replace
-transformers' own attention for every model, including stock models that never asked for a method.
-
-The subject of the transformers checks is a stock ``attn_implementation="sdpa"`` Llama: its logits and
-transformers' attention tables are compared, bit for bit, before and after every refused registration.
-"""
+"""Method names a zoo already holds are refused (issue 32; a method registered as ``sdpa`` would replace transformers'
+attention for every model): a stock sdpa Llama's logits and transformers' attention tables are the same, bit for bit,
+after every refused registration."""
 from __future__ import annotations
 
 import textwrap

@@ -1,9 +1,5 @@
-"""The paper's theory (PIDformer Section 3), checked numerically with a fixed attention matrix K.
-
-K is row-stochastic with positive entries (a softmax of random scores); no projections. Continuous
-dynamics are integrated with explicit Euler steps of size DT; steady states are compared with the closed
-forms of the lemmas.
-"""
+"""The paper's theory (PIDformer Section 3), checked numerically with a fixed row-stochastic attention matrix K and
+explicit Euler steps of size DT, against the lemmas' closed forms."""
 import pytest
 import torch
 

@@ -15,13 +15,9 @@ import pid_dist_cases as cases
 
 
 def no_shm_comm_op() -> None:
-    """DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op (``deepspeed_shm_comm``: about 125 s of
-    C++ against torch's headers on 2 cores, cached in ~/.cache/torch_extensions but built again whenever another venv
-    built it last: the cache's build.ninja names the venv's paths) as its communication backend starts, whenever the
-    op's probe says it could build. Only ``inference_all_reduce`` (DeepSpeed inference's tensor
-    parallelism) calls it; ZeRO's training reduces through torch.distributed (gloo) with or without it. Marked not
-    compatible here, DeepSpeed starts as it does where the op cannot build (no compiler, not Linux): the training
-    this test checks is the same, without the 2-minute cold start of every fresh clone."""
+    """Mark DeepSpeed's shared-memory all-reduce op incompatible: its CPU accelerator would JIT-compile it (about 125 s on
+    2 cores, again whenever another venv built it last) though only DeepSpeed inference's tensor parallelism calls it; ZeRO
+    trains through torch.distributed either way."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # what comm/torch.py's build_shm_op reads

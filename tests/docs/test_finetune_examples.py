@@ -1,8 +1,5 @@
-"""The fine-tuning examples run as docs/finetuning.md writes them, shortened (few steps, short blocks, few images).
-
-examples/finetune_smollm2_pid.py (the user's path) and examples/finetune_study.py (the committed record's
-command) on the real SmolLM2-135M weights; one dequantized safetensors cache serves every run of the module.
-"""
+"""The fine-tuning examples of docs/finetuning.md, shortened, on the real SmolLM2-135M weights (one dequantized cache
+for every run)."""
 import json
 from pathlib import Path
 

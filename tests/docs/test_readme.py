@@ -1,9 +1,5 @@
-"""Every ```python example in the README and on every docs page (docs/**/*.md) runs as written, in an empty
-directory; the README stays short (at most 300 lines) and talks to users first.
-
-Each block runs as ``python -c code`` would, in a fork of an interpreter that has already imported torch and the
-zoos but never pid_plugins (tests/pyexec.py says what is preserved; ``PID_TEST_NO_FORKSERVER=1`` runs a plain
-subprocess instead)."""
+"""Every ```python example of the README and the docs pages runs as written in an empty directory (as ``python -c``,
+forked from tests/pyexec.py's zygote); the README stays short and talks to users first."""
 import re
 from pathlib import Path
 

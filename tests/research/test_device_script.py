@@ -1,8 +1,5 @@
-"""The prepared device run (bench/device/run.sh and bench/device/gpu_bench.py), dry-run on the CPU with tiny shapes:
-the whole script, install step included (the project --no-deps into a folder of its own), one test of the device
-suite, and every bench row, so that the run on a lent GPU cannot fail on a typo. The Makefile's ``device-wheels``
-target names the pins the script needs.
-"""
+"""The prepared device run (bench/device/run.sh, gpu_bench.py) dry-run on the CPU with tiny shapes: the whole script,
+its install step, one device test and every bench row, so the run on a lent GPU cannot fail on a typo."""
 from __future__ import annotations
 
 import json
