@@ -19,8 +19,8 @@ WARMUP_STEPS = 16
 
 def variants(model: str, methods=None, layers: int = None) -> List:
     """pytest params ``(method, cfg)`` for ``model``: every built-in method there with its "on" parameters, and with
-    ``learnable=True`` / ``warmup_steps`` where it takes them; ``layers``: the switch model's depth, where it is shallower
-    (the first "on" parameters that act within it)."""
+    ``learnable=True`` / ``warmup_steps`` where it takes them; ``layers``: the switch model's depth, where it is
+    shallower (the first "on" parameters that act within it)."""
     out = []
     for name, m in BUILTIN.items():
         if model not in m.models or (methods is not None and name not in methods):

@@ -15,9 +15,9 @@ import pid_dist_cases as cases
 
 
 def no_shm_comm_op() -> None:
-    """Mark DeepSpeed's shared-memory all-reduce op incompatible: its CPU accelerator would JIT-compile it (about 125 s on
-    2 cores, again whenever another venv built it last) though only DeepSpeed inference's tensor parallelism calls it; ZeRO
-    trains through torch.distributed either way."""
+    """Mark DeepSpeed's shared-memory all-reduce op incompatible: its CPU accelerator would JIT-compile it (about
+    125 s on 2 cores, again whenever another venv built it last) though only DeepSpeed inference's tensor
+    parallelism calls it; ZeRO trains through torch.distributed either way."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # what comm/torch.py's build_shm_op reads
