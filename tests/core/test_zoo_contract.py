@@ -206,6 +206,50 @@ def test_learnable_parameters_train_are_kept_as_trained_and_go(zoo, key, method,
     assert not gains(model) and [k for k in model.state_dict() if "pid_plugins_method" not in k] == keys
 
 
+def per_layer(model, method, cfg):
+    """Distinct values in each layer's learnable parameters (float64 model); the float64 rule that reads them."""
+    import math
+
+    import zoo_cases as zc
+
+    layers = [m for n, m in model.named_modules() if n.endswith("attention_params")]
+    values = []
+    with torch.no_grad():
+        for i, g in enumerate(layers):
+            if method == "pid":
+                values.append((0.6 - 0.1 * i, 0.2 + 0.15 * i, 0.05 + 0.1 * i))
+                for name, gain in zip(("lambda_p_raw", "lambda_i_raw", "lambda_d_raw"), values[-1]):
+                    getattr(g, name).fill_(gain + math.log(-math.expm1(-gain)))  # softplus(raw) = gain
+            else:
+                values.append((0.3 + 0.2 * i, 0.9 - 0.15 * i))
+                g.lambda_1.fill_(values[-1][0]), g.lambda_2.fill_(values[-1][1])
+    assert len(layers) >= 2 and set(BUILTIN) - {"pid", "value_residual"} == {
+        n for n, m in BUILTIN.items() if not m.learnable}, "a new learnable method: give it values and a rule here"
+    if method == "value_residual":
+        return zc.value_residual_rule(values)
+    from reference import naive_pid_stack
+
+    beta = METHODS["pid"].config(cfg, "hf").beta
+    return zc.on_outputs(lambda outs, vs: naive_pid_stack(outs, vs, *values[len(outs) - 1], beta)[-1])
+
+
+@pytest.mark.parametrize("model_case", MODELS.values(), ids=list(MODELS))
+@pytest.mark.parametrize("method", ["pid", "value_residual"])
+def test_learned_values_per_layer_follow_the_rule_in_float64(model_case, method):
+    """Each layer reads its own learnable parameters: set apart per layer, the model matches the float64 rule with
+    each layer's values (the stock modules by hand, tests/zoo_cases.py), and differs from its initial values."""
+    cfg = {**(variants(model_case.name)[method][1] or {}), "learnable": True}
+    model, stock = (m.double() for m in model_case.pair(method, cfg))
+    x = model_case.inputs(torch.float64)
+    initial = out(model_case, model, x)
+    rule = per_layer(model, method, cfg)
+    with torch.no_grad():
+        want = model_case.reference(stock, x, rule)
+    got = out(model_case, model, x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert (got - initial).abs().max() > 1e-6
+
+
 # ================================================================================================ finish_warmup
 @pytest.mark.parametrize("converted", [False, True], ids=["built", "converted"])
 @pytest.mark.parametrize("zoo, key, method, cfg", grid(lambda key, method, cfg: METHODS[method].warmup))

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 import pid_plugins.hf as ph  # noqa: E402
-from pid_plugins.hf.record import record_key  # noqa: E402
 import transformers as T  # noqa: E402
 
 V = 96
@@ -61,60 +60,6 @@ def test_one_gains_module_per_self_attention_layer_made_at_construction():
     assert not gains_of(T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")))
 
 
-# ------------------------------------------------------------------------------------ the rule in float64
-def reference_logits(stock, layer_gains, beta, x):
-    """The stock (SDPA, the PID base) Llama in float64 with the PID term added by hand to each layer's attention
-    output (the input of o_proj), from the values v_proj produced, with each layer's own (lambda_p, lambda_i,
-    lambda_d)."""
-    heads, kv = stock.config.num_attention_heads, stock.config.num_key_value_heads
-    d = stock.config.hidden_size // heads
-    seen = {"v": [], "e": []}
-    hooks = []
-    for layer, (lp, li, ld) in zip(stock.model.layers, layer_gains):
-        attn = layer.self_attn
-
-        def keep_v(mod, inp, out):
-            b, n, _ = out.shape
-            seen["v"].append(out.view(b, n, kv, d).repeat_interleave(heads // kv, dim=2))  # (B, N, H, D)
-
-        def add_pid(mod, args, lp=lp, li=li, ld=ld):
-            (a,) = args
-            b, n, _ = a.shape
-            v1, v = seen["v"][0], seen["v"][-1]
-            e = beta * v1 - v
-            previous = seen["e"][-1] if seen["e"] else None
-            seen["e"].append(e)
-            term = lp * e + li * sum(seen["e"]) + (ld * (e - previous) if previous is not None else 0)
-            return (a + term.reshape(b, n, heads * d),)
-
-        hooks += [attn.v_proj.register_forward_hook(keep_v), attn.o_proj.register_forward_pre_hook(add_pid)]
-    try:
-        with torch.no_grad():
-            return stock(x).logits
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def test_learned_gains_follow_the_rule_in_float64_per_layer_with_grouped_query_attention():
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(llama_config()).double().eval()
-    spread_gains(model)
-    stock = T.LlamaForCausalLM(llama_config(pid=None, attn_implementation="sdpa")).double().eval()
-    missing, unexpected = stock.load_state_dict(model.state_dict(), strict=False)
-    assert not missing and sorted(unexpected) == sorted([*gains_of(model), record_key(model)])  # and the method record
-    per_layer = [learned(model, f"model.layers.{i}.self_attn.attention_params") for i in range(3)]
-    assert len({g for g in per_layer}) == 3  # three different gain triples
-    x = ids()
-    with torch.no_grad():
-        got = model(x).logits
-    want = reference_logits(stock, per_layer, 0.4, x)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    # the gains matter: the same rule with the config's gains in every layer is another model
-    assert (reference_logits(stock, [(0.6, 0.3, 1e-4)] * 3, 0.4, x) - want).abs().max() > 1e-3
-
-
-# --------------------------------------------------------------------------------------------- training
 @pytest.mark.slow
 def test_torch_compile_fullgraph_trains_the_gains_like_eager():
     torch.manual_seed(0)
