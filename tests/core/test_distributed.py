@@ -251,8 +251,8 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
 
 # ------------------------------------------------------------------------------ FSDP2 per-layer sharding
 def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_path):
-    """FSDP2's recipe (fully_shard per layer, then the model) on method models of every zoo: the forward and one SGD step
-    equal one process over the same batch, with reshard_after_forward both ways and with checkpointing; the
+    """FSDP2's recipe (fully_shard per layer, then the model) on method models of every zoo: the forward and one SGD
+    step equal one process over the same batch, with reshard_after_forward both ways and with checkpointing; the
     ``FSDP_CASES`` (PID everywhere, the toy and value residual under FSDP2 and DDP, the siblings under DDP, learnable
     lambdas sharded with their block)."""
     for mod in ("timm", "transformers", "mmseg", "fairseq"):
