@@ -88,57 +88,17 @@ def test_transformers_convert_and_loader(caplog, tmp_path):
         AutoConfig.from_pretrained(tmp_path / "stock"), attn_implementation="pid")(x)) == []
 
 
-# ---------------------------------------------------------------------------------------------------- mmseg
-def test_mmseg_convert(caplog):
-    pytest.importorskip("mmseg")
-    import pid_plugins.mmseg as pm
-    from zoos.mmseg.test_mmseg_convert import stock
+# ------------------------------------------------------------------------------------------ timm, mmseg, fairseq
+@pytest.mark.parametrize("name", ["timm-deit", "timm-fan", "mmseg-segmentor", "fairseq-lm"])
+def test_convert(caplog, name):
+    from pid_plugins.testing import MODELS, SEGMENTOR
 
-    assert warnings_of(caplog, lambda: pm.convert(stock(), "pid")) == []
-    trained = stock()
-    fresh = stock(seed=1)
-    fresh.load_state_dict(train(trained).state_dict())  # a loaded checkpoint
-    assert warnings_of(caplog, lambda: pm.convert(fresh, "pid", ZERO_PID)) == []
-    assert warnings_of(caplog, lambda: pm.convert(fresh, "pid", WARMUP)) == []
-    pm.convert(fresh, "softmax")
-    assert_warns_once(warnings_of(caplog, lambda: pm.convert(fresh, "pid")), "pid")
-
-
-# -------------------------------------------------------------------------------------------------- fairseq
-def test_fairseq_convert(caplog, data_dir):
-    pytest.importorskip("fairseq")
-    import pid_plugins.fairseq as pf
-    from zoo_cases import fs_build
-
-    model = fs_build(data_dir, arch="transformer_lm")[0]
-    assert warnings_of(caplog, lambda: pf.convert(model, "pid")) == []
-    model = fs_build(data_dir, arch="transformer_lm")[0]
-    model.load_state_dict(train(fs_build(data_dir, arch="transformer_lm", seed=2)[0]).state_dict())
-    assert warnings_of(caplog, lambda: pf.convert(model, "pid", ZERO_PID)) == []
-    assert warnings_of(caplog, lambda: pf.convert(model, "pid", WARMUP)) == []
-    pf.convert(model, "softmax")
-    assert_warns_once(warnings_of(caplog, lambda: pf.convert(model, "pid")), "pid")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from zoo_cases import fs_dictionary
-
-    return fs_dictionary(tmp_path_factory.mktemp("dict"))
-
-
-# ----------------------------------------------------------------------------------------------------- timm
-@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "fan_tiny_12_p16_224"])
-def test_timm_convert(caplog, name):
-    timm = pytest.importorskip("timm")
-    import pid_plugins.timm as pt
-
-    kw = dict(img_size=32, num_classes=10, depth=2) if name.startswith("deit") else dict(img_size=64, num_classes=10, depth=2)
-    assert warnings_of(caplog, lambda: pt.convert(timm.create_model(name, **kw), "pid")) == []  # from scratch
-    model = timm.create_model(name, **kw)
-    model.load_state_dict(train(timm.create_model(name, **kw)).state_dict())  # a loaded checkpoint
-    assert warnings_of(caplog, lambda: pt.convert(model, "pid", ZERO_PID)) == []
-    assert warnings_of(caplog, lambda: pt.convert(model, "pid", WARMUP)) == []
-    pt.convert(model, "softmax")
-    assert_warns_once(warnings_of(caplog, lambda: pt.convert(model, "pid")), "pid")
-    assert warnings_of(caplog, lambda: pt.convert(model, "pid")) == []  # it runs PID already
+    zoo = SEGMENTOR if name == SEGMENTOR.name else MODELS[name]
+    assert warnings_of(caplog, lambda: zoo.convert(zoo.stock(), "pid")) == []  # from scratch
+    model = zoo.stock(seed=1)
+    model.load_state_dict(train(zoo.stock(seed=2)).state_dict())  # a loaded checkpoint
+    assert warnings_of(caplog, lambda: zoo.convert(model, "pid", ZERO_PID)) == []
+    assert warnings_of(caplog, lambda: zoo.convert(model, "pid", WARMUP)) == []
+    zoo.convert(model, "softmax")
+    assert_warns_once(warnings_of(caplog, lambda: zoo.convert(model, "pid")), "pid")
+    assert warnings_of(caplog, lambda: zoo.convert(model, "pid")) == []  # it runs PID already
