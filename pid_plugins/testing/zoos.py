@@ -177,17 +177,6 @@ def timm_reference(kind: str, stock, x: Tensor, rule: Rule, features: bool = Fal
     return h if features else stock.forward_head(h)
 
 
-def timm_attention_stack(stock, h: Tensor, rule: Rule) -> Tensor:
-    """The blocks' attentions alone, each fed the previous one's output, attention by ``rule``."""
-    qs, ks, vs = [], [], []
-    for blk in stock.blocks:
-        B, N, C = h.shape
-        for seen, t in zip((qs, ks, vs), timm_qkv(blk.attn, h)):
-            seen.append(t)
-        h = blk.attn.proj(rule(qs, ks, vs, None).transpose(1, 2).reshape(B, N, C))
-    return h
-
-
 def timm_checkpointing_results(timm, models, inputs: Callable[[], Tensor], reentrant: bool) -> List[list]:
     """Per model: [output, input grad, parameter grads...] of two forwards and one backward, with timm's
     checkpointing mode ``reentrant`` set for the run (and restored)."""
