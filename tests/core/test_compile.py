@@ -154,14 +154,10 @@ def test_timm_forward_compiles_fullgraph_with_a_preset_name():
 
 def test_mmseg_backbone_forward_compiles_fullgraph_with_a_preset_name():
     pytest.importorskip("mmseg")
-    import pid_plugins.mmseg  # noqa: F401
-    from mmseg.registry import MODELS
+    from zoo_cases import mm_args, mm_build
 
-    torch.manual_seed(0)
-    model = MODELS.build(dict(type="PIDVisionTransformer", img_size=(32, 32), patch_size=16, embed_dims=24,
-                              num_layers=2, num_heads=2, drop_path_rate=0.0, final_norm=True, with_cls_token=True,
-                              norm_cfg=dict(type="LN", eps=1e-6), attention_cfg="deit"))
-    model.eval()  # mmseg's ViT.train() returns None
+    model = mm_build("PIDVisionTransformer", dict(mm_args("backbone", 2), patch_size=16, embed_dims=24, num_heads=2),
+                     attention_cfg="deit")
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         # mmengine modules cannot be wrapped by torch.compile(module): compile the bound forward
@@ -170,24 +166,11 @@ def test_mmseg_backbone_forward_compiles_fullgraph_with_a_preset_name():
 
 def test_fairseq_decoder_forward_compiles_fullgraph_with_a_preset_name(tmp_path):
     pytest.importorskip("fairseq")
-    import pid_plugins.fairseq as pf
-    from fairseq import options, tasks
-    from fairseq.data import Dictionary
+    from zoo_cases import fs_build, fs_dictionary
 
-    d = Dictionary()
-    for i in range(40):
-        d.add_symbol(f"w{i}")
-    d.save(str(tmp_path / "dict.txt"))
-    parser = options.get_training_parser()
     # the registry's transformer_lm_pid_wikitext103 entry: preset `lm`, at a tiny width
-    args = options.parse_args_and_arch(parser, [
-        str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm_pid_wikitext103",
-        "--user-dir", pf.USER_DIR, "--decoder-layers", "2", "--decoder-embed-dim", "32",
-        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"])
-    torch.manual_seed(0)
-    model = tasks.setup_task(args).build_model(args).eval()
-    assert model.decoder.attention_config == PIDConfig.preset("lm")
+    decoder = fs_build(fs_dictionary(tmp_path), arch="transformer_lm_pid_wikitext103", layers=2)[0].decoder
+    assert decoder.attention_config == PIDConfig.preset("lm")
     toks = torch.randint(4, 44, (2, 8), generator=torch.Generator().manual_seed(1))
-    decoder = model.decoder
     with torch.no_grad():
         torch.testing.assert_close(_compile(decoder)(toks)[0], decoder(toks)[0], rtol=1e-4, atol=1e-4)
