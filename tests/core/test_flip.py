@@ -175,32 +175,18 @@ def test_mmseg_base_inheritance_flip_is_the_stock_segmentor(tmp_path, caplog):
 
 
 # ==================================================================================================== fairseq
-FAIRSEQ_TINY = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-                "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--dropout", "0"]
-
-
 @pytest.fixture(scope="module")
 def fairseq_dict(tmp_path_factory):
     pytest.importorskip("fairseq")
-    from fairseq.data import Dictionary
+    from zoo_cases import fs_dictionary
 
-    d = tmp_path_factory.mktemp("dict")
-    dictionary = Dictionary()
-    for i in range(40):
-        dictionary.add_symbol(f"w{i}")
-    dictionary.save(str(d / "dict.txt"))
-    return d
+    return fs_dictionary(tmp_path_factory.mktemp("dict"))
 
 
 def fairseq_build(data_dir, arch, extra=()):
-    from fairseq import options, tasks
-    import pid_plugins.fairseq as pf
+    from zoo_cases import fs_build
 
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [str(data_dir), "--task", "language_modeling", "--arch", arch,
-                                                "--user-dir", pf.USER_DIR, *FAIRSEQ_TINY, *extra])
-    torch.manual_seed(0)
-    return tasks.setup_task(args).build_model(args).eval()
+    return fs_build(data_dir, arch, extra, layers=2)[0]
 
 
 @pytest.mark.parametrize("flags", [

@@ -24,7 +24,6 @@ def _thread_jobs(tmp_path):
     import timm
 
     import pid_plugins.timm  # noqa: F401
-    from pid_plugins.fairseq import USER_DIR
 
     jobs = []
     torch.manual_seed(0)
@@ -52,20 +51,9 @@ def _thread_jobs(tmp_path):
     img = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
     jobs.append(("mmseg", lambda: seg(img)[0]))
 
-    from fairseq import options, tasks
-    from fairseq.data import Dictionary
+    from zoo_cases import fs_build, fs_dictionary
 
-    d = Dictionary()
-    for i in range(40):
-        d.add_symbol(f"w{i}")
-    d.save(str(tmp_path / "dict.txt"))
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [str(tmp_path), "--task", "language_modeling", "--arch",
-                                                "transformer_lm_pid", "--user-dir", USER_DIR, "--decoder-layers", "2",
-                                                "--decoder-embed-dim", "32", "--decoder-attention-heads", "4",
-                                                "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "32"])
-    torch.manual_seed(0)
-    lm = tasks.setup_task(args).build_model(args).eval()
+    lm = fs_build(fs_dictionary(tmp_path), layers=2)[0]
     toks = torch.randint(4, 44, (3, 12), generator=torch.Generator().manual_seed(4))
     jobs.append(("fairseq", lambda: lm(toks)[0]))
     return jobs, {"deit_a": deit_a, "deit_b": deit_b}
