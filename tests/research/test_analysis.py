@@ -427,28 +427,15 @@ def test_cli_diagnose_builds_models_with_any_registered_method(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_cli_diagnose_and_attack_take_value_residual(tmp_path, capsys):
-    """A built-in sibling by name (``value_residual``): its off switch (lambda_1 = 0, lambda_2 = 1) measures as the
-    stock attention, its default (ResFormer, 0.5 / 0.5) does not, and the records name the method and parameters."""
-    def run(command, out, *options):
-        rc = main([command, "--model", "pid_deit_tiny_patch16_224", "--model-kwargs", json.dumps(SMALL), *options,
-                   "--data", "digits", "--num-samples", "8", "--out", str(tmp_path / out)])
-        assert rc == 0
-        (r,) = json.loads((tmp_path / out / f"{command}.json").read_text())["models"].items()
-        return r
-
-    _, soft = run("diagnose", "softmax", "--passes", "0", "--attention", "softmax")
-    _, off = run("diagnose", "off", "--passes", "0", "--attention", "value_residual", "--attention-cfg",
-                 '{"lambda_1": 0, "lambda_2": 1}')
-    label, vr = run("diagnose", "vr", "--passes", "0", "--attention", "value_residual")
-    assert label == "pid_deit_tiny_patch16_224 [value_residual]"
-    assert (off["method"], off["attention_cfg"]) == (
-        "value_residual", {"lambda_1": 0.0, "lambda_2": 1.0, "learnable": False})
-    assert vr["attention_cfg"] == {"lambda_1": 0.5, "lambda_2": 0.5, "learnable": False}  # the resformer preset
-    assert off["mean_cosine"] == soft["mean_cosine"] and vr["mean_cosine"] != soft["mean_cosine"]
-    label, attacked = run("attack", "attack", "--attention", "value_residual", "--attention-cfg",
-                          '{"lambda_1": 0.3, "lambda_2": 0.9}', "--pgd-steps", "1", "--eps-sweep", "0,4/255",
-                          "--corruptions", "contrast", "--severities", "1")
+def test_cli_attack_takes_a_built_in_sibling_with_its_parameters(tmp_path, capsys):
+    """``attack --attention value_residual --attention-cfg ...`` on a timm name: the record names the method and its
+    parameters (diagnose with a method and its zero parameters: the test above)."""
+    rc = main(["attack", "--model", "pid_deit_tiny_patch16_224", "--model-kwargs", json.dumps(SMALL), "--attention",
+               "value_residual", "--attention-cfg", '{"lambda_1": 0.3, "lambda_2": 0.9}', "--data", "digits",
+               "--num-samples", "8", "--pgd-steps", "1", "--eps-sweep", "0,4/255", "--corruptions", "contrast",
+               "--severities", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    (label, attacked), = json.loads((tmp_path / "attack.json").read_text())["models"].items()
     assert label == "pid_deit_tiny_patch16_224 [value_residual]" and attacked["method"] == "value_residual"
     assert attacked["attention_cfg"] == {"lambda_1": 0.3, "lambda_2": 0.9, "learnable": False}
     assert attacked["pgd"]["top1"][0] == attacked["clean"]["top1"]
