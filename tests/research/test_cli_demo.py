@@ -5,7 +5,6 @@ import pytest
 from pyexec import run_python_m  # python -m from a fork of an interpreter with the zoos (not pid_plugins) imported
 
 from pid_plugins.cli import main
-from research.cli import main as research_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,16 +18,6 @@ def test_cli_presets(capsys):
 def test_cli_list_runs(capsys):
     assert main(["list"]) == 0
     assert capsys.readouterr().out.strip()
-
-
-def test_cli_unknown_zoo_is_an_argparse_error():
-    with pytest.raises(SystemExit):
-        main(["list", "--zoo", "keras"])
-
-
-def test_cli_bad_preset_is_a_clear_error(tmp_path, capsys):
-    assert research_main(["demo", "--out", str(tmp_path), "--parts", "core", "--preset", "nope"]) == 2
-    assert "unknown PID preset 'nope'" in capsys.readouterr().err
 
 
 @pytest.mark.integration
@@ -46,11 +35,6 @@ def test_demo_writes_report_and_shows_collapse(tmp_path):
     assert stack["pid"]["mean_cosine"][-1] < stack["softmax"]["mean_cosine"][-1]
     assert (tmp_path / "core_demo.png").stat().st_size > 10_000
     assert "![softmax vs PID](core_demo.png)" in (tmp_path / "report.md").read_text()
-
-
-def test_demo_bad_parts_is_a_clear_error(tmp_path, capsys):
-    assert research_main(["demo", "--out", str(tmp_path), "--parts", "vision,audio"]) == 2
-    assert "--parts takes a comma list" in capsys.readouterr().err
 
 
 @pytest.mark.integration

@@ -132,6 +132,8 @@ CASES = [
     ("image model on text", ["diagnose", *TIMM, "--data", "wiki"], "is an image model: give images"),
     ("demo --seed -1", ["demo", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
     ("demo --out names a file", ["demo", "--out", "{d}/not_a_folder"], "argument --out: {d}/not_a_folder exists"),
+    ("list unknown --zoo", ["list", "--zoo", "keras"], "argument --zoo: invalid choice: 'keras'"),
+    ("demo unknown --preset", ["demo", "--parts", "core", "--preset", "nope"], "unknown PID preset 'nope'"),
     ("demo bad --parts", ["demo", "--parts", "core,audio"], "--parts takes a comma list"),
     ("demo unknown --data", ["demo", "--data", "cifar"], "--data 'cifar': use one of"),
     ("demo unknown --corpus", ["demo", "--corpus", "{d}/nope.txt"], "--corpus '{d}/nope.txt': use one of"),
