@@ -204,11 +204,9 @@ def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(
 # --------------------------------------------------------------------------------- HF Trainer + DDP
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp_learnable_gains", "fsdp_asked"])
 def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
-    """The Trainer on 2 CPU ranks. Plain DDP runs a model with learnable gains. Asked for FSDP2
-    (``fsdp="full_shard auto_wrap"``, ``fsdp_version: 2``, with non-reentrant gradient checkpointing),
-    accelerate 1.15 wraps the model in DDP all the same: its AcceleratorState turns the FSDP plugin on only for
-    accelerator backends (MULTI_GPU, MULTI_XPU, ...), never MULTI_CPU. The test records that, so the README's
-    statement fails here the day accelerate shards on the CPU."""
+    """The Trainer on 2 CPU ranks: DDP with learnable gains; asked for FSDP2, accelerate wraps the model in DDP all the
+    same on CPU ranks (its FSDP plugin is for accelerator backends): recorded, so the README's statement fails here the
+    day accelerate shards on the CPU."""
     pytest.importorskip("transformers")
     learnable = not fsdp
     launch(tmp_path, "hf_trainer", [str(DIST / "hf_trainer.py"), str(tmp_path), "fsdp" if fsdp else "learnable"],
@@ -291,10 +289,8 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
 
 
 def test_mmseg_learnable_parameters_under_fsdp2_and_ddp_equal_one_process(tmp_path):
-    """Learnable method parameters in mmseg (issue 34): PID's gains and value residual's lambdas in the ViT backbone
-    and in Segmenter's mask-transformer head, under FSDP2's per-layer recipe (reshard_after_forward both ways, mmseg's
-    with_cp) and DistributedDataParallel: the forward equals the unsharded model's, one SGD step equals one process
-    over the global batch, every layer's parameters are sharded with their layer and they train."""
+    """mmseg's learnable parameters (issue 34) in the backbone and the head under FSDP2 (both resharding modes, with_cp)
+    and DDP: the forward and one SGD step equal one process, each layer's parameters sharded with it, and they train."""
     pytest.importorskip("mmseg")
     names = cases.MMSEG_LEARNABLE_CASES
     launch(tmp_path, "fsdp2_mmseg_learnable", [str(DIST / "fsdp2.py"), str(tmp_path), ",".join(names)], timeout=600)
@@ -433,11 +429,8 @@ def test_hf_tensor_parallel_learnable_parameters_equal_one_process(tmp_path):
 
 
 def test_hf_fsdp2_learnable_parameters_from_a_softmax_checkpoint_equal_one_process(tmp_path):
-    """``DistributedConfig(fsdp_size=2)`` (FSDP2 through transformers: every parameter a DTensor shard on CPU)
-    loading a stock sdpa checkpoint into a model with learnable parameters: transformers initialises the missing
-    ``attention_params`` on their shards (value residual's copy used to fail with "in-place operations that require
-    placement changes are not supported"). The loaded parameters (``full_tensor()``) equal the one-process initial
-    values, and one SGD step on each rank's half of the batch equals one process over the whole batch."""
+    """transformers' ``fsdp_size=2`` loading a stock checkpoint into a model with learnable parameters (initialised on
+    their shards): loaded, and after one SGD step on each rank's half of the batch, they equal one process."""
     ranks, one = _distributed_config_runs(tmp_path, "fsdp", cases.FSDP_LEARNABLE_CASES)
     for name, (loaded, params, losses) in one.items():
         gains = [n for n in params if ".attention_params." in n]
@@ -455,11 +448,9 @@ def test_hf_fsdp2_learnable_parameters_from_a_softmax_checkpoint_equal_one_proce
 
 # ------------------------------------------------------------------- the HF Trainer with DeepSpeed ZeRO-2 and ZeRO-3
 def test_hf_trainer_deepspeed_zero2_and_zero3_train_every_method_exactly(tmp_path):
-    """The Trainer with a DeepSpeed config (CPU ranks, gloo, the Trainer's SGD: no DeepSpeed op compiled), ZeRO-2 and
-    ZeRO-3, for every method of tests/method_cases.py (learnable variants too), each loaded with ``from_pretrained``
-    after the ``TrainingArguments``: under ZeRO-3 transformers builds it inside ``deepspeed.zero.Init`` (where the
-    adapter's probes cannot build their tiny models; the import ran them). Each run's losses and trained parameters
-    equal one process over the same global batches (DeepSpeed's gradient averaging over the two ranks)."""
+    """The Trainer with DeepSpeed ZeRO-2 and ZeRO-3 (CPU ranks, the Trainer's SGD) for every method, learnable variants
+    too, loaded after the ``TrainingArguments`` (ZeRO-3: inside ``deepspeed.zero.Init``): losses and trained parameters
+    equal one process over the same global batches."""
     pytest.importorskip("transformers")
     pytest.importorskip("deepspeed")
     table = cases.deepspeed_cases()
