@@ -337,33 +337,6 @@ def segmentor_cfg():
     )
 
 
-def test_mmseg_segmentor_state_dict_saves_and_reloads_through_mmengine(tmp_path):
-    pytest.importorskip("mmseg")
-    import pid_plugins.mmseg  # noqa: F401
-    from mmengine.registry import init_default_scope
-    from mmengine.runner.checkpoint import load_checkpoint, save_checkpoint
-    from mmseg.registry import MODELS as MM
-
-    init_default_scope("mmseg")
-    torch.manual_seed(0)
-    model = MM.build(segmentor_cfg())
-    model.init_weights()
-    model.eval()
-    path = tmp_path / "iter_1.pth"
-    save_checkpoint({"state_dict": model.state_dict(), "meta": {}}, str(path))
-    torch.manual_seed(1)
-    again = MM.build(segmentor_cfg())
-    again.eval()
-    load_checkpoint(again, str(path), map_location="cpu", strict=True)  # weights-only (pid_plugins.mmseg)
-    x = zc.mm_inputs("backbone") * 50 + 100
-    with torch.no_grad():
-        want = model.encode_decode(x, [dict(img_shape=(32, 32))])
-        assert torch.equal(again.encode_decode(x, [dict(img_shape=(32, 32))]), want)
-        torch.manual_seed(1)
-        fresh = MM.build(segmentor_cfg()).eval()
-        assert (fresh.encode_decode(x, [dict(img_shape=(32, 32))]) - want).abs().max() > 1e-4  # loading mattered
-
-
 CONFIG = """
 custom_imports = dict(imports=['toy_method', 'pid_plugins.mmseg'], allow_failed_imports=False)
 model = {model!r}
@@ -489,18 +462,6 @@ def test_fairseq_refusals():
         zc.fs_build(data, extra=["--attention-method", "scaled_reference", "--attention-cfg", '{"learnable": true}'])
     with pytest.raises(ValueError, match="--attention-cfg must be a JSON object"):
         zc.fs_build(data, extra=["--attention-method", "scaled_reference", "--attention-cfg", "gamma=0.3"])
-
-
-def test_fairseq_learnable_attention_params_are_per_layer_parameters():
-    from method_cases import fairseq_data
-
-    model, _, _ = zc.fs_build(fairseq_data(), extra=["--attention-cfg", '{"learnable": true}'])
-    names = [n for n, _ in model.named_parameters() if "attention_params" in n]
-    assert len(names) >= len(model.decoder.layers) and all(".self_attn.attention_params." in n for n in names)
-    model.train()
-    model(zc.fs_tokens())[0].sum().backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all()
-               for n, p in model.named_parameters() if "attention_params" in n)
 
 
 @pytest.mark.integration  # fairseq-train's CLI

@@ -167,24 +167,6 @@ def test_other_parameters_load_and_the_record_follows_the_config(folder):
     assert _record(model.state_dict())["method"] == "pid"
 
 
-def test_convert_adds_and_removes_it_and_a_stock_model_has_none(saved):
-    stock = LlamaForCausalLM(llama_config()).eval()
-    assert not [k for k in stock.state_dict() if "pid_plugins" in k]
-    assert not [n for n, _ in stock.named_buffers() if "pid_plugins" in n]
-    assert not stock._state_dict_pre_hooks and not stock._load_state_dict_pre_hooks and record_key(stock) is None
-    ignored = (stock._keys_to_ignore_on_load_missing, stock._keys_to_ignore_on_load_unexpected)
-    assert "pid_plugins" not in str(ignored)
-    keys = list(stock.state_dict())
-    ph.convert(stock, "value_residual", {"lambda_1": 0.25})
-    assert list(stock.state_dict()) == [keys[0], KEY, *keys[1:]]
-    assert _record(stock.state_dict()) == {"method": "value_residual", "config": stock.config.value_residual}
-    ph.convert(stock, "softmax")
-    assert list(stock.state_dict()) == keys and not stock._state_dict_pre_hooks
-    assert not stock._load_state_dict_pre_hooks and record_key(stock) is None
-    assert not [n for n, _ in stock.named_buffers() if "pid_plugins" in n]
-    assert "pid_plugins" not in str((stock._keys_to_ignore_on_load_missing, stock._keys_to_ignore_on_load_unexpected))
-
-
 def test_a_model_switched_by_set_attn_implementation_is_refused_then_convert_gives_it_the_record():
     model = LlamaForCausalLM(llama_config()).eval()
     model.set_attn_implementation("pid")

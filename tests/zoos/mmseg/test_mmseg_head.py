@@ -1,4 +1,5 @@
-"""PID in Segmenter's mask-transformer decoder: PIDSegmenterMaskTransformerHead (off by default)."""
+"""PID in Segmenter's mask-transformer decoder: PIDSegmenterMaskTransformerHead (off by default); its reference and
+zero parameters: the method contract (tests/core/test_method_contract.py, mmseg-head)."""
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,6 @@ from zoo_cases import weights as zc_weights
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg  # noqa: E402,F401
 from pid_plugins import PIDConfig  # noqa: E402
-from reference import naive_mmseg_layers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
@@ -40,35 +40,6 @@ def test_default_is_the_stock_head():
     assert list(head.state_dict()) == list(stock.state_dict())
     with torch.no_grad():
         assert torch.equal(head(features()), stock(features()))
-
-
-def test_zero_gains_equal_the_stock_head_bit_for_bit():
-    stock = build(type="SegmenterMaskTransformerHead")
-    head = build(attention="pid", attention_cfg=dict(lambda_p=0.0, lambda_i=0.0, lambda_d=0.0))
-    head.load_state_dict(stock.state_dict(), strict=True)
-    with torch.no_grad():
-        assert torch.equal(head(features()), stock(features()))
-
-
-@pytest.mark.parametrize("control_first_layer", [True, False])
-def test_pid_head_matches_a_hand_written_reference_and_differs_from_stock(control_first_layer):
-    cfg = PIDConfig(0.5, 0.3, 0.2, 0.7, control_first_layer=control_first_layer)
-    stock = build(type="SegmenterMaskTransformerHead").double()
-    head = build(attention="pid", attention_cfg=cfg).double()
-    head.load_state_dict(stock.state_dict())
-    x = features(torch.float64)
-    with torch.no_grad():
-        got = head(x)
-        h = head.dec_proj(x[0].flatten(2).transpose(1, 2))
-        h = torch.cat([h, head.cls_emb.expand(2, -1, -1)], 1)
-        # one PID group over the decoder's layers, from a fresh state
-        h = naive_mmseg_layers(head.layers, h, 3, cfg.gains, control_first_layer)
-        h = head.decoder_norm(h)
-        patches = torch.nn.functional.normalize(head.patch_proj(h[:, :-5]), dim=2)
-        classes = torch.nn.functional.normalize(head.classes_proj(h[:, -5:]), dim=2)
-        want = head.mask_norm(patches @ classes.transpose(1, 2)).transpose(1, 2).reshape(2, 5, 4, 4)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-        assert (got - stock(x)).abs().max() > 1e-3
 
 
 def test_head_arguments():
