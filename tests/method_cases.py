@@ -42,10 +42,10 @@ class Method:
     seconds: every method compiles on the zoos whose code paths it changes, PID's other zoos are compiled by
     tests/core/test_compile.py); ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
 
-    The per-zoo feature tests (conversion, finish_warmup, learnable parameters, activation checkpointing wrappers,
-    ONNX, peft) read the same table through :data:`BUILTIN` and :func:`variants`: ``builtin``: a method pid_plugins
-    ships (False: the toy, which those files do not import); ``learned``: the names of one layer's learnable
-    parameters with ``learnable=True`` (empty: the method has none, :attr:`learnable`); ``warmup``: the method takes
+    The zoo contract (tests/core/test_zoo_contract.py: conversion, finish_warmup, learnable parameters) and the
+    per-zoo feature tests (checkpointing wrappers, ONNX, peft) read the same table through :data:`BUILTIN` and
+    :func:`variants`: ``builtin``: a method pid_plugins ships (False: the toy); ``learned``: the names of one layer's
+    learnable parameters (``learnable=True``; empty: none, :attr:`learnable`); ``warmup``: the method takes
     ``warmup_steps`` (gain warm-up, ``pid_plugins.finish_warmup``); ``onnx_dynamo_models``: the models whose
     dynamo-exporter ONNX test runs this method (each export costs seconds; timm's TorchScript export runs every
     built-in method on both timm models); ``static_compile``: tests/core/test_method_hf_lm.py compiles hf-llama's

@@ -226,7 +226,8 @@ def llama_config(attn_implementation: Optional[str] = None, method_cfg=None, lay
 def without_record(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """``state_dict`` without the method record and learnable parameters (what a stock model's strict load would
     refuse)."""
-    return {k: v for k, v in state_dict.items() if not k.endswith("pid_plugins_method") and ".attention_params." not in k}
+    return {k: v for k, v in state_dict.items()
+            if not k.endswith("pid_plugins_method") and ".attention_params." not in k}
 
 
 def load_stock(model, state_dict: Dict[str, Tensor]) -> None:

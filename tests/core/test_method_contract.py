@@ -115,7 +115,7 @@ def kit_cases():
             if method.learnable and case in ("checkpointing", "save_load") + ("compile",) * (model.zoo == "hf"):
                 cfgs[f"{case}-learnable"] = {**(method_cfg(method, model) or {}), "learnable": True}
         out += [pytest.param(method, model, key.split("-")[0], cfg, id=f"{key}-{method.name}-{model.name}",
-                             marks=[pytest.mark.slow] if key.startswith("compile") else []) for key, cfg in cfgs.items()]
+                             marks=[pytest.mark.slow] * key.startswith("compile")) for key, cfg in cfgs.items()]
     return out
 
 
