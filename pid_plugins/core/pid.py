@@ -441,28 +441,41 @@ class PIDMethod(AttentionMethod):
     def update(self, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple], scale: Optional[Tensor],
                head_dim: int) -> Tuple[Tensor, PIDState]:
         """:func:`pid_update`, the state handed on in the grouped layout under grouped-query attention."""
+        if scale is None and type(params) is PIDConfig and not torch.compiler.is_compiling() and \
+                not torch._C._is_tracing():  # fixed gains, eager: the bound update (made once per head layout)
+            bound = _BOUND.get(id(params))  # (kept beside the config, which stays picklable)
+            if bound is None or bound[0] is not params or bound[1] != head_dim:
+                if len(_BOUND) > 256:
+                    _BOUND.clear()
+                bound = _BOUND[id(params)] = (params, head_dim, _bound(fold(params), head_dim))
+            return bound[2](out, value_q, state)
         return _update(out, value_q, state, fold(params, scale), head_dim, True, scale)
 
 
 _PID_UPDATE = PIDMethod.update
 _LEAN_DTYPES = (torch.float32, torch.float64)  # values whose state keeps their dtype (no upcast)
+_BOUND: dict = {}  # id(config) -> (config, head_dim, its bound update)
 
 
 def _bound(g: Folded, head_dim: int) -> Callable[..., Tuple[Tensor, PIDState]]:
-    """:meth:`PIDMethod.update` of fixed gains, eager or compiled (not TorchScript-traced): with heads at -2 and
-    float32/float64 values, the ops a hand-written function makes (bit for bit :func:`_update`'s); else
-    :func:`_update`."""
+    """PID's update of fixed gains for every layer (not under TorchScript tracing): for float32/float64 values, the ops
+    a hand-written function makes (bit for bit :func:`_update`'s, which takes every other case)."""
     w_first, w_e, w_sum, w_prev = g.weights
     beta = None if _is_one(g.beta) else g.beta
     make = tuple.__new__  # a PIDState without its Python __new__
-    lean = head_dim == -2 and g.control_first_layer
+    lean = head_dim <= -2 and g.control_first_layer
+    after = head_dim + 1
 
     def update(out: Tensor, value_q: Tensor, state: Optional[tuple]) -> Tuple[Tensor, PIDState]:
-        grouped = out.shape != value_q.shape
-        # key/value heads (..., H_kv, 1, D) broadcast over the output viewed as (..., H_kv, r, D)
-        value = value_q.unsqueeze(-2) if grouped else value_q
-        if not lean or value.dtype not in _LEAN_DTYPES or (
-                state is not None and (state[2] is None or state[0].shape != value.shape)):
+        shape, kv_shape = out.shape, value_q.shape
+        grouped = shape != kv_shape
+        if not lean or value_q.dtype not in _LEAN_DTYPES or grouped and (
+                len(shape) != len(kv_shape) or shape[:head_dim] != kv_shape[:head_dim]
+                or shape[after:] != kv_shape[after:] or shape[head_dim] % kv_shape[head_dim]):
+            return _update(out, value_q, state, g, head_dim, True, None)
+        # key/value heads (..., H_kv, 1, ...) broadcast over the output viewed as (..., H_kv, r, ...)
+        value = value_q.unsqueeze(head_dim) if grouped else value_q
+        if state is not None and (state[2] is None or state[0].shape != value.shape):
             return _update(out, value_q, state, g, head_dim, True, None)
         if state is None:
             v_ref = value if beta is None else value * beta
@@ -475,8 +488,7 @@ def _bound(g: Folded, head_dim: int) -> Callable[..., Tuple[Tensor, PIDState]]:
             e_sum = e_sum + e
             new = make(PIDState, (v_ref, e_sum, e))
             terms = ((e, w_e), (e_sum, w_sum), (e_prev, w_prev))
-        shape = out.shape
-        u = out.view(*shape[:-2], value.shape[-3], -1, shape[-1]) if grouped else out
+        u = out.view(*shape[:head_dim], kv_shape[head_dim], -1, *shape[after:]) if grouped else out
         fresh = False
         for x, w in terms:
             if w != 0.0:  # (a zero gain launches nothing)
@@ -484,7 +496,7 @@ def _bound(g: Folded, head_dim: int) -> Callable[..., Tuple[Tensor, PIDState]]:
                 fresh = True
         if not fresh:
             return out, new
-        return (u.flatten(-3, -2) if grouped else u), new
+        return (u.flatten(head_dim - 1, head_dim) if grouped else u), new
 
     return update
 register_method(PIDMethod())

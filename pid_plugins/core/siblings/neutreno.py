@@ -10,6 +10,8 @@ is per position, so causal models and KV caches need no refusal. The term is for
 float16/bfloat16, in float32. Sources: docs/methods/siblings.md."""
 from __future__ import annotations
 
+import functools
+
 import math
 import numbers
 from dataclasses import dataclass
@@ -102,29 +104,15 @@ class NeuTRENOMethod(AttentionMethod):
 
     def update(self, params: NeuTRENOConfig, out: Tensor, value_q: Tensor, state: Optional[tuple],
                scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
+        if scale is None and not torch.compiler.is_compiling() and not torch._C._is_tracing():
+            return _lean(out, value_q, state, params.alpha, head_dim)
         return _layer(out, value_q, state, params.alpha, head_dim, scale)
 
     def bind_update(self, config: NeuTRENOConfig, head_dim: int) -> Optional[Callable[..., Tuple[Tensor, tuple]]]:
-        """:meth:`update` of a fixed ``alpha`` without warm-up."""
+        """:meth:`update` of a fixed ``alpha`` without warm-up (eager or compiled; not TorchScript-traced)."""
         if type(self).update is not _NEUTRENO_UPDATE or type(self).layer_params is not AttentionMethod.layer_params:
             return super().bind_update(config, head_dim)  # a subclass's own update (called as it is) or parameters
-        alpha = config.alpha
-
-        def update(out: Tensor, value_q: Tensor, state: Optional[tuple]) -> Tuple[Tensor, tuple]:
-            # (heads at -2, float32/float64: the ops a hand-written function makes, bit for bit neutreno_update's)
-            if state is None:
-                return out, (value_q,)
-            v_first = state[0]
-            if head_dim != -2 or value_q.dtype not in _LEAN_DTYPES or v_first.shape != value_q.shape:
-                return _layer(out, value_q, state, alpha, head_dim, None)
-            diff = v_first - value_q
-            if out.shape == value_q.shape:
-                return torch.add(out, diff, alpha=alpha), state
-            shape = out.shape
-            target = out.view(*shape[:-2], value_q.shape[-2], -1, shape[-1])
-            return torch.add(target, diff.unsqueeze(-2), alpha=alpha).flatten(-3, -2), state
-
-        return update
+        return functools.partial(_lean, alpha=config.alpha, head_dim=head_dim)
 
 
 def _layer(out: Tensor, value_q: Tensor, state: Optional[tuple], alpha: Any, head_dim: int,
@@ -133,6 +121,24 @@ def _layer(out: Tensor, value_q: Tensor, state: Optional[tuple], alpha: Any, hea
     if state is None:
         return out, (value_q,)
     return neutreno_update(out, value_q, state[0], alpha, head_dim, scale), (state[0],)
+
+
+def _lean(out: Tensor, value_q: Tensor, state: Optional[tuple], alpha: Any, head_dim: int) -> Tuple[Tensor, tuple]:
+    """:func:`_layer` without warm-up: for float32/float64 values with heads at ``head_dim <= -2``, the ops a
+    hand-written function makes (bit for bit :func:`neutreno_update`'s, which takes every other case)."""
+    if state is None:
+        return out, (value_q,)
+    v_first, shape, kv_shape = state[0], out.shape, value_q.shape
+    after = head_dim + 1
+    if head_dim > -2 or isinstance(alpha, Tensor) or value_q.dtype not in _LEAN_DTYPES or \
+            v_first.shape != kv_shape or len(shape) != len(kv_shape) or shape[:head_dim] != kv_shape[:head_dim] or \
+            shape[after:] != kv_shape[after:] or shape[head_dim] % kv_shape[head_dim]:
+        return _layer(out, value_q, state, alpha, head_dim, None)
+    diff = v_first - value_q
+    if shape == kv_shape:
+        return torch.add(out, diff, alpha=alpha), state
+    target = out.view(*shape[:head_dim], kv_shape[head_dim], -1, *shape[after:])
+    return torch.add(target, diff.unsqueeze(head_dim), alpha=alpha).flatten(head_dim - 1, head_dim), state
 
 
 _NEUTRENO_UPDATE = NeuTRENOMethod.update
