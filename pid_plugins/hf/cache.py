@@ -1,11 +1,10 @@
-"""A method and transformers' KV caches: :func:`static_past` (a static cache's length as a tensor), :func:`new_cache`
-(the cache a forward would make, made beforehand) and :class:`LayerSlot` (a method's per-position tensor kept inside
-the layer's own cache layer).
+"""A method and transformers' KV caches: a static cache's length, the cache a forward would make, and a method's
+per-position tensor kept inside each layer's own cache layer (:class:`LayerSlot`).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -20,15 +19,14 @@ __all__ = ["DynamicSlidingWindowSlotLayer", "DynamicSlotLayer", "LayerSlot", "Sl
 
 
 def static_past(cache: Any, name: str, compiling: Optional[bool] = None) -> Optional[Tensor]:
-    """The static cache's length before this forward (a tensor, never synced), None for dynamic caches.
-    ``compiling``: torch.compiler.is_compiling(), where the caller knows it."""
+    """The static cache's length before this forward (a tensor, never synced), None for dynamic caches."""
     layers = getattr(cache, "layers", None)
     if not layers:
         return None
     first = layers[0]
     if torch.compiler.is_compiling() if compiling is None else compiling:  # (no cached function under the trace)
         static = _static_kinds.__wrapped__(type(first), tuple(map(type, layers)), name)
-    else:  # once per set of layer types, not once per forward
+    else:
         static = _static_kinds(type(first), frozenset(map(type, layers)), name)
     if not static:
         return None
@@ -39,14 +37,13 @@ def static_past(cache: Any, name: str, compiling: Optional[bool] = None) -> Opti
 
 @functools.lru_cache(maxsize=64)
 def _static_kinds(first: type, kinds: Any, name: str) -> bool:
-    """Whether a cache whose first layer is a ``first`` and whose layers are ``kinds`` is static; refuses static
-    sliding windows."""
+    """Whether a cache whose layers are ``kinds``, the first a ``first``, is static; refuses static sliding windows."""
     CACHE_LAYERS.require()
     if any(issubclass(x, StaticSlidingWindowLayer) or ("Static" in x.__name__ and "Sliding" in x.__name__)
            for x in kinds):
         raise NotImplementedError(
-            f"attention method {name!r} cannot use a static sliding-window cache (a rolling buffer does not keep the query "
-            "positions' values where they can be located): use the dynamic cache (the default) for this model"
+            f"attention method {name!r} cannot use a static sliding-window cache (a rolling buffer does not keep the "
+            "query positions' values where they can be located): use the dynamic cache (the default) for this model"
         )
     return issubclass(first, StaticLayer) or "Static" in first.__name__
 
@@ -74,6 +71,16 @@ class LayerSlot(CacheSlot):
         return layer.slot_update(rows, self.layer_idx, self.name)
 
 
+def _in_step(name: str) -> Callable[..., None]:
+    """The cache layer's operation ``name``, done to its slot too."""
+    def operation(self: Any, *args: Any, **kwargs: Any) -> None:
+        getattr(super(SlotLayer, self), name)(*args, **kwargs)
+        getattr(self.slot, name)(*args, **kwargs)
+
+    operation.__name__ = operation.__qualname__ = name
+    return operation
+
+
 class SlotLayer:
     """Mixin of cache layers carrying a method's per-position tensor in ``slot``, an inner layer of their kind."""
 
@@ -87,42 +94,19 @@ class SlotLayer:
         _, stored = slot.update(rows[..., :1], rows)
         return stored
 
-    def reset(self) -> None:
-        super().reset()
-        self.slot.reset()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self.slot.reorder_cache(beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        self.slot.crop(tokens_to_remove)
-
-    def offload(self) -> None:
-        super().offload()
-        self.slot.offload()
-
-    def prefetch(self) -> None:
-        super().prefetch()
-        self.slot.prefetch()
+    reset, reorder_cache, crop, offload, prefetch = map(_in_step, ("reset", "reorder_cache", "crop", "offload",
+                                                                 "prefetch"))
 
 
 class _DynamicSlotLayer(SlotLayer):
-    """The batch operations of dynamic layers (static layers have none), in step with the keys."""
+    """The batch operations of dynamic layers (static layers have none)."""
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self.slot.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        super().batch_select_indices(indices)
-        self.slot.batch_select_indices(indices)
+    batch_repeat_interleave, batch_select_indices = map(_in_step, ("batch_repeat_interleave", "batch_select_indices"))
 
 
 def _check_filled(layer: Any, slot: Any, q_len: int, layer_idx: int, name: str) -> None:
     """Refuse a layer whose cached positions have no method tensor."""
-    if isinstance(layer, StaticLayer):  # a tensor length: read (one sync) only while the slot is still empty
+    if isinstance(layer, StaticLayer):  # a tensor: read (one sync) only while the slot is still empty
         if slot.is_initialized:
             return
         past, held = int(layer.get_seq_length()) - q_len, 0
@@ -139,19 +123,13 @@ def _check_filled(layer: Any, slot: Any, q_len: int, layer_idx: int, name: str) 
         )
 
 
-def _slot_classes() -> dict:
-    """{layer class: its :class:`SlotLayer` subclass} for the kinds a slot can be made of."""
-    return {DynamicLayer: DynamicSlotLayer, DynamicSlidingWindowLayer: DynamicSlidingWindowSlotLayer,
-            StaticLayer: StaticSlotLayer}
-
-
 def with_slot(layer: Any, name: str) -> SlotLayer:
     """``layer``'s state (the same tensors) in the :class:`SlotLayer` of its kind, with an empty slot: a new object."""
     CACHE_LAYERS.require()
     kind = type(layer)
-    carrier = _slot_classes().get(kind)
+    carrier = _SLOT_CLASSES.get(kind)
     if carrier is None:
-        names = ", ".join(k.__name__ for k in _slot_classes())
+        names = ", ".join(k.__name__ for k in _SLOT_CLASSES)
         raise ValueError(
             f"attention method {name!r} keeps a tensor per past position inside each layer of the KV cache; "
             f"{kind.__name__} is not a layer kind it can extend (supported: {names}; not "
@@ -159,23 +137,14 @@ def with_slot(layer: Any, name: str) -> SlotLayer:
             "dynamic cache or cache_implementation='static'"
         )
     fresh = carrier.__new__(carrier)
-    for attribute, value in vars(layer).items():
-        setattr(fresh, attribute, value)
-    fresh.slot = _layer_like(layer)
-    return fresh
-
-
-def _layer_like(layer: Any) -> Any:
-    """An empty cache layer of ``layer``'s kind and size (past recording as ``layer``'s)."""
-    kind = type(layer)
-    if kind is DynamicSlidingWindowLayer:
-        fresh = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+    fresh.__dict__.update(vars(layer))
+    if kind is DynamicSlidingWindowLayer:  # the slot: an empty layer of its kind and size
+        fresh.slot = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
         if getattr(layer, "record_past", False):
-            fresh.activate_past_recording()
-        return fresh
-    if kind is StaticLayer:
-        return StaticLayer(max_cache_len=layer.max_cache_len)
-    return DynamicLayer()
+            fresh.slot.activate_past_recording()
+    else:
+        fresh.slot = StaticLayer(max_cache_len=layer.max_cache_len) if kind is StaticLayer else DynamicLayer()
+    return fresh
 
 
 class DynamicSlotLayer(_DynamicSlotLayer, DynamicLayer):
@@ -185,10 +154,12 @@ class DynamicSlotLayer(_DynamicSlotLayer, DynamicLayer):
 class DynamicSlidingWindowSlotLayer(_DynamicSlotLayer, DynamicSlidingWindowLayer):
     """A :class:`~transformers.cache_utils.DynamicSlidingWindowLayer` carrying a method's per-position tensor."""
 
-    def activate_past_recording(self) -> None:
-        super().activate_past_recording()
-        self.slot.activate_past_recording()
+    activate_past_recording = _in_step("activate_past_recording")
 
 
 class StaticSlotLayer(SlotLayer, StaticLayer):
     """A :class:`~transformers.cache_utils.StaticLayer` carrying a method's per-position tensor."""
+
+
+_SLOT_CLASSES = {DynamicLayer: DynamicSlotLayer, DynamicSlidingWindowLayer: DynamicSlidingWindowSlotLayer,
+                 StaticLayer: StaticSlotLayer}

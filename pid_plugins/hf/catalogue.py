@@ -16,8 +16,7 @@ def list_models(pattern: str = "*") -> list[str]:
 
 
 def get_config(name: str, pid: Any = None, **overrides: Any) -> PretrainedConfig:
-    """A transformers config for registry variant ``name`` with its attention method (``attn_implementation`` and
-    ``config.<method>``); ``pid`` overrides the entry's parameters of its method (a dict, a preset name or a config)."""
+    """A transformers config for registry variant ``name``; ``pid`` overrides its method's parameters."""
     entry = catalogue.get_model_entry(name)
     if entry.zoo != "hf":
         raise ValueError(f"{name!r} is a {entry.zoo} model; pid_plugins.hf.list_models() shows the transformers ones")

@@ -1,6 +1,5 @@
-"""Activation checkpointing by torch's own wrappers, as a method's per-forward state meets it: reentrant checkpointing
-and a KV cache under recomputation are refused (:func:`torch_checkpointing`, :func:`reentrant_message`,
-:func:`cache_message`); non-reentrant checkpointing with ``use_cache=False`` is exact.
+"""Activation checkpointing as a method's per-forward state meets it: reentrant checkpointing and a KV cache under
+recomputation are refused; non-reentrant checkpointing with ``use_cache=False`` is exact.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from torch import nn
 from ..versions import InternalChanged
 from .internals import TORCH_CHECKPOINT
 
-__all__ = ["cache_message", "reentrant_message", "registry_key", "require", "torch_checkpointing", "wrapper_message"]
+__all__ = ["cache_message", "reentrant_message", "registry_key", "torch_checkpointing", "wrapper_message"]
 
 _SUPPORTED = ("use non-reentrant checkpointing: checkpoint_wrapper(module) / apply_activation_checkpointing(model, "
               "check_fn=...) with their default checkpoint_impl=CheckpointImpl.NO_REENTRANT, "
@@ -30,13 +29,12 @@ def torch_checkpointing(module: nn.Module) -> Optional[Tuple[str, bool]]:
     return None
 
 
-#: torch's composable-API registry reader and the registry's key in a module's ``__dict__``, once torch.distributed
-#: is known to have them
+#: torch's composable-API registry reader and its key in a module's ``__dict__``, once known to hold
 _REGISTRY: list = [None, ""]
 
 
-def require() -> None:
-    """Check the torch internals :func:`torch_checkpointing` reads, once per process."""
+def registry_key() -> str:
+    """Where torch's composable ``checkpoint(module)`` marks a module, its internals checked once per process."""
     if _REGISTRY[0] is None and torch.distributed.is_available():
         TORCH_CHECKPOINT.require()
         from torch.distributed._composable import checkpoint
@@ -46,11 +44,6 @@ def require() -> None:
         if not isinstance(REGISTRY_KEY, str) or marked.__dict__.get(REGISTRY_KEY) is not _get_registry(marked):
             raise InternalChanged(TORCH_CHECKPOINT.message("the registry is not the module's __dict__[REGISTRY_KEY]"))
         _REGISTRY[:] = [_get_registry, REGISTRY_KEY]
-
-
-def registry_key() -> str:
-    """Where torch's composable ``checkpoint(module)`` marks a module ("" without torch.distributed)."""
-    require()
     return _REGISTRY[1]
 
 

@@ -1,6 +1,5 @@
-"""What a transformers model config says about its attention method, and how that is saved: :func:`method_of`,
-:func:`model_method_config` (parsed once per value), :func:`base_attention`, :func:`pipeline_refusal` and
-:func:`persist`.
+"""What a transformers model config says about its attention method (:func:`method_of`, :func:`model_method_config`,
+:func:`base_attention`, :func:`read_config`), and how that choice is saved (:func:`persist`).
 """
 from __future__ import annotations
 
@@ -20,27 +19,22 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "pid"
 """PID's ``attn_implementation`` name (every other registered method is registered under its own name)."""
-#: the config attribute naming the attention a method is added to
-BASE_ATTR = "attention_base"
+BASE_ATTR = "attention_base"  # the config attribute naming the attention a method is added to
 BASES = ("sdpa", "eager", "flex_attention")
 """The base attentions a method runs on (``convert(model, ..., base=...)``, saved as ``config.attention_base``)."""
 WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule: hf/warmup.py)
 WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
 #: the config attribute holding the stock ``attn_implementation`` a model had before ``convert`` gave it a method
-#: (``convert(model, "softmax")`` returns to it)
 STOCK_ATTR = "stock_attention"
 
 _PARSED: Dict[Any, Any] = {}
-
-
-def method_named(name: Any) -> Optional[AttentionMethod]:
-    """The registered method called ``name``, or None (a stock implementation, or not a name)."""
-    return find_method(name)
+#: the registered method called ``name``, or None (a stock implementation, or not a name)
+method_named = find_method
 
 
 def method_of(config: Any) -> Optional[AttentionMethod]:
     """The attention method a model config runs, or None (a stock implementation)."""
-    return method_named(getattr(config, "_attn_implementation", None))
+    return find_method(getattr(config, "_attn_implementation", None))
 
 
 def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -> Any:
@@ -52,13 +46,8 @@ def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -
             f"{getattr(config, '_attn_implementation', None)!r}); name the method: model_method_config(config, "
             f"get_method(<name>)) with one of {list_methods()}"
         )
-    raw = getattr(config, method.name, None)
-    if raw is None or isinstance(raw, str):  # a preset: plain data (no file read, so it traces under compile)
-        key: Any = (method.name, raw)
-    elif isinstance(raw, dict):
-        key = (method.name, tuple(sorted(raw.items())))
-    else:
-        key = (method.name, raw)
+    raw = getattr(config, method.name, None)  # a preset (None, a name) is plain data: it traces under compile
+    key: Any = (method.name, tuple(sorted(raw.items())) if isinstance(raw, dict) else raw)
     try:
         cfg = _PARSED.get(key)
     except TypeError:  # unhashable values: let the method's config report them
@@ -89,21 +78,18 @@ def check_learnable(method: AttentionMethod, cfg: Any) -> Any:
 def base_attention(config: Any) -> str:
     """The attention a method is added to: ``config.attention_base``, else ``"eager"`` (softcapping) or ``"sdpa"``."""
     base = getattr(config, BASE_ATTR, None)
+    softcapping = getattr(config, "attn_logit_softcapping", None) is not None
     if base is None:
-        return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+        return "eager" if softcapping else "sdpa"
     if base not in BASES:
         raise ValueError(f"config.{BASE_ATTR}={base!r} is not one of {BASES}")
-    if base != "eager" and getattr(config, "attn_logit_softcapping", None) is not None:
+    if base != "eager" and softcapping:
+        name = getattr(method_of(config), "name", ATTN_IMPLEMENTATION)
         raise ValueError(
             f"{getattr(config, 'model_type', 'this model')} uses attention logit softcapping, which {base} cannot "
-            f"compute: use base 'eager' (pid_plugins.hf.convert(model, {_name(config)!r}, base='eager'))"
+            f"compute: use base 'eager' (pid_plugins.hf.convert(model, {name!r}, base='eager'))"
         )
     return base
-
-
-def _name(config: Any) -> str:
-    method = method_of(config)
-    return method.name if method is not None else ATTN_IMPLEMENTATION
 
 
 def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
@@ -128,7 +114,6 @@ def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
     )
 
 
-# ------------------------------------------------------------------------------------- saving the choice
 def _plain(value: Optional[str]) -> Optional[str]:
     return value
 
@@ -149,7 +134,7 @@ class _SavedImplementation:
         if copied is not None:  # the config itself is being copied (a deep copy of the model): stay live
             return _SavedImplementation(copied)
         current = self._current()  # to_dict copies the attributes only: the value to save
-        return current if method_named(current) is not None else None
+        return current if find_method(current) is not None else None
 
     def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
         return _plain, (self.__deepcopy__({}),)
@@ -175,24 +160,21 @@ def persist(config: Any) -> None:
         config.attn_implementation = _SavedImplementation(config)
 
 
-# ------------------------------------------------------------------------------------- one forward's reading
-#: the entries of a config's ``__dict__`` a forward reads (besides the method's own, ``config.<name>``); a user's
-#: change goes through the config's ``__setattr__`` into its ``__dict__``, so comparing these detects it
+#: the entries of a config's ``__dict__`` a forward reads (besides ``config.<method>``); a user's change goes through
+#: the config's ``__setattr__`` into its ``__dict__``, so comparing these detects it
 _WATCHED = ("_attn_implementation_internal", BASE_ATTR, "attn_logit_softcapping", "distributed_config",
             "_output_attentions", "use_cache")
+_GENERIC_GETATTR = object.__getattribute__
 
 
 class ConfigReading:
-    """What a model's config says for its forwards (method, parameters, base attention, refusals), read through the
-    config's own attributes once (:func:`read_config`), and read again when a watched entry of its ``__dict__``
-    changes (:meth:`holds`)."""
+    """What a model's config says for its forwards, read again when a watched entry of its ``__dict__`` changes."""
 
     __slots__ = ("config", "source", "keys", "source_keys", "seen", "copies", "contents", "method", "gains", "base",
                  "refusal", "output_attentions", "use_cache", "gains_learnable", "warmup", "zero", "chosen")
 
     def __getstate__(self) -> dict:
-        # a whole model pickled (torch.save(model)) or deep-copied: ``chosen`` holds functions made in this process
-        # (a method's update bound to its parameters, a closure), made again at the next forward
+        # pickled or deep-copied with its model: ``chosen`` holds functions of this process, made again
         return {key: getattr(self, key) for key in self.__slots__ if key != "chosen" and hasattr(self, key)}
 
     def __setstate__(self, state: dict) -> None:
@@ -201,35 +183,25 @@ class ConfigReading:
         self.chosen = None
 
     def holds(self, config: Any, source: Any, compiling: Optional[bool] = None) -> bool:
-        """Whether ``config`` and the parameters' ``source`` are the ones read and their watched entries unchanged
-        (by identity; a dict or list entry also by its contents, so one changed in place is read again).
-        ``compiling``: torch.compiler.is_compiling(), where the caller knows it."""
+        """Whether ``config`` and ``source`` are the ones read and their watched entries unchanged (a dict or list
+        also in its contents)."""
         if config is not self.config or source is not self.source:
             return False
         if compiling is None:
             compiling = torch.compiler.is_compiling()
-        if not compiling:  # one C-level pass: identical or equal (a dict against its copy)
-            # (the __dict__ read past PretrainedConfig's own __getattribute__, a Python function)
+        if not compiling:  # one C-level pass, past PretrainedConfig's own __getattribute__: identical or equal
             entries = list(map(_GENERIC_GETATTR(config, "__dict__").get, self.keys))
             if self.source_keys:
                 entries += map(_GENERIC_GETATTR(source, "__dict__").get, self.source_keys)
             return entries == self.copies
-        seen, entries = self.seen, config.__dict__
-        for i, key in enumerate(self.keys):
-            if entries.get(key) is not seen[i]:
+        seen, first = self.seen, len(self.keys)
+        for i, key in enumerate(self.keys + self.source_keys):  # loops dynamo traces
+            if (config if i < first else source).__dict__.get(key) is not seen[i]:
                 return False
-        if self.source_keys:
-            entries, first = source.__dict__, len(self.keys)
-            for i, key in enumerate(self.source_keys):
-                if entries.get(key) is not seen[first + i]:
-                    return False
         for i, contents in self.contents:
             if _contents(seen[i]) != contents:
                 return False
         return True
-
-
-_GENERIC_GETATTR = object.__getattribute__
 
 
 def _contents(value: Any) -> Any:
@@ -237,12 +209,10 @@ def _contents(value: Any) -> Any:
 
 
 def read_config(config: Any, source: Any) -> ConfigReading:
-    """Read ``config`` (a model's) and ``source`` (the config its parameters come from: the outermost model's) for its
-    forwards: the method (None: a stock implementation), its parameters, the base attention and what to refuse."""
+    """Read ``config`` and ``source`` (the outermost model's, whose method parameters it runs) for its forwards."""
     reading = ConfigReading()
     reading.config, reading.source = config, source
-    method = method_of(config)
-    reading.method = method
+    reading.method = method = method_of(config)
     reading.gains = reading.base = reading.refusal = None
     reading.gains_learnable = reading.warmup = False
     reading.zero = True  # the parameters compute the stock attention (method.is_identity)
@@ -262,8 +232,7 @@ def read_config(config: Any, source: Any) -> ConfigReading:
         if getattr(config, "distributed_config", None) is not None:
             reading.refusal = pipeline_refusal(config, method, gains)
     reading.keys, reading.source_keys = keys, source_keys
-    entries, source_entries = config.__dict__, source.__dict__
-    reading.seen = [entries.get(key) for key in keys] + [source_entries.get(key) for key in source_keys]
+    reading.seen = [config.__dict__.get(key) for key in keys] + [source.__dict__.get(key) for key in source_keys]
     reading.contents = tuple((i, _contents(value)) for i, value in enumerate(reading.seen)
                              if isinstance(value, (dict, list)))
     reading.copies = [dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for v in reading.seen]

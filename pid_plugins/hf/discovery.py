@@ -1,8 +1,6 @@
-"""Discovering a transformers model with a method, once: its attention modules and what its forwards read.
-
-:func:`discover` marks each attention module with its role and layer order, refuses attention outside transformers'
-attention interface, gives learnable parameters and makes the model's :class:`~pid_plugins.hf.forward.Plan`. A
-forward that finds the plan stale calls :func:`renew`, which discovers the model again.
+"""Discovering a transformers model with a method, once: :func:`discover` numbers its self-attention modules, refuses
+attention outside transformers' attention interface, gives learnable parameters and makes the model's
+:class:`~pid_plugins.hf.forward.Plan`; a forward that finds the plan stale calls :func:`renew`.
 """
 from __future__ import annotations
 
@@ -31,21 +29,19 @@ from .internals import (
 from .warmup import ANY_COUNTER, WARMUP_MISSING_KEY, attach_warmup, counter_of, give_counter
 from ..core import GainWarmup, MethodChoice
 from ..core.layer import warn_switch_of_trained_weights
-from ..versions import InternalChanged
+from ..versions import InternalChanged, require
 
-__all__ = ["check_family", "check_model", "continuous_batching_message", "discover", "discovered", "hook", "hooked",
-           "is_cross", "learnable_config", "post_init", "rediscover", "relayout", "renew", "undiscover", "walk"]
+__all__ = ["check_family", "check_model", "discover", "discovered", "hook", "hooked", "is_cross", "learnable_config",
+           "post_init", "rediscover", "relayout", "renew", "undiscover", "walk"]
 
-#: in a model's __dict__ until its first forward: built from a folder saved without the method it runs (the loader, for
-#: the message); the first forward, its weights loaded, warns if they are trained (warn_switch_of_trained_weights)
+#: in a model's __dict__ until its first forward: built from a folder saved without its method (the loader's name);
+#: that forward warns if the loaded weights are trained (warn_switch_of_trained_weights)
 SWITCH_CHECK = "_pid_plugins_switch_check"
 _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
                           "encoder_decoder_attention"})
 
 
-# ------------------------------------------------------------------------------------------------ finding
 def _chosen(model: nn.Module) -> str:
-    """The attention implementation a model's config names (for messages)."""
     return str(getattr(getattr(model, "config", None), "_attn_implementation", "<method>"))
 
 
@@ -88,33 +84,32 @@ def _outside_message(name: str, model: nn.Module, path: str, module: nn.Module) 
             "cannot reach it")
 
 
-def _takes_kwargs(cls: type) -> bool:
-    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
-
-
-def _no_kwargs_message(name: str, model: nn.Module) -> str:
-    return (f"attn_implementation={name!r}: {type(model).__name__}.forward takes no **kwargs, so the "
-            "per-forward state of the attention method cannot reach its attention layers")
+def _check_kwargs(name: str, model: nn.Module) -> None:
+    """Refuse a model whose forward takes no ``**kwargs`` (the method's state could not reach its layers)."""
+    if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(type(model).forward).parameters.values()):
+        raise ValueError(f"attn_implementation={name!r}: {type(model).__name__}.forward takes no **kwargs, so the "
+                         "per-forward state of the attention method cannot reach its attention layers")
 
 
 def check_model(model: PreTrainedModel, name: str) -> None:
     """Refuse, changing nothing, a model whose attention method ``name`` could not reach its attention."""
     INTERFACE_SOURCE.require()
-    CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
     for owner in model.modules():
-        if not isinstance(owner, PreTrainedModel):
+        if isinstance(owner, PreTrainedModel):
+            check_family(type(owner), owner.config, name)
+            if list(_attention(owner, name)):
+                _check_kwargs(name, owner)
+
+
+def _attention(model: nn.Module, name: Optional[str] = None):
+    """(path, module) of the attention modules ``model`` owns; with ``name``, refuses attention outside them."""
+    for path, sub in walk(model):
+        if isinstance(sub, PreTrainedModel):
             continue
-        check_family(type(owner), owner.config, name)
-        owns = False
-        for path, sub in walk(owner):
-            if isinstance(sub, PreTrainedModel):
-                continue
-            if calls_interface(type(sub)):
-                owns = True
-            elif _outside_interface(sub):
-                raise ValueError(_outside_message(name, owner, path, sub))
-        if owns and not _takes_kwargs(type(owner)):
-            raise ValueError(_no_kwargs_message(name, owner))
+        if calls_interface(type(sub)):
+            yield path, sub
+        elif name is not None and _outside_interface(sub):
+            raise ValueError(_outside_message(name, model, path, sub))
 
 
 def check_family(cls: type, config: object, name: str) -> None:
@@ -143,7 +138,14 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# ---------------------------------------------------------------------------------------------- discovery
+def _read(config: Any, source: Any) -> Any:
+    """:func:`read_config`, None where it refuses (refused again, with its message, at the first forward)."""
+    try:
+        return read_config(config, source)
+    except ValueError:
+        return None
+
+
 def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     """Mark ``model``'s attention modules with role and order, give learnable gains; returns its new Plan."""
     INTERFACE_SOURCE.require()
@@ -168,7 +170,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
             )
         if _number(getattr(sub, "layerdrop", None)):
             droppers.append(sub)
-        if isinstance(sub, PreTrainedModel):
+        if isinstance(sub, PreTrainedModel):  # it reads the outermost model's parameters, counter and base
             sub.__dict__[GAINS_SOURCE] = gains_source
             if warmup is not None:
                 sub.__dict__[WARMUP_SOURCE] = warmup
@@ -177,52 +179,42 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
             if getattr(sub, "config", None) is not None:
                 setattr(sub.config, BASE_ATTR, base)
             nested = sub.__dict__.get(PLAN)
-            if nested is not None:  # its config and the parameters' source changed: read them now, not in a
-                try:                # (compiled) forward
-                    nested.reading = read_config(sub.config, gains_source)
-                except ValueError:
-                    nested.reading = None  # refused with its message at the first forward
+            if nested is not None:  # read now, not in a (compiled) forward
+                nested.reading = _read(sub.config, gains_source)
             continue
-        cls = type(sub)
-        if calls_interface(cls):
+        if calls_interface(type(sub)):
             paths.append(path)
             parts = path.split(".")
             cross = is_cross(parts, sub)
             setattr(sub, ROLE, -1 if cross else order)
             if cross:
                 learned_gains.detach(sub)
-            elif learnable is not None and learned_gains.attach(sub, learnable, method):
+                continue
+            if learnable is not None and learned_gains.attach(sub, learnable, method):
                 added.append(path)
-            if not cross:  # an encoder and a decoder under one owner are separate PID groups
-                causal = causal or bool(getattr(sub, "is_causal", False))
-                # the stack: the path up to its first encoder/decoder part ("encoder", "model.decoder"; "" for a
-                # decoder-only model), so two encoders under one owner (text_model.encoder, vision_model.encoder)
-                # are two groups
-                cut = next((i for i, p in enumerate(parts) if "encoder" in p.lower() or "decoder" in p.lower()), -1)
-                stack = ".".join(parts[: cut + 1])
-                earlier = stacks.get(stack, ())
-                setattr(sub, EARLIER, earlier)
-                stacks[stack] = (order, *earlier)
-                order += 1
+            causal = causal or bool(getattr(sub, "is_causal", False))
+            # its stack: the path up to its first encoder/decoder part ("" for a decoder-only model), so that an
+            # encoder and a decoder, or two encoders (text_model.encoder, vision_model.encoder), are separate groups
+            cut = next((i for i, p in enumerate(parts) if "encoder" in p.lower() or "decoder" in p.lower()), -1)
+            stack = ".".join(parts[: cut + 1])
+            earlier = stacks.get(stack, ())
+            setattr(sub, EARLIER, earlier)
+            stacks[stack] = (order, *earlier)
+            order += 1
         elif _outside_interface(sub):
             raise ValueError(_outside_message(_chosen(model), model, path, sub))
-    params = inspect.signature(type(model).forward).parameters
-    names = [n for n in params if n != "self"]
+    names = [n for n in inspect.signature(type(model).forward).parameters if n != "self"]
     keywords = cache_keywords(type(model).forward)
-    if causal:  # a decoder reads its cache: the keyword it comes under, and the cache layers, as the adapter knows them
-        for internal in (CACHE_KEYWORD, CACHE_LAYERS, STATIC_LAYER):
-            internal.require()
+    if causal:  # a decoder reads its cache: the keyword it comes under and the cache layers
+        require(CACHE_KEYWORD, CACHE_LAYERS, STATIC_LAYER)
     CHECKPOINTING.require()
-    if order and not _takes_kwargs(type(model)):
-        raise ValueError(_no_kwargs_message(_chosen(model), model))
+    if order:
+        _check_kwargs(_chosen(model), model)
     persist(model.config)
     sync_record(model)  # the method record in its weights (a model switched by set_attn_implementation too)
-    try:  # read the config now, so a first forward under torch.compile only looks it up
-        reading = read_config(model.config, gains_source)
-    except ValueError:
-        reading = None  # refused with its message at the first forward
-    if reading is not None and reading.refusal is not None:  # transformers' PP: before any stage communicates (its
-        raise ValueError(reading.refusal)                    # forward wraps the model's, which would refuse late)
+    reading = _read(model.config, gains_source)  # now, so that a first compiled forward only looks it up
+    if reading is not None and reading.refusal is not None:  # transformers' PP: before any stage communicates
+        raise ValueError(reading.refusal)
     if added:
         learned_gains.ignore_missing(model)
         learned_gains.extend_tp_plan(model)  # their tensor-parallel entries (applied when transformers builds it)
@@ -299,29 +291,25 @@ def relayout(model: nn.Module) -> None:
 
 def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
     """Re-read ``model``'s modules into ``plan`` when only the way to its attention changed; False otherwise."""
-    source = model.__dict__.get(GAINS_SOURCE, model.config)
     if plan.name != _chosen(model) or plan.counter is not model._modules.get(WARMUP_ATTR) or (
-            not plan.learnable and learnable_config(source) is not None):
+            not plan.learnable and learnable_config(model.__dict__.get(GAINS_SOURCE, model.config)) is not None):
         return False
     paths = []
-    for path, sub in walk(model):
-        if not isinstance(sub, PreTrainedModel) and calls_interface(type(sub)):
-            if not isinstance(sub.__dict__.get(ROLE), int):
-                return False
-            paths.append(path)
+    for path, sub in _attention(model):
+        if not isinstance(sub.__dict__.get(ROLE), int):
+            return False
+        paths.append(path)
     _fill_layout(model, plan, paths)
     return True
 
 
 def read(model: PreTrainedModel) -> Any:
-    """What ``model``'s config says for its forwards (:func:`~pid_plugins.hf.config.read_config`), its parameters
-    from the outermost model's config."""
+    """:func:`~pid_plugins.hf.config.read_config` of ``model``, its parameters from the outermost model's config."""
     return read_config(model.config, model.__dict__.get(GAINS_SOURCE, model.config))
 
 
 def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[str] = None) -> Plan:
-    """What a forward calls through its plan: discover again if ``changed``, read the config again (it changed, or
-    the plan is new), then the first forward's checks."""
+    """A forward's plan: discovered again if ``changed``, its config read again if it changed; the first checks."""
     if renamed is not None:
         raise InternalChanged(CACHE_KEYWORD.message(f"{type(model).__name__}.forward got the cache as {renamed}="))
     if changed and not _relaid(model, plan):
@@ -333,9 +321,7 @@ def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[s
         return plan
     plan.first = False
     switched = model.__dict__.pop(SWITCH_CHECK, None)
-    if switched is not None:
-        # built from a folder saved without this method: one warning if its weights are trained (the models
-        # nested in it, built from the same folder, are not asked again)
+    if switched is not None:  # one warning if the weights are trained (the nested models are not asked again)
         for nested in model.modules():
             nested.__dict__.pop(SWITCH_CHECK, None)
         method = method_of(model.config)
@@ -357,12 +343,14 @@ def _tensor_parallel(model: nn.Module) -> bool:
     return False
 
 
-# ---------------------------------------------------------------------------------------- hooks on a model
 def hook(model: PreTrainedModel) -> None:
-    """Give ``model`` its forward (:class:`~pid_plugins.hf.forward.MethodForward`) and own methods
-    (:func:`give_instance_methods`), once."""
+    """Give ``model`` its forward and its own ``_initialize_weights`` and ``init_continuous_batching``, once."""
     hook_forward(model)
-    give_instance_methods(model)
+    own = model.__dict__
+    if "_initialize_weights" not in own:
+        own["_initialize_weights"] = functools.partial(_initialize_weights, model)
+    if "init_continuous_batching" not in own and hasattr(type(model), "init_continuous_batching"):
+        own["init_continuous_batching"] = functools.partial(_init_continuous_batching, model)
 
 
 def undiscover(model: nn.Module) -> None:
@@ -375,7 +363,11 @@ def undiscover(model: nn.Module) -> None:
             continue
         m._modules.pop(WARMUP_ATTR, None)
         unhook(m)
-        take_instance_methods(m)
+        for name, ours in (("_initialize_weights", _initialize_weights),
+                           ("init_continuous_batching", _init_continuous_batching)):
+            given = m.__dict__.get(name)
+            if isinstance(given, functools.partial) and given.func is ours:
+                del m.__dict__[name]
         for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE, SWITCH_CHECK):
             m.__dict__.pop(attr, None)
         ignore = m.__dict__.get("_keys_to_ignore_on_load_missing")
@@ -393,9 +385,8 @@ def rediscover(model: PreTrainedModel) -> PreTrainedModel:
     for m in model.modules():
         if isinstance(m, PreTrainedModel):
             hook(m)
-            m.__dict__.pop(PLAN, None)
-            m.__dict__.pop(GAINS_SOURCE, None)
-            m.__dict__.pop(WARMUP_SOURCE, None)
+            for attr in (PLAN, GAINS_SOURCE, WARMUP_SOURCE):
+                m.__dict__.pop(attr, None)
     for m in model.modules():  # outermost first: it hands its config (gains, base) to the nested models
         if isinstance(m, PreTrainedModel) and PLAN not in m.__dict__:
             discover(m)
@@ -403,46 +394,27 @@ def rediscover(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-# -------------------------------------------------------------------------------- while a model is built
-def _adopt_counters(model: PreTrainedModel) -> None:
-    """Move the warm-up counters of the models nested in ``model`` to ``model`` itself."""
-    for m in model.modules():
-        if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
-            counter = m._modules.pop(WARMUP_ATTR)
-            plan = m.__dict__.get(PLAN)
-            if plan is not None:  # it reads the outermost model's counter now (set by that model's discovery)
-                plan.counter = None
-            if model._modules.get(WARMUP_ATTR) is None:
-                give_counter(model, counter)
-
-
-def _attach_gains_at_construction(model: PreTrainedModel) -> None:
-    """Give each self-attention module its learnable parameters as the layers are built, before weights load."""
-    cfg = learnable_config(model.__dict__.get("config"))
-    if cfg is None:
-        return
-    added = False
-    for name, child in model.named_children():
-        if isinstance(child, PreTrainedModel):  # a nested model gave its own layers theirs in its post_init
-            continue
-        for path, sub in [(name, child), *((f"{name}.{p}", m) for p, m in walk(child))]:
-            if not isinstance(sub, PreTrainedModel) and calls_interface(type(sub)) and \
-                    not is_cross(path.split("."), sub):
-                added = learned_gains.attach(sub, cfg, method_of(model.config)) or added
-    if added:
-        learned_gains.ignore_missing(model)
-
-
 def post_init(model: PreTrainedModel) -> None:
     """The model's ``post_init``, once: discover a method model before any forward; extend its tensor-parallel plan."""
     model.__dict__.pop("post_init", None)
-    # the layers exist now, and transformers has not initialised them yet (the class's post_init does): the counter
-    # (config.<method> has warmup_steps > 0) and learnable parameters are made here, so that from_pretrained loads
-    # them and transformers' initialisation of what a checkpoint lacks reaches them
+    # the layers exist and are not initialised yet (the class's post_init does it): the counter and learnable
+    # parameters made now are loaded by from_pretrained, or initialised by transformers where a checkpoint lacks them
     attach_warmup(model)
-    if ANY_COUNTER[0]:
-        _adopt_counters(model)
-    _attach_gains_at_construction(model)
+    if ANY_COUNTER[0]:  # the counters of the nested models move to the outermost
+        for m in model.modules():
+            if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
+                counter = m._modules.pop(WARMUP_ATTR)
+                plan = m.__dict__.get(PLAN)
+                if plan is not None:  # it reads the outermost model's counter (set by that model's discovery)
+                    plan.counter = None
+                if model._modules.get(WARMUP_ATTR) is None:
+                    give_counter(model, counter)
+    cfg = learnable_config(model.__dict__.get("config"))
+    if cfg is not None:  # the self-attention modules' learnable parameters (a nested model gave its own theirs)
+        method = method_of(model.config)
+        if any([learned_gains.attach(sub, cfg, method) for path, sub in _attention(model)
+                if not is_cross(path.split("."), sub)]):
+            learned_gains.ignore_missing(model)
     sync_record(model)  # the method record in its weights (on the outermost model)
     type(model).post_init(model)
     if method_of(model.config) is not None and PLAN not in model.__dict__:
@@ -451,26 +423,22 @@ def post_init(model: PreTrainedModel) -> None:
         learned_gains.extend_tp_plan(model)
 
 
-# ------------------------------------------------------------------------------------------- continuous batching
-def continuous_batching_message(name: str) -> str:
-    return (f"attention method {name!r} cannot run under continuous batching (generate_batch, "
+def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any):
+    """``model.init_continuous_batching``: refused while the config names a method; else the class's own."""
+    method = method_of(getattr(model, "config", None))
+    if method is not None:
+        name = method.name
+        raise ValueError(
+            f"attention method {name!r} cannot run under continuous batching (generate_batch, "
             "init_continuous_batching, continuous_batching_context_manager, generate(cache_implementation='paged')): "
             "it runs transformers' paged attention ('paged|eager', 'sdpa' or a flash kernel) over packed sequences, "
             "not the model's attention implementation, and would switch this model's attention to flash attention "
             f"where flash-attn is installed (with only a log warning), dropping {name!r}. Generate with "
             "model.generate() (dynamic or static cache), or switch the model back to its stock attention first "
             "(model.set_attn_implementation('sdpa'))")
-
-
-def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any):
-    """``model.init_continuous_batching``: refused while the config names a method; else the class's own."""
-    method = method_of(getattr(model, "config", None))
-    if method is not None:
-        raise ValueError(continuous_batching_message(method.name))
     return type(model).init_continuous_batching(model, *args, **kwargs)
 
 
-# ------------------------------------------------------------------------ transformers' weight initialisation
 def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any):
     """``model._initialize_weights``: initial values for learnable parameters and the warm-up counter."""
     refresh_record(model, module)  # a record transformers made with torch.empty (a folder saved without one)
@@ -484,21 +452,3 @@ def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, *
         module._is_hf_initialized = True
         return None
     return type(model)._initialize_weights(model, module, *args, **kwargs)
-
-
-def give_instance_methods(model: PreTrainedModel) -> None:
-    """Give ``model`` its own ``_initialize_weights`` and ``init_continuous_batching``, once."""
-    own = model.__dict__
-    if "_initialize_weights" not in own:
-        own["_initialize_weights"] = functools.partial(_initialize_weights, model)
-    if "init_continuous_batching" not in own and hasattr(type(model), "init_continuous_batching"):
-        own["init_continuous_batching"] = functools.partial(_init_continuous_batching, model)
-
-
-def take_instance_methods(model: PreTrainedModel) -> None:
-    """Remove what :func:`give_instance_methods` gave ``model``."""
-    for name, ours in (("_initialize_weights", _initialize_weights),
-                       ("init_continuous_batching", _init_continuous_batching)):
-        given = model.__dict__.get(name)
-        if isinstance(given, functools.partial) and given.func is ours:
-            del model.__dict__[name]

@@ -1,11 +1,10 @@
-"""Learnable parameters of a method in transformers models (``config.pid = {"learnable": True, ...}``): each
-self-attention module's ``attention_params`` submodule. Making and resetting them, their tensor-parallel plan entries
-and weight decay; why they live there: docs/architecture.md.
+"""A method's learnable parameters in transformers models (``config.pid = {"learnable": True, ...}``): each
+self-attention module's ``attention_params``, their initial values, tensor-parallel plan entries and weight decay.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -13,20 +12,14 @@ from torch import nn
 from ..core import AttentionMethod
 from .internals import TP_PLAN, TP_STYLE
 
-__all__ = ["GAINS_ATTR", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach",
-           "extend_tp_plan", "gain_parameter_names", "is_gain_name", "layer_gains_of", "make", "reset",
-           "tp_plan_entries"]
+__all__ = ["GAINS_ATTR", "NoGainDecayTrainerMixin", "attach", "decay_parameter_names", "detach", "extend_tp_plan",
+           "gain_parameter_names", "is_gain_name", "layer_gains_of", "reset"]
 
-#: the attribute (submodule name) of the gains on each self-attention module
-GAINS_ATTR = "attention_params"
-#: matches the state-dict keys of the gains (transformers' ``_keys_to_ignore_on_load_missing`` is a regex list)
-MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.[^.]+$"
-#: a gain's parameter name, also inside peft's ``modules_to_save`` wrapper
-#: (``attention_params.modules_to_save.<adapter>.`` the trained copy, ``attention_params.original_module.`` the
-#: frozen original)
+GAINS_ATTR = "attention_params"  # the gains' submodule on each self-attention module
+MISSING_PATTERN = rf"(^|\.){GAINS_ATTR}\.[^.]+$"  # their state-dict keys (for _keys_to_ignore_on_load_missing)
+#: a gain's parameter name, also inside peft's ``modules_to_save`` wrapper (its trained copy and frozen original)
 _NAME = re.compile(rf"(^|\.){GAINS_ATTR}\.(modules_to_save\.[^.]+\.|original_module\.)?[^.]+$")
-#: on a learned module made here: ``(method, config)`` it was made from (its initial values)
-_ORIGIN = "_pid_plugins_origin"
+_ORIGIN = "_pid_plugins_origin"  # on a learned module made here: ``(method, config)`` it was made from
 
 
 def _is_learned(module: Any) -> bool:
@@ -47,49 +40,35 @@ def _method_of_learned(gains: nn.Module) -> Optional[str]:
     return origin[0].name if origin is not None else None
 
 
-def make(method: AttentionMethod, config: Any) -> Optional[nn.Module]:
-    """One layer's learnable parameters for ``method`` with ``config`` (None for fixed parameters)."""
-    learned = method.make_learned(config)
-    if learned is not None:
-        learned.__dict__[_ORIGIN] = (method, config)
-    return learned
-
-
 @torch.no_grad()
 def reset(module: nn.Module) -> bool:
     """Give a learned module made here its initial values (loaded ones kept); True if ``module`` is one."""
     origin = module.__dict__.get(_ORIGIN)
     if origin is None:
         return False
+    from torch.distributed.tensor import DTensor, distribute_tensor
     from transformers import initialization as init  # skips parameters flagged as loaded
 
     fresh = origin[0].make_learned(origin[1])
     for name, param in module.named_parameters():
-        init.copy_(param, _like(param, fresh.get_parameter(name).detach()))
+        value = fresh.get_parameter(name).detach().to(device=param.device, dtype=param.dtype)
+        if isinstance(param, DTensor):  # with its mesh and placements
+            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        init.copy_(param, value)
     return True
 
 
-def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` on ``param``'s device and dtype (for a DTensor, with its mesh and placements)."""
-    value = value.to(device=param.device, dtype=param.dtype)
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    return value
-
-
 def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod]) -> bool:
-    """Give ``attention`` the learnable parameters of ``method`` unless it has some of that method; True if added
-    (False for no method). They take the device, dtype and train/eval mode of the module."""
+    """Give ``attention`` (in its device, dtype and mode) ``method``'s learnable parameters unless it has them."""
     if method is None:
         return False
     current = layer_gains_of(attention)
     if current is not None and _method_of_learned(current) == method.name:
         return False
-    gains = make(method, config)
+    gains = method.make_learned(config)
     if gains is None:
         return False
+    gains.__dict__[_ORIGIN] = (method, config)
     ref = next((p for p in attention.parameters() if p.is_floating_point() and not _is_gain_param(attention, p)),
                None)
     if ref is not None:
@@ -121,25 +100,15 @@ def ignore_missing(model: nn.Module) -> None:
         model._keys_to_ignore_on_load_missing = {*current, MISSING_PATTERN}
 
 
-# ------------------------------------------------------------------------------------------ tensor parallelism
-def _wildcard(name: str) -> str:
-    """A module name with its layer numbers as ``*`` (``model.layers.3.self_attn`` -> ``model.layers.*.self_attn``)."""
-    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
-
-
-def tp_plan_entries(model: nn.Module) -> Dict[str, str]:
-    """The tensor-parallel plan entries for ``model``'s learnable parameters (``"replicated_with_grad_allreduce"``)."""
-    return {_wildcard(name): TP_STYLE for name, module in model.named_modules()
-            if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
-
-
 def extend_tp_plan(model: nn.Module) -> bool:
-    """Add :func:`tp_plan_entries` to ``model.tp_plan``; True if it added any."""
-    entries = tp_plan_entries(model)
+    """Add the learnable parameters' entries to ``model.tp_plan``; True if it added any."""
+    entries = {re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name): TP_STYLE
+               for name, module in model.named_modules()
+               if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
     if not entries:
         return False
     if not TP_PLAN.holds():  # an older release: no entry; tensor parallelism with these parameters is refused at the
-        return False          # first forward (forward._before_forward), everything else runs
+        return False          # first forward (discovery.renew), everything else runs
     plan = model.tp_plan
     missing = {k: v for k, v in entries.items() if plan.get(k) != v}
     if not plan or not missing:
@@ -148,7 +117,6 @@ def extend_tp_plan(model: nn.Module) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------------------------- weight decay
 def is_gain_name(name: str) -> bool:
     """Whether a parameter name (as ``named_parameters`` gives it, any prefix) is a learnable PID gain."""
     return _NAME.search(name) is not None

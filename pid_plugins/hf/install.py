@@ -1,7 +1,6 @@
 """What ``import pid_plugins.hf`` changes in transformers, once: every registered method becomes an
-``attn_implementation`` and a mask function, and ``PreTrainedModel.__init__`` is hooked: a folder saved with a
-method is built as saved (:func:`_as_saved`) or warned about (:func:`_check_loaded`), and a model built with a method
-gets its hooks and own ``post_init``. A model built without one is left as transformers built it.
+``attn_implementation`` and a mask function; ``PreTrainedModel.__init__`` (transformers has no other construction
+hook) builds a folder saved with a method as saved, and gives a model built with a method its hooks.
 """
 from __future__ import annotations
 
@@ -12,20 +11,19 @@ from typing import Any, Dict, Optional, Tuple
 
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, PretrainedConfig
 
-from ..versions import check_version
+from ..versions import check_version, require
 from ..core import AttentionMethod, list_methods, on_register, register_warmup_finisher, reserve_names
 from . import conversion, discovery
 from .attention import method_attention_forward, method_mask
 from .internals import GLOBAL_MAPPING, INITIALIZE_WEIGHTS
 from .config import BASE_ATTR, STOCK_ATTR, WARMUP_ATTR, method_of, persist
 
-__all__ = ["install", "warn_loaded_as_stock"]
+__all__ = ["install"]
 
 logger = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------- while a model is built
-_ORIGINAL_MODEL_INIT = None
+_ORIGINAL_MODEL_INIT: Any = None
 
 
 def _model_init(self, *args: Any, **kwargs: Any) -> None:
@@ -35,41 +33,17 @@ def _model_init(self, *args: Any, **kwargs: Any) -> None:
     if discovery.hooked(self):
         return
     _check_loaded(self)
-    if method_of(self.config) is None:  # a stock model: nothing of ours
+    method = method_of(self.config)
+    if method is None:  # a stock model: nothing of ours
         return
-    _check_family(self)
-    discovery.hook(self)  # (with the model's own _initialize_weights and init_continuous_batching)
+    discovery.check_family(type(self), self.config, method.name)  # before its layers exist
+    discovery.hook(self)
     persist(self.config)  # saved as the method's name whenever the model runs one at save time, else null
     self.__dict__["post_init"] = functools.partial(discovery.post_init, self)
 
 
-def _wrap_model_init() -> None:
-    global _ORIGINAL_MODEL_INIT
-    if _ORIGINAL_MODEL_INIT is None:
-        _ORIGINAL_MODEL_INIT = PreTrainedModel.__init__
-        PreTrainedModel.__init__ = functools.wraps(_ORIGINAL_MODEL_INIT)(_model_init)
-
-
-def _check_family(model: PreTrainedModel) -> None:
-    """Refuse, before its layers exist, a family that picks attention classes from its own table, not the interface."""
-    discovery.check_family(type(model), model.config, method_of(model.config).name)
-
-
-# ------------------------------------------------------------------------------ what a saved folder records
-def warn_loaded_as_stock(config: Any, saved: str, path: Any, where: str) -> None:
-    """One warning: the checkpoint at ``path``, saved running method ``saved``, is loaded with the stock attention."""
-    requested = getattr(config, "_attn_implementation", None)
-    params = vars(config).get(saved) or "its transformers preset"
-    logger.warning(
-        "%s: %s was saved from a model running attention method %r (config.%s = %s); attn_implementation=%r loads "
-        "its weights into the stock attention, a different function than the one they were trained with. To run it "
-        "as saved: from_pretrained(%r, attn_implementation=%r) after `import pid_plugins.hf` (a tool that loads "
-        "models by name: `pid-plugins run -- <command>` with model argument attn_implementation=%s, or none).",
-        where, path, saved, saved, params, requested, str(path), saved, saved)
-
-
-#: what was learnt about a config, by id (a model and the models nested in it share one config, each built through
-#: the hook; configs are unhashable): ``{"saved": ..., "warned": True}``, dropped with the config
+#: what was learnt about a config, by id (a model and the models nested in it share one, each built through the hook;
+#: configs are unhashable): ``{"saved": ..., "warned": True}``, dropped with the config
 _SEEN: Dict[int, Tuple["weakref.ref[Any]", Dict[str, Any]]] = {}
 
 
@@ -120,12 +94,19 @@ def _check_loaded(model: PreTrainedModel) -> None:
         saved = _saved_implementation(config)
         if saved in list_methods() and not _seen(config).get("warned"):
             _seen(config)["warned"] = True
-            warn_loaded_as_stock(config, saved, config._name_or_path, f"{type(model).__name__}.from_pretrained")
+            path = config._name_or_path
+            logger.warning(
+                "%s: %s was saved from a model running attention method %r (config.%s = %s); attn_implementation=%r "
+                "loads its weights into the stock attention, a different function than the one they were trained "
+                "with. To run it as saved: from_pretrained(%r, attn_implementation=%r) after `import pid_plugins.hf` "
+                "(a tool that loads models by name: `pid-plugins run -- <command>` with model argument "
+                "attn_implementation=%s, or none).", f"{type(model).__name__}.from_pretrained", path, saved, saved,
+                vars(config).get(saved) or "its transformers preset", getattr(config, "_attn_implementation", None),
+                str(path), saved, saved)
     elif getattr(config, "_name_or_path", None) and _saved_implementation(config) != running.name:
         model.__dict__[discovery.SWITCH_CHECK] = f"{type(model).__name__}.from_pretrained"
 
 
-# --------------------------------------------------------------------------------------- the registrations
 def _register(method: AttentionMethod) -> None:
     """Register every attention method as an ``attn_implementation`` of transformers, with its base's mask function."""
     AttentionInterface.register(method.name, method_attention_forward)
@@ -134,8 +115,9 @@ def _register(method: AttentionMethod) -> None:
 
 def _transformers_names() -> Dict[str, str]:
     """The names transformers holds (implementations, ``"eager"``, config attributes), for ``reserve_names``."""
-    names = {name: f"PretrainedConfig.{name}, which a method's parameters (saved as config.<method name>) would overwrite"
-             for name in {*dir(PretrainedConfig), *vars(PretrainedConfig())} if not name.startswith("_")}
+    names = {name: f"PretrainedConfig.{name}, which a method's parameters (saved as config.<method name>) would "
+                   "overwrite" for name in {*dir(PretrainedConfig), *vars(PretrainedConfig())}
+             if not name.startswith("_")}
     names.update({name: f"pid_plugins' configuration attribute config.{name}"
                   for name in (BASE_ATTR, STOCK_ATTR, WARMUP_ATTR)})
     replaced = "which a method of that name would replace for every model that uses it, also models without a method"
@@ -155,11 +137,12 @@ def install() -> None:
     if _INSTALLED[0]:
         return
     check_version("transformers")
-    # what the changes below rely on
-    for internal in (INITIALIZE_WEIGHTS, GLOBAL_MAPPING):
-        internal.require()
+    require(INITIALIZE_WEIGHTS, GLOBAL_MAPPING)  # what the changes below rely on
     _INSTALLED[0] = True
-    _wrap_model_init()
+    global _ORIGINAL_MODEL_INIT
+    if _ORIGINAL_MODEL_INIT is None:
+        _ORIGINAL_MODEL_INIT = PreTrainedModel.__init__
+        PreTrainedModel.__init__ = functools.wraps(_ORIGINAL_MODEL_INIT)(_model_init)
     reserve_names("transformers", _transformers_names)
     on_register(_register)
     register_warmup_finisher(conversion.finish)

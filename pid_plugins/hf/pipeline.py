@@ -1,10 +1,10 @@
-"""Pipeline parallelism (``torch.distributed.pipelining``) for a transformers model whose attention method carries
-state across layers: :func:`pipeline_stage` builds a stage module whose forward passes that state on with the hidden
-states. Decoder-only families with ``base_model.layers``; a whole example: docs/scaling.md.
+"""Pipeline parallelism (``torch.distributed.pipelining``) for a decoder-only transformers model whose method carries
+state across layers: :func:`pipeline_stage` makes a stage whose forward hands that state on (docs/scaling.md).
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
@@ -60,16 +60,14 @@ def _received(tensor: Tensor) -> Tensor:
     return _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor
 
 
+@dataclass
 class _Carry:
     """One stage forward: what enters (the previous stage's hidden states and state) and what leaves."""
 
-    __slots__ = ("hidden_in", "state_in", "hidden_out", "state_out", "run")
-
-    def __init__(self, hidden_in: Optional[Tensor], state_in: Optional[tuple]) -> None:
-        self.hidden_in, self.state_in = hidden_in, state_in
-        self.hidden_out: Optional[Tensor] = None
-        self.state_out: Optional[tuple] = None
-        self.run: Optional[MethodForwardState] = None
+    hidden_in: Optional[Tensor]
+    state_in: Optional[tuple]
+    hidden_out: Optional[Tensor] = None
+    state_out: Optional[tuple] = None
 
 
 class PipelineStageModule(nn.Module):
@@ -86,31 +84,23 @@ class PipelineStageModule(nn.Module):
         layers = base.layers[layer_range[0]:layer_range[1]]
         attentions = [m for layer in layers for m in layer.modules()  # its self-attention (discovery's order)
                       if isinstance(getattr(m, ROLE, None), int) and getattr(m, ROLE) >= 0]
-        #: the stack index of the layer whose state this stage receives (None: the stage starts the stack) and of
-        #: its own last self-attention layer (whose state it hands on)
-        self._entry: Optional[int] = None
-        self._exit: Optional[int] = None
-        if attentions:
-            earlier = getattr(attentions[0], EARLIER, ())
-            self._entry = earlier[0] if earlier else None
-            self._exit = getattr(attentions[-1], ROLE)
+        #: the index of the layer whose state this stage receives (None: it starts the stack), and of its last one
+        earlier = getattr(attentions[0], EARLIER, ()) if attentions else ()
+        self._entry: Optional[int] = earlier[0] if earlier else None
+        self._exit: Optional[int] = getattr(attentions[-1], ROLE) if attentions else None
         self.__dict__["_carry"] = None  # the forward under way (plain attribute: not a submodule)
-        #: recomputation under a checkpoint wrapper around the first layer (its hooks inside the checkpoint): the
-        #: hidden states it received -> what the stage put in their place
+        #: a checkpoint wrapper's recomputation of the first layer: the hidden states it got -> what the stage gave
         self.__dict__["_swaps"] = WeakIdKeyDictionary()
         if not self.is_first:
             layers[0].register_forward_pre_hook(self._enter, with_kwargs=True)
         if not self.is_last:
             layers[-1].register_forward_hook(self._leave, with_kwargs=True)
 
-    # ------------------------------------------------------------------------------------------ the state
     def state_fields(self) -> Tuple[str, ...]:
         """The names of the state tensors that cross this stage's boundaries."""
         config = self.model.config
         method = method_of(config)
-        if method is None or not method.state_fields:
-            return ()
-        if method.is_identity(model_method_config(config, method)):
+        if method is None or not method.state_fields or method.is_identity(model_method_config(config, method)):
             return ()
         return tuple(method.state_fields)
 
@@ -127,7 +117,6 @@ class PipelineStageModule(nn.Module):
             if isinstance(arriving, Tensor):
                 self.__dict__["_swaps"][arriving] = replacement
             run = kwargs.get(STATE_KEYWORD)
-            carry.run = run
             if carry.state_in is not None:
                 if not isinstance(run, MethodForwardState) or self._entry is None:
                     raise RuntimeError(
@@ -150,7 +139,6 @@ class PipelineStageModule(nn.Module):
         if isinstance(run, MethodForwardState) and self._exit is not None:
             carry.state_out = run.layers.get(self._exit)
 
-    # ------------------------------------------------------------------------------------------ forward
     def forward(self, *inputs: Tensor, **kwargs: Any) -> Any:
         fields = self.state_fields()
         for key in ("input_ids", "inputs_embeds", "labels", "use_cache", "cache", "past_key_values"):
@@ -160,8 +148,7 @@ class PipelineStageModule(nn.Module):
         if self.is_first:
             if len(inputs) != 1:
                 raise TypeError(f"pipeline stage 0 takes the input ids, one tensor; got {len(inputs)} tensors")
-            feed = {"input_ids": inputs[0]}
-            carry = _Carry(None, None)
+            feed, carry = {"input_ids": inputs[0]}, _Carry(None, None)
         else:
             if len(inputs) != 1 + len(fields):
                 raise TypeError(
@@ -171,8 +158,7 @@ class PipelineStageModule(nn.Module):
                 )
             hidden = _received(inputs[0])
             state = tuple(None if t.numel() == 0 else _received(t) for t in inputs[1:])
-            feed = {"inputs_embeds": hidden}
-            carry = _Carry(hidden, state if fields else None)
+            feed, carry = {"inputs_embeds": hidden}, _Carry(hidden, state if fields else None)
         self.__dict__["_carry"] = carry
         try:
             if self.is_last:  # the logits (a base model: its last hidden states)
@@ -189,33 +175,21 @@ class PipelineStageModule(nn.Module):
             if carry.state_out is None:
                 raise RuntimeError(f"pipeline stage {self.stage_index}: its last layer handed on no state of attention "
                                    f"method {method_of(self.model.config).name!r}")
-            like = carry.hidden_out
-            out.extend(t.contiguous() if t is not None else like.new_empty(0) for t in carry.state_out)
+            out.extend(t.contiguous() if t is not None else out[0].new_empty(0) for t in carry.state_out)
         return tuple(out)
 
     def extra_repr(self) -> str:
-        return (f"stage_index={self.stage_index}, num_stages={self.num_stages}, "
-                f"layer_range={self.layer_range}")
+        return f"stage_index={self.stage_index}, num_stages={self.num_stages}, layer_range={self.layer_range}"
 
 
 def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
                    layer_range: Optional[Tuple[int, int]] = None) -> PipelineStageModule:
-    """Stage ``stage_index`` of ``num_stages`` of ``model``: the module whose forward carries the method's state.
+    """Stage ``stage_index`` of ``num_stages`` of ``model`` (its method chosen; changed in place, other stages'
+    modules becoming placeholders), owning ``layer_range`` of ``base_model.layers`` (:func:`stage_layer_range`).
 
     The first stage takes ``input_ids``, a later one ``(hidden_states, *state)``; the last returns the logits, the
     others ``(hidden_states, *state)``, where ``state`` is the method's ``state_fields`` (an empty tensor for None).
     Keyword arguments go to ``schedule.step`` on every rank; stages run without a KV cache.
-
-    Args:
-        model: a transformers decoder-only model with its attention method chosen before the split; changed in place
-            (other stages' modules become placeholders).
-        stage_index: this stage, from 0 (usually the rank).
-        num_stages: the number of stages (usually the world size).
-        layer_range: the layers ``[start, end)`` of ``base_model.layers`` this stage owns (default: transformers'
-            even split, :func:`stage_layer_range`).
-
-    Raises ``ValueError`` before anything changes for a model without ``base_model.layers``, a bad stage, or gain
-    warm-up (:func:`pid_plugins.finish_warmup` first).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"pipeline_stage: a transformers PreTrainedModel, got {type(model).__name__}")
@@ -224,9 +198,9 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
-            f"pipeline_stage: {where} has no base_model.layers (a ModuleList of decoder layers), which the stages split, "
-            "as transformers' own pipeline parallelism does: a decoder-only family such as Llama, Mistral, Qwen2, "
-            "Gemma or Phi-3"
+            f"pipeline_stage: {where} has no base_model.layers (a ModuleList of decoder layers), which the stages "
+            "split, as transformers' own pipeline parallelism does: a decoder-only family such as Llama, Mistral, "
+            "Qwen2, Gemma or Phi-3"
         )
     if not (isinstance(num_stages, int) and num_stages >= 1 and isinstance(stage_index, int)
             and 0 <= stage_index < num_stages):
@@ -254,7 +228,6 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
         if any(isinstance(m, PreTrainedModel) and not discovered(m) for m in model.modules()):
             rediscover(model)  # number the layers while they are all there
     first, last = stage_index == 0, stage_index == num_stages - 1
-    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and num_stages > 1
     for index in range(n):
         if not start <= index < end:
             layers[index] = NotInStage(f"layers.{index}")
@@ -263,11 +236,10 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
     if not last:
         if isinstance(getattr(base, "norm", None), nn.Module):
             base.norm = NotInStage("norm")
-        head = getattr(model, "lm_head", None)
-        if isinstance(head, nn.Module) and model is not base:
+        if isinstance(getattr(model, "lm_head", None), nn.Module) and model is not base:
             model.lm_head = NotInStage("lm_head")
     relayout(model)  # the plans read the placeholders now (the layers keep their numbers)
-    if tied and (first or last):
+    if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1 and (first or last):
         logger.warning("pipeline_stage: %s ties its output head to the input embedding; the first and the last "
                        "stage each keep a copy, which training updates separately unless their gradients are summed",
                        where)

@@ -1,7 +1,6 @@
-"""The method record in a transformers model's weights: ``<owner>.pid_plugins_method`` (:mod:`pid_plugins.core.record`),
-a buffer of the first module of the outermost model that holds a parameter of its own (Llama: ``model.embed_tokens``),
-written by ``save_pretrained`` beside the weights and rewritten from ``config`` at every ``state_dict()``; never read
-into the model. Why that module (every device map that places the stock weights places it): docs/checkpoints.md.
+"""The method record in a transformers model's weights (:mod:`pid_plugins.core.record`): a buffer of the outermost
+model's first module holding a parameter of its own (Llama: ``model.embed_tokens``), rewritten from ``config`` at every
+``state_dict()`` and never read into the model. Why that module: docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -17,21 +16,18 @@ from .config import method_of, model_method_config
 
 __all__ = ["MISSING_KEY", "SIZE", "record_key", "refresh", "sync_record"]
 
-#: the record's length: the JSON padded with spaces to a multiple of this
-SIZE = 1024
-#: the record's state-dict key for transformers' ``_keys_to_ignore_on_load_missing`` and ``..._unexpected`` (a
-#: regex): a folder saved before the record existed, or with it on the outermost model (before 0.1.0's device-map fix)
+SIZE = 1024  # the record's length: the JSON padded with spaces to a multiple of this
+#: the record's key for transformers' ``_keys_to_ignore_on_load_missing`` and ``..._unexpected`` (a regex): a folder
+#: saved without it, or with it on the outermost model (before 0.1.0)
 MISSING_KEY = rf"(^|\.){RECORD}$"
-#: whether a record was ever made (else a stock model's construction scans nothing)
-_MADE = [False]
+_MADE = [False]  # whether a record was ever made (else a stock model's construction scans nothing)
 #: on a transformers model nested in one that holds the record (a ``*ForCausalLM``'s base model): it holds none
 _HELD_ABOVE = "_pid_plugins_record_held_above"
-#: on the model that holds the record: the path of the submodule whose buffer it is ("" : the model itself)
-_OWNER = "_pid_plugins_record_owner"
+_OWNER = "_pid_plugins_record_owner"  # on the model holding it: the path of the module whose buffer it is
 
 
 def _encode(config: Any) -> Tensor:
-    """The record of the method ``config`` runs, padded with spaces (JSON whitespace) to a multiple of :data:`SIZE`."""
+    """The record of the method ``config`` runs, padded with spaces to a multiple of :data:`SIZE`."""
     method = method_of(config)
     value = encode_record(method.name, model_method_config(config, method))
     pad = -value.numel() % SIZE
@@ -39,8 +35,7 @@ def _encode(config: Any) -> Tensor:
 
 
 def _owner_path(model: nn.Module) -> str:
-    """The first submodule (``named_modules`` order) holding a parameter of its own and reachable under one name
-    only; "" when there is none. Any device map that places the model's parameters names it or a module above it."""
+    """The first submodule with a parameter of its own and one name, else "" (every device map places it)."""
     uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     for path, module in model.named_modules():
         if path and uses[id(module)] == 1 and any(p is not None for p in module._parameters.values()):
@@ -54,34 +49,28 @@ def _owner(model: nn.Module) -> nn.Module:
 
 
 def _held(model: nn.Module) -> nn.Module:
-    """The record's module, given the buffer if it has none (a module replaced since, e.g. by
-    ``resize_token_embeddings``); ``model.config`` runs a method."""
+    """The record's module, its buffer saved; given one if it has none (replaced by ``resize_token_embeddings``)."""
     owner = _owner(model)
     if RECORD not in owner._buffers:
         like = next(owner.parameters(), None)
         value = _encode(model.config)
         owner.register_buffer(RECORD, value if like is None else value.to(like.device))
+    owner._non_persistent_buffers_set.discard(RECORD)
     return owner
 
 
 def record_key(model: nn.Module) -> Optional[str]:
-    """The state-dict key of the record ``model`` holds (``model.embed_tokens.pid_plugins_method`` in a Llama), or
-    None when it holds none."""
+    """The state-dict key of the record ``model`` holds (``model.embed_tokens.pid_plugins_method``), else None."""
     path = model.__dict__.get(_OWNER)
-    if path is None:
-        return None
-    return f"{path}.{RECORD}" if path else RECORD
+    return None if path is None else f"{path}.{RECORD}" if path else RECORD
 
 
 def _write(owner: nn.Module, config: Any) -> None:
-    """Write the record of the method ``config`` runs into ``owner``'s buffer (a meta buffer keeps its shape)."""
+    """Write the record of the method ``config`` runs into ``owner``'s buffer (a meta buffer stays meta)."""
     old, value = owner._buffers[RECORD], _encode(config)
-    if old.device.type == "meta":
-        if old.shape != value.shape:
-            owner._buffers[RECORD] = value.to("meta")
-    elif old.shape != value.shape:
+    if old.shape != value.shape:
         owner._buffers[RECORD] = value.to(old.device)
-    elif not torch.equal(old.cpu(), value):
+    elif old.device.type != "meta" and not torch.equal(old.cpu(), value):
         with torch.no_grad():
             old.copy_(value)
 
@@ -93,33 +82,26 @@ def _before_state_dict(model: nn.Module, prefix: str = "", keep_vars: bool = Fal
         if RECORD in owner._buffers:
             owner._non_persistent_buffers_set.add(RECORD)
         return
-    owner = _held(model)
-    owner._non_persistent_buffers_set.discard(RECORD)
-    _write(owner, model.config)
+    _write(_held(model), model.config)
 
 
 def _keep_own(model: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: the model keeps its own record (a record on the outermost model, where older
-    releases saved it, is dropped)."""
+    """``load_state_dict`` pre-hook: the model keeps its own record (one where older releases saved it is dropped)."""
     key = record_key(model)
     if key != RECORD:
         state_dict.pop(prefix + RECORD, None)
     if method_of(model.config) is not None:
-        owner = _held(model)
-        owner._non_persistent_buffers_set.discard(RECORD)
-        state_dict[prefix + key] = owner._buffers[RECORD]
+        state_dict[prefix + key] = _held(model)._buffers[RECORD]
 
 
 def refresh(model: nn.Module, module: nn.Module) -> None:
-    """Give ``module``'s record the bytes of ``model``'s method, if ``module`` holds one (``model``: the transformers
-    model whose weights transformers initialises)."""
+    """Give ``module``'s record, if it holds one, the bytes of ``model``'s method (its weights being initialised)."""
     if RECORD in module._buffers and method_of(getattr(model, "config", None)) is not None:
         _write(module, model.config)
 
 
 def _ignore(model: nn.Module, add: bool) -> None:
-    """Add (or remove) :data:`MISSING_KEY` to the model's keys transformers' loader does not report missing or
-    unexpected."""
+    """Add (or remove) :data:`MISSING_KEY` to the keys transformers' loader does not report missing or unexpected."""
     for attribute in ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected"):
         if add:
             setattr(model, attribute, {*(getattr(model, attribute, None) or ()), MISSING_KEY})
@@ -130,24 +112,17 @@ def _ignore(model: nn.Module, add: bool) -> None:
 
 
 def _attach(model: nn.Module) -> None:
-    path = model.__dict__.get(_OWNER)
-    if path is None:
-        path = model.__dict__[_OWNER] = _owner_path(model)
+    if _OWNER not in model.__dict__:
+        model.__dict__[_OWNER] = _owner_path(model)
         model.register_state_dict_pre_hook(_before_state_dict)
         model.register_load_state_dict_pre_hook(_keep_own)
         _ignore(model, True)
         _MADE[0] = True
-    owner = _owner(model)
-    if RECORD in owner._buffers:
-        owner._non_persistent_buffers_set.discard(RECORD)
-        _write(owner, model.config)
-    else:
-        _held(model)
+    _write(_held(model), model.config)
 
 
 def _detach(model: nn.Module, keep: Optional[nn.Module] = None) -> None:
-    """Take ``model``'s record (its buffer, unless on ``keep``, the owner of the model that holds it now), hooks and
-    ignored keys."""
+    """Take ``model``'s record (its buffer, unless on ``keep``, the owner now), hooks and ignored keys."""
     owner = _owner(model)
     if owner is not keep:
         owner._buffers.pop(RECORD, None)

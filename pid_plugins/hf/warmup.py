@@ -1,6 +1,5 @@
-"""The gain warm-up of a transformers model: one counter (``attention_warmup``, a :class:`~pid_plugins.core.GainWarmup`
-submodule of the outermost model, saved with the weights) when ``config.<method>`` asks for ``warmup_steps > 0``.
-:func:`attach_warmup` gives or removes it; :func:`counter_of` is the counter a model's layers read.
+"""The gain warm-up of a transformers model: one :class:`~pid_plugins.core.GainWarmup` counter, the outermost model's
+``attention_warmup`` (saved with the weights), when ``config.<method>`` asks for ``warmup_steps > 0``.
 """
 from __future__ import annotations
 
@@ -14,23 +13,14 @@ from .config import WARMUP_ATTR, WARMUP_SOURCE, method_of, model_method_config
 
 __all__ = ["WARMUP_ATTR", "attach_warmup", "counter_of", "give_counter"]
 
-#: the counter's state-dict key for transformers' ``_keys_to_ignore_on_load_missing`` (a regex)
-WARMUP_MISSING_KEY = rf"(^|\.){WARMUP_ATTR}\.step$"
-#: whether a warm-up counter was ever made (else module registrations need no scan for counters to adopt)
-ANY_COUNTER = [False]
+WARMUP_MISSING_KEY = rf"(^|\.){WARMUP_ATTR}\.step$"  # for transformers' _keys_to_ignore_on_load_missing
+ANY_COUNTER = [False]  # whether a counter was ever made (else a model's construction scans for none to adopt)
 
 
 def counter_of(model: nn.Module) -> Optional[GainWarmup]:
     """The warm-up counter a model's layers read: its own, or the outermost model's (set at discovery)."""
     counter = model._modules.get(WARMUP_ATTR)
     return counter if counter is not None else model.__dict__.get(WARMUP_SOURCE)
-
-
-def _warmup_steps(config: Any) -> int:
-    method = method_of(config)
-    if method is None or getattr(config, method.name, None) is None:
-        return 0
-    return getattr(model_method_config(config, method), "warmup_steps", 0)
 
 
 def give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
@@ -43,11 +33,14 @@ def give_counter(model: PreTrainedModel, counter: GainWarmup) -> None:
 def attach_warmup(model: PreTrainedModel, config: Any = None) -> None:
     """Give ``model`` the counter its method's parameters ask for (keeping an existing ``t``), or remove it."""
     current = model._modules.get(WARMUP_ATTR)
-    steps = getattr(config, "warmup_steps", 0) if config is not None else _warmup_steps(model.config)
+    if config is None:
+        method = method_of(model.config)
+        if method is not None and getattr(model.config, method.name, None) is not None:
+            config = model_method_config(model.config, method)
+    steps = getattr(config, "warmup_steps", 0)
     if not steps and current is None:
         return
-    param = next(model.parameters(), None)
-    counter = make_warmup(steps, current, like=param)
+    counter = make_warmup(steps, current, like=next(model.parameters(), None))
     if counter is None:
         del model._modules[WARMUP_ATTR]
         return
