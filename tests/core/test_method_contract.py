@@ -152,6 +152,14 @@ def test_the_kit_reports_exact_refused_and_wrong():
     assert str(wrong).startswith("timm-deit        reference      wrong: AssertionError")
 
 
+@pytest.mark.integration  # a fresh process
+def test_the_kit_imports_with_torch_alone():
+    code = ("import sys, pid_plugins.testing; "
+            "print(sorted({'timm', 'transformers', 'mmseg', 'mmengine', 'fairseq', 'pytest'} & set(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:] + proc.stdout
+
+
 # ================================================================================================ the toy's paths
 # The toy reaches every zoo through pid_plugins.register_method only (tests/toy_method.py): what each zoo's user path
 # does with a method nothing in pid_plugins knows, beyond the grid above.
