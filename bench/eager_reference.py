@@ -12,8 +12,8 @@ plugin/reference ratio is what the plugin's glue costs: every check, lookup and 
 without. Measured at the host-cost decode shape (bench/host_cost.py): tokens/s over stock ``"sdpa"`` of the
 reference and of the plugin, in one process, interleaved (stock, reference, plugin), one thread, thread CPU time.
 
-Training (``--train``): timm's stock DeiT whose attention is written by hand (SDPA, then PID's update in five ops,
-the state in a dict) against the plugin's PID DeiT, at the host-bound training shape (a step: cross-entropy,
+Training (``--train``): timm's stock DeiT whose attention is written by hand (timm's own forward, then PID's update
+in five ops, the state in a dict) against the plugin's PID DeiT, at the host-bound training shape (a step: cross-entropy,
 backward, SGD); step time over stock's, three runs of interleaved rounds, the run of the median gap.
 """
 from __future__ import annotations
@@ -170,13 +170,16 @@ TRAIN_CFG = dict(img_size=32, patch_size=8, embed_dim=64, depth=6, num_heads=2, 
 
 
 def _ref_attention(self, x, attn_mask=None, is_causal=False, *, layer: int, gains: tuple, state: dict):
-    """timm's ``Attention.forward`` written by hand with PID's update (timm's preset, the paper's first layer)."""
+    """timm's ``Attention.forward`` (its fused path, the modules it calls kept) with PID's update written in: timm's
+    preset, the paper's first layer."""
     import torch.nn.functional as F
 
     kp, ki, kd, beta = gains
     b_, n, c = x.shape
     q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    o = F.scaled_dot_product_attention(q, k, v)
+    q, k = self.q_norm(q), self.k_norm(k)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training
+                                       else 0.0, is_causal=is_causal)
     if layer == 0:
         b = v * beta
         e = b - v
@@ -190,7 +193,7 @@ def _ref_attention(self, x, attn_mask=None, is_causal=False, *, layer: int, gain
         u.add_(s, alpha=ki)
         u.add_(e_prev, alpha=-kd)
         state["pid"] = (b, s, e)
-    return self.proj(u.transpose(1, 2).reshape(b_, n, c))
+    return self.proj_drop(self.proj(self.norm(u.transpose(1, 2).reshape(b_, n, c))))
 
 
 def deit(kind: str, cfg: Optional[Dict[str, Any]] = None):
