@@ -112,7 +112,7 @@ def kit_cases():
         for case in ("checkpointing", "save_load", "compile", "generate", "padding"):
             if APPLIES.get(case, lambda m: True)(model) and (case != "compile" or model.name in method.compile_models):
                 cfgs[case] = method_cfg(method, model)
-            if method.learnable and case in ("checkpointing", "save_load") + ("compile",) * (model.zoo == "hf"):
+            if method.learnable and case in ("checkpointing", "save_load"):
                 cfgs[f"{case}-learnable"] = {**(method_cfg(method, model) or {}), "learnable": True}
         out += [pytest.param(method, model, key.split("-")[0], cfg, id=f"{key}-{method.name}-{model.name}",
                              marks=[pytest.mark.slow] * key.startswith("compile")) for key, cfg in cfgs.items()]
