@@ -141,6 +141,11 @@ def test_back_to_softmax_is_the_stock_model_bit_for_bit(zoo, key, method, cfg):
     if zoo.zoo == "hf":
         assert model.config._attn_implementation == "sdpa" and set(vars(model.config)) == set(vars(zoo.stock().config))
     assert snapshot(zoo, zoo.convert(model, "softmax")) == pristine  # softmax on a stock model: nothing to do
+    fresh = zoo.stock()  # ... which trains as the zoo's own: gradients bit for bit
+    for m in (model, fresh):
+        zoo.loss(m.train(), zoo.inputs()).backward()
+    assert all((p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+               for p, q in zip(model.parameters(), fresh.parameters()))
 
 
 @pytest.mark.parametrize("zoo", ZOOS.values(), ids=list(ZOOS))

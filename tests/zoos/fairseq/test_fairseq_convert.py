@@ -84,6 +84,7 @@ def test_training_mode_is_kept_and_new_modules_follow_it(data_dir):
     pf.convert(stock, "pid", {"learnable": True, "warmup_steps": 3})
     assert stock.training and stock.decoder.attention_warmup.training
     assert all(layer.self_attn.attention_params.training for layer in stock.decoder.layers)
+    assert all(p.param_group == pf.METHOD_PARAM_GROUP for n, p in stock.named_parameters() if ".attention_params." in n)
     stock(fs_tokens())
     assert int(stock.decoder.attention_warmup.step) == 1
 

@@ -501,3 +501,19 @@ def test_a_finished_model_traces_with_fx_and_exports_with_timms_onnx_export(kind
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = torch.from_numpy(session.run(None, {"input0": x.numpy().astype(np.float32)})[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_built_by_pid_name_to_softmax_keeps_its_class_and_computes_the_stock_model():
+    model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg={"learnable": True, "warmup_steps": 3},
+                              **TINY).eval()
+    torch.manual_seed(0)
+    reference = timm.create_model("deit_tiny_patch16_224", **TINY).eval()
+    model.load_state_dict(reference.state_dict(), strict=False)
+    pt.convert(model, "softmax")
+    assert type(model) is pt.PIDVisionTransformer and model.attention_method is None
+    assert model.attention_warmup is None and model.blocks.warmup_counter is None
+    assert list(model.state_dict()) == list(reference.state_dict())  # no gains, no counter
+    mask = torch.zeros(17, 17)
+    with torch.no_grad():
+        assert torch.equal(model(images()), reference(images()))
+        assert torch.equal(model(images(), attn_mask=mask), reference(images(), attn_mask=mask))
