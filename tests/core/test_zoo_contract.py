@@ -207,7 +207,9 @@ def test_learnable_parameters_train_are_kept_as_trained_and_go(zoo, key, method,
         zoo.convert(model, method, {})
         assert gains(model).keys() == trained.keys()
         assert all(torch.equal(p, trained[n]) for n, p in gains(model).items())
-    zoo.convert(model, method, {**cfg, "learnable": False})
+    zoo.convert(model.train(), method, cfg)  # made in the model's mode
+    assert all(m.training for n, m in model.named_modules() if n.endswith("attention_params"))
+    zoo.convert(model.eval(), method, {**cfg, "learnable": False})
     assert not gains(model) and [k for k in model.state_dict() if "pid_plugins_method" not in k] == keys
 
 
