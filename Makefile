@@ -144,7 +144,7 @@ test-fast: $(STAMP)
 COMPAT_VENV ?= .venv-compat
 COMPAT_SKIP := docs/test_docs docs/test_wheel core/test_packaging docs/test_readme research/test_cli_demo \
 	research/test_study research/test_demo_cache research/test_analysis research/test_bench_harness \
-	docs/test_finetune_examples zoos/timm/test_timm_models docs/test_uv_sources zoos/hf/test_tools_hf \
+	docs/test_finetune_examples zoos/timm/test_timm_models zoos/hf/test_tools_hf \
 	zoos/timm/test_tools_timm research/test_device_script
 # its venv alone (.ci/run builds it in the background while make test runs)
 compat-env:
