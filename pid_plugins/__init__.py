@@ -31,7 +31,8 @@ from .versions import check_version  # noqa: E402
 check_version("torch")  # warns once when torch is outside the tested range (pid_plugins.versions.TESTED)
 
 __all__ = [
-    "PIDConfig", "PIDState", "PIDGains", "GainWarmup", "pid_update", "expand_heads", "PIDSelfAttention", "sdpa_with_pid",
+    "PIDConfig", "PIDState", "PIDGains", "GainWarmup", "pid_update", "expand_heads", "PIDSelfAttention",
+    "sdpa_with_pid",
     "AttentionMethod", "MethodConfig", "register_method", "get_method", "list_methods", "finish_warmup",
     "ModelEntry", "list_models", "get_model_entry", "__version__",
 ]

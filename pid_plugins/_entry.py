@@ -4,10 +4,9 @@ import sys
 
 
 def finding_main(package_name: str) -> bool:
-    """Whether this import is ``python -m <package_name>`` looking for its ``__main__``: Python imports the package
-    first (``sys.argv[0]`` is still ``"-m"`` until the module to run is found). Such a command prints only a path, so the
-    package then stops before importing its zoo (whose import, where deepspeed is installed and no GPU is seen, prints
-    DeepSpeed's accelerator line on stdout, into ``"$(python -m ...)"``)."""
+    """Whether this import is ``python -m <package_name>`` looking for its ``__main__`` (``sys.argv[0]`` is still
+    ``"-m"``): such a command prints only a path, so the package stops before importing its zoo (whose import may
+    print DeepSpeed's accelerator line on stdout)."""
     if sys.argv[:1] != ["-m"]:
         return False
     argv = list(getattr(sys, "orig_argv", []))[1:]
