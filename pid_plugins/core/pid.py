@@ -30,7 +30,6 @@ __all__ = ["PIDConfig", "PRESETS", "PIDState", "pid_update", "GainsLike", "PIDGa
 _GAIN_FIELDS = ("lambda_p", "lambda_i", "lambda_d")
 
 
-# ------------------------------------------------------------------------------------------------- parameters
 @dataclass(frozen=True)
 class PIDConfig(MethodConfig):
     """Gains of the PID attention update (PIDformer, eq. 25); the defaults are the ``deit`` preset.
@@ -87,7 +86,6 @@ class PIDConfig(MethodConfig):
             )
         object.__setattr__(self, "warmup_steps", int(steps))
 
-    # ----------------------------------------------------------------------------------------- presets
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "PIDConfig":
         """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides; the
@@ -130,10 +128,9 @@ _PRESET_KEYS = ("lambda_p", "lambda_i", "lambda_d", "beta")
 #: PID's presets as plain data: ``{name: {lambda_p, lambda_i, lambda_d, beta}}``
 PRESETS: Mapping[str, Mapping[str, float]] = _pid_presets()
 PIDConfig.PRESETS = PRESETS
-_PRESET_CONFIGS: dict[str, PIDConfig] = {name: PIDConfig(**gains) for name, gains in PRESETS.items()}  # validates
+_PRESET_CONFIGS: dict[str, PIDConfig] = {name: PIDConfig(**gains) for name, gains in PRESETS.items()}
 
 
-# ------------------------------------------------------------------------------------------------- the update
 Gain = Union[float, Tensor]
 GainsLike = Union[PIDConfig, Sequence[Gain]]
 
@@ -337,7 +334,6 @@ def _is_one(x: Gain) -> bool:
     return not isinstance(x, Tensor) and x == 1.0
 
 
-# ------------------------------------------------------------------------------------------------- learnable gains
 _GAINS = _GAIN_FIELDS
 #: a learnable gain initialised at 0 starts here instead (softplus never reaches 0 exactly)
 MIN_INITIAL_GAIN = 1e-4
@@ -407,7 +403,6 @@ def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
     return (lp * scale, li * scale, ld * scale, beta, first)
 
 
-# ------------------------------------------------------------------------------------------------- the method
 class PIDMethod(AttentionMethod):
     """PID attention: :func:`pid_update` with :class:`PIDConfig` gains, optionally learned per layer and warmed up."""
 

@@ -59,21 +59,20 @@ class MethodForwardState:
         self.scale = scale  # the gain warm-up's scale (None: no warm-up)
         self.zero = self.method.is_identity(config) if zero is None else zero  # the stock attention
         self.learnable = bool(getattr(config, "learnable", False))
-        # chosen once per forward (or reused from an earlier one, :meth:`chosen`): the function every call runs,
-        # the direct path's bound update (None: no direct path) and whether the method rebuilds plain-tuple states
+        # per forward or reused (:meth:`chosen`): the call, the direct path's update (or None), makes_state
         self.call, self.update, self.makes_state = chosen if chosen is not None else self._choose(config, scale)
-        self.calls = 0  # the attention calls that reached the method (the first eager forward checks there were some)
+        self.calls = 0  # the calls that reached the method (checked once: _verify)
         self.verify = False
         self.cached = cached or past_length is not None  # a cache object was passed to the forward
-        self.function = _BASE_FUNCTIONS.get(base)  # None for eager: each family has its own eager_attention_forward
+        self.function = _BASE_FUNCTIONS.get(base)  # None: eager, the family's own
         self.past_length = past_length
         self.layers: Dict[int, tuple] = {}
-        self.cache = cache  # for methods with a cache slot: the (self-attention) cache the layers update, or None
-        self.restart = restart  # layer dropout may skip layers: one whose earlier layers all skipped starts afresh
-        self.finished = False  # set when the forward returns: later calls are checkpointing's recomputation
+        self.cache = cache  # the self-attention cache (methods with a cache slot), or None
+        self.restart = restart  # layer dropout: a layer with no earlier layer run starts afresh
+        self.finished = False  # later calls: checkpointing's recomputation
         self.grad = False  # autograd was on when the forward began (checkpointing.py)
-        self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer (once per pass)
-        self.start: Optional[int] = None  # static cache, eager, on the CPU: the first query row as a number
+        self.rows: Optional[Tensor] = None  # static cache: the query rows of the value buffer
+        self.start: Optional[int] = None  # the same, eager on the CPU: the first row as a number
 
     def _choose(self, config: Any, scale: Optional[Tensor]) -> tuple:
         direct = not self.zero and scale is None and not self.learnable and calls_once(self.method)
@@ -110,7 +109,6 @@ def _method_of_config(config: Any) -> AttentionMethod:
                     "parameters; pass method=")
 
 
-# ------------------------------------------------------------------------------------ the base attention
 _BASE_FUNCTIONS = {"sdpa": sdpa_attention_forward, "flex_attention": flex_attention_forward}
 
 
@@ -154,14 +152,11 @@ def method_attention_forward(
     update = run.update
     if update is None:  # zero gains (the stock attention), or core's apply
         return run.call(run, module, query, key, value, attention_mask, kwargs)
-    # The direct path (PID, NeuTRENO): the base attention, then the update bound for this forward. Every other case (a
-    # module discovery did not number, checkpointing's recomputation, a shared module, an earlier layer skipped or
-    # handed over as plain tensors, torch.fx, reentrant checkpointing) goes to _method_call, with its checks and
-    # refusals, before anything runs.
+    # the direct path (PID, NeuTRENO): the base attention, then the bound update; every rare case goes to _method_call
     entries = module.__dict__
-    earlier = entries.get(EARLIER)  # set by discovery on self-attention: the earlier layers of its stack, nearest first
+    earlier = entries.get(EARLIER)  # the earlier layers of its stack, nearest first
     layers = run.layers
-    previous = layers.get(earlier[0]) if earlier else None  # the nearest earlier layer's state (it ran)
+    previous = layers.get(earlier[0]) if earlier else None
     index = entries.get(ROLE)
     if earlier is None or run.finished or index in layers or (earlier and (
             previous is None or (run.makes_state and type(previous) is tuple))) or isinstance(value, _PROXY) or (
@@ -215,7 +210,7 @@ def _query_values(run: MethodForwardState, value: Tensor, q_len: int) -> Tensor:
     start = _start(run, value)
     if start is not None:  # a static cache, eager, on the CPU: rows [past, past + q_len), a view
         return value.narrow(2, start, q_len)
-    if run.rows is None:  # a static cache: rows [past, past + q_len) of the buffer (once per forward)
+    if run.rows is None:  # a static cache: rows [past, past + q_len) of the buffer
         run.rows = run.past_length.to(value.device) + torch.arange(q_len, device=value.device)
     return value.index_select(2, run.rows)
 
@@ -246,12 +241,12 @@ def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
         return base(module, query, key, value, attention_mask, **kwargs)
     method = run.method
     if run.finished:  # activation checkpointing's recomputation, in the backward
-        if key.shape[-2] != query.shape[-2]:  # the layer used a KV cache: it got the keys a second time
+        if key.shape[-2] != query.shape[-2]:  # the layer used a KV cache
             raise ValueError(checkpointing.cache_message(method.name))
-    elif run.grad and not torch.is_grad_enabled():  # reentrant checkpointing's first forward (an autograd Function)
+    elif run.grad and not torch.is_grad_enabled():  # reentrant checkpointing's first forward
         raise ValueError(checkpointing.reentrant_message(method.name, module))
     learned = None
-    if run.learnable:  # this layer's own parameters (PID: lambda_p, lambda_i, lambda_d), else the config's
+    if run.learnable:  # this layer's own parameters, else the config's
         learned = getattr(module, learned_gains.GAINS_ATTR, None)
         if learned is None:
             raise RuntimeError(
@@ -266,7 +261,7 @@ def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
             f"attn_implementation={method.name!r}: {type(module).__name__} ran twice in one forward (one attention "
             f"module shared by several layers, as in ALBERT): {method.name!r} needs one attention module per layer"
         )
-    earlier = module.__dict__.get(EARLIER)  # set by discovery; else the layers before it in index order
+    earlier = module.__dict__.get(EARLIER)  # else the layers before it in index order
     previous = run.previous(tuple(range(index - 1, -1, -1)) if earlier is None else earlier) if layers else None
     weights: Optional[Tensor] = None
 
@@ -282,7 +277,7 @@ def _method_call(run: MethodForwardState, module: nn.Module, query: Tensor, key:
         return out
 
     if calls_once(method) and run.scale is None and learned is None and not isinstance(value, _PROXY):
-        out = attend(query, value)  # (the direct path's fallback and checkpointing's recomputation: the same calls)
+        out = attend(query, value)
         u, layers[index] = update_once(method, run.config, out, (value if method.keys_state else v_q).transpose(1, 2),
                                        previous, -2, index if earlier is None else len(earlier), run.restart,
                                        STATE_ROUTE)

@@ -197,7 +197,6 @@ def _renamed_cache(kwargs: dict, known: tuple) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------------------------- the hooks
 def _renew(module: nn.Module, plan: Plan, changed: bool) -> Plan:
     """Discovery's :func:`~pid_plugins.hf.discovery.renew`: the plan (discovered again if ``changed``) with the
     config read again; a changed model is refused under torch.compile (discovery reads source code and the module
@@ -222,9 +221,9 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
         raise RuntimeError(f"attn_implementation={chosen!r}: {type(module).__name__} was not prepared for it: call "
                            f"pid_plugins.hf.convert(model, {chosen!r})")
     reading = plan.reading
-    compiling = torch.compiler.is_compiling()  # the compiled graph checks no layout (dynamo guards the modules)
+    compiling = torch.compiler.is_compiling()  # (dynamo guards the modules: no layout check)
     if reading is None or not reading.holds(config, module.__dict__.get(GAINS_SOURCE, config), compiling):
-        if compiling:  # read, not stored: a reading stored by a compiled call is guarded on and recompiles the next
+        if compiling:  # read, not stored (a stored reading would be guarded on)
             reading = plan.read(module)
         else:
             plan = _renew(module, plan, False)  # the config changed: read again
@@ -239,13 +238,13 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
             reading.gains_learnable and not plan.learnable) or (
             plan.owns_layers and not compiling and (layout(plan) != plan.signature or (
                 (grad or module.training) and checkpointing_layout(plan) != plan.checkpointing))):
-        plan = _renew(module, plan, True)  # the model changed (method, counter, learnable parameters, modules)
+        plan = _renew(module, plan, True)  # the model changed
         reading = plan.reading
     elif not compiling and plan.first:
         plan = _renew(module, plan, False)
         reading = plan.reading
     gains = reading.gains
-    if reading.refusal is not None:  # transformers' PP: refused before anything runs (its stages communicate)
+    if reading.refusal is not None:  # transformers' PP
         raise ValueError(reading.refusal)
     if not plan.owns_layers:
         return None
@@ -271,10 +270,10 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
         cache = args[plan.cache_position]
     # (a release that passes the cache under a new name passes none under the names the plan knows)
     renamed = _renamed_cache(kwargs, plan.cache_keywords) if cache is None else None
-    if renamed is not None:  # a release that passes the cache under a name the adapter does not read
+    if renamed is not None:
         plan.renew(module, plan, True, renamed)  # refused (InternalChanged), naming the keyword
     use_cache = kwargs.get("use_cache")
-    if use_cache is None:  # not passed, or passed on as None by an outer model: the config's (transformers' default)
+    if use_cache is None:  # not passed (or None from an outer model): the config's
         use_cache = reading.use_cache
     if grad and plan.wrapped is not None and training and (cache is not None or use_cache):
         raise ValueError(plan.wrapped)
@@ -288,7 +287,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
         # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
         cache = new_cache(config)
         kwargs[plan.cache_keywords[0]] = cache
-    own = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache  # the decoder's own
+    own = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
     if method.keys_state and own is not None and active:
         sliding = getattr(own, "is_sliding", None)
         if sliding and any(sliding) and not all(sliding):
@@ -304,7 +303,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
     state = MethodForwardState(gains, base, past, scale, method, cached=cache is not None,
                                cache=own if method.cache_slot and layers_cache else None, restart=restart,
                                zero=not active, chosen=chosen)
-    if chosen is None and scale is None and not compiling and not traced:  # the next forwards reuse it
+    if chosen is None and scale is None and not compiling and not traced:
         reading.chosen = state.chosen()
     if traced:
         state.update = None
