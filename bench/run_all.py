@@ -29,8 +29,8 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
               tiny DeiT train step time; then the same with both models compiled (inductor: static-cache decoding
               with transformers' compile of the decoding step, torch.compile(model) training); a table after the
               timings
-    vllm      vLLM serving PID and stock checkpoints of the same weights (a tiny Llama, SmolLM2-135M's shape):
-              output tokens/s under vLLM's defaults (torch.compile), one process after the other, through
+    vllm      vLLM serving stock and method checkpoints of the same weights (a tiny Llama, SmolLM2-135M's shape):
+              output tokens/s under vLLM's defaults (torch.compile), all in one process, interleaved, through
               .venv-vllm's python (bench/vllm_serving.py; ``--vllm-python``); not run without that environment
 
 Allocator (``--malloc``). On the CPU every large tensor comes from glibc's malloc. With its default dynamic
@@ -522,9 +522,11 @@ def vllm_rows(args) -> List[Dict[str, Any]]:
     threads = max(args.threads)
     if not os.path.exists(args.vllm_python):
         why = "not run (make test-vllm builds .venv-vllm)"
-        return [{"section": "vllm", "workload": f"vLLM {shape}, pid, torch.compile", "threads": threads,
-                 "not_run": why, "target": target, "met": None}
-                for shape, target in (("tiny Llama", ""), ("SmolLM2-135M shape", ">= 0.95"))]
+        return [{"section": "vllm", "workload": f"vLLM {shape}, {method}, torch.compile", "threads": threads,
+                 "not_run": why, "target": target if shape != "tiny Llama" else "", "met": None}
+                for shape in ("tiny Llama", "SmolLM2-135M shape")
+                for method, target in (("pid", ">= 0.95"), ("neutreno", ">= 0.95"), ("value_residual", ">= 0.95"),
+                                       ("twicing", ">= 0.80"))]
     out = os.path.join(args.tmp, "vllm_rows.json")
     command = [args.vllm_python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_serving.py"),
                "--out", out, "--threads", str(threads)] + (["--quick"] if args.quick else [])
@@ -598,10 +600,10 @@ def write_markdown(path: str, result: Dict[str, Any]) -> str:
               "ratio of the medians and of the fastest repetitions, are cross-checks. Peak memory: torch.profiler allocation events, "
               "running sum, maximum over one forward+backward (see bench/_harness.py)."]
     if any(r["section"] == "vllm" for r in result["rows"]):
-        lines += ["", "vLLM rows (bench/vllm_serving.py, vLLM's environment): the stock and the method checkpoint "
-                      "(same weights) each served in a process of its own, one after the other, under vLLM's defaults "
-                      "(torch.compile); output tokens/s of a batch of greedy requests, median of the timed calls after "
-                      "a warm-up; the ratio is method/stock."]
+        lines += ["", "vLLM rows (bench/vllm_serving.py, vLLM's environment): the stock and the method checkpoints "
+                      "(same weights) served in one process, their generate calls interleaved round by round, under "
+                      "vLLM's defaults (torch.compile); output tokens/s of a batch of greedy requests; the ratio is the "
+                      "median over rounds of method/stock."]
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
         f.write(text)

@@ -196,8 +196,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "vision"),
            zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-llama", "hf-bert"}),
            compile_models=frozenset({"timm-deit", "hf-llama", "mmseg-backbone", "fairseq-lm"}),
-           onnx_dynamo_models=frozenset({"timm-deit", "hf-llama"}), static_compile=True,
-           vllm_refusal="Twicing's A v"),
+           onnx_dynamo_models=frozenset({"timm-deit", "hf-llama"}), static_compile=True),
     # bidirectional by default (the sequence mean); causal models run the prefix mean (mean="prefix")
     Method("elliptical", _elliptical_config, on=_elliptical_on, rule=_elliptical_rule,
            defaults={"timm": "deit", "mmseg": "segmenter", "hf": "deit", "fairseq": "lm"},

@@ -30,9 +30,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the method table
 from method_cases import BUILTIN  # noqa: E402
 
-from pid_plugins import get_method  # noqa: E402
-from pid_plugins.vllm.config import unservable_reason  # noqa: E402
-
 TOL = 1e-4
 #: seconds for one serve.py process: about 20 engines, each a few seconds to start on a quiet machine, and minutes on
 #: a loaded one (measured: 15 minutes were not enough on 2 cores shared with other jobs)
@@ -74,8 +71,7 @@ CASES: Dict[str, tuple] = {
 }
 #: methods refused by name (tests/method_cases.py's vllm_refusal, the reason the refusal gives): a copy of llama_pid's
 #: folder whose config.json names the method
-REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items()
-           if method.vllm_refusal is not None and unservable_reason(get_method(name)) is not None}
+REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if method.vllm_refusal is not None}
 #: checkpoints refused for what would serve them: run -> (checkpoint, config.json changes, serving options, what the one
 #: error names beside the method)
 NOT_SERVED: Dict[str, tuple] = {
