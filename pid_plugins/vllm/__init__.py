@@ -12,12 +12,12 @@
   for vLLM's Transformers backend, which serves other families (:mod:`pid_plugins.vllm.transformers_backend`): each
   runs the method's one core step around vLLM's paged attention. vLLM's own classes are not touched: a checkpoint
   that names no method is served by vLLM's class, as without the plugin;
-* refuses, by what the method declares, what it cannot serve exactly (Elliptical, learnable parameters, an unfinished warm-up, parallelism
-  it does not cover, a vLLM outside the supported releases: :mod:`pid_plugins.vllm.config`, ``internals``).
+* refuses, by what the method declares, what it cannot serve exactly (Elliptical, learnable parameters, an unfinished
+  warm-up, parallelism it does not cover, a vLLM outside the supported releases: :mod:`pid_plugins.vllm.config`).
 
 Nothing runs from a checkpoint: the method is looked up by name in pid-plugins' registry, which holds the built-in
-methods and those of installed packages (entry-point group ``pid_plugins.methods``, loaded by :func:`register`). This module imports no vLLM
-code until vLLM calls :func:`register`.
+methods and those of installed packages (entry-point group ``pid_plugins.methods``, loaded by :func:`register`).
+This module imports no vLLM code until vLLM calls :func:`register`.
 """
 from __future__ import annotations
 

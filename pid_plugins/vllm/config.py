@@ -159,8 +159,8 @@ FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2
 
 
 def check_options(family: str, hf_config: Any, where: str) -> None:
-    """Refuse (``ValueError``) a checkpoint using a family option the plugin's native layer loop does not run (where vLLM
-    resolves the class, in the process the user launched, and again where the model is built)."""
+    """Refuse (``ValueError``) a checkpoint using a family option the plugin's native layer loop does not run (where
+    vLLM resolves the class, in the process the user launched, and again where the model is built)."""
     for option, what in _REFUSED_OPTIONS.get(family, {}).items():
         if getattr(hf_config, option, None):
             raise ValueError(f"{where}: config.{option} turns on {what}, which pid_plugins.vllm does not run with an "
