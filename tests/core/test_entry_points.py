@@ -38,21 +38,36 @@ def _install(root, package, entry, name, register=""):
     (info / "entry_points.txt").write_text(textwrap.dedent(f"[{METHODS_GROUP}]\n{name} = {entry}\n"))
 
 
+def _transformers_tables() -> list:
+    """transformers' attention and mask tables, where pid_plugins.hf registers every method's name (none without it)."""
+    if "pid_plugins.hf" not in sys.modules:
+        return []
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    return [AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping]
+
+
 def test_an_installed_packages_method_is_registered_once(tmp_path, monkeypatch, caplog):
     _install(tmp_path, "toy_module", "toy_module", "toy_on_import", "register_method(TOY)")  # registers itself
     _install(tmp_path, "toy_object", "toy_object:TOY", "toy_object")  # names the method object
     _install(tmp_path, "toy_broken", "toy_broken:MISSING", "toy_broken")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "toy_on_import" not in list_methods()
+    tables = _transformers_tables()
+    saved = [dict(table) for table in tables]
     try:
         loaded = load_installed_methods()
         assert {"toy_on_import", "toy_object"} <= set(loaded) and "toy_broken" not in loaded
         assert {"toy_on_import", "toy_object"} <= set(list_methods())
         assert "toy_broken" in caplog.text and METHODS_GROUP in caplog.text
         assert load_installed_methods() == []  # once per process
-    finally:  # the process's registry as before (other tests list the methods)
+    finally:  # the process's registry and transformers' tables as before (other tests read both)
         for name in ("toy_on_import", "toy_object"):
             _METHODS.pop(name, None)
+        for table, before in zip(tables, saved):
+            table.clear()
+            table.update(before)
         for module in ("toy_module", "toy_object", "toy_broken"):
             sys.modules.pop(module, None)
 
