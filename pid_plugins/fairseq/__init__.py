@@ -18,8 +18,8 @@ OPT_IN = ("opt in to pid-plugins' hook, which relaxes Python's rule for fairseq'
 if OPTED_IN and sys.version_info >= (3, 11):
     DATACLASS_FIELD.require()  # what the hook wraps
 
-#: the folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)
 USER_DIR = os.path.join(os.path.dirname(__file__), "user_dir", "pid_fairseq")
+"""The folder to give fairseq's ``--user-dir`` (``python -m pid_plugins.fairseq`` prints it)."""
 
 if not finding_main(__name__):  # the whole adapter, unless `python -m pid_plugins.fairseq` only asks for USER_DIR
     try:
