@@ -56,31 +56,35 @@ def _views(query, value, out):
     return v_q, out.view(out.shape[0], q_len, value.shape[1], -1, value.shape[3])
 
 
+def pid_by_hand(o, v, first: bool, state: dict, gains: tuple):
+    """PID's update in the five ops a hand-written function makes (``state["pid"]``: the previous layer's)."""
+    kp, ki, kd, beta = gains
+    if first:
+        b = v * beta
+        e = b - v
+        state["pid"] = (b, e, e)
+        return torch.add(o, e, alpha=kp + ki)
+    b, s, e_prev = state["pid"]
+    e = b - v
+    s = s + e
+    u = torch.add(o, e, alpha=kp + kd)
+    u.add_(s, alpha=ki)
+    u.add_(e_prev, alpha=-kd)
+    state["pid"] = (b, s, e)
+    return u
+
+
 def make_references() -> Dict[str, Callable]:
     """``{name: attention function}``: the hand-written PID and NeuTRENO (transformers' preset gains)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     gains = _gains()
-    kp, ki, kd, beta = gains["pid"]
     alpha = gains["neutreno"]
 
     def ref_pid(module, query, key, value, mask, **kwargs):
         out, weights = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
         v_q, o = _views(query, value, out)
-        if module.layer_idx == 0:
-            b = v_q * beta
-            e = b - v_q
-            u = torch.add(o, e, alpha=kp + ki)
-            _STATE["pid"] = (b, e, e)
-            return u.view(out.shape), weights
-        b, s, e_prev = _STATE["pid"]
-        e = b - v_q
-        s = s + e
-        u = torch.add(o, e, alpha=kp + kd)
-        u.add_(s, alpha=ki)
-        u.add_(e_prev, alpha=-kd)
-        _STATE["pid"] = (b, s, e)
-        return u.view(out.shape), weights
+        return pid_by_hand(o, v_q, module.layer_idx == 0, _STATE, gains["pid"]).view(out.shape), weights
 
     def ref_neutreno(module, query, key, value, mask, **kwargs):
         out, weights = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
@@ -174,25 +178,12 @@ def _ref_attention(self, x, attn_mask=None, is_causal=False, *, layer: int, gain
     preset, the paper's first layer."""
     import torch.nn.functional as F
 
-    kp, ki, kd, beta = gains
     b_, n, c = x.shape
     q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     q, k = self.q_norm(q), self.k_norm(k)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training
                                        else 0.0, is_causal=is_causal)
-    if layer == 0:
-        b = v * beta
-        e = b - v
-        u = torch.add(o, e, alpha=kp + ki)
-        state["pid"] = (b, e, e)
-    else:
-        b, s, e_prev = state["pid"]
-        e = b - v
-        s = s + e
-        u = torch.add(o, e, alpha=kp + kd)
-        u.add_(s, alpha=ki)
-        u.add_(e_prev, alpha=-kd)
-        state["pid"] = (b, s, e)
+    u = pid_by_hand(o, v, layer == 0, state, gains)
     return self.proj_drop(self.proj(self.norm(u.transpose(1, 2).reshape(b_, n, c))))
 
 
