@@ -143,6 +143,11 @@ class CacheSlot:
     def __call__(self, rows: Tensor) -> Tensor:  # pragma: no cover - the interface
         raise NotImplementedError
 
+    def past(self, k_len: int) -> Optional[Tuple[Tensor, Tensor]]:
+        """For one query over ``k_len`` keys: the stored rows at every key position, zero at the query's own,
+        ``(B, H, K, D)``, and that position as a one-hot column ``(K, 1)``; None: not offered (two calls)."""
+        return None
+
 
 class StockPath(NamedTuple):
     """The zoo's fused attention layer under warm-up of an additive method: ``output() + project_term(term)``."""

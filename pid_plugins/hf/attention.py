@@ -362,7 +362,7 @@ def _slot(run: MethodForwardState, module: nn.Module, q_len: int, k_len: int) ->
             f"attention method {run.method.name!r} keeps a tensor per past position beside the KV cache, which needs "
             f"the attention module's layer_idx; {type(module).__name__} has none: decode with use_cache=False"
         )
-    return LayerSlot(cache, layer_idx, run.method.name)
+    return LayerSlot(cache, layer_idx, run.method.name, run.base != "flex_attention")
 
 
 

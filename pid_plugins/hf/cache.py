@@ -60,8 +60,26 @@ def new_cache(config: Any) -> Any:
 class LayerSlot(CacheSlot):
     """A method's per-position tensor kept in layer ``layer_idx``'s own cache layer (made a :class:`SlotLayer`)."""
 
-    def __init__(self, cache: Any, layer_idx: int, name: str) -> None:
-        self.cache, self.layer_idx, self.name = cache, layer_idx, name
+    def __init__(self, cache: Any, layer_idx: int, name: str, wide: bool = True) -> None:
+        self.cache, self.layer_idx, self.name, self.wide = cache, layer_idx, name, wide
+
+    def past(self, k_len: int) -> Optional[tuple[Tensor, Tensor]]:
+        """The slot's rows for one query (zero at its own position) and that position's one-hot column; None for a
+        base attention that takes no values wider than its queries (``wide`` False), or an empty slot."""
+        layer = self.cache.layers[self.layer_idx]
+        slot = getattr(layer, "slot", None)
+        if not self.wide or slot is None or not slot.is_initialized:
+            return None
+        rows = slot.values
+        if isinstance(slot, StaticLayer):  # the buffer: the query's row is at the slot's length
+            if rows.shape[-2] != k_len:
+                return None
+            current = (torch.arange(k_len, device=rows.device) == slot.cumulative_length)[:, None]
+            return rows.masked_fill(current, 0), current
+        if rows.shape[-2] != k_len - 1:
+            return None
+        current = torch.arange(k_len, device=rows.device)[:, None] == k_len - 1
+        return torch.cat((rows, rows.new_zeros(*rows.shape[:-2], 1, rows.shape[-1])), -2), current
 
     def __call__(self, rows: Tensor) -> Tensor:
         layers = self.cache.layers

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pid_plugins.core import AttentionContext, LayerCall, get_method
+from pid_plugins.core import AttentionContext, CacheSlot, LayerCall, get_method
 from pid_plugins.core.siblings.twicing import Twicing, TwicingConfig, twicing_rule
 from zoo_cases import bart_config, fs_build, fs_method, fs_tokens, hf_ids, import_transformers, twice64
 
@@ -133,6 +133,44 @@ def test_grouped_query_heads_and_a_cache_slot_are_exact():
                                rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="CacheSlot"):
         twicing_rule(full, q[:, :, 2:], v)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_decoding_step_makes_one_call(static):
+    """A slot that offers its past rows (``CacheSlot.past``) turns a decoding step into one call of the zoo's
+    attention over ``[v | v - S | e_t]``, equal to the two calls; a static buffer's stale rows (at and after the
+    query's own position) change nothing."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 4, 5, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 4, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    calls = []
+
+    def full(a, b):  # the last query position is the current one (key 3); keys after it never exist here
+        calls.append(b.shape[-1])
+        mask = torch.ones(4, 4, dtype=torch.bool).tril()[-a.shape[2]:]
+        return F.scaled_dot_product_attention(a, k.repeat_interleave(2, 1), b.repeat_interleave(
+            a.shape[1] // b.shape[1], 1), attn_mask=mask)
+
+    want = twicing_rule(full, q, v)[:, :, 3:]
+    past_av = full(q, v)[:, :, :3]
+    stored = []
+
+    class Slot(CacheSlot):
+        def __call__(self, rows):
+            stored.append(rows)
+            return torch.cat([past_av, rows], dim=2)
+
+        def past(self, k_len):
+            current = (torch.arange(k_len) == 3)[:, None]
+            rows = torch.cat([past_av, torch.randn(2, 4, 1, 5, generator=g, dtype=torch.float64) if static
+                              else torch.zeros(2, 4, 1, 5, dtype=torch.float64)], dim=2)
+            return rows.masked_fill(current, 0), current
+
+    calls.clear()
+    got = twicing_rule(full, q[:, :, 3:], v, slot=Slot())
+    assert calls == [11]  # one call, values 2 D + 1 wide
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stored[0], full(q, v)[:, :, 3:], rtol=1e-12, atol=1e-12)  # A v of the step, kept
 
 
 # ============================================================================================== dropout

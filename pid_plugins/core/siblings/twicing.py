@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
@@ -44,7 +45,12 @@ class TwicingConfig(MethodConfig):
 def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -3,
                  slot: Optional[CacheSlot] = None) -> Tensor:
     """``A v + A (v - A v)`` from two calls of ``attend`` (output heads at ``head_dim``; ``value``
-    ``(B, H_kv, K, D)``). ``slot``: where a KV cache keeps ``A v`` of past positions (None: no cache)."""
+    ``(B, H_kv, K, D)``). ``slot``: where a KV cache keeps ``A v`` of past positions (None: no cache); a
+    decoding step whose slot offers its past rows makes one call (:func:`_one_call`)."""
+    past = getattr(slot, "past", None) if query.shape[-2] == 1 else None  # (a plain callable: no past)
+    step = past(value.shape[-2]) if past is not None else None
+    if step is not None:
+        return _one_call(attend, query, value, head_dim, slot, *step)
     once = attend(query, value)
     rows = once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3)  # (B, H, q, D)
     smoothed = rows if slot is None else slot(rows)  # (B, H, K, D): A v at every key position
@@ -63,6 +69,19 @@ def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -
     else:  # v - A v per query head without repeating v: A v grouped (..., H_kv, r, K, D) minus v broadcast over r
         residual = (value.unsqueeze(-3) - smoothed.unflatten(-3, (kv_heads, heads // kv_heads))).flatten(-4, -3)
     return once + attend(query, residual)
+
+
+def _one_call(attend: Attend, query: Tensor, value: Tensor, head_dim: int, slot: CacheSlot, smoothed: Tensor,
+              current: Tensor) -> Tensor:
+    """One decoding step in one call: over the values ``[v | v - S | e_t]`` (``S``: ``A v`` of the past positions,
+    zero at the query's own ``t``; ``e_t`` its one-hot) the zoo's attention returns ``A v``, ``A (v - S)`` and
+    ``A_tt``, and ``A (v - A v) = A (v - S) - A_tt (A v)_t``."""
+    heads, size = smoothed.shape[-3], value.shape[-1]
+    full = expand_heads(value, heads, -3)
+    wide = torch.cat((full, full - smoothed, current.to(full.dtype).expand(*full.shape[:-1], 1)), -1)
+    once, second, own = attend(query, wide).split((size, size, 1), -1)
+    slot(once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3))
+    return once + second - own * once
 
 
 class Twicing(AttentionMethod):
