@@ -212,3 +212,22 @@ def test_hf_encoder_decoder_twices_both_self_attention_stacks_and_stays_causal()
         ref = bart(x, decoder_input_ids=x).last_hidden_state
         torch.testing.assert_close(other[:, :5], ref[:, :5], rtol=0, atol=0)
         assert not torch.allclose(other[:, 5:], ref[:, 5:])
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_hf_decoding_makes_one_call_per_layer_and_step(cache, monkeypatch):
+    """transformers' cache layers offer their past rows: every decoding step of every layer takes the one-call path,
+    and the greedy logits equal the model's over the whole sequence without a cache."""
+    import pid_plugins.core.siblings.twicing as tw
+    from zoo_cases import gqa_llama
+
+    one_call, steps = tw._one_call, []
+    monkeypatch.setattr(tw, "_one_call", lambda *a: steps.append(1) or one_call(*a))
+    model, x = gqa_llama(NAME), hf_ids(vocab=128)[:, :6]
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    with torch.no_grad():
+        out = model.generate(x, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, **kw)
+        full = model(out.sequences[:, :-1], use_cache=False).logits[:, -5:]
+    assert len(steps) == 4 * 4  # 4 layers, 4 decoding steps after the prompt's
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-5, atol=1e-5)
