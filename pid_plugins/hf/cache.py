@@ -60,6 +60,10 @@ def new_cache(config: Any) -> Any:
 class LayerSlot(CacheSlot):
     """A method's per-position tensor kept in layer ``layer_idx``'s own cache layer (made a :class:`SlotLayer`)."""
 
+    eager_one_call = False
+    """Offer :meth:`past` (Twicing's one-call step) in eager too, not only under torch.compile: eager, the step's
+    wider values cost more than the call they save (the CPU's SDPA takes them only in its math kernel)."""
+
     def __init__(self, cache: Any, layer_idx: int, name: str, wide: bool = True) -> None:
         self.cache, self.layer_idx, self.name, self.wide = cache, layer_idx, name, wide
 
@@ -68,7 +72,8 @@ class LayerSlot(CacheSlot):
         base attention that takes no values wider than its queries (``wide`` False), or an empty slot."""
         layer = self.cache.layers[self.layer_idx]
         slot = getattr(layer, "slot", None)
-        if not self.wide or slot is None or not slot.is_initialized:
+        if not self.wide or slot is None or not slot.is_initialized or not (
+                self.eager_one_call or torch.compiler.is_compiling()):
             return None
         rows = slot.values
         if isinstance(slot, StaticLayer):  # the buffer: the query's row is at the slot's length

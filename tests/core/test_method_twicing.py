@@ -216,10 +216,14 @@ def test_hf_encoder_decoder_twices_both_self_attention_stacks_and_stays_causal()
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_hf_decoding_makes_one_call_per_layer_and_step(cache, monkeypatch):
-    """transformers' cache layers offer their past rows: every decoding step of every layer takes the one-call path,
-    and the greedy logits equal the model's over the whole sequence without a cache."""
+    """transformers' cache layers offer their past rows (under torch.compile; here in eager too): every decoding step
+    of every layer takes the one-call path, and the greedy logits equal the model's over the whole sequence without a
+    cache. Compiled: test_compiled_static_decoding_makes_one_call."""
     import pid_plugins.core.siblings.twicing as tw
+    from pid_plugins.hf.cache import LayerSlot
     from zoo_cases import gqa_llama
+
+    monkeypatch.setattr(LayerSlot, "eager_one_call", True)
 
     one_call, steps = tw._one_call, []
     monkeypatch.setattr(tw, "_one_call", lambda *a: steps.append(1) or one_call(*a))
@@ -231,3 +235,25 @@ def test_hf_decoding_makes_one_call_per_layer_and_step(cache, monkeypatch):
         full = model(out.sequences[:, :-1], use_cache=False).logits[:, -5:]
     assert len(steps) == 4 * 4  # 4 layers, 4 decoding steps after the prompt's
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_static_decoding_makes_one_call(monkeypatch):
+    """transformers' compiled decoding step on a static cache (inductor) takes the one-call path and equals eager,
+    which makes two calls."""
+    import pid_plugins.core.siblings.twicing as tw
+    from zoo_cases import gqa_llama
+
+    model, x = gqa_llama(NAME), hf_ids(vocab=128)[:, :6]
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+              cache_implementation="static")
+    one_call, traced = tw._one_call, []
+    monkeypatch.setattr(tw, "_one_call", lambda *a: traced.append(1) or one_call(*a))
+    with torch.no_grad():
+        eager = model.generate(x, **kw)
+        assert not traced
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        compiled = model.generate(x, **kw)
+    assert len(traced) >= 4  # traced once per layer of the decoding step's graph
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=1e-5, atol=1e-5)
