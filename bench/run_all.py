@@ -29,6 +29,8 @@ the method and for how peak memory is measured on the CPU). Sections (``--only``
               tiny DeiT train step time; then the same with both models compiled (inductor: static-cache decoding
               with transformers' compile of the decoding step, torch.compile(model) training); a table after the
               timings
+    floor     the eager floor (bench/eager_reference.py): PID and NeuTRENO decoding and PID's training step written
+              by hand against the plugin, both over stock, at the host shapes; medians of three runs
     vllm      vLLM serving stock and method checkpoints of the same weights (a tiny Llama, SmolLM2-135M's shape):
               output tokens/s under vLLM's defaults (torch.compile), all in one process, interleaved, through
               .venv-vllm's python (bench/vllm_serving.py; ``--vllm-python``); not run without that environment
@@ -66,7 +68,8 @@ from _harness import interleaved, machine, peak_memory_bytes  # noqa: E402
 import host_cost  # noqa: E402
 from _models import HF_BASE_CFG, HF_CFG, HF_SIBLINGS, SMOLLM2_CFG, hf_pair  # noqa: E402,F401
 
-SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile", "ops", "host", "vllm")
+SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "size", "memory", "core", "compile", "ops", "host", "floor",
+            "vllm")
 #: vLLM's own environment (make test-vllm builds it): the vllm rows run there, as a subprocess
 VLLM_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-vllm", "bin", "python")
 MALLOC_TUNED = {  # glibc: keep freed memory for reuse instead of unmapping and re-faulting it every step
@@ -702,6 +705,13 @@ def main() -> None:
             tqdm.write(f"host {label} {method}: method/stock {row['ratio']:.3f} {row['target']} "
                        f"({row['row_s']:.0f} s)")
         bar.close()
+    if "floor" in args.only:
+        import eager_reference
+
+        tqdm.write("the eager floor: decoding (PID, NeuTRENO) and training (PID), three runs each")
+        result["floor"] = eager_reference.floor_rows(1 if args.quick else 3, 2 if args.quick else eager_reference.REPS,
+                                                     4 if args.quick else 120)
+        tqdm.write(eager_reference.markdown(result["floor"]))
     if "vllm" in args.only:
         result["rows"] += vllm_rows(args)
     if "ops" in args.only:
@@ -716,7 +726,11 @@ def main() -> None:
         text += "\n" + ops_markdown(result["op_counts"])
     if "host" in result:
         text += "\n" + host_cost.markdown(result["host"])
-    if "op_counts" in result or "host" in result:
+    if "floor" in result:
+        import eager_reference
+
+        text += "\n" + eager_reference.markdown(result["floor"])
+    if "op_counts" in result or "host" in result or "floor" in result:
         with open(os.path.join(args.out, "bench.md"), "w") as f:
             f.write(text)
     print(text)

@@ -56,7 +56,7 @@ def test_peak_memory_sees_a_known_allocation():
 
 #: make bench's sections whose workloads the set-up test runs (vllm: its own environment; ops: counted, not run)
 #: (size: deit_base's steps, a minute of one worker, in the integration tier; its set-up is the timm section's)
-SETUP_SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "core", "compile", "memory", "host",
+SETUP_SECTIONS = ("timm", "fan", "mmseg", "hf", "fairseq", "core", "compile", "memory", "host", "floor",
                   pytest.param("size", marks=pytest.mark.integration))
 
 
@@ -79,6 +79,11 @@ def test_every_section_sets_up_and_runs_one_step(section, tmp_path, monkeypatch)
         host_cost = load("host_cost")
         for shape in ("decode", "train"):
             assert host_cost.measure(shape, "pid", reps=1)["ratio"] > 0
+        return
+    if section == "floor":  # the references' logits equal the plugin's; every row measured
+        rows = load("eager_reference").floor_rows(runs=1, reps=1, train_reps=2)
+        assert [r["method"] for r in rows] == ["pid (decoding)", "neutreno (decoding)", "pid (training)"]
+        assert all(r["plugin"] > 0 and r["reference"] > 0 for r in rows)
         return
     if section == "memory":
         args.only = set(run_all.SECTIONS)
