@@ -58,15 +58,15 @@ def _number_list(lo: float, hi: float, what: str,
 
 
 def _fraction(text: str) -> float:
-    """``3/255`` or ``0.0118``."""
-    if "/" in text:
-        num, den = text.split("/", 1)
-        return float(num) / float(den)
-    return float(text)
+    num, sep, den = text.partition("/")  # 3/255 or 0.0118
+    return float(num) / (float(den) if sep else 1.0)
+
+
+_EPS = "an eps (e.g. 3/255 or 0.0118)"
 
 
 def _eps(text: str) -> float:
-    values = _number_list(0.0, 1.0, "an eps (e.g. 3/255 or 0.0118)", _fraction)(text)
+    values = _number_list(0.0, 1.0, _EPS, _fraction)(text)
     if len(values) != 1:
         raise argparse.ArgumentTypeError(f"give one eps in [0, 1], e.g. 3/255; got {text!r}")
     return values[0]
@@ -143,13 +143,12 @@ def import_user_modules(specs: Sequence[str]) -> List[str]:
             sys.path.insert(0, os.getcwd())  # as `python -m`: modules in the current directory are importable
         try:
             importlib.import_module(spec)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and spec.startswith(exc.name) and spec[len(exc.name):][:1] in ("", "."):
-                raise CLIError(f"--import {spec!r}: no module named {exc.name!r} on the current directory or "
+        except Exception as exc:  # the module is missing, or the user's module raised: name it and what it raised
+            name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+            if name is not None and spec.startswith(name) and spec[len(name):][:1] in ("", "."):
+                raise CLIError(f"--import {spec!r}: no module named {name!r} on the current directory or "
                                "PYTHONPATH; give a dotted module name importable from there or a path to a .py "
                                "file") from None
-            raise CLIError(f"--import {spec!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
-        except Exception as exc:  # the user's module raised: name it and what it raised
             raise CLIError(f"--import {spec!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
         names.append(spec)
     return names
@@ -225,13 +224,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .analysis.run import run_diagnose
 
     import_user_modules(args.imports)
-    attention = _attention_names(args)
-    report = run_diagnose(
-        args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
-        num_samples=args.num_samples, batch_size=args.batch_size, seq_len=args.seq_len, passes=args.passes,
-        layer_stack=args.layer_stack, seed=args.seed, attention=attention, attention_cfg=args.attention_cfg or (),
-        log=lambda m: print(m, file=sys.stderr),
-    )
+    _attention_names(args)
+    report = run_diagnose(args, log=lambda m: print(m, file=sys.stderr))
     w = max([40, *(len(label) for label in report["models"])])
     m = max([16, *(len(r["method"]) for r in report["models"].values())])
     print(f"{'model':<{w}} {'method':<{m}} {'layers':>6} {'cos first':>9} {'cos last':>9} {'E last':>7} "
@@ -248,9 +242,9 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     from .analysis.run import run_attack
 
     import_user_modules(args.imports)
-    attention = _attention_names(args)
-    attacks = [a.strip() for a in args.attacks.lower().split(",") if a.strip() and a.strip() != "none"]
-    unknown = sorted(set(attacks) - {"fgsm", "pgd", "spsa"})
+    _attention_names(args)
+    args.attacks = [a.strip() for a in args.attacks.lower().split(",") if a.strip() and a.strip() != "none"]
+    unknown = sorted(set(args.attacks) - {"fgsm", "pgd", "spsa"})
     if unknown:
         raise CLIError(f"--attacks: unknown {', '.join(unknown)}; choose from fgsm, pgd, spsa (or none)")
     if args.corruptions in ("all", "default"):
@@ -270,19 +264,10 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         if unknown:
             raise CLIError(f"--corruptions: unknown {', '.join(unknown)}; choose from "
                            f"{', '.join(sorted(corruption_dict))}")
-    baseline = None
-    if args.baseline is not None:
-        if args.baseline not in args.model:
-            raise CLIError(f"--baseline {args.baseline!r} must be one of the --model names {args.model}")
-        baseline = args.model.index(args.baseline)
-    image_options = dict(attacks=attacks, eps=args.eps, eps_sweep=args.eps_sweep or None, pgd_steps=args.pgd_steps,
-                         spsa_iters=args.spsa_iters, noise_sigmas=args.noise, corruptions=corruptions,
-                         severities=args.severities)
-    report = run_attack(
-        args.model, args.data, args.out, checkpoints=args.checkpoint or (), model_kwargs=args.model_kwargs,
-        baseline=baseline, num_samples=args.num_samples, batch_size=args.batch_size, seq_len=args.seq_len,
-        seed=args.seed, image_options=image_options, rates=args.rates, attention=attention,
-        attention_cfg=args.attention_cfg or (), log=lambda m: print(m, file=sys.stderr))
+    if args.baseline is not None and args.baseline not in args.model:
+        raise CLIError(f"--baseline {args.baseline!r} must be one of the --model names {args.model}")
+    args.corruptions, args.baseline = corruptions, None if args.baseline is None else args.model.index(args.baseline)
+    report = run_attack(args, log=lambda m: print(m, file=sys.stderr))
     for label, r in report["models"].items():
         if report["kind"] == "image":
             parts = [f"clean {100 * r['clean']['top1']:.1f}%"]
@@ -415,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attacks", default="fgsm,pgd", help="comma list of fgsm, pgd, spsa (or none)")
     p.add_argument("--eps", type=_eps, default=3 / 255,
                    help="l_inf budget in [0, 1] pixels (PGD/FGSM without a sweep, SPSA), e.g. 3/255")
-    p.add_argument("--eps-sweep", type=_number_list(0.0, 1.0, "an eps (e.g. 3/255 or 0.0118)", _fraction),
+    p.add_argument("--eps-sweep", type=_number_list(0.0, 1.0, _EPS, _fraction),
                    default=[], help="comma list of eps in [0, 1] for FGSM/PGD, e.g. 1/255,2/255,3/255,4/255")
     p.add_argument("--pgd-steps", type=_int(1), default=20, help="PGD iterations")
     p.add_argument("--spsa-iters", type=_int(1), default=5, help="SPSA iterations")

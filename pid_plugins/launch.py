@@ -18,18 +18,14 @@ USAGE = "pid-plugins run [--adapters NAME[,NAME...]] [--] COMMAND [ARGS...]"
 
 HELP = f"""usage: {USAGE}
 
-Run a command with the zoo adapters in every Python process it starts: COMMAND's own interpreter and every Python
-process it starts (accelerate launch, torchrun and lm-eval start workers) import an adapter right after its zoo.
-Nothing outside the command changes.
+Run COMMAND with the zoo adapters: its interpreter and every Python process it starts (accelerate launch, torchrun)
+import an adapter right after its zoo. Nothing outside the command changes.
 
 options:
   --adapters NAMES  comma list of {', '.join(ADAPTERS)} (default: every adapter whose zoo is installed here)
   -h, --help        show this help and exit
 
-examples:
-  pid-plugins run -- lm_eval --model hf --model_args pretrained=DIR --tasks TASK
-  pid-plugins run -- python validate.py --model pid_deit_tiny_patch16_224 --checkpoint model.safetensors ...
-  pid-plugins run -- accelerate launch train.py
+example: pid-plugins run -- lm_eval --model hf --model_args pretrained=DIR --tasks TASK
 """
 
 
@@ -84,11 +80,9 @@ def resolve_command(command: Sequence[str], env: Mapping[str, str]) -> str:
 
 def run(command: Sequence[str], adapters: Optional[Sequence[str]] = None) -> NoReturn:
     """Replace this process with ``command``, run with ``adapters`` (on Windows: a child, its exit code returned)."""
-    names = list(default_adapters() if adapters is None else adapters)
-    env = environment(names)
+    env = environment(list(default_adapters() if adapters is None else adapters))
     program = resolve_command(command, env)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stdout.flush(), sys.stderr.flush()
     if os.name == "nt":  # pragma: no cover
         raise SystemExit(subprocess.call([program, *command[1:]], env=env))
     os.execve(program, list(command), env)

@@ -42,20 +42,14 @@ class AdapterLoader(importlib.abc.Loader):
 
     def __init__(self, loader: importlib.abc.Loader, finder: "AdapterFinder", zoo: str) -> None:
         self.loader, self.finder, self.zoo = loader, finder, zoo
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec):  # type: ignore[override]
-        return self.loader.create_module(spec)
+        self.create_module = loader.create_module
 
     def exec_module(self, module) -> None:  # type: ignore[override]
-        module.__loader__ = self.loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.loader
+        module.__loader__ = module.__spec__.loader = self.loader
         self.loader.exec_module(module)
         adapter = self.finder.pending.pop(self.zoo, None)
-        if adapter is None:
-            return
         try:
-            _import_adapter(adapter)
+            adapter is None or _import_adapter(adapter)
         except Exception as exc:
             raise ImportError(f"pid-plugins run: the {adapter} adapter ({ADAPTERS[adapter][0]}) failed to import in "
                               f"{sys.executable}: {type(exc).__name__}: {exc}") from exc
@@ -71,28 +65,18 @@ class AdapterFinder(importlib.abc.MetaPathFinder):
                   target=None) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname not in self.pending:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = AdapterLoader(spec.loader, self, fullname)
+        others = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
+        spec = next((s for s in (f.find_spec(fullname, path, target) for f in others) if s is not None), None)
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = AdapterLoader(spec.loader, self, fullname)
         return spec
 
 
 def install(adapters: Sequence[str]) -> None:
     """Import each adapter whose zoo is already imported; hook the others' zoos."""
-    later = []
-    for name in adapters:
-        if ADAPTERS[name][1] in sys.modules:
-            _import_adapter(name)
-        else:
-            later.append(name)
+    later = [n for n in adapters if ADAPTERS[n][1] not in sys.modules]
+    for name in (n for n in adapters if n not in later):
+        _import_adapter(name)
     if later:
         sys.meta_path.insert(0, AdapterFinder(later))
 
