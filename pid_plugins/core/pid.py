@@ -58,50 +58,33 @@ class PIDConfig(MethodConfig):
         for name in (*_GAIN_FIELDS, "beta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(
-                    f"PIDConfig.{name} must be a real number, got {value!r} ({type(value).__name__})"
-                )
+                raise ValueError(f"PIDConfig.{name} must be a real number, got {value!r} ({type(value).__name__})")
             if not math.isfinite(value):
                 raise ValueError(f"PIDConfig.{name} must be finite, got {value!r}")
             object.__setattr__(self, name, float(value))
-        for name in _GAIN_FIELDS:
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"PIDConfig.{name} must be >= 0 (a gain), got {getattr(self, name)!r}; "
-                    "the paper's study uses lambda_p in [0.2, 0.8], lambda_i in [0.3, 0.9], "
-                    "lambda_d in [0.05, 0.6]"
-                )
+            if name != "beta" and value < 0:
+                raise ValueError(f"PIDConfig.{name} must be >= 0 (a gain), got {float(value)!r}; the paper's study "
+                                 "uses lambda_p in [0.2, 0.8], lambda_i in [0.3, 0.9], lambda_d in [0.05, 0.6]")
         if not 0.0 < self.beta <= 1.0:
-            raise ValueError(
-                f"PIDConfig.beta must be in (0, 1] (beta = 0 drops the reference signal), got {self.beta!r}"
-            )
+            raise ValueError(f"PIDConfig.beta must be in (0, 1] (beta = 0 drops the reference signal), got "
+                             f"{self.beta!r}")
         for name in ("learnable", "control_first_layer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PIDConfig.{name} must be True or False, got {getattr(self, name)!r}")
         steps = self.warmup_steps
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-            raise ValueError(
-                f"PIDConfig.warmup_steps must be a whole number of training forward passes >= 0 (0: no warm-up), "
-                f"got {steps!r} ({type(steps).__name__})"
-            )
+            raise ValueError(f"PIDConfig.warmup_steps must be a whole number of training forward passes >= 0 (0: no "
+                             f"warm-up), got {steps!r} ({type(steps).__name__})")
         object.__setattr__(self, "warmup_steps", int(steps))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "PIDConfig":
-        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides; the
-        presets are loaded once at import, so a lookup reads no file."""
+        """The paper's gains for ``name`` (``deit``, ``segmenter``, ``lm``), optionally with overrides."""
         config = _PRESET_CONFIGS.get(name) if isinstance(name, str) else None
         if config is None:
-            raise ValueError(
-                f"unknown PID preset {name!r}; choose one of {sorted(_PRESET_CONFIGS)} "
-                "(declared in registry/presets.toml)"
-            )
+            raise ValueError(f"unknown PID preset {name!r}; choose one of {sorted(_PRESET_CONFIGS)} "
+                             "(declared in registry/presets.toml)")
         return cls.from_dict({**PRESETS[name], **overrides}) if overrides else config
-
-    @classmethod
-    def preset_names(cls) -> list[str]:
-        """The names :meth:`preset` accepts (``registry/presets.toml``), sorted."""
-        return sorted(_PRESET_CONFIGS)
 
     @property
     def is_zero(self) -> bool:
@@ -114,19 +97,9 @@ class PIDConfig(MethodConfig):
         return (self.lambda_p, self.lambda_i, self.lambda_d, self.beta)
 
 
-def _pid_presets() -> dict[str, dict[str, float]]:
-    presets = {}
-    for name, gains in registry_presets("pid").items():
-        missing = set(_PRESET_KEYS) - set(gains)
-        if missing:
-            raise ValueError(f"registry/presets.toml: preset [pid.{name}] lacks {sorted(missing)}")
-        presets[name] = {k: gains[k] for k in _PRESET_KEYS}
-    return presets
-
-
-_PRESET_KEYS = ("lambda_p", "lambda_i", "lambda_d", "beta")
-#: PID's presets as plain data: ``{name: {lambda_p, lambda_i, lambda_d, beta}}``
-PRESETS: Mapping[str, Mapping[str, float]] = _pid_presets()
+PRESETS: Mapping[str, Mapping[str, float]] = {name: {k: gains[k] for k in (*_GAIN_FIELDS, "beta")}
+                                             for name, gains in registry_presets("pid").items()}
+"""PID's presets as plain data (``registry/presets.toml``): ``{name: {lambda_p, lambda_i, lambda_d, beta}}``."""
 PIDConfig.PRESETS = PRESETS
 _PRESET_CONFIGS: dict[str, PIDConfig] = {name: PIDConfig(**gains) for name, gains in PRESETS.items()}
 
@@ -136,12 +109,9 @@ GainsLike = Union[PIDConfig, Sequence[Gain]]
 
 
 class PIDState(NamedTuple):
-    """What one PID layer hands to the next within one forward pass.
-
-    Tensors shaped like the query positions' values in key/value-head space, ``(B, H_kv, q, D)``, in at least
-    float32; ``None`` after a reference-only first layer. A tuple, so it splats into checkpointed calls. Between the
-    layers of a model with grouped-query attention (:meth:`PIDMethod.update`) the tensors have a size-1 dimension
-    after the heads, ``(B, H_kv, 1, q, D)``; :func:`pid_update` takes either."""
+    """What one PID layer hands to the next within one forward pass: tensors shaped like the query positions'
+    values, ``(B, H_kv, q, D)`` (``(B, H_kv, 1, q, D)`` between the layers of a grouped-query model), in float32 at
+    least; ``None`` after a reference-only first layer."""
 
     v_first: Tensor  #: beta v^1, the reference: the values of the group's first layer times beta
     e_sum: Optional[Tensor]  #: S^l = e^1 + ... + e^l (from e^2 with a reference-only first layer)
@@ -179,22 +149,18 @@ def pid_update(
         attn_out: ``A^l v^l`` per head, ``(..., H, q, D)``.
         value: this layer's values ``v^l`` for the same positions, ``(..., H_kv, q, D)``, ``H_kv`` dividing ``H``.
         state: the previous layer's state, or ``None`` at the first layer.
-        gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])`` (floats or
-            tensors).
+        gains: a :class:`PIDConfig` or ``(lambda_p, lambda_i, lambda_d, beta[, control_first_layer])``.
         head_dim: which dimension holds the heads.
-        scale: the warm-up factor (a 0-dim tensor) multiplying the PID term, or None; ``scale = 1`` gives the
-            unscaled result bit for bit.
+        scale: the warm-up factor (a 0-dim tensor) multiplying the PID term, or None.
 
     Returns:
-        ``(u, new_state)``: the output (shape and dtype of ``attn_out``; float16/bfloat16 computed in float32 and
-        rounded once) and the state for the next layer, in key/value-head space."""
+        ``(u, new_state)``: the output (shape and dtype of ``attn_out``) and the next layer's state."""
     return _update(attn_out, value, state, fold(gains, scale), head_dim, False, scale)
 
 
 class Folded(NamedTuple):
-    """PID's gains as the update reads them (:func:`fold`). ``weights`` are the folded form's weights of its terms,
-    ``(lambda_p + lambda_i, lambda_p + lambda_d, lambda_i, -lambda_d)``, folded once for fixed gains; None for learned
-    gains, whose weights are formed in the layer that uses them (only the ones that layer adds)."""
+    """PID's gains as the update reads them (:func:`fold`); ``weights``: ``(lambda_p + lambda_i, lambda_p + lambda_d,
+    lambda_i, -lambda_d)`` for fixed gains, None for learned ones."""
 
     lambda_p: Gain
     lambda_i: Gain
@@ -205,9 +171,7 @@ class Folded(NamedTuple):
 
 
 def fold(gains: GainsLike, scale: Optional[Tensor] = None) -> Folded:
-    """The gains :func:`pid_update` reads. A :class:`PIDConfig` keeps its folded weights on itself after the first
-    call (not one of its fields); tensor gains are multiplied by the warm-up ``scale`` here (fixed gains scale each
-    term as it is added)."""
+    """The gains :func:`pid_update` reads (cached on a :class:`PIDConfig`); tensor gains times the warm-up ``scale``."""
     if type(gains) is PIDConfig:
         folded = gains.__dict__.get("_folded")
         if folded is None:
@@ -216,11 +180,10 @@ def fold(gains: GainsLike, scale: Optional[Tensor] = None) -> Folded:
             if not torch.compiler.is_compiling():
                 object.__setattr__(gains, "_folded", folded)
         return folded
-    lambda_p, lambda_i, lambda_d, beta, control_first_layer = _unpack_gains(gains)
-    if scale is not None and (isinstance(lambda_p, Tensor) or isinstance(lambda_i, Tensor)
-                              or isinstance(lambda_d, Tensor)):
-        lambda_p, lambda_i, lambda_d = lambda_p * scale, lambda_i * scale, lambda_d * scale
-    return Folded(lambda_p, lambda_i, lambda_d, beta, control_first_layer)
+    g = Folded(*_unpack_gains(gains))
+    if scale is not None and _tensor_gains(g):  # (fixed gains scale each term as it is added)
+        g = g._replace(lambda_p=g.lambda_p * scale, lambda_i=g.lambda_i * scale, lambda_d=g.lambda_d * scale)
+    return g
 
 
 def _tensor_gains(g: Folded) -> bool:
@@ -229,14 +192,10 @@ def _tensor_gains(g: Folded) -> bool:
 
 def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, head_dim: int,
             grouped_state: bool, scale: Optional[Tensor]) -> tuple[Tensor, PIDState]:
-    """The rule, for every caller: :func:`pid_update` and :meth:`PIDMethod.update`, fixed or learned gains, with or
-    without warm-up. Under grouped-query attention the values are viewed as ``(..., H_kv, 1, q, D)`` (heads at
-    ``head_dim``), which broadcasts over the output viewed as ``(..., H_kv, r, q, D)``, so the state is computed in
-    that layout; ``grouped_state`` hands it on so (:meth:`PIDMethod.update`), else in key/value-head space."""
+    """The rule for every caller. Under grouped-query attention the values are viewed as ``(..., H_kv, 1, q, D)``,
+    broadcasting over the output viewed as ``(..., H_kv, r, q, D)``; ``grouped_state`` hands the state on so."""
     out_shape, kv_shape = attn_out.shape, value.shape
-    # TorchScript tracing (torch.onnx's exporter): sizes are traced values. One compile test per layer serves both
-    # questions: torch.jit.is_tracing's own C test runs only outside torch.compile (whose dynamo, before torch 2.15,
-    # does not fold that C function)
+    # TorchScript tracing (torch.onnx): sizes are traced values (dynamo before torch 2.15 does not fold _is_tracing)
     compiling = torch.compiler.is_compiling()
     traced = not compiling and torch._C._is_tracing()
     if traced:  # no Python branch on traced sizes: the grouped view, exact for r = 1 too (a size-1 dimension)
@@ -248,16 +207,14 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
             _grouped_shapes.__wrapped__ if compiling else _grouped_shapes)(out_shape, kv_shape, head_dim)
     if grouped is not None:  # (inserting a size-1 dimension: a view)
         value = value.reshape(grouped[2]) if traced else value.unsqueeze(grouped[1])
-    # The reference beta v^1, formed once at the group's first layer and handed on in the state, in float32 at
-    # least (float16/bfloat16 values are upcast: the error and its sum are accumulated in float32 over depth).
+    # the reference beta v^1, formed at the group's first layer, in float32 at least (the sums accumulate over depth)
     if state is None:
         wide = _WIDER.get(value.dtype) or _state_dtype(value.dtype)
         v_ref = value if wide == value.dtype else value.to(wide)
         if not _is_one(g.beta):
             v_ref = v_ref * g.beta
         if not g.control_first_layer:
-            # Reference-only first layer: plain attention, the reference recorded, no error yet. Learned gains join
-            # the graph with a zero weight, so DDP sees every parameter used.
+            # reference-only first layer; learned gains join the graph with a zero weight (DDP sees them used)
             if _tensor_gains(g):
                 attn_out = attn_out + 0.0 * (g.lambda_p + g.lambda_i + g.lambda_d)
             return attn_out, PIDState(v_ref if grouped is None or grouped_state else v_ref.reshape(kv_shape), None,
@@ -291,8 +248,7 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
                 ((e, g.lambda_p + g.lambda_d), (e_sum, g.lambda_i), (e_prev, -g.lambda_d))
     if grouped is not None and not grouped_state:
         new_state = PIDState(*(None if t is None else t.reshape(kv_shape) for t in new_state))
-    # u = A v + (lP + lD) e + lI S - lD e_prev, accumulated into one fresh tensor with in-place adds (autograd keeps
-    # no input of an add); the key/value-head terms broadcast over their groups of r query heads of the output.
+    # u = A v + (lP + lD) e + lI S - lD e_prev: one fresh tensor, in-place adds (autograd keeps no input of an add)
     out = None
     if grouped is None or not terms:
         target = attn_out
@@ -320,8 +276,7 @@ def _update(attn_out: Tensor, value: Tensor, state: Optional[tuple], g: Folded, 
 
 
 def _first_weight(g: Folded) -> Gain:
-    """The weight of e at the group's first controlled layer (S = e, no D term): lambda_p + lambda_i; a learned
-    lambda_d joins the graph there with zero gradient, so DDP sees it used."""
+    """e's weight at the first controlled layer (S = e, no D term); a learned lambda_d joins with weight 0 (DDP)."""
     if g.weights is not None:
         return g.weights[0]
     if isinstance(g.lambda_d, Tensor):
@@ -330,42 +285,38 @@ def _first_weight(g: Folded) -> Gain:
 
 
 def _is_one(x: Gain) -> bool:
-    """A fixed (Python) 1: multiplying by it is skipped (``beta = 1``, NeuTRENO's and the segmenter preset's)."""
+    """A fixed (Python) 1: multiplying by it is skipped."""
     return not isinstance(x, Tensor) and x == 1.0
 
 
-_GAINS = _GAIN_FIELDS
 #: a learnable gain initialised at 0 starts here instead (softplus never reaches 0 exactly)
 MIN_INITIAL_GAIN = 1e-4
 
 
 def _inverse_softplus(gain: float) -> float:
-    """``raw`` with ``softplus(raw) == gain`` (gain > 0)."""
     return gain + math.log(-math.expm1(-gain))
 
 
 class PIDGains(nn.Module):
-    """Trainable ``lambda_p, lambda_i, lambda_d`` of one layer, initialised from a :class:`PIDConfig`.
-
-    Each gain is ``softplus(raw)`` of a parameter ``lambda_*_raw`` of shape ``(1,)``, so it stays positive (stability,
-    PIDformer Prop. 2); a gain initialised at 0 starts at :data:`MIN_INITIAL_GAIN`. Exclude them from weight decay.
-    State dicts with the gains themselves or 0-dim raw values are converted on load."""
+    """Trainable ``lambda_p, lambda_i, lambda_d`` of one layer, initialised from a :class:`PIDConfig`: each is
+    ``softplus(lambda_*_raw)``, a ``(1,)`` parameter, so it stays positive (PIDformer Prop. 2; an initial 0 starts at
+    :data:`MIN_INITIAL_GAIN`). Exclude them from weight decay."""
 
     def __init__(self, config: PIDConfig) -> None:
         super().__init__()
         self.beta = config.beta
         self.control_first_layer = config.control_first_layer
-        for name in _GAINS:
+        for name in _GAIN_FIELDS:
             raw = _inverse_softplus(max(getattr(config, name), MIN_INITIAL_GAIN))
             setattr(self, f"{name}_raw", nn.Parameter(torch.tensor([raw])))
 
     def forward(self) -> tuple[Tensor, Tensor, Tensor, float, bool]:
         """``(lambda_p, lambda_i, lambda_d, beta, control_first_layer)`` as :func:`pid_update` takes them."""
-        lp, li, ld = (F.softplus(getattr(self, f"{name}_raw")) for name in _GAINS)
+        lp, li, ld = (F.softplus(getattr(self, f"{name}_raw")) for name in _GAIN_FIELDS)
         return (lp, li, ld, self.beta, self.control_first_layer)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        for name in _GAINS:
+        for name in _GAIN_FIELDS:
             old = state_dict.get(prefix + name)
             if old is not None and prefix + f"{name}_raw" not in state_dict:
                 gain = float(old)
@@ -394,12 +345,7 @@ def scaled_gains(gains: Any, scale: Optional[Tensor]) -> Any:
     """``gains`` with the three gains multiplied by ``scale``; ``gains`` itself when ``scale`` is None."""
     if scale is None:
         return gains
-    if isinstance(gains, PIDConfig):
-        lp, li, ld, beta, first = (*gains.gains, gains.control_first_layer)
-    else:
-        values = tuple(gains)
-        lp, li, ld, beta = values[:4]
-        first = values[4] if len(values) > 4 else True
+    lp, li, ld, beta, first = _unpack_gains(gains)
     return (lp * scale, li * scale, ld * scale, beta, first)
 
 
@@ -417,10 +363,7 @@ class PIDMethod(AttentionMethod):
 
     def layer_params(self, config: PIDConfig, learned: Optional[nn.Module], layer: Optional[int] = None) -> Any:
         """The config, or the layer's learned gains with the config's ``beta`` and first-layer rule."""
-        if learned is None:
-            return config
-        lambda_p, lambda_i, lambda_d = learned()[:3]
-        return (lambda_p, lambda_i, lambda_d, config.beta, config.control_first_layer)
+        return config if learned is None else (*learned()[:3], config.beta, config.control_first_layer)
 
     def bind_update(self, config: PIDConfig, head_dim: int) -> Optional[Callable[..., Tuple[Tensor, PIDState]]]:
         """:meth:`update` of fixed gains without warm-up (:meth:`layer_params` gives every layer the config)."""
