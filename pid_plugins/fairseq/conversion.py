@@ -10,12 +10,12 @@ from torch import nn
 
 from ..core import MethodChoice, method_warmup, resolve_attention
 from ..core.layer import (
-    LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, number_layers, replace_module, settle_submodule, strip_attributes,
+    LAYER_ATTRIBUTES, MODEL_ATTRIBUTES, replace_module, settle_submodule, strip_attributes,
     warn_switch_of_trained_weights,
 )
 from .layers import (
     PIDMultiheadAttention, PIDTransformerDecoder, PIDTransformerDecoderLayer, decoder_layers, embedding_like,
-    self_attentions,
+    switch_layers,
 )
 from .model import PIDTransformerLanguageModel
 
@@ -87,12 +87,7 @@ def _check(model: nn.Module, choice: Optional[MethodChoice]) -> None:
 def _to_method(model: nn.Module, choice: MethodChoice) -> None:
     """Stock (or method) transformer_lm -> the method classes with ``choice``; the root keeps its class."""
     decoder = replace_module(model, "decoder", PIDTransformerDecoder)
-    for index in range(len(decoder.layers)):
-        layer = replace_module(decoder.layers, str(index), PIDTransformerDecoderLayer)
-        attn = replace_module(layer, "self_attn", PIDMultiheadAttention)
-        attn.set_attention(choice, attn.q_proj.weight)
-        settle_submodule(attn, "attention_params")
-    number_layers(self_attentions(decoder))
+    switch_layers(decoder, choice)
     decoder.set_model_method(choice, embedding_like(decoder), stock_plus_term=True, where=_WHERE)
     settle_submodule(decoder, "attention_warmup")
 

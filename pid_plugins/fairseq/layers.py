@@ -9,14 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fairseq.distributed import fsdp_wrap
-from fairseq.models.transformer import TransformerConfig, TransformerDecoder
+from fairseq.models.transformer import TransformerDecoder
 from fairseq.modules.layer_drop import LayerDropModuleList
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from ..core import AttentionContext, AttentionMethod, CacheSlot, LayerCall, MethodChoice, StockPath
-from ..core.layer import MethodLayer, MethodModel, finished_config, number_layers
+from ..core import AttentionContext, CacheSlot, LayerCall, MethodChoice, StockPath
+from ..core.layer import (
+    MethodLayer, MethodModel, finished_config, number_layers, replace_module, settle_submodule,
+)
 
 #: how to run a fairseq method layer with its state, named in core's MissingLayerState
 STATE_ROUTE = ("With fairseq, run the layers through the decoder's own forward (extract_features), which threads the "
@@ -35,11 +36,6 @@ METHOD_PARAM_GROUP = "attention_params"
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
     """fairseq self-attention (same parameters) whose output the attention method computes."""
 
-    def __init__(self, *args: Any, method: Optional[AttentionMethod] = None, config: Any = None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.set_attention(MethodChoice(method, config) if method is not None else None)
-
     def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
         """``MethodLayer.set_attention``, then learnable parameters go to :data:`METHOD_PARAM_GROUP`."""
         super().set_attention(choice, like)
@@ -56,12 +52,6 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
         if learned is not None:
             for parameter in learned.parameters():
                 parameter.param_group = METHOD_PARAM_GROUP
-
-    def _qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        T, B, _ = x.shape
-        H, D = self.num_heads, self.head_dim
-        q, k, v = (proj(x).view(T, B, H, D).permute(1, 2, 0, 3) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return q, k, v
 
     def forward_method(self, x: Tensor, state: Optional[tuple], incremental_state: IncrementalState = None,
                        attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
@@ -85,7 +75,7 @@ class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
             call = LayerCall(None, None, None, v, context=context, scale=scale, stock=StockPath(stock, project_term),
                              layer=self.layer_index, restart=restart, state_route=STATE_ROUTE)
             return self.apply_method(call, state)
-        q, k, v = self._qkv(x)
+        q, k, v = (proj(x).view(T, B, H, D).permute(1, 2, 0, 3) for proj in (self.q_proj, self.k_proj, self.v_proj))
         v_query = v
         slot: Optional[Callable[[], CacheSlot]] = None
         if incremental_state is not None:
@@ -140,24 +130,8 @@ class _BufferSlot(CacheSlot):
 
 
 class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
-    """fairseq's decoder layer (no encoder attention) with :class:`PIDMultiheadAttention`, returning its state too."""
-
-    def __init__(self, cfg: Any, no_encoder_attn: bool = False, add_bias_kv: bool = False,
-                 add_zero_attn: bool = False, *, method: Optional[AttentionMethod] = None, config: Any = None) -> None:
-        # read by build_self_attention, which the base __init__ calls
-        self._attention_choice = (method, config)
-        super().__init__(cfg, no_encoder_attn=no_encoder_attn, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
-        del self._attention_choice
-
-    def build_self_attention(self, embed_dim: int, cfg: Any, add_bias_kv: bool = False,
-                             add_zero_attn: bool = False) -> PIDMultiheadAttention:
-        """fairseq's ``build_self_attention`` with the PID class (same arguments, same parameters)."""
-        method, config = self._attention_choice
-        return PIDMultiheadAttention(
-            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, add_bias_kv=add_bias_kv,
-            add_zero_attn=add_zero_attn, self_attention=not cfg.cross_self_attention, q_noise=self.quant_noise,
-            qn_block_size=self.quant_noise_block_size, xformers_att_config=cfg.decoder.xformers_att_config,
-            method=method, config=config)
+    """fairseq's decoder layer (no encoder attention) with :class:`PIDMultiheadAttention`, returning its state too;
+    made from fairseq's by :func:`switch_layers`."""
 
     def forward(  # type: ignore[override]
         self, x: Tensor, encoder_out: Optional[Tensor] = None, encoder_padding_mask: Optional[Tensor] = None,
@@ -217,10 +191,14 @@ def self_attentions(decoder: TransformerDecoder) -> List[MultiheadAttention]:
     return [layer.self_attn for layer in decoder_layers(decoder)]
 
 
-def _as_json(config: Any) -> str:
-    """A method config as ``--attention-cfg`` takes it."""
-    to_dict = getattr(config, "to_dict", None)
-    return json.dumps(to_dict()) if callable(to_dict) else json.dumps(str(config))
+def switch_layers(decoder: TransformerDecoder, choice: Optional[MethodChoice]) -> None:
+    """The decoder's layers and their self-attention as the method classes with ``choice``, in place."""
+    for index in range(len(decoder.layers)):
+        layer = replace_module(decoder.layers, str(index), PIDTransformerDecoderLayer)
+        attn = replace_module(layer, "self_attn", PIDMultiheadAttention)
+        attn.set_attention(choice, attn.q_proj.weight)
+        settle_submodule(attn, "attention_params")
+    number_layers(self_attentions(decoder))
 
 
 class PIDTransformerDecoder(MethodModel, TransformerDecoder):
@@ -228,40 +206,30 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
 
     def __init__(self, args: Any, dictionary: Any, embed_tokens: Any, no_encoder_attn: bool = False,
                  output_projection: Any = None, *, choice: Optional[MethodChoice] = None) -> None:
-        method, config = choice if choice is not None else (None, None)
-        # read by build_decoder_layer, which the base __init__ calls (as fairseq's own self.args)
-        self.attention_method, self.attention_config = method, config
+        if getattr(args, "checkpoint_activations", False):
+            raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
+        if any(type(layer) is not TransformerDecoderLayerBase for layer in decoder_layers(self)):
+            raise ValueError("transformer_lm_pid: fairseq's --ddp-backend fully_sharded (fairscale) wraps the decoder "
+                             "layers, which PID's layer loop is not tested with; use --ddp-backend legacy_ddp / "
+                             "pytorch_ddp, or torch's FSDP2 fully_shard per layer (README, Scaling out)")
+        switch_layers(self, choice)
         self.set_model_method(choice, embedding_like(self), stock_plus_term=True, where="transformer_lm_pid")
-        number_layers(self_attentions(self))
 
     def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
         """fairseq's upgrade, then one warning if this decoder warms up and the checkpoint has no warm-up counter."""
         state_dict = super().upgrade_state_dict_named(state_dict, name)
         key = f"{name}.attention_warmup.step" if name else "attention_warmup.step"
         if self.attention_warmup is not None and key not in state_dict:
+            cfg = finished_config(self.attention_config)
             logger.warning(
                 "%s: this checkpoint has no gain warm-up counter, so the warm-up (warmup_steps=%d) starts at t=0: the "
                 "stock model. Meant when fine-tuning a softmax checkpoint; a model saved after "
                 "pid_plugins.finish_warmup loads with its warm-up off: arg_overrides={'attention_cfg': %r} (its "
                 "--attention-cfg without warmup_steps)", key, self.attention_warmup.warmup_steps,
-                _as_json(finished_config(self.attention_config)))
+                json.dumps(cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg)))
         return state_dict
-
-    def build_decoder_layer(self, args: Any, no_encoder_attn: bool = False) -> PIDTransformerDecoderLayer:
-        """fairseq's ``build_decoder_layer`` with the PID layer class (activation checkpointing is refused)."""
-        cfg = TransformerConfig.from_namespace(args)
-        if cfg.checkpoint_activations:
-            raise ValueError("--checkpoint-activations is not supported by transformer_lm_pid yet; drop it")
-        layer = PIDTransformerDecoderLayer(cfg, no_encoder_attn, method=self.attention_method,
-                                           config=self.attention_config)
-        wrapped = fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
-        if wrapped is not layer:  # fairscale's FullyShardedDataParallel (--ddp-backend fully_sharded): untested here
-            raise ValueError("transformer_lm_pid: fairseq's --ddp-backend fully_sharded (fairscale) wraps the decoder "
-                             "layers, which PID's layer loop is not tested with; use --ddp-backend legacy_ddp / "
-                             "pytorch_ddp, or torch's FSDP2 fully_shard per layer (README, Scaling out)")
-        return layer
 
     def extract_features_scriptable(  # type: ignore[override]
         self, prev_output_tokens: Tensor, encoder_out: Optional[Dict[str, List[Tensor]]],
