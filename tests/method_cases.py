@@ -1,63 +1,22 @@
 """The case table of the method contract (tests/core/test_method_contract.py): which method runs on which zoo model,
-with which parameters, and against which independent float64 rule.
-
-Two axes. :data:`MODELS`: one entry per zoo model the contract builds (timm DeiT and FAN, a transformers Llama with
-grouped-query attention and BERT, mmseg's ViT backbone and Segmenter's mask-transformer head, fairseq's
-transformer_lm), each a :class:`Model` that builds a (method model, stock model) pair with the same weights through
-the zoo's public path only (``timm.create_model(..., attention=, attention_cfg=)``, ``attn_implementation=`` with
-``config.<method>``, ``pid_plugins.hf.convert(model, attention, attention_cfg)``, mmseg's
-``dict(type="PID...", attention=, attention_cfg=)``, fairseq's ``--attention-method`` / ``--attention-cfg``), runs
-it, and runs the stock modules by hand (zoo_cases' ``*_reference``). :data:`METHODS`: one :class:`Method` per
-attention method (the five built-in ones and the toy ``scaled_reference``, registered as a user registers it), with
-its "on" parameters per model, its rule (zoo_cases' float64 statements, never pid_plugins' method code), its "zero"
-parameters (the stock model bit for bit) where it has them, and where each property applies. :func:`cases` lists the
-(method, model) pairs a property applies to: a pair that does not apply is not generated.
-"""
+with which parameters, and against which independent float64 rule."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import pytest
-import torch
 
 import zoo_cases as zc
 
 from pid_plugins.testing.models import MODELS, Cfg, Model, fairseq_data  # noqa: F401  (the kit's models)
 
-BIDIRECTIONAL = frozenset(n for n, m in MODELS.items() if not m.causal)
 CAUSAL = frozenset(n for n, m in MODELS.items() if m.causal)
 
 
-# ================================================================================================ the methods
 @dataclass(frozen=True)
 class Method:
-    """One attention method of the contract.
-
-    ``on(model)``: the parameter sets the reference test runs (the first is the one the other properties use);
-    ``rule(cfg, model)``: the independent float64 rule of ``cfg`` (None: the zoo's preset) on ``model``;
-    ``zero``: the parameters with which the method is the stock model bit for bit, on the models ``zero_models``;
-    ``defaults``: the preset each zoo starts from (unset parameters); ``models``: where the method applies;
-    ``compile_models``: the models whose torch.compile test runs this method (each model's compile test costs
-    seconds: every method compiles on the zoos whose code paths it changes, PID's other zoos are compiled by
-    tests/core/test_compile.py); ``compile_overrides``: per model, (backend, (rtol, atol)) in place of the model's.
-
-    The zoo contract (tests/core/test_zoo_contract.py: conversion, finish_warmup, learnable parameters) and the
-    per-zoo feature tests (checkpointing wrappers, ONNX, peft) read the same table through :data:`BUILTIN` and
-    :func:`variants`: ``builtin``: a method pid_plugins ships (False: the toy); ``learned``: the names of one layer's
-    learnable parameters (``learnable=True``; empty: none, :attr:`learnable`); ``warmup``: the method takes
-    ``warmup_steps`` (gain warm-up, ``pid_plugins.finish_warmup``); ``onnx_dynamo_models``: the models whose
-    dynamo-exporter ONNX test runs this method (each export costs seconds; timm's TorchScript export runs every
-    built-in method on both timm models); ``static_compile``: tests/core/test_method_hf_lm.py compiles hf-llama's
-    static-cache decoding with this method (seconds each; PID's: tests/core/test_compile.py).
-
-    Where the method runs outside the contract's models: ``causal_cfg``: the parameters (over the zoo's preset) a
-    causal model with a KV cache runs it with where that preset is refused there (None: the preset; tests read
-    :data:`CAUSAL_METHODS`); ``vllm_refusal``: the reason vLLM's plugin (pid_plugins.vllm) refuses to serve it, as its
-    message words it (None: served). What the method object itself declares
-    is read from it (:attr:`impl`: :attr:`cross_layer_state`, and the class attributes such as ``cache_slot``,
-    ``keys_state``), never copied here.
-    """
+    """One attention method of the contract."""
 
     name: str
     config_type: Callable[[], type]

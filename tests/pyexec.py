@@ -1,16 +1,6 @@
-"""``python -c code`` (``-m module``, ``script``) for tests, forked from a pre-imported interpreter (a zygote): the
-docs examples and CLI tests need a clean interpreter, and each fresh one paid ``import torch`` and the zoos (6-8 s of
-CPU) again. One zygote per test process (and environment) imports the third-party packages of :data:`PRELOAD`, never
-pid_plugins (a block that forgets ``import pid_plugins.hf`` fails as it does for a user); each call runs in a fresh
-``os.fork()`` of it with what ``subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
-text=True, timeout=timeout)`` gives: a new ``__main__`` (code compiled as ``"<string>"``), ``sys.argv`` and
-``sys.path`` as the interpreter sets them for ``-c``/``-m``/a file, the cwd and environment (a zygote per
-environment, :data:`PER_CALL` aside), warnings filters and logging as at start, the random generators reseeded, stdin
-``/dev/null``, the interpreter's exit status (exceptions, ``SystemExit``, atexit, flushing), and ``timeout`` killing
-the child. The zygote runs no operator, so torch's thread pools start in the child. What differs: modules the zoos
-import are already imported, and the hash seed is the zygote's. ``PID_TEST_NO_FORKSERVER=1`` (or no ``os.fork``) runs
-the plain subprocess.
-"""
+"""``python -c code`` (``-m module``, ``script``) for tests, forked from a pre-imported interpreter (a zygote): the docs
+examples and CLI tests need a clean interpreter, and each fresh one paid ``import torch`` and the zoos (6-8 s of CPU)
+again."""
 from __future__ import annotations
 
 import atexit
@@ -36,8 +26,7 @@ PER_CALL = frozenset({"PYTEST_CURRENT_TEST"})
 
 DISABLED = bool(os.environ.get("PID_TEST_NO_FORKSERVER")) or not hasattr(os, "fork")
 
-# The zygote's program, run as ``python -c ZYGOTE`` (so its sys.path is a clean -c interpreter's). It speaks
-# length-prefixed JSON on two inherited pipe fds; fd 1 goes to its log (stderr) so no import can write into them.
+# The zygote's program, run as ``python -c ZYGOTE`` (so its sys.path is a clean -c interpreter's).
 ZYGOTE = r'''
 import os, sys
 _rfd, _wfd = int(sys.argv[1]), int(sys.argv[2])

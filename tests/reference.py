@@ -1,5 +1,4 @@
-"""An independent, deliberately naive statement of the PID rule (PIDformer eq. 25): loops over layers, batch, heads and
-positions in float64, written from the equation, not from pid_plugins.core."""
+"""An independent, deliberately naive statement of the PID rule (PIDformer eq."""
 import torch
 
 
@@ -28,15 +27,3 @@ def naive_pid_stack(attn_outs, values, lp, li, ld, beta, control_first_layer=Tru
                     outs[l][b, h, i] = attn_outs[l][b, h, i].double() + lp * e + li * running + ld * derivative
                     previous = e
     return outs
-
-
-def naive_mmseg_layers(layers, h, heads, gains=None, control_first_layer=True, rule=None):
-    """mmseg ``TransformerEncoderLayer``s run as one group by hand (:func:`zoo_cases.mmseg_layers`) with PID's rule
-    (``gains``) or ``rule(attn_outs, values)``; returns the tokens."""
-    from zoo_cases import mmseg_layers, on_outputs
-
-    if rule is None:
-        def rule(attn_outs, values):
-            return naive_pid_stack(attn_outs, values, *gains, control_first_layer=control_first_layer)
-    assert all(layer.attn.attn.num_heads == heads for layer in layers)
-    return mmseg_layers(layers, h, on_outputs(lambda attn_outs, values: rule(attn_outs, values)[-1]))

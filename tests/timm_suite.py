@@ -1,9 +1,5 @@
 """timm's own model tests (``tests/test_models.py`` of the installed timm's sdist) over our timm names; none of timm's
-code is stored here. ``python tests/timm_suite.py fetch`` downloads and extracts the sdist into ``.cache/timm-sdist/``
-(``make timm-tests``); :func:`patched_test_file` writes ``test_models_pid.py`` beside timm's file with ``'pid_*',
-'fan_*'`` in ``NON_STD_FILTERS`` and ``'fan'`` in ``FEAT_INTER_FILTERS`` (each change applied exactly once); as a pytest
-plugin (``-p timm_suite``) it imports ``pid_plugins.timm``, restricts ``list_models`` to ``PID_TIMM_MODELS`` (fnmatch
-patterns) and deselects the other names' tests and every TorchScript test (the blocks' variadic state is untypable)."""
+code is stored here."""
 from __future__ import annotations
 
 import fnmatch
@@ -76,7 +72,6 @@ def run(models: str = TINY, *pytest_args: str, timeout: float | None = None) -> 
     return subprocess.run(cmd, env=env, cwd=tests, capture_output=True, text=True, timeout=timeout)
 
 
-# ----------------------------------------------------------------------------------- pytest plugin
 def _patterns() -> list[str]:
     return [p.strip() for p in os.environ.get("PID_TIMM_MODELS", TINY).split(",") if p.strip()]
 

@@ -58,7 +58,6 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-# ============================================================================================ transformers
 def save_tokenizer(folder: Path):
     """A character-level fast tokenizer (no downloads), saved into ``folder``."""
     from tokenizers import Tokenizer, models, pre_tokenizers

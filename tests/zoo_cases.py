@@ -1,9 +1,5 @@
-"""Shared test support: each zoo's tiny builders and float64 references (pid_plugins.testing.zoos, the method
-author's kit, re-exported here) and the float64 rules of the built-in methods, written from their official code.
-
-Nothing here calls pid_plugins' method code (no method's ``update``/``forward``): the references stay independent of
-what they check.
-"""
+"""Shared test support: each zoo's tiny builders and float64 references (pid_plugins.testing.zoos, the method author's
+kit, re-exported here) and the float64 rules of the built-in methods, written from their official code."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -14,7 +10,7 @@ from torch import Tensor
 
 from pid_plugins.testing import zoos
 from pid_plugins.testing.zoos import *  # noqa: F401,F403  (the builders and references, by their old names here)
-from pid_plugins.testing.zoos import Rule, attention64, on_outputs, on_scores, scores64
+from pid_plugins.testing.zoos import Rule, attention64, on_outputs, on_scores
 
 
 def import_timm():
@@ -145,14 +141,11 @@ def elliptical_rule(from_layer: int = 2, delta: float = 5.0) -> Rule:
 
 
 def pid_rule(lambda_p: float, lambda_i: float, lambda_d: float, beta: float, control_first_layer: bool = True) -> Rule:
-    """The zoo references' PID rule: :func:`reference.naive_pid_stack` (PIDformer eq. 25, by loops) over the group's
-    layers so far, this layer's output."""
+    """The zoo references' PID rule: :func:`reference.naive_pid_stack` (PIDformer eq."""
     from reference import naive_pid_stack
 
     return on_outputs(lambda attn_outs, values: naive_pid_stack(
         attn_outs, values, lambda_p, lambda_i, lambda_d, beta, control_first_layer)[-1])
-
-
 
 
 #: two prompts of 9 tokens for gqa_llama
@@ -178,8 +171,6 @@ def gqa_llama(name: str):
 def data_dir(tmp_path_factory):
     """A fairseq dictionary of 40 words (w0 .. w39) in a folder: the language-modelling task's data directory."""
     return fs_dictionary(tmp_path_factory.mktemp("dict"))
-
-
 
 
 def assert_direct_path_equals_apply(adapter, run: Callable[[], List[Tensor]], monkeypatch,

@@ -23,7 +23,6 @@ def _timm():
     return timm
 
 
-# ------------------------------------------------------------------------------------------------------ the record
 def test_the_record_round_trips_and_refuses_what_is_not_one():
     value = encode_record("pid", {"lambda_p": 0.3, "beta": 0.1})
     assert value.dtype == torch.uint8 and value.dim() == 1
@@ -35,7 +34,6 @@ def test_the_record_round_trips_and_refuses_what_is_not_one():
             decode_record(bad, "ckpt.pth")
 
 
-# ------------------------------------------------------------------------------------------------------ timm
 @pytest.mark.parametrize("fmt", ["pth", "safetensors"])
 def test_timm_a_stock_model_refuses_a_method_checkpoint_and_the_method_model_loads_it(tmp_path, fmt):
     timm = _timm()
@@ -122,7 +120,6 @@ def test_timm_the_record_follows_convert_and_finish_warmup():
     assert RECORD_KEY not in timm.create_model("pid_deit_tiny_patch16_224", attention="softmax", **TINY).state_dict()
 
 
-# ------------------------------------------------------------------------------------------------------ mmseg
 def test_mmseg_a_stock_config_lists_the_record_and_the_method_config_loads_it(tmp_path, capsys):
     pytest.importorskip("mmseg")
     from mmengine.runner import load_checkpoint
@@ -146,7 +143,6 @@ def test_mmseg_a_stock_config_lists_the_record_and_the_method_config_loads_it(tm
         mm_build("PIDVisionTransformer", args, 3, attention="neutreno").load_state_dict(model.state_dict())
 
 
-# ------------------------------------------------------------------------------------------------------ fairseq
 def test_fairseq_checkpoint_records_the_method(data_dir, tmp_path):  # noqa: F811
     pytest.importorskip("fairseq")
     from fairseq import checkpoint_utils
@@ -164,7 +160,6 @@ def test_fairseq_checkpoint_records_the_method(data_dir, tmp_path):  # noqa: F81
         stock.load_state_dict(state["model"], strict=True)
 
 
-# ------------------------------------------------------------------------------------------------------ transformers
 def test_transformers_warns_when_a_method_folder_loads_with_a_stock_attention(tmp_path, caplog):
     """Once, naming the saved method and how to load it, for ``sdpa`` and ``eager``; not for the saved method or a
     stock folder; ``attn_implementation=None`` (what TRL's CLI passes when the user names none) is the saved method."""

@@ -20,7 +20,6 @@ def _compile(model, backend="eager"):
     return torch.compile(model, fullgraph=True, backend=backend)
 
 
-# ------------------------------------------------------------------------------------------------ transformers
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
 
@@ -76,10 +75,7 @@ def test_hf_static_cache_decoding_compiles_fullgraph_without_recompiles(source, 
 @pytest.mark.slow
 def test_transformers_compiled_call_compiles_the_frames_stock_compiles():
     """transformers compiles ``model.__call__`` (generate's compiled decoding step): dynamo does not trace
-    nn.Module.__call__, so a forward hook would be a compiled frame of its own there. The method's per-forward code is
-    the model's own forward (MethodForward), traced in the forward's one frame: the method model compiles exactly the
-    frames and graphs the stock model does, none for the code before and after its forward, and decodes as its eager
-    self without recompiling after the first step."""
+    nn.Module.__call__, so a forward hook would be a compiled frame of its own there."""
     pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
@@ -138,7 +134,6 @@ def test_a_compiled_function_calling_the_model_inlines_the_method_forward():
         assert not torch.allclose(scores(ids), want, atol=1e-3)
 
 
-# ------------------------------------------------------------------------------------------------ other zoos
 @pytest.mark.slow
 def test_timm_forward_compiles_fullgraph_with_a_preset_name():
     timm = pytest.importorskip("timm")

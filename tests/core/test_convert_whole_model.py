@@ -79,7 +79,6 @@ def both(model, named, call):
     return got
 
 
-# ------------------------------------------------------------------------------------------------- eval paths
 @pytest.mark.parametrize("method,model_case,cfg", cases(models=lambda m: m.name == "timm-deit", with_cfg=True))
 def test_every_eval_path_equals_the_model_built_by_name(method, model_case, cfg):
     model, named = converted_and_named(method.name, cfg)
@@ -109,8 +108,7 @@ def test_every_eval_path_equals_the_model_built_by_name(method, model_case, cfg)
 @pytest.mark.parametrize("method,model_case,cfg", cases(models=lambda m: m.name == "timm-deit", with_cfg=True))
 def test_fx_feature_extraction_equals_the_model_built_by_name(method, model_case, cfg):
     """timm's extractor traces ``attn_mask`` / ``is_causal`` as inputs (timm's loop over the blocks in
-    ``forward_features``); torchvision's takes them as constants. Every method traces (their shape checks step aside
-    for fx proxies, :func:`pid_plugins.core.heads.symbolic`), converted and built by name alike."""
+    ``forward_features``); torchvision's takes them as constants."""
     from timm.models import create_feature_extractor, get_graph_node_names
     from torchvision.models.feature_extraction import create_feature_extractor as tv_extractor
 
@@ -129,7 +127,6 @@ def test_fx_feature_extraction_equals_the_model_built_by_name(method, model_case
         same(create_feature_extractor(named, nodes)(x), want)
 
 
-# ------------------------------------------------------------------------------------- training, checkpointing
 def test_learnable_gains_and_warmup_under_checkpointing_and_masks():
     """Training with checkpointing and masks: the converted model's outputs and gradients are the named model's (each
     method's checkpointing against none: the contract's kit case), the warm-up counter advances once per training
@@ -161,7 +158,6 @@ def test_learnable_gains_and_warmup_under_checkpointing_and_masks():
     model.load_state_dict(named.state_dict(), strict=True)
 
 
-# ------------------------------------------------------------------------------------------ copies, round trip
 def test_deepcopy_and_pickle_keep_every_path_and_softmax_removes_it():
     model, named = converted_and_named("pid", {"lambda_p": 0.5, "lambda_i": 0.3, "lambda_d": 0.2})
     x = DEIT_CASE.inputs()
@@ -208,7 +204,6 @@ def test_distilled_deit_and_a_model_built_by_name_converted():
     assert "forward_features" not in vars(named) and "forward_intermediates" not in vars(named)
 
 
-# ============================================================================ mmseg: a bare stock backbone or head
 STOCK_PART = {"backbone": ("VisionTransformer", "PIDVisionTransformer"),
               "head": ("SegmenterMaskTransformerHead", "PIDSegmenterMaskTransformerHead")}
 

@@ -1,10 +1,5 @@
 """Every method's device-independent properties on a chosen device: ``pytest tests/core/test_device.py --device cuda``
-(or ``PID_TEST_DEVICE``; the default ``cpu`` is what ``make test`` runs). The contract's models and methods
-(tests/method_cases.py), built on the CPU and moved: switched off is the stock model bit for bit; float64 matches the
-reference and float32 stays within the stock model's own drift; cached ``generate()`` is greedy recomputation;
-a bf16/fp16 autocast training step is finite and within the stock drift; each SDPA backend the stock model runs with
-(``sdpa_kernel``) runs the method on the same fused kernel, and a backend the device lacks is skipped with torch's
-reason; on ``meta`` every added tensor follows the model."""
+(or ``PID_TEST_DEVICE``; the default ``cpu`` is what ``make test`` runs)."""
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +18,7 @@ ON_ZOOS = dict(models=lambda m: m.name in ZOOS)
 
 @pytest.fixture(autouse=True)
 def one_thread_and_the_toy(one_thread):
-    """Tiny models: one intra-op thread (tests/conftest.py); the toy method registered (as the contract does). On
-    CUDA: no TF32, so that float32 is float32 on both sides."""
+    """Tiny models: one intra-op thread (tests/conftest.py); the toy method registered (as the contract does)."""
     import toy_method  # noqa: F401
 
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -55,7 +49,6 @@ def gap(a, b) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-# ================================================================================================ switched off
 @pytest.mark.parametrize("method, model_case", cases(
     pair=lambda method, model: model.name in method.zero_models and model.name in ZOOS))
 def test_switched_off_is_the_stock_model_bit_for_bit(method, model_case, device):
@@ -66,7 +59,6 @@ def test_switched_off_is_the_stock_model_bit_for_bit(method, model_case, device)
     assert torch.equal(got, want)
 
 
-# ================================================================================================ references
 @pytest.mark.parametrize("method, model_case", cases(**ON_ZOOS))
 def test_matches_the_float64_reference_and_float32_stays_within_the_stock_drift(method, model_case, device):
     cfg = method_cfg(method, model_case)
@@ -96,7 +88,6 @@ def test_matches_the_float64_reference_and_float32_stays_within_the_stock_drift(
         assert gap(got, want) <= 8 * drift64_stock + 1e-9, (gap(got, want), drift64_stock)
 
 
-# ================================================================================================ cache
 @pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.name == "hf-llama"))
 def test_cached_generate_equals_recomputation(method, model_case, device):
     (model,) = on(device, model_case.pair(method.name, method_cfg(method, model_case))[0])
@@ -105,7 +96,6 @@ def test_cached_generate_equals_recomputation(method, model_case, device):
         zc.assert_cached_generation(model, x)
 
 
-# ================================================================================================ autocast
 def train_step(model_case, model, x, device, dtype):
     """One training step's (logits, loss, gradients) on ``device``, under autocast to ``dtype`` (None: float32)."""
     model.train()
@@ -139,7 +129,6 @@ def test_autocast_training_step_is_finite_and_within_the_stock_drift(method, mod
     assert drift_method <= 4 * drift_stock + 1e-3, (drift_method, drift_stock)
 
 
-# ================================================================================================ SDPA backends
 def sdpa_backends():
     from torch.nn.attention import SDPBackend
 
@@ -190,7 +179,6 @@ def test_each_sdpa_backend_the_stock_model_uses_is_the_methods_too(method, model
             assert off_ops == stock_ops
 
 
-# ================================================================================================ meta
 @pytest.mark.parametrize("method, model_case", cases(models=lambda m: m.name in ("hf-llama", "hf-bert", "timm-deit")))
 def test_on_meta_every_added_tensor_follows_the_model(method, model_case):
     """Built on the CPU and moved to ``meta``: every parameter and buffer (those the method adds too) is on meta, and

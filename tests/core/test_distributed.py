@@ -2,7 +2,6 @@
 tests/dist_workers/ launched as torchrun, each launch time-limited and its process tree killed when over."""
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,43 +24,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.engines, pytest.mark.slow, py
 TINY_SEGMENTER = REPO / "configs" / "mmseg" / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
 
 
-# ------------------------------------------------------------------------------------------ launching
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _descendants(pid: int) -> list:
-    """All live descendants of `pid` (torchrun starts its workers in their own sessions, so a process-group
-    kill of the launcher alone would leave them running)."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _kill_tree(proc: subprocess.Popen) -> None:
-    victims = _descendants(proc.pid)
-    for pid in [proc.pid, *victims]:
+    """Kill the launcher and every descendant (torchrun starts its workers in their own sessions)."""
+    import psutil
+
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            p.kill()
+        except psutil.NoSuchProcess:
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group (start_new_session below)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -113,7 +90,34 @@ def max_change(after: dict, before: dict) -> float:
                if before[k].is_floating_point() and before[k].numel())
 
 
-# ------------------------------------------------------------------------------------------ timm + DDP
+def hf_rows_one_process(model, seen, steps=cases.HF_STEPS) -> tuple:
+    """One process over the global batches the ranks' rows ``seen`` make, mean loss, SGD: (losses, parameters)."""
+    model.train()
+    rows, opt, losses = cases.hf_rows(), torch.optim.SGD(model.parameters(), lr=cases.HF_LR), []
+    for step in range(steps):
+        sl = slice(step * cases.HF_PER_RANK, (step + 1) * cases.HF_PER_RANK)
+        ids = rows[seen[0][sl] + seen[1][sl]]
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def fsdp_one_process(name, work) -> tuple:
+    """The case in one process: forward of each rank's half, the mean loss, one SGD step."""
+    model, layers, batch, forward = cases.build_fsdp_case(name, work)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    outs = [forward(model, cases.rank_slice(batch(), r, 2)) for r in (0, 1)]
+    loss = sum(cases.fsdp_loss(o) for o in outs) / 2  # what FSDP's gradient averaging over the ranks computes
+    opt = torch.optim.SGD(model.parameters(), lr=cases.FSDP_LR)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return model, layers, init, outs, {n: p.detach() for n, p in model.named_parameters()}
+
+
 def train_timm_one_process(model) -> list:
     """The timm workers' training on the whole global batches in one process; returns the losses."""
     model.train()
@@ -160,7 +164,6 @@ def test_timm_pid_deit_under_ddp_equals_one_process_over_the_global_batch(tmp_pa
     assert_close_params(run0["state_dict"], model.state_dict())
 
 
-# ------------------------------------------------------------------------------ mmengine Runner + mmseg
 def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(tmp_path):
     pytest.importorskip("mmseg")
     from research.mmseg_data import make_ade20k_like
@@ -201,7 +204,6 @@ def test_mmseg_tiny_pid_segmenter_through_mmengine_runner_with_pytorch_launcher(
     assert torch.isfinite(feats[0]).all()
 
 
-# --------------------------------------------------------------------------------- HF Trainer + DDP
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp_learnable_gains", "fsdp_asked"])
 def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
     """The Trainer on 2 CPU ranks: DDP with learnable gains; asked for FSDP2, accelerate wraps the model in DDP all the
@@ -228,17 +230,8 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
     n = cases.HF_PER_RANK * cases.HF_STEPS
     seen = [r["rows"][:n] for r in (r0, r1)]
     assert not set(seen[0]) & set(seen[1])  # the ranks got different rows
-    rows = cases.hf_rows()
     model = cases.llama_model(layers=layers, learnable=learnable)
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=cases.HF_LR)
-    for step in range(cases.HF_STEPS):
-        sl = slice(step * cases.HF_PER_RANK, (step + 1) * cases.HF_PER_RANK)
-        ids = rows[seen[0][sl] + seen[1][sl]]
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    hf_rows_one_process(model, seen)
     assert_close_params(r0["state_dict"], model.state_dict())
     assert max_change(r0["state_dict"], r0["init"]) > 1e-3
     gains = [k for k in r0["init"] if ".attention_params." in k]
@@ -247,7 +240,6 @@ def test_hf_trainer_pid_llama_on_two_ranks_equals_one_process(tmp_path, fsdp):
         assert max(abs(r0["state_dict"][k] - r0["init"][k]).item() for k in gains) > 1e-5
 
 
-# ------------------------------------------------------------------------------ FSDP2 per-layer sharding
 def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_path):
     """FSDP2's recipe (fully_shard per layer, then the model) on method models of every zoo: the forward and one SGD
     step equal one process over the same batch, with reshard_after_forward both ways and with checkpointing; the
@@ -262,16 +254,7 @@ def test_fsdp2_per_layer_sharding_equals_the_unsharded_model_in_every_zoo(tmp_pa
     expected = {(name, mode) for name in cases.FSDP_CASES for mode in cases.case_modes(name, work)}
     assert set(r0["runs"]) == set(r1["runs"]) == expected
     for name in cases.FSDP_CASES:
-        model, _, batch, forward = cases.build_fsdp_case(name, work)
-        init = {n: p.detach().clone() for n, p in model.named_parameters()}
-        locals_ = [cases.rank_slice(batch(), r, 2) for r in (0, 1)]
-        outs = [forward(model, b) for b in locals_]
-        loss = sum(cases.fsdp_loss(o) for o in outs) / 2  # what FSDP's gradient averaging over the ranks computes
-        opt = torch.optim.SGD(model.parameters(), lr=cases.FSDP_LR)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        stepped = {n: p.detach() for n, p in model.named_parameters()}
+        model, _, init, outs, stepped = fsdp_one_process(name, work)
         assert max_change(stepped, init) > 1e-3, name
         for mode in cases.case_modes(name, work):
             for rank, run in enumerate((r0["runs"][name, mode], r1["runs"][name, mode])):
@@ -301,17 +284,9 @@ def test_mmseg_learnable_parameters_under_fsdp2_and_ddp_equal_one_process(tmp_pa
     assert set(r0["runs"]) == set(r1["runs"]) == expected
     assert {mode for _, mode in expected} == {"reshard", "keep_unsharded", "checkpointing", "ddp"}
     for name in names:
-        model, layers, batch, forward = cases.build_fsdp_case(name, work)
-        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model, layers, init, outs, stepped = fsdp_one_process(name, work)
         gains = [n for n in init if ".attention_params." in n]
         assert len(gains) == len(layers(model)) * (3 if name.startswith("pid") else 2) > 0
-        outs = [forward(model, cases.rank_slice(batch(), r, 2)) for r in (0, 1)]
-        loss = sum(cases.fsdp_loss(o) for o in outs) / 2  # what the ranks' gradient averaging computes
-        opt = torch.optim.SGD(model.parameters(), lr=cases.FSDP_LR)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        stepped = {n: p.detach() for n, p in model.named_parameters()}
         grads = {n: p.grad for n, p in model.named_parameters() if n in gains}
         # every layer's parameters are used; past each group's first layer (zero error with PID's beta = 1, its own
         # values for value residual) they get gradients and train
@@ -331,7 +306,6 @@ def test_mmseg_learnable_parameters_under_fsdp2_and_ddp_equal_one_process(tmp_pa
                                                msg=lambda m, n=n: f"{name} {mode} rank {rank} {n} gradient: {m}")
 
 
-# --------------------------------------------------------------------------------- fairseq-train
 FAIRSEQ_TRAIN = ["--task", "language_modeling", "--arch", "transformer_lm_pid", "--decoder-layers", "2",
                  "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
                  "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.002",
@@ -380,7 +354,6 @@ def test_fairseq_train_two_ranks_on_cpu_equals_one_process_with_update_freq_2(tm
     assert_close_params(params, {k: b["model"][k] for k in params})
 
 
-# ------------------------------------------------------- transformers' DistributedConfig: TP and FSDP2
 def _distributed_config_runs(tmp_path: Path, kind: str, table: dict) -> tuple:
     """Save every case's checkpoint, run the worker on 2 ranks, and train each case in one process: the ranks'
     records and, per case, (parameters as loaded, parameters after the steps, losses) of one process."""
@@ -446,7 +419,6 @@ def test_hf_fsdp2_learnable_parameters_from_a_softmax_checkpoint_equal_one_proce
         assert max((params[n] - loaded[n]).abs().max().item() for n in gains) > 1e-5
 
 
-# ------------------------------------------------------------------- the HF Trainer with DeepSpeed ZeRO-2 and ZeRO-3
 def test_hf_trainer_deepspeed_zero2_and_zero3_train_every_method_exactly(tmp_path):
     """The Trainer with DeepSpeed ZeRO-2 and ZeRO-3 (CPU ranks, the Trainer's SGD) for every method, learnable variants
     too, loaded after the ``TrainingArguments`` (ZeRO-3: inside ``deepspeed.zero.Init``): losses and trained parameters
@@ -461,7 +433,6 @@ def test_hf_trainer_deepspeed_zero2_and_zero3_train_every_method_exactly(tmp_pat
     assert "shm_comm" not in log  # the worker's no_shm_comm_op: no 2-minute C++ build before the first step
     r0, r1 = load_ranks(tmp_path)
     assert set(r0["runs"]) == set(r1["runs"]) == {(stage, name) for stage in (2, 3) for name in table}
-    rows = cases.hf_rows()
     n = cases.HF_PER_RANK * cases.HF_STEPS
     for name, case in table.items():
         want = {}
@@ -473,20 +444,8 @@ def test_hf_trainer_deepspeed_zero2_and_zero3_train_every_method_exactly(tmp_pat
             # the global batch: both ranks' rows (accelerate 1.15 counts one process under DeepSpeed on CPU ranks and
             # gives both the same rows: then the mean over the doubled rows is the mean over one rank's)
             seen = [run["rows"][:n] for run in runs]
-            if tuple(seen[0] + seen[1]) not in want:  # one process over the same global batches, mean loss, same SGD
-                model = cases.dc_load(case, ckpts / name)
-                model.train()
-                opt = torch.optim.SGD(model.parameters(), lr=cases.HF_LR)
-                losses = []
-                for step in range(cases.HF_STEPS):
-                    sl = slice(step * cases.HF_PER_RANK, (step + 1) * cases.HF_PER_RANK)
-                    ids = rows[seen[0][sl] + seen[1][sl]]
-                    loss = model(input_ids=ids, labels=ids).loss
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    losses.append(loss.item())
-                want[tuple(seen[0] + seen[1])] = (losses, {k: p.detach().clone() for k, p in model.named_parameters()})
+            if tuple(seen[0] + seen[1]) not in want:
+                want[tuple(seen[0] + seen[1])] = hf_rows_one_process(cases.dc_load(case, ckpts / name), seen)
             losses, params = want[tuple(seen[0] + seen[1])]
             assert_same_params(runs[0]["params"], runs[1]["params"])
             torch.testing.assert_close(torch.tensor(runs[0]["losses"]), torch.tensor(losses), rtol=0, atol=1e-4,

@@ -19,7 +19,6 @@ def flip_warnings(caplog):
             and "attention='softmax', the stock attention" in r.getMessage()]
 
 
-# ======================================================================================================= timm
 TIMM_CASES = {  # PID name, stock name, small size
     "pid_deit_tiny_patch16_224": ("deit_tiny_patch16_224", dict(img_size=32, depth=2)),
     "pid_vit_tiny_patch16_224": ("vit_tiny_patch16_224", dict(img_size=32, depth=2)),
@@ -95,7 +94,6 @@ def test_timm_contradictions_stay_refused():
                           attention_cfg={"lambda_p": 0.3}, img_size=32, depth=2)
 
 
-# ====================================================================================================== mmseg
 def mmseg_stock_cfg(model_cfg):
     """The same segmentor config with mmseg's own backbone and head, our keys dropped."""
     cfg = model_cfg.copy()
@@ -174,7 +172,6 @@ def test_mmseg_base_inheritance_flip_is_the_stock_segmentor(tmp_path, caplog):
     assert_same_segmentation(flipped, stock)
 
 
-# ==================================================================================================== fairseq
 @pytest.fixture(scope="module")
 def fairseq_dict(tmp_path_factory):
     pytest.importorskip("fairseq")
@@ -213,7 +210,6 @@ def test_fairseq_has_one_spelling_of_the_parameters(fairseq_dict):
                       ["--attention-method", "softmax", "--attention-cfg", '{"lambda_p": 0.2}', "--pid-lambda-p", "0.3"])
 
 
-# =============================================================================================== transformers
 def test_transformers_method_config_is_inert_under_sdpa():
     """``config.pid`` (any method's parameters) left in a config flipped to ``attn_implementation="sdpa"``."""
     from zoo_cases import hf_ids, import_transformers, llama_config

@@ -1,9 +1,7 @@
-"""The module graph of ``pid_plugins`` (with the fairseq compat hook) and of the experiments beside it
-(``research/``), read from the source (ast) without importing anything: no import circle, counting imports inside
-functions and ``importlib`` calls (a module name computed from the package's own name is refused: it would hide an
-edge), no edge from the package into the experiments, core free of the adapters and of the methods (siblings).
-``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
-"""
+"""The module graph of ``pid_plugins`` (with the fairseq compat hook) and of the experiments beside it (``research/``),
+read from the source (ast) without importing anything: no import circle, counting imports inside functions and
+``importlib`` calls (a module name computed from the package's own name is refused: it would hide an edge), no edge
+from the package into the experiments, core free of the adapters and of the methods (siblings)."""
 import ast
 from pathlib import Path
 from typing import Dict, List, Set

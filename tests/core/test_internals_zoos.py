@@ -65,7 +65,6 @@ def assert_listed_and_required(internals: types.ModuleType, package: Path, alias
     assert not missing, f"listed but never required: {missing}"
 
 
-# ================================================================================================== timm
 TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=10)
 
 
@@ -82,11 +81,14 @@ def assert_unchanged(model, before):
     assert all(torch.equal(after[1][k], before[1][k]) for k in before[1])
 
 
-def test_every_timm_internal_holds_and_is_required():
-    pytest.importorskip("timm")
-    from pid_plugins.timm import internals
+@pytest.mark.parametrize("adapter", ["timm", "mmseg", "fairseq"])
+def test_every_internal_holds_and_is_required(adapter):
+    pytest.importorskip(adapter)
+    import importlib
 
-    assert_listed_and_required(internals, ROOT / "pid_plugins" / "timm", aliases={"FAN_INTERNALS": "FAN"})
+    importlib.import_module(f"pid_plugins.{adapter}")  # (mmseg: the mmcv._ext stand-in, then mmseg.models)
+    internals = importlib.import_module(f"pid_plugins.{adapter}.internals")
+    assert_listed_and_required(internals, ROOT / "pid_plugins" / adapter, aliases={"FAN_INTERNALS": "FAN"})
 
 
 def test_a_changed_vit_internal_is_refused_at_build_and_convert(monkeypatch, fresh_checks):
@@ -208,21 +210,41 @@ TIMM_CHANGES = {  # internal: (module, attribute, the change of the attribute's 
 PROBED = {"BLOCK", "CHECKPOINT", "XCIT"}
 
 
-@pytest.mark.parametrize("name", TIMM_CHANGES)
-def test_each_timm_check_refuses_a_release_that_changed_what_it_guards(name, monkeypatch, fresh_checks):
-    pytest.importorskip("timm")
+def _without(name):
+    def change(mapping):  # the mapping without ``name``
+        return {k: v for k, v in mapping.items() if k != name}
+    return change
+
+
+HF_CHANGES = {  # internal: (module, attribute, the change of the attribute's current value)
+    "CACHE_LAYERS": ("transformers.cache_utils", "DynamicLayer",
+                     lambda layer: type("DynamicLayer", (layer,), {"crop": None})),  # a release without crop
+    "TORCH_CHECKPOINT": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl",
+                         lambda old: type("CheckpointImpl", (), {})),  # a release without the reentrant choice
+    "GLOBAL_MAPPING": ("transformers.AttentionInterface", "_global_mapping", _without("sdpa")),
+    "TP_PLAN": ("transformers.distributed.tensor_parallel", "ALL_PARALLEL_STYLES",
+                _without("replicated_with_grad_allreduce")),
+}
+
+
+@pytest.mark.parametrize("zoo, name", [*(("timm", n) for n in TIMM_CHANGES), *(("hf", n) for n in HF_CHANGES)])
+def test_each_check_refuses_a_release_that_changed_what_it_guards(zoo, name, monkeypatch, fresh_checks):
+    """timm's and transformers' (and torch's) checks that no other test changes: each refuses, with the message, a
+    release without what it guards (or, where the change is behaviour, the doctor's probe finds it)."""
+    pytest.importorskip("timm" if zoo == "timm" else "transformers")
     import importlib
 
-    import pid_plugins.timm  # noqa: F401
-    from pid_plugins.timm import internals
-
-    where, attribute, change = TIMM_CHANGES[name]
+    importlib.import_module(f"pid_plugins.{zoo}")
+    internals = importlib.import_module(f"pid_plugins.{zoo}.internals")
+    where, attribute, change = (TIMM_CHANGES if zoo == "timm" else HF_CHANGES)[name]
     try:
         owner = importlib.import_module(where)
     except ImportError:  # a class: its module, then the class
         module, cls = where.rsplit(".", 1)
         owner = getattr(importlib.import_module(module), cls)
     internal = getattr(internals, name)
+    if zoo == "hf" and not internal.check():
+        pytest.skip(f"{internal.name}: not in transformers {versions.installed_version('transformers')}")
     assert internal.check()
     monkeypatch.setattr(owner, attribute, change(getattr(owner, attribute)))
     if name in PROBED:  # what the change alters is behaviour: the doctor's probe finds it
@@ -231,17 +253,9 @@ def test_each_timm_check_refuses_a_release_that_changed_what_it_guards(name, mon
         assert problem is not None and problem.startswith("its probe"), problem
         return
     assert not internal.check()
-    with pytest.raises(InternalChanged, match=changed("timm", internal.name)):
+    owner_zoo = {"timm": "timm", "hf": "transformers"}[zoo] if name != "TORCH_CHECKPOINT" else "torch"
+    with pytest.raises(InternalChanged, match=changed(owner_zoo, internal.name)):
         internal.require()
-
-
-# ================================================================================================= mmseg
-def test_every_mmseg_internal_holds_and_is_required():
-    pytest.importorskip("mmseg")
-    import pid_plugins.mmseg  # noqa: F401  (the mmcv._ext stand-in, then mmseg.models)
-    from pid_plugins.mmseg import internals
-
-    assert_listed_and_required(internals, ROOT / "pid_plugins" / "mmseg")
 
 
 def test_a_changed_checkpoint_loader_is_refused_before_the_table_changes(monkeypatch, fresh_checks):
@@ -265,15 +279,6 @@ def test_a_changed_checkpoint_loader_is_refused_before_the_table_changes(monkeyp
     with pytest.raises(InternalChanged, match=message):
         pm.checkpoint.load_checkpoint("/nonexistent/weights.pth")
     assert CheckpointLoader._schemes is table and dict(table) == entries and hook._scope is None
-
-
-# =============================================================================================== fairseq
-def test_every_fairseq_internal_holds_and_is_required():
-    pytest.importorskip("fairseq")
-    import pid_plugins.fairseq  # noqa: F401
-    from pid_plugins.fairseq import internals
-
-    assert_listed_and_required(internals, ROOT / "pid_plugins" / "fairseq")
 
 
 def test_a_changed_dataclass_internal_is_refused_and_the_hook_not_installed(monkeypatch, fresh_checks):

@@ -1,18 +1,8 @@
 """The attention-method contract: every method (pid, neutreno, twicing, elliptical, value_residual and the toy
 ``scaled_reference`` a user registers, tests/toy_method.py) x every zoo model (timm DeiT and FAN, a transformers
-Llama with grouped-query attention and BERT, mmseg's ViT backbone and Segmenter head, fairseq's transformer_lm),
-one parametrised test per property; tests/method_cases.py says which pair applies and with which parameters and
-independent float64 rule (pairs that do not apply are not generated).
-
-Properties: selected by name (the method and its parameters reach every layer; unset parameters are the zoo's
-preset), ``attention="softmax"`` is the stock model, the whole model matches a float64 reference built from the
-stock modules (attention by hand, tests/zoo_cases.py), switched off (zero parameters) is the stock model bit for
-bit, gradient checkpointing equals none (fairseq: refused), torch.compile(fullgraph=True) equals eager, a save/load
-round trip gives the same outputs, cached decoding equals recomputation and no position reads a later token.
-
-The toy method's own paths through each zoo (refusals, conversion, feature extraction, config files, the
-fairseq-train CLI) follow at the end.
-"""
+Llama with grouped-query attention and BERT, mmseg's ViT backbone and Segmenter head, fairseq's transformer_lm), one
+parametrised test per property; tests/method_cases.py says which pair applies and with which parameters and
+independent float64 rule (pairs that do not apply are not generated)."""
 from __future__ import annotations
 
 import functools
@@ -51,7 +41,6 @@ def method_of(name):
     return pid_plugins.get_method(name)
 
 
-# ================================================================================================ selection
 @pytest.mark.parametrize("method, model_case", cases())
 def test_selected_by_name_with_its_parameters_or_the_zoo_preset(method, model_case):
     expected = method_of(method.name)
@@ -100,7 +89,6 @@ def test_the_tables_causal_parameters_are_needed_and_accepted_in_a_causal_model_
             impl.check(impl.configure(None, "hf"), context)
 
 
-# ================================================================================================ the kit's cases
 def kit_cases():
     """(method, model, case, cfg) of every case of pid_plugins.testing that applies: the reference for each of the
     method's parameter sets, the zero parameters where the method has them, and the others with its first set."""
@@ -160,7 +148,6 @@ def test_the_kit_imports_with_torch_alone():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:] + proc.stdout
 
 
-# ================================================================================================ the toy's paths
 # The toy reaches every zoo through pid_plugins.register_method only (tests/toy_method.py): what each zoo's user path
 # does with a method nothing in pid_plugins knows, beyond the grid above.
 def toy_timm_pair(kind, gamma=0.5, seed=0):
@@ -354,9 +341,7 @@ model = {model!r}
 @pytest.mark.slow
 def test_mmseg_a_config_file_registers_the_method_and_the_plugin_with_custom_imports(tmp_path):
     """A fresh process: mmengine's ``Config.fromfile`` imports the user's method module and the plugin; mmseg's
-    ``MODELS.build`` builds the segmentor; its output and weights equal this process's build of the same file. (The
-    process is a ``python -c`` forked from tests/pyexec.py's zygote: mmengine and mmseg imported, pid_plugins and the
-    user's module never; the repository and tests/ (the user's toy_method) on its path where PYTHONPATH puts them.)"""
+    ``MODELS.build`` builds the segmentor; its output and weights equal this process's build of the same file."""
     pytest.importorskip("mmseg")
     import pid_plugins.mmseg  # noqa: F401
 

@@ -128,7 +128,6 @@ def test_transformers_runs_a_users_method_by_its_declarations(monkeypatch):
     assert ph.model_method_config(ph.get_config("declared_llama", {"gamma": 0.1})) == CONFIG(gamma=0.1)
 
 
-# ------------------------------------------------------------------------------------ no names in the adapters
 def _docstrings(tree: ast.AST) -> set:
     nodes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     return {id(node.body[0].value) for node in ast.walk(tree) if isinstance(node, nodes) and node.body

@@ -1,8 +1,5 @@
-"""Elliptical attention (``attention="elliptical"``; stefvk/Elliptical-Attention, ``MahalaAttention``), restated
-by loops in zoo_cases (:func:`naive_elliptical_scales`, :func:`naive_elliptical_attention`). The zoo grid is
-tests/core/test_method_contract.py; here: the rule against its loop statement, no gradient through the scales, and
-the sequence mean refused where a model is causal or cached, before anything is computed.
-"""
+"""Elliptical attention (``attention="elliptical"``; stefvk/Elliptical-Attention, ``MahalaAttention``), restated by
+loops in zoo_cases (:func:`naive_elliptical_scales`, :func:`naive_elliptical_attention`)."""
 import pytest
 import torch
 

@@ -2,8 +2,7 @@
 the float64 rule, cached and beam generation, causality, left padding, switched off, checkpointing, save/reload): the
 sliding-window cache (Mistral), Twicing in other grouped-query families, static-cache decoding compiled without
 recompiles, and the refusals (Twicing's attention dropout, families with their own attention tables, Gemma 3's mixed
-cache). Every built-in method of tests/method_cases.py with its parameters there.
-"""
+cache)."""
 from __future__ import annotations
 
 import pytest
@@ -24,7 +23,6 @@ def twins(name, **kw):
     return llama_twins(name, METHOD_CFG[name], **kw)
 
 
-# ======================================================================================== caches
 @pytest.mark.parametrize("name", METHOD_CFG)
 def test_sliding_window_cache_equals_recomputation(name):
     """Mistral with a 4-token window over 8 + 6 tokens: the dynamic sliding-window cache drops old keys (and the
@@ -63,7 +61,6 @@ def test_twicing_runs_grouped_query_families_with_the_cache(family):
     assert torch.equal(greedy(model, x), greedy(model, x, use_cache=False))
 
 
-# ========================================================================================================= refusals
 def test_twicing_refuses_attention_dropout_in_training_only():
     model, _ = llama_twins("twicing", {"from_layer": 0}, attention_dropout=0.1)
     x = hf_ids(1, 4)
@@ -92,7 +89,6 @@ def test_families_with_their_own_attention_tables_are_refused_while_built(family
         T.AutoModelForCausalLM.from_config(config, attn_implementation=method)
 
 
-# ============================================================================================ compile, mixed cache
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in METHOD_CFG if BUILTIN[name].static_compile])
 def test_static_cache_decoding_compiles_fullgraph_without_recompiles(name):

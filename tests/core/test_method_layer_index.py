@@ -51,7 +51,6 @@ def probe():
     return PROBE
 
 
-# ================================================================================================ core
 def test_the_index_reaches_layer_params_and_a_method_that_needs_it_is_refused_without_it(probe):
     from pid_plugins.core import LayerCall
 
@@ -74,7 +73,6 @@ def test_the_index_reaches_layer_params_and_a_method_that_needs_it_is_refused_wi
     assert NeedsIndex().apply(LayerProbeConfig(), None, LayerCall(attend, q, v, v, layer=1), None)[1] == ()
 
 
-# ================================================================================================ timm
 @pytest.mark.parametrize("kind", ["deit", "fan"])
 def test_timm_blocks_by_name_converted_and_checkpointed(kind, probe):
     timm = import_timm()
@@ -118,7 +116,6 @@ def test_timm_layer_outside_a_model_has_no_index_and_twicing_from_a_later_layer_
     assert attn(torch.randn(1, 4, 48))[1] == ()
 
 
-# ================================================================================================ transformers
 def test_hf_llama_index_is_layer_idx_in_forward_checkpointing_and_generate(probe):
     T = import_transformers()
     torch.manual_seed(0)
@@ -155,7 +152,6 @@ def test_hf_encoder_and_each_stack_of_an_encoder_decoder_count_from_zero(probe):
     assert probe.seen == [0, 1, 0, 1]  # the encoder's two layers, then the decoder's (cross-attention: no call)
 
 
-# ================================================================================================ mmseg
 @pytest.mark.parametrize("with_cp", [False, True])
 def test_mmseg_backbone_and_decode_head_are_two_groups(with_cp, probe):
     backbone = mm_build("PIDVisionTransformer", dict(MM_BACKBONE, with_cp=with_cp), attention=NAME)
@@ -185,7 +181,6 @@ def test_mmseg_convert_numbers_each_group_and_softmax_strips_it(probe):
     assert all("layer_index" not in vars(layer) for layer in segmentor.backbone.layers)
 
 
-# ================================================================================================ fairseq
 def test_fairseq_decoder_built_converted_and_incremental(data_dir, probe):
     import pid_plugins.fairseq as pf
 

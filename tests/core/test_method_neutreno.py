@@ -1,8 +1,5 @@
 """NeuTRENO (``attention="neutreno"``; github.com/tamnguyen9520/NeuTRENO_NeurIPS2024): layer 1 computes ``A v`` and
-records ``v^1``, layers l >= 2 ``A v + alpha (v^1 - v^l)``. The zoo grid is tests/core/test_method_contract.py; here:
-the rule against its loop statement and PID, parameters, warm-up, and BART against hooks adding zoo_cases'
-:func:`naive_neutreno` to the stock model.
-"""
+records ``v^1``, layers l >= 2 ``A v + alpha (v^1 - v^l)``."""
 from functools import partial
 
 import pytest
@@ -105,7 +102,6 @@ def test_warmup_starts_at_the_stock_model_and_reaches_the_method(zoo):
         torch.testing.assert_close(out(warm), out(full), rtol=tol, atol=1e-6)  # t = 2: full alpha
 
 
-# ================================================================================================ transformers
 def test_hf_encoder_decoder_matches_a_float64_reference_and_decodes_with_its_cache():
     """BART: the encoder's and the decoder's self-attention stacks are two groups (cross-attention untouched),
     against the stock model (float64, eager) with the term added by hooks on each out_proj's input; alpha = 0 is

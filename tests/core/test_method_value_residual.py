@@ -1,9 +1,5 @@
 """Value residual learning (ResFormer, ``attention="value_residual"``; github.com/Zcchill/Value-Residual-Learning):
-later layers attend over ``lambda_1 v^1 + lambda_2 v^l`` (zoo_cases' :func:`value_residual_rule`). The grid (float64
-references, the off switch, checkpointing and save/load with fixed and learnable lambdas, compile, cached decoding)
-is tests/core/test_method_contract.py; here: timm's learnable lambdas per block (reference, gradients, weight decay,
-trained values through the pretrained path), timm's feature extraction, and the presets.
-"""
+later layers attend over ``lambda_1 v^1 + lambda_2 v^l`` (zoo_cases' :func:`value_residual_rule`)."""
 import pytest
 import torch
 
@@ -25,7 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thr
 vr_rule = value_residual_rule  # the zoo references' rule, one (lambda_1, lambda_2) per layer
 
 
-# ==================================================================================================== timm
 def timm_pair(kind, cfg=None, seed=0):
     """(value residual model, stock model) with the same weights (strict: fixed lambdas add no parameters)."""
     return zoo_timm_pair(kind, seed, attention=NAME, attention_cfg=cfg)

@@ -124,7 +124,6 @@ def test_timm_onnx_export_with_the_dynamo_exporter(name, method, tmp_path):
         torch.testing.assert_close(run_onnx(path, "input0", x), model(x), rtol=1e-5, atol=1e-5)
 
 
-# ================================================================================================ transformers
 class Outputs(torch.nn.Module):
     """The model as an exporter sees it: token ids in, one tensor out (logits, or the last hidden states)."""
 

@@ -1,8 +1,7 @@
 """Pipeline parallelism with every attention method (transformers): ``pid_plugins.hf.pipeline_stage`` carries the
 method's state across stage boundaries as tensors: in one process (splits of 2 and 3, a reference-only first layer's
-None field, checkpointing) logits and gradients equal the whole model; on 2 ranks under ``torch.distributed.pipelining``
-(GPipe) logits and 2 SGD steps equal one process. transformers' own ``pp_size=2`` refuses the methods with cross-layer
-state on every rank before any stage communicates; Twicing runs exactly."""
+None field, checkpointing) logits and gradients equal the whole model; on 2 ranks under
+``torch.distributed.pipelining`` (GPipe) logits and 2 SGD steps equal one process."""
 import sys
 from pathlib import Path
 
@@ -41,7 +40,6 @@ def grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-# ===================================================================================== one process, stages in a row
 @pytest.mark.parametrize("case", list(ONE_PROCESS))
 def test_stages_in_one_process_equal_the_whole_model(case):
     ids, mask = cases.pipeline_batch(-1)
@@ -128,7 +126,6 @@ def test_pipeline_stage_refusals():
         ph.convert(model, "pid")  # the layers cannot be numbered again once the other stages' are gone
 
 
-# ============================================================================ transformers' own pipeline parallelism
 def _with_pp(model):
     """What ``from_pretrained(..., distributed_config=DistributedConfig(pp_size=2))`` records on the config (the
     2-rank test below runs the real thing)."""
@@ -156,8 +153,7 @@ def test_transformers_pp_is_refused_at_the_first_forward_for_methods_with_cross_
 
 
 def _pp_message(name: str, registered=None) -> str:
-    """The refusal, word for word. It lists the methods registered in the process that refuses: ``registered``
-    (names), else this process's registry (tests may have registered toys of their own)."""
+    """The refusal, word for word."""
     from pid_plugins.core import list_methods
 
     registered = list_methods() if registered is None else registered
@@ -176,7 +172,6 @@ def _pp_message(name: str, registered=None) -> str:
     )
 
 
-# ====================================================================================================== 2 ranks
 @pytest.mark.integration
 @pytest.mark.engines
 @pytest.mark.slow

@@ -1,8 +1,4 @@
-"""The state rule (core, for every adapter): a layer that is not its group's first never starts a method state silently.
-It gets the previous layer's state, or restarts it where the adapter knows layers were skipped (layer dropout in
-training), or raises ``MissingLayerState`` naming the layer, the method and the supported way. Checked in core and on
-each adapter's layers called alone (timm block, mmseg layer, fairseq decoder layer, a transformers stage that starts
-mid-stack), and with layer dropout in BART and fairseq; methods without cross-layer state are not affected."""
+"""The state rule (core, for every adapter): a layer that is not its group's first never starts a method state silently."""
 import pytest
 import torch
 
@@ -21,7 +17,6 @@ def _attend(q, v):
     return torch.nn.functional.scaled_dot_product_attention(q, q, v)
 
 
-# ================================================================================================ core
 @pytest.mark.parametrize("name", STATEFUL)
 def test_core_a_later_layer_without_state_is_refused_unless_it_restarts(name):
     method = get_method(name)
@@ -54,7 +49,6 @@ def test_core_methods_without_cross_layer_state_are_not_affected(name):
     assert "attention method 'pid': layer 4" in missing_state_message(get_method("pid"), 4)
 
 
-# ================================================================================================ timm
 # PID stands for the methods with state here (the refusal is core's, checked for each above and in transformers
 # below); every method without state runs
 @pytest.mark.parametrize("name", ["pid", *STATELESS])
@@ -79,7 +73,6 @@ def test_timm_a_block_called_alone_refuses_without_state_and_runs_with_it(name):
         torch.testing.assert_close(model.norm(h), model.forward_features(images), rtol=0, atol=0)
 
 
-# ================================================================================================ mmseg
 def test_mmseg_a_layer_called_alone_refuses_without_state():
     pytest.importorskip("mmseg")
     import pid_plugins.mmseg as pm
@@ -96,7 +89,6 @@ def test_mmseg_a_layer_called_alone_refuses_without_state():
             backbone.layers[1](y)
 
 
-# ================================================================================================ fairseq
 def test_fairseq_layer_dropout_restarts_the_state_and_a_layer_alone_is_refused(data_dir):
     """``--decoder-layerdrop``: fairseq's LayerDropModuleList skips layers in training; a forward whose first layers
     were skipped starts the state at the first layer that runs (as before the rule), never an error."""
@@ -118,7 +110,6 @@ def test_fairseq_layer_dropout_restarts_the_state_and_a_layer_alone_is_refused(d
         model.decoder.layers[1](x)
 
 
-# ================================================================================================ transformers
 def _hand_split(model, owned):
     """What a user builds for torch.distributed.pipelining by hand (and what each stage of transformers' own PP
     runs): the layers another stage owns replaced by an identity."""

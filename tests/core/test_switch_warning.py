@@ -1,6 +1,5 @@
 """One warning before noise: trained weights switched to a method at full strength (no warm-up) log one warning naming
-the method, in every zoo (convert; transformers' loader of a checkpoint saved without the method). None for weights
-as built (training from scratch), parameters that compute the stock attention, or a warm-up."""
+the method, in every zoo (convert; transformers' loader of a checkpoint saved without the method)."""
 import logging
 
 import pytest
@@ -41,7 +40,6 @@ def test_trained_weights_are_told_from_weights_as_built():
     assert carries_trained_weights(train(model))
 
 
-# ---------------------------------------------------------------------------------------------- transformers
 def test_transformers_convert_and_loader(caplog, tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -88,7 +86,6 @@ def test_transformers_convert_and_loader(caplog, tmp_path):
         AutoConfig.from_pretrained(tmp_path / "stock"), attn_implementation="pid")(x)) == []
 
 
-# ------------------------------------------------------------------------------------------ timm, mmseg, fairseq
 @pytest.mark.parametrize("name", ["timm-deit", "timm-fan", "mmseg-segmentor", "fairseq-lm"])
 def test_convert(caplog, name):
     from pid_plugins.testing import MODELS, SEGMENTOR

@@ -1,6 +1,5 @@
 """Thread safety: forwards of PID models of every zoo in two threads at once equal the sequential ones, and the
-per-forward PID state is never shared between threads (in one process: the engines' jobs are in test_distributed.py).
-"""
+per-forward PID state is never shared between threads (in one process: the engines' jobs are in test_distributed.py)."""
 import sys
 import threading
 import time
@@ -17,7 +16,6 @@ import pid_dist_cases as cases  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
 
 
-# ----------------------------------------------------------------------------------------- threads
 def _thread_jobs(tmp_path):
     """(name, forward) pairs: two timm PID DeiTs with different gains, one HF PID Llama at two batch sizes,
     a freshly built PID Llama whose first forwards race, an mmseg PID backbone and a fairseq PID LM."""

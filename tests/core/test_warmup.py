@@ -19,7 +19,6 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]  # the checkout under test, also for fairseq-train subprocesses
 
 
-# ------------------------------------------------------------------------------------------------------- core
 def test_config_field_round_trips_and_refuses_bad_values():
     cfg = PIDConfig(warmup_steps=10)
     assert PIDConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["warmup_steps"] == 10
@@ -45,7 +44,6 @@ def test_counter_schedule_eval_and_missing_key():
         GainWarmup(0)
 
 
-# --------------------------------------------------------------------------------------------------- the zoos
 #: the contract's tiny models (tests/method_cases.py): each zoo's builder, inputs and output (FAN at 32 pixels)
 ZOOS = {"timm_vit": "timm-deit", "timm_fan": "timm-fan", "hf": "hf-llama", "mmseg_backbone": "mmseg-backbone",
         "mmseg_head": "mmseg-head", "fairseq": "fairseq-lm"}
@@ -176,7 +174,6 @@ def test_timm_learnable_gains_are_scaled_too():
         torch.testing.assert_close(warm(x), ref(x), rtol=1e-10, atol=1e-12)
 
 
-# ------------------------------------------------------------------------------------------ compile (no recompile)
 @pytest.mark.slow
 @pytest.mark.parametrize("zoo", ["timm_vit", "hf"])
 def test_compiled_model_does_not_recompile_as_t_advances(zoo):
@@ -200,7 +197,6 @@ def test_compiled_model_does_not_recompile_as_t_advances(zoo):
     assert int(zoo.counter(warm).step) == int(zoo.counter(eager).step) == N + 1
 
 
-# ---------------------------------------------------------------------------------------------- save formats
 def test_timm_checkpoint_and_pretrained_softmax_file(tmp_path):
     from timm.models import load_checkpoint, resume_checkpoint
 

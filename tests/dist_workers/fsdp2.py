@@ -1,8 +1,5 @@
 """torchrun worker: FSDP2 per-layer sharding (``fully_shard`` on every layer, then the model) of a method model of every
-zoo, on gloo. For every ``FSDP_CASES`` case (or those given) and every ``FSDP_MODES`` mode, each rank runs a forward on
-its half of the batch and one SGD step, and saves its output and the whole parameters to OUT/rank{rank}.pt.
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/fsdp2.py OUT [CASE,CASE,...]"""
+zoo, on gloo."""
 import sys
 from pathlib import Path
 

@@ -1,10 +1,4 @@
-"""torchrun worker: the transformers Trainer with DeepSpeed ZeRO-2 and ZeRO-3 (CPU, gloo) for every attention method.
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_deepspeed.py CKPTS OUT
-
-Per stage and ``deepspeed_cases()`` case (learnable variants too), the model is loaded after the ``TrainingArguments``
-(ZeRO-3 builds it inside ``deepspeed.zero.Init``) and trained ``HF_STEPS`` SGD steps with a torch optimizer; each rank
-saves the rows it got, the losses and the whole parameters to OUT/rank{rank}.pt."""
+"""torchrun worker: the transformers Trainer with DeepSpeed ZeRO-2 and ZeRO-3 (CPU, gloo) for every attention method."""
 import sys
 from pathlib import Path
 

@@ -1,12 +1,5 @@
 """torchrun worker: transformers' ``from_pretrained(..., distributed_config=DistributedConfig(...))`` on 2 CPU ranks
-with the methods' learnable parameters.
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_distributed_config.py tp|fsdp CKPTS OUT
-
-``tp``: ``tp_size=2``, every ``TP_CASES`` checkpoint, ``DC_STEPS["tp"]`` SGD steps on the whole batch; ``fsdp``:
-``fsdp_size=2``, every ``FSDP_LEARNABLE_CASES`` softmax checkpoint (the learnable parameters initialised sharded),
-``DC_STEPS["fsdp"]`` on this rank's half. Each rank saves the whole parameters as loaded and after the steps, and the
-losses, to OUT/rank{rank}.pt."""
+with the methods' learnable parameters."""
 import sys
 from pathlib import Path
 

@@ -1,8 +1,6 @@
 """torchrun worker: a transformers Llama per ``PIPELINE_METHODS`` case split in 2 stages (``pipeline_stage``) under
 ``torch.distributed.pipelining`` (GPipe, 2 microbatches, gloo): the logits of a padded batch, then ``PIPELINE_STEPS``
-SGD steps. Each rank saves what it holds (logits, losses, its stage's parameters) to OUT/rank{rank}.pt.
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pipeline.py OUT"""
+SGD steps."""
 import sys
 import time
 from pathlib import Path

@@ -1,8 +1,6 @@
 """torchrun worker: transformers' own pipeline parallelism (``DistributedConfig(pp_size=2)``, gloo) for every
 ``PP_CASES`` case: the methods with cross-layer state are refused while built, on every rank, before any stage
-communicates; Twicing runs (logits, greedy generation). Each rank saves what it saw to OUT/rank{rank}.pt.
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_pp.py MODEL_DIR OUT"""
+communicates; Twicing runs (logits, greedy generation)."""
 import sys
 from pathlib import Path
 

@@ -1,8 +1,5 @@
 """torchrun / accelerate worker: a few transformers Trainer steps of a tiny PID Llama (CPU, gloo, offline); each rank
-saves its final parameters and what it saw to OUT/rank{rank}.pt. ``fsdp``: accelerate's FSDP2, one unit per decoder
-layer, non-reentrant checkpointing; ``learnable``: learnable gains (DDP keeps them in step).
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/hf_trainer.py OUT [fsdp] [learnable]"""
+saves its final parameters and what it saw to OUT/rank{rank}.pt."""
 import sys
 from pathlib import Path
 

@@ -1,8 +1,5 @@
 """torchrun worker: the cpu-tiny PID Segmenter config through mmengine's Runner with launcher='pytorch' on CPU: the gloo
-group is made here first (the launcher calls torch.cuda.set_device) and ``model_wrapper_cfg`` sets device_ids=None.
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/mmseg_runner.py CONFIG DATA_ROOT WORK_DIR OUT
-"""
+group is made here first (the launcher calls torch.cuda.set_device) and ``model_wrapper_cfg`` sets device_ids=None."""
 import sys
 from pathlib import Path
 

@@ -1,8 +1,4 @@
-"""Models, data and training loops shared by the distributed workers in this folder and tests/core/test_distributed.py.
-
-Everything here is deterministic given its arguments, so a worker rank and the single-process reference in
-the test build the same initial model and see the same global batches.
-"""
+"""Models, data and training loops shared by the distributed workers in this folder and tests/core/test_distributed.py."""
 from __future__ import annotations
 
 import json
@@ -93,7 +89,6 @@ def token_rows(n: int, length: int = 16, seed: int = 0):
     return torch.randint(3, 96, (n, length), generator=g)
 
 
-# ------------------------------------------------------------------------------------------- FSDP2 cases
 # One tiny model per zoo and family kind: the model (seeded), the layers fully_shard takes before the root, a global
 # batch (dim 0), the forward the loss reads, and the zoo's checkpointing switch (None: refused).
 FSDP_GLOBAL_BATCH = 4
@@ -259,8 +254,7 @@ def _mmseg_out(model, batch):
 
 
 def _method(name: str):
-    """``(method name, parameters, zoo case)`` of a ``<method>:<case>`` name, else ``(None, None, name)``. The tests'
-    toy method (``scaled_reference``) is registered on first use, as a user's code would."""
+    """``(method name, parameters, zoo case)`` of a ``<method>:<case>`` name, else ``(None, None, name)``."""
     if ":" not in name:
         return None, None, name
     method, base = name.split(":", 1)
@@ -276,9 +270,8 @@ def _method(name: str):
 
 
 def fsdp_case(name: str, workdir):
-    """(build(checkpointing) -> model, layers(model), batch() -> dict, forward(model, batch) -> tensor,
-    checkpointing supported). ``<method>:<case>``: the case's model with another attention method
-    (``attention=<method>``, its default parameters; the toy's strength TOY_GAMMA)."""
+    """(build(checkpointing) -> model, layers(model), batch() -> dict, forward(model, batch) -> tensor, checkpointing
+    supported)."""
     method, params, base = _method(name)
     chosen = dict(attention=method, attention_cfg=params) if method else {}
     if base.startswith("hf_"):
@@ -362,9 +355,7 @@ def fsdp_loss(out):
     return out.float().square().mean()
 
 
-# ---------------------------------------------------------------------------------------- pipeline parallelism
-# A 4-layer grouped-query Llama in 2 stages: layers 0-1's state must reach layers 2-3. Every built-in method (with
-# its causal parameters) and PID with learnable gains.
+# A 4-layer grouped-query Llama in 2 stages: layers 0-1's state must reach layers 2-3.
 PIPELINE_METHODS = {
     **{name: (name, cfg or {}) for name, cfg in method_table().CAUSAL_METHODS.items() if name != "sdpa"},
     "pid_learnable": ("pid", {"learnable": True}),
@@ -413,7 +404,6 @@ def pipeline_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
 
 
-# ------------------------------------------------- transformers' DistributedConfig: tensor parallelism, FSDP2
 #: case: (attn_implementation, parameters, the checkpoint it loads: "same" this case's, "softmax" a stock one whose
 #: missing learnable parameters transformers initialises); every learnable method, and PID with fixed gains
 TP_CASES = {
@@ -485,7 +475,6 @@ def dc_train(model, steps: int, rows=slice(None)) -> list:
     return losses
 
 
-# --------------------------------------------------------------------------- the Trainer with DeepSpeed ZeRO-2 / ZeRO-3
 def deepspeed_config(stage: int) -> dict:
     """A DeepSpeed config for the Trainer on CPU ranks: ZeRO ``stage``, float32, the Trainer's torch optimizer (no
     DeepSpeed op compiled: ``zero_allow_untested_optimizer``), no clipping."""

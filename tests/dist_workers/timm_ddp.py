@@ -1,8 +1,6 @@
 """torchrun worker: a tiny timm PID DeiT under DistributedDataParallel (gloo), each rank on half of every global batch,
 run without and with timm's gradient checkpointing and once more with warm-up (the counter a buffer); each rank saves
-the runs' final parameters and losses to OUT/rank{rank}.pt.
-
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_workers/timm_ddp.py OUT"""
+the runs' final parameters and losses to OUT/rank{rank}.pt."""
 import sys
 from pathlib import Path
 

@@ -1,6 +1,5 @@
-"""Every test in tests/research carries the ``research`` marker: the experiments beside the package (study, demo,
-their CLI), the analysis commands and the benchmark tooling. ``make test-fast`` leaves them out; ``make test``
-runs them."""
+"""Every test in tests/research carries the ``research`` marker: the experiments beside the package (study, demo, their
+CLI), the analysis commands and the benchmark tooling."""
 from pathlib import Path
 
 import pytest

@@ -94,7 +94,6 @@ def test_without_import_the_name_is_refused_with_cores_message(tmp_path, command
     assert not out.exists()
 
 
-# ---------------------------------------------------------------------------- modules that cannot be imported
 BROKEN = "import pid_plugins\nraise RuntimeError('this module is broken')\n"
 
 

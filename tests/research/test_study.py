@@ -109,7 +109,6 @@ def test_demo_option_gives_the_pid_models_a_reference_only_first_layer():
     assert args.pid_first_layer == "reference"
 
 
-# ------------------------------------------------------------------------- arms that name any registered method
 def test_arm_specs_name_any_registered_method_with_its_parameters():
     import toy_method  # noqa: F401  (registers scaled_reference)
 

@@ -1,13 +1,4 @@
-"""The references of the vLLM tests, made with transformers and pid_plugins.hf in the MAIN environment.
-
-``python tests/vllm_serving/make_references.py OUT`` (``make test-vllm`` runs it with ``.venv/bin/python``) saves tiny random
-checkpoints (fixed seeds, float32, head_dim 32) with ``save_pretrained`` under ``OUT/<case>/`` and writes
-``OUT/<case>/reference.json``: for every prompt, transformers' greedy continuation (``generate``, with its KV cache)
-and the log-probabilities of every prompt token, of the 5 most likely next tokens at each prompt position and of
-every generated token (one full forward over prompt + continuation). The vLLM env (transformers < 5.20, which
-pid_plugins.hf does not support) serves the folders and compares (tests/vllm_serving/test_vllm_serving.py). Cached: a case whose
-reference.json was written by this version of the script is not made again.
-"""
+"""The references of the vLLM tests, made with transformers and pid_plugins.hf in the MAIN environment."""
 from __future__ import annotations
 
 import hashlib

@@ -1,15 +1,5 @@
-"""Serve checkpoints with vLLM and write what it computed to JSON (run by tests/vllm_serving/test_vllm_serving.py in .venv-vllm).
-
-``python tests/vllm_serving/serve.py RUNS.json OUT.json``: RUNS is a list of ``{"name", "model", "engine": {LLM keywords},
-"prompts": [[token ids]], "new_tokens": n, "top": k}``; each run builds one ``vllm.LLM`` (engine core in this process:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a refusal raised where the model is built reaches this script) and records,
-per prompt, the greedy tokens, their log-probabilities, the log-probability of every prompt token and the top-k at
-each prompt position, the classes vLLM built the model and its inner model from, whether vLLM's torch.compile
-wrapper compiled the inner model and whether vLLM loaded pid-plugins' entry point in this process; or the error the
-build raised. A run's ``"env"`` is set in ``os.environ`` while its
-engine is built (``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine core in a process of its own, as ``LLM(...)`` runs by
-default, so that an error raised here comes from the process the user launched).
-"""
+"""Serve checkpoints with vLLM and write what it computed to JSON (run by tests/vllm_serving/test_vllm_serving.py in
+.venv-vllm)."""
 from __future__ import annotations
 
 import gc

