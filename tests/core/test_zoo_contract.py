@@ -20,6 +20,7 @@ import torch
 
 import pid_plugins
 from method_cases import BUILTIN, METHODS, variants
+from pid_plugins.core.warmup import GainWarmup
 from pid_plugins.testing import MODELS, SEGMENTOR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,6 +147,11 @@ def test_back_to_softmax_is_the_stock_model_bit_for_bit(zoo, key, method, cfg):
         zoo.loss(m.train(), zoo.inputs()).backward()
     assert all((p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
                for p, q in zip(model.parameters(), fresh.parameters()))
+    if method == "pid":  # switched back: the zoo's preset, not the gains it had before
+        preset = zoo.build("pid", None, seed=7)
+        preset.load_state_dict(zoo.convert(model.eval(), "pid").state_dict(), strict=True)
+        assert torch.equal(out(zoo, model), out(zoo, preset))
+        assert zoo.zoo != "hf" or METHODS["pid"].config(model.config.pid, "hf") == METHODS["pid"].config(None, "hf")
 
 
 @pytest.mark.parametrize("zoo", ZOOS.values(), ids=list(ZOOS))
@@ -272,6 +278,9 @@ def test_finish_warmup_keeps_the_warmed_up_function_without_the_counter(zoo, key
     want, trained = out(zoo, model), {n: p.clone() for n, p in gains(model).items()}
     assert pid_plugins.finish_warmup(model) is model
     assert not counters(model) and not any("attention_warmup" in k for k in model.state_dict())
+    held = [(n, k) for n, m in model.named_modules() for k, v in {**vars(m), **m._modules}.items()
+            if isinstance(v, GainWarmup)]  # timm's converted root: blocks.warmup_counter, attention_warmup
+    assert not held, held
     if zoo.zoo == "hf":
         assert getattr(model.config, method)["warmup_steps"] == 0
     else:

@@ -51,7 +51,6 @@ def test_architectures_from_the_registry(data_dir):
                                                  "transformer_lm_pid_wikitext103", "--user-dir", pf.USER_DIR,
                                                  "--tokens-per-sample", "256", "--attention-cfg", '{"warmup_steps": 3}'])
     assert pf.attention_from_args(again).config == PIDConfig.preset("lm", warmup_steps=3)  # over the entry's
-    # another method on the entry's architecture: that method's fairseq preset (the entry's PID parameters unused)
     other = options.parse_args_and_arch(options.get_training_parser(), [
         str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_pid_wikitext103", "--user-dir",
         pf.USER_DIR, "--tokens-per-sample", "256", "--attention-method", "neutreno"])
@@ -62,8 +61,7 @@ def test_architectures_from_the_registry(data_dir):
 
 
 def test_one_spelling_of_the_method_and_its_parameters(data_dir):
-    """--attention-method and --attention-cfg only (issue 44): the --pid-* gain options, --pid-warmup-steps and
-    --pid-attention are gone, and fairseq's parser refuses them."""
+    """--attention-method and --attention-cfg only (issue 44)."""
     for removed in (["--pid-lambda-p", "0.2"], ["--pid-beta", "0.5"], ["--pid-control-first-layer", "false"],
                     ["--pid-warmup-steps", "4"], ["--pid-attention", "softmax"]):
         with pytest.raises(SystemExit):
@@ -102,7 +100,6 @@ def test_control_first_layer_option_default_and_validation(data_dir):
     ref.load_state_dict(default.state_dict())
     toks = fs_tokens()
     assert not torch.allclose(fs_logits(ref, toks), fs_logits(default, toks))
-    # incremental decoding with a reference-only first layer equals the full forward
     with torch.no_grad():
         full = ref(toks)[0]
         state, steps = {}, []
@@ -164,7 +161,6 @@ def test_beam_search_and_sampling_run(data_dir):
                    for i, h in enumerate(hyps))
 
 
-# ------------------------------------------------------------------------------------------- the CLI
 def run(cmd, cwd):
     proc = subprocess.run([str(BIN / cmd[0]), *map(str, cmd[1:])], cwd=cwd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -192,8 +188,6 @@ def corpus(tmp_path_factory):
     return d
 
 
-# --decoder-input-dim/--decoder-output-dim: fairseq's defaults (512) would add 512-wide embeddings and output
-# projection over Hamlet's 4,700 words (5M parameters instead of 0.7M), which only makes each update slower
 TRAIN = ["--task", "language_modeling", "--user-dir", pf.USER_DIR, "--decoder-layers", "2", "--decoder-embed-dim",
          "64", "--decoder-input-dim", "64", "--decoder-output-dim", "64", "--decoder-ffn-embed-dim", "128",
          "--decoder-attention-heads", "4", "--tokens-per-sample", "64",
@@ -230,8 +224,6 @@ def test_cli_train_eval_generate_and_python_loading(corpus):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_softmax_checkpoint_fine_tunes_as_pid(corpus):
-    # a few updates each: the softmax run only has to leave a checkpoint, the fine-tuning run one logged loss
-    # (--log-interval 5)
     run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm", "--max-update", "2", "--save-dir",
          "softmax"], corpus)
     log = run(["fairseq-train", "data-bin", *TRAIN, "--arch", "transformer_lm_pid", "--max-update", "5",

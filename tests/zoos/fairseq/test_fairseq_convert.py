@@ -1,7 +1,4 @@
-"""``pid_plugins.fairseq.convert`` where fairseq's own paths meet it: the hub interface (converted as a whole, then
-incremental decoding and beam search as the model ``--arch transformer_lm_pid`` builds), the training mode, and
-fairseq's refusals. The zoo contract (tests/core/test_zoo_contract.py) runs convert both ways, method -> method,
-learnable parameters, warm-up and the common refusals."""
+"""``pid_plugins.fairseq.convert`` where fairseq's own paths meet it."""
 import pytest
 import torch
 
@@ -13,7 +10,6 @@ from fairseq.models.transformer_lm import TransformerLanguageModel  # noqa: E402
 from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_method,  # noqa: E402,F401
                        fs_save_checkpoint, fs_tokens)
 
-#: every built-in method (fairseq's preset), learnable and with warm-up where it has them (tests/method_cases.py)
 VARIANTS = variants(warmup_steps=4)
 
 
@@ -51,8 +47,7 @@ def snapshot(model):
 
 
 def _same_bits(x, y):
-    """Bit for bit: fairseq's ``embed_positions._float_tensor`` is an uninitialised buffer (``torch.FloatTensor(1)``),
-    which may hold a NaN, unequal to itself under ``torch.equal``."""
+    """Bit for bit."""
     return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8),
                                                                      y.reshape(-1).view(torch.uint8))
 
@@ -115,14 +110,12 @@ def test_hub_interface_converts_its_models(data_dir, tmp_path):
 
 
 def test_refusals_change_nothing(data_dir):
-    """fairseq's own refusals (the zoo contract runs the common ones): a decoder given alone, layers whose forward
-    activation checkpointing replaced, fairseq's cross_self_attention."""
+    """fairseq's own refusals (the zoo contract runs the common ones)."""
     stock, _ = stock_model(data_dir)
     before = snapshot(stock)
     with pytest.raises(TypeError, match=r"TransformerLanguageModel.*got TransformerDecoder"):
         pf.convert(stock.decoder, "pid")
     assert same_snapshot(snapshot(stock), before)
-    # activation checkpointing replaces the layers' forward: refused, even when only the last layer has it
     ckpt, _ = stock_model(data_dir, extra=["--checkpoint-activations"])
     before = snapshot(ckpt)
     with pytest.raises(TypeError, match="decoder layer 0 has its forward replaced"):

@@ -23,13 +23,9 @@ from zoo_cases import (data_dir, fs_build, fs_incremental_logits, fs_logits, fs_
 
 N = 3
 KEY = "decoder.attention_warmup.step"
-#: every built-in method with warm-up (fairseq's preset), learnable too where it has learnable parameters
-#: (tests/method_cases.py)
 VARIANTS = variants(methods=lambda m: m.warmup)
-#: how the warm-up is asked for: --attention-cfg with warmup_steps
 SPELLINGS = {spelling: fs_method(name, {**(cfg or {}), "warmup_steps": N})
              for spelling, (name, cfg) in VARIANTS.items()}
-#: the same model without warm-up
 PLAIN = {spelling: fs_method(name, cfg or {}) for spelling, (name, cfg) in VARIANTS.items()}
 
 
@@ -61,7 +57,6 @@ def outputs(model):
     return fs_logits(model, padded), fs_incremental_logits(model, toks)
 
 
-# PID, built and converted, learnable PID built (the zoo contract finishes every method that warms up)
 CASES = [("pid", False), ("pid", True), ("learnable_pid", False)]
 
 
@@ -76,10 +71,6 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
     assert model.decoder.attention_warmup is None and KEY not in model.state_dict()
     got = outputs(model)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # full forward and incremental decoding
-    # the checkpoint, loaded with the warm-up off, loads strictly: the model built without warm-up, with these
-    # weights (fairseq's fused attention and the method's path differ in rounding only). A model built by --arch is
-    # saved with its cfg and loaded with fairseq's arg_overrides; a converted one is saved with the cfg of
-    # transformer_lm_pid without warm-up
     from fairseq import checkpoint_utils
 
     plain_options = PLAIN[spelling]
@@ -103,7 +94,6 @@ def test_finished_model_is_the_warmed_up_function_without_the_counter(data_dir, 
         hub = pf.load_pid_lm(path, str(data_dir), **overrides)
         assert hub.models[0].decoder.attention_warmup is None
         assert torch.equal(outputs(hub.models[0])[0], reloaded[0])
-    # the warm-up path really was taken before (not the method's path): the two differ in rounding
     assert not torch.equal(reloaded[0], want[0])
 
 
@@ -123,8 +113,7 @@ def test_finished_model_converts_back_to_fairseqs_own_model(data_dir):
 
 
 def test_loading_a_finished_model_with_its_warmup_on_says_what_happens(data_dir, tmp_path, caplog):
-    """Saved after finish_warmup but loaded with the warm-up options of its cfg: the counter starts at 0 (the stock
-    model, as when fine-tuning a softmax checkpoint) and one warning says how to load it finished."""
+    """Saved after finish_warmup but loaded with the warm-up options of its cfg."""
     from fairseq import checkpoint_utils
 
     model, task, args = build(data_dir, "pid")

@@ -1,9 +1,4 @@
-"""``python -m pid_plugins.fairseq``: stdout is exactly the ``--user-dir`` folder, whatever else is installed, and the
-README's ``fairseq-train ... --user-dir "$(python -m pid_plugins.fairseq)"`` runs as written.
-
-Both run without ``DS_ACCELERATOR``, as a user's shell has it: where deepspeed is installed (the ``test`` extra) and no
-GPU is seen, importing it prints "Setting accelerator to CPU" on stdout, which once went into ``$(...)``.
-"""
+"""``python -m pid_plugins.fairseq``."""
 import json
 import os
 import re

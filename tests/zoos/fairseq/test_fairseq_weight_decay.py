@@ -1,11 +1,4 @@
-"""Learnable method parameters out of weight decay in fairseq (issue 34).
-
-fairseq 0.12.2 has one per-parameter optimizer mechanism: a parameter's ``param_group`` attribute, read by
-``--optimizer composite`` (one fairseq optimizer and lr scheduler per group). Every other optimizer
-(``--optimizer adam --weight-decay 0.1`` ...) gets ``model.parameters()`` as one group. transformer_lm_pid puts
-the learnable parameters (PID's gains, value_residual's lambdas) in the group ``attention_params``; a composite config
-with ``weight_decay: 0`` for that group keeps them out of weight decay. Checked on the optimizer fairseq's own
-``Trainer`` builds (adam, sgd, nag), by a step that can only decay, and by the real ``fairseq-hydra-train``."""
+"""Learnable method parameters out of weight decay in fairseq (issue 34)."""
 import os
 import subprocess
 import sys
@@ -22,17 +15,13 @@ from zoo_cases import data_dir, fs_build, fs_method, fs_parse, fs_tiny  # noqa: 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[3]
 WD, LR = 0.1, 0.01
-#: every built-in method with learnable parameters (tests/method_cases.py), learnable
 LEARNABLE = {name: fs_method(name, {"learnable": True}) for name, method in BUILTIN.items() if method.learnable}
 
 
 def composite(cfg, optimizer: str, gains_weight_decay: float = 0.0):
-    """``cfg`` (fairseq's, from ``--optimizer OPTIMIZER --weight-decay WD``) with ``--optimizer composite``: the
-    group ``default`` keeps ``--weight-decay``, the group ``attention_params`` gets ``gains_weight_decay``; one fixed lr
-    scheduler per group (``--lr-scheduler pass_through``), as in fairseq's own composite configs."""
+    """``cfg`` (fairseq's, from ``--optimizer OPTIMIZER --weight-decay WD``) with ``--optimizer composite``."""
     from omegaconf import OmegaConf
 
-    # fairseq's sgd is a legacy (argparse) optimizer: its config gets no defaults, so momentum is spelled out
     extra = {"momentum": 0.0} if optimizer == "sgd" else {}
 
     def group(weight_decay):
@@ -83,8 +72,6 @@ def test_learnable_parameters_are_in_fairseqs_param_group(data_dir, method):
     assert set(gains_of(model)) == set(gains)
 
 
-# every learnable method with adam; fairseq's other optimizers with PID (every method's learnable parameters carry
-# the same param_group tag: the test above)
 @pytest.mark.parametrize("method, optimizer", [(name, "adam") for name in LEARNABLE] + [("pid", "sgd"), ("pid", "nag")])
 def test_fairseqs_trainer_builds_a_group_without_weight_decay_for_the_learnable_parameters(data_dir, method,
                                                                                          optimizer):
@@ -95,7 +82,6 @@ def test_fairseqs_trainer_builds_a_group_without_weight_decay_for_the_learnable_
     decayed = [id(p) for g in groups if g["weight_decay"] == WD for p in g["params"]]
     assert len(groups) == 2 and sorted(undecayed) == sorted(gains)
     assert sorted(decayed) == sorted({id(p) for p in model.parameters()} - gains)  # everything else, once
-    # a step with zero gradients can only decay: the gains stay, every other weight shrinks by lr * wd
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -109,8 +95,7 @@ def test_fairseqs_trainer_builds_a_group_without_weight_decay_for_the_learnable_
 
 
 def test_without_the_composite_optimizer_fairseq_decays_the_gains(data_dir):
-    """What the group changes: fairseq's plain --optimizer adam --weight-decay puts every parameter, the gains too,
-    in its one group (so the step above would shrink them)."""
+    """What the group changes."""
     trainer, model = fairseq_trainer(data_dir, "pid", "adam", grouped=False)
     groups = list(trainer.optimizer.param_groups)
     assert len(groups) == 1 and groups[0]["weight_decay"] == WD
@@ -156,9 +141,7 @@ checkpoint: {{save_dir: {save_dir}, no_epoch_checkpoints: true}}
 @pytest.mark.integration  # fairseq-hydra-train's CLI
 @pytest.mark.slow
 def test_fairseq_hydra_train_with_a_gains_group(tmp_path, data_dir, tiny_fairseq_data_bin):
-    """The real CLI: fairseq-hydra-train with the composite config above trains (on the session's tiny corpus,
-    tests/conftest.py), its checkpoint's optimizer state has the gains (and only them) in a group with
-    weight_decay 0, and training resumes from it."""
+    """The real CLI."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                HYDRA_FULL_ERROR="1")
 

@@ -62,7 +62,6 @@ def ids_batch(n=2, length=9, seed=1):
     return torch.randint(3, 120, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
-# --------------------------------------------------------------------------------------------- basics
 def test_registered_in_both_interfaces():
     from transformers import AttentionInterface, AttentionMaskInterface
 
@@ -120,7 +119,6 @@ def test_changing_config_pid_changes_the_gains():
     torch.testing.assert_close(run(model, ids), before)
 
 
-# ---------------------------------------------------------------------------------------- the PID term
 def test_cross_attention_stays_softmax(monkeypatch):
     from pid_plugins.core.pid import PIDMethod  # the PID method's rule, called once per layer
 
@@ -140,7 +138,6 @@ def test_cross_attention_stays_softmax(monkeypatch):
     assert len(calls) == 3  # one per self-attention layer, none for the three cross-attention calls
 
 
-# ----------------------------------------------------------------------------------------- generation
 def greedy_by_recomputation(model, ids, steps, **kw):
     seq, logits = ids, []
     for _ in range(steps):
@@ -153,7 +150,6 @@ def greedy_by_recomputation(model, ids, steps, **kw):
     return seq, torch.stack(logits, 1)
 
 
-# ------------------------------------------------------------------------------------------- training
 @pytest.mark.slow
 def test_trainer_fine_tunes_a_pid_model_on_real_text(tmp_path):
     from pathlib import Path
@@ -187,7 +183,6 @@ def test_trainer_fine_tunes_a_pid_model_on_real_text(tmp_path):
     assert model.config._attn_implementation == "pid"
 
 
-# --------------------------------------------------------------------------------------- persistence
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
 def test_save_and_reload_as_pid_with_its_gains(family, tmp_path):
     _, model = pair(family, pid={"lambda_p": 0.3, "beta": 0.6})
@@ -200,7 +195,6 @@ def test_save_and_reload_as_pid_with_its_gains(family, tmp_path):
     assert PIDConfig.from_dict(reloaded.config.pid).gains == (0.3, 0.5, 0.1, 0.6)
     ids = ids_batch()
     assert torch.equal(run(reloaded, ids), run(model, ids))
-    # a second save keeps the choice
     reloaded.save_pretrained(tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["attn_implementation"] == "pid"
 
@@ -233,7 +227,6 @@ def test_errors():
         method_attention_forward(module, q, q, q, None)
 
 
-# ------------------------------------------------------------------------------- real pretrained models
 def test_minilm_embeddings_identical_at_zero_gains():
     from transformers import AutoTokenizer
 

@@ -1,12 +1,4 @@
-"""The KV cache's other lives (issue 43, "Why" 7): every way transformers and its users make, rebuild, crop, reorder and
-read a cache, for every method, by logits against one uncached forward (atol 1e-4).
-
-Twicing keeps ``A v`` of every cached position inside each layer's own cache object (a cache-layer subclass of the
-layer's kind, as transformers' ``DynamicIndexedLayer`` keeps its indexer keys), so ``len(cache)`` and iteration count
-the model's layers and every cache operation treats ``A v`` in step with the keys. What cannot be exact is refused
-naming the mode: a cache rebuilt from its (keys, values) tensors has no ``A v``. The subject is the one a new user
-meets: a Llama with grouped-query attention (4 layers, 4 query / 2 key-value heads); stock SDPA is the control.
-"""
+"""The KV cache's other lives (issue 43, "Why" 7)."""
 from __future__ import annotations
 
 import copy
@@ -23,8 +15,6 @@ from pid_plugins.hf.cache import SlotLayer  # noqa: E402
 
 METHODS, PROMPT = CAUSAL_METHODS, GQA_PROMPT
 P = PROMPT.shape[1]
-#: the methods that keep a tensor of their own beside each layer's cached keys/values (the method object's
-#: ``cache_slot``: Twicing's A v)
 SLOT = [name for name, method in BUILTIN.items() if name in METHODS and method.impl.cache_slot]
 
 
@@ -39,9 +29,7 @@ def close(got, want):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_early_exit_assisted_decoding_equals_recomputation_and_restores_the_layer_count(name, monkeypatch):
-    """``assistant_early_exit=2``: the draft pass runs the first 2 layers with its own cache (transformers sets
-    ``config.num_hidden_layers`` to 2 meanwhile); the draft's logits equal the 2-layer model's, the verified tokens'
-    the 4-layer model's, and a second ``generate`` runs (transformers restores the layer count without ``finally``)."""
+    """``assistant_early_exit=2``."""
     from transformers.generation import candidate_generator
 
     model = gqa_llama(name)
@@ -72,8 +60,7 @@ def test_early_exit_assisted_decoding_equals_recomputation_and_restores_the_laye
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", METHODS)
 def test_beam_search_logits_equal_recomputation(name, cache):
-    """Beam search reorders the cache every step (``reorder_cache``): the logits each returned sequence's tokens
-    were chosen from (``beam_indices`` into the step's rows) equal the uncached model's on that sequence."""
+    """Beam search reorders the cache every step (``reorder_cache``)."""
     model = gqa_llama(name)
     with torch.no_grad():
         out = model.generate(PROMPT, max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2,

@@ -28,7 +28,6 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: 
 import pid_plugins.hf  # noqa: E402,F401
 from method_cases import variants  # noqa: E402
 
-#: every built-in method with its parameters on the grouped-query Llama (tests/method_cases.py)
 METHOD_CFG = {key: cfg for key, (_, cfg) in variants("hf-llama", learnable=False).items()}
 X = hf_ids(2, 8)
 USE_CACHE_MESSAGE = (r"activation checkpointing.* recomputes each layer in the backward, and with a KV cache the "
@@ -107,15 +106,7 @@ def test_non_reentrant_checkpointing_gives_the_uncheckpointed_gradients(name, bu
 
 @pytest.mark.parametrize("name", METHOD_CFG)
 def test_composable_checkpoint_of_a_whole_model(name):
-    """torch's composable ``checkpoint(module)`` applied to a whole model. The backward recomputes the whole forward,
-    its pre-hooks included (a fresh state), and with ``use_cache`` left on, a fresh cache made inside the recomputed
-    forward (no key appended twice):
-
-    * the outer ``LlamaForCausalLM`` (it owns no layer, and its plan reads no checkpointing): gradients equal the
-      uncheckpointed model's, cache on and off;
-    * its ``LlamaModel`` (it owns the layers, and its plan sees the checkpointing): equal with ``use_cache=False``;
-      with the cache left on, the one message of a checkpointed module under a cache, before the forward (the plan
-      cannot tell a cache made inside the checkpointed forward from one a caller passed in)."""
+    """torch's composable ``checkpoint(module)`` applied to a whole model."""
     from torch.distributed._composable import checkpoint as composable_checkpoint
 
     for kwargs in ({"use_cache": False}, {}):
@@ -154,9 +145,7 @@ def test_reentrant_checkpoint_by_hand_is_refused_in_the_forward(name):
 
 @pytest.mark.parametrize("name", METHOD_CFG)
 def test_use_cache_left_on_gets_one_message(name):
-    """Training with a wrapper: refused before the forward. Eval mode (no recomputation without a backward): the
-    forward runs; a backward then, and ``torch.utils.checkpoint`` by hand in training, meet the same message at the
-    recomputation."""
+    """Training with a wrapper."""
     model = wrapped(name)
     assert model.config.use_cache
     with pytest.raises(ValueError, match=r"activation checkpointing \(torch's checkpoint_wrapper at "
@@ -175,8 +164,7 @@ def test_use_cache_left_on_gets_one_message(name):
 
 @pytest.mark.slow
 def test_fsdp2_fully_shard_over_checkpointed_layers(tmp_path):
-    """FSDP2 (one process, gloo) over ``apply_activation_checkpointing``'d layers: non-reentrant exact for every
-    method, reentrant refused."""
+    """FSDP2 (one process, gloo) over ``apply_activation_checkpointing``'d layers."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 

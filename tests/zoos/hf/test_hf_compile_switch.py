@@ -1,16 +1,4 @@
-"""transformers' compile switches, for every method (fixed gains, learnable gains, gain warm-up):
-``Trainer`` with ``TrainingArguments(torch_compile=True)``, and ``generate`` on a static cache compiled two ways:
-transformers' own automatic compile (``cache_implementation="static"`` with a ``CompileConfig``; on the CPU it
-compiles only when ``compile_config._compile_all_devices`` is set) and ``model.forward = torch.compile(model.forward)``.
-
-Each is compared with eager: the Trainer's losses of every step and weights after the last (learned gains and the
-warm-up counter included), generate's logits of every decoded token. Dynamo's counters (tests/compile_switch.py)
-show no graph break, no recompilation once the first step (training) or the first generate call (decoding) has
-compiled, and none when a second generate call decodes another number of tokens (the static cache sized once by
-``generation_config.max_cache_len``). Inductor (every switch's default) compiles PID's; the other methods run
-dynamo's ``aot_eager`` (training) and ``eager`` (decoding) backends, which capture the same graphs for a fraction
-of inductor's CPU compile time.
-"""
+"""transformers' compile switches, for every method (fixed gains, learnable gains, gain warm-up)."""
 from __future__ import annotations
 
 import pytest
@@ -36,7 +24,6 @@ def _llama(method, cfg, seed=0):
     return T.LlamaForCausalLM(llama_config(method, cfg, layers=2))
 
 
-# ------------------------------------------------------------------------------------------------ Trainer
 class _Rows(torch.utils.data.Dataset):
     def __init__(self, n=2 * STEPS):
         self.ids = hf_ids(n, 8, seed=3)
@@ -83,9 +70,6 @@ def test_trainer_torch_compile_trains_like_eager(method, cfg, tmp_path):
     with Dynamo() as dynamo:
         got, graphs = _trainer_run(model, tmp_path / "compiled", backend)
         assert dynamo.graph_breaks == {}, dynamo.graph_breaks
-        # the first step compiles the model's call, once: the hooks run eagerly where dynamo meets them as frames of
-        # their own (the warm-up's counter advances in the post-hook without a compiled call of its own); the gains'
-        # updates and the warm-up scale recompile nothing after that
         assert graphs == [1] * STEPS, graphs
     want, _ = _trainer_run(twin, tmp_path / "eager")
     tol = dict(rtol=1e-4, atol=1e-5) if backend == "inductor" else dict(rtol=1e-5, atol=1e-6)
@@ -99,7 +83,6 @@ def test_trainer_torch_compile_trains_like_eager(method, cfg, tmp_path):
         assert gains and any(not torch.equal(model.state_dict()[n], before[n]) for n in gains)
 
 
-# ------------------------------------------------------------------------------------------------ generate
 DECODE = [p for p in variants("hf-llama") if not set(p.values[1]) & {"learnable", "warmup_steps"}]
 
 
@@ -127,12 +110,9 @@ def test_generate_static_cache_compiled_equals_eager_without_recompiles(method, 
     backend = _backend(method, cfg, training=False)
     model = _static(method, cfg)
     want = _generate(model, 7, disable_compile=True)
-    # the method changes the logits (Elliptical's prefix mean on this tiny model: by about 3e-4), by more than the
-    # compiled run may differ from eager
     assert not torch.allclose(want, _generate(_static("sdpa", None), 7, disable_compile=True), rtol=0, atol=1e-4)
     with Dynamo() as dynamo:
         if switch == "transformers' compile":
-            # decoding steps through the compiled model call (prefill eager); fullgraph: a graph break raises
             config = CompileConfig(fullgraph=True, backend=backend, mode="default")
             config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
             kwargs, per_call = dict(compile_config=config), 1

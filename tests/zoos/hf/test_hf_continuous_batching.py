@@ -1,7 +1,4 @@
-"""Continuous batching (issue 43, "What to build" 7): transformers runs its own paged attention there and, where
-flash-attn is installed, switches the model's attention to flash with only a log warning
-(``ContinuousBatchingManager.switch_to_cb_friendly_attn``), which would drop a method silently. A model running a
-method is refused at ``init_continuous_batching``, where every entry point starts, before anything is switched."""
+"""Continuous batching (issue 43, "What to build" 7)."""
 from __future__ import annotations
 
 import pytest
@@ -16,13 +13,10 @@ MESSAGE = (r"attention method '{}' cannot run under continuous batching \(genera
            r"continuous_batching_context_manager, generate\(cache_implementation='paged'\)\)")
 
 
-# two kinds (an additive method with cross-layer state; one with its own attend and a cache slot): the adapter
-# refuses whatever method the config names, the same way
 @pytest.mark.parametrize("name", ["pid", "twicing"])
 def test_every_entry_point_is_refused_before_the_attention_is_switched(name, monkeypatch):
     from transformers.generation.continuous_batching import continuous_api
 
-    # as on a GPU with flash-attn installed: transformers would switch the model to flash_attention_2
     monkeypatch.setattr(continuous_api, "is_flash_attn_2_available", lambda *a, **k: True)
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(llama_config(name)).eval()

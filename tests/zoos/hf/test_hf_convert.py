@@ -1,9 +1,4 @@
-"""``pid_plugins.hf.convert(model, attention, attention_cfg, base=...)``: in place, on a tiny Llama (GQA) and BERT.
-
-What is transformers' own: an eager model returns to eager (also after save and reload), ``base=``, refusals of
-families outside the attention interface, a changed ``config.<method>`` applied. The zoo contract
-(tests/core/test_zoo_contract.py) runs convert both ways, method -> method, learnable parameters and the common
-refusals on a Llama and BERT."""
+"""``pid_plugins.hf.convert(model, attention, attention_cfg, base=...)``."""
 import json
 
 import pytest

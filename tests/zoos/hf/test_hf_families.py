@@ -1,10 +1,4 @@
-"""transformers family matrix: every family on the attention interface runs PID correctly or is refused.
-
-Tiny random configs (2 layers, hidden 32, float32). Per family: PID differs from the base attention, zero
-gains equal it bit for bit, self-attention only (cross-attention keeps the base), gradient checkpointing
-gives the un-checkpointed gradients; decoders: cached greedy and beam-search generation equal generation
-by recomputation, left padding; encoder-decoders: cached decoding equals recomputation.
-"""
+"""transformers family matrix."""
 import pytest
 import torch
 
@@ -25,7 +19,6 @@ def _gemma3():
     return T.Gemma3TextConfig(**DEC, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 
 
-# family: (config factory, model class, kind, base attention, self-attention layers per forward)
 FAMILIES = {
     "llama": (lambda: T.LlamaConfig(**DEC), T.LlamaForCausalLM, "decoder", "sdpa", 2),
     "qwen2": (lambda: T.Qwen2Config(**DEC), T.Qwen2ForCausalLM, "decoder", "sdpa", 2),
@@ -67,8 +60,6 @@ FAMILIES = {
                                         decoder_start_token_id=1),
                 T.WhisperForConditionalGeneration, "speech", "sdpa", 4),
 }
-# GPT-J runs transformers' attention interface from transformers 5.24 (before, its own GPTJ_ATTENTION_CLASSES
-# table, refused: test_method_hf_lm.py)
 if not hasattr(__import__("transformers.models.gptj.modeling_gptj", fromlist=["x"]), "GPTJ_ATTENTION_CLASSES"):
     FAMILIES["gptj"] = (lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                              n_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -337,7 +328,6 @@ def test_control_first_layer_false_runs_and_is_saved(tmp_path):
     x = inputs("llama")
     model.save_pretrained(tmp_path)
     assert PIDConfig.from_dict(T.AutoModelForCausalLM.from_pretrained(tmp_path).config.pid) == cfg
-    # first layer plain: a one-layer model equals stock
     make, cls, *_ = FAMILIES["llama"]
     torch.manual_seed(0)
     one = cls(make().__class__(**{**DEC, "num_hidden_layers": 1})).eval()

@@ -12,7 +12,6 @@ from method_cases import variants  # noqa: E402
 from zoo_cases import bert_config, hf_ids, llama_config  # noqa: E402
 
 N = 3
-#: every built-in method with warm-up (the preset), learnable too where it has learnable parameters
 VARIANTS = variants(methods=lambda m: m.warmup)
 
 
@@ -41,8 +40,7 @@ def warmed_up(model, steps=N + 1):
 
 
 def test_nested_models_read_no_counter_after_finishing():
-    """T5's stacks keep deep copies of the config and read the outer model's counter: after finish_warmup every
-    config says warmup_steps=0 and the model is the one built without warm-up."""
+    """T5's stacks keep deep copies of the config and read the outer model's counter."""
     config = T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                         decoder_start_token_id=0, pad_token_id=0)
     config._attn_implementation, config.pid = "pid", {"warmup_steps": N}

@@ -1,7 +1,4 @@
-"""The transformers adapter's per-forward path (pid_plugins/hf/forward.py): a forward reads the plan discovery made
-once, with no module walk, and the plan is made again on the events that change what it was made from
-(checkpointing turned on or off, a wrapper applied, a module replaced): every refusal is still made before the
-forward runs, and a replaced module computes as before."""
+"""The transformers adapter's per-forward path (pid_plugins/hf/forward.py)."""
 from __future__ import annotations
 
 import copy
@@ -74,7 +71,6 @@ def test_checkpointing_turned_on_after_the_first_forward_is_read_before_the_next
     torch.testing.assert_close(step(model, use_cache=False), want, rtol=0, atol=0)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.testing.assert_close(step(model, use_cache=False), want, rtol=0, atol=0)
-    # the flags stay on and only the layers' function changes (to reentrant): read, refused
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match=REENTRANT):
         model(X, labels=X, use_cache=False)
@@ -85,9 +81,7 @@ def test_checkpointing_turned_on_after_the_first_forward_is_read_before_the_next
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_checkpointing_turned_on_in_a_copy_of_the_model_is_read_before_its_next_forward(how, tmp_path):
-    """A model copied after a forward (``copy.deepcopy``, or pickled whole by ``torch.save``): its plan's view of the
-    modules' flags is made again at the copy's first forward, so reentrant checkpointing turned on in the copy is
-    refused before the forward, as in the original, and the copy computes as the original."""
+    """A model copied after a forward (``copy.deepcopy``, or pickled whole by ``torch.save``)."""
     model = llama()
     want = step(model, use_cache=False)
     if how == "deepcopy":
@@ -135,8 +129,7 @@ def test_torch_composable_checkpoint_applied_after_the_first_forward_is_read_bef
 
 
 def test_a_module_replaced_after_the_first_forward_is_discovered_again(discoveries):
-    """A decoder layer replaced by a copy: its attention module is numbered again, and the model computes as
-    before (the copy's attention without a number would be refused)."""
+    """A decoder layer replaced by a copy."""
     model = llama().eval()
     with torch.no_grad():
         want = model(X).logits

@@ -59,9 +59,7 @@ def test_a_static_cache_prefill_reads_no_later_token(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_a_static_cache_in_chunks_and_after_reset_equals_the_uncached_model(name):
-    """A user's ``StaticCache``: a prompt prefilled in two chunks (the second with a mask from transformers, the first
-    without), then one decoding step, equals the uncached forward by logits; ``cache.reset()`` and the same again give
-    the same logits (the buffer's stale rows are never read)."""
+    """A user's ``StaticCache``."""
     model = gqa_llama(name)
     x = PROMPT
     with torch.no_grad():

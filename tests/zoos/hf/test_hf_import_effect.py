@@ -1,12 +1,4 @@
-"""What ``import pid_plugins.hf`` changes in transformers and torch, measured in a fresh process: the attributes of
-transformers' model, config, auto-class and continuous-batching classes and torch's module-level hook registries
-before and after the import. The list is the one docs/architecture.md gives, with its reason; a change that adds
-a replaced attribute or a torch-global hook fails here until it is documented there.
-
-The fresh processes are ``python -c`` forks of tests/pyexec.py's zygote (the zoos imported, pid_plugins never): what
-is measured is what pid_plugins' own import does, with every zoo already imported (so an effect that depends on
-another zoo being there shows too), and the three processes cost milliseconds each instead of an interpreter start
-with torch and transformers."""
+"""What ``import pid_plugins.hf`` changes in transformers and torch, measured in a fresh process."""
 import functools
 import json
 
@@ -44,7 +36,6 @@ print(json.dumps({
 }))
 """
 
-#: docs/architecture.md, "transformers": each with its reason there
 DOCUMENTED = [
     "PreTrainedModel.__init__",  # the one class-level construction hook (before and after transformers' own)
 ]
@@ -57,14 +48,12 @@ def test_the_import_changes_the_two_registries_and_the_documented_class_attribut
     assert effect["hook_registries"] >= 5  # the probe saw torch's global hook registries (forward, registration, ...)
     assert effect["hooks"] == {}, "import pid_plugins.hf added a torch-global hook"
     assert effect["replaced"] == DOCUMENTED
-    # every registered method, in both of transformers' registries, under its own name
     assert effect["registered"]["attention"] == sorted(effect["methods"])
     assert effect["registered"]["mask"] == sorted(effect["methods"])
 
 
 def test_a_model_gets_its_own_initialisation_and_continuous_batching_refusal_and_its_class_keeps_transformers():
-    """The per-model part: a model built after the import has its own ``_initialize_weights`` and
-    ``init_continuous_batching`` (instance attributes), its class's are transformers' own."""
+    """The per-model part."""
     import pid_plugins.hf  # noqa: F401
     from transformers import LlamaForCausalLM, PreTrainedModel
     from transformers.generation.continuous_batching import ContinuousMixin
@@ -81,7 +70,6 @@ def test_a_model_gets_its_own_initialisation_and_continuous_batching_refusal_and
 
 
 
-# ------------------------------------------------------------------ a model that runs no method is untouched
 STOCK = r"""
 import hashlib, json, os, sys, tempfile, torch
 if sys.argv[1] == "import":
@@ -120,9 +108,7 @@ def _stock(imported: bool) -> tuple:
 
 
 def test_a_stock_model_built_after_the_import_is_the_model_built_without_it():
-    """In fresh processes: the same stock Llama built with and without ``import pid_plugins.hf`` has the same hooks
-    (none), the same instance attributes on every module and its config, a byte-identical config.json and the same
-    state_dict."""
+    """In fresh processes."""
     plain, imported = _stock(False)[0], _stock(True)[0]
     assert imported["hooks"] == plain["hooks"] == []
     assert imported["attributes"] == plain["attributes"]
@@ -182,10 +168,7 @@ print(json.dumps(found))
 
 
 def test_a_stock_model_switched_later_is_refused_with_the_convert_line_that_works():
-    """In a fresh process: a stock model switched to a method after it was built (``set_attn_implementation`` or
-    the config) is refused at its first forward, naming ``convert``, and after ``convert`` computes the model built
-    with the method; a folder saved with a method loads as saved with ``attn_implementation=None`` and warns once when
-    loaded with the stock attention (which then carries no hook of ours)."""
+    """In a fresh process."""
     found = _stock(True)[1]
     for how in ("set_attn_implementation", "config"):
         assert "Call pid_plugins.hf.convert(model, 'pid') once" in found[how], found[how]

@@ -1,7 +1,4 @@
-"""transformers adapter: learnable gains (``config.pid = {"learnable": True, ...}``) where transformers' own paths
-meet them (construction, loading a stock checkpoint, the Trainer, every family, compile, warm-up); the zoo and method
-contracts (tests/core/test_zoo_contract.py, tests/core/test_method_contract.py) train, checkpoint, save and convert
-them."""
+"""transformers adapter."""
 import warnings
 
 import pytest
@@ -46,12 +43,14 @@ def learned(model, path):
                  for k in ("lambda_p", "lambda_i", "lambda_d"))
 
 
-# ----------------------------------------------------------------------------------- where the gains live
-def test_one_gains_module_per_self_attention_layer_made_at_construction():
+def test_one_gains_module_per_self_attention_layer_made_at_construction_and_saved(tmp_path):
+    from safetensors.torch import load_file
+
     model = T.LlamaForCausalLM(llama_config())
-    names = sorted(gains_of(model))
-    assert names == sorted(f"model.layers.{i}.self_attn.attention_params.lambda_{k}_raw"
-                           for i in range(3) for k in "pid")
+    names = {f"model.layers.{i}.self_attn.attention_params.lambda_{k}_raw" for i in range(3) for k in "pid"}
+    assert set(gains_of(model)) == names
+    model.save_pretrained(tmp_path)
+    assert {k for k in load_file(tmp_path / "model.safetensors") if "attention_params" in k} == names
     assert all(p.shape == (1,) and p.requires_grad for p in gains_of(model).values())
     for i in range(3):  # softplus-positive, from the config; a gain 0 starts at 1e-4
         torch.testing.assert_close(torch.tensor(learned(model, f"model.layers.{i}.self_attn.attention_params")),
@@ -114,7 +113,6 @@ def test_config_pid_made_learnable_after_the_first_forward_adds_the_gains_with_a
         model(x)  # once
 
 
-# ------------------------------------------------------------------------------------------- weight decay
 def test_trainer_weight_decay_groups(tmp_path):
     model = T.LlamaForCausalLM(llama_config())
     args = T.TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, report_to="none", use_cpu=True)
@@ -137,7 +135,6 @@ def test_trainer_weight_decay_groups(tmp_path):
     assert set(ph.gain_parameter_names(model)) == gains
 
 
-# ------------------------------------------------------------------------------------------ every family
 def test_every_family_builds_its_gains_where_discovery_finds_self_attention_and_uses_each_one():
     """Built with a learnable config.pid, each family of test_hf_families gets gains on exactly the modules the
     first forward's discovery marks as self-attention (none on cross-attention, no late additions), and one
@@ -162,9 +159,7 @@ def test_every_family_builds_its_gains_where_discovery_finds_self_attention_and_
 
 
 def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
-    """Learnable gains and warm-up together: t = 0 is the stock model bit for bit; at t = k the learned gains
-    are scaled by k/N (float64, against a fixed-gain model holding learned gains x k/N); training forwards
-    advance t once each."""
+    """Learnable gains and warm-up together."""
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(llama_config(pid={**LEARN, "warmup_steps": 4})).double()
     spread_gains(model)
@@ -183,7 +178,6 @@ def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
     for i in range(3):
         lp, li, ld = learned(model, f"model.layers.{i}.self_attn.attention_params")
         fixed.append((0.75 * lp, 0.75 * li, 0.75 * ld))
-    # each layer's call of the core rule must see its learned gains x 3/4 (beta and the first-layer rule fixed)
     import pid_plugins.core.pid as A  # the PID method's update: the rule's entry
 
     calls = []
@@ -192,8 +186,6 @@ def test_learnable_gains_under_warm_up_are_scaled_by_t_over_n():
     def check(self, params, out, value, state, scale, head_dim):
         layer = len(calls)
         calls.append(layer)
-        # the rule gets the warm-up scale (it multiplies the error tensors, exact at 1): the same function as the
-        # gains x 3/4 without a scale
         assert float(scale) == 0.75
         want, _ = original(self, (*fixed[layer], 0.4, True), out, value, state, None, head_dim)
         got, new = original(self, params, out, value, state, scale, head_dim)

@@ -91,9 +91,7 @@ def test_from_config_with_the_parameters_in_the_config(method):
 
 
 def test_a_folder_saved_with_a_method_takes_its_parameters_as_a_keyword(checkpoint, tmp_path):
-    """transformers itself sets a loader keyword that names a config attribute on the config: a folder saved with
-    PID has ``config.pid``, so ``pid=`` replaces it (a stock folder has none: transformers hands the keyword to the
-    model's ``__init__``, which refuses it)."""
+    """transformers itself sets a loader keyword that names a config attribute on the config."""
     T.AutoModelForCausalLM.from_pretrained(checkpoint, config=with_params(checkpoint, "pid", PARAMS["pid"]),
                                            attn_implementation="pid").save_pretrained(tmp_path)
     model = T.AutoModelForCausalLM.from_pretrained(tmp_path, pid={**PARAMS["pid"], "lambda_i": 0.2})

@@ -1,11 +1,4 @@
-"""The method record in a transformers model's weights (pid_plugins.hf.record): ``save_pretrained`` writes
-``model.embed_tokens.pid_plugins_method`` (a Llama's first module with a parameter) with what the model ran;
-transformers without pid-plugins lists it in its default load report when the folder is loaded with a stock
-attention; with the plugin the folder loads as saved with no report (also one saved before the record existed, one
-with the record on the outermost model as older releases saved it, and with other parameters); ``convert`` adds and
-removes it, a stock model never has one; dtype casts, sharded saves, strict ``load_state_dict`` and peft keep it, and
-every device map that loads the stock checkpoint loads a method checkpoint exactly (explicit maps that do not name the
-record, ``"auto"`` with ``max_memory``, cpu + disk offload), fixed and learnable methods."""
+"""The method record in a transformers model's weights (pid_plugins.hf.record)."""
 from __future__ import annotations
 
 import logging
@@ -28,7 +21,6 @@ from zoo_cases import hf_ids, llama_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 PID = {"lambda_p": 0.3, "beta": 0.2}
-#: where a Llama holds its record: its first module with a parameter (the input embeddings)
 KEY = f"model.embed_tokens.{RECORD_KEY}"
 
 
@@ -85,8 +77,7 @@ assert not [m for m in sys.modules if m == "pid_plugins" or m.startswith("pid_pl
 
 
 def test_without_the_plugin_a_stock_attention_lists_the_record_by_default(folder):
-    """A fresh interpreter, transformers' default logging, no pid_plugins importable: each stock load of the folder
-    shows transformers' LOAD REPORT naming the record as UNEXPECTED."""
+    """A fresh interpreter, transformers' default logging, no pid_plugins importable."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRANSFORMERS_VERBOSITY")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", WITHOUT_THE_PLUGIN, str(folder)], cwd=folder, env=env,
@@ -121,7 +112,6 @@ def test_a_folder_saved_before_the_record_loads_with_no_missing_key(folder, save
     with caplog.at_level(logging.INFO):
         model, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not _reports(caplog) and not info["missing_keys"] and not info["unexpected_keys"]
-    # transformers made the missing buffer with torch.empty: it holds the record of what the model runs
     assert decode_record(model.get_buffer(KEY)) == _record(saved.state_dict())
     assert torch.equal(_logits(model.eval()), _logits(saved))
 
@@ -227,9 +217,6 @@ def _split_map(model, embeddings: str = "cpu") -> dict:
             "lm_head": "disk"}
 
 
-#: fixed and learnable parameters of two methods (the learnable ones trained away from their start), each with the
-#: explicit split map and one more way of placing it: "auto" with max_memory (all on the disk, or split between the
-#: CPU and the disk), the record's module on the disk, bfloat16
 DEVICE_MAP_CASES = {"pid": (PID, "auto, all on disk"), "neutreno": ({"alpha": 0.3}, "split, record's module on disk"),
                     "pid_learnable": ({**PID, "learnable": True}, "auto, cpu and disk"),
                     "value_residual_learnable": ({"lambda_1": 0.3, "learnable": True}, "bfloat16")}

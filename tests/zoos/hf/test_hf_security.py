@@ -32,7 +32,6 @@ def _malicious_folder(tmp_path: Path) -> tuple[Path, Path]:
     return folder, marker
 
 
-#: each loader, and the error it refuses the pickle with (torch's weights-only unpickler; load_smollm2 wraps it)
 LOADERS = {
     "from_pretrained": (lambda folder: AutoModelForCausalLM.from_pretrained(folder), pickle.UnpicklingError),
     "load_smollm2_cache": (lambda folder: load_smollm2(folder), OSError),

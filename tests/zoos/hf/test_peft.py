@@ -1,15 +1,4 @@
-"""peft on attention-method models in transformers (issue 32): LoRA and IA3 adapters on a tiny grouped-query
-Llama (4 query / 2 key-value heads) running PID and each sibling method; learnable PID gains trained beside the
-adapter (``modules_to_save=["attention_params"]``); gain warm-up through the PeftModel
-(``modules_to_save=["attention_warmup"]`` keeps its counter in the adapter checkpoint); save/reload of the
-adapter; merge_and_unload and cached generation.
-
-"The method stays on" is checked two ways: the attention function transformers calls is the method's with a
-non-identity state at every layer of every forward (a recorder in transformers' ``AttentionInterface``), and the
-same weights and adapter on the stock SDPA model give different logits.
-
-peft is part of the ``hf`` extra: imported directly, so a broken install fails here instead of skipping.
-"""
+"""peft on attention-method models in transformers (issue 32)."""
 from __future__ import annotations
 
 import pytest
@@ -25,8 +14,6 @@ from method_cases import variants
 from zoo_cases import hf_ids, llama_config
 
 LAYERS = 3
-#: every built-in method with its parameters on the grouped-query Llama (tests/method_cases.py: non-zero, each differs
-#: from the stock attention)
 METHOD_CFG = {key: cfg for key, (_, cfg) in variants("hf-llama", learnable=False).items()}
 ADAPTERS = {  # name: (config, the substring every trainable parameter's name carries)
     "lora": (lambda **kw: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -79,8 +66,7 @@ def snapshot(model):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Every call of a registered method's attention function: (method, layer_idx, active, warm-up scale, query
-    length)."""
+    """Every call of a registered method's attention function."""
     seen = []
     for name in METHOD_CFG:
         original = AttentionInterface._global_mapping[name]
@@ -102,7 +88,6 @@ def assert_method_ran(calls, name, forwards):
                                                            for i in range(LAYERS)]
 
 
-# ================================================================ LoRA and IA3 on PID and every sibling method
 @pytest.mark.slow
 @pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("name", METHOD_CFG)
@@ -119,7 +104,6 @@ def test_adapter_wraps_trains_saves_reloads_merges_and_generates_with_the_method
     assert torch.equal(logits(wrapped, x), before)  # an adapter at its initialisation is the identity
     assert_method_ran(calls, name, 1)
 
-    # training changes the adapter's parameters, and only those; every training forward runs the method
     trainable = {n for n, p in wrapped.named_parameters() if p.requires_grad}
     assert trainable and all(marker in n for n in trainable)
     start = snapshot(wrapped)
@@ -132,7 +116,6 @@ def test_adapter_wraps_trains_saves_reloads_merges_and_generates_with_the_method
     assert not torch.allclose(trained, before, rtol=0, atol=1e-4)
     assert model.config._attn_implementation == name
 
-    # the adapter checkpoint (safetensors) reloads onto a freshly built method model: identical logits
     wrapped.save_pretrained(tmp_path / "adapter")
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert "adapter_model.safetensors" in files and "adapter_model.bin" not in files
@@ -142,11 +125,9 @@ def test_adapter_wraps_trains_saves_reloads_merges_and_generates_with_the_method
     reloaded = PeftModel.from_pretrained(build(name), tmp_path / "adapter").eval()
     assert torch.equal(logits(reloaded, x), trained)
     assert_method_ran(calls, name, 1)
-    # the same adapter on the stock model with the same base weights is a different model: the method is on
     on_stock = PeftModel.from_pretrained(stock_twin(build(name)), tmp_path / "adapter").eval()
     assert not torch.allclose(logits(on_stock, x), trained, rtol=0, atol=1e-4)
 
-    # merged: the adapter model's logits and greedy tokens (KV cache), still a `name` model
     tokens = greedy(wrapped, x)
     merged = wrapped.merge_and_unload()
     assert type(merged) is LlamaForCausalLM and merged.config._attn_implementation == name
@@ -158,12 +139,10 @@ def test_adapter_wraps_trains_saves_reloads_merges_and_generates_with_the_method
     assert not torch.allclose(logits(stock_twin(merged), x), merged_logits, rtol=0, atol=1e-4)
     calls.clear()
     assert torch.equal(greedy(merged, x), tokens) and tokens.shape == (2, 14)
-    # the prefill (8 query positions), then one step per new token but the last, each with 1 query: the KV cache
     assert [c[:4] for c in calls] == [(name, i, True, None) for _ in range(6) for i in range(LAYERS)]
     assert [c[4] for c in calls] == [8] * LAYERS + [1] * 5 * LAYERS
 
 
-# ================================================================ learnable gains beside the adapter
 def gains_named(model):
     """{layer.kind: the gain's raw parameter} of the gains modules the attention layers use (through peft)."""
     out = {}
@@ -191,8 +170,6 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     frozen_originals = {n for n, p in wrapped.named_parameters() if ".attention_params.original_module." in n}
     assert len(frozen_originals) == 3 * LAYERS and not frozen_originals & trainable
 
-    # the attention layers read the trained copies: they get gradients (lambda_d of the first layer, which has no
-    # D term, an exact zero) and change; the frozen originals and the base weights do not
     wrapped.train()
     wrapped(input_ids=x, labels=x).loss.backward()
     grads = {n: p.grad for n, p in wrapped.named_parameters() if n in gain_names}
@@ -208,14 +185,12 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     assert sum(not torch.equal(learned[k], initial[k]) for k in learned) == 3 * LAYERS - 1
     trained = logits(wrapped, x)
     assert calls and all(c[0] == "pid" and c[2] for c in calls)
-    # discovery run again (convert on the wrapped base) keeps peft's wrappers: no fresh gains replace them
     wrappers = [layer.self_attn.attention_params for layer in model.model.layers]
     assert all(type(w).__name__ == "ModulesToSaveWrapper" for w in wrappers)
     ph.convert(model, "pid")
     assert [layer.self_attn.attention_params for layer in model.model.layers] == wrappers
     assert torch.equal(logits(wrapped, x), trained)
 
-    # saved in the adapter checkpoint, restored onto a fresh learnable base (which starts from the config's gains)
     wrapped.save_pretrained(tmp_path / "adapter")
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     for i in range(LAYERS):
@@ -228,7 +203,6 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
     assert all(torch.equal(v, learned[k]) for k, v in gains_named(fresh).items())
     assert torch.equal(logits(reloaded, x), trained)
 
-    # merged: plain PIDGains holding the learned values, saved and reloaded by transformers as a PID model
     merged = reloaded.merge_and_unload()
     assert all(isinstance(layer.self_attn.attention_params, PIDGains) for layer in merged.model.layers)
     assert all(torch.equal(v, learned[k]) for k, v in gains_named(merged).items())
@@ -242,9 +216,7 @@ def test_learnable_gains_train_beside_the_adapter_and_are_saved_reloaded_and_mer
 
 @pytest.mark.slow
 def test_trainer_keeps_the_gains_peft_trains_out_of_weight_decay(tmp_path):
-    """NoGainDecayTrainerMixin over a PeftModel: the gains' trained copies
-    (``attention_params.modules_to_save.default.``) go to the no-decay group, the adapter's weights stay where the
-    plain Trainer puts them."""
+    """NoGainDecayTrainerMixin over a PeftModel."""
     wrapped = get_peft_model(build("pid", LEARN), ADAPTERS["lora"][0](modules_to_save=["attention_params"]))
     args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, report_to="none", use_cpu=True)
     names = {id(p): n for n, p in wrapped.named_parameters()}
@@ -264,7 +236,6 @@ def test_trainer_keeps_the_gains_peft_trains_out_of_weight_decay(tmp_path):
     assert set(ph.gain_parameter_names(wrapped)) == gains | originals
 
 
-# ================================================================ gain warm-up through the PeftModel
 N = 3
 
 
@@ -277,7 +248,6 @@ def test_warm_up_advances_through_the_peft_model_as_without_it(save_counter, cal
     assert torch.equal(logits(model, x), logits(stock_twin(model), x))  # t = 0: the stock model
     saved_modules = ["attention_params", "attention_warmup"] if save_counter else ["attention_params"]
     wrapped = get_peft_model(model, ADAPTERS["lora"][0](modules_to_save=saved_modules))
-    # the counter is reached through the PeftModel's attribute delegation, wrapped by peft or not
     assert int(wrapped.attention_warmup.step) == 0 and wrapped.attention_warmup.warmup_steps == N
 
     def scales(seen):
@@ -337,7 +307,6 @@ def test_the_counter_swap_is_found_once_and_a_plain_warm_up_model_is_not_redisco
     assert runs == ["LlamaForCausalLM"] * 2
 
 
-# ================================================================ gradient checkpointing under peft
 def test_gradient_checkpointing_under_peft_gives_the_same_gradients_and_refuses_reentrant():
     """Non-reentrant checkpointing gives the adapter's and the gains' gradients without it; reentrant is refused
     before any gradient, as without peft."""

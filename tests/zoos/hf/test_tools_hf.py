@@ -1,10 +1,4 @@
-"""transformers' tools on a saved PID Llama, run as a user runs them through ``pid-plugins run``: ``pipeline``,
-``accelerate launch`` of a user's script, lm-evaluation-harness (its ``lm_eval`` CLI and ``simple_evaluate``) and TRL
-(``SFTTrainer`` and its ``trl sft`` CLI). Each compares what the tool computed with the PID model computed here, and
-checks that softmax on the same weights would have given something else (so each comparison can fail).
-
-lm-eval and TRL come from ``.cache/tools-env`` (``make tools-env``, pinned in constraints-tools.txt); without it
-those tests skip with the reason."""
+"""transformers' tools on a saved PID Llama, run as a user runs them through ``pid-plugins run``."""
 from __future__ import annotations
 
 import json
@@ -16,13 +10,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-# lm-eval, TRL, accelerate launch and transformers' pipelines in processes of their own: make test-integration
 pytestmark = pytest.mark.integration
 
 from tool_cases import check, hf_pair, launch, read_json, save_pid_llama, tools_env  # noqa: E402
 
 PROMPT = "the cat sat on the mat."
-#: the tolerance between a tool's float32 numbers and ours (other process, same CPU kernels)
 ATOL = 1e-4
 
 
@@ -97,8 +89,7 @@ json.dump({"logits": logits.tolist(), "parent": parent, "processes": accelerator
 
 @pytest.mark.slow
 def test_accelerate_launch_worker_computes_pid(checkpoint, pair, tmp_path):
-    """``accelerate launch`` starts the script in a subprocess of its own: the adapter is there too. Without the
-    launcher the same command is refused by transformers (no silent softmax either way)."""
+    """``accelerate launch`` starts the script in a subprocess of its own."""
     (tmp_path / "train.py").write_text(ACCELERATE)
     ids = _ids(checkpoint)
     command = ["accelerate", "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
@@ -113,7 +104,6 @@ def test_accelerate_launch_worker_computes_pid(checkpoint, pair, tmp_path):
     assert bare.returncode != 0 and "pid" in bare.stderr, bare.stderr[-2000:]
 
 
-# ============================================================================== lm-evaluation-harness 0.4.13
 DOCS = [{"context": "the cat sat", "target": " on the mat."}, {"context": "a dog ran", "target": " far away."},
         {"context": "birds fly", "target": " south, then north."}]
 
@@ -177,9 +167,7 @@ def _assert_loglikelihoods(got: dict, pair, checkpoint: Path):
 
 @pytest.mark.slow
 def test_lm_eval_cli_computes_pid(checkpoint, pair, tmp_path):
-    """``pid-plugins run -- lm_eval --model hf --model_args pretrained=DIR --tasks T --include_path tasks``: the
-    log-likelihoods lm-eval logs are the PID model's. Without the launcher lm-eval is refused (transformers'
-    error), never softmax."""
+    """``pid-plugins run -- lm_eval --model hf --model_args pretrained=DIR --tasks T --include_path tasks``."""
     env_dir = tools_env()
     tasks = _lm_eval_task(tmp_path)
     command = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={checkpoint},dtype=float32", "--tasks",
@@ -235,7 +223,6 @@ def test_lm_eval_simple_evaluate_after_the_import_computes_pid(checkpoint, pair,
     _assert_loglikelihoods(read_json(tmp_path / "out.json"), pair, checkpoint)
 
 
-# ======================================================================================================== TRL
 TEXTS = ["the cat sat on the mat.", "a dog ran far away.", "birds fly south, then north.", "the sun is up."]
 
 SFT = """
@@ -280,8 +267,7 @@ def _assert_trained_pid(out_dir: Path, checkpoint: Path, pair, logits=None):
 
 @pytest.mark.slow
 def test_trl_sft_trainer_trains_pid(checkpoint, pair, tmp_path):
-    """``SFTTrainer(model=DIR)`` in a user's script run through the launcher trains the PID model: the trainer's
-    model computes PID (not softmax) and the folder it saves loads back as that model."""
+    """``SFTTrainer(model=DIR)`` in a user's script run through the launcher trains the PID model."""
     env_dir = tools_env()
     (tmp_path / "sft.py").write_text(SFT)
     _write_texts(tmp_path / "train.jsonl")

@@ -66,7 +66,6 @@ def test_gains_from_config_arguments():
     with pytest.raises(ValueError, match="must be a PIDConfig, a dict, a preset name"):
         build(attention_cfg=0.5)
     assert build(attention_cfg=dict(lambda_p=0.2, beta=0.5)).attention_config.gains == (0.2, 0.3, 0.05, 0.5)
-    # one spelling of the parameters (issue 44): the historical pid= and the single-gain keywords are gone
     for removed in (dict(pid=dict(lambda_p=0.2)), dict(lambda_p=0.2), dict(beta=0.5)):
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(removed))}'"):
             build(**removed)
@@ -103,12 +102,7 @@ def test_timm_checkpoint_needs_the_patch_bias(tmp_path):
 
 @pytest.mark.slow
 def test_shipped_config_takes_a_timm_pid_deit_checkpoint(tmp_path):
-    """The paper's pipeline: Segmenter from an ImageNet PID DeiT (timm), with the config as shipped.
-
-    The DeiT-tiny checkpoint (224 px, PID, preset `segmenter` like the config) loads strictly into the config's
-    backbone, which then gives timm's patch tokens (float64), and the config normalises images the way timm's
-    DeiT expects (its pretrained_cfg mean/std, in 0-255).
-    """
+    """The paper's pipeline."""
     timm = pytest.importorskip("timm")
     import pid_plugins.timm  # noqa: F401
     from mmengine.config import Config
@@ -193,7 +187,6 @@ def test_every_config_loads_and_builds(config):
     model = MODELS.build(cfg.model)
     assert model.backbone.attention_config == PIDConfig.preset("segmenter")
     assert type(model.backbone).__name__ == "PIDVisionTransformer"
-    # initialised from a timm DeiT (the paper's pipeline): its patch bias and ImageNet normalisation
     assert cfg.model.backbone.patch_bias is True and model.backbone.patch_embed.projection.bias is not None
     assert list(cfg.model.data_preprocessor.mean) == [123.675, 116.28, 103.53]
     assert list(cfg.model.data_preprocessor.std) == [58.395, 57.12, 57.375]

@@ -165,7 +165,6 @@ def test_the_hook_scopes_weights_only_loading_to_the_run(evil, monkeypatch):
     finally:
         hook.after_run(runner=None)
     assert CheckpointLoader._schemes == stock and not marker.exists()
-    # the allow-list is scoped too: a plain weights-only load elsewhere in the process does not see it
     from mmengine.logging import HistoryBuffer
 
     buffer = HistoryBuffer()
@@ -186,7 +185,6 @@ def test_allow_listed_getattr_cannot_reach_exec(tmp_path, monkeypatch):
     with pytest.raises(UnsafeCheckpointError, match="only HistoryBuffer's statistic methods"):
         pid_plugins.mmseg.checkpoint.load_checkpoint(str(path))
     assert not marker.exists()
-    # with the real getattr allow-listed the same file runs its code: why it is not simply allow-listed
     armed = ("import torch, sys; torch.serialization.add_safe_globals([getattr]); "
              "torch.load(sys.argv[1], weights_only=True)")
     subprocess.run([sys.executable, "-c", armed, str(path)], capture_output=True, timeout=300)
@@ -216,9 +214,7 @@ def test_safe_globals_are_exactly_what_a_runner_checkpoint_needs(tmp_path):
 
 
 def run_tool(tool, *args, env_extra=None):
-    """``python tools/<tool> args``: in the run's own environment forked from tests/pyexec.py's zygote (mmseg's stack
-    imported once, pid_plugins never: the config's custom_imports bring it), with ``env_extra`` a fresh interpreter
-    (a zygote of its own would be started for those calls only)."""
+    """``python tools/<tool> args``."""
     import mmseg
 
     script = Path(mmseg.__file__).parent / ".mim" / "tools" / tool
@@ -256,8 +252,6 @@ def test_mmseg_tools_refuse_pickled_code_with_the_variable_set(evil, ade_tiny, t
 def test_mmseg_tools_train_resume_test_with_default_torch_loading(ade_tiny, tmp_path):
     """The whole cycle on our config with torch's default loading (no variable): mmengine's classes load."""
     work = tmp_path / "work"
-    # the config's 4 iterations cut to 2 (a checkpoint and a validation at 2), resumed for one more: what is
-    # asserted is the cycle (save, resume, test), and each iteration costs seconds on a loaded CPU
     trained = run_tool("train.py", TINY_CONFIG, "--work-dir", work, *ade_tiny, "train_cfg.max_iters=2")
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (work / "iter_2.pth").is_file()

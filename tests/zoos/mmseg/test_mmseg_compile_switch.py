@@ -23,8 +23,6 @@ from compile_switch import Dynamo, assert_close_state, assert_variant_trained, v
 pytest.importorskip("mmseg")
 import pid_plugins.mmseg  # noqa: E402,F401
 
-# one xdist worker runs the module's tests one after the other: the stock run they all compare with (stock_run, 30-40 s,
-# most of it dynamo tracing mmengine's train_step) runs once per run instead of once on each worker
 pytestmark = pytest.mark.xdist_group("mmseg_compile_switch")
 
 TINY_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "mmseg" / \
@@ -104,10 +102,7 @@ def test_runner_compile_trains_like_eager(method, cfg, data, tmp_path, stock_run
         before, got, graphs = _train(runner)
         stock_breaks, stock_graphs = stock_run
         assert dynamo.graph_breaks == stock_breaks  # the method adds no break of its own
-        # nor a recompilation: mmseg's data preprocessor recompiles as the data samples change (guards on their
-        # img_path and flip objects), stock and method alike; the method's iterations compile no more than that
         assert len(graphs) == ITERS and graphs == stock_graphs, (graphs, stock_graphs)
     _, want, _ = _train(_runner(data, tmp_path / "eager", method, cfg))
-    # three SGD steps through mmseg's losses: AOT autograd's decomposed backward rounds differently (1.2e-6 seen)
     assert_close_state(got, want, moved_from=before, rtol=1e-5, atol=1e-5)
     assert_variant_trained(runner.model, cfg, before, ITERS)

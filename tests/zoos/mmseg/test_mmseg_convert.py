@@ -1,7 +1,4 @@
-"""``pid_plugins.mmseg.convert`` where mmseg's parts meet it: the method in the backbone only (the shipped configs),
-a bare method part reconfigured keeping its class, a segmentor built with pid-plugins' types back to mmseg's classes,
-and mmseg's refusals. The zoo contract (tests/core/test_zoo_contract.py) runs convert both ways, method -> method,
-learnable parameters, warm-up counters and the common refusals on the whole segmentor."""
+"""``pid_plugins.mmseg.convert`` where mmseg's parts meet it."""
 import copy
 
 import pytest
@@ -66,8 +63,7 @@ def logits(model, x=None):
 
 
 def layout(model):
-    """Everything nn.Module keeps, per module: class, plain attributes, submodule/parameter/buffer names in order,
-    train/eval mode."""
+    """Everything nn.Module keeps, per module."""
     return [(name, type(m), sorted(vars(m)), list(m._modules), list(m._parameters), list(m._buffers), m.training)
             for name, m in model.named_modules()]
 
@@ -120,10 +116,8 @@ def test_a_segmentor_built_with_pid_types_goes_to_mmsegs_classes_too():
     assert torch.equal(logits(model), logits(reference))
 
 
-# ------------------------------------------------------------------------------------------------ refusals
 def _register_non_additive_method_with_warmup(monkeypatch):
-    """A method that calls attention twice and takes warmup_steps, registered for one test: mmseg warms up as the
-    stock attention plus the method's term, which it does not have."""
+    """A method that calls attention twice and takes warmup_steps, registered for one test."""
     return register_non_additive_method(monkeypatch, "convert_mmseg_doubled").name
 
 
@@ -144,7 +138,6 @@ def test_refusals_come_before_any_change(monkeypatch):
     with pytest.raises(ValueError, match=f"backbone: .*'{doubled}'.* not additive.*set warmup_steps=0"):
         pm.convert(model, doubled, {"warmup_steps": 3})
     assert layout(model) == pristine and list(model.state_dict()) == keys and torch.equal(logits(model), y)
-    # another decode head, another backbone, a layer that is not mmseg's encoder layer: nothing converted
     fcn = build(segmentor_cfg(head="FCNHead", head_kw=None) | dict(decode_head=dict(
         type="FCNHead", in_channels=48, channels=16, num_convs=1, num_classes=5)))
     fcn_layout = layout(fcn)

@@ -1,10 +1,10 @@
-"""PID in Segmenter's mask-transformer decoder: PIDSegmenterMaskTransformerHead (off by default); its reference and
-zero parameters: the method contract (tests/core/test_method_contract.py, mmseg-head)."""
+"""PID in Segmenter's mask-transformer decoder."""
 from pathlib import Path
 
 import pytest
 import torch
 
+from zoo_cases import MM_TYPES, assert_equal_or_both_none, mm_args, mm_build, mm_with_cp_runs
 from zoo_cases import weights as zc_weights
 
 pytest.importorskip("mmseg")
@@ -50,6 +50,21 @@ def test_head_arguments():
     with pytest.raises(ValueError, match="PIDSegmenterMaskTransformerHead: unknown attention method 'linear'"):
         build(attention="linear")
     assert build(attention_cfg="deit").attention_method is None  # the head's default is softmax: parameters are inert
+
+
+@pytest.mark.parametrize("part, cfg", [("backbone", dict(control_first_layer=False)), ("head", dict(learnable=True))])
+def test_with_cp_is_exact_and_the_first_layers_gains_get_zero_gradients(part, cfg):
+    """with_cp=True equals with_cp=False bit for bit (the backbone with its first layer plain); beta = 1 (preset
+    segmenter): the head's first layer's error beta v - v is 0, so its gains get zero gradients, the others not."""
+    def build():
+        return mm_build("PID" + MM_TYPES[part], mm_args(part), attention="pid", attention_cfg=dict(preset="segmenter",
+                                                                                               **cfg))
+    model, (ref, ckpt) = mm_with_cp_runs(part, build)
+    assert sum(g is not None for g in ref) > 10
+    assert_equal_or_both_none(ckpt, ref)
+    gains = {n: g for (n, _), g in zip(model.named_parameters(), ref[2:]) if ".attention_params." in n}
+    assert len(gains) == (6 if cfg.get("learnable") else 0)
+    assert all((g.abs().max() == 0) == n.startswith("layers.0.") for n, g in gains.items()), gains
 
 
 @pytest.mark.slow

@@ -1,13 +1,4 @@
-"""Learnable method parameters in mmseg (issue 34): PID's ``{"learnable": True}`` gains and value residual's learnable
-lambdas, in the ViT backbone and in Segmenter's mask-transformer head.
-
-Each layer's own ``attention_params`` (made, trained, read per layer, checkpointed with ``with_cp``, saved): the zoo and
-method contracts (tests/core/test_zoo_contract.py, tests/core/test_method_contract.py). Here: a learnable backbone
-compiles; the gains train through
-mmengine's OptimWrapper and Runner and survive the checkpoint round trip (weights-only loading); a softmax or
-fixed-gain checkpoint given as ``init_cfg=dict(type='Pretrained')`` fills them with their initial values; the shipped
-configs keep them out of weight decay (``paramwise_cfg.custom_keys``). DDP and FSDP2: tests/core/test_distributed.py.
-"""
+"""Learnable method parameters in mmseg (issue 34)."""
 from pathlib import Path
 
 import pytest
@@ -23,9 +14,7 @@ from zoo_cases import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "configs" / "mmseg"
 TINY_CONFIG = CONFIGS / "segmenter_pid-deit-t_mask_cpu-tiny_ade20k-64x64.py"
-#: every built-in method with learnable parameters (tests/method_cases.py), as the configs select it
 LEARNABLE = {name: dict(attention=name, attention_cfg=dict(learnable=True)) for name, m in BUILTIN.items() if m.learnable}
-#: what each method's learnable module holds, per layer
 LEARNED = {name: list(BUILTIN[name].learned) for name in LEARNABLE}
 PARTS = ["backbone", "head"]
 
@@ -66,7 +55,6 @@ def test_a_learnable_backbone_compiles_fullgraph_and_equals_eager():
         torch.testing.assert_close(compiled, model(x)[0], rtol=1e-6, atol=1e-6)
 
 
-# --------------------------------------------------------------------------------------- init_cfg Pretrained
 def _pretrained(tmp_path, state_dict, **kw):
     path = tmp_path / "pretrained.pth"
     torch.save({"state_dict": state_dict, "meta": {}}, path)
@@ -76,9 +64,7 @@ def _pretrained(tmp_path, state_dict, **kw):
 
 @pytest.mark.parametrize("method", LEARNABLE)
 def test_softmax_checkpoint_into_a_learnable_backbone_starts_the_gains_at_their_initial_values(tmp_path, method):
-    """init_cfg=dict(type='Pretrained') with a stock (softmax) checkpoint: every stock weight loaded, each layer's
-    parameters at the method's initial values (whatever the layer held before), and the model computes what the
-    fixed-parameter model computes with the same weights."""
+    """init_cfg=dict(type='Pretrained') with a stock (softmax) checkpoint."""
     from mmseg.registry import MODELS
 
     stock = stock_part("backbone")
@@ -102,7 +88,6 @@ def test_softmax_checkpoint_into_a_learnable_backbone_starts_the_gains_at_their_
     fixed.load_state_dict(stock.state_dict(), strict=True)
     x = mm_inputs("backbone")
     with torch.no_grad():
-        # PID's gains are softplus(inverse_softplus(g)): g up to float32 rounding; value residual's lambdas are g
         torch.testing.assert_close(model(x)[0], fixed(x)[0], rtol=1e-5, atol=1e-6)
 
 
@@ -110,12 +95,10 @@ def test_fixed_and_timm_learnable_checkpoints_into_a_learnable_backbone(tmp_path
     timm = pytest.importorskip("timm")
     import pid_plugins.timm  # noqa: F401
 
-    # a fixed-gain PID checkpoint (no gains in it): the gains start at the config's
     fixed = mm_build("PIDVisionTransformer", mm_args("backbone"), 5)
     model = _pretrained(tmp_path, fixed.state_dict(), attention_cfg=dict(learnable=True))
     for layer in model.layers:
         assert all(torch.equal(layer.attention_params.state_dict()[k], v) for k, v in initial_values(layer).items())
-    # a timm PID DeiT trained with learnable gains: its trained gains reach the mmseg layers
     args = mm_args("backbone")
     torch.manual_seed(0)
     deit = timm.create_model("pid_deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=3,
@@ -128,21 +111,17 @@ def test_fixed_and_timm_learnable_checkpoints_into_a_learnable_backbone(tmp_path
     for i, blk in enumerate(deit.blocks):
         for name, value in blk.attn.attention_params.state_dict().items():
             assert torch.equal(model.layers[i].attention_params.state_dict()[name], value), (i, name)
-    # learned gains into a fixed-gain model: refused, listing them
     learnable = mm_build("PIDVisionTransformer", mm_args("backbone"), 5, attention_cfg=dict(learnable=True))
     with pytest.raises(ValueError, match=r"unexpected keys \['layers.0.attention_params.lambda_d_raw'"):
         _pretrained(tmp_path, learnable.state_dict())
 
 
-# ----------------------------------------------------------------------------------------- weight decay
 def _segmentor_cfg(config=TINY_CONFIG, method="pid"):
     from mmengine.config import Config
 
     cfg = Config.fromfile(str(config))
     cfg.model.backbone.pop("attention_cfg")  # the shipped PID preset: replaced, not merged with another method's
     cfg.model.backbone.update(attention=LEARNABLE[method]["attention"], attention_cfg=LEARNABLE[method]["attention_cfg"])
-    # two decoder layers (the tiny config has one): a group's first layer has no error with beta = 1, so only the
-    # second layer's gains move
     cfg.model.decode_head.update(type="PIDSegmenterMaskTransformerHead", num_layers=2, **LEARNABLE[method])
     return cfg
 
@@ -184,7 +163,6 @@ def test_the_optim_wrapper_built_from_the_shipped_config_puts_the_gains_in_no_de
     gains = set(gains_of(model))
     assert {n.split(".")[0] for n in gains} == {"backbone", "decode_head"} and len(gains) == 4 * len(LEARNED[method])
     assert all(d == 0.0 for d in _decay_by_name(model, build_optim_wrapper(model, cfg.optim_wrapper)).values())
-    # an optimizer with weight decay (AdamW, as many fine-tuning recipes): everything decays but the gains
     cfg.optim_wrapper.optimizer = dict(type="AdamW", lr=1e-3, weight_decay=0.05)
     decay = _decay_by_name(model, build_optim_wrapper(model, cfg.optim_wrapper))
     assert {n for n, d in decay.items() if d == 0.0} == gains
@@ -193,7 +171,6 @@ def test_the_optim_wrapper_built_from_the_shipped_config_puts_the_gains_in_no_de
     assert set(_decay_by_name(model, build_optim_wrapper(model, cfg.optim_wrapper)).values()) == {0.05}
 
 
-# -------------------------------------------------------------------------- training, checkpoints, reloading
 def _batch(n=2, seed=5):
     from mmengine.structures import PixelData
     from mmseg.structures import SegDataSample
@@ -231,7 +208,6 @@ def test_gains_get_gradients_and_train_through_mmengines_optim_wrapper(method):
     wrapper.backward(loss)
     for name, p in gains_of(model).items():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    # the first layer of each group uses value residual's lambdas with a zero weight (its own values): zero grads
     moved = [n for n, p in gains_of(model).items() if p.grad.abs().max() > 0]
     assert len(moved) >= len(before) - 2 * len(LEARNED[method]) > 0
     wrapper.step()
@@ -241,9 +217,7 @@ def test_gains_get_gradients_and_train_through_mmengines_optim_wrapper(method):
 
 
 def test_runner_trains_the_gains_and_its_checkpoint_reloads_weights_only(tmp_path):
-    """mmengine's Runner on the tiny config with learnable gains in backbone and head (AdamW with weight decay):
-    the gains train, the runner's checkpoint loads (weights only) strictly into a freshly built model and gives the
-    trained model's outputs exactly, through the plugin's loader and through mmengine's own ``load_checkpoint``."""
+    """mmengine's Runner on the tiny config with learnable gains in backbone and head (AdamW with weight decay)."""
     from mmengine.runner import Runner
     from mmengine.runner.checkpoint import load_checkpoint as mm_load_checkpoint
 
@@ -269,7 +243,6 @@ def test_runner_trains_the_gains_and_its_checkpoint_reloads_weights_only(tmp_pat
     first = {n for n in initial if ".layers.0." in n}  # beta = 1: zero error, zero gradients at each group's start
     assert len(first) == 6 and len(initial) == 12
     for name, p in gains_of(trained).items():
-        # trained; and the first layers' gains, with zero gradients, unchanged: AdamW's weight decay skipped them
         assert torch.equal(p, initial[name]) == (name in first), name
     x, _ = _batch(seed=9)
     want = _logits(trained, x)

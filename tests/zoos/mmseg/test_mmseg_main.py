@@ -1,9 +1,4 @@
-"""``python -m pid_plugins.mmseg`` prints only the shipped configs' folder, for ``_base_ = "$(...)/<config>.py"``.
-
-Run without ``DS_ACCELERATOR``, as a user's shell has it: where deepspeed is installed (the ``test`` extra) and no GPU
-is seen, importing it (through mmseg and mmengine) prints "Setting accelerator to CPU" on stdout, which once came
-before the folder. (Which inputs make the package skip mmseg: tests/core/test_entry.py.)
-"""
+"""``python -m pid_plugins.mmseg`` prints only the shipped configs' folder, for ``_base_ = "$(...)/<config>.py"``."""
 import os
 import re
 import subprocess

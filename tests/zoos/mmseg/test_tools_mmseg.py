@@ -11,7 +11,6 @@ import pytest
 import torch
 
 pytest.importorskip("mmseg")
-# mmseg's tools/test.py through its launcher, in processes of their own: make test-integration
 pytestmark = pytest.mark.integration
 from tool_cases import ROOT, check, launch  # noqa: E402
 

@@ -1,13 +1,4 @@
-"""Lightning's compile switch, as its docs give it: ``trainer.fit(torch.compile(lightning_module))`` (Lightning
-compiles the module's ``*_step`` methods too), for a LightningModule whose ``model`` is a timm method model, every
-method with fixed gains, learnable gains and gain warm-up.
-
-The compiled fit adds no graph break and compiles one graph for its three steps (the gains' optimizer steps and the
-warm-up scale moving on do not recompile); its weights after the fit equal an eager fit's from the same weights and
-batches. The compile runs dynamo's ``aot_eager`` backend: Lightning's part (the compiled ``training_step``, its loop,
-optimizer and the model's buffers) is dynamo's and AOT autograd's; inductor's code generation for the same timm
-models, every method, is tests/zoos/timm/test_timm_compile_switch.py's (a minute of CPU per method here).
-"""
+"""Lightning's compile switch, as its docs give it."""
 from __future__ import annotations
 
 import pytest

@@ -41,7 +41,6 @@ def images(n=2, size=32, seed=1):
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
-# ------------------------------------------------------------------------------------------ registry
 def test_every_catalogue_name_is_registered_with_a_local_only_pretrained_cfg():
     assert set(NAMES) == {
         f"pid_deit_{s}_patch16_224" for s in ("tiny", "small", "base")
@@ -93,14 +92,11 @@ def test_gains_by_kwarg_and_validation():
         timm.create_model("pid_deit_nano_patch16_224")
 
 
-# ------------------------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("name", ["pid_deit_tiny_patch16_224", "pid_deit_tiny_distilled_patch16_224"])
 @pytest.mark.parametrize("kwargs", [dict(attention="softmax"), dict(attention_cfg=dict(lambda_p=0, lambda_i=0, lambda_d=0))])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dims", [dict(), dict(embed_dim=72, num_heads=3)], ids=["head_dim16", "head_dim24"])
 def test_softmax_or_zero_gains_give_the_stock_model_bit_for_bit(name, kwargs, fused, dims):
-    # head_dim 24: scale = 24 ** -0.5 is not a power of two, so scaling q before or after q @ k^T rounds
-    # differently; bit equality then shows the same order of operations as timm's Attention
     model, stock = pair(name, **kwargs, **dims)
     for m in (model, stock):
         for blk in m.blocks:
@@ -226,7 +222,6 @@ def test_torch_export_replaces_torchscript():
         torch.testing.assert_close(exported.module()(x), model(x))
 
 
-# ------------------------------------------------------------------------------ checkpoints
 @pytest.fixture(scope="module")
 def stock_deit_tiny():
     torch.manual_seed(0)
@@ -300,7 +295,6 @@ def test_checkpoints_load_with_weights_only(stock_deit_tiny, tmp_path, monkeypat
     assert calls and all(c is True for c in calls)
 
 
-# ------------------------------------------------------------------------------ timm train.py
 def parse_model_kwargs(values):
     """What timm train.py's ParseKwargs action does with `--model-kwargs k=v ...`."""
     kw = {}
@@ -337,17 +331,14 @@ def test_the_calls_timm_train_py_makes(stock_deit_tiny, tmp_path):
     assert model.attention_config.gains == (0.5, 0.5, 0.05, 0.3)
     assert model.num_classes == 10 and model.head.out_features == 10
     assert torch.equal(model.blocks[11].mlp.fc2.weight, stock_deit_tiny.blocks[11].mlp.fc2.weight)
-    # train.py builds its optimizer with timm's factory, which reads no_weight_decay()
     from timm.optim import create_optimizer_v2
 
     opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
     assert len(opt.param_groups) == 2
 
 
-# ------------------------------------------------------------------------------------ convert
 def test_convert_refuses_what_it_cannot_convert_before_any_change():
-    """timm's own refusals (the zoo contract, tests/core/test_zoo_contract.py, runs the common ones): another model,
-    a non-standard block anywhere (nothing converted, not even the blocks before it), mixed head shapes."""
+    """timm's own refusals (the zoo contract, tests/core/test_zoo_contract.py, runs the common ones)."""
     import copy
 
     from timm.models.vision_transformer import Block, ResPostBlock
@@ -370,7 +361,6 @@ def test_convert_refuses_what_it_cannot_convert_before_any_change():
             list(bad.state_dict()))
     with pytest.raises(ValueError, match="PIDConfig.lambda_d"):
         pt.convert(timm.create_model("deit_tiny_patch16_224", **TINY), "pid", dict(lambda_d=-0.1))
-    # one spelling of the parameters: a method's name where the parameters go is refused (core), naming attention=
     with pytest.raises(ValueError, match=r"attention_cfg='twicing' names an attention method.*attention='twicing'"):
         pt.convert(timm.create_model("deit_tiny_patch16_224", **TINY), "pid", "twicing")
     with pytest.raises(ValueError, match=r"attention_cfg='twicing' names an attention method"):
@@ -379,7 +369,6 @@ def test_convert_refuses_what_it_cannot_convert_before_any_change():
         timm.create_model("pid_deit_tiny_patch16_224", pid=dict(lambda_p=0.5), **TINY)
 
 
-# --------------------------------------------------------------------------- fine-tuning on real data
 @pytest.mark.slow
 def test_fine_tune_a_softmax_checkpoint_into_pid_on_real_digits(tmp_path):
     """Pretrain a softmax DeiT briefly on real handwritten digits, load it into PID DeiT, fine-tune further."""
@@ -407,12 +396,9 @@ def test_fine_tune_a_softmax_checkpoint_into_pid_on_real_digits(tmp_path):
             losses.append(loss.item())
         return losses
 
-    # pretrain until the softmax model clearly learned (40 steps left it at chance on some machines)
     train(stock, 150, seed=0)
     path = tmp_path / "softmax_digits.pth"
     torch.save(stock.state_dict(), path)
-    # num_classes in the overlay: timm keeps the checkpoint's head only when the pretrained config's class
-    # count matches the model's (otherwise it re-initialises the head, as for ImageNet -> a new task)
     model = timm.create_model("pid_deit_tiny_patch16_224", pretrained=True,
                               pretrained_cfg_overlay=dict(file=str(path), num_classes=10), **args)
     assert torch.equal(model.head.weight, stock.head.weight)
@@ -426,7 +412,6 @@ def test_fine_tune_a_softmax_checkpoint_into_pid_on_real_digits(tmp_path):
     stock_loss, stock_acc = held_out(stock)
     assert stock_acc > 0.5, f"the softmax model did not learn the digits (held-out accuracy {stock_acc:.2f})"
     before, _ = held_out(model)
-    # the paper preset's gains perturb a softmax-trained model (held-out loss rises); fine-tuning recovers it
     losses = train(model, 60, seed=1)
     after, acc = held_out(model)
     assert all(math.isfinite(v) for v in losses)

@@ -1,18 +1,4 @@
-"""timm's compile switches, for every method (fixed gains, learnable gains, gain warm-up): ``torch.compile(model)``
-around a training loop (forward, cross-entropy, backward, SGD step) and train.py's ``--torchcompile``.
-
-Each run is compared with the same steps in eager mode from the same weights: the losses of every step and the
-weights after the last step (learned gains and the warm-up counter included). ``torch.compile(model)`` runs with
-``fullgraph=True`` (a graph break raises) and ``error_on_recompile`` after the first step (the gains' optimizer step
-and the warm-up scale moving on must not recompile). Inductor (the switch's default) compiles the fixed-gain
-variant of every method; the learnable and warm-up variants run dynamo's ``aot_eager`` backend, which captures the
-same graphs (forward and AOT autograd's backward) at a fraction of inductor's CPU compile time.
-
-train.py (not shipped in timm's wheel: kept in tests/third_party/timm_scripts/) runs under
-``TORCH_LOGS=graph_breaks,recompiles``: no graph break, and the one recompilation stock timm makes too (validation
-runs the same compiled model under no_grad: ``grad_mode`` changed), and the checkpoint it writes equals an eager
-train.py run's.
-"""
+"""timm's compile switches, for every method (fixed gains, learnable gains, gain warm-up)."""
 from __future__ import annotations
 
 import re
@@ -79,7 +65,6 @@ def test_torch_compile_trains_like_eager_without_breaks_or_recompiles(method, cf
     assert_variant_trained(model, cfg, before, STEPS)
 
 
-# ------------------------------------------------------------------------------------------ train.py --torchcompile
 TRAIN_METHODS = [p.values[0] for p in variants("timm-deit", layers=TINY["depth"]) if not set(p.values[1]) & {"learnable", "warmup_steps"}]
 
 
@@ -128,7 +113,6 @@ def test_train_py_torchcompile_trains_like_eager(method, image_folder, tmp_path)
     log, compiled = _train_py(script, image_folder, tmp_path / "compiled", method, backend)
     assert f"Compiling task components with backend={backend}" in log
     assert "Graph break" not in log, log[-4000:]
-    # validation runs the compiled model under no_grad: one recompilation (stock timm's too), nothing else
     reasons = re.findall(r"\[__recompiles\]\s+- \d+/\d+: (.*)", log)
     assert len(re.findall(r"Recompiling function", log)) == 1 and len(reasons) == 1, log[-4000:]
     assert "grad_mode" in reasons[0], reasons

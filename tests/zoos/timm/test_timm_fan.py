@@ -1,6 +1,4 @@
-"""FAN in timm: softmax and PID, official checkpoint layout, timm's model contract (the method contract,
-tests/core/test_method_contract.py, runs every method's reference, zero parameters, checkpointing and save/load on
-FAN too)."""
+"""FAN in timm."""
 import pytest
 import torch
 
@@ -69,7 +67,6 @@ def test_channel_processing_attends_over_channels():
     x = torch.randn(2, 16, 48)
     with torch.no_grad():
         y = cp(x, 4, 4)
-        # one sigmoid weight per channel and head, in (0, temperature): output = weight * normalised values
         v = cp.norm_v(cp.mlp_v(x, 4, 4))
         ratio = y / v
     assert y.shape == x.shape

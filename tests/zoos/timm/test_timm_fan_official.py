@@ -1,10 +1,4 @@
-"""FAN against the official FAN function (NVlabs/FAN, FAN-ViT), re-implemented here independently.
-
-The reference below is a functional float64 forward written from the official model's description (the
-order of operations of its modules; no code of it is copied): it reads an official-layout state_dict,
-which this file also builds from the official parameter names and shapes, not from our model. Our
-``fan_*`` / ``pid_fan_*`` loaded with that state_dict must compute the same function.
-"""
+"""FAN against the official FAN function (NVlabs/FAN, FAN-ViT), re-implemented here independently."""
 import math
 
 import pytest
@@ -20,7 +14,6 @@ NORM_V_EPS = 1e-5  # ChannelProcessing.norm_v: PyTorch's default
 BN_EPS = 1e-5
 
 
-# ------------------------------------------------------------------------- official-layout state_dict
 def official_shapes(embed_dim, depth, num_classes, mlp_ratio=4, cls_attn_layers=2, fused_cls_qkv=False,
                     pos_key="pos_embed"):
     """Parameter names and shapes of an official FAN-ViT checkpoint (patch size 16)."""
@@ -98,19 +91,12 @@ def random_state_dict(shapes, seed=0):
             fan_in = math.prod(shape[1:]) if len(shape) > 1 else 4
             sd[name] = torch.randn(shape, generator=g) / math.sqrt(fan_in) * (1.0 if len(shape) > 1 else 0.3)
         if ".mlp_v.fc2." in name:
-            # small values into norm_v (variance ~1e-5), so that its eps (1e-5, not 1e-6) shows in the output
             sd[name] = sd[name] * 3e-3
     return sd
 
 
-# ------------------------------------------------------------------------------- official function
 def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
-    """FAN-ViT's forward (patch 16, Fourier positions, FAN blocks, 2 class-attention blocks), float64.
-
-    ``pid``: ``(lambda_p, lambda_i, lambda_d, beta)`` applies PIDformer's update (eq. 25) to the FAN blocks'
-    token-mixing attention, per head, before the output projection; ``control_first_layer=False``: the
-    first FAN block's attention is left as it is and only gives v^1, the errors start at the second.
-    """
+    """FAN-ViT's forward (patch 16, Fourier positions, FAN blocks, 2 class-attention blocks), float64."""
     sd = {k: v.double() for k, v in sd.items()}
     if "pos_embeder.token_projection.weight" in sd:
         sd = {k.replace("pos_embeder.", "pos_embed."): v for k, v in sd.items()}
@@ -134,7 +120,6 @@ def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
         return t.transpose(1, 2).reshape(B, N, h * d)
 
     x = x.double()
-    # convolutional patch embedding: 4 x (3x3 stride-2 conv without bias, BatchNorm), GELU between
     for i, idx in enumerate((0, 2, 4, 6)):
         x = bn(F.conv2d(x, sd[f"patch_embed.proj.{idx}.0.weight"], stride=2, padding=1), f"patch_embed.proj.{idx}.1")
         if i < 3:
@@ -142,8 +127,6 @@ def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
     B, C, H, W = x.shape
     x = x.flatten(2).transpose(1, 2)
 
-    # Fourier positions: coordinates 1..H / 1..W normalised by the last one (+1e-6) times 2 pi, 32 frequencies
-    # 10000^(2 floor(i/2) / 32) per axis, sin on even and cos on odd features, (y, x) concatenated, 1x1 conv
     ys = torch.arange(1, H + 1, dtype=torch.float64)
     xs = torch.arange(1, W + 1, dtype=torch.float64)
     ys = ys / (ys[-1] + 1e-6) * 2 * math.pi
@@ -166,7 +149,6 @@ def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
     i = 0
     while f"blocks.{i}.gamma1" in sd:
         b = f"blocks.{i}"
-        # token mixing: softmax((q * scale) @ k^T) @ v per head, (PID), projection
         h = ln(x, f"{b}.norm1")
         q = heads(lin(h, f"{b}.attn.q"))
         k, v = lin(h, f"{b}.attn.kv").chunk(2, dim=-1)
@@ -189,7 +171,6 @@ def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
             state = (v1, S, e)
         x = x + sd[f"{b}.gamma1"] * lin(merge(out), f"{b}.attn.proj")
 
-        # channel processing
         h = ln(x, f"{b}.norm2")
         qc = heads(lin(h, f"{b}.mlp.q")).softmax(dim=-2).transpose(-1, -2)  # (B, h, d, N)
         kc = heads(h).softmax(dim=-2).mean(dim=-1, keepdim=True)  # (B, h, N, 1)
@@ -207,7 +188,6 @@ def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
         x = x + sd[f"{b}.gamma2"] * out
         i += 1
 
-    # class attention (CaiT style): only the class token queries; tokens_norm: norm2 over all tokens
     x = torch.cat([sd["cls_token"].expand(B, -1, -1), x], dim=1)
     i = 0
     while f"cls_attn_blocks.{i}.gamma1" in sd:
@@ -228,7 +208,6 @@ def official_fan(sd, x, num_heads, pid=None, control_first_layer=True):
     return lin(ln(x, "norm")[:, 0], "head")
 
 
-# --------------------------------------------------------------------------------------------- tests
 def images(n=2, size=64, seed=1):
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -258,7 +237,6 @@ def test_fan_computes_the_official_function(fused_attn):
     x = images()
     with torch.no_grad():
         assert_rel_close(model(x), official_fan(sd, x, CFG["num_heads"]))
-    # the comparison sees the details issue 16 fixed: norm_v's eps (1e-5) ...
     for blk in model.blocks:
         blk.mlp.norm_v.eps = 1e-6
     with torch.no_grad():
@@ -266,7 +244,6 @@ def test_fan_computes_the_official_function(fused_attn):
             assert_rel_close(model(x), official_fan(sd, x, CFG["num_heads"]), rel=1e-3)
     for blk in model.blocks:
         blk.mlp.norm_v.eps = NORM_V_EPS
-    # ... and the channel MLP without an activation after its residual
     mlp = pid_plugins.timm.fan.ChannelMlp
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(mlp, "forward", lambda self, t, H, W: self.fc2(F.gelu(self.fc1(t) + self.gamma
@@ -307,9 +284,7 @@ def test_official_checkpoint_variants_load_and_compute_the_official_function(var
 
 
 def test_official_initialisation():
-    """The official init: Linear trunc-normal(0.02) with zero bias, LayerNorm (1, 0), the channel MLP's
-    depthwise convolutions normal(0, sqrt(2 / fan_out)) with fan_out = 3 * 3 * out / groups = 9 and zero
-    bias, layer scales eta = 1, temperatures 1; the stem and the positional projection keep PyTorch's init."""
+    """The official init."""
     torch.manual_seed(0)
     model = timm.create_model("fan_tiny_12_p16_224")
     sd = model.state_dict()

@@ -1,5 +1,4 @@
-"""The timm paths one step off the main road: pretrained with a new head or none (as stock timm), a
-refused ``attn_layer``, fx feature extraction, and timm's ``device`` / ``dtype`` construction kwargs."""
+"""The timm paths one step off the main road."""
 import pytest
 import torch
 
@@ -82,7 +81,6 @@ def test_a_checkpoint_that_does_not_fit_is_still_refused_with_a_new_head(checkpo
 def test_attn_layer_is_refused_with_a_clear_error(attn_layer):
     with pytest.raises(ValueError, match="attn_layer=.* is not supported"):
         timm.create_model("pid_deit_tiny_patch16_224", attn_layer=attn_layer, **DEIT)
-    # timm's own default is accepted (it is what the PID attention extends)
     model = timm.create_model("pid_deit_tiny_patch16_224", attn_layer="attn", **DEIT)
     assert type(model.blocks[0].attn).__name__ == "PIDAttention"
 
@@ -108,7 +106,6 @@ def test_fx_feature_extraction(name, cfg, learnable, control_first_layer):
         torch.testing.assert_close(feats["logits"], model(x), rtol=0, atol=0)
     prefix = model.num_prefix_tokens if name.startswith("pid_deit") else 0
     torch.testing.assert_close(feats["block"][:, prefix:], expected, rtol=0, atol=0)
-    # gradients flow through the traced graph (to the gains too when they are learnable)
     extractor.train()
     extractor(x)["logits"].sum().backward()
     assert model.blocks[0].attn.proj.weight.grad is not None
@@ -170,7 +167,6 @@ def test_the_readme_validate_py_command(tmp_path):
     assert f'--model-kwargs attention_cfg="{gains}"' in readme
     torch.manual_seed(0)
     model = timm.create_model("pid_deit_tiny_patch16_224", attention_cfg=gains, **DEIT, num_classes=2).eval()
-    # a checkpoint as train.py's CheckpointSaver writes it (state_dict and metadata)
     torch.save({"epoch": 0, "arch": "pid_deit_tiny_patch16_224", "state_dict": model.state_dict()},
                tmp_path / "model_best.pth.tar")
     x = images()

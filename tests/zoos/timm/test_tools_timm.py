@@ -1,14 +1,4 @@
-"""timm's own scripts on a saved PID DeiT, run as a user runs them through ``pid-plugins run``: ``inference.py``
-(its logits), ``validate.py`` (its top-1), ``benchmark.py`` (its JSON) and ``train.py`` (its evaluation after an
-epoch that changes nothing), each by the PID model's registered name.
-
-timm's scripts are in neither its wheel nor its sdist (1.0.31): they are kept, unmodified, in
-tests/third_party/timm_scripts/ (its README says which commit, under timm's license), or read from
-``$PID_TIMM_SCRIPTS`` (another pytorch-image-models checkout's). The route itself (a user's script that builds the
-model by name, in a process of its own) is tested in any case.
-
-The image folder's labels are the PID model's own predictions, on images where softmax on the same weights predicts
-something else for some: PID's top-1 is 100 % and softmax's is checked here to be lower, so each test can fail."""
+"""timm's own scripts on a saved PID DeiT, run as a user runs them through ``pid-plugins run``."""
 from __future__ import annotations
 
 import csv
@@ -21,7 +11,6 @@ import torch
 
 timm = pytest.importorskip("timm")
 
-# timm's scripts (train.py, validate.py, ...) in processes of their own: make test-integration
 pytestmark = pytest.mark.integration
 
 import pid_plugins.timm  # noqa: E402,F401
@@ -29,7 +18,6 @@ from tool_cases import ROOT, TOOLS_ENV, check, launch  # noqa: E402
 
 NAME = "pid_deit_tiny_patch16_224"
 CLASSES = 3
-#: the architecture the tiny checkpoint was saved from: img_size and patch_size, depth (model kwargs), classes (flag)
 MODEL_KWARGS = ["img_size=32", "patch_size=8", "depth=2"]
 SCRIPTS = Path(os.environ.get("PID_TIMM_SCRIPTS", ROOT / "tests" / "third_party" / "timm_scripts"))
 
@@ -47,8 +35,7 @@ def _transform(model):
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    """(folder, checkpoint, {image path: PID logits}, softmax top-1 in %): a PID DeiT saved as safetensors and an
-    image folder (``validation/c<k>/``, ``train/c<k>/``) labelled by its predictions."""
+    """(folder, checkpoint, {image path: PID logits}, softmax top-1 in %)."""
     from PIL import Image
     from safetensors.torch import save_file
 
@@ -116,8 +103,7 @@ json.dump(out, open(sys.argv[3], "w"))
 
 
 def test_a_script_building_the_pid_model_by_name_computes_pid(case, tmp_path):
-    """The route every timm script takes: ``timm.create_model(NAME, checkpoint_path=...)`` in a process of its own,
-    under ``pid-plugins run`` (default adapters); refused as an unknown model without it."""
+    """The route every timm script takes."""
     folder, checkpoint, logits, _ = case
     (tmp_path / "predict.py").write_text(PREDICT)
     images = [folder / "validation" / rel for rel in logits]
@@ -192,8 +178,7 @@ def test_benchmark_py_builds_the_pid_model(case, tmp_path):
 
 @pytest.mark.slow
 def test_train_py_trains_and_evaluates_pid(case, tmp_path):
-    """One epoch of train.py at learning rate 0 (`--lr-base 0`: train.py replaces `--lr 0`) from the PID checkpoint: its evaluation (summary.csv) is PID's
-    top-1, and the checkpoint it writes loads strictly into the PID model by name."""
+    """One epoch of train.py at learning rate 0 (`--lr-base 0`: train.py replaces `--lr 0`) from the PID checkpoint."""
     folder, checkpoint, _, softmax_top1 = case
     script = _script("train.py")
     command = ["python", script, "--data-dir", folder, "--model", NAME, "--initial-checkpoint", checkpoint,

@@ -14,7 +14,6 @@ from pid_plugins.core import PIDConfig, get_method
 from pid_plugins.vllm.config import check_engine, method_choice, unservable_reason
 
 WHERE = "vLLM serving ckpt (LlamaForCausalLM)"
-#: the built-in methods vLLM serves, and those it refuses with the reason its message gives (tests/method_cases.py)
 SERVED = {name: method for name, method in BUILTIN.items() if unservable_reason(get_method(name)) is None}
 REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if name not in SERVED}
 
@@ -37,8 +36,7 @@ PARAMS = _params()
 
 
 def hf_config(method, params=None, **extra):
-    """What vLLM's hf_config carries of a checkpoint saved by pid_plugins.hf: ``_attn_implementation`` and
-    ``<method>`` (a dict, or absent: None)."""
+    """What vLLM's hf_config carries of a checkpoint saved by pid_plugins.hf."""
     config = SimpleNamespace(_attn_implementation=method, **extra)
     if method is not None:
         setattr(config, method, params)
@@ -122,7 +120,6 @@ def test_engine_settings_the_plugin_does_not_cover_are_refused_naming_each():
         assert part in message
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         check_engine(engine(pp=2), WHERE)
-    # tensor parallelism: for the per-head methods of vLLM's own classes only (the caller says so)
     check_engine(engine(tp=2), WHERE, tensor_parallel=True)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2") as info:
         check_engine(engine(pp=2, tp=2), WHERE, tensor_parallel=True)

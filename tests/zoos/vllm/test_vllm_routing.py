@@ -56,7 +56,6 @@ def test_a_family_option_the_native_loop_does_not_run_is_refused_where_vllm_reso
     setattr(config.hf_config, option, False if option == "is_causal" else {"on": True})
     with pytest.raises(ValueError, match=f"config.{option}"):
         route(architecture, config, architecture)
-    # the Transformers backend runs the family's own code: not this refusal
     config.model_impl = "transformers"
     if option != "is_causal":
         route(architecture, config, "TransformersForCausalLM")
@@ -152,7 +151,6 @@ def test_install_wraps_the_registry_once():
     routing.install(registry)
     routing.install(registry)
     config = model_config("pid", method="pid")
-    # a method checkpoint: the plugin's class of what vLLM resolves (its Transformers backend, after the fallback)
     assert registry.inspect_model_cls(["Phi3ForCausalLM"], config) == ("info of PidPluginsTransformersForCausalLM",
                                                                       "PidPluginsTransformersForCausalLM")
     assert registry.calls == [(["Phi3ForCausalLM"], "transformers")]  # the fallback was set before vLLM resolved
@@ -163,8 +161,7 @@ def test_install_wraps_the_registry_once():
 
 @pytest.mark.parametrize("named", ["LlamaForCausalLM", "PidPluginsLlamaForCausalLM"])
 def test_a_method_checkpoint_is_served_by_the_plugins_class_under_its_own_name(named):
-    """The stock architecture name, or the plugin's (a checkpoint may name it): the plugin's native class; vLLM
-    resolves the architecture it stands for."""
+    """The stock architecture name, or the plugin's (a checkpoint may name it)."""
     registry = Registry()
     routing.install(registry)
     config = model_config("neutreno", method="neutreno")
@@ -187,9 +184,7 @@ def test_a_stock_checkpoint_resolves_to_vllms_own_class(attention, params):
 
 
 def test_the_preset_is_written_where_vllm_reads_and_hashes_the_models_config():
-    """A checkpoint naming a method without its parameters (the preset): the resolved parameters become
-    ``config.<method>``, which vLLM's compile cache key holds (hf_config's JSON has no attn_implementation), and which
-    every later read resolves to the same method and parameters."""
+    """A checkpoint naming a method without its parameters (the preset)."""
     from pid_plugins.core import PIDConfig
     from pid_plugins.vllm.config import method_choice
 
@@ -205,8 +200,7 @@ def test_the_preset_is_written_where_vllm_reads_and_hashes_the_models_config():
 
 
 def test_transformers_loads_a_folder_naming_the_plugins_architecture(tmp_path):
-    """A method checkpoint whose config.json names the plugin's vLLM class (docs/checkpoints.md): transformers'
-    AutoModelForCausalLM builds it by model_type, the same model computing the same logits."""
+    """A method checkpoint whose config.json names the plugin's vLLM class (docs/checkpoints.md)."""
     import json
 
     import torch
