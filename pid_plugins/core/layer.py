@@ -91,21 +91,15 @@ class MethodModel:
             return counter()
         return self._buffers.get("_warmup_finished")
 
-    @property
-    def method_active(self) -> bool:
-        """Whether the model runs its method (False: softmax, or a config that computes the stock attention)."""
-        method = self.attention_method
-        return method is not None and not method.is_identity(self.attention_config)
+    method_active = MethodLayer.method_active
 
 
 def number_layers(layers: Iterable[MethodLayer]) -> None:
-    """Give one group's method layers, in the order the state is threaded, their 0-based ``layer_index`` (a plain
-    int attribute, not saved)."""
+    """Give one group's method layers, in the order the state is threaded, their 0-based ``layer_index``."""
     for index, layer in enumerate(layers):
         layer.layer_index = index
 
 
-# ------------------------------------------------------------------------------------ convert
 #: what :class:`MethodLayer` adds to its zoo's attention module: every adapter's ``convert(model, "softmax")``
 #: removes exactly these
 LAYER_ATTRIBUTES = ("attention_method", "attention_config", "attention_params", "layer_index")
@@ -115,8 +109,7 @@ MODEL_ATTRIBUTES = ("attention_method", "attention_config", "attention_warmup", 
 
 
 def strip_attributes(module: nn.Module, names: Tuple[str, ...]) -> None:
-    """Remove ``names`` from ``module`` wherever ``nn.Module`` keeps them, so a module going back to its stock
-    class keeps nothing of ours."""
+    """Remove ``names`` from ``module`` wherever ``nn.Module`` keeps them."""
     if RECORD in names:
         detach_record(module)
     for name in names:
@@ -145,9 +138,8 @@ def rebuild(module: nn.Module, kind: Type[ModuleT]) -> ModuleT:
 
 
 def replace_module(parent: nn.Module, name: str, kind: Type[ModuleT]) -> ModuleT:
-    """Replace ``parent``'s submodule ``name`` by :func:`rebuild` of it as ``kind``, in place, and return it;
-    ``state_dict`` keys, optimizer parameters, hooks and mode are unchanged.
-    A module already of type ``kind`` is kept."""
+    """Replace ``parent``'s submodule ``name`` by :func:`rebuild` of it as ``kind`` (kept if already one), in place,
+    and return it; ``state_dict`` keys, optimizer parameters, hooks and mode are unchanged."""
     old = parent._modules[name]
     if type(old) is kind:
         return old
@@ -206,7 +198,6 @@ def settle_submodule(owner: nn.Module, name: str) -> None:
         child.train(owner.training)
 
 
-# ------------------------------------------------------------------------------------ finish_warmup
 _FINISHERS: List[Callable[[nn.Module], bool]] = []
 
 
@@ -232,13 +223,9 @@ def finish_warmup(model: nn.Module) -> nn.Module:
     Returns ``model``. Raises ``TypeError`` for a model without any attention method of pid-plugins."""
     found = False
     for name, module in model.named_modules():
-        if isinstance(module, MethodModel):
+        if isinstance(module, (MethodModel, MethodLayer)):
             found = True
             finish_model_warmup(module, name or type(model).__name__)
-        elif isinstance(module, MethodLayer):
-            found = True
-            if module.attention_method is not None:
-                module.attention_config = finished_config(module.attention_config)
     for finisher in _FINISHERS:
         found = finisher(model) or found
     if not found:
@@ -253,7 +240,7 @@ def finish_model_warmup(module: nn.Module, where: str) -> None:
     """:func:`finish_warmup` of one module holding a model's method: its config final, its counter dropped."""
     if module.attention_method is not None:
         module.attention_config = finished_config(module.attention_config)
-    counter = module.attention_warmup
+    counter = getattr(module, "attention_warmup", None)  # (a MethodLayer has none)
     if counter is None:
         return
     warn_unfinished_warmup(counter, where)

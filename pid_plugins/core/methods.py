@@ -197,14 +197,12 @@ def missing_state_message(method: "AttentionMethod", layer: int, route: Optional
 
 
 def _fx_check(method: AttentionMethod, config: Any, context: AttentionContext, query: Tensor) -> Tensor:
-    """``method.check(config, context)``, returning ``query``: a torch.fx leaf."""
     method.check(config, AttentionContext(*(bool(flag) for flag in context)))
     return query
 
 
 def _fx_update(method: AttentionMethod, params: Any, out: Tensor, value_q: Tensor, state: Optional[tuple],
                   scale: Optional[Tensor], head_dim: int) -> Tuple[Tensor, tuple]:
-    """``method.update(...)``: a torch.fx leaf."""
     return method.update(params, out, value_q, state, scale, head_dim)
 
 
@@ -280,12 +278,10 @@ def update_once(method: AttentionMethod, config: Any, out: Tensor, value_q: Tens
     return method.update(method.layer_params(config, None, layer), out, value_q, state, None, head_dim)
 
 
-class _Kind(NamedTuple):
-    """What :func:`_apply` reads of a method's class, decided once per class."""
-
-    once: bool  #: the default prepare and attend
-    checks: bool  #: overrides check
-    makes_state: bool  #: overrides make_state
+class _Kind(NamedTuple):  # what _apply reads of a method's class, decided once per class: it overrides...
+    once: bool  # ...neither prepare nor attend
+    checks: bool  # ...check
+    makes_state: bool  # ...make_state
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,8 +290,7 @@ def _kind(kind: type) -> _Kind:
                  kind.check is not AttentionMethod.check, kind.make_state is not AttentionMethod.make_state)
 
 
-def _kind_of(method: AttentionMethod) -> _Kind:
-    """:func:`_kind` of the method's class (uncached under torch.compile)."""
+def _kind_of(method: AttentionMethod) -> _Kind:  # (uncached under torch.compile)
     cls = type(method)
     return _kind.__wrapped__(cls) if torch.compiler.is_compiling() else _kind(cls)
 
@@ -332,13 +327,6 @@ def reserve_names(zoo: str, reserved: Callable[[], Mapping[str, str]]) -> None:
         _RESERVED[zoo] = reserved
 
 
-def _check_unreserved(name: str) -> None:
-    for zoo, reserved in _RESERVED.items():
-        what = reserved().get(name)
-        if what is not None:
-            raise ValueError(_reserved_message(name, zoo, what))
-
-
 def _reserved_message(name: str, zoo: str, what: str) -> str:
     return f"attention method name {name!r} is taken by {zoo}: {what}. Give the method another name (e.g. 'my_{name}')"
 
@@ -356,7 +344,9 @@ def register_method(method: AttentionMethod, *, replace: bool = False) -> Attent
     if not callable(getattr(method.config_type, "coerce", None)):
         raise TypeError(f"attention method {name!r}: config_type {method.config_type!r} has no coerce(value, default)")
     with _LOCK:
-        _check_unreserved(name)
+        for zoo, reserved in _RESERVED.items():
+            if (what := reserved().get(name)) is not None:
+                raise ValueError(_reserved_message(name, zoo, what))
         if name in _METHODS and _METHODS[name] is not method and not replace:
             raise ValueError(f"attention method {name!r} is already registered; pass replace=True to replace it")
         _METHODS[name] = method
@@ -424,7 +414,9 @@ def resolve_attention(
         raise ValueError(f"{where}: unknown attention method {attention!r}: choose {SOFTMAX!r} or one of "
                          f"{list_methods()} (pid_plugins.register_method adds one)")
     method = _METHODS[attention]
-    if isinstance(params, str) and (params in _METHODS or params == SOFTMAX) and params not in _presets(method):
+    presets = getattr(method.config_type, "preset_names", None)
+    if isinstance(params, str) and (params in _METHODS or params == SOFTMAX) and \
+            params not in (presets() if callable(presets) else ()):
         raise ValueError(f"{where}: {params_name}={params!r} names an attention method, not parameters of "
                          f"{attention!r}: pass the method as attention={params!r} (and its parameters, if any, as "
                          f"{params_name})")
@@ -435,16 +427,10 @@ def resolve_attention(
     return MethodChoice(method, config)
 
 
-def _presets(method: AttentionMethod) -> List[str]:
-    """The preset names ``method``'s parameters accept (none when its config type declares none)."""
-    names = getattr(method.config_type, "preset_names", None)
-    return list(names()) if callable(names) else []
-
-
 def _describe_params(keyword: str, params: Any) -> str:
     """``params`` for a log line: a dict's keys, a preset's name, or the config's type."""
     if isinstance(params, Mapping):
-        return f"{keyword}={{{', '.join(map(repr, params))}}}" if params else f"{keyword}={{}}"
+        return f"{keyword}={{{', '.join(map(repr, params))}}}"
     if isinstance(params, str):
         return f"{keyword}={params!r} (a preset)"
     return f"{keyword}={type(params).__name__}(...)"

@@ -69,7 +69,6 @@ def how_to_load(method: str, config: Mapping[str, Any]) -> str:
 
 
 def _running(owner: nn.Module) -> Optional[Tuple[str, Any]]:
-    """(name, config) of the method ``owner`` runs, its own or its first method layer's."""
     for module in owner.modules():
         method = getattr(module, "attention_method", None)
         if method is not None and hasattr(method, "name"):
@@ -108,20 +107,15 @@ def check_saved_record(owner: nn.Module, state_dict: Dict[str, Any], prefix: str
 
 def _refresh(owner: nn.Module, prefix: str = "", keep_vars: bool = False) -> None:
     """``state_dict`` pre-hook of a record's owner: write the method the owner runs now into its record."""
-    running = _running(owner)
-    if RECORD in owner._buffers and running is not None:
-        _set(owner, *running)
-
-
-def _set(owner: nn.Module, method: str, config: Any) -> None:
-    """Write the record of ``method`` with ``config`` into ``owner``'s buffer, on the buffer's device."""
-    value = encode_record(method, config)
-    old = owner._buffers.get(RECORD)
-    if old is not None and old.device.type == "meta":
+    running, old = _running(owner), owner._buffers.get(RECORD)
+    if old is None or running is None:
+        return
+    value = encode_record(*running)
+    if old.device.type == "meta":
         if old.shape != value.shape:
             owner._buffers[RECORD] = value.to("meta")
-    elif old is None or not torch.equal(old.cpu(), value):
-        owner._buffers[RECORD] = value if old is None else value.to(old.device)
+    elif not torch.equal(old.cpu(), value):
+        owner._buffers[RECORD] = value.to(old.device)
 
 
 def attach_record(owner: nn.Module, choice: Any, like: Optional[Tensor] = None) -> None:

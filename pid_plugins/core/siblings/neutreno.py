@@ -5,15 +5,12 @@ For the layers ``l = 1 .. L`` of one group, with ``A^l`` the layer's attention m
     u^1 = A^1 v^1                              (the first layer only records v^1)
     u^l = A^l v^l + alpha * (v^1 - v^l)        (l >= 2)
 
-It is PID with gains ``(alpha, 0, 0, 1)`` (equal bit for bit in float32/float64) threading only ``v^1``. Every term
-is per position, so causal models and KV caches need no refusal. The term is formed in key/value-head space and, in
-float16/bfloat16, in float32. Sources: docs/methods/siblings.md."""
+It is PID with gains ``(alpha, 0, 0, 1)`` threading only ``v^1``; every term is per position (causal models and KV
+caches need no refusal). Sources: docs/methods/siblings.md."""
 from __future__ import annotations
 
 import functools
-
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -49,12 +46,9 @@ class NeuTRENOConfig(MethodConfig):
                 f"NeuTRENOConfig.alpha must be a finite number >= 0 (0: the stock attention; the official code "
                 f"uses 0.6 for DeiT and Segmenter, 0.4 for the WikiText-103 language model), got {self.alpha!r}"
             )
-        steps = self.warmup_steps
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-            raise ValueError(
-                "NeuTRENOConfig.warmup_steps must be a whole number of training forward passes >= 0 "
-                f"(0: no warm-up), got {steps!r}"
-            )
+        if self.warmup_steps < 0:  # (an int: MethodConfig checks the type)
+            raise ValueError("NeuTRENOConfig.warmup_steps must be a whole number of training forward passes >= 0 "
+                             f"(0: no warm-up), got {self.warmup_steps!r}")
 
 
 def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], alpha: Any,
@@ -63,8 +57,7 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     ``attn_out + alpha * (v_first - value)`` expanded to the query heads. ``scale``: the warm-up factor, or None."""
     if v_first is None:
         return attn_out
-    # TorchScript tracing (torch.onnx's exporter): sizes are traced values. One compile test serves both questions,
-    # as in PID's update: the shape cache is bypassed under torch.compile (dynamo traces the function instead)
+    # TorchScript tracing (torch.onnx): sizes are traced values; under torch.compile the shape cache is bypassed
     compiling = torch.compiler.is_compiling()
     traced = not compiling and torch._C._is_tracing()
     if not traced and v_first.shape != value.shape:
@@ -73,8 +66,7 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
             f"{tuple(v_first.shape)}: every layer of a group must have values of one shape (same heads, head_dim "
             "and positions); use softmax attention for the odd layers"
         )
-    # (v^1 - v) in key/value-head space, broadcast over each group of r query heads of a view of the attention
-    # output (as expand_heads would repeat it, without the copy); float16/bfloat16: in float32, rounded once
+    # (v^1 - v) in key/value-head space, broadcast over each group of r query heads; float16/bfloat16 in float32
     grouped = None if traced or attn_out.shape == value.shape else (
         _grouped_shapes.__wrapped__ if compiling else _grouped_shapes)(attn_out.shape, value.shape, head_dim)
     wide = attn_out.dtype in _LOW_PRECISION
@@ -83,7 +75,6 @@ def neutreno_update(attn_out: Tensor, value: Tensor, v_first: Optional[Tensor], 
     if traced:
         diff = expand_heads(diff, attn_out.shape[head_dim], head_dim)
     elif grouped is not None:
-        # (the heads split into (H_kv, r) and a size-1 dimension inserted: views, as in PID's update)
         target, diff = attn_out.view(grouped[0]), diff.unsqueeze(grouped[1])
     if scale is not None:
         diff = diff * scale.to(diff.dtype)
@@ -117,15 +108,13 @@ class NeuTRENOMethod(AttentionMethod):
 
 def _layer(out: Tensor, value_q: Tensor, state: Optional[tuple], alpha: Any, head_dim: int,
            scale: Optional[Tensor]) -> Tuple[Tensor, tuple]:
-    """One layer's output and state: the first layer records ``v^1``; later ones add ``alpha (v^1 - v)``."""
     if state is None:
         return out, (value_q,)
     return neutreno_update(out, value_q, state[0], alpha, head_dim, scale), (state[0],)
 
 
 def _lean(out: Tensor, value_q: Tensor, state: Optional[tuple], alpha: Any, head_dim: int) -> Tuple[Tensor, tuple]:
-    """:func:`_layer` without warm-up: for float32/float64 values with heads at ``head_dim <= -2``, the ops a
-    hand-written function makes (bit for bit :func:`neutreno_update`'s, which takes every other case)."""
+    """:func:`_layer` without warm-up, lean for float32/float64 values with heads at ``head_dim <= -2``."""
     if state is None:
         return out, (value_q,)
     v_first, shape, kv_shape = state[0], out.shape, value_q.shape
