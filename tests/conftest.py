@@ -99,6 +99,13 @@ def pytest_configure(config: pytest.Config) -> None:
                 "at once: install the pytest pinned in constraints.txt (pip install -c constraints.txt pytest)")
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The ``docs`` and ``research`` markers on every test of tests/docs and tests/research (before ``-m`` selects)."""
+    for folder in ("docs", "research"):
+        if Path(__file__).resolve().parent / folder in Path(item.path).parents:
+            item.add_marker(folder)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Under xdist: the ``slow`` tests first, the ``xdist_group`` ones first among them, and a refusal where
