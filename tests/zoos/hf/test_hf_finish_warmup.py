@@ -8,35 +8,16 @@ import transformers as T  # noqa: E402
 
 import pid_plugins  # noqa: E402
 import pid_plugins.hf  # noqa: E402,F401
-from method_cases import variants  # noqa: E402
-from zoo_cases import bert_config, hf_ids, llama_config  # noqa: E402
+from pid_plugins.testing import MODELS  # noqa: E402
+from zoo_cases import hf_ids  # noqa: E402
 
 N = 3
-VARIANTS = variants(methods=lambda m: m.warmup)
-
-
-def build(case, warmup_steps=N, seed=0):
-    method, cfg = VARIANTS[case]
-    cfg = {**(cfg or {}), "warmup_steps": warmup_steps} if warmup_steps else cfg
-    torch.manual_seed(seed)
-    return T.LlamaForCausalLM(llama_config(method, cfg)).eval()
+LLAMA = MODELS["hf-llama"]
 
 
 def logits(model, x):
     with torch.no_grad():
         return model(input_ids=x).logits
-
-
-def warmed_up(model, steps=N + 1):
-    """``steps`` SGD steps in training mode (t = steps), then eval mode."""
-    x = hf_ids(2, 8, seed=2)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model.train()
-    for _ in range(steps):
-        opt.zero_grad()
-        model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-    return model.eval()
 
 
 def test_nested_models_read_no_counter_after_finishing():
@@ -62,10 +43,16 @@ def test_nested_models_read_no_counter_after_finishing():
 
 def test_under_peft_with_the_counter_in_the_adapter():
     peft = pytest.importorskip("peft")
-    model = build("learnable_pid")
+    model = LLAMA.build("pid", {"learnable": True, "warmup_steps": N})
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                          modules_to_save=["attention_params", "attention_warmup"]))
-    warmed_up(wrapped)
+    opt = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=0.1)
+    wrapped.train()
+    for _ in range(N + 1):
+        opt.zero_grad()
+        LLAMA.loss(wrapped, hf_ids(seed=2)).backward()
+        opt.step()
+    wrapped.eval()
     assert int(wrapped.attention_warmup.step) == N + 1
     x = hf_ids()
     want = logits(wrapped, x)
