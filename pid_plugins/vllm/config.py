@@ -1,18 +1,8 @@
 """What a checkpoint asks vLLM to serve, and what the vLLM plugin refuses (no vLLM import: testable anywhere).
 
-transformers saves a method model's choice in ``config.json`` as ``"attn_implementation": "<method>"`` and its
-parameters as ``"<method>": {...}`` (:mod:`pid_plugins.hf.config`). vLLM reads ``config.json`` with transformers'
-``AutoConfig``: the choice arrives as ``hf_config._attn_implementation`` and the parameters as a plain attribute
-(``hf_config.pid``). :func:`method_choice` reads both with the transformers adapter's rules, through core's one policy
-(:func:`~pid_plugins.core.resolve_attention` with the ``hf`` zoo's presets: PID's ``lm`` when ``config.pid`` is
-absent), without importing :mod:`pid_plugins.hf` (vLLM pins a transformers release that adapter does not support).
-
-What the plugin serves exactly: a method whose rule is per token, computed around vLLM's own attention call: the
-zoo's attention once plus an update of its output (PID, NeuTRENO), the values mixed before attention, so that the
-mixed values are what vLLM caches (value residual), or further calls of the attention with values of their own, each
-cached beside the layer's (Twicing's ``v - A v``). Everything else is refused before anything is built, by
-:func:`check_servable` and :func:`check_engine`, with one ``ValueError`` naming the method or the setting and why.
-"""
+vLLM reads ``config.json`` with transformers: the method arrives as ``hf_config._attn_implementation``, its parameters
+as ``hf_config.<method>``, read through core's :func:`~pid_plugins.core.resolve_attention` (the ``hf`` presets). Served
+exactly: methods whose rule is per token around vLLM's attention call; the rest is refused before anything is built."""
 from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Optional
@@ -24,13 +14,9 @@ __all__ = ["ARCHITECTURES", "FAMILIES", "METHOD_PREFIX", "STOCK_ATTENTIONS", "TE
            "check_options", "check_servable", "method_architecture", "method_choice", "stock_architecture",
            "unservable_reason"]
 
-#: the architectures (config.json's ``architectures``) whose method checkpoints the plugin serves with native classes
-#: of its own (registered as ``PidPlugins<Architecture>``): the decoder-only families vLLM and the transformers adapter
-#: share
+#: the architectures whose method checkpoints the plugin serves with native classes (``PidPlugins<Architecture>``)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-#: the prefix of the architecture names the plugin registers with vLLM: ``PidPlugins<Architecture>`` is the plugin's
-#: class serving a method checkpoint that vLLM would otherwise serve with its ``<Architecture>`` (a native family of
-#: :data:`ARCHITECTURES`, or one of vLLM's Transformers-backend classes); vLLM's own classes keep their names
+#: the prefix of the plugin's architecture names: ``PidPlugins<Architecture>`` serves what ``<Architecture>`` would
 METHOD_PREFIX = "PidPlugins"
 
 
@@ -49,11 +35,8 @@ STOCK_ATTENTIONS = frozenset({"eager", "sdpa", "flash_attention_2", "flash_atten
 
 
 def unservable_reason(method: AttentionMethod) -> Optional[str]:
-    """Why vLLM cannot serve ``method`` exactly through this plugin, or None when it can.
-
-    The plugin runs the method's own step with vLLM's paged attention, for the tokens of this step only (the earlier
-    tokens' keys and values are in the cache): each call of the attention with values of its own gets a paged cache
-    of its own (:mod:`pid_plugins.vllm.layer`), but nothing else of the earlier tokens is kept."""
+    """Why vLLM cannot serve ``method`` exactly through this plugin (only the cached keys and values of earlier
+    tokens are kept), or None when it can."""
     if method.reads_visible:
         return ("it reads which keys each query attends to, over every earlier position (Elliptical's prefix mean of "
                 "the value differences), which vLLM's paged attention neither exposes nor caches")
@@ -79,12 +62,8 @@ def check_servable(choice: MethodChoice, where: str) -> None:
 
 
 def method_choice(hf_config: Any, where: str = "this checkpoint") -> Optional[MethodChoice]:
-    """The method and parameters a checkpoint's config asks for, or None for vLLM's own model: no method named, a
-    stock attention of transformers, or a method with parameters that compute the stock attention (zero gains).
-
-    ``hf_config._attn_implementation`` names the method; ``hf_config.<method>`` holds its parameters (a dict, a
-    preset name, or absent: the method's transformers preset). A name that is neither a registered method nor a
-    transformers attention, learnable parameters, and whatever :func:`check_servable` refuses raise ``ValueError``."""
+    """The method and parameters a checkpoint's config asks for (``_attn_implementation``, ``config.<method>``), or
+    None for vLLM's own model (no method, a stock attention, zero gains); ``ValueError`` for what cannot be served."""
     name = getattr(hf_config, "_attn_implementation", None)
     if name is None or name in STOCK_ATTENTIONS or (isinstance(name, str) and ("/" in name or "|" in name)):
         return None  # transformers' own attentions (hub kernels "org/name", paged "paged|sdpa")
@@ -105,11 +84,8 @@ def method_choice(hf_config: Any, where: str = "this checkpoint") -> Optional[Me
 
 
 class _TensorParallel:
-    """``name in TENSOR_PARALLEL``: the registered method ``name`` declares ``per_head_state`` (every term and state per
-    head and per position: tensor parallelism, which gives each rank some of the heads (vLLM's q/k/v projections,
-    paged attention and o_proj shard them), computes on each rank exactly what one process computes for those heads)
-    and is servable; served with tensor_parallel_size > 1 by vLLM's own classes (pid_plugins.vllm.models; make
-    test-vllm serves PID with tensor_parallel_size=2). Iterating gives those names, sorted."""
+    """``name in TENSOR_PARALLEL``: the servable method ``name`` declares ``per_head_state`` (each rank computes
+    exactly what one process computes for its heads). Iterating gives those names, sorted."""
 
     def __contains__(self, name: Any) -> bool:
         method = find_method(name)
@@ -124,9 +100,8 @@ TENSOR_PARALLEL = _TensorParallel()
 
 
 def check_engine(vllm_config: Any, where: str, tensor_parallel: bool = False) -> None:
-    """Refuse (``ValueError``) the engine settings the plugin does not cover, naming each: the method's state runs
-    from the first layer to the last within one forward of one process, or of each tensor-parallel rank when
-    ``tensor_parallel`` (the caller serves a method of :data:`TENSOR_PARALLEL` with heads sharded per rank)."""
+    """Refuse (``ValueError``) the engine settings the plugin does not cover, naming each (``tensor_parallel``: the
+    method is one of :data:`TENSOR_PARALLEL`)."""
     parallel = vllm_config.parallel_config
     refused = []
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
@@ -159,8 +134,7 @@ FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2
 
 
 def check_options(family: str, hf_config: Any, where: str) -> None:
-    """Refuse (``ValueError``) a checkpoint using a family option the plugin's native layer loop does not run (where
-    vLLM resolves the class, in the process the user launched, and again where the model is built)."""
+    """Refuse (``ValueError``) a checkpoint using a family option the plugin's native layer loop does not run."""
     for option, what in _REFUSED_OPTIONS.get(family, {}).items():
         if getattr(hf_config, option, None):
             raise ValueError(f"{where}: config.{option} turns on {what}, which pid_plugins.vllm does not run with an "

@@ -1,9 +1,6 @@
-"""Every vLLM internal the plugin reads, in one place, with its check. vLLM has no extension point for an attention
-term or for state between layers, so the native classes' inner models run the decoder stack in a forward of their
-own from the parts vLLM builds (:func:`pid_plugins.vllm.models.method_forward`); :func:`check_family` checks, before
-anything is built, that each family's forwards read what they read in the tested release (and, for Qwen2 and Qwen3,
-whose outer classes build their inner model by name, that their ``__init__`` sets what the plugin's sets). A changed
-release gets :class:`~pid_plugins.versions.InternalChanged`, never a different result."""
+"""Every vLLM internal the plugin reads, in one place, with its check: the native classes run the decoder stack
+in a forward of their own (:func:`pid_plugins.vllm.models.method_forward`), so a release whose layers read otherwise
+gets :class:`~pid_plugins.versions.InternalChanged` before anything is built, never a different result."""
 from __future__ import annotations
 
 import functools
@@ -61,11 +58,8 @@ def check_release(where: str, version: Optional[str] = None) -> None:
 
 
 def check_registry(registry: Any) -> None:
-    """The model registry's resolution methods take ``(architectures, model_config)`` and return ``(info or class,
-    architecture)``, and its lookups of one registered architecture (``_try_inspect_model_cls``,
-    ``_try_load_model_cls``) take its name: what :func:`pid_plugins.vllm.routing.install` wraps and calls. A release
-    where they differ gets :class:`InternalChanged` when the plugin loads: without its check a method checkpoint could
-    be served as softmax."""
+    """:class:`InternalChanged` when the model registry's methods that :func:`pid_plugins.vllm.routing.install`
+    wraps and calls take other arguments (a method checkpoint could be served as softmax)."""
     expected = {"inspect_model_cls": ["architectures", "model_config"],
                 "resolve_model_cls": ["architectures", "model_config"],
                 "_try_inspect_model_cls": ["model_arch"], "_try_load_model_cls": ["model_arch"]}
@@ -84,9 +78,7 @@ def check_registry(registry: Any) -> None:
 @functools.lru_cache(maxsize=None)
 def _backend_attention_changed() -> str:
     """What of vLLM's Transformers-backend attention function differs from the tested release ('' when nothing), by
-    behaviour: it must call ``forward`` of the paged attention set on the module (``attn``) with the queries, keys and
-    values as ``(tokens, heads * head_dim)`` (transformers' ``(1, heads, tokens, head_dim)`` reshaped) and return its
-    output, which :mod:`pid_plugins.vllm.transformers_backend` gives a forward of its own."""
+    behaviour: it must call ``attn.forward`` with ``(tokens, heads * head_dim)`` queries, keys, values."""
     import torch
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.transformers import vllm_attention_forward
@@ -133,8 +125,7 @@ def check_transformers_backend(where: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _changed(family: str) -> str:
-    """What of ``family``'s forwards differs from the tested release ('' when nothing). Source text: vLLM builds its
-    layers only inside an engine's configuration context, so no probe can run one beside the method's loop."""
+    """What of ``family``'s forwards differs from the tested release ('' when nothing), read from the source."""
     module = sys.modules[f"vllm.model_executor.models.{family}"]
     found = []
     for name, expected in FORWARD_READS[family].items():

@@ -1,12 +1,6 @@
 """One layer's method step around vLLM's paged attention, shared by the native classes and the Transformers backend.
-
-vLLM's paged ``Attention`` caches the keys and values it is given and attends over every cached position of the
-sequence. A method whose ``attend`` calls the zoo's attention more than once with values of its own (Twicing's
-``A (v - A v)``) gets one more paged ``Attention`` per further call (:func:`add_calls`), with a cache of its own
-holding the keys (expanded to that call's heads) and the values that call was given at each position: the ``i``-th
-call of a layer runs its ``i``-th paged attention. That is exact when a call's values at a position depend on that
-position and earlier ones only (causal), as Twicing's ``v - A v`` does; ``value`` holds this step's tokens only.
-"""
+A further call of the zoo's attention with values of its own (Twicing's ``A (v - A v)``) gets a paged ``Attention`` of
+its own (:func:`add_calls`), caching that call's keys and values: exact for causal per-position values."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -37,9 +31,8 @@ def _call(choice: MethodChoice, attend: Callable[[Tensor, Tensor], Tensor], quer
 
 
 def add_calls(choice: MethodChoice, attentions: Sequence[Attention], where: str) -> None:
-    """Give each layer's paged attention (``attentions``, in layer order) ``method_calls``: one paged ``Attention`` per
-    further call of the zoo's attention the method makes there, with as many key/value heads as that call's values
-    (found by running the method once on two positions)."""
+    """Give each layer's paged attention ``method_calls``: one paged ``Attention`` per further call of the zoo's
+    attention the method makes there (found by running the method once on two positions)."""
     config = get_current_vllm_config()
     state: Optional[tuple] = None
     for index, attention in enumerate(attentions):

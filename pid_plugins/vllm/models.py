@@ -1,25 +1,8 @@
-"""The plugin's native model classes, one per family, registered with vLLM under their own architecture names
-(:data:`~pid_plugins.vllm.config.METHOD_ARCHITECTURES`: ``PidPluginsLlamaForCausalLM``, ...; imported by vLLM's model
-registry only, where it builds a model).
-
-Each is written as vLLM writes a model that changes its family's decoder stack (vLLM's ``MistralModel``,
-``Qwen3Model``, ``MiMoModel``): an outer class, a subclass of vLLM's ``<Family>ForCausalLM`` that builds the inner
-model below (through vLLM's ``_init_model`` where the family has it, else an ``__init__`` of its own as vLLM's
-``MiMoForCausalLM`` writes one), and an inner model class, a subclass of vLLM's ``<Family>Model`` under
-``@support_torch_compile``, whose ``forward`` is the method's layer loop (:func:`method_forward`): per layer, vLLM's
-norm, ``qkv_proj``, qk-norm where the family has one, rotary embedding, then the method's one step
-(:meth:`~pid_plugins.core.AttentionMethod.apply`) around vLLM's paged attention, ``o_proj``, norm and MLP, with the
-method's state handed from layer to layer as a value. The method and its parameters are read from the model's config
-(``hf_config``) when the model is built, as vLLM's layers read theirs; vLLM's compile cache is keyed on that config
-(:func:`pid_plugins.vllm.routing.config_choice` writes a preset's parameters into it).
-
-Layouts: vLLM flattens the tokens of every sequence of a step into one axis (decode tokens and chunks of prefills of
-several requests side by side). The method sees ``(heads, tokens, head_dim)`` views: every term is per token, so the
-update is exact for any mix of requests, for chunked prefill and for prefix caching (a cached prefix's values were
-mixed, for value residual, before they were cached).
-
-A checkpoint that names no method never reaches these classes: vLLM serves it with its own class.
-"""
+"""The plugin's native model classes (``PidPlugins<Family>ForCausalLM``), written as vLLM writes a model that
+changes its family's decoder stack: an outer subclass of vLLM's ``<Family>ForCausalLM`` building an inner
+``<Family>Model`` subclass under ``@support_torch_compile`` whose ``forward`` is the method's layer loop
+(:func:`method_forward`). Every term is per token, so any mix of requests, chunked prefill and prefix caching is
+exact. A checkpoint that names no method never reaches these classes."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Optional
@@ -29,8 +12,8 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from vllm.model_executor.models.mistral import MistralDecoderLayer, MistralForCausalLM, MistralModel
+from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
+from vllm.model_executor.models.mistral import MistralForCausalLM, MistralModel
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
 from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
@@ -108,41 +91,41 @@ class PidPluginsQwen3Model(_MethodLoop, Qwen3Model):
 
 
 class _Serving:
-    """What every outer class adds to vLLM's: the checks before anything is built, and weight loading without the
+    """What every outer class adds to vLLM's: the checks before anything is built, its inner model (vLLM's
+    ``_init_model``, or :func:`_build_lm` for the families that build it by name), and weight loading without the
     method record a transformers method model saves beside its weights."""
 
-    architecture: ClassVar[str]
     stock: ClassVar[type]
+    inner: ClassVar[type]
     attention_choice: MethodChoice
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        choice = _served_choice(vllm_config, type(self).__name__, self.stock)
+        if hasattr(self.stock, "_init_model"):  # Llama, Mistral (the stock defaults of layer_type)
+            self.attention_choice = choice
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
+        else:  # Qwen2, Qwen3
+            nn.Module.__init__(self)  # type: ignore[arg-type]
+            self.attention_choice = choice
+            _build_lm(self, vllm_config, prefix, self.inner)  # type: ignore[arg-type]
+
+    def _init_model(self, vllm_config: Any, prefix: str = "", **kwargs: Any) -> nn.Module:
+        return self.inner(vllm_config=vllm_config, prefix=prefix, **kwargs)
 
     def load_weights(self, weights: Any) -> Any:
         return super().load_weights((name, w) for name, w in weights if not is_record_key(name))  # type: ignore[misc]
 
 
 class PidPluginsLlamaForCausalLM(_Serving, LlamaForCausalLM):
-    """vLLM's ``LlamaForCausalLM`` with :class:`PidPluginsLlamaModel` as its inner model (vLLM's ``_init_model``)."""
+    """vLLM's ``LlamaForCausalLM`` with :class:`PidPluginsLlamaModel` as its inner model."""
 
-    architecture, stock = "PidPluginsLlamaForCausalLM", LlamaForCausalLM
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = LlamaDecoderLayer) -> None:
-        self.attention_choice = _served_choice(vllm_config, self.architecture, self.stock)
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-
-    def _init_model(self, vllm_config: Any, prefix: str = "", layer_type: type = LlamaDecoderLayer) -> nn.Module:
-        return PidPluginsLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+    stock, inner = LlamaForCausalLM, PidPluginsLlamaModel
 
 
 class PidPluginsMistralForCausalLM(_Serving, MistralForCausalLM):
-    """vLLM's ``MistralForCausalLM`` with :class:`PidPluginsMistralModel` as its inner model (``_init_model``)."""
+    """vLLM's ``MistralForCausalLM`` with :class:`PidPluginsMistralModel` as its inner model."""
 
-    architecture, stock = "PidPluginsMistralForCausalLM", MistralForCausalLM
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "", layer_type: type = MistralDecoderLayer) -> None:
-        self.attention_choice = _served_choice(vllm_config, self.architecture, self.stock)
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-
-    def _init_model(self, vllm_config: Any, prefix: str = "", layer_type: type = MistralDecoderLayer) -> nn.Module:
-        return PidPluginsMistralModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+    stock, inner = MistralForCausalLM, PidPluginsMistralModel
 
 
 def _build_lm(model: nn.Module, vllm_config: Any, prefix: str, inner: type) -> None:
@@ -167,25 +150,13 @@ def _build_lm(model: nn.Module, vllm_config: Any, prefix: str, inner: type) -> N
 class PidPluginsQwen2ForCausalLM(_Serving, Qwen2ForCausalLM):
     """vLLM's ``Qwen2ForCausalLM`` with :class:`PidPluginsQwen2Model` as its inner model."""
 
-    architecture, stock = "PidPluginsQwen2ForCausalLM", Qwen2ForCausalLM
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        choice = _served_choice(vllm_config, self.architecture, self.stock)
-        nn.Module.__init__(self)
-        self.attention_choice = choice
-        _build_lm(self, vllm_config, prefix, PidPluginsQwen2Model)
+    stock, inner = Qwen2ForCausalLM, PidPluginsQwen2Model
 
 
 class PidPluginsQwen3ForCausalLM(_Serving, Qwen3ForCausalLM):
     """vLLM's ``Qwen3ForCausalLM`` with :class:`PidPluginsQwen3Model` as its inner model."""
 
-    architecture, stock = "PidPluginsQwen3ForCausalLM", Qwen3ForCausalLM
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        choice = _served_choice(vllm_config, self.architecture, self.stock)
-        nn.Module.__init__(self)
-        self.attention_choice = choice
-        _build_lm(self, vllm_config, prefix, PidPluginsQwen3Model)
+    stock, inner = Qwen3ForCausalLM, PidPluginsQwen3Model
 
 
 def method_forward(model: nn.Module, choice: MethodChoice, input_ids: Optional[Tensor], positions: Tensor,

@@ -1,23 +1,8 @@
 """Which class serves a method checkpoint: the check every model config passes in vLLM, before anything is built.
 
-vLLM decides which class serves a checkpoint in its model registry: ``ModelRegistry.inspect_model_cls`` when
-``ModelConfig`` is made (in the process the user launched: ``LLM(...)``, the OpenAI server) and
-``resolve_model_cls`` where the worker builds the model. vLLM has no extension point for a config check, so
-:func:`install` wraps both methods on the registry object. A checkpoint whose config names a method
-(:func:`config_choice`) is then, whatever its architecture and ``model_impl``:
-
-* served by the plugin's class registered as ``PidPlugins<Architecture>``
-  (:func:`~pid_plugins.vllm.config.method_architecture`), ``<Architecture>`` being what vLLM resolves for the
-  checkpoint: a native family of :data:`~pid_plugins.vllm.config.ARCHITECTURES` (``model_impl`` ``auto`` or
-  ``vllm``), or vLLM's Transformers backend (:data:`TRANSFORMERS_CLASSES`: ``model_impl="transformers"``, and the
-  fallback of ``auto`` for an architecture without a native class of the plugin);
-* or refused, with one ``ValueError`` naming the method, the architecture and the class vLLM would serve it with.
-
-A checkpoint's ``architectures`` may name the plugin's class itself (``"PidPluginsLlamaForCausalLM"``): it is
-resolved as the architecture it stands for (``LlamaForCausalLM``), and vLLM without the plugin refuses it (an
-architecture it does not know). A checkpoint that names no method (or zero gains) is resolved by vLLM alone,
-unchanged: vLLM's own class, as without the plugin.
-"""
+:func:`install` wraps ``ModelRegistry.inspect_model_cls`` and ``resolve_model_cls``: a checkpoint whose config names a
+method (:func:`config_choice`) is served by the plugin's ``PidPlugins<Architecture>`` class (native, or vLLM's
+Transformers backend: :data:`TRANSFORMERS_CLASSES`) or refused with one ``ValueError``; others are vLLM's alone."""
 from __future__ import annotations
 
 import functools
@@ -54,10 +39,8 @@ def _configs(model_config: Any) -> List[Any]:
 
 
 def config_choice(model_config: Any, place: str) -> Optional[MethodChoice]:
-    """The method and parameters ``model_config``'s checkpoint names (its config, or the text config of a
-    multimodal one), or None when it names none (or zero gains). A ``config.<method>`` beside an
-    ``attn_implementation`` that is not that method is ambiguous and refused (``convert(model, "softmax")`` removes
-    the parameters, so a softmax checkpoint of pid-plugins has none)."""
+    """The method and parameters ``model_config``'s checkpoint names (its config or text config), or None; a
+    ``config.<method>`` beside an ``attn_implementation`` that is not that method is refused."""
     for config in _configs(model_config):
         attention = getattr(config, "_attn_implementation", None)
         if attention in list_methods():
@@ -78,10 +61,8 @@ def config_choice(model_config: Any, place: str) -> Optional[MethodChoice]:
 
 
 def plan(architectures: Sequence[str], model_config: Any) -> Optional[MethodChoice]:
-    """Before vLLM resolves the class: the method the checkpoint names (refused here when it cannot be served:
-    Twicing, Elliptical, learnable or warming-up parameters), and for ``model_impl="auto"`` and an architecture
-    without a native class of the plugin, ``model_impl`` set to ``"transformers"`` (the method runs in vLLM's
-    Transformers backend)."""
+    """Before vLLM resolves the class: the method the checkpoint names (refused when it cannot be served), and
+    ``model_impl="transformers"`` for ``"auto"`` and an architecture without a native class of the plugin."""
     choice = config_choice(model_config, where(model_config, architectures))
     if choice is None:
         return None
@@ -152,9 +133,8 @@ _LOOKUPS = {"inspect_model_cls": "_try_inspect_model_cls", "resolve_model_cls": 
 
 
 def install(registry: Any) -> None:
-    """Wrap ``registry.inspect_model_cls`` and ``registry.resolve_model_cls`` (vLLM's ``ModelRegistry``) with the
-    check, on the object (its class is unchanged); once per process. Both are checked by behaviour first
-    (:func:`pid_plugins.vllm.internals.check_registry`)."""
+    """Wrap ``registry.inspect_model_cls`` and ``resolve_model_cls`` with the check, on the object; once per
+    process."""
     from . import internals
 
     internals.check_registry(registry)

@@ -1,17 +1,7 @@
-"""vLLM's Transformers backend serving a method checkpoint (imported by vLLM's model registry only).
-
-The backend runs the family's own transformers code and sends each layer's attention to a paged attention layer of
-vLLM that it builds per decoder layer (the class its ``_get_attn_cls`` returns) and sets on the transformers attention
-module (attribute ``attn``), through transformers' attention interface under the name ``"vllm"``. The classes here are
-subclasses of the backend's :data:`~pid_plugins.vllm.routing.TRANSFORMERS_CLASSES`, registered with vLLM under their
-own names (``PidPluginsTransformersForCausalLM``, ``PidPluginsTransformersMoEForCausalLM``): their ``_get_attn_cls``
-returns :class:`MethodAttention`, vLLM's paged ``Attention`` with the method's one step
-(:meth:`~pid_plugins.core.AttentionMethod.apply`) around its ``forward``. The queries and values it gets are what the
-transformers adapter's attention function gets, one token per row (the tokens of every running sequence side by
-side), so every term is per token, as in the native classes. The method's state goes from layer to layer through
-:class:`_Layers`, in the order the layers run. A checkpoint that names no method never reaches these classes: vLLM
-serves it with its own.
-"""
+"""vLLM's Transformers backend serving a method checkpoint (imported by vLLM's model registry only): subclasses of
+:data:`~pid_plugins.vllm.routing.TRANSFORMERS_CLASSES` whose ``_get_attn_cls`` returns :class:`MethodAttention`,
+vLLM's paged ``Attention`` with the method's step around its ``forward``; the state goes from layer to layer through
+:class:`_Layers`, in the order the layers run."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Optional
@@ -31,9 +21,7 @@ __all__ = ["MethodAttention", "PidPluginsTransformersForCausalLM", "PidPluginsTr
 
 
 class _Layers:
-    """The method's state of one model between its layers: layer ``i`` reads what layer ``i - 1`` left in the same
-    forward (the layers run in order; the first starts afresh, the last leaves nothing), so one layer's state is held
-    at a time, as in the native classes."""
+    """The method's state of one model between its layers: layer ``i`` reads what layer ``i - 1`` left."""
 
     def __init__(self, choice: MethodChoice, count: int) -> None:
         self.choice = choice
