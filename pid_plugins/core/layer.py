@@ -214,13 +214,9 @@ def finished_config(config: Any) -> Any:
 
 
 def finish_warmup(model: nn.Module) -> nn.Module:
-    """End a model's gain warm-up: the model, in place, at its final parameters on the fixed path.
-
-    The counter is dropped (with its ``state_dict`` key) and the config gets ``warmup_steps=0``; learnable parameters
-    are kept as trained. mmseg and fairseq models keep their stock-plus-term form at scale 1. A model stopped before
-    ``t = N`` jumps to its final parameters, with one warning. A model without warm-up is returned unchanged.
-
-    Returns ``model``. Raises ``TypeError`` for a model without any attention method of pid-plugins."""
+    """End a model's gain warm-up, in place: the counter dropped (with its ``state_dict`` key), the config at
+    ``warmup_steps=0``, learnable parameters as trained (one warning when stopped before ``t = N``). Returns ``model``;
+    ``TypeError`` for a model without any attention method of pid-plugins."""
     found = False
     for name, module in model.named_modules():
         if isinstance(module, (MethodModel, MethodLayer)):

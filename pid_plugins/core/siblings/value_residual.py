@@ -6,8 +6,7 @@ For the layers ``l = 1 .. L`` of one group, with ``v^l`` the layer's values per 
     u^1 = softmax(q^1 k^1^T * scale + mask) v^1                                 (the first layer records v^1)
     u^l = softmax(q^l k^l^T * scale + mask) (lambda_1 * v^1 + lambda_2 * v^l)    (l >= 2)
 
-The mix is formed per key/value head at attention time, over every cached position with a KV cache. ``resformer``
-is 0.5/0.5; ``(0, 1)`` is the stock attention; ``learnable=True`` gives each layer its own lambdas.
+The mix is formed per key/value head, over every cached position with a KV cache; ``(0, 1)`` is the stock attention.
 Sources: docs/methods/siblings.md."""
 from __future__ import annotations
 
