@@ -1,8 +1,5 @@
 """pid-plugins: PID-controlled attention (PIDformer, ICML 2024) for timm, transformers, mmseg and fairseq.
-
-``import pid_plugins`` needs only torch; each zoo adapter (``pid_plugins.timm``, ``pid_plugins.hf``, ...) imports
-its zoo lazily.
-"""
+``import pid_plugins`` needs only torch; each zoo adapter (``pid_plugins.hf``, ...) imports its zoo lazily."""
 from .catalogue import ModelEntry, get_model_entry, list_models
 from .core import (
     AttentionMethod,
@@ -21,14 +18,11 @@ from .core import (
     sdpa_with_pid,
 )
 
-from .core import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing, Elliptical and value residual beside PID,
-#                                                after core is complete: core never imports its siblings)
-
-__version__ = "0.1.0"
-
+from .core import siblings  # noqa: E402,F401  (registers NeuTRENO, Twicing, Elliptical and value residual)
 from .versions import check_version  # noqa: E402
 
-check_version("torch")  # warns once when torch is outside the tested range (pid_plugins.versions.TESTED)
+__version__ = "0.1.0"
+check_version("torch")
 
 __all__ = [
     "PIDConfig", "PIDState", "PIDGains", "GainWarmup", "pid_update", "expand_heads", "PIDSelfAttention",

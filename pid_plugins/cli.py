@@ -82,7 +82,6 @@ def _severities(text: str) -> List[int]:
 def _json_object(text: str, expected: str, null: bool = False) -> Optional[dict]:
     """``text`` as a JSON object (``null``: None allowed too), else an argparse error saying ``expected``."""
     import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -92,10 +91,6 @@ def _json_object(text: str, expected: str, null: bool = False) -> Optional[dict]
     return value
 
 
-def _model_kwargs(text: str) -> dict:
-    return _json_object(text, "a JSON object, e.g. '{\"num_classes\": 10}'")
-
-
 def _attention_cfg(text: str) -> object:
     """An argparse type: a method's parameters, a JSON object of overrides (``null``: none) or a preset name."""
     if text.isidentifier() and text not in ("null", "true", "false"):
@@ -103,20 +98,18 @@ def _attention_cfg(text: str) -> object:
     return _json_object(text, "a JSON object or a preset name, e.g. '{\"lambda_p\": 0.5}'", null=True)
 
 
-def _attention_names(args: argparse.Namespace) -> List[str]:
-    """The --attention names, each checked against the methods registered now."""
+def _import_and_check_attention(args: argparse.Namespace) -> None:
+    """Import the --import modules, then check each --attention name against the methods registered now."""
     from .core import SOFTMAX, get_method
-
-    names = args.attention or []
-    for name in names:
+    import_user_modules(args.imports)
+    for name in args.attention or []:
         if name != SOFTMAX:
             try:
                 get_method(name)
             except ValueError as exc:
                 raise CLIError(f"--attention: {exc}{_IMPORT_HINT}") from None
-    if args.attention_cfg and not names:
+    if args.attention_cfg and not args.attention:
         raise CLIError("--attention-cfg gives a method's parameters: name the method with --attention")
-    return names
 
 
 _IMPORT_HINT = "; a method your own module registers: --import MODULE (a dotted name or a .py file)"
@@ -126,7 +119,6 @@ def import_user_modules(specs: Sequence[str]) -> List[str]:
     """Import each ``--import`` module (a ``.py`` path or a dotted name), in order; returns their names."""
     import importlib
     import os
-
     names = []
     for spec in specs:
         path = Path(spec)
@@ -157,14 +149,12 @@ def import_user_modules(specs: Sequence[str]) -> List[str]:
 def _import_file(path: Path, spec: str) -> str:
     """Run the file ``path`` as the module named after it (once: a module of that name from this file is kept)."""
     import importlib.util
-
     name = path.stem if path.stem.isidentifier() else "user_module"
     loaded = sys.modules.get(name)
     if loaded is not None:
         if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
             return name
         import hashlib  # another module owns the name: keep it, load this file under a name of its own
-
         name = f"_pid_plugins_import_{name}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
@@ -189,7 +179,6 @@ def _out_folder(text: str) -> Path:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from .catalogue import get_model_entry, list_models
-
     names = list_models(args.pattern, zoo=args.zoo)
     if not names:
         print(f"no PID models match {args.pattern!r}" + (f" in zoo {args.zoo}" if args.zoo else ""))
@@ -206,11 +195,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _cmd_presets(args: argparse.Namespace) -> int:
     from .core import PIDConfig, get_method, list_methods
-
     print(f"{'preset':<10} {'lambda_p':>8} {'lambda_i':>8} {'lambda_d':>8} {'beta':>6}")
     for name, g in PIDConfig.PRESETS.items():
         print(f"{name:<10} {g['lambda_p']:>8} {g['lambda_i']:>8} {g['lambda_d']:>8} {g['beta']:>6}")
-    for method in list_methods():  # the other methods' presets (registry/presets.toml, or a user method's class)
+    for method in list_methods():
         presets = getattr(get_method(method).config_type, "PRESETS", {})
         if method == "pid" or not presets:
             continue
@@ -222,9 +210,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .analysis.run import run_diagnose
-
-    import_user_modules(args.imports)
-    _attention_names(args)
+    _import_and_check_attention(args)
     report = run_diagnose(args, log=lambda m: print(m, file=sys.stderr))
     w = max([40, *(len(label) for label in report["models"])])
     m = max([16, *(len(r["method"]) for r in report["models"].values())])
@@ -240,19 +226,13 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 def _cmd_attack(args: argparse.Namespace) -> int:
     from .analysis.robustness import DEFAULT_CORRUPTIONS
     from .analysis.run import run_attack
-
-    import_user_modules(args.imports)
-    _attention_names(args)
+    _import_and_check_attention(args)
     args.attacks = [a.strip() for a in args.attacks.lower().split(",") if a.strip() and a.strip() != "none"]
     unknown = sorted(set(args.attacks) - {"fgsm", "pgd", "spsa"})
     if unknown:
         raise CLIError(f"--attacks: unknown {', '.join(unknown)}; choose from fgsm, pgd, spsa (or none)")
-    if args.corruptions in ("all", "default"):
-        corruptions = None if args.corruptions == "all" else list(DEFAULT_CORRUPTIONS)
-    elif args.corruptions == "none":
-        corruptions = []
-    else:
-        corruptions = [c.strip() for c in args.corruptions.split(",") if c.strip()]
+    named = {"all": None, "default": list(DEFAULT_CORRUPTIONS), "none": []}
+    corruptions = named.get(args.corruptions, [c.strip() for c in args.corruptions.split(",") if c.strip()])
     if corruptions is None or corruptions:
         try:
             from corrupt_tta import corruption_dict
@@ -306,7 +286,6 @@ def _doctor_internals(adapter: str) -> tuple:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from .versions import TESTED, check_version, doctor, installed_version, tested_range
-
     failed = 0
     for adapter, zoo in DOCTOR_ZOOS:
         version = installed_version(zoo)
@@ -318,7 +297,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
               if zoo in TESTED else f"{zoo} {version}")
         for internal, problem in doctor(_doctor_internals(adapter)):
             kind = "check and probe" if internal.probe is not None else "check"
-            if problem is not None and internal.optional:  # refused where it is needed
+            if problem is not None and internal.optional:
                 print(f"  absent  {internal.name} ({kind}; known to hold in {internal.versions}: what needs it is "
                       f"refused under {zoo} {version})")
                 continue
@@ -330,28 +309,27 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _command(sub: argparse._SubParsersAction, name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
-    """A subcommand with its one-line summary and its description."""
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, details: str = "",
+             func: Optional[Callable[[argparse.Namespace], int]] = None) -> argparse.ArgumentParser:
+    """A subcommand with its one-line summary, its description and the function that runs it."""
     description = f"{summary[0].upper()}{summary[1:]}.{' ' + details if details else ''}"
-    return sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
+    p = sub.add_parser(name, help=summary, description=description, formatter_class=_Help)
+    p.set_defaults(func=func)
+    return p
 
 
-def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> None:
-    p.add_argument("--model", action="append", required=True,
-                   help="registry/timm name, transformers folder or mmseg config (a .py file: mmengine executes it "
-                        "as Python, so give only configs you trust); repeat to compare models")
-    p.add_argument("--checkpoint", action="append",
-                   help="local weights (.safetensors, or a torch file read with weights_only=True) for each --model, "
-                        "in order")
-    p.add_argument("--model-kwargs", type=_model_kwargs, default={},
-                   help="JSON kwargs for building models by name (timm / registry), e.g. '{\"num_classes\": 10}'; "
-                        "refused for transformers folders and mmseg configs, which carry their own configuration")
-    p.add_argument("--attention", action="append", metavar="METHOD",
-                   help="build the models with this attention: softmax or a registered method (pid_plugins."
-                        "list_methods(), e.g. pid); once for every --model or once per --model, in order")
-    p.add_argument("--attention-cfg", action="append", type=_attention_cfg, metavar="JSON",
-                   help="the method's parameters for each --attention, in order: a JSON object of overrides of its "
-                        "default preset (e.g. '{\"lambda_p\": 0.5}'), a preset name, or null (softmax)")
+def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int, out: str) -> None:
+    p.add_argument("--model", action="append", required=True, help="registry/timm name, transformers folder or "
+                   "mmseg config (mmengine runs it: give only configs you trust); repeat to compare models")
+    p.add_argument("--checkpoint", action="append", help="local weights (.safetensors or a torch file, read with "
+                   "weights_only=True) for each --model, in order")
+    p.add_argument("--model-kwargs", type=lambda t: _json_object(t, "a JSON object, e.g. '{\"num_classes\": 10}'"),
+                   default={}, help="JSON kwargs for models built by name, e.g. '{\"num_classes\": 10}' "
+                   "(transformers folders and mmseg configs carry their own)")
+    p.add_argument("--attention", action="append", metavar="METHOD", help="build the models with this attention: "
+                   "softmax or a registered method; once for every --model or once per --model, in order")
+    p.add_argument("--attention-cfg", action="append", type=_attention_cfg, metavar="JSON", help="parameters for "
+                   "each --attention: a JSON object of overrides of its default preset, a preset name, or null")
     _add_import_arg(p)
     p.add_argument("--data", required=True, help="images: fashion-mnist, digits, auto or a <class>/<image> folder; "
                                                  "text: wiki, shakespeare or a .txt file")
@@ -359,43 +337,38 @@ def _add_model_args(p: argparse.ArgumentParser, samples: int, batch: int) -> Non
     p.add_argument("--batch-size", type=_int(1), default=batch, help="inputs per forward pass")
     p.add_argument("--seq-len", type=_int(2), default=128, help="tokens per text block (>= 2)")
     p.add_argument("--seed", type=_int(0), default=0, help="seed of the sample drawn from --data")
+    p.add_argument("--out", type=_out_folder, default=Path(out), help="output folder (must not exist)")
 
 
 def _add_import_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import this module first (a dotted name importable from the current directory or "
-                        "PYTHONPATH, or a path to a .py file), so the attention methods it registers with "
-                        "pid_plugins.register_method can be named by --attention / --arms; repeatable")
-
-
-DESCRIPTION = ("PID-controlled attention (PIDformer, ICML 2024) and its sibling methods in timm, transformers, "
-               "mmsegmentation and fairseq: list the model variants, show the presets, measure token collapse and "
-               "robustness of models, and run a command with the zoo adapters.")
+                   help="import this module first (a dotted name or a .py file), so that the attention methods it "
+                        "registers can be named by --attention / --arms; repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-
-    parser = _Parser(prog="pid-plugins", description=DESCRIPTION, formatter_class=_Help)
+    parser = _Parser(prog="pid-plugins", formatter_class=_Help, description="PID-controlled attention (PIDformer, "
+                     "ICML 2024) and its sibling methods in timm, transformers, mmsegmentation and fairseq: list the "
+                     "model variants, show the presets, measure token collapse and robustness of models, and run a "
+                     "command with the zoo adapters.")
     parser.add_argument("--version", action="version", version=f"pid-plugins {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     p = _command(sub, "list", "list the PID model variants declared in the registry",
-                 "One line per variant: its name, zoo, base model and preset.")
+                 "One line per variant: its name, zoo, base model and preset.", _cmd_list)
     p.add_argument("pattern", nargs="?", default="*", help="glob on the name, e.g. 'pid_deit*'")
     p.add_argument("--zoo", choices=["timm", "hf", "mmseg", "fairseq"], default=None,
                    help="only this zoo's variants (default: every zoo)")
-    p.set_defaults(func=_cmd_list)
-    p = _command(sub, "presets", "show the paper's gains",
-                 "The PID presets (lambda_p, lambda_i, lambda_d, beta) of registry/presets.toml, by name.")
-    p.set_defaults(func=_cmd_presets)
-    p = _command(sub, "diagnose", "per-layer token collapse and attention sparsity of models, JSON + PNG")
-    _add_model_args(p, 64, 16)
+    _command(sub, "presets", "show the paper's gains",
+             "The PID presets (lambda_p, lambda_i, lambda_d, beta) of registry/presets.toml, by name.", _cmd_presets)
+    p = _command(sub, "diagnose", "per-layer token collapse and attention sparsity of models, JSON + PNG",
+                 func=_cmd_diagnose)
+    _add_model_args(p, 64, 16, "diagnose_out")
     p.add_argument("--passes", type=_int(0), default=20, help="repeated passes of the layer stack (0 = skip)")
     p.add_argument("--layer-stack", help="dotted path of the layer stack (default: found automatically)")
-    p.add_argument("--out", type=_out_folder, default=Path("diagnose_out"), help="output folder (must not exist)")
-    p.set_defaults(func=_cmd_diagnose)
-    p = _command(sub, "attack", "robustness: attacks, noise, corruptions (images); noisy perplexity (LMs)")
-    _add_model_args(p, 256, 64)
+    p = _command(sub, "attack", "robustness: attacks, noise, corruptions (images); noisy perplexity (LMs)",
+                 func=_cmd_attack)
+    _add_model_args(p, 256, 64, "attack_out")
     p.add_argument("--baseline", help="the --model the mCE is relative to (default: the first)")
     p.add_argument("--attacks", default="fgsm,pgd", help="comma list of fgsm, pgd, spsa (or none)")
     p.add_argument("--eps", type=_eps, default=3 / 255,
@@ -410,12 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--severities", type=_severities, default=[1, 2, 3, 4, 5], help="comma list of 1..5")
     p.add_argument("--rates", type=_number_list(0.0, 1.0, "a substitution rate (0..1)"),
                    default=[0.0, 0.05, 0.1, 0.2], help="token substitution rates in [0, 1] (language models)")
-    p.add_argument("--out", type=_out_folder, default=Path("attack_out"), help="output folder (must not exist)")
-    p.set_defaults(func=_cmd_attack)
-    p = _command(sub, "doctor", "check the installed zoos' internals the adapters read (for a new zoo release)",
-                 "Every internal of every installed zoo: its check (types, signatures, source text) and, where it has "
-                 "one, its probe (the zoo's part and the method's compared on tiny models). Exit 1 if one changed.")
-    p.set_defaults(func=_cmd_doctor)
+    _command(sub, "doctor", "check the installed zoos' internals the adapters read (for a new zoo release)",
+             "Every internal of every installed zoo: its check (types, signatures, source text) and, where it has "
+             "one, its probe (the zoo's part and the method's compared on tiny models). Exit 1 if one changed.",
+             _cmd_doctor)
     _command(sub, "run", "run a command with the zoo adapters in every Python process it starts",
              "pid-plugins run [--adapters hf,timm,...] -- COMMAND ARGS... (see `pid-plugins run --help`)")
     return parser
@@ -426,7 +397,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:
         from .launch import main as run_main
-
         return run_main(argv[1:])
     return run_command(build_parser().parse_args(argv))
 

@@ -18,8 +18,8 @@ USAGE = "pid-plugins run [--adapters NAME[,NAME...]] [--] COMMAND [ARGS...]"
 
 HELP = f"""usage: {USAGE}
 
-Run COMMAND with the zoo adapters: its interpreter and every Python process it starts (accelerate launch, torchrun)
-import an adapter right after its zoo. Nothing outside the command changes.
+Run a command with the zoo adapters in every Python process it starts (COMMAND's own interpreter, and workers that
+accelerate launch or torchrun start): each imports an adapter right after its zoo. Nothing outside the command changes.
 
 options:
   --adapters NAMES  comma list of {', '.join(ADAPTERS)} (default: every adapter whose zoo is installed here)
@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         adapters, command, wants_help = parse_args(sys.argv[1:] if argv is None else argv)
         if wants_help:
             print(HELP, end="")
-            raise SystemExit(0)  # as argparse's --help
+            raise SystemExit(0)
         run(command, adapters)
     except LaunchError as exc:
         print(f"pid-plugins run: error: {exc}", file=sys.stderr)

@@ -1,6 +1,5 @@
-"""The zoo versions pid-plugins is tested with (:data:`TESTED`; outside it, the import warns once) and the guard on
-the zoo internals the adapters read: each :class:`Internal`'s ``check`` runs where the adapter first reads it; its
-``probe`` (the zoo's part and the method's on tiny models) runs under ``pid-plugins doctor``."""
+"""The zoo versions pid-plugins is tested with (:data:`TESTED`; outside it, the import warns once) and the zoo
+internals the adapters read (:class:`Internal`: ``check`` where first read, ``probe`` under ``pid-plugins doctor``)."""
 from __future__ import annotations
 
 import functools
@@ -43,8 +42,7 @@ class InternalChanged(RuntimeError):
     """A zoo internal an adapter reads does not look as the adapter expects (a zoo release changed it)."""
 
 
-def _key(version: str) -> Tuple[int, ...]:
-    """``"5.24.0"`` -> (5, 24, 0); local and pre-release parts ignored."""
+def _key(version: str) -> Tuple[int, ...]:  # "5.24.0" -> (5, 24, 0); local and pre-release parts ignored
     return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
@@ -104,7 +102,6 @@ class Internal:
 
     def message(self, detail: str = "") -> str:
         """The refusal: the zoo's version, the tested range, what to install."""
-        extra = f" ({detail})" if detail else ""
         if self.zoo == "python":
             head, advice = f"Python {platform.python_version()}", f"It is known to hold in Python {self.versions}; " \
                 "run under one of those, or report it with this message."
@@ -113,7 +110,8 @@ class Internal:
             advice = (f"pid-plugins is tested with {self.zoo} {tested_range(self.zoo)} (known to hold in "
                       f"{self.versions}); install {self.zoo}=={TESTED[self.zoo][1]} (pip install -c constraints.txt), "
                       "or report it with this message.")
-        return (f"{head} changed an internal pid-plugins reads: {self.name}{extra}, needed for {self.why}. {advice} "
+        return (f"{head} changed an internal pid-plugins reads: {self.name}{f' ({detail})' if detail else ''}, "
+                f"needed for {self.why}. {advice} "
                 "Nothing was computed with the changed internal.")
 
 
@@ -151,7 +149,7 @@ def perturbed(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def doctor(internals: Iterable[Internal]) -> List[Tuple[Internal, Optional[str]]]:
-    """Run each internal's check and probe now (on the CPU, torch's random state restored): ``(internal, None)``
+    """Each internal's check and probe, run now on the CPU (torch's random state restored): ``(internal, None)``
     where it holds, else what failed."""
     results = []
     for internal in internals:

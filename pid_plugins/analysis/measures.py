@@ -1,12 +1,12 @@
 """Per-layer measures of representation collapse on token matrices ``(..., N, D)``: one value per leading index."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-__all__ = [
-    "mean_pairwise_cosine", "numerical_rank", "effective_rank", "consensus_distance", "attention_sparsity",
-]
+__all__ = ["mean_pairwise_cosine", "numerical_rank", "effective_rank", "consensus_distance", "attention_sparsity"]
 
 
 def _at_least_float32(x: Tensor) -> Tensor:
@@ -47,7 +47,12 @@ def consensus_distance(tokens: Tensor, eps: float = 1e-12) -> Tensor:
     return 1.0 - cos_first.mean(-1)
 
 
-def attention_sparsity(attn: Tensor) -> Tensor:
-    """S(a) = E|a| / sqrt(E a^2) per attention row (last dim); smaller means more concentrated."""
-    a = _at_least_float32(attn)
-    return a.abs().mean(-1) / a.pow(2).mean(-1).sqrt().clamp_min(1e-30)
+def attention_sparsity(attn: Tensor, allowed: Optional[Tensor] = None) -> Tensor:
+    """S(a) = E|a| / sqrt(E a^2) per attention row (last dim), over its ``allowed`` entries (None: all); smaller means
+    more concentrated, 1 for uniform attention."""
+    a = _at_least_float32(attn).abs()
+    if allowed is None:
+        return a.mean(-1) / a.pow(2).mean(-1).sqrt().clamp_min(1e-30)
+    allowed = allowed.expand_as(a)
+    a, n = a * allowed, allowed.sum(-1).to(a.dtype)
+    return (a.sum(-1) / n) / (a.pow(2).sum(-1) / n).sqrt().clamp_min(1e-30)

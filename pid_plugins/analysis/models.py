@@ -37,13 +37,11 @@ def method_record(method: Optional[str], config: Any = None) -> Dict[str, Any]:
 def attention_of(model: nn.Module) -> Dict[str, Any]:
     """The attention ``model`` runs, as :func:`method_record`."""
     from ..core import get_method, list_methods
-
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation is not None:  # transformers
         if implementation in list_methods():
             from pid_plugins.hf import model_method_config
-
             method = get_method(implementation)
             return method_record(method.name, model_method_config(config, method))
         return method_record(None)
@@ -57,7 +55,6 @@ def attention_of(model: nn.Module) -> Dict[str, Any]:
 def check_attention(attention: Optional[str]) -> None:
     """Refuse an attention name that is neither ``"softmax"`` nor a registered method, saying which exist."""
     from ..core import SOFTMAX, list_methods
-
     if attention is not None and attention != SOFTMAX and attention not in list_methods():
         raise ValueError(f"unknown attention method {attention!r}: choose from {', '.join([SOFTMAX, *list_methods()])} "
                          "(pid_plugins.register_method adds one)")
@@ -74,7 +71,6 @@ def _hf_folder(path: Path, label: str) -> LoadedModel:
     import transformers
 
     import pid_plugins.hf  # noqa: F401  (registers attn_implementation="pid")
-
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
@@ -91,10 +87,9 @@ def _mmseg_config(path: Path, checkpoint: Optional[str], label: str) -> LoadedMo
     from mmseg.apis import init_model
 
     from pid_plugins.mmseg.checkpoint import weights_only_schemes
-
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    try:  # mmengine executes the config file as Python
+    try:
         cfg = Config.fromfile(str(path))
     except Exception as exc:  # noqa: BLE001  (any error raised by running the user's config file)
         raise ValueError(f"cannot read the mmseg config {path}: {type(exc).__name__}: {exc}") from None
@@ -116,7 +111,6 @@ def _hf_attention(lm: LoadedModel, attention: Optional[str], attention_cfg: Any)
         return lm
     from ..core import resolve_attention
     from pid_plugins.hf import convert
-
     choice = resolve_attention(attention, attention_cfg, zoo="hf", where=lm.label)
     convert(lm.model, *(("softmax",) if choice is None else (choice.method.name, choice.config)))
     return lm
@@ -154,11 +148,8 @@ def load_model(name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[
         return _mmseg_config(path, checkpoint, label)
     if path.suffix == ".py":
         raise FileNotFoundError(f"mmseg config not found: {path}")
-    if checkpoint is not None and not Path(checkpoint).is_file():
-        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
 
     from ..catalogue import get_model_entry, list_models
-
     names = list_models("*")
     if name in names:
         entry = get_model_entry(name)
@@ -166,7 +157,6 @@ def load_model(name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[
             import transformers
 
             import pid_plugins.hf
-
             if checkpoint:
                 raise ValueError(f"{name} is built from its registry config; to analyse trained weights, give the "
                                  "model's save_pretrained folder instead of a name")
@@ -187,8 +177,7 @@ def load_model(name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[
         import timm
     except ImportError as exc:
         raise ValueError(f"{name!r} is not a registry or transformers name, and timm is not installed") from exc
-    import pid_plugins.timm  # (registers the PID and FAN variants)
-
+    import pid_plugins.timm
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, names + timm.list_models(), n=5)
         raise ValueError(f"unknown model {name!r}: not a registry name, a timm model, a transformers folder or an "
@@ -198,7 +187,7 @@ def load_model(name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[
     choice = dict(attention=attention, attention_cfg=attention_cfg) if built_with else {}
     try:
         model = timm.create_model(name, pretrained=False, **kwargs, **choice)
-    except TypeError as exc:  # an unexpected keyword reaches the model's __init__
+    except TypeError as exc:
         if not kwargs:
             raise
         raise ValueError(f"--model-kwargs {sorted(kwargs)} do not fit {name}: {exc}") from None
@@ -215,14 +204,12 @@ def load_model(name: str, *, checkpoint: Optional[str] = None, kwargs: Optional[
 def load_weights(model: nn.Module, checkpoint: str | Path) -> nn.Module:
     """Load a local state_dict file (safetensors, or weights-only ``torch.load``) into ``model`` strictly."""
     import torch
-
     path = Path(checkpoint)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
-
         try:
             state = load_file(str(path))
         except (SafetensorError, OSError) as exc:

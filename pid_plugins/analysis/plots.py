@@ -13,10 +13,8 @@ _TITLES = {"mean_cosine": "mean pairwise cosine", "consensus_distance": "consens
 
 def _pyplot():
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     return plt
 
 
@@ -35,22 +33,16 @@ def plot_diagnostics(results: Mapping[str, Dict[str, Any]], path: str | Path,
     """Each measure vs depth (and E vs pass when present), one line per model label."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
-
     with_passes = any("repeated_passes" in r for r in results.values())
     panels = list(_TITLES) + (["repeated_passes"] if with_passes else [])
     cols, rows = 3, (len(panels) + 2) // 3
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
     for ax, key in zip(axes.flat, panels):
+        passes = key == "repeated_passes"
         for label, r in results.items():
-            if key == "repeated_passes":
-                ys = r.get("repeated_passes")
-                if ys:
-                    ax.plot(range(1, len(ys) + 1), ys, marker=".", label=label)
-                continue
             points = [(i + 1, y) for i, y in enumerate(r.get(key) or []) if y is not None]
             if points:
-                ax.plot(*zip(*points), marker="o", ms=3, label=label)
-        passes = key == "repeated_passes"
+                ax.plot(*zip(*points), label=label, **(dict(marker=".") if passes else dict(marker="o", ms=3)))
         ax.set_title("E after repeated passes" if passes else _TITLES[key])
         ax.set_xlabel("pass" if passes else "layer")
         ax.grid(alpha=0.3)

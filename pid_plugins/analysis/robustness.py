@@ -10,48 +10,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["PixelClassifier", "DEFAULT_CORRUPTIONS", "accuracy", "evaluate_image_robustness", "relative_mce",
-           "lm_perplexity", "evaluate_lm_robustness", "parse_eps"]
+           "lm_perplexity", "evaluate_lm_robustness"]
 
 #: a fast, representative subset of the 19 ImageNet-C corruptions (noise, blur, weather, digital)
 DEFAULT_CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "motion_blur", "fog",
                        "contrast", "brightness", "jpeg_compression", "pixelate", "elastic_transform")
 
 
-def parse_eps(text: str) -> float:
-    """``"3/255"`` -> 0.01176..., ``"0.01"`` -> 0.01."""
-    text = text.strip()
-    try:
-        if "/" in text:
-            num, den = text.split("/")
-            value = float(num) / float(den)
-        else:
-            value = float(text)
-    except (ValueError, ZeroDivisionError) as exc:
-        raise ValueError(f"cannot read {text!r} as an eps (use e.g. 3/255 or 0.0118)") from exc
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"eps {text} is outside [0, 1] (pixels are in [0, 1])")
-    return value
-
-
 def _model_input(model: nn.Module) -> tuple[int, tuple[int, int], tuple[float, ...], tuple[float, ...]]:
     """(channels, (H, W), mean, std) the model expects, from its patch embedding and pretrained config."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    channels, size = None, None
-    pe = getattr(model, "patch_embed", None)
-    if pe is not None:
-        proj = getattr(pe, "proj", None)
-        channels = getattr(proj, "in_channels", None)
-        img = getattr(pe, "img_size", None)
-        if img is not None:
-            size = (img, img) if isinstance(img, int) else tuple(img)
+    cfg, pe = getattr(model, "pretrained_cfg", None) or {}, getattr(model, "patch_embed", None)
+    channels, img = getattr(getattr(pe, "proj", None), "in_channels", None), getattr(pe, "img_size", None)
+    size = None if img is None else (img, img) if isinstance(img, int) else tuple(img)
     if (channels is None or size is None) and "input_size" in cfg:
         c, h, w = cfg["input_size"]
         channels, size = channels or c, size or (h, w)
     if channels is None or size is None:
         raise ValueError(f"cannot tell the input size of {type(model).__name__}: give a timm classifier")
-    mean = tuple(cfg.get("mean", (0.5,) * channels))
-    std = tuple(cfg.get("std", (0.5,) * channels))
-    return channels, size, mean, std
+    return channels, size, tuple(cfg.get("mean", (0.5,) * channels)), tuple(cfg.get("std", (0.5,) * channels))
 
 
 class PixelClassifier(nn.Module):
@@ -81,44 +57,32 @@ class PixelClassifier(nn.Module):
         return self.model((x - self.mean) / self.std)
 
 
-def _progress(iterable, progress: bool, desc: str, total: Optional[int] = None):
+def _progress(iterable, progress: bool, desc: str):
     if not progress:
         return iterable
     from tqdm.auto import tqdm
+    return tqdm(iterable, desc=desc, leave=False)
 
-    return tqdm(iterable, desc=desc, total=total, leave=False)
 
-
-@torch.no_grad()
-def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 64,
-             topk: Sequence[int] = (1,)) -> List[float]:
-    """Top-k accuracies (fractions) of ``model`` on ``images`` in [0, 1]."""
+def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 64, topk: Sequence[int] = (1,),
+             attack: Optional[Any] = None, progress: str = "") -> List[float]:
+    """Top-k accuracies (fractions) of ``model`` on ``images`` in [0, 1], each batch first moved by ``attack(x, y)``
+    where given (a progress bar named ``progress`` where given)."""
     correct = [0] * len(topk)
-    for i in range(0, len(labels), batch_size):
-        logits = model(images[i:i + batch_size])
-        y = labels[i:i + batch_size]
+    for i in _progress(range(0, len(labels), batch_size), bool(progress), progress):
+        x, y = images[i:i + batch_size], labels[i:i + batch_size]
+        x = x if attack is None else attack(x, y)
+        with torch.no_grad():
+            logits = model(x)
         ranked = logits.topk(min(max(topk), logits.shape[-1]), dim=-1).indices
         for j, k in enumerate(topk):
             correct[j] += int((ranked[:, :k] == y[:, None]).any(-1).sum())
     return [c / len(labels) for c in correct]
 
 
-def _attack_accuracy(atk: Any, model: nn.Module, images: Tensor, labels: Tensor, batch_size: int,
-                     progress: bool, desc: str) -> float:
-    correct = 0
-    batches = range(0, len(labels), batch_size)
-    for i in _progress(batches, progress, desc, total=len(batches)):
-        x, y = images[i:i + batch_size], labels[i:i + batch_size]
-        adv = atk(x, y)
-        with torch.no_grad():
-            correct += int((model(adv).argmax(-1) == y).sum())
-    return correct / len(labels)
-
-
 def _corrupt(images: Tensor, name: str, severity: int, seed: int) -> Tensor:
     import numpy as np
     from corrupt_tta import corrupt
-
     np.random.seed(seed)  # corrupt-tta draws from numpy's global generator
     out = []
     for img in images:
@@ -150,13 +114,13 @@ def evaluate_image_robustness(
     sweep = list(eps_sweep) if eps_sweep else [eps]
     if attacks:
         import torchattacks
-
         for name in attacks:
             if name == "spsa":
                 torch.manual_seed(seed)
                 atk = torchattacks.SPSA(model, eps=eps, nb_iter=spsa_iters, nb_sample=spsa_samples,
                                         max_batch_size=spsa_samples)
-                acc = _attack_accuracy(atk, model, images, labels, batch_size, progress, f"SPSA eps={eps:.4f}")
+                acc = accuracy(model, images, labels, batch_size, attack=atk,
+                               progress=progress and f"SPSA eps={eps:.4f}")[0]
                 result["spsa"] = {"eps": [eps], "top1": [acc], "iterations": spsa_iters, "samples": spsa_samples}
                 continue
             accs = []
@@ -167,8 +131,8 @@ def evaluate_image_robustness(
                     continue
                 atk = (torchattacks.FGSM(model, eps=e) if name == "fgsm" else torchattacks.PGD(
                     model, eps=e, alpha=2.5 * e / pgd_steps, steps=pgd_steps, random_start=True))
-                accs.append(_attack_accuracy(atk, model, images, labels, batch_size, progress,
-                                             f"{name.upper()} eps={e:.4f}"))
+                accs.append(accuracy(model, images, labels, batch_size, attack=atk,
+                                     progress=progress and f"{name.upper()} eps={e:.4f}")[0])
             result[name] = {"eps": sweep, "top1": accs}
             if name == "pgd":
                 result[name]["steps"] = pgd_steps
@@ -214,7 +178,7 @@ def lm_perplexity(model: nn.Module, blocks: Tensor, *, batch_size: int = 8, nois
     model.eval()
     total, count = 0.0, 0
     batches = range(0, len(blocks), batch_size)
-    for i in _progress(batches, progress, f"perplexity noise={noise_rate}", total=len(batches)):
+    for i in _progress(batches, progress, f"perplexity noise={noise_rate}"):
         clean = blocks[i:i + batch_size]
         inputs = clean.clone()
         if noise_rate > 0:

@@ -31,7 +31,6 @@ def model_inputs(lm: LoadedModel, data: str, num_samples: int, batch_size: int, 
                  seed: int = 0) -> ModelInputs:
     """The batches and forward function feeding ``data`` to the model; clear errors on a mismatch."""
     from .datasets import load_images, load_text
-
     text_like = data in ("wiki", "shakespeare") or (Path(data).is_file()
                                                     and Path(data).suffix in (".txt", ".md", ".raw", ""))
     if lm.kind in ("causal_lm", "encoder"):
@@ -68,7 +67,6 @@ def model_inputs(lm: LoadedModel, data: str, num_samples: int, batch_size: int, 
         desc = f"{len(images)} {images.source} test images resized to {size[0]}x{size[1]}"
     else:
         from .robustness import PixelClassifier
-
         pc = PixelClassifier(lm.model)
         num_classes = getattr(lm.model, "num_classes", None)
         if num_classes and images.num_classes > num_classes:
@@ -151,7 +149,6 @@ def run_diagnose(a: Any, log: Callable[[str], None] = print) -> Dict[str, Any]:
     on its data; writes diagnose.json / .png."""
     from .diagnostics import collect_layer_measures, repeated_passes
     from .plots import plot_diagnostics
-
     results: Dict[str, Any] = {}
     for lm, inp in _prepared(a, _load_all(a), log):
         stack = a.layer_stack or lm.layer_stack
@@ -173,7 +170,6 @@ def run_attack(a: Any, log: Callable[[str], None] = print) -> Dict[str, Any]:
     model the mCE is relative to, or None) on its data; writes attack.json / attack.png."""
     from .plots import plot_image_robustness, plot_lm_robustness
     from .robustness import PixelClassifier, evaluate_image_robustness, evaluate_lm_robustness, relative_mce
-
     loaded = _load_all(a)
     kinds = {lm.kind for lm in loaded}
     if len(kinds) > 1:

@@ -34,7 +34,7 @@ def _import_adapter(name: str) -> None:
         importlib.import_module("pid_plugins.fairseq")
     else:  # pragma: no cover - the launcher checks the names
         raise ImportError(f"pid-plugins run: unknown adapter {name!r} in {ENV_VAR} (known: {', '.join(ADAPTERS)})")
-    importlib.import_module("pid_plugins.catalogue").load_installed_methods()  # installed packages' methods
+    importlib.import_module("pid_plugins.catalogue").load_installed_methods()
 
 
 class AdapterLoader(importlib.abc.Loader):

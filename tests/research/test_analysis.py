@@ -216,17 +216,6 @@ def test_corruptions_and_relative_mce():
     assert relative_mce(r, base) == pytest.approx(100 * ((1.1 / 2.0) + (0.3 / 0.7)) / 2)
 
 
-def test_parse_eps_and_its_errors():
-    from pid_plugins.analysis.robustness import parse_eps
-
-    assert parse_eps("3/255") == pytest.approx(3 / 255)
-    assert parse_eps("0.5") == 0.5
-    with pytest.raises(ValueError, match="outside"):
-        parse_eps("3")
-    with pytest.raises(ValueError, match="cannot read"):
-        parse_eps("three")
-
-
 # ----------------------------------------------------------------------------------- HF
 transformers = pytest.importorskip("transformers")
 
