@@ -98,7 +98,7 @@ def _to_stock(model: nn.Module) -> None:
     for index in range(len(decoder.layers)):
         layer = decoder.layers[index]
         if type(layer.self_attn) is PIDMultiheadAttention:
-            strip_attributes(replace_module(layer, "self_attn", MultiheadAttention), LAYER_ATTRIBUTES)
+            strip_attributes(replace_module(layer, "self_attn", MultiheadAttention), LAYER_ATTRIBUTES + ("method_run",))
         replace_module(decoder.layers, str(index), TransformerDecoderLayerBase)
     if type(decoder) is PIDTransformerDecoder:
-        strip_attributes(replace_module(model, "decoder", TransformerDecoder), MODEL_ATTRIBUTES)
+        strip_attributes(replace_module(model, "decoder", TransformerDecoder), MODEL_ATTRIBUTES + ("method_run",))

@@ -20,8 +20,8 @@ from ..core.layer import (
 )
 
 #: how to run a fairseq method layer with its state, named in core's MissingLayerState
-STATE_ROUTE = ("With fairseq, run the layers through the decoder's own forward (extract_features), which threads the "
-               "state: layer(..., method_state=state) returns it as its fourth output.")
+STATE_ROUTE = ("With fairseq, run the layers through the decoder's own forward (extract_features), which hands the "
+               "state from layer to layer (in its method_run).")
 
 __all__ = ["METHOD_PARAM_GROUP", "PIDMultiheadAttention", "PIDTransformerDecoderLayer", "PIDTransformerDecoder"]
 
@@ -33,8 +33,30 @@ logger = logging.getLogger(__name__)
 METHOD_PARAM_GROUP = "attention_params"
 
 
+class MethodRun:
+    """One forward's method state, warm-up scale and restart flag, which the decoder's layers read and replace."""
+
+    state: Optional[tuple] = None
+    scale: Optional[Tensor] = None
+    restart = False
+
+
 class PIDMultiheadAttention(MethodLayer, MultiheadAttention):
-    """fairseq self-attention (same parameters) whose output the attention method computes."""
+    """fairseq self-attention (same parameters) whose output the attention method computes (state in ``method_run``)."""
+
+    def forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask: Any = None,
+                incremental_state: IncrementalState = None, need_weights: bool = True, static_kv: bool = False,
+                attn_mask: Optional[Tensor] = None, **kwargs: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        if not self.method_active:
+            return super().forward(query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
+                                   attn_mask, **kwargs)
+        if key is not query or static_kv:
+            raise NotImplementedError(f"{self.attention_method.name} decoder layers support the language-model case "
+                                      "(no encoder attention)")
+        run = self.method_run
+        out, run.state = self.forward_method(query, run.state, incremental_state, attn_mask, key_padding_mask,
+                                             run.scale, restart=run.restart)
+        return out, None
 
     def set_attention(self, choice: Optional[MethodChoice], like: Optional[Tensor] = None) -> None:
         """``MethodLayer.set_attention``, then learnable parameters go to :data:`METHOD_PARAM_GROUP`."""
@@ -130,50 +152,7 @@ class _BufferSlot(CacheSlot):
 
 
 class PIDTransformerDecoderLayer(TransformerDecoderLayerBase):
-    """fairseq's decoder layer (no encoder attention) with :class:`PIDMultiheadAttention`, returning its state too;
-    made from fairseq's by :func:`switch_layers`."""
-
-    def forward(  # type: ignore[override]
-        self, x: Tensor, encoder_out: Optional[Tensor] = None, encoder_padding_mask: Optional[Tensor] = None,
-        incremental_state: IncrementalState = None, prev_self_attn_state: Optional[List[Tensor]] = None,
-        prev_attn_state: Optional[List[Tensor]] = None, self_attn_mask: Optional[Tensor] = None,
-        self_attn_padding_mask: Optional[Tensor] = None, need_attn: bool = False, need_head_weights: bool = False,
-        method_state: Optional[tuple] = None, warmup_scale: Optional[Tensor] = None, method_restart: bool = False,
-    ):
-        method = self.self_attn.attention_method
-        if not self.self_attn.method_active:
-            out = super().forward(x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
-                                  prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights)
-            return (*out, method_state)
-        if encoder_out is not None or self.cross_self_attention or prev_self_attn_state is not None:
-            raise NotImplementedError(f"{method.name} decoder layers support the language-model case (no encoder "
-                                      "attention)")
-        residual = x
-        if self.normalize_before:
-            x = self.self_attn_layer_norm(x)
-        x, method_state = self.self_attn.forward_method(x, method_state, incremental_state, self_attn_mask,
-                                                        self_attn_padding_mask, warmup_scale, restart=method_restart)
-        if self.c_attn is not None:
-            T, B = x.size(0), x.size(1)
-            x = torch.einsum("tbhd,h->tbhd", x.view(T, B, self.nh, self.head_dim), self.c_attn).reshape(T, B, -1)
-        if self.attn_ln is not None:
-            x = self.attn_ln(x)
-        x = self.residual_connection(self.dropout_module(x), residual)
-        if not self.normalize_before:
-            x = self.self_attn_layer_norm(x)
-        residual = x
-        if self.normalize_before:
-            x = self.final_layer_norm(x)
-        x = self.activation_dropout_module(self.activation_fn(self.fc1(x)))
-        if self.ffn_layernorm is not None:
-            x = self.ffn_layernorm(x)
-        x = self.dropout_module(self.fc2(x))
-        if self.w_resid is not None:
-            residual = torch.mul(self.w_resid, residual)
-        x = self.residual_connection(x, residual)
-        if not self.normalize_before:
-            x = self.final_layer_norm(x)
-        return x, None, None, method_state
+    """fairseq's decoder layer (no encoder attention) with :class:`PIDMultiheadAttention` (:func:`switch_layers`)."""
 
 
 def embedding_like(decoder: TransformerDecoder) -> Tensor:
@@ -193,10 +172,12 @@ def self_attentions(decoder: TransformerDecoder) -> List[MultiheadAttention]:
 
 def switch_layers(decoder: TransformerDecoder, choice: Optional[MethodChoice]) -> None:
     """The decoder's layers and their self-attention as the method classes with ``choice``, in place."""
+    run = decoder.__dict__.setdefault("method_run", MethodRun())
     for index in range(len(decoder.layers)):
         layer = replace_module(decoder.layers, str(index), PIDTransformerDecoderLayer)
         attn = replace_module(layer, "self_attn", PIDMultiheadAttention)
         attn.set_attention(choice, attn.q_proj.weight)
+        attn.__dict__["method_run"] = run
         settle_submodule(attn, "attention_params")
     number_layers(self_attentions(decoder))
 
@@ -264,21 +245,21 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
             self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
         attn: Optional[Tensor] = None
         inner_states: List[Optional[Tensor]] = [x]
-        state: Optional[tuple] = None
-        scale = self.method_scale()  # one warm-up step per forward of the decoder
+        run = self.method_run
+        run.state, run.scale = None, self.method_scale()  # one warm-up step per forward of the decoder
         # --decoder-layerdrop skips layers on purpose: a layer after only skipped ones starts the state afresh
-        restart = self.training and isinstance(self.layers, LayerDropModuleList)
+        run.restart = self.training and isinstance(self.layers, LayerDropModuleList)
         for idx, layer in enumerate(self.layers):
             self_attn_mask = (self.buffered_future_mask(x)
                               if incremental_state is None and not full_context_alignment else None)
-            x, layer_attn, _, state = layer(
+            x, layer_attn, _ = layer(
                 x, enc, padding_mask, incremental_state, self_attn_mask=self_attn_mask,
                 self_attn_padding_mask=self_attn_padding_mask, need_attn=bool(idx == alignment_layer),
-                need_head_weights=bool(idx == alignment_layer), method_state=state, warmup_scale=scale,
-                method_restart=restart)
+                need_head_weights=bool(idx == alignment_layer))
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)
+        run.state = run.scale = None
         if attn is not None:
             attn = (attn[:alignment_heads] if alignment_heads is not None else attn).mean(dim=0)
         if self.layer_norm is not None:

@@ -37,12 +37,6 @@ def _timm_names() -> Dict[str, str]:
 reserve_names("timm", _timm_names)
 
 
-def resolve_timm_attention(attention: Optional[str] = "pid", attention_cfg: Any = None, default: Any = None,
-                           where: str = "this model") -> Optional[MethodChoice]:
-    """:func:`~pid_plugins.core.resolve_attention` for timm (``default``: a catalogue entry's parameters)."""
-    return resolve_attention(attention, attention_cfg, zoo="timm", default=default, where=where)
-
-
 #: how to run a timm block with its method's state, named in core's MissingLayerState
 STATE_ROUTE = (
     "With timm, build the model by its pid_* name (timm.create_model('pid_<name>', pretrained=True, "
@@ -81,23 +75,14 @@ class MethodLayer(CoreMethodLayer):
                                            state_route=STATE_ROUTE), state)
 
 
-# timm's own fx leaf list (its feature extraction traces with it; plain torch.fx uses core's torch.fx.wrap)
 for _leaf in FX_LEAVES:
     register_notrace_function(_leaf)
-
-
-def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
-    """A block's method state as the flat tail of its output tuple, indexed field by field (torch.fx proxies too)."""
-    if state is None or not size:
-        return ()
-    return tuple(state[i] for i in range(size))
 
 
 def run_blocks(blocks: Iterable[nn.Module], x: Tensor, args: Sequence[Any], use_checkpoint: bool,
                take_indices: Optional[Sequence[int]] = None, norm: Optional[nn.Module] = None,
                warmup_scale: Optional[Tensor] = None, **kwargs: Any) -> Tuple[Tensor, List[Tensor]]:
-    """Run ``block(x, *args, *state, **kwargs) -> (x, *state)`` over a method's group (optionally under timm's
-    ``checkpoint``): the output and the block outputs at ``take_indices`` (after ``norm``)."""
+    """``block(x, *args, *state, **kwargs) -> (x, *state)`` over the blocks: the output, the (normed) intermediates."""
     state: Tuple[Any, ...] = ()
     intermediates: List[Tensor] = []
     if warmup_scale is not None:
@@ -111,6 +96,12 @@ def run_blocks(blocks: Iterable[nn.Module], x: Tensor, args: Sequence[Any], use_
         if take_indices is not None and i in take_indices:
             intermediates.append(norm(x) if norm is not None else x)
     return x, intermediates
+
+
+def state_outputs(state: Optional[tuple], size: int) -> Tuple[Any, ...]:
+    """The state as a block's output tail, indexed field by field (torch.fx proxies too), before the block's x: the
+    block's last traced operation is x (fx feature extraction by module name)."""
+    return () if state is None else tuple(state[i] for i in range(size))
 
 
 def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> None:
@@ -135,17 +126,6 @@ def check_pretrained_source(name: str, base: str, kwargs: Dict[str, Any]) -> Non
         raise FileNotFoundError(f"pretrained weights file not found: {cfg.file!r}. {hint}")
 
 
-def _dropped_classifier_keys(model: nn.Module, keys: Iterable[str]) -> set:
-    """The classifier parameters timm's ``load_pretrained`` discards (another ``num_classes``)."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    classifiers = cfg.get("classifier")
-    if not classifiers or getattr(model, "num_classes", None) == cfg.get("num_classes"):
-        return set()
-    classifiers = (classifiers,) if isinstance(classifiers, str) else tuple(classifiers)
-    names = {f"{c}.{p}" for c in classifiers for p in ("weight", "bias")}
-    return {k for k in keys if k in names}
-
-
 def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Dict[str, Tensor]:
     """Fill the learnable parameters and warm-up counter a softmax checkpoint lacks; check the keys strictly."""
     CLASSIFIER_DROP.require()
@@ -155,7 +135,9 @@ def finish_state_dict(out: Dict[str, Tensor], model: nn.Module, hint: str) -> Di
             out[name] = value.detach().clone()
         elif name == "attention_warmup.step" and name not in out:  # no warm-up counter in the checkpoint: t starts at 0
             out[name] = torch.zeros_like(value)
-    dropped = _dropped_classifier_keys(model, set(expected) | set(out))
+    cfg = getattr(model, "pretrained_cfg", None) or {}  # timm's load_pretrained drops another num_classes' classifier
+    heads = cfg.get("classifier") if getattr(model, "num_classes", None) != cfg.get("num_classes") else None
+    dropped = {f"{c}.{w}" for c in ((heads,) if isinstance(heads, str) else heads or ()) for w in ("weight", "bias")}
     check_keys(expected, out, type(model).__name__, hint, ignore=dropped)
     return out
 
@@ -165,8 +147,8 @@ def entry_choice(entry: ModelEntry, default_attention: str, kwargs: Dict[str, An
     """Pop and resolve ``attention`` / ``attention_cfg`` (the entry's method starts from the entry's parameters)."""
     attention = kwargs.pop("attention", default_attention)
     default = entry.default_config() if attention == entry.method else None
-    return resolve_timm_attention(attention, kwargs.pop("attention_cfg", None), default=default,
-                                  where=f"timm model {name!r}")
+    return resolve_attention(attention, kwargs.pop("attention_cfg", None), zoo="timm", default=default,
+                             where=f"timm model {name!r}")
 
 
 def register_entries(module_name: str, entries: Iterable[ModelEntry], create: Callable[..., nn.Module],
@@ -188,10 +170,9 @@ def _entrypoint(module_name: str, entry: ModelEntry, name: str, attention: str, 
     def model_fn(pretrained: bool = False, **kwargs: Any) -> nn.Module:
         return create(entry, name, attention, pretrained, **kwargs)
 
-    model_fn.__name__ = model_fn.__qualname__ = name
-    model_fn.__module__ = module_name
     kind = f"{attention} attention, preset `{entry.preset}`" if attention != SOFTMAX else "softmax attention"
-    model_fn.__doc__ = f"{entry.description} ({kind})."
+    model_fn.__name__ = model_fn.__qualname__ = name
+    model_fn.__module__, model_fn.__doc__ = module_name, f"{entry.description} ({kind})."
     return model_fn
 
 

@@ -9,13 +9,12 @@ from timm.layers import Attention
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 
-from ..core import MethodChoice, method_warmup
+from ..core import MethodChoice, method_warmup, resolve_attention
 from ..core.record import RECORD, attach_record
 from ..core.layer import (
     LAYER_ATTRIBUTES, MethodModel, number_layers, register_warmup_finisher, replace_module, settle_submodule,
     strip_attributes, warn_switch_of_trained_weights, warn_unfinished_warmup,
 )
-from ._helpers import resolve_timm_attention
 from .fan import FAN
 from .internals import FAN as FAN_INTERNALS, VIT, require
 from .vision_transformer import MethodBlocks, PIDAttention, PIDBlock, _MethodViTMixin
@@ -30,7 +29,7 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
     ``"softmax"``, timm's own classes back) with ``attention_cfg``, in place; returns ``model``. Convert before
     ``torch.compile`` and wrapping; refusals come before anything changes."""
     where = type(model).__name__
-    choice = resolve_timm_attention(attention, attention_cfg, where=where)
+    choice = resolve_attention(attention, attention_cfg, zoo="timm", where=where)
     if not isinstance(model, FAN):
         _check_vit(model, choice)
     warn_switch_of_trained_weights(model, choice, where, current=model.blocks[0].attn if len(model.blocks) else None)
@@ -44,7 +43,6 @@ def convert(model: ModelT, attention: str, attention_cfg: Any = None) -> ModelT:
 
 
 def _check_vit(model: nn.Module, choice: Optional[MethodChoice]) -> None:
-    """Refuse what cannot be converted, before anything changes."""
     kind = type(model)
     if isinstance(model, (VisionTransformer, VisionTransformerDistilled)) and (
             kind in (VisionTransformer, VisionTransformerDistilled) or isinstance(model, _MethodViTMixin)):
@@ -91,17 +89,11 @@ def _to_method(model: nn.Module, choice: Optional[MethodChoice]) -> None:
         model.add_module("attention_warmup", counter)
     blocks.hold_warmup(counter)
     attach_record(model, choice, next(model.parameters()))  # what its checkpoints say they are
-    thread_root_paths(model)
-
-
-#: timm ``VisionTransformer``'s methods that loop over the blocks: a converted root runs the method classes' ones
-ROOT_PATHS = ("forward_features", "forward_intermediates")
-
-
-def thread_root_paths(model: nn.Module) -> None:
-    """Give a converted stock ViT root the method classes' ``forward_features`` and ``forward_intermediates``."""
-    for name in ROOT_PATHS:
+    for name in ROOT_PATHS:  # the root's loops over the blocks: the method classes' ones
         model.__dict__[name] = partial(getattr(_MethodViTMixin, name), model)
+
+
+ROOT_PATHS = ("forward_features", "forward_intermediates")
 
 
 def _to_stock(model: nn.Module) -> None:

@@ -24,10 +24,10 @@ from timm.models._manipulate import checkpoint  # noqa: E402
 
 from ..catalogue import ModelEntry  # noqa: E402
 from ..core.layer import MethodModel, number_layers  # noqa: E402
-from ..core import MethodChoice, unwrap_state_dict  # noqa: E402
+from ..core import MethodChoice, resolve_attention, unwrap_state_dict  # noqa: E402
 from ._helpers import (  # noqa: E402
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
-    register_entries, resolve_timm_attention, run_blocks, state_outputs,
+    register_entries, run_blocks, state_outputs,
 )
 
 __all__ = ["FAN", "FANBlock", "TokenMixing", "ChannelProcessing", "checkpoint_filter_fn"]
@@ -152,7 +152,6 @@ class FANBlock(nn.Module):
     def forward(self, x: Tensor, H: int, W: int, *state: Tensor,
                 warmup_scale: Optional[Tensor] = None) -> Tuple[Tensor, ...]:
         y, new_state = self.attn(self.norm1(x), state if state else None, warmup_scale)
-        # indexed first: the block's last traced operation is its output x (fx feature extraction by module name)
         state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path(self.gamma1 * y)
         x = x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), H, W))
@@ -179,7 +178,7 @@ class FAN(MethodModel, nn.Module):
             raise ValueError(f"global_pool must be '', 'avg' or 'token', got {global_pool!r}")
         norm_layer = get_norm_layer(norm_layer) or partial(nn.LayerNorm, eps=1e-6)
         act_layer = get_act_layer(act_layer) or nn.GELU
-        choice = resolve_timm_attention(attention, attention_cfg, where=type(self).__name__)
+        choice = resolve_attention(attention, attention_cfg, zoo="timm", where=type(self).__name__)
         self.set_model_method(choice, torch.empty(0, device=device), where=type(self).__name__)
         self.num_classes = num_classes
         self.global_pool = global_pool

@@ -1,5 +1,4 @@
-"""PID Vision Transformer / DeiT for timm (any registered method): :class:`MethodBlocks` threads the method's
-state between blocks as plain tensors; every path of timm's model contract runs through it."""
+"""PID ViT / DeiT for timm (any method): :class:`MethodBlocks` threads the method's state between the blocks."""
 from __future__ import annotations
 
 import warnings
@@ -22,11 +21,11 @@ FEATURE_TAKE_INDICES.require()  # a private module of timm, read from here on
 from timm.models._features import feature_take_indices  # noqa: E402
 
 from ..catalogue import ModelEntry  # noqa: E402
-from ..core import GainWarmup, MethodChoice  # noqa: E402
+from ..core import GainWarmup, MethodChoice, resolve_attention  # noqa: E402
 from ..core.layer import MethodModel, number_layers, replace_module  # noqa: E402
 from ._helpers import (  # noqa: E402
     MethodLayer, catalogue_entries, check_pretrained_source, entry_choice, finish_state_dict,
-    register_entries, resolve_timm_attention, run_blocks, state_outputs,
+    register_entries, run_blocks, state_outputs,
 )
 
 __all__ = ["PIDAttention", "PIDBlock", "PIDVisionTransformer", "PIDVisionTransformerDistilled", "MethodBlocks",
@@ -82,20 +81,10 @@ class PIDBlock(Block):
     ) -> Union[Tensor, Tuple[Tensor, ...]]:
         y, new_state = self.attn(self.norm1(x), state if state else None, attn_mask=attn_mask, is_causal=is_causal,
                                  warmup_scale=warmup_scale)
-        # indexed first: the block's last traced operation is its output x (fx feature extraction by module name)
         state = state_outputs(new_state, self.attn.state_size)
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return (x,) + state if with_state else x
-
-
-def _flag(is_causal: Any) -> Any:
-    """``is_causal`` as the Python bool SDPA takes (read once under torch.onnx's TorchScript exporter)."""
-    if isinstance(is_causal, Tensor):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            return bool(is_causal)
-    return is_causal  # a bool (or a torch.fx proxy while timm's feature extraction traces: left to the layers)
 
 
 class MethodBlocks(nn.Sequential):
@@ -119,8 +108,10 @@ class MethodBlocks(nn.Sequential):
 
     def run(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False, checkpointed: bool = False,
             take_indices: Optional[List[int]] = None, norm: Optional[nn.Module] = None) -> Tuple[Tensor, List[Tensor]]:
-        """The blocks with the method's state threaded: the output and the block outputs at ``take_indices``."""
-        is_causal = _flag(is_causal)
+        if isinstance(is_causal, Tensor):  # the bool SDPA takes, read once under torch.onnx's TorchScript exporter
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                is_causal = bool(is_causal)
         use_checkpoint = checkpointed and attn_mask is None and not is_causal
         kwargs: Dict[str, Any] = dict(with_state=True)
         if not use_checkpoint:
@@ -142,7 +133,7 @@ class _MethodViTMixin(MethodModel):
 
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
         require(*VIT)
-        choice = resolve_timm_attention(attention, attention_cfg, where=type(self).__name__)
+        choice = resolve_attention(attention, attention_cfg, zoo="timm", where=type(self).__name__)
         block_fn = kwargs.pop("block_fn", None)
         if block_fn not in (None, Block, PIDBlock):
             raise ValueError(f"PID ViT builds its own blocks (PIDBlock); block_fn={block_fn!r} is not supported")
@@ -156,7 +147,6 @@ class _MethodViTMixin(MethodModel):
         self.set_vit_method(choice)
 
     def set_vit_method(self, choice: Optional[MethodChoice]) -> None:
-        """Hold ``choice`` (None: softmax) and its warm-up counter; number the blocks."""
         self.set_model_method(choice, next(self.parameters()), where=type(self).__name__)
         self.blocks.hold_warmup(self.attention_warmup)
         number_layers(blk.attn for blk in self.blocks)
@@ -177,7 +167,6 @@ class _MethodViTMixin(MethodModel):
         norm: bool = False, stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
         output_dict: bool = False, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
     ) -> Union[List[Tensor], Tuple[Tensor, List[Tensor]], Dict[str, Any]]:
-        """timm's ``forward_intermediates`` contract, with the method's state threaded through the blocks."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
@@ -248,7 +237,6 @@ def _create(entry: ModelEntry, name: str, default_attention: str, pretrained: bo
 
 
 def _pretrained_cfg(entry: ModelEntry) -> Dict[str, Any]:
-    """The base model's pretrained cfg (input size, normalisation, classifier names) without any source."""
     base = get_pretrained_cfg(entry.base)
     cfg = base.to_dict() if base is not None else {}
     for key in ("url", "hf_hub_id", "hf_hub_filename", "file", "state_dict", "source", "architecture", "tag"):
