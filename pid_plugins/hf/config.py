@@ -1,6 +1,4 @@
-"""What a transformers model config says about its attention method (:func:`method_of`, :func:`model_method_config`,
-:func:`base_attention`, :func:`read_config`), and how that choice is saved (:func:`persist`).
-"""
+"""What a transformers model config says about its attention method, and how that choice is saved (:func:`persist`)."""
 from __future__ import annotations
 
 import weakref
@@ -8,28 +6,30 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core import AttentionMethod, get_method, list_methods
+from torch import nn
+
+from ..core import AttentionMethod, GainWarmup, get_method, list_methods, make_warmup
 from ..core.methods import find_method
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "WARMUP_ATTR", "WARMUP_SOURCE", "base_attention",
-    "ConfigReading", "check_learnable", "is_persisted", "method_named", "method_of", "model_method_config", "persist",
-    "pipeline_refusal", "read_config",
+    "ATTN_IMPLEMENTATION", "BASE_ATTR", "BASES", "STOCK_ATTR", "WARMUP_ATTR", "WARMUP_SOURCE", "attach_warmup",
+    "base_attention", "ConfigReading", "check_learnable", "counter_of", "give_counter", "is_persisted", "method_named",
+    "method_of", "model_method_config", "persist", "pipeline_refusal", "read_config",
 ]
 
 ATTN_IMPLEMENTATION = "pid"
 """PID's ``attn_implementation`` name (every other registered method is registered under its own name)."""
-BASE_ATTR = "attention_base"  # the config attribute naming the attention a method is added to
+BASE_ATTR = "attention_base"
 BASES = ("sdpa", "eager", "flex_attention")
 """The base attentions a method runs on (``convert(model, ..., base=...)``, saved as ``config.attention_base``)."""
-WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule: hf/warmup.py)
+WARMUP_ATTR = "attention_warmup"  # the outermost model's gain warm-up counter (a submodule)
 WARMUP_SOURCE = "_pid_plugins_warmup"  # on nested models: the outermost model's counter (not a submodule)
-#: the config attribute holding the stock ``attn_implementation`` a model had before ``convert`` gave it a method
-STOCK_ATTR = "stock_attention"
+WARMUP_MISSING_KEY = rf"(^|\.){WARMUP_ATTR}\.step$"  # for transformers' _keys_to_ignore_on_load_missing
+ANY_COUNTER = [False]  # whether a counter was ever made (else a model's construction scans for none to adopt)
+STOCK_ATTR = "stock_attention"  # the stock ``attn_implementation`` a model had before ``convert`` gave it a method
 
 _PARSED: Dict[Any, Any] = {}
-#: the registered method called ``name``, or None (a stock implementation, or not a name)
-method_named = find_method
+method_named = find_method  # the registered method called ``name``, or None
 
 
 def method_of(config: Any) -> Optional[AttentionMethod]:
@@ -46,14 +46,14 @@ def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -
             f"{getattr(config, '_attn_implementation', None)!r}); name the method: model_method_config(config, "
             f"get_method(<name>)) with one of {list_methods()}"
         )
-    raw = getattr(config, method.name, None)  # a preset (None, a name) is plain data: it traces under compile
+    raw = getattr(config, method.name, None)
     key: Any = (method.name, tuple(sorted(raw.items())) if isinstance(raw, dict) else raw)
     try:
         cfg = _PARSED.get(key)
     except TypeError:  # unhashable values: let the method's config report them
         key, cfg = None, None
     if cfg is None:
-        if torch.compiler.is_compiling():  # building a config is not traceable: parse it eagerly
+        if torch.compiler.is_compiling():
             raise RuntimeError(
                 f"config.{method.name} = {raw!r} was set after the model was built and first read under "
                 f"torch.compile: call pid_plugins.hf.convert(model, {method.name!r}) (or run one eager forward) before "
@@ -61,7 +61,7 @@ def model_method_config(config: Any, method: Optional[AttentionMethod] = None) -
             )
         cfg = check_learnable(method, method.configure(dict(raw) if isinstance(raw, dict) else raw, "hf"))
         if key is not None:
-            if len(_PARSED) > 256:  # a sweep over many gains: keep the cache small
+            if len(_PARSED) > 256:
                 _PARSED.clear()
             _PARSED[key] = cfg
     return cfg
@@ -90,6 +90,39 @@ def base_attention(config: Any) -> str:
             f"compute: use base 'eager' (pid_plugins.hf.convert(model, {name!r}, base='eager'))"
         )
     return base
+
+
+def counter_of(model: nn.Module) -> Optional[GainWarmup]:
+    """The warm-up counter a model's layers read: its own, or the outermost model's (set at discovery)."""
+    counter = model._modules.get(WARMUP_ATTR)
+    return counter if counter is not None else model.__dict__.get(WARMUP_SOURCE)
+
+
+def give_counter(model: nn.Module, counter: GainWarmup) -> None:
+    """Make ``counter`` ``model``'s ``attention_warmup``."""
+    ignore = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    model._keys_to_ignore_on_load_missing = {*(ignore or ()), WARMUP_MISSING_KEY}
+    setattr(model, WARMUP_ATTR, counter)
+
+
+def attach_warmup(model: nn.Module, config: Any = None) -> None:
+    """Give ``model`` the counter its method's parameters ask for (keeping an existing ``t``), or remove it."""
+    current = model._modules.get(WARMUP_ATTR)
+    if config is None:
+        method = method_of(model.config)
+        if method is not None and getattr(model.config, method.name, None) is not None:
+            config = model_method_config(model.config, method)
+    steps = getattr(config, "warmup_steps", 0)
+    if not steps and current is None:
+        return
+    counter = make_warmup(steps, current, like=next(model.parameters(), None))
+    if counter is None:
+        del model._modules[WARMUP_ATTR]
+        return
+    ANY_COUNTER[0] = True
+    if counter is not current:
+        counter.train(model.training)  # a counter made in training mode would count the forwards of an eval model
+        give_counter(model, counter)
 
 
 def pipeline_refusal(config: Any, method: Any, params: Any) -> Optional[str]:
@@ -131,9 +164,9 @@ class _SavedImplementation:
     def __deepcopy__(self, memo: dict) -> Any:
         config = self._config()
         copied = memo.get(id(config)) if config is not None else None
-        if copied is not None:  # the config itself is being copied (a deep copy of the model): stay live
+        if copied is not None:  # a deep copy of the model: stay live
             return _SavedImplementation(copied)
-        current = self._current()  # to_dict copies the attributes only: the value to save
+        current = self._current()  # to_dict: the value to save
         return current if find_method(current) is not None else None
 
     def __reduce__(self):  # pickling (torch.save of a whole model) stores the value, like deepcopy
@@ -160,8 +193,7 @@ def persist(config: Any) -> None:
         config.attn_implementation = _SavedImplementation(config)
 
 
-#: the entries of a config's ``__dict__`` a forward reads (besides ``config.<method>``); a user's change goes through
-#: the config's ``__setattr__`` into its ``__dict__``, so comparing these detects it
+#: the entries of a config's ``__dict__`` a forward reads (besides ``config.<method>``)
 _WATCHED = ("_attn_implementation_internal", BASE_ATTR, "attn_logit_softcapping", "distributed_config",
             "_output_attentions", "use_cache")
 _GENERIC_GETATTR = object.__getattribute__
@@ -173,8 +205,7 @@ class ConfigReading:
     __slots__ = ("config", "source", "keys", "source_keys", "seen", "copies", "contents", "method", "gains", "base",
                  "refusal", "output_attentions", "use_cache", "gains_learnable", "warmup", "zero", "chosen")
 
-    def __getstate__(self) -> dict:
-        # pickled or deep-copied with its model: ``chosen`` holds functions of this process, made again
+    def __getstate__(self) -> dict:  # ``chosen`` holds functions of this process: made again
         return {key: getattr(self, key) for key in self.__slots__ if key != "chosen" and hasattr(self, key)}
 
     def __setstate__(self, state: dict) -> None:
@@ -183,8 +214,7 @@ class ConfigReading:
         self.chosen = None
 
     def holds(self, config: Any, source: Any, compiling: Optional[bool] = None) -> bool:
-        """Whether ``config`` and ``source`` are the ones read and their watched entries unchanged (a dict or list
-        also in its contents)."""
+        """Whether ``config`` and ``source`` are the ones read and their watched entries unchanged."""
         if config is not self.config or source is not self.source:
             return False
         if compiling is None:
@@ -213,10 +243,9 @@ def read_config(config: Any, source: Any) -> ConfigReading:
     reading = ConfigReading()
     reading.config, reading.source = config, source
     reading.method = method = method_of(config)
-    reading.gains = reading.base = reading.refusal = None
+    reading.gains = reading.base = reading.refusal = reading.chosen = None  # chosen: the first eager forward's path
     reading.gains_learnable = reading.warmup = False
-    reading.zero = True  # the parameters compute the stock attention (method.is_identity)
-    reading.chosen = None  # what a forward's MethodForwardState chose without warm-up (the first eager forward's)
+    reading.zero = True  # the parameters compute the stock attention
     reading.output_attentions = bool(getattr(config, "output_attentions", False))
     reading.use_cache = getattr(config, "use_cache", False)
     keys, source_keys = _WATCHED, ()

@@ -2,6 +2,7 @@
 :func:`finish` (``finish_warmup`` for transformers models)."""
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional, TypeVar
 
@@ -13,11 +14,10 @@ from ..core.layer import warn_switch_of_trained_weights, warn_unfinished_warmup
 from . import gains as learned_gains
 from .record import sync_record
 from .config import (
-    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, WARMUP_ATTR, base_attention, check_learnable, is_persisted,
-    method_named, method_of, model_method_config, pipeline_refusal,
+    ATTN_IMPLEMENTATION, BASE_ATTR, BASES, STOCK_ATTR, WARMUP_ATTR, attach_warmup, base_attention, check_learnable,
+    is_persisted, method_named, method_of, model_method_config, pipeline_refusal,
 )
 from .discovery import check_model, discovered, rediscover, undiscover
-from .warmup import attach_warmup
 
 __all__ = ["convert", "finish"]
 
@@ -53,35 +53,21 @@ def convert(model: ModelT, attention: str = ATTN_IMPLEMENTATION, attention_cfg: 
         raise ValueError(refusal)
     # a model switched without convert (set_attn_implementation) never ran the method its config names
     running = method_of(model.config) if discovered(model) else None
-    warn_trained_switch(model, choice, where, running=running)
+    current = None if running is None else SimpleNamespace(
+        attention_method=running, attention_config=model_method_config(model.config, running))
+    warn_switch_of_trained_weights(model, choice, where, current=current)
     _to_method(model, choice, resolved_base)
     return model
-
-
-def warn_trained_switch(model: PreTrainedModel, choice: MethodChoice, where: str,
-                        running: Optional[Any] = None) -> None:
-    """``warn_switch_of_trained_weights`` for a transformers model (``running``: the method before the switch)."""
-    current = None
-    if running is not None:
-        current = SimpleNamespace(attention_method=running, attention_config=model_method_config(model.config, running))
-    warn_switch_of_trained_weights(model, choice, where, current=current)
 
 
 def _check_base(model: PreTrainedModel, base: Optional[str]) -> str:
     """The base attention the model will run its method on; refused before anything changes if it cannot run."""
     if base is not None and base not in BASES:
         raise ValueError(f"base attention {base!r} is not one of {BASES}")
-    config = model.config
-    previous = config.__dict__.get(BASE_ATTR)
+    config = copy.copy(model.config)  # only read here: set by _to_method
     if base is not None:
         setattr(config, BASE_ATTR, base)
-    try:
-        resolved = base_attention(config)
-    finally:  # only read here: set by _to_method
-        if previous is None:
-            config.__dict__.pop(BASE_ATTR, None)
-        else:
-            setattr(config, BASE_ATTR, previous)
+    resolved = base_attention(config)
     if resolved == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
         raise ValueError(f"{type(model).__name__} does not support flex attention: use base 'sdpa' or 'eager'")
     return resolved

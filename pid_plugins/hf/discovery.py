@@ -1,7 +1,5 @@
-"""Discovering a transformers model with a method, once: :func:`discover` numbers its self-attention modules, refuses
-attention outside transformers' attention interface, gives learnable parameters and makes the model's
-:class:`~pid_plugins.hf.forward.Plan`; a forward that finds the plan stale calls :func:`renew`.
-"""
+"""Discovering a transformers model with a method: :func:`discover` numbers its self-attention modules and makes its
+:class:`~pid_plugins.hf.forward.Plan`; a forward that finds the plan stale calls :func:`renew`."""
 from __future__ import annotations
 
 import functools
@@ -17,16 +15,18 @@ from . import gains as learned_gains
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER
 from .checkpointing import cache_message, registry_key, torch_checkpointing, wrapper_message
 from .config import (
-    BASE_ATTR, WARMUP_ATTR, WARMUP_SOURCE, base_attention, method_of, model_method_config, persist, read_config,
+    ANY_COUNTER, BASE_ATTR, WARMUP_ATTR, WARMUP_MISSING_KEY, WARMUP_SOURCE, attach_warmup, base_attention, counter_of,
+    give_counter, method_of, model_method_config, persist, read_config,
 )
-from .forward import GAINS_SOURCE, LAYERDROP_KEYS, PLAN, Plan, checkpointing_layout, hooked, layout, unhook
-from .forward import hook as hook_forward
+from .forward import (
+    FORWARD, GAINS_SOURCE, LAYERDROP_KEYS, PLAN, MethodForward, Plan, _number, checkpointing_layout, hooked, layout,
+    unhook,
+)
 from .record import refresh as refresh_record, sync_record
 from .internals import (
     CACHE_KEYWORD, CACHE_LAYERS, CHECKPOINTING, CONTINUOUS_BATCHING, INTERFACE_SOURCE, STATIC_LAYER, TP_PLAN,
     cache_keywords, calls_interface,
 )
-from .warmup import ANY_COUNTER, WARMUP_MISSING_KEY, attach_warmup, counter_of, give_counter
 from ..core import GainWarmup, MethodChoice
 from ..core.layer import warn_switch_of_trained_weights
 from ..versions import InternalChanged, require
@@ -34,8 +34,8 @@ from ..versions import InternalChanged, require
 __all__ = ["check_family", "check_model", "discover", "discovered", "hook", "hooked", "is_cross", "learnable_config",
            "post_init", "rediscover", "relayout", "renew", "undiscover", "walk"]
 
-#: in a model's __dict__ until its first forward: built from a folder saved without its method (the loader's name);
-#: that forward warns if the loaded weights are trained (warn_switch_of_trained_weights)
+#: in a model's __dict__ until its first forward (which warns if its weights are trained): loaded from a folder saved
+#: without its method
 SWITCH_CHECK = "_pid_plugins_switch_check"
 _CROSS_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attention", "cross_attn", "EncDecAttention",
                           "encoder_decoder_attention"})
@@ -71,17 +71,13 @@ def walk(module: nn.Module, prefix: str = ""):
             yield from walk(child, path)
 
 
-def _outside_interface(module: nn.Module) -> bool:
-    """Whether ``module`` looks like attention but does not call transformers' attention interface."""
-    return "Attention" in type(module).__name__ and not calls_interface(type(module)) and not any(
-        "Attention" in type(m).__name__ or calls_interface(type(m)) for m in module.modules() if m is not module
-    )
-
-
-def _outside_message(name: str, model: nn.Module, path: str, module: nn.Module) -> str:
-    return (f"attn_implementation={name!r}: {type(model).__name__}.{path} ({type(module).__name__}) computes attention "
-            f"without transformers' attention interface (custom or remote code?), so attention method {name!r} "
-            "cannot reach it")
+def _check_inside(name: str, model: nn.Module, path: str, module: nn.Module) -> None:
+    """Refuse ``module`` if it looks like attention but does not call transformers' attention interface."""
+    if "Attention" in type(module).__name__ and not calls_interface(type(module)) and not any(
+            "Attention" in type(m).__name__ or calls_interface(type(m)) for m in module.modules() if m is not module):
+        raise ValueError(f"attn_implementation={name!r}: {type(model).__name__}.{path} ({type(module).__name__}) "
+                         "computes attention without transformers' attention interface (custom or remote code?), so "
+                         f"attention method {name!r} cannot reach it")
 
 
 def _check_kwargs(name: str, model: nn.Module) -> None:
@@ -108,14 +104,15 @@ def _attention(model: nn.Module, name: Optional[str] = None):
             continue
         if calls_interface(type(sub)):
             yield path, sub
-        elif name is not None and _outside_interface(sub):
-            raise ValueError(_outside_message(name, model, path, sub))
+        elif name is not None:
+            _check_inside(name, model, path, sub)
 
 
 def check_family(cls: type, config: object, name: str) -> None:
     """Refuse method ``name`` for a model class whose family picks its attention from its own table."""
     CONTINUOUS_BATCHING.require()  # the refusal the model's own init_continuous_batching makes
-    for table_name, keys in _attention_tables(cls):
+    for table_name, table in vars(sys.modules.get(cls.__module__) or object).items():
+        keys = tuple(table) if table_name.endswith("_ATTENTION_CLASSES") and isinstance(table, dict) else (name,)
         if name not in keys:
             raise ValueError(
                 f"attn_implementation={name!r}: {cls.__name__} ({getattr(config, 'model_type', '?')}) "
@@ -126,20 +123,8 @@ def check_family(cls: type, config: object, name: str) -> None:
             )
 
 
-@functools.lru_cache(maxsize=None)
-def _attention_tables(cls: type) -> tuple:
-    """``(name, keys)`` of the ``*_ATTENTION_CLASSES`` dicts in the module that defines ``cls``."""
-    module = sys.modules.get(cls.__module__)
-    return tuple((name, tuple(value)) for name, value in vars(module).items()
-                 if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict)) if module else ()
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _read(config: Any, source: Any) -> Any:
-    """:func:`read_config`, None where it refuses (refused again, with its message, at the first forward)."""
+    """:func:`read_config`, None where it refuses (refused again at the first forward)."""
     try:
         return read_config(config, source)
     except ValueError:
@@ -158,7 +143,7 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
     added, paths = [], []
     order = 0
     causal = False
-    stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack (encoder / decoder / model)
+    stacks: Dict[str, tuple[int, ...]] = {}  # self-attention indices seen in each stack
     droppers = [model] if _number(getattr(model, "layerdrop", None)) else []
     for path, sub in walk(model):
         if getattr(sub, STAGE_PLACEHOLDER, False):
@@ -193,31 +178,30 @@ def discover(model: PreTrainedModel, at_forward: bool = False) -> Plan:
             if learnable is not None and learned_gains.attach(sub, learnable, method):
                 added.append(path)
             causal = causal or bool(getattr(sub, "is_causal", False))
-            # its stack: the path up to its first encoder/decoder part ("" for a decoder-only model), so that an
-            # encoder and a decoder, or two encoders (text_model.encoder, vision_model.encoder), are separate groups
+            # its stack: the path up to its first encoder/decoder part ("" for a decoder-only model)
             cut = next((i for i, p in enumerate(parts) if "encoder" in p.lower() or "decoder" in p.lower()), -1)
             stack = ".".join(parts[: cut + 1])
             earlier = stacks.get(stack, ())
             setattr(sub, EARLIER, earlier)
             stacks[stack] = (order, *earlier)
             order += 1
-        elif _outside_interface(sub):
-            raise ValueError(_outside_message(_chosen(model), model, path, sub))
+        else:
+            _check_inside(_chosen(model), model, path, sub)
     names = [n for n in inspect.signature(type(model).forward).parameters if n != "self"]
     keywords = cache_keywords(type(model).forward)
-    if causal:  # a decoder reads its cache: the keyword it comes under and the cache layers
+    if causal:
         require(CACHE_KEYWORD, CACHE_LAYERS, STATIC_LAYER)
     CHECKPOINTING.require()
     if order:
         _check_kwargs(_chosen(model), model)
     persist(model.config)
-    sync_record(model)  # the method record in its weights (a model switched by set_attn_implementation too)
+    sync_record(model)
     reading = _read(model.config, gains_source)  # now, so that a first compiled forward only looks it up
-    if reading is not None and reading.refusal is not None:  # transformers' PP: before any stage communicates
+    if reading is not None and reading.refusal is not None:  # transformers' PP
         raise ValueError(reading.refusal)
     if added:
         learned_gains.ignore_missing(model)
-        learned_gains.extend_tp_plan(model)  # their tensor-parallel entries (applied when transformers builds it)
+        learned_gains.extend_tp_plan(model)
         if at_forward:
             name = _chosen(model)
             warnings.warn(
@@ -259,7 +243,6 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
             if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
                 plan.checkpointed = True
                 keywords = getattr(m._gradient_checkpointing_func, "keywords", None)
-                # torch.utils.checkpoint's default (use_reentrant not given) is reentrant
                 if keywords is None or keywords.get("use_reentrant", True) is not False:
                     plan.reentrant = (
                         f"attention method {name!r} needs non-reentrant gradient checkpointing (reentrant "
@@ -276,7 +259,7 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
     plan.nodes = tuple(m.__dict__ for _, m in nodes.values())
     plan.flagged = tuple(flagged)
     plan.registry = registry_key()
-    plan.hooks_mark = -1  # the registries are read
+    plan.hooks_mark = -1
     plan.signature = layout(plan)
     plan.checkpointing = checkpointing_layout(plan)
 
@@ -284,9 +267,8 @@ def _fill_layout(model: nn.Module, plan: Plan, paths: list) -> None:
 def relayout(model: nn.Module) -> None:
     """Make the plans of the transformers models in ``model`` read its modules as they are now."""
     for m in model.modules():
-        plan = m.__dict__.get(PLAN)
-        if isinstance(plan, Plan):
-            _fill_layout(m, plan, [p for p, sub in walk(m) if isinstance(sub.__dict__.get(ROLE), int)])
+        if isinstance(m.__dict__.get(PLAN), Plan):
+            _relaid(m, m.__dict__[PLAN])
 
 
 def _relaid(model: PreTrainedModel, plan: Plan) -> bool:
@@ -316,19 +298,18 @@ def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[s
         plan = discover(model, at_forward=True)
     if plan.reading is None or not plan.reading.holds(model.config, model.__dict__.get(GAINS_SOURCE, model.config)):
         plan.reading = None
-        plan.reading = read(model)  # (a refused config is read, and refused, again)
+        plan.reading = read(model)
     if not plan.first or plan.reading.method is None:
         return plan
     plan.first = False
     switched = model.__dict__.pop(SWITCH_CHECK, None)
-    if switched is not None:  # one warning if the weights are trained (the nested models are not asked again)
+    if switched is not None:  # one warning if the weights are trained
         for nested in model.modules():
             nested.__dict__.pop(SWITCH_CHECK, None)
         method = method_of(model.config)
         warn_switch_of_trained_weights(model, MethodChoice(method, model_method_config(model.config, method)),
                                        switched)
     if plan.learnable and not TP_PLAN.holds() and _tensor_parallel(model):
-        # the gains' gradients would not be summed over the tensor-parallel ranks
         raise InternalChanged(TP_PLAN.message(f"{type(model).__name__} runs tensor parallelism with learnable "
                                               "parameters, which this release cannot synchronise"))
     return plan
@@ -336,17 +317,14 @@ def renew(model: PreTrainedModel, plan: Plan, changed: bool, renamed: Optional[s
 
 def _tensor_parallel(model: nn.Module) -> bool:
     """Whether transformers' tensor parallelism sharded ``model`` (a parameter is a DTensor on a mesh named "tp")."""
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
-            return True
-    return False
+    return any("tp" in (getattr(getattr(p, "device_mesh", 0), "mesh_dim_names", 0) or ()) for p in model.parameters())
 
 
 def hook(model: PreTrainedModel) -> None:
     """Give ``model`` its forward and its own ``_initialize_weights`` and ``init_continuous_batching``, once."""
-    hook_forward(model)
     own = model.__dict__
+    if FORWARD not in own:
+        own[FORWARD] = own["forward"] = MethodForward(model, own.get("forward"))
     if "_initialize_weights" not in own:
         own["_initialize_weights"] = functools.partial(_initialize_weights, model)
     if "init_continuous_batching" not in own and hasattr(type(model), "init_continuous_batching"):
@@ -397,25 +375,24 @@ def rediscover(model: PreTrainedModel) -> PreTrainedModel:
 def post_init(model: PreTrainedModel) -> None:
     """The model's ``post_init``, once: discover a method model before any forward; extend its tensor-parallel plan."""
     model.__dict__.pop("post_init", None)
-    # the layers exist and are not initialised yet (the class's post_init does it): the counter and learnable
-    # parameters made now are loaded by from_pretrained, or initialised by transformers where a checkpoint lacks them
+    # the layers exist, not initialised yet: what is made now is loaded by from_pretrained, or initialised
     attach_warmup(model)
     if ANY_COUNTER[0]:  # the counters of the nested models move to the outermost
         for m in model.modules():
             if m is not model and isinstance(m, PreTrainedModel) and m._modules.get(WARMUP_ATTR) is not None:
                 counter = m._modules.pop(WARMUP_ATTR)
                 plan = m.__dict__.get(PLAN)
-                if plan is not None:  # it reads the outermost model's counter (set by that model's discovery)
+                if plan is not None:  # it reads the outermost model's counter
                     plan.counter = None
                 if model._modules.get(WARMUP_ATTR) is None:
                     give_counter(model, counter)
     cfg = learnable_config(model.__dict__.get("config"))
-    if cfg is not None:  # the self-attention modules' learnable parameters (a nested model gave its own theirs)
+    if cfg is not None:  # the self-attention modules' learnable parameters
         method = method_of(model.config)
         if any([learned_gains.attach(sub, cfg, method) for path, sub in _attention(model)
                 if not is_cross(path.split("."), sub)]):
             learned_gains.ignore_missing(model)
-    sync_record(model)  # the method record in its weights (on the outermost model)
+    sync_record(model)
     type(model).post_init(model)
     if method_of(model.config) is not None and PLAN not in model.__dict__:
         discover(model)
@@ -441,7 +418,7 @@ def _init_continuous_batching(model: PreTrainedModel, *args: Any, **kwargs: Any)
 
 def _initialize_weights(model: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any):
     """``model._initialize_weights``: initial values for learnable parameters and the warm-up counter."""
-    refresh_record(model, module)  # a record transformers made with torch.empty (a folder saved without one)
+    refresh_record(model, module)  # one transformers made with torch.empty
     if learned_gains.reset(module):
         module._is_hf_initialized = True
         return None

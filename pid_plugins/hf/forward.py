@@ -1,6 +1,5 @@
-"""What runs on every forward of a transformers model with a method: :class:`MethodForward`, its ``forward``.
-It checks by identity that the model's :class:`Plan` holds (else renews it), refuses what cannot run exactly, hands
-the forward a fresh :class:`~pid_plugins.hf.attention.MethodForwardState` and advances the gain warm-up after it."""
+"""Every forward of a transformers model with a method (:class:`MethodForward`): checks its :class:`Plan`, refuses
+what cannot run exactly, hands the forward a :class:`~pid_plugins.hf.attention.MethodForwardState`."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,10 +23,8 @@ from ..versions import InternalChanged
 __all__ = ["GAINS_SOURCE", "PLAN", "MethodForward", "Plan", "checkpointing_layout", "drops_layers", "hooked",
            "layout", "unhook"]
 
-PLAN = "_pid_plugins_plan"  # in a model's __dict__: its Plan
-FORWARD = "_pid_plugins_forward"  # in a model's __dict__: its MethodForward
+PLAN, FORWARD = "_pid_plugins_plan", "_pid_plugins_forward"  # in a model's __dict__: its Plan, its MethodForward
 GAINS_SOURCE = "_pid_plugins_gains_config"  # in a nested model's __dict__: the outermost model's config
-#: the config keys transformers' layer dropout reads (BART, Whisper, M2M100: ``*_layerdrop``; wav2vec2: ``layerdrop``)
 LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 
 
@@ -35,63 +32,56 @@ LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 class Plan:
     """What a forward of one model reads, worked out once from the model's structure (discovery)."""
 
-    #: discovery's: (model, plan, changed, renamed) -> the plan to use; ``changed``: the plan is stale;
-    #: ``renamed``: a forward got the KV cache under a keyword the plan does not know (refused)
-    renew: Callable[..., "Plan"]
+    renew: Callable[..., "Plan"]  # discovery's renew(model, plan, changed, renamed=None)
     name: str  # the method it was made for
     owns_layers: bool
     cache_position: Optional[int]  # index of the cache keyword among the positional arguments, if any
-    cache_keywords: tuple = ()  # the keywords its forward takes the KV cache under
+    cache_keywords: tuple = ()
     learnable: bool = False  # whether discovery gave the self-attention modules their gains
     causal: bool = False  # whether a self-attention module it owns is causal (a decoder)
     counter: Optional[nn.Module] = None  # the model's own warm-up counter at discovery
     layerdrop: tuple = ()  # the owner and the modules below it with a ``layerdrop`` attribute
-    layerdrop_keys: tuple = ()  # the config's ``*layerdrop`` keys (LAYERDROP_KEYS it has)
+    layerdrop_keys: tuple = ()  # the config's LAYERDROP_KEYS
     first: bool = True  # the first forward has checks to make (``renew`` makes them)
-    verified: bool = False  # an eager forward found its attention layers running the method (:func:`_verify`)
-    #: the modules on the way from the model to each attention module: ``(parent._modules, name)`` of each step,
-    #: each module's ``__dict__``, and of those the ones with transformers' ``gradient_checkpointing`` flag
-    parents: tuple = ()  # each step's parent ``_modules``
-    steps: tuple = ()  # each step's name
+    verified: bool = False  # an eager forward ran the method in its attention layers
+    #: the steps from the model to each attention module (``parent._modules``, name), every module's ``__dict__``,
+    #: those with a ``gradient_checkpointing`` flag, and the key of torch's composable-API registry
+    parents: tuple = ()
+    steps: tuple = ()
     nodes: tuple = ()
     flagged: tuple = ()
-    registry: str = ""  # the key of torch's composable-API registry (its ``checkpoint(module)``) in a ``__dict__``
-    #: the composable-API registries on ``nodes`` as last read (:func:`checkpointing_layout`), and the number of hooks
-    #: registered in the process then (``RemovableHandle.next_id``; -1: never read)
-    registered: list = dataclasses.field(default_factory=list)
-    hooks_mark: int = -1
+    registry: str = ""
+    registered: list = dataclasses.field(default_factory=list)  # the registries as last read
+    hooks_mark: int = -1  # RemovableHandle.next_id when they were read (-1: never)
     signature: list = dataclasses.field(default_factory=list)  # layout(plan) when the plan was made
     checkpointing: list = dataclasses.field(default_factory=list)  # checkpointing_layout(plan) then
-    #: activation checkpointing found on those modules, as refusals (for the plan's method) or where it is
-    reentrant: Optional[str] = None  # transformers' reentrant gradient checkpointing (refused in training)
-    wrapper: Optional[str] = None  # torch's reentrant checkpoint_wrapper (refused whenever autograd is on)
-    wrapped: Optional[str] = None  # the KV-cache refusal where torch's (non-reentrant) checkpointing wraps a module
-    checkpointed: bool = False  # transformers' gradient checkpointing is on for a layer
-    #: what the model's config said at the last forward (re-read when a watched entry changes)
-    reading: Optional[ConfigReading] = None
-    #: discovery's: (model) -> a fresh reading of its config (under torch.compile, where it is not stored)
-    read: Optional[Callable[..., ConfigReading]] = None
+    #: activation checkpointing found, as refusals: transformers' reentrant (in training), torch's reentrant wrapper
+    #: (with autograd), a KV cache under torch's checkpointing; and transformers' checkpointing on a layer
+    reentrant: Optional[str] = None
+    wrapper: Optional[str] = None
+    wrapped: Optional[str] = None
+    checkpointed: bool = False
+    reading: Optional[ConfigReading] = None  # what the model's config said at the last forward
+    read: Optional[Callable[..., ConfigReading]] = None  # discovery's read(model) (under torch.compile)
 
     def __setstate__(self, state: dict) -> None:
-        """A plan copied with its model (deepcopy, pickle) holds ``__dict__`` copies no module uses: read again."""
+        """A plan copied with its model holds ``__dict__`` copies no module uses: read again."""
         self.__dict__.update(state)
         self.signature = []
         self.hooks_mark = -1
 
 
 def layout(plan: Plan) -> list:
-    """The way from the model to its attention modules now (each step's module), compared by identity: one
-    ``dict.get`` per step (:attr:`Plan.parents`, :attr:`Plan.steps`)."""
+    """The way from the model to its attention modules now (each step's module), compared by identity."""
     return list(map(dict.get, plan.parents, plan.steps))
 
 
 def checkpointing_layout(plan: Plan) -> list:
-    """The activation checkpointing on the plan's modules now: transformers' ``gradient_checkpointing`` flags (and
-    the checkpointed layers' functions), then torch's composable-API registries, read again only when a hook was
-    registered in the process since (``checkpoint(module)`` and ``fully_shard`` register hooks on what they mark)."""
+    """The activation checkpointing on the plan's modules now: transformers' flags (and the layers' functions), then
+    torch's composable-API registries, read again only when a hook was registered since (``checkpoint(module)``)."""
     flagged = plan.flagged
     entries = list(map(dict.get, flagged, repeat("gradient_checkpointing", len(flagged))))
-    if any(entries):  # the function each checkpointed layer calls (reentrant or not)
+    if any(entries):
         entries.append([d.get("_gradient_checkpointing_func") for d, on in zip(flagged, entries) if on])
     mark = RemovableHandle.next_id
     if mark != plan.hooks_mark:
@@ -103,13 +93,12 @@ def checkpointing_layout(plan: Plan) -> list:
 
 
 class MethodForward:
-    """``model.forward`` of a transformers model with a method (an instance attribute, as accelerate's hooks set one):
-    the forward it replaced, handed the method's per-forward state. Not a forward hook, so that dynamo traces it with
-    the forward in one frame (docs/architecture.md); ``inspect.signature`` reads the class's forward."""
+    """``model.forward`` of a model with a method (an instance attribute, as accelerate's): the forward it replaced,
+    handed the method's per-forward state; not a forward hook, so that dynamo traces one frame."""
 
     def __init__(self, model: nn.Module, inner: Optional[Callable[..., Any]] = None) -> None:
         self.model = model
-        self.inner = inner  # an instance forward it wraps (accelerate's), else None: the class's
+        self.inner = inner  # an instance forward it wraps (accelerate's), else None
         self.active = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -132,15 +121,6 @@ class MethodForward:
 def hooked(model: nn.Module) -> bool:
     """Whether ``model`` runs :class:`MethodForward` (:func:`unhook` takes it off)."""
     return FORWARD in model.__dict__
-
-
-def hook(model: nn.Module) -> None:
-    """Make ``model.forward`` a :class:`MethodForward` (once)."""
-    if hooked(model):
-        return
-    ours = MethodForward(model, model.__dict__.get("forward"))
-    model.__dict__[FORWARD] = ours
-    model.__dict__["forward"] = ours
 
 
 def unhook(model: nn.Module) -> None:
@@ -184,23 +164,13 @@ def _warmup_scale(module: nn.Module, gains: Any, name: str) -> Optional[torch.Te
             f"counter (it was built before config.{name} asked for warm-up): call pid_plugins.hf.convert(model, "
             f"{name!r}) once to add it"
         )
-    if counter.warmup_steps != steps:  # config.<method> changed after the model was built
+    if counter.warmup_steps != steps:
         counter.warmup_steps = steps
     return counter.scale()
 
 
-def _renamed_cache(kwargs: dict, known: tuple) -> Optional[str]:
-    """The keyword under which a forward got a transformers ``Cache`` that is not one of ``known``, or None."""
-    for name, value in kwargs.items():
-        if isinstance(value, Cache) and name not in known:
-            return name
-    return None
-
-
 def _renew(module: nn.Module, plan: Plan, changed: bool) -> Plan:
-    """Discovery's :func:`~pid_plugins.hf.discovery.renew`: the plan (discovered again if ``changed``) with the
-    config read again; a changed model is refused under torch.compile (discovery reads source code and the module
-    tree), a changed config is read again."""
+    """Discovery's :func:`~pid_plugins.hf.discovery.renew`; a changed model is refused under torch.compile."""
     if changed and torch.compiler.is_compiling():
         name = getattr(module.config, "_attn_implementation", None)
         raise RuntimeError(
@@ -212,8 +182,7 @@ def _renew(module: nn.Module, plan: Plan, changed: bool) -> Plan:
 
 
 def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-    """Hand the forward its :class:`~pid_plugins.hf.attention.MethodForwardState`, after the checks that depend on
-    no tensor: the plan and the config's reading still hold (else renewed), and what cannot run exactly is refused."""
+    """The forward's arguments with its state, after the checks that depend on no tensor (None: no state)."""
     config = module.config
     plan: Optional[Plan] = module.__dict__.get(PLAN)
     if plan is None:
@@ -221,7 +190,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
         raise RuntimeError(f"attn_implementation={chosen!r}: {type(module).__name__} was not prepared for it: call "
                            f"pid_plugins.hf.convert(model, {chosen!r})")
     reading = plan.reading
-    compiling = torch.compiler.is_compiling()  # (dynamo guards the modules: no layout check)
+    compiling = torch.compiler.is_compiling()  # (dynamo guards the modules)
     if reading is None or not reading.holds(config, module.__dict__.get(GAINS_SOURCE, config), compiling):
         if compiling:  # read, not stored (a stored reading would be guarded on)
             reading = plan.read(module)
@@ -232,8 +201,6 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
     if method is None:  # switched to a stock implementation
         return None
     grad = torch.is_grad_enabled()
-    # (a model whose nested model owns the layers has no modules to check; checkpointing matters only to a forward in
-    # training or with autograd on)
     if plan.name != method.name or plan.counter is not module._modules.get(WARMUP_ATTR) or (
             reading.gains_learnable and not plan.learnable) or (
             plan.owns_layers and not compiling and (layout(plan) != plan.signature or (
@@ -268,12 +235,12 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
             break
     if cache is None and plan.cache_position is not None and len(args) > plan.cache_position:
         cache = args[plan.cache_position]
-    # (a release that passes the cache under a new name passes none under the names the plan knows)
-    renamed = _renamed_cache(kwargs, plan.cache_keywords) if cache is None else None
-    if renamed is not None:
-        plan.renew(module, plan, True, renamed)  # refused (InternalChanged), naming the keyword
+    if cache is None:  # a release that passes the cache under a new keyword: refused (InternalChanged)
+        for name, value in kwargs.items():
+            if isinstance(value, Cache) and name not in plan.cache_keywords:
+                plan.renew(module, plan, True, name)
     use_cache = kwargs.get("use_cache")
-    if use_cache is None:  # not passed (or None from an outer model): the config's
+    if use_cache is None:
         use_cache = reading.use_cache
     if grad and plan.wrapped is not None and training and (cache is not None or use_cache):
         raise ValueError(plan.wrapped)
@@ -283,8 +250,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
     layers_cache = not (method.cache_slot and training and plan.checkpointed)
     if cache is None and method.cache_slot and active and layers_cache and plan.causal and \
             plan.cache_position is not None and len(args) <= plan.cache_position and use_cache:
-        # the model would make its cache inside the forward, where the method cannot reach it to keep its
-        # per-position slot (Twicing's A v) next to the keys: make the same cache here and hand it down
+        # the model would make its cache where the method cannot keep its slot (Twicing's A v): made here
         cache = new_cache(config)
         kwargs[plan.cache_keywords[0]] = cache
     own = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
@@ -297,7 +263,6 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
                 "key positions: decode with use_cache=False, or use a model whose layers all attend alike"
             )
     past = static_past(cache, method.name, compiling) if cache is not None else None
-    # TorchScript tracing (torch.onnx's older exporter) takes core's apply, whose update traces sizes
     traced = not compiling and torch._C._is_tracing()
     chosen = reading.chosen if scale is None and not traced else None
     state = MethodForwardState(gains, base, past, scale, method, cached=cache is not None,
@@ -313,26 +278,18 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tu
     return args, kwargs
 
 
-def _verify(module: nn.Module, run: MethodForwardState) -> None:
-    """A model's first eager forward: its attention layers reached the method through transformers' attention
-    interface (else that interface changed), then no forward is checked."""
-    plan = module.__dict__.get(PLAN)
-    if plan is None:
-        return
-    if not run.calls:
-        raise InternalChanged(INTERFACE_SOURCE.message(
-            f"{type(module).__name__}'s forward ran none of its attention layers through the method"))
-    plan.verified = True
-
-
 def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """The first eager forward ran the method in its layers (else transformers' interface changed); warm-up steps."""
     run = kwargs.get(STATE_KEYWORD)
     if run is not None:
         run.finished = True
-        if run.verify:
-            _verify(module, run)
-    # the gain warm-up advances once per training forward of the model that owns the counter (the outermost),
-    # after the forward: checkpointed layers recompute with the scale their MethodForwardState holds
+        plan = module.__dict__.get(PLAN) if run.verify else None
+        if plan is not None:
+            if not run.calls:
+                raise InternalChanged(INTERFACE_SOURCE.message(
+                    f"{type(module).__name__}'s forward ran none of its attention layers through the method"))
+            plan.verified = True
+    # once per training forward of the outermost model, after it: checkpointed layers recompute with the state's scale
     counter = module._modules.get(WARMUP_ATTR)
     if counter is not None and module.training and method_of(module.config) is not None:
         counter.advance()

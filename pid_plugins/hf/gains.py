@@ -33,13 +33,6 @@ def layer_gains_of(module: nn.Module) -> "nn.Module | None":
     return gains if _is_learned(gains) or _is_learned(held) else None
 
 
-def _method_of_learned(gains: nn.Module) -> Optional[str]:
-    """The name of the method whose parameters ``gains`` (or the module a wrapper holds) are."""
-    held = gains if _is_learned(gains) else getattr(gains, "original_module", None)
-    origin = held.__dict__.get(_ORIGIN) if held is not None else None
-    return origin[0].name if origin is not None else None
-
-
 @torch.no_grad()
 def reset(module: nn.Module) -> bool:
     """Give a learned module made here its initial values (loaded ones kept); True if ``module`` is one."""
@@ -63,14 +56,16 @@ def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod])
     if method is None:
         return False
     current = layer_gains_of(attention)
-    if current is not None and _method_of_learned(current) == method.name:
+    held = current if _is_learned(current) else getattr(current, "original_module", None)  # (peft's wrapper)
+    if held is not None and held.__dict__[_ORIGIN][0].name == method.name:
         return False
     gains = method.make_learned(config)
     if gains is None:
         return False
     gains.__dict__[_ORIGIN] = (method, config)
-    ref = next((p for p in attention.parameters() if p.is_floating_point() and not _is_gain_param(attention, p)),
-               None)
+    mine = attention._modules.get(GAINS_ATTR)
+    own = {id(p) for p in mine.parameters()} if mine is not None else ()
+    ref = next((p for p in attention.parameters() if p.is_floating_point() and id(p) not in own), None)
     if ref is not None:
         gains = gains.to(device=ref.device, dtype=ref.dtype)
     gains.train(attention.training)  # the layer's mode, whatever mode it gets them in
@@ -78,11 +73,6 @@ def attach(attention: nn.Module, config: Any, method: Optional[AttentionMethod])
         delattr(attention, GAINS_ATTR)
     setattr(attention, GAINS_ATTR, gains)
     return True
-
-
-def _is_gain_param(attention: nn.Module, param: torch.Tensor) -> bool:
-    gains = attention._modules.get(GAINS_ATTR)
-    return gains is not None and any(param is p for p in gains.parameters())
 
 
 def detach(attention: nn.Module) -> bool:
@@ -107,8 +97,8 @@ def extend_tp_plan(model: nn.Module) -> bool:
                if name.rpartition(".")[2] == GAINS_ATTR and _is_learned(module)}
     if not entries:
         return False
-    if not TP_PLAN.holds():  # an older release: no entry; tensor parallelism with these parameters is refused at the
-        return False          # first forward (discovery.renew), everything else runs
+    if not TP_PLAN.holds():  # an older release: tensor parallelism with them is refused at the first forward
+        return False
     plan = model.tp_plan
     missing = {k: v for k, v in entries.items() if plan.get(k) != v}
     if not plan or not missing:

@@ -21,8 +21,6 @@ from .config import BASE_ATTR, STOCK_ATTR, WARMUP_ATTR, method_of, persist
 __all__ = ["install"]
 
 logger = logging.getLogger(__name__)
-
-
 _ORIGINAL_MODEL_INIT: Any = None
 
 
@@ -42,8 +40,7 @@ def _model_init(self, *args: Any, **kwargs: Any) -> None:
     self.__dict__["post_init"] = functools.partial(discovery.post_init, self)
 
 
-#: what was learnt about a config, by id (a model and the models nested in it share one, each built through the hook;
-#: configs are unhashable): ``{"saved": ..., "warned": True}``, dropped with the config
+#: what was learnt about a config (unhashable), by id: ``{"saved": ..., "warned": True}``, dropped with the config
 _SEEN: Dict[int, Tuple["weakref.ref[Any]", Dict[str, Any]]] = {}
 
 
@@ -60,12 +57,12 @@ def _saved_implementation(config: Any) -> Optional[str]:
     if "saved" not in seen:
         seen["saved"] = None
         path = getattr(config, "_name_or_path", None)
-        if path:
-            try:
-                saved, _ = PretrainedConfig.get_config_dict(path, local_files_only=True)
-                seen["saved"] = saved.get("attn_implementation")
-            except Exception:  # noqa: BLE001 - no config to read: the checkpoint records no method
-                pass
+        try:  # no config to read: the checkpoint records no method
+            if path:
+                seen["saved"] = PretrainedConfig.get_config_dict(path, local_files_only=True)[0].get(
+                    "attn_implementation")
+        except Exception:  # noqa: BLE001
+            pass
     return seen["saved"]
 
 

@@ -1,5 +1,4 @@
-"""Every transformers internal the adapter reads: checked where it is first read; three have probes on a tiny
-Llama that ``pid-plugins doctor`` runs."""
+"""Every transformers internal the adapter reads, checked where it is first read (probes: ``pid-plugins doctor``)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +15,7 @@ from ..versions import Internal, parameters, perturbed
 __all__ = ["INTERNALS", "cache_keywords", "calls_interface"]
 
 ZOO = "transformers"
-#: the keyword a model's forward takes its KV cache under: ``cache`` from 5.24 (``past_key_values`` is its deprecated
-#: spelling until 5.40), ``past_key_values`` before
+#: the keyword a model's forward takes its KV cache under: ``cache`` from 5.24, ``past_key_values`` before
 CACHE_KEYWORDS: Tuple[str, ...] = ("cache", "past_key_values")
 #: transformers' tensor-parallel style for a replicated parameter whose gradient each rank computes only in part
 TP_STYLE = "replicated_with_grad_allreduce"
@@ -113,10 +111,6 @@ def _tiny_llama(attn_implementation: str = "sdpa", **method: Any) -> Any:
     return LlamaForCausalLM(config).float().eval()
 
 
-def _raise(exception: type, *args: Any, **kwargs: Any) -> None:
-    raise exception
-
-
 def _squashed(function: Any) -> str:
     """``function``'s source without whitespace (a reformatting is not a change)."""
     return re.sub(r"\s+", "", inspect.getsource(function))
@@ -164,8 +158,11 @@ def _continuous_batching_probe() -> bool:
     class Entered(Exception):
         """The model's ``init_continuous_batching`` was reached."""
 
+    def enter(*args: Any, **kwargs: Any) -> None:
+        raise Entered
+
     model = _tiny_llama()
-    model.__dict__["init_continuous_batching"] = functools.partial(_raise, Entered)
+    model.__dict__["init_continuous_batching"] = enter
     entries = (lambda: model.generate_batch([[1, 2, 3]]),
                lambda: model.continuous_batching_context_manager().__enter__(),
                lambda: model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=1))

@@ -1,6 +1,5 @@
-"""Pipeline parallelism (``torch.distributed.pipelining``) for a decoder-only transformers model whose method carries
-state across layers: :func:`pipeline_stage` makes a stage whose forward hands that state on (docs/scaling.md).
-"""
+"""Pipeline parallelism (``torch.distributed.pipelining``) for a decoder-only model whose method carries state across
+layers: :func:`pipeline_stage` makes a stage whose forward hands that state on (docs/scaling.md)."""
 from __future__ import annotations
 
 import logging
@@ -13,9 +12,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
 from .attention import EARLIER, ROLE, STAGE_PLACEHOLDER, STATE_KEYWORD, MethodForwardState
-from .config import method_of, model_method_config
+from .config import counter_of, method_of, model_method_config
 from .discovery import discovered, rediscover, relayout
-from .warmup import counter_of
 
 __all__ = ["PipelineStageModule", "pipeline_stage", "stage_layer_range"]
 
@@ -56,10 +54,6 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _received(tensor: Tensor) -> Tensor:
-    return _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor
-
-
 @dataclass
 class _Carry:
     """One stage forward: what enters (the previous stage's hidden states and state) and what leaves."""
@@ -84,13 +78,12 @@ class PipelineStageModule(nn.Module):
         layers = base.layers[layer_range[0]:layer_range[1]]
         attentions = [m for layer in layers for m in layer.modules()  # its self-attention (discovery's order)
                       if isinstance(getattr(m, ROLE, None), int) and getattr(m, ROLE) >= 0]
-        #: the index of the layer whose state this stage receives (None: it starts the stack), and of its last one
+        # the index of the layer whose state this stage receives (None: it starts the stack), and of its last one
         earlier = getattr(attentions[0], EARLIER, ()) if attentions else ()
         self._entry: Optional[int] = earlier[0] if earlier else None
         self._exit: Optional[int] = getattr(attentions[-1], ROLE) if attentions else None
-        self.__dict__["_carry"] = None  # the forward under way (plain attribute: not a submodule)
-        #: a checkpoint wrapper's recomputation of the first layer: the hidden states it got -> what the stage gave
-        self.__dict__["_swaps"] = WeakIdKeyDictionary()
+        self.__dict__["_carry"] = None  # the forward under way
+        self.__dict__["_swaps"] = WeakIdKeyDictionary()  # a recomputed first layer: hidden states got -> given
         if not self.is_first:
             layers[0].register_forward_pre_hook(self._enter, with_kwargs=True)
         if not self.is_last:
@@ -110,7 +103,7 @@ class PipelineStageModule(nn.Module):
         carry: Optional[_Carry] = self.__dict__["_carry"]
         if carry is None or carry.hidden_in is None:
             replacement = self.__dict__["_swaps"].get(arriving) if isinstance(arriving, Tensor) else None
-            if replacement is None:  # a forward of the model outside the stage: nothing to do
+            if replacement is None:  # a forward of the model outside the stage
                 return None
         else:
             replacement = carry.hidden_in
@@ -156,12 +149,12 @@ class PipelineStageModule(nn.Module):
                     f"method {getattr(method_of(self.model.config), 'name', 'softmax')!r}: {1 + len(fields)} tensors "
                     f"(hidden_states{''.join(', ' + f for f in fields)}); got {len(inputs)}"
                 )
-            hidden = _received(inputs[0])
-            state = tuple(None if t.numel() == 0 else _received(t) for t in inputs[1:])
+            hidden, *state = (_ContiguousGrad.apply(t) if t.requires_grad else t for t in inputs)
+            state = tuple(None if t.numel() == 0 else t for t in state)
             feed, carry = {"inputs_embeds": hidden}, _Carry(hidden, state if fields else None)
         self.__dict__["_carry"] = carry
         try:
-            if self.is_last:  # the logits (a base model: its last hidden states)
+            if self.is_last:
                 output = self.model(**feed, use_cache=False, **kwargs)
                 logits = getattr(output, "logits", None)
                 return output.last_hidden_state if logits is None else logits
@@ -238,7 +231,7 @@ def pipeline_stage(model: PreTrainedModel, stage_index: int, num_stages: int, *,
             base.norm = NotInStage("norm")
         if isinstance(getattr(model, "lm_head", None), nn.Module) and model is not base:
             model.lm_head = NotInStage("lm_head")
-    relayout(model)  # the plans read the placeholders now (the layers keep their numbers)
+    relayout(model)  # the layers keep their numbers
     if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1 and (first or last):
         logger.warning("pipeline_stage: %s ties its output head to the input embedding; the first and the last "
                        "stage each keep a copy, which training updates separately unless their gradients are summed",

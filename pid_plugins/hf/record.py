@@ -1,7 +1,5 @@
 """The method record in a transformers model's weights (:mod:`pid_plugins.core.record`): a buffer of the outermost
-model's first module holding a parameter of its own (Llama: ``model.embed_tokens``), rewritten from ``config`` at every
-``state_dict()`` and never read into the model. Why that module: docs/checkpoints.md.
-"""
+model's first module with a parameter of its own (docs/checkpoints.md), rewritten at every ``state_dict()``."""
 from __future__ import annotations
 
 from collections import Counter
@@ -17,11 +15,9 @@ from .config import method_of, model_method_config
 __all__ = ["MISSING_KEY", "SIZE", "record_key", "refresh", "sync_record"]
 
 SIZE = 1024  # the record's length: the JSON padded with spaces to a multiple of this
-#: the record's key for transformers' ``_keys_to_ignore_on_load_missing`` and ``..._unexpected`` (a regex): a folder
-#: saved without it, or with it on the outermost model (before 0.1.0)
+#: the record's key for transformers' ``_keys_to_ignore_on_load_missing`` and ``..._unexpected`` (a regex)
 MISSING_KEY = rf"(^|\.){RECORD}$"
 _MADE = [False]  # whether a record was ever made (else a stock model's construction scans nothing)
-#: on a transformers model nested in one that holds the record (a ``*ForCausalLM``'s base model): it holds none
 _HELD_ABOVE = "_pid_plugins_record_held_above"
 _OWNER = "_pid_plugins_record_owner"  # on the model holding it: the path of the module whose buffer it is
 
@@ -44,8 +40,7 @@ def _owner_path(model: nn.Module) -> str:
 
 
 def _owner(model: nn.Module) -> nn.Module:
-    path = model.__dict__[_OWNER]
-    return model.get_submodule(path) if path else model
+    return model.get_submodule(model.__dict__[_OWNER])
 
 
 def _held(model: nn.Module) -> nn.Module:
@@ -95,7 +90,7 @@ def _keep_own(model: nn.Module, state_dict: dict, prefix: str, *args: Any) -> No
 
 
 def refresh(model: nn.Module, module: nn.Module) -> None:
-    """Give ``module``'s record, if it holds one, the bytes of ``model``'s method (its weights being initialised)."""
+    """Give ``module``'s record, if it holds one, the bytes of ``model``'s method."""
     if RECORD in module._buffers and method_of(getattr(model, "config", None)) is not None:
         _write(module, model.config)
 
