@@ -259,7 +259,7 @@ class PIDTransformerDecoder(MethodModel, TransformerDecoder):
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)
-        run.state = run.scale = None
+        run.state, run.scale, run.restart = None, None, False
         if attn is not None:
             attn = (attn[:alignment_heads] if alignment_heads is not None else attn).mean(dim=0)
         if self.layer_norm is not None:

@@ -9,13 +9,13 @@ from mmseg.models.backbones.vit import VisionTransformer
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.models.segmentors import BaseSegmentor
 
-from ..core import MethodChoice, method_warmup, resolve_attention
+from ..core import MethodChoice, method_warmup
 from ..core.layer import (
     MODEL_ATTRIBUTES, finish_model_warmup, register_warmup_finisher, replace_module, strip_attributes,
     warn_switch_of_trained_weights,
 )
-from .head import PIDSegmenterMaskTransformerHead
-from .vit import PIDVisionTransformer, _check_layers, _switch_layers, configure_attention, method_forward
+from .head import PIDSegmenterMaskTransformerHead, bare_head_forward
+from .vit import PIDVisionTransformer, _check_layers, _choose, _switch_layers, bare_forward, configure_attention
 
 __all__ = ["convert"]
 
@@ -31,7 +31,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
     one of them, stock or ``PID*``) to ``attention`` with ``attention_cfg``, in place; returns ``model``. The
     backbone and head are each a group; a bare stock part keeps its class."""
     where = f"convert({type(model).__name__})"
-    choice = resolve_attention(attention, attention_cfg, zoo="mmseg", where=where)
+    choice = _choose(attention, attention_cfg, where)
     parts = _parts(model, choice)
     for name, _, part in parts:
         _check_layers(part.layers, f"convert: {name}")
@@ -47,8 +47,7 @@ def convert(model: ModelT, attention: str = "pid", attention_cfg: Any = None) ->
         elif choice is None:
             _switch_layers(part.layers, None)
             if type(part) in _TO_STOCK:
-                stock = replace_module(parent, name, _TO_STOCK[type(part)])
-                strip_attributes(stock, MODEL_ATTRIBUTES + ("method_run",))
+                strip_attributes(replace_module(parent, name, _TO_STOCK[type(part)]), MODEL_ATTRIBUTES)
         else:
             replace_module(parent, name, _TO_METHOD.get(type(part), type(part)))._configure_attention(choice, where)
     return model
@@ -85,11 +84,11 @@ def _bare_part(model: nn.Module, choice: Optional[MethodChoice], where: str) -> 
     """Switch a bare stock backbone or head in place, keeping its class; softmax removes it all again."""
     if choice is None:
         _switch_layers(model.layers, None)
-        strip_attributes(model, MODEL_ATTRIBUTES + ("forward", "method_run"))
+        strip_attributes(model, MODEL_ATTRIBUTES + ("forward",))
         return
-    kind = VisionTransformer if isinstance(model, VisionTransformer) else SegmenterMaskTransformerHead
-    configure_attention(model, choice, model.pos_embed if kind is VisionTransformer else model.cls_emb, where)
-    model.__dict__["forward"] = partial(method_forward, model, partial(kind.forward, model))
+    backbone = isinstance(model, VisionTransformer)
+    configure_attention(model, choice, model.pos_embed if backbone else model.cls_emb, where)
+    model.__dict__["forward"] = partial(bare_forward if backbone else bare_head_forward, model)
 
 
 def _finish(model: nn.Module) -> bool:

@@ -1,8 +1,9 @@
 """Attention methods in mmseg's ViT backbone (Segmenter): :class:`PIDTransformerEncoderLayer` replaces each
-encoder layer (same parameter names); the state goes from layer to layer in the group's :class:`MethodRun`."""
+encoder layer (same parameter names); :class:`PIDVisionTransformer` threads the method's state through them."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -23,29 +24,29 @@ from .checkpoint import load_checkpoint
 
 __all__ = ["PIDVisionTransformer", "PIDTransformerEncoderLayer", "timm_vit_to_mmseg", "initial_learned_state"]
 
+
+def _choose(attention: str, attention_cfg: Any, where: str) -> Optional[MethodChoice]:
+    """:func:`~pid_plugins.core.resolve_attention` for mmseg."""
+    return resolve_attention(attention, attention_cfg, zoo="mmseg", where=where)
+
+
 #: how to run an mmseg method layer with its state, named in core's MissingLayerState
-STATE_ROUTE = ("With mmseg, run the layers through the backbone's (or the decode head's) own forward, which hands "
-               "the state from layer to layer (in its method_run).")
+STATE_ROUTE = ("With mmseg, run the layers through the backbone's (or the decode head's) own forward, which threads "
+               "the state: x, state = layer(x, method_state=state, warmup_scale=scale), state None at the group's "
+               "first layer only.")
 
 
-class MethodRun:
-    """One forward's method state and warm-up scale, which a group's layers read and replace in turn."""
-
-    state: Optional[tuple] = None
-    scale: Optional[Tensor] = None
-
-
-def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice], run: Optional[MethodRun] = None) -> None:
-    """Switch ``layers`` to ``choice`` in place (mmseg's own layers for softmax), reading and writing ``run``."""
+def _switch_layers(layers: ModuleList, choice: Optional[MethodChoice]) -> None:
+    """Switch ``layers`` to ``choice`` in place (mmseg's own layers for softmax)."""
     stock = choice is None or choice.method.is_identity(choice.config)
     for index in range(len(layers)):
-        if stock and type(layers[index]) is PIDTransformerEncoderLayer:
-            layer = replace_module(layers, str(index), TransformerEncoderLayer)
-            strip_attributes(layer, LAYER_ATTRIBUTES + ("method_run",))
-        elif not stock:
-            layer = replace_module(layers, str(index), PIDTransformerEncoderLayer)
+        name = str(index)
+        if stock:
+            if type(layers[index]) is PIDTransformerEncoderLayer:
+                strip_attributes(replace_module(layers, name, TransformerEncoderLayer), LAYER_ATTRIBUTES)
+        else:
+            layer = replace_module(layers, name, PIDTransformerEncoderLayer)
             layer.set_attention(choice, layer.attn.attn.in_proj_weight)
-            layer.__dict__["method_run"] = run
             settle_submodule(layer, "attention_params")
     if not stock:
         number_layers(layers)
@@ -60,7 +61,7 @@ def _check_layers(layers: ModuleList, where: str) -> None:
 
 
 class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
-    """mmseg's encoder layer with an attention method, its state and warm-up scale in ``method_run``."""
+    """mmseg's encoder layer with an attention method; ``forward(x, state, scale) -> (x, state)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("PIDTransformerEncoderLayer is not built directly: PIDVisionTransformer and "
@@ -101,21 +102,22 @@ class PIDTransformerEncoderLayer(MethodLayer, TransformerEncoderLayer):
         return self.apply_method(LayerCall(attend, q, v, v, context=context, project=project, layer=self.layer_index,
                                            state_route=STATE_ROUTE), state)
 
-    def forward(self, x: Tensor) -> Tensor:
-        run = self.method_run
+    def forward(self, x: Tensor, method_state: Optional[tuple] = None,  # type: ignore[override]
+                warmup_scale: Optional[Tensor] = None) -> Tuple[Tensor, Optional[tuple]]:
+        """``method_state``: the previous layer's (None first); ``warmup_scale``: this forward's (None: no warm-up)."""
+        method = self.attention_method
 
         def inner(x: Tensor, *state_tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-            out, new_state = self._attention(self.norm1(x), state_tensors or None, run.scale)
+            out, new_state = self._attention(self.norm1(x), state_tensors or None, warmup_scale)
             x = x + self.attn.dropout_layer(self.attn.proj_drop(out))
             return (self.ffn(self.norm2(x), identity=x), *new_state)
 
-        args = tuple(run.state) if run.state is not None else ()
+        args = tuple(method_state) if method_state is not None else ()
         if self.with_cp and x.requires_grad:
             outputs = cp.checkpoint(inner, x, *args, use_reentrant=False)
         else:
             outputs = inner(x, *args)
-        run.state = self.attention_method.make_state(*outputs[1:])
-        return outputs[0]
+        return outputs[0], method.make_state(*outputs[1:])
 
     def extra_repr(self) -> str:
         return f"attention={self.attention_method.name!r}, config={self.attention_config}"
@@ -165,7 +167,7 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
     def __init__(self, *args: Any, attention: str = "pid", attention_cfg: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         where = "mmseg backbone PIDVisionTransformer"
-        self._configure_attention(resolve_attention(attention, attention_cfg, zoo="mmseg", where=where), where)
+        self._configure_attention(_choose(attention, attention_cfg, where), where)
 
     def _configure_attention(self, choice: Optional[MethodChoice], where: str) -> None:
         configure_attention(self, choice, self.pos_embed, where)
@@ -209,22 +211,53 @@ class PIDVisionTransformer(MethodModel, VisionTransformer):
         self.load_state_dict(state_dict, strict=True)
 
     def forward(self, inputs: Tensor) -> Tuple[Any, ...]:
-        return method_forward(self, super().forward, inputs)
+        return method_forward(self, inputs, super().forward)
+
+    def _output(self, x: Tensor, hw_shape: Tuple[int, int]) -> Any:
+        return _output(self, x, hw_shape)
 
 
 def configure_attention(model: nn.Module, choice: Optional[MethodChoice], like: Tensor, where: str) -> None:
     """Hold ``choice`` (None: softmax) on a backbone or head (a stock one too) and switch its layers, in place."""
     MethodModel.set_model_method(model, choice, like, stock_plus_term=True, where=where)
     settle_submodule(model, "attention_warmup")
-    _switch_layers(model.layers, choice, model.__dict__.setdefault("method_run", MethodRun()))
+    _switch_layers(model.layers, choice)
 
 
-def method_forward(model: nn.Module, stock_forward: Callable[[Any], Any], inputs: Any) -> Any:
-    """The stock forward of a backbone or head, its layers handing the method's state on in ``method_run``."""
-    run = model.__dict__.get("method_run")
-    if run is None:
+def _output(model: VisionTransformer, x: Tensor, hw_shape: Tuple[int, int]) -> Any:
+    out = x[:, 1:] if model.with_cls_token else x
+    B, _, C = out.shape
+    out = out.reshape(B, hw_shape[0], hw_shape[1], C).permute(0, 3, 1, 2).contiguous()
+    return [out, x[:, 0]] if model.output_cls_token else out
+
+
+def method_forward(model: VisionTransformer, inputs: Tensor, stock_forward: Callable[[Tensor], Tuple[Any, ...]]
+                   ) -> Tuple[Any, ...]:
+    """The forward of a backbone with a method: the method's state threaded through the layers."""
+    scale = MethodModel.method_scale(model)  # one warm-up step per forward (outside the checkpointed layers)
+    if not MethodModel.method_active.fget(model):
         return stock_forward(inputs)
-    run.state, run.scale = None, MethodModel.method_scale(model)  # one warm-up step per forward
-    out = stock_forward(inputs)
-    run.state = run.scale = None
-    return out
+    B = inputs.shape[0]
+    x, hw_shape = model.patch_embed(inputs)
+    x = torch.cat((model.cls_token.expand(B, -1, -1), x), dim=1)
+    x = model._pos_embeding(x, hw_shape, model.pos_embed)
+    if not model.with_cls_token:
+        x = x[:, 1:]
+    if model.pre_norm:
+        x = model.pre_ln(x)
+    outs = []
+    if model.out_origin:
+        outs.append(_output(model, x, hw_shape))
+    state: Optional[tuple] = None
+    for i, layer in enumerate(model.layers):
+        x, state = layer(x, method_state=state, warmup_scale=scale)
+        if i == len(model.layers) - 1 and model.final_norm:
+            x = model.norm1(x)
+        if i in model.out_indices:
+            outs.append(_output(model, x, hw_shape))
+    return tuple(outs)
+
+
+def bare_forward(model: VisionTransformer, inputs: Tensor) -> Tuple[Any, ...]:
+    """The forward :func:`~pid_plugins.mmseg.convert` binds to a bare stock backbone: the method backbone's."""
+    return method_forward(model, inputs, partial(VisionTransformer.forward, model))
