@@ -1,4 +1,4 @@
-"""vLLM: serve a method checkpoint (PID, NeuTRENO, value residual, Twicing) with vLLM's own attention backend.
+"""vLLM: serve a method checkpoint (PID, NeuTRENO, value residual, Twicing, Elliptical) with vLLM's own attention.
 
 ``pip install pid-plugins`` beside vLLM registers the entry point ``pid_plugins.vllm:register`` in vLLM's
 ``vllm.general_plugins`` group; vLLM calls it in each of its processes. It
@@ -12,8 +12,8 @@
   for vLLM's Transformers backend, which serves other families (:mod:`pid_plugins.vllm.transformers_backend`): each
   runs the method's one core step around vLLM's paged attention. vLLM's own classes are not touched: a checkpoint
   that names no method is served by vLLM's class, as without the plugin;
-* refuses, by what the method declares, what it cannot serve exactly (Elliptical, learnable parameters, an unfinished
-  warm-up, parallelism it does not cover, a vLLM outside the supported releases: :mod:`pid_plugins.vllm.config`).
+* refuses, by what the method declares, what it cannot serve exactly (Elliptical's sequence mean, learnable gains, an
+  unfinished warm-up, parallelism it does not cover, a vLLM outside the supported releases: :mod:`.config`).
 
 Nothing runs from a checkpoint: the method is looked up by name in pid-plugins' registry, which holds the built-in
 methods and those of installed packages (entry-point group ``pid_plugins.methods``, loaded by :func:`register`).

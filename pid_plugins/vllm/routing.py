@@ -79,7 +79,7 @@ def config_choice(model_config: Any, place: str) -> Optional[MethodChoice]:
 
 def plan(architectures: Sequence[str], model_config: Any) -> Optional[MethodChoice]:
     """Before vLLM resolves the class: the method the checkpoint names (refused here when it cannot be served:
-    Twicing, Elliptical, learnable or warming-up parameters), and for ``model_impl="auto"`` and an architecture
+    Elliptical's sequence mean, learnable or warming-up parameters), and for ``model_impl="auto"`` and an architecture
     without a native class of the plugin, ``model_impl`` set to ``"transformers"`` (the method runs in vLLM's
     Transformers backend)."""
     choice = config_choice(model_config, where(model_config, architectures))
