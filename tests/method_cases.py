@@ -162,7 +162,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
            zero={"from_layer": 99}, zero_models=frozenset({"timm-deit", "timm-fan", "hf-bert"}),
            compile_models=frozenset({"timm-deit", "timm-fan", "hf-bert", "mmseg-backbone"}),
            compile_overrides={"mmseg-backbone": ("aot_eager", (1e-5, 1e-6))}, static_compile=True,
-           causal_cfg=ELLIPTICAL_PREFIX, vllm_refusal="Elliptical's prefix mean"),
+           causal_cfg=ELLIPTICAL_PREFIX),
     Method("value_residual", _value_residual_config, on=lambda model: [VR_MIXED, None], rule=_vr_rule,
            defaults=dict.fromkeys(("timm", "mmseg", "hf", "fairseq"), "resformer"),
            zero={"lambda_1": 0.0, "lambda_2": 1.0}, zero_models=frozenset(MODELS),

@@ -1,4 +1,4 @@
-"""vLLM: serve a method checkpoint (PID, NeuTRENO, value residual, Twicing) with vLLM's own attention backend.
+"""vLLM: serve a method checkpoint (PID, NeuTRENO, value residual, Twicing, Elliptical) with vLLM's own attention.
 
 The entry point ``pid_plugins.vllm:register`` (group ``vllm.general_plugins``) registers the plugin's classes
 (``PidPlugins<Architecture>``: :mod:`~pid_plugins.vllm.models`, :mod:`~pid_plugins.vllm.transformers_backend`) and

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Optional
 
-from ..core import SOFTMAX, AttentionMethod, MethodChoice, list_methods, resolve_attention
+from ..core import SOFTMAX, AttentionContext, AttentionMethod, MethodChoice, list_methods, resolve_attention
 from ..core.methods import find_method
+from ..core.siblings.elliptical import EllipticalMethod
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "METHOD_PREFIX", "STOCK_ATTENTIONS", "TENSOR_PARALLEL", "check_engine",
            "check_options", "check_servable", "method_architecture", "method_choice", "stock_architecture",
@@ -37,6 +38,8 @@ STOCK_ATTENTIONS = frozenset({"eager", "sdpa", "flash_attention_2", "flash_atten
 def unservable_reason(method: AttentionMethod) -> Optional[str]:
     """Why vLLM cannot serve ``method`` exactly through this plugin (only the cached keys and values of earlier
     tokens are kept), or None when it can."""
+    if isinstance(method, EllipticalMethod):
+        return None
     if method.reads_visible:
         return ("it reads which keys each query attends to, over every earlier position (Elliptical's prefix mean of "
                 "the value differences), which vLLM's paged attention neither exposes nor caches")
@@ -52,6 +55,10 @@ def check_servable(choice: MethodChoice, where: str) -> None:
     if reason is not None:
         raise ValueError(f"{where}: attention method {method.name!r} cannot be served by vLLM (pid_plugins.vllm): "
                          f"{reason}. Serve this checkpoint with transformers and pid_plugins.hf instead.")
+    try:  # e.g. Elliptical's mean="sequence" (not causal)
+        method.check(config, AttentionContext(causal=True, cached=True))
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     steps = getattr(config, "warmup_steps", 0) or 0
     if steps:
         raise ValueError(

@@ -11,6 +11,8 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 
 from ..core import AttentionContext, LayerCall, MethodChoice
+from ..core.siblings.elliptical import EllipticalMethod
+from .elliptical import add_means, elliptical_step
 
 __all__ = ["STATE_ROUTE", "add_calls", "method_step", "where"]
 
@@ -33,6 +35,8 @@ def _call(choice: MethodChoice, attend: Callable[[Tensor, Tensor], Tensor], quer
 def add_calls(choice: MethodChoice, attentions: Sequence[Attention], where: str) -> None:
     """Give each layer's paged attention ``method_calls``: one paged ``Attention`` per further call of the zoo's
     attention the method makes there (found by running the method once on two positions)."""
+    if isinstance(choice.method, EllipticalMethod):
+        return add_means(choice, attentions)
     config = get_current_vllm_config()
     state: Optional[tuple] = None
     for index, attention in enumerate(attentions):
@@ -62,6 +66,8 @@ def method_step(choice: MethodChoice, index: int, state: Optional[tuple], query:
                 ) -> Tuple[Tensor, tuple]:
     """The method's layer ``index`` around ``attention`` (``own``: its call, default ``attention`` itself), with
     vLLM's ``(tokens, heads * head_dim)`` queries, keys and values; the output in that layout and the state."""
+    if isinstance(choice.method, EllipticalMethod):
+        return elliptical_step(choice, state, query, key, value, attention, own)
     tokens, heads, kv_heads, dim = query.shape[0], attention.num_heads, attention.num_kv_heads, attention.head_size
     further = getattr(attention, "method_calls", ())
     made: List[int] = []

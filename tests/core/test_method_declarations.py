@@ -72,7 +72,7 @@ def test_vllm_serves_a_method_with_tensor_parallelism_by_its_declaration():
                 check_engine(engine, "ckpt", tensor_parallel=name in TENSOR_PARALLEL)
             assert DECLARED in str(info.value) and UNDECLARED not in str(info.value)
     assert {"pid", "neutreno", "value_residual"} <= set(TENSOR_PARALLEL)  # the built-ins declaring it, served
-    assert not {"twicing", "elliptical"} & set(TENSOR_PARALLEL)  # refused by vLLM (unservable_reason) anyway
+    assert not {"twicing", "elliptical"} & set(TENSOR_PARALLEL)  # (they declare no per_head_state)
     assert "not a method" not in TENSOR_PARALLEL and None not in TENSOR_PARALLEL
 
 

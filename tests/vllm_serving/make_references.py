@@ -30,7 +30,7 @@ TOP = 5
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 #: case -> (config class, method or None, its parameters (None: absent, the preset), config fields beside SIZES (None:
-#: the field left out)); the first eight are served by the plugin's native classes, the rest through vLLM's Transformers
+#: the field left out)); the first ten are served by the plugin's native classes, the rest through vLLM's Transformers
 #: backend (one method per family, in rotation)
 CASES: Dict[str, tuple] = {
     "llama_pid": (T.LlamaConfig, "pid", {"lambda_p": 0.3, "lambda_i": 0.2, "lambda_d": 0.15, "beta": 0.4}, {}),
@@ -41,9 +41,14 @@ CASES: Dict[str, tuple] = {
     "qwen3_pid": (T.Qwen3Config, "pid", None, {"head_dim": 32}),  # config.pid absent: the lm preset
     "qwen2_value_residual": (T.Qwen2Config, "value_residual", None, {}),  # the resformer preset; q/k/v biases
     "mistral_neutreno": (T.MistralConfig, "neutreno", None, {"head_dim": 32, "sliding_window": None}),
+    # Elliptical's causal form: every layer but the first rescales (GQA 4/2); Qwen3 at the lm preset (delta 1)
+    "llama_elliptical": (T.LlamaConfig, "elliptical", {"mean": "prefix"}, {}),
+    "qwen3_elliptical": (T.Qwen3Config, "elliptical", "lm", {"head_dim": 32}),
     "phi3_pid": (T.Phi3Config, "pid", {"lambda_p": 0.3, "lambda_i": 0.2, "lambda_d": 0.15, "beta": 0.4},
                  {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "granite_neutreno": (T.GraniteConfig, "neutreno", {"alpha": 0.5}, {}),
+    "phi3_elliptical": (T.Phi3Config, "elliptical", {"mean": "prefix", "from_layer": 3},  # the last layer rescales
+                        {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "olmo2_value_residual": (T.Olmo2Config, "value_residual", {"lambda_1": 0.3, "lambda_2": 0.9}, {"pad_token_id": 0}),
     "gpt_neox_pid": (T.GPTNeoXConfig, "pid", None,  # fused query_key_value, partial rotary, parallel residual
                      {"num_key_value_heads": None, "rms_norm_eps": None, "layer_norm_eps": 1e-5}),

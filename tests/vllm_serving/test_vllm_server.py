@@ -151,12 +151,12 @@ def test_the_openai_server_serves_a_pid_checkpoint_as_transformers_computes_it(t
             _close(logprobs.token_logprobs[len(prompt) + j], value, f"{where}: generated token {j}")
 
 
-def test_the_openai_server_refuses_elliptical_and_says_why_last(tmp_path):
-    """An Elliptical checkpoint: the command exits non-zero, and the error it ends with (the last exception of its output,
+def test_the_openai_server_refuses_elliptical_sequence_mean_and_says_why_last(tmp_path):
+    """An Elliptical checkpoint with the whole-sequence mean (not causal): the command exits non-zero, and the error it ends with (the last exception of its output,
     what a user reads first) is the refusal; vLLM's "Engine core initialization failed" is not in it."""
     folder = _with_tokenizer("llama_pid", tmp_path)
     config = json.loads((folder / "config.json").read_text())
-    config["attn_implementation"], config["elliptical"] = "elliptical", {"mean": "prefix"}
+    config["attn_implementation"], config["elliptical"] = "elliptical", {"mean": "sequence"}
     (folder / "config.json").write_text(json.dumps(config))
     log = tmp_path / "server.log"
     with open(log, "w") as out:
@@ -176,4 +176,4 @@ def test_the_openai_server_refuses_elliptical_and_says_why_last(tmp_path):
     final = "\n".join(lines[last:])
     assert len(lines) - last <= 4, "\n".join(lines[-40:])
     assert "Engine core initialization failed" not in final, final
-    assert "attention method 'elliptical' cannot be served by vLLM" in final, "\n".join(lines[-40:])
+    assert "attention method 'elliptical' with mean='sequence' is not causal" in final, "\n".join(lines[-40:])

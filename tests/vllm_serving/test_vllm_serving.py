@@ -46,11 +46,17 @@ CASES: Dict[str, tuple] = {
     "llama_neutreno": ("llama_neutreno", COMPILED, NATIVE),
     # a second paged attention per layer for A (v - A v), compiled (through the Transformers backend: INSTALLED)
     "llama_twicing": ("llama_twicing", {**CHUNKED, **COMPILED}, NATIVE),
+    # Elliptical's prefix mean: a second paged attention per layer caching |v^l - v^{l-1}| / delta, compiled and eager
+    "llama_elliptical": ("llama_elliptical", {**CHUNKED, **COMPILED}, NATIVE),
+    "llama_elliptical_eager": ("llama_elliptical", CHUNKED, NATIVE),
+    "qwen3_elliptical": ("qwen3_elliptical", {}, NATIVE),
     "qwen3_pid": ("qwen3_pid", {}, NATIVE),
     "qwen2_value_residual": ("qwen2_value_residual", {}, NATIVE),
     "mistral_neutreno": ("mistral_neutreno", {}, NATIVE),
     "llama_stock": ("llama_stock", {}, STOCK),
     "llama_pid_transformers": ("llama_pid", {**CHUNKED, **TRANSFORMERS}, BACKEND),
+    "llama_elliptical_transformers": ("llama_elliptical", {**CHUNKED, **TRANSFORMERS}, BACKEND),
+    "phi3_elliptical": ("phi3_elliptical", {}, BACKEND),
     "phi3_pid": ("phi3_pid", {}, BACKEND),
     "granite_neutreno": ("granite_neutreno", {}, BACKEND),
     "olmo2_value_residual": ("olmo2_value_residual", {}, BACKEND),
@@ -69,9 +75,9 @@ NOT_SERVED: Dict[str, tuple] = {
     "phi3_pid_vllm_class": ("phi3_pid", {}, {"model_impl": "vllm"}, ["'pid'", "Phi3ForCausalLM", "vLLM's own"]),
     # config.pid without attn_implementation naming it
     "llama_pid_parameters_only": ("llama_pid", {"attn_implementation": None}, {}, ["'pid'", "config.pid"]),
-    # Elliptical in a family of the Transformers backend
-    "phi3_elliptical": ("phi3_pid", {"attn_implementation": "elliptical", "pid": None}, {},
-                        ["'elliptical'", "Elliptical's prefix mean"]),
+    # Elliptical's whole-sequence mean (not causal), refused as core refuses it in a causal model
+    "llama_elliptical_sequence": ("llama_elliptical", {"elliptical": {"mean": "sequence"}}, {},
+                                  ["'elliptical'", "mean='sequence' is not causal"]),
 }
 #: a method checkpoint whose config.json names the plugin's class (what pid_plugins.vllm registers it as): run ->
 #: (checkpoint, config.json changes); served exactly with the plugin, refused by vLLM without it

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from method_cases import BUILTIN, MODELS
-from pid_plugins.core import PIDConfig, get_method
+from pid_plugins.core import AttentionMethod, PIDConfig, get_method
 from pid_plugins.vllm.config import check_engine, method_choice, unservable_reason
 
 WHERE = "vLLM serving ckpt (LlamaForCausalLM)"
@@ -24,7 +24,8 @@ def _params():
     strength."""
     out = []
     for name, method in SERVED.items():
-        for params in (None, *method.on(MODELS["hf-llama"])):
+        # (None: the hf preset, unless a causal model runs the method with other parameters: causal_cfg)
+        for params in ((None,) if method.causal_cfg is None else ()) + tuple(method.on(MODELS["hf-llama"])):
             if (name, params) not in out:
                 out.append((name, params))
     extra = [("pid", "deit"), ("pid", {"lambda_p": 0.3, "beta": 0.4}), ("pid", {"preset": "deit", "beta": 0.5}),
@@ -72,10 +73,30 @@ def test_parameters_that_compute_the_stock_attention_keep_vllms_own_model(method
 
 
 @pytest.mark.parametrize("method, why", list(REFUSED.items()))
-def test_elliptical_is_refused_naming_the_method_and_why(method, why):
+def test_a_refused_builtin_is_refused_naming_the_method_and_why(method, why):
     with pytest.raises(ValueError, match=rf"{re.escape(WHERE)}: attention method '{method}' cannot be served by vLLM") as info:
         method_choice(hf_config(method), WHERE)
     assert why in str(info.value)
+
+
+def test_a_method_reading_the_visible_keys_is_refused_unless_it_is_elliptical():
+    """vLLM's paged attention does not expose which keys a query sees: only Elliptical's prefix mean is served (its
+    mean of |v^l - v^{l-1}| / delta over them is a paged attention of its own, pid_plugins.vllm.elliptical)."""
+    reader = type("Reader", (AttentionMethod,), {"name": "reader", "reads_visible": True})()
+    assert "reads which keys each query attends to" in unservable_reason(reader)
+    assert unservable_reason(get_method("elliptical")) is None
+    keeper = type("Keeper", (AttentionMethod,), {"name": "keeper", "keys_state": True})()  # no mixes_values
+    assert "its state holds the values of every key position" in unservable_reason(keeper)
+
+
+@pytest.mark.parametrize("method", [name for name, m in BUILTIN.items() if m.causal_cfg is not None])
+def test_a_preset_refused_in_causal_models_is_refused_before_serving(method):
+    """The hf preset of a method refused in a causal model decoding with a cache (Elliptical's whole-sequence mean):
+    refused by the method's own check, with the checkpoint named; its causal parameters are served."""
+    with pytest.raises(ValueError, match=rf"{re.escape(WHERE)}: attention method '{method}' with mean='sequence' is "
+                                         "not causal"):
+        method_choice(hf_config(method), WHERE)
+    assert method_choice(hf_config(method, BUILTIN[method].causal_cfg), WHERE).method is get_method(method)
 
 
 @pytest.mark.parametrize("method, params", [(name, {"learnable": True}) for name, m in SERVED.items() if m.learnable])

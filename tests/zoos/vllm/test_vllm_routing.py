@@ -99,10 +99,10 @@ def test_parameters_without_their_method_are_refused(attention):
         route("LlamaForCausalLM", config, "LlamaForCausalLM")
 
 
-@pytest.mark.parametrize("method, reason", [("elliptical", "Elliptical's prefix mean")])
+@pytest.mark.parametrize("method, reason", [("elliptical", "with mean='sequence' is not causal")])
 def test_an_unservable_method_is_refused_before_vllm_resolves_anything(method, reason):
-    config = model_config(method, method=method)
-    with pytest.raises(ValueError, match=f"attention method '{method}' cannot be served by vLLM"):
+    config = model_config(method, method=method)  # (Elliptical's hf preset: the whole-sequence mean)
+    with pytest.raises(ValueError, match=f"attention method '{method}' {reason}"):
         routing.plan(["Phi3ForCausalLM"], config)
     assert config.model_impl == "auto"
 
