@@ -34,7 +34,6 @@ class Method:
     onnx_dynamo_models: FrozenSet[str] = frozenset()
     static_compile: bool = False
     causal_cfg: Cfg = None
-    vllm_refusal: Optional[str] = None
 
     @property
     def learnable(self) -> bool:

@@ -17,8 +17,6 @@ import pytest
 pytestmark = [pytest.mark.xdist_group("vllm_serving"), pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: the method table
-from method_cases import BUILTIN  # noqa: E402
 
 TOL = 1e-4
 #: seconds for one serve.py process: about 20 engines, each a few seconds to start on a quiet machine, and minutes on
@@ -65,9 +63,6 @@ CASES: Dict[str, tuple] = {
     "starcoder2_value_residual": ("starcoder2_value_residual", CHUNKED, BACKEND),
     "gemma2_neutreno": ("gemma2_neutreno", TRANSFORMERS, BACKEND),
 }
-#: methods refused by name (tests/method_cases.py's vllm_refusal, the reason the refusal gives): a copy of llama_pid's
-#: folder whose config.json names the method
-REFUSED = {name: method.vllm_refusal for name, method in BUILTIN.items() if method.vllm_refusal is not None}
 #: checkpoints refused for what would serve them: run -> (checkpoint, config.json changes, serving options, what the one
 #: error names beside the method)
 NOT_SERVED: Dict[str, tuple] = {
@@ -131,11 +126,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     in-process): an engine's build is one core's Python and compilation, about 170 s for all cases one after the
     other, so each process takes every other case, the two about equal in build time."""
     tmp = tmp_path_factory.mktemp("vllm")
-    runs = []  # the refusals first: no engine has started in the process yet
-    for method in REFUSED:
-        folder = _changed_folder("llama_pid", {"attn_implementation": method}, f"llama_{method}", tmp)
-        runs.append({"name": method, "model": str(folder), "prompts": [[1, 2]], "new_tokens": 1, "top": 1,
-                     "env": FRONT_END})
+    runs = []
     for name, (case, changes, engine, _) in NOT_SERVED.items():
         runs.append({"name": name, "model": str(_changed_folder(case, changes, name, tmp)), "engine": engine,
                      "prompts": [[1, 2]], "new_tokens": 1, "top": 1, "env": FRONT_END})
@@ -300,15 +291,6 @@ def _check(case: str, checkpoint: str, options: Dict[str, Any], built: str, resu
     if len(result["passes"]) > 1:  # the second pass read its prefixes from the prefix cache
         assert any(o["cached_tokens"] for o in result["passes"][1]), "prefix caching cached nothing"
     print(f"vLLM {case} ({result['model_class']}): log-probabilities within {worst:.1e} of transformers'")
-
-
-@pytest.mark.parametrize("method", list(REFUSED))
-def test_vllm_refuses_a_method_it_cannot_serve_exactly_naming_it(served, method):
-    error = served[method].get("error")
-    assert error is not None, f"{method} was served: {served[method].get('model_class')}"
-    assert f"attention method {method!r} cannot be served by vLLM" in error, error
-    assert REFUSED[method] in error, error
-    assert "Engine core" not in error, error  # raised by LLM(...) itself, before the engine core started
 
 
 @pytest.mark.parametrize("name", list(NOT_SERVED))
