@@ -529,7 +529,7 @@ def vllm_rows(args) -> List[Dict[str, Any]]:
                  "not_run": why, "target": target if shape != "tiny Llama" else "", "met": None}
                 for shape in ("tiny Llama", "SmolLM2-135M shape")
                 for method, target in (("pid", ">= 0.95"), ("neutreno", ">= 0.95"), ("value_residual", ">= 0.95"),
-                                       ("twicing", ">= 0.80"))]
+                                       ("twicing", ">= 0.80"), ("elliptical", ">= 0.80"))]
     out = os.path.join(args.tmp, "vllm_rows.json")
     command = [args.vllm_python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_serving.py"),
                "--out", out, "--threads", str(threads)] + (["--quick"] if args.quick else [])

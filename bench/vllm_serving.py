@@ -36,6 +36,8 @@ SHAPES: Dict[str, Dict[str, Any]] = {
 LABELS = {"tiny": "Llama 6 layers hidden 256 (GQA 8/2)", "SmolLM2-135M": "SmolLM2-135M shape"}
 #: the target of the SmolLM2-shape rows (method/stock output tokens/s): 0.95, and 0.80 for the methods that attend twice
 TARGET, TARGETS = 0.95, {"twicing": 0.80, "elliptical": 0.80}
+#: the methods served with another preset than their transformers default (Elliptical's is not causal)
+PRESETS = {"elliptical": "lm"}
 #: untimed generate calls before the timed ones
 WARMUP = 2
 
@@ -58,6 +60,8 @@ def prepare(root: Path, methods: List[str]) -> Dict[str, Dict[str, Path]]:
             folder.mkdir(parents=True, exist_ok=True)
             config = json.loads((stock / "config.json").read_text())
             config["attn_implementation"] = method  # config.<method> absent: the method's transformers preset
+            if method in PRESETS:
+                config[method] = PRESETS[method]
             (folder / "config.json").write_text(json.dumps(config))
             for item in stock.iterdir():
                 if item.name != "config.json" and not (folder / item.name).exists():
@@ -100,7 +104,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="the rows, as JSON")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: OUT's folder)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--methods", default="pid,neutreno,value_residual,twicing",
+    p.add_argument("--methods", default="pid,neutreno,value_residual,twicing,elliptical",
                    help="comma-separated methods served beside stock")
     p.add_argument("--rounds", type=int, default=12, help="timed rounds (each: every checkpoint once)")
     p.add_argument("--quick", action="store_true", help="3 timed rounds: a smoke run")
