@@ -47,8 +47,8 @@ def twicing_rule(attend: Attend, query: Tensor, value: Tensor, head_dim: int = -
     """``A v + A (v - A v)`` from two calls of ``attend`` (output heads at ``head_dim``; ``value``
     ``(B, H_kv, K, D)``). ``slot``: where a KV cache keeps ``A v`` of past positions (None: no cache); a
     decoding step whose slot offers its past rows makes one call (:func:`_one_call`)."""
-    past = getattr(slot, "past", None) if query.shape[-2] == 1 else None  # (a plain callable: no past)
-    step = past(value.shape[-2]) if past is not None else None
+    past = getattr(slot, "past", None)  # (a plain callable, or no cache: no past; not read under fx tracing)
+    step = past(value.shape[-2]) if past is not None and query.shape[-2] == 1 else None
     if step is not None:
         return _one_call(attend, query, value, head_dim, slot, *step)
     once = attend(query, value)
