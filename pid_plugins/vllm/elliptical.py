@@ -11,6 +11,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 
 from ..core import MethodChoice
+from ..core.siblings.elliptical import max_normalised
 
 __all__ = ["add_means", "elliptical_step"]
 
@@ -33,8 +34,6 @@ def elliptical_step(choice: MethodChoice, state: Optional[tuple], query: Tensor,
     if means is not None and state is not None:
         d = ((value - state[0]) / choice.config.delta).abs()
         m = means(torch.zeros_like(d), torch.zeros_like(d), d)
-        m = m.view(query.shape[0], attention.num_kv_heads, 1, -1)
-        top = m.amax(dim=-1, keepdim=True)
-        m = m / torch.where(top > 0, top, torch.ones_like(top))
+        m = max_normalised(m.view(query.shape[0], attention.num_kv_heads, 1, -1))
         query = (query.view(*m.shape[:2], -1, m.shape[-1]) * m).reshape(query.shape)
     return (own or attention)(query, key, value), (value,)

@@ -75,6 +75,11 @@ def elliptical_prefix_scales(value: Tensor, value_prev: Tensor, delta: float, vi
         weights = visible.to(diff.dtype)
         count = weights.sum(dim=-1, keepdim=True).clamp_min(1.0)
         m = torch.matmul(weights, diff) / count
+    return max_normalised(m)
+
+
+def max_normalised(m: Tensor) -> Tensor:
+    """``m`` divided by its maximum over the last dimension; rows whose maximum is 0 stay zero."""
     top = m.amax(dim=-1, keepdim=True)
     return m / torch.where(top > 0, top, torch.ones_like(top))
 

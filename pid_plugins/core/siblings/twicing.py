@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MethodConfig, registry_presets
-from ..heads import expand_heads, symbolic
+from ..heads import expand_heads, move_heads, symbolic
 from ..methods import Attend, AttentionContext, AttentionMethod, CacheSlot, register_method
 
 __all__ = ["TwicingConfig", "Twicing", "twicing_rule"]
@@ -80,7 +80,7 @@ def _one_call(attend: Attend, query: Tensor, value: Tensor, head_dim: int, slot:
     full = expand_heads(value, heads, -3)
     wide = torch.cat((full, full - smoothed, current.to(full.dtype).expand(*full.shape[:-1], 1)), -1)
     once, second, own = attend(query, wide).split((size, size, 1), -1)
-    slot(once if head_dim in (-3, once.dim() - 3) else once.movedim(head_dim, -3))
+    slot(move_heads(once, head_dim, -3))
     return once + second - own * once
 
 
